@@ -1,0 +1,78 @@
+"""Run a function on N gloo processes on this CPU and collect what each rank returns.
+
+Usage in a test::
+
+    def _body(rank, world_size, x):          # module-level, so it pickles
+        ...                                   # torch.distributed is initialised (gloo) here
+        return some_picklable_result
+
+    results = run_distributed(_body, world_size=2, args=(3,))   # list, one entry per rank
+
+Exceptions in any rank are re-raised in the test with that rank's traceback.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence, out_dir: str, threads: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(threads)
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.barrier()
+            except Exception:
+                pass
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, args: Sequence = (), threads: int = 1) -> list[Any]:
+    """Spawn `world_size` gloo processes running `fn(rank, world_size, *args)`; return their results by rank."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _worker,
+            args=(world_size, port, fn, tuple(args), out_dir, threads),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} wrote no result")
+            payload = torch.load(path, weights_only=False)
+            if not payload["ok"]:
+                raise RuntimeError(f"rank {rank} failed:\n{payload['error']}")
+            results.append(payload["result"])
+    return results
