@@ -1,0 +1,661 @@
+"""Indexed token datasets: Megatron's binary `.bin`/`.idx` pairs, byte-compatible with Megatron-LM.
+
+Two on-disk formats:
+
+* ``mmap`` (default): ``.bin`` holds the raw tokens; ``.idx`` is the magic ``MMIDIDX\\x00\\x00``, version (u64 = 1),
+  dtype code (u8), N (u64, sequences), D (u64, doc_idx entries), then sizes int32[N], pointers int64[N] (byte offset
+  of each sequence in ``.bin``) and doc_idx int64[D]. Reads are zero-copy views of a memory map.
+* legacy ``lazy``/``cached``: ``.idx`` is the magic ``TNTIDX\\x00\\x00``, version, dtype code, element size, N, S
+  (number of size entries), D, then dim_offsets int64[N+1], data_offsets int64[N+1] (in elements), sizes int64[S] and
+  doc_idx int64[D]. Implemented in legacy_indexed_dataset.py and re-exported here on first use.
+
+Writers write under temporary names and rename on ``finalize`` (``.bin`` first, then ``.idx``), so an interrupted
+run never leaves a pair that looks finished. Opening a pair checks it thoroughly and reports any inconsistency as a
+one-line :class:`IndexedDatasetError`. This module does not import torch (torch tensors are accepted by duck typing).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import struct
+import sys
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
+
+import numpy as np
+
+if TYPE_CHECKING:  # at run time these come from the module __getattr__ at the bottom (loaded on first use)
+    from megatron.data.legacy_indexed_dataset import (
+        IndexedCachedDataset,
+        IndexedDataset,
+        IndexedDatasetBuilder,
+        legacy_index_size,
+        read_longs,
+        write_longs,
+    )
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# Megatron's dtype codes (stored in the .idx header).
+DTYPES: dict[int, type] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+dtypes = DTYPES  # Megatron's name for the same table
+CODES: dict[np.dtype, int] = {np.dtype(t): c for c, t in DTYPES.items()}
+
+_RERUN = "re-run tools/preprocess_data.py to rebuild the pair"
+_COPY_CHUNK = 16 << 20  # bytes per read when streaming .bin files (bounded memory)
+_FLUSH = 1 << 20  # python-list entries kept before packing into numpy chunks
+
+
+class IndexedDatasetError(ValueError):
+    """A .bin/.idx pair is missing, truncated, corrupt or inconsistent (the message names the file and the fix)."""
+
+
+def get_available_dataset_impl() -> list[str]:
+    return ["lazy", "cached", "mmap"]
+
+
+def code(dtype: Any) -> int:
+    """The header code of a numpy dtype (ValueError for dtypes the format cannot store)."""
+    dt = np.dtype(dtype)
+    if dt.byteorder == ">":
+        dt = dt.newbyteorder("<")
+    try:
+        return CODES[dt]
+    except KeyError:
+        names = ", ".join(np.dtype(t).name for t in DTYPES.values())
+        raise ValueError(f"indexed datasets cannot store dtype {dt}; use one of {names}") from None
+
+
+def _le(dtype: Any) -> np.dtype:
+    """Little-endian version of a supported dtype (the on-disk byte order)."""
+    code(dtype)
+    return np.dtype(dtype).newbyteorder("<")
+
+
+def best_fitting_dtype(vocab_size: Optional[int] = None) -> type:
+    """Megatron's token dtype choice: uint16 when the vocabulary fits (< 65500 ids), else int32."""
+    if vocab_size is not None and vocab_size < 65500:
+        return np.uint16
+    return np.int32
+
+
+def index_file_path(prefix_path: PathLike) -> str:
+    return os.fspath(prefix_path) + ".idx"
+
+
+def data_file_path(prefix_path: PathLike) -> str:
+    return os.fspath(prefix_path) + ".bin"
+
+
+def _tmp_path(path: str) -> str:
+    return f"{path}.tmp-{os.getpid()}"
+
+
+def _print_rank_0(message: str) -> None:
+    """Print on rank 0 only (uses torch.distributed only if torch was already imported by someone else)."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    print(message, flush=True)
+
+
+def _missing_hint(prefix: str) -> str:
+    for ext in (".bin", ".idx"):
+        if prefix.endswith(ext):
+            return f" (pass the prefix without '{ext}': {prefix[: -len(ext)]})"
+    return ""
+
+
+def _file_size(path: str, prefix: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        raise IndexedDatasetError(
+            f"{path} not found: a dataset prefix needs both {prefix}.bin and {prefix}.idx{_missing_hint(prefix)}; "
+            "check --data-path or run tools/preprocess_data.py"
+        ) from None
+
+
+def _warmup_mmap_file(path: str) -> None:
+    with open(path, "rb") as stream:
+        while stream.read(100 * (1 << 20)):
+            pass
+
+
+@functools.cache
+def _narrowing_bounds(src: np.dtype, dst: np.dtype) -> Optional[tuple[int, int]]:
+    """(min, max) of ``dst`` when casting integers ``src`` -> ``dst`` may lose values, else None (cached per pair)."""
+    if src.kind not in "iub" or dst.kind not in "iu" or np.can_cast(src, dst):
+        return None
+    info = np.iinfo(dst)
+    return int(info.min), int(info.max)
+
+
+def _to_numpy(item: Any, dtype: np.dtype, what: str) -> np.ndarray:
+    """Convert a list, numpy array or (CPU/GPU) torch tensor to a C-contiguous array of the builder's dtype."""
+    if not isinstance(item, np.ndarray):
+        if hasattr(item, "detach") and hasattr(item, "cpu"):  # torch.Tensor, without importing torch
+            item = item.detach().cpu().numpy()
+        elif hasattr(item, "numpy") and not isinstance(item, (list, tuple)):
+            item = item.numpy()
+    if isinstance(item, np.ndarray):
+        if item.dtype != dtype and item.size:
+            bounds = _narrowing_bounds(item.dtype, dtype)
+            if bounds is not None:
+                lo, hi = int(item.min()), int(item.max())
+                if lo < bounds[0] or hi > bounds[1]:
+                    raise IndexedDatasetError(
+                        f"{what}: token id {hi if hi > bounds[1] else lo} does not fit the builder's dtype {dtype.name} "
+                        f"(range {bounds[0]}..{bounds[1]}); build with vocab_size >= 65500 (int32 tokens)"
+                    )
+        return np.ascontiguousarray(item, dtype=dtype)
+    try:
+        if isinstance(item, list) and dtype.kind in "iu":
+            try:  # fastest path for flat lists of python ints (the preprocessing hot path)
+                return np.fromiter(item, dtype=dtype, count=len(item))
+            except (TypeError, ValueError):  # nested lists, strings, ...: let numpy sort it out below
+                pass
+        return np.ascontiguousarray(item, dtype=dtype)
+    except OverflowError as exc:
+        raise IndexedDatasetError(
+            f"{what}: {exc}; the token ids do not fit {dtype.name} — build with vocab_size >= 65500 (int32 tokens)"
+        ) from None
+
+
+def _check_doc_idx(doc_idx: np.ndarray, limit: int, path: str) -> None:
+    if len(doc_idx) == 0:
+        raise IndexedDatasetError(f"{path} has an empty document index (it must start with 0); {_RERUN}")
+    if doc_idx[0] != 0:
+        raise IndexedDatasetError(f"{path}: doc_idx[0] is {int(doc_idx[0])}, expected 0; the index is corrupt; {_RERUN}")
+    steps = np.diff(doc_idx)
+    if len(steps) and steps.min() < 0:
+        bad = int(np.argmax(steps < 0)) + 1
+        raise IndexedDatasetError(
+            f"{path}: doc_idx is not monotone (doc_idx[{bad}] = {int(doc_idx[bad])} < doc_idx[{bad - 1}] = "
+            f"{int(doc_idx[bad - 1])}); the index is corrupt; {_RERUN}"
+        )
+    if doc_idx[-1] > limit:
+        raise IndexedDatasetError(
+            f"{path}: doc_idx ends at {int(doc_idx[-1])} but the index holds only {limit} sequences; "
+            f"the index is corrupt; {_RERUN}"
+        )
+
+
+def create_doc_idx(sizes: Sequence[int]) -> np.ndarray:
+    """Megatron's helper: document boundaries from sizes where an empty sequence ends a document."""
+    doc_idx = [0]
+    for i, s in enumerate(sizes):
+        if s == 0:
+            doc_idx.append(i + 1)
+    return np.asarray(doc_idx, dtype=np.int64)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# mmap format
+# --------------------------------------------------------------------------------------------------------------------
+_MMAP_MAGIC = b"MMIDIDX\x00\x00"
+_MMAP_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, N, D  (34 bytes)
+_LEGACY_MAGIC = b"TNTIDX\x00\x00"
+
+
+def mmap_index_size(num_sequences: int, num_doc_idx: int) -> int:
+    """Size in bytes of an mmap .idx file: 34 + 12 N + 8 D."""
+    return _MMAP_HEADER.size + 12 * num_sequences + 8 * num_doc_idx
+
+
+def _pointers_from_sizes(sizes: np.ndarray, itemsize: int) -> np.ndarray:
+    pointers = np.zeros(len(sizes), dtype=np.int64)
+    if len(sizes) > 1:
+        np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
+        pointers *= itemsize
+    return pointers
+
+
+class _MMapIndexWriter:
+    """Context manager writing an mmap .idx file: ``with Index.writer(path, dtype) as w: w.write(sizes, doc_idx)``."""
+
+    def __init__(self, path: PathLike, dtype: Any) -> None:
+        self._path = os.fspath(path)
+        self._dtype = _le(dtype)
+        self._file = None
+
+    def __enter__(self) -> _MMapIndexWriter:
+        self._file = open(self._path, "wb")
+        return self
+
+    def write(self, sizes: Iterable[int], doc_idx: Iterable[int]) -> None:
+        sizes64 = np.asarray(sizes, dtype=np.int64).reshape(-1)
+        if len(sizes64) and (sizes64.min() < 0 or sizes64.max() > np.iinfo(np.int32).max):
+            raise IndexedDatasetError(f"{self._path}: sequence sizes must lie in 0..2**31-1 to fit the int32 sizes array")
+        doc = np.asarray(doc_idx, dtype="<i8").reshape(-1)
+        _check_doc_idx(doc, len(sizes64), self._path)
+        pointers = _pointers_from_sizes(sizes64, self._dtype.itemsize)
+        f = self._file
+        f.write(_MMAP_HEADER.pack(_MMAP_MAGIC, 1, code(self._dtype), len(sizes64), len(doc)))
+        f.write(sizes64.astype("<i4").tobytes(order="C"))
+        f.write(pointers.astype("<i8", copy=False).tobytes(order="C"))
+        f.write(doc.tobytes(order="C"))
+
+    def __exit__(self, exc_type, exc_val, exc_tb) -> None:
+        self._file.close()
+
+
+class MMapIndex:
+    """The .idx of an mmap dataset (Megatron's ``MMapIndexedDataset.Index``), validated on open."""
+
+    _HDR_MAGIC = _MMAP_MAGIC
+
+    @classmethod
+    def writer(cls, path: PathLike, dtype: Any) -> _MMapIndexWriter:
+        return _MMapIndexWriter(path, dtype)
+
+    def __init__(self, path: PathLike, skip_warmup: bool = True, *, verbose: bool = False) -> None:
+        self._path = path = os.fspath(path)
+        prefix = path[:-4] if path.endswith(".idx") else path
+        file_size = _file_size(path, prefix)
+        if file_size < _MMAP_HEADER.size:
+            raise IndexedDatasetError(
+                f"{path} is {file_size} bytes, shorter than the {_MMAP_HEADER.size}-byte mmap index header; "
+                f"the index is truncated; {_RERUN}"
+            )
+        with open(path, "rb") as stream:
+            magic, version, dtype_code, n, d = _MMAP_HEADER.unpack(stream.read(_MMAP_HEADER.size))
+        if magic != _MMAP_MAGIC:
+            if magic[:8] == _LEGACY_MAGIC:
+                raise IndexedDatasetError(
+                    f"{path} is a legacy (lazy/cached) index, not mmap; use --data-impl infer (or lazy/cached)"
+                )
+            raise IndexedDatasetError(
+                f"{path} is not an mmap index: magic {magic!r} != {_MMAP_MAGIC!r}; wrong file or corrupt; {_RERUN}"
+            )
+        if version != 1:
+            raise IndexedDatasetError(f"{path}: unsupported mmap index version {version} (only version 1 exists); {_RERUN}")
+        if dtype_code not in DTYPES:
+            raise IndexedDatasetError(
+                f"{path}: unknown dtype code {dtype_code} in the header (valid codes 1..8); the index is corrupt; {_RERUN}"
+            )
+        expected = mmap_index_size(n, d)
+        if file_size != expected:
+            state = "truncated" if file_size < expected else "has trailing bytes"
+            raise IndexedDatasetError(
+                f"{path} is {file_size} bytes but its header promises {n} sequences and {d} doc_idx entries = "
+                f"34 + 12*{n} + 8*{d} = {expected} bytes; the index is {state} or corrupt; {_RERUN}"
+            )
+        self._dtype = _le(DTYPES[dtype_code])
+        self._len = n
+        self._doc_count = d
+        if not skip_warmup:
+            if verbose:
+                _print_rank_0("    warming up index mmap file...")
+            _warmup_mmap_file(path)
+        self._bin_buffer_mmap = np.memmap(path, mode="r", order="C")
+        self._bin_buffer = memoryview(self._bin_buffer_mmap)
+        offset = _MMAP_HEADER.size
+        if verbose:
+            _print_rank_0("    reading sizes...")
+        self._sizes = np.frombuffer(self._bin_buffer, dtype="<i4", count=n, offset=offset)
+        if verbose:
+            _print_rank_0("    reading pointers...")
+        self._pointers = np.frombuffer(self._bin_buffer, dtype="<i8", count=n, offset=offset + 4 * n)
+        if verbose:
+            _print_rank_0("    reading document index...")
+        self._doc_idx = np.frombuffer(self._bin_buffer, dtype="<i8", count=d, offset=offset + 12 * n)
+        self._validate()
+
+    def _validate(self) -> None:
+        path, sizes = self._path, self._sizes
+        if self._len:
+            if sizes.min() < 0:
+                bad = int(np.argmax(sizes < 0))
+                raise IndexedDatasetError(f"{path}: sizes[{bad}] = {int(sizes[bad])} is negative; the index is corrupt; {_RERUN}")
+            expected = _pointers_from_sizes(sizes, self._dtype.itemsize)
+            if not np.array_equal(expected, self._pointers):
+                bad = int(np.argmax(expected != self._pointers))
+                raise IndexedDatasetError(
+                    f"{path}: pointers[{bad}] = {int(self._pointers[bad])} but the sizes before it imply "
+                    f"{int(expected[bad])}; the index is corrupt; {_RERUN}"
+                )
+        _check_doc_idx(self._doc_idx, self._len, path)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return self._sizes
+
+    @property
+    def pointers(self) -> np.ndarray:
+        return self._pointers
+
+    @property
+    def doc_idx(self) -> np.ndarray:
+        return self._doc_idx
+
+    @property
+    def total_bytes(self) -> int:
+        """Size the matching .bin must have."""
+        if not self._len:
+            return 0
+        return int(self._pointers[-1]) + int(self._sizes[-1]) * self._dtype.itemsize
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        n = self._len
+        if not -n <= i < n:
+            raise IndexError(f"sequence index {i} out of range for {self._path} with {n} sequences")
+        return int(self._pointers[i]), int(self._sizes[i])
+
+
+def check_bin_size(prefix: str, index: MMapIndex) -> int:
+    """Size of ``prefix.bin``; IndexedDatasetError unless it is exactly what ``index`` describes."""
+    bin_path = data_file_path(prefix)
+    bin_size = _file_size(bin_path, prefix)
+    expected = index.total_bytes
+    if bin_size != expected:
+        item = index.dtype.itemsize
+        tokens = expected // item
+        state = "truncated" if bin_size < expected else "too long"
+        raise IndexedDatasetError(
+            f"{bin_path} holds {bin_size} bytes but {index_file_path(prefix)} promises {expected} = {tokens} tokens x "
+            f"{item} bytes; the .bin is {state} or belongs to another index; {_RERUN}"
+        )
+    return bin_size
+
+
+class MMapIndexedDataset:
+    """Memory-mapped reader of an mmap ``prefix.bin``/``prefix.idx`` pair; items are zero-copy numpy views."""
+
+    Index = MMapIndex
+
+    def __init__(self, path: PathLike, skip_warmup: bool = True) -> None:
+        self._do_init(os.fspath(path), skip_warmup, verbose=True)
+
+    def __getstate__(self) -> dict:
+        return {"path": self._path}
+
+    def __setstate__(self, state: Any) -> None:
+        path = state["path"] if isinstance(state, dict) else state
+        self._do_init(path, True, verbose=False)
+
+    def _do_init(self, path: str, skip_warmup: bool, verbose: bool) -> None:
+        self._path = path
+        self._index = MMapIndex(index_file_path(path), skip_warmup, verbose=verbose)
+        bin_size = check_bin_size(path, self._index)
+        if not skip_warmup:
+            if verbose:
+                _print_rank_0("    warming up data mmap file...")
+            _warmup_mmap_file(data_file_path(path))
+        if verbose:
+            _print_rank_0("    creating numpy buffer of mmap...")
+        if bin_size:
+            self._bin_buffer_mmap = np.memmap(data_file_path(path), mode="r", order="C")
+            if verbose:
+                _print_rank_0("    creating memory view of numpy buffer...")
+            self._bin_buffer = memoryview(self._bin_buffer_mmap)
+        else:  # numpy cannot map an empty file
+            self._bin_buffer_mmap = None
+            self._bin_buffer = memoryview(b"")
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, idx: Union[int, slice]) -> Union[np.ndarray, list[np.ndarray]]:
+        if isinstance(idx, (int, np.integer)):
+            ptr, size = self._index[int(idx)]
+            return np.frombuffer(self._bin_buffer, dtype=self._index.dtype, count=size, offset=ptr)
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            if step != 1:
+                raise ValueError(f"slices into an indexed dataset must be contiguous (step 1), got step {step}")
+            if start >= stop:
+                return []
+            sizes = self._index.sizes[start:stop]
+            total = int(sizes.sum(dtype=np.int64))
+            ptr = int(self._index.pointers[start])
+            arr = np.frombuffer(self._bin_buffer, dtype=self._index.dtype, count=total, offset=ptr)
+            return np.split(arr, np.cumsum(sizes[:-1], dtype=np.int64))
+        raise TypeError(f"indexed datasets are indexed by int or slice, not {type(idx).__name__}")
+
+    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end when length is None), zero-copy."""
+        ptr, size = self._index[int(idx)]
+        offset = int(offset)
+        if length is None:
+            length = size - offset
+        length = int(length)
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(
+                f"get({idx}, offset={offset}, length={length}) is outside sequence {idx} of {self._path} ({size} tokens)"
+            )
+        ptr += offset * self._index.dtype.itemsize
+        return np.frombuffer(self._bin_buffer, dtype=self._index.dtype, count=length, offset=ptr)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return self._index.sizes
+
+    @property
+    def doc_idx(self) -> np.ndarray:
+        return self._index.doc_idx
+
+    def get_doc_idx(self) -> np.ndarray:
+        return self._index._doc_idx
+
+    def set_doc_idx(self, doc_idx_: np.ndarray) -> None:
+        self._index._doc_idx = doc_idx_
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._index.dtype
+
+    @property
+    def supports_prefetch(self) -> bool:
+        return False
+
+    @staticmethod
+    def exists(path: PathLike) -> bool:
+        return os.path.exists(index_file_path(path)) and os.path.exists(data_file_path(path))
+
+
+class MMapIndexedDatasetBuilder:
+    """Writes an mmap pair. Hot path: ``add_doc`` writes the bytes directly and appends sizes to a python list."""
+
+    def __init__(self, out_file: PathLike, dtype: Any = np.int64) -> None:
+        self._out_file = os.fspath(out_file)
+        self._dtype = _le(dtype)
+        self._tmp_bin = _tmp_path(self._out_file)
+        self._data_file = open(self._tmp_bin, "wb")
+        self._sizes: list[int] = []  # recent sizes (python ints); older ones are packed into _size_chunks
+        self._size_chunks: list[np.ndarray] = []
+        self._num_packed = 0
+        self._doc_idx: list[int] = [0]
+        self._doc_chunks: list[np.ndarray] = []
+        self._finalized = False
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    def _count(self) -> int:
+        return self._num_packed + len(self._sizes)
+
+    def _pack(self) -> None:
+        if self._sizes:
+            self._size_chunks.append(np.asarray(self._sizes, dtype=np.int64))
+            self._num_packed += len(self._sizes)
+            self._sizes = []
+        if self._doc_idx:
+            self._doc_chunks.append(np.asarray(self._doc_idx, dtype=np.int64))
+            self._doc_idx = []
+
+    def add_item(self, tensor: Any) -> None:
+        """Append one sequence (flattened)."""
+        arr = _to_numpy(tensor, self._dtype, self._out_file)
+        self._data_file.write(arr.reshape(-1))
+        self._sizes.append(arr.size)
+        if len(self._sizes) >= _FLUSH:
+            self._pack()
+
+    def add_doc(self, tokens: Any, lengths: Sequence[int]) -> None:
+        """Append a whole document: ``tokens`` is its sentences concatenated, ``lengths`` the sentence sizes."""
+        arr = _to_numpy(tokens, self._dtype, self._out_file).reshape(-1)
+        lengths = lengths.tolist() if hasattr(lengths, "tolist") else list(lengths)  # numpy / torch / list
+        if sum(lengths) != arr.size:
+            raise IndexedDatasetError(
+                f"{self._out_file}: add_doc got {arr.size} tokens but sentence lengths summing to {sum(lengths)}"
+            )
+        self._data_file.write(arr)
+        self._sizes.extend(lengths)
+        self._doc_idx.append(self._count())
+        if len(self._sizes) >= _FLUSH or len(self._doc_idx) >= _FLUSH:
+            self._pack()
+
+    def end_document(self) -> None:
+        self._doc_idx.append(self._count())
+
+    def merge_file_(self, another_file: PathLike) -> None:
+        """Append another mmap pair (by prefix); its tokens are streamed in bounded-memory chunks."""
+        prefix = os.fspath(another_file)
+        index = MMapIndex(index_file_path(prefix))
+        check_bin_size(prefix, index)
+        if index.dtype != self._dtype:
+            raise IndexedDatasetError(
+                f"cannot merge {prefix}: its tokens are {index.dtype.name} but {self._out_file} holds "
+                f"{self._dtype.name}; preprocess every part with the same tokenizer (vocab < 65500 gives uint16, "
+                "else int32)"
+            )
+        offset = self._count()
+        self._pack()
+        self._size_chunks.append(np.array(index.sizes, dtype=np.int32))  # a private copy, 4 bytes per sequence
+        self._num_packed += len(index)
+        self._doc_chunks.append(np.asarray(index.doc_idx[1:], dtype=np.int64) + offset)
+        with open(data_file_path(prefix), "rb") as stream:
+            shutil.copyfileobj(stream, self._data_file, _COPY_CHUNK)
+
+    def abort(self) -> None:
+        """Close and delete the temporary files without producing a dataset."""
+        if not self._finalized:
+            self._data_file.close()
+            if os.path.exists(self._tmp_bin):
+                os.remove(self._tmp_bin)
+            self._finalized = True
+
+    def finalize(self, index_file: PathLike) -> None:
+        """Write the index and publish the pair: rename ``.bin`` into place, then ``.idx``."""
+        if self._finalized:
+            raise RuntimeError(f"builder for {self._out_file} was already finalized or aborted")
+        self._finalized = True
+        self._data_file.close()
+        self._pack()
+        sizes = np.concatenate(self._size_chunks) if self._size_chunks else np.zeros(0, np.int64)
+        doc_idx = np.concatenate(self._doc_chunks)
+        index_file = os.fspath(index_file)
+        tmp_idx = _tmp_path(index_file)
+        try:
+            with MMapIndex.writer(tmp_idx, self._dtype) as writer:
+                writer.write(sizes, doc_idx)
+            os.replace(self._tmp_bin, self._out_file)
+            os.replace(tmp_idx, index_file)
+        except BaseException:
+            for p in (self._tmp_bin, tmp_idx):
+                if os.path.exists(p):
+                    os.remove(p)
+            raise
+
+
+__all__ = [
+    "best_fitting_dtype", "check_bin_size", "code", "create_doc_idx", "data_file_path", "dataset_exists", "DTYPES",
+    "get_available_dataset_impl", "index_file_path", "IndexedCachedDataset", "IndexedDataset",
+    "IndexedDatasetBuilder", "IndexedDatasetError", "infer_dataset_impl", "legacy_index_size", "make_builder",
+    "make_dataset", "MMapIndex", "MMapIndexedDataset", "MMapIndexedDatasetBuilder", "read_longs", "write_longs",
+]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Module-level entry points (Megatron's names); the legacy classes are re-exported lazily (module __getattr__)
+# --------------------------------------------------------------------------------------------------------------------
+def infer_dataset_impl(path: PathLike) -> Optional[str]:
+    """'mmap' or 'cached' from the .idx magic; None when the pair does not exist."""
+    path = os.fspath(path)
+    if not _pair_exists(path):
+        _print_rank_0(f"Dataset does not exist: {path}")
+        return None
+    with open(index_file_path(path), "rb") as stream:
+        magic = stream.read(9)
+    if magic[:8] == _LEGACY_MAGIC:
+        return "cached"
+    if magic == _MMAP_MAGIC:
+        return "mmap"
+    raise IndexedDatasetError(
+        f"{index_file_path(path)} starts with {magic!r}, neither an mmap ({_MMAP_MAGIC!r}) nor a legacy "
+        f"({_LEGACY_MAGIC!r}) index; wrong file or corrupt; {_RERUN}"
+    )
+
+
+def make_builder(out_file: PathLike, impl: str = "mmap", vocab_size: Optional[int] = None,
+                 dtype: Any = None) -> Union[MMapIndexedDatasetBuilder, IndexedDatasetBuilder]:
+    """Builder for ``out_file`` (the .bin path). Token dtype: ``dtype`` if given, else best_fitting_dtype(vocab_size)
+    for mmap and int32 for the legacy formats (as Megatron)."""
+    if impl == "mmap":
+        return MMapIndexedDatasetBuilder(out_file, dtype=best_fitting_dtype(vocab_size) if dtype is None else dtype)
+    if impl in ("lazy", "cached"):
+        from megatron.data.legacy_indexed_dataset import IndexedDatasetBuilder
+
+        return IndexedDatasetBuilder(out_file, dtype=np.int32 if dtype is None else dtype)
+    raise ValueError(f"unknown dataset impl {impl!r} for a builder; choose one of mmap, lazy, cached")
+
+
+def make_dataset(path: PathLike, impl: str = "infer",
+                 skip_warmup: bool = True) -> Union[MMapIndexedDataset, IndexedDataset, IndexedCachedDataset]:
+    """Open ``path`` (a prefix without .bin/.idx) with impl 'mmap', 'lazy', 'cached' or 'infer'."""
+    path = os.fspath(path)
+    if impl not in ("infer", "mmap", "lazy", "cached"):
+        raise ValueError(f"unknown --data-impl {impl!r}; choose one of infer, mmap, lazy, cached")
+    if not _pair_exists(path):
+        missing = [p for p in (index_file_path(path), data_file_path(path)) if not os.path.exists(p)]
+        raise IndexedDatasetError(
+            f"dataset {path} not found: missing {' and '.join(missing)}{_missing_hint(path)}; check --data-path "
+            "(a prefix without .bin/.idx) or run tools/preprocess_data.py"
+        )
+    if impl == "infer":
+        impl = infer_dataset_impl(path)
+    if impl in ("lazy", "cached"):
+        from megatron.data.legacy_indexed_dataset import IndexedCachedDataset, IndexedDataset
+
+        return IndexedDataset(path) if impl == "lazy" else IndexedCachedDataset(path)
+    return MMapIndexedDataset(path, skip_warmup)
+
+
+def dataset_exists(path: PathLike, impl: str) -> bool:
+    return _pair_exists(path)
+
+
+def _pair_exists(path: PathLike) -> bool:
+    return os.path.exists(index_file_path(path)) and os.path.exists(data_file_path(path))
+
+
+_LEGACY_NAMES = ("IndexedCachedDataset", "IndexedDataset", "IndexedDatasetBuilder", "legacy_index_size", "read_longs",
+                 "write_longs")
+
+
+def __getattr__(name: str) -> Any:
+    """The legacy lazy/cached classes live in legacy_indexed_dataset.py and are loaded on first use."""
+    if name in _LEGACY_NAMES:
+        from megatron.data import legacy_indexed_dataset
+
+        return getattr(legacy_indexed_dataset, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
