@@ -1,0 +1,330 @@
+"""Megatron's GPT pretraining dataset: fixed-length samples cut from a shuffled stream of documents.
+
+Index mappings (Megatron's algorithm, so caches and sample order carry over):
+- doc_idx: the split's documents repeated for as many epochs as `num_samples` needs, shuffled with
+  np.random.RandomState(seed); when the last epoch is used for less than 80% of its samples it is shuffled
+  separately so its few samples do not all come from the front of the stream.
+- sample_idx: start (position in doc_idx, token offset) of each sample of seq_length + 1 tokens (C++ helper).
+- shuffle_idx: a permutation of the samples (again keeping the separate last epoch at the end).
+They are cached as `<md5 of a description>_{doc,sample,shuffle}_idx.npy` (+ `.dsc`) in `--data-cache-path`, else
+`<data dir>/index-cache`, else a user cache dir; rank 0 builds them while other ranks wait, then all load them
+memory-mapped.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from megatron.data.blendable_dataset import BlendableDataset
+from megatron.data.dataset_utils import (
+    NumSamples,
+    barrier,
+    file_lock,
+    first_writable_dir,
+    get_datasets_weights_and_num_samples,
+    get_indexed_dataset_,
+    get_train_valid_test_split_,
+    index_cache_dirs,
+    is_group_leader,
+    print_rank_0,
+    save_npy_atomic,
+    write_text_atomic,
+)
+
+try:  # a torch Dataset when torch is present (it always is for training); plain object otherwise
+    from torch.utils.data import Dataset as _TorchDataset
+except ImportError:  # pragma: no cover
+    _TorchDataset = object
+
+_SUFFIXES = {"desc": ".dsc", "doc": "_doc_idx.npy", "sample": "_sample_idx.npy", "shuffle": "_shuffle_idx.npy"}
+
+
+class GPTDataset(_TorchDataset):
+    """Samples {"text": int64[seq_length + 1]} over `documents` (indices into indexed_dataset) of one split."""
+
+    def __init__(self, name: str, data_prefix: str, documents: np.ndarray, indexed_dataset: Any, splits_string: str,
+                 num_samples: int, seq_length: int, seed: int, return_doc_ids: bool = False, *,
+                 data_cache_path: Optional[str] = None, group: Any = None, synchronize: bool = True) -> None:
+        self.name = name
+        self.indexed_dataset = indexed_dataset
+        self.return_doc_ids = return_doc_ids
+        self.seq_length = seq_length
+        documents = np.asarray(documents)
+        num_docs = indexed_dataset.sizes.shape[0]
+        if documents.size == 0 or documents.min() < 0 or documents.max() >= num_docs:
+            raise ValueError(f"{data_prefix} ({name}): document indices must be a non-empty subset of [0, {num_docs})")
+        if seq_length <= 0:
+            raise ValueError(f"--seq-length must be positive, got {seq_length}")
+        self.doc_idx, self.sample_idx, self.shuffle_idx, self.desc, self.desc_hash = _build_index_mappings(
+            name, data_prefix, documents, indexed_dataset.sizes, splits_string, num_samples, seq_length, seed,
+            data_cache_path=data_cache_path, group=group, synchronize=synchronize)
+
+    def __len__(self) -> int:
+        # sample i spans [sample_idx[i], sample_idx[i + 1]]
+        return self.sample_idx.shape[0] - 1
+
+    def __getitem__(self, idx: int) -> dict:
+        if idx < 0:
+            idx += len(self)
+        if not 0 <= idx < len(self):
+            raise IndexError(f"sample {idx} out of range for {self.name} GPTDataset of {len(self)} samples")
+        idx = int(self.shuffle_idx[idx])
+        doc_f, offset_f = (int(v) for v in self.sample_idx[idx])
+        doc_l, offset_l = (int(v) for v in self.sample_idx[idx + 1])
+        doc_ids = [int(self.doc_idx[i]) for i in range(doc_f, doc_l + 1)]
+        if doc_f == doc_l:
+            sample = self.indexed_dataset.get(doc_ids[0], offset=offset_f, length=offset_l - offset_f + 1)
+        else:
+            parts = [self.indexed_dataset.get(doc_ids[0], offset=offset_f)]
+            parts += [self.indexed_dataset.get(d) for d in doc_ids[1:-1]]
+            parts.append(self.indexed_dataset.get(doc_ids[-1], length=offset_l + 1))
+            sample = np.concatenate(parts)
+        out = {"text": np.array(sample, dtype=np.int64)}
+        if self.return_doc_ids:  # for retrieval preprocessing, as Megatron
+            out["doc_ids"] = np.array(doc_ids, dtype=np.int64)
+        return out
+
+
+def build_train_valid_test_datasets(data_prefix: Optional[Sequence[Any]], data_impl: str, splits_string: str,
+                                    train_valid_test_num_samples: Sequence[int], seq_length: int, seed: int,
+                                    skip_warmup: bool, data_cache_path: Optional[str] = None, *,
+                                    train_data_prefix: Optional[Sequence[Any]] = None,
+                                    valid_data_prefix: Optional[Sequence[Any]] = None,
+                                    test_data_prefix: Optional[Sequence[Any]] = None,
+                                    return_doc_ids: bool = False, group: Any = None,
+                                    synchronize: bool = True) -> tuple:
+    """(train, valid, test) datasets, each None when its split is empty.
+
+    data_prefix: `--data-path` as a list: one prefix, or `w1 p1 w2 p2 ...` (blended). Without it,
+    train/valid/test_data_prefix (`--train-data-path` ...) give separate, unsplit data per split.
+    group: the ranks that call this together (default: all ranks); its lowest rank builds missing index caches
+    while the others wait on a barrier. synchronize=False (for callers on a subset of ranks, e.g. only TP rank 0)
+    uses no collectives: whichever process comes first builds under a file lock and the others wait on the lock.
+    """
+    if isinstance(data_prefix, (str, Path)):
+        data_prefix = [str(data_prefix)]
+    nums = [int(n) for n in train_valid_test_num_samples]
+    if len(nums) != 3 or any(n < 0 for n in nums):
+        raise ValueError(f"train_valid_test_num_samples must be three non-negative counts, got {nums}")
+    common = dict(data_impl=data_impl, seq_length=seq_length, seed=seed, skip_warmup=skip_warmup,
+                  return_doc_ids=return_doc_ids, data_cache_path=data_cache_path, group=group,
+                  synchronize=synchronize)
+    if data_prefix:
+        if len(data_prefix) == 1:
+            return _build_single_prefix(str(data_prefix[0]), splits_string=splits_string, num_samples=nums, **common)
+        prefixes, weights, per_dataset = get_datasets_weights_and_num_samples(data_prefix, nums)
+        parts = [_build_single_prefix(p, splits_string=splits_string, num_samples=n, **common)
+                 for p, n in zip(prefixes, per_dataset)]
+        blended = []
+        for split in range(3):
+            members = [(ds[split], w) for ds, w in zip(parts, weights) if ds[split] is not None]
+            if not members or nums[split] == 0:
+                blended.append(None)
+                continue
+            blended.append(BlendableDataset([m[0] for m in members], [m[1] for m in members], nums[split]))
+        return tuple(blended)
+    if not (train_data_prefix or valid_data_prefix or test_data_prefix):
+        raise ValueError("no training data: pass --data-path, or --train-data-path/--valid-data-path/--test-data-path")
+    return tuple(
+        _build_separate(name, prefix, n, **common)
+        for name, prefix, n in zip(("train", "valid", "test"), (train_data_prefix, valid_data_prefix,
+                                                               test_data_prefix), nums))
+
+
+def _build_single_prefix(data_prefix: str, *, data_impl: str, splits_string: str, num_samples: NumSamples,
+                         seq_length: int, seed: int, skip_warmup: bool, return_doc_ids: bool,
+                         data_cache_path: Optional[str], group: Any, synchronize: bool) -> tuple:
+    indexed = get_indexed_dataset_(data_prefix, data_impl, skip_warmup)
+    total_docs = indexed.sizes.shape[0]
+    splits = get_train_valid_test_split_(splits_string, total_docs)
+    print_rank_0(" > dataset split:")
+    for i, label in enumerate(("train", "validation", "test")):
+        print_rank_0(f"    {label}:")
+        print_rank_0(f"     document indices in [{splits[i]}, {splits[i + 1]}) total of "
+                     f"{splits[i + 1] - splits[i]} documents")
+    datasets = []
+    for i, name in enumerate(("train", "valid", "test")):
+        if splits[i + 1] <= splits[i]:
+            datasets.append(None)
+            continue
+        documents = np.arange(splits[i], splits[i + 1], dtype=np.int32)
+        datasets.append(GPTDataset(name, data_prefix, documents, indexed, splits_string, num_samples[i], seq_length,
+                                   seed, return_doc_ids, data_cache_path=data_cache_path, group=group,
+                                   synchronize=synchronize))
+    return tuple(datasets)
+
+
+def _build_separate(name: str, data_prefix: Optional[Sequence[Any]], num_samples: int, **common) -> Any:
+    """One split from its own `--{name}-data-path` (single or weighted list), using all of its documents."""
+    if not data_prefix:
+        return None
+    if isinstance(data_prefix, (str, Path)):
+        data_prefix = [str(data_prefix)]
+    index = ("train", "valid", "test").index(name)
+
+    def one(prefix: str, n: int):
+        counts = [0, 0, 0]
+        counts[index] = n
+        splits = ["0", "0", "0"]
+        splits[index] = "1"
+        return _build_single_prefix(prefix, splits_string=",".join(splits), num_samples=counts, **common)[index]
+
+    if len(data_prefix) == 1:
+        return one(str(data_prefix[0]), num_samples)
+    prefixes, weights, per_dataset = get_datasets_weights_and_num_samples(data_prefix, num_samples)
+    members = [one(p, n) for p, n in zip(prefixes, per_dataset)]
+    return BlendableDataset(members, weights, num_samples)
+
+
+def _num_tokens(documents: np.ndarray, sizes: np.ndarray) -> int:
+    return int(np.sum(sizes[documents], dtype=np.int64))
+
+
+def _num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Smallest number of epochs whose tokens give num_samples samples (one shared token between samples)."""
+    num_epochs, total = 0, 0
+    while True:
+        num_epochs += 1
+        total += tokens_per_epoch
+        if (total - 1) // seq_length >= num_samples:
+            return num_epochs
+
+
+def _build_doc_idx(documents: np.ndarray, num_epochs: int, np_rng: np.random.RandomState,
+                   separate_last_epoch: bool) -> np.ndarray:
+    if not separate_last_epoch or num_epochs == 1:
+        dtype = np.int32 if len(documents) * num_epochs < np.iinfo(np.int32).max else np.int64
+        doc_idx = np.tile(np.asarray(documents, dtype=dtype), num_epochs)
+        np_rng.shuffle(doc_idx)
+        return doc_idx
+    first = _build_doc_idx(documents, num_epochs - 1, np_rng, False)
+    last = _build_doc_idx(documents, 1, np_rng, False)
+    return np.concatenate((first, last.astype(first.dtype)))
+
+
+def _build_shuffle_idx(num_samples: int, total_size: int, np_rng: np.random.RandomState) -> np.ndarray:
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(0, num_samples, dtype=dtype)
+    np_rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    np_rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def _describe(name: str, data_prefix: str, num_samples: int, seq_length: int, seed: int, splits_string: str) -> str:
+    return (f"GPT Dataset\n\nData prefix {data_prefix}\nDataset name {name}\nNumber of samples {num_samples}\n"
+            f"Sequence length {seq_length}\nRandom seed {seed}\nSplit {splits_string}\n")
+
+
+def _find_cache(search_dirs: Sequence[Path], desc_hash: str) -> Optional[dict]:
+    for d in search_dirs:
+        paths = {k: d / (desc_hash + s) for k, s in _SUFFIXES.items()}
+        if all(p.is_file() for p in paths.values()):
+            return paths
+    return None
+
+
+def _build_and_save(dirs: Sequence[Path], search_dirs: Sequence[Path], desc: str, desc_hash: str,
+                    documents: np.ndarray, sizes: np.ndarray,
+                    num_samples: int, seq_length: int, seed: int, tokens_per_epoch: int, num_epochs: int) -> None:
+    """Build the three index arrays and write them (under a file lock, so concurrent builders do it once)."""
+    out_dir = first_writable_dir(dirs)
+    with file_lock(out_dir / f".{desc_hash}.lock"):
+        if _find_cache(search_dirs, desc_hash) is None:
+            _build_arrays_into(out_dir, desc, desc_hash, documents, sizes, num_samples, seq_length, seed,
+                               tokens_per_epoch, num_epochs)
+
+
+def _build_arrays_into(out_dir: Path, desc: str, desc_hash: str, documents: np.ndarray, sizes: np.ndarray,
+                       num_samples: int, seq_length: int, seed: int, tokens_per_epoch: int, num_epochs: int) -> None:
+    from megatron.data.helpers import get_helpers
+
+    print(" > WARNING: could not find index map files, building the indices on rank 0 ...", flush=True)
+    np_rng = np.random.RandomState(seed=seed)
+    if num_epochs == 1:
+        separate_last_epoch = False
+        print(" > only one epoch required, setting separate_last_epoch to False", flush=True)
+    else:
+        from_epochs_minus_one = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+        last_epoch_num_samples = num_samples - from_epochs_minus_one
+        per_epoch = (tokens_per_epoch - 1) // seq_length
+        assert 0 <= last_epoch_num_samples <= per_epoch + 1, "last epoch sample count out of range"
+        separate_last_epoch = last_epoch_num_samples < int(0.80 * per_epoch)
+        verdict = "smaller than" if separate_last_epoch else "larger than"
+        print(f" > last epoch number of samples ({last_epoch_num_samples}) is {verdict} 80% of number of samples "
+              f"per epoch ({per_epoch}), setting separate_last_epoch to {separate_last_epoch}", flush=True)
+
+    paths = {k: out_dir / (desc_hash + s) for k, s in _SUFFIXES.items()}
+    start = time.time()
+    doc_idx = _build_doc_idx(documents, num_epochs, np_rng, separate_last_epoch)
+    save_npy_atomic(paths["doc"], doc_idx)
+    print(f" > elapsed time to build and save doc-idx mapping (seconds): {time.time() - start:4f}", flush=True)
+
+    start = time.time()
+    sizes32 = np.ascontiguousarray(sizes, dtype=np.int32)
+    sample_idx = get_helpers().build_sample_idx(sizes32, doc_idx, seq_length, num_epochs, tokens_per_epoch)
+    save_npy_atomic(paths["sample"], sample_idx)
+    print(f" > elapsed time to build and save sample-idx mapping (seconds): {time.time() - start:4f}", flush=True)
+
+    start = time.time()
+    total = sample_idx.shape[0] - 1
+    first_part = from_epochs_minus_one if separate_last_epoch else total
+    shuffle_idx = _build_shuffle_idx(first_part, total, np_rng)
+    save_npy_atomic(paths["shuffle"], shuffle_idx)
+    print(f" > elapsed time to build and save shuffle-idx mapping (seconds): {time.time() - start:4f}", flush=True)
+    write_text_atomic(paths["desc"], desc)  # written last: marks a complete cache entry
+
+
+def _build_index_mappings(name: str, data_prefix: str, documents: np.ndarray, sizes: np.ndarray, splits_string: str,
+                          num_samples: int, seq_length: int, seed: int, *, data_cache_path: Optional[str] = None,
+                          group: Any = None, synchronize: bool = True) -> tuple:
+    """Load or build (doc_idx, sample_idx, shuffle_idx) for one split; returns them with desc and its hash."""
+    tokens_per_epoch = _num_tokens(documents, sizes)
+    if tokens_per_epoch < 2:
+        raise ValueError(f"{data_prefix} ({name} split): its documents hold {tokens_per_epoch} tokens; at least 2 are "
+                         "needed to make a sample (use more data or a different --split)")
+    num_epochs = _num_epochs(tokens_per_epoch, seq_length, num_samples)
+    desc = _describe(name, data_prefix, num_samples, seq_length, seed, splits_string)
+    desc_hash = hashlib.md5(desc.encode("utf-8")).hexdigest()
+    dirs = index_cache_dirs(data_prefix, data_cache_path)
+    search_dirs = index_cache_dirs(data_prefix, data_cache_path, for_search=True)
+
+    def build() -> None:
+        _build_and_save(dirs, search_dirs, desc, desc_hash, documents, sizes, num_samples, seq_length, seed,
+                        tokens_per_epoch, num_epochs)
+
+    error: Optional[BaseException] = None
+    if synchronize:
+        if _find_cache(search_dirs, desc_hash) is None and is_group_leader(group):
+            try:
+                build()
+            except BaseException as exc:  # noqa: BLE001 - reach the barrier first so other ranks do not hang
+                error = exc
+        barrier(group)
+        if error is not None:
+            raise error
+    paths = _find_cache(search_dirs, desc_hash)
+    if paths is None:  # not visible here (e.g. node-local disk): the build is deterministic, so redo it locally
+        build()
+        paths = _find_cache(search_dirs, desc_hash)
+        if paths is None:
+            raise RuntimeError(f"index cache for {data_prefix} ({name}) was built but cannot be found in "
+                               f"{', '.join(map(str, dirs))}")
+
+    start = time.time()
+    print_rank_0(f" > loading doc-idx mapping from {paths['doc']}")
+    doc_idx = np.load(paths["doc"], allow_pickle=True, mmap_mode="r")
+    print_rank_0(f" > loading sample-idx mapping from {paths['sample']}")
+    sample_idx = np.load(paths["sample"], allow_pickle=True, mmap_mode="r")
+    print_rank_0(f" > loading shuffle-idx mapping from {paths['shuffle']}")
+    shuffle_idx = np.load(paths["shuffle"], allow_pickle=True, mmap_mode="r")
+    print_rank_0(f"    loaded indexed file in {time.time() - start:3.3f} seconds")
+    print_rank_0(f"    total number of samples: {sample_idx.shape[0]}")
+    print_rank_0(f"    total number of epochs: {num_epochs}")
+    return doc_idx, sample_idx, shuffle_idx, desc, desc_hash
