@@ -1,0 +1,98 @@
+"""Gradient reductions that follow the backward pass of all micro-batches (Megatron's order):
+
+1. data-parallel all-reduce of each chunk (`allreduce_gradients()` of the DDP wrapper);
+2. with sequence parallelism, all-reduce over the TP group the grads of params marked `sequence_parallel`
+   (LayerNorm weights/biases whose inputs were split along the sequence);
+3. with pipeline parallelism and tied embeddings, all-reduce the word-embedding grad between the first and last
+   stage over the embedding group.
+Grads are read from `param.main_grad` when the local DDP provides it, else `param.grad`.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def _grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    seen = 0
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module) and seen < 8:
+        module = module.module
+        seen += 1
+    return module
+
+
+def _active(group) -> bool:
+    return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module], tp_group) -> None:
+    """Sum grads of `sequence_parallel` params over the tensor-parallel group (one coalesced collective)."""
+    if not _active(tp_group):
+        return
+    grads: List[torch.Tensor] = []
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            if param.requires_grad and getattr(param, "sequence_parallel", False):
+                grad = _grad(param)
+                if grad is not None:
+                    grads.append(grad.data)
+    if not grads:
+        return
+    coalesced = _flatten_dense_tensors(grads)
+    dist.all_reduce(coalesced, group=tp_group)
+    for buf, synced in zip(grads, _unflatten_dense_tensors(coalesced, grads)):
+        buf.copy_(synced)
+
+
+def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], parallel_state) -> None:
+    """Sum the tied word-embedding grad between the first and last pipeline stage."""
+    if parallel_state is None or parallel_state.pp_size <= 1:
+        return
+    if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+        return
+    if not _active(parallel_state.embedding_group):
+        return
+    if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+        chunk = model_chunks[0]
+    elif parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        chunk = model_chunks[-1]
+    else:
+        chunk = model_chunks[0]
+    model = _unwrap(chunk)
+    getter = getattr(model, "shared_embedding_or_output_weight", None) or getattr(model, "word_embeddings_weight", None)
+    if getter is None:
+        return
+    config = getattr(model, "config", None)
+    share = getattr(model, "share_embeddings_and_output_weights",
+                    getattr(model, "share_word_embeddings", getattr(config, "share_embeddings_and_output_weights", True)))
+    if not share:
+        return
+    weight = getter()
+    if weight is None:
+        return
+    grad = _grad(weight)
+    if grad is None:
+        raise RuntimeError(
+            "tied word embedding has no gradient on this pipeline stage; run backward before finalize_model_grads"
+        )
+    dist.all_reduce(grad, group=parallel_state.embedding_group)
+
+
+def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], parallel_state=None,
+                         sequence_parallel: bool = False) -> None:
+    """Run all post-backward reductions for `model_chunks` (DDP-wrapped or plain modules)."""
+    for chunk in model_chunks:
+        reduce = getattr(chunk, "allreduce_gradients", None)
+        if reduce is not None:
+            reduce()
+    if sequence_parallel and parallel_state is not None:
+        allreduce_sequence_parallel_grads(model_chunks, parallel_state.tp_group)
+    allreduce_embedding_grads(model_chunks, parallel_state)

@@ -1,0 +1,143 @@
+"""Megatron optimizers: param groups, AdamW/SGD, fp16/bf16 mixed precision, loss scaling, grad clipping.
+
+Entry point: `get_megatron_optimizer(model_chunks, config, parallel_state)`.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+
+from megatron.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32
+from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from megatron.optimizer.optimizer import (
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+    MixedPrecisionOptimizer,
+)
+from megatron.optimizer.optimizer_config import OptimizerConfig, optimizer_config_from_args
+
+__all__ = [
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "FP32Optimizer",
+    "Float16OptimizerWithFloat16Params",
+    "MegatronGradScaler",
+    "MegatronOptimizer",
+    "MixedPrecisionOptimizer",
+    "OptimizerConfig",
+    "clip_grad_norm_fp32",
+    "count_zeros_fp32",
+    "get_megatron_optimizer",
+    "get_param_groups",
+    "optimizer_config_from_args",
+]
+
+ParamCond = Callable[[str, torch.nn.Parameter], bool]
+
+
+def get_param_groups(
+    model_chunks: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+    no_weight_decay_cond: Optional[ParamCond] = None,
+    scale_lr_cond: Optional[ParamCond] = None,
+    lr_mult: float = 1.0,
+) -> List[dict]:
+    """Megatron's grouping: weight decay on weights only (not biases or 1-D params such as norm weights);
+    `lr_mult` on params selected by `scale_lr_cond`. Groups carry `wd_mult`/`lr_mult` for the scheduler and come
+    in Megatron's order: (wd, lr), (wd, scaled lr), (no wd, lr), (no wd, scaled lr); empty groups are dropped.
+    """
+    if isinstance(model_chunks, torch.nn.Module):
+        model_chunks = [model_chunks]
+    buckets = {(True, False): [], (True, True): [], (False, False): [], (False, True): []}
+    seen = set()
+    for module in model_chunks:
+        for name, param in module.named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if no_weight_decay_cond is not None:
+                no_wd = no_weight_decay_cond(name, param)
+            else:
+                no_wd = name.endswith(".bias") or len(param.shape) == 1
+            scale_lr = scale_lr_cond(name, param) if scale_lr_cond is not None else False
+            buckets[(not no_wd, scale_lr)].append(param)
+    groups = []
+    for (wd, scale_lr), params in buckets.items():
+        if params:
+            groups.append({"params": params, "wd_mult": 1.0 if wd else 0.0, "lr_mult": lr_mult if scale_lr else 1.0})
+    return groups
+
+
+def _resolve_parallel_state(parallel_state):
+    if parallel_state is not None:
+        return parallel_state.mp_group, parallel_state.tp_rank
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            state = ps.get_parallel_state()
+            return state.mp_group, state.tp_rank
+    except ImportError:
+        pass
+    return None, 0
+
+
+def get_megatron_optimizer(
+    model_chunks: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+    config: OptimizerConfig,
+    parallel_state=None,
+    no_weight_decay_cond: Optional[ParamCond] = None,
+    scale_lr_cond: Optional[ParamCond] = None,
+    lr_mult: float = 1.0,
+) -> MegatronOptimizer:
+    """Build the optimizer for `model_chunks` (modules, optionally DDP-wrapped). `parallel_state` supplies the
+    model-parallel group (grad norm, inf check) and tp_rank; None means the current state, or a single process."""
+    if config.use_distributed_optimizer:
+        raise NotImplementedError(
+            "--use-distributed-optimizer is not implemented yet in megatron-lite; drop the flag (the regular "
+            "optimizer gives identical results with more memory per rank)"
+        )
+    param_groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    if not param_groups:
+        raise ValueError("get_megatron_optimizer: the model has no trainable parameters")
+    # The scheduler re-sets these every step; set them here too so an optimizer used without one is right.
+    for group in param_groups:
+        group["lr"] = config.lr * group["lr_mult"]
+        group["weight_decay"] = config.weight_decay * group["wd_mult"]
+    if config.optimizer == "adam":
+        # Megatron's Adam is Adam with decoupled weight decay (apex FusedAdam adam_w_mode) = torch AdamW.
+        inner = torch.optim.AdamW(
+            param_groups,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+        )
+    elif config.optimizer == "sgd":
+        inner = torch.optim.SGD(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                                momentum=config.sgd_momentum)
+    else:
+        raise ValueError(f"--optimizer {config.optimizer!r} is not supported; use 'adam' or 'sgd'")
+
+    mp_group, tp_rank = _resolve_parallel_state(parallel_state)
+    if config.fp16 or config.bf16:
+        device = param_groups[0]["params"][0].device
+        grad_scaler: Optional[MegatronGradScaler] = None
+        if config.loss_scale:
+            grad_scaler = ConstantGradScaler(config.loss_scale, device=device)
+        elif config.fp16:
+            grad_scaler = DynamicGradScaler(
+                initial_scale=config.initial_loss_scale,
+                min_scale=config.min_loss_scale,
+                growth_factor=2.0,
+                backoff_factor=0.5,
+                growth_interval=config.loss_scale_window,
+                hysteresis=config.hysteresis,
+                device=device,
+            )
+        return Float16OptimizerWithFloat16Params(
+            inner, config.clip_grad, config.log_num_zeros_in_grad, config.fp16, config.bf16, config.params_dtype,
+            grad_scaler, mp_group, tp_rank,
+        )
+    return FP32Optimizer(inner, config.clip_grad, config.log_num_zeros_in_grad, mp_group, tp_rank)

@@ -1,0 +1,112 @@
+"""Global gradient-norm clipping and zero counting across model-parallel ranks (fp32 grads).
+
+Each gradient is counted once over the whole model: tensor-parallel shards on every TP rank, duplicated
+(non-TP) params only on TP rank 0, and params marked `shared` (e.g. the tied output embedding on the last
+pipeline stage) not at all. Partial sums are all-reduced over the model-parallel (TP x PP) group.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+Tensors = Union[torch.Tensor, Iterable[torch.Tensor]]
+
+
+def param_is_not_shared(param: torch.Tensor) -> bool:
+    return not getattr(param, "shared", False)
+
+
+def param_is_not_tp_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
+    """True for TP-sharded params, or on TP rank 0 for params every TP rank holds a copy of."""
+    try:
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    except ImportError:  # parallel core not importable: same rule, local copy
+        return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+    return bool(param_is_not_tensor_parallel_duplicate(param, tp_rank))
+
+
+def grads_for_norm(params: Iterable[torch.Tensor], tp_rank: int = 0) -> List[torch.Tensor]:
+    """The grads that count toward the global norm on this rank."""
+    return [
+        p.grad
+        for p in params
+        if p.grad is not None and param_is_not_shared(p) and param_is_not_tp_duplicate(p, tp_rank)
+    ]
+
+
+def _active(group) -> bool:
+    return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def get_grad_norm_fp32(
+    grads: Tensors, model_parallel_group=None, norm_type: float = 2.0, device: Optional[torch.device] = None
+) -> float:
+    """Norm of `grads` (already filtered) over all model-parallel ranks. `device` holds the reduction buffer when
+    this rank has no grads to count (it must suit the backend: CUDA for NCCL)."""
+    if isinstance(grads, torch.Tensor):
+        grads = [grads]
+    grads = [g.detach() for g in grads]
+    norm_type = float(norm_type)
+    if device is None:
+        device = grads[0].device if grads else torch.device("cpu")
+    if norm_type == math.inf:
+        local = max((g.abs().max().float() for g in grads), default=torch.zeros((), device=device))
+        total = local.reshape(1).clone().to(torch.float32)
+        if _active(model_parallel_group):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
+        return float(total.item())
+    if grads:
+        per_tensor = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+        total = (torch.linalg.vector_norm(per_tensor, norm_type) ** norm_type).reshape(1)
+    else:
+        total = torch.zeros(1, dtype=torch.float32, device=device)
+    if _active(model_parallel_group):
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
+    return float(total.item()) ** (1.0 / norm_type)
+
+
+def clip_grad_norm_fp32(
+    parameters: Tensors,
+    grads_for_norm: Optional[Tensors],
+    max_norm: float,
+    model_parallel_group=None,
+    norm_type: float = 2.0,
+) -> float:
+    """Scale the grads of `parameters` in place so their global norm is <= max_norm; return the norm before clipping.
+
+    `grads_for_norm` are the grads that count toward the norm (see `grads_for_norm()`); None means every grad of
+    `parameters` (single process / no model parallelism).
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    for g in grads:
+        if g.dtype != torch.float32:
+            raise TypeError(f"clip_grad_norm_fp32 expects fp32 grads, got {g.dtype}; clip the fp32 main grads")
+    if grads_for_norm is None:
+        grads_for_norm = grads
+    device = parameters[0].device if parameters else None
+    total_norm = get_grad_norm_fp32(grads_for_norm, model_parallel_group, norm_type, device)
+    clip_coeff = float(max_norm) / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+    return total_norm
+
+
+def count_zeros_fp32(parameters: Tensors, model_parallel_group=None, tp_rank: int = 0) -> int:
+    """Number of exactly-zero gradient entries over the whole model (each param counted once)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    grads = grads_for_norm(parameters, tp_rank)
+    device = parameters[0].device if parameters else torch.device("cpu")
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in grads:
+        total += g.numel() - torch.count_nonzero(g)
+    if _active(model_parallel_group):
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
+    return int(total.item())
