@@ -1,0 +1,804 @@
+"""Megatron-compatible command-line flags: `parse_args`, `validate_args`, `core_transformer_config_from_args`.
+
+Flag names, groups and defaults follow Megatron-LM / Megatron-DeepSpeed so existing launch scripts work unchanged.
+Extra flag groups (e.g. DeepSpeed's) are added through `extra_args_provider(parser) -> parser`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from megatron.core.transformer_config import TransformerConfig
+
+_FALLBACK_TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "SentencePieceTokenizer",
+    "PretrainedFromHF",
+    "NullTokenizer",
+)
+
+
+def _tokenizer_types() -> List[str]:
+    """The --tokenizer-type choices: whatever megatron.tokenizer supports (it imports without torch)."""
+    try:
+        from megatron.tokenizer.tokenizer import TOKENIZER_TYPES
+    except ImportError:
+        return list(_FALLBACK_TOKENIZER_TYPES)
+    return list(TOKENIZER_TYPES)
+
+
+# Flags each tokenizer type needs (checked by validate_args before anything is built).
+_TOKENIZER_REQUIRED_FLAGS = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "BertWordPieceLowerCase": ("vocab_file",),
+    "BertWordPieceCase": ("vocab_file",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
+    "PretrainedFromHF": ("tokenizer_name_or_path",),
+    "HFTokenizer": ("tokenizer_name_or_path",),
+    "NullTokenizer": ("vocab_size",),
+}
+
+
+class ArgumentError(ValueError):
+    """A bad combination of command-line flags (one line, names the flags and the fix)."""
+
+
+def parse_args(
+    extra_args_provider: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None,
+    ignore_unknown_args: bool = False,
+    args: Optional[List[str]] = None,
+) -> argparse.Namespace:
+    """Parse Megatron's flags from `args` (default: sys.argv[1:]); also sets `rank` and `world_size` from the env."""
+    parser = build_parser(extra_args_provider)
+    argv = sys.argv[1:] if args is None else list(args)
+    if ignore_unknown_args:
+        namespace, _ = parser.parse_known_args(argv)
+    else:
+        namespace = parser.parse_args(argv)
+    # Where this process sits in the job: torch.distributed if already up, else the launcher's environment.
+    from megatron.initialize import detect_launcher_env
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        namespace.rank = torch.distributed.get_rank()
+        namespace.world_size = torch.distributed.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    else:
+        env = detect_launcher_env(os.environ)
+        namespace.rank, namespace.world_size, local_rank = env.rank, env.world_size, env.local_rank
+    if namespace.local_rank is None:
+        namespace.local_rank = local_rank
+    return namespace
+
+
+def build_parser(
+    extra_args_provider: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None,
+) -> argparse.ArgumentParser:
+    """The argparse parser with every Megatron group (plus the caller's extra groups)."""
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    for add_group in (
+        _add_network_size_args,
+        _add_regularization_args,
+        _add_training_args,
+        _add_initialization_args,
+        _add_learning_rate_args,
+        _add_checkpointing_args,
+        _add_mixed_precision_args,
+        _add_distributed_args,
+        _add_validation_args,
+        _add_data_args,
+        _add_logging_args,
+        _add_inference_args,
+    ):
+        parser = add_group(parser)
+    if extra_args_provider is not None:
+        result = extra_args_provider(parser)
+        parser = parser if result is None else result
+    return parser
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Flag groups
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _add_network_size_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group(title="network size")
+    g.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    g.add_argument("--encoder-num-layers", type=int, default=None, help="Number of encoder layers (T5).")
+    g.add_argument("--decoder-num-layers", type=int, default=None, help="Number of decoder layers (T5).")
+    g.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP hidden size (default 4 * hidden-size).")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="Number of attention heads.")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="Projection size per head (default hidden-size // num-attention-heads).")
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="Largest sequence length supported.")
+    g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
+                   choices=["learned_absolute", "rope"], help="Position embedding type.")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the vocab so its size is divisible by this value (times TP size).")
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="Layer-norm epsilon.")
+    g.add_argument("--apply-layernorm-1p", action="store_true", help="LayerNorm with (1 + weight) (zero-centered).")
+    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                   help="Residual connection after the layer norm (original BERT).")
+    g.add_argument("--openai-gelu", action="store_true", help="OpenAI's tanh GeLU approximation.")
+    g.add_argument("--squared-relu", action="store_true", help="Squared ReLU activation instead of GeLU.")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU activation instead of GeLU.")
+    g.add_argument("--onnx-safe", type=bool, required=False, help="Workarounds for known ONNX exporter problems.")
+    g.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
+                   help="Disable BERT's binary (next-sentence) head.")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Separate input embedding and output layer weights.")
+    return parser
+
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group(title="logging")
+    g.add_argument("--log-params-norm", action="store_true", help="Log the L2 norm of the parameters.")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true", help="Log the number of zeros in the gradient.")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=range(0, 3),
+                   help="0: iteration time only; 1: coarse timers; 2: every timer.")
+    g.add_argument("--no-barrier-with-level-1-timing", action="store_false", dest="barrier_with_L1_time",
+                   help="Do not barrier before level-1 timers (times then include load imbalance).")
+    g.add_argument("--timing-log-option", type=str, default="minmax", choices=["max", "minmax", "all"],
+                   help="How timers are reported across ranks.")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1, help="Tensorboard logging interval.")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="Tensorboard events queued before a flush to disk.")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true", help="Write timers to tensorboard.")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true", help="Write batch size to tensorboard.")
+    g.add_argument("--no-log-learnig-rate-to-tensorboard", "--no-log-learning-rate-to-tensorboard",
+                   action="store_false", dest="log_learning_rate_to_tensorboard",
+                   help="Do not write the learning rate to tensorboard.")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard",
+                   help="Do not write the loss scale to tensorboard.")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="Write validation perplexity to tensorboard.")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true", help="Write memory use to tensorboard.")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true", help="Write world size to tensorboard.")
+    g.add_argument("--log-optimizer-states-to-tensorboard", action="store_true",
+                   help="Write optimizer state statistics to tensorboard.")
+    return parser
+
+
+def _add_regularization_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group(title="regularization")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout on transformer hidden states.")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="Weight decay (L2) coefficient.")
+    g.add_argument("--start-weight-decay", type=float, default=None, help="Initial weight decay (incr. styles).")
+    g.add_argument("--end-weight-decay", type=float, default=None, help="Final weight decay (incr. styles).")
+    g.add_argument("--weight-decay-incr-style", type=str, default="constant",
+                   choices=["constant", "linear", "cosine"], help="Weight decay increment function.")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Clip gradients to this global L2 norm.")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    g.add_argument("--adam-eps", type=float, default=1e-08, help="Adam epsilon.")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
+    return parser
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group(title="training")
+    g.add_argument("--micro-batch-size", type=int, default=None, help="Batch size per model instance (local).")
+    g.add_argument("--batch-size", type=int, default=None, help="Deprecated: use --micro-batch-size.")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Training batch size across all data-parallel ranks (default micro-batch-size * DP).")
+    g.add_argument("--rampup-batch-size", nargs="*", default=None,
+                   help="Batch-size ramp-up: <start batch size> <increment> <ramp-up samples>.")
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="Megatron-DeepSpeed: full activation recomputation (uniform method).")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Selective activation recomputation (attention core only).")
+    g.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"],
+                   help="Activation recomputation granularity.")
+    g.add_argument("--distribute-saved-activations", action="store_true",
+                   help="Shard recomputation checkpoints across the tensor-parallel group.")
+    g.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],
+                   help="Full recomputation: 'uniform' chunks or the first N layers per stage ('block').")
+    g.add_argument("--recompute-num-layers", type=int, default=1, help="Layers per recomputation unit.")
+    g.add_argument("--checkpoint-num-layers", type=int, default=None,
+                   help="Megatron-DeepSpeed alias of --recompute-num-layers.")
+    g.add_argument("--train-iters", type=int, default=None, help="Total training iterations.")
+    g.add_argument("--train-samples", type=int, default=None, help="Total training samples.")
+    g.add_argument("--log-interval", type=int, default=100, help="Report loss and timing every N iterations.")
+    g.add_argument("--exit-interval", type=int, default=None, help="Exit when iteration % N == 0.")
+    g.add_argument("--exit-duration-in-mins", type=int, default=None, help="Exit after this many minutes.")
+    g.add_argument("--exit-signal-handler", action="store_true", help="Save and exit on SIGTERM.")
+    g.add_argument("--tensorboard-dir", type=str, default=None, help="Tensorboard log directory.")
+    g.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
+                   help="Do not fuse scaling, masking and softmax.")
+    g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
+                   help="Do not fuse bias add and GeLU.")
+    g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
+                   help="Do not fuse bias add, dropout and residual add.")
+    g.add_argument("--use-flash-attn", action="store_true", help="FlashAttention (CUDA only).")
+    g.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer.")
+    g.add_argument("--dataloader-type", type=str, default=None, choices=["single", "cyclic"],
+                   help="Data sampler ('single' by default).")
+    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_false",
+                   dest="async_tensor_model_parallel_allreduce",
+                   help="Do not overlap the tensor-parallel all-reduce with the weight-gradient computation.")
+    g.add_argument("--no-persist-layer-norm", action="store_true", help="Do not use persistent layer-norm kernels.")
+    g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (needs TP > 1).")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
+                   help="Do not fuse weight-gradient accumulation (needs a CUDA extension).")
+    g.add_argument("--deterministic-mode", action="store_true", help="Choose deterministic algorithms.")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="Call torch.cuda.empty_cache() each iteration (0 off, 1 moderate, 2 aggressive).")
+    g.add_argument("--skip-train", action="store_true", help="Skip training; only evaluate.")
+    return parser
+
+
+def _add_initialization_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group(title="initialization")
+    g.add_argument("--seed", type=int, default=1234, help="Random seed (python, numpy, torch).")
+    g.add_argument("--data-parallel-random-init", action="store_true",
+                   help="Different initial weights on each data-parallel rank.")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight initialiser.")
+    g.add_argument("--init-method-xavier-uniform", action="store_true", help="Xavier uniform initialisation.")
+    return parser
+
+
+def _add_learning_rate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group(title="learning rate")
+    g.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    g.add_argument("--lr-decay-style", type=str, default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root"], help="Learning rate decay.")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="Iterations to decay over (default train-iters).")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="Samples to decay over (default train-samples).")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="Warm-up as a fraction of decay length.")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="Warm-up iterations.")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="Warm-up samples.")
+    g.add_argument("--warmup", type=int, default=None, help="Deprecated: use --lr-warmup-fraction.")
+    g.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor.")
+    g.add_argument("--override-opt_param-scheduler", "--override-lr-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="Take scheduler values from the flags, ignoring the checkpoint.")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler", action="store_true",
+                   dest="use_checkpoint_opt_param_scheduler",
+                   help="Take scheduler values from the checkpoint, ignoring the flags.")
+    return parser
+
+
+def _add_checkpointing_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group(title="checkpointing")
+    g.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
+    g.add_argument("--save-interval", type=int, default=None, help="Iterations between checkpoint saves.")
+    g.add_argument("--no-save-optim", action="store_true", default=None, help="Do not save optimizer state.")
+    g.add_argument("--no-save-rng", action="store_true", default=None, help="Do not save RNG state.")
+    g.add_argument("--load", type=str, default=None, help="Directory containing a checkpoint to load.")
+    g.add_argument("--no-load-optim", action="store_true", default=None, help="Do not load optimizer state.")
+    g.add_argument("--no-load-rng", action="store_true", default=None, help="Do not load RNG state.")
+    g.add_argument("--finetune", action="store_true",
+                   help="Load model weights only; reset iteration count, optimizer and RNG.")
+    g.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
+                   help="Skip weight initialisation (weights come from a checkpoint).")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="Take model arguments from the checkpoint in --load.")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="Exit if --load is set but no checkpoint is found there.")
+    return parser
+
+
+def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group(title="mixed precision")
+    g.add_argument("--fp16", action="store_true", help="fp16 mixed precision.")
+    g.add_argument("--bf16", action="store_true", help="bf16 mixed precision.")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="Static loss scale (power of 2); default: dynamic loss scaling.")
+    g.add_argument("--initial-loss-scale", type=float, default=2**32, help="Initial dynamic loss scale.")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic loss scale.")
+    g.add_argument("--loss-scale-window", type=float, default=1000, help="Iterations between scale increases.")
+    g.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before decreasing the scale.")
+    g.add_argument("--fp32-residual-connection", action="store_true", help="Keep the residual stream in fp32.")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true", dest="apply_query_key_layer_scaling",
+                   help="Scale Q*K^T by 1/layer-number (fp16 range safety).")
+    g.add_argument("--no-query-key-layer-scaling", action="store_false", dest="apply_query_key_layer_scaling",
+                   help="Megatron-DeepSpeed spelling: no query-key layer scaling.")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true", help="Attention softmax in fp32.")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="Accumulate and all-reduce gradients in fp32.")
+    g.add_argument("--fp16-lm-cross-entropy", action="store_true", help="LM cross entropy in fp16 (unfused).")
+    return parser
+
+
+def _add_distributed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group(title="distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Tensor model parallel size.")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline model parallel size.")
+    g.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
+                   help="Rank where the encoder ends and the decoder starts (T5).")
+    g.add_argument("--model-parallel-size", type=int, default=None,
+                   help="Deprecated: use --tensor-model-parallel-size.")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="Layers per virtual pipeline stage (interleaved schedule).")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="torch.distributed backend (default: nccl with CUDA, gloo without).")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="Timeout for torch.distributed collectives, in minutes.")
+    g.add_argument("--DDP-impl", default="local", choices=["local", "torch"],
+                   help="Data-parallel implementation.")
+    g.add_argument("--no-contiguous-buffers-in-local-ddp", action="store_false",
+                   dest="use_contiguous_buffers_in_local_ddp",
+                   help="Do not use a contiguous gradient buffer in the local DDP.")
+    g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_false",
+                   dest="scatter_gather_tensors_in_pipeline",
+                   help="Send whole activations between pipeline stages (no TP scatter/gather).")
+    g.add_argument("--use-ring-exchange-p2p", action="store_true", help="Ring-exchange P2P (custom PyTorch builds).")
+    g.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank",
+                   help="Local rank, passed by the launcher.")
+    g.add_argument("--lazy-mpu-init", type=bool, required=False,
+                   help="Skip torch.distributed init; the caller initialises later.")
+    g.add_argument("--use-cpu-initialization", action="store_true", default=None,
+                   help="Initialise full weights on CPU (TP shards then match TP=1 bitwise).")
+    g.add_argument("--standalone-embedding-stage", action="store_true",
+                   help="Put the input embedding on its own pipeline stage.")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Shard optimizer state across data-parallel ranks (ZeRO-1).")
+    g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap gradient reduction with backward.")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="Overlap the distributed optimizer's parameter all-gather with forward.")
+    return parser
+
+
+def _add_validation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group(title="validation")
+    g.add_argument("--eval-iters", type=int, default=100, help="Iterations per validation/test evaluation.")
+    g.add_argument("--eval-interval", type=int, default=1000, help="Iterations between validation runs.")
+    return parser
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group(title="data and dataloader")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="Dataset prefix, or weighted prefixes: 'w1 prefix1 w2 prefix2 ...'.")
+    g.add_argument("--split", type=str, default="969, 30, 1", help="Train/valid/test split, e.g. '949,50,1'.")
+    g.add_argument("--train-data-path", nargs="*", default=None, help="Separate training data prefix(es).")
+    g.add_argument("--valid-data-path", nargs="*", default=None, help="Separate validation data prefix(es).")
+    g.add_argument("--test-data-path", nargs="*", default=None, help="Separate test data prefix(es).")
+    g.add_argument("--data-cache-path", type=str, default=None, help="Where to store index-mapping caches.")
+    g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size (NullTokenizer / no vocab file).")
+    g.add_argument("--vocab-file", type=str, default=None, help="Vocabulary file.")
+    g.add_argument("--merge-file", type=str, default=None, help="BPE merges file.")
+    g.add_argument("--vocab-extra-ids", type=int, default=0, help="Extra sentinel tokens (T5).")
+    g.add_argument("--seq-length", type=int, default=None, help="Maximum sequence length.")
+    g.add_argument("--encoder-seq-length", type=int, default=None, help="Encoder sequence length (T5/BERT).")
+    g.add_argument("--decoder-seq-length", type=int, default=None, help="Decoder sequence length (T5).")
+    g.add_argument("--sample-rate", type=float, default=1.0, help="Fraction of data to use (0, 1].")
+    g.add_argument("--mask-prob", type=float, default=0.15, help="Masking probability (BERT/T5).")
+    g.add_argument("--short-seq-prob", type=float, default=0.1, help="Probability of a short sequence (BERT).")
+    g.add_argument("--mmap-warmup", action="store_true", help="Warm up the memory-mapped dataset files.")
+    g.add_argument("--num-workers", type=int, default=2, help="Dataloader worker processes.")
+    g.add_argument("--tokenizer-type", type=str, default=None, choices=_tokenizer_types(), help="Tokenizer.")
+    g.add_argument("--tokenizer-model", type=str, default=None, help="SentencePiece model file.")
+    g.add_argument("--tokenizer-name-or-path", type=str, default=None,
+                   help="Hugging Face tokenizer name or directory (HFTokenizer).")
+    g.add_argument("--data-impl", "--dataset-impl", type=str, default="infer", dest="data_impl",
+                   choices=["mmap", "infer", "lazy", "cached"], help="Indexed dataset implementation.")
+    g.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each EOD.")
+    g.add_argument("--reset-attention-mask", action="store_true", help="Do not attend across EOD tokens.")
+    g.add_argument("--eod-mask-loss", action="store_true", help="No loss on EOD tokens.")
+    return parser
+
+
+def _add_inference_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group(title="inference")
+    g.add_argument("--inference-batch-times-seqlen-threshold", type=int, default=512,
+                   help="Pipeline the forward pass during inference above this batch * seq-length.")
+    g.add_argument("--max-tokens-to-oom", type=int, default=12000, help="Refuse generation above this many tokens.")
+    return parser
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _print0(args: argparse.Namespace, message: str) -> None:
+    if getattr(args, "rank", 0) == 0:
+        print(message, flush=True)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ArgumentError(message)
+
+
+def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] = None) -> argparse.Namespace:
+    """Check flag combinations (one-line errors naming the flags) and fill derived values, as Megatron does."""
+    defaults = defaults or {}
+    if not hasattr(args, "rank"):
+        args.rank = int(os.environ.get("RANK", "0"))
+    if not hasattr(args, "world_size"):
+        args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+
+    # Defaults supplied by the entry script (e.g. tokenizer_type for pretrain_gpt.py).
+    for key, value in defaults.items():
+        current = getattr(args, key, None)
+        if current is not None:
+            if current != value:
+                _print0(args, f"WARNING: overriding default arguments for {key}:{value} with {key}:{current}")
+        else:
+            setattr(args, key, value)
+
+    _validate_deprecated(args)
+    _validate_parallel_layout(args)
+    _validate_batch(args)
+    _validate_precision(args)
+    _validate_training_length(args)
+    _validate_model_shape(args)
+    _validate_recompute(args)
+    _validate_misc(args)
+
+    _print_args(args)
+    return args
+
+
+def _validate_deprecated(args: argparse.Namespace) -> None:
+    _require(args.model_parallel_size is None,
+             "--model-parallel-size is no longer supported: use --tensor-model-parallel-size instead")
+    _require(args.batch_size is None, "--batch-size is no longer supported: use --micro-batch-size instead")
+    _require(args.warmup is None, "--warmup is no longer supported: use --lr-warmup-fraction instead")
+    if args.checkpoint_num_layers is not None:
+        args.recompute_num_layers = args.checkpoint_num_layers
+
+
+def _validate_parallel_layout(args: argparse.Namespace) -> None:
+    tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
+    _require(tp >= 1, f"--tensor-model-parallel-size must be >= 1 (got {tp})")
+    _require(pp >= 1, f"--pipeline-model-parallel-size must be >= 1 (got {pp})")
+    _require(world % (tp * pp) == 0,
+             f"world size ({world}) is not divisible by --tensor-model-parallel-size ({tp}) x "
+             f"--pipeline-model-parallel-size ({pp}); launch a multiple of {tp * pp} processes or change the sizes")
+    args.data_parallel_size = world // (tp * pp)
+    _print0(args, f"using world size: {world}, data-parallel size: {args.data_parallel_size}, "
+                  f"tensor-model-parallel size: {tp}, pipeline-model-parallel size: {pp} ")
+    if args.pipeline_model_parallel_split_rank is not None:
+        _require(args.pipeline_model_parallel_split_rank < pp,
+                 f"--pipeline-model-parallel-split-rank ({args.pipeline_model_parallel_split_rank}) must be smaller "
+                 f"than --pipeline-model-parallel-size ({pp})")
+    args.transformer_pipeline_model_parallel_size = pp - 1 if args.standalone_embedding_stage else pp
+
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        _require(pp > 2, "--num-layers-per-virtual-pipeline-stage (interleaved schedule) needs "
+                         f"--pipeline-model-parallel-size > 2 (got {pp})")
+        _require(args.num_layers is not None, "--num-layers-per-virtual-pipeline-stage needs --num-layers")
+        _require(args.num_layers % args.transformer_pipeline_model_parallel_size == 0,
+                 f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size "
+                 f"({args.transformer_pipeline_model_parallel_size}) for the interleaved schedule")
+        per_stage = args.num_layers // args.transformer_pipeline_model_parallel_size
+        _require(per_stage % args.num_layers_per_virtual_pipeline_stage == 0,
+                 f"layers per pipeline stage ({per_stage}) must be divisible by "
+                 f"--num-layers-per-virtual-pipeline-stage ({args.num_layers_per_virtual_pipeline_stage})")
+        args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
+    else:
+        args.virtual_pipeline_model_parallel_size = None
+
+    if args.sequence_parallel and tp == 1:
+        _print0(args, "WARNING: --sequence-parallel needs --tensor-model-parallel-size > 1; disabling it")
+        args.sequence_parallel = False
+    if args.sequence_parallel:
+        # The sequence-parallel all-gather already overlaps; Megatron turns the async all-reduce off.
+        args.async_tensor_model_parallel_allreduce = False
+
+    if args.DDP_impl == "torch":
+        _require(not args.use_distributed_optimizer,
+                 "--use-distributed-optimizer needs --DDP-impl local (it shards the local DDP's gradient buffer)")
+        _require(not args.overlap_grad_reduce, "--overlap-grad-reduce needs --DDP-impl local")
+    if args.use_distributed_optimizer:
+        _require(args.use_contiguous_buffers_in_local_ddp,
+                 "--use-distributed-optimizer needs contiguous gradient buffers: drop "
+                 "--no-contiguous-buffers-in-local-ddp")
+    if args.overlap_param_gather:
+        _require(args.use_distributed_optimizer, "--overlap-param-gather needs --use-distributed-optimizer")
+        _require(args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce")
+
+
+def _validate_batch(args: argparse.Namespace) -> None:
+    _require(args.micro_batch_size is not None, "--micro-batch-size is required (batch size per model instance)")
+    _require(args.micro_batch_size > 0, f"--micro-batch-size must be positive (got {args.micro_batch_size})")
+    dp = args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+        _print0(args, f"setting global batch size to {args.global_batch_size}")
+    _require(args.global_batch_size > 0, f"--global-batch-size must be positive (got {args.global_batch_size})")
+    if args.rampup_batch_size is not None:
+        _require(len(args.rampup_batch_size) == 3,
+                 "--rampup-batch-size takes three numbers: <start batch size> <batch size increment> "
+                 f"<ramp-up samples> (got {args.rampup_batch_size})")
+        try:
+            start, incr, _samples = (int(v) for v in args.rampup_batch_size)
+        except ValueError:
+            raise ArgumentError(f"--rampup-batch-size values must be integers (got {args.rampup_batch_size})") from None
+        unit = args.micro_batch_size * dp
+        _require(start > 0 and incr > 0, "--rampup-batch-size start and increment must be positive")
+        _require(start <= args.global_batch_size,
+                 f"--rampup-batch-size start ({start}) exceeds --global-batch-size ({args.global_batch_size})")
+        _require(start % unit == 0 and incr % unit == 0,
+                 f"--rampup-batch-size start ({start}) and increment ({incr}) must be multiples of "
+                 f"--micro-batch-size x data-parallel size ({unit})")
+        _require((args.global_batch_size - start) % incr == 0,
+                 f"--global-batch-size ({args.global_batch_size}) minus the ramp-up start ({start}) must be a "
+                 f"multiple of the ramp-up increment ({incr})")
+    else:
+        _require(args.global_batch_size % (args.micro_batch_size * dp) == 0,
+                 f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
+                 f"({args.micro_batch_size}) x data-parallel size ({dp}); e.g. use --global-batch-size "
+                 f"{max(1, args.global_batch_size // (args.micro_batch_size * dp)) * args.micro_batch_size * dp}")
+    if args.dataloader_type is None:
+        args.dataloader_type = "single"
+    args.consumed_train_samples = 0
+    args.consumed_valid_samples = 0
+
+
+def _validate_precision(args: argparse.Namespace) -> None:
+    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 cannot be used together; pick one")
+    args.params_dtype = torch.float
+    if args.fp16:
+        args.params_dtype = torch.half
+    if args.bf16:
+        args.params_dtype = torch.bfloat16
+        if not args.accumulate_allreduce_grads_in_fp32:
+            args.accumulate_allreduce_grads_in_fp32 = True
+            _print0(args, "accumulate and all-reduce gradients in fp32 for bfloat16 data type.")
+    _print0(args, f"using {args.params_dtype} for parameters ...")
+    if args.apply_query_key_layer_scaling:
+        # Layer scaling divides scores by the layer number and multiplies back inside the softmax: needs fp32 there.
+        args.attention_softmax_in_fp32 = True
+    if args.fp16_lm_cross_entropy:
+        _require(args.fp16, "--fp16-lm-cross-entropy needs --fp16")
+    if args.fp32_residual_connection:
+        _require(args.fp16 or args.bf16, "--fp32-residual-connection needs --fp16 or --bf16")
+    if args.loss_scale is not None:
+        _require(args.loss_scale > 0, f"--loss-scale must be positive (got {args.loss_scale})")
+    _require(args.initial_loss_scale > 0 and args.min_loss_scale > 0,
+             "--initial-loss-scale and --min-loss-scale must be positive")
+    if args.gradient_accumulation_fusion and not _grad_accumulation_fusion_available():
+        args.gradient_accumulation_fusion = False
+    if args.use_cpu_initialization is None:
+        args.use_cpu_initialization = bool(args.lazy_mpu_init) or not torch.cuda.is_available()
+
+
+def _grad_accumulation_fusion_available() -> bool:
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _validate_training_length(args: argparse.Namespace) -> None:
+    _require(not (args.train_iters is not None and args.train_samples is not None),
+             "use either --train-iters or --train-samples, not both")
+    if args.train_iters is not None:
+        _require(args.train_iters >= 0, f"--train-iters must be >= 0 (got {args.train_iters})")
+        _require(args.lr_decay_samples is None,
+                 "--lr-decay-samples needs --train-samples; with --train-iters use --lr-decay-iters")
+        _require(args.lr_warmup_samples == 0,
+                 "--lr-warmup-samples needs --train-samples; with --train-iters use --lr-warmup-iters")
+        _require(args.rampup_batch_size is None,
+                 "--rampup-batch-size needs sample-based training: use --train-samples instead of --train-iters")
+        if args.lr_warmup_fraction is not None:
+            _require(args.lr_warmup_iters == 0, "use either --lr-warmup-fraction or --lr-warmup-iters, not both")
+    if args.train_samples is not None:
+        _require(args.train_samples >= 0, f"--train-samples must be >= 0 (got {args.train_samples})")
+        _require(args.lr_decay_iters is None,
+                 "--lr-decay-iters needs --train-iters; with --train-samples use --lr-decay-samples")
+        _require(args.lr_warmup_iters == 0,
+                 "--lr-warmup-iters needs --train-iters; with --train-samples use --lr-warmup-samples")
+        if args.lr_warmup_fraction is not None:
+            _require(args.lr_warmup_samples == 0, "use either --lr-warmup-fraction or --lr-warmup-samples, not both")
+    if (args.train_iters or args.train_samples) and not args.skip_train:
+        _require(args.lr is not None, "--lr is required for training (peak learning rate, e.g. --lr 1.5e-4)")
+    if args.lr is not None:
+        _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
+    if args.lr_warmup_fraction is not None:
+        _require(0.0 <= args.lr_warmup_fraction <= 1.0,
+                 f"--lr-warmup-fraction must be within [0, 1] (got {args.lr_warmup_fraction})")
+    if args.save is not None:
+        _require(args.save_interval is not None, "--save needs --save-interval (iterations between saves)")
+    if args.save_interval is not None:
+        _require(args.save_interval > 0, f"--save-interval must be positive (got {args.save_interval})")
+    _require(args.log_interval > 0, f"--log-interval must be positive (got {args.log_interval})")
+    _require(args.eval_interval > 0, f"--eval-interval must be positive (got {args.eval_interval})")
+    _require(args.eval_iters >= 0, f"--eval-iters must be >= 0 (got {args.eval_iters})")
+    if args.weight_decay_incr_style == "constant":
+        # (Values equal to --weight-decay are what a previous validation filled in: keep validation idempotent.)
+        unchanged = (None, args.weight_decay)
+        _require(args.start_weight_decay in unchanged and args.end_weight_decay in unchanged,
+                 "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine "
+                 "(with constant style use --weight-decay)")
+        args.start_weight_decay = args.weight_decay
+        args.end_weight_decay = args.weight_decay
+    else:
+        _require(args.start_weight_decay is not None and args.end_weight_decay is not None,
+                 f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
+                 "--end-weight-decay")
+
+
+def _validate_model_shape(args: argparse.Namespace) -> None:
+    for flag in ("num_layers", "hidden_size", "num_attention_heads"):
+        _require(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
+    if args.encoder_num_layers is None:
+        args.encoder_num_layers = args.num_layers
+    _require(args.num_layers > 0 and args.hidden_size > 0 and args.num_attention_heads > 0,
+             "--num-layers, --hidden-size and --num-attention-heads must be positive")
+    stages = args.transformer_pipeline_model_parallel_size
+    if stages > 1 and args.pipeline_model_parallel_split_rank is None:
+        _require(args.num_layers % stages == 0,
+                 f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({stages})")
+    tp = args.tensor_model_parallel_size
+    _require(args.num_attention_heads % tp == 0,
+             f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+             f"--tensor-model-parallel-size ({tp})")
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            # Keep the parameter count of a 4h GeLU MLP, rounded to a multiple of 64.
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.kv_channels is None:
+        _require(args.hidden_size % args.num_attention_heads == 0,
+                 f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
+                 f"({args.num_attention_heads}), or set --kv-channels")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.seq_length is not None:
+        _require(args.encoder_seq_length in (None, args.seq_length),
+                 "use either --seq-length or --encoder-seq-length, not both")
+        args.encoder_seq_length = args.seq_length
+    elif args.encoder_seq_length is not None:
+        args.seq_length = args.encoder_seq_length
+    _require(args.seq_length is not None, "--seq-length is required (or --encoder-seq-length)")
+    if args.max_position_embeddings is None and args.position_embedding_type == "rope":
+        args.max_position_embeddings = args.seq_length
+    _require(args.max_position_embeddings is not None, "--max-position-embeddings is required")
+    if args.seq_length is not None:
+        _require(args.max_position_embeddings >= args.seq_length,
+                 f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings "
+                 f"({args.max_position_embeddings}); raise --max-position-embeddings or lower --seq-length")
+    if args.decoder_seq_length is not None:
+        _require(args.max_position_embeddings >= args.decoder_seq_length,
+                 f"--decoder-seq-length ({args.decoder_seq_length}) exceeds --max-position-embeddings "
+                 f"({args.max_position_embeddings})")
+    if args.sequence_parallel and args.seq_length is not None:
+        _require(args.seq_length % tp == 0,
+                 f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
+                 f"--tensor-model-parallel-size ({tp})")
+    _require(args.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive")
+
+
+def _validate_recompute(args: argparse.Namespace) -> None:
+    if args.checkpoint_activations:
+        # Megatron-DeepSpeed semantics: the old flag means full recomputation of uniform chunks.
+        _require(args.recompute_granularity in (None, "full"),
+                 "--checkpoint-activations means --recompute-granularity full; drop one of them")
+        args.recompute_granularity = "full"
+        if args.recompute_method is None:
+            args.recompute_method = "uniform"
+    if args.recompute_activations:
+        _require(args.recompute_granularity in (None, "selective") and not args.checkpoint_activations,
+                 "--recompute-activations means --recompute-granularity selective; drop the other recompute flag")
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "selective":
+        _require(args.recompute_method is None,
+                 "--recompute-method is only for --recompute-granularity full (selective has no method)")
+    if args.recompute_granularity == "full":
+        if args.recompute_method is None:
+            args.recompute_method = "uniform"
+        _require(args.recompute_num_layers is not None and args.recompute_num_layers >= 1,
+                 "--recompute-num-layers must be >= 1")
+    elif args.recompute_method is not None:
+        raise ArgumentError("--recompute-method needs --recompute-granularity full (or --checkpoint-activations)")
+    if args.distribute_saved_activations:
+        _require(args.tensor_model_parallel_size > 1,
+                 "--distribute-saved-activations needs --tensor-model-parallel-size > 1")
+        _require(args.recompute_granularity == "full",
+                 "--distribute-saved-activations needs --recompute-granularity full (or --checkpoint-activations)")
+        _require(not args.sequence_parallel,
+                 "--distribute-saved-activations cannot be combined with --sequence-parallel")
+
+
+def _validate_misc(args: argparse.Namespace) -> None:
+    if args.data_path:
+        _validate_weighted_paths("--data-path", args.data_path)
+    for flag in ("train_data_path", "valid_data_path", "test_data_path"):
+        paths = getattr(args, flag)
+        if paths:
+            _validate_weighted_paths("--" + flag.replace("_", "-"), paths)
+    _validate_tokenizer(args)
+    if args.split is not None:
+        _validate_split(args.split)
+    if args.use_flash_attn:
+        _require(not args.deterministic_mode, "--use-flash-attn is not deterministic: drop --deterministic-mode")
+    _require(args.num_workers >= 0, f"--num-workers must be >= 0 (got {args.num_workers})")
+    _require(args.tensorboard_queue_size > 0, "--tensorboard-queue-size must be positive")
+    _require(args.tensorboard_log_interval > 0, "--tensorboard-log-interval must be positive")
+    if args.vocab_extra_ids < 0:
+        raise ArgumentError(f"--vocab-extra-ids must be >= 0 (got {args.vocab_extra_ids})")
+    if args.exit_interval is not None:
+        _require(args.exit_interval > 0, f"--exit-interval must be positive (got {args.exit_interval})")
+
+
+def _validate_tokenizer(args: argparse.Namespace) -> None:
+    kind = args.tokenizer_type
+    for flag in _TOKENIZER_REQUIRED_FLAGS.get(kind, ()):
+        _require(getattr(args, flag, None) is not None,
+                 f"--tokenizer-type {kind} needs --{flag.replace('_', '-')}")
+
+
+def _validate_split(split: str) -> None:
+    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    _require(1 <= len(parts) <= 3 and all(_is_number(p) for p in parts),
+             f"--split {split!r} must be up to three comma-separated numbers, e.g. --split 949,50,1")
+    values = [float(p) for p in parts]
+    _require(all(v >= 0 for v in values) and sum(values) > 0,
+             f"--split {split!r} needs non-negative numbers with a positive sum")
+
+
+def _validate_weighted_paths(flag: str, paths: List[str]) -> None:
+    if len(paths) == 1:
+        return
+    if not _is_number(paths[0]):
+        # Several unweighted prefixes: Megatron treats them as equal weights only in newer versions; be explicit.
+        raise ArgumentError(f"{flag} with several datasets needs weights: '{flag} w1 prefix1 w2 prefix2 ...'")
+    _require(len(paths) % 2 == 0, f"{flag} needs pairs of '<weight> <prefix>' (got {len(paths)} values)")
+    for weight, prefix in zip(paths[0::2], paths[1::2]):
+        _require(_is_number(weight), f"{flag}: '{weight}' (before '{prefix}') is not a number; "
+                                     "use '<weight> <prefix>' pairs")
+        _require(float(weight) >= 0, f"{flag}: weight {weight} must be >= 0")
+        _require(not _is_number(prefix), f"{flag}: expected a dataset prefix after weight {weight}, got '{prefix}'")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _print_args(args: argparse.Namespace) -> None:
+    """Megatron's argument dump on rank 0."""
+    if getattr(args, "rank", 0) != 0:
+        return
+    lines = ["------------------------ arguments ------------------------"]
+    for name in sorted(vars(args), key=lambda s: s.lower()):
+        dots = "." * (48 - len(name))
+        lines.append(f"  {name} {dots} {getattr(args, name)}")
+    lines.append("-------------------- end of arguments ---------------------")
+    print("\n".join(lines), flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Typed config for the model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
+    """Build the `TransformerConfig` the model layers take, from validated args."""
+    kwargs: Dict[str, Any] = {}
+    for f in dataclasses.fields(TransformerConfig):
+        if f.name in ("init_method", "output_layer_init_method"):
+            continue
+        if hasattr(args, f.name) and getattr(args, f.name) is not None:
+            kwargs[f.name] = getattr(args, f.name)
+    kwargs["share_embeddings_and_output_weights"] = not getattr(args, "untie_embeddings_and_output_weights", False)
+    kwargs["use_cpu_initialization"] = bool(getattr(args, "use_cpu_initialization", True)) or (
+        not torch.cuda.is_available()
+    )
+    kwargs["params_dtype"] = getattr(args, "params_dtype", torch.float)
+    kwargs["padded_vocab_size"] = getattr(args, "padded_vocab_size", None) or 0
+    if getattr(args, "init_method_xavier_uniform", False):
+        kwargs["init_method"] = torch.nn.init.xavier_uniform_
+        kwargs["output_layer_init_method"] = torch.nn.init.xavier_uniform_
+    return TransformerConfig(**kwargs)

@@ -1,0 +1,368 @@
+"""Start-up of a Megatron process: flags, globals, torch.distributed, model-parallel groups, seeds, C++ helpers.
+
+`initialize_megatron()` works under torchrun / torch.distributed.launch, the DeepSpeed launcher, SLURM (srun),
+single-process emulation (`MASTER_ADDR=localhost MASTER_PORT=6000 RANK=0 LOCAL_RANK=0 python ...`) and a plain
+`python pretrain_gpt.py ...` (world size 1 on a free port). Backend: nccl with CUDA, gloo without.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import random
+import re
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from itertools import product
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import numpy as np
+import torch
+
+from megatron.arguments import parse_args, validate_args
+from megatron.global_vars import get_args, set_global_variables, unset_global_variables
+
+DEFAULT_MASTER_PORT = 6000
+
+_OWNS_PROCESS_GROUP = False
+_ATEXIT_REGISTERED = False
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Launcher detection (pure functions)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LauncherEnv:
+    """Where this process sits in the job, as told by the launcher's environment variables."""
+
+    launcher: str  # "torchrun" | "deepspeed" | "slurm" | "env" (RANK set, no WORLD_SIZE) | "none"
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: Optional[int]  # None: pick a free port (world size 1 only)
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int:
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _port_env(env: Mapping[str, str], default: Optional[int]) -> Optional[int]:
+    if "MASTER_PORT" not in env or env["MASTER_PORT"] == "":
+        return default
+    port = _int_env(env, "MASTER_PORT")
+    if not 0 < port < 65536:
+        raise ValueError(f"environment variable MASTER_PORT={port} is not a valid TCP port (1-65535)")
+    return port
+
+
+def detect_launcher_env(env: Optional[Mapping[str, str]] = None) -> LauncherEnv:
+    """Read rank / world size / master address from torchrun, DeepSpeed, SLURM or nothing (world size 1)."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "deepspeed" if "CROSS_RANK" in env or "DEEPSPEED_LAUNCHER" in env else "torchrun"
+        rank, world_size = _int_env(env, "RANK"), _int_env(env, "WORLD_SIZE")
+        local_rank = _int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
+        port = _port_env(env, DEFAULT_MASTER_PORT if world_size > 1 else None)
+        result = LauncherEnv(launcher, rank, world_size, local_rank, env.get("MASTER_ADDR", "localhost"), port)
+    elif "RANK" in env:
+        # Single-process emulation of a launcher: RANK (and maybe MASTER_*) set by hand, no WORLD_SIZE.
+        rank = _int_env(env, "RANK")
+        if rank != 0:
+            raise ValueError(f"RANK={rank} is set without WORLD_SIZE; set WORLD_SIZE too (or RANK=0 for one process)")
+        local_rank = _int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
+        result = LauncherEnv("env", 0, 1, local_rank, env.get("MASTER_ADDR", "localhost"), _port_env(env, None))
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world_size = _int_env(env, "SLURM_PROCID"), _int_env(env, "SLURM_NTASKS")
+        local_rank = _int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        addr = env.get("MASTER_ADDR")
+        if not addr:
+            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or env.get("SLURM_STEP_NODELIST")
+            if nodelist:
+                addr = parse_slurm_nodelist(nodelist)[0]
+            elif world_size == 1:
+                addr = "localhost"
+            else:
+                raise ValueError("SLURM job without SLURM_JOB_NODELIST or MASTER_ADDR: cannot find the master node; "
+                                 "export MASTER_ADDR=<first node>")
+        port = _port_env(env, DEFAULT_MASTER_PORT if world_size > 1 else None)
+        result = LauncherEnv("slurm", rank, world_size, local_rank, addr, port)
+    else:
+        result = LauncherEnv("none", 0, 1, 0, env.get("MASTER_ADDR", "localhost"), _port_env(env, None))
+    if result.world_size < 1 or not 0 <= result.rank < result.world_size:
+        raise ValueError(f"launcher environment gives rank {result.rank} outside world size {result.world_size}")
+    return result
+
+
+_RANGE_RE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _split_top_level(text: str) -> List[str]:
+    """Split on commas outside brackets: 'a[1,2],b' -> ['a[1,2]', 'b']."""
+    parts, depth, current = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"SLURM nodelist {text!r}: unbalanced ']'")
+        if ch == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    if depth != 0:
+        raise ValueError(f"SLURM nodelist {text!r}: unbalanced '['")
+    parts.append("".join(current))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_ranges(spec: str, nodelist: str) -> List[str]:
+    """'01-03,07' -> ['01', '02', '03', '07'] keeping zero padding."""
+    out = []
+    for item in spec.split(","):
+        m = _RANGE_RE.match(item.strip())
+        if m is None:
+            raise ValueError(f"SLURM nodelist {nodelist!r}: cannot parse range {item!r}")
+        lo, hi = m.group(1), m.group(2)
+        if hi is None:
+            out.append(lo)
+            continue
+        width = len(lo)
+        if int(hi) < int(lo):
+            raise ValueError(f"SLURM nodelist {nodelist!r}: range {item!r} is decreasing")
+        out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
+    return out
+
+
+def parse_slurm_nodelist(nodelist: str) -> List[str]:
+    """Expand SLURM's compressed host list: 'node[01-03,07],other' -> node01 node02 node03 node07 other."""
+    hosts: List[str] = []
+    for part in _split_top_level(nodelist):
+        # Alternate literal text and bracketed range sets; expand as a cartesian product.
+        pieces = re.split(r"(\[[^\]]*\])", part)
+        choices = []
+        for piece in pieces:
+            if piece.startswith("["):
+                choices.append(_expand_ranges(piece[1:-1], nodelist))
+            elif piece:
+                choices.append([piece])
+        hosts.extend("".join(combo) for combo in product(*choices))
+    if not hosts:
+        raise ValueError(f"SLURM nodelist {nodelist!r} contains no hosts")
+    return hosts
+
+
+def resolve_backend(requested: Optional[str], cuda_available: bool) -> str:
+    """nccl with CUDA, gloo without; an explicit --distributed-backend wins (nccl without CUDA is refused)."""
+    if requested is None:
+        return "nccl" if cuda_available else "gloo"
+    if requested == "nccl" and not cuda_available:
+        raise RuntimeError("--distributed-backend nccl needs CUDA GPUs, none found; use --distributed-backend gloo")
+    if requested not in ("nccl", "gloo"):
+        raise ValueError(f"--distributed-backend must be nccl or gloo (got {requested!r})")
+    return requested
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Initialisation
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _print0(message: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+
+
+def initialize_megatron(
+    extra_args_provider: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None,
+    args_defaults: Optional[Dict[str, Any]] = None,
+    ignore_unknown_args: bool = False,
+    args: Optional[List[str]] = None,
+    allow_no_cuda: bool = True,
+    skip_mpu_initialization: bool = False,
+) -> Optional[argparse.Namespace]:
+    """Parse + validate flags, set globals, init torch.distributed and model parallelism, seed, build helpers.
+
+    Returns the args (None with `skip_mpu_initialization`). `allow_no_cuda` is accepted for Megatron compatibility:
+    CPU runs are always allowed here.
+    """
+    del allow_no_cuda
+    parsed = parse_args(extra_args_provider, ignore_unknown_args, args)
+    if getattr(parsed, "use_checkpoint_args", False) or (args_defaults or {}).get("use_checkpoint_args", False):
+        if not parsed.load:
+            raise ValueError("--use-checkpoint-args needs --load <checkpoint directory>")
+        from megatron.checkpointing import load_args_from_checkpoint
+
+        load_args_from_checkpoint(parsed)
+    validate_args(parsed, args_defaults or {})
+    set_global_variables(parsed)
+
+    if skip_mpu_initialization:
+        return None
+    if getattr(parsed, "lazy_mpu_init", False):
+        # The caller (e.g. an external framework) finishes later with finish_mpu_init().
+        parsed.use_cpu_initialization = True
+        return parsed
+    finish_mpu_init(parsed)
+    return parsed
+
+
+def finish_mpu_init(args: Optional[argparse.Namespace] = None) -> None:
+    """Second half of start-up: torch.distributed, model-parallel groups, seeds, deterministic mode, helpers."""
+    args = get_args() if args is None else args
+    _initialize_distributed(args)
+    _print0(f"> setting random seeds to {args.seed} ...")
+    set_random_seed(args.seed, args.data_parallel_random_init)
+    if args.deterministic_mode:
+        _set_deterministic()
+    _compile_dependencies()
+
+
+def _initialize_distributed(args: argparse.Namespace) -> None:
+    """Init torch.distributed (unless already up) and the model-parallel groups."""
+    global _OWNS_PROCESS_GROUP, _ATEXIT_REGISTERED
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if dist.is_initialized():
+        _print0("torch distributed is already initialized, skipping initialization ...")
+        args.rank = dist.get_rank()
+        args.world_size = dist.get_world_size()
+        if cuda and args.distributed_backend != "gloo":
+            torch.cuda.set_device(args.local_rank % torch.cuda.device_count())
+    else:
+        env = detect_launcher_env(os.environ)
+        backend = resolve_backend(args.distributed_backend, cuda)
+        if env.world_size != args.world_size:
+            raise RuntimeError(f"world size changed between parse_args ({args.world_size}) and init ({env.world_size})")
+        if env.rank == 0:
+            print("> initializing torch distributed ...", flush=True)
+        if cuda:
+            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        port = env.master_port if env.master_port is not None else find_free_port()
+        # Libraries that read the env (DeepSpeed, torch elastic helpers) see the same rendezvous.
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(port))
+        os.environ.setdefault("RANK", str(env.rank))
+        os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+        os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
+        init_method = f"tcp://{_format_host(env.master_addr)}:{port}"
+        try:
+            dist.init_process_group(
+                backend=backend,
+                init_method=init_method,
+                world_size=env.world_size,
+                rank=env.rank,
+                timeout=timedelta(minutes=args.distributed_timeout_minutes),
+            )
+        except (RuntimeError, ValueError, OSError) as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RuntimeError(
+                f"torch.distributed ({backend}) could not start at {init_method} as rank {env.rank} of "
+                f"{env.world_size} ({env.launcher} launcher): {first_line}. Check MASTER_ADDR/MASTER_PORT "
+                "(is the port free and the same on every rank?)"
+            ) from exc
+        _OWNS_PROCESS_GROUP = True
+        if not _ATEXIT_REGISTERED:
+            atexit.register(_destroy_process_group_at_exit)
+            _ATEXIT_REGISTERED = True
+        args.rank, args.world_size, args.local_rank = env.rank, env.world_size, env.local_rank
+    args.distributed_backend = dist.get_backend()
+
+    if parallel_state.model_parallel_is_initialized():
+        _print0("model parallel is already initialized")
+        return
+    state = parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size,
+    )
+    if args.rank == 0:
+        print(f"> initialized tensor model parallel with size {state.tp_size}", flush=True)
+        print(f"> initialized pipeline model parallel with size {state.pp_size}", flush=True)
+
+
+def _format_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def set_random_seed(seed: int, data_parallel_random_init: bool = False) -> None:
+    """Megatron's `_set_random_seed`: seed + 100 * pp_rank (+ 10 * dp_rank) for python, numpy, torch, TP tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_manual_seed
+
+    if seed is None or seed <= 0:
+        raise ValueError(f"--seed must be a positive integer (got {seed})")
+    state = (parallel_state.get_parallel_state() if parallel_state.model_parallel_is_initialized()
+             else parallel_state.ParallelState.single())
+    seed = seed + 100 * state.pp_rank
+    if data_parallel_random_init:
+        seed = seed + 10 * state.dp_rank
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    model_parallel_manual_seed(seed, state.tp_rank, state.pp_rank)
+
+
+_set_random_seed = set_random_seed  # Megatron's private name
+
+
+def _set_deterministic() -> None:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
+def _compile_dependencies() -> None:
+    """Build (rank 0) and load (everyone) the dataset index helpers."""
+    try:
+        from megatron.data import helpers
+    except ImportError:
+        _print0("WARNING: megatron.data.helpers not found; dataset index builder not compiled")
+        return
+    start = time.time()
+    _print0("> compiling dataset index builder ...")
+    helpers.compile_helpers_rank0()
+    _print0(f">>> done with dataset index builder. Compilation time: {time.time() - start:.3f} seconds")
+
+
+def _destroy_process_group_at_exit() -> None:
+    global _OWNS_PROCESS_GROUP
+    if _OWNS_PROCESS_GROUP and torch.distributed.is_initialized():
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: best effort
+            pass
+    _OWNS_PROCESS_GROUP = False
+
+
+def destroy_megatron(unset_globals: bool = True) -> None:
+    """Tear down model-parallel state, the process group (if initialize_megatron created it) and the globals."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    _destroy_process_group_at_exit()
+    if unset_globals:
+        unset_global_variables()
+
+
+def get_initialized_args() -> argparse.Namespace:
+    """Alias of megatron.global_vars.get_args for scripts that only import this module."""
+    return get_args()
