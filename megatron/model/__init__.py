@@ -1,0 +1,56 @@
+"""Megatron models built from megatron.core tensor-parallel layers (GPT today; BERT/T5 reuse the same blocks).
+
+Parameter names follow Megatron's GPT checkpoints (language_model.embedding.word_embeddings.weight,
+language_model.encoder.layers.{i}.self_attention.query_key_value.weight, ...).
+"""
+from megatron.model.attention import CoreAttention, ParallelAttention
+from megatron.model.enums import AttnMaskType, AttnType, LayerType, ModelType
+from megatron.model.fused_layer_norm import LayerNorm, MixedFusedLayerNorm
+from megatron.model.fused_softmax import FusedScaleMaskSoftmax
+from megatron.model.gpt_model import GPTModel, flatten_checkpoint_state_dict, post_language_model_processing
+from megatron.model.inference_params import InferenceParams
+from megatron.model.language_model import Embedding, Pooler, TransformerLanguageModel, parallel_lm_logits
+from megatron.model.module import (
+    Float16Module,
+    MegatronModule,
+    allreduce_word_embedding_grads,
+    float16_to_fp32,
+    fp32_to_float16,
+    param_is_not_shared,
+    unwrap_model,
+)
+from megatron.model.transformer import (
+    ParallelMLP,
+    ParallelTransformer,
+    ParallelTransformerLayer,
+)
+
+__all__ = [
+    "AttnMaskType",
+    "AttnType",
+    "CoreAttention",
+    "Embedding",
+    "Float16Module",
+    "FusedScaleMaskSoftmax",
+    "GPTModel",
+    "InferenceParams",
+    "LayerNorm",
+    "LayerType",
+    "MegatronModule",
+    "MixedFusedLayerNorm",
+    "ModelType",
+    "ParallelAttention",
+    "ParallelMLP",
+    "ParallelTransformer",
+    "ParallelTransformerLayer",
+    "Pooler",
+    "TransformerLanguageModel",
+    "allreduce_word_embedding_grads",
+    "flatten_checkpoint_state_dict",
+    "float16_to_fp32",
+    "fp32_to_float16",
+    "param_is_not_shared",
+    "parallel_lm_logits",
+    "post_language_model_processing",
+    "unwrap_model",
+]

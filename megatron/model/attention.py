@@ -1,0 +1,277 @@
+"""Attention for Megatron's transformer: CoreAttention (softmax(q k^T / sqrt(d)) v on this rank's heads) and
+ParallelAttention (fused query_key_value projection, KV cache, selective recomputation, output projection).
+
+Activations are [sequence, batch, ...]; heads are split across the tensor-parallel group.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer_config import TransformerConfig
+from megatron.model.enums import AttnMaskType, AttnType
+from megatron.model.fused_softmax import FusedScaleMaskSoftmax
+from megatron.model.inference_params import InferenceParams
+from megatron.model.module import MegatronModule
+from megatron.model.utils import attention_mask_func, group_size
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+
+
+def _model_parallel_rng_fork(active: bool):
+    """The tracker's model-parallel RNG fork when dropout will actually draw numbers, else a no-op context."""
+    if not active:
+        return contextlib.nullcontext()
+    return tensor_parallel.get_rng_tracker().fork(MODEL_PARALLEL_RNG)
+
+_MASK_CACHE: dict = {"ref": None, "version": -1, "key": None, "value": None}
+
+
+def _classify_mask(mask: torch.Tensor, sq: int, sk: int) -> tuple[bool, bool]:
+    """(has a fully masked row, is exactly the standard causal mask [1, 1, s, s]) for a bool attention mask.
+
+    Every layer sees the same mask tensor, so the answer is cached for the last mask object (weak reference plus
+    its in-place version counter): one device sync per forward instead of one per layer.
+    """
+    key = (sq, sk, tuple(mask.shape))
+    cache = _MASK_CACHE
+    ref = cache["ref"]
+    if ref is not None and ref() is mask and cache["version"] == mask._version and cache["key"] == key:
+        return cache["value"]
+    fully_masked = bool(mask.all(dim=-1).any())
+    plain_causal = False
+    if sq == sk and mask.dim() == 4 and mask.size(0) == 1 and mask.size(1) == 1 and mask.shape[-2:] == (sq, sk):
+        causal = torch.ones(sq, sk, dtype=torch.bool, device=mask.device).triu(1)
+        plain_causal = bool(torch.equal(mask[0, 0], causal))
+    value = (fully_masked, plain_causal)
+    cache.update(ref=weakref.ref(mask), version=mask._version, key=key, value=value)
+    return value
+
+class CoreAttention(MegatronModule):
+    """softmax(q k^T / sqrt(d) + mask) v on this rank's heads.
+
+    Uses F.scaled_dot_product_attention when it computes the same thing (no attention dropout in effect, or
+    `config.use_flash_attn`), else the explicit path whose attention dropout runs under the tracker's
+    model-parallel RNG (different per TP rank, as Megatron).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        tp_group: Optional[Any] = None,
+        attn_mask_type: AttnMaskType = AttnMaskType.padding,
+    ) -> None:
+        super().__init__(config=config)
+        self.fp16 = config.fp16
+        self.bf16 = config.bf16
+        self.apply_query_key_layer_scaling = config.apply_query_key_layer_scaling
+        self.attention_softmax_in_fp32 = config.attention_softmax_in_fp32 or config.apply_query_key_layer_scaling
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.sequence_parallel = config.sequence_parallel
+        self.use_flash_attn = config.use_flash_attn
+        tp_size = group_size(tp_group)
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = tensor_parallel.divide(projection_size, tp_size)
+        self.hidden_size_per_attention_head = config.kv_channels
+        self.num_attention_heads_per_partition = tensor_parallel.divide(config.num_attention_heads, tp_size)
+
+        coeff = None
+        self.norm_factor = math.sqrt(self.hidden_size_per_attention_head)
+        if self.apply_query_key_layer_scaling:
+            coeff = self.layer_number
+            self.norm_factor *= coeff
+        self.scale_mask_softmax = FusedScaleMaskSoftmax(
+            self.fp16,
+            self.bf16,
+            self.attn_mask_type,
+            config.masked_softmax_fusion,
+            attention_mask_func,
+            self.attention_softmax_in_fp32,
+            coeff,
+        )
+        self.attention_dropout_prob = config.attention_dropout
+        self.attention_dropout = torch.nn.Dropout(config.attention_dropout)
+        # Tests flip this to compare the two paths.
+        self.allow_sdpa = True
+
+    def _dropout_active(self) -> bool:
+        return self.training and self.attention_dropout_prob > 0.0
+
+    def _can_use_sdpa(self, attention_mask: Optional[torch.Tensor], sq: int, sk: int) -> bool:
+        if not self.allow_sdpa:
+            return False
+        if self._dropout_active() and not self.use_flash_attn:
+            return False
+        # Fully masked rows: Megatron's -10000 fill gives a uniform row, SDPA would give NaN.
+        return attention_mask is None or not _classify_mask(attention_mask, sq, sk)[0]
+
+    def forward(
+        self,
+        query_layer: torch.Tensor,
+        key_layer: torch.Tensor,
+        value_layer: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """q [sq, b, np, hn], k/v [sk, b, np, hn], mask bool [b or 1, 1, sq, sk] (True = masked) -> [sq, b, np*hn]."""
+        sq, b, np_, hn = query_layer.shape
+        sk = key_layer.size(0)
+        if attention_mask is None and self.attn_mask_type == AttnMaskType.causal and sq != sk:
+            attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=query_layer.device).triu(sk - sq + 1)
+        if self._can_use_sdpa(attention_mask, sq, sk):
+            context = self._sdpa(query_layer, key_layer, value_layer, attention_mask)
+        else:
+            context = self._explicit(query_layer, key_layer, value_layer, attention_mask)
+        return context
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        sq, b, np_, hn = q.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, np, s, hn]
+        if mask is not None and self.attn_mask_type == AttnMaskType.causal and _classify_mask(mask, sq, k.size(2))[1]:
+            mask = None  # the standard causal mask: let SDPA pick its causal (flash) kernels
+        is_causal = mask is None and self.attn_mask_type == AttnMaskType.causal
+        dropout_p = self.attention_dropout_prob if self._dropout_active() else 0.0
+        ctx = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=None if mask is None else ~mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=1.0 / math.sqrt(hn),
+        )
+        return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+    def _explicit(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        sq, b, np_, hn = q.shape
+        sk = k.size(0)
+        q2 = q.reshape(sq, b * np_, hn).transpose(0, 1)  # [b*np, sq, hn]
+        k2 = k.reshape(sk, b * np_, hn).permute(1, 2, 0)  # [b*np, hn, sk]
+        scores = torch.bmm(q2, k2).mul_(1.0 / self.norm_factor).view(b, np_, sq, sk)
+        probs = self.scale_mask_softmax(scores, mask)
+        if self._dropout_active():
+            with _model_parallel_rng_fork(not self.sequence_parallel):
+                probs = self.attention_dropout(probs)
+        v2 = v.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
+        ctx = torch.bmm(probs.view(b * np_, sq, sk).to(v2.dtype), v2)  # [b*np, sq, hn]
+        return ctx.view(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+class ParallelAttention(MegatronModule):
+    """Self- or cross-attention with a fused query_key_value projection (rows ordered [heads, (q, k, v), head_dim])."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        tp_group: Optional[Any] = None,
+        attention_type: AttnType = AttnType.self_attn,
+        attn_mask_type: AttnMaskType = AttnMaskType.padding,
+    ) -> None:
+        super().__init__(config=config)
+        self.layer_number = max(1, layer_number)
+        self.attention_type = attention_type
+        self.attn_mask_type = attn_mask_type
+        projection_size = config.kv_channels * config.num_attention_heads
+        tp_size = group_size(tp_group)
+        self.hidden_size_per_attention_head = config.kv_channels
+        self.num_attention_heads_per_partition = tensor_parallel.divide(config.num_attention_heads, tp_size)
+        common = dict(config=config, init_method=config.init_method, tp_group=tp_group, bias=True, gather_output=False,
+                      sequence_parallel=config.sequence_parallel)
+        if attention_type == AttnType.self_attn:
+            self.query_key_value = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size, 3 * projection_size, **common
+            )
+        else:
+            self.query = tensor_parallel.ColumnParallelLinear(config.hidden_size, projection_size, **common)
+            self.key_value = tensor_parallel.ColumnParallelLinear(config.hidden_size, 2 * projection_size, **common)
+        self.core_attention = CoreAttention(config, self.layer_number, tp_group, attn_mask_type)
+        self.checkpoint_core_attention = config.recompute_granularity == "selective"
+        self.dense = tensor_parallel.RowParallelLinear(
+            projection_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            tp_group=tp_group,
+            bias=True,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            sequence_parallel=config.sequence_parallel,
+        )
+
+    def _checkpointed_attention_forward(self, q, k, v, attention_mask):
+        def custom_forward(q_, k_, v_, mask_):
+            return self.core_attention(q_, k_, v_, mask_)
+
+        return tensor_parallel.checkpoint(custom_forward, False, q, k, v, attention_mask)
+
+    def _update_kv_cache(
+        self, key: torch.Tensor, value: torch.Tensor, inference_params: InferenceParams
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        cache = inference_params.key_value_memory_dict
+        if self.layer_number not in cache:
+            shape = (
+                inference_params.max_sequence_length,
+                inference_params.max_batch_size,
+                self.num_attention_heads_per_partition,
+                self.hidden_size_per_attention_head,
+            )
+            cache[self.layer_number] = (
+                torch.empty(shape, dtype=key.dtype, device=key.device),
+                torch.empty(shape, dtype=value.dtype, device=value.device),
+            )
+        keys, values = cache[self.layer_number]
+        b0 = inference_params.batch_size_offset
+        b1 = b0 + key.size(1)
+        s0 = inference_params.sequence_len_offset
+        s1 = s0 + key.size(0)
+        if s1 > keys.size(0) or b1 > keys.size(1):
+            raise ValueError(
+                f"inference cache too small: need sequence {s1} / batch {b1}, allocated "
+                f"{keys.size(0)} / {keys.size(1)} (InferenceParams(max_batch_size, max_sequence_length))"
+            )
+        keys[s0:s1, b0:b1] = key
+        values[s0:s1, b0:b1] = value
+        return keys[:s1, b0:b1], values[:s1, b0:b1], s0, s1
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        encoder_output: Optional[torch.Tensor] = None,
+        inference_params: Optional[InferenceParams] = None,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        np_ = self.num_attention_heads_per_partition
+        hn = self.hidden_size_per_attention_head
+        if self.attention_type == AttnType.self_attn:
+            mixed, _ = self.query_key_value(hidden_states)  # [sq, b, np * 3 * hn]
+            mixed = mixed.view(mixed.size(0), mixed.size(1), np_, 3 * hn)
+            query, key, value = torch.split(mixed, hn, dim=-1)
+        else:
+            if encoder_output is None:
+                raise ValueError("cross attention needs encoder_output")
+            mixed_kv, _ = self.key_value(encoder_output)
+            mixed_kv = mixed_kv.view(mixed_kv.size(0), mixed_kv.size(1), np_, 2 * hn)
+            key, value = torch.split(mixed_kv, hn, dim=-1)
+            query, _ = self.query(hidden_states)
+            query = query.view(query.size(0), query.size(1), np_, hn)
+
+        if inference_params is not None and self.attention_type == AttnType.self_attn:
+            key, value, s0, s1 = self._update_kv_cache(key, value, inference_params)
+            if attention_mask is not None and attention_mask.size(-2) != query.size(0):
+                attention_mask = attention_mask[..., s0:s1, :s1]
+
+        if self.checkpoint_core_attention and self.training and torch.is_grad_enabled():
+            context = self._checkpointed_attention_forward(query, key, value, attention_mask)
+        else:
+            context = self.core_attention(query, key, value, attention_mask)
+        return self.dense(context)

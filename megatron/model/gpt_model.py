@@ -1,0 +1,173 @@
+"""GPT: the transformer language model with causal attention and logits through the tied word embedding."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer_config import TransformerConfig
+from megatron.model.enums import AttnMaskType
+from megatron.model.language_model import TransformerLanguageModel, parallel_lm_logits
+from megatron.model.module import MegatronModule
+from megatron.model.utils import group_size
+
+WORD_EMBEDDINGS_FOR_HEAD_KEY = "word_embeddings_for_head"
+LANGUAGE_MODEL_KEY = "language_model"
+
+
+def post_language_model_processing(
+    lm_output: torch.Tensor,
+    labels: Optional[torch.Tensor],
+    logit_weights: torch.Tensor,
+    parallel_output: bool,
+    fp16_lm_cross_entropy: bool,
+    tp_group: Optional[Any] = None,
+    sequence_parallel: bool = False,
+) -> torch.Tensor:
+    """Hidden states [s, b, h] -> logits [b, s, v(/tp)] when labels is None, else per-token loss [b, s]."""
+    output = parallel_lm_logits(lm_output, logit_weights, parallel_output, tp_group, sequence_parallel=sequence_parallel)
+    if labels is None:
+        return output.transpose(0, 1).contiguous()
+    labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
+    if fp16_lm_cross_entropy:
+        if output.dtype != torch.half:
+            raise ValueError("--fp16-lm-cross-entropy needs fp16 logits (use it together with --fp16)")
+        loss = tensor_parallel.vocab_parallel_cross_entropy(output, labels, tp_group)
+    else:
+        loss = tensor_parallel.vocab_parallel_cross_entropy(output.float(), labels, tp_group)
+    return loss.transpose(0, 1).contiguous()
+
+
+def flatten_checkpoint_state_dict(state_dict: Mapping[str, Any]) -> dict:
+    """Megatron's nested checkpoint dict -> flat module names (also accepts an already flat dict)."""
+    flat: dict = {}
+
+    def walk(prefix: str, node: Mapping[str, Any]) -> None:
+        for key, value in node.items():
+            if key == WORD_EMBEDDINGS_FOR_HEAD_KEY and not prefix:
+                key = "word_embeddings"
+            if key == "transformer" and prefix == LANGUAGE_MODEL_KEY + ".":
+                key = "encoder"  # Megatron checkpoints before the encoder/decoder split
+            name = f"{prefix}{key}"
+            if isinstance(value, Mapping):
+                walk(name + ".", value)
+            else:
+                flat[name] = value
+
+    walk("", state_dict)
+    # older checkpoints call self-attention "attention"
+    return {k.replace(".attention.", ".self_attention."): v for k, v in flat.items()}
+
+
+class GPTModel(MegatronModule):
+    """Megatron's GPT model; see the module docstring of megatron.model for the parameter names."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        tp_group: Optional[Any] = None,
+        pp_state: Optional[Any] = None,
+        num_tokentypes: int = 0,
+        parallel_output: bool = True,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+    ) -> None:
+        super().__init__(config=config, share_embeddings_and_output_weights=config.share_embeddings_and_output_weights)
+        if tp_group is None and pp_state is not None:
+            tp_group = getattr(pp_state, "tp_group", None)
+        if config.padded_vocab_size <= 0:
+            raise ValueError(
+                "TransformerConfig.padded_vocab_size is not set: build the tokenizer first "
+                "(it sets args.padded_vocab_size) or pass padded_vocab_size"
+            )
+        tp_size = group_size(tp_group)
+        if tp_size != config.tensor_model_parallel_size:
+            raise ValueError(
+                f"GPTModel: config.tensor_model_parallel_size={config.tensor_model_parallel_size} but the tp_group "
+                f"has {tp_size} ranks; pass tp_group=parallel_state.tp_group (or pp_state=parallel_state)"
+            )
+        pp_size = getattr(pp_state, "pp_size", 1) if pp_state is not None else 1
+        if pp_size != config.pipeline_model_parallel_size:
+            raise ValueError(
+                f"GPTModel: config.pipeline_model_parallel_size={config.pipeline_model_parallel_size} but pp_state "
+                f"has pp_size={pp_size}; pass pp_state=parallel_state"
+            )
+        if config.padded_vocab_size % tp_size != 0:
+            raise ValueError(
+                f"padded vocab size {config.padded_vocab_size} is not divisible by --tensor-model-parallel-size "
+                f"{tp_size}; pad it with --make-vocab-size-divisible-by"
+            )
+        self.tp_group = tp_group
+        self.pp_state = pp_state
+        self.parallel_output = parallel_output
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.sequence_parallel = config.sequence_parallel
+        self.language_model = TransformerLanguageModel(
+            config,
+            tp_group,
+            pp_state,
+            encoder_attn_mask_type=AttnMaskType.causal,
+            num_tokentypes=num_tokentypes,
+            add_pooler=False,
+            pre_process=pre_process,
+            post_process=post_process,
+        )
+        if self.share_embeddings_and_output_weights:
+            self.initialize_word_embeddings(tp_group, pp_state)
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        """Activation from the previous pipeline stage."""
+        self.language_model.set_input_tensor(input_tensor)
+
+    def output_weight(self) -> torch.Tensor:
+        """Weight of the output layer: the (tied) word embedding, or the untied output layer."""
+        if self.share_embeddings_and_output_weights:
+            return self.shared_embedding_or_output_weight()
+        return self.language_model.output_layer.weight
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor],
+        labels: Optional[torch.Tensor] = None,
+        inference_params: Optional[Any] = None,
+        tokentype_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Logits [b, s, v/tp] (labels None) or per-token loss [b, s]; hidden states [s, b, h] on non-last stages."""
+        lm_output = self.language_model(
+            input_ids, position_ids, attention_mask, tokentype_ids=tokentype_ids, inference_params=inference_params
+        )
+        if not self.post_process:
+            return lm_output
+        return post_language_model_processing(
+            lm_output,
+            labels,
+            self.output_weight(),
+            self.parallel_output,
+            self.fp16_lm_cross_entropy,
+            self.tp_group,
+            self.sequence_parallel,
+        )
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
+        """Megatron's nested layout: {'language_model': {'embedding': …, 'encoder': …}[, 'word_embeddings_for_head']}."""
+        out = {
+            LANGUAGE_MODEL_KEY: self.language_model.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
+        }
+        if self.post_process and not self.pre_process and self.share_embeddings_and_output_weights:
+            out[WORD_EMBEDDINGS_FOR_HEAD_KEY] = self.word_embeddings.state_dict(prefix=prefix, keep_vars=keep_vars)
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """Load Megatron's nested checkpoint dict or a flat `state_dict()`."""
+        flat = flatten_checkpoint_state_dict(state_dict)
+        # Checkpoints never store non-persistent extras; drop Megatron's optional '_extra_state' entries we lack.
+        own = set(self.state_dict().keys())
+        flat = {k: v for k, v in flat.items() if not (k.endswith("._extra_state") and k not in own)}
+        return super().load_state_dict(flat, strict=strict, assign=assign)

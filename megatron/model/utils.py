@@ -1,0 +1,71 @@
+"""Small helpers used across the model code: initialisers, activations, masks, group sizes."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer_config import init_method_normal, scaled_init_method_normal
+
+__all__ = [
+    "init_method_normal",
+    "scaled_init_method_normal",
+    "attention_mask_func",
+    "get_linear_layer",
+    "gelu_impl",
+    "openai_gelu",
+    "erf_gelu",
+    "group_size",
+    "group_rank",
+]
+
+
+def group_size(group: Optional[object]) -> int:
+    """World size of a process group; None (or no torch.distributed) means a single rank."""
+    if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group=group)
+
+
+def group_rank(group: Optional[object]) -> int:
+    """This process's rank inside `group`; 0 when `group` is None."""
+    if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 0
+    return torch.distributed.get_rank(group=group)
+
+
+def attention_mask_func(attention_scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Fill masked-out positions (mask True) with -10000.0, as Megatron does (in place)."""
+    attention_scores.masked_fill_(attention_mask, -10000.0)
+    return attention_scores
+
+
+def get_linear_layer(rows: int, columns: int, init_method: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Linear:
+    """A plain (not tensor-parallel) linear layer with `init_method` weights and zero bias."""
+    layer = torch.nn.Linear(rows, columns)
+    init_method(layer.weight)
+    with torch.no_grad():
+        layer.bias.zero_()
+    return layer
+
+
+def gelu_impl(x: torch.Tensor) -> torch.Tensor:
+    """OpenAI's tanh approximation of gelu (HF's "gelu_new")."""
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)))
+
+
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Megatron's --openai-gelu activation (tanh approximation)."""
+    return gelu_impl(x)
+
+
+def erf_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Exact gelu written with erf (Megatron's --onnx-safe variant); equal to F.gelu."""
+    return x * 0.5 * (torch.erf(x / math.sqrt(2.0)) + 1.0)
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """Megatron's default activation: exact (erf) gelu."""
+    return F.gelu(x)

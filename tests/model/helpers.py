@@ -1,0 +1,40 @@
+"""Shared builders for the model tests: tiny configs, seeded GPT models and a batch with Megatron's causal mask."""
+from __future__ import annotations
+
+import torch
+
+from megatron.core.tensor_parallel import model_parallel_manual_seed
+from megatron.core.transformer_config import TransformerConfig
+from megatron.model import GPTModel
+
+VOCAB = 64
+SEQ = 8
+BATCH = 2
+
+
+def tiny_config(**overrides) -> TransformerConfig:
+    kwargs = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        padded_vocab_size=VOCAB,
+        max_position_embeddings=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt(config: TransformerConfig, seed: int = 1234, tp_rank: int = 0, **kwargs) -> GPTModel:
+    model_parallel_manual_seed(seed, tp_rank)
+    return GPTModel(config, **kwargs)
+
+
+def batch(seed: int = 7, batch_size: int = BATCH, seq: int = SEQ, vocab: int = VOCAB):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    pos = torch.arange(seq).unsqueeze(0).expand(batch_size, seq)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+    return ids, pos, mask, labels
