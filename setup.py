@@ -40,6 +40,7 @@ setup(
     python_requires=">=3.9",
     install_requires=_requirements(),
     extras_require={"dev": ["pytest>=7", "ruff"]},
+    package_data={"megatron.data": ["punkt_english.json"]},
     ext_modules=_ext_modules(),
     zip_safe=False,
 )
