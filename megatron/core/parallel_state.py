@@ -1,0 +1,340 @@
+"""Process groups for tensor, pipeline and data parallelism, laid out exactly as Megatron-LM lays them out.
+
+Rank layout (TP groups are runs of contiguous ranks, then DP, then PP)::
+
+    global_rank = pp_rank * (tp_size * dp_size) + dp_rank * tp_size + tp_rank
+
+`initialize_model_parallel(tp, pp, vpp)` builds every group (all ranks must call it, in the same order) and returns
+a `ParallelState` that layers and schedules receive explicitly. The last one built is also kept as the "current"
+state for entry scripts (`get_parallel_state()`), together with Megatron-style module functions
+(`get_tensor_model_parallel_group()`, `get_data_parallel_rank()`, ...).  A group of None means "no communication";
+`ParallelState.single()` describes one process without torch.distributed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch.distributed as dist
+
+Group = Any  # torch.distributed.ProcessGroup or None
+
+
+def _build_rank_groups(world_size: int, tp: int, pp: int) -> Dict[str, List[List[int]]]:
+    """Pure rank layout: the rank lists of every TP/DP/PP/model-parallel/embedding group (no processes needed).
+
+    Returns a dict with keys "tp", "dp", "pp", "mp", "embedding", "position_embedding"; each is a list of groups,
+    each group a list of global ranks. Raises ValueError for impossible layouts.
+    """
+    if tp < 1 or pp < 1:
+        raise ValueError(
+            f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1"
+        )
+    if world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"world size ({world_size}) is not divisible by tensor-model-parallel size ({tp}) x "
+            f"pipeline-model-parallel size ({pp}); launch a multiple of {tp * pp} processes or change "
+            f"--tensor-model-parallel-size/--pipeline-model-parallel-size"
+        )
+    dp = world_size // (tp * pp)
+    stage = tp * dp  # ranks per pipeline stage
+    tp_groups = [list(range(start, start + tp)) for start in range(0, world_size, tp)]
+    dp_groups = []
+    for p in range(pp):
+        for t in range(tp):
+            dp_groups.append([p * stage + d * tp + t for d in range(dp)])
+    pp_groups = [list(range(r, world_size, stage)) for r in range(stage)]
+    mp_groups = []
+    for d in range(dp):
+        mp_groups.append(sorted(p * stage + d * tp + t for p in range(pp) for t in range(tp)))
+    emb_groups = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups]
+    pos_groups = [[g[0]] for g in pp_groups]
+    return {
+        "tp": tp_groups,
+        "dp": dp_groups,
+        "pp": pp_groups,
+        "mp": mp_groups,
+        "embedding": emb_groups,
+        "position_embedding": pos_groups,
+    }
+
+
+def rank_coordinates(global_rank: int, world_size: int, tp: int, pp: int) -> Dict[str, int]:
+    """(tp_rank, dp_rank, pp_rank) of `global_rank` under Megatron's layout."""
+    dp = world_size // (tp * pp)
+    return {
+        "tp_rank": global_rank % tp,
+        "dp_rank": (global_rank // tp) % dp,
+        "pp_rank": global_rank // (tp * dp),
+    }
+
+
+@dataclass
+class ParallelState:
+    """Every process group and coordinate of this rank. Groups are None when torch.distributed is not used."""
+
+    tp_group: Group = None
+    pp_group: Group = None
+    dp_group: Group = None
+    mp_group: Group = None
+    embedding_group: Group = None
+    position_embedding_group: Group = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    world_size: int = 1
+    global_rank: int = 0
+    virtual_pp_rank: Optional[int] = None
+    virtual_pp_size: Optional[int] = None
+    pp_ranks: List[int] = field(default_factory=lambda: [0])
+    tp_ranks: List[int] = field(default_factory=lambda: [0])
+    dp_ranks_: List[int] = field(default_factory=lambda: [0])
+    embedding_ranks: List[int] = field(default_factory=lambda: [0])
+    position_embedding_ranks: List[int] = field(default_factory=lambda: [0])
+
+    @classmethod
+    def single(cls) -> ParallelState:
+        """State for one process without torch.distributed: all groups None, all sizes 1."""
+        return cls()
+
+    # ---- pipeline helpers -------------------------------------------------------------------------------------
+    def is_pipeline_first_stage(self, ignore_virtual: bool = False) -> bool:
+        if not ignore_virtual and self.virtual_pp_size is not None and self.virtual_pp_rank != 0:
+            return False
+        return self.pp_rank == 0
+
+    def is_pipeline_last_stage(self, ignore_virtual: bool = False) -> bool:
+        if (
+            not ignore_virtual
+            and self.virtual_pp_size is not None
+            and self.virtual_pp_rank != self.virtual_pp_size - 1
+        ):
+            return False
+        return self.pp_rank == self.pp_size - 1
+
+    def pp_next_rank(self) -> int:
+        """Global rank of the next pipeline stage (wraps around)."""
+        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
+
+    def pp_prev_rank(self) -> int:
+        """Global rank of the previous pipeline stage (wraps around)."""
+        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
+
+    def pp_first_rank(self) -> int:
+        return self.pp_ranks[0]
+
+    def pp_last_rank(self) -> int:
+        return self.pp_ranks[-1]
+
+    def is_rank_in_embedding_group(self, ignore_virtual: bool = False) -> bool:
+        """Megatron semantics: with virtual stages only the first chunk of the first stage / last chunk of the last."""
+        if self.global_rank not in self.embedding_ranks:
+            return False
+        if ignore_virtual:
+            return True
+        if self.global_rank == self.embedding_ranks[0]:
+            return self.is_pipeline_first_stage()
+        if self.global_rank == self.embedding_ranks[-1]:
+            return self.is_pipeline_last_stage()
+        return True
+
+    def is_rank_in_position_embedding_group(self) -> bool:
+        return self.global_rank in self.position_embedding_ranks
+
+    # ---- TP / DP helpers --------------------------------------------------------------------------------------
+    def tp_src_rank(self) -> int:
+        """Global rank of tp_rank 0 in my TP group (broadcast source for data)."""
+        return self.tp_ranks[0]
+
+    def dp_src_rank(self) -> int:
+        return self.dp_ranks_[0]
+
+    def dp_ranks(self) -> List[int]:
+        """Global ranks of my data-parallel group, by dp_rank."""
+        return list(self.dp_ranks_)
+
+    def set_virtual_pipeline_model_parallel_rank(self, rank: Optional[int]) -> None:
+        self.virtual_pp_rank = rank
+
+
+_STATE: Optional[ParallelState] = None
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    backend: Optional[str] = None,
+) -> ParallelState:
+    """Create all groups (collective: every rank calls it) and make the result the current state."""
+    global _STATE
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "initialize_model_parallel needs torch.distributed initialised first "
+            "(call torch.distributed.init_process_group or megatron.initialize.initialize_megatron)"
+        )
+    world_size = dist.get_world_size()
+    rank = dist.get_rank()
+    tp, pp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size)
+    layout = _build_rank_groups(world_size, tp, pp)
+    if virtual_pipeline_model_parallel_size is not None:
+        if pp <= 1:
+            raise ValueError(
+                "--num-layers-per-virtual-pipeline-stage (virtual pipeline) needs --pipeline-model-parallel-size > 1"
+            )
+        if virtual_pipeline_model_parallel_size < 1:
+            raise ValueError(f"virtual pipeline size must be >= 1, got {virtual_pipeline_model_parallel_size}")
+
+    mine: Dict[str, Any] = {}
+    my_ranks: Dict[str, List[int]] = {}
+    for kind in ("tp", "dp", "pp", "mp", "embedding", "position_embedding"):
+        for ranks in layout[kind]:
+            group = dist.new_group(ranks, backend=backend)  # every rank creates every group, same order
+            if rank in ranks:
+                mine[kind] = group
+                my_ranks[kind] = ranks
+    coords = rank_coordinates(rank, world_size, tp, pp)
+    state = ParallelState(
+        tp_group=mine["tp"],
+        pp_group=mine["pp"],
+        dp_group=mine["dp"],
+        mp_group=mine["mp"],
+        embedding_group=mine.get("embedding"),
+        position_embedding_group=mine.get("position_embedding"),
+        tp_rank=coords["tp_rank"],
+        tp_size=tp,
+        pp_rank=coords["pp_rank"],
+        pp_size=pp,
+        dp_rank=coords["dp_rank"],
+        dp_size=world_size // (tp * pp),
+        world_size=world_size,
+        global_rank=rank,
+        virtual_pp_rank=0 if virtual_pipeline_model_parallel_size is not None else None,
+        virtual_pp_size=virtual_pipeline_model_parallel_size,
+        pp_ranks=my_ranks["pp"],
+        tp_ranks=my_ranks["tp"],
+        dp_ranks_=my_ranks["dp"],
+        embedding_ranks=my_ranks.get("embedding", []),
+        position_embedding_ranks=my_ranks.get("position_embedding", []),
+    )
+    _STATE = state
+    return state
+
+
+def set_parallel_state(state: Optional[ParallelState]) -> None:
+    """Install `state` as the current one (tests; single-process runs use `ParallelState.single()`)."""
+    global _STATE
+    _STATE = state
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def get_parallel_state() -> ParallelState:
+    """The current state; raises a clear error before `initialize_model_parallel`."""
+    if _STATE is None:
+        raise RuntimeError("model parallel groups are not initialised; call initialize_model_parallel first")
+    return _STATE
+
+
+def destroy_model_parallel() -> None:
+    """Forget the current state (the process groups die with the default group)."""
+    global _STATE
+    _STATE = None
+
+
+# ---- Megatron-style accessors on the current state -------------------------------------------------------------
+def get_tensor_model_parallel_group() -> Group:
+    return get_parallel_state().tp_group
+
+
+def get_pipeline_model_parallel_group() -> Group:
+    return get_parallel_state().pp_group
+
+
+def get_data_parallel_group() -> Group:
+    return get_parallel_state().dp_group
+
+
+def get_model_parallel_group() -> Group:
+    return get_parallel_state().mp_group
+
+
+def get_embedding_group() -> Group:
+    return get_parallel_state().embedding_group
+
+
+def get_position_embedding_group() -> Group:
+    return get_parallel_state().position_embedding_group
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return get_parallel_state().tp_size if _STATE is not None else 1
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return get_parallel_state().tp_rank if _STATE is not None else 0
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return get_parallel_state().pp_size if _STATE is not None else 1
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return get_parallel_state().pp_rank if _STATE is not None else 0
+
+
+def get_data_parallel_world_size() -> int:
+    return get_parallel_state().dp_size if _STATE is not None else 1
+
+
+def get_data_parallel_rank() -> int:
+    return get_parallel_state().dp_rank if _STATE is not None else 0
+
+
+def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
+    return get_parallel_state().virtual_pp_rank
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    get_parallel_state().set_virtual_pipeline_model_parallel_rank(rank)
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    return get_parallel_state().virtual_pp_size
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    return get_parallel_state().is_pipeline_first_stage(ignore_virtual)
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    return get_parallel_state().is_pipeline_last_stage(ignore_virtual)
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    return get_parallel_state().tp_src_rank()
+
+
+def get_data_parallel_src_rank() -> int:
+    return get_parallel_state().dp_src_rank()
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    return get_parallel_state().pp_first_rank()
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    return get_parallel_state().pp_last_rank()
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    return get_parallel_state().pp_next_rank()
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    return get_parallel_state().pp_prev_rank()

@@ -1,0 +1,83 @@
+"""Small helpers shared by the parallel core: exact division with clear errors, viewless tensors, model unwrapping.
+
+Nothing here touches process groups or global arguments.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def ensure_divisibility(numerator: int, denominator: int, what: str = "") -> None:
+    """Raise a one-line ValueError unless `denominator` divides `numerator`."""
+    if denominator == 0 or numerator % denominator != 0:
+        label = f"{what}: " if what else ""
+        raise ValueError(f"{label}{numerator} is not divisible by {denominator}")
+
+
+def divide(numerator: int, denominator: int, what: str = "") -> int:
+    """`numerator // denominator`, raising a clear ValueError when it does not divide exactly."""
+    ensure_divisibility(numerator, denominator, what)
+    return numerator // denominator
+
+
+def make_viewless_tensor(inp: torch.Tensor, requires_grad: bool, keep_graph: bool) -> torch.Tensor:
+    """Return a tensor sharing `inp`'s storage but with no `._base` (so the view's parent can be freed).
+
+    Megatron uses this for pipeline outputs whose storage is later deallocated; with `keep_graph` the result stays
+    in the autograd graph (through a trivial view op), otherwise it is a detached alias.
+    """
+    if inp._base is None:
+        return inp
+    if keep_graph:
+        return _MakeViewless.apply(inp)
+    out = torch.empty((1,), dtype=inp.dtype, device=inp.device, requires_grad=requires_grad)
+    out.data = inp.data
+    return out
+
+
+class _MakeViewless(torch.autograd.Function):
+    """Identity in autograd whose output shares storage with the input but is not a view of it."""
+
+    @staticmethod
+    def forward(ctx: Any, inp: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((1,), dtype=inp.dtype, device=inp.device)
+        out.data = inp.data
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output
+
+
+def safely_set_viewless_tensor_data(tensor: torch.Tensor, new_data_tensor: torch.Tensor) -> None:
+    """Replace `tensor.data` (used to free pipeline activations); refuses views, whose data cannot be swapped."""
+    if tensor._base is not None:
+        raise RuntimeError("safely_set_viewless_tensor_data: tensor is a view; make it viewless first")
+    tensor.data = new_data_tensor
+
+
+def get_attr_wrapped_model(model: Any, attr: str, allow_none: bool = True) -> Any:
+    """Look up `attr` on `model`, unwrapping `.module` layers (DDP, Float16Module) until it is found."""
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError("get_attr_wrapped_model: expected a single model chunk")
+        model = model[0]
+    while not hasattr(model, attr) or (not allow_none and getattr(model, attr) is None):
+        if not hasattr(model, "module"):
+            raise RuntimeError(f"couldn't find attribute {attr!r} on the model or any wrapped module")
+        model = model.module
+    return getattr(model, attr)
+
+
+def unwrap_model(model: Any, module_instances: tuple = ()) -> Any:
+    """Strip wrappers (anything with `.module`, or only `module_instances` when given) from a model or list."""
+    return_list = isinstance(model, list)
+    models = model if return_list else [model]
+    out = []
+    for m in models:
+        while hasattr(m, "module") and (not module_instances or isinstance(m, module_instances)):
+            m = m.module
+        out.append(m)
+    return out if return_list else out[0]
