@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPT pretraining with tensor model parallelism (TP, + sequence parallelism) and data parallelism via torchrun.
+# The world size (GPUS_PER_NODE x NNODES) must be a multiple of TP x PP.
+set -euo pipefail
+source "$(cd "$(dirname "$0")" && pwd)/gpt_common.sh"
+: "${GPUS_PER_NODE:=8}"
+: "${NNODES:=1}"
+: "${NODE_RANK:=0}"
+: "${MASTER_ADDR:=localhost}"
+: "${MASTER_PORT:=6000}"
+: "${TP:=2}"
+: "${PP:=1}"
+
+# shellcheck disable=SC2086
+torchrun --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+  "$REPO_DIR/pretrain_gpt.py" $GPT_ARGS $DATA_ARGS $OUTPUT_ARGS $PRECISION_ARGS \
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --sequence-parallel \
+  --DDP-impl local "$@"

@@ -1,0 +1,429 @@
+"""Save and load training checkpoints in Megatron-LM's on-disk layout.
+
+Layout (same as Megatron-LM, so its tools and ours read each other's folders)::
+
+    <save>/latest_checkpointed_iteration.txt          "1000" or "release"
+    <save>/iter_0001000/mp_rank_00/model_optim_rng.pt   (PP == 1)
+    <save>/iter_0001000/mp_rank_00_000/model_optim_rng.pt (PP > 1: tensor rank, pipeline rank)
+
+Each file holds ``args``, ``checkpoint_version`` (3.0), ``iteration``, ``model`` (the nested
+``state_dict_for_save_checkpoint()``; ``model0``, ``model1`` … with virtual pipeline chunks), ``optimizer``,
+``opt_param_scheduler`` (and its old name ``lr_scheduler``), ``rng_state`` (one entry per data-parallel rank),
+consumed samples/tokens and the true/padded vocabulary sizes. Only data-parallel rank 0 writes; every file is
+written to a temporary name and renamed, and the tracker file is written last, so a crash never leaves a
+half-written checkpoint that looks complete.
+
+All functions take ``args`` (the parsed Megatron flags) explicitly instead of reading global state.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import get_rng_tracker
+from megatron.model.module import unwrap_model
+
+CHECKPOINT_VERSION = 3.0
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+
+# Flags whose values must agree between the checkpoint and this run (flag name, attribute).
+_MODEL_ARGS = (
+    ("--num-layers", "num_layers"),
+    ("--hidden-size", "hidden_size"),
+    ("--num-attention-heads", "num_attention_heads"),
+    ("--ffn-hidden-size", "ffn_hidden_size"),
+    ("--kv-channels", "kv_channels"),
+    ("--max-position-embeddings", "max_position_embeddings"),
+    ("--padded-vocab-size (vocab file / --make-vocab-size-divisible-by)", "padded_vocab_size"),
+)
+_PARALLEL_ARGS = (
+    ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+    ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
+)
+
+
+def _print0(msg: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def _state() -> ps.ParallelState:
+    if ps.model_parallel_is_initialized():
+        return ps.get_parallel_state()
+    return ps.ParallelState.single()
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+# ----------------------------------------------------------------------------------------------- paths
+def get_checkpoint_tracker_filename(checkpoints_path: str) -> str:
+    """Path of the text file holding the latest saved iteration (or ``release``)."""
+    return os.path.join(checkpoints_path, TRACKER_FILENAME)
+
+
+def get_checkpoint_name(
+    checkpoints_path: str,
+    iteration: int,
+    release: bool = False,
+    pipeline_parallel: Optional[bool] = None,
+    tensor_rank: Optional[int] = None,
+    pipeline_rank: Optional[int] = None,
+) -> str:
+    """Megatron's ``.../iter_{:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`` for this (or the given) rank."""
+    state = _state()
+    if pipeline_parallel is None:
+        pipeline_parallel = state.pp_size > 1
+    tensor_rank = state.tp_rank if tensor_rank is None else tensor_rank
+    pipeline_rank = state.pp_rank if pipeline_rank is None else pipeline_rank
+    directory = "release" if release else f"iter_{iteration:07d}"
+    rank_dir = f"mp_rank_{tensor_rank:02d}" + (f"_{pipeline_rank:03d}" if pipeline_parallel else "")
+    return os.path.join(checkpoints_path, directory, rank_dir, "model_optim_rng.pt")
+
+
+def read_metadata(tracker_filename: str) -> tuple[int, bool]:
+    """Read the tracker file: (iteration, release). One-line error when its content is not an integer/'release'."""
+    with open(tracker_filename) as f:
+        text = f.read().strip()
+    if text == "release":
+        return 0, True
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise RuntimeError(
+            f"{tracker_filename} must contain an iteration number or 'release', found {text!r}; "
+            "fix or delete the file"
+        ) from None
+    if iteration < 0:
+        raise RuntimeError(f"{tracker_filename} holds a negative iteration ({iteration})")
+    if torch.distributed.is_initialized():
+        iters = torch.tensor([iteration], dtype=torch.long)
+        torch.distributed.all_reduce(iters, op=torch.distributed.ReduceOp.MAX)
+        if int(iters.item()) != iteration:
+            print(f"WARNING: on rank {torch.distributed.get_rank()} found iteration {iteration} in {tracker_filename}"
+                  f" but the max over ranks is {int(iters.item())}", flush=True)
+    return iteration, False
+
+
+# ----------------------------------------------------------------------------------------------- RNG
+def local_rng_state() -> dict[str, Any]:
+    """This process's python/numpy/torch/CUDA generator states and the tensor-parallel RNG tracker states."""
+    return {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "rng_tracker_states": get_rng_tracker().get_states(),
+    }
+
+
+def restore_local_rng_state(rng: dict[str, Any]) -> None:
+    """Inverse of ``local_rng_state``."""
+    random.setstate(rng["random_rng_state"])
+    np.random.set_state(rng["np_rng_state"])
+    torch.set_rng_state(rng["torch_rng_state"])
+    if torch.cuda.is_available() and rng.get("cuda_rng_state") is not None:
+        torch.cuda.set_rng_state(rng["cuda_rng_state"])
+    tracker_states = rng.get("rng_tracker_states")
+    if tracker_states is None:
+        raise RuntimeError("checkpoint has no rng_tracker_states; resume with --no-load-rng")
+    get_rng_tracker().set_states(tracker_states)
+
+
+def get_rng_state(state: Optional[ps.ParallelState] = None) -> list[dict[str, Any]]:
+    """This rank's RNG states, gathered over the data-parallel group (one dict per DP rank, as Megatron)."""
+    state = state or _state()
+    rng = local_rng_state()
+    if state.dp_group is not None and state.dp_size > 1:
+        gathered: list[Any] = [None] * state.dp_size
+        torch.distributed.all_gather_object(gathered, rng, group=state.dp_group)
+        return gathered
+    return [rng]
+
+
+def set_rng_state(rng_state_list: list[dict[str, Any]], state: Optional[ps.ParallelState] = None) -> None:
+    """Restore the RNG states saved by ``get_rng_state`` (this DP rank's entry, or entry 0 if there is only one)."""
+    state = state or _state()
+    if isinstance(rng_state_list, dict):  # very old checkpoints stored a single dict
+        rng_state_list = [rng_state_list]
+    idx = state.dp_rank if len(rng_state_list) > state.dp_rank else 0
+    restore_local_rng_state(rng_state_list[idx])
+
+
+# ----------------------------------------------------------------------------------------------- model helpers
+def _as_list(model: Any) -> list[torch.nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+    module = unwrap_model(module)
+    if hasattr(module, "state_dict_for_save_checkpoint"):
+        return module.state_dict_for_save_checkpoint()
+    return module.state_dict()
+
+
+def _atomic_save(obj: Any, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _args_to_save(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of args without values that cannot be pickled (e.g. callables set at run time)."""
+    keep = {}
+    for key, value in vars(args).items():
+        if callable(value) and not isinstance(value, torch.dtype):
+            continue
+        keep[key] = value
+    return argparse.Namespace(**keep)
+
+
+# ----------------------------------------------------------------------------------------------- save
+def save_checkpoint(
+    iteration: int,
+    model: Any,
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    args: argparse.Namespace,
+    save_dir: Optional[str] = None,
+) -> str:
+    """Write the checkpoint of ``iteration`` into ``save_dir`` (default ``args.save``); returns this rank's file."""
+    save_dir = save_dir or args.save
+    if not save_dir:
+        raise ValueError("save_checkpoint called without a directory: pass --save DIR")
+    state = _state()
+    models = _as_list(model)
+    _print0(f"saving checkpoint at iteration {iteration:7d} to {save_dir}")
+
+    rng_state = None if getattr(args, "no_save_rng", False) else get_rng_state(state)
+    checkpoint_name = get_checkpoint_name(save_dir, iteration)
+    if state.dp_rank == 0:
+        state_dict: dict[str, Any] = {
+            "args": _args_to_save(args),
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": iteration,
+            "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0)),
+            "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0)),
+            "consumed_train_tokens": int(getattr(args, "consumed_train_tokens", 0)),
+            "consumed_valid_tokens": int(getattr(args, "consumed_valid_tokens", 0)),
+            "true_vocab_size": getattr(args, "true_vocab_size", None),
+            "padded_vocab_size": getattr(args, "padded_vocab_size", None),
+        }
+        if len(models) == 1:
+            state_dict["model"] = _model_state_dict(models[0])
+        else:
+            for i, chunk in enumerate(models):
+                state_dict[f"model{i}"] = _model_state_dict(chunk)
+        if not getattr(args, "no_save_optim", False):
+            if optimizer is not None:
+                state_dict["optimizer"] = optimizer.state_dict()
+            if opt_param_scheduler is not None:
+                sched = opt_param_scheduler.state_dict()
+                state_dict["opt_param_scheduler"] = sched
+                state_dict["lr_scheduler"] = sched
+        if rng_state is not None:
+            state_dict["rng_state"] = rng_state
+        _atomic_save(state_dict, checkpoint_name)
+
+    _barrier()
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        _atomic_write_text(get_checkpoint_tracker_filename(save_dir), str(iteration))
+    _barrier()
+    _print0(f"  successfully saved checkpoint at iteration {iteration:7d} to {save_dir}")
+    return checkpoint_name
+
+
+# ----------------------------------------------------------------------------------------------- load
+def _safe_globals() -> list[Any]:
+    """Classes a Megatron checkpoint legitimately pickles besides tensors: args, numpy RNG state, model enums."""
+    from numpy._core.multiarray import _reconstruct  # numpy >= 2
+
+    from megatron.model.enums import AttnMaskType, AttnType, LayerType, ModelType
+
+    return [argparse.Namespace, np.ndarray, np.dtype, _reconstruct, type(np.dtype(np.uint32)),
+            type(np.dtype(np.float64)), type(np.dtype(np.int64)), ModelType, LayerType, AttnType, AttnMaskType]
+
+
+def load_state_dict_file(path: str) -> dict[str, Any]:
+    """torch.load with weights-only unpickling (plus argparse/numpy RNG types); falls back with a note."""
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except ImportError:
+        pass
+    except Exception as exc:  # noqa: BLE001 - e.g. an old checkpoint that pickled other classes
+        if "Weights only load failed" not in str(exc) and "Unsupported global" not in str(exc):
+            raise
+        _print0(f"note: {path} needs full unpickling ({str(exc).splitlines()[-1][:160]}); "
+                "loading with weights_only=False — only load checkpoints you trust")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _find_rank_dirs(iter_dir: str) -> list[str]:
+    if not os.path.isdir(iter_dir):
+        return []
+    return sorted(d for d in os.listdir(iter_dir) if d.startswith("mp_rank_"))
+
+
+def _check_layout(load_dir: str, iteration: int, release: bool, checkpoint_name: str) -> None:
+    """Explain a missing rank file: usually a different TP/PP layout than this run's."""
+    iter_dir = os.path.dirname(os.path.dirname(checkpoint_name))
+    rank_dirs = _find_rank_dirs(iter_dir)
+    if not rank_dirs:
+        raise RuntimeError(
+            f"checkpoint {iter_dir} (named by {get_checkpoint_tracker_filename(load_dir)}) does not exist; "
+            "fix the tracker file or --load"
+        )
+    tps = {d.split("_")[2] for d in rank_dirs}
+    has_pp = any(len(d.split("_")) > 3 for d in rank_dirs)
+    pps = {d.split("_")[3] for d in rank_dirs} if has_pp else {"000"}
+    raise RuntimeError(
+        f"checkpoint {iter_dir} was saved with --tensor-model-parallel-size {len(tps)} and "
+        f"--pipeline-model-parallel-size {len(pps)}, but this run uses {_state().tp_size} and {_state().pp_size} "
+        f"(no {os.path.relpath(checkpoint_name, load_dir)}); use the same sizes or reshard the checkpoint"
+    )
+
+
+def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Namespace, path: str) -> None:
+    """One-line error when the checkpoint's model shape or parallel layout differs from this run."""
+    for flag, attr in _PARALLEL_ARGS + _MODEL_ARGS:
+        saved = getattr(checkpoint_args, attr, None)
+        current = getattr(args, attr, None)
+        if saved is None or current is None or saved == current:
+            continue
+        fix = "or reshard the checkpoint" if (flag, attr) in _PARALLEL_ARGS else "(or --use-checkpoint-args)"
+        raise RuntimeError(
+            f"checkpoint {path} has {attr}={saved} but this run has {attr}={current}: "
+            f"set {flag} {saved} {fix}, or start without --load"
+        )
+
+
+def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") -> argparse.Namespace:
+    """--use-checkpoint-args: copy the model-shape flags saved in the latest checkpoint into ``args``."""
+    load_dir = getattr(args, load_arg, None)
+    if not load_dir:
+        raise ValueError("--use-checkpoint-args needs --load DIR")
+    tracker = get_checkpoint_tracker_filename(load_dir)
+    if not os.path.isfile(tracker):
+        raise RuntimeError(f"--use-checkpoint-args: no {TRACKER_FILENAME} in {load_dir}")
+    iteration, release = read_metadata(tracker)
+    name = get_checkpoint_name(load_dir, iteration, release, pipeline_parallel=None, tensor_rank=0, pipeline_rank=0)
+    if not os.path.isfile(name):
+        name = get_checkpoint_name(load_dir, iteration, release, pipeline_parallel=True, tensor_rank=0,
+                                   pipeline_rank=0)
+    ckpt_args = load_state_dict_file(name).get("args")
+    if ckpt_args is None:
+        raise RuntimeError(f"--use-checkpoint-args: {name} holds no args")
+    for attr in ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
+                 "kv_channels", "max_position_embeddings", "make_vocab_size_divisible_by", "padded_vocab_size",
+                 "tokenizer_type", "add_position_embedding", "use_rotary_position_embeddings",
+                 "apply_residual_connection_post_layernorm", "openai_gelu", "layernorm_epsilon"):
+        if hasattr(ckpt_args, attr):
+            setattr(args, attr, getattr(ckpt_args, attr))
+    return args
+
+
+def load_checkpoint(
+    model: Any,
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    args: argparse.Namespace,
+    load_arg: str = "load",
+    strict: bool = True,
+) -> int:
+    """Load the latest checkpoint under ``getattr(args, load_arg)``; returns the iteration to continue from.
+
+    Honours --finetune (model only, iteration 0), --no-load-optim, --no-load-rng and ``release`` checkpoints,
+    restores consumed train/valid samples into ``args``. No tracker file → start from scratch (0).
+    """
+    load_dir = getattr(args, load_arg, None)
+    if not load_dir:
+        return 0
+    state = _state()
+    models = _as_list(model)
+    tracker = get_checkpoint_tracker_filename(load_dir)
+    if not os.path.isfile(tracker):
+        _print0(f"WARNING: could not find the metadata file {tracker}\n"
+                "    will not load any checkpoints and will start from random")
+        return 0
+    iteration, release = read_metadata(tracker)
+    checkpoint_name = get_checkpoint_name(load_dir, iteration, release)
+    if not os.path.isfile(checkpoint_name):
+        _check_layout(load_dir, iteration, release, checkpoint_name)
+    _print0(f" loading checkpoint from {load_dir} at iteration {iteration}")
+    sd = load_state_dict_file(checkpoint_name)
+    finetune = bool(getattr(args, "finetune", False))
+
+    ckpt_args = sd.get("args")
+    if ckpt_args is not None:
+        check_checkpoint_args(ckpt_args, args, checkpoint_name)
+    if finetune or release:
+        iteration = 0
+    else:
+        iteration = int(sd.get("iteration", sd.get("total_iters", 0)))
+        src = sd if "consumed_train_samples" in sd else vars(ckpt_args or argparse.Namespace())
+        args.consumed_train_samples = int(src.get("consumed_train_samples", 0))
+        args.consumed_valid_samples = int(src.get("consumed_valid_samples", 0))
+        args.consumed_train_tokens = int(src.get("consumed_train_tokens", 0))
+        args.consumed_valid_tokens = int(src.get("consumed_valid_tokens", 0))
+
+    # Model weights.
+    for i, chunk in enumerate(models):
+        key = "model" if len(models) == 1 else f"model{i}"
+        if key not in sd:
+            raise RuntimeError(f"checkpoint {checkpoint_name} has no '{key}' entry (saved with a different "
+                               "--virtual-pipeline-model-parallel-size?)")
+        try:
+            unwrap_model(chunk).load_state_dict(sd[key], strict=strict)
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()
+            detail = " ".join(line.strip() for line in first[1:3]) if len(first) > 1 else first[0]
+            raise RuntimeError(
+                f"checkpoint {checkpoint_name} does not match the model ({detail[:300]}); check --num-layers, "
+                "--hidden-size, --num-attention-heads, --vocab-file and the parallel sizes"
+            ) from None
+
+    # Optimizer and LR scheduler.
+    loaded_optim = False
+    if not release and not finetune and not getattr(args, "no_load_optim", False):
+        if optimizer is not None:
+            if "optimizer" not in sd:
+                raise RuntimeError(f"checkpoint {checkpoint_name} has no optimizer state; pass --no-load-optim")
+            optimizer.load_state_dict(sd["optimizer"])
+            loaded_optim = True
+        if opt_param_scheduler is not None:
+            sched = sd.get("opt_param_scheduler", sd.get("lr_scheduler"))
+            if sched is not None:
+                opt_param_scheduler.load_state_dict(sched)
+    if optimizer is not None and not loaded_optim and hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()  # fp32 main params must follow the loaded fp16/bf16 weights
+
+    # RNG.
+    if not release and not finetune and not getattr(args, "no_load_rng", False):
+        if "rng_state" not in sd:
+            raise RuntimeError(f"checkpoint {checkpoint_name} has no rng_state; pass --no-load-rng")
+        set_rng_state(sd["rng_state"], state)
+
+    _barrier()
+    _print0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
+    sys.stdout.flush()
+    return iteration

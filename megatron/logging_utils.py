@@ -1,0 +1,200 @@
+"""Training/validation log lines and TensorBoard scalars in Megatron(-DeepSpeed)'s exact formats.
+
+The per-interval line is the BigScience Megatron-DeepSpeed one::
+
+     iteration       10/      20 | consumed samples:           80 | consumed tokens:         5120 |
+     elapsed time per iteration (s): 0.12 | learning rate: 1.000E-04 | global batch size:     8 |
+     lm loss: 8.012345E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 |
+     number of nan iterations:   0 | samples per second: 66.667 | TFLOPs: 0.01 |
+
+(one line in the log). TensorBoard tags follow Megatron-LM: ``learning-rate``, ``batch-size``, ``lm loss``,
+``loss-scale``, ``grad-norm``, ``num-zeros``, ``params-norm``, ``iteration-time``, each also ``… vs samples``, and
+``lm loss validation`` / ``lm loss validation ppl`` (+ ``vs samples``) for evaluations.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+ADVANCED = "advanced iterations"
+SKIPPED = "skipped iterations"
+NAN = "nan iterations"
+
+
+def is_last_rank() -> bool:
+    if not torch.distributed.is_initialized():
+        return True
+    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+
+def print_rank_last(message: str) -> None:
+    """Print on the last global rank (where the loss lives with pipelining), like Megatron."""
+    if is_last_rank():
+        print(message, flush=True)
+
+
+def print_rank_0(message: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+
+
+def num_floating_point_operations(
+    batch_size: int, seq_len: int, num_layers: int, hidden_size: int, vocab_size: int, recompute: bool = False,
+    glu: bool = False,
+) -> float:
+    """FLOPs of one training iteration (Narayanan et al. 2021, eq. 3), as Megatron-DeepSpeed reports TFLOPs."""
+    factor = 4 if recompute else 3
+    coefficient = 32 if glu else 24
+    return (coefficient * factor * batch_size * seq_len * num_layers * hidden_size**2) * (
+        1.0 + seq_len / (6.0 * hidden_size) + vocab_size / (16.0 * num_layers * hidden_size)
+    )
+
+
+def accumulate_losses(
+    loss_dict: dict[str, Any], total_loss_dict: dict[str, Any], skipped_iter: int
+) -> None:
+    """Megatron's bookkeeping: sum losses over advanced iterations, count skipped and nan iterations."""
+    if not skipped_iter:
+        total_loss_dict[ADVANCED] = total_loss_dict.get(ADVANCED, 0) + 1
+    else:
+        total_loss_dict.setdefault(ADVANCED, 0)
+    total_loss_dict[SKIPPED] = total_loss_dict.get(SKIPPED, 0) + skipped_iter
+    got_nan = False
+    for key, value in loss_dict.items():
+        value = float(value)
+        if not skipped_iter:
+            total_loss_dict[key] = total_loss_dict.get(key, 0.0) + value
+        else:
+            got_nan = got_nan or not math.isfinite(value)
+    total_loss_dict[NAN] = total_loss_dict.get(NAN, 0) + int(got_nan)
+
+
+def format_training_log_line(
+    *,
+    iteration: int,
+    train_iters: int,
+    consumed_samples: int,
+    consumed_tokens: int,
+    elapsed_per_iter: float,
+    learning_rate: float,
+    batch_size: int,
+    losses: dict[str, float],
+    loss_scale: Optional[float],
+    grad_norm: Optional[float],
+    num_zeros_in_grad: Optional[float],
+    params_norm: Optional[float],
+    skipped: int,
+    nans: int,
+    samples_per_sec: float,
+    tflops: float,
+) -> str:
+    """The BigScience Megatron-DeepSpeed training log line."""
+    s = f" iteration {iteration:8d}/{train_iters:8d} |"
+    s += f" consumed samples: {consumed_samples:12d} |"
+    s += f" consumed tokens: {consumed_tokens:12d} |"
+    s += f" elapsed time per iteration (s): {elapsed_per_iter:.2f} |"
+    s += f" learning rate: {learning_rate:.3E} |"
+    s += f" global batch size: {batch_size:5d} |"
+    for key, avg in losses.items():
+        if avg > 0.0:
+            s += f" {key}: {avg:.6E} |"
+    if loss_scale is not None:
+        s += f" loss scale: {loss_scale:.1f} |"
+    if grad_norm is not None:
+        s += f" grad norm: {grad_norm:.3f} |"
+    if num_zeros_in_grad is not None:
+        s += f" num zeros: {num_zeros_in_grad:.1f} |"
+    if params_norm is not None:
+        s += f" params norm: {params_norm:.3f} |"
+    s += f" number of skipped iterations: {skipped:3d} |"
+    s += f" number of nan iterations: {nans:3d} |"
+    s += f" samples per second: {samples_per_sec:.3f} |"
+    s += f" TFLOPs: {tflops:.2f} |"
+    return s
+
+
+def write_train_scalars(
+    writer: Any,
+    args: Any,
+    iteration: int,
+    loss_dict: dict[str, float],
+    learning_rate: float,
+    batch_size: int,
+    loss_scale: float,
+    grad_norm: Optional[float],
+    num_zeros_in_grad: Optional[float],
+    params_norm: Optional[float],
+) -> None:
+    """Per-iteration TensorBoard scalars (every --tensorboard-log-interval), Megatron-LM tag names."""
+    samples = int(args.consumed_train_samples)
+
+    def both(tag: str, value: float) -> None:
+        writer.add_scalar(tag, value, iteration)
+        writer.add_scalar(f"{tag} vs samples", value, samples)
+
+    if getattr(args, "log_learning_rate_to_tensorboard", True):
+        both("learning-rate", learning_rate)
+    if getattr(args, "log_batch_size_to_tensorboard", False):
+        both("batch-size", batch_size)
+    for key, value in loss_dict.items():
+        both(key, float(value))
+    if getattr(args, "log_loss_scale_to_tensorboard", True):
+        both("loss-scale", loss_scale)
+    if getattr(args, "log_world_size_to_tensorboard", False):
+        both("world-size", args.world_size)
+    if grad_norm is not None:
+        both("grad-norm", grad_norm)
+    if num_zeros_in_grad is not None:
+        both("num-zeros", num_zeros_in_grad)
+    if params_norm is not None:
+        both("params-norm", params_norm)
+    if getattr(args, "log_memory_to_tensorboard", False) and torch.cuda.is_available():
+        both("mem-reserved-bytes", torch.cuda.memory_reserved())
+        both("mem-allocated-bytes", torch.cuda.memory_allocated())
+
+
+def format_validation_line(prefix: str, losses: dict[str, float]) -> tuple[str, dict[str, float]]:
+    """Megatron's ``validation loss at {prefix} | lm loss value: … | lm loss PPL: … |`` and the PPL per key."""
+    s = f" validation loss at {prefix} | "
+    ppls = {}
+    for key, value in losses.items():
+        ppl = math.exp(min(20.0, value))
+        ppls[key] = ppl
+        s += f"{key} value: {value:.6E} | "
+        s += f"{key} PPL: {ppl:.6E} | "
+    return s, ppls
+
+
+def log_validation(
+    prefix: str, losses: dict[str, float], writer: Any, args: Any, iteration: int
+) -> str:
+    """Print the framed validation line on the last rank and write the validation scalars."""
+    line, ppls = format_validation_line(prefix, losses)
+    if writer is not None:
+        samples = int(args.consumed_train_samples)
+        for key, value in losses.items():
+            writer.add_scalar(f"{key} validation", value, iteration)
+            writer.add_scalar(f"{key} validation vs samples", value, samples)
+            if getattr(args, "log_validation_ppl_to_tensorboard", False):
+                writer.add_scalar(f"{key} validation ppl", ppls[key], iteration)
+                writer.add_scalar(f"{key} validation ppl vs samples", ppls[key], samples)
+    length = len(line) + 1
+    print_rank_last("-" * length)
+    print_rank_last(line)
+    print_rank_last("-" * length)
+    return line
+
+
+def report_memory(name: str) -> None:
+    """Megatron's memory line (CUDA only; silent on CPU)."""
+    if not torch.cuda.is_available():
+        return
+    mb = 1024.0 * 1024.0
+    s = f"[Rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 0}] {name} memory (MB)"
+    s += f" | allocated: {torch.cuda.memory_allocated() / mb}"
+    s += f" | max allocated: {torch.cuda.max_memory_allocated() / mb}"
+    s += f" | reserved: {torch.cuda.memory_reserved() / mb}"
+    s += f" | max reserved: {torch.cuda.max_memory_reserved() / mb}"
+    print(s, flush=True)

@@ -1,0 +1,572 @@
+"""Megatron's pretraining driver: ``pretrain(dataset_provider, model_provider, model_type, forward_step_func)``.
+
+Initialises Megatron (flags, torch.distributed, model-parallel groups, seeds, tokenizer), builds the model
+(mixed-precision wrapper, local or torch DDP over the data-parallel group), the optimizer and the LR/WD schedule
+(in samples, converted from iterations as Megatron does), loads a checkpoint, builds the data iterators at the
+consumed-sample position and runs the training loop with Megatron's logging, evaluation, checkpointing and exit
+conditions (--exit-interval, --exit-duration-in-mins, --exit-signal-handler).
+
+Entry scripts may pass ``argv`` (a list of flag strings) instead of reading ``sys.argv``; tests use that.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from datetime import datetime
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from megatron import global_vars
+from megatron.checkpointing import load_checkpoint, local_rng_state, restore_local_rng_state, save_checkpoint
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.tensor_parallel import (
+    param_is_not_tensor_parallel_duplicate,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
+)
+from megatron.initialize import initialize_megatron
+from megatron.learning_rates import OptimizerParamScheduler
+from megatron.logging_utils import (
+    ADVANCED,
+    NAN,
+    SKIPPED,
+    accumulate_losses,
+    format_training_log_line,
+    log_validation,
+    num_floating_point_operations,
+    print_rank_0,
+    print_rank_last,
+    report_memory,
+    write_train_scalars,
+)
+from megatron.model.module import param_is_not_shared
+from megatron.optimizer import get_megatron_optimizer
+from megatron.optimizer.optimizer_config import optimizer_config_from_args
+
+_TRAIN_START_TIME = time.time()
+
+
+def print_datetime(message: str) -> None:
+    """Megatron's ``[message] datetime: …`` line (rank 0, after a barrier)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    print_rank_0(f"[{message}] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')} ")
+
+
+# ----------------------------------------------------------------------------------------------- mixed precision
+def _convert_floats(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], src: tuple) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value) if value.dtype in src else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_convert_floats(v, fn, src) for v in value)
+    if isinstance(value, dict):
+        return {k: _convert_floats(v, fn, src) for k, v in value.items()}
+    return value
+
+
+class Float16Module(torch.nn.Module):
+    """Megatron's Float16Module: holds the model in fp16/bf16, casts fp32 inputs down and outputs back to fp32."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.add_module("module", module.to(dtype))
+        self.dtype = dtype
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        return self.module.set_input_tensor(input_tensor)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        to_half = (lambda t: t.to(self.dtype))  # noqa: E731
+        if getattr(self.module, "pre_process", True):
+            inputs = _convert_floats(inputs, to_half, (torch.float32,))
+        outputs = self.module(*inputs, **kwargs)
+        if getattr(self.module, "post_process", True):
+            outputs = _convert_floats(outputs, lambda t: t.float(), (torch.float16, torch.bfloat16))
+        return outputs
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
+        return self.module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True) -> Any:  # type: ignore[override]
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+
+# ----------------------------------------------------------------------------------------------- model + optimizer
+def get_model(model_provider_func: Callable, model_type: Any, args: argparse.Namespace,
+              state: ps.ParallelState, wrap_with_ddp: bool = True) -> list[torch.nn.Module]:
+    """Build this rank's model chunk, cast it for fp16/bf16 and wrap it in DDP (list of one chunk)."""
+    args.model_type = model_type
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        raise NotImplementedError("virtual pipeline stages are not supported yet; drop "
+                                  "--num-layers-per-virtual-pipeline-stage")
+    model = model_provider_func(pre_process=state.is_pipeline_first_stage(),
+                                post_process=state.is_pipeline_last_stage())
+    model.model_type = model_type
+    for param in model.parameters():
+        set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    n_params = sum(p.nelement() for p in model.parameters())
+    if state.dp_rank == 0:
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
+              f"{state.pp_rank}): {n_params}", flush=True)
+    if torch.cuda.is_available() and getattr(args, "distributed_backend", None) != "gloo":
+        model.cuda(torch.cuda.current_device())
+    if args.fp16 or args.bf16:
+        model = Float16Module(model, torch.half if args.fp16 else torch.bfloat16)
+    if wrap_with_ddp:
+        from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
+
+        if args.DDP_impl == "torch":
+            model = TorchDistributedDataParallel(model, dp_group=state.dp_group)
+        else:
+            model = DistributedDataParallel(
+                model, dp_group=state.dp_group,
+                accumulate_allreduce_grads_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
+                use_contiguous_buffers=bool(getattr(args, "use_contiguous_buffers_in_local_ddp", True)),
+            )
+            if getattr(args, "data_parallel_random_init", False):
+                model.broadcast_params()  # start every data-parallel replica from DP rank 0's weights
+    return [model]
+
+
+def _scheduler_steps(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(warmup, decay, wd increment) lengths in samples, converted from iterations like Megatron."""
+    if args.train_iters:
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+        decay = args.lr_decay_iters * args.global_batch_size
+        wd_incr = args.train_iters * args.global_batch_size
+        warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
+                  else args.lr_warmup_iters * args.global_batch_size)
+    elif args.train_samples:
+        update_train_iters(args)
+        if args.lr_decay_samples is None:
+            args.lr_decay_samples = args.train_samples
+        decay = args.lr_decay_samples
+        wd_incr = args.train_samples
+        warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
+                  else args.lr_warmup_samples)
+    else:
+        raise ValueError("pass --train-iters or --train-samples")
+    return int(warmup), int(decay), int(wd_incr)
+
+
+def get_optimizer_param_scheduler(optimizer: Any, args: argparse.Namespace) -> OptimizerParamScheduler:
+    warmup, decay, wd_incr = _scheduler_steps(args)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=getattr(args, "lr_warmup_init", 0.0) or 0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_steps=wd_incr,
+        wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+    )
+
+
+def update_train_iters(args: argparse.Namespace) -> None:
+    """--train-samples → args.train_iters (accounting for batch-size ramp-up), as Megatron."""
+    if args.rampup_batch_size is None:
+        args.train_iters = args.train_samples // args.global_batch_size
+    else:
+        iterations = 0
+        consumed = 0
+        while consumed <= int(args.rampup_batch_size[2]) and consumed < args.train_samples:
+            global_vars.update_num_microbatches(consumed, consistency_check=False)
+            consumed += global_vars.get_current_global_batch_size()
+            iterations += 1
+        global_vars.update_num_microbatches(0, consistency_check=False)
+        iterations += max(0, args.train_samples - consumed) // args.global_batch_size
+        args.train_iters = iterations
+    print_rank_0(f"setting training iterations to {args.train_iters}")
+
+
+def setup_model_and_optimizer(model_provider_func: Callable, model_type: Any, args: argparse.Namespace,
+                              state: ps.ParallelState) -> tuple[list, Any, Any]:
+    model = get_model(model_provider_func, model_type, args, state)
+    optimizer = get_megatron_optimizer(model, optimizer_config_from_args(args), state)
+    opt_param_scheduler = get_optimizer_param_scheduler(optimizer, args)
+    if args.load is not None:
+        timers = global_vars.get_timers()
+        timers("load-checkpoint", log_level=0).start(barrier=True)
+        args.iteration = load_checkpoint(model, optimizer, opt_param_scheduler, args)
+        timers("load-checkpoint").stop(barrier=True)
+        timers.log(["load-checkpoint"])
+    else:
+        args.iteration = 0
+    return model, optimizer, opt_param_scheduler
+
+
+# ----------------------------------------------------------------------------------------------- data
+def _cyclic_iter(loader: Any) -> Iterator:
+    while True:
+        yield from loader
+
+
+def build_train_valid_test_data_iterators(
+    dataset_provider: Callable, args: argparse.Namespace, state: ps.ParallelState
+) -> tuple[Optional[Iterator], Optional[Iterator], Optional[Iterator]]:
+    """Build the datasets (every rank) and the pretraining loaders at the resume point (consumed samples)."""
+    from megatron.data.data_samplers import build_pretraining_data_loader
+
+    print_rank_0("> building train, validation, and test datasets ...")
+    if args.iteration > 0 and args.consumed_train_samples == 0:
+        if args.train_samples is not None:
+            raise RuntimeError("checkpoint has no consumed_train_samples; cannot resume with --train-samples")
+        args.consumed_train_samples = args.iteration * args.global_batch_size
+    if args.iteration > 0 and args.consumed_valid_samples == 0 and args.train_samples is None:
+        args.consumed_valid_samples = (args.iteration // args.eval_interval) * args.eval_iters * \
+            args.global_batch_size
+    train_samples = args.train_samples if args.train_samples else args.train_iters * args.global_batch_size
+    eval_iters = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    num_samples = [train_samples, eval_iters * args.global_batch_size, args.eval_iters * args.global_batch_size]
+    print_rank_0(" > datasets target sizes (minimum size):")
+    print_rank_0(f"    train:      {num_samples[0]}")
+    print_rank_0(f"    validation: {num_samples[1]}")
+    print_rank_0(f"    test:       {num_samples[2]}")
+
+    datasets = dataset_provider(num_samples)  # collective: the provider coordinates cache building
+    train_ds, valid_ds, test_ds = datasets
+    print_rank_0("> finished creating datasets ...")
+
+    def loader(ds: Any, consumed: int) -> Any:
+        if ds is None:
+            return None
+        return build_pretraining_data_loader(ds, consumed, args.micro_batch_size, state.dp_rank, state.dp_size,
+                                             args.num_workers, args.dataloader_type)
+
+    train_dl = loader(train_ds, args.consumed_train_samples)
+    valid_dl = loader(valid_ds, args.consumed_valid_samples)
+    test_dl = loader(test_ds, 0)
+    args.do_train = train_dl is not None and args.train_iters > 0
+    args.do_valid = valid_dl is not None and args.eval_iters > 0
+    args.do_test = test_dl is not None and args.eval_iters > 0
+
+    def make_iter(dl: Any) -> Optional[Iterator]:
+        if dl is None:
+            return None
+        return iter(dl) if args.dataloader_type == "single" else iter(_cyclic_iter(dl))
+
+    return make_iter(train_dl), make_iter(valid_dl), make_iter(test_dl)
+
+
+# ----------------------------------------------------------------------------------------------- steps
+def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list, optimizer: Any,
+               opt_param_scheduler: Any, args: argparse.Namespace, state: ps.ParallelState
+               ) -> tuple[dict, int, Optional[float], Optional[int]]:
+    """One iteration: forward/backward over the micro-batches, gradient reductions, optimizer and LR step."""
+    timers = global_vars.get_timers()
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+    forward_backward_func = get_forward_backward_func(args.pipeline_model_parallel_size)
+    timers("forward-backward", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
+    losses_reduced = forward_backward_func(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=global_vars.get_num_microbatches(), forward_only=False,
+        grad_scale_func=optimizer.scale_loss, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+    )
+    timers("forward-backward").stop()
+
+    timers("grads-all-reduce", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
+    finalize_model_grads(model, state, sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+    timers("grads-all-reduce").stop()
+
+    timers("optimizer", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
+    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    timers("optimizer").stop()
+
+    if update_successful:
+        increment = global_vars.get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
+        opt_param_scheduler.step(increment=increment)
+        skipped_iter = 0
+    else:
+        skipped_iter = 1
+
+    if state.is_pipeline_last_stage(ignore_virtual=True) and losses_reduced:
+        loss_reduced = {}
+        for key in losses_reduced[0]:
+            values = [float(x[key]) for x in losses_reduced]
+            loss_reduced[key] = sum(values) / len(values)
+        return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
+    return {}, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def calc_params_l2_norm(model: list, state: ps.ParallelState) -> float:
+    """L2 norm of all parameters, each counted once across TP/PP (Megatron's --log-params-norm)."""
+    total = torch.zeros(1, dtype=torch.float64)
+    for chunk in model:
+        for p in chunk.parameters():
+            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, state.tp_rank):
+                total += p.detach().double().pow(2).sum().cpu()
+    if state.mp_group is not None:
+        torch.distributed.all_reduce(total, group=state.mp_group)
+    return float(total.sqrt().item())
+
+
+def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, iteration: int, loss_scale: float,
+                 report_memory_flag: bool, skipped_iter: int, grad_norm: Optional[float],
+                 params_norm: Optional[float], num_zeros_in_grad: Optional[int], args: argparse.Namespace) -> bool:
+    """Accumulate losses, write TensorBoard scalars and print the log line every --log-interval."""
+    timers = global_vars.get_timers()
+    writer = global_vars.get_tensorboard_writer()
+    accumulate_losses(loss_dict, total_loss_dict, skipped_iter)
+    batch_size = args.micro_batch_size * args.data_parallel_size * global_vars.get_num_microbatches()
+
+    timers_to_log = ["forward-backward", "forward-compute", "backward-compute", "batch-generator",
+                     "grads-all-reduce", "optimizer"]
+    # Timers gather over all ranks: every rank calls write(), only the writer's rank writes.
+    if getattr(args, "log_timers_to_tensorboard", False) and iteration % args.tensorboard_log_interval == 0:
+        timers.write(timers_to_log, writer, iteration, normalizer=1.0)
+    if writer is not None and iteration % args.tensorboard_log_interval == 0:
+        write_train_scalars(writer, args, iteration, loss_dict, learning_rate, batch_size, loss_scale, grad_norm,
+                            num_zeros_in_grad, params_norm)
+
+    if iteration % args.log_interval == 0:
+        elapsed = timers("interval-time").elapsed(barrier=True)
+        total_iters = total_loss_dict[ADVANCED] + total_loss_dict[SKIPPED]
+        per_iter = elapsed / max(1, total_iters)
+        if writer is not None and getattr(args, "log_timers_to_tensorboard", False):
+            writer.add_scalar("iteration-time", per_iter, iteration)
+        flops = num_floating_point_operations(
+            batch_size, args.seq_length, args.num_layers, args.hidden_size, args.padded_vocab_size,
+            recompute=getattr(args, "recompute_granularity", None) == "full",
+            glu=bool(getattr(args, "swiglu", False)))
+        losses = {k: v / float(max(1, total_loss_dict[ADVANCED])) for k, v in total_loss_dict.items()
+                  if k not in (ADVANCED, SKIPPED, NAN)}
+        line = format_training_log_line(
+            iteration=iteration, train_iters=args.train_iters, consumed_samples=int(args.consumed_train_samples),
+            consumed_tokens=int(args.consumed_train_tokens), elapsed_per_iter=per_iter,
+            learning_rate=learning_rate, batch_size=batch_size, losses=losses, loss_scale=loss_scale,
+            grad_norm=grad_norm, num_zeros_in_grad=num_zeros_in_grad, params_norm=params_norm,
+            skipped=total_loss_dict[SKIPPED], nans=total_loss_dict[NAN],
+            samples_per_sec=batch_size / per_iter if per_iter > 0 else 0.0,
+            tflops=flops / (per_iter * args.world_size * 1e12) if per_iter > 0 else 0.0,
+        )
+        print_rank_last(line)
+        for key in list(total_loss_dict):
+            if key not in (ADVANCED, SKIPPED, NAN):
+                total_loss_dict[key] = 0.0
+        total_loss_dict[ADVANCED] = total_loss_dict[SKIPPED] = total_loss_dict[NAN] = 0
+        if report_memory_flag and skipped_iter == 0:
+            report_memory(f"(after {iteration} iterations)")
+            report_memory_flag = False
+        timers.log(timers_to_log, normalizer=args.log_interval)
+    return report_memory_flag
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
+def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
+             process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
+             verbose: bool = False, count_valid_samples: bool = True) -> tuple[dict, Any]:
+    """Average the losses over --eval-iters batches (forward only)."""
+    for chunk in model:
+        chunk.eval()
+    total: dict[str, float] = {}
+    forward_backward_func = get_forward_backward_func(args.pipeline_model_parallel_size)
+    num_mb = global_vars.get_num_microbatches()
+    with torch.no_grad():
+        for it in range(args.eval_iters):
+            if verbose:
+                print_rank_0(f"Evaluating iter {it + 1}/{args.eval_iters}")
+            loss_dicts = forward_backward_func(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                num_microbatches=num_mb, forward_only=True, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size)
+            if state.is_pipeline_last_stage(ignore_virtual=True):
+                for d in loss_dicts:
+                    for key, value in d.items():
+                        total[key] = total.get(key, 0.0) + float(value)
+            if count_valid_samples:
+                args.consumed_valid_samples += args.micro_batch_size * args.data_parallel_size * num_mb
+        collected = None
+        if process_non_loss_data_func is not None and state.is_pipeline_last_stage(ignore_virtual=True):
+            collected = forward_backward_func(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                num_microbatches=num_mb, forward_only=True, collect_non_loss_data=True)
+    for chunk in model:
+        chunk.train()
+    for key in total:
+        total[key] /= args.eval_iters * num_mb
+    return total, collected
+
+
+def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_iterator: Optional[Iterator],
+                               model: list, iteration: int, process_non_loss_data_func: Optional[Callable],
+                               args: argparse.Namespace, state: ps.ParallelState, verbose: bool = False,
+                               count_valid_samples: bool = True) -> dict:
+    writer = global_vars.get_tensorboard_writer()
+    losses, collected = evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, args, state,
+                                 verbose, count_valid_samples)
+    log_validation(prefix, losses, writer, args, iteration)
+    if process_non_loss_data_func is not None and writer is not None and collected is not None:
+        process_non_loss_data_func(collected, iteration, writer)
+    return losses
+
+
+# ----------------------------------------------------------------------------------------------- exit handling
+def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace) -> None:
+    timers = global_vars.get_timers()
+    timers("save-checkpoint", log_level=0).start(barrier=True)
+    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args)
+    timers("save-checkpoint").stop(barrier=True)
+    timers.log(["save-checkpoint"])
+
+
+def _duration_exceeded(args: argparse.Namespace) -> tuple[bool, float]:
+    minutes = (time.time() - _TRAIN_START_TIME) / 60.0
+    flag = torch.tensor([int(minutes > args.exit_duration_in_mins)], dtype=torch.int32)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item()), minutes
+
+
+def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_scheduler: Any,
+          train_data_iterator: Optional[Iterator], valid_data_iterator: Optional[Iterator],
+          process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState
+          ) -> tuple[int, bool]:
+    """The training loop. Returns (last iteration, exited_early) — early exits have already saved."""
+    timers = global_vars.get_timers()
+    for chunk in model:
+        chunk.train()
+    total_loss_dict: dict = {}
+    iteration = args.iteration
+    sigterm = global_vars.get_signal_handler() if getattr(args, "exit_signal_handler", False) else None
+    timers("interval-time", log_level=0).start(barrier=True)
+    print_datetime("before the start of training step")
+    report_memory_flag = True
+    while iteration < args.train_iters:
+        global_vars.update_num_microbatches(args.consumed_train_samples)
+        args.curr_iteration = iteration
+        loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
+            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, args, state)
+        iteration += 1
+        args.iteration = iteration
+        new_samples = args.data_parallel_size * args.micro_batch_size * global_vars.get_num_microbatches()
+        args.consumed_train_samples += new_samples
+        args.consumed_train_tokens = getattr(args, "consumed_train_tokens", 0) + new_samples * args.seq_length
+
+        loss_scale = float(optimizer.get_loss_scale().item())
+        params_norm = calc_params_l2_norm(model, state) if getattr(args, "log_params_norm", False) else None
+        report_memory_flag = training_log(
+            loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], iteration, loss_scale,
+            report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros, args)
+
+        if args.eval_interval and iteration % args.eval_interval == 0 and getattr(args, "do_valid", False):
+            evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
+                                       iteration, process_non_loss_data_func, args, state)
+
+        saved = False
+        if sigterm is not None and any(sigterm.signals_received()):
+            if args.save:
+                _save(iteration, model, optimizer, opt_param_scheduler, args)
+            print_datetime("exiting program after receiving SIGTERM.")
+            return iteration, True
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            _save(iteration, model, optimizer, opt_param_scheduler, args)
+            saved = True
+        if getattr(args, "exit_duration_in_mins", None):
+            done, minutes = _duration_exceeded(args)
+            if done:
+                if args.save and not saved:
+                    _save(iteration, model, optimizer, opt_param_scheduler, args)
+                print_datetime(f"exiting program after {minutes} minutes")
+                return iteration, True
+        if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0:
+            if args.save and not saved:
+                _save(iteration, model, optimizer, opt_param_scheduler, args)
+            print_datetime(f"exiting program at iteration {iteration}")
+            return iteration, True
+    return iteration, False
+
+
+# ----------------------------------------------------------------------------------------------- entry point
+def pretrain(
+    train_valid_test_dataset_provider: Callable,
+    model_provider: Callable,
+    model_type: Any,
+    forward_step_func: Callable,
+    process_non_loss_data_func: Optional[Callable] = None,
+    extra_args_provider: Optional[Callable] = None,
+    args_defaults: Optional[dict] = None,
+    argv: Optional[list[str]] = None,
+) -> Optional[dict]:
+    """Megatron's ``pretrain``. Returns ``{"iteration", "val_loss", "test_loss"}`` (None where not evaluated)."""
+    global _TRAIN_START_TIME
+    args = initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults or {},
+                               args=argv)
+    start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(start, op=torch.distributed.ReduceOp.MIN)
+    _TRAIN_START_TIME = float(start.item())
+    print_rank_0(f"time to initialize megatron (seconds): {time.time() - _TRAIN_START_TIME:.3f}")
+    print_datetime("after megatron is initialized")
+    state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
+    args.consumed_train_tokens = getattr(args, "consumed_train_tokens", 0)
+    timers = global_vars.get_timers()
+
+    timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
+    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, args, state)
+    timers("model-and-optimizer-setup").stop()
+    print_datetime("after model, optimizer, and learning rate scheduler are built")
+
+    timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
+    # Creating DataLoader iterators draws from the global torch RNG; keep the (possibly just restored) RNG state
+    # untouched so that resuming from a checkpoint replays exactly the same dropout masks.
+    rng = local_rng_state()
+    train_it, valid_it, test_it = build_train_valid_test_data_iterators(
+        train_valid_test_dataset_provider, args, state)
+    restore_local_rng_state(rng)
+    timers("train/valid/test-data-iterators-setup").stop()
+    print_datetime("after dataloaders are built")
+    print_rank_0("done with setup ...")
+    timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
+
+    result: dict = {"iteration": args.iteration, "val_loss": None, "test_loss": None}
+    iteration = args.iteration
+    if args.do_train and args.train_iters > 0 and not getattr(args, "skip_train", False):
+        print_rank_0("training ...")
+        iteration, exited = train(forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it,
+                                  process_non_loss_data_func, args, state)
+        result["iteration"] = iteration
+        print_datetime("after training is done")
+        if exited:
+            _flush_writer()
+            return result
+        if args.save and iteration != 0 and iteration % args.save_interval != 0:
+            _save(iteration, model, optimizer, opt_param_scheduler, args)
+    else:
+        print_rank_0("skipping training (--skip-train is on) ...")
+
+    if getattr(args, "do_valid", False):
+        result["val_loss"] = evaluate_and_print_results(
+            "the end of training for val data", forward_step_func, valid_it, model, iteration,
+            process_non_loss_data_func, args, state, verbose=False)
+    if getattr(args, "do_test", False):
+        result["test_loss"] = evaluate_and_print_results(
+            "the end of training for test data", forward_step_func, test_it, model, iteration,
+            process_non_loss_data_func, args, state, verbose=True, count_valid_samples=False)
+    _flush_writer()
+    return result
+
+
+def _flush_writer() -> None:
+    writer = global_vars.get_tensorboard_writer()
+    if writer is not None:
+        writer.flush()
+    sys.stdout.flush()
+
+
+def perplexity(loss: float) -> float:
+    """exp(min(20, loss)), Megatron's clamp."""
+    return math.exp(min(20.0, loss))

@@ -1,0 +1,110 @@
+"""Pretrain GPT (Megatron's ``pretrain_gpt.py``): same flags, data, checkpoints and log lines.
+
+Single process:   python pretrain_gpt.py --num-layers 2 --hidden-size 64 ... --data-path my-gpt2_text_document
+Distributed:      torchrun --nproc_per_node 4 pretrain_gpt.py --tensor-model-parallel-size 2 ...
+
+Data: every rank builds the same datasets and its data-parallel shard of the pretraining sampler, so the ranks of
+one tensor-parallel group read the identical micro-batch deterministically (instead of Megatron's broadcast from
+tensor-parallel rank 0; no communication is needed and the result is the same).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+from typing import Any, Iterator, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from megatron import global_vars  # noqa: E402
+from megatron.arguments import core_transformer_config_from_args  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.model import GPTModel, ModelType  # noqa: E402
+from megatron.training import pretrain  # noqa: E402
+from megatron.utils import average_losses_across_data_parallel_group, get_ltor_masks_and_position_ids  # noqa: E402
+
+
+def _state() -> ps.ParallelState:
+    return ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
+    """Build the GPT model for this rank."""
+    args = global_vars.get_args()
+    state = _state()
+    if state.global_rank == 0:
+        print(" > building GPT model ...", flush=True)
+    config = core_transformer_config_from_args(args)
+    return GPTModel(config, tp_group=state.tp_group, pp_state=state, num_tokentypes=0, parallel_output=True,
+                    pre_process=pre_process, post_process=post_process,
+                    fp16_lm_cross_entropy=bool(getattr(args, "fp16_lm_cross_entropy", False)))
+
+
+def get_batch(data_iterator: Optional[Iterator]) -> tuple[torch.Tensor, ...]:
+    """tokens, labels, loss_mask, attention_mask, position_ids of the next micro-batch."""
+    args = global_vars.get_args()
+    tokenizer = global_vars.get_tokenizer()
+    data = next(data_iterator)
+    tokens_ = data["text"].long()
+    labels = tokens_[:, 1:].contiguous()
+    tokens = tokens_[:, :-1].contiguous()
+    attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+        tokens, tokenizer.eod, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss)
+    if torch.cuda.is_available() and args.distributed_backend != "gloo":
+        device = torch.cuda.current_device()
+        tokens, labels, loss_mask, attention_mask, position_ids = (
+            t.cuda(device, non_blocking=True) for t in (tokens, labels, loss_mask, attention_mask, position_ids))
+    return tokens, labels, loss_mask, attention_mask, position_ids
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Masked mean of the per-token losses; the reported value is averaged over data-parallel ranks."""
+    losses = output_tensor.float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses.view(-1) * loss_mask) / loss_mask.sum()
+    averaged = average_losses_across_data_parallel_group([loss])
+    return loss, {"lm loss": averaged[0]}
+
+
+def forward_step(data_iterator: Optional[Iterator], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    """Megatron's forward step: (per-token losses, loss function)."""
+    timers = global_vars.get_timers()
+    timers("batch-generator", log_level=2).start()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    timers("batch-generator").stop()
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples: list[int]) -> tuple[Any, Any, Any]:
+    """GPT datasets from --data-path (or separate --train/valid/test-data-path) with Megatron's split."""
+    from megatron.data.gpt_dataset import build_train_valid_test_datasets
+
+    args = global_vars.get_args()
+    if not (args.data_path or args.train_data_path):
+        raise ValueError("pretrain_gpt.py needs --data-path PREFIX (the output prefix of tools/preprocess_data.py, "
+                         "e.g. my-gpt2_text_document) or --train-data-path/--valid-data-path/--test-data-path")
+    return build_train_valid_test_datasets(
+        data_prefix=args.data_path,
+        data_impl=args.data_impl,
+        splits_string=args.split,
+        train_valid_test_num_samples=train_val_test_num_samples,
+        seq_length=args.seq_length,
+        seed=args.seed,
+        skip_warmup=not args.mmap_warmup,
+        data_cache_path=args.data_cache_path,
+        train_data_prefix=args.train_data_path,
+        valid_data_prefix=args.valid_data_path,
+        test_data_prefix=args.test_data_path,
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> Optional[dict]:
+    return pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, argv=argv)
+
+
+if __name__ == "__main__":
+    main()

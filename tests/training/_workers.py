@@ -1,0 +1,58 @@
+"""Module-level worker functions for `run_distributed` (they must pickle): run pretrain_gpt in-process."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import signal
+from typing import Any, Optional
+
+LOSS_RE = re.compile(r" iteration +(\d+)/ *\d+ \|.* lm loss: ([0-9.E+-]+) \|")
+VAL_RE = re.compile(r" validation loss at (.+?) \| lm loss value: ([0-9.E+-]+) \| lm loss PPL: ([0-9.E+-]+) \|")
+
+
+def tiny_gpt_argv(data: dict, *extra: str, iters: int = 20) -> list[str]:
+    """The tiny GPT of the golden curves: 2 layers, hidden 64, 4 heads, seq 64, fp32, no dropout."""
+    return [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--max-position-embeddings", "64",
+        "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", str(iters),
+        "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+        "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--vocab-file", data["vocab"], "--merge-file", data["merges"], "--data-path", data["prefix"],
+        "--split", "98,2,0", "--log-interval", "1", "--eval-interval", "10", "--eval-iters", "2",
+        "--num-workers", "0", "--seed", "1234", *extra,
+    ]
+
+
+def parse_losses(text: str) -> dict[str, Any]:
+    """{'train': {iteration: loss}, 'val': [(prefix, loss)]} from the printed log lines."""
+    train = {int(m.group(1)): float(m.group(2)) for m in LOSS_RE.finditer(text)}
+    val = [(m.group(1), float(m.group(2))) for m in VAL_RE.finditer(text)]
+    return {"train": train, "val": val}
+
+
+def run_pretrain(rank: int, world_size: int, argv: list[str], sigterm_at_call: Optional[int] = None) -> dict:
+    """pretrain_gpt.main(argv) with stdout captured; optionally SIGTERM this process at a forward-step call."""
+    import pretrain_gpt
+
+    if sigterm_at_call is not None and rank == 0:
+        calls = {"n": 0}
+        original = pretrain_gpt.forward_step
+
+        def forward_step(data_iterator, model):
+            calls["n"] += 1
+            if calls["n"] == sigterm_at_call:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return original(data_iterator, model)
+
+        pretrain_gpt.forward_step = forward_step
+    buf = io.StringIO()
+    error = None
+    with contextlib.redirect_stdout(buf):
+        try:
+            result = pretrain_gpt.main(argv)
+        except (RuntimeError, ValueError) as exc:  # surfaced to the test as a one-line message
+            result, error = None, f"{type(exc).__name__}: {exc}"
+    return {"stdout": buf.getvalue(), "result": result, "error": error}
