@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
@@ -30,7 +29,7 @@ def parallel_lm_logits(
         )
     else:
         input_parallel = tensor_parallel.copy_to_tensor_model_parallel_region(input_, tp_group)
-    logits = F.linear(input_parallel, word_embeddings_weight, bias)
+    logits = tensor_parallel.lm_logits_linear(input_parallel, word_embeddings_weight, bias)
     if parallel_output:
         return logits
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits, tp_group)

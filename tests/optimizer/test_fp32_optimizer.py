@@ -41,7 +41,7 @@ def test_adam_matches_torch_adamw(clip):
     cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-6, clip_grad=clip)
     opt = get_megatron_optimizer([model], cfg)
     assert isinstance(opt, FP32Optimizer)
-    ref_opt = torch.optim.AdamW(_reference_groups(ref, 0.1), lr=1e-2, betas=(0.8, 0.95), eps=1e-6)
+    ref_opt = torch.optim.AdamW(_reference_groups(ref, 0.1), lr=1e-2, betas=(0.8, 0.95), eps=1e-6, fused=True)
     for x, y in batches(4):
         opt.zero_grad()
         loss_fn(model, x, y).backward()

@@ -94,7 +94,7 @@ def test_bf16_step_equals_adamw_on_fp32_main_params():
     model = tiny_model(dtype=torch.bfloat16)
     reference = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
     opt = get_megatron_optimizer(model, OptimizerConfig(bf16=True, lr=1e-2, weight_decay=0.0, clip_grad=0.0))
-    ref_opt = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.0)
+    ref_opt = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.0, fused=True)
     for x, y in batches(3, dtype=torch.bfloat16):
         opt.zero_grad()
         loss_fn(model, x, y).backward()

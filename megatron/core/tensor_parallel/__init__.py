@@ -14,6 +14,7 @@ from megatron.core.tensor_parallel.layers import (
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
+from megatron.core.tensor_parallel.lm_head import lm_logits_linear
 from megatron.core.tensor_parallel.mappings import (
     all_gather_along_dim,
     all_reduce,
@@ -72,6 +73,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "linear_with_grad_accumulation_and_async_allreduce",
+    "lm_logits_linear",
     "model_parallel_cuda_manual_seed",
     "model_parallel_manual_seed",
     "param_is_not_tensor_parallel_duplicate",
