@@ -43,7 +43,7 @@ from megatron.logging_utils import (
     report_memory,
     write_train_scalars,
 )
-from megatron.model.module import param_is_not_shared
+from megatron.model.module import Float16Module, param_is_not_shared
 from megatron.optimizer import get_megatron_optimizer
 from megatron.optimizer.optimizer_config import optimizer_config_from_args
 
@@ -55,44 +55,6 @@ def print_datetime(message: str) -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     print_rank_0(f"[{message}] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')} ")
-
-
-# ----------------------------------------------------------------------------------------------- mixed precision
-def _convert_floats(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], src: tuple) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value) if value.dtype in src else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_convert_floats(v, fn, src) for v in value)
-    if isinstance(value, dict):
-        return {k: _convert_floats(v, fn, src) for k, v in value.items()}
-    return value
-
-
-class Float16Module(torch.nn.Module):
-    """Megatron's Float16Module: holds the model in fp16/bf16, casts fp32 inputs down and outputs back to fp32."""
-
-    def __init__(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.add_module("module", module.to(dtype))
-        self.dtype = dtype
-
-    def set_input_tensor(self, input_tensor: Any) -> None:
-        return self.module.set_input_tensor(input_tensor)
-
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        to_half = (lambda t: t.to(self.dtype))  # noqa: E731
-        if getattr(self.module, "pre_process", True):
-            inputs = _convert_floats(inputs, to_half, (torch.float32,))
-        outputs = self.module(*inputs, **kwargs)
-        if getattr(self.module, "post_process", True):
-            outputs = _convert_floats(outputs, lambda t: t.float(), (torch.float16, torch.bfloat16))
-        return outputs
-
-    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
-        return self.module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True) -> Any:  # type: ignore[override]
-        return self.module.load_state_dict(state_dict, strict=strict)
 
 
 # ----------------------------------------------------------------------------------------------- model + optimizer
