@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron import global_vars  # noqa: E402
 from megatron.arguments import core_transformer_config_from_args  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.errors import exit_on_user_error  # noqa: E402
 from megatron.model import GPTModel, ModelType  # noqa: E402
 from megatron.training import pretrain  # noqa: E402
 from megatron.utils import average_losses_across_data_parallel_group, get_ltor_masks_and_position_ids  # noqa: E402
@@ -107,4 +108,4 @@ def main(argv: Optional[list[str]] = None) -> Optional[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_user_error(main)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
+from megatron.errors import MegatronUserError
 
 _FALLBACK_TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -48,7 +49,7 @@ _TOKENIZER_REQUIRED_FLAGS = {
 }
 
 
-class ArgumentError(ValueError):
+class ArgumentError(MegatronUserError, ValueError):
     """A bad combination of command-line flags (one line, names the flags and the fix)."""
 
 

@@ -28,7 +28,13 @@ import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import get_rng_tracker
+from megatron.errors import MegatronUserError
 from megatron.model.module import unwrap_model
+
+
+class CheckpointError(MegatronUserError, RuntimeError):
+    """A checkpoint that is missing, incomplete or does not fit this run (the message names the flag to change)."""
+
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -99,12 +105,12 @@ def read_metadata(tracker_filename: str) -> tuple[int, bool]:
     try:
         iteration = int(text)
     except ValueError:
-        raise RuntimeError(
+        raise CheckpointError(
             f"{tracker_filename} must contain an iteration number or 'release', found {text!r}; "
             "fix or delete the file"
         ) from None
     if iteration < 0:
-        raise RuntimeError(f"{tracker_filename} holds a negative iteration ({iteration})")
+        raise CheckpointError(f"{tracker_filename} holds a negative iteration ({iteration})")
     if torch.distributed.is_initialized():
         iters = torch.tensor([iteration], dtype=torch.long)
         torch.distributed.all_reduce(iters, op=torch.distributed.ReduceOp.MAX)
@@ -135,7 +141,7 @@ def restore_local_rng_state(rng: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(rng["cuda_rng_state"])
     tracker_states = rng.get("rng_tracker_states")
     if tracker_states is None:
-        raise RuntimeError("checkpoint has no rng_tracker_states; resume with --no-load-rng")
+        raise CheckpointError("checkpoint has no rng_tracker_states; resume with --no-load-rng")
     get_rng_tracker().set_states(tracker_states)
 
 
@@ -209,7 +215,7 @@ def save_checkpoint(
     """Write the checkpoint of ``iteration`` into ``save_dir`` (default ``args.save``); returns this rank's file."""
     save_dir = save_dir or args.save
     if not save_dir:
-        raise ValueError("save_checkpoint called without a directory: pass --save DIR")
+        raise CheckpointError("save_checkpoint called without a directory: pass --save DIR")
     state = _state()
     models = _as_list(model)
     _print0(f"saving checkpoint at iteration {iteration:7d} to {save_dir}")
@@ -289,14 +295,14 @@ def _check_layout(load_dir: str, iteration: int, release: bool, checkpoint_name:
     iter_dir = os.path.dirname(os.path.dirname(checkpoint_name))
     rank_dirs = _find_rank_dirs(iter_dir)
     if not rank_dirs:
-        raise RuntimeError(
+        raise CheckpointError(
             f"checkpoint {iter_dir} (named by {get_checkpoint_tracker_filename(load_dir)}) does not exist; "
             "fix the tracker file or --load"
         )
     tps = {d.split("_")[2] for d in rank_dirs}
     has_pp = any(len(d.split("_")) > 3 for d in rank_dirs)
     pps = {d.split("_")[3] for d in rank_dirs} if has_pp else {"000"}
-    raise RuntimeError(
+    raise CheckpointError(
         f"checkpoint {iter_dir} was saved with --tensor-model-parallel-size {len(tps)} and "
         f"--pipeline-model-parallel-size {len(pps)}, but this run uses {_state().tp_size} and {_state().pp_size} "
         f"(no {os.path.relpath(checkpoint_name, load_dir)}); use the same sizes or reshard the checkpoint"
@@ -311,7 +317,7 @@ def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Na
         if saved is None or current is None or saved == current:
             continue
         fix = "or reshard the checkpoint" if (flag, attr) in _PARALLEL_ARGS else "(or --use-checkpoint-args)"
-        raise RuntimeError(
+        raise CheckpointError(
             f"checkpoint {path} has {attr}={saved} but this run has {attr}={current}: "
             f"set {flag} {saved} {fix}, or start without --load"
         )
@@ -321,10 +327,10 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
     """--use-checkpoint-args: copy the model-shape flags saved in the latest checkpoint into ``args``."""
     load_dir = getattr(args, load_arg, None)
     if not load_dir:
-        raise ValueError("--use-checkpoint-args needs --load DIR")
+        raise CheckpointError("--use-checkpoint-args needs --load DIR")
     tracker = get_checkpoint_tracker_filename(load_dir)
     if not os.path.isfile(tracker):
-        raise RuntimeError(f"--use-checkpoint-args: no {TRACKER_FILENAME} in {load_dir}")
+        raise CheckpointError(f"--use-checkpoint-args: no {TRACKER_FILENAME} in {load_dir}")
     iteration, release = read_metadata(tracker)
     name = get_checkpoint_name(load_dir, iteration, release, pipeline_parallel=None, tensor_rank=0, pipeline_rank=0)
     if not os.path.isfile(name):
@@ -332,7 +338,7 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
                                    pipeline_rank=0)
     ckpt_args = load_state_dict_file(name).get("args")
     if ckpt_args is None:
-        raise RuntimeError(f"--use-checkpoint-args: {name} holds no args")
+        raise CheckpointError(f"--use-checkpoint-args: {name} holds no args")
     for attr in ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
                  "kv_channels", "max_position_embeddings", "make_vocab_size_divisible_by", "padded_vocab_size",
                  "tokenizer_type", "add_position_embedding", "use_rotary_position_embeddings",
@@ -390,14 +396,14 @@ def load_checkpoint(
     for i, chunk in enumerate(models):
         key = "model" if len(models) == 1 else f"model{i}"
         if key not in sd:
-            raise RuntimeError(f"checkpoint {checkpoint_name} has no '{key}' entry (saved with a different "
+            raise CheckpointError(f"checkpoint {checkpoint_name} has no '{key}' entry (saved with a different "
                                "--virtual-pipeline-model-parallel-size?)")
         try:
             unwrap_model(chunk).load_state_dict(sd[key], strict=strict)
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()
             detail = " ".join(line.strip() for line in first[1:3]) if len(first) > 1 else first[0]
-            raise RuntimeError(
+            raise CheckpointError(
                 f"checkpoint {checkpoint_name} does not match the model ({detail[:300]}); check --num-layers, "
                 "--hidden-size, --num-attention-heads, --vocab-file and the parallel sizes"
             ) from None
@@ -407,7 +413,7 @@ def load_checkpoint(
     if not release and not finetune and not getattr(args, "no_load_optim", False):
         if optimizer is not None:
             if "optimizer" not in sd:
-                raise RuntimeError(f"checkpoint {checkpoint_name} has no optimizer state; pass --no-load-optim")
+                raise CheckpointError(f"checkpoint {checkpoint_name} has no optimizer state; pass --no-load-optim")
             optimizer.load_state_dict(sd["optimizer"])
             loaded_optim = True
         if opt_param_scheduler is not None:
@@ -420,7 +426,7 @@ def load_checkpoint(
     # RNG.
     if not release and not finetune and not getattr(args, "no_load_rng", False):
         if "rng_state" not in sd:
-            raise RuntimeError(f"checkpoint {checkpoint_name} has no rng_state; pass --no-load-rng")
+            raise CheckpointError(f"checkpoint {checkpoint_name} has no rng_state; pass --no-load-rng")
         set_rng_state(sd["rng_state"], state)
 
     _barrier()

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
+from megatron.errors import MegatronUserError
+
 if TYPE_CHECKING:  # at run time these come from the module __getattr__ at the bottom (loaded on first use)
     from megatron.data.legacy_indexed_dataset import (
         IndexedCachedDataset,
@@ -55,7 +57,7 @@ _COPY_CHUNK = 16 << 20  # bytes per read when streaming .bin files (bounded memo
 _FLUSH = 1 << 20  # python-list entries kept before packing into numpy chunks
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(MegatronUserError, ValueError):
     """A .bin/.idx pair is missing, truncated, corrupt or inconsistent (the message names the file and the fix)."""
 
 

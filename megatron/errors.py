@@ -1,0 +1,31 @@
+"""User-facing errors: problems with flags, files or checkpoints that entry scripts print as one line.
+
+Library code raises a subclass of `MegatronUserError` (which also derives from the usual ValueError/RuntimeError)
+with a message that names the flag or file and the fix; `exit_on_user_error` turns it into `error: <message>` on
+stderr and exit code 1 instead of a traceback. Imports nothing heavy (the preprocessing tools use it too).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class MegatronUserError(Exception):
+    """Bad input from the user (flags, data files, checkpoints); the message says what to change."""
+
+
+def exit_on_user_error(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run `fn`; a MegatronUserError becomes one line on stderr and exit code 1 (process group torn down)."""
+    try:
+        return fn(*args, **kwargs)
+    except MegatronUserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+        sys.exit(1)
