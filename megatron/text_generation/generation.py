@@ -1,0 +1,223 @@
+"""Batched autoregressive generation for GPTModel (Megatron's approach).
+
+Prompts of different lengths are left-aligned in one [b, prompt_max + tokens_to_generate] buffer; decoding starts at
+the shortest prompt and, at each position, rows still inside their prompt keep their own token while the others take
+the sampled one. With the KV cache (default) each step feeds only the new positions; `use_kv_cache=False` recomputes
+the whole prefix every step (Megatron's --recompute). Under tensor parallelism the logits are gathered over the TP
+group and the sampled tokens are broadcast from TP rank 0, so every TP rank holds identical tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.mappings import all_gather_along_dim, group_size
+from megatron.model.inference_params import InferenceParams
+from megatron.text_generation.sampling import check_sampling_args, sample
+
+
+@dataclass
+class GenerationOutput:
+    """Raw result: tokens [b, n], lengths [b] (prompt + generated, eod included), log-probs [b, n-1] or None."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    logprobs: Optional[torch.Tensor]
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def _tp_group(tp_group: Any, state: Any) -> Any:
+    if tp_group is not None:
+        return tp_group
+    if state is not None:
+        return state.tp_group
+    if ps.model_parallel_is_initialized():
+        return ps.get_parallel_state().tp_group
+    return None
+
+
+def _full_logits(model: torch.nn.Module, logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    if group_size(tp_group) > 1 and getattr(_unwrapped(model), "parallel_output", False):
+        logits = all_gather_along_dim(logits, tp_group, dim=-1)
+    return logits.float()
+
+
+def _broadcast_from_tp_rank0(x: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    if group_size(tp_group) > 1:
+        dist.broadcast(x, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+    return x
+
+
+@torch.no_grad()
+def generate_tokens(
+    model: torch.nn.Module,
+    prompt_tokens: Sequence[Sequence[int]],
+    tokens_to_generate: int,
+    *,
+    eod_id: int,
+    return_output_log_probs: bool = False,
+    top_k: int = 0,
+    top_p: float = 0.0,
+    temperature: float = 1.0,
+    greedy: bool = False,
+    use_eod_token_for_early_termination: bool = True,
+    stop_token_ids: Sequence[int] = (),
+    random_seed: int = -1,
+    use_kv_cache: bool = True,
+    vocab_size: Optional[int] = None,
+    max_position_embeddings: Optional[int] = None,
+    tp_group: Any = None,
+    state: Any = None,
+) -> GenerationOutput:
+    """Generate up to `tokens_to_generate` tokens after each prompt (lists of token ids, each non-empty)."""
+    check_sampling_args(top_k, top_p, temperature)
+    if not prompt_tokens or any(len(p) == 0 for p in prompt_tokens):
+        raise ValueError("every prompt needs at least one token (pass add_BOS=True or a non-empty prompt)")
+    if tokens_to_generate < 0:
+        raise ValueError(f"tokens_to_generate must be >= 0, got {tokens_to_generate}")
+    tp_group = _tp_group(tp_group, state)
+    device = next(model.parameters()).device
+    lengths = torch.tensor([len(p) for p in prompt_tokens], dtype=torch.long, device=device)
+    batch, min_len, max_len = len(prompt_tokens), int(lengths.min()), int(lengths.max()) + tokens_to_generate
+    if max_position_embeddings is None:
+        max_position_embeddings = getattr(getattr(_unwrapped(model), "config", None), "max_position_embeddings", None)
+    if max_position_embeddings is not None and max_len > max_position_embeddings:
+        raise ValueError(
+            f"longest prompt ({max_len - tokens_to_generate} tokens) + tokens_to_generate ({tokens_to_generate}) "
+            f"exceeds the model's --max-position-embeddings {max_position_embeddings}; shorten the prompt or "
+            "generate fewer tokens"
+        )
+    tokens = torch.full((batch, max_len), eod_id, dtype=torch.long, device=device)
+    for i, p in enumerate(prompt_tokens):
+        tokens[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long, device=device)
+    positions = torch.arange(max_len, device=device).unsqueeze(0).expand(batch, max_len)
+    causal = torch.ones(1, 1, max_len, max_len, dtype=torch.bool, device=device).triu(1)
+    out_lengths = torch.full((batch,), max_len, dtype=torch.long, device=device)
+    logprobs = torch.zeros(batch, max(max_len - 1, 0), device=device) if return_output_log_probs else None
+    is_done = torch.zeros(batch, dtype=torch.bool, device=device)
+    stop_ids = torch.tensor(sorted({eod_id, *stop_token_ids}), dtype=torch.long, device=device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(random_seed if random_seed >= 0 else int(torch.randint(0, 2**62, ()).item()))
+    inference_params = InferenceParams(batch, max_len) if use_kv_cache else None
+
+    was_training = model.training
+    model.eval()
+    prev, cur = 0, min_len
+    try:
+        for cur in range(min_len, max_len):
+            start = prev if use_kv_cache else 0
+            if inference_params is not None:
+                inference_params.sequence_len_offset = start
+            out = model(tokens[:, start:cur], positions[:, start:cur], causal[..., start:cur, :cur],
+                         inference_params=inference_params)
+            logits = _full_logits(model, out, tp_group)  # [b, cur - start, v]
+            new = sample(logits[:, -1, :], greedy=greedy, top_k=top_k, top_p=top_p, temperature=temperature,
+                         vocab_size=vocab_size, generator=generator)
+            new = _broadcast_from_tp_rank0(new.contiguous(), tp_group)
+            started = lengths <= cur
+            tokens[started, cur] = new[started]
+            if logprobs is not None:
+                lp = torch.log_softmax(logits, dim=-1)
+                targets = tokens[:, prev + 1 : cur + 1]
+                logprobs[:, prev:cur] = lp[:, -(cur - prev):, :].gather(2, targets.unsqueeze(2)).squeeze(2)
+            done_now = started & torch.isin(tokens[:, cur], stop_ids)
+            out_lengths[done_now & ~is_done] = cur + 1
+            is_done |= done_now
+            prev = cur
+            if use_eod_token_for_early_termination and bool(is_done.all()):
+                break
+    finally:
+        model.train(was_training)
+    final_len = cur + 1 if max_len > min_len else max_len
+    out_lengths.clamp_(max=final_len)
+    if not use_eod_token_for_early_termination:
+        out_lengths.fill_(final_len)
+    tokens = tokens[:, :final_len]
+    if logprobs is not None:
+        logprobs = logprobs[:, : final_len - 1]
+    return GenerationOutput(tokens=tokens, lengths=out_lengths, logprobs=logprobs)
+
+
+def _eol_ids(tokenizer: Any) -> list[int]:
+    ids = []
+    for text in ("\n", "\n\n"):
+        try:
+            tok = tokenizer.tokenize(text)
+        except Exception:  # noqa: BLE001 - a tokenizer without newlines simply has no EOL stop tokens
+            continue
+        if len(tok) == 1:
+            ids.append(int(tok[0]))
+    return ids
+
+
+def generate(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Union[Sequence[str], Sequence[Sequence[int]]],
+    tokens_to_generate: int,
+    *,
+    return_output_log_probs: bool = False,
+    top_k: int = 0,
+    top_p: float = 0.0,
+    temperature: float = 1.0,
+    greedy: bool = False,
+    add_BOS: bool = False,
+    use_eod_token_for_early_termination: bool = True,
+    stop_on_eol: bool = False,
+    random_seed: int = -1,
+    use_kv_cache: bool = True,
+    eod_id: Optional[int] = None,
+    tp_group: Any = None,
+    state: Any = None,
+) -> dict:
+    """Generate continuations of text prompts (needs `tokenizer`) or token-id prompts (tokenizer may be None).
+
+    Returns dict(tokens=list of token lists (prompt + generation, cut at each row's length), lengths=list[int],
+    text=list[str] or None, segments=list of per-token strings or None, logprobs=list of per-token log-probs
+    (len = length - 1; entry j is log p(token j+1 | tokens ..j)) or None). Every TP rank gets the same result.
+    """
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError("prompts must be a list of strings or of token-id lists, not a single string")
+    if eod_id is None:
+        if tokenizer is None:
+            raise ValueError("generate: pass a tokenizer or eod_id")
+        eod_id = int(tokenizer.eod)
+    prompt_tokens = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError("text prompts need a tokenizer")
+            ids = list(tokenizer.tokenize(p))
+        else:
+            ids = [int(t) for t in p]
+        if add_BOS:
+            bos = getattr(tokenizer, "bos", None) if tokenizer is not None else None
+            ids = [int(bos) if bos is not None else eod_id] + ids
+        prompt_tokens.append(ids)
+    stop_ids = _eol_ids(tokenizer) if (stop_on_eol and tokenizer is not None) else []
+    vocab_size = getattr(tokenizer, "vocab_size", None) if tokenizer is not None else None
+    out = generate_tokens(
+        model, prompt_tokens, tokens_to_generate, eod_id=eod_id, return_output_log_probs=return_output_log_probs,
+        top_k=top_k, top_p=top_p, temperature=temperature, greedy=greedy,
+        use_eod_token_for_early_termination=use_eod_token_for_early_termination, stop_token_ids=stop_ids,
+        random_seed=random_seed, use_kv_cache=use_kv_cache, vocab_size=vocab_size, tp_group=tp_group, state=state,
+    )
+    lengths = [int(n) for n in out.lengths.tolist()]
+    token_lists = [row[:n] for row, n in zip(out.tokens.tolist(), lengths)]
+    text = segments = None
+    if tokenizer is not None:
+        text = [tokenizer.detokenize(t) for t in token_lists]
+        segments = [[tokenizer.detokenize([t]) for t in row] for row in token_lists]
+    logprobs = None
+    if out.logprobs is not None:
+        logprobs = [row[: n - 1] for row, n in zip(out.logprobs.tolist(), lengths)]
+    return dict(tokens=token_lists, lengths=lengths, text=text, segments=segments, logprobs=logprobs)

@@ -1,0 +1,53 @@
+"""Build a GPTModel for inference with the training helpers and load its weights (no optimizer, no RNG state)."""
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+import torch
+
+from megatron.arguments import core_transformer_config_from_args
+from megatron.checkpointing import load_checkpoint
+from megatron.core import parallel_state as ps
+from megatron.errors import MegatronUserError
+from megatron.model import GPTModel, ModelType
+
+
+class InferenceLoadError(MegatronUserError, ValueError):
+    """Inference cannot start with these flags."""
+
+
+def _state(state: Optional[ps.ParallelState]) -> ps.ParallelState:
+    if state is not None:
+        return state
+    return ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
+
+
+def load_model_for_inference(args: argparse.Namespace, state: Optional[ps.ParallelState] = None,
+                             parallel_output: bool = False) -> torch.nn.Module:
+    """GPTModel for this rank (eval mode), weights from `args.load` when set; returns the (Float16-wrapped) module.
+
+    `args` are initialised Megatron args (initialize_megatron). parallel_output=False gives full-vocab logits on
+    every TP rank (what generation and evaluation want).
+    """
+    from megatron.training import get_model  # deferred: training pulls in the optimizer stack
+
+    state = _state(state)
+    if state.pp_size > 1:
+        raise InferenceLoadError("text generation does not support --pipeline-model-parallel-size > 1 yet; use 1")
+    config = core_transformer_config_from_args(args)
+
+    def provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
+        return GPTModel(config, tp_group=state.tp_group, pp_state=state, parallel_output=parallel_output,
+                        pre_process=pre_process, post_process=post_process)
+
+    model = get_model(provider, ModelType.encoder_or_decoder, args, state, wrap_with_ddp=False)[0]
+    if getattr(args, "load", None):
+        saved = (getattr(args, "no_load_optim", False), getattr(args, "no_load_rng", False))
+        args.no_load_optim, args.no_load_rng = True, True
+        try:
+            load_checkpoint([model], None, None, args)
+        finally:
+            args.no_load_optim, args.no_load_rng = saved
+    model.eval()
+    return model

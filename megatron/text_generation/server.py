@@ -1,0 +1,381 @@
+"""REST text-generation server with Megatron's API (`PUT /api`) and a small web page at `GET /`.
+
+Every rank of the job takes part. Rank 0 runs a standard-library HTTP server; for each request it validates the
+JSON body (bad requests get HTTP 400/413 with `{"message": ...}` and never reach the other ranks), then broadcasts
+the checked request to the other ranks with `broadcast_object_list`, and all ranks run the same `generate` call
+(tensor parallelism needs every rank in the forward pass). One request runs at a time (a lock). The other ranks sit
+in `worker_loop()` until rank 0 broadcasts "stop" (graceful shutdown); while idle, rank 0 broadcasts a heartbeat so
+the workers' collective never reaches the process group's timeout.
+
+The generation itself is injected: `generate_fn(prompts, tokens_to_generate, **options) -> dict` with keys
+`text`, `segments` and (when asked) `logprobs`, normally `functools.partial(megatron.text_generation.generate,
+model, tokenizer)`. The options passed are the ones its signature accepts.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import random
+import sys
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+DEFAULT_PORT = 5000
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+DEFAULT_MAX_PROMPTS = 128
+
+# JSON field -> (generate() keyword, expected type, default). Types: "bool", "int", "float".
+FIELDS: dict[str, tuple[str, str, Any]] = {
+    "tokens_to_generate": ("tokens_to_generate", "int", 64),
+    "logprobs": ("return_output_log_probs", "bool", False),
+    "temperature": ("temperature", "float", 1.0),
+    "top_k": ("top_k", "int", 0),
+    "top_p": ("top_p", "float", 0.0),
+    "top_p_decay": ("top_p_decay", "float", 0.0),
+    "top_p_bound": ("top_p_bound", "float", 0.0),
+    "add_BOS": ("add_BOS", "bool", False),
+    "stop_on_eol": ("stop_on_eol", "bool", False),
+    "stop_on_double_eol": ("stop_on_double_eol", "bool", False),
+    "prevent_newline_after_colon": ("prevent_newline_after_colon", "bool", False),
+    "random_seed": ("random_seed", "int", -1),
+    "no_log": ("no_log", "bool", False),
+}
+SERVER_ONLY_FIELDS = {"no_log"}
+# Options always handed to generate (the rest only when the request sets them to a non-default value).
+CORE_OPTIONS = ("return_output_log_probs", "temperature", "top_k", "top_p", "add_BOS", "stop_on_eol", "random_seed")
+
+
+class BadRequest(Exception):
+    """A request the server refuses; `status` is the HTTP status and the message goes back as JSON."""
+
+    status = HTTPStatus.BAD_REQUEST
+
+
+class PayloadTooLarge(BadRequest):
+    status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+
+
+def accepted_options(generate_fn: Callable) -> Optional[set[str]]:
+    """Keyword names `generate_fn` accepts (None: it takes **kwargs, so anything)."""
+    try:
+        params = inspect.signature(generate_fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params}
+
+
+def _typed(name: str, value: Any, kind: str) -> Any:
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise BadRequest(f"{name} must be true or false, got {json.dumps(value)}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"{name} must be a number, got {json.dumps(value)}")
+    if kind == "int":
+        if isinstance(value, float) and not value.is_integer():
+            raise BadRequest(f"{name} must be an integer, got {value}")
+        return int(value)
+    if not math.isfinite(value):
+        raise BadRequest(f"{name} must be a finite number")
+    return float(value)
+
+
+def validate_request(
+    payload: Any,
+    *,
+    count_tokens: Callable[[str], int],
+    max_sequence_length: int,
+    max_tokens_to_generate: Optional[int] = None,
+    max_prompts: int = DEFAULT_MAX_PROMPTS,
+    accepted: Optional[set[str]] = None,
+) -> dict:
+    """Check a decoded JSON body; return {"prompts", "tokens_to_generate", "options", "no_log"} or raise BadRequest.
+
+    `count_tokens(text)` gives a prompt's length in tokens; prompt + BOS + tokens_to_generate must fit in
+    `max_sequence_length`. `accepted` (from `accepted_options`) limits the optional fields to what generate takes.
+    """
+    if not isinstance(payload, dict):
+        raise BadRequest("the request body must be a JSON object such as {\"prompts\": [\"Hello\"], "
+                         "\"tokens_to_generate\": 16}")
+    unknown = sorted(set(payload) - set(FIELDS) - {"prompts"})
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(unknown)}; accepted: prompts, {', '.join(FIELDS)}")
+    if "prompts" not in payload:
+        raise BadRequest("missing field prompts (a list of strings)")
+    prompts = payload["prompts"]
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise BadRequest("prompts must be a list of strings")
+    if not prompts:
+        raise BadRequest("prompts is empty; send at least one prompt")
+    if len(prompts) > max_prompts:
+        raise BadRequest(f"too many prompts ({len(prompts)}); the maximum is {max_prompts}")
+
+    values = {name: _typed(name, payload[name], kind) if name in payload else default
+              for name, (_, kind, default) in FIELDS.items()}
+    n_tokens = values["tokens_to_generate"]
+    if n_tokens < 0:
+        raise BadRequest(f"tokens_to_generate must be >= 0, got {n_tokens}")
+    if n_tokens == 0 and not values["logprobs"]:
+        raise BadRequest("tokens_to_generate=0 only makes sense with \"logprobs\": true")
+    if max_tokens_to_generate is not None and n_tokens > max_tokens_to_generate:
+        raise BadRequest(f"tokens_to_generate={n_tokens} exceeds this server's limit of {max_tokens_to_generate} "
+                         "(--max-tokens-to-generate)")
+    temperature = values["temperature"]
+    if temperature < 0.0 or temperature > 100.0:
+        raise BadRequest(f"temperature must be in [0, 100], got {temperature}")
+    if values["top_k"] < 0:
+        raise BadRequest(f"top_k must be >= 0, got {values['top_k']}")
+    for name in ("top_p", "top_p_decay", "top_p_bound"):
+        if not 0.0 <= values[name] <= 1.0:
+            raise BadRequest(f"{name} must be in [0, 1], got {values[name]}")
+    if values["top_k"] > 0 and values["top_p"] > 0.0:
+        raise BadRequest("set top_k or top_p, not both")
+    if temperature == 0.0:  # greedy decoding, expressed the way Megatron's sampler understands it
+        if values["top_p"] > 0.0:
+            raise BadRequest("temperature 0 means greedy decoding; leave top_p unset")
+        values["temperature"], values["top_k"] = 1.0, 1
+    if values["random_seed"] < -1:
+        raise BadRequest(f"random_seed must be >= 0 (or -1 for none), got {values['random_seed']}")
+
+    bos = 1 if values["add_BOS"] else 0
+    longest = 0
+    for i, prompt in enumerate(prompts):
+        length = count_tokens(prompt) + bos
+        if length == 0:
+            raise BadRequest(f"prompts[{i}] is empty; send some text or set \"add_BOS\": true")
+        longest = max(longest, length)
+    if longest + n_tokens > max_sequence_length:
+        raise BadRequest(f"the longest prompt ({longest} tokens) plus tokens_to_generate ({n_tokens}) is longer "
+                         f"than the model's context of {max_sequence_length} tokens; shorten it")
+
+    options: dict[str, Any] = {}
+    for name, (keyword, _, default) in FIELDS.items():
+        if name in SERVER_ONLY_FIELDS or keyword == "tokens_to_generate":
+            continue
+        value = values[name]
+        if keyword in CORE_OPTIONS or value != default:
+            if accepted is not None and keyword not in accepted:
+                if value == default:
+                    continue
+                raise BadRequest(f"{name} is not supported by this server")
+            options[keyword] = value
+    return {"prompts": prompts, "tokens_to_generate": n_tokens, "options": options, "no_log": values["no_log"]}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class MegatronServer:
+    """Rank 0: HTTP front end + broadcaster; other ranks: `worker_loop()`. See the module docstring."""
+
+    def __init__(
+        self,
+        generate_fn: Callable[..., dict],
+        count_tokens: Callable[[str], int],
+        *,
+        max_sequence_length: int,
+        max_tokens_to_generate: Optional[int] = None,
+        max_prompts: int = DEFAULT_MAX_PROMPTS,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        group: Optional[Any] = None,
+        src_rank: int = 0,
+        heartbeat_s: float = 60.0,
+        log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
+    ) -> None:
+        self.generate_fn = generate_fn
+        self.count_tokens = count_tokens
+        self.max_sequence_length = int(max_sequence_length)
+        self.max_tokens_to_generate = max_tokens_to_generate
+        self.max_prompts = int(max_prompts)
+        self.max_request_bytes = int(max_request_bytes)
+        self.group = group
+        self.src_rank = src_rank
+        self.heartbeat_s = heartbeat_s
+        self.log = log
+        self.accepted = accepted_options(generate_fn)
+        self.lock = threading.Lock()
+        self.httpd: Optional[ThreadingHTTPServer] = None
+        self._stopped = False
+        self._idle = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # -- collectives -------------------------------------------------------------------------------------------
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+
+    def _broadcast(self, message: Any) -> Any:
+        box = [message]
+        if self._distributed():
+            dist.broadcast_object_list(box, src=self.src_rank, group=self.group)
+        return box[0]
+
+    def _run_generate(self, request: dict) -> dict:
+        return self.generate_fn(request["prompts"], request["tokens_to_generate"], **request["options"])
+
+    def worker_loop(self) -> None:
+        """Non-zero ranks: run every broadcast request until rank 0 says stop."""
+        while True:
+            kind, request = self._broadcast(None)
+            if kind == "stop":
+                return
+            if kind == "generate":
+                try:
+                    self._run_generate(request)
+                except Exception as exc:  # noqa: BLE001 - rank 0 reports it; keep serving
+                    self.log(f"server worker: generate failed: {exc}")
+
+    # -- request handling (rank 0) -----------------------------------------------------------------------------
+    def handle_payload(self, payload: Any) -> tuple[int, dict]:
+        """Validate, broadcast and run one decoded request; returns (HTTP status, JSON body)."""
+        try:
+            request = validate_request(payload, count_tokens=self.count_tokens,
+                                       max_sequence_length=self.max_sequence_length,
+                                       max_tokens_to_generate=self.max_tokens_to_generate,
+                                       max_prompts=self.max_prompts, accepted=self.accepted)
+        except BadRequest as exc:
+            return int(exc.status), {"message": str(exc)}
+        options = request["options"]
+        if options.get("random_seed", 0) == -1:
+            if self.accepted is None or "random_seed" in self.accepted:
+                # every rank must sample the same tokens: rank 0 picks the seed
+                options["random_seed"] = random.SystemRandom().randrange(2**31)
+        with self.lock:
+            if self._stopped:
+                return int(HTTPStatus.SERVICE_UNAVAILABLE), {"message": "the server is shutting down"}
+            if not request["no_log"]:
+                self.log(f"request: {len(request['prompts'])} prompt(s), "
+                         f"tokens_to_generate={request['tokens_to_generate']}, options={options}")
+            self._broadcast(("generate", request))
+            try:
+                result = self._run_generate(request)
+            except (ValueError, TypeError) as exc:
+                return int(HTTPStatus.BAD_REQUEST), {"message": str(exc)}
+            except Exception as exc:  # noqa: BLE001 - answer the client, keep serving
+                self.log(f"server: generate failed: {exc!r}")
+                return int(HTTPStatus.INTERNAL_SERVER_ERROR), {"message": f"generation failed: {exc}"}
+        body = {"text": result.get("text"), "segments": result.get("segments"),
+                "logprobs": result.get("logprobs") if options.get("return_output_log_probs") else None}
+        return int(HTTPStatus.OK), _jsonable(body)
+
+    def _heartbeat(self) -> None:
+        while not self._idle.wait(self.heartbeat_s):
+            with self.lock:
+                if self._stopped:
+                    return
+                self._broadcast(("ping", None))
+
+    def release_workers(self) -> None:
+        """Tell the other ranks to leave `worker_loop` (idempotent)."""
+        with self.lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._idle.set()
+            self._broadcast(("stop", None))
+
+    # -- HTTP plumbing -----------------------------------------------------------------------------------------
+    def bind(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> tuple[str, int]:
+        """Create the listening socket (port 0 picks a free one); returns the bound (host, port)."""
+        self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        self.httpd.daemon_threads = True
+        return self.httpd.server_address[:2]
+
+    def serve_forever(self) -> None:
+        """Serve until `shutdown()` or KeyboardInterrupt; then release the worker ranks and close the socket."""
+        assert self.httpd is not None, "call bind() first"
+        if self._distributed():
+            threading.Thread(target=self._heartbeat, name="server-heartbeat", daemon=True).start()
+        try:
+            self.httpd.serve_forever()
+        except KeyboardInterrupt:
+            self.log("server: interrupted, shutting down")
+        finally:
+            self.release_workers()
+            self.httpd.server_close()
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Bind and serve from a background thread (tests); returns the bound address."""
+        address = self.bind(host, port)
+        self._thread = threading.Thread(target=self.serve_forever, name="server", daemon=True)
+        self._thread.start()
+        return address
+
+    def shutdown(self) -> None:
+        """Stop a server started with `start()` (from another thread) and release the workers."""
+        if self.httpd is not None:
+            self.httpd.shutdown()
+        if self._thread is not None:
+            self._thread.join()
+        self.release_workers()
+
+
+def _make_handler(server: MegatronServer) -> type:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "megatron-lite"
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base class signature
+            server.log(f"{self.address_string()} {format % args}")
+
+        def _send(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _json(self, status: int, obj: dict) -> None:
+            self._send(status, json.dumps(obj).encode("utf-8"), "application/json")
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server naming
+            path = self.path.split("?", 1)[0]
+            if path in ("/", "/index.html"):
+                self._send(HTTPStatus.OK, (STATIC_DIR / "index.html").read_bytes(), "text/html; charset=utf-8")
+            elif path == "/api":
+                self._json(HTTPStatus.METHOD_NOT_ALLOWED, {"message": "use PUT /api with a JSON body"})
+            else:
+                self._json(HTTPStatus.NOT_FOUND, {"message": f"no page {path}; try / or PUT /api"})
+
+        def do_PUT(self) -> None:  # noqa: N802
+            if self.path.split("?", 1)[0] != "/api":
+                self._json(HTTPStatus.NOT_FOUND, {"message": f"no endpoint {self.path}; use PUT /api"})
+                return
+            length = self.headers.get("Content-Length")
+            if length is None or not length.isdigit():
+                self.close_connection = True
+                self._json(HTTPStatus.LENGTH_REQUIRED, {"message": "send the JSON body with a Content-Length"})
+                return
+            if int(length) > server.max_request_bytes:
+                self.close_connection = True
+                self._json(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                           {"message": f"request body of {length} bytes is over the limit of "
+                                       f"{server.max_request_bytes} bytes (--max-request-bytes)"})
+                return
+            raw = self.rfile.read(int(length))
+            try:
+                payload = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as exc:
+                self._json(HTTPStatus.BAD_REQUEST, {"message": f"the request body is not valid JSON: {exc}"})
+                return
+            status, body = server.handle_payload(payload)
+            self._json(status, body)
+
+        do_POST = do_PUT  # noqa: N815 - convenience alias
+
+    return Handler

@@ -1,0 +1,1 @@
+"""Tests for tasks/ (zero-shot evaluation)."""
