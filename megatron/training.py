@@ -28,6 +28,7 @@ from megatron.core.tensor_parallel import (
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
 )
+from megatron.errors import MegatronUserError
 from megatron.initialize import initialize_megatron
 from megatron.learning_rates import OptimizerParamScheduler
 from megatron.logging_utils import (
@@ -50,6 +51,10 @@ from megatron.optimizer.optimizer_config import optimizer_config_from_args
 _TRAIN_START_TIME = time.time()
 
 
+class PipelineScheduleError(MegatronUserError):
+    """The batch layout does not fit the pipeline schedule."""
+
+
 def print_datetime(message: str) -> None:
     """Megatron's ``[message] datetime: …`` line (rank 0, after a barrier)."""
     if torch.distributed.is_initialized():
@@ -60,20 +65,32 @@ def print_datetime(message: str) -> None:
 # ----------------------------------------------------------------------------------------------- model + optimizer
 def get_model(model_provider_func: Callable, model_type: Any, args: argparse.Namespace,
               state: ps.ParallelState, wrap_with_ddp: bool = True) -> list[torch.nn.Module]:
-    """Build this rank's model chunk, cast it for fp16/bf16 and wrap it in DDP (list of one chunk)."""
+    """Build this rank's model chunks (one per virtual pipeline stage), cast for fp16/bf16, wrap each in DDP."""
     args.model_type = model_type
-    if getattr(args, "virtual_pipeline_model_parallel_size", None):
-        raise NotImplementedError("virtual pipeline stages are not supported yet; drop "
-                                  "--num-layers-per-virtual-pipeline-stage")
-    model = model_provider_func(pre_process=state.is_pipeline_first_stage(),
-                                post_process=state.is_pipeline_last_stage())
-    model.model_type = model_type
-    for param in model.parameters():
-        set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-    n_params = sum(p.nelement() for p in model.parameters())
+    vp_size = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    chunks = []
+    if state.pp_size > 1 and vp_size is not None:
+        for vp_rank in range(vp_size):
+            state.set_virtual_pipeline_model_parallel_rank(vp_rank)
+            chunks.append(model_provider_func(pre_process=state.is_pipeline_first_stage(),
+                                              post_process=state.is_pipeline_last_stage()))
+        state.set_virtual_pipeline_model_parallel_rank(0)
+    else:
+        chunks.append(model_provider_func(pre_process=state.is_pipeline_first_stage(),
+                                          post_process=state.is_pipeline_last_stage()))
+    for chunk in chunks:
+        chunk.model_type = model_type
+        for param in chunk.parameters():
+            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    n_params = sum(p.nelement() for chunk in chunks for p in chunk.parameters())
     if state.dp_rank == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
               f"{state.pp_rank}): {n_params}", flush=True)
+    return [_wrap_chunk(chunk, args, state, wrap_with_ddp) for chunk in chunks]
+
+
+def _wrap_chunk(model: torch.nn.Module, args: argparse.Namespace, state: ps.ParallelState,
+                wrap_with_ddp: bool) -> torch.nn.Module:
     if torch.cuda.is_available() and getattr(args, "distributed_backend", None) != "gloo":
         model.cuda(torch.cuda.current_device())
     if args.fp16 or args.bf16:
@@ -91,7 +108,19 @@ def get_model(model_provider_func: Callable, model_type: Any, args: argparse.Nam
             )
             if getattr(args, "data_parallel_random_init", False):
                 model.broadcast_params()  # start every data-parallel replica from DP rank 0's weights
-    return [model]
+    return model
+
+
+def check_pipeline_schedule(args: argparse.Namespace, num_microbatches: int) -> None:
+    """Megatron's start-up rule for the interleaved schedule: micro-batches divisible by the pipeline size."""
+    pp = args.pipeline_model_parallel_size
+    if pp > 1 and getattr(args, "virtual_pipeline_model_parallel_size", None) is not None \
+            and num_microbatches % pp != 0:
+        raise PipelineScheduleError(
+            f"the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage) needs the number of "
+            f"micro-batches ({num_microbatches} = --global-batch-size / (--micro-batch-size x data-parallel "
+            f"size)) to be divisible by --pipeline-model-parallel-size ({pp}); change --global-batch-size or "
+            f"--micro-batch-size")
 
 
 def _scheduler_steps(args: argparse.Namespace) -> tuple[int, int, int]:
@@ -222,6 +251,12 @@ def build_train_valid_test_data_iterators(
 
 
 # ----------------------------------------------------------------------------------------------- steps
+def _schedule(args: argparse.Namespace) -> Callable[..., list]:
+    check_pipeline_schedule(args, global_vars.get_num_microbatches())
+    return get_forward_backward_func(args.pipeline_model_parallel_size,
+                                     getattr(args, "virtual_pipeline_model_parallel_size", None))
+
+
 def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list, optimizer: Any,
                opt_param_scheduler: Any, args: argparse.Namespace, state: ps.ParallelState
                ) -> tuple[dict, int, Optional[float], Optional[int]]:
@@ -231,12 +266,13 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
 
-    forward_backward_func = get_forward_backward_func(args.pipeline_model_parallel_size)
+    forward_backward_func = _schedule(args)
     timers("forward-backward", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
     losses_reduced = forward_backward_func(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=global_vars.get_num_microbatches(), forward_only=False,
         grad_scale_func=optimizer.scale_loss, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        parallel_state=state,
     )
     timers("forward-backward").stop()
 
@@ -335,7 +371,7 @@ def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], mod
     for chunk in model:
         chunk.eval()
     total: dict[str, float] = {}
-    forward_backward_func = get_forward_backward_func(args.pipeline_model_parallel_size)
+    forward_backward_func = _schedule(args)
     num_mb = global_vars.get_num_microbatches()
     with torch.no_grad():
         for it in range(args.eval_iters):
@@ -344,7 +380,7 @@ def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], mod
             loss_dicts = forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=num_mb, forward_only=True, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size)
+                micro_batch_size=args.micro_batch_size, parallel_state=state)
             if state.is_pipeline_last_stage(ignore_virtual=True):
                 for d in loss_dicts:
                     for key, value in d.items():
@@ -352,10 +388,11 @@ def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], mod
             if count_valid_samples:
                 args.consumed_valid_samples += args.micro_batch_size * args.data_parallel_size * num_mb
         collected = None
-        if process_non_loss_data_func is not None and state.is_pipeline_last_stage(ignore_virtual=True):
+        if process_non_loss_data_func is not None:  # every stage takes part in the pipelined forward
             collected = forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                num_microbatches=num_mb, forward_only=True, collect_non_loss_data=True)
+                num_microbatches=num_mb, forward_only=True, collect_non_loss_data=True, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, parallel_state=state)
     for chunk in model:
         chunk.train()
     for key in total:
@@ -475,6 +512,7 @@ def pretrain(
     print_datetime("after megatron is initialized")
     state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
     args.consumed_train_tokens = getattr(args, "consumed_train_tokens", 0)
+    check_pipeline_schedule(args, global_vars.get_num_microbatches())
     timers = global_vars.get_timers()
 
     timers("model-and-optimizer-setup", log_level=0).start(barrier=True)

@@ -3,7 +3,10 @@
 Same contract as Megatron-LM: ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)`` and
 ``loss_func(output_tensor) -> (loss, {name: reduced_value})``. The schedule divides each micro-batch loss by
 ``num_microbatches`` before backward, so the accumulated gradient is the mean over micro-batches, and returns the
-list of the reduced-loss dicts for logging. Only the non-pipelined schedule exists so far.
+list of the reduced-loss dicts for logging (filled on the last pipeline stage only).
+
+Pipelined schedules (``pipelined.py``): 1F1B (``forward_backward_pipelining_without_interleaving``) and interleaved
+1F1B over virtual stages (``forward_backward_pipelining_with_interleaving``).
 """
 from __future__ import annotations
 
@@ -81,10 +84,13 @@ def forward_backward_no_pipelining(
     return store
 
 
-def get_forward_backward_func(pipeline_model_parallel_size: int = 1) -> Callable[..., list]:
-    """The schedule for this layout (only the non-pipelined one is implemented)."""
+def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: Optional[int] = None) -> Callable[..., list]:
+    """The schedule for this layout: no pipelining, 1F1B, or interleaved 1F1B with virtual stages."""
     if pipeline_model_parallel_size > 1:
-        raise NotImplementedError(
-            "pipelined schedules are not implemented yet; use --pipeline-model-parallel-size 1"
-        )
+        from megatron.core.pipeline_parallel import pipelined
+
+        if virtual_pipeline_model_parallel_size is not None:
+            return pipelined.forward_backward_pipelining_with_interleaving
+        return pipelined.forward_backward_pipelining_without_interleaving
     return forward_backward_no_pipelining
