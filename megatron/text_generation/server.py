@@ -97,12 +97,14 @@ def validate_request(
     max_sequence_length: int,
     max_tokens_to_generate: Optional[int] = None,
     max_prompts: int = DEFAULT_MAX_PROMPTS,
+    max_batch_tokens: Optional[int] = None,
     accepted: Optional[set[str]] = None,
 ) -> dict:
     """Check a decoded JSON body; return {"prompts", "tokens_to_generate", "options", "no_log"} or raise BadRequest.
 
     `count_tokens(text)` gives a prompt's length in tokens; prompt + BOS + tokens_to_generate must fit in
-    `max_sequence_length`. `accepted` (from `accepted_options`) limits the optional fields to what generate takes.
+    `max_sequence_length`; prompts x (longest + tokens_to_generate) must stay within `max_batch_tokens`
+    (Megatron's --max-tokens-to-oom). `accepted` (from `accepted_options`) limits the optional fields to what generate takes.
     """
     if not isinstance(payload, dict):
         raise BadRequest("the request body must be a JSON object such as {\"prompts\": [\"Hello\"], "
@@ -122,6 +124,8 @@ def validate_request(
 
     values = {name: _typed(name, payload[name], kind) if name in payload else default
               for name, (_, kind, default) in FIELDS.items()}
+    if "tokens_to_generate" not in payload and max_tokens_to_generate is not None:
+        values["tokens_to_generate"] = min(values["tokens_to_generate"], max_tokens_to_generate)
     n_tokens = values["tokens_to_generate"]
     if n_tokens < 0:
         raise BadRequest(f"tokens_to_generate must be >= 0, got {n_tokens}")
@@ -157,6 +161,9 @@ def validate_request(
     if longest + n_tokens > max_sequence_length:
         raise BadRequest(f"the longest prompt ({longest} tokens) plus tokens_to_generate ({n_tokens}) is longer "
                          f"than the model's context of {max_sequence_length} tokens; shorten it")
+    if max_batch_tokens is not None and len(prompts) * (longest + n_tokens) > max_batch_tokens:
+        raise BadRequest(f"{len(prompts)} prompt(s) x {longest + n_tokens} tokens is over this server's limit of "
+                         f"{max_batch_tokens} tokens per request (--max-tokens-to-oom); send fewer or shorter prompts")
 
     options: dict[str, Any] = {}
     for name, (keyword, _, default) in FIELDS.items():
@@ -193,6 +200,7 @@ class MegatronServer:
         max_sequence_length: int,
         max_tokens_to_generate: Optional[int] = None,
         max_prompts: int = DEFAULT_MAX_PROMPTS,
+        max_batch_tokens: Optional[int] = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         group: Optional[Any] = None,
         src_rank: int = 0,
@@ -204,6 +212,7 @@ class MegatronServer:
         self.max_sequence_length = int(max_sequence_length)
         self.max_tokens_to_generate = max_tokens_to_generate
         self.max_prompts = int(max_prompts)
+        self.max_batch_tokens = max_batch_tokens
         self.max_request_bytes = int(max_request_bytes)
         self.group = group
         self.src_rank = src_rank
@@ -248,7 +257,8 @@ class MegatronServer:
             request = validate_request(payload, count_tokens=self.count_tokens,
                                        max_sequence_length=self.max_sequence_length,
                                        max_tokens_to_generate=self.max_tokens_to_generate,
-                                       max_prompts=self.max_prompts, accepted=self.accepted)
+                                       max_prompts=self.max_prompts, max_batch_tokens=self.max_batch_tokens,
+                                       accepted=self.accepted)
         except BadRequest as exc:
             return int(exc.status), {"message": str(exc)}
         options = request["options"]
@@ -265,7 +275,7 @@ class MegatronServer:
             self._broadcast(("generate", request))
             try:
                 result = self._run_generate(request)
-            except (ValueError, TypeError) as exc:
+            except ValueError as exc:  # generate's own input checks (they fail alike on every rank)
                 return int(HTTPStatus.BAD_REQUEST), {"message": str(exc)}
             except Exception as exc:  # noqa: BLE001 - answer the client, keep serving
                 self.log(f"server: generate failed: {exc!r}")
@@ -329,6 +339,7 @@ class MegatronServer:
 def _make_handler(server: MegatronServer) -> type:
     class Handler(BaseHTTPRequestHandler):
         server_version = "megatron-lite"
+        timeout = 120  # seconds a client may stall mid-request before its connection is dropped
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base class signature
             server.log(f"{self.address_string()} {format % args}")
@@ -379,3 +390,16 @@ def _make_handler(server: MegatronServer) -> type:
         do_POST = do_PUT  # noqa: N815 - convenience alias
 
     return Handler
+
+
+def build_server(model: torch.nn.Module, tokenizer: Any, *, max_sequence_length: int, **kwargs: Any) -> MegatronServer:
+    """A MegatronServer running `megatron.text_generation.generate(model, tokenizer, ...)` (kwargs: see the class)."""
+    import functools
+
+    from megatron.text_generation.generation import generate
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.tokenize(text)) if text else 0
+
+    return MegatronServer(functools.partial(generate, model, tokenizer), count_tokens,
+                          max_sequence_length=max_sequence_length, **kwargs)

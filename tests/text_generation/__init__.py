@@ -1,0 +1,1 @@
+"""Tests for megatron.text_generation."""

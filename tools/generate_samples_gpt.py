@@ -1,0 +1,107 @@
+"""Sample text from a GPT checkpoint (Megatron's tools/generate_samples_gpt.py flags; runs under torchrun with TP).
+
+Conditional:   python tools/generate_samples_gpt.py --load ckpt <model flags> --sample-input-file prompts.txt \
+                   --sample-output-file out.jsonl --out-seq-length 64 --top_k 40
+Unconditional: python tools/generate_samples_gpt.py --load ckpt <model flags> --num-samples 8 --genfile out.jsonl
+Output: JSON lines, one per sample: {"prompt", "text" (the continuation), "tokens", "length", "finished"}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron import global_vars  # noqa: E402
+from megatron.errors import MegatronUserError, exit_on_user_error  # noqa: E402
+from megatron.initialize import initialize_megatron  # noqa: E402
+
+
+class GenerateSamplesError(MegatronUserError, ValueError):
+    """Bad flags or input file for generate_samples_gpt.py."""
+
+
+def add_text_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group(title="text generation")
+    g.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature.")
+    g.add_argument("--greedy", action="store_true", default=False, help="Greedy decoding (same as --top_k 1).")
+    g.add_argument("--top_p", type=float, default=0.0, help="Top-p (nucleus) sampling; 0 = off.")
+    g.add_argument("--top_k", type=int, default=0, help="Top-k sampling; 0 = off.")
+    g.add_argument("--out-seq-length", type=int, default=1024, help="Tokens to generate (capped by --seq-length).")
+    g.add_argument("--sample-input-file", type=str, default=None, help="Prompts, one per line.")
+    g.add_argument("--sample-output-file", "--genfile", dest="sample_output_file", type=str, default=None,
+                   help="JSON-lines output (default: <input>.out, or stdout for unconditional samples).")
+    g.add_argument("--num-samples", type=int, default=0, help="Unconditional samples (when no input file).")
+    g.add_argument("--recompute", action="store_true",
+                   help="Recompute the whole prefix each step instead of using the KV cache.")
+    return parser
+
+
+def _read_prompts(path: str) -> list[str]:
+    if not os.path.isfile(path):
+        raise GenerateSamplesError(f"--sample-input-file {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        prompts = [line.rstrip("\n") for line in f]
+    prompts = [p for p in prompts if p.strip()]
+    if not prompts:
+        raise GenerateSamplesError(f"--sample-input-file {path} has no non-empty lines (one prompt per line)")
+    return prompts
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    from megatron.text_generation import generate, load_model_for_inference
+
+    args = initialize_megatron(extra_args_provider=add_text_generate_args, args=argv,
+                               args_defaults={"tokenizer_type": "GPT2BPETokenizer", "micro_batch_size": 1,
+                                              "no_load_rng": True, "no_load_optim": True})
+    if not args.load:
+        print("WARNING: no --load given: sampling from a randomly initialised model", flush=True)
+    if args.sample_input_file is None and args.num_samples <= 0:
+        raise GenerateSamplesError("give --sample-input-file FILE (conditional) or --num-samples N (unconditional)")
+    if args.out_seq_length <= 0:
+        raise GenerateSamplesError(f"--out-seq-length must be > 0, got {args.out_seq_length}")
+    tokenizer = global_vars.get_tokenizer()
+    model = load_model_for_inference(args)
+    if args.sample_input_file is not None:
+        prompts = _read_prompts(args.sample_input_file)
+        prompt_ids = [tokenizer.tokenize(p) for p in prompts]
+        output = args.sample_output_file or args.sample_input_file + ".out"
+    else:
+        prompts = [""] * args.num_samples
+        prompt_ids = [[tokenizer.eod] for _ in prompts]  # unconditional: start from end-of-document
+        output = args.sample_output_file
+    max_total = min(args.seq_length, args.max_position_embeddings)
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            prompt_ids[i] = [tokenizer.eod]
+        elif len(ids) >= max_total:
+            raise GenerateSamplesError(f"--sample-input-file line {i + 1}: prompt has {len(ids)} tokens, no room "
+                                       f"left in --seq-length {max_total}; shorten it")
+    records = []
+    batch = max(1, args.micro_batch_size)
+    for start in range(0, len(prompt_ids), batch):
+        chunk = prompt_ids[start: start + batch]
+        to_generate = min(args.out_seq_length, max_total - max(len(p) for p in chunk))
+        out = generate(model, tokenizer, chunk, to_generate, greedy=args.greedy, top_k=args.top_k, top_p=args.top_p,
+                       temperature=args.temperature, random_seed=args.seed + start, use_kv_cache=not args.recompute)
+        for j, (tokens, length) in enumerate(zip(out["tokens"], out["lengths"])):
+            new = tokens[len(chunk[j]):]
+            finished = bool(new) and new[-1] == tokenizer.eod
+            records.append(dict(prompt=prompts[start + j], text=tokenizer.detokenize(new), tokens=new,
+                                length=length, finished=finished))
+    if args.rank == 0:
+        lines = [json.dumps(r, ensure_ascii=False) for r in records]
+        if output:
+            with open(output, "w", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+            print(f"wrote {len(records)} samples to {output}", flush=True)
+        else:
+            print("\n".join(lines), flush=True)
+    return records
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)
