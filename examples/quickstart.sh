@@ -4,7 +4,10 @@
 #   2. train a 4,096-token GPT-2-style BPE tokenizer on the corpus shipped in examples/data,
 #   3. preprocess the corpus into Megatron's mmap .bin/.idx dataset,
 #   4. pretrain a tiny GPT for 300 iterations with validation, stopping at 150 to save a checkpoint,
-#   5. resume from that checkpoint to iteration 300 and show the loss going down.
+#   5. resume from that checkpoint to iteration 300 and show the loss going down,
+#   6. generate a few samples from the checkpoint,
+#   7. evaluate it zero-shot on slices of WikiText-103 and LAMBADA when ../shared/data (the project's test data) is
+#      beside the repository (or SHARED_DATA points at it); skipped otherwise.
 # Everything lands in $OUT (default: quickstart_out/). Takes a few minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,32 +20,35 @@ if ! $PY -c "import torch, megatron.tokenizer, tokenizers" 2>/dev/null; then
   $PY -m pip install -q --no-build-isolation -e .
 fi
 
-echo "== 1/4 training a BPE tokenizer on examples/data/python_docs.jsonl"
+echo "== 1/6 training a BPE tokenizer on examples/data/python_docs.jsonl"
 $PY tools/train_bpe_tokenizer.py --input examples/data/python_docs.jsonl --vocab-size 4096 --output-dir "$OUT/tokenizer"
 
-echo "== 2/4 preprocessing into $OUT/data/python_docs_text_document.{bin,idx}"
+echo "== 2/6 preprocessing into $OUT/data/python_docs_text_document.{bin,idx}"
 mkdir -p "$OUT/data"
 $PY tools/preprocess_data.py --input examples/data/python_docs.jsonl --output-prefix "$OUT/data/python_docs" \
   --tokenizer-type GPT2BPETokenizer --vocab-file "$OUT/tokenizer/vocab.json" --merge-file "$OUT/tokenizer/merges.txt" \
   --append-eod --workers 2
 
-TRAIN_ARGS=(
+MODEL_ARGS=(
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128
+  --tokenizer-type GPT2BPETokenizer --vocab-file "$OUT/tokenizer/vocab.json" --merge-file "$OUT/tokenizer/merges.txt"
+)
+TRAIN_ARGS=(
+  "${MODEL_ARGS[@]}"
   --micro-batch-size 8 --global-batch-size 16 --train-iters 300
   --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.01 --clip-grad 1.0
   --hidden-dropout 0.0 --attention-dropout 0.0
-  --tokenizer-type GPT2BPETokenizer --vocab-file "$OUT/tokenizer/vocab.json" --merge-file "$OUT/tokenizer/merges.txt"
   --data-path "$OUT/data/python_docs_text_document" --split 949,50,1
   --log-interval 25 --eval-interval 75 --eval-iters 5
   --save "$OUT/checkpoints" --load "$OUT/checkpoints" --save-interval 150
   --tensorboard-dir "$OUT/tensorboard" --seed 1234
 )
 
-echo "== 3/4 pretraining a tiny GPT (stops at iteration 150 and saves a checkpoint)"
+echo "== 3/6 pretraining a tiny GPT (stops at iteration 150 and saves a checkpoint)"
 rm -rf "$OUT/checkpoints"
 $PY pretrain_gpt.py "${TRAIN_ARGS[@]}" --exit-interval 150 | tee "$OUT/train_part1.log"
 
-echo "== 4/4 resuming from the checkpoint to iteration 300"
+echo "== 4/6 resuming from the checkpoint to iteration 300"
 $PY pretrain_gpt.py "${TRAIN_ARGS[@]}" | tee "$OUT/train_part2.log"
 
 $PY - "$OUT/train_part1.log" "$OUT/train_part2.log" <<'PYEOF'
@@ -56,5 +62,31 @@ for path in sys.argv[1:]:
 print("\nlm loss by iteration:", ", ".join(f"{i}: {v:.3f}" for i, v in losses))
 if len(losses) < 2 or not losses[-1][1] < losses[0][1]:
     sys.exit("quick-start: the loss did not go down")
-print(f"quick-start OK: loss {losses[0][1]:.3f} -> {losses[-1][1]:.3f}")
+print(f"training OK: loss {losses[0][1]:.3f} -> {losses[-1][1]:.3f}")
 PYEOF
+
+echo "== 5/6 generating samples from the checkpoint"
+printf 'The for statement\nA class definition\nExceptions are raised\n' > "$OUT/prompts.txt"
+$PY tools/generate_samples_gpt.py "${MODEL_ARGS[@]}" --load "$OUT/checkpoints" --micro-batch-size 3 \
+  --sample-input-file "$OUT/prompts.txt" --sample-output-file "$OUT/samples.jsonl" --out-seq-length 48 \
+  --top_k 20 --temperature 0.8 --seed 1234
+$PY - "$OUT/samples.jsonl" <<'PYEOF'
+import json, sys
+for line in open(sys.argv[1]):
+    row = json.loads(line)
+    print(f"--- {row['prompt']!r} ->\n{row['text']}")
+PYEOF
+
+SHARED_DATA=${SHARED_DATA:-../shared/data}
+if [ -f "$SHARED_DATA/wikitext-103/wiki.test.tokens" ] && [ -f "$SHARED_DATA/lambada/lambada_test.jsonl" ]; then
+  echo "== 6/6 zero-shot evaluation on slices of WikiText-103 (first 300 lines) and LAMBADA (first 200 examples)"
+  head -n 300 "$SHARED_DATA/wikitext-103/wiki.test.tokens" > "$OUT/wiki.test.tokens"
+  head -n 200 "$SHARED_DATA/lambada/lambada_test.jsonl" > "$OUT/lambada_test.jsonl"
+  EVAL_ARGS=("${MODEL_ARGS[@]}" --load "$OUT/checkpoints" --no-load-optim --no-load-rng --micro-batch-size 8)
+  $PY tasks/main.py --task WIKITEXT103 --valid-data "$OUT/wiki.test.tokens" --overlapping-eval 32 "${EVAL_ARGS[@]}"
+  $PY tasks/main.py --task LAMBADA --valid-data "$OUT/lambada_test.jsonl" "${EVAL_ARGS[@]}"
+else
+  echo "== 6/6 skipped: no WikiText-103/LAMBADA test files under $SHARED_DATA (set SHARED_DATA to evaluate)"
+fi
+
+echo "quick-start done: tokenizer, dataset, checkpoints, TensorBoard logs and samples are in $OUT/"

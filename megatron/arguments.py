@@ -211,7 +211,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--train-iters", type=int, default=None, help="Total training iterations.")
     g.add_argument("--train-samples", type=int, default=None, help="Total training samples.")
     g.add_argument("--log-interval", type=int, default=100, help="Report loss and timing every N iterations.")
-    g.add_argument("--exit-interval", type=int, default=None, help="Exit when iteration % N == 0.")
+    g.add_argument("--exit-interval", type=int, default=None, help="Exit when iteration %% N == 0.")
     g.add_argument("--exit-duration-in-mins", type=int, default=None, help="Exit after this many minutes.")
     g.add_argument("--exit-signal-handler", action="store_true", help="Save and exit on SIGTERM.")
     g.add_argument("--tensorboard-dir", type=str, default=None, help="Tensorboard log directory.")

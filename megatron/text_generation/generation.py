@@ -5,6 +5,12 @@ the shortest prompt and, at each position, rows still inside their prompt keep t
 the sampled one. With the KV cache (default) each step feeds only the new positions; `use_kv_cache=False` recomputes
 the whole prefix every step (Megatron's --recompute). Under tensor parallelism the logits are gathered over the TP
 group and the sampled tokens are broadcast from TP rank 0, so every TP rank holds identical tokens.
+
+Under pipeline parallelism every step runs through the stages: stage i receives the [s, b, h] hidden states of the
+step from stage i-1 (P2PCommunicator), runs its layers with its own KV cache and sends them on; the last stage
+computes the logits and samples, and the new tokens are broadcast from the last stage over the pipeline group, so
+every stage appends the same tokens and reaches the same early-termination decision. Log-probs are computed on the
+last stage and broadcast once at the end.
 """
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.pipelined import tensor_shape_for
 from megatron.core.tensor_parallel.mappings import all_gather_along_dim, group_size
 from megatron.model.gpt_model import GPTModel
 from megatron.model.inference_params import InferenceParams
@@ -54,7 +62,7 @@ def _step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, m
     a decoding step this weight-major product runs ~2.5x faster on CPU than h @ W^T (what nn.Linear does).
     """
     inner = _unwrapped(model)
-    if isinstance(inner, GPTModel) and inner.pre_process and inner.post_process and not inner.sequence_parallel:
+    if isinstance(inner, GPTModel) and inner.post_process and not inner.sequence_parallel:
         hidden = inner.language_model(ids, pos, mask, inference_params=inference_params)  # [s, b, h]
         if last_only:
             hidden = hidden[-1:]
@@ -70,6 +78,36 @@ def _step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, m
     if gather and group_size(tp_group) > 1:
         logits = all_gather_along_dim(logits, tp_group, dim=-1)
     return logits.float()
+
+
+def _pp_state(state: Any) -> Any:
+    """The parallel state when pipeline parallelism is on (pp_size > 1), else None."""
+    if state is None and ps.model_parallel_is_initialized():
+        state = ps.get_parallel_state()
+    return state if state is not None and getattr(state, "pp_size", 1) > 1 else None
+
+
+def _pipeline_step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+                          inference_params: Optional[InferenceParams], last_only: bool, tp_group: Any,
+                          pp: Any) -> Optional[torch.Tensor]:
+    """One step through the pipeline: the logits of `_step_logits` on the last stage, None on the other stages."""
+    inner = _unwrapped(model)
+    config = inner.config
+    dtype = torch.float32 if getattr(config, "fp32_residual_connection", False) else config.params_dtype
+    shape = tensor_shape_for(inner, ids.size(1), ids.size(0))
+    p2p = P2PCommunicator(pp, shape, dtype, ids.device)
+    inner.set_input_tensor(None if pp.is_pipeline_first_stage() else p2p.communicate(recv_prev=True)[0])
+    if pp.is_pipeline_last_stage():
+        return _step_logits(model, ids, pos, mask, inference_params, last_only, tp_group)
+    hidden = model(ids, pos, mask, inference_params=inference_params)  # [s, b, h]
+    p2p.communicate(send_next=hidden.to(dtype))
+    return None
+
+
+def _broadcast_from_last_stage(x: torch.Tensor, pp: Any) -> torch.Tensor:
+    if pp is not None:
+        dist.broadcast(x, src=pp.pp_last_rank(), group=pp.pp_group)
+    return x
 
 
 def _broadcast_from_tp_rank0(x: torch.Tensor, tp_group: Any) -> torch.Tensor:
@@ -110,6 +148,8 @@ def generate_tokens(
     if tokens_to_generate < 0:
         raise ValueError(f"tokens_to_generate must be >= 0, got {tokens_to_generate}")
     tp_group = _tp_group(tp_group, state)
+    pp = _pp_state(state)
+    last_stage = pp is None or pp.is_pipeline_last_stage()
     device = next(model.parameters()).device
     lengths = torch.tensor([len(p) for p in prompt_tokens], dtype=torch.long, device=device)
     batch, min_len, max_len = len(prompt_tokens), int(lengths.min()), int(lengths.max()) + tokens_to_generate
@@ -134,22 +174,39 @@ def generate_tokens(
     generator.manual_seed(random_seed if random_seed >= 0 else int(torch.randint(0, 2**62, ()).item()))
     inference_params = InferenceParams(batch, max_len) if use_kv_cache else None
 
+    def step_logits(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, params: Optional[InferenceParams],
+                    last_only: bool) -> Optional[torch.Tensor]:
+        if pp is None:
+            return _step_logits(model, ids, pos, mask, params, last_only, tp_group)
+        return _pipeline_step_logits(model, ids, pos, mask, params, last_only, tp_group, pp)
+
     was_training = model.training
     model.eval()
     prev, cur = 0, min_len
     try:
+        if logprobs is not None and max_len == min_len and max_len > 1:
+            # Nothing to generate and no prompt is shorter than another: the loop below never runs, so score the
+            # prompts in one full forward (the server's `tokens_to_generate: 0, logprobs: true`).
+            logits = step_logits(tokens, positions, causal, None, False)
+            if last_stage:
+                lp = torch.log_softmax(logits, dim=-1)
+                logprobs.copy_(lp[:, :-1].gather(2, tokens[:, 1:].unsqueeze(2)).squeeze(2))
         for cur in range(min_len, max_len):
             start = prev if use_kv_cache else 0
             if inference_params is not None:
                 inference_params.sequence_len_offset = start
-            logits = _step_logits(model, tokens[:, start:cur], positions[:, start:cur], causal[..., start:cur, :cur],
-                                  inference_params, logprobs is None, tp_group)  # [b, 1 or cur - start, v]
-            new = sample(logits[:, -1, :], greedy=greedy, top_k=top_k, top_p=top_p, temperature=temperature,
-                         vocab_size=vocab_size, generator=generator)
-            new = _broadcast_from_tp_rank0(new.contiguous(), tp_group)
+            logits = step_logits(tokens[:, start:cur], positions[:, start:cur], causal[..., start:cur, :cur],
+                                 inference_params, logprobs is None)  # [b, 1 or cur - start, v]; None off last stage
+            if last_stage:
+                new = sample(logits[:, -1, :], greedy=greedy, top_k=top_k, top_p=top_p, temperature=temperature,
+                             vocab_size=vocab_size, generator=generator)
+                new = _broadcast_from_tp_rank0(new.contiguous(), tp_group)
+            else:
+                new = torch.empty(batch, dtype=torch.long, device=device)
+            new = _broadcast_from_last_stage(new, pp)
             started = lengths <= cur
             tokens[started, cur] = new[started]
-            if logprobs is not None:
+            if logprobs is not None and last_stage:
                 lp = torch.log_softmax(logits, dim=-1)
                 targets = tokens[:, prev + 1 : cur + 1]
                 logprobs[:, prev:cur] = lp[:, -(cur - prev):, :].gather(2, targets.unsqueeze(2)).squeeze(2)
@@ -162,7 +219,11 @@ def generate_tokens(
             if bool(is_done.all()):
                 break
     finally:
+        if pp is not None:
+            _unwrapped(model).set_input_tensor(None)
         model.train(was_training)
+    if logprobs is not None:
+        logprobs = _broadcast_from_last_stage(logprobs.contiguous(), pp)
     final_len = cur + 1 if max_len > min_len else max_len
     out_lengths.clamp_(max=final_len)
     tokens = tokens[:, :final_len]
@@ -207,7 +268,7 @@ def generate(
 
     Returns dict(tokens=list of token lists (prompt + generation, cut at each row's length), lengths=list[int],
     text=list[str] or None, segments=list of per-token strings or None, logprobs=list of per-token log-probs
-    (len = length - 1; entry j is log p(token j+1 | tokens ..j)) or None). Every TP rank gets the same result.
+    (len = length - 1; entry j is log p(token j+1 | tokens ..j)) or None). Every TP and PP rank gets the same result.
     """
     if isinstance(prompts, (str, bytes)):
         raise ValueError("prompts must be a list of strings or of token-id lists, not a single string")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from tests.pipeline._workers import run_pretrain_serial_init
 from tests.training._workers import parse_losses, tiny_gpt_argv
 
 REL = 1e-5
+GRAD_NORM_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.]+) \|")
 SHAPE = ["--num-layers", "8", "--micro-batch-size", "1"]
 
 
@@ -47,13 +49,20 @@ def serial(gpt_data: dict) -> dict:
     curve = parse_losses(res["stdout"])
     losses = [curve["train"][i] for i in range(1, 21)]
     assert losses[-1] < losses[0] - 0.2, "the tiny GPT should learn within 20 steps"
+    curve["grad_norm"] = _grad_norms(res["stdout"])
+    assert max(curve["grad_norm"].values()) > 1.0, "--clip-grad 1.0 should be active in some steps"
     return curve
+
+
+def _grad_norms(stdout: str) -> dict:
+    return {int(m.group(1)): float(m.group(2)) for m in GRAD_NORM_RE.finditer(stdout)}
 
 
 @pytest.mark.parametrize("layout", [
     pytest.param((2, ["--pipeline-model-parallel-size", "2"]), id="pp2"),
     pytest.param((4, ["--pipeline-model-parallel-size", "4"]), id="pp4"),
     pytest.param((4, ["--pipeline-model-parallel-size", "2", "--DDP-impl", "local"]), id="pp2-dp2"),
+    pytest.param((4, ["--pipeline-model-parallel-size", "2", "--DDP-impl", "torch"]), id="pp2-dp2-torch-ddp"),
     pytest.param((4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                       "--sequence-parallel", "--recompute-activations"]), id="tp2-pp2-sp-recompute"),
 ])
@@ -63,6 +72,11 @@ def test_pipelined_layout_matches_serial(layout, serial: dict, gpt_data: dict) -
     # Megatron prints the log line on the last rank (last pipeline stage); other ranks print no loss.
     _assert_close(parse_losses(results[-1]["stdout"]), serial, f"{extra} vs serial")
     assert parse_losses(results[0]["stdout"])["train"] == {}
+    # The global grad norm (clipping at 1.0) is one number over all stages: it must equal the serial one.
+    norms = _grad_norms(results[-1]["stdout"])
+    assert sorted(norms) == sorted(serial["grad_norm"])
+    for it, norm in serial["grad_norm"].items():
+        assert math.isclose(norms[it], norm, rel_tol=2e-3, abs_tol=2e-3), f"{extra}: grad norm at {it}"
 
 
 def test_interleaved_matches_serial_and_saves_chunks(serial: dict, gpt_data: dict, tmp_path: Path) -> None:

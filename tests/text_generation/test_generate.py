@@ -48,6 +48,16 @@ def test_logprobs_equal_log_softmax_of_full_forward():
         torch.testing.assert_close(torch.tensor(lps), ref[:, 0], rtol=1e-5, atol=1e-5)
 
 
+def test_logprobs_of_prompts_with_nothing_to_generate():
+    model = build_model()
+    rows = [p[:4] for p in PROMPTS if len(p) >= 4][:2]  # equal lengths: the decoding loop never runs
+    out = generate(model, None, rows, 0, eod_id=EOD, return_output_log_probs=True)
+    assert out["tokens"] == rows
+    for row, lps in zip(rows, out["logprobs"]):
+        ref = torch.log_softmax(full_logits(model, row), dim=-1)[:-1].gather(1, torch.tensor(row[1:])[:, None])
+        torch.testing.assert_close(torch.tensor(lps), ref[:, 0], rtol=1e-5, atol=1e-5)
+
+
 def test_early_stop_at_eod():
     model = build_model()
     free = generate(model, None, PROMPTS, NEW, greedy=True, eod_id=EOD, use_eod_token_for_early_termination=False)
