@@ -28,13 +28,15 @@ def load_model_for_inference(args: argparse.Namespace, state: Optional[ps.Parall
     """GPTModel for this rank (eval mode), weights from `args.load` when set; returns the (Float16-wrapped) module.
 
     `args` are initialised Megatron args (initialize_megatron). parallel_output=False gives full-vocab logits on
-    every TP rank (what generation and evaluation want).
+    every TP rank (what generation and evaluation want). Under pipeline parallelism this is the rank's stage
+    (one chunk; virtual stages are refused).
     """
     from megatron.training import get_model  # deferred: training pulls in the optimizer stack
 
     state = _state(state)
-    if state.pp_size > 1:
-        raise InferenceLoadError("text generation does not support --pipeline-model-parallel-size > 1 yet; use 1")
+    if getattr(args, "num_layers_per_virtual_pipeline_stage", None) or (state.virtual_pp_size or 1) > 1:
+        raise InferenceLoadError("inference does not support virtual pipeline stages; drop "
+                                 "--num-layers-per-virtual-pipeline-stage (plain --pipeline-model-parallel-size works)")
     config = core_transformer_config_from_args(args)
 
     def provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:

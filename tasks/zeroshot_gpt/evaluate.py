@@ -2,7 +2,9 @@
 
 WIKITEXT103 sums the vocab-parallel cross entropy of the scored tokens; LAMBADA counts examples whose scored tokens
 are all predicted greedily (argmax of the gathered logits). Sums are all-reduced over the data-parallel group; the
-examples are split over data-parallel ranks without duplication.
+examples are split over data-parallel ranks without duplication. Under pipeline parallelism each micro-batch runs
+forward-only through the stages (P2PCommunicator), the last stage computes the loss / correct count, and the sums
+are all-reduced over the pipeline group (the other stages contribute 0), so every rank holds the result.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import torch
 
 from megatron import global_vars
 from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.pipelined import tensor_shape_for
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.errors import MegatronUserError
 from megatron.text_generation.model_loading import load_model_for_inference
@@ -49,11 +53,41 @@ def process_batch(batch: dict, args: argparse.Namespace, eod: int, device: torch
     return tokens, labels, attention_mask, position_ids, loss_mask
 
 
-def batch_output(model: torch.nn.Module, batch: dict, eval_metric: str, args: argparse.Namespace, eod: int,
-                 tp_group: Any) -> torch.Tensor:
-    """Summed scored-token loss (loss) or number of fully correct examples (accuracy) of one micro-batch."""
-    tokens, labels, attention_mask, position_ids, loss_mask = process_batch(batch, args, eod, _device(args))
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def _pipeline_forward(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor,
+                      attention_mask: torch.Tensor, state: ps.ParallelState) -> Optional[torch.Tensor]:
+    """Forward of one micro-batch through the pipeline: the logits on the last stage, None on the others."""
+    inner = _unwrapped(model)
+    config = inner.config
+    dtype = torch.float32 if getattr(config, "fp32_residual_connection", False) else config.params_dtype
+    p2p = P2PCommunicator(state, tensor_shape_for(inner, tokens.size(1), tokens.size(0)), dtype, tokens.device)
+    inner.set_input_tensor(None if state.is_pipeline_first_stage() else p2p.communicate(recv_prev=True)[0])
     output = model(tokens, position_ids, attention_mask)
+    if state.is_pipeline_last_stage():
+        return output
+    p2p.communicate(send_next=output.to(dtype))
+    return None
+
+
+def batch_output(model: torch.nn.Module, batch: dict, eval_metric: str, args: argparse.Namespace, eod: int,
+                 tp_group: Any, state: Optional[ps.ParallelState] = None) -> torch.Tensor:
+    """Summed scored-token loss (loss) or number of fully correct examples (accuracy) of one micro-batch.
+
+    With a pipeline-parallel `state` every stage must call this for the same micro-batch; only the last stage
+    returns the real value, the others return 0.
+    """
+    tokens, labels, attention_mask, position_ids, loss_mask = process_batch(batch, args, eod, _device(args))
+    if state is not None and state.pp_size > 1:
+        output = _pipeline_forward(model, tokens, position_ids, attention_mask, state)
+        if output is None:
+            return torch.zeros((), device=tokens.device)
+    else:
+        output = model(tokens, position_ids, attention_mask)
     if eval_metric == "loss":
         losses = vocab_parallel_cross_entropy(output.float(), labels, tp_group)
         return torch.sum(losses.view(-1) * loss_mask.view(-1).float())
@@ -77,7 +111,10 @@ def evaluate(dataset: torch.utils.data.Dataset, model: torch.nn.Module, eval_met
     total = torch.zeros((), dtype=torch.float64, device=_device(args))
     with torch.no_grad():
         for batch in loader:
-            total += batch_output(model, batch, eval_metric, args, eod, state.tp_group).double()
+            total += batch_output(model, batch, eval_metric, args, eod, state.tp_group, state).double()
+    if state.pp_size > 1:
+        _unwrapped(model).set_input_tensor(None)
+        torch.distributed.all_reduce(total, group=state.pp_group)  # only the last stage's sum is non-zero
     if torch.distributed.is_initialized() and state.dp_size > 1:
         torch.distributed.all_reduce(total, group=state.dp_group)
     return float(total.item())
