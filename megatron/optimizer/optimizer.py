@@ -106,6 +106,23 @@ class MegatronOptimizer:
     def count_zeros(self) -> int:
         return count_zeros_fp32(self.get_parameters(), self.model_parallel_group, self.tp_rank)
 
+    def _clip_count_and_step(self, timers: Optional[Callable]) -> Tuple[Optional[float], Optional[int]]:
+        """The shared tail of every step: clip the gradients (--clip-grad), count zeros if asked, inner step."""
+        grad_norm = None
+        if self.clip_grad > 0.0:
+            _timer(timers, "optimizer-clip-main-grad").start()
+            grad_norm = self.clip_grad_norm(self.clip_grad)
+            _timer(timers, "optimizer-clip-main-grad").stop()
+        num_zeros = None
+        if self.log_num_zeros_in_grad:
+            _timer(timers, "optimizer-count-zeros").start()
+            num_zeros = self.count_zeros()
+            _timer(timers, "optimizer-count-zeros").stop()
+        _timer(timers, "optimizer-inner-step").start()
+        self.optimizer.step()
+        _timer(timers, "optimizer-inner-step").stop()
+        return grad_norm, num_zeros
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Loss times the current loss scale (what backward should be called on)."""
         return (self.get_loss_scale() * loss).reshape(loss.shape)
@@ -169,19 +186,7 @@ class FP32Optimizer(MegatronOptimizer):
             main_grad = getattr(param, "main_grad", None)
             if main_grad is not None:
                 param.grad = main_grad
-        grad_norm = None
-        if self.clip_grad > 0.0:
-            _timer(timers, "optimizer-clip-main-grad").start()
-            grad_norm = self.clip_grad_norm(self.clip_grad)
-            _timer(timers, "optimizer-clip-main-grad").stop()
-        num_zeros = None
-        if self.log_num_zeros_in_grad:
-            _timer(timers, "optimizer-count-zeros").start()
-            num_zeros = self.count_zeros()
-            _timer(timers, "optimizer-count-zeros").stop()
-        _timer(timers, "optimizer-inner-step").start()
-        self.optimizer.step()
-        _timer(timers, "optimizer-inner-step").stop()
+        grad_norm, num_zeros = self._clip_count_and_step(timers)
         return True, grad_norm, num_zeros
 
     def state_dict(self) -> dict:
@@ -251,19 +256,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None, None
-        grad_norm = None
-        if self.clip_grad > 0.0:
-            _timer(timers, "optimizer-clip-main-grad").start()
-            grad_norm = self.clip_grad_norm(self.clip_grad)
-            _timer(timers, "optimizer-clip-main-grad").stop()
-        num_zeros = None
-        if self.log_num_zeros_in_grad:
-            _timer(timers, "optimizer-count-zeros").start()
-            num_zeros = self.count_zeros()
-            _timer(timers, "optimizer-count-zeros").stop()
-        _timer(timers, "optimizer-inner-step").start()
-        self.optimizer.step()
-        _timer(timers, "optimizer-inner-step").stop()
+        grad_norm, num_zeros = self._clip_count_and_step(timers)
         _timer(timers, "optimizer-copy-main-to-model-params").start()
         self._copy_main_params_to_model_params()
         _timer(timers, "optimizer-copy-main-to-model-params").stop()
