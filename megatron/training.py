@@ -25,7 +25,6 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel import (
-    param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
 )
 from megatron.errors import MegatronUserError
@@ -44,9 +43,10 @@ from megatron.logging_utils import (
     report_memory,
     write_train_scalars,
 )
-from megatron.model.module import Float16Module, param_is_not_shared
+from megatron.model.module import Float16Module
 from megatron.optimizer import get_megatron_optimizer
 from megatron.optimizer.optimizer_config import optimizer_config_from_args
+from megatron.utils import calc_params_l2_norm
 
 _TRAIN_START_TIME = time.time()
 
@@ -300,18 +300,6 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
 
 
-def calc_params_l2_norm(model: list, state: ps.ParallelState) -> float:
-    """L2 norm of all parameters, each counted once across TP/PP (Megatron's --log-params-norm)."""
-    total = torch.zeros(1, dtype=torch.float64)
-    for chunk in model:
-        for p in chunk.parameters():
-            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, state.tp_rank):
-                total += p.detach().double().pow(2).sum().cpu()
-    if state.mp_group is not None:
-        torch.distributed.all_reduce(total, group=state.mp_group)
-    return float(total.sqrt().item())
-
-
 def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, iteration: int, loss_scale: float,
                  report_memory_flag: bool, skipped_iter: int, grad_norm: Optional[float],
                  params_norm: Optional[float], num_zeros_in_grad: Optional[int], args: argparse.Namespace) -> bool:
@@ -456,7 +444,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         args.consumed_train_tokens = getattr(args, "consumed_train_tokens", 0) + new_samples * args.seq_length
 
         loss_scale = float(optimizer.get_loss_scale().item())
-        params_norm = calc_params_l2_norm(model, state) if getattr(args, "log_params_norm", False) else None
+        params_norm = calc_params_l2_norm(model, state.mp_group, state.tp_rank) if getattr(args, "log_params_norm", False) else None
         report_memory_flag = training_log(
             loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], iteration, loss_scale,
             report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros, args)
