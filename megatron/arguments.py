@@ -103,7 +103,8 @@ def build_parser(
     if extra_args_provider is not None:
         result = extra_args_provider(parser)
         parser = parser if result is None else result
-    return parser
+    # Last, so a provider that adds DeepSpeed's flags itself (deepspeed.add_config_arguments) keeps its own.
+    return _add_deepspeed_args(parser)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -349,6 +350,8 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap gradient reduction with backward.")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="Overlap the distributed optimizer's parameter all-gather with forward.")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="Elements per gradient bucket of the local DDP with --overlap-grad-reduce (default 40M).")
     return parser
 
 
@@ -389,6 +392,67 @@ def _add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each EOD.")
     g.add_argument("--reset-attention-mask", action="store_true", help="Do not attend across EOD tokens.")
     g.add_argument("--eod-mask-loss", action="store_true", help="No loss on EOD tokens.")
+    return parser
+
+
+def _int_or_sci(text: str) -> int:
+    """An integer flag value that also accepts scientific notation (Megatron-DeepSpeed scripts pass 5e8)."""
+    value = float(text)
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    return int(value)
+
+
+def _add_deepspeed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's own flags (deepspeed.add_config_arguments) and Megatron-DeepSpeed's ZeRO/checkpointing flags.
+
+    Flags the parser already has (an extra_args_provider that called deepspeed.add_config_arguments) are skipped.
+    """
+    group = parser.add_argument_group(title="DeepSpeed", description="DeepSpeed configurations")
+
+    class _Group:
+        @staticmethod
+        def add_argument(*names: str, **kwargs: Any) -> None:
+            if not any(name in parser._option_string_actions for name in names):
+                group.add_argument(*names, **kwargs)
+
+    g = _Group()
+    g.add_argument("--deepspeed", action="store_true",
+                   help="Enable DeepSpeed (ZeRO, DeepSpeed pipeline engine); needs --deepspeed_config.")
+    g.add_argument("--deepspeed_config", type=str, default=None, help="DeepSpeed json configuration file.")
+    g.add_argument("--deepscale", action="store_true", help="Deprecated enable DeepSpeed (same as --deepspeed).")
+    g.add_argument("--deepscale_config", type=str, default=None,
+                   help="Deprecated DeepSpeed json configuration file (same as --deepspeed_config).")
+    g.add_argument("--deepspeed_mpi", action="store_true",
+                   help="Run via MPI: take rank and world size from the MPI (OpenMPI) environment.")
+    g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="ZeRO stage (default: zero_optimization.stage of the DeepSpeed config, else 0).")
+    g.add_argument("--zero-reduce-scatter", action="store_true", default=None,
+                   help="Use reduce-scatter for gradient reduction (zero_optimization.reduce_scatter).")
+    g.add_argument("--zero-contigious-gradients", action="store_true", default=None,
+                   help="Copy gradients into a contiguous buffer (zero_optimization.contiguous_gradients).")
+    g.add_argument("--zero-reduce-bucket-size", type=_int_or_sci, default=None,
+                   help="Elements reduced at a time (zero_optimization.reduce_bucket_size).")
+    g.add_argument("--zero-allgather-bucket-size", type=_int_or_sci, default=None,
+                   help="Elements all-gathered at a time (zero_optimization.allgather_bucket_size).")
+    g.add_argument("--remote-device", type=str, default="none", choices=["none", "cpu", "nvme"],
+                   help="ZeRO-3: keep parameters on this device (zero_optimization.offload_param).")
+    g.add_argument("--use-pin-memory", action="store_true", help="ZeRO-3 parameter offload: pin CPU memory.")
+    g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                   help="Recompute activations with deepspeed.checkpointing (with --checkpoint-activations).")
+    g.add_argument("--partition-activations", action="store_true",
+                   help="DeepSpeed activation checkpointing: partition checkpoints across tensor-parallel ranks.")
+    g.add_argument("--contigious-checkpointing", action="store_true",
+                   help="DeepSpeed activation checkpointing: contiguous checkpoint buffers (needs "
+                        "--partition-activations).")
+    g.add_argument("--checkpoint-in-cpu", action="store_true",
+                   help="DeepSpeed activation checkpointing: keep checkpoints in CPU memory.")
+    g.add_argument("--synchronize-each-layer", action="store_true",
+                   help="DeepSpeed activation checkpointing: synchronize at the start and end of each layer.")
+    g.add_argument("--profile-backward", action="store_true",
+                   help="DeepSpeed activation checkpointing: time the forward and backward of each layer.")
+    g.add_argument("--no-pipeline-parallel", action="store_true",
+                   help="Under --deepspeed: use the plain GPT model, not DeepSpeed's pipeline engine (PP=1).")
     return parser
 
 
@@ -435,6 +499,7 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
     _validate_deprecated(args)
     _validate_parallel_layout(args)
     _validate_batch(args)
+    _validate_deepspeed(args)
     _validate_precision(args)
     _validate_training_length(args)
     _validate_model_shape(args)
@@ -503,6 +568,11 @@ def _validate_parallel_layout(args: argparse.Namespace) -> None:
     if args.overlap_param_gather:
         _require(args.use_distributed_optimizer, "--overlap-param-gather needs --use-distributed-optimizer")
         _require(args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce")
+    if args.overlap_grad_reduce:
+        _require(args.use_contiguous_buffers_in_local_ddp,
+                 "--overlap-grad-reduce needs contiguous gradient buffers: drop --no-contiguous-buffers-in-local-ddp")
+    if args.ddp_bucket_size is not None:
+        _require(args.ddp_bucket_size > 0, f"--ddp-bucket-size must be positive (got {args.ddp_bucket_size})")
 
 
 def _validate_batch(args: argparse.Namespace) -> None:
@@ -540,6 +610,27 @@ def _validate_batch(args: argparse.Namespace) -> None:
         args.dataloader_type = "single"
     args.consumed_train_samples = 0
     args.consumed_valid_samples = 0
+
+
+def _validate_deepspeed(args: argparse.Namespace) -> None:
+    """--deepspeed: reconcile the DeepSpeed JSON config with the flags (megatron.ds.config; no deepspeed import)."""
+    if getattr(args, "deepscale", False):
+        args.deepspeed = True
+    if getattr(args, "deepscale_config", None) and not getattr(args, "deepspeed_config", None):
+        args.deepspeed_config = args.deepscale_config
+    if not getattr(args, "deepspeed", False):
+        for flag, attr in (("--deepspeed_config", "deepspeed_config"), ("--zero-stage", "zero_stage"),
+                           ("--deepspeed-activation-checkpointing", "deepspeed_activation_checkpointing")):
+            _require(not getattr(args, attr, None), f"{flag} needs --deepspeed")
+        args.zero_stage = None
+        return
+    from megatron.ds.config import resolve_deepspeed_config
+
+    resolve_deepspeed_config(args)
+    if args.deepspeed_activation_checkpointing and not (args.checkpoint_activations
+                                                       or args.recompute_granularity == "full"):
+        _print0(args, "notice: --deepspeed-activation-checkpointing takes effect with --checkpoint-activations "
+                      "(full recomputation); without it no activations are recomputed")
 
 
 def _validate_precision(args: argparse.Namespace) -> None:
@@ -720,7 +811,9 @@ def _validate_misc(args: argparse.Namespace) -> None:
     if args.split is not None:
         _validate_split(args.split)
     if args.use_flash_attn:
-        _require(not args.deterministic_mode, "--use-flash-attn is not deterministic: drop --deterministic-mode")
+        _require(not args.deterministic_mode,
+                 "--deterministic-mode cannot be combined with --use-flash-attn (flash attention's backward is not "
+                 "deterministic, as in Megatron): drop one of the two flags")
     _require(args.num_workers >= 0, f"--num-workers must be >= 0 (got {args.num_workers})")
     _require(args.tensorboard_queue_size > 0, "--tensorboard-queue-size must be positive")
     _require(args.tensorboard_log_interval > 0, "--tensorboard-log-interval must be positive")

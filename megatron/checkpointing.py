@@ -13,6 +13,13 @@ consumed samples/tokens and the true/padded vocabulary sizes. Only data-parallel
 written to a temporary name and renamed, and the tracker file is written last, so a crash never leaves a
 half-written checkpoint that looks complete.
 
+With ``--use-distributed-optimizer`` the sharded optimizer state goes to ``distrib_optim.pt`` next to
+``model_optim_rng.pt`` (whose ``optimizer`` entry keeps the non-sharded part: param-group hyperparameters and the
+grad scaler). The data-parallel shards are gathered to data-parallel rank 0 of each model-parallel rank, which writes
+the full fp32 params and optimizer state per parameter; on load every data-parallel rank reads it and takes its
+slice, so a run can resume at another data-parallel size, and a regular checkpoint loads into the distributed
+optimizer (and the other way round) by converting the full state.
+
 All functions take ``args`` (the parsed Megatron flags) explicitly instead of reading global state.
 """
 from __future__ import annotations
@@ -94,6 +101,11 @@ def get_checkpoint_name(
     directory = "release" if release else f"iter_{iteration:07d}"
     rank_dir = f"mp_rank_{tensor_rank:02d}" + (f"_{pipeline_rank:03d}" if pipeline_parallel else "")
     return os.path.join(checkpoints_path, directory, rank_dir, "model_optim_rng.pt")
+
+
+def get_distributed_optimizer_checkpoint_name(model_checkpoint_name: str) -> str:
+    """``distrib_optim.pt`` in the folder of ``model_optim_rng.pt`` (Megatron's name)."""
+    return os.path.join(os.path.dirname(model_checkpoint_name), "distrib_optim.pt")
 
 
 def read_metadata(tracker_filename: str) -> tuple[int, bool]:
@@ -222,6 +234,12 @@ def save_checkpoint(
 
     rng_state = None if getattr(args, "no_save_rng", False) else get_rng_state(state)
     checkpoint_name = get_checkpoint_name(save_dir, iteration)
+    for chunk in models:  # --overlap-param-gather: the params' all-gather may still be in flight
+        getattr(chunk, "finish_param_sync", lambda: None)()
+    param_state = None
+    if optimizer is not None and hasattr(optimizer, "get_parameter_state") and not getattr(args, "no_save_optim",
+                                                                                            False):
+        param_state = optimizer.get_parameter_state()  # collective over the data-parallel group
     if state.dp_rank == 0:
         state_dict: dict[str, Any] = {
             "args": _args_to_save(args),
@@ -249,6 +267,8 @@ def save_checkpoint(
         if rng_state is not None:
             state_dict["rng_state"] = rng_state
         _atomic_save(state_dict, checkpoint_name)
+        if param_state is not None:
+            _atomic_save(param_state, get_distributed_optimizer_checkpoint_name(checkpoint_name))
 
     _barrier()
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -348,6 +368,36 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
     return args
 
 
+def _load_optimizer(optimizer: Any, optim_sd: dict, models: list, checkpoint_name: str) -> None:
+    """Load the optimizer state; converts between the distributed optimizer's layout (``distrib_optim.pt``) and the
+    regular one in either direction (the saved state is complete per parameter)."""
+    from megatron.optimizer.distrib_optimizer import param_state_to_regular_state, regular_state_to_param_state
+
+    saved_distributed = isinstance(optim_sd, dict) and bool(optim_sd.get("distributed_optimizer", False))
+    is_distributed = hasattr(optimizer, "load_parameter_state")
+    param_state = None
+    if saved_distributed:
+        path = get_distributed_optimizer_checkpoint_name(checkpoint_name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint {checkpoint_name} was saved with --use-distributed-optimizer but "
+                                  f"{path} is missing; restore it or pass --no-load-optim")
+        param_state = load_state_dict_file(path)
+    try:
+        if is_distributed:
+            optimizer.load_state_dict(optim_sd)
+            if param_state is None:
+                _print0(" converting the regular optimizer state of the checkpoint for --use-distributed-optimizer")
+                param_state = regular_state_to_param_state(optim_sd, models)
+            optimizer.load_parameter_state(param_state)
+        elif saved_distributed:
+            _print0(" converting the checkpoint's --use-distributed-optimizer state for the regular optimizer")
+            optimizer.load_state_dict(param_state_to_regular_state(param_state, optim_sd, models, optimizer))
+        else:
+            optimizer.load_state_dict(optim_sd)
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"cannot load the optimizer state of {checkpoint_name}: {exc}") from None
+
+
 def load_checkpoint(
     model: Any,
     optimizer: Any,
@@ -414,7 +464,7 @@ def load_checkpoint(
         if optimizer is not None:
             if "optimizer" not in sd:
                 raise CheckpointError(f"checkpoint {checkpoint_name} has no optimizer state; pass --no-load-optim")
-            optimizer.load_state_dict(sd["optimizer"])
+            _load_optimizer(optimizer, sd["optimizer"], models, checkpoint_name)
             loaded_optim = True
         if opt_param_scheduler is not None:
             sched = sd.get("opt_param_scheduler", sd.get("lr_scheduler"))

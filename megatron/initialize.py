@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 import numpy as np
 import torch
 
-from megatron.arguments import parse_args, validate_args
+from megatron.arguments import ArgumentError, parse_args, validate_args
 from megatron.global_vars import get_args, set_global_variables, unset_global_variables
 
 DEFAULT_MASTER_PORT = 6000
@@ -39,7 +39,7 @@ _ATEXIT_REGISTERED = False
 class LauncherEnv:
     """Where this process sits in the job, as told by the launcher's environment variables."""
 
-    launcher: str  # "torchrun" | "deepspeed" | "slurm" | "env" (RANK set, no WORLD_SIZE) | "none"
+    launcher: str  # "torchrun" | "deepspeed" | "mpi" | "slurm" | "env" (RANK set, no WORLD_SIZE) | "none"
     rank: int
     world_size: int
     local_rank: int
@@ -65,7 +65,7 @@ def _port_env(env: Mapping[str, str], default: Optional[int]) -> Optional[int]:
 
 
 def detect_launcher_env(env: Optional[Mapping[str, str]] = None) -> LauncherEnv:
-    """Read rank / world size / master address from torchrun, DeepSpeed, SLURM or nothing (world size 1)."""
+    """Read rank / world size / master address from torchrun, DeepSpeed, mpirun, SLURM or nothing (world size 1)."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = "deepspeed" if "CROSS_RANK" in env or "DEEPSPEED_LAUNCHER" in env else "torchrun"
@@ -80,6 +80,18 @@ def detect_launcher_env(env: Optional[Mapping[str, str]] = None) -> LauncherEnv:
             raise ValueError(f"RANK={rank} is set without WORLD_SIZE; set WORLD_SIZE too (or RANK=0 for one process)")
         local_rank = _int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
         result = LauncherEnv("env", 0, 1, local_rank, env.get("MASTER_ADDR", "localhost"), _port_env(env, None))
+    elif "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
+        # mpirun (OpenMPI), e.g. DeepSpeed's --deepspeed_mpi; checked before SLURM (mpirun inside an allocation).
+        rank, world_size = _int_env(env, "OMPI_COMM_WORLD_RANK"), _int_env(env, "OMPI_COMM_WORLD_SIZE")
+        local_rank = _int_env(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else 0
+        addr = env.get("MASTER_ADDR")
+        if not addr:
+            if world_size > 1:
+                raise ValueError("mpirun job without MASTER_ADDR: cannot find the master node; "
+                                 "export MASTER_ADDR=<host of rank 0> (mpirun -x MASTER_ADDR)")
+            addr = "localhost"
+        port = _port_env(env, DEFAULT_MASTER_PORT if world_size > 1 else None)
+        result = LauncherEnv("mpi", rank, world_size, local_rank, addr, port)
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         rank, world_size = _int_env(env, "SLURM_PROCID"), _int_env(env, "SLURM_NTASKS")
         local_rank = _int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
@@ -226,11 +238,14 @@ def initialize_megatron(
 def finish_mpu_init(args: Optional[argparse.Namespace] = None) -> None:
     """Second half of start-up: torch.distributed, model-parallel groups, seeds, deterministic mode, helpers."""
     args = get_args() if args is None else args
+    if args.deterministic_mode:  # before torch.distributed: NCCL reads NCCL_ALGO when it builds communicators
+        set_deterministic_mode()
     _initialize_distributed(args)
+    if args.deterministic_mode:
+        _print0(f"> deterministic mode: torch deterministic algorithms on, cuDNN benchmark off, "
+                f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}, NCCL_ALGO={os.environ['NCCL_ALGO']}")
     _print0(f"> setting random seeds to {args.seed} ...")
     set_random_seed(args.seed, args.data_parallel_random_init)
-    if args.deterministic_mode:
-        _set_deterministic()
     _compile_dependencies()
 
 
@@ -325,9 +340,31 @@ def set_random_seed(seed: int, data_parallel_random_init: bool = False) -> None:
 _set_random_seed = set_random_seed  # Megatron's private name
 
 
-def _set_deterministic() -> None:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+NCCL_DETERMINISTIC_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+
+
+def set_deterministic_mode(env: Optional[Dict[str, str]] = None) -> None:
+    """--deterministic-mode: every switch that makes two identical runs bitwise identical.
+
+    torch.use_deterministic_algorithms(True) (ops without a deterministic kernel raise instead of running), cuDNN
+    deterministic with autotuning (benchmark) off, CUBLAS_WORKSPACE_CONFIG=:4096:8 (cuBLAS needs it for
+    reproducible GEMMs) and a fixed NCCL all-reduce algorithm (NCCL_ALGO=Ring unless set; NVLS/SHARP reductions
+    are not reproducible), each environment variable only when the user has not set it. Attention then avoids
+    the fused SDPA kernels on CUDA and flash attention is refused at argument validation.
+    """
+    env = os.environ if env is None else env
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    env.setdefault("NCCL_ALGO", "Ring")
+    if env["NCCL_ALGO"].lower() not in {a.lower() for a in NCCL_DETERMINISTIC_ALGOS}:
+        raise ArgumentError(
+            f"--deterministic-mode: NCCL_ALGO={env['NCCL_ALGO']} is not one of {', '.join(NCCL_DETERMINISTIC_ALGOS)}; "
+            "unset it (Ring is used) or pick one of those")
     torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+_set_deterministic = set_deterministic_mode  # the old private name
 
 
 def _compile_dependencies() -> None:

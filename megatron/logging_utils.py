@@ -14,6 +14,8 @@ The per-interval line is the BigScience Megatron-DeepSpeed one::
 from __future__ import annotations
 
 import math
+import resource
+import sys
 from typing import Any, Optional
 
 import torch
@@ -187,14 +189,57 @@ def log_validation(
     return line
 
 
-def report_memory(name: str) -> None:
-    """Megatron's memory line (CUDA only; silent on CPU)."""
-    if not torch.cuda.is_available():
-        return
+def _rss_now_bytes() -> Optional[int]:
+    """This process's resident set size now (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _rss_peak_bytes() -> int:
+    """Peak resident set size of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def memory_stats_mb() -> dict[str, float]:
+    """allocated / max allocated / reserved / max reserved in MB.
+
+    On CUDA: torch.cuda's allocator statistics. On CPU there is no caching allocator to ask, so allocated and
+    reserved are both the process's resident set size now (/proc/self/statm) and max allocated / max reserved
+    both its peak resident set size (getrusage ru_maxrss): the whole process, weights, optimizer state and the
+    Python runtime included.
+    """
     mb = 1024.0 * 1024.0
-    s = f"[Rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 0}] {name} memory (MB)"
-    s += f" | allocated: {torch.cuda.memory_allocated() / mb}"
-    s += f" | max allocated: {torch.cuda.max_memory_allocated() / mb}"
-    s += f" | reserved: {torch.cuda.memory_reserved() / mb}"
-    s += f" | max reserved: {torch.cuda.max_memory_reserved() / mb}"
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {"allocated": torch.cuda.memory_allocated() / mb, "max allocated": torch.cuda.max_memory_allocated() / mb,
+                "reserved": torch.cuda.memory_reserved() / mb, "max reserved": torch.cuda.max_memory_reserved() / mb}
+    now = _rss_now_bytes()
+    peak = max(_rss_peak_bytes(), now or 0) / mb  # ru_maxrss is sampled by the kernel; never below "now"
+    now_mb = peak if now is None else now / mb
+    return {"allocated": now_mb, "max allocated": peak, "reserved": now_mb, "max reserved": peak}
+
+
+def report_memory(name: str, data_parallel_rank: Optional[int] = None) -> Optional[str]:
+    """Megatron's memory line, printed by every rank whose data-parallel rank is 0 (one line per model shard)::
+
+        [Rank 0] (after 1 iterations) memory (MB) | allocated: … | max allocated: … | reserved: … | max reserved: …
+
+    CUDA allocator statistics on GPU, process RSS / peak RSS on CPU (see `memory_stats_mb`). Returns the line
+    (None on ranks that stay silent).
+    """
+    if data_parallel_rank is None:
+        from megatron.core import parallel_state
+
+        data_parallel_rank = (parallel_state.get_parallel_state().dp_rank
+                              if parallel_state.model_parallel_is_initialized() else 0)
+    if data_parallel_rank != 0:
+        return None
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    s = f"[Rank {rank}] {name} memory (MB)"
+    for key, value in memory_stats_mb().items():
+        s += f" | {key}: {value}"
     print(s, flush=True)
+    return s

@@ -46,6 +46,7 @@ from megatron.logging_utils import (
 from megatron.model.module import Float16Module
 from megatron.optimizer import get_megatron_optimizer
 from megatron.optimizer.optimizer_config import optimizer_config_from_args
+from megatron.theoretical_memory_usage import report_theoretical_memory
 from megatron.utils import calc_params_l2_norm
 
 _TRAIN_START_TIME = time.time()
@@ -105,6 +106,10 @@ def _wrap_chunk(model: torch.nn.Module, args: argparse.Namespace, state: ps.Para
                 model, dp_group=state.dp_group,
                 accumulate_allreduce_grads_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
                 use_contiguous_buffers=bool(getattr(args, "use_contiguous_buffers_in_local_ddp", True)),
+                overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+                use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+                overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
+                bucket_size=getattr(args, "ddp_bucket_size", None),
             )
             if getattr(args, "data_parallel_random_init", False):
                 model.broadcast_params()  # start every data-parallel replica from DP rank 0's weights
@@ -183,6 +188,10 @@ def update_train_iters(args: argparse.Namespace) -> None:
 
 def setup_model_and_optimizer(model_provider_func: Callable, model_type: Any, args: argparse.Namespace,
                               state: ps.ParallelState) -> tuple[list, Any, Any]:
+    if getattr(args, "deepspeed", False):
+        from megatron.ds.engine import setup_deepspeed_model_and_optimizer
+
+        return setup_deepspeed_model_and_optimizer(model_provider_func, model_type, args, state)
     model = get_model(model_provider_func, model_type, args, state)
     optimizer = get_megatron_optimizer(model, optimizer_config_from_args(args), state)
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer, args)
@@ -261,6 +270,11 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
                opt_param_scheduler: Any, args: argparse.Namespace, state: ps.ParallelState
                ) -> tuple[dict, int, Optional[float], Optional[int]]:
     """One iteration: forward/backward over the micro-batches, gradient reductions, optimizer and LR step."""
+    if getattr(args, "deepspeed", False):
+        from megatron.ds.engine import deepspeed_train_step
+
+        return deepspeed_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, args,
+                                    state)
     timers = global_vars.get_timers()
     for chunk in model:
         chunk.zero_grad_buffer()
@@ -356,6 +370,11 @@ def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], mod
              process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
              verbose: bool = False, count_valid_samples: bool = True) -> tuple[dict, Any]:
     """Average the losses over --eval-iters batches (forward only)."""
+    if getattr(args, "deepspeed", False):
+        from megatron.ds.engine import deepspeed_evaluate
+
+        return deepspeed_evaluate(forward_step_func, data_iterator, model, args, state, verbose,
+                                  count_valid_samples), None
     for chunk in model:
         chunk.eval()
     total: dict[str, float] = {}
@@ -405,7 +424,12 @@ def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_it
 def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace) -> None:
     timers = global_vars.get_timers()
     timers("save-checkpoint", log_level=0).start(barrier=True)
-    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args)
+    if getattr(args, "deepspeed", False):
+        from megatron.ds.engine import save_deepspeed_checkpoint
+
+        save_deepspeed_checkpoint(iteration, model, optimizer, opt_param_scheduler, args)
+    else:
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args)
     timers("save-checkpoint").stop(barrier=True)
     timers.log(["save-checkpoint"])
 
@@ -443,8 +467,18 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         args.consumed_train_samples += new_samples
         args.consumed_train_tokens = getattr(args, "consumed_train_tokens", 0) + new_samples * args.seq_length
 
-        loss_scale = float(optimizer.get_loss_scale().item())
-        params_norm = calc_params_l2_norm(model, state.mp_group, state.tp_rank) if getattr(args, "log_params_norm", False) else None
+        if getattr(args, "deepspeed", False):
+            from megatron.ds.engine import deepspeed_loss_scale, deepspeed_params_norm
+
+            loss_scale = deepspeed_loss_scale(model)
+            params_norm = deepspeed_params_norm(model, state) if getattr(args, "log_params_norm", False) else None
+        else:
+            loss_scale = float(optimizer.get_loss_scale().item())
+            if getattr(args, "log_params_norm", False):  # --overlap-param-gather: params must be complete
+                for chunk in model:
+                    getattr(chunk, "finish_param_sync", lambda: None)()
+            params_norm = (calc_params_l2_norm(model, state.mp_group, state.tp_rank)
+                           if getattr(args, "log_params_norm", False) else None)
         report_memory_flag = training_log(
             loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], iteration, loss_scale,
             report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros, args)
@@ -507,6 +541,8 @@ def pretrain(
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, args, state)
     timers("model-and-optimizer-setup").stop()
     print_datetime("after model, optimizer, and learning rate scheduler are built")
+    if args.rank == 0 and getattr(model_type, "name", "") == "encoder_or_decoder":  # GPT-shaped models
+        report_theoretical_memory(args, num_microbatches=global_vars.get_num_microbatches())
 
     timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
     # Creating DataLoader iterators draws from the global torch RNG; keep the (possibly just restored) RNG state

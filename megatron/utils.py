@@ -185,19 +185,14 @@ def peak_rss_mb() -> float:
 
 
 def report_memory(name: str) -> str:
-    """Print (and return) a memory line: CUDA allocator numbers, or the peak RSS on CPU."""
-    mega = 1024.0 * 1024.0
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        text = (f"{name} memory (MB) | allocated: {torch.cuda.memory_allocated() / mega}"
-                f" | max allocated: {torch.cuda.max_memory_allocated() / mega}"
-                f" | reserved: {torch.cuda.memory_reserved() / mega}"
-                f" | max reserved: {torch.cuda.max_memory_reserved() / mega}")
-    else:
-        text = f"{name} memory (MB) | peak RSS: {peak_rss_mb():.1f}"
-    dp_rank = _current_state().dp_rank
-    if dp_rank == 0:
-        print(f"[Rank {_rank_world()[0]}] {text}", flush=True)
-    return text
+    """Print (from data-parallel rank 0) and return Megatron's memory line; see megatron.logging_utils.report_memory."""
+    from megatron.logging_utils import memory_stats_mb
+    from megatron.logging_utils import report_memory as _report
+
+    line = _report(name)
+    if line is not None:
+        return line
+    return f"{name} memory (MB)" + "".join(f" | {k}: {v}" for k, v in memory_stats_mb().items())
 
 
 def _default_wrapper_classes() -> Tuple[type, ...]:

@@ -5,7 +5,7 @@ import sys
 SCRIPTS = [
     "pretrain_gpt.py", "tasks/main.py", "tools/generate_samples_gpt.py", "tools/run_text_generation_server.py",
     "tools/text_generation_cli.py", "tools/preprocess_data.py", "tools/preprocess_data_many_cores.py",
-    "tools/merge_preprocessed_data.py", "tools/train_bpe_tokenizer.py",
+    "tools/merge_preprocessed_data.py", "tools/train_bpe_tokenizer.py", "tools/convert_deepspeed_checkpoint.py",
 ]
 
 

@@ -2,10 +2,21 @@
 ParallelAttention (fused query_key_value projection, KV cache, selective recomputation, output projection).
 
 Activations are [sequence, batch, ...]; heads are split across the tensor-parallel group.
+
+The one attention path selector is `CoreAttention.forward`:
+
+* ``--use-flash-attn`` with the flash-attn package installed, CUDA tensors and fp16/bf16: ``flash_attn_func``;
+* otherwise ``F.scaled_dot_product_attention`` (fused kernels on CUDA, the math kernel on CPU) whenever it computes
+  the same thing as Megatron's softmax (always with ``--use-flash-attn``; without it only when no attention dropout
+  is in effect, so that dropout masks come from the model-parallel RNG exactly as in Megatron);
+* else the explicit bmm / scaled-masked-softmax / dropout / bmm path.
+
+`describe_attention_path` gives the one line printed (rank 0, once per process) when the model is built.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import weakref
 from typing import Any, Optional
@@ -31,6 +42,63 @@ def _model_parallel_rng_fork(active: bool):
     return tensor_parallel.get_rng_tracker().fork(MODEL_PARALLEL_RNG)
 
 _MASK_CACHE: dict = {"ref": None, "version": -1, "key": None, "value": None}
+_FLASH_ATTN: dict = {}  # lazy import result: {"func": flash_attn_func or None, "version": str, "error": str}
+_ANNOUNCED: set = set()  # attention-path lines already printed in this process
+
+
+def _flash_attn() -> dict:
+    """Import flash-attn once (lazily: only when --use-flash-attn asks for it)."""
+    if not _FLASH_ATTN:
+        try:
+            module = importlib.import_module("flash_attn")
+            func = getattr(module, "flash_attn_func", None)
+            if func is None:
+                raise ImportError("flash_attn has no flash_attn_func (flash-attn 2.x is needed)")
+            _FLASH_ATTN.update(func=func, version=str(getattr(module, "__version__", "2.x")), error="")
+        except Exception as exc:  # noqa: BLE001 - any failure to import means "not usable here"
+            missing = isinstance(exc, ModuleNotFoundError) and exc.name == "flash_attn"
+            error = ("the flash-attn package is not installed (pip install flash-attn)" if missing
+                     else f"flash-attn failed to import ({type(exc).__name__}: {exc})")
+            _FLASH_ATTN.update(func=None, version="", error=error)
+    return _FLASH_ATTN
+
+
+def reset_flash_attn_cache() -> None:
+    """Forget the flash-attn import result and the printed path lines (tests swap a fake module in)."""
+    _FLASH_ATTN.clear()
+    _ANNOUNCED.clear()
+
+
+def _sdpa_description(cuda: bool) -> str:
+    return "torch scaled_dot_product_attention (" + ("fused kernels on CUDA" if cuda else "math kernel on CPU") + ")"
+
+
+def describe_attention_path(config: TransformerConfig, cuda: Optional[bool] = None) -> tuple[bool, str]:
+    """(flash-attn will run, the one-line message saying which attention path runs and why)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    sdpa = _sdpa_description(cuda)
+    if not config.use_flash_attn:
+        return False, (f"> attention: {sdpa} when no attention dropout is active, else the explicit softmax path "
+                       "(--use-flash-attn not set)")
+    flash = _flash_attn()
+    if flash["func"] is None:
+        reason = flash["error"]
+    elif not cuda:
+        reason = "flash-attn needs CUDA tensors and none are available"
+    elif not (config.fp16 or config.bf16):
+        reason = "flash-attn supports fp16/bf16 only (add --fp16 or --bf16)"
+    else:
+        dtype = "fp16" if config.fp16 else "bf16"
+        return True, f"> attention: flash-attn {flash['version']} (CUDA, {dtype})"
+    return False, f"> attention: --use-flash-attn: {reason}; using {sdpa}"
+
+
+def _announce(message: str) -> None:
+    if message in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(message)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
 
 
 def _classify_mask(mask: torch.Tensor, sq: int, sk: int) -> tuple[bool, bool]:
@@ -56,9 +124,11 @@ def _classify_mask(mask: torch.Tensor, sq: int, sk: int) -> tuple[bool, bool]:
 class CoreAttention(MegatronModule):
     """softmax(q k^T / sqrt(d) + mask) v on this rank's heads.
 
-    Uses F.scaled_dot_product_attention when it computes the same thing (no attention dropout in effect, or
-    `config.use_flash_attn`), else the explicit path whose attention dropout runs under the tracker's
-    model-parallel RNG (different per TP rank, as Megatron).
+    With `config.use_flash_attn`: flash-attn's `flash_attn_func` where it can run (package installed, CUDA,
+    fp16/bf16, no mask other than the causal one), else F.scaled_dot_product_attention. Without it:
+    F.scaled_dot_product_attention when it computes the same thing (no attention dropout in effect), else the
+    explicit path. Attention dropout runs under the tracker's model-parallel RNG (different per TP rank, as
+    Megatron) on the explicit and flash-attn paths.
     """
 
     def __init__(
@@ -101,6 +171,9 @@ class CoreAttention(MegatronModule):
         self.attention_dropout = torch.nn.Dropout(config.attention_dropout)
         # Tests flip this to compare the two paths.
         self.allow_sdpa = True
+        self.deterministic_mode = config.deterministic_mode
+        self.flash_attn_ready, message = describe_attention_path(config)
+        _announce(message)
 
     def _dropout_active(self) -> bool:
         return self.training and self.attention_dropout_prob > 0.0
@@ -125,13 +198,44 @@ class CoreAttention(MegatronModule):
         sk = key_layer.size(0)
         if attention_mask is None and self.attn_mask_type == AttnMaskType.causal and sq != sk:
             attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=query_layer.device).triu(sk - sq + 1)
-        if self._can_use_sdpa(attention_mask, sq, sk):
+        if self._can_use_flash_attn(query_layer, attention_mask, sq, sk):
+            context = self._flash(query_layer, key_layer, value_layer)
+        elif self._can_use_sdpa(attention_mask, sq, sk):
             context = self._sdpa(query_layer, key_layer, value_layer, attention_mask)
         else:
             context = self._explicit(query_layer, key_layer, value_layer, attention_mask)
         return context
 
+    def _can_use_flash_attn(self, q: torch.Tensor, mask: Optional[torch.Tensor], sq: int, sk: int) -> bool:
+        if not self.flash_attn_ready or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+            return False
+        if q.size(-1) % 8 != 0 or q.size(-1) > 256:  # flash-attn 2's head-dimension limits
+            return False
+        if self.attn_mask_type != AttnMaskType.causal:
+            return mask is None
+        # Training shapes only (KV-cache decoding goes to SDPA): no mask or exactly the standard causal one.
+        return sq == sk and (mask is None or _classify_mask(mask, sq, sk)[1])
+
+    def _flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        sq, b, np_, hn = q.shape
+        q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))  # [b, s, np, hn], flash-attn's layout
+        dropout_p = self.attention_dropout_prob if self._dropout_active() else 0.0
+        with _model_parallel_rng_fork(dropout_p > 0.0 and not self.sequence_parallel):
+            ctx = _FLASH_ATTN["func"](q, k, v, dropout_p=dropout_p, softmax_scale=1.0 / math.sqrt(hn),
+                                      causal=self.attn_mask_type == AttnMaskType.causal)
+        return ctx.transpose(0, 1).reshape(sq, b, np_ * hn)
+
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.deterministic_mode and q.is_cuda:
+            # --deterministic-mode: the fused CUDA kernels' backward passes are not deterministic.
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.MATH):
+                return self._sdpa_call(q, k, v, mask)
+        return self._sdpa_call(q, k, v, mask)
+
+    def _sdpa_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: Optional[torch.Tensor]) -> torch.Tensor:
         sq, b, np_, hn = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, np, s, hn]
         if mask is not None and self.attn_mask_type == AttnMaskType.causal and _classify_mask(mask, sq, k.size(2))[1]:

@@ -9,6 +9,7 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 
 from megatron.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32
+from megatron.optimizer.distrib_optimizer import DistributedOptimizer, shard_param_groups
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
@@ -20,6 +21,7 @@ from megatron.optimizer.optimizer_config import OptimizerConfig, optimizer_confi
 
 __all__ = [
     "ConstantGradScaler",
+    "DistributedOptimizer",
     "DynamicGradScaler",
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
@@ -104,12 +106,9 @@ def get_megatron_optimizer(
     lr_mult: float = 1.0,
 ) -> MegatronOptimizer:
     """Build the optimizer for `model_chunks` (modules, optionally DDP-wrapped). `parallel_state` supplies the
-    model-parallel group (grad norm, inf check) and tp_rank; None means the current state, or a single process."""
-    if config.use_distributed_optimizer:
-        raise NotImplementedError(
-            "--use-distributed-optimizer is not implemented yet in megatron-lite; drop the flag (the regular "
-            "optimizer gives identical results with more memory per rank)"
-        )
+    model-parallel group (grad norm, inf check), tp_rank and, for `--use-distributed-optimizer` (local DDP chunks
+    built with use_distributed_optimizer=True), the data-parallel group; None means the current state, or a single
+    process."""
     param_groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
     if not param_groups:
         raise ValueError("get_megatron_optimizer: the model has no trainable parameters")
@@ -117,6 +116,10 @@ def get_megatron_optimizer(
     for group in param_groups:
         group["lr"] = config.lr * group["lr_mult"]
         group["weight_decay"] = config.weight_decay * group["wd_mult"]
+    shard_entries = None
+    if config.use_distributed_optimizer:
+        chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+        param_groups, shard_entries = shard_param_groups(chunks, param_groups)
     if config.optimizer == "adam":
         # Megatron's Adam is Adam with decoupled weight decay (apex FusedAdam adam_w_mode) = torch AdamW.
         inner = torch.optim.AdamW(
@@ -134,9 +137,9 @@ def get_megatron_optimizer(
         raise ValueError(f"--optimizer {config.optimizer!r} is not supported; use 'adam' or 'sgd'")
 
     mp_group, tp_rank = _resolve_parallel_state(parallel_state)
+    grad_scaler: Optional[MegatronGradScaler] = None
     if config.fp16 or config.bf16:
-        device = param_groups[0]["params"][0].device
-        grad_scaler: Optional[MegatronGradScaler] = None
+        device = next((p.device for g in param_groups for p in g["params"]), torch.device("cpu"))
         if config.loss_scale:
             grad_scaler = ConstantGradScaler(config.loss_scale, device=device)
         elif config.fp16:
@@ -149,6 +152,13 @@ def get_megatron_optimizer(
                 hysteresis=config.hysteresis,
                 device=device,
             )
+    if shard_entries is not None:
+        dp_group = getattr(parallel_state, "dp_group", None) if parallel_state is not None else chunks[0].dp_group
+        return DistributedOptimizer(
+            inner, shard_entries, chunks, config.clip_grad, config.log_num_zeros_in_grad, config.fp16, config.bf16,
+            config.params_dtype, grad_scaler, mp_group, tp_rank, data_parallel_group=dp_group,
+        )
+    if config.fp16 or config.bf16:
         return Float16OptimizerWithFloat16Params(
             inner, config.clip_grad, config.log_num_zeros_in_grad, config.fp16, config.bf16, config.params_dtype,
             grad_scaler, mp_group, tp_rank,

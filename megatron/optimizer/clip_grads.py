@@ -2,7 +2,8 @@
 
 Each gradient is counted once over the whole model: tensor-parallel shards on every TP rank, duplicated
 (non-TP) params only on TP rank 0, and params marked `shared` (e.g. the tied output embedding on the last
-pipeline stage) not at all. Partial sums are all-reduced over the model-parallel (TP x PP) group.
+pipeline stage) not at all. Partial sums are all-reduced over the model-parallel (TP x PP) group; with the
+distributed optimizer (each data-parallel rank holds a shard of the grads) first over the data-parallel group.
 """
 from __future__ import annotations
 
@@ -41,11 +42,19 @@ def _active(group) -> bool:
     return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
+def _reduce(total: torch.Tensor, op, model_parallel_group, data_parallel_group) -> None:
+    for group in (data_parallel_group, model_parallel_group):
+        if _active(group):
+            dist.all_reduce(total, op=op, group=group)
+
+
 def get_grad_norm_fp32(
-    grads: Tensors, model_parallel_group=None, norm_type: float = 2.0, device: Optional[torch.device] = None
+    grads: Tensors, model_parallel_group=None, norm_type: float = 2.0, device: Optional[torch.device] = None,
+    data_parallel_group=None,
 ) -> float:
-    """Norm of `grads` (already filtered) over all model-parallel ranks. `device` holds the reduction buffer when
-    this rank has no grads to count (it must suit the backend: CUDA for NCCL)."""
+    """Norm of `grads` (already filtered) over all model-parallel ranks (and data-parallel ranks when the grads are
+    sharded over them). `device` holds the reduction buffer when this rank has no grads to count (it must suit the
+    backend: CUDA for NCCL)."""
     if isinstance(grads, torch.Tensor):
         grads = [grads]
     grads = [g.detach() for g in grads]
@@ -55,16 +64,14 @@ def get_grad_norm_fp32(
     if norm_type == math.inf:
         local = max((g.abs().max().float() for g in grads), default=torch.zeros((), device=device))
         total = local.reshape(1).clone().to(torch.float32)
-        if _active(model_parallel_group):
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
+        _reduce(total, dist.ReduceOp.MAX, model_parallel_group, data_parallel_group)
         return float(total.item())
     if grads:
         per_tensor = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
         total = (torch.linalg.vector_norm(per_tensor, norm_type) ** norm_type).reshape(1)
     else:
         total = torch.zeros(1, dtype=torch.float32, device=device)
-    if _active(model_parallel_group):
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
+    _reduce(total, dist.ReduceOp.SUM, model_parallel_group, data_parallel_group)
     return float(total.item()) ** (1.0 / norm_type)
 
 
@@ -74,6 +81,8 @@ def clip_grad_norm_fp32(
     max_norm: float,
     model_parallel_group=None,
     norm_type: float = 2.0,
+    data_parallel_group=None,
+    device: Optional[torch.device] = None,
 ) -> float:
     """Scale the grads of `parameters` in place so their global norm is <= max_norm; return the norm before clipping.
 
@@ -89,24 +98,27 @@ def clip_grad_norm_fp32(
             raise TypeError(f"clip_grad_norm_fp32 expects fp32 grads, got {g.dtype}; clip the fp32 main grads")
     if grads_for_norm is None:
         grads_for_norm = grads
-    device = parameters[0].device if parameters else None
-    total_norm = get_grad_norm_fp32(grads_for_norm, model_parallel_group, norm_type, device)
+    if device is None:
+        device = parameters[0].device if parameters else None
+    total_norm = get_grad_norm_fp32(grads_for_norm, model_parallel_group, norm_type, device, data_parallel_group)
     clip_coeff = float(max_norm) / (total_norm + 1.0e-6)
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(grads, clip_coeff)
     return total_norm
 
 
-def count_zeros_fp32(parameters: Tensors, model_parallel_group=None, tp_rank: int = 0) -> int:
-    """Number of exactly-zero gradient entries over the whole model (each param counted once)."""
+def count_zeros_fp32(parameters: Tensors, model_parallel_group=None, tp_rank: int = 0,
+                     data_parallel_group=None, device: Optional[torch.device] = None) -> int:
+    """Number of exactly-zero gradient entries over the whole model (each param counted once); grads sharded over
+    `data_parallel_group` (distributed optimizer) are summed over it too."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
     grads = grads_for_norm(parameters, tp_rank)
-    device = parameters[0].device if parameters else torch.device("cpu")
+    if device is None:
+        device = parameters[0].device if parameters else torch.device("cpu")
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for g in grads:
         total += g.numel() - torch.count_nonzero(g)
-    if _active(model_parallel_group):
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
+    _reduce(total, dist.ReduceOp.SUM, model_parallel_group, data_parallel_group)
     return int(total.item())

@@ -6,7 +6,8 @@
   the model-parallel group; an overflowing step is skipped and reported), clip, step, copy main → model params.
 
 `.step()` returns `(update_successful, grad_norm, num_zeros_in_grad)`. The distributed optimizer
-(`--use-distributed-optimizer`) would be another `MixedPrecisionOptimizer` subclass that shards the main params.
+(`--use-distributed-optimizer`) is another `MixedPrecisionOptimizer` subclass that shards the main params
+(megatron/optimizer/distrib_optimizer.py).
 """
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ def test_config_errors_and_from_args():
         OptimizerConfig(optimizer="lamb")
     with pytest.raises(ValueError, match="mutually exclusive"):
         OptimizerConfig(fp16=True, bf16=True)
-    with pytest.raises(NotImplementedError, match="--use-distributed-optimizer"):
+    with pytest.raises(ValueError, match="--use-distributed-optimizer needs every model chunk wrapped in the local DDP"):
         get_megatron_optimizer(tiny_model(), OptimizerConfig(use_distributed_optimizer=True))
 
     class Args:

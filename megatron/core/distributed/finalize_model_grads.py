@@ -1,11 +1,17 @@
 """Gradient reductions that follow the backward pass of all micro-batches (Megatron's order):
 
-1. data-parallel all-reduce of each chunk (`allreduce_gradients()` of the DDP wrapper);
+1. data-parallel reduction of each chunk (`finish_grad_sync()` of the local DDP: waits for the buckets that
+   --overlap-grad-reduce launched during backward and reduces the rest; all-reduce, or reduce-scatter with the
+   distributed optimizer; `allreduce_gradients()` of other wrappers);
 2. with sequence parallelism, all-reduce over the TP group the grads of params marked `sequence_parallel`
    (LayerNorm weights/biases whose inputs were split along the sequence);
 3. with pipeline parallelism and tied embeddings, all-reduce the word-embedding grad between the first and last
    stage over the embedding group.
 Grads are read from `param.main_grad` when the local DDP provides it, else `param.grad`.
+
+Steps 2 and 3 are sums, so they commute with the data-parallel average. With the distributed optimizer (only this
+rank's shard of each bucket is averaged) they stay correct because every TP rank has the same buffer layout and the
+tied embedding has a bucket of its own, sharded identically on the first and the last stage.
 """
 from __future__ import annotations
 
@@ -90,7 +96,7 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], parallel_state
                          sequence_parallel: bool = False) -> None:
     """Run all post-backward reductions for `model_chunks` (DDP-wrapped or plain modules)."""
     for chunk in model_chunks:
-        reduce = getattr(chunk, "allreduce_gradients", None)
+        reduce = getattr(chunk, "finish_grad_sync", None) or getattr(chunk, "allreduce_gradients", None)
         if reduce is not None:
             reduce()
     if sequence_parallel and parallel_state is not None:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megatron.core.distributed import TorchDistributedDataParallel
+from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 
@@ -82,6 +82,9 @@ class _Stepper:
             for chunk in chunks:
                 if isinstance(chunk, TorchDistributedDataParallel):
                     self.no_sync.enter_context(chunk.no_sync())
+        # The local DDP (--overlap-grad-reduce) starts a bucket's reduction when its grads of the last micro-batch
+        # arrive: every other backward of a chunk runs under its no_sync().
+        self.backwards_done = [0] * len(chunks)
 
     def forward(self, data_iterator: Optional[Iterator], chunk_id: int, input_tensor: Optional[torch.Tensor],
                 is_last_stage: bool) -> Optional[torch.Tensor]:
@@ -103,7 +106,13 @@ class _Stepper:
             input_tensor.retain_grad()
         if output_tensor_grad is None and self.grad_scale_func is not None:
             output_tensor = self.grad_scale_func(output_tensor)
-        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+        chunk = self.chunks[chunk_id]
+        self.backwards_done[chunk_id] += 1
+        last_microbatch = self.backwards_done[chunk_id] == self.num_microbatches
+        sync = chunk.no_sync() if isinstance(chunk, DistributedDataParallel) and not last_microbatch \
+            else contextlib.nullcontext()
+        with sync:
+            torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
         return input_tensor.grad if input_tensor is not None else None
 
     def close(self) -> None:

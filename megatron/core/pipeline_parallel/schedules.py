@@ -64,7 +64,8 @@ def forward_backward_no_pipelining(
 
     ``grad_scale_func`` (the optimizer's ``scale_loss``) multiplies the loss by the fp16 loss scale before backward.
     Gradients of all but the last micro-batch are accumulated under the model's ``no_sync()`` when it has one
-    (torch DDP), so gradients are all-reduced once per global batch.
+    (torch DDP; the local DDP, whose --overlap-grad-reduce starts the bucket reductions during the last
+    micro-batch's backward), so gradients are reduced once per global batch.
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")

@@ -247,11 +247,23 @@ def _autocast_context(state: Dict[str, Any]) -> Iterator[None]:
         yield
 
 
+_CHECKPOINT_OVERRIDE: Optional[Callable[..., Any]] = None
+
+
+def set_checkpoint_function(fn: Optional[Callable[..., Any]]) -> None:
+    """Route `checkpoint()` to `fn(function, *args)` (DeepSpeed's activation checkpointing); None restores ours."""
+    global _CHECKPOINT_OVERRIDE
+    _CHECKPOINT_OVERRIDE = fn
+
+
 def checkpoint(function: Callable, distribute_saved_activations: bool, *args: Any, tp_group: Any = None) -> Any:
     """Activation recomputation: `function(*args)` now without keeping activations, again in backward.
 
     With `distribute_saved_activations` and a `tp_group` of size > 1, the first argument is stored split across
-    the TP ranks (1/tp of the memory) and all-gathered before recomputation.
+    the TP ranks (1/tp of the memory) and all-gathered before recomputation. After `set_checkpoint_function(fn)`
+    (--deepspeed-activation-checkpointing) the recomputation is `fn`'s, which handles partitioning itself.
     """
+    if _CHECKPOINT_OVERRIDE is not None:
+        return _CHECKPOINT_OVERRIDE(function, *args)
     dummy = torch.empty((0,), requires_grad=True)
     return CheckpointFunction.apply(function, distribute_saved_activations, tp_group, dummy, *args)

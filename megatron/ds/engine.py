@@ -1,0 +1,407 @@
+"""The ``--deepspeed`` training path: build the DeepSpeed engine, run train/eval steps, save and load checkpoints.
+
+`setup_deepspeed_model_and_optimizer` builds our model (GPTModel, or H4's GPTModelPipe under pipeline
+parallelism), Megatron's parameter groups and a torch AdamW/SGD (so no DeepSpeed op needs compiling), and hands
+them to ``deepspeed.initialize`` with the reconciled config (`megatron.ds.config`) and our `mpu` adapter. DeepSpeed
+then owns precision (fp16/bf16 from the config), gradient accumulation, data-parallel reduction, ZeRO partitioning
+and gradient clipping; Megatron's `OptimizerParamScheduler` still sets LR and weight decay, stepped by the samples
+of each applied update exactly like the non-DeepSpeed path.
+
+Checkpoints are DeepSpeed's (``<save>/global_step{N}/``, ``<save>/latest``) with Megatron's bookkeeping in the
+client state: ``iteration``, ``args`` (consumed samples inside), ``checkpoint_version``, ``rng_state`` and
+``opt_param_scheduler``.
+
+DeepSpeed is imported inside the functions, so importing this module stays cheap.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from megatron import global_vars
+from megatron.checkpointing import (
+    CHECKPOINT_VERSION,
+    CheckpointError,
+    _args_to_save,
+    check_checkpoint_args,
+    get_rng_state,
+    set_rng_state,
+)
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+from megatron.ds.mpu import get_mpu
+from megatron.logging_utils import print_rank_0
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def is_pipe_engine(engine: Any) -> bool:
+    """True for DeepSpeed's PipelineEngine (H4's GPTModelPipe under --pipeline-model-parallel-size > 1)."""
+    try:
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(engine, PipelineEngine)
+
+
+def _build_torch_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """Megatron's parameter groups (wd_mult/lr_mult) in a torch AdamW (decoupled weight decay) or SGD."""
+    from megatron.optimizer import get_param_groups
+
+    groups = get_param_groups(model)
+    if not groups:
+        raise ValueError("--deepspeed: the model has no trainable parameters")
+    for group in groups:
+        group["lr"] = args.lr * group["lr_mult"]
+        group["weight_decay"] = args.weight_decay * group["wd_mult"]
+    if args.optimizer == "adam":
+        return torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay,
+                                 betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=args.lr, weight_decay=args.weight_decay, momentum=args.sgd_momentum)
+    raise ValueError(f"--optimizer {args.optimizer!r} is not supported; use 'adam' or 'sgd'")
+
+
+def _engine_config(args: argparse.Namespace) -> dict:
+    config = dict(getattr(args, "deepspeed_config_dict", None) or {})
+    if not config:
+        from megatron.ds.config import resolve_deepspeed_config
+
+        config = resolve_deepspeed_config(args)
+    config = dict(config)
+    if "optimizer" not in config:
+        # Our torch optimizer goes to ZeRO (DeepSpeed only "tests" its own) and may be combined with offload.
+        config.setdefault("zero_allow_untested_optimizer", True)
+        config.setdefault("zero_force_ds_cpu_optimizer", False)
+    config.setdefault("steps_per_print", 10**9)  # Megatron prints its own log line
+    return config
+
+
+def configure_activation_checkpointing(args: argparse.Namespace, state: ps.ParallelState) -> None:
+    """--deepspeed-activation-checkpointing: configure DeepSpeed's checkpointing and route our recompute to it.
+
+    DeepSpeed's CheckpointFunction saves/restores the CPU and accelerator RNG and the states of
+    ``deepspeed.checkpointing.get_cuda_rng_tracker()``; we make that tracker *our* model-parallel RNG tracker so
+    dropout inside tensor-parallel regions replays the forward's masks during recomputation.
+    """
+    import deepspeed
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
+
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.model.gpt_model_pipe import ensure_deepspeed_comm
+
+    ensure_deepspeed_comm()  # configure() calls deepspeed.comm before deepspeed.initialize would set it up
+    deepspeed.checkpointing.configure(
+        get_mpu(state),
+        partition_activations=bool(getattr(args, "partition_activations", False)),
+        contiguous_checkpointing=bool(getattr(args, "contigious_checkpointing", False)),
+        num_checkpoints=args.num_layers,
+        checkpoint_in_cpu=bool(getattr(args, "checkpoint_in_cpu", False)),
+        synchronize=bool(getattr(args, "synchronize_each_layer", False)),
+        profile=bool(getattr(args, "profile_backward", False)),
+    )
+    ds_ckpt._CUDA_RNG_STATE_TRACKER = tp_random.get_rng_tracker()
+    tp_random.set_checkpoint_function(_deepspeed_checkpoint)
+
+
+def _deepspeed_checkpoint(function: Callable, *inputs: Any) -> Any:
+    """deepspeed.checkpointing.checkpoint over the tensor inputs only (non-tensors such as a missing encoder
+    output are bound here: DeepSpeed's partitioned path pairs every saved input with its size)."""
+    import deepspeed
+
+    positions = [i for i, x in enumerate(inputs) if torch.is_tensor(x)]
+    fixed = list(inputs)
+
+    def run(*tensors: torch.Tensor) -> Any:
+        full = list(fixed)
+        for i, t in zip(positions, tensors):
+            full[i] = t
+        return function(*full)
+
+    return deepspeed.checkpointing.checkpoint(run, *[inputs[i] for i in positions])
+
+
+# ----------------------------------------------------------------------------------------------- set-up
+def _skip_inference_only_cpu_op() -> None:
+    """On CPU, DeepSpeed's comm backend JIT-compiles a shared-memory op (about a minute on a cold cache) that only
+    DeepSpeed-Inference's all-reduce uses; training never calls it, so mark it unavailable (DS_BUILD_SHM_COMM=1
+    keeps it)."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu" or os.environ.get("DS_BUILD_SHM_COMM") == "1":
+        return
+    import deepspeed.comm.comm as ds_comm
+    import deepspeed.ops
+
+    if ds_comm.cdb is None:  # the backend (and the op) is built at the first deepspeed.comm initialisation
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: Any, args: argparse.Namespace,
+                                        state: ps.ParallelState) -> tuple[list, Any, Any]:
+    """([engine], engine's optimizer, OptimizerParamScheduler); loads --load (args.iteration set)."""
+    import deepspeed
+
+    from megatron.training import get_optimizer_param_scheduler
+
+    args.model_type = model_type
+    _skip_inference_only_cpu_op()
+    if getattr(args, "deepspeed_activation_checkpointing", False):
+        configure_activation_checkpointing(args, state)
+    model = model_provider(pre_process=True, post_process=True)
+    model.model_type = model_type
+    for param in model.parameters():
+        set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    if state.dp_rank == 0:
+        n_params = sum(p.nelement() for p in model.parameters())
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
+              f"{state.pp_rank}): {n_params}", flush=True)
+
+    optimizer = _build_torch_optimizer(model, args)
+    pipe = type(model).__name__ == "GPTModelPipe" or _is_pipeline_module(model)
+    engine, ds_optimizer, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=_engine_config(args),
+        mpu=None if pipe else get_mpu(state), dist_init_required=False,
+    )
+    # The scheduler drives the engine optimizer's groups (ZeRO keeps our group dicts, flattening their params).
+    opt_param_scheduler = get_optimizer_param_scheduler(ds_optimizer, args)
+    if args.load is not None:
+        timers = global_vars.get_timers()
+        timers("load-checkpoint", log_level=0).start(barrier=True)
+        args.iteration = load_deepspeed_checkpoint([engine], ds_optimizer, opt_param_scheduler, args)
+        timers("load-checkpoint").stop(barrier=True)
+        timers.log(["load-checkpoint"])
+    else:
+        args.iteration = 0
+    return [engine], ds_optimizer, opt_param_scheduler
+
+
+def _is_pipeline_module(model: Any) -> bool:
+    try:
+        from deepspeed.pipe import PipelineModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, PipelineModule)
+
+
+# ----------------------------------------------------------------------------------------------- steps
+def _sync_batch_size(engine: Any, args: argparse.Namespace) -> int:
+    """Follow --rampup-batch-size: the engine's gradient accumulation = Megatron's number of micro-batches."""
+    num_mb = global_vars.get_num_microbatches()
+    if engine.gradient_accumulation_steps() != num_mb:
+        engine.set_train_batch_size(num_mb * args.micro_batch_size * args.data_parallel_size)
+    return num_mb
+
+
+def _reduce_loss_dicts(dicts: list[dict]) -> dict:
+    out: dict = {}
+    if not dicts:
+        return out
+    for key in dicts[0]:
+        values = [float(d[key]) for d in dicts]
+        out[key] = sum(values) / len(values)
+    return out
+
+
+def _grad_norm(engine: Any) -> Optional[float]:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
+
+
+def deepspeed_train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list, optimizer: Any,
+                         opt_param_scheduler: Any, args: argparse.Namespace, state: ps.ParallelState
+                         ) -> tuple[dict, int, Optional[float], Optional[int]]:
+    """One iteration through the engine: (loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)."""
+    engine = model[0]
+    num_mb = _sync_batch_size(engine, args)
+    increment = num_mb * args.micro_batch_size * args.data_parallel_size
+    if is_pipe_engine(engine):
+        from megatron.ds.pipe import pipe_train_step
+
+        loss_dict, skipped, grad_norm, num_zeros = pipe_train_step(engine, data_iterator, args, state)
+        if not skipped:
+            opt_param_scheduler.step(increment=increment)
+        return loss_dict, skipped, grad_norm, num_zeros
+
+    timers = global_vars.get_timers()
+    barrier = bool(getattr(args, "barrier_with_L1_time", True))
+    losses = []
+    timers("forward-backward", log_level=1).start(barrier=barrier)
+    for i in range(num_mb):
+        # Explicit boundary: DeepSpeed's own test ((micro_steps + 1) % gas) drifts once the ramp-up changes gas.
+        engine.set_gradient_accumulation_boundary(i == num_mb - 1)
+        output, loss_func = forward_step_func(data_iterator, engine)
+        loss, loss_dict = loss_func(output)
+        engine.backward(loss)
+        losses.append(loss_dict)
+        if i < num_mb - 1:
+            engine.step()  # not a boundary: only DeepSpeed's micro-step bookkeeping
+    timers("forward-backward").stop()
+    # Without ZeRO or a precision wrapper DeepSpeed clips but does not keep the norm: take it from the reduced grads.
+    plain_norm = _plain_grad_norm(engine, state) if _is_plain_optimizer(engine) else None
+    timers("optimizer", log_level=1).start(barrier=barrier)
+    engine.step()
+    timers("optimizer").stop()
+
+    applied = bool(engine.was_step_applied()) if hasattr(engine, "was_step_applied") else True
+    if applied:
+        opt_param_scheduler.step(increment=increment)
+    grad_norm = _grad_norm(engine)
+    return _reduce_loss_dicts(losses), 0 if applied else 1, grad_norm if grad_norm is not None else plain_norm, None
+
+
+def _is_plain_optimizer(engine: Any) -> bool:
+    return isinstance(engine.optimizer, torch.optim.Optimizer) and not engine.zero_optimization()
+
+
+def _plain_grad_norm(engine: Any, state: ps.ParallelState) -> float:
+    from megatron.optimizer.clip_grads import get_grad_norm_fp32, grads_for_norm
+
+    return float(get_grad_norm_fp32(grads_for_norm(engine.module.parameters(), state.tp_rank), state.mp_group))
+
+
+def deepspeed_forward_only(forward_step_func: Callable, data_iterator: Optional[Iterator], engine: Any,
+                           num_microbatches: int, args: argparse.Namespace, state: ps.ParallelState) -> list[dict]:
+    """Loss dicts of `num_microbatches` forward passes (no grad)."""
+    if is_pipe_engine(engine):
+        from megatron.ds.pipe import pipe_eval_step
+
+        return [pipe_eval_step(engine, data_iterator, args, state)]
+    out = []
+    with torch.no_grad():
+        for _ in range(num_microbatches):
+            output, loss_func = forward_step_func(data_iterator, engine)
+            _, loss_dict = loss_func(output)
+            out.append({k: float(v) for k, v in loss_dict.items()})
+    return out
+
+
+def deepspeed_evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
+                       args: argparse.Namespace, state: ps.ParallelState, verbose: bool = False,
+                       count_valid_samples: bool = True) -> dict:
+    """training.evaluate for engines: average losses over --eval-iters batches."""
+    engine = model[0]
+    engine.eval()
+    num_mb = global_vars.get_num_microbatches()
+    total: dict[str, float] = {}
+    count = 0
+    for it in range(args.eval_iters):
+        if verbose:
+            print_rank_0(f"Evaluating iter {it + 1}/{args.eval_iters}")
+        dicts = deepspeed_forward_only(forward_step_func, data_iterator, engine, num_mb, args, state)
+        for d in dicts:
+            for key, value in d.items():
+                total[key] = total.get(key, 0.0) + float(value)
+        count += len(dicts)
+        if count_valid_samples:
+            args.consumed_valid_samples += args.micro_batch_size * args.data_parallel_size * num_mb
+    engine.train()
+    return {k: v / max(1, count) for k, v in total.items()}
+
+
+def deepspeed_loss_scale(model: list) -> float:
+    """The engine's current loss scale (1.0 in fp32/bf16)."""
+    optimizer = getattr(model[0], "optimizer", None)
+    for attr in ("cur_scale", "loss_scale"):
+        value = getattr(optimizer, attr, None)
+        if value is not None and not callable(value):
+            return float(value.item() if isinstance(value, torch.Tensor) else value)
+    return 1.0
+
+
+def deepspeed_params_norm(model: list, state: ps.ParallelState) -> float:
+    """calc_params_l2_norm over the engine's module (ZeRO-3 parameters gathered first)."""
+    from megatron.utils import calc_params_l2_norm
+
+    engine = model[0]
+    module = engine.module
+    if getattr(engine, "zero_optimization_stage", lambda: 0)() == 3:
+        import deepspeed
+
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return calc_params_l2_norm([module], state.mp_group, state.tp_rank)
+    return calc_params_l2_norm([module], state.mp_group, state.tp_rank)
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+def checkpoint_tag(iteration: int) -> str:
+    return f"global_step{iteration}"
+
+
+def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
+                              args: argparse.Namespace) -> None:
+    """engine.save_checkpoint(args.save, tag=global_step{N}) with Megatron's state in client_state (collective)."""
+    del optimizer  # saved by the engine
+    engine = model[0]
+    if not args.save:
+        raise CheckpointError("saving a DeepSpeed checkpoint needs --save DIR")
+    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
+    client_state: dict[str, Any] = {
+        "iteration": iteration,
+        "args": _args_to_save(args),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0)),
+        "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0)),
+        "consumed_train_tokens": int(getattr(args, "consumed_train_tokens", 0)),
+    }
+    if not getattr(args, "no_save_rng", False):
+        client_state["rng_state"] = get_rng_state()  # gathered over data-parallel ranks: every rank calls
+    if opt_param_scheduler is not None and not getattr(args, "no_save_optim", False):
+        client_state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    engine.save_checkpoint(args.save, tag=checkpoint_tag(iteration), client_state=client_state)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
+
+
+def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: Any,
+                              args: argparse.Namespace) -> int:
+    """Resume from ``<load>/latest`` (DeepSpeed layout); returns the iteration (0 with --finetune or none found)."""
+    del optimizer  # restored by the engine
+    engine = model[0]
+    load_dir = args.load
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        if getattr(args, "exit_on_missing_checkpoint", False):
+            raise CheckpointError(f"--exit-on-missing-checkpoint: no DeepSpeed checkpoint ({latest}) in --load "
+                                  f"{load_dir}")
+        if os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt")):
+            raise CheckpointError(f"--load {load_dir} holds a Megatron checkpoint, not a DeepSpeed one; convert it "
+                                  "with tools/convert_deepspeed_checkpoint.py or train without --deepspeed")
+        print_rank_0(f"WARNING: could not find the DeepSpeed metadata file {latest}\n"
+                     "    will not load any checkpoints and will start from random")
+        return 0
+    finetune = bool(getattr(args, "finetune", False))
+    load_optim = not finetune and not getattr(args, "no_load_optim", False)
+    path, client_state = engine.load_checkpoint(
+        load_dir, load_optimizer_states=load_optim, load_lr_scheduler_states=False, load_module_only=finetune)
+    if path is None:
+        raise CheckpointError(f"DeepSpeed could not load the checkpoint named by {latest}; check that the "
+                              "global_step folder exists and matches this run's parallel layout")
+    client_state = client_state or {}
+    ckpt_args = client_state.get("args")
+    if ckpt_args is not None:
+        check_checkpoint_args(ckpt_args, args, path)
+    if finetune:
+        iteration = 0
+    else:
+        iteration = int(client_state.get("iteration", 0))
+        src = client_state if "consumed_train_samples" in client_state else vars(ckpt_args or argparse.Namespace())
+        args.consumed_train_samples = int(src.get("consumed_train_samples", 0))
+        args.consumed_valid_samples = int(src.get("consumed_valid_samples", 0))
+        args.consumed_train_tokens = int(src.get("consumed_train_tokens", 0))
+    if load_optim and opt_param_scheduler is not None and "opt_param_scheduler" in client_state:
+        opt_param_scheduler.load_state_dict(client_state["opt_param_scheduler"])
+    if not finetune and not getattr(args, "no_load_rng", False):
+        if "rng_state" not in client_state:
+            raise CheckpointError(f"checkpoint {path} has no rng_state; pass --no-load-rng")
+        set_rng_state(client_state["rng_state"])
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    print_rank_0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
+    return iteration

@@ -1,0 +1,178 @@
+"""The per-rank memory estimate printed at start-up: parameters, weight + optimizer bytes and activations.
+
+Numbers are for the most loaded rank (the first pipeline stage, which also holds the embeddings):
+
+* parameters are counted exactly for this code base's GPT (learned position embeddings, LayerNorm with bias, biased
+  linears, GeLU MLP or SwiGLU's doubled first projection, tied or untied output layer); tensor-parallel split
+  weights count 1/TP, replicated ones (LayerNorms, row-parallel biases, position embeddings) in full;
+* bytes per parameter follow the distributed-optimizer table of the Megatron-LM README: replicated bytes (the
+  model's params and grads) plus sharded bytes (fp32 main params/grads of mixed precision, optimizer state)
+  divided by the data-parallel size under ``--use-distributed-optimizer``: fp32 16 vs 8 + 8/d; bf16 (or fp16
+  with fp32 grad accumulation) 18 vs 6 + 12/d; fp16 with fp16 grads 20 vs 4 + 16/d (Adam; SGD's momentum is 4
+  bytes instead of Adam's 8);
+* activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+  Table 2) with the element size as a parameter e (2 bytes for fp16/bf16, 4 for fp32; dropout masks 1 byte):
+  per layer s·b·h·((4e + 2)/t_sp + 4e/t) + 2e·s·b·f/t + (2e + 1)·a·s²·b/t, where t is the TP size, t_sp = t with
+  sequence parallelism (else 1) and the last (attention-score) term is dropped by selective recomputation. For
+  e = 2, f = 4h, t = 1 this is the paper's s·b·h·(34 + 5·a·s/h). Full recomputation keeps e·s·b·h/t_sp per
+  checkpointed unit plus one unit recomputed at a time (block: the first n layers checkpointed, the others kept). The first pipeline stage holds min(PP, micro-batches)
+  micro-batches in flight (times Megatron's interleaving penalty 1 + (p - 1)/(p·v)); with PP = 1 the output
+  layer's input and the fp32 logits are added.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Optional
+
+MB = 1024.0 * 1024.0
+
+
+@dataclass
+class ParameterCounts:
+    """Whole-model counts and the count on the most loaded (tensor, pipeline) rank."""
+
+    transformer_layers: int
+    embedding_layers: int
+    total: int
+    most_loaded_shard: int
+
+
+def _layer_parameters(args: argparse.Namespace) -> tuple[int, int]:
+    """(tensor-parallel split, replicated) parameters of one transformer layer, whole layer (not divided by TP)."""
+    h = args.hidden_size
+    f = args.ffn_hidden_size or 4 * h
+    proj = (args.kv_channels or h // args.num_attention_heads) * args.num_attention_heads
+    f_in = 2 * f if getattr(args, "swiglu", False) else f
+    split = (h * 3 * proj + 3 * proj) + proj * h + (h * f_in + f_in) + f * h  # qkv, dense w, fc1, fc2 w
+    replicated = 2 * h + h + 2 * h + h  # input LN, dense bias, post-attention LN, fc2 bias
+    return split, replicated
+
+
+def count_parameters(args: argparse.Namespace) -> ParameterCounts:
+    """Exact parameter counts of this code base's GPT for `args` (see the module docstring)."""
+    h, layers = args.hidden_size, args.num_layers
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    vocab = args.padded_vocab_size
+    split, replicated = _layer_parameters(args)
+    word = vocab * h
+    position = args.max_position_embeddings * h
+    untied = bool(getattr(args, "untie_embeddings_and_output_weights", False))
+    final_ln = 2 * h
+    transformer = layers * (split + replicated) + final_ln
+    embedding = word + position + (word if untied else 0)
+
+    per_stage = layers // pp
+    first_split = per_stage * split + word
+    first_repl = per_stage * replicated + position
+    last_split = per_stage * split + word  # tied: the last stage keeps its own copy of the word embeddings
+    last_repl = per_stage * replicated + final_ln
+    if pp == 1:
+        first_split += word if untied else 0
+        first_repl += final_ln
+        shard = first_split // tp + first_repl
+    else:
+        shard = max(first_split // tp + first_repl, last_split // tp + last_repl)
+    return ParameterCounts(transformer, embedding, transformer + embedding, shard)
+
+
+def bytes_per_parameter(args: argparse.Namespace) -> float:
+    """Weight + gradient + optimizer bytes per parameter on one rank (Megatron-LM README's table)."""
+    mixed = bool(args.fp16 or args.bf16)
+    fp32_grads = bool(args.bf16 or getattr(args, "accumulate_allreduce_grads_in_fp32", False))
+    state = 4 if getattr(args, "optimizer", "adam") == "sgd" else 8
+    if not mixed:
+        replicated, sharded = 4 + 4, state
+    elif fp32_grads:
+        replicated, sharded = 2 + 4, 4 + state
+    else:
+        replicated, sharded = 2 + 2, 4 + 4 + state
+    if getattr(args, "use_distributed_optimizer", False):
+        return replicated + sharded / args.data_parallel_size
+    return float(replicated + sharded)
+
+
+def compute_weight_and_optimizer_memory(args: argparse.Namespace) -> float:
+    """Bytes of weights, gradients and optimizer state on the most loaded rank."""
+    return count_parameters(args).most_loaded_shard * bytes_per_parameter(args)
+
+
+def _layer_activation_bytes(args: argparse.Namespace, e: int, selective: bool) -> float:
+    s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
+    f = args.ffn_hidden_size or 4 * h
+    if getattr(args, "swiglu", False):
+        f = 2 * f  # two first-projection outputs kept (gate and value)
+    a, t = args.num_attention_heads, args.tensor_model_parallel_size
+    t_sp = t if args.sequence_parallel else 1
+    total = s * b * h * ((4 * e + 2) / t_sp + 4 * e / t) + 2 * e * s * b * f / t
+    if not selective:
+        total += (2 * e + 1) * a * s * s * b / t
+    return total
+
+
+def compute_activation_memory(args: argparse.Namespace, num_microbatches: Optional[int] = None) -> Optional[float]:
+    """Activation bytes on the first pipeline stage (see the module docstring); None where it does not apply."""
+    if getattr(args, "distribute_saved_activations", False):
+        return None  # checkpointed inputs split over TP without SP: not modelled
+    s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
+    t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    t_sp = t if args.sequence_parallel else 1
+    e = 2 if (args.fp16 or args.bf16) else 4
+    granularity = getattr(args, "recompute_granularity", None)
+    layer = _layer_activation_bytes(args, e, selective=granularity == "selective")
+    layers = args.num_layers // p
+    recompute_peak = 0.0
+    if granularity == "full":
+        n = args.recompute_num_layers or 1
+        checkpoint_input = e * s * b * h / t_sp
+        if args.recompute_method == "block":
+            n = min(n, layers)
+            per_microbatch = n * checkpoint_input + (layers - n) * layer
+            # The first n layers are recomputed after the later layers' activations are freed.
+            recompute_peak = layer if n == layers else 0.0
+        else:
+            per_microbatch = -(-layers // n) * checkpoint_input
+            recompute_peak = min(n, layers) * layer
+    else:
+        per_microbatch = layers * layer
+    per_microbatch += 8 * s * b * 2 + s * b * h / t_sp  # token ids and positions (int64), embedding dropout mask
+    in_flight = float(p)
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if p > 1 and vp is not None:
+        in_flight *= 1 + (p - 1) / (p * vp)
+    elif p > 1 and num_microbatches is not None:
+        in_flight = float(min(p, num_microbatches))
+    total = per_microbatch * in_flight + recompute_peak
+    if p == 1:
+        total += e * s * b * h + 4 * s * b * args.padded_vocab_size / t  # output layer input, fp32 logits
+    return total
+
+
+def report_theoretical_memory(args: argparse.Namespace, num_microbatches: Optional[int] = None,
+                              verbose: bool = True) -> str:
+    """Print (and return) Megatron's start-up lines: parameter counts and the memory footprint in MB."""
+    counts = count_parameters(args)
+    weight_and_optimizer = counts.most_loaded_shard * bytes_per_parameter(args) / MB
+    activation = compute_activation_memory(args, num_microbatches)
+    lines = []
+    if verbose:
+        lines += [
+            f"Number of parameters in transformer layers in billions: {counts.transformer_layers / 1e9:.4f} "
+            f"({counts.transformer_layers})",
+            f"Number of parameters in embedding layers in billions: {counts.embedding_layers / 1e9:.4f} "
+            f"({counts.embedding_layers})",
+            f"Total number of parameters in billions: {counts.total / 1e9:.4f} ({counts.total})",
+            f"Number of parameters in most loaded shard in billions: {counts.most_loaded_shard / 1e9:.4f} "
+            f"({counts.most_loaded_shard})",
+            f"Bytes per parameter (weights, grads, optimizer state): {bytes_per_parameter(args):g}",
+        ]
+    if activation is None:
+        lines.append(f"Theoretical memory footprints: weight and optimizer={weight_and_optimizer:.2f} MB, "
+                     "activation=n/a")
+    else:
+        activation /= MB
+        lines.append(f"Theoretical memory footprints: weight and optimizer={weight_and_optimizer:.2f} MB, "
+                     f"activation={activation:.2f} MB, total={weight_and_optimizer + activation:.2f} MB")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
