@@ -1,6 +1,6 @@
 """The ``--deepspeed`` training path: build the DeepSpeed engine, run train/eval steps, save and load checkpoints.
 
-`setup_deepspeed_model_and_optimizer` builds our model (GPTModel, or H4's GPTModelPipe under pipeline
+`setup_deepspeed_model_and_optimizer` builds our model (GPTModel, or GPTModelPipe under pipeline
 parallelism), Megatron's parameter groups and a torch AdamW/SGD (so no DeepSpeed op needs compiling), and hands
 them to ``deepspeed.initialize`` with the reconciled config (`megatron.ds.config`) and our `mpu` adapter. DeepSpeed
 then owns precision (fp16/bf16 from the config), gradient accumulation, data-parallel reduction, ZeRO partitioning
@@ -38,7 +38,7 @@ from megatron.logging_utils import print_rank_0
 
 # ----------------------------------------------------------------------------------------------- helpers
 def is_pipe_engine(engine: Any) -> bool:
-    """True for DeepSpeed's PipelineEngine (H4's GPTModelPipe under --pipeline-model-parallel-size > 1)."""
+    """True for DeepSpeed's PipelineEngine (GPTModelPipe under --pipeline-model-parallel-size > 1)."""
     try:
         from deepspeed.runtime.pipe.engine import PipelineEngine
     except ImportError:  # pragma: no cover

@@ -23,6 +23,7 @@ created lazily), take the RSS as the baseline (weights, grads, optimizer state),
 
     python tools/benchmarks/bench_memory.py [--steps 3] [--micro-batch-size 1] [--dropout 0.1]
                             [--modes none,selective,...] [--threads N] [--markdown] [--json out.json]
+                            [--timing]   (allocator at its defaults: for the step-time column)
 """
 from __future__ import annotations
 
@@ -165,8 +166,11 @@ def run_mode(mode: str, steps: int, mbs: int, dropout: float) -> dict[str, Any]:
     }
 
 
-def _spawn(mode: str, steps: int, mbs: int, dropout: float, threads: Optional[int]) -> dict[str, Any]:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+def _spawn(mode: str, steps: int, mbs: int, dropout: float, threads: Optional[int],
+           pin_malloc: bool = True) -> dict[str, Any]:
+    env = dict(os.environ)
+    if pin_malloc:  # RSS follows what is allocated, at the price of page faults on every large tensor (slow)
+        env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--steps", str(steps),
            "--micro-batch-size", str(mbs), "--dropout", str(dropout)] + (["--threads", str(threads)] if threads else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -203,6 +207,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the workers")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--json", type=str, default=None, help="also write the results here")
+    p.add_argument("--timing", action="store_true",
+                   help="leave glibc's allocator at its defaults: representative step times, but RSS then keeps "
+                        "freed memory, so only the 'saved for backward' memory column is meaningful")
     p.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     modes = a.modes.split(",")
@@ -219,7 +226,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     results = []
     for mode in modes:
         t = time.perf_counter()
-        results.append(_spawn(mode, a.steps, a.micro_batch_size, a.dropout, a.threads))
+        results.append(_spawn(mode, a.steps, a.micro_batch_size, a.dropout, a.threads, pin_malloc=not a.timing))
         print(f"  {mode}: done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     print(f"GPT {LAYERS} layers / hidden {HIDDEN} / {HEADS} heads / seq {SEQ} / vocab {VOCAB}, fp32 CPU, "
           f"micro-batch {a.micro_batch_size}, dropout {a.dropout}, {a.steps} timed steps, {results[0]['threads']} threads; "
