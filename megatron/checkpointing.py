@@ -33,6 +33,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from megatron.atomic_io import atomic_torch_save as _atomic_save
+from megatron.atomic_io import atomic_write_text as _atomic_write_text
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.errors import MegatronUserError
@@ -187,22 +189,6 @@ def _model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
     if hasattr(module, "state_dict_for_save_checkpoint"):
         return module.state_dict_for_save_checkpoint()
     return module.state_dict()
-
-
-def _atomic_save(obj: Any, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _args_to_save(args: argparse.Namespace) -> argparse.Namespace:

@@ -43,6 +43,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.atomic_io import atomic_torch_save as _save  # noqa: E402
+from megatron.atomic_io import atomic_write_text as _write_text  # noqa: E402
 from megatron.errors import MegatronUserError, exit_on_user_error  # noqa: E402
 
 CHECKPOINT_VERSION = 3.0
@@ -65,20 +67,6 @@ class ConvertCheckpointError(MegatronUserError, ValueError):
 def _load(path: str) -> dict:
     # DeepSpeed checkpoints pickle argparse namespaces and DeepSpeed objects: full unpickling (trusted files only).
     return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def _save(obj: Any, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def nest_megatron_state_dict(flat: dict[str, Any]) -> dict[str, Any]:

@@ -178,25 +178,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def step(self, timers: Optional[Callable] = None) -> StepResult:
         """Shard grads → (unscale, inf check) → clip → inner step → copy to the model shard → all-gather params."""
         self.finish_param_sync()  # never update a shard an all-gather is still writing
-        _timer(timers, "optimizer-copy-to-main-grad").start()
-        self._copy_model_grads_to_main_grads()
-        _timer(timers, "optimizer-copy-to-main-grad").stop()
-        if self.grad_scaler is not None:
-            _timer(timers, "optimizer-unscale-and-check-inf").start()
-            found_inf = self._unscale_main_grads_and_check_for_nan()
-            _timer(timers, "optimizer-unscale-and-check-inf").stop()
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                return False, None, None
-        grad_norm, num_zeros = self._clip_count_and_step(timers)
-        _timer(timers, "optimizer-copy-main-to-model-params").start()
-        self._copy_main_params_to_model_params()
-        _timer(timers, "optimizer-copy-main-to-model-params").stop()
-        _timer(timers, "params-all-gather").start()
-        for chunk in self.model_chunks:
-            chunk.start_param_sync()
-        _timer(timers, "params-all-gather").stop()
-        return True, grad_norm, num_zeros
+        result = super().step(timers)
+        if result[0]:
+            _timer(timers, "params-all-gather").start()
+            for chunk in self.model_chunks:
+                chunk.start_param_sync()
+            _timer(timers, "params-all-gather").stop()
+        return result
 
     # ------------------------------------------------------------------ memory accounting
     def state_numel(self) -> Dict[str, int]:
