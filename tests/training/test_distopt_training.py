@@ -2,7 +2,7 @@
 --overlap-param-gather give the serial 20-step loss curve within 1e-5 relative (training and validation losses) for
 TP=2 + SP + DP=2 + distopt, DP=2 + distopt with both overlaps (several buckets), plain DP=2 with the overlapped
 bucketed all-reduce, and PP=2 x DP=2 + distopt with the overlapped reduce-scatter (tied embedding shared across
-stages; several model chunks are covered by tests/optimizer/test_distrib_optimizer.py). Resume with the distributed
+stages), and the interleaved schedule PP=4 (2 virtual chunks per stage) x DP=2 with distopt and both overlaps. Resume with the distributed
 optimizer and both overlaps is exact; its checkpoint (distrib_optim.pt) reloads at another data-parallel size and
 without the flag, and a regular checkpoint loads into it.
 
@@ -138,3 +138,15 @@ def test_reload_at_other_dp_size_and_without_flag(dp2_overlapped: dict, serial: 
     two = _run(2, _argv(gpt_data, *DISTOPT, "--load", str(reg)))
     assert "converting the regular optimizer state" in two[0]["stdout"]
     _assert_close(parse_losses(two[-1]["stdout"]), serial["curve"], "serial -> DP=2 distopt", range(11, 21))
+
+
+def test_interleaved_pp4_dp2_distopt_overlap_matches_serial(gpt_data: dict) -> None:
+    """Virtual pipeline chunks (PP=4, 2 chunks per stage) x DP=2 with the distributed optimizer and both overlaps
+    (8 processes): every stage owns two DDP chunks whose buckets are reduce-scattered / all-gathered separately."""
+    shape = ["--num-layers", "8", "--micro-batch-size", "1", "--global-batch-size", "16", "--train-iters", "10"]
+    (ref,) = _run(1, tiny_gpt_argv(gpt_data, *shape))
+    results = _run(8, tiny_gpt_argv(gpt_data, *shape, "--pipeline-model-parallel-size", "4",
+                                    "--num-layers-per-virtual-pipeline-stage", "1", *DISTOPT, *OVERLAP,
+                                    "--overlap-param-gather"))
+    _assert_close(parse_losses(results[-1]["stdout"]), parse_losses(ref["stdout"]), "PP4(vp2) x DP2 + distopt",
+                  iters=range(1, 11))
