@@ -631,6 +631,9 @@ def _validate_deepspeed(args: argparse.Namespace) -> None:
                                                        or args.recompute_granularity == "full"):
         _print0(args, "notice: --deepspeed-activation-checkpointing takes effect with --checkpoint-activations "
                       "(full recomputation); without it no activations are recomputed")
+    if getattr(args, "no_save_optim", False):
+        _print0(args, "notice: with --deepspeed, --no-save-optim leaves out only the LR scheduler state: DeepSpeed "
+                      "always writes its optimizer (ZeRO) state files")
 
 
 def _validate_precision(args: argparse.Namespace) -> None:
