@@ -9,29 +9,12 @@ pipeline starts from exactly the serial run's weights.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import torch
 
 from tests.ds._workers import ds_env, run_pretrain_ds
-
-
-def _serial_gpt(args: Any, state: Any) -> torch.nn.Module:
-    """The unsplit GPTModel the serial reference starts from (seeded like tests/pipeline/_workers.py)."""
-    from megatron.arguments import core_transformer_config_from_args
-    from megatron.core.tensor_parallel import get_rng_tracker
-    from megatron.core.tensor_parallel.random import model_parallel_manual_seed
-    from megatron.model import GPTModel
-
-    config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=1)
-    tracker_states = get_rng_tracker().get_states()
-    with torch.random.fork_rng(devices=[]):
-        model_parallel_manual_seed(args.seed, state.tp_rank)
-        torch.manual_seed(args.seed)
-        full = GPTModel(config, tp_group=state.tp_group, pp_state=None, parallel_output=True)
-    get_rng_tracker().set_states(tracker_states)
-    return full
+from tests.pipeline._workers import serial_gpt
 
 
 def serial_init_pipe_provider(provider: Callable) -> Callable:
@@ -44,7 +27,7 @@ def serial_init_pipe_provider(provider: Callable) -> Callable:
 
         args = global_vars.get_args()
         state = ps.get_parallel_state()
-        full = _serial_gpt(args, state)
+        full = serial_gpt(args, state)
         model = provider(pre_process=pre_process, post_process=post_process)
         if not is_gpt_model_pipe(model):
             raise AssertionError("expected pretrain_gpt.model_provider to build a GPTModelPipe")

@@ -33,26 +33,33 @@ def _copy_stage_weights(full: torch.nn.Module, stage: torch.nn.Module) -> None:
             param.copy_(src)
 
 
+def serial_gpt(args: Any, state: Any) -> torch.nn.Module:
+    """The full, unsplit GPTModel built from the run's seed (this rank's TP layout), leaving every RNG untouched."""
+    from megatron.arguments import core_transformer_config_from_args
+    from megatron.core.tensor_parallel import get_rng_tracker
+    from megatron.core.tensor_parallel.random import model_parallel_manual_seed
+    from megatron.model import GPTModel
+
+    config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=1)
+    tracker_states = get_rng_tracker().get_states()
+    with torch.random.fork_rng(devices=[]):
+        model_parallel_manual_seed(args.seed, state.tp_rank)
+        torch.manual_seed(args.seed)
+        full = GPTModel(config, tp_group=state.tp_group, pp_state=None, parallel_output=True)
+    get_rng_tracker().set_states(tracker_states)
+    return full
+
+
 def serial_init_provider(provider: Callable) -> Callable:
     """Wrap a GPT model_provider so that every layout starts from the serial model's initial weights."""
 
     def model_provider(pre_process: bool = True, post_process: bool = True) -> Any:
         from megatron import global_vars
-        from megatron.arguments import core_transformer_config_from_args
         from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import get_rng_tracker
-        from megatron.core.tensor_parallel.random import model_parallel_manual_seed
-        from megatron.model import GPTModel
 
         args = global_vars.get_args()
         state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
-        config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=1)
-        tracker_states = get_rng_tracker().get_states()
-        with torch.random.fork_rng(devices=[]):
-            model_parallel_manual_seed(args.seed, state.tp_rank)
-            torch.manual_seed(args.seed)
-            full = GPTModel(config, tp_group=state.tp_group, pp_state=None, parallel_output=True)
-        get_rng_tracker().set_states(tracker_states)
+        full = serial_gpt(args, state)
         stage = provider(pre_process=pre_process, post_process=post_process)
         _copy_stage_weights(full, stage)
         return stage
