@@ -145,16 +145,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def reload_model_params(self) -> None:
         self._copy_model_params_to_main_params()
 
-    def _unscale_main_grads_and_check_for_nan(self) -> bool:
-        main_grads = self._collect_main_grads()
-        self.found_inf.fill_(0.0)
-        if main_grads:
-            inv_scale = self.grad_scaler.inv_scale.to(self.found_inf.device)
-            torch._amp_foreach_non_finite_check_and_unscale_(main_grads, self.found_inf, inv_scale)
-        for group in (self.data_parallel_group, self.model_parallel_group):
-            if _active(group):
-                dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX, group=group)
-        return bool(self.found_inf.item() > 0)
+    def _inf_check_groups(self) -> tuple:
+        # Each rank only sees its shard's grads: the flag must also travel over the data-parallel group.
+        return (self.data_parallel_group, self.model_parallel_group)
 
     def get_parameters(self) -> List[torch.Tensor]:
         return [e.main_param for e in self._all_entries()]

@@ -239,10 +239,14 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         if main_grads:
             inv_scale = self.grad_scaler.inv_scale.to(self.found_inf.device)
             torch._amp_foreach_non_finite_check_and_unscale_(main_grads, self.found_inf, inv_scale)
-        group = self.model_parallel_group
-        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX, group=group)
+        for group in self._inf_check_groups():
+            if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+                dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX, group=group)
         return bool(self.found_inf.item() > 0)
+
+    def _inf_check_groups(self) -> tuple:
+        """The groups over which an inf/nan in any rank's grads must skip the step everywhere."""
+        return (self.model_parallel_group,)
 
     @torch.no_grad()
     def step(self, timers: Optional[Callable] = None) -> StepResult:
