@@ -6,13 +6,13 @@ Extra flag groups (e.g. DeepSpeed's) are added through `extra_args_provider(pars
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from megatron.config_flags import config_kwargs_from_args
 from megatron.core.transformer_config import TransformerConfig
 from megatron.errors import MegatronUserError
 
@@ -124,10 +124,30 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="Projection size per head (default hidden-size // num-attention-heads).")
     g.add_argument("--max-position-embeddings", type=int, default=None, help="Largest sequence length supported.")
     g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                   choices=["learned_absolute", "rope"], help="Position embedding type.")
+                   choices=["learned_absolute", "rope", "none"],
+                   help="Position embedding: learned absolute (GPT-2), rotary (Llama), or none.")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Megatron-LM 23.06 spelling of --position-embedding-type rope.")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="No learned absolute position embedding (with rope: the rotary embedding only).")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="Fraction of each head's channels that RoPE rotates (0 < p <= 1).")
+    g.add_argument("--rotary-base", type=float, default=10000.0,
+                   help="RoPE base (theta): 10000 for Llama-2, 1e6 for Mistral v0.3, 500000 for Llama-3.")
+    g.add_argument("--normalization", type=str, default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
+                   help="Normalization layer: LayerNorm (GPT-2/BERT) or RMSNorm (Llama).")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="Grouped-query attention: --num-query-groups K/V heads shared by the query heads.")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="Number of K/V head groups with --group-query-attention (default 1: multi-query).")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="No biases in the linear layers (QKV, attention output, MLP).")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="Keep the QKV bias even with --disable-bias-linear (Qwen-style).")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the vocab so its size is divisible by this value (times TP size).")
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="Layer-norm epsilon.")
+    g.add_argument("--layernorm-epsilon", "--norm-epsilon", type=float, default=1e-5, dest="layernorm_epsilon",
+                   help="Epsilon of the LayerNorm/RMSNorm layers.")
     g.add_argument("--apply-layernorm-1p", action="store_true", help="LayerNorm with (1 + weight) (zero-centered).")
     g.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
                    help="Residual connection after the layer norm (original BERT).")
@@ -502,7 +522,9 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
     _validate_deepspeed(args)
     _validate_precision(args)
     _validate_training_length(args)
+    _resolve_position_embedding(args)
     _validate_model_shape(args)
+    _validate_architecture(args)
     _validate_recompute(args)
     _validate_misc(args)
 
@@ -754,7 +776,7 @@ def _validate_model_shape(args: argparse.Namespace) -> None:
     elif args.encoder_seq_length is not None:
         args.seq_length = args.encoder_seq_length
     _require(args.seq_length is not None, "--seq-length is required (or --encoder-seq-length)")
-    if args.max_position_embeddings is None and args.position_embedding_type == "rope":
+    if args.max_position_embeddings is None and args.position_embedding_type in ("rope", "none"):
         args.max_position_embeddings = args.seq_length
     _require(args.max_position_embeddings is not None, "--max-position-embeddings is required")
     if args.seq_length is not None:
@@ -770,6 +792,43 @@ def _validate_model_shape(args: argparse.Namespace) -> None:
                  f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
                  f"--tensor-model-parallel-size ({tp})")
     _require(args.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive")
+
+
+def _resolve_position_embedding(args: argparse.Namespace) -> None:
+    """--use-rotary-position-embeddings / --no-position-embedding (Megatron-LM 23.06) -> --position-embedding-type."""
+    kind = args.position_embedding_type
+    if args.use_rotary_position_embeddings:
+        _require(kind in ("learned_absolute", "rope"),
+                 f"--use-rotary-position-embeddings means --position-embedding-type rope (got {kind}); drop one")
+        kind = "rope"
+    if not args.add_position_embedding and kind == "learned_absolute":
+        kind = "none"
+    args.position_embedding_type = kind
+    args.add_position_embedding = kind == "learned_absolute"
+    args.use_rotary_position_embeddings = kind == "rope"
+    if kind != "rope":
+        _require(args.rotary_percent == 1.0 and args.rotary_base == 10000.0,
+                 f"--rotary-percent/--rotary-base need --position-embedding-type rope (got {kind})")
+
+
+def _validate_architecture(args: argparse.Namespace) -> None:
+    """Query groups, rotary range, activations: refuse what cannot work, with one line naming the flags."""
+    _require(0.0 < args.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1] (got {args.rotary_percent})")
+    _require(args.rotary_base > 0, f"--rotary-base must be positive (got {args.rotary_base})")
+    heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
+    if args.group_query_attention:
+        if args.num_query_groups is None:
+            args.num_query_groups = 1  # Megatron-LM's default: multi-query attention
+        groups = args.num_query_groups
+        _require(groups >= 1 and heads % groups == 0,
+                 f"--num-query-groups ({groups}) must divide --num-attention-heads ({heads})")
+        _require(groups % tp == 0,
+                 f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})")
+    else:
+        _require(args.num_query_groups is None, "--num-query-groups needs --group-query-attention")
+    kinds = [flag for flag, on in (("--openai-gelu", args.openai_gelu), ("--squared-relu", args.squared_relu),
+                                   ("--swiglu", args.swiglu)) if on]
+    _require(len(kinds) <= 1, f"{' and '.join(kinds)} are different activations; pick one")
 
 
 def _validate_recompute(args: argparse.Namespace) -> None:
@@ -882,20 +941,5 @@ def _print_args(args: argparse.Namespace) -> None:
 
 
 def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
-    """Build the `TransformerConfig` the model layers take, from validated args."""
-    kwargs: Dict[str, Any] = {}
-    for f in dataclasses.fields(TransformerConfig):
-        if f.name in ("init_method", "output_layer_init_method"):
-            continue
-        if hasattr(args, f.name) and getattr(args, f.name) is not None:
-            kwargs[f.name] = getattr(args, f.name)
-    kwargs["share_embeddings_and_output_weights"] = not getattr(args, "untie_embeddings_and_output_weights", False)
-    kwargs["use_cpu_initialization"] = bool(getattr(args, "use_cpu_initialization", True)) or (
-        not torch.cuda.is_available()
-    )
-    kwargs["params_dtype"] = getattr(args, "params_dtype", torch.float)
-    kwargs["padded_vocab_size"] = getattr(args, "padded_vocab_size", None) or 0
-    if getattr(args, "init_method_xavier_uniform", False):
-        kwargs["init_method"] = torch.nn.init.xavier_uniform_
-        kwargs["output_layer_init_method"] = torch.nn.init.xavier_uniform_
-    return TransformerConfig(**kwargs)
+    """Build the `TransformerConfig` the model layers take, from validated args (explicit table: config_flags.py)."""
+    return TransformerConfig(**config_kwargs_from_args(TransformerConfig, args))
