@@ -4,15 +4,19 @@
 //                         overlapping by one token) to (position in doc_idx, token offset) of its start.
 // build_blending_indices: greedily assigns every sample of a blended dataset to the component dataset
 //                         whose achieved share lags its weight the most.
-// Both follow Megatron-LM's algorithms exactly so that index caches and sample order are interchangeable.
+// build_mapping:          BERT/T5 sentence-level samples mapping: rows (first sentence, last sentence exclusive,
+//                         target length) over the documents, shuffled.
+// All follow Megatron-LM's algorithms exactly so that index caches and sample order are interchangeable.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <iostream>
 #include <limits>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -196,14 +200,217 @@ void build_blending_indices(py::array& dataset_index_obj, py::array& dataset_sam
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// build_mapping (BERT / T5 samples mapping)
+
+constexpr int32_t LONG_SENTENCE_LEN = 512;  // a document with 2+ sentences and one longer than this is skipped
+
+// Target length of the next sample: max_length, or with probability ~1/short_seq_ratio a short one in
+// [2, max_length]. Draws from the generator only when short samples are enabled (Megatron's rule).
+inline int32_t target_sample_len(int32_t short_seq_ratio, int32_t max_length, std::mt19937& gen) {
+  if (short_seq_ratio == 0) {
+    return max_length;
+  }
+  const uint32_t r = static_cast<uint32_t>(gen());
+  if (r % static_cast<uint32_t>(short_seq_ratio) == 0) {
+    return 2 + static_cast<int32_t>(r % static_cast<uint32_t>(max_length - 1));
+  }
+  return max_length;
+}
+
+struct MappingStats {
+  uint64_t empty_docs = 0;
+  uint64_t one_sent_docs = 0;
+  uint64_t long_sent_docs = 0;
+  int32_t epochs_run = 0;
+  bool reached_max = false;
+};
+
+// One pass over the epochs. With `out` null it only counts rows; otherwise it writes them. Both passes start from
+// a fresh mt19937(seed), so they agree.
+template <typename Out>
+uint64_t mapping_pass(const int64_t* docs, int64_t num_doc_entries, const int32_t* sizes, int32_t num_epochs,
+                      uint64_t max_num_samples, int32_t max_seq_length, int32_t short_seq_ratio, int32_t seed,
+                      int32_t min_num_sent, Out* out, MappingStats* stats) {
+  std::mt19937 gen(static_cast<uint32_t>(seed));
+  uint64_t map_index = 0;
+  for (int32_t epoch = 0; epoch < num_epochs; ++epoch) {
+    // The stop is checked once per epoch, so the map can hold more than max_num_samples rows (as Megatron's).
+    if (map_index >= max_num_samples) {
+      stats->reached_max = true;
+      break;
+    }
+    if (epoch == 1 && map_index == 0) {
+      break;  // no document yields a sample; every further epoch would be empty too
+    }
+    stats->epochs_run = epoch + 1;
+    for (int64_t doc = 0; doc + 1 < num_doc_entries; ++doc) {
+      const int64_t first = docs[doc];
+      const int64_t last = docs[doc + 1];
+      int64_t remaining = last - first;
+      if (epoch == 0 && out == nullptr) {
+        if (remaining == 0) ++stats->empty_docs;
+        if (remaining == 1) ++stats->one_sent_docs;
+      }
+      bool long_sentence = false;
+      if (remaining > 1) {
+        for (int64_t s = first; s < last; ++s) {
+          if (sizes[s] > LONG_SENTENCE_LEN) {
+            if (epoch == 0 && out == nullptr) ++stats->long_sent_docs;
+            long_sentence = true;
+            break;
+          }
+        }
+      }
+      if (remaining < min_num_sent || long_sentence) {
+        continue;
+      }
+      int64_t start = first;
+      int64_t seq_len = 0;
+      int32_t num_sent = 0;
+      int32_t target = target_sample_len(short_seq_ratio, max_seq_length, gen);
+      for (int64_t s = first; s < last; ++s) {
+        seq_len += sizes[s];
+        ++num_sent;
+        --remaining;
+        // Emit when the target is reached (keeping at least two sentences for the rest of the document and
+        // min_num_sent in this sample), or at the end of the document.
+        if ((seq_len >= target && remaining > 1 && num_sent >= min_num_sent) || remaining == 0) {
+          if (out != nullptr) {
+            out[3 * map_index] = static_cast<Out>(start);
+            out[3 * map_index + 1] = static_cast<Out>(s + 1);
+            out[3 * map_index + 2] = static_cast<Out>(target);
+          }
+          ++map_index;
+          start = s + 1;
+          target = target_sample_len(short_seq_ratio, max_seq_length, gen);
+          seq_len = 0;
+          num_sent = 0;
+        }
+      }
+    }
+  }
+  return map_index;
+}
+
+template <typename Out>
+py::array build_mapping_impl(const py::array_t<int64_t>& docs_arr, const py::array_t<int32_t>& sizes_arr,
+                             int32_t num_epochs, uint64_t max_num_samples, int32_t max_seq_length,
+                             double short_seq_prob, int32_t seed, bool verbose, int32_t min_num_sent) {
+  const int64_t* docs = docs_arr.data();
+  const int32_t* sizes = sizes_arr.data();
+  const int64_t num_doc_entries = docs_arr.shape(0);
+  int32_t short_seq_ratio = 0;
+  if (short_seq_prob > 0) {
+    short_seq_ratio = static_cast<int32_t>(std::round(1.0 / short_seq_prob));
+  }
+  if (verbose) {
+    const int64_t first = num_doc_entries > 0 ? docs[0] : 0;
+    const int64_t last = num_doc_entries > 0 ? docs[num_doc_entries - 1] : 0;
+    std::cout << "    using:" << std::endl
+              << "     number of documents:            " << num_doc_entries - 1 << std::endl
+              << "     sentences range:                [" << first << ", " << last << ")" << std::endl
+              << "     total number of sentences:      " << last - first << std::endl
+              << "     number of epochs:               " << num_epochs << std::endl
+              << "     maximum number of samples:      " << max_num_samples << std::endl
+              << "     maximum sequence length:        " << max_seq_length << std::endl
+              << "     short sequence probability:     " << short_seq_prob << std::endl
+              << "     short sequence ration (1/prob): " << short_seq_ratio << std::endl
+              << "     seed:                           " << seed << std::endl
+              << std::flush;
+  }
+  MappingStats stats;
+  uint64_t num_samples = 0;
+  Out* maps = nullptr;
+  {
+    py::gil_scoped_release release;
+    num_samples = mapping_pass<Out>(docs, num_doc_entries, sizes, num_epochs, max_num_samples, max_seq_length,
+                                    short_seq_ratio, seed, min_num_sent, nullptr, &stats);
+  }
+  if (verbose) {
+    if (stats.reached_max) {
+      std::cout << "    reached " << max_num_samples << " samples after " << stats.epochs_run << " epochs ..."
+                << std::endl;
+    }
+    std::cout << "   number of empty documents: " << stats.empty_docs << std::endl
+              << "   number of documents with one sentence: " << stats.one_sent_docs << std::endl
+              << "   number of documents with long sentences: " << stats.long_sent_docs << std::endl
+              << "   will create mapping for " << num_samples << " samples" << std::endl
+              << std::flush;
+  }
+  if (num_samples > static_cast<uint64_t>(std::numeric_limits<int64_t>::max() / 3)) {
+    throw std::overflow_error("build_mapping: number of samples exceeds what an int64 index can address");
+  }
+  py::array_t<Out> result({static_cast<py::ssize_t>(num_samples), static_cast<py::ssize_t>(3)});
+  maps = result.mutable_data();
+  {
+    py::gil_scoped_release release;
+    MappingStats unused;
+    mapping_pass<Out>(docs, num_doc_entries, sizes, num_epochs, max_num_samples, max_seq_length, short_seq_ratio,
+                      seed, min_num_sent, maps, &unused);
+    // Fisher-Yates over the rows with a 64-bit generator (there may be more than 2^32 rows).
+    std::mt19937_64 gen64(static_cast<uint64_t>(seed + 1));
+    for (int64_t i = static_cast<int64_t>(num_samples) - 1; i > 0; --i) {
+      const int64_t j = static_cast<int64_t>(gen64() % static_cast<uint64_t>(i + 1));
+      std::swap(maps[3 * i], maps[3 * j]);
+      std::swap(maps[3 * i + 1], maps[3 * j + 1]);
+      std::swap(maps[3 * i + 2], maps[3 * j + 2]);
+    }
+  }
+  return std::move(result);
+}
+
+py::array build_mapping(const py::array& docs_obj, const py::array& sizes_obj, int32_t num_epochs,
+                        uint64_t max_num_samples, int32_t max_seq_length, double short_seq_prob, int32_t seed,
+                        bool verbose, int32_t min_num_sent) {
+  if (num_epochs <= 0) {
+    throw py::value_error("build_mapping: num_epochs must be positive, got " + std::to_string(num_epochs));
+  }
+  if (max_seq_length <= 1) {
+    throw py::value_error("build_mapping: max_seq_length must be at least 2, got " + std::to_string(max_seq_length));
+  }
+  if (!(short_seq_prob >= 0.0 && short_seq_prob <= 1.0)) {
+    throw py::value_error("build_mapping: short_seq_prob must be in [0, 1], got " + std::to_string(short_seq_prob));
+  }
+  if (seed < 0) {
+    throw py::value_error("build_mapping: seed must be non-negative, got " + std::to_string(seed));
+  }
+  if (min_num_sent < 1) {
+    throw py::value_error("build_mapping: min_num_sent must be at least 1, got " + std::to_string(min_num_sent));
+  }
+  auto docs = typed_input<int64_t>(docs_obj, "docs", "int64");
+  auto sizes = typed_input<int32_t>(sizes_obj, "sizes", "int32");
+  const int64_t n_docs = docs.shape(0);
+  const int64_t* d = docs.data();
+  for (int64_t i = 0; i < n_docs; ++i) {
+    if (d[i] < 0 || d[i] > sizes.shape(0) || (i > 0 && d[i] < d[i - 1])) {
+      throw py::value_error("build_mapping: docs must be non-decreasing sentence indices within [0, " +
+                            std::to_string(sizes.shape(0)) + "]; entry " + std::to_string(i) + " is " +
+                            std::to_string(d[i]));
+    }
+  }
+  if (static_cast<uint64_t>(sizes.shape(0)) > std::numeric_limits<uint32_t>::max()) {
+    if (verbose) std::cout << "    using uint64 for data mapping..." << std::endl;
+    return build_mapping_impl<uint64_t>(docs, sizes, num_epochs, max_num_samples, max_seq_length, short_seq_prob,
+                                        seed, verbose, min_num_sent);
+  }
+  if (verbose) std::cout << "    using uint32 for data mapping..." << std::endl;
+  return build_mapping_impl<uint32_t>(docs, sizes, num_epochs, max_num_samples, max_seq_length, short_seq_prob, seed,
+                                      verbose, min_num_sent);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(helpers_cpp, m) {
-  m.doc() = "Dataset index builders for megatron-lite (GPT sample index, dataset blending).";
+  m.doc() = "Dataset index builders for megatron-lite (GPT sample index, dataset blending, BERT/T5 mapping).";
   m.def("build_sample_idx", &build_sample_idx, py::arg("sizes"), py::arg("doc_idx"), py::arg("seq_length"),
         py::arg("num_epochs"), py::arg("tokens_per_epoch"),
         "Start (doc_idx position, offset) of every seq_length+1 token sample; shape [num_samples + 1, 2].");
   m.def("build_blending_indices", &build_blending_indices, py::arg("dataset_index"), py::arg("dataset_sample_index"),
         py::arg("weights"), py::arg("num_datasets"), py::arg("size"), py::arg("verbose"),
         "Fill dataset_index (uint8) and dataset_sample_index (int64) in place for a weighted blend.");
+  m.def("build_mapping", &build_mapping, py::arg("docs"), py::arg("sizes"), py::arg("num_epochs"),
+        py::arg("max_num_samples"), py::arg("max_seq_length"), py::arg("short_seq_prob"), py::arg("seed"),
+        py::arg("verbose"), py::arg("min_num_sent"),
+        "BERT/T5 samples mapping: shuffled rows (first sentence, last sentence exclusive, target length).");
 }

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import math
 import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
+
+from megatron.errors import MegatronUserError
 
 NumSamples = Union[int, Sequence[int]]
 
@@ -165,7 +168,7 @@ def first_writable_dir(dirs: Sequence[Path]) -> Path:
 def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     """np.save to a temporary name in the same directory, then rename (readers never see partial files)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npy")
-    np.save(tmp, array, allow_pickle=True)
+    np.save(tmp, array, allow_pickle=False)
     os.replace(tmp, path)
 
 
@@ -192,3 +195,299 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sentence-level datasets (BERT, T5): errors, the samples mapping, segments, truncation and masking.
+
+class DatasetError(MegatronUserError, ValueError):
+    """Data that cannot give the samples asked for; the message names the file or flag and the fix."""
+
+
+_DEFAULT_NUM_EPOCHS = int(np.iinfo(np.int32).max) - 1
+_DEFAULT_MAX_NUM_SAMPLES = int(np.iinfo(np.int64).max) - 1
+
+
+def samples_mapping_filename(data_prefix: str, name: str, num_epochs: Optional[int], max_num_samples: Optional[int],
+                             max_seq_length: int, short_seq_prob: float, seed: int) -> str:
+    """Megatron's cache name `{prefix}_{name}_indexmap[_{E}ep][_{N}mns]_{msl}msl_{ssp:.2f}ssp_{seed}s.npy`."""
+    num_epochs = num_epochs or _DEFAULT_NUM_EPOCHS
+    max_num_samples = max_num_samples or _DEFAULT_MAX_NUM_SAMPLES
+    out = f"{data_prefix}_{name}_indexmap"
+    if num_epochs != _DEFAULT_NUM_EPOCHS:
+        out += f"_{num_epochs}ep"
+    if max_num_samples != _DEFAULT_MAX_NUM_SAMPLES:
+        out += f"_{max_num_samples}mns"
+    return out + f"_{max_seq_length}msl_{short_seq_prob:0.2f}ssp_{seed}s.npy"
+
+
+def build_samples_mapping(doc_idx: np.ndarray, sizes: np.ndarray, num_epochs: int, max_num_samples: int,
+                          max_seq_length: int, short_seq_prob: float, seed: int, min_num_sent: int,
+                          verbose: bool = False) -> np.ndarray:
+    """Megatron's `helpers.build_mapping` (C++): shuffled rows (first sentence, end sentence, target length)."""
+    from megatron.data.helpers import get_helpers
+
+    return get_helpers().build_mapping(np.ascontiguousarray(doc_idx, dtype=np.int64),
+                                       np.ascontiguousarray(sizes, dtype=np.int32), int(num_epochs),
+                                       int(max_num_samples), int(max_seq_length), float(short_seq_prob), int(seed),
+                                       bool(verbose), int(min_num_sent))
+
+
+def _mapping_description(data_prefix: str, name: str, doc_idx: np.ndarray, min_num_sent: int) -> str:
+    """What a cached mapping was built from beyond its file name (which Megatron does not make unique: the split
+    and the binary head are not in it); stored beside the .npy and compared on load."""
+    digest = hashlib.md5(np.ascontiguousarray(doc_idx, dtype=np.int64).tobytes()).hexdigest()
+    return (f"BERT/T5 samples mapping\ndata prefix {os.path.basename(data_prefix)}\nsplit {name}\n"
+            f"documents {len(doc_idx) - 1}\nsentences [{int(doc_idx[0])}, {int(doc_idx[-1])})\n"
+            f"doc_idx md5 {digest}\nmin_num_sent {min_num_sent}\n")
+
+
+def _mapping_locations(filename: str, data_cache_path: Optional[str]) -> tuple[list[Path], list[Path]]:
+    """(where to look, where to write): Megatron's own path beside the data first, then --data-cache-path, then
+    per-data-directory subfolders of the user / temp cache (for read-only data directories)."""
+    megatron_path = Path(filename)
+    base = megatron_path.name
+    tag = hashlib.md5(str(megatron_path.parent.resolve()).encode()).hexdigest()[:12]
+    given = [Path(data_cache_path) / base] if data_cache_path else []
+    fallback = [user_cache_dir() / tag / base,
+                Path(tempfile.gettempdir()) / f"megatron-lite-{os.getuid()}" / "index-cache" / tag / base]
+    return [megatron_path, *given, *fallback], [*given, megatron_path, *fallback]
+
+
+def _dsc_path(npy: Path) -> Path:
+    return npy.with_name(npy.name[:-len(".npy")] + ".dsc")
+
+
+def get_samples_mapping(indexed_dataset: Any, data_prefix: str, num_epochs: Optional[int],
+                        max_num_samples: Optional[int], max_seq_length: int, short_seq_prob: float, seed: int,
+                        name: str, binary_head: bool, *, data_cache_path: Optional[str] = None, group: Any = None,
+                        synchronize: bool = True) -> np.ndarray:
+    """Load, or build on the group's first rank while the others wait, the samples mapping of the split whose
+    documents `indexed_dataset.doc_idx` currently lists; returned memory-mapped. As Megatron: min_num_sent is 2 with
+    the binary head, else 1; no epoch count means "until max_num_samples" (checked once per epoch)."""
+    if not num_epochs and not max_num_samples:
+        raise ValueError("get_samples_mapping: give num_epochs or max_num_samples")
+    epochs = int(num_epochs or _DEFAULT_NUM_EPOCHS)
+    samples = int(max_num_samples or _DEFAULT_MAX_NUM_SAMPLES)
+    min_num_sent = 2 if binary_head else 1
+    filename = samples_mapping_filename(data_prefix, name, num_epochs, max_num_samples, max_seq_length,
+                                        short_seq_prob, seed)
+    doc_idx = np.asarray(indexed_dataset.doc_idx)
+    desc = _mapping_description(data_prefix, name, doc_idx, min_num_sent)
+    search, write = _mapping_locations(filename, data_cache_path)
+
+    def find() -> Optional[Path]:
+        for path in search:
+            if path.is_file():
+                dsc = _dsc_path(path)
+                if dsc.is_file() and dsc.read_text() != desc:
+                    raise DatasetError(
+                        f"{path} was built from other data, another --split or another binary-head setting "
+                        f"(see {dsc.name}); delete it and its .dsc to rebuild")
+                return path
+        return None
+
+    def build() -> None:
+        out_dir = first_writable_dir([p.parent for p in write])
+        out = out_dir / Path(filename).name
+        with file_lock(out_dir / f".{out.name}.lock"):
+            if find() is not None:
+                return
+            print(f" > WARNING: could not find index map file {out}, building the indices on rank 0 ...", flush=True)
+            start = time.time()
+            print(f" > building samples index mapping for {name} ...", flush=True)
+            mapping = build_samples_mapping(doc_idx, indexed_dataset.sizes, epochs, samples, max_seq_length,
+                                            short_seq_prob, seed, min_num_sent, verbose=True)
+            print(" > done building samples index maping", flush=True)
+            write_text_atomic(_dsc_path(out), desc)
+            save_npy_atomic(out, mapping)
+            print(f" > saved the index mapping in {out}", flush=True)
+            print(f" > elasped time to build and save samples mapping (seconds): {time.time() - start:4f}",
+                  flush=True)
+
+    error: Optional[BaseException] = None
+    if synchronize:
+        try:
+            if find() is None and is_group_leader(group):
+                build()
+        except BaseException as exc:  # noqa: BLE001 - reach the barrier first so other ranks do not hang
+            error = exc
+        barrier(group)
+        if error is not None:
+            raise error
+    path = find()
+    if path is None:  # not visible here (node-local disk) or synchronize=False: the build is deterministic
+        build()
+        path = find()
+        if path is None:
+            raise RuntimeError(f"samples mapping {Path(filename).name} was built but cannot be found")
+    print_rank_0(f" > loading indexed mapping from {path}")
+    start = time.time()
+    mapping = np.load(path, allow_pickle=False, mmap_mode="r")
+    print_rank_0(f"    loaded indexed file in {time.time() - start:3.3f} seconds")
+    print_rank_0(f"    total number of samples: {mapping.shape[0]}")
+    return mapping
+
+
+def check_sentence_pairs(doc_idx: np.ndarray, data_prefix: str, name: str) -> None:
+    """With BERT's binary head every sample needs two sentences: refuse data where no document has two (such as
+    document-level `_text_document` files, on which Megatron silently builds zero samples)."""
+    doc_idx = np.asarray(doc_idx)
+    if len(doc_idx) < 2 or int(np.max(np.diff(doc_idx))) < 2:
+        raise DatasetError(
+            f"--data-path {data_prefix} ({name} split): no document has two or more sentences, so BERT's binary head "
+            "gets no samples; preprocess with tools/preprocess_data.py --split-sentences (and use the "
+            "_text_sentence prefix), or pass --bert-no-binary-head")
+
+
+def get_a_and_b_segments(sample: Sequence[Sequence[int]], np_rng: np.random.RandomState
+                         ) -> tuple[list, list, bool]:
+    """Split the sentences into segments A and B at a random point; swap them with probability 0.5 (sentence-order
+    prediction: is_next_random True means swapped)."""
+    n_sentences = len(sample)
+    assert n_sentences > 1, "make sure each sample has at least two sentences."
+    a_end = 1
+    if n_sentences >= 3:
+        a_end = np_rng.randint(1, n_sentences)  # exclusive upper bound
+    tokens_a = [t for sentence in sample[:a_end] for t in sentence]
+    tokens_b = [t for sentence in sample[a_end:] for t in sentence]
+    is_next_random = False
+    if np_rng.random() < 0.5:
+        is_next_random = True
+        tokens_a, tokens_b = tokens_b, tokens_a
+    return tokens_a, tokens_b, is_next_random
+
+
+def truncate_segments(tokens_a: list, tokens_b: list, len_a: int, len_b: int, max_num_tokens: int,
+                      np_rng: np.random.RandomState) -> bool:
+    """Trim the longer segment one token at a time (front or back at random) until both fit; True if trimmed."""
+    assert len_a > 0
+    if len_a + len_b <= max_num_tokens:
+        return False
+    while len_a + len_b > max_num_tokens:
+        if len_a > len_b:
+            len_a -= 1
+            tokens = tokens_a
+        else:
+            len_b -= 1
+            tokens = tokens_b
+        if np_rng.random() < 0.5:
+            del tokens[0]
+        else:
+            tokens.pop()
+    return True
+
+
+def create_tokens_and_tokentypes(tokens_a: list, tokens_b: list, cls_id: int, sep_id: int
+                                 ) -> tuple[list, list]:
+    """[CLS] A [SEP] (types 0) then, when B is non-empty, B [SEP] (types 1)."""
+    tokens = [cls_id, *tokens_a, sep_id]
+    tokentypes = [0] * len(tokens)
+    if tokens_b:
+        tokens += [*tokens_b, sep_id]
+        tokentypes += [1] * (len(tokens_b) + 1)
+    return tokens, tokentypes
+
+
+class MaskedLmInstance(NamedTuple):
+    index: Any  # a position (masked_lms) or a list of positions (masked_spans)
+    label: Any  # the original token id, or the list of original ids of a span
+
+
+def is_start_piece(piece: str) -> bool:
+    """A WordPiece that does not continue the previous word (continuations start with `##`)."""
+    return not piece.startswith("##")
+
+
+def create_masked_lm_predictions(tokens: list, vocab_id_list: Sequence[int], vocab_id_to_token_dict: dict,
+                                 masked_lm_prob: float, cls_id: int, sep_id: int, mask_id: int,
+                                 max_predictions_per_seq: float, np_rng: np.random.RandomState,
+                                 max_ngrams: int = 3, do_whole_word_mask: bool = True,
+                                 favor_longer_ngram: bool = False, geometric_dist: bool = False,
+                                 masking_style: str = "bert") -> tuple:
+    """Megatron's masked-LM selection with its exact order of random draws.
+
+    Candidates are whole words (a `##` piece joins the previous word) except [CLS]/[SEP]. The candidate list is
+    shuffled; for each candidate start an n-gram size is drawn (p ~ 1/n up to max_ngrams, or min(Geometric(0.2),
+    max_ngrams) with geometric_dist), shrunk until it fits the budget `min(max_predictions_per_seq,
+    max(1, round(len(tokens) * masked_lm_prob)))`, and skipped if it overlaps earlier picks. "bert" style replaces a
+    picked token by [MASK] 80%, keeps it 10%, a random vocab id 10%; "t5" style always uses mask_id. The candidate
+    list is shuffled once more at the end (Megatron's permutation step is off by default but still consumes those
+    draws). Returns (tokens, positions, labels, token_boundary, spans), positions and spans in order.
+    (Megatron's do_permutation option is not offered: its branch draws from the global numpy RNG.)
+    """
+    if masking_style not in ("bert", "t5"):
+        raise ValueError(f"invalid masking style {masking_style!r}")
+    cand_indexes: list[list[int]] = []
+    token_boundary = [0] * len(tokens)
+    for i, token in enumerate(tokens):
+        if token == cls_id or token == sep_id:
+            token_boundary[i] = 1
+            continue
+        start_piece = is_start_piece(vocab_id_to_token_dict[token])
+        if do_whole_word_mask and cand_indexes and not start_piece:
+            cand_indexes[-1].append(i)
+        else:
+            cand_indexes.append([i])
+            if start_piece:
+                token_boundary[i] = 1
+
+    output_tokens = list(tokens)
+    if masked_lm_prob == 0:
+        return output_tokens, [], [], token_boundary, []
+    num_to_predict = min(max_predictions_per_seq, max(1, int(round(len(tokens) * masked_lm_prob))))
+
+    ngrams = np.arange(1, max_ngrams + 1, dtype=np.int64)
+    pvals = 1.0 / np.arange(1, max_ngrams + 1)
+    pvals /= pvals.sum(keepdims=True)
+    if favor_longer_ngram:
+        pvals = pvals[::-1]
+    # Megatron shuffles a list holding, for every candidate start, its 1..max_ngrams-gram lists; shuffling the
+    # start positions instead draws the same numbers and gives the same order.
+    order = list(range(len(cand_indexes)))
+    np_rng.shuffle(order)
+
+    masked_lms: list[MaskedLmInstance] = []
+    masked_spans: list[MaskedLmInstance] = []
+    covered: set[int] = set()
+    for start in order:
+        if len(masked_lms) >= num_to_predict:
+            break
+        if not geometric_dist:
+            # every entry has max_ngrams n-gram lists (shorter ones near the end repeat), so all sizes are allowed
+            n = int(np_rng.choice(ngrams, p=pvals / pvals.sum(keepdims=True)))
+        else:
+            n = min(int(np_rng.geometric(0.2)), max_ngrams)
+        index_set = [i for word in cand_indexes[start:start + n] for i in word]
+        n -= 1
+        while len(masked_lms) + len(index_set) > num_to_predict:  # try shorter n-grams
+            if n == 0:
+                break
+            index_set = [i for word in cand_indexes[start:start + n] for i in word]
+            n -= 1
+        if len(masked_lms) + len(index_set) > num_to_predict:
+            continue
+        if any(i in covered for i in index_set):
+            continue
+        for index in index_set:
+            covered.add(index)
+            if masking_style == "bert":
+                if np_rng.random() < 0.8:
+                    masked_token = mask_id
+                elif np_rng.random() < 0.5:
+                    masked_token = tokens[index]
+                else:
+                    masked_token = vocab_id_list[np_rng.randint(0, len(vocab_id_list))]
+            else:
+                masked_token = mask_id
+            output_tokens[index] = masked_token
+            masked_lms.append(MaskedLmInstance(index=index, label=tokens[index]))
+        masked_spans.append(MaskedLmInstance(index=index_set, label=[tokens[i] for i in index_set]))
+    assert len(masked_lms) <= num_to_predict
+    np_rng.shuffle(order)  # Megatron's second shuffle (permutation step), kept for its draws
+
+    masked_lms.sort(key=lambda x: x.index)
+    masked_spans.sort(key=lambda x: x.index[0])
+    positions = [p.index for p in masked_lms]
+    labels = [p.label for p in masked_lms]
+    return output_tokens, positions, labels, token_boundary, masked_spans

@@ -6,8 +6,8 @@ builds it; otherwise it is compiled once with pybind11 and the system C++ compil
 or a temp directory if that is not writable), guarded by a file lock so concurrent processes build it once.
 Under torch.distributed use `compile_helpers_rank0(group)`: rank 0 builds, the others wait on a barrier.
 
-`build_sample_idx` / `build_blending_indices` here forward to the compiled module, so Megatron-style
-`from megatron.data import helpers; helpers.build_sample_idx(...)` works too.
+`build_sample_idx` / `build_blending_indices` / `build_mapping` here forward to the compiled module, so
+Megatron-style `from megatron.data import helpers; helpers.build_sample_idx(...)` works too.
 `build_sample_idx_py` / `build_blending_indices_py` are slow, obviously-correct numpy/Python versions of the same
 algorithms, used by the tests to check the C++ code.
 """
@@ -168,6 +168,13 @@ def build_blending_indices(dataset_index: np.ndarray, dataset_sample_index: np.n
                            num_datasets: int, size: int, verbose: bool) -> None:
     """Megatron's `helpers.build_blending_indices` (C++): fills the two output arrays in place."""
     get_helpers().build_blending_indices(dataset_index, dataset_sample_index, weights, num_datasets, size, verbose)
+
+
+def build_mapping(docs: np.ndarray, sizes: np.ndarray, num_epochs: int, max_num_samples: int, max_seq_length: int,
+                  short_seq_prob: float, seed: int, verbose: bool, min_num_sent: int) -> np.ndarray:
+    """Megatron's `helpers.build_mapping` (C++): the BERT/T5 samples mapping, rows (first, end, target length)."""
+    return get_helpers().build_mapping(docs, sizes, num_epochs, max_num_samples, max_seq_length, short_seq_prob,
+                                       seed, verbose, min_num_sent)
 
 
 def build_sample_idx_py(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_epochs: int,
