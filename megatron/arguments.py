@@ -6,15 +6,18 @@ Extra flag groups (e.g. DeepSpeed's) are added through `extra_args_provider(pars
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.config_flags import config_kwargs_from_args
+from megatron.config_flags import config_kwargs_from_args, dests_without_config_field
 from megatron.core.transformer_config import TransformerConfig
-from megatron.errors import MegatronUserError
+from megatron.errors import ArgumentError
+from megatron.flag_registry import refuse_unimplemented
+from megatron.required_flags import TRAINING_RUN, check_required_flags
 
 _FALLBACK_TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -45,12 +48,9 @@ _TOKENIZER_REQUIRED_FLAGS = {
     "Llama2Tokenizer": ("tokenizer_model",),
     "PretrainedFromHF": ("tokenizer_name_or_path",),
     "HFTokenizer": ("tokenizer_name_or_path",),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
     "NullTokenizer": ("vocab_size",),
 }
-
-
-class ArgumentError(MegatronUserError, ValueError):
-    """A bad combination of command-line flags (one line, names the flags and the fix)."""
 
 
 def parse_args(
@@ -309,6 +309,9 @@ def _add_checkpointing_args(parser: argparse.ArgumentParser) -> argparse.Argumen
                    help="Take model arguments from the checkpoint in --load.")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="Exit if --load is set but no checkpoint is found there.")
+    g.add_argument("--trust-checkpoint", action="store_true",
+                   help="Load checkpoint files with full unpickling (can run code in them); default: weights-only "
+                        "with an allow-list (also MEGATRON_TRUST_CHECKPOINT=1).")
     return parser
 
 
@@ -501,7 +504,8 @@ def _require(cond: bool, message: str) -> None:
 
 def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] = None) -> argparse.Namespace:
     """Check flag combinations (one-line errors naming the flags) and fill derived values, as Megatron does."""
-    defaults = defaults or {}
+    defaults = dict(defaults or {})
+    training_run = bool(defaults.pop(TRAINING_RUN, False))  # set by megatron.training.pretrain
     if not hasattr(args, "rank"):
         args.rank = int(os.environ.get("RANK", "0"))
     if not hasattr(args, "world_size"):
@@ -516,6 +520,8 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
         else:
             setattr(args, key, value)
 
+    check_required_flags(args, training_run, _TOKENIZER_REQUIRED_FLAGS)  # all missing flags in one line
+    _refuse_unimplemented(args)
     _validate_deprecated(args)
     _validate_parallel_layout(args)
     _validate_batch(args)
@@ -530,6 +536,22 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
 
     _print_args(args)
     return args
+
+
+@functools.lru_cache(maxsize=1)
+def _core_flags() -> Dict[str, Tuple[str, Any]]:
+    """dest -> (its first long option, parser default) for every core flag."""
+    out: Dict[str, Tuple[str, Any]] = {}
+    for action in build_parser()._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if longs and action.dest not in out:
+            out[action.dest] = (longs[0], action.default)
+    return out
+
+
+def _refuse_unimplemented(args: argparse.Namespace) -> None:
+    """Flags that parse but are not implemented: one line naming the flag (megatron/flag_registry.py)."""
+    refuse_unimplemented(args, _core_flags(), dests_without_config_field(TransformerConfig))
 
 
 def _validate_deprecated(args: argparse.Namespace) -> None:
@@ -640,6 +662,10 @@ def _validate_deepspeed(args: argparse.Namespace) -> None:
         args.deepspeed = True
     if getattr(args, "deepscale_config", None) and not getattr(args, "deepspeed_config", None):
         args.deepspeed_config = args.deepscale_config
+    if getattr(args, "deepspeed_mpi", False):
+        # DeepSpeed's --deepspeed_mpi discovers ranks from MPI; the launcher detection reads OpenMPI's variables.
+        _require("OMPI_COMM_WORLD_RANK" in os.environ,
+                 "--deepspeed_mpi needs an mpirun (OpenMPI) launch: OMPI_COMM_WORLD_RANK is not set")
     if not getattr(args, "deepspeed", False):
         for flag, attr in (("--deepspeed_config", "deepspeed_config"), ("--zero-stage", "zero_stage"),
                            ("--deepspeed-activation-checkpointing", "deepspeed_activation_checkpointing")):

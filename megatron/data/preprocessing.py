@@ -65,10 +65,12 @@ def add_preprocess_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g = parser.add_argument_group(title="tokenizer")
     g.add_argument("--tokenizer-type", type=str, required=True,
                    choices=["BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
-                            "SentencePieceTokenizer", "PretrainedFromHF", "NullTokenizer"])
+                            "SentencePieceTokenizer", "Llama2Tokenizer", "PretrainedFromHF", "HuggingFaceTokenizer",
+                            "NullTokenizer"])
     g.add_argument("--vocab-file", "--vocab", dest="vocab_file", type=str, default=None, help="path to the vocab file")
     g.add_argument("--merge-file", type=str, default=None, help="path to the BPE merge file")
-    g.add_argument("--tokenizer-model", type=str, default=None, help="sentencepiece model file")
+    g.add_argument("--tokenizer-model", type=str, default=None,
+                   help="sentencepiece model file (HuggingFaceTokenizer: local folder with tokenizer.json)")
     g.add_argument("--tokenizer-name-or-path", type=str, default=None, help="local HF tokenizer directory")
     g.add_argument("--vocab-size", type=int, default=786, help="vocab size for NullTokenizer")
     g.add_argument("--vocab-extra-ids", type=int, default=0, help="number of T5 <extra_id_N> sentinel tokens")
@@ -502,7 +504,7 @@ def encode_results(args: argparse.Namespace, encoder: Encoder, tasks: Iterator[T
             except PreprocessError as exc:
                 yield exc
         return
-    if args.tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase", "PretrainedFromHF"):
+    if args.tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase", "PretrainedFromHF", "HuggingFaceTokenizer"):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _WORKER_ENCODER = encoder  # inherited by forked workers: no second tokenizer load
     pool = _pool(args, workers)
@@ -624,7 +626,7 @@ def run_partitioned(args: argparse.Namespace) -> Stats:
         if args.workers <= 1:
             outcomes = [_encode_partition(job) for job in jobs]
         else:
-            if args.tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase", "PretrainedFromHF"):
+            if args.tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase", "PretrainedFromHF", "HuggingFaceTokenizer"):
                 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             pool = _pool(args, args.workers)
             try:

@@ -1,4 +1,5 @@
-"""`--tokenizer-type PretrainedFromHF`: a Hugging Face tokenizer from `--tokenizer-name-or-path` (Megatron-DeepSpeed).
+"""Hugging Face tokenizers: `PretrainedFromHF` (`--tokenizer-name-or-path`, Megatron-DeepSpeed) and `HuggingFaceTokenizer`
+(`--tokenizer-model`, Megatron-LM's name for the same thing).
 
 Works offline: a local directory (tokenizer.json / tokenizer_config.json …) or a hub name already in the local HF
 cache; anything else is a one-line error. As in Megatron-DeepSpeed, `tokenize` is `tokenizer.encode(text)` (so the
@@ -14,10 +15,13 @@ from megatron.tokenizer.abstract import AbstractTokenizer
 
 
 class PretrainedFromHFTokenizer(AbstractTokenizer):
+    _flag = "--tokenizer-name-or-path"
+    _type = "PretrainedFromHF"
+
     def __init__(self, name_or_path: str, vocab_extra_ids: int = 0):
         super().__init__(str(name_or_path))
         if not name_or_path:
-            raise ValueError("PretrainedFromHF needs --tokenizer-name-or-path (a local tokenizer directory)")
+            raise ValueError(f"{self._type} needs {self._flag} (a local tokenizer directory)")
         from transformers import AutoTokenizer
 
         kwargs = {}
@@ -29,7 +33,7 @@ class PretrainedFromHFTokenizer(AbstractTokenizer):
         except (OSError, ValueError) as exc:
             where = "directory" if local else "name (not a local directory and not in the local Hugging Face cache)"
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RuntimeError(f"--tokenizer-name-or-path {name_or_path}: cannot load a tokenizer from this {where}; "
+            raise RuntimeError(f"{self._flag} {name_or_path}: cannot load a tokenizer from this {where}; "
                                f"pass a directory saved with save_pretrained() ({msg})") from None
         self._extra = kwargs.get("additional_special_tokens", [])
         self._vocab_cache: Dict[str, int] = {}
@@ -100,3 +104,14 @@ class PretrainedFromHFTokenizer(AbstractTokenizer):
     @property
     def additional_special_tokens_ids(self) -> List[int]:
         return [self._tok.convert_tokens_to_ids(t) for t in self._extra]
+
+
+class HuggingFaceTokenizer(PretrainedFromHFTokenizer):
+    """Megatron-LM's `--tokenizer-type HuggingFaceTokenizer --tokenizer-model <folder with tokenizer.json>`.
+
+    Same behaviour as PretrainedFromHF (AutoTokenizer; `tokenize` adds the tokenizer's own special tokens, e.g. Llama's
+    BOS; eod is the EOS id); only the flag naming the folder differs.
+    """
+
+    _flag = "--tokenizer-model"
+    _type = "HuggingFaceTokenizer"

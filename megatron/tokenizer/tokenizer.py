@@ -6,7 +6,7 @@ from typing import Any
 from megatron.tokenizer.abstract import AbstractTokenizer
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
-                   "PretrainedFromHF", "NullTokenizer")
+                   "Llama2Tokenizer", "PretrainedFromHF", "HuggingFaceTokenizer", "NullTokenizer")
 
 
 def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128,
@@ -46,10 +46,18 @@ def _make(args: Any) -> AbstractTokenizer:
         from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 
         return SentencePieceTokenizer(getattr(args, "tokenizer_model", None), vocab_extra_ids=extra)
+    if kind == "Llama2Tokenizer":
+        from megatron.tokenizer.llama2_tokenizer import Llama2Tokenizer
+
+        return Llama2Tokenizer(getattr(args, "tokenizer_model", None), vocab_extra_ids=extra)
     if kind == "PretrainedFromHF":
         from megatron.tokenizer.hf_tokenizer import PretrainedFromHFTokenizer
 
         return PretrainedFromHFTokenizer(getattr(args, "tokenizer_name_or_path", None), vocab_extra_ids=extra)
+    if kind == "HuggingFaceTokenizer":
+        from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer
+
+        return HuggingFaceTokenizer(getattr(args, "tokenizer_model", None), vocab_extra_ids=extra)
     if kind == "NullTokenizer":
         from megatron.tokenizer.null_tokenizer import NullTokenizer
 
