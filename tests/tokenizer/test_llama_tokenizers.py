@@ -6,7 +6,6 @@ normalization, unk/bos/eos = 0/1/2); the tokenizer.json is trained here with the
 """
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 
 from megatron.tokenizer import build_tokenizer
+from tests.tokenizer.llama_files import train_llama_sentencepiece, training_text
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,26 +33,10 @@ def lines(wide_data: Path) -> List[str]:
     return out
 
 
-def _train_text(shared_data: Path) -> List[str]:
-    text = (shared_data / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8").splitlines()[:20000]
-    wiki = (shared_data / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8").splitlines()
-    return [t for t in text + wiki if t.strip()]
-
-
 @pytest.fixture(scope="module")
 def llama_sp_dir(tmp_path_factory, shared_data: Path) -> Path:
     """A folder holding a Llama-style `tokenizer.model` (2,000 pieces, trained in ~0.2 s)."""
-    import sentencepiece
-
-    out = tmp_path_factory.mktemp("llama_sp")
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(_train_text(shared_data)), model_writer=model, model_type="bpe", vocab_size=2000,
-        byte_fallback=True, split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, character_coverage=0.9995,
-        num_threads=1, minloglevel=2)
-    (out / "tokenizer.model").write_bytes(model.getvalue())
-    return out
+    return train_llama_sentencepiece(tmp_path_factory.mktemp("llama_sp"), shared_data).parent
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +51,7 @@ def hf_json_dir(tmp_path_factory, shared_data: Path) -> Path:
     specials = ["<|begin_of_text|>", "<|end_of_text|>"]
     trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_train_text(shared_data), trainer=trainer)
+    tok.train_from_iterator(training_text(shared_data), trainer=trainer)
     bos = tok.token_to_id(specials[0])
     tok.post_processor = processors.TemplateProcessing(single=f"{specials[0]} $A", pair=f"{specials[0]} $A $B",
                                                        special_tokens=[(specials[0], bos)])
