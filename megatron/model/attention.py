@@ -1,7 +1,11 @@
 """Attention for Megatron's transformer: CoreAttention (softmax(q k^T / sqrt(d)) v on this rank's heads) and
 ParallelAttention (fused query_key_value projection, KV cache, selective recomputation, output projection).
 
-Activations are [sequence, batch, ...]; heads are split across the tensor-parallel group.
+Activations are [sequence, batch, ...]; heads are split across the tensor-parallel group. Grouped-query attention
+(`config.num_query_groups` < heads, 1 = multi-query) follows Megatron-LM's fused layout: query_key_value rows are
+grouped per KV group ``[q of the group's heads; k; v]``, so a plain dim-0 split over TP ranks keeps whole groups;
+query head ``g * (heads / groups) + i`` uses K/V head g, and the KV cache holds the groups' K/V (not expanded).
+RoPE (`position_embedding_type == "rope"`) rotates q and k after the split, at positions offset by the decode step.
 
 The one attention path selector is `CoreAttention.forward`:
 
@@ -30,6 +34,7 @@ from megatron.model.enums import AttnMaskType, AttnType
 from megatron.model.fused_softmax import FusedScaleMaskSoftmax
 from megatron.model.inference_params import InferenceParams
 from megatron.model.module import MegatronModule
+from megatron.model.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from megatron.model.utils import attention_mask_func, group_size
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -41,6 +46,7 @@ def _model_parallel_rng_fork(active: bool):
         return contextlib.nullcontext()
     return tensor_parallel.get_rng_tracker().fork(MODEL_PARALLEL_RNG)
 
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa= since 2.5
 _MASK_CACHE: dict = {"ref": None, "version": -1, "key": None, "value": None}
 _FLASH_ATTN: dict = {}  # lazy import result: {"func": flash_attn_func or None, "version": str, "error": str}
 _ANNOUNCED: set = set()  # attention-path lines already printed in this process
@@ -121,6 +127,14 @@ def _classify_mask(mask: torch.Tensor, sq: int, sk: int) -> tuple[bool, bool]:
     cache.update(ref=weakref.ref(mask), version=mask._version, key=key, value=value)
     return value
 
+def _expand_kv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """K or V [s, b, ng, hn] -> [s, b, num_heads, hn], each group repeated for its heads (HF's repeat_kv)."""
+    s, b, ng, hn = t.shape
+    if ng == num_heads:
+        return t
+    return t.unsqueeze(3).expand(s, b, ng, num_heads // ng, hn).reshape(s, b, num_heads, hn)
+
+
 class CoreAttention(MegatronModule):
     """softmax(q k^T / sqrt(d) + mask) v on this rank's heads.
 
@@ -193,16 +207,18 @@ class CoreAttention(MegatronModule):
         value_layer: torch.Tensor,
         attention_mask: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """q [sq, b, np, hn], k/v [sk, b, np, hn], mask bool [b or 1, 1, sq, sk] (True = masked) -> [sq, b, np*hn]."""
+        """q [sq, b, np, hn], k/v [sk, b, ng, hn] (ng divides np), mask bool [b or 1, 1, sq, sk] (True = masked)
+        -> [sq, b, np*hn]."""
         sq, b, np_, hn = query_layer.shape
         sk = key_layer.size(0)
         if attention_mask is None and self.attn_mask_type == AttnMaskType.causal and sq != sk:
             attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=query_layer.device).triu(sk - sq + 1)
         if self._can_use_flash_attn(query_layer, attention_mask, sq, sk):
-            context = self._flash(query_layer, key_layer, value_layer)
+            context = self._flash(query_layer, key_layer, value_layer)  # flash-attn takes fewer K/V heads itself
         elif self._can_use_sdpa(attention_mask, sq, sk):
             context = self._sdpa(query_layer, key_layer, value_layer, attention_mask)
         else:
+            key_layer, value_layer = _expand_kv(key_layer, np_), _expand_kv(value_layer, np_)
             context = self._explicit(query_layer, key_layer, value_layer, attention_mask)
         return context
 
@@ -242,6 +258,12 @@ class CoreAttention(MegatronModule):
             mask = None  # the standard causal mask: let SDPA pick its causal (flash) kernels
         is_causal = mask is None and self.attn_mask_type == AttnMaskType.causal
         dropout_p = self.attention_dropout_prob if self._dropout_active() else 0.0
+        gqa: dict = {}
+        if k.size(1) != np_:
+            if _SDPA_HAS_GQA:
+                gqa = {"enable_gqa": True}
+            else:
+                k, v = (_expand_kv(t.permute(2, 0, 1, 3), np_).permute(1, 2, 0, 3) for t in (k, v))
         ctx = F.scaled_dot_product_attention(
             q,
             k,
@@ -250,6 +272,7 @@ class CoreAttention(MegatronModule):
             dropout_p=dropout_p,
             is_causal=is_causal,
             scale=1.0 / math.sqrt(hn),
+            **gqa,
         )
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
@@ -271,7 +294,8 @@ class CoreAttention(MegatronModule):
 
 
 class ParallelAttention(MegatronModule):
-    """Self- or cross-attention with a fused query_key_value projection (rows ordered [heads, (q, k, v), head_dim])."""
+    """Self- or cross-attention with a fused query_key_value projection (rows [groups, (q x heads/groups, k, v),
+    head_dim]; with one group per head that is Megatron's [heads, (q, k, v), head_dim])."""
 
     def __init__(
         self,
@@ -285,19 +309,33 @@ class ParallelAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attention_type = attention_type
         self.attn_mask_type = attn_mask_type
-        projection_size = config.kv_channels * config.num_attention_heads
+        hn, nq, ng = config.kv_channels, config.num_attention_heads, config.num_query_groups
+        projection_size = hn * nq
         tp_size = group_size(tp_group)
-        self.hidden_size_per_attention_head = config.kv_channels
-        self.num_attention_heads_per_partition = tensor_parallel.divide(config.num_attention_heads, tp_size)
-        common = dict(config=config, init_method=config.init_method, tp_group=tp_group, bias=True, gather_output=False,
-                      sequence_parallel=config.sequence_parallel)
+        self.hidden_size_per_attention_head = hn
+        self.num_attention_heads_per_partition = tensor_parallel.divide(nq, tp_size)
+        self.num_query_groups_per_partition = tensor_parallel.divide(ng, tp_size)
+        self.queries_per_group = nq // ng
+        qkv_bias = config.add_bias_linear or config.add_qkv_bias
+        common = dict(config=config, init_method=config.init_method, tp_group=tp_group, bias=qkv_bias,
+                      gather_output=False, sequence_parallel=config.sequence_parallel)
         if attention_type == AttnType.self_attn:
             self.query_key_value = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size, 3 * projection_size, **common
+                config.hidden_size, projection_size + 2 * hn * ng, **common
             )
+            rows = (self.queries_per_group + 2) * hn
+            layout = tensor_parallel.TensorParallelLayout(
+                dim=0, unit=rows, structure=f"{ng} KV groups of [q x {self.queries_per_group}; k; v] x {hn}")
+            for p in self.query_key_value.parameters():
+                tensor_parallel.set_tp_layout(p, layout)
         else:
             self.query = tensor_parallel.ColumnParallelLinear(config.hidden_size, projection_size, **common)
-            self.key_value = tensor_parallel.ColumnParallelLinear(config.hidden_size, 2 * projection_size, **common)
+            self.key_value = tensor_parallel.ColumnParallelLinear(config.hidden_size, 2 * hn * ng, **common)
+            layout = tensor_parallel.TensorParallelLayout(dim=0, unit=2 * hn, structure=f"{ng} KV groups of [k; v]")
+            for p in self.key_value.parameters():
+                tensor_parallel.set_tp_layout(p, layout)
+        self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base)
+                       if config.position_embedding_type == "rope" and attention_type == AttnType.self_attn else None)
         self.core_attention = CoreAttention(config, self.layer_number, tp_group, attn_mask_type)
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
         self.dense = tensor_parallel.RowParallelLinear(
@@ -306,7 +344,7 @@ class ParallelAttention(MegatronModule):
             config=config,
             init_method=config.output_layer_init_method,
             tp_group=tp_group,
-            bias=True,
+            bias=config.add_bias_linear,
             input_is_parallel=True,
             skip_bias_add=True,
             sequence_parallel=config.sequence_parallel,
@@ -326,7 +364,7 @@ class ParallelAttention(MegatronModule):
             shape = (
                 inference_params.max_sequence_length,
                 inference_params.max_batch_size,
-                self.num_attention_heads_per_partition,
+                self.num_query_groups_per_partition,
                 self.hidden_size_per_attention_head,
             )
             cache[self.layer_number] = (
@@ -355,19 +393,27 @@ class ParallelAttention(MegatronModule):
         inference_params: Optional[InferenceParams] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         np_ = self.num_attention_heads_per_partition
+        ng = self.num_query_groups_per_partition
         hn = self.hidden_size_per_attention_head
         if self.attention_type == AttnType.self_attn:
-            mixed, _ = self.query_key_value(hidden_states)  # [sq, b, np * 3 * hn]
-            mixed = mixed.view(mixed.size(0), mixed.size(1), np_, 3 * hn)
-            query, key, value = torch.split(mixed, hn, dim=-1)
+            mixed, _ = self.query_key_value(hidden_states)  # [sq, b, ng * (np/ng + 2) * hn]
+            mixed = mixed.view(mixed.size(0), mixed.size(1), ng, (self.queries_per_group + 2) * hn)
+            query, key, value = torch.split(mixed, [self.queries_per_group * hn, hn, hn], dim=-1)
+            query = query.reshape(query.size(0), query.size(1), np_, hn)
         else:
             if encoder_output is None:
                 raise ValueError("cross attention needs encoder_output")
             mixed_kv, _ = self.key_value(encoder_output)
-            mixed_kv = mixed_kv.view(mixed_kv.size(0), mixed_kv.size(1), np_, 2 * hn)
+            mixed_kv = mixed_kv.view(mixed_kv.size(0), mixed_kv.size(1), ng, 2 * hn)
             key, value = torch.split(mixed_kv, hn, dim=-1)
             query, _ = self.query(hidden_states)
             query = query.view(query.size(0), query.size(1), np_, hn)
+
+        if self.rotary is not None:
+            offset = inference_params.sequence_len_offset if inference_params is not None else 0
+            cos, sin = self.rotary.cos_sin(query.size(0), offset, query.device, query.dtype)
+            query = apply_rotary_pos_emb(query, cos, sin)
+            key = apply_rotary_pos_emb(key, cos, sin)
 
         if inference_params is not None and self.attention_type == AttnType.self_attn:
             key, value, s0, s1 = self._update_kv_cache(key, value, inference_params)

@@ -9,6 +9,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.enums import AttnMaskType
 from megatron.model.language_model import TransformerLanguageModel, parallel_lm_logits
+from megatron.model.layer_specs import gpt_layer_spec
 from megatron.model.module import MegatronModule
 from megatron.model.utils import group_size
 
@@ -116,6 +117,7 @@ class GPTModel(MegatronModule):
             add_pooler=False,
             pre_process=pre_process,
             post_process=post_process,
+            encoder_layer_spec=gpt_layer_spec(config),
         )
         if self.share_embeddings_and_output_weights:
             self.initialize_word_embeddings(tp_group, pp_state)

@@ -4,8 +4,9 @@
 Pipe layers (their index is the ``layer_XX`` of DeepSpeed's checkpoint files)::
 
     0          TiedLayerSpec("embed", EmbeddingPipe)      word (vocab-parallel) + position embeddings, dropout
-    1 .. L     LayerSpec(ParallelTransformerLayerPipe)    transformer layer i-1 (global layer number i)
-    L + 1      LayerSpec(FinalLayerNormPipe)              the final LayerNorm
+    1 .. L     LayerSpec(ParallelTransformerLayerPipe)    transformer layer i-1 (global layer number i), built
+                                                          from the same `gpt_layer_spec` as GPTModel's layers
+    L + 1      LayerSpec(FinalLayerNormPipe)              the final norm (LayerNorm or RMSNorm, from the config)
     L + 2      TiedLayerSpec("embed", forward_fn=logits)  vocab-parallel logits through the tied word embedding
                (LayerSpec(OutputLayerPipe) with --untie-embeddings-and-output-weights)
 
@@ -37,9 +38,10 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
 from megatron.errors import MegatronUserError
 from megatron.model.enums import AttnMaskType
-from megatron.model.fused_layer_norm import MixedFusedLayerNorm
 from megatron.model.gpt_model import flatten_checkpoint_state_dict
 from megatron.model.language_model import Embedding, parallel_lm_logits
+from megatron.model.layer_specs import gpt_layer_spec
+from megatron.model.norms import build_norm
 from megatron.model.transformer import ParallelTransformerLayer
 
 EMBEDDING_PREFIX = "language_model.embedding."
@@ -90,12 +92,22 @@ class ParallelTransformerLayerPipe(ParallelTransformerLayer):
         return _join(super().forward(hidden, mask), mask)
 
 
-class FinalLayerNormPipe(MixedFusedLayerNorm):
-    """The final LayerNorm; drops the attention mask (the head does not need it)."""
+class FinalLayerNormPipe(torch.nn.Module):
+    """The final norm (the config's LayerNorm | RMSNorm); drops the attention mask (the head does not need it).
 
-    def forward(self, inputs: Hidden) -> torch.Tensor:  # type: ignore[override]
+    It owns the norm's parameters under the norm's own names (``weight`` [, ``bias``]), so the layer file holds
+    what ``language_model.encoder.final_layernorm.*`` holds in a Megatron checkpoint.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        norm = build_norm(config)
+        object.__setattr__(self, "_norm", norm)  # not a submodule: its parameters are registered on self
+        self._parameters = norm._parameters  # one dict: dtype/device moves of self are seen by the norm
+
+    def forward(self, inputs: Hidden) -> torch.Tensor:
         hidden, _ = _split(inputs)
-        return super().forward(hidden)
+        return self._norm(hidden)
 
 
 class OutputLayerPipe(torch.nn.Module):
@@ -194,6 +206,7 @@ def _layer_specs(config: TransformerConfig, tp_group: Optional[Any]) -> list:
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     tied = config.share_embeddings_and_output_weights
+    layer_spec = gpt_layer_spec(config)
     embed_args = (config.hidden_size, config.padded_vocab_size, config.max_position_embeddings,
                   config.hidden_dropout, config)
     specs: list = []
@@ -204,9 +217,8 @@ def _layer_specs(config: TransformerConfig, tp_group: Optional[Any]) -> list:
         specs.append(LayerSpec(EmbeddingPipe, *embed_args, tp_group=tp_group))
     for i in range(config.num_layers):
         specs.append(LayerSpec(ParallelTransformerLayerPipe, config, i + 1, tp_group,
-                               self_attn_mask_type=AttnMaskType.causal))
-    specs.append(LayerSpec(FinalLayerNormPipe, config.hidden_size, eps=config.layernorm_epsilon,
-                           sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype))
+                               self_attn_mask_type=AttnMaskType.causal, spec=layer_spec))
+    specs.append(LayerSpec(FinalLayerNormPipe, config))
     if tied:
         specs.append(TiedLayerSpec(TIED_KEY, EmbeddingPipe, *embed_args, tp_group=tp_group,
                                    forward_fn=_tied_logits(tp_group, config.sequence_parallel),

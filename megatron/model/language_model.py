@@ -53,7 +53,10 @@ class Pooler(MegatronModule):
 
 
 class Embedding(MegatronModule):
-    """word (vocab-parallel) + position (+ tokentype) embeddings, transposed to [s, b, h], then dropout."""
+    """word (vocab-parallel) [+ learned position] (+ tokentype) embeddings, transposed to [s, b, h], then dropout.
+
+    The position table exists only for position_embedding_type "learned_absolute" (RoPE lives in attention).
+    """
 
     def __init__(
         self,
@@ -72,8 +75,12 @@ class Embedding(MegatronModule):
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
             vocab_size, hidden_size, init_method=config.init_method, config=config, tp_group=tp_group
         )
-        self.position_embeddings = torch.nn.Embedding(max_sequence_length, hidden_size, dtype=config.params_dtype)
-        config.init_method(self.position_embeddings.weight)
+        self.add_position_embedding = config.position_embedding_type == "learned_absolute"
+        if self.add_position_embedding:
+            self.position_embeddings = torch.nn.Embedding(max_sequence_length, hidden_size, dtype=config.params_dtype)
+            config.init_method(self.position_embeddings.weight)
+        else:
+            self.position_embeddings = None
         if num_tokentypes > 0:
             self.tokentype_embeddings = torch.nn.Embedding(num_tokentypes, hidden_size, dtype=config.params_dtype)
             config.init_method(self.tokentype_embeddings.weight)
@@ -92,7 +99,8 @@ class Embedding(MegatronModule):
             words = words[0]
         # Range check on CPU only (on GPU it would force a device sync every step).
         if (
-            position_ids is not None
+            self.position_embeddings is not None
+            and position_ids is not None
             and position_ids.device.type == "cpu"
             and position_ids.numel()
             and int(position_ids.max()) >= self.position_embeddings.num_embeddings
@@ -101,7 +109,7 @@ class Embedding(MegatronModule):
                 f"position id {int(position_ids.max())} >= --max-position-embeddings "
                 f"({self.position_embeddings.num_embeddings}); raise it or shorten --seq-length"
             )
-        embeddings = words + self.position_embeddings(position_ids)
+        embeddings = words if self.position_embeddings is None else words + self.position_embeddings(position_ids)
         if tokentype_ids is not None:
             if self.tokentype_embeddings is None:
                 raise ValueError("tokentype_ids given but the model was built with num_tokentypes=0")
@@ -119,10 +127,9 @@ class Embedding(MegatronModule):
         return embeddings
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
-        out = {
-            "word_embeddings": self.word_embeddings.state_dict(prefix=prefix, keep_vars=keep_vars),
-            "position_embeddings": self.position_embeddings.state_dict(prefix=prefix, keep_vars=keep_vars),
-        }
+        out = {"word_embeddings": self.word_embeddings.state_dict(prefix=prefix, keep_vars=keep_vars)}
+        if self.position_embeddings is not None:
+            out["position_embeddings"] = self.position_embeddings.state_dict(prefix=prefix, keep_vars=keep_vars)
         if self.tokentype_embeddings is not None:
             out["tokentype_embeddings"] = self.tokentype_embeddings.state_dict(prefix=prefix, keep_vars=keep_vars)
         return out
@@ -144,6 +151,8 @@ class TransformerLanguageModel(MegatronModule):
         add_pooler: bool = False,
         pre_process: bool = True,
         post_process: bool = True,
+        encoder_layer_spec: Optional[Any] = None,
+        decoder_layer_spec: Optional[Any] = None,
     ) -> None:
         super().__init__(config=config, share_embeddings_and_output_weights=config.share_embeddings_and_output_weights)
         self.pre_process = pre_process
@@ -166,7 +175,7 @@ class TransformerLanguageModel(MegatronModule):
         self.encoder = (
             ParallelTransformer(
                 config, tp_group, pp_state, self_attn_mask_type=encoder_attn_mask_type,
-                pre_process=pre_process, post_process=post_process,
+                pre_process=pre_process, post_process=post_process, spec=encoder_layer_spec,
             )
             if add_encoder
             else None
@@ -174,7 +183,7 @@ class TransformerLanguageModel(MegatronModule):
         self.decoder = (
             ParallelTransformer(
                 config, tp_group, pp_state, layer_type=LayerType.decoder, self_attn_mask_type=decoder_attn_mask_type,
-                pre_process=pre_process, post_process=post_process,
+                pre_process=pre_process, post_process=post_process, spec=decoder_layer_spec,
             )
             if add_decoder
             else None

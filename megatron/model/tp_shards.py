@@ -1,16 +1,26 @@
 """Split a full (TP=1) Megatron GPT state dict into tensor-parallel shards and merge shards back.
 
-Partition rules follow Megatron's layers: column-parallel weights/biases (query_key_value, dense_h_to_4h,
-word embeddings, untied output layer) split along dim 0, row-parallel weights (attention dense, dense_4h_to_h)
-along dim 1; everything else (LayerNorms, row-parallel biases, position embeddings) is replicated. The fused
-query_key_value rows are head-major ([heads, (q, k, v), head_dim]), so a plain split keeps whole heads per rank.
+How each parameter splits is owned by the parameter (`param.tp_layout`, megatron.core.tensor_parallel.layout):
+column-parallel weights/biases along dim 0 (SwiGLU's dense_h_to_4h as [gate; up] per rank, GQA's query_key_value
+in whole KV groups), row-parallel weights along dim 1, everything else replicated. `tensor_parallel_layouts` reads
+them from a built model or from a `TransformerConfig` (a weightless model on the meta device); pass the result
+(or `config=`) to the functions below. Without either, the layouts are those of Megatron's GPT layers recognised
+from the parameter names, with SwiGLU told apart from a plain MLP by the shapes (dense_h_to_4h has twice the rows
+of dense_4h_to_h's columns).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayout, get_tp_layout
+from megatron.core.transformer_config import TransformerConfig
+
+Layouts = Mapping[str, TensorParallelLayout]
+
+# Fallback only (state dicts that come with neither a model nor a config): the layouts the GPT layers declare.
 _DIM0_SUFFIXES = (
     "word_embeddings.weight",
     "self_attention.query_key_value.weight",
@@ -30,8 +40,32 @@ _DIM1_SUFFIXES = (
 )
 
 
+def tensor_parallel_layouts(source: Union[torch.nn.Module, TransformerConfig]) -> dict[str, TensorParallelLayout]:
+    """{flat parameter name: layout} of a model, or of the TP=1 GPT model a config describes (built on meta)."""
+    if isinstance(source, TransformerConfig):
+        from megatron.model.gpt_model import GPTModel
+
+        cfg = dataclasses.replace(source, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                  virtual_pipeline_model_parallel_size=None, sequence_parallel=False,
+                                  use_cpu_initialization=False,
+                                  padded_vocab_size=max(source.padded_vocab_size, 1))
+        with torch.device("meta"):
+            source = GPTModel(cfg)
+    return {name: get_tp_layout(p) for name, p in source.named_parameters()}
+
+
+def _swiglu_layers(state_dict: Mapping[str, Any]) -> set:
+    out = set()
+    for name, value in state_dict.items():
+        if name.endswith("mlp.dense_h_to_4h.weight") and isinstance(value, torch.Tensor):
+            down = state_dict.get(name.replace("dense_h_to_4h", "dense_4h_to_h"))
+            if isinstance(down, torch.Tensor) and value.size(0) == 2 * down.size(1):
+                out.add(name[: -len("dense_h_to_4h.weight")])
+    return out
+
+
 def tensor_parallel_dim(name: str) -> Optional[int]:
-    """The dimension a parameter is split along under tensor parallelism, or None when replicated."""
+    """The dimension a GPT parameter is split along (by its name), or None when replicated (fallback rule)."""
     if name.endswith(_DIM0_SUFFIXES):
         return 0
     if name.endswith(_DIM1_SUFFIXES):
@@ -39,25 +73,44 @@ def tensor_parallel_dim(name: str) -> Optional[int]:
     return None
 
 
-def split_tensor_parallel_state_dict(state_dict: Mapping[str, Any], tp_size: int) -> list[dict]:
+def _fallback_layouts(state_dict: Mapping[str, Any], gated: set) -> dict[str, TensorParallelLayout]:
+    layouts = {}
+    for name in state_dict:
+        dim = tensor_parallel_dim(name)
+        blocks = 2 if dim == 0 and name.rsplit("dense_h_to_4h.", 1)[0] in gated else 1
+        layouts[name] = REPLICATED if dim is None else TensorParallelLayout(dim=dim, blocks=blocks)
+    return layouts
+
+
+def _resolve(state_dict: Mapping[str, Any], layouts: Optional[Layouts], config: Optional[TransformerConfig],
+             gated_from: Mapping[str, Any]) -> Layouts:
+    if layouts is None and config is not None:
+        layouts = tensor_parallel_layouts(config)
+    if layouts is None:
+        # a shard's dense_h_to_4h rows and dense_4h_to_h columns are both 1/tp of the full ones: same ratio test
+        return _fallback_layouts(state_dict, _swiglu_layers(gated_from))
+    return layouts
+
+
+def split_tensor_parallel_state_dict(state_dict: Mapping[str, Any], tp_size: int, *,
+                                     layouts: Optional[Layouts] = None,
+                                     config: Optional[TransformerConfig] = None) -> list[dict]:
     """Flat full state dict -> `tp_size` flat shard dicts (rank order)."""
+    layouts = _resolve(state_dict, layouts, config, state_dict)
     shards: list[dict] = [{} for _ in range(tp_size)]
     for name, value in state_dict.items():
-        dim = tensor_parallel_dim(name) if isinstance(value, torch.Tensor) else None
-        if dim is None:
+        layout = layouts.get(name, REPLICATED) if isinstance(value, torch.Tensor) else REPLICATED
+        if layout.replicated:
             for shard in shards:
                 shard[name] = value
             continue
-        if value.size(dim) % tp_size != 0:
-            raise ValueError(
-                f"{name}: size {value.size(dim)} along dim {dim} is not divisible by tensor parallel size {tp_size}"
-            )
-        for rank, part in enumerate(value.chunk(tp_size, dim=dim)):
-            shards[rank][name] = part.clone()
+        for rank, part in enumerate(layout.split(value, tp_size, name)):
+            shards[rank][name] = part
     return shards
 
 
-def merge_tensor_parallel_state_dicts(shards: Sequence[Mapping[str, Any]]) -> dict:
+def merge_tensor_parallel_state_dicts(shards: Sequence[Mapping[str, Any]], *, layouts: Optional[Layouts] = None,
+                                      config: Optional[TransformerConfig] = None) -> dict:
     """Flat shard dicts (rank order) -> one full flat state dict."""
     if not shards:
         raise ValueError("merge_tensor_parallel_state_dicts: no shards given")
@@ -65,8 +118,9 @@ def merge_tensor_parallel_state_dicts(shards: Sequence[Mapping[str, Any]]) -> di
     for rank, shard in enumerate(shards[1:], start=1):
         if list(shard.keys()) != keys:
             raise ValueError(f"tensor parallel shard {rank} has different parameter names than shard 0")
+    layouts = _resolve(shards[0], layouts, config, shards[0])
     merged: dict = {}
     for name in keys:
-        dim = tensor_parallel_dim(name) if isinstance(shards[0][name], torch.Tensor) else None
-        merged[name] = shards[0][name] if dim is None else torch.cat([s[name] for s in shards], dim=dim)
+        layout = layouts.get(name, REPLICATED) if isinstance(shards[0][name], torch.Tensor) else REPLICATED
+        merged[name] = layout.merge([s[name] for s in shards], name)
     return merged

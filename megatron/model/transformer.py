@@ -1,4 +1,5 @@
-"""Megatron's transformer: ParallelMLP, ParallelTransformerLayer and the layer stack (attention is in attention.py).
+"""Megatron's transformer: ParallelTransformerLayer (built from a layer spec, megatron/model/layer_specs.py) and
+the layer stack. Attention is in attention.py, the MLP in mlp.py, norms in norms.py.
 
 Activations use Megatron's [sequence, batch, hidden] layout. Tensor parallelism comes from
 megatron.core.tensor_parallel layers (heads and the MLP inner dimension are split across `tp_group`);
@@ -6,7 +7,7 @@ with `config.sequence_parallel` the residual stream is split along the sequence 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,11 +20,12 @@ from megatron.model.attention import (  # noqa: F401  (re-exported: Megatron's n
     ParallelAttention,
     _model_parallel_rng_fork,
 )
-from megatron.model.enums import AttnMaskType, AttnType, LayerType
-from megatron.model.fused_layer_norm import MixedFusedLayerNorm
+from megatron.model.enums import AttnMaskType, LayerType
 from megatron.model.inference_params import InferenceParams
+from megatron.model.layer_specs import TransformerLayerSpec, transformer_layer_spec
+from megatron.model.mlp import ParallelMLP  # noqa: F401  (re-exported: Megatron's name lives in transformer.py)
 from megatron.model.module import MegatronModule
-from megatron.model.utils import gelu, openai_gelu
+from megatron.model.norms import build_norm
 
 
 def bias_dropout_add(
@@ -35,44 +37,11 @@ def bias_dropout_add(
     return residual + F.dropout(x, p=prob, training=training)
 
 
-class ParallelMLP(MegatronModule):
-    """h -> ffn (column parallel) -> gelu -> h (row parallel); returns (output, output_bias)."""
-
-    def __init__(self, config: TransformerConfig, tp_group: Optional[Any] = None) -> None:
-        super().__init__(config=config)
-        self.dense_h_to_4h = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size,
-            config.ffn_hidden_size,
-            config=config,
-            init_method=config.init_method,
-            tp_group=tp_group,
-            bias=True,
-            gather_output=False,
-            skip_bias_add=True,
-            sequence_parallel=config.sequence_parallel,
-        )
-        self.activation_func: Callable[[torch.Tensor], torch.Tensor] = openai_gelu if config.openai_gelu else gelu
-        self.dense_4h_to_h = tensor_parallel.RowParallelLinear(
-            config.ffn_hidden_size,
-            config.hidden_size,
-            config=config,
-            init_method=config.output_layer_init_method,
-            tp_group=tp_group,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=True,
-            sequence_parallel=config.sequence_parallel,
-        )
-
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        intermediate, bias = self.dense_h_to_4h(hidden_states)
-        if bias is not None:
-            intermediate = intermediate + bias
-        intermediate = self.activation_func(intermediate)
-        return self.dense_4h_to_h(intermediate)
-
 class ParallelTransformerLayer(MegatronModule):
-    """Pre-LN transformer layer: x + Attn(LN(x)), then + MLP(LN(.)); decoder layers add cross-attention."""
+    """Pre-LN transformer layer: x + Attn(LN(x)), then + MLP(LN(.)); decoder layers add cross-attention.
+
+    The parts come from `spec` (default: Megatron's layer for `layer_type` / `self_attn_mask_type`).
+    """
 
     def __init__(
         self,
@@ -81,26 +50,24 @@ class ParallelTransformerLayer(MegatronModule):
         tp_group: Optional[Any] = None,
         layer_type: LayerType = LayerType.encoder,
         self_attn_mask_type: AttnMaskType = AttnMaskType.padding,
+        spec: Optional[TransformerLayerSpec] = None,
     ) -> None:
         super().__init__(config=config)
+        if spec is None:
+            spec = transformer_layer_spec(self_attn_mask_type, cross_attention=layer_type == LayerType.decoder)
         self.layer_number = layer_number
-        self.layer_type = layer_type
+        self.layer_type = LayerType.decoder if spec.cross_attention is not None else layer_type
         self.apply_residual_connection_post_layernorm = config.apply_residual_connection_post_layernorm
         self.hidden_dropout = config.hidden_dropout
-        ln = dict(eps=config.layernorm_epsilon, sequence_parallel=config.sequence_parallel,
-                  params_dtype=config.params_dtype)
-        self.input_layernorm = MixedFusedLayerNorm(config.hidden_size, **ln)
-        self.self_attention = ParallelAttention(
-            config, layer_number, tp_group, attention_type=AttnType.self_attn, attn_mask_type=self_attn_mask_type
-        )
-        self.post_attention_layernorm = MixedFusedLayerNorm(config.hidden_size, **ln)
-        if layer_type == LayerType.decoder:
-            self.inter_attention = ParallelAttention(
-                config, layer_number, tp_group, attention_type=AttnType.cross_attn,
-                attn_mask_type=AttnMaskType.padding,
-            )
-            self.post_inter_attention_layernorm = MixedFusedLayerNorm(config.hidden_size, **ln)
-        self.mlp = ParallelMLP(config, tp_group)
+        self.input_layernorm = spec.input_norm(config, layer_number, tp_group)
+        self.self_attention = spec.self_attention(config, layer_number, tp_group)
+        if spec.cross_attention is not None:
+            self.post_attention_layernorm = spec.pre_cross_attention_norm(config, layer_number, tp_group)
+            self.inter_attention = spec.cross_attention(config, layer_number, tp_group)
+            self.post_inter_attention_layernorm = spec.pre_mlp_norm(config, layer_number, tp_group)
+        else:
+            self.post_attention_layernorm = spec.pre_mlp_norm(config, layer_number, tp_group)
+        self.mlp = spec.mlp(config, layer_number, tp_group)
 
     def forward(
         self,
@@ -163,6 +130,7 @@ class ParallelTransformer(MegatronModule):
         post_layer_norm: bool = True,
         pre_process: bool = True,
         post_process: bool = True,
+        spec: Optional[TransformerLayerSpec] = None,
     ) -> None:
         super().__init__(config=config)
         self.layer_type = layer_type
@@ -189,17 +157,12 @@ class ParallelTransformer(MegatronModule):
         self.num_layers, offset = layers_on_this_stage(config, pp_state)
         self.layers = torch.nn.ModuleList(
             [
-                ParallelTransformerLayer(config, i + 1 + offset, tp_group, layer_type, self_attn_mask_type)
+                ParallelTransformerLayer(config, i + 1 + offset, tp_group, layer_type, self_attn_mask_type, spec=spec)
                 for i in range(self.num_layers)
             ]
         )
         if self.post_process and self.post_layer_norm:
-            self.final_layernorm = MixedFusedLayerNorm(
-                config.hidden_size,
-                eps=config.layernorm_epsilon,
-                sequence_parallel=config.sequence_parallel,
-                params_dtype=config.params_dtype,
-            )
+            self.final_layernorm = build_norm(config)
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """Activation received from the previous pipeline stage (used instead of the forward's hidden_states)."""

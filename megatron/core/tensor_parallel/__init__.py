@@ -14,6 +14,7 @@ from megatron.core.tensor_parallel.layers import (
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
+from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayout, get_tp_layout, set_tp_layout
 from megatron.core.tensor_parallel.lm_head import lm_logits_linear
 from megatron.core.tensor_parallel.mappings import (
     all_gather_along_dim,
@@ -51,6 +52,8 @@ from megatron.core.tensor_parallel.utils import (
 
 __all__ = [
     "CheckpointFunction",
+    "REPLICATED",
+    "TensorParallelLayout",
     "ColumnParallelLinear",
     "LinearWithGradAccumulationAndAsyncCommunication",
     "RNGStatesTracker",
@@ -70,6 +73,7 @@ __all__ = [
     "get_cuda_rng_tracker",
     "get_device_rng_state",
     "get_rng_tracker",
+    "get_tp_layout",
     "group_rank",
     "group_size",
     "linear_with_grad_accumulation_and_async_allreduce",
@@ -85,6 +89,7 @@ __all__ = [
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_device_rng_state",
     "set_tensor_model_parallel_attributes",
+    "set_tp_layout",
     "split_along_dim",
     "split_tensor_along_last_dim",
     "split_tensor_into_1d_equal_chunks",

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
+from megatron.core.tensor_parallel.layout import TensorParallelLayout, set_tp_layout
 from megatron.core.tensor_parallel.mappings import (
     all_gather_along_dim,
     copy_to_tensor_model_parallel_region,
@@ -75,10 +76,12 @@ def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, sour
 
 
 # ---- initialisation ---------------------------------------------------------------------------------------------
-def _param_device(config: Any) -> torch.device:
-    if not getattr(config, "use_cpu_initialization", True) and torch.cuda.is_available():
+def _param_device(config: Any) -> Optional[torch.device]:
+    if getattr(config, "use_cpu_initialization", True):
+        return torch.device("cpu")
+    if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return None  # torch's default device (a `with torch.device("meta")` block builds a weightless model)
 
 
 def _initialize_affine_weight_cpu(
@@ -144,6 +147,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         )
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         self.weight = _make_weight(self.num_embeddings_per_partition, embedding_dim, config)
+        set_tp_layout(self.weight, TensorParallelLayout(dim=0, structure="vocabulary range"))
         if getattr(config, "use_cpu_initialization", True):
             _initialize_affine_weight_cpu(
                 self.weight, num_embeddings, embedding_dim, self.num_embeddings_per_partition, 0, init_method,
@@ -295,9 +299,11 @@ class ColumnParallelLinear(torch.nn.Module):
                 )
             else:
                 _initialize_affine_weight_device(self.weight, init_method, partition_dim=0, stride=stride)
+            set_tp_layout(self.weight, TensorParallelLayout(dim=0, blocks=stride))
         if bias:
             self.bias = _zero_bias(self.output_size_per_partition, config)
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+            set_tp_layout(self.bias, TensorParallelLayout(dim=0, blocks=stride))
         else:
             self.register_parameter("bias", None)
 
@@ -364,6 +370,7 @@ class RowParallelLinear(torch.nn.Module):
             )
         else:
             _initialize_affine_weight_device(self.weight, init_method, partition_dim=1, stride=stride)
+        set_tp_layout(self.weight, TensorParallelLayout(dim=1, blocks=stride))
         if bias:
             self.bias = _zero_bias(output_size, config)
             self.bias.sequence_parallel = self.sequence_parallel

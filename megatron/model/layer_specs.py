@@ -1,0 +1,75 @@
+"""Spec-lite: which modules make up a transformer layer, filled by one plain function per model family.
+
+A `TransformerLayerSpec` names a builder for each part of a layer (input norm, self-attention, optional
+cross-attention with its norm, pre-MLP norm, MLP); every builder is called as ``builder(config, layer_number,
+tp_group)``. `ParallelTransformerLayer` builds itself from a spec (keeping Megatron's attribute and checkpoint names:
+``input_layernorm``, ``self_attention``, ``post_attention_layernorm``, ``inter_attention``,
+``post_inter_attention_layernorm``, ``mlp``); GPTModel and DeepSpeed's GPTModelPipe use `gpt_layer_spec`.
+BERT and T5 add their own functions here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron.core.transformer_config import TransformerConfig
+from megatron.model.attention import ParallelAttention
+from megatron.model.enums import AttnMaskType, AttnType
+from megatron.model.mlp import ParallelMLP
+from megatron.model.norms import build_norm
+
+Builder = Callable[[TransformerConfig, int, Optional[Any]], torch.nn.Module]
+
+
+@dataclass(frozen=True)
+class TransformerLayerSpec:
+    """The parts of one transformer layer (builders called with (config, layer_number, tp_group))."""
+
+    input_norm: Builder
+    self_attention: Builder
+    pre_mlp_norm: Builder
+    mlp: Builder
+    cross_attention: Optional[Builder] = None
+    pre_cross_attention_norm: Optional[Builder] = None
+
+
+def norm_builder(config: TransformerConfig, layer_number: int, tp_group: Optional[Any]) -> torch.nn.Module:
+    """The config's norm (LayerNorm | RMSNorm) over the hidden size."""
+    return build_norm(config)
+
+
+def mlp_builder(config: TransformerConfig, layer_number: int, tp_group: Optional[Any]) -> torch.nn.Module:
+    return ParallelMLP(config, tp_group)
+
+
+@dataclass(frozen=True)
+class AttentionBuilder:
+    """Builds a ParallelAttention of a given kind and mask type (a picklable builder)."""
+
+    attention_type: AttnType = AttnType.self_attn
+    attn_mask_type: AttnMaskType = AttnMaskType.causal
+
+    def __call__(self, config: TransformerConfig, layer_number: int, tp_group: Optional[Any]) -> torch.nn.Module:
+        return ParallelAttention(config, layer_number, tp_group, attention_type=self.attention_type,
+                                 attn_mask_type=self.attn_mask_type)
+
+
+def transformer_layer_spec(self_attn_mask_type: AttnMaskType = AttnMaskType.padding,
+                           cross_attention: bool = False) -> TransformerLayerSpec:
+    """Megatron's layer: norm -> self-attention [-> norm -> cross-attention] -> norm -> MLP."""
+    return TransformerLayerSpec(
+        input_norm=norm_builder,
+        self_attention=AttentionBuilder(AttnType.self_attn, self_attn_mask_type),
+        pre_mlp_norm=norm_builder,
+        mlp=mlp_builder,
+        cross_attention=AttentionBuilder(AttnType.cross_attn, AttnMaskType.padding) if cross_attention else None,
+        pre_cross_attention_norm=norm_builder if cross_attention else None,
+    )
+
+
+def gpt_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:
+    """GPT / Llama-family decoder-only layer: causal self-attention and an MLP (norms and variants from config)."""
+    del config  # every variant (norm, activation, GQA, RoPE) is read from the config by the parts themselves
+    return transformer_layer_spec(AttnMaskType.causal, cross_attention=False)

@@ -1,0 +1,85 @@
+"""Megatron's ParallelMLP: h -> ffn (column parallel) -> activation -> h (row parallel).
+
+Activations (one of, from the config): Megatron's default GeLU, which with a bias and `bias_gelu_fusion` on is its
+fused ``bias_gelu`` = the **tanh approximation** (HF ``gelu_new``/``gelu_fast``), else erf GeLU (``F.gelu``);
+``--openai-gelu`` (tanh); ``--squared-relu``; gated ``--swiglu``: ``dense_h_to_4h`` has 2 * ffn rows and each TP
+rank holds ``[gate_r; up_r]`` (Megatron-LM's layout), computing ``silu(gate) * up``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer_config import TransformerConfig
+from megatron.model.module import MegatronModule
+from megatron.model.utils import gelu_impl, openai_gelu
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 (Megatron's --squared-relu)."""
+    return torch.pow(F.relu(x), 2)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """silu(first half) * second half of the last dim ([gate; up] of this rank)."""
+    gate, up = torch.chunk(x, 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def activation_for(config: TransformerConfig) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """(name, function) of the MLP activation `config` selects, with Megatron 23.06's bias-gelu-fusion rule."""
+    if config.swiglu:
+        return "swiglu", swiglu
+    if config.squared_relu:
+        return "squared_relu", squared_relu
+    if config.openai_gelu:
+        return "openai_gelu", openai_gelu
+    if config.bias_gelu_fusion and config.add_bias_linear:
+        return "gelu_tanh", gelu_impl  # Megatron's fused bias_gelu kernel is the tanh approximation
+    return "gelu", F.gelu
+
+
+class ParallelMLP(MegatronModule):
+    """h -> ffn (column parallel) -> activation -> h (row parallel); returns (output, output_bias)."""
+
+    def __init__(self, config: TransformerConfig, tp_group: Optional[Any] = None) -> None:
+        super().__init__(config=config)
+        gated = config.swiglu
+        self.dense_h_to_4h = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size,
+            config.ffn_hidden_size * (2 if gated else 1),
+            config=config,
+            init_method=config.init_method,
+            tp_group=tp_group,
+            bias=config.add_bias_linear,
+            gather_output=False,
+            skip_bias_add=True,
+            sequence_parallel=config.sequence_parallel,
+            stride=2 if gated else 1,  # TP=N initialises to the same full [gate; up] weight as TP=1
+        )
+        if gated:
+            for p in self.dense_h_to_4h.parameters():
+                tensor_parallel.set_tp_layout(p, tensor_parallel.TensorParallelLayout(
+                    dim=0, blocks=2, structure="[gate; up] per rank"))
+        self.activation_name, self.activation_func = activation_for(config)
+        self.dense_4h_to_h = tensor_parallel.RowParallelLinear(
+            config.ffn_hidden_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            tp_group=tp_group,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            sequence_parallel=config.sequence_parallel,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        intermediate, bias = self.dense_h_to_4h(hidden_states)
+        if bias is not None:
+            intermediate = intermediate + bias
+        intermediate = self.activation_func(intermediate)
+        return self.dense_4h_to_h(intermediate)
