@@ -46,6 +46,7 @@ from megatron.logging_utils import (
 from megatron.model.module import Float16Module
 from megatron.optimizer import get_megatron_optimizer
 from megatron.optimizer.optimizer_config import optimizer_config_from_args
+from megatron.required_flags import TRAINING_RUN
 from megatron.theoretical_memory_usage import report_theoretical_memory
 from megatron.utils import calc_params_l2_norm
 
@@ -461,6 +462,8 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         args.curr_iteration = iteration
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, args, state)
+        if getattr(args, "empty_unused_memory_level", 0) >= 1 and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # Megatron's --empty-unused-memory-level (memory only; same numbers)
         iteration += 1
         args.iteration = iteration
         new_samples = args.data_parallel_size * args.micro_batch_size * global_vars.get_num_microbatches()
@@ -524,8 +527,8 @@ def pretrain(
 ) -> Optional[dict]:
     """Megatron's ``pretrain``. Returns ``{"iteration", "val_loss", "test_loss"}`` (None where not evaluated)."""
     global _TRAIN_START_TIME
-    args = initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults or {},
-                               args=argv)
+    args = initialize_megatron(extra_args_provider=extra_args_provider,
+                               args_defaults={**(args_defaults or {}), TRAINING_RUN: True}, args=argv)
     start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(start, op=torch.distributed.ReduceOp.MIN)
