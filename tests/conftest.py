@@ -1,20 +1,33 @@
-"""Shared pytest fixtures: paths to ../shared/data and a temporary working directory."""
+"""Shared pytest fixtures: the shipped test data (tests/fixtures/), the optional full data set, the repo root."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("MEGATRON_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+from tests import fixtures as fixture_set
+
+REPO_ROOT = fixture_set.REPO_ROOT
+SHARED_DATA = fixture_set.FIXTURES  # kept for old imports: the data every test uses ships in the repository
+
+
+def pytest_report_header(config) -> str:
+    full = fixture_set.full_data()
+    wide = (f"the full data set at {full} widens a few tests" if full else
+            "no full data set (MEGATRON_SHARED_DATA or ../shared/data): widened tests run on the fixtures")
+    return f"test data: {fixture_set.FIXTURES} (shipped); {wide}"
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.fail(f"shared test data not found at {SHARED_DATA} (set MEGATRON_SHARED_DATA)")
-    return SHARED_DATA
+    """The shipped fixture set (tests/fixtures/), with the same folder and file names as ../shared/data."""
+    return fixture_set.FIXTURES
+
+
+@pytest.fixture(scope="session")
+def wide_data() -> Path:
+    """The full data set when present, else the fixtures: for tests that only get wider with more data."""
+    return fixture_set.wide_data()
 
 
 @pytest.fixture(scope="session")

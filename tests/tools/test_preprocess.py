@@ -16,6 +16,7 @@ from megatron.data import preprocessing
 from megatron.data.indexed_dataset import MMapIndexedDataset, make_dataset
 from megatron.data.sentence_splitter import SentenceSplitter
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+from tests.fixtures import FIXTURES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,19 +59,21 @@ def _head(src: Path, dst: Path, n: int) -> Path:
     return dst
 
 
-def test_openwebtext_1000_as_subprocess_without_torch(tmp_path, tiny):
-    """The reference count: 1,000 documents, 1,361,845 tokens, every document ending in eod 4999."""
+def test_openwebtext_1000_as_subprocess_without_torch(tmp_path, tiny, wide_data):
+    """The reference count: 1,000 documents, 1,361,845 tokens (the shipped 200: 302,412), each ending in eod 4999."""
     prefix = tmp_path / "owt"
+    owt = wide_data / "openwebtext-1000" / "openwebtext-1000.jsonl"
     cmd = [sys.executable, "-X", "importtime", str(REPO / "tools" / "preprocess_data.py"),
-           *_gpt2_flags(tiny, tiny["owt"], prefix, "--append-eod", "--workers", "2", "--log-interval", "500")]
+           *_gpt2_flags(tiny, owt, prefix, "--append-eod", "--workers", "2", "--log-interval", "100")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     imported = {ln.split("|")[-1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time:")}
     assert "torch" not in imported and "megatron.tokenizer" in imported
     assert re.search(r"Processed \d+ documents \([\d.]+ docs/s, [\d.]+ MB/s\)\.", proc.stderr)
     ds = MMapIndexedDataset(str(prefix) + "_text_document")
-    assert len(ds) == 1000 and int(ds.sizes.sum()) == 1_361_845
-    assert ds.dtype == np.uint16 and list(ds.doc_idx) == list(range(1001))
+    docs, tokens = (200, 302_412) if wide_data == FIXTURES else (1000, 1_361_845)
+    assert len(ds) == docs and int(ds.sizes.sum()) == tokens
+    assert ds.dtype == np.uint16 and list(ds.doc_idx) == list(range(docs + 1))
     assert all(int(ds[i][-1]) == 4999 for i in range(len(ds)))
 
 
