@@ -39,6 +39,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.errors import MegatronUserError
 from megatron.model.module import unwrap_model
+from megatron.safe_load import safe_torch_load
 
 
 class CheckpointError(MegatronUserError, RuntimeError):
@@ -62,6 +63,16 @@ _PARALLEL_ARGS = (
     ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
     ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
 )
+
+
+def reshard_hint(load_dir: str) -> str:
+    """The command that changes a checkpoint's TP/PP sizes today (weights only, through the DeepSpeed layout)."""
+    if load_dir.endswith(".pt"):  # .../iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt -> the --load directory
+        load_dir = os.path.dirname(os.path.dirname(os.path.dirname(load_dir)))
+    return (f"reshard its weights: python tools/convert_deepspeed_checkpoint.py --to-deepspeed --input-folder "
+            f"{load_dir} --output-folder TMP --target-tp N --target-pp M, then python "
+            "tools/convert_deepspeed_checkpoint.py --input-folder TMP --output-folder NEW and --load NEW "
+            "--no-load-optim --no-load-rng")
 
 
 def _print0(msg: str) -> None:
@@ -265,29 +276,10 @@ def save_checkpoint(
 
 
 # ----------------------------------------------------------------------------------------------- load
-def _safe_globals() -> list[Any]:
-    """Classes a Megatron checkpoint legitimately pickles besides tensors: args, numpy RNG state, model enums."""
-    from numpy._core.multiarray import _reconstruct  # numpy >= 2
-
-    from megatron.model.enums import AttnMaskType, AttnType, LayerType, ModelType
-
-    return [argparse.Namespace, np.ndarray, np.dtype, _reconstruct, type(np.dtype(np.uint32)),
-            type(np.dtype(np.float64)), type(np.dtype(np.int64)), ModelType, LayerType, AttnType, AttnMaskType]
-
-
-def load_state_dict_file(path: str) -> dict[str, Any]:
-    """torch.load with weights-only unpickling (plus argparse/numpy RNG types); falls back with a note."""
-    try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except ImportError:
-        pass
-    except Exception as exc:  # noqa: BLE001 - e.g. an old checkpoint that pickled other classes
-        if "Weights only load failed" not in str(exc) and "Unsupported global" not in str(exc):
-            raise
-        _print0(f"note: {path} needs full unpickling ({str(exc).splitlines()[-1][:160]}); "
-                "loading with weights_only=False — only load checkpoints you trust")
-    return torch.load(path, map_location="cpu", weights_only=False)
+def load_state_dict_file(path: str, trust: bool = False) -> dict[str, Any]:
+    """torch.load through megatron.safe_load: weights-only plus the checkpoint allow-list, unless ``trust``
+    (--trust-checkpoint / MEGATRON_TRUST_CHECKPOINT=1); anything else is a one-line UnsafeCheckpointError."""
+    return safe_torch_load(path, map_location="cpu", trust=trust)
 
 
 def _find_rank_dirs(iter_dir: str) -> list[str]:
@@ -311,7 +303,7 @@ def _check_layout(load_dir: str, iteration: int, release: bool, checkpoint_name:
     raise CheckpointError(
         f"checkpoint {iter_dir} was saved with --tensor-model-parallel-size {len(tps)} and "
         f"--pipeline-model-parallel-size {len(pps)}, but this run uses {_state().tp_size} and {_state().pp_size} "
-        f"(no {os.path.relpath(checkpoint_name, load_dir)}); use the same sizes or reshard the checkpoint"
+        f"(no {os.path.relpath(checkpoint_name, load_dir)}); use the same sizes, or {reshard_hint(load_dir)}"
     )
 
 
@@ -322,7 +314,7 @@ def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Na
         current = getattr(args, attr, None)
         if saved is None or current is None or saved == current:
             continue
-        fix = "or reshard the checkpoint" if (flag, attr) in _PARALLEL_ARGS else "(or --use-checkpoint-args)"
+        fix = f"or {reshard_hint(path)}" if (flag, attr) in _PARALLEL_ARGS else "(or --use-checkpoint-args)"
         raise CheckpointError(
             f"checkpoint {path} has {attr}={saved} but this run has {attr}={current}: "
             f"set {flag} {saved} {fix}, or start without --load"
@@ -342,7 +334,7 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
     if not os.path.isfile(name):
         name = get_checkpoint_name(load_dir, iteration, release, pipeline_parallel=True, tensor_rank=0,
                                    pipeline_rank=0)
-    ckpt_args = load_state_dict_file(name).get("args")
+    ckpt_args = load_state_dict_file(name, trust=bool(getattr(args, "trust_checkpoint", False))).get("args")
     if ckpt_args is None:
         raise CheckpointError(f"--use-checkpoint-args: {name} holds no args")
     for attr in ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
@@ -354,7 +346,7 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
     return args
 
 
-def _load_optimizer(optimizer: Any, optim_sd: dict, models: list, checkpoint_name: str) -> None:
+def _load_optimizer(optimizer: Any, optim_sd: dict, models: list, checkpoint_name: str, trust: bool = False) -> None:
     """Load the optimizer state; converts between the distributed optimizer's layout (``distrib_optim.pt``) and the
     regular one in either direction (the saved state is complete per parameter)."""
     from megatron.optimizer.distrib_optimizer import param_state_to_regular_state, regular_state_to_param_state
@@ -367,7 +359,7 @@ def _load_optimizer(optimizer: Any, optim_sd: dict, models: list, checkpoint_nam
         if not os.path.isfile(path):
             raise CheckpointError(f"checkpoint {checkpoint_name} was saved with --use-distributed-optimizer but "
                                   f"{path} is missing; restore it or pass --no-load-optim")
-        param_state = load_state_dict_file(path)
+        param_state = load_state_dict_file(path, trust)
     try:
         if is_distributed:
             optimizer.load_state_dict(optim_sd)
@@ -404,6 +396,8 @@ def load_checkpoint(
     models = _as_list(model)
     tracker = get_checkpoint_tracker_filename(load_dir)
     if not os.path.isfile(tracker):
+        if getattr(args, "exit_on_missing_checkpoint", False):
+            raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint ({tracker}) in --load {load_dir}")
         _print0(f"WARNING: could not find the metadata file {tracker}\n"
                 "    will not load any checkpoints and will start from random")
         return 0
@@ -412,7 +406,8 @@ def load_checkpoint(
     if not os.path.isfile(checkpoint_name):
         _check_layout(load_dir, iteration, release, checkpoint_name)
     _print0(f" loading checkpoint from {load_dir} at iteration {iteration}")
-    sd = load_state_dict_file(checkpoint_name)
+    trust = bool(getattr(args, "trust_checkpoint", False))
+    sd = load_state_dict_file(checkpoint_name, trust)
     finetune = bool(getattr(args, "finetune", False))
 
     ckpt_args = sd.get("args")
@@ -450,7 +445,7 @@ def load_checkpoint(
         if optimizer is not None:
             if "optimizer" not in sd:
                 raise CheckpointError(f"checkpoint {checkpoint_name} has no optimizer state; pass --no-load-optim")
-            _load_optimizer(optimizer, sd["optimizer"], models, checkpoint_name)
+            _load_optimizer(optimizer, sd["optimizer"], models, checkpoint_name, trust)
             loaded_optim = True
         if opt_param_scheduler is not None:
             sched = sd.get("opt_param_scheduler", sd.get("lr_scheduler"))

@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.atomic_io import atomic_torch_save as _save  # noqa: E402
 from megatron.atomic_io import atomic_write_text as _write_text  # noqa: E402
 from megatron.errors import MegatronUserError, exit_on_user_error  # noqa: E402
+from megatron.safe_load import guarded_torch_load, safe_torch_load  # noqa: E402
 
 CHECKPOINT_VERSION = 3.0
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -65,8 +66,8 @@ class ConvertCheckpointError(MegatronUserError, ValueError):
 
 # ----------------------------------------------------------------------------------------------- small helpers
 def _load(path: str) -> dict:
-    # DeepSpeed checkpoints pickle argparse namespaces and DeepSpeed objects: full unpickling (trusted files only).
-    return torch.load(path, map_location="cpu", weights_only=False)
+    # megatron.safe_load: weights-only with the allow-list of DeepSpeed's/Megatron's types; main() decides the trust.
+    return safe_torch_load(path, map_location="cpu")
 
 
 def nest_megatron_state_dict(flat: dict[str, Any]) -> dict[str, Any]:
@@ -509,6 +510,9 @@ def get_parser() -> argparse.ArgumentParser:
                         help="Tokenizer vocabulary size, needed only when --target-tp changes the vocab padding")
     parser.add_argument("--to-deepspeed", action="store_true",
                         help="Reverse direction: Megatron checkpoint → DeepSpeed checkpoint (weights only)")
+    parser.add_argument("--trust-checkpoint", action="store_true",
+                        help="Load the input with full unpickling (can run code in it); default: weights-only with an "
+                             "allow-list (also MEGATRON_TRUST_CHECKPOINT=1)")
     return parser
 
 
@@ -521,8 +525,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if os.path.abspath(args.input_folder) == os.path.abspath(args.output_folder):
         raise ConvertCheckpointError("--output-folder must differ from --input-folder")
     convert = megatron_to_deepspeed if args.to_deepspeed else deepspeed_to_megatron
-    result = convert(args.input_folder, args.output_folder, iteration=args.iteration, target_tp=args.target_tp,
-                     target_pp=args.target_pp, true_vocab_size=args.true_vocab_size)
+    with guarded_torch_load(trust=args.trust_checkpoint):  # our _load and DeepSpeed's zero_to_fp32 alike
+        result = convert(args.input_folder, args.output_folder, iteration=args.iteration, target_tp=args.target_tp,
+                         target_pp=args.target_pp, true_vocab_size=args.true_vocab_size)
     if args.to_deepspeed:
         print(f"wrote DeepSpeed checkpoint {result['tag']} (TP={result['tp']}, PP={result['pp']}, weights only) to "
               f"{args.output_folder}; resume with --no-load-optim --no-load-rng or --finetune", flush=True)

@@ -378,8 +378,11 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
         return 0
     finetune = bool(getattr(args, "finetune", False))
     load_optim = not finetune and not getattr(args, "no_load_optim", False)
-    path, client_state = engine.load_checkpoint(
-        load_dir, load_optimizer_states=load_optim, load_lr_scheduler_states=False, load_module_only=finetune)
+    from megatron.safe_load import guarded_torch_load
+
+    with guarded_torch_load(trust=bool(getattr(args, "trust_checkpoint", False))):  # DeepSpeed's torch.load calls
+        path, client_state = engine.load_checkpoint(
+            load_dir, load_optimizer_states=load_optim, load_lr_scheduler_states=False, load_module_only=finetune)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load the checkpoint named by {latest}; check that the "
                               "global_step folder exists and matches this run's parallel layout")

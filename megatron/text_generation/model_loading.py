@@ -23,6 +23,25 @@ def _state(state: Optional[ps.ParallelState]) -> ps.ParallelState:
     return ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
 
 
+def require_checkpoint(load_dir: str) -> None:
+    """One-line InferenceLoadError when --load holds no Megatron checkpoint (inference never runs on random weights).
+    """
+    import os
+
+    from megatron.checkpointing import TRACKER_FILENAME
+
+    if not os.path.isdir(load_dir):
+        raise InferenceLoadError(f"--load {load_dir}: no such directory; point --load at a folder written by --save "
+                                 "(inference will not run with random weights)")
+    if os.path.isfile(os.path.join(load_dir, TRACKER_FILENAME)):
+        return
+    if os.path.isfile(os.path.join(load_dir, "latest")):
+        raise InferenceLoadError(f"--load {load_dir} holds a DeepSpeed checkpoint; convert it with "
+                                 "tools/convert_deepspeed_checkpoint.py first")
+    raise InferenceLoadError(f"--load {load_dir} holds no checkpoint (no {TRACKER_FILENAME}); point --load at a "
+                             "folder written by --save (inference will not run with random weights)")
+
+
 def load_model_for_inference(args: argparse.Namespace, state: Optional[ps.ParallelState] = None,
                              parallel_output: bool = False) -> torch.nn.Module:
     """GPTModel for this rank (eval mode), weights from `args.load` when set; returns the (Float16-wrapped) module.
@@ -43,6 +62,8 @@ def load_model_for_inference(args: argparse.Namespace, state: Optional[ps.Parall
         return GPTModel(config, tp_group=state.tp_group, pp_state=state, parallel_output=parallel_output,
                         pre_process=pre_process, post_process=post_process)
 
+    if getattr(args, "load", None):
+        require_checkpoint(args.load)  # before building the model: a wrong --load must not serve random weights
     model = get_model(provider, ModelType.encoder_or_decoder, args, state, wrap_with_ddp=False)[0]
     if getattr(args, "load", None):
         saved = (getattr(args, "no_load_optim", False), getattr(args, "no_load_rng", False))

@@ -130,14 +130,15 @@ def test_shape_mismatch_in_weights_is_one_line(tmp_path: Path) -> None:
     assert "\n" not in str(info.value) and "does not match the model" in str(info.value)
 
 
-def test_weights_only_loading_and_fallback(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_weights_only_loading_refuses_other_classes(tmp_path: Path) -> None:
     _save(tmp_path)
     sd = ck.load_state_dict_file(str(tmp_path / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"))
     assert sd["iteration"] == 5 and isinstance(sd["args"], argparse.Namespace)
     odd = tmp_path / "odd.pt"
     torch.save({"args": argparse.Namespace(p=Path("/x"))}, odd)  # a class outside the allow-list
-    assert ck.load_state_dict_file(str(odd))["args"].p == Path("/x")
-    assert "weights_only=False" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="odd.pt: it needs 'pathlib.PosixPath'.*--trust-checkpoint"):
+        ck.load_state_dict_file(str(odd))
+    assert ck.load_state_dict_file(str(odd), trust=True)["args"].p == Path("/x")  # the explicit opt-in
 
 
 def test_no_temp_files_left(tmp_path: Path) -> None:
