@@ -59,8 +59,7 @@ CONFIG_FIELDS: Dict[str, Tuple[Tuple[str, ...], Getter]] = {
     "ffn_hidden_size": _copy("ffn_hidden_size"),
     "kv_channels": _copy("kv_channels"),
     "max_position_embeddings": _copy("max_position_embeddings"),
-    "padded_vocab_size": (("vocab_size", "make_vocab_size_divisible_by", "vocab_file", "tokenizer_type"),
-                          lambda a: getattr(a, "padded_vocab_size", None) or 0),
+    "padded_vocab_size": (("make_vocab_size_divisible_by",), lambda a: getattr(a, "padded_vocab_size", None) or 0),
     # attention
     "group_query_attention": _copy("group_query_attention"),
     "num_query_groups": (("num_query_groups", "group_query_attention"), _num_query_groups),
@@ -86,7 +85,8 @@ CONFIG_FIELDS: Dict[str, Tuple[Tuple[str, ...], Getter]] = {
     "openai_gelu": _copy("openai_gelu"),
     "squared_relu": _copy("squared_relu"),
     "swiglu": _copy("swiglu"),
-    "bias_gelu_fusion": _copy("bias_gelu_fusion"),
+    # Megatron's MLP with --onnx-safe uses erf GeLU without the (tanh) fused bias-GeLU.
+    "bias_gelu_fusion": (("bias_gelu_fusion", "onnx_safe"), lambda a: a.bias_gelu_fusion and not a.onnx_safe),
     "bias_dropout_fusion": _copy("bias_dropout_fusion"),
     "hidden_dropout": _copy("hidden_dropout"),
     # embeddings / output layer
@@ -112,6 +112,16 @@ def config_mapped_dests() -> Dict[str, str]:
         for dest in dests:
             out[dest] = f"{out[dest]}, {name}" if dest in out else name
     return out
+
+
+def dests_without_config_field(config_cls: type) -> Tuple[str, ...]:
+    """Destinations that feed only fields `config_cls` does not declare (set to a non-default value: refused)."""
+    declared = {f.name for f in dataclasses.fields(config_cls)}
+    feeding: Dict[str, bool] = {}
+    for name, (dests, _) in CONFIG_FIELDS.items():
+        for dest in dests:
+            feeding[dest] = feeding.get(dest, False) or name in declared
+    return tuple(dest for dest, used in feeding.items() if not used)
 
 
 def config_kwargs_from_args(config_cls: type, args: argparse.Namespace) -> Dict[str, Any]:

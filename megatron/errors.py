@@ -16,6 +16,14 @@ class MegatronUserError(Exception):
     """Bad input from the user (flags, data files, checkpoints); the message says what to change."""
 
 
+class ArgumentError(MegatronUserError, ValueError):
+    """A bad combination of command-line flags (one line, names the flags and the fix).
+
+    Re-exported by megatron.arguments (its historical home); defined here so that modules below `arguments` (the
+    DeepSpeed config reconciler, the flag registry, initialize) raise it without importing `arguments`.
+    """
+
+
 def exit_on_user_error(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run `fn`; a MegatronUserError becomes one line on stderr and exit code 1 (process group torn down)."""
     try:
