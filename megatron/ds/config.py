@@ -28,7 +28,7 @@ import math
 import os
 from typing import Any, Optional
 
-from megatron.errors import MegatronUserError
+from megatron.errors import ArgumentError, MegatronUserError
 
 _CLIP_GRAD_DEFAULT = 1.0  # --clip-grad's parser default
 
@@ -38,12 +38,7 @@ class DeepSpeedConfigError(MegatronUserError, ValueError):
 
 
 def _error(message: str) -> Exception:
-    try:  # ArgumentError lives in megatron.arguments (imports torch); fall back to our own class without it
-        from megatron.arguments import ArgumentError
-
-        return ArgumentError(message)
-    except ImportError:  # pragma: no cover - megatron.arguments always importable in practice
-        return DeepSpeedConfigError(message)
+    return ArgumentError(message)
 
 
 def _print0(args: argparse.Namespace, message: str) -> None:
