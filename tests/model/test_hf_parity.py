@@ -16,31 +16,47 @@ from tests.model.helpers import batch, build_gpt, tiny_config
 transformers = pytest.importorskip("transformers")
 
 
-def _hf_model(config):
-    hf_config = transformers.GPT2Config(**hf_gpt2_config_kwargs(config), bos_token_id=0, eos_token_id=0)
+def _hf_model(config, **overrides):
+    hf_config = transformers.GPT2Config(**{**hf_gpt2_config_kwargs(config), **overrides}, bos_token_id=0,
+                                        eos_token_id=0)
     return transformers.GPT2LMHeadModel(hf_config).eval()
 
 
-@pytest.mark.parametrize("openai_gelu", [False, True])
-def test_megatron_logits_equal_hf_gpt2(openai_gelu):
-    config = tiny_config(num_layers=2, openai_gelu=openai_gelu, layernorm_epsilon=1e-5)
+# Megatron's MLP activation per flag and the HF GPT-2 activation that computes it (the other one must not match).
+GELU_FLAVOURS = [
+    (dict(), "gelu_new", "gelu"),  # default --bias-gelu-fusion: Megatron's fused bias_gelu = tanh approximation
+    (dict(bias_gelu_fusion=False), "gelu", "gelu_new"),  # --no-bias-gelu-fusion: erf GeLU
+    (dict(openai_gelu=True), "gelu_new", "gelu"),  # --openai-gelu: tanh
+    (dict(openai_gelu=True, bias_gelu_fusion=False), "gelu_new", "gelu"),
+]
+
+
+@pytest.mark.parametrize("flags,hf_act,wrong_act", GELU_FLAVOURS)
+def test_megatron_logits_equal_hf_gpt2(flags, hf_act, wrong_act):
+    # init std 0.5: pre-activations large enough that tanh and erf GeLU give different logits
+    config = tiny_config(num_layers=2, layernorm_epsilon=1e-5, init_method_std=0.5, **flags)
+    assert hf_gpt2_config_kwargs(config)["activation_function"] == hf_act
     model = build_gpt(config).eval()
-    # non-trivial LayerNorm parameters so a swapped LN weight/bias would show
+    # non-trivial LayerNorm parameters and biases so a swapped LN weight/bias would show
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "layernorm" in name:
+            if "layernorm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
-    hf = _hf_model(config)
-    missing, unexpected = hf.load_state_dict(
-        megatron_gpt_to_hf_state_dict(model.state_dict_for_save_checkpoint(), config), strict=False
-    )
-    assert not unexpected
-    assert all(k.endswith(("attn.bias", "attn.masked_bias")) for k in missing), missing
     ids, pos, mask, _ = batch()
+    sd = megatron_gpt_to_hf_state_dict(model.state_dict_for_save_checkpoint(), config)
     with torch.no_grad():
         ours = model(ids, pos, mask)
-        theirs = hf(input_ids=ids).logits
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    for act, should_match in ((hf_act, True), (wrong_act, False)):
+        hf = _hf_model(config, activation_function=act)
+        missing, unexpected = hf.load_state_dict(sd, strict=False)
+        assert not unexpected
+        assert all(k.endswith(("attn.bias", "attn.masked_bias")) for k in missing), missing
+        with torch.no_grad():
+            theirs = hf(input_ids=ids).logits
+        if should_match:
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        else:
+            assert (ours - theirs).abs().max() > 1e-3, f"{act} should differ from Megatron's {flags} MLP"
 
 
 def test_hf_to_megatron_round_trip():
