@@ -6,6 +6,7 @@ than its share so that the blend never runs short.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fcntl
 import hashlib
@@ -264,7 +265,11 @@ def get_samples_mapping(indexed_dataset: Any, data_prefix: str, num_epochs: Opti
                         synchronize: bool = True) -> np.ndarray:
     """Load, or build on the group's first rank while the others wait, the samples mapping of the split whose
     documents `indexed_dataset.doc_idx` currently lists; returned memory-mapped. As Megatron: min_num_sent is 2 with
-    the binary head, else 1; no epoch count means "until max_num_samples" (checked once per epoch)."""
+    the binary head, else 1; no epoch count means "until max_num_samples" (checked once per epoch).
+
+    Megatron's file name leaves out the split and the binary head, so a stale file would be reused silently; here a
+    `.dsc` beside it records what it was built from and a mismatch is rebuilt (files without one, as Megatron
+    writes them, are used as they are)."""
     if not num_epochs and not max_num_samples:
         raise ValueError("get_samples_mapping: give num_epochs or max_num_samples")
     epochs = int(num_epochs or _DEFAULT_NUM_EPOCHS)
@@ -276,14 +281,15 @@ def get_samples_mapping(indexed_dataset: Any, data_prefix: str, num_epochs: Opti
     desc = _mapping_description(data_prefix, name, doc_idx, min_num_sent)
     search, write = _mapping_locations(filename, data_cache_path)
 
-    def find() -> Optional[Path]:
+    def find(report: bool = False) -> Optional[Path]:
         for path in search:
             if path.is_file():
                 dsc = _dsc_path(path)
-                if dsc.is_file() and dsc.read_text() != desc:
-                    raise DatasetError(
-                        f"{path} was built from other data, another --split or another binary-head setting "
-                        f"(see {dsc.name}); delete it and its .dsc to rebuild")
+                if dsc.is_file() and dsc.read_text() != desc:  # same name, other split or binary head: stale
+                    if report:
+                        print(f" > WARNING: {path} was built from other data, another --split or another "
+                              "binary-head setting; rebuilding it", flush=True)
+                    continue
                 return path
         return None
 
@@ -291,7 +297,7 @@ def get_samples_mapping(indexed_dataset: Any, data_prefix: str, num_epochs: Opti
         out_dir = first_writable_dir([p.parent for p in write])
         out = out_dir / Path(filename).name
         with file_lock(out_dir / f".{out.name}.lock"):
-            if find() is not None:
+            if find(report=True) is not None:
                 return
             print(f" > WARNING: could not find index map file {out}, building the indices on rank 0 ...", flush=True)
             start = time.time()
@@ -442,6 +448,11 @@ def create_masked_lm_predictions(tokens: list, vocab_id_list: Sequence[int], voc
     pvals /= pvals.sum(keepdims=True)
     if favor_longer_ngram:
         pvals = pvals[::-1]
+    # np_rng.choice(ngrams, p=...) with RandomState's frozen (legacy) stream is one random_sample() looked up in
+    # cdf = p.cumsum() / its last value (side="right"); doing that lookup here saves choice()'s per-call checks.
+    cdf = (pvals / pvals.sum(keepdims=True)).cumsum()
+    cdf /= cdf[-1]
+    cdf_list = cdf.tolist()
     # Megatron shuffles a list holding, for every candidate start, its 1..max_ngrams-gram lists; shuffling the
     # start positions instead draws the same numbers and gives the same order.
     order = list(range(len(cand_indexes)))
@@ -455,7 +466,7 @@ def create_masked_lm_predictions(tokens: list, vocab_id_list: Sequence[int], voc
             break
         if not geometric_dist:
             # every entry has max_ngrams n-gram lists (shorter ones near the end repeat), so all sizes are allowed
-            n = int(np_rng.choice(ngrams, p=pvals / pvals.sum(keepdims=True)))
+            n = int(ngrams[bisect.bisect_right(cdf_list, np_rng.random_sample())])
         else:
             n = min(int(np_rng.geometric(0.2)), max_ngrams)
         index_set = [i for word in cand_indexes[start:start + n] for i in word]

@@ -10,7 +10,6 @@ import pytest
 
 from megatron.data import dataset_utils
 from megatron.data.dataset_utils import (
-    DatasetError,
     build_samples_mapping,
     get_samples_mapping,
     samples_mapping_filename,
@@ -218,19 +217,21 @@ def test_get_samples_mapping_caches_and_checks_what_it_was_built_from(tmp_path, 
     m2 = get_samples_mapping(ds, prefix, None, 40, 61, 0.1, 1234, "train", True)
     np.testing.assert_array_equal(m2, want)
     assert os.path.getmtime(path) == mtime and "building" not in capsys.readouterr().out
-    # the same file name for another split or without the binary head: refused, not silently reused
+    # the same file name for another split or without the binary head: rebuilt, not silently reused
     full = ds.get_doc_idx()
     ds.set_doc_idx(full[:11])
     try:
-        with pytest.raises(DatasetError, match="another --split"):
-            get_samples_mapping(ds, prefix, None, 40, 61, 0.1, 1234, "train", True)
+        m3 = get_samples_mapping(ds, prefix, None, 40, 61, 0.1, 1234, "train", True)
+        np.testing.assert_array_equal(m3, build_samples_mapping(full[:11], ds.sizes, 2**31 - 2, 40, 61, 0.1, 1234, 2))
     finally:
         ds.set_doc_idx(full)
-    with pytest.raises(DatasetError, match="binary-head"):
-        get_samples_mapping(ds, prefix, None, 40, 61, 0.1, 1234, "train", False)
+    assert "another --split" in capsys.readouterr().out
+    m4 = get_samples_mapping(ds, prefix, None, 40, 61, 0.1, 1234, "train", False)
+    np.testing.assert_array_equal(m4, build_samples_mapping(full, ds.sizes, 2**31 - 2, 40, 61, 0.1, 1234, 1))
+    assert not np.array_equal(m4, want)
     # a Megatron-built cache (no .dsc) is taken as is
     os.unlink(path.with_suffix(".dsc"))
-    np.testing.assert_array_equal(get_samples_mapping(ds, prefix, None, 40, 61, 0.1, 1234, "train", False), want)
+    np.testing.assert_array_equal(get_samples_mapping(ds, prefix, None, 40, 61, 0.1, 1234, "train", True), m4)
 
 
 def test_get_samples_mapping_read_only_data_dir_and_cache_path(tmp_path, monkeypatch):
