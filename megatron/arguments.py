@@ -235,6 +235,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--exit-interval", type=int, default=None, help="Exit when iteration %% N == 0.")
     g.add_argument("--exit-duration-in-mins", type=int, default=None, help="Exit after this many minutes.")
     g.add_argument("--exit-signal-handler", action="store_true", help="Save and exit on SIGTERM.")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+                   dest="check_for_nan_in_loss_and_grad",
+                   help="Skip (and count) an iteration whose loss or grad norm is not finite (default on).")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
+                   help="Do not check the loss and grad norm for nan/inf before the optimizer step.")
+    g.add_argument("--max-skipped-iterations", type=int, default=10,
+                   help="Stop with an error after this many consecutive skipped non-finite iterations (0: never).")
     g.add_argument("--tensorboard-dir", type=str, default=None, help="Tensorboard log directory.")
     g.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
                    help="Do not fuse scaling, masking and softmax.")
@@ -520,6 +527,7 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
         else:
             setattr(args, key, value)
 
+    _resolve_position_embedding(args)  # first: the required flags depend on the position embedding
     check_required_flags(args, training_run, _TOKENIZER_REQUIRED_FLAGS)  # all missing flags in one line
     _refuse_unimplemented(args)
     _validate_deprecated(args)
@@ -528,7 +536,6 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
     _validate_deepspeed(args)
     _validate_precision(args)
     _validate_training_length(args)
-    _resolve_position_embedding(args)
     _validate_model_shape(args)
     _validate_architecture(args)
     _validate_recompute(args)
@@ -909,6 +916,8 @@ def _validate_misc(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--vocab-extra-ids must be >= 0 (got {args.vocab_extra_ids})")
     if args.exit_interval is not None:
         _require(args.exit_interval > 0, f"--exit-interval must be positive (got {args.exit_interval})")
+    _require(args.max_skipped_iterations >= 0,
+             f"--max-skipped-iterations must be >= 0 (got {args.max_skipped_iterations}; 0 means no limit)")
 
 
 def _validate_tokenizer(args: argparse.Namespace) -> None:

@@ -51,6 +51,8 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "exit_interval": "megatron/training.py",
     "exit_duration_in_mins": "megatron/training.py",
     "exit_signal_handler": "megatron/training.py",
+    "check_for_nan_in_loss_and_grad": "megatron/training.py",
+    "max_skipped_iterations": "megatron/training.py",
     "empty_unused_memory_level": "megatron/training.py",
     # optimizer and learning rate
     "optimizer": "megatron/optimizer/__init__.py",

@@ -100,7 +100,9 @@ def format_training_log_line(
     s += f" learning rate: {learning_rate:.3E} |"
     s += f" global batch size: {batch_size:5d} |"
     for key, avg in losses.items():
-        if avg > 0.0:
+        if math.isnan(avg) or math.isinf(avg):  # a non-finite loss is shown, never hidden
+            s += f" {key}: {'nan' if math.isnan(avg) else avg} |"
+        elif avg > 0.0:
             s += f" {key}: {avg:.6E} |"
     if loss_scale is not None:
         s += f" loss scale: {loss_scale:.1f} |"
@@ -162,10 +164,13 @@ def format_validation_line(prefix: str, losses: dict[str, float]) -> tuple[str, 
     s = f" validation loss at {prefix} | "
     ppls = {}
     for key, value in losses.items():
-        ppl = math.exp(min(20.0, value))
+        ppl = math.exp(min(20.0, value)) if math.isfinite(value) else float("nan")  # no made-up PPL for nan
         ppls[key] = ppl
-        s += f"{key} value: {value:.6E} | "
-        s += f"{key} PPL: {ppl:.6E} | "
+        if math.isfinite(value):
+            s += f"{key} value: {value:.6E} | "
+            s += f"{key} PPL: {ppl:.6E} | "
+        else:
+            s += f"{key} value: {str(value).lower()} | {key} PPL: nan | "
     return s, ppls
 
 

@@ -44,6 +44,7 @@ from megatron.logging_utils import (
     write_train_scalars,
 )
 from megatron.model.module import Float16Module
+from megatron.nan_guard import NonFiniteTrainingError, SkipCounter, loss_and_grads_finite, params_finite
 from megatron.optimizer import get_megatron_optimizer
 from megatron.optimizer.optimizer_config import optimizer_config_from_args
 from megatron.required_flags import TRAINING_RUN
@@ -295,8 +296,15 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
     finalize_model_grads(model, state, sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
     timers("grads-all-reduce").stop()
 
+    # --check-for-nan-in-loss-and-grad: a non-finite loss or grad norm skips the step on every rank (nan_guard).
+    finite = True
+    if getattr(args, "check_for_nan_in_loss_and_grad", True):
+        finite, _ = loss_and_grads_finite(losses_reduced, model, check_grads=not args.fp16)
     timers("optimizer", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
-    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    if finite:
+        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    else:
+        update_successful, grad_norm, num_zeros_in_grad = False, float("nan"), None
     timers("optimizer").stop()
 
     if update_successful:
@@ -322,6 +330,9 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
     timers = global_vars.get_timers()
     writer = global_vars.get_tensorboard_writer()
     accumulate_losses(loss_dict, total_loss_dict, skipped_iter)
+    if skipped_iter and grad_norm is not None and not math.isfinite(grad_norm) and \
+            all(math.isfinite(float(v)) for v in loss_dict.values()):
+        total_loss_dict[NAN] += 1  # skipped for a non-finite grad norm (the loss itself was finite)
     batch_size = args.micro_batch_size * args.data_parallel_size * global_vars.get_num_microbatches()
 
     timers_to_log = ["forward-backward", "forward-compute", "backward-compute", "batch-generator",
@@ -345,6 +356,8 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
             glu=bool(getattr(args, "swiglu", False)))
         losses = {k: v / float(max(1, total_loss_dict[ADVANCED])) for k, v in total_loss_dict.items()
                   if k not in (ADVANCED, SKIPPED, NAN)}
+        if total_loss_dict[ADVANCED] == 0 and total_loss_dict[NAN] > 0:  # print `nan`, do not hide the loss
+            losses = {k: float("nan") for k in [*losses, *loss_dict]}
         line = format_training_log_line(
             iteration=iteration, train_iters=args.train_iters, consumed_samples=int(args.consumed_train_samples),
             consumed_tokens=int(args.consumed_train_tokens), elapsed_per_iter=per_iter,
@@ -422,7 +435,17 @@ def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_it
 
 
 # ----------------------------------------------------------------------------------------------- exit handling
+def _loss_scale_floor(args: argparse.Namespace) -> Optional[float]:
+    """fp16: the loss scale at which an overflow skip can no longer back off (counts toward the skip limit)."""
+    if not args.fp16:
+        return None
+    return float(args.loss_scale) if args.loss_scale else float(getattr(args, "min_loss_scale", 1.0))
+
+
 def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace) -> None:
+    if not getattr(args, "deepspeed", False) and not params_finite(model):
+        raise NonFiniteTrainingError(f"refusing to save the checkpoint of iteration {iteration}: the weights are not "
+                                     "finite (the previous checkpoint is left as the latest); lower --lr")
     timers = global_vars.get_timers()
     timers("save-checkpoint", log_level=0).start(barrier=True)
     if getattr(args, "deepspeed", False):
@@ -457,6 +480,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     timers("interval-time", log_level=0).start(barrier=True)
     print_datetime("before the start of training step")
     report_memory_flag = True
+    skip_counter = SkipCounter(getattr(args, "max_skipped_iterations", 10))
     while iteration < args.train_iters:
         global_vars.update_num_microbatches(args.consumed_train_samples)
         args.curr_iteration = iteration
@@ -485,6 +509,9 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         report_memory_flag = training_log(
             loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], iteration, loss_scale,
             report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros, args)
+        nonfinite = (grad_norm is not None and not math.isfinite(grad_norm)) or \
+            any(not math.isfinite(float(v)) for v in loss_dict.values())
+        skip_counter.update(iteration, bool(skipped_iter), nonfinite, loss_scale, _loss_scale_floor(args))
 
         if args.eval_interval and iteration % args.eval_interval == 0 and getattr(args, "do_valid", False):
             evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
@@ -595,5 +622,5 @@ def _flush_writer() -> None:
 
 
 def perplexity(loss: float) -> float:
-    """exp(min(20, loss)), Megatron's clamp."""
-    return math.exp(min(20.0, loss))
+    """exp(min(20, loss)), Megatron's clamp; nan for a non-finite loss (never a made-up value)."""
+    return math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
