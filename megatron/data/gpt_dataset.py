@@ -19,15 +19,11 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from megatron.data.blendable_dataset import BlendableDataset
+from megatron.data.dataset_builder import build_train_valid_test_splits
 from megatron.data.dataset_utils import (
-    NumSamples,
     barrier,
     file_lock,
     first_writable_dir,
-    get_datasets_weights_and_num_samples,
-    get_indexed_dataset_,
-    get_train_valid_test_split_,
     index_cache_dirs,
     is_group_leader,
     print_rank_0,
@@ -105,79 +101,15 @@ def build_train_valid_test_datasets(data_prefix: Optional[Sequence[Any]], data_i
     while the others wait on a barrier. synchronize=False (for callers on a subset of ranks, e.g. only TP rank 0)
     uses no collectives: whichever process comes first builds under a file lock and the others wait on the lock.
     """
-    if isinstance(data_prefix, (str, Path)):
-        data_prefix = [str(data_prefix)]
-    nums = [int(n) for n in train_valid_test_num_samples]
-    if len(nums) != 3 or any(n < 0 for n in nums):
-        raise ValueError(f"train_valid_test_num_samples must be three non-negative counts, got {nums}")
-    common = dict(data_impl=data_impl, seq_length=seq_length, seed=seed, skip_warmup=skip_warmup,
-                  return_doc_ids=return_doc_ids, data_cache_path=data_cache_path, group=group,
-                  synchronize=synchronize)
-    if data_prefix:
-        if len(data_prefix) == 1:
-            return _build_single_prefix(str(data_prefix[0]), splits_string=splits_string, num_samples=nums, **common)
-        prefixes, weights, per_dataset = get_datasets_weights_and_num_samples(data_prefix, nums)
-        parts = [_build_single_prefix(p, splits_string=splits_string, num_samples=n, **common)
-                 for p, n in zip(prefixes, per_dataset)]
-        blended = []
-        for split in range(3):
-            members = [(ds[split], w) for ds, w in zip(parts, weights) if ds[split] is not None]
-            if not members or nums[split] == 0:
-                blended.append(None)
-                continue
-            blended.append(BlendableDataset([m[0] for m in members], [m[1] for m in members], nums[split]))
-        return tuple(blended)
-    if not (train_data_prefix or valid_data_prefix or test_data_prefix):
-        raise ValueError("no training data: pass --data-path, or --train-data-path/--valid-data-path/--test-data-path")
-    return tuple(
-        _build_separate(name, prefix, n, **common)
-        for name, prefix, n in zip(("train", "valid", "test"), (train_data_prefix, valid_data_prefix,
-                                                               test_data_prefix), nums))
 
+    def build_split(name: str, prefix: str, indexed: Any, documents: tuple, num_samples: int, splits: str):
+        docs = np.arange(documents[0], documents[1], dtype=np.int32)
+        return GPTDataset(name, prefix, docs, indexed, splits, num_samples, seq_length, seed, return_doc_ids,
+                          data_cache_path=data_cache_path, group=group, synchronize=synchronize)
 
-def _build_single_prefix(data_prefix: str, *, data_impl: str, splits_string: str, num_samples: NumSamples,
-                         seq_length: int, seed: int, skip_warmup: bool, return_doc_ids: bool,
-                         data_cache_path: Optional[str], group: Any, synchronize: bool) -> tuple:
-    indexed = get_indexed_dataset_(data_prefix, data_impl, skip_warmup)
-    total_docs = indexed.sizes.shape[0]
-    splits = get_train_valid_test_split_(splits_string, total_docs)
-    print_rank_0(" > dataset split:")
-    for i, label in enumerate(("train", "validation", "test")):
-        print_rank_0(f"    {label}:")
-        print_rank_0(f"     document indices in [{splits[i]}, {splits[i + 1]}) total of "
-                     f"{splits[i + 1] - splits[i]} documents")
-    datasets = []
-    for i, name in enumerate(("train", "valid", "test")):
-        if splits[i + 1] <= splits[i]:
-            datasets.append(None)
-            continue
-        documents = np.arange(splits[i], splits[i + 1], dtype=np.int32)
-        datasets.append(GPTDataset(name, data_prefix, documents, indexed, splits_string, num_samples[i], seq_length,
-                                   seed, return_doc_ids, data_cache_path=data_cache_path, group=group,
-                                   synchronize=synchronize))
-    return tuple(datasets)
-
-
-def _build_separate(name: str, data_prefix: Optional[Sequence[Any]], num_samples: int, **common) -> Any:
-    """One split from its own `--{name}-data-path` (single or weighted list), using all of its documents."""
-    if not data_prefix:
-        return None
-    if isinstance(data_prefix, (str, Path)):
-        data_prefix = [str(data_prefix)]
-    index = ("train", "valid", "test").index(name)
-
-    def one(prefix: str, n: int):
-        counts = [0, 0, 0]
-        counts[index] = n
-        splits = ["0", "0", "0"]
-        splits[index] = "1"
-        return _build_single_prefix(prefix, splits_string=",".join(splits), num_samples=counts, **common)[index]
-
-    if len(data_prefix) == 1:
-        return one(str(data_prefix[0]), num_samples)
-    prefixes, weights, per_dataset = get_datasets_weights_and_num_samples(data_prefix, num_samples)
-    members = [one(p, n) for p, n in zip(prefixes, per_dataset)]
-    return BlendableDataset(members, weights, num_samples)
+    return build_train_valid_test_splits(data_prefix, data_impl, splits_string, train_valid_test_num_samples,
+                                         skip_warmup, build_split, train_data_prefix=train_data_prefix,
+                                         valid_data_prefix=valid_data_prefix, test_data_prefix=test_data_prefix)
 
 
 def _num_tokens(documents: np.ndarray, sizes: np.ndarray) -> int:
