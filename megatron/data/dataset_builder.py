@@ -122,9 +122,16 @@ def documents_view(indexed_dataset: Any, documents: tuple) -> Iterator[Any]:
     """Temporarily narrow `indexed_dataset.doc_idx` to documents [first, end) (sentence indices stay absolute), as
     Megatron's BERT/T5 builders do while a split's samples mapping is made; restored afterwards."""
     first, end = documents
-    full = indexed_dataset.get_doc_idx()
-    indexed_dataset.set_doc_idx(np.asarray(full)[first:end + 1])
+    if hasattr(indexed_dataset, "set_doc_idx"):
+        full = indexed_dataset.get_doc_idx()
+        set_doc_idx = indexed_dataset.set_doc_idx
+    else:  # the legacy (lazy/cached) readers keep doc_idx as a plain attribute
+        full = indexed_dataset.doc_idx
+
+        def set_doc_idx(value: np.ndarray) -> None:
+            indexed_dataset.doc_idx = value
+    set_doc_idx(np.asarray(full)[first:end + 1])
     try:
         yield indexed_dataset
     finally:
-        indexed_dataset.set_doc_idx(full)
+        set_doc_idx(full)

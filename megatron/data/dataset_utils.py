@@ -1,8 +1,10 @@
-"""Shared helpers for the pretraining datasets: split parsing, blend weights, index-cache locations, rank-0 logging.
+"""Shared helpers for the pretraining datasets: split parsing, blend weights, index-cache locations, rank-0 logging,
+and the sentence-level pieces BERT and T5 share (samples mapping, segments, truncation, masked-LM selection).
 
 Megatron semantics: `--split 969,30,1` (or `969/30/1`) is normalised and turned into document boundaries;
 `--data-path 0.3 a 0.7 b` gives weights and prefixes, and each component dataset is asked for 0.5% more samples
-than its share so that the blend never runs short.
+than its share so that the blend never runs short. The BERT/T5 helpers make the same random draws in the same order
+as Megatron's, so samples match token for token.
 """
 from __future__ import annotations
 

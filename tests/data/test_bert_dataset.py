@@ -193,3 +193,27 @@ def test_bad_flags_are_one_line_errors(data, tokenizer):
         make(data["sentences"], tokenizer, seq=4)
     with pytest.raises(DatasetError, match="--mask-prob"):
         make(data["sentences"], tokenizer, prob=1.5)
+
+
+@pytest.mark.parametrize("impl", ["lazy", "cached"])
+def test_legacy_formats_give_the_same_samples(data, tokenizer, tmp_path, impl):
+    from megatron.data.indexed_dataset import make_builder
+
+    src = make_dataset(data["other"], "mmap", True)
+    prefix = str(tmp_path / "legacy_text_sentence")
+    builder = make_builder(prefix + ".bin", impl)
+    for d in range(len(src.doc_idx) - 1):
+        for i in range(src.doc_idx[d], src.doc_idx[d + 1]):
+            builder.add_item(src[i].astype(np.int32))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    splits = [build_train_valid_test_datasets([p], i, "2,1,0", [40, 10, 0], SEQ, 0.15, 0.1, 7, True,
+                                              tokenizer=tokenizer) for p, i in ((data["other"], "mmap"),
+                                                                                (prefix, impl))]
+    for want, got in zip(*splits):
+        if want is None:
+            assert got is None
+            continue
+        np.testing.assert_array_equal(np.asarray(got.samples_mapping), np.asarray(want.samples_mapping))
+        for idx in range(0, len(want), 5):
+            np.testing.assert_array_equal(got[idx]["text"], want[idx]["text"])
