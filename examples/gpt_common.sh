@@ -1,8 +1,22 @@
 # Shared settings for the GPT example scripts (sourced). Override any variable from the environment:
-#   PRESET=345m|1.3b|2.7b|3.7b   DATA_PATH=<prefix of tools/preprocess_data.py output>
-#   VOCAB_FILE, MERGE_FILE (GPT-2 BPE), CHECKPOINT_PATH, TENSORBOARD_DIR, TRAIN_ITERS
+#   PRESET=345m|1.3b|2.7b|3.7b|tiny   DATA_PATH=<prefix of tools/preprocess_data.py output>
+#   VOCAB_FILE, MERGE_FILE (GPT-2 BPE), CHECKPOINT_PATH, TENSORBOARD_DIR, TRAIN_ITERS, LR_DECAY_ITERS,
+#   LOG_INTERVAL, SAVE_INTERVAL, EVAL_INTERVAL
+# Without a GPU (and PRESET unset) the tiny preset is used, with one line saying so; the distributed scripts then
+# start CPU_PROCESSES (2) processes instead of 8.
 EXAMPLES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_DIR="$(dirname "$EXAMPLES_DIR")"
+if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  HAS_GPU=1
+else
+  HAS_GPU=0
+  if [ -z "${PRESET:-}" ]; then
+    PRESET=tiny
+    echo "note: no GPU found: using PRESET=tiny (4 layers, hidden 128, runs on this CPU); set PRESET=345m for the 345M model" >&2
+  elif [ "$PRESET" != tiny ]; then
+    echo "note: no GPU found: PRESET=$PRESET will run on the CPU (slowly, in fp32); PRESET=tiny trains in minutes" >&2
+  fi
+fi
 : "${PRESET:=345m}"
 PRESET_FILE="$EXAMPLES_DIR/presets/gpt_${PRESET}.sh"
 if [ ! -f "$PRESET_FILE" ]; then
@@ -17,23 +31,29 @@ source "$PRESET_FILE"
 : "${CHECKPOINT_PATH:=checkpoints/gpt_${PRESET}}"
 : "${TENSORBOARD_DIR:=$CHECKPOINT_PATH/tensorboard}"
 : "${TRAIN_ITERS:=500000}"
+: "${LR_DECAY_ITERS:=320000}"
+: "${LOG_INTERVAL:=100}"
+: "${SAVE_INTERVAL:=10000}"
+: "${EVAL_INTERVAL:=1000}"
 for f in "$VOCAB_FILE" "$MERGE_FILE" "$DATA_PATH.bin" "$DATA_PATH.idx"; do
   if [ ! -f "$f" ]; then
-    echo "missing $f: set DATA_PATH (preprocessed prefix), VOCAB_FILE and MERGE_FILE" >&2
+    echo "missing $f: set DATA_PATH (preprocessed prefix), VOCAB_FILE and MERGE_FILE (bash examples/quickstart.sh makes quickstart_out/data/python_docs_text_document and quickstart_out/tokenizer/{vocab.json,merges.txt})" >&2
     exit 1
   fi
 done
 
 GPT_ARGS="$GPT_MODEL_ARGS \
   --micro-batch-size $MICRO_BATCH_SIZE --global-batch-size $GLOBAL_BATCH_SIZE \
-  --train-iters $TRAIN_ITERS --lr-decay-iters 320000 --lr-decay-style cosine \
+  --train-iters $TRAIN_ITERS --lr-decay-iters $LR_DECAY_ITERS --lr-decay-style cosine \
   --lr $LR --min-lr $MIN_LR --lr-warmup-fraction .01 --weight-decay 1e-2 --clip-grad 1.0"
 DATA_ARGS="--data-path $DATA_PATH --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE --split 949,50,1"
-OUTPUT_ARGS="--log-interval 100 --save-interval 10000 --eval-interval 1000 --eval-iters 10 \
+OUTPUT_ARGS="--log-interval $LOG_INTERVAL --save-interval $SAVE_INTERVAL --eval-interval $EVAL_INTERVAL --eval-iters 10 \
   --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH --tensorboard-dir $TENSORBOARD_DIR"
-# fp16 on GPUs; plain fp32 on CPU (gloo).
-if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+# fp16 on GPUs; plain fp32 on CPU (gloo). Processes per node for the torchrun scripts: 8 GPUs, or 2 on a CPU.
+if [ "$HAS_GPU" = 1 ]; then
   PRECISION_ARGS="${PRECISION_ARGS:---fp16}"
+  DEFAULT_PROCESSES=8
 else
   PRECISION_ARGS="${PRECISION_ARGS:-}"
+  DEFAULT_PROCESSES=${CPU_PROCESSES:-2}
 fi

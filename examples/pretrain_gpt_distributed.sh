@@ -3,7 +3,7 @@
 # Multi-node: set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT on every node.
 set -euo pipefail
 source "$(cd "$(dirname "$0")" && pwd)/gpt_common.sh"
-: "${GPUS_PER_NODE:=8}"
+: "${GPUS_PER_NODE:=$DEFAULT_PROCESSES}"  # 8 with GPUs, 2 on a CPU-only machine
 : "${NNODES:=1}"
 : "${NODE_RANK:=0}"
 : "${MASTER_ADDR:=localhost}"

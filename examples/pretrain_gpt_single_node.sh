@@ -4,7 +4,9 @@
 # --deepspeed-activation-checkpointing`, with TensorBoard logs and DeepSpeed checkpoints (global_step{N}/, latest).
 #
 # Runs as is on a CPU-only machine: the deepspeed launcher starts N_GPUS processes (gloo) and --fp16 is replaced by
-# fp32 with a one-line notice (training needs CUDA for fp16). Takes a couple of minutes on 2 cores.
+# fp32 with a one-line notice (training needs CUDA for fp16). Takes a couple of minutes on 2 cores. The batch-size
+# ramp (2 -> 16 over the first 56 samples) finishes within the 200 training samples. Output goes to
+# runs/ds_single_node/ (ignored by git) unless OUT is set.
 #
 # Data: DATA_PATH (prefix of tools/preprocess_data.py output), VOCAB_FILE and MERGE_FILE when all are set; otherwise a
 # 4,096-token BPE tokenizer and the dataset are built from examples/data/python_docs.jsonl into $OUT (as
@@ -18,19 +20,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-OUT=${OUT:-ds_single_node_out}
+OUT=${OUT:-runs/ds_single_node}
 
 N_GPUS=${N_GPUS:-2}
 MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-1}
 GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-16}
-RAMPUP_BATCH_SIZE=${RAMPUP_BATCH_SIZE-2 2 1_000}   # start, increment, samples; set to "" to disable
+RAMPUP_BATCH_SIZE=${RAMPUP_BATCH_SIZE-2 2 56}     # start, increment, samples (< TRAIN_SAMPLES); "" disables
 TP_SIZE=${TP_SIZE:-1}
 PP_SIZE=${PP_SIZE:-1}
 NLAYERS=${NLAYERS:-2}
 NHIDDEN=${NHIDDEN:-64}
 NHEADS=${NHEADS:-2}
 SEQ_LEN=${SEQ_LEN:-1024}
-TRAIN_SAMPLES=${TRAIN_SAMPLES:-100}
+TRAIN_SAMPLES=${TRAIN_SAMPLES:-200}
+EVAL_ITERS=${EVAL_ITERS:-2}
 SAVE_INTERVAL=${SAVE_INTERVAL:-100}
 ZERO_STAGE=${ZERO_STAGE:-1}
 PRECISION=${PRECISION---fp16}                     # --fp16 | --bf16 | "" (fp32)
@@ -103,7 +106,7 @@ GPT_ARGS=(
 [ -n "$RAMPUP_BATCH_SIZE" ] && GPT_ARGS+=(--rampup-batch-size $RAMPUP_BATCH_SIZE)
 [ -n "$PRECISION" ] && GPT_ARGS+=("$PRECISION")
 OUTPUT_ARGS=(
-  --log-interval 10 --save-interval "$SAVE_INTERVAL" --eval-interval 100 --eval-iters 10
+  --log-interval 10 --save-interval "$SAVE_INTERVAL" --eval-interval 100 --eval-iters "$EVAL_ITERS"
   --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH"
   --tensorboard-dir "$TENSORBOARD_PATH" --tensorboard-queue-size 5 --log-timers-to-tensorboard
   --log-batch-size-to-tensorboard --log-validation-ppl-to-tensorboard

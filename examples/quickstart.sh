@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
 # Offline quick-start on a CPU (a GPU is used automatically when present):
-#   1. install the package (skipped when it is already importable),
+#   1. install the package with examples/install.sh (skipped when it is already importable; a CPU torch 2.13.0 when
+#      torch is missing and there is no NVIDIA GPU),
 #   2. train a 4,096-token GPT-2-style BPE tokenizer on the corpus shipped in examples/data,
 #   3. preprocess the corpus into Megatron's mmap .bin/.idx dataset,
 #   4. pretrain a tiny GPT for 300 iterations with validation, stopping at 150 to save a checkpoint,
 #   5. resume from that checkpoint to iteration 300 and show the loss going down,
 #   6. generate a few samples from the checkpoint,
-#   7. evaluate it zero-shot on slices of WikiText-103 and LAMBADA when ../shared/data (the project's test data) is
-#      beside the repository (or SHARED_DATA points at it); skipped otherwise.
-# Everything lands in $OUT (default: quickstart_out/). Takes a few minutes on 2 cores.
+#   7. evaluate it zero-shot on slices of WikiText-103 and LAMBADA shipped in tests/fixtures/ (EVAL_DATA=DIR uses
+#      another folder with the same layout, e.g. the full files).
+# Everything lands in $OUT (default: quickstart_out/, ignored by git). Takes a few minutes on 2 cores.
+# Shorter runs (used by the fresh-clone test): TRAIN_ITERS (300; it stops and resumes at half), LOG_INTERVAL (25),
+# EVAL_INTERVAL (75), WIKI_LINES (300), LAMBADA_LINES (200).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-quickstart_out}
 PY=${PYTHON:-python}
+TRAIN_ITERS=${TRAIN_ITERS:-300}
+HALF=$((TRAIN_ITERS / 2))
+LOG_INTERVAL=${LOG_INTERVAL:-25}
+EVAL_INTERVAL=${EVAL_INTERVAL:-75}
+WARMUP=$((TRAIN_ITERS < 200 ? TRAIN_ITERS / 10 : 20))
+WIKI_LINES=${WIKI_LINES:-300}
+LAMBADA_LINES=${LAMBADA_LINES:-200}
+EVAL_DATA=${EVAL_DATA:-tests/fixtures}
 
-if ! $PY -c "import torch, megatron.tokenizer, tokenizers" 2>/dev/null; then
-  echo "== installing (torch range from requirements.txt, then the package)"
-  $PY -m pip install -q -r requirements.txt
-  $PY -m pip install -q --no-build-isolation -e .
+if ! $PY -c "import torch, megatron.tokenizer, tokenizers, deepspeed" 2>/dev/null; then
+  echo "== installing (examples/install.sh: torch when missing, requirements.txt, the package)"
+  PYTHON=$PY bash examples/install.sh
 fi
 
 echo "== 1/6 training a BPE tokenizer on examples/data/python_docs.jsonl"
@@ -35,20 +45,20 @@ MODEL_ARGS=(
 )
 TRAIN_ARGS=(
   "${MODEL_ARGS[@]}"
-  --micro-batch-size 8 --global-batch-size 16 --train-iters 300
-  --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.01 --clip-grad 1.0
+  --micro-batch-size 8 --global-batch-size 16 --train-iters "$TRAIN_ITERS"
+  --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters "$WARMUP" --weight-decay 0.01 --clip-grad 1.0
   --hidden-dropout 0.0 --attention-dropout 0.0
   --data-path "$OUT/data/python_docs_text_document" --split 949,50,1
-  --log-interval 25 --eval-interval 75 --eval-iters 5
-  --save "$OUT/checkpoints" --load "$OUT/checkpoints" --save-interval 150
+  --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters 5
+  --save "$OUT/checkpoints" --load "$OUT/checkpoints" --save-interval "$HALF"
   --tensorboard-dir "$OUT/tensorboard" --seed 1234
 )
 
-echo "== 3/6 pretraining a tiny GPT (stops at iteration 150 and saves a checkpoint)"
+echo "== 3/6 pretraining a tiny GPT (stops at iteration $HALF and saves a checkpoint)"
 rm -rf "$OUT/checkpoints"
-$PY pretrain_gpt.py "${TRAIN_ARGS[@]}" --exit-interval 150 | tee "$OUT/train_part1.log"
+$PY pretrain_gpt.py "${TRAIN_ARGS[@]}" --exit-interval "$HALF" | tee "$OUT/train_part1.log"
 
-echo "== 4/6 resuming from the checkpoint to iteration 300"
+echo "== 4/6 resuming from the checkpoint to iteration $TRAIN_ITERS"
 $PY pretrain_gpt.py "${TRAIN_ARGS[@]}" | tee "$OUT/train_part2.log"
 
 $PY - "$OUT/train_part1.log" "$OUT/train_part2.log" <<'PYEOF'
@@ -77,16 +87,12 @@ for line in open(sys.argv[1]):
     print(f"--- {row['prompt']!r} ->\n{row['text']}")
 PYEOF
 
-SHARED_DATA=${SHARED_DATA:-../shared/data}
-if [ -f "$SHARED_DATA/wikitext-103/wiki.test.tokens" ] && [ -f "$SHARED_DATA/lambada/lambada_test.jsonl" ]; then
-  echo "== 6/6 zero-shot evaluation on slices of WikiText-103 (first 300 lines) and LAMBADA (first 200 examples)"
-  head -n 300 "$SHARED_DATA/wikitext-103/wiki.test.tokens" > "$OUT/wiki.test.tokens"
-  head -n 200 "$SHARED_DATA/lambada/lambada_test.jsonl" > "$OUT/lambada_test.jsonl"
-  EVAL_ARGS=("${MODEL_ARGS[@]}" --load "$OUT/checkpoints" --no-load-optim --no-load-rng --micro-batch-size 8)
-  $PY tasks/main.py --task WIKITEXT103 --valid-data "$OUT/wiki.test.tokens" --overlapping-eval 32 "${EVAL_ARGS[@]}"
-  $PY tasks/main.py --task LAMBADA --valid-data "$OUT/lambada_test.jsonl" "${EVAL_ARGS[@]}"
-else
-  echo "== 6/6 skipped: no WikiText-103/LAMBADA test files under $SHARED_DATA (set SHARED_DATA to evaluate)"
-fi
+echo "== 6/6 zero-shot evaluation on WikiText-103 (first $WIKI_LINES lines) and LAMBADA (first $LAMBADA_LINES" \
+  "examples) from $EVAL_DATA"
+head -n "$WIKI_LINES" "$EVAL_DATA/wikitext-103/wiki.test.tokens" > "$OUT/wiki.test.tokens"
+head -n "$LAMBADA_LINES" "$EVAL_DATA/lambada/lambada_test.jsonl" > "$OUT/lambada_test.jsonl"
+EVAL_ARGS=("${MODEL_ARGS[@]}" --load "$OUT/checkpoints" --no-load-optim --no-load-rng --micro-batch-size 8)
+$PY tasks/main.py --task WIKITEXT103 --valid-data "$OUT/wiki.test.tokens" --overlapping-eval 32 "${EVAL_ARGS[@]}"
+$PY tasks/main.py --task LAMBADA --valid-data "$OUT/lambada_test.jsonl" "${EVAL_ARGS[@]}"
 
 echo "quick-start done: tokenizer, dataset, checkpoints, TensorBoard logs and samples are in $OUT/"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from megatron.errors import MegatronUserError
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 
@@ -23,6 +25,10 @@ def _print_rank_0(message: str) -> None:
     except ImportError:  # pragma: no cover - torch is always present in training
         pass
     print(message, flush=True)
+
+
+class SchedulerMismatchError(MegatronUserError, ValueError):
+    """Resuming with flags whose learning-rate schedule differs from the checkpoint's."""
 
 
 class OptimizerParamScheduler:
@@ -156,9 +162,12 @@ class OptimizerParamScheduler:
             _print_rank_0(f" > overriding {name} value to {cls_value}")
             return cls_value
         if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
-            raise ValueError(
-                f"OptimizerParamScheduler: class input value {cls_value} and checkpoint value {sd_value} for {name} "
-                "do not match; pass --use-checkpoint-opt_param-scheduler or --override-opt_param-scheduler"
+            why = (" (samples = iterations x --global-batch-size: a changed --train-iters, --lr-decay-iters or "
+                   "--lr-warmup-* changes them)") if "samples" in name else ""
+            raise SchedulerMismatchError(
+                f"the checkpoint's learning-rate schedule has {name} {sd_value} but this run's flags give "
+                f"{cls_value}{why}: keep the checkpoint's flags, or pass --override-opt_param-scheduler (use this run's schedule) or "
+                "--use-checkpoint-opt_param-scheduler (keep the checkpoint's)"
             )
         _print_rank_0(f" > using checkpoint value {sd_value} for {name}")
         return sd_value
@@ -169,9 +178,9 @@ class OptimizerParamScheduler:
         self.max_lr = self._check_and_set(self.max_lr, max_lr, "learning rate")
         self.min_lr = self._check_and_set(self.min_lr, sd["min_lr"], "minimum learning rate")
         warmup = sd.get("warmup_iter", sd.get("warmup_steps", sd.get("lr_warmup_steps")))
-        self.lr_warmup_steps = self._check_and_set(self.lr_warmup_steps, warmup, "warmup iterations")
+        self.lr_warmup_steps = self._check_and_set(self.lr_warmup_steps, warmup, "warmup samples")
         decay = sd.get("end_iter", sd.get("decay_steps", sd.get("lr_decay_steps")))
-        self.lr_decay_steps = self._check_and_set(self.lr_decay_steps, decay, "total number of iterations")
+        self.lr_decay_steps = self._check_and_set(self.lr_decay_steps, decay, "decay samples")
         style = sd["decay_style"] if "decay_style" in sd else sd["lr_decay_style"]
         self.lr_decay_style = self._check_and_set(self.lr_decay_style, style, "learning rate decay style")
         num_steps = sd["num_iters"] if "num_iters" in sd else sd["num_steps"]
@@ -179,7 +188,7 @@ class OptimizerParamScheduler:
             self.start_wd = self._check_and_set(self.start_wd, sd["start_wd"], "start weight decay")
             self.end_wd = self._check_and_set(self.end_wd, sd["end_wd"], "end weight decay")
             self.wd_incr_steps = self._check_and_set(
-                self.wd_incr_steps, sd["wd_incr_steps"], "total number of weight decay iterations"
+                self.wd_incr_steps, sd["wd_incr_steps"], "weight-decay increment samples"
             )
             self.wd_incr_style = self._check_and_set(self.wd_incr_style, sd["wd_incr_style"], "weight decay incr style")
         self.num_steps = 0

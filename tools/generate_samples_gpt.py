@@ -26,7 +26,8 @@ class GenerateSamplesError(MegatronUserError, ValueError):
 
 def add_text_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group(title="text generation")
-    g.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature.")
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="Sampling temperature; 0 means greedy decoding (as the REST server).")
     g.add_argument("--greedy", action="store_true", default=False, help="Greedy decoding (same as --top_k 1).")
     g.add_argument("--top_p", type=float, default=0.0, help="Top-p (nucleus) sampling; 0 = off.")
     g.add_argument("--top_k", type=int, default=0, help="Top-k sampling; 0 = off.")
@@ -51,6 +52,20 @@ def _read_prompts(path: str) -> list[str]:
     return prompts
 
 
+def _resolve_sampling(args: argparse.Namespace) -> None:
+    """One-line errors for bad sampling flags; --temperature 0 becomes greedy decoding, as in the server."""
+    if args.temperature < 0.0:
+        raise GenerateSamplesError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k < 0 or not 0.0 <= args.top_p <= 1.0:
+        raise GenerateSamplesError(f"--top_k must be >= 0 and --top_p in [0, 1] (got {args.top_k}, {args.top_p})")
+    if args.top_k > 0 and args.top_p > 0.0:
+        raise GenerateSamplesError("set --top_k or --top_p, not both")
+    if args.temperature == 0.0:
+        if args.top_p > 0.0 or args.top_k > 1:
+            raise GenerateSamplesError("--temperature 0 means greedy decoding; drop --top_k/--top_p")
+        args.greedy, args.temperature = True, 1.0
+
+
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     from megatron.text_generation import generate, load_model_for_inference
 
@@ -63,6 +78,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         raise GenerateSamplesError("give --sample-input-file FILE (conditional) or --num-samples N (unconditional)")
     if args.out_seq_length <= 0:
         raise GenerateSamplesError(f"--out-seq-length must be > 0, got {args.out_seq_length}")
+    _resolve_sampling(args)
     tokenizer = global_vars.get_tokenizer()
     model = load_model_for_inference(args)
     if args.sample_input_file is not None:

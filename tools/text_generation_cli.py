@@ -31,10 +31,14 @@ def request_completion(url: str, prompt: str, tokens_to_generate: int, **options
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("address", help="HOST:PORT of tools/run_text_generation_server.py")
-    parser.add_argument("--tokens-to-generate", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--tokens-to-generate", type=int, default=64,
+                        help="Tokens to generate per prompt (default: 64; the server may cap it).")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="Sampling temperature in [0, 100]; 0 means greedy (default: the server's, 1.0).")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="Sample from the k most likely tokens; 0 = off (default: the server's, 0).")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="Nucleus sampling probability in [0, 1]; 0 = off (default: the server's, 0).")
     args = parser.parse_args(argv)
     address = args.address if "://" in args.address else f"http://{args.address}"
     url = address.rstrip("/") + "/api"

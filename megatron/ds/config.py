@@ -5,8 +5,10 @@ parallel layout and batch sizes are known and before the precision flags are che
 `deepspeed.initialize(config=...)` gets and stores it in ``args.deepspeed_config_dict``; ``args.zero_stage`` is the
 ZeRO stage in effect. Rules (each violation is a one-line `ArgumentError` naming both sides and the fix):
 
-- batch: ``train_micro_batch_size_per_gpu`` = --micro-batch-size, ``train_batch_size`` = --global-batch-size,
-  ``gradient_accumulation_steps`` = global / (micro x data-parallel size); values already in the config must agree.
+- batch: the flags set it. ``train_micro_batch_size_per_gpu`` = --micro-batch-size, ``train_batch_size`` =
+  --global-batch-size, ``gradient_accumulation_steps`` = global / (micro x data-parallel size) are written into the
+  config; a batch key already in the config is optional but must agree (as upstream, where DeepSpeed checks
+  train_batch = micro x gas x dp): a mismatch is an error naming both values and the flag to pass.
   With --rampup-batch-size the config's ``train_batch_size`` is the final one (the engine's batch size follows the
   ramp through ``engine.set_train_batch_size``).
 - ZeRO: the config's ``zero_optimization.stage`` wins when --zero-stage is not given; a disagreement is an error.
@@ -93,10 +95,10 @@ def _reconcile_batch(config: dict, args: argparse.Namespace, where: str) -> None
     cfg_gas = _as_int(config, "gradient_accumulation_steps", where)
     if cfg_mbs is not None and cfg_mbs != mbs:
         raise _error(f"{where} has train_micro_batch_size_per_gpu={cfg_mbs} but --micro-batch-size is {mbs}; "
-                     "make them equal (or drop the key from the config)")
+                     f"pass --micro-batch-size {cfg_mbs} (or drop the key from the config: the flags set the batch)")
     if cfg_tbs is not None and cfg_tbs != gbs:
-        raise _error(f"{where} has train_batch_size={cfg_tbs} but --global-batch-size is {gbs}; make them equal "
-                     "(or drop the key from the config)")
+        raise _error(f"{where} has train_batch_size={cfg_tbs} but --global-batch-size is {gbs}; pass "
+                     f"--global-batch-size {cfg_tbs} (or drop the key from the config: the flags set the batch)")
     if cfg_gas is not None and cfg_gas != gas:
         raise _error(f"{where} has gradient_accumulation_steps={cfg_gas} but --global-batch-size {gbs} / "
                      f"(--micro-batch-size {mbs} x data-parallel size {dp}) = {gbs / (mbs * dp):g}; drop the key "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from typing import Any, Optional
 
 import torch
@@ -104,9 +103,9 @@ def evaluate(dataset: torch.utils.data.Dataset, model: torch.nn.Module, eval_met
     loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=args.micro_batch_size,
                                          shuffle=False, drop_last=False, num_workers=args.num_workers)
     if progress and state.global_rank == 0:
-        from tqdm import tqdm
+        from tasks.zeroshot_gpt.progress import progress as progress_lines
 
-        loader = tqdm(loader, desc="evaluating", file=sys.stderr, dynamic_ncols=True)
+        loader = progress_lines(loader, total=len(loader), desc="evaluating")
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=_device(args))
     with torch.no_grad():

@@ -153,6 +153,19 @@ def test_ds_configs_are_the_issue_configs() -> None:
     assert tutorial["zero_optimization"]["stage"] == 3 and tutorial["zero_optimization"]["cpu_offload"] is True
 
 
+def test_single_node_script_writes_outside_the_tree_by_default() -> None:
+    """Without OUT the script's output goes to runs/ds_single_node/, which git ignores."""
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {  # a given DS_CONFIG: nothing is written
+        "DRY_RUN": "1", "DS_CONFIG": str(EXAMPLES / "ds_config_gpt.json")}
+    proc = subprocess.run(["bash", str(EXAMPLES / "pretrain_gpt_single_node.sh")], env=env, capture_output=True,
+                          text=True, check=True, cwd=REPO)
+    argv = shlex.split(proc.stdout)
+    save = argv[argv.index("--save") + 1]
+    assert save == "runs/ds_single_node/checkpoints"
+    if (REPO / ".git").exists():
+        assert subprocess.run(["git", "check-ignore", "-q", save], cwd=REPO).returncode == 0
+
+
 def test_single_node_script_runs_the_issue_command(tmp_path: Path) -> None:
     """DRY_RUN=1 prints the launcher command: the issue's flags (with this script's paths) plus extra arguments."""
     env = dict(os.environ, OUT=str(tmp_path / "out"), DRY_RUN="1", MASTER_PORT="29555")
@@ -167,6 +180,13 @@ def test_single_node_script_runs_the_issue_command(tmp_path: Path) -> None:
     out = tmp_path / "out"
     expected = issue_flags(value("--vocab-file"), value("--merge-file"), value("--data-path"), str(out / "checkpoints"),
                            str(out / "tensorboard"), str(out / "ds_config.json"))
+    # ... except that the script's batch-size ramp (2 -> 16 over 56 samples) finishes within its 200 samples, and
+    # it evaluates 2 batches (issue 6: a 1,000-sample ramp never finished in 100 samples).
+    changes = {("--rampup-batch-size", 2): "56", ("--train-samples", 0): "200", ("--eval-iters", 0): "2"}
+    for (flag, offset), new_value in changes.items():
+        expected[expected.index(flag) + 1 + offset] = new_value
+    ramp = argv[argv.index("--rampup-batch-size") + 1: argv.index("--rampup-batch-size") + 4]
+    assert int(ramp[2]) < int(value("--train-samples"))
 
     def pairs(args: list[str]) -> set:
         result, key = set(), None

@@ -197,7 +197,8 @@ def test_cli_end_to_end(setup, shared_data, repo_root):
     assert m, lines[i]
     loss, ppl, adj, ratio = map(float, m.groups())
     assert ppl == pytest.approx(math.exp(loss), rel=1e-3) and adj == pytest.approx(math.exp(loss * ratio), rel=1e-3)
-    assert "evaluating" in proc.stderr  # tqdm progress bar on rank 0
+    # progress on rank 0: stderr is a pipe here, so plain lines (no tqdm `\r` redraws), the last one at 100%
+    assert "\r" not in proc.stderr and re.search(r"^evaluating: (\d+)/\1 batches \(100%\)", proc.stderr, re.M)
 
     argv = _argv(setup, shared_data, "LAMBADA", setup["synthetic"], ckpt="ckpt_const")
     proc = subprocess.run([sys.executable, str(repo_root / "tasks" / "main.py"), *argv], capture_output=True,
