@@ -35,6 +35,7 @@ import torch
 
 from megatron.atomic_io import atomic_torch_save as _atomic_save
 from megatron.atomic_io import atomic_write_text as _atomic_write_text
+from megatron.checkpoint_args import architecture_from_args, check_architecture, saved_architecture, use_checkpoint_args
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.errors import MegatronUserError
@@ -49,16 +50,8 @@ class CheckpointError(MegatronUserError, RuntimeError):
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
-# Flags whose values must agree between the checkpoint and this run (flag name, attribute).
-_MODEL_ARGS = (
-    ("--num-layers", "num_layers"),
-    ("--hidden-size", "hidden_size"),
-    ("--num-attention-heads", "num_attention_heads"),
-    ("--ffn-hidden-size", "ffn_hidden_size"),
-    ("--kv-channels", "kv_channels"),
-    ("--max-position-embeddings", "max_position_embeddings"),
-    ("--padded-vocab-size (vocab file / --make-vocab-size-divisible-by)", "padded_vocab_size"),
-)
+# Parallel-layout flags that must agree between the checkpoint and this run (the architecture is checked by
+# megatron/checkpoint_args.py).
 _PARALLEL_ARGS = (
     ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
     ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
@@ -248,6 +241,7 @@ def save_checkpoint(
             "consumed_valid_tokens": int(getattr(args, "consumed_valid_tokens", 0)),
             "true_vocab_size": getattr(args, "true_vocab_size", None),
             "padded_vocab_size": getattr(args, "padded_vocab_size", None),
+            "architecture": architecture_from_args(args),
         }
         if len(models) == 1:
             state_dict["model"] = _model_state_dict(models[0])
@@ -307,22 +301,24 @@ def _check_layout(load_dir: str, iteration: int, release: bool, checkpoint_name:
     )
 
 
-def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Namespace, path: str) -> None:
-    """One-line error when the checkpoint's model shape or parallel layout differs from this run."""
-    for flag, attr in _PARALLEL_ARGS + _MODEL_ARGS:
+def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Namespace, path: str,
+                          architecture: Optional[dict] = None) -> None:
+    """One-line error when the checkpoint's parallel layout or architecture (stored ``architecture``, else computed
+    from its saved args) differs from this run."""
+    for flag, attr in _PARALLEL_ARGS:
         saved = getattr(checkpoint_args, attr, None)
         current = getattr(args, attr, None)
         if saved is None or current is None or saved == current:
             continue
-        fix = f"or {reshard_hint(path)}" if (flag, attr) in _PARALLEL_ARGS else "(or --use-checkpoint-args)"
         raise CheckpointError(
             f"checkpoint {path} has {attr}={saved} but this run has {attr}={current}: "
-            f"set {flag} {saved} {fix}, or start without --load"
+            f"set {flag} {saved} or {reshard_hint(path)}, or start without --load"
         )
+    check_architecture(saved_architecture(architecture, checkpoint_args), args, path)
 
 
 def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") -> argparse.Namespace:
-    """--use-checkpoint-args: copy the model-shape flags saved in the latest checkpoint into ``args``."""
+    """--use-checkpoint-args: restore the whole architecture saved in the latest checkpoint into ``args``."""
     load_dir = getattr(args, load_arg, None)
     if not load_dir:
         raise CheckpointError("--use-checkpoint-args needs --load DIR")
@@ -334,15 +330,10 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
     if not os.path.isfile(name):
         name = get_checkpoint_name(load_dir, iteration, release, pipeline_parallel=True, tensor_rank=0,
                                    pipeline_rank=0)
-    ckpt_args = load_state_dict_file(name, trust=bool(getattr(args, "trust_checkpoint", False))).get("args")
-    if ckpt_args is None:
+    sd = load_state_dict_file(name, trust=bool(getattr(args, "trust_checkpoint", False)))
+    if sd.get("args") is None and not sd.get("architecture"):
         raise CheckpointError(f"--use-checkpoint-args: {name} holds no args")
-    for attr in ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
-                 "kv_channels", "max_position_embeddings", "make_vocab_size_divisible_by", "padded_vocab_size",
-                 "tokenizer_type", "add_position_embedding", "use_rotary_position_embeddings",
-                 "apply_residual_connection_post_layernorm", "openai_gelu", "layernorm_epsilon"):
-        if hasattr(ckpt_args, attr):
-            setattr(args, attr, getattr(ckpt_args, attr))
+    use_checkpoint_args(args, sd)
     return args
 
 
@@ -411,8 +402,8 @@ def load_checkpoint(
     finetune = bool(getattr(args, "finetune", False))
 
     ckpt_args = sd.get("args")
-    if ckpt_args is not None:
-        check_checkpoint_args(ckpt_args, args, checkpoint_name)
+    if ckpt_args is not None or sd.get("architecture"):
+        check_checkpoint_args(ckpt_args, args, checkpoint_name, sd.get("architecture"))
     if finetune or release:
         iteration = 0
     else:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from megatron import global_vars
+from megatron.checkpoint_args import architecture_from_args
 from megatron.checkpointing import (
     CHECKPOINT_VERSION,
     CheckpointError,
@@ -344,6 +345,7 @@ def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_p
     client_state: dict[str, Any] = {
         "iteration": iteration,
         "args": _args_to_save(args),
+        "architecture": architecture_from_args(args),
         "checkpoint_version": CHECKPOINT_VERSION,
         "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0)),
         "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0)),
@@ -388,8 +390,8 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
                               "global_step folder exists and matches this run's parallel layout")
     client_state = client_state or {}
     ckpt_args = client_state.get("args")
-    if ckpt_args is not None:
-        check_checkpoint_args(ckpt_args, args, path)
+    if ckpt_args is not None or client_state.get("architecture"):
+        check_checkpoint_args(ckpt_args, args, path, client_state.get("architecture"))
     if finetune:
         iteration = 0
     else:

@@ -93,7 +93,7 @@ def test_missing_tracker_starts_from_scratch(tmp_path: Path, capsys: pytest.Capt
 @pytest.mark.parametrize("attr,value,flag", [
     ("hidden_size", 8, "--hidden-size"),
     ("num_layers", 3, "--num-layers"),
-    ("padded_vocab_size", 256, "--padded-vocab-size"),
+    ("padded_vocab_size", 256, "--make-vocab-size-divisible-by"),
     ("tensor_model_parallel_size", 2, "--tensor-model-parallel-size"),
 ])
 def test_mismatch_is_one_line_error(tmp_path: Path, attr: str, value: int, flag: str) -> None:
