@@ -136,11 +136,12 @@ def pad_and_convert_to_numpy(tokens: list, masked_positions: list, masked_labels
                            f"but --decoder-seq-length is {max_seq_length_dec}; raise --decoder-seq-length")
     text_enc = np.array(enc + [pad_id] * padding_length, dtype=np.int64)
     text_dec = np.array(dec_in + [pad_id] * padding_length_dec, dtype=np.int64)
-    enc_valid = text_enc != pad_id  # Megatron tests `>= 1`, i.e. the same with pad id 0 (BERT and T5 vocabularies)
-    dec_valid = text_dec != pad_id
-    enc_mask = np.outer(enc_valid, enc_valid).astype(np.int64)
-    enc_dec_mask = np.outer(dec_valid, enc_valid).astype(np.int64)
-    dec_mask = (np.outer(dec_valid, dec_valid) & np.tri(max_seq_length_dec, dtype=bool)).astype(np.int64)
+    # Megatron tests `>= 1`, i.e. the same with pad id 0 (BERT and T5 vocabularies)
+    enc_valid = (text_enc != pad_id).astype(np.int64)
+    dec_valid = (text_dec != pad_id).astype(np.int64)
+    enc_mask = np.outer(enc_valid, enc_valid)
+    enc_dec_mask = np.outer(dec_valid, enc_valid)
+    dec_mask = np.tril(np.outer(dec_valid, dec_valid))  # causal: position i sees j <= i
     labels = np.array(dec_out + [-1] * padding_length_dec, dtype=np.int64)
     loss_mask = np.array([1] * num_tokens_dec + [0] * padding_length_dec, dtype=np.int64)
     return text_enc, text_dec, labels, enc_mask, dec_mask, enc_dec_mask, loss_mask
