@@ -7,6 +7,9 @@ the checked request to the other ranks with `broadcast_object_list`, and all ran
 in `worker_loop()` until rank 0 broadcasts "stop" (graceful shutdown); while idle, rank 0 broadcasts a heartbeat so
 the workers' collective never reaches the process group's timeout.
 
+`build_server` also serves OpenAI-style `POST /v1/completions` and `GET /v1/models` (megatron/text_generation/
+openai_api.py), broadcast to the other ranks as ("openai", request) the same way.
+
 The generation itself is injected: `generate_fn(prompts, tokens_to_generate, **options) -> dict` with keys
 `text`, `segments` and (when asked) `logprobs`, normally `functools.partial(megatron.text_generation.generate,
 model, tokenizer)`. The options passed are the ones its signature accepts.
@@ -26,6 +29,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron.text_generation import openai_api
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 DEFAULT_PORT = 5000
@@ -219,6 +224,7 @@ class MegatronServer:
         self.heartbeat_s = heartbeat_s
         self.log = log
         self.accepted = accepted_options(generate_fn)
+        self.openai: Any = None  # OpenAICompletions (set by build_server): POST /v1/completions, GET /v1/models
         self.lock = threading.Lock()
         self.httpd: Optional[ThreadingHTTPServer] = None
         self._stopped = False
@@ -249,6 +255,11 @@ class MegatronServer:
                     self._run_generate(request)
                 except Exception as exc:  # noqa: BLE001 - rank 0 reports it; keep serving
                     self.log(f"server worker: generate failed: {exc}")
+            elif kind == "openai" and self.openai is not None:
+                try:
+                    self.openai.run(request)
+                except Exception as exc:  # noqa: BLE001 - rank 0 reports it; keep serving
+                    self.log(f"server worker: openai completion failed: {exc}")
 
     # -- request handling (rank 0) -----------------------------------------------------------------------------
     def handle_payload(self, payload: Any) -> tuple[int, dict]:
@@ -356,6 +367,9 @@ def _make_handler(server: MegatronServer) -> type:
 
         def do_GET(self) -> None:  # noqa: N802 - http.server naming
             path = self.path.split("?", 1)[0]
+            if server.openai is not None and openai_api.serves(path):
+                openai_api.handle_http(server, self)
+                return
             if path in ("/", "/index.html"):
                 self._send(HTTPStatus.OK, (STATIC_DIR / "index.html").read_bytes(), "text/html; charset=utf-8")
             elif path == "/api":
@@ -364,6 +378,9 @@ def _make_handler(server: MegatronServer) -> type:
                 self._json(HTTPStatus.NOT_FOUND, {"message": f"no page {path}; try / or PUT /api"})
 
         def do_PUT(self) -> None:  # noqa: N802
+            if server.openai is not None and openai_api.serves(self.path):
+                openai_api.handle_http(server, self)
+                return
             if self.path.split("?", 1)[0] != "/api":
                 self._json(HTTPStatus.NOT_FOUND, {"message": f"no endpoint {self.path}; use PUT /api"})
                 return
@@ -401,5 +418,9 @@ def build_server(model: torch.nn.Module, tokenizer: Any, *, max_sequence_length:
     def count_tokens(text: str) -> int:
         return len(tokenizer.tokenize(text)) if text else 0
 
-    return MegatronServer(functools.partial(generate, model, tokenizer), count_tokens,
-                          max_sequence_length=max_sequence_length, **kwargs)
+    server = MegatronServer(functools.partial(generate, model, tokenizer), count_tokens,
+                            max_sequence_length=max_sequence_length, **kwargs)
+    server.openai = openai_api.OpenAICompletions(
+        model, tokenizer, max_sequence_length=max_sequence_length, max_tokens_limit=server.max_tokens_to_generate,
+        max_prompts=server.max_prompts, max_batch_tokens=server.max_batch_tokens)
+    return server

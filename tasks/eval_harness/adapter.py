@@ -11,11 +11,11 @@
 * `generate_until`: our KV-cache generation (`generate_tokens`), greedy or sampled, `max_gen_toks` new tokens, stop
   at end-of-document or a one-token stop string, the text cut at the first stop string.
 
-Parallelism: every rank runs lm-eval with all requests (lm-eval sees one process); the forward pass is our
-generation stack's (`_step_logits` / `_pipeline_step_logits`: logits gathered over TP, stage-to-stage under PP). The
-sorted requests are dealt round-robin to the data-parallel ranks; under PP the last stage computes the answers and
-broadcasts them over the pipeline group; the answers are all-gathered over the data-parallel group and put back in
-request order, so every rank returns the same list.
+Parallelism: every rank runs lm-eval with all requests (lm-eval sees one process); the scoring forward is
+megatron/text_generation/scoring.py (the generation stack's forward: logits gathered over TP, stage-to-stage under
+PP, float64 log-softmax over the real vocabulary). The sorted requests are dealt round-robin to the data-parallel
+ranks; under PP the last stage computes the answers and broadcasts them over the pipeline group; the answers are
+all-gathered over the data-parallel group and put back in request order, so every rank returns the same list.
 
 lm-eval is imported here at module level: import this module through `tasks.eval_harness.require_lm_eval()` (or
 after checking for lm-eval) so a missing package gives a one-line message.
@@ -34,14 +34,8 @@ from lm_eval.models.utils import normalize_gen_kwargs
 from tqdm import tqdm
 
 from megatron.core import parallel_state as ps
-from megatron.text_generation.generation import (
-    _broadcast_from_last_stage,
-    _pipeline_step_logits,
-    _pp_state,
-    _step_logits,
-    _unwrapped,
-    generate_tokens,
-)
+from megatron.text_generation.generation import generate_tokens
+from megatron.text_generation.scoring import score_tokens, sequence_logprob
 
 GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"}
 
@@ -64,7 +58,6 @@ class MegatronLM(TemplateLM):
         self.vocab_size = int(tokenizer.vocab_size)
         self.seed = int(seed)
         self.progress = progress
-        self._pp = _pp_state(self.state)
         self._device = next(model.parameters()).device
         self._calls = 0
 
@@ -116,43 +109,15 @@ class MegatronLM(TemplateLM):
         assert len(answers) == n, f"lost answers: {len(answers)} of {n}"
         return [answers[i] for i in range(n)]
 
-    def _logits(self, ids: torch.Tensor) -> Optional[torch.Tensor]:
-        """Full-vocab logits [b, s, v] on the last stage (None elsewhere): the generation stack's forward."""
-        n = ids.size(1)
-        pos = torch.arange(n, device=ids.device).unsqueeze(0).expand_as(ids)
-        mask = torch.ones(1, 1, n, n, dtype=torch.bool, device=ids.device).triu(1)
-        if self._pp is None:
-            return _step_logits(self.model, ids, pos, mask, None, False, self.state.tp_group)
-        try:
-            return _pipeline_step_logits(self.model, ids, pos, mask, None, False, self.state.tp_group, self._pp)
-        finally:
-            _unwrapped(self.model).set_input_tensor(None)
-
     # -- loglikelihood -------------------------------------------------------------------------------------------
-    @torch.no_grad()
     def _score(self, batch: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(summed log-prob, is_greedy) of each (context, continuation) token pair, on every rank of the pipeline."""
-        inps = [(ctx + cont)[-(self.max_length + 1):][:-1] for ctx, cont in batch]
-        width = max(len(x) for x in inps) if self.adaptive_seq_len else self.max_length
-        ids = torch.full((len(batch), width), self.eot_token_id, dtype=torch.long, device=self.device)
-        for i, x in enumerate(inps):
-            ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            logits = self._logits(ids)
-        finally:
-            self.model.train(was_training)
-        out = torch.zeros(len(batch), 2, dtype=torch.float64, device=self.device)
-        if logits is not None:
-            for i, ((_, cont), x) in enumerate(zip(batch, inps)):
-                rows = logits[i, len(x) - len(cont): len(x), : self.vocab_size].double()
-                logp = torch.log_softmax(rows, dim=-1)
-                target = torch.tensor(cont, dtype=torch.long, device=self.device)
-                out[i, 0] = logp.gather(1, target[:, None]).sum().double()
-                out[i, 1] = float(bool((logp.argmax(-1) == target).all()))
-        out = _broadcast_from_last_stage(out, self._pp)
-        return [(float(lp), bool(g)) for lp, g in out.tolist()]
+        full = [(ctx + cont)[-(self.max_length + 1):] for ctx, cont in batch]
+        scored = score_tokens(self.model, full, vocab_size=self.vocab_size,
+                              score_from=[len(f) - len(cont) for f, (_, cont) in zip(full, batch)],
+                              pad_id=self.eot_token_id, width=None if self.adaptive_seq_len else self.max_length,
+                              state=self.state)
+        return [sequence_logprob(s) for s in scored]
 
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any
                               ) -> list[tuple[float, bool]]:

@@ -1,0 +1,384 @@
+"""OpenAI-compatible completions on the REST server: `POST /v1/completions` (and `/completions`), `GET /v1/models`.
+
+Request fields (OpenAI's legacy completions API): `prompt` (string, list of strings, token ids or list of token-id
+lists), `max_tokens` (default 16; 0 only with `echo`), `temperature` (default 1; 0 = greedy), `top_p`, `top_k`
+(extension; not together with top_p < 1), `stop` (string or up to 4 strings), `logprobs` (top-n, 0..5), `echo`
+(prompt tokens and their log-probs returned too: what lm-eval's `local-completions` sends, with `max_tokens` 1),
+`seed`, `n` / `best_of` = 1, `stream` (server-sent events), `model` (any name: one model is served), `user`.
+Penalties and `logit_bias` are accepted only at their neutral values; any other field is refused. Errors use
+OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with HTTP 400 (413 for bodies over the limit).
+
+Execution follows the server's `PUT /api`: rank 0 validates, broadcasts the checked request to every rank
+(`("openai", request)`) and all ranks run `OpenAICompletions.run`: KV-cache generation (`generate_tokens`, stopping at
+end-of-document or a one-token stop string) and, when log-probs are asked for, one teacher-forced scoring pass
+(megatron/text_generation/scoring.py) over prompt + completion. The completion text is cut at the first stop
+string (`finish_reason` "stop"; "length" when `max_tokens` ran out). With `stream`, the finished completion is sent
+as server-sent events, one chunk per token, then `data: [DONE]` (generation itself is not incremental).
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+from http import HTTPStatus
+from typing import Any, Optional
+
+import torch
+
+from megatron.text_generation.generation import generate_tokens
+from megatron.text_generation.scoring import score_tokens
+
+COMPLETION_PATHS = ("/v1/completions", "/completions")
+MODEL_PATHS = ("/v1/models", "/models")
+MAX_LOGPROBS = 5
+MAX_STOP = 4
+NEUTRAL_FIELDS = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "suffix": None}
+KNOWN_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "stop", "logprobs",
+                "echo", "seed", "stream", "stream_options", "user", *NEUTRAL_FIELDS}
+
+
+class OpenAIError(Exception):
+    """A refused request: HTTP `status` and OpenAI's error object."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = HTTPStatus.BAD_REQUEST,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.param, self.status, self.kind = param, int(status), kind
+
+    def body(self) -> dict:
+        return error_body(str(self), self.param, self.kind)
+
+
+def error_body(message: str, param: Optional[str] = None, kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def _int(payload: dict, name: str, default: Optional[int], lo: Optional[int] = None, hi: Optional[int] = None
+         ) -> Optional[int]:
+    value = payload.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float)
+                                                                          and not value.is_integer()):
+        raise OpenAIError(f"{name} must be an integer, got {json.dumps(value)}", name)
+    value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise OpenAIError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}", name)
+    return value
+
+
+def _float(payload: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = payload.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise OpenAIError(f"{name} must be a number, got {json.dumps(value)}", name)
+    if not lo <= value <= hi:
+        raise OpenAIError(f"{name} must be in [{lo}, {hi}], got {value}", name)
+    return float(value)
+
+
+class OpenAICompletions:
+    """Validation (rank 0), execution (every rank) and response building for the OpenAI-style endpoints."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, max_sequence_length: int,
+                 model_name: str = "megatron-gpt", max_tokens_limit: Optional[int] = None, max_prompts: int = 128,
+                 max_batch_tokens: Optional[int] = None, state: Any = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_sequence_length = int(max_sequence_length)
+        self.model_name = model_name
+        self.max_tokens_limit = max_tokens_limit
+        self.max_prompts = max_prompts
+        self.max_batch_tokens = max_batch_tokens
+        self.state = state
+        self.eod = int(tokenizer.eod)
+        self.vocab_size = int(tokenizer.vocab_size)
+        self.created = int(time.time())
+
+    # -- validation (rank 0) -------------------------------------------------------------------------------------
+    def _prompts(self, prompt: Any) -> tuple[list[list[int]], list[Optional[str]]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise OpenAIError("prompt must be a string, a list of strings, a list of token ids or a list of "
+                              "token-id lists (non-empty)", "prompt")
+        if len(prompt) > self.max_prompts:
+            raise OpenAIError(f"too many prompts ({len(prompt)}); the maximum is {self.max_prompts}", "prompt")
+        ids, texts = [], []
+        for p in prompt:
+            if isinstance(p, str):
+                toks = [int(t) for t in self.tokenizer.tokenize(p)] if p else []
+                texts.append(p)
+            elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                bad = [t for t in p if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise OpenAIError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                      "prompt")
+                toks = list(p)
+                texts.append(None)
+            else:
+                raise OpenAIError("prompt must be strings or lists of token ids, not a mix", "prompt")
+            ids.append(toks or [self.eod])  # an empty prompt starts from <|endoftext|>, as OpenAI's models do
+        return ids, texts
+
+    def validate(self, payload: Any) -> dict:
+        """Check a decoded JSON body; the request every rank runs, or OpenAIError."""
+        if not isinstance(payload, dict):
+            raise OpenAIError('the request body must be a JSON object such as {"prompt": "Hello", "max_tokens": 16}')
+        unknown = sorted(set(payload) - KNOWN_FIELDS)
+        if unknown:
+            raise OpenAIError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+        for name, neutral in NEUTRAL_FIELDS.items():
+            value = payload.get(name)
+            if value not in (None, neutral) and not (name == "logit_bias" and value == {}):
+                raise OpenAIError(f"{name} is not supported by this server (only {json.dumps(neutral)})", name)
+        if "prompt" not in payload:
+            raise OpenAIError("missing required field: prompt", "prompt")
+        if not isinstance(payload.get("model", ""), str):
+            raise OpenAIError("model must be a string", "model")
+        for name in ("n", "best_of"):
+            if _int(payload, name, 1) != 1:
+                raise OpenAIError(f"{name} must be 1 on this server (one completion per prompt)", name)
+        prompts, texts = self._prompts(payload["prompt"])
+        max_tokens = _int(payload, "max_tokens", 16, 0)
+        echo = payload.get("echo", False)
+        stream = payload.get("stream", False)
+        for name, value in (("echo", echo), ("stream", stream)):
+            if not isinstance(value, bool):
+                raise OpenAIError(f"{name} must be true or false", name)
+        if max_tokens == 0 and not echo:
+            raise OpenAIError("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
+        if self.max_tokens_limit is not None and max_tokens > self.max_tokens_limit:
+            raise OpenAIError(f"max_tokens={max_tokens} exceeds this server's limit of {self.max_tokens_limit}",
+                              "max_tokens")
+        longest = max(len(p) for p in prompts)
+        if longest + max_tokens > self.max_sequence_length:
+            raise OpenAIError(f"this model's maximum context length is {self.max_sequence_length} tokens; the "
+                              f"prompt has {longest} and max_tokens asks for {max_tokens}; shorten one",
+                              "max_tokens")
+        if self.max_batch_tokens is not None and len(prompts) * (longest + max_tokens) > self.max_batch_tokens:
+            raise OpenAIError(f"{len(prompts)} prompt(s) x {longest + max_tokens} tokens is over this server's "
+                              f"limit of {self.max_batch_tokens} tokens per request", "prompt")
+        temperature = _float(payload, "temperature", 1.0, 0.0, 2.0)
+        top_p = _float(payload, "top_p", 1.0, 0.0, 1.0)
+        top_k = _int(payload, "top_k", 0, 0)
+        if top_p == 0.0:
+            raise OpenAIError("top_p must be > 0", "top_p")
+        if top_k and top_p < 1.0:
+            raise OpenAIError("set top_k or top_p, not both", "top_k")
+        stop = payload.get("stop")
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+            raise OpenAIError(f"stop must be a non-empty string or a list of up to {MAX_STOP} of them", "stop")
+        logprobs = _int(payload, "logprobs", None, 0, MAX_LOGPROBS)
+        seed = _int(payload, "seed", None, 0, 2**63 - 1)
+        options = payload.get("stream_options")
+        if options is not None and (not stream or not isinstance(options, dict)
+                                    or set(options) - {"include_usage"}):
+            raise OpenAIError("stream_options must be {\"include_usage\": bool} and needs stream: true",
+                              "stream_options")
+        return {"prompts": prompts, "texts": texts, "max_tokens": max_tokens, "temperature": temperature,
+                "top_p": top_p, "top_k": top_k, "stop": stop, "logprobs": logprobs, "echo": echo,
+                "seed": seed if seed is not None else random.SystemRandom().randrange(2**31),
+                "stream": stream, "include_usage": bool((options or {}).get("include_usage")),
+                "model": payload.get("model") or self.model_name}
+
+    # -- execution (every rank) ----------------------------------------------------------------------------------
+    def _stop_token_ids(self, stop: list[str]) -> list[int]:
+        ids = []
+        for s in stop:
+            toks = self.tokenizer.tokenize(s)
+            if len(toks) == 1:
+                ids.append(int(toks[0]))
+        return ids
+
+    def run(self, req: dict) -> list[dict]:
+        """Generate (and score) on every rank; the raw per-prompt results (tokens, scores) used by `response`."""
+        prompts, max_tokens = req["prompts"], req["max_tokens"]
+        if max_tokens > 0:
+            greedy = req["temperature"] == 0.0
+            out = generate_tokens(
+                self.model, prompts, max_tokens, eod_id=self.eod, greedy=greedy,
+                temperature=1.0 if greedy else req["temperature"], top_k=req["top_k"],
+                top_p=0.0 if req["top_p"] >= 1.0 else req["top_p"], stop_token_ids=self._stop_token_ids(req["stop"]),
+                random_seed=req["seed"] % 2**62, vocab_size=self.vocab_size, state=self.state)
+            seqs = [row[:n] for row, n in zip(out.tokens.tolist(), out.lengths.tolist())]
+        else:
+            seqs = [list(p) for p in prompts]
+        results = [{"prompt": p, "generated": s[len(p):]} for p, s in zip(prompts, seqs)]
+        if req["logprobs"] is not None:
+            starts = [1 if req["echo"] else len(p) for p in prompts]
+            todo = [i for i, (s, a) in enumerate(zip(seqs, starts)) if a < len(s)]
+            scored = score_tokens(self.model, [seqs[i] for i in todo], vocab_size=self.vocab_size,
+                                  score_from=[starts[i] for i in todo], top_n=max(req["logprobs"], 1),
+                                  pad_id=self.eod, state=self.state)
+            for i, s in zip(todo, scored):
+                results[i]["scored"] = s
+        return results
+
+    # -- response (rank 0) ---------------------------------------------------------------------------------------
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.detokenize([token])
+
+    def _choice(self, index: int, req: dict, res: dict) -> tuple[dict, int]:
+        prompt, gen = res["prompt"], list(res["generated"])
+        finish = "length"
+        if self.eod in gen:
+            gen, finish = gen[: gen.index(self.eod) + 1], "stop"  # the eod stays in the token list, not the text
+        text_tokens = gen[:-1] if finish == "stop" else gen
+        text = self.tokenizer.detokenize(text_tokens)
+        cut = min((i for i in (text.find(s) for s in req["stop"]) if i >= 0), default=-1)
+        if cut >= 0:
+            text, finish = text[:cut], "stop"
+            keep, covered = 0, 0  # tokens that start before the cut
+            for t in text_tokens:
+                if covered >= cut:
+                    break
+                covered += len(self._piece(t))
+                keep += 1
+            gen = text_tokens[:keep]
+        n_completion = len(gen)
+        prompt_text = req["texts"][index] if req["texts"][index] is not None else self.tokenizer.detokenize(prompt)
+        choice = {"index": index, "text": (prompt_text + text) if req["echo"] else text, "logprobs": None,
+                  "finish_reason": finish}
+        if req["logprobs"] is not None:
+            shown = (prompt + gen) if req["echo"] else gen  # scored entry k is shown[k + 1] (echo) or shown[k]
+            scored = res.get("scored")
+            tokens = [self._piece(t) for t in shown]
+            token_logprobs: list[Optional[float]] = []
+            top_logprobs: list[Optional[dict]] = []
+            if req["echo"]:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+            for k in range(len(shown) - (1 if req["echo"] else 0)):
+                token_logprobs.append(scored.logprobs[k])
+                top = {}
+                for tid, lp in zip(scored.top_ids[k][: max(req["logprobs"], 1)],
+                                   scored.top_logprobs[k][: max(req["logprobs"], 1)]):
+                    top.setdefault(self._piece(tid), lp)
+                top_logprobs.append(top if req["logprobs"] > 0 else {})
+            offsets, at = [], len(prompt_text) if not req["echo"] else 0
+            for piece in tokens:
+                offsets.append(at)
+                at += len(piece)
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                                  "text_offset": offsets}
+        return choice, n_completion
+
+    def response(self, req: dict, results: list[dict]) -> dict:
+        """The OpenAI `text_completion` object."""
+        choices, completion = [], 0
+        for i, res in enumerate(results):
+            choice, n = self._choice(i, req, res)
+            choices.append(choice)
+            completion += n
+        prompt_tokens = sum(len(r["prompt"]) for r in results)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": req["model"], "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": prompt_tokens + completion}}
+
+    def stream_events(self, req: dict, body: dict) -> list[dict]:
+        """The finished completion as streaming chunks: one per token of each choice, then its finish_reason."""
+        events = []
+        base = {"id": body["id"], "object": "text_completion", "created": body["created"], "model": body["model"]}
+        for choice in body["choices"]:
+            text = choice["text"]
+            pieces = [self._piece(t) for t in self.tokenizer.tokenize(text)] if text else []
+            if "".join(pieces) != text:  # a tokenizer that does not round-trip: send the text whole
+                pieces = [text]
+            for piece in pieces:
+                events.append({**base, "choices": [{"index": choice["index"], "text": piece, "logprobs": None,
+                                                    "finish_reason": None}]})
+            events.append({**base, "choices": [{"index": choice["index"], "text": "",
+                                                "logprobs": choice["logprobs"],
+                                                "finish_reason": choice["finish_reason"]}]})
+        if req["include_usage"]:
+            events.append({**base, "choices": [], "usage": body["usage"]})
+        return events
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "megatron"}]}
+
+
+# -- HTTP glue (called from megatron/text_generation/server.py) ----------------------------------------------------
+def serves(path: str) -> bool:
+    return path.split("?", 1)[0] in COMPLETION_PATHS + MODEL_PATHS
+
+
+def handle_http(server: Any, handler: Any) -> None:
+    """Answer one request for an OpenAI path on `handler` (a BaseHTTPRequestHandler of `server`)."""
+    api: OpenAICompletions = server.openai
+    path = handler.path.split("?", 1)[0]
+
+    def send(status: int, obj: dict) -> None:
+        handler._send(status, json.dumps(obj).encode("utf-8"), "application/json")
+
+    if path in MODEL_PATHS:
+        if handler.command != "GET":
+            send(HTTPStatus.METHOD_NOT_ALLOWED, error_body(f"use GET {path}"))
+        else:
+            send(HTTPStatus.OK, api.models())
+        return
+    if handler.command != "POST":
+        send(HTTPStatus.METHOD_NOT_ALLOWED, error_body(f"use POST {path} with a JSON body"))
+        return
+    length = handler.headers.get("Content-Length")
+    if length is None or not length.isdigit():
+        handler.close_connection = True
+        send(HTTPStatus.LENGTH_REQUIRED, error_body("send the JSON body with a Content-Length"))
+        return
+    if int(length) > server.max_request_bytes:
+        handler.close_connection = True
+        send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+             error_body(f"request body of {length} bytes is over the limit of {server.max_request_bytes} bytes"))
+        return
+    try:
+        payload = json.loads(handler.rfile.read(int(length)).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        send(HTTPStatus.BAD_REQUEST, error_body(f"the request body is not valid JSON: {exc}"))
+        return
+    try:
+        req = api.validate(payload)
+    except OpenAIError as exc:
+        send(exc.status, exc.body())
+        return
+    with server.lock:
+        if server._stopped:
+            send(HTTPStatus.SERVICE_UNAVAILABLE, error_body("the server is shutting down", kind="server_error"))
+            return
+        server.log(f"openai completion: {len(req['prompts'])} prompt(s), max_tokens={req['max_tokens']}")
+        server._broadcast(("openai", req))
+        try:
+            results = api.run(req)
+        except ValueError as exc:  # generation's own input checks fail alike on every rank
+            send(HTTPStatus.BAD_REQUEST, error_body(str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 - answer the client, keep serving
+            server.log(f"server: openai completion failed: {exc!r}")
+            send(HTTPStatus.INTERNAL_SERVER_ERROR, error_body(f"generation failed: {exc}", kind="server_error"))
+            return
+    body = api.response(req, results)
+    if not req["stream"]:
+        send(HTTPStatus.OK, body)
+        return
+    handler.send_response(HTTPStatus.OK)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.send_header("Cache-Control", "no-cache")
+    handler.close_connection = True
+    handler.end_headers()
+    for event in api.stream_events(req, body):
+        handler.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+    handler.wfile.write(b"data: [DONE]\n\n")
+    handler.wfile.flush()
+
+
+def run_on_worker(server: Any, req: dict) -> None:
+    """Non-zero ranks: take part in one broadcast OpenAI request."""
+    server.openai.run(req)

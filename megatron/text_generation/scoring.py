@@ -1,0 +1,120 @@
+"""Teacher-forced scoring of token sequences: per-token log-probs, greedy flags and top-n alternatives.
+
+Used by the lm-eval adapter (tasks/eval_harness) and the OpenAI-style `/v1/completions` endpoint (logprobs, echo).
+The forward pass is the generation stack's (`_step_logits` / `_pipeline_step_logits`: logits gathered over tensor
+parallelism, stage to stage under pipeline parallelism); the log-softmax runs in float64 over the real vocabulary
+only (ids >= vocab_size pad the embedding to a multiple of 128 x TP and are never a prediction), and the answers
+are computed on the last pipeline stage and broadcast over the pipeline group, so every rank returns the same.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.text_generation.generation import (
+    _broadcast_from_last_stage,
+    _pipeline_step_logits,
+    _pp_state,
+    _step_logits,
+    _tp_group,
+    _unwrapped,
+)
+
+ROW_CHUNK = 256  # positions per float64 log-softmax block (bounds memory for long sequences x large vocabularies)
+
+
+@dataclass
+class ScoredSequence:
+    """Scores of tokens[score_from:] of one sequence: entry j is about token score_from + j given those before."""
+
+    logprobs: list[float]
+    greedy: list[bool]
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+
+def _state(state: Optional[ps.ParallelState]) -> ps.ParallelState:
+    if state is not None:
+        return state
+    return ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
+
+
+@torch.no_grad()
+def forward_logits(model: torch.nn.Module, ids: torch.Tensor, state: Optional[ps.ParallelState] = None
+                   ) -> Optional[torch.Tensor]:
+    """Full-vocabulary logits [b, s, v] of a causal forward over `ids` [b, s] on the last stage, None elsewhere."""
+    state = _state(state)
+    pp = _pp_state(state)
+    tp_group = _tp_group(None, state)
+    n = ids.size(1)
+    pos = torch.arange(n, device=ids.device).unsqueeze(0).expand_as(ids)
+    mask = torch.ones(1, 1, n, n, dtype=torch.bool, device=ids.device).triu(1)
+    was_training = model.training
+    model.eval()
+    try:
+        if pp is None:
+            return _step_logits(model, ids, pos, mask, None, False, tp_group)
+        return _pipeline_step_logits(model, ids, pos, mask, None, False, tp_group, pp)
+    finally:
+        if pp is not None:
+            _unwrapped(model).set_input_tensor(None)
+        model.train(was_training)
+
+
+@torch.no_grad()
+def score_tokens(model: torch.nn.Module, sequences: Sequence[Sequence[int]], *, vocab_size: int,
+                 score_from: Optional[Sequence[int]] = None, top_n: int = 0, pad_id: int = 0,
+                 width: Optional[int] = None, state: Optional[ps.ParallelState] = None) -> list[ScoredSequence]:
+    """Score tokens[score_from[i]:] of every sequence (default: all but the first token) in one batched forward.
+
+    The inputs are the sequences minus their last token, right-padded with `pad_id` to `width` (default: the
+    longest). Every rank of the job returns the same scores.
+    """
+    state = _state(state)
+    if not sequences:
+        return []
+    starts = [1] * len(sequences) if score_from is None else [int(s) for s in score_from]
+    for seq, s in zip(sequences, starts):
+        if not 1 <= s <= len(seq):
+            raise ValueError(f"score_from {s} out of range for a sequence of {len(seq)} tokens")
+    device = next(model.parameters()).device
+    inputs = [list(seq[:-1]) for seq in sequences]
+    width = max(max(len(x) for x in inputs), 1) if width is None else width
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long, device=device)
+    for i, x in enumerate(inputs):
+        ids[i, : len(x)] = torch.as_tensor(x, dtype=torch.long, device=device)
+    logits = forward_logits(model, ids, state)
+    counts = [len(seq) - s for seq, s in zip(sequences, starts)]
+    cols = 2 + 2 * top_n
+    packed = torch.zeros(len(sequences), max(max(counts), 1), cols, dtype=torch.float64, device=device)
+    if logits is not None:
+        for i, (seq, s, n) in enumerate(zip(sequences, starts, counts)):
+            target = torch.as_tensor(list(seq[s:]), dtype=torch.long, device=device)
+            for a in range(0, n, ROW_CHUNK):
+                b = min(a + ROW_CHUNK, n)
+                logp = torch.log_softmax(logits[i, s - 1 + a: s - 1 + b, :vocab_size].double(), dim=-1)
+                packed[i, a:b, 0] = logp.gather(1, target[a:b, None]).squeeze(1)
+                packed[i, a:b, 1] = (logp.argmax(-1) == target[a:b]).double()
+                if top_n:
+                    values, top = torch.topk(logp, top_n, dim=-1)
+                    packed[i, a:b, 2: 2 + top_n] = top.double()
+                    packed[i, a:b, 2 + top_n:] = values
+    packed = _broadcast_from_last_stage(packed, _pp_state(state)).cpu()
+    out = []
+    for i, n in enumerate(counts):
+        rows = packed[i, :n]
+        out.append(ScoredSequence(logprobs=rows[:, 0].tolist(), greedy=[bool(g) for g in rows[:, 1].tolist()],
+                                  top_ids=rows[:, 2: 2 + top_n].long().tolist() if top_n else [],
+                                  top_logprobs=rows[:, 2 + top_n:].tolist() if top_n else []))
+    return out
+
+
+def sequence_logprob(scored: ScoredSequence) -> tuple[float, bool]:
+    """(summed log-prob, every token the argmax) of one scored sequence."""
+    return float(sum(scored.logprobs)), all(scored.greedy)
+
+
+__all__ = ["ScoredSequence", "forward_logits", "score_tokens", "sequence_logprob"]

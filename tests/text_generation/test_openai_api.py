@@ -1,0 +1,219 @@
+"""OpenAI-compatible /v1/completions and /v1/models on the REST server, driven by the real `openai` client and plain
+HTTP: greedy text equals generate(), stop strings, echo + logprobs equal a direct forward, streaming, seeded sampling,
+OpenAI-shaped 4xx errors after which the server keeps answering, and a TP=2 server giving the TP=1 answers."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron.model.tp_shards import split_tensor_parallel_state_dict
+from megatron.text_generation import generate
+from megatron.text_generation.server import build_server
+from tests.dist_utils import run_distributed
+from tests.text_generation.test_server_http import CONTEXT, call, tiny_gpt, tiny_tokenizer
+
+openai = pytest.importorskip("openai")
+REAL_VOCAB = 5000
+PROMPTS = ["The meaning of life is", "Hello there, my friend"]
+
+
+@pytest.fixture(scope="module")
+def served(shared_data):
+    model, tokenizer = tiny_gpt(), tiny_tokenizer(shared_data)
+    server = build_server(model, tokenizer, max_sequence_length=CONTEXT, max_tokens_to_generate=32, max_prompts=4,
+                          max_request_bytes=4096, log=lambda msg: None)
+    address = server.start("127.0.0.1", 0)
+    client = openai.OpenAI(base_url=f"http://{address[0]}:{address[1]}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    yield address, model, tokenizer, client
+    server.shutdown()
+
+
+def post(address, payload, path: str = "/v1/completions"):
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode("utf-8")
+    return call(address, "POST", path, body, {"Content-Type": "application/json"})
+
+
+def greedy_reference(model, tokenizer, prompt: str, n: int) -> str:
+    out = generate(model, tokenizer, [prompt], n, greedy=True)
+    gen = out["tokens"][0][len(tokenizer.tokenize(prompt)):]
+    if tokenizer.eod in gen:
+        gen = gen[: gen.index(tokenizer.eod)]
+    return tokenizer.detokenize(gen)
+
+
+def direct_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log p(ids[j+1] | ids[..j]) and the per-position log-softmax rows [s-1, v] over the real vocabulary."""
+    n = len(ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), torch.arange(n)[None], torch.ones(1, 1, n, n, dtype=torch.bool).triu(1))
+    return torch.log_softmax(logits[0, :-1, :REAL_VOCAB].double(), -1)
+
+
+def test_client_greedy_equals_generate(served):
+    address, model, tokenizer, client = served
+    res = client.completions.create(model="anything", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert res.object == "text_completion" and res.id.startswith("cmpl-") and res.created > 0
+    assert res.model == "anything" and len(res.choices) == 1
+    choice = res.choices[0]
+    assert choice.text == greedy_reference(model, tokenizer, PROMPTS[0], 8)
+    assert choice.finish_reason == "length" and choice.index == 0 and choice.logprobs is None
+    n_prompt = len(tokenizer.tokenize(PROMPTS[0]))
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens, res.usage.total_tokens) == (n_prompt, 8,
+                                                                                               n_prompt + 8)
+    # a batch of prompts (strings and token ids) gives each prompt's own greedy text
+    batch = client.completions.create(model="m", prompt=PROMPTS, max_tokens=6, temperature=0)
+    ids = client.completions.create(model="m", prompt=[tokenizer.tokenize(p) for p in PROMPTS], max_tokens=6,
+                                    temperature=0)
+    for i, p in enumerate(PROMPTS):
+        assert batch.choices[i].text == ids.choices[i].text == greedy_reference(model, tokenizer, p, 6)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["megatron-gpt"]
+
+
+def test_stop_strings_cut_the_text(served):
+    address, model, tokenizer, client = served
+    full = greedy_reference(model, tokenizer, PROMPTS[0], 12)
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    res = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop, "zzzq"],
+                                    logprobs=1)
+    choice = res.choices[0]
+    assert choice.text == full[: full.index(stop)] and choice.finish_reason == "stop"
+    assert stop not in choice.text
+    # the tokens reported cover the kept text (the last one may hold the start of the stop string)
+    assert "".join(choice.logprobs.tokens).startswith(choice.text)
+    assert res.usage.completion_tokens == len(choice.logprobs.tokens) < 12
+
+
+def test_echo_logprobs_equal_a_direct_forward(served):
+    address, model, tokenizer, client = served
+    prompt = "The cat sat on the mat and"
+    res = client.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=3)
+    choice = res.choices[0]
+    ids = tokenizer.tokenize(prompt)
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and choice.text == prompt + greedy_reference(model, tokenizer, prompt, 3)
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    full = ids + tokenizer.tokenize(choice.text[len(prompt):])
+    rows = direct_logprobs(model, full)
+    expected = rows.gather(1, torch.tensor(full[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(lp.token_logprobs[1:], dtype=torch.float64), expected, atol=1e-5)
+    for j, top in enumerate(lp.top_logprobs[1:]):
+        values, top_ids = torch.topk(rows[j], 3)
+        assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-5)
+        assert list(top) == [tokenizer.detokenize([int(t)]) for t in top_ids]
+    assert lp.text_offset == [len("".join(lp.tokens[:j])) for j in range(len(lp.tokens))]
+    # generated tokens are greedy: their log-prob is the top one
+    for tok_lp, top in zip(lp.token_logprobs[-3:], lp.top_logprobs[-3:]):
+        assert tok_lp == max(top.values())
+    # lm-eval local-completions' log-likelihood request: token ids, max_tokens 1, echo, logprobs 1
+    status, body = post(address, {"model": "m", "prompt": [full], "max_tokens": 1, "temperature": 0, "logprobs": 1,
+                                  "echo": True, "seed": 1234})
+    assert status == 200
+    scored = body["choices"][0]["logprobs"]["token_logprobs"]
+    assert scored[1: len(full)] == pytest.approx(expected.tolist(), abs=1e-5) and len(scored) == len(full) + 1
+    # max_tokens 0 with echo: only the prompt, scored
+    status, body = post(address, {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0})
+    assert status == 200 and body["choices"][0]["text"] == prompt and body["usage"]["completion_tokens"] == 0
+    assert body["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(expected[: len(ids) - 1].tolist(),
+                                                                                 abs=1e-5)
+
+
+def test_streaming_and_seeded_sampling(served):
+    address, model, tokenizer, client = served
+    plain = client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=10, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) > 2
+    assert all(c.id == chunks[0].id for c in chunks)
+    a = client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=10, temperature=1.0, top_p=0.9, seed=7)
+    b = client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=10, temperature=1.0, top_p=0.9, seed=7)
+    c = client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=10, temperature=1.0, seed=8,
+                                    extra_body={"top_k": 40})
+    assert a.choices[0].text == b.choices[0].text and c.choices[0].text  # same seed, same sample
+
+
+@pytest.mark.parametrize("payload,param,message", [
+    ({"prompt": "x", "n": 2}, "n", "must be 1"),
+    ({"prompt": "x", "best_of": 3}, "best_of", "must be 1"),
+    ({"prompt": "x", "bogus": 1}, "bogus", "unrecognized"),
+    ({"prompt": 5}, "prompt", "prompt must be"),
+    ({"prompt": ["a", 3]}, "prompt", "not a mix"),
+    ({"prompt": [[1, 99999]]}, "prompt", "outside the vocabulary"),
+    ({"max_tokens": 3}, "prompt", "missing"),
+    ({"prompt": "x", "max_tokens": "3"}, "max_tokens", "integer"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "only with echo"),
+    ({"prompt": "x", "max_tokens": 33}, "max_tokens", "limit of 32"),
+    ({"prompt": "word " * 60, "max_tokens": 10}, "max_tokens", "maximum context length"),
+    ({"prompt": "x", "temperature": -1}, "temperature", "[0.0, 2.0]"),
+    ({"prompt": "x", "top_k": 5, "top_p": 0.5}, "top_k", "not both"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs", "[0, 5]"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
+    ({"prompt": "x", "echo": "yes"}, "echo", "true or false"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"prompt": ["a"] * 5}, "prompt", "too many prompts"),
+])
+def test_bad_requests_get_openai_errors(served, payload, param, message):
+    address = served[0]
+    status, body = post(address, payload)
+    assert status == 400, body
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == param
+    assert message in body["error"]["message"]
+    assert post(address, {"prompt": "ok", "max_tokens": 2, "temperature": 0})[0] == 200  # still serving
+
+
+def test_http_edges_and_client_errors(served):
+    address, _, _, client = served
+    status, body = post(address, b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = post(address, json.dumps({"prompt": "x" * 5000}).encode())
+    assert status == 413 and "limit" in body["error"]["message"]
+    assert call(address, "GET", "/v1/completions")[0] == 405
+    assert call(address, "POST", "/v1/models", b"{}")[0] == 405
+    status, body = call(address, "GET", "/models")
+    assert status == 200 and body["object"] == "list"
+    status, body = post(address, {"prompt": "Hi", "max_tokens": 2}, path="/completions")  # no /v1 prefix
+    assert status == 200 and body["choices"][0]["finish_reason"] in ("length", "stop")
+    with pytest.raises(openai.BadRequestError, match="must be 1"):
+        client.completions.create(model="m", prompt="x", max_tokens=2, n=2)
+    assert client.completions.create(model="m", prompt="x", max_tokens=2, temperature=0).choices[0].text is not None
+
+
+# ----------------------------------------------------------------------------------------------- TP=2 server
+def _tp2_body(rank: int, world_size: int, full_state: dict, shared_data) -> dict:
+    state = initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        model = tiny_gpt(tp=2, tp_rank=state.tp_rank, pp_state=state)
+        model.load_state_dict(split_tensor_parallel_state_dict(full_state, 2)[state.tp_rank])
+        server = build_server(model, tiny_tokenizer(shared_data), max_sequence_length=CONTEXT, heartbeat_s=0.2,
+                              log=lambda msg: None)
+        if rank != 0:
+            server.worker_loop()
+            return {}
+        address = server.start("127.0.0.1", 0)
+        time.sleep(0.5)  # heartbeats while idle
+        bad = post(address, {"prompt": "x", "n": 3})
+        good = post(address, {"prompt": PROMPTS, "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": True})
+        server.shutdown()
+        return {"bad": bad, "good": good}
+    finally:
+        destroy_model_parallel()
+
+
+def test_tp2_server_equals_tp1(served, shared_data):
+    address, model, _, _ = served
+    status, reference = post(address, {"prompt": PROMPTS, "max_tokens": 6, "temperature": 0, "logprobs": 2,
+                                       "echo": True})
+    assert status == 200
+    rank0, _ = run_distributed(_tp2_body, world_size=2, args=(model.state_dict(), shared_data))
+    assert rank0["bad"][0] == 400
+    status, body = rank0["good"]
+    assert status == 200
+    for ours, ref in zip(body["choices"], reference["choices"]):
+        assert ours["text"] == ref["text"] and ours["logprobs"]["tokens"] == ref["logprobs"]["tokens"]
+        assert ours["logprobs"]["token_logprobs"][1:] == pytest.approx(ref["logprobs"]["token_logprobs"][1:],
+                                                                       abs=1e-5)
