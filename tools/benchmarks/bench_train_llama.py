@@ -1,0 +1,165 @@
+"""Benchmark one Llama-style training step: megatron-lite vs Hugging Face LlamaForCausalLM + torch.optim.AdamW.
+
+Same model in both (6 layers, hidden 384, 6 query heads in 2 KV groups, SwiGLU ffn 1024, RMSNorm, RoPE, untied output
+layer, no biases, seq 512, micro batch 4, vocab 32000, fp32, no dropout, AdamW lr 1e-4 wd 0.01, grad clipping 1.0),
+the same initial weights (HF's, converted with megatron.model.hf_conversion, so the first losses agree), the same
+random token batches, measured in the same process with the two frameworks' steps interleaved (both see the same
+machine load): a few warm-up steps, then timed steps (median). Prints tokens/s of each, the ratio, and the MFU of
+each against a fp32 matmul peak measured here (FLOPs counted from the shapes: 3x forward, no recomputation).
+
+    python tools/benchmarks/bench_train_llama.py [--steps 5] [--warmup 2] [--threads N] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+LAYERS, HIDDEN, HEADS, GROUPS, FFN, SEQ, MBS, VOCAB = 6, 384, 6, 2, 1024, 512, 4, 32000
+
+
+def matmul_peak_flops(n: int = 2048, reps: int = 10) -> float:
+    """Best observed fp32 GEMM FLOP/s on this machine (n x n x n)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n**3 / best
+
+
+def model_flops_per_step() -> float:
+    """Forward GEMM FLOPs x 3 (forward + backward), causal attention counted in full as Megatron does."""
+    tokens = MBS * SEQ
+    head_dim = HIDDEN // HEADS
+    qkv = HIDDEN * (HEADS + 2 * GROUPS) * head_dim
+    per_layer = 2 * tokens * (qkv + HIDDEN * HIDDEN + 3 * HIDDEN * FFN) + 2 * 2 * tokens * SEQ * HIDDEN
+    return 3.0 * (LAYERS * per_layer + 2 * tokens * HIDDEN * VOCAB)
+
+
+def _batches(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g) for _ in range(n)]
+
+
+def build_hf():
+    """LlamaForCausalLM (SDPA attention) + torch.optim.AdamW in a plain loop."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1234)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=SEQ,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attention_dropout=0.0,
+                      attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).float()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def step(batch: torch.Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        out = model(input_ids=batch[:, :-1], labels=batch[:, :-1])
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return float(out.loss.detach())
+
+    return model, step
+
+
+def build_megatron(hf_model):
+    """GPTModel (Llama layers) with the HF model's weights + Megatron FP32 optimizer + the no-pipelining schedule."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+    from megatron.core.tensor_parallel import model_parallel_manual_seed
+    from megatron.model import GPTModel
+    from megatron.model.hf_conversion import hf_llama_to_megatron_state_dict, megatron_config_from_hf_llama
+    from megatron.optimizer import get_megatron_optimizer
+    from megatron.optimizer.optimizer_config import OptimizerConfig
+
+    model_parallel_manual_seed(1234, 0)
+    config = megatron_config_from_hf_llama(hf_model.config)
+    state = ps.ParallelState.single()
+    model = GPTModel(config, tp_group=None, pp_state=state, parallel_output=True)
+    model.load_state_dict(hf_llama_to_megatron_state_dict(hf_model.state_dict(), config))
+    optimizer = get_megatron_optimizer([model], OptimizerConfig(lr=1e-4, weight_decay=0.01, clip_grad=1.0), state)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
+    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu_(1)
+
+    def forward_step(data_iterator, m):
+        data = next(data_iterator)
+        tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+        losses = m(tokens, position_ids, mask, labels=labels)
+
+        def loss_func(out):
+            loss = out.float().mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return losses, loss_func
+
+    def step(batch: torch.Tensor) -> float:
+        optimizer.zero_grad()
+        store = forward_backward_no_pipelining(forward_step, iter([batch]), [model], 1,
+                                               grad_scale_func=optimizer.scale_loss)
+        optimizer.step()
+        return float(store[0]["lm loss"])
+
+    return model, step
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per framework")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per framework")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--json", type=str, default=None, help="also write the results here")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    batches = _batches(a.warmup + a.steps)
+    tokens = MBS * SEQ
+    flops = model_flops_per_step()
+    peak = matmul_peak_flops()
+    print(f"threads: {torch.get_num_threads()}  fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s  "
+          f"model FLOPs/step: {flops / 1e9:.1f} GFLOP", flush=True)
+    results = {"threads": torch.get_num_threads(), "peak_gflops": peak / 1e9, "tokens_per_step": tokens}
+    hf = build_hf()
+    frameworks = {"megatron": build_megatron(hf[0]), "hf": hf}
+    # Interleave the steps (alternating which framework goes first) so that both see the same machine load.
+    times: dict[str, list[float]] = {name: [] for name in frameworks}
+    losses: dict[str, list[float]] = {name: [] for name in frameworks}
+    for i, batch in enumerate(batches):
+        order = list(frameworks) if i % 2 == 0 else list(reversed(frameworks))
+        for name in order:
+            t = time.perf_counter()
+            losses[name].append(frameworks[name][1](batch))
+            if i >= a.warmup:
+                times[name].append(time.perf_counter() - t)
+    for name, (model, _step) in frameworks.items():
+        n_params = sum(q.numel() for q in model.parameters())
+        med = statistics.median(times[name])
+        results[name] = {"params": n_params, "step_s": med, "tokens_per_s": tokens / med,
+                         "mfu": flops / med / peak, "first_loss": losses[name][0], "last_loss": losses[name][-1]}
+        print(f"{name:9s} params {n_params / 1e6:.2f}M  step {med:.3f} s (median of {len(times[name])})  "
+              f"{tokens / med:8.1f} tokens/s  MFU {100 * flops / med / peak:.1f}%  loss {losses[name][0]:.4f} -> "
+              f"{losses[name][-1]:.4f}", flush=True)
+    ratio = results["megatron"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
+    results["ratio"] = ratio
+    print(f"megatron-lite / HF tokens/s: {ratio:.2f}x", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
