@@ -1,4 +1,5 @@
-"""Megatron models built from megatron.core tensor-parallel layers (GPT today; BERT/T5 reuse the same blocks).
+"""Megatron models built from megatron.core tensor-parallel layers (GPT and the Llama family; BERT/T5 reuse the
+same blocks). Layers are composed from a layer spec (layer_specs.py) and the TransformerConfig.
 
 Parameter names follow Megatron's GPT checkpoints (language_model.embedding.word_embeddings.weight,
 language_model.encoder.layers.{i}.self_attention.query_key_value.weight, ...).
@@ -10,6 +11,7 @@ from megatron.model.fused_softmax import FusedScaleMaskSoftmax
 from megatron.model.gpt_model import GPTModel, flatten_checkpoint_state_dict, post_language_model_processing
 from megatron.model.inference_params import InferenceParams
 from megatron.model.language_model import Embedding, Pooler, TransformerLanguageModel, parallel_lm_logits
+from megatron.model.layer_specs import TransformerLayerSpec, gpt_layer_spec, transformer_layer_spec
 from megatron.model.module import (
     Float16Module,
     MegatronModule,
@@ -19,6 +21,8 @@ from megatron.model.module import (
     param_is_not_shared,
     unwrap_model,
 )
+from megatron.model.norms import RMSNorm, build_norm
+from megatron.model.rotary import RotaryEmbedding
 from megatron.model.transformer import (
     ParallelMLP,
     ParallelTransformer,
@@ -44,13 +48,19 @@ __all__ = [
     "ParallelTransformer",
     "ParallelTransformerLayer",
     "Pooler",
+    "RMSNorm",
+    "RotaryEmbedding",
     "TransformerLanguageModel",
+    "TransformerLayerSpec",
     "allreduce_word_embedding_grads",
+    "build_norm",
     "flatten_checkpoint_state_dict",
     "float16_to_fp32",
     "fp32_to_float16",
+    "gpt_layer_spec",
     "param_is_not_shared",
     "parallel_lm_logits",
     "post_language_model_processing",
+    "transformer_layer_spec",
     "unwrap_model",
 ]

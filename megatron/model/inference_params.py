@@ -8,7 +8,8 @@ class InferenceParams:
     """Per-generation state: batch/sequence offsets and the per-layer key/value cache.
 
     Attention layers allocate `key_value_memory_dict[layer_number] = (keys, values)` of shape
-    [max_sequence_length, max_batch_size, heads_per_partition, head_dim] on first use.
+    [max_sequence_length, max_batch_size, query_groups_per_partition, head_dim] on first use (with GQA the
+    groups' K/V, not expanded to the query heads; without GQA one group per head).
     """
 
     def __init__(self, max_batch_size: int, max_sequence_length: int) -> None:
