@@ -22,6 +22,7 @@ from megatron.data.dataset_utils import (
     create_tokens_and_tokentypes,
     get_a_and_b_segments,
     get_samples_mapping,
+    tokenizer_special_ids,
     truncate_segments,
 )
 
@@ -45,6 +46,10 @@ class BertDataset(_TorchDataset):
         self.max_seq_length = max_seq_length
         self.binary_head = binary_head
         self.indexed_dataset = indexed_dataset
+        self.vocab_id_list = list(tokenizer.inv_vocab.keys())
+        self.vocab_id_to_token_dict = tokenizer.inv_vocab
+        self.cls_id, self.sep_id, self.mask_id, self.pad_id = tokenizer_special_ids(
+            tokenizer, ("cls", "sep", "mask", "pad"), "BERT")
         if binary_head:
             check_sentence_pairs(indexed_dataset.doc_idx, data_prefix, name)
         self.samples_mapping = get_samples_mapping(indexed_dataset, data_prefix, num_epochs, max_num_samples,
@@ -52,12 +57,6 @@ class BertDataset(_TorchDataset):
                                                    short_seq_prob, seed, name, binary_head,
                                                    data_cache_path=data_cache_path, group=group,
                                                    synchronize=synchronize)
-        self.vocab_id_list = list(tokenizer.inv_vocab.keys())
-        self.vocab_id_to_token_dict = tokenizer.inv_vocab
-        self.cls_id = tokenizer.cls
-        self.sep_id = tokenizer.sep
-        self.mask_id = tokenizer.mask
-        self.pad_id = tokenizer.pad
 
     def __len__(self) -> int:
         return self.samples_mapping.shape[0]

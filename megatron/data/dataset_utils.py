@@ -348,6 +348,20 @@ def check_sentence_pairs(doc_idx: np.ndarray, data_prefix: str, name: str) -> No
             "_text_sentence prefix), or pass --bert-no-binary-head")
 
 
+def tokenizer_special_ids(tokenizer: Any, names: Sequence[str], model: str) -> list[int]:
+    """The tokenizer's special ids `names` (cls, sep, mask, pad, bos, eos), or a one-line error naming the flag."""
+    ids = []
+    for name in names:
+        try:
+            ids.append(int(getattr(tokenizer, name)))
+        except (AttributeError, NotImplementedError, TypeError):
+            raise DatasetError(f"{model} needs a tokenizer with a {name} token, which the "
+                               f"{getattr(tokenizer, 'name', type(tokenizer).__name__)} tokenizer lacks; use "
+                               "--tokenizer-type BertWordPieceLowerCase (or BertWordPieceCase, SentencePieceTokenizer)"
+                               ) from None
+    return ids
+
+
 def get_a_and_b_segments(sample: Sequence[Sequence[int]], np_rng: np.random.RandomState
                          ) -> tuple[list, list, bool]:
     """Split the sentences into segments A and B at a random point; swap them with probability 0.5 (sentence-order

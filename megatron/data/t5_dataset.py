@@ -16,7 +16,12 @@ import numpy as np
 
 from megatron.data.bert_dataset import check_masking_args
 from megatron.data.dataset_builder import build_train_valid_test_splits, documents_view
-from megatron.data.dataset_utils import DatasetError, create_masked_lm_predictions, get_samples_mapping
+from megatron.data.dataset_utils import (
+    DatasetError,
+    create_masked_lm_predictions,
+    get_samples_mapping,
+    tokenizer_special_ids,
+)
 
 try:
     from torch.utils.data import Dataset as _TorchDataset
@@ -44,19 +49,17 @@ class T5Dataset(_TorchDataset):
         if not self.sentinel_tokens:
             raise DatasetError(f"the {getattr(tokenizer, 'name', 'chosen')} tokenizer has no sentinel tokens for T5's "
                                "span corruption; pass --vocab-extra-ids 100")
-        self.samples_mapping = get_samples_mapping(indexed_dataset, data_prefix, num_epochs, max_num_samples,
-                                                   max_seq_length - 2,  # as Megatron (room for bos/eos)
-                                                   short_seq_prob, seed, name, False,
-                                                   data_cache_path=data_cache_path, group=group,
-                                                   synchronize=synchronize)
         self.vocab_id_list = list(tokenizer.inv_vocab.keys())
         self.vocab_id_to_token_dict = tokenizer.inv_vocab
         self.cls_id = _special_or_none(tokenizer, "cls")
         self.sep_id = _special_or_none(tokenizer, "sep")
         self.mask_id = _special_or_none(tokenizer, "mask")
-        self.pad_id = tokenizer.pad
-        self.bos_id = tokenizer.bos
-        self.eos_id = tokenizer.eos
+        self.pad_id, self.bos_id, self.eos_id = tokenizer_special_ids(tokenizer, ("pad", "bos", "eos"), "T5")
+        self.samples_mapping = get_samples_mapping(indexed_dataset, data_prefix, num_epochs, max_num_samples,
+                                                   max_seq_length - 2,  # as Megatron (room for bos/eos)
+                                                   short_seq_prob, seed, name, False,
+                                                   data_cache_path=data_cache_path, group=group,
+                                                   synchronize=synchronize)
 
     def __len__(self) -> int:
         return self.samples_mapping.shape[0]

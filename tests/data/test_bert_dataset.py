@@ -188,7 +188,13 @@ def test_builder_splits_and_blends(data, tokenizer):
     assert set(train[5]) == {"text", "types", "labels", "is_random", "loss_mask", "padding_mask", "truncated"}
 
 
-def test_bad_flags_are_one_line_errors(data, tokenizer):
+def test_bad_flags_are_one_line_errors(data, tokenizer, shared_data):
+    from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+
+    owt = shared_data / "openwebtext-1000"
+    gpt2 = GPT2BPETokenizer(str(owt / "gpt2-tiny-vocab.json"), str(owt / "gpt2-tiny-merges.txt"))
+    with pytest.raises(DatasetError, match="BERT needs a tokenizer with a cls token.*--tokenizer-type"):
+        make(data["sentences"], gpt2)
     with pytest.raises(DatasetError, match="--seq-length 4 is too short"):
         make(data["sentences"], tokenizer, seq=4)
     with pytest.raises(DatasetError, match="--mask-prob"):

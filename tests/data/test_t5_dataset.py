@@ -170,6 +170,13 @@ def test_one_line_errors(data, bert_tok, shared_data):
     none = BertWordPieceTokenizer(str(shared_data / "bert-wordpiece" / "bert-base-uncased-vocab.txt"))
     with pytest.raises(DatasetError, match="--vocab-extra-ids 100"):
         make(data["sentences"], none)
+    from megatron.tokenizer.null_tokenizer import NullTokenizer
+
+    class NullWithSentinels(NullTokenizer):
+        additional_special_tokens_ids = [5, 6]
+
+    with pytest.raises(DatasetError, match="T5 needs a tokenizer with a pad token"):
+        make(data["sentences"], NullWithSentinels(100))
 
 
 def test_determinism_and_builder(data, bert_tok):
