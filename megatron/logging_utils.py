@@ -42,18 +42,6 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
-def num_floating_point_operations(
-    batch_size: int, seq_len: int, num_layers: int, hidden_size: int, vocab_size: int, recompute: bool = False,
-    glu: bool = False,
-) -> float:
-    """FLOPs of one training iteration (Narayanan et al. 2021, eq. 3), as Megatron-DeepSpeed reports TFLOPs."""
-    factor = 4 if recompute else 3
-    coefficient = 32 if glu else 24
-    return (coefficient * factor * batch_size * seq_len * num_layers * hidden_size**2) * (
-        1.0 + seq_len / (6.0 * hidden_size) + vocab_size / (16.0 * num_layers * hidden_size)
-    )
-
-
 def accumulate_losses(
     loss_dict: dict[str, Any], total_loss_dict: dict[str, Any], skipped_iter: int
 ) -> None:

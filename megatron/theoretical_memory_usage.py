@@ -2,9 +2,12 @@
 
 Numbers are for the most loaded rank (the first pipeline stage, which also holds the embeddings):
 
-* parameters are counted exactly for this code base's GPT (learned position embeddings, LayerNorm with bias, biased
-  linears, GeLU MLP or SwiGLU's doubled first projection, tied or untied output layer); tensor-parallel split
-  weights count 1/TP, replicated ones (LayerNorms, row-parallel biases, position embeddings) in full;
+* parameters are counted exactly for this code base's GPT from its `TransformerConfig` (built from the flags by
+  megatron/config_flags.py): query groups (QKV rows (n + 2g)·d), SwiGLU's doubled first projection, biases or
+  none (--disable-bias-linear, --add-qkv-bias), LayerNorm (weight and bias) or RMSNorm (weight), learned position
+  embeddings only with --position-embedding-type learned_absolute, tied or untied output layer (no bias);
+  tensor-parallel split weights count 1/TP, replicated ones (norms, row-parallel biases, position embeddings) in
+  full;
 * bytes per parameter follow the distributed-optimizer table of the Megatron-LM README: replicated bytes (the
   model's params and grads) plus sharded bytes (fp32 main params/grads of mixed precision, optimizer state)
   divided by the data-parallel size under ``--use-distributed-optimizer``: fp32 16 vs 8 + 8/d; bf16 (or fp16
@@ -12,9 +15,11 @@ Numbers are for the most loaded rank (the first pipeline stage, which also holds
   bytes instead of Adam's 8);
 * activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
   Table 2) with the element size as a parameter e (2 bytes for fp16/bf16, 4 for fp32; dropout masks 1 byte):
-  per layer s·b·h·((4e + 2)/t_sp + 4e/t) + 2e·s·b·f/t + (2e + 1)·a·s²·b/t, where t is the TP size, t_sp = t with
-  sequence parallelism (else 1) and the last (attention-score) term is dropped by selective recomputation. For
-  e = 2, f = 4h, t = 1 this is the paper's s·b·h·(34 + 5·a·s/h). Full recomputation keeps e·s·b·h/t_sp per
+  per layer s·b·h·(4e + 2)/t_sp + e·s·b·(2q + 2k)/t + 2e·s·b·f/t + (2e + 1)·a·s²·b/t, where q = a·d is the query
+  and k = g·d the key (and value) width (Q, K, V and the projection input), f the FFN width (doubled for SwiGLU:
+  gate and up), t the TP size, t_sp = t with sequence parallelism (else 1); the last (attention-score) term is
+  dropped by selective recomputation. For e = 2, f = 4h, q = k = h, t = 1 this is the paper's
+  s·b·h·(34 + 5·a·s/h). Full recomputation keeps e·s·b·h/t_sp per
   checkpointed unit plus one unit recomputed at a time (block: the first n layers checkpointed, the others kept). The first pipeline stage holds min(PP, micro-batches)
   micro-batches in flight (times Megatron's interleaving penalty 1 + (p - 1)/(p·v)); with PP = 1 the output
   layer's input and the fp32 logits are added.
@@ -24,6 +29,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from typing import Optional
+
+from megatron.config_flags import config_kwargs_from_args
+from megatron.core.transformer_config import TransformerConfig
 
 MB = 1024.0 * 1024.0
 
@@ -38,27 +46,39 @@ class ParameterCounts:
     most_loaded_shard: int
 
 
-def _layer_parameters(args: argparse.Namespace) -> tuple[int, int]:
+def model_config(args: argparse.Namespace) -> TransformerConfig:
+    """The model's `TransformerConfig`, from the flags through megatron/config_flags.py (as the model is built)."""
+    return TransformerConfig(**config_kwargs_from_args(TransformerConfig, args))
+
+
+def _norm_parameters(config: TransformerConfig) -> int:
+    return config.hidden_size * (1 if config.normalization == "RMSNorm" else 2)  # RMSNorm has no bias
+
+
+def _layer_parameters(config: TransformerConfig) -> tuple[int, int]:
     """(tensor-parallel split, replicated) parameters of one transformer layer, whole layer (not divided by TP)."""
-    h = args.hidden_size
-    f = args.ffn_hidden_size or 4 * h
-    proj = (args.kv_channels or h // args.num_attention_heads) * args.num_attention_heads
-    f_in = 2 * f if getattr(args, "swiglu", False) else f
-    split = (h * 3 * proj + 3 * proj) + proj * h + (h * f_in + f_in) + f * h  # qkv, dense w, fc1, fc2 w
-    replicated = 2 * h + h + 2 * h + h  # input LN, dense bias, post-attention LN, fc2 bias
+    h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
+    q = d * config.num_attention_heads
+    qkv = q + 2 * d * (config.num_query_groups or config.num_attention_heads)
+    f_in = 2 * f if config.swiglu else f
+    bias = int(config.add_bias_linear)
+    qkv_bias = int(config.add_bias_linear or config.add_qkv_bias)
+    split = (h * qkv + qkv_bias * qkv) + q * h + (h * f_in + bias * f_in) + f * h  # qkv, dense w, fc1, fc2 w
+    replicated = 2 * _norm_parameters(config) + 2 * bias * h  # two norms, dense and fc2 biases
     return split, replicated
 
 
 def count_parameters(args: argparse.Namespace) -> ParameterCounts:
     """Exact parameter counts of this code base's GPT for `args` (see the module docstring)."""
-    h, layers = args.hidden_size, args.num_layers
+    config = model_config(args)
+    h, layers = config.hidden_size, config.num_layers
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     vocab = args.padded_vocab_size
-    split, replicated = _layer_parameters(args)
+    split, replicated = _layer_parameters(config)
     word = vocab * h
-    position = args.max_position_embeddings * h
-    untied = bool(getattr(args, "untie_embeddings_and_output_weights", False))
-    final_ln = 2 * h
+    position = config.max_position_embeddings * h if config.position_embedding_type == "learned_absolute" else 0
+    untied = not config.share_embeddings_and_output_weights
+    final_ln = _norm_parameters(config)
     transformer = layers * (split + replicated) + final_ln
     embedding = word + position + (word if untied else 0)
 
@@ -98,13 +118,16 @@ def compute_weight_and_optimizer_memory(args: argparse.Namespace) -> float:
 
 
 def _layer_activation_bytes(args: argparse.Namespace, e: int, selective: bool) -> float:
-    s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
-    f = args.ffn_hidden_size or 4 * h
-    if getattr(args, "swiglu", False):
+    config = model_config(args)
+    s, b, h = args.seq_length, args.micro_batch_size, config.hidden_size
+    f = config.ffn_hidden_size
+    if config.swiglu:
         f = 2 * f  # two first-projection outputs kept (gate and value)
-    a, t = args.num_attention_heads, args.tensor_model_parallel_size
+    a, t = config.num_attention_heads, args.tensor_model_parallel_size
+    q = config.kv_channels * a
+    k = config.kv_channels * (config.num_query_groups or a)
     t_sp = t if args.sequence_parallel else 1
-    total = s * b * h * ((4 * e + 2) / t_sp + 4 * e / t) + 2 * e * s * b * f / t
+    total = s * b * h * (4 * e + 2) / t_sp + e * s * b * (2 * q + 2 * k) / t + 2 * e * s * b * f / t
     if not selective:
         total += (2 * e + 1) * a * s * s * b / t
     return total

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from megatron import global_vars
+from megatron.arguments import core_transformer_config_from_args
 from megatron.checkpointing import load_checkpoint, local_rng_state, restore_local_rng_state, save_checkpoint
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
@@ -28,6 +29,7 @@ from megatron.core.tensor_parallel import (
     set_defaults_if_not_set_tensor_model_parallel_attributes,
 )
 from megatron.errors import MegatronUserError
+from megatron.flops import num_floating_point_operations
 from megatron.initialize import initialize_megatron
 from megatron.learning_rates import OptimizerParamScheduler
 from megatron.logging_utils import (
@@ -37,7 +39,6 @@ from megatron.logging_utils import (
     accumulate_losses,
     format_training_log_line,
     log_validation,
-    num_floating_point_operations,
     print_rank_0,
     print_rank_last,
     report_memory,
@@ -350,10 +351,7 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
         per_iter = elapsed / max(1, total_iters)
         if writer is not None and getattr(args, "log_timers_to_tensorboard", False):
             writer.add_scalar("iteration-time", per_iter, iteration)
-        flops = num_floating_point_operations(
-            batch_size, args.seq_length, args.num_layers, args.hidden_size, args.padded_vocab_size,
-            recompute=getattr(args, "recompute_granularity", None) == "full",
-            glu=bool(getattr(args, "swiglu", False)))
+        flops = num_floating_point_operations(core_transformer_config_from_args(args), batch_size, args.seq_length)
         losses = {k: v / float(max(1, total_loss_dict[ADVANCED])) for k, v in total_loss_dict.items()
                   if k not in (ADVANCED, SKIPPED, NAN)}
         if total_loss_dict[ADVANCED] == 0 and total_loss_dict[NAN] > 0:  # print `nan`, do not hide the loss

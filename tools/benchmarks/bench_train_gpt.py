@@ -39,9 +39,12 @@ def matmul_peak_flops(n: int = 2048, reps: int = 10) -> float:
 
 def model_flops_per_step(layers: int = LAYERS, hidden: int = HIDDEN, seq: int = SEQ, mbs: int = MBS,
                          vocab: int = VOCAB) -> float:
-    from megatron.logging_utils import num_floating_point_operations
+    from megatron.core.transformer_config import TransformerConfig
+    from megatron.flops import num_floating_point_operations
 
-    return num_floating_point_operations(mbs, seq, layers, hidden, vocab)
+    config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=HEADS,
+                               max_position_embeddings=seq, padded_vocab_size=vocab)
+    return num_floating_point_operations(config, mbs, seq)
 
 
 def _batches(n: int, seed: int = 0) -> list[torch.Tensor]:

@@ -1,0 +1,41 @@
+"""FLOPs of one training iteration, from the model config: the TFLOPs of the training log line.
+
+Megatron-LM's `num_floating_point_operations` (core_v0.7; reduces to Narayanan et al. 2021's
+72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) for a plain GPT):
+
+    12·B·s·l·h² · [ (1 + g/n + s/h)·(q/h)  +  (f/h)·γ  +  V/(2·l·h) ]
+
+with B the global batch (samples per iteration), s the sequence length, l layers, h hidden size, n attention heads,
+g query groups (n without GQA), q = kv_channels·n the query projection size, f the FFN hidden size, γ = 3/2 for
+SwiGLU (three FFN matmuls instead of two) and V the padded vocabulary. Forward + backward = 3 forward passes, 2 FLOPs
+per multiply-add; biases, norms, softmax and the rotary embedding are not counted (as Megatron-LM).
+
+With full activation recomputation (``recompute_granularity == "full"``) the transformer layers run their forward a
+second time: their terms are counted 4 times instead of 3 (the logits still 3), which for a plain GPT is the paper's
+96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) as Megatron-DeepSpeed's TFLOPs report it. Selective recomputation is not
+counted (as in Megatron-LM).
+"""
+from __future__ import annotations
+
+from megatron.core.transformer_config import TransformerConfig
+
+
+def transformer_and_logit_flops(config: TransformerConfig, batch_size: int, seq_length: int) -> tuple[float, float]:
+    """(transformer layers, logits) FLOPs of one forward + backward over `batch_size` sequences."""
+    b, s, layers, h = batch_size, seq_length, config.num_layers, config.hidden_size
+    n = config.num_attention_heads
+    g = config.num_query_groups or n
+    q = config.kv_channels * n
+    gated = 1.5 if config.swiglu else 1.0
+    per_h2 = (1.0 + g / n + s / h) * (q / h) + (config.ffn_hidden_size / h) * gated
+    transformer = 12.0 * b * s * layers * h * h * per_h2
+    logits = 6.0 * b * s * h * config.padded_vocab_size
+    return transformer, logits
+
+
+def num_floating_point_operations(config: TransformerConfig, batch_size: int, seq_length: int) -> float:
+    """FLOPs of one training iteration of `batch_size` sequences (see the module docstring)."""
+    transformer, logits = transformer_and_logit_flops(config, batch_size, seq_length)
+    if config.recompute_granularity == "full":
+        transformer *= 4.0 / 3.0
+    return transformer + logits

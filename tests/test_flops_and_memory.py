@@ -1,0 +1,142 @@
+"""The log line's FLOPs and the start-up memory estimate follow the model config (GQA, SwiGLU, untied output layer,
+no biases, RMSNorm, rope): hand calculations, torch's FLOP counter on the real model, and the model's numel."""
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from megatron.arguments import core_transformer_config_from_args, parse_args, validate_args
+from megatron.core.transformer_config import TransformerConfig
+from megatron.flops import num_floating_point_operations
+from megatron.theoretical_memory_usage import compute_activation_memory, count_parameters
+
+# Llama-style tiny model: h 64, 4 heads of 16, 2 KV groups, SwiGLU ffn 96, vocab 128, untied, no bias, RMSNorm, rope.
+LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16, group_query_attention=True,
+             num_query_groups=2, ffn_hidden_size=96, swiglu=True, add_bias_linear=False, normalization="RMSNorm",
+             position_embedding_type="rope", share_embeddings_and_output_weights=False, padded_vocab_size=128,
+             max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0)
+LLAMA_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--kv-channels", "16",
+               "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96", "--swiglu",
+               "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+               "--untie-embeddings-and-output-weights", "--seq-length", "32", "--micro-batch-size", "2",
+               "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+
+
+def _hand_flops(b: int, s: int, layers: int, h: int, n: int, d: int, g: int, f: int, v: int, gated: bool) -> int:
+    """Forward matmul FLOPs (2 per multiply-add) counted one by one, times 3 for forward + backward."""
+    q, kv = n * d, g * d
+    per_layer = (2 * b * s * h * q          # query projection
+                 + 2 * 2 * b * s * h * kv   # key and value projections
+                 + 2 * b * s * s * q        # scores
+                 + 2 * b * s * s * q        # attention over values
+                 + 2 * b * s * q * h        # output projection
+                 + 2 * b * s * h * f * (2 if gated else 1)  # first MLP linear (gate and up for SwiGLU)
+                 + 2 * b * s * f * h)       # second MLP linear
+    return 3 * (layers * per_layer + 2 * b * s * h * v)  # + logits
+
+
+def test_flops_plain_gpt_is_megatrons_72_formula_and_96_with_full_recompute() -> None:
+    b, s, layers, h, v = 8, 1024, 24, 1024, 50304
+    config = TransformerConfig(num_layers=layers, hidden_size=h, num_attention_heads=16, padded_vocab_size=v,
+                               max_position_embeddings=s)
+    assert math.isclose(num_floating_point_operations(config, b, s),
+                        72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h)))
+    assert num_floating_point_operations(config, b, s) == _hand_flops(b, s, layers, h, 16, 64, 16, 4 * h, v, False)
+    full = TransformerConfig(num_layers=layers, hidden_size=h, num_attention_heads=16, padded_vocab_size=v,
+                             max_position_embeddings=s, recompute_granularity="full", recompute_method="uniform")
+    assert math.isclose(num_floating_point_operations(full, b, s),
+                        96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h)))
+
+
+def test_flops_llama_config_by_hand_and_from_the_flags() -> None:
+    config = TransformerConfig(**LLAMA)
+    expected = _hand_flops(4, 32, 2, 64, 4, 16, 2, 96, 128, True)
+    assert num_floating_point_operations(config, 4, 32) == expected == 59768832
+    args = parse_args(args=LLAMA_FLAGS)
+    args.rank = 1
+    validate_args(args, {})
+    args.padded_vocab_size = 128
+    assert num_floating_point_operations(core_transformer_config_from_args(args), 4, 32) == expected
+
+
+def test_flops_equal_torch_flop_counter_on_the_model() -> None:
+    """torch's FlopCounterMode over one forward + backward of the real GPTModel (matmuls only, like the formula)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron.core.tensor_parallel import model_parallel_manual_seed
+    from megatron.model import GPTModel
+
+    model_parallel_manual_seed(1234, 0)
+
+    b, s = 2, 16
+    for overrides in ({}, dict(group_query_attention=False, num_query_groups=None, swiglu=False, ffn_hidden_size=256,
+                               add_bias_linear=True, normalization="LayerNorm",
+                               position_embedding_type="learned_absolute")):
+        # attention dropout > 0 takes the explicit softmax path (bmm's the counter sees; CPU SDPA is not counted)
+        config = TransformerConfig(**{**LLAMA, "attention_dropout": 0.1, **overrides})
+        model = GPTModel(config, parallel_output=False)
+        ids = torch.randint(0, 128, (b, s))
+        pos = torch.arange(s).unsqueeze(0).expand(b, s)
+        mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+        with FlopCounterMode(display=False) as counter:
+            model(ids, pos, mask, labels=ids).sum().backward()
+        assert counter.get_total_flops() == num_floating_point_operations(config, b, s), overrides
+
+
+def _memory_args(**overrides) -> argparse.Namespace:
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16, group_query_attention=True,
+                num_query_groups=2, ffn_hidden_size=96, swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+                normalization="RMSNorm", position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+                seq_length=32, max_position_embeddings=32, micro_batch_size=2, padded_vocab_size=128,
+                tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                data_parallel_size=1, sequence_parallel=False, fp16=False, bf16=False,
+                accumulate_allreduce_grads_in_fp32=False, use_distributed_optimizer=False, optimizer="adam",
+                recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                distribute_saved_activations=False)
+    base.update(overrides)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    dict(add_qkv_bias=True),
+    dict(add_bias_linear=True, normalization="LayerNorm", position_embedding_type="learned_absolute",
+         untie_embeddings_and_output_weights=False),
+    dict(group_query_attention=True, num_query_groups=1, swiglu=False),
+])
+def test_parameter_count_equals_the_model(overrides) -> None:
+    from megatron.model import GPTModel
+
+    args = _memory_args(**overrides)
+    counts = count_parameters(args)
+    config = TransformerConfig(**{**LLAMA, "add_qkv_bias": args.add_qkv_bias, "add_bias_linear": args.add_bias_linear,
+                                  "normalization": args.normalization,
+                                  "position_embedding_type": args.position_embedding_type,
+                                  "share_embeddings_and_output_weights": not args.untie_embeddings_and_output_weights,
+                                  "num_query_groups": args.num_query_groups, "swiglu": args.swiglu})
+    n = sum(p.numel() for p in GPTModel(config).parameters())
+    assert counts.total == n == counts.most_loaded_shard, overrides
+
+
+def test_parameter_count_llama_by_hand() -> None:
+    # per layer: qkv 64 x (64 + 2*32), dense 64x64, fc1 64 x 2*96, fc2 96x64, two RMSNorms of 64; no biases
+    layer = 64 * 128 + 64 * 64 + 64 * 192 + 96 * 64 + 2 * 64
+    counts = count_parameters(_memory_args())
+    assert layer == 30848
+    assert counts.transformer_layers == 2 * layer + 64  # + final RMSNorm
+    assert counts.embedding_layers == 2 * 128 * 64  # word embeddings + untied output layer, no position table
+    assert counts.total == 78144
+
+
+def test_activation_estimate_with_query_groups_by_hand() -> None:
+    """fp32 (e = 4): per layer sbh(4e+2) + e·sb(2q + 2k) + 2e·sb·2f + (2e+1)·a·s²b with q = 64, k = 32, f = 96."""
+    s, b, h, a = 32, 2, 64, 4
+    layer = s * b * h * 18 + 4 * s * b * (2 * 64 + 2 * 32) + 8 * s * b * 192 + 9 * a * s * s * b
+    embedding = 8 * s * b * 2 + s * b * h
+    output = 4 * s * b * h + 4 * s * b * 128
+    assert compute_activation_memory(_memory_args(), 1) == 2 * layer + embedding + output
+    mha = _memory_args(group_query_attention=False, num_query_groups=None)
+    assert compute_activation_memory(mha, 1) - compute_activation_memory(_memory_args(), 1) == 2 * 4 * s * b * 64
