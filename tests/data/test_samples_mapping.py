@@ -265,12 +265,18 @@ def _mapping_worker(rank, world, prefix):
     m = get_samples_mapping(ds, prefix, None, 25, 40, 0.1, 99, "train", True)
     counts = [None] * world
     dist.all_gather_object(counts, (len(calls), np.asarray(m).tolist()))
-    return counts
+    # without collectives (callers on a subset of ranks): the file lock lets one process build, the other loads
+    calls.clear()
+    m = get_samples_mapping(ds, prefix, None, 25, 40, 0.1, 99, "valid", True, synchronize=False)
+    unsynced = [None] * world
+    dist.all_gather_object(unsynced, (len(calls), np.asarray(m).tolist()))
+    return counts, unsynced
 
 
 def test_get_samples_mapping_built_once_under_gloo(tmp_path):
     prefix, _ = _corpus(tmp_path, seed=3)
     results = run_distributed(_mapping_worker, 2, args=(prefix,))
-    per_rank = results[0]
+    per_rank, unsynced = results[0]
     assert [c for c, _ in per_rank] == [1, 0]  # rank 0 builds, the others wait and load
     assert all(rows == per_rank[0][1] for _, rows in per_rank)
+    assert sum(c for c, _ in unsynced) == 1 and unsynced[0][1] == unsynced[1][1] == per_rank[0][1]
