@@ -217,3 +217,42 @@ def test_tp2_server_equals_tp1(served, shared_data):
         assert ours["text"] == ref["text"] and ours["logprobs"]["tokens"] == ref["logprobs"]["tokens"]
         assert ours["logprobs"]["token_logprobs"][1:] == pytest.approx(ref["logprobs"]["token_logprobs"][1:],
                                                                        abs=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- lm-eval client
+def test_lm_eval_local_completions_equals_in_process_adapter(served, shared_data, tmp_path, monkeypatch):
+    """lm-eval's `local-completions` model pointed at the server scores the local tasks like the in-process adapter.
+
+    local-completions sends (context + continuation)[-(max_length - 1):] with max_tokens 1 and reads the echoed
+    prompt log-probs, so with max_length 64 its contexts are those of the adapter at max_length 62.
+    """
+    lm_eval = pytest.importorskip("lm_eval")
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from tasks.eval_harness.adapter import MegatronLM
+    from tasks.eval_harness.evaluate import task_manager
+    from tests.tasks.test_eval_harness import LOCAL_TASKS, _metrics
+
+    address, model, tokenizer, _ = served
+    owt = shared_data / "openwebtext-1000"
+    hf_tok = transformers.GPT2TokenizerFast(vocab=str(owt / "gpt2-tiny-vocab.json"),
+                                            merges=str(owt / "gpt2-tiny-merges.txt"), eos_token="<|endoftext|>",
+                                            bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    hf_tok.save_pretrained(tmp_path / "tok")
+    kw = dict(tasks=["lambada_local", "mc_local", "qa_gen_local"], limit=4, bootstrap_iters=0,
+              task_manager=task_manager(LOCAL_TASKS), log_samples=False)
+    remote = LocalCompletionsAPI(base_url=f"http://{address[0]}:{address[1]}/v1/completions", model="megatron-gpt",
+                                 tokenizer_backend="huggingface", tokenizer=str(tmp_path / "tok"), max_length=64,
+                                 max_gen_toks=8, batch_size=1, max_retries=1)
+    ours = _metrics(lm_eval.simple_evaluate(model=MegatronLM(model, tokenizer, max_length=62, max_gen_toks=8,
+                                                             progress=False), **kw))
+    theirs = _metrics(lm_eval.simple_evaluate(model=remote, **kw))
+    assert set(ours) == set(theirs) and len(ours) >= 5
+    for key, value in ours.items():
+        if key[1].startswith(("acc", "exact_match")):
+            assert theirs[key] == value, key
+        else:
+            assert theirs[key] == pytest.approx(value, rel=1e-5), key
