@@ -307,8 +307,8 @@ def get_samples_mapping(indexed_dataset: Any, data_prefix: str, num_epochs: Opti
             mapping = build_samples_mapping(doc_idx, indexed_dataset.sizes, epochs, samples, max_seq_length,
                                             short_seq_prob, seed, min_num_sent, verbose=True)
             print(" > done building samples index maping", flush=True)
-            write_text_atomic(_dsc_path(out), desc)
             save_npy_atomic(out, mapping)
+            write_text_atomic(_dsc_path(out), desc)  # after the .npy: a reader never pairs a new .dsc with an old map
             print(f" > saved the index mapping in {out}", flush=True)
             print(f" > elasped time to build and save samples mapping (seconds): {time.time() - start:4f}",
                   flush=True)
