@@ -1,6 +1,6 @@
 """Parameter-owned tensor-parallel layouts for the Llama-family variants (GQA fused QKV, SwiGLU [gate; up] per rank,
 untied output layer, qkv bias): TP=1 -> TP=2/4 -> TP=1 is bitwise, and a TP=2 (+SP) model equals TP=1 (2 gloo
-processes): weights at initialisation, logits, per-token loss and gradients."""
+processes): weights at initialisation, logits, per-token loss, gradients and KV-cache generation."""
 from __future__ import annotations
 
 import pytest
@@ -80,7 +80,18 @@ def _gather(t: torch.Tensor, layout, group) -> torch.Tensor:
     return layout.merge(parts)
 
 
-def _tp2_worker(rank: int, world_size: int, ref_state, ref_logits, ref_loss, ref_grads) -> list:
+PROMPTS = [[5, 17, 33], [9, 2, 60, 40, 3, 58, 12]]
+
+
+def _generate(model) -> list:
+    from megatron.text_generation import generate
+
+    out = generate(model, None, PROMPTS, 6, greedy=True, eod_id=63, use_eod_token_for_early_termination=False,
+                   return_output_log_probs=True)
+    return [out["tokens"], out["logprobs"]]
+
+
+def _tp2_worker(rank: int, world_size: int, ref_state, ref_logits, ref_loss, ref_grads, ref_generated) -> list:
     done = []
     for sp in (False, True):
         state = initialize_model_parallel(tensor_model_parallel_size=2)
@@ -103,6 +114,11 @@ def _tp2_worker(rank: int, world_size: int, ref_state, ref_logits, ref_loss, ref
                     dist.all_reduce(g, group=state.tp_group)
                 torch.testing.assert_close(_gather(g, get_tp_layout(p), state.tp_group), ref_grads[name], **TOL,
                                            msg=name)
+            if not sp:  # generation under TP: the KV cache holds this rank's query groups
+                tokens, logprobs = _generate(model.eval())
+                assert tokens == ref_generated[0]
+                for a, b in zip(logprobs, ref_generated[1]):
+                    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **TOL)
             done.append(sp)
         finally:
             destroy_model_parallel()
@@ -116,5 +132,6 @@ def test_tp2_and_sp_equal_tp1():
     loss = ref(ids, pos, mask, labels=labels)
     loss.mean().backward()
     grads = {n: p.grad for n, p in ref.named_parameters()}
-    results = run_distributed(_tp2_worker, 2, args=(ref.state_dict(), logits, loss.detach(), grads))
+    generated = _generate(build_gpt(llama_config(), seed=SEED).eval())
+    results = run_distributed(_tp2_worker, 2, args=(ref.state_dict(), logits, loss.detach(), grads, generated))
     assert results == [[False, True], [False, True]]
