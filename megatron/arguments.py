@@ -17,6 +17,7 @@ from megatron.config_flags import config_kwargs_from_args, dests_without_config_
 from megatron.core.transformer_config import TransformerConfig
 from megatron.errors import ArgumentError
 from megatron.flag_registry import refuse_unimplemented
+from megatron.launcher import detect_launcher_env
 from megatron.required_flags import TRAINING_RUN, check_required_flags
 
 _FALLBACK_TOKENIZER_TYPES = (
@@ -66,8 +67,6 @@ def parse_args(
     else:
         namespace = parser.parse_args(argv)
     # Where this process sits in the job: torch.distributed if already up, else the launcher's environment.
-    from megatron.initialize import detect_launcher_env
-
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         namespace.rank = torch.distributed.get_rank()
         namespace.world_size = torch.distributed.get_world_size()
@@ -319,6 +318,10 @@ def _add_checkpointing_args(parser: argparse.ArgumentParser) -> argparse.Argumen
     g.add_argument("--trust-checkpoint", action="store_true",
                    help="Load checkpoint files with full unpickling (can run code in them); default: weights-only "
                         "with an allow-list (also MEGATRON_TRUST_CHECKPOINT=1).")
+    g.add_argument("--no-checkpoint-fallback", action="store_true",
+                   help="A damaged latest checkpoint is an error (default: load the newest iteration that verifies).")
+    g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
+                   help="After a save verifies, delete all but the N newest checkpoint iterations.")
     return parser
 
 

@@ -33,6 +33,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from megatron import checkpoint_integrity as integrity
 from megatron.atomic_io import atomic_torch_save as _atomic_save
 from megatron.atomic_io import atomic_write_text as _atomic_write_text
 from megatron.checkpoint_args import architecture_from_args, check_architecture, saved_architecture, use_checkpoint_args
@@ -40,7 +41,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.errors import MegatronUserError
 from megatron.model.module import unwrap_model
-from megatron.safe_load import safe_torch_load
+from megatron.safe_load import CheckpointFileError, safe_torch_load
 
 
 class CheckpointError(MegatronUserError, RuntimeError):
@@ -77,6 +78,10 @@ def _state() -> ps.ParallelState:
     if ps.model_parallel_is_initialized():
         return ps.get_parallel_state()
     return ps.ParallelState.single()
+
+
+def _is_rank0() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def _barrier() -> None:
@@ -221,6 +226,10 @@ def save_checkpoint(
     state = _state()
     models = _as_list(model)
     _print0(f"saving checkpoint at iteration {iteration:7d} to {save_dir}")
+    iter_dir = os.path.dirname(os.path.dirname(get_checkpoint_name(save_dir, iteration)))
+    if _is_rank0():  # before anyone writes: crashed writes' temp files go, a rewritten iteration must not verify
+        integrity.prepare_save(save_dir, iter_dir, _print0)
+    _barrier()
 
     rng_state = None if getattr(args, "no_save_rng", False) else get_rng_state(state)
     checkpoint_name = get_checkpoint_name(save_dir, iteration)
@@ -262,8 +271,10 @@ def save_checkpoint(
             _atomic_save(param_state, get_distributed_optimizer_checkpoint_name(checkpoint_name))
 
     _barrier()
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+    if _is_rank0():  # the manifest is written last of the iteration, then the tracker moves
+        integrity.write_manifest(iter_dir)
         _atomic_write_text(get_checkpoint_tracker_filename(save_dir), str(iteration))
+        integrity.prune_after_save(save_dir, iteration, getattr(args, "keep_last_n_checkpoints", None), _print0)
     _barrier()
     _print0(f"  successfully saved checkpoint at iteration {iteration:7d} to {save_dir}")
     return checkpoint_name
@@ -367,6 +378,60 @@ def _load_optimizer(optimizer: Any, optim_sd: dict, models: list, checkpoint_nam
         raise CheckpointError(f"cannot load the optimizer state of {checkpoint_name}: {exc}") from None
 
 
+def _first_reason(reason: Optional[str]) -> Optional[str]:
+    """The first rank's failure reason (None when every rank's files verified and loaded); collective."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        reasons: list[Optional[str]] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(reasons, reason)
+        return next((r for r in reasons if r is not None), None)
+    return reason
+
+
+def _select_checkpoint(load_dir: str, iteration: int, release: bool, trust: bool, fallback: bool
+                       ) -> tuple[int, str, dict[str, Any]]:
+    """(iteration, this rank's file, its state dict) of the newest iteration at or below the tracker's whose files
+    match their manifest and unpickle on every rank. Skipped iterations are named in one line; with
+    ``fallback=False`` (--no-checkpoint-fallback) the first failure is a one-line CheckpointError."""
+    candidates = [iteration] + ([] if release else [it for it in integrity.iterations(load_dir) if it < iteration])
+    skipped: list[str] = []
+    for cand in candidates:
+        name = get_checkpoint_name(load_dir, cand, release)
+        iter_dir = os.path.dirname(os.path.dirname(name))
+        rel = os.path.relpath(name, iter_dir)
+        reason: Optional[str] = None
+        sd: dict[str, Any] = {}
+        unverified = False
+        if not os.path.isdir(iter_dir):
+            reason = f"{os.path.basename(iter_dir)} does not exist"
+        elif not os.path.isdir(os.path.dirname(name)) and cand == iteration and _find_rank_dirs(iter_dir):
+            _check_layout(load_dir, cand, release, name)  # another TP/PP layout: an error, not damage
+        else:
+            reason = integrity.verify(iter_dir, [rel, os.path.join(os.path.dirname(rel), "distrib_optim.pt")])
+            unverified = reason == integrity.NO_MANIFEST
+            if unverified:
+                reason = None
+            if reason is None:
+                try:
+                    sd = load_state_dict_file(name, trust)
+                except CheckpointFileError as exc:
+                    reason = str(exc)
+        reason = _first_reason(reason)
+        if reason is None:
+            if unverified:
+                _print0(f"note: {iter_dir} has no {integrity.MANIFEST_NAME} (saved before integrity checks); "
+                        "loaded without verifying it")
+            if skipped:
+                _print0(f"WARNING: skipped damaged checkpoint iteration(s) {'; '.join(skipped)} in {load_dir}; "
+                        f"loading iteration {cand}")
+            return cand, name, sd
+        if not fallback:
+            raise CheckpointError(f"checkpoint iteration {cand} in {load_dir} is damaged: {reason}; restore it, or "
+                                  "drop --no-checkpoint-fallback to load the newest intact iteration")
+        skipped.append(f"{cand} ({reason})")
+    raise CheckpointError(f"no intact checkpoint in --load {load_dir}: {'; '.join(skipped)}; restore one, or start "
+                          "without --load")
+
+
 def load_checkpoint(
     model: Any,
     optimizer: Any,
@@ -393,12 +458,10 @@ def load_checkpoint(
                 "    will not load any checkpoints and will start from random")
         return 0
     iteration, release = read_metadata(tracker)
-    checkpoint_name = get_checkpoint_name(load_dir, iteration, release)
-    if not os.path.isfile(checkpoint_name):
-        _check_layout(load_dir, iteration, release, checkpoint_name)
-    _print0(f" loading checkpoint from {load_dir} at iteration {iteration}")
     trust = bool(getattr(args, "trust_checkpoint", False))
-    sd = load_state_dict_file(checkpoint_name, trust)
+    iteration, checkpoint_name, sd = _select_checkpoint(load_dir, iteration, release, trust,
+                                                        not getattr(args, "no_checkpoint_fallback", False))
+    _print0(f" loading checkpoint from {load_dir} at iteration {iteration}")
     finetune = bool(getattr(args, "finetune", False))
 
     ckpt_args = sd.get("args")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List, Sequence
 
+from megatron.errors import ArgumentError
+
 TRAINING_RUN = "_training_run"  # args_defaults key set by megatron.training.pretrain (never a flag)
 
 
@@ -45,6 +47,4 @@ def check_required_flags(args: argparse.Namespace, training: bool,
     """Raise one ArgumentError naming every missing required flag."""
     missing = missing_required_flags(args, training, tokenizer_flags)
     if missing:
-        from megatron.arguments import ArgumentError
-
         raise ArgumentError(f"missing required flag{'s' if len(missing) > 1 else ''}: {', '.join(missing)}")

@@ -25,13 +25,9 @@ from megatron.checkpointing import load_checkpoint, local_rng_state, restore_loc
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.core.tensor_parallel import (
-    set_defaults_if_not_set_tensor_model_parallel_attributes,
-)
 from megatron.errors import MegatronUserError
 from megatron.flops import num_floating_point_operations
 from megatron.initialize import initialize_megatron
-from megatron.learning_rates import OptimizerParamScheduler
 from megatron.logging_utils import (
     ADVANCED,
     NAN,
@@ -44,7 +40,15 @@ from megatron.logging_utils import (
     report_memory,
     write_train_scalars,
 )
-from megatron.model.module import Float16Module
+
+# get_model and the scheduler setup live below training (megatron/model_setup.py, shared with megatron/ds/engine.py);
+# re-exported here under their Megatron names.
+from megatron.model_setup import (  # noqa: F401
+    _scheduler_steps,
+    get_model,
+    get_optimizer_param_scheduler,
+    update_train_iters,
+)
 from megatron.nan_guard import NonFiniteTrainingError, SkipCounter, loss_and_grads_finite, params_finite
 from megatron.optimizer import get_megatron_optimizer
 from megatron.optimizer.optimizer_config import optimizer_config_from_args
@@ -67,58 +71,6 @@ def print_datetime(message: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- model + optimizer
-def get_model(model_provider_func: Callable, model_type: Any, args: argparse.Namespace,
-              state: ps.ParallelState, wrap_with_ddp: bool = True) -> list[torch.nn.Module]:
-    """Build this rank's model chunks (one per virtual pipeline stage), cast for fp16/bf16, wrap each in DDP."""
-    args.model_type = model_type
-    vp_size = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    chunks = []
-    if state.pp_size > 1 and vp_size is not None:
-        for vp_rank in range(vp_size):
-            state.set_virtual_pipeline_model_parallel_rank(vp_rank)
-            chunks.append(model_provider_func(pre_process=state.is_pipeline_first_stage(),
-                                              post_process=state.is_pipeline_last_stage()))
-        state.set_virtual_pipeline_model_parallel_rank(0)
-    else:
-        chunks.append(model_provider_func(pre_process=state.is_pipeline_first_stage(),
-                                          post_process=state.is_pipeline_last_stage()))
-    for chunk in chunks:
-        chunk.model_type = model_type
-        for param in chunk.parameters():
-            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-    n_params = sum(p.nelement() for chunk in chunks for p in chunk.parameters())
-    if state.dp_rank == 0:
-        print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
-              f"{state.pp_rank}): {n_params}", flush=True)
-    return [_wrap_chunk(chunk, args, state, wrap_with_ddp) for chunk in chunks]
-
-
-def _wrap_chunk(model: torch.nn.Module, args: argparse.Namespace, state: ps.ParallelState,
-                wrap_with_ddp: bool) -> torch.nn.Module:
-    if torch.cuda.is_available() and getattr(args, "distributed_backend", None) != "gloo":
-        model.cuda(torch.cuda.current_device())
-    if args.fp16 or args.bf16:
-        model = Float16Module(model, torch.half if args.fp16 else torch.bfloat16)
-    if wrap_with_ddp:
-        from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
-
-        if args.DDP_impl == "torch":
-            model = TorchDistributedDataParallel(model, dp_group=state.dp_group)
-        else:
-            model = DistributedDataParallel(
-                model, dp_group=state.dp_group,
-                accumulate_allreduce_grads_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
-                use_contiguous_buffers=bool(getattr(args, "use_contiguous_buffers_in_local_ddp", True)),
-                overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
-                use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-                overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
-                bucket_size=getattr(args, "ddp_bucket_size", None),
-            )
-            if getattr(args, "data_parallel_random_init", False):
-                model.broadcast_params()  # start every data-parallel replica from DP rank 0's weights
-    return model
-
-
 def check_pipeline_schedule(args: argparse.Namespace, num_microbatches: int) -> None:
     """Megatron's start-up rule for the interleaved schedule: micro-batches divisible by the pipeline size."""
     pp = args.pipeline_model_parallel_size
@@ -129,64 +81,6 @@ def check_pipeline_schedule(args: argparse.Namespace, num_microbatches: int) -> 
             f"micro-batches ({num_microbatches} = --global-batch-size / (--micro-batch-size x data-parallel "
             f"size)) to be divisible by --pipeline-model-parallel-size ({pp}); change --global-batch-size or "
             f"--micro-batch-size")
-
-
-def _scheduler_steps(args: argparse.Namespace) -> tuple[int, int, int]:
-    """(warmup, decay, wd increment) lengths in samples, converted from iterations like Megatron."""
-    if args.train_iters:
-        if args.lr_decay_iters is None:
-            args.lr_decay_iters = args.train_iters
-        decay = args.lr_decay_iters * args.global_batch_size
-        wd_incr = args.train_iters * args.global_batch_size
-        warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
-                  else args.lr_warmup_iters * args.global_batch_size)
-    elif args.train_samples:
-        update_train_iters(args)
-        if args.lr_decay_samples is None:
-            args.lr_decay_samples = args.train_samples
-        decay = args.lr_decay_samples
-        wd_incr = args.train_samples
-        warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
-                  else args.lr_warmup_samples)
-    else:
-        raise ValueError("pass --train-iters or --train-samples")
-    return int(warmup), int(decay), int(wd_incr)
-
-
-def get_optimizer_param_scheduler(optimizer: Any, args: argparse.Namespace) -> OptimizerParamScheduler:
-    warmup, decay, wd_incr = _scheduler_steps(args)
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=getattr(args, "lr_warmup_init", 0.0) or 0.0,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=warmup,
-        lr_decay_steps=decay,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay,
-        wd_incr_steps=wd_incr,
-        wd_incr_style=args.weight_decay_incr_style,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-    )
-
-
-def update_train_iters(args: argparse.Namespace) -> None:
-    """--train-samples → args.train_iters (accounting for batch-size ramp-up), as Megatron."""
-    if args.rampup_batch_size is None:
-        args.train_iters = args.train_samples // args.global_batch_size
-    else:
-        iterations = 0
-        consumed = 0
-        while consumed <= int(args.rampup_batch_size[2]) and consumed < args.train_samples:
-            global_vars.update_num_microbatches(consumed, consistency_check=False)
-            consumed += global_vars.get_current_global_batch_size()
-            iterations += 1
-        global_vars.update_num_microbatches(0, consistency_check=False)
-        iterations += max(0, args.train_samples - consumed) // args.global_batch_size
-        args.train_iters = iterations
-    print_rank_0(f"setting training iterations to {args.train_iters}")
 
 
 def setup_model_and_optimizer(model_provider_func: Callable, model_type: Any, args: argparse.Namespace,

@@ -35,6 +35,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.ds.mpu import get_mpu
 from megatron.logging_utils import print_rank_0
+from megatron.model_setup import get_optimizer_param_scheduler
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -144,8 +145,6 @@ def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: An
                                         state: ps.ParallelState) -> tuple[list, Any, Any]:
     """([engine], engine's optimizer, OptimizerParamScheduler); loads --load (args.iteration set)."""
     import deepspeed
-
-    from megatron.training import get_optimizer_param_scheduler
 
     args.model_type = model_type
     _skip_inference_only_cpu_op()
@@ -355,7 +354,20 @@ def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_p
         client_state["rng_state"] = get_rng_state()  # gathered over data-parallel ranks: every rank calls
     if opt_param_scheduler is not None and not getattr(args, "no_save_optim", False):
         client_state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    from megatron import checkpoint_integrity as integrity
+
+    tag_dir = integrity.iteration_dir(args.save, iteration, "deepspeed")
+    if args.rank == 0:  # crashed writes' temp files go; a rewritten tag must not verify until its manifest exists
+        integrity.prepare_save(args.save, tag_dir, print_rank_0)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
     engine.save_checkpoint(args.save, tag=checkpoint_tag(iteration), client_state=client_state)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    if args.rank == 0:  # manifest last; DeepSpeed already moved `latest` (an unverified tag loads with a note)
+        integrity.write_manifest(tag_dir)
+        integrity.prune_after_save(args.save, iteration, getattr(args, "keep_last_n_checkpoints", None),
+                                   print_rank_0, layout="deepspeed")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
@@ -380,11 +392,21 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
         return 0
     finetune = bool(getattr(args, "finetune", False))
     load_optim = not finetune and not getattr(args, "no_load_optim", False)
+    from megatron import checkpoint_integrity as integrity
+    from megatron.checkpointing import _first_reason
     from megatron.safe_load import guarded_torch_load
 
+    with open(latest) as f:
+        latest_tag = f.read().strip()
+    try:  # the newest global_stepN whose files match their manifest
+        tag = integrity.select_deepspeed_tag(load_dir, latest_tag, not getattr(args, "no_checkpoint_fallback", False),
+                                             _first_reason, print_rank_0)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     with guarded_torch_load(trust=bool(getattr(args, "trust_checkpoint", False))):  # DeepSpeed's torch.load calls
         path, client_state = engine.load_checkpoint(
-            load_dir, load_optimizer_states=load_optim, load_lr_scheduler_states=False, load_module_only=finetune)
+            load_dir, tag=tag, load_optimizer_states=load_optim, load_lr_scheduler_states=False,
+            load_module_only=finetune)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load the checkpoint named by {latest}; check that the "
                               "global_step folder exists and matches this run's parallel layout")

@@ -50,7 +50,7 @@ def load_model_for_inference(args: argparse.Namespace, state: Optional[ps.Parall
     every TP rank (what generation and evaluation want). Under pipeline parallelism this is the rank's stage
     (one chunk; virtual stages are refused).
     """
-    from megatron.training import get_model  # deferred: training pulls in the optimizer stack
+    from megatron.model_setup import get_model
 
     state = _state(state)
     if getattr(args, "num_layers_per_virtual_pipeline_stage", None) or (state.virtual_pp_size or 1) > 1:

@@ -48,7 +48,7 @@ def _save(tmp: Path, iteration: int = 5, **kw) -> tuple[_Net, torch.optim.Optimi
 def test_layout_tracker_and_roundtrip(tmp_path: Path) -> None:
     net, opt = _save(tmp_path)
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "5"
-    assert os.listdir(tmp_path / "iter_0000005") == ["mp_rank_00"]
+    assert sorted(os.listdir(tmp_path / "iter_0000005")) == ["manifest.json", "mp_rank_00"]
     assert ck.get_checkpoint_name("x", 7, pipeline_parallel=True, tensor_rank=1, pipeline_rank=2) == \
         os.path.join("x", "iter_0000007", "mp_rank_01_002", "model_optim_rng.pt")
     assert ck.get_checkpoint_name("x", 0, release=True) == os.path.join("x", "release", "mp_rank_00",
