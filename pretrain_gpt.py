@@ -87,12 +87,14 @@ def forward_step(data_iterator: Optional[Iterator], model: torch.nn.Module) -> t
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: list[int]) -> tuple[Any, Any, Any]:
     """GPT datasets from --data-path (or separate --train/valid/test-data-path) with Megatron's split."""
+    from megatron.data.data_checks import check_data_files
     from megatron.data.gpt_dataset import build_train_valid_test_datasets
 
     args = global_vars.get_args()
     if not (args.data_path or args.train_data_path):
         raise ValueError("pretrain_gpt.py needs --data-path PREFIX (the output prefix of tools/preprocess_data.py, "
                          "e.g. my-gpt2_text_document) or --train-data-path/--valid-data-path/--test-data-path")
+    check_data_files(args)  # empty files and token ids outside the vocabulary: one line, before any index build
     return build_train_valid_test_datasets(
         data_prefix=args.data_path,
         data_impl=args.data_impl,

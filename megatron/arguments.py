@@ -734,7 +734,8 @@ def _validate_training_length(args: argparse.Namespace) -> None:
     _require(not (args.train_iters is not None and args.train_samples is not None),
              "use either --train-iters or --train-samples, not both")
     if args.train_iters is not None:
-        _require(args.train_iters >= 0, f"--train-iters must be >= 0 (got {args.train_iters})")
+        _require(args.train_iters > 0 or args.skip_train,
+                 f"--train-iters must be > 0 (got {args.train_iters}); to only evaluate a checkpoint, pass --skip-train")
         _require(args.lr_decay_samples is None,
                  "--lr-decay-samples needs --train-samples; with --train-iters use --lr-decay-iters")
         _require(args.lr_warmup_samples == 0,
@@ -744,7 +745,8 @@ def _validate_training_length(args: argparse.Namespace) -> None:
         if args.lr_warmup_fraction is not None:
             _require(args.lr_warmup_iters == 0, "use either --lr-warmup-fraction or --lr-warmup-iters, not both")
     if args.train_samples is not None:
-        _require(args.train_samples >= 0, f"--train-samples must be >= 0 (got {args.train_samples})")
+        _require(args.train_samples > 0 or args.skip_train,
+                 f"--train-samples must be > 0 (got {args.train_samples}); to only evaluate, pass --skip-train")
         _require(args.lr_decay_iters is None,
                  "--lr-decay-iters needs --train-iters; with --train-samples use --lr-decay-samples")
         _require(args.lr_warmup_iters == 0,
@@ -919,6 +921,9 @@ def _validate_misc(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--vocab-extra-ids must be >= 0 (got {args.vocab_extra_ids})")
     if args.exit_interval is not None:
         _require(args.exit_interval > 0, f"--exit-interval must be positive (got {args.exit_interval})")
+    if args.keep_last_n_checkpoints is not None:
+        _require(args.keep_last_n_checkpoints > 0,
+                 f"--keep-last-n-checkpoints must be positive (got {args.keep_last_n_checkpoints})")
     _require(args.max_skipped_iterations >= 0,
              f"--max-skipped-iterations must be >= 0 (got {args.max_skipped_iterations}; 0 means no limit)")
 

@@ -134,6 +134,9 @@ def build_train_valid_test_data_iterators(
     datasets = dataset_provider(num_samples)  # collective: the provider coordinates cache building
     train_ds, valid_ds, test_ds = datasets
     print_rank_0("> finished creating datasets ...")
+    from megatron.data.data_checks import check_train_split
+
+    check_train_split(args, train_ds)  # an empty training split with --train-iters > 0 is an error, not success
 
     def loader(ds: Any, consumed: int) -> Any:
         if ds is None:

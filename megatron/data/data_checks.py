@@ -1,0 +1,113 @@
+"""Start-up checks of the training data that would otherwise fail late or not at all (one line each, naming the flag).
+
+- `check_data_files`: every --data-path / --train-data-path / ... prefix holds at least one token, and no token id is
+  outside the model's (padded) vocabulary. The largest id is read from the ``.bin`` in 64 MiB chunks (numpy max, a
+  few GB/s), skipped when the file's dtype cannot hold an id that large; the result is cached next to the data cache
+  so a restart does not read the data again.
+- `check_train_split`: a training run (--train-iters/--train-samples > 0, no --skip-train) whose training split came
+  out empty (an empty data set, or --split giving training 0%) stops instead of reporting success.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+from megatron.errors import MegatronUserError
+
+_CHUNK_TOKENS = 32 << 20
+
+
+class DataCheckError(MegatronUserError, ValueError):
+    """The training data cannot give a meaningful run with these flags."""
+
+
+def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(flag, prefix) for every dataset prefix of the run (blend weights dropped)."""
+    out = []
+    for flag, attr in (("--data-path", "data_path"), ("--train-data-path", "train_data_path"),
+                       ("--valid-data-path", "valid_data_path"), ("--test-data-path", "test_data_path")):
+        for entry in getattr(args, attr, None) or []:
+            try:
+                float(entry)
+                continue  # a blend weight
+            except (TypeError, ValueError):
+                out.append((flag, str(entry)))
+    return out
+
+
+def _cache_file(prefix: str) -> str:
+    return prefix + ".maxid.json"
+
+
+def max_token_id(prefix: str) -> Optional[int]:
+    """Largest token id in ``prefix.bin`` (None for an empty file); cached in ``prefix.maxid.json`` when writable."""
+    from megatron.data.indexed_dataset import MMapIndexedDataset, data_file_path
+
+    bin_path = data_file_path(prefix)
+    stat = os.stat(bin_path)
+    key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    try:
+        with open(_cache_file(prefix)) as f:
+            cached = json.load(f)
+        if cached.get("key") == key:
+            return cached.get("max")
+    except (OSError, ValueError):
+        pass
+    ds = MMapIndexedDataset(prefix, skip_warmup=True)
+    total = int(np.asarray(ds.sizes, dtype=np.int64).sum())
+    if total == 0:
+        return None
+    data = np.memmap(bin_path, dtype=ds.dtype, mode="r", shape=(total,))
+    best = 0
+    for start in range(0, total, _CHUNK_TOKENS):
+        best = max(best, int(data[start:start + _CHUNK_TOKENS].max()))
+    try:
+        with open(_cache_file(prefix) + f".tmp.{os.getpid()}", "w") as f:
+            json.dump({"key": key, "max": best}, f)
+        os.replace(_cache_file(prefix) + f".tmp.{os.getpid()}", _cache_file(prefix))
+    except OSError:
+        pass  # read-only data folder: no cache
+    return best
+
+
+def check_data_files(args: argparse.Namespace) -> None:
+    """One-line DataCheckError for an empty data file or token ids >= the padded vocabulary size."""
+    from megatron.data.indexed_dataset import MMapIndexedDataset, infer_dataset_impl
+
+    vocab = getattr(args, "padded_vocab_size", None)
+    for flag, prefix in data_prefixes(args):
+        if infer_dataset_impl(prefix) != "mmap":
+            continue  # legacy formats: checked by their readers
+        ds = MMapIndexedDataset(prefix, skip_warmup=True)
+        tokens = int(np.asarray(ds.sizes, dtype=np.int64).sum()) if len(ds) else 0
+        if tokens == 0:
+            raise DataCheckError(f"{flag} {prefix}: the data set is empty ({len(ds)} documents, 0 tokens); "
+                                 "preprocess a non-empty corpus (tools/preprocess_data.py)")
+        if vocab is None or np.iinfo(ds.dtype).max < vocab:
+            continue  # the file's dtype cannot hold an id outside the vocabulary
+        top = max_token_id(prefix)
+        if top is not None and top >= vocab:
+            raise DataCheckError(
+                f"{flag} {prefix} holds token id {top} but the model's vocabulary has {vocab} entries (padded): the "
+                "data was tokenized with another tokenizer; use its --vocab-file/--tokenizer-model or re-preprocess")
+
+
+def check_train_split(args: argparse.Namespace, train_ds: Any) -> None:
+    """A training run needs training samples: one line naming --split or --data-path otherwise."""
+    if getattr(args, "skip_train", False) or not (args.train_iters or getattr(args, "train_samples", None)):
+        return
+    if train_ds is not None and len(train_ds) > 0:
+        return
+    length = f"--train-iters {args.train_iters}" if args.train_iters else f"--train-samples {args.train_samples}"
+    split = str(getattr(args, "split", "") or "")
+    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    if getattr(args, "data_path", None) and parts and float(parts[0]) == 0.0:
+        raise DataCheckError(f"--split {split} gives the training split 0% of the data but {length} asks for "
+                             "training; give the first --split entry a share, or pass --skip-train to only evaluate")
+    flag = "--train-data-path" if getattr(args, "train_data_path", None) else "--data-path"
+    raise DataCheckError(f"{flag} gives no training samples but {length} asks for training: the training data is "
+                         "empty or too small for one sample of --seq-length; check the data, or pass --skip-train")
