@@ -47,7 +47,7 @@ def tensor_parallel_layouts(source: Union[torch.nn.Module, TransformerConfig]) -
 
         cfg = dataclasses.replace(source, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                   virtual_pipeline_model_parallel_size=None, sequence_parallel=False,
-                                  use_cpu_initialization=False,
+                                  use_cpu_initialization=True,
                                   padded_vocab_size=max(source.padded_vocab_size, 1))
         with torch.device("meta"):
             source = GPTModel(cfg)

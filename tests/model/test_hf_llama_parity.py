@@ -31,7 +31,7 @@ def test_logits_equal_hf(family):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama_gqa", "llama_mqa_head_dim", "mistral_gqa", "qwen2_qkv_bias"])
+@pytest.mark.parametrize("family", ["llama_mha", "llama_gqa", "llama_mqa_head_dim", "mistral_gqa", "qwen2_qkv_bias"])
 def test_greedy_kv_cache_equals_hf_generate(family):
     hf = hf_model(family, seed=1)
     model = megatron_twin(hf)

@@ -77,11 +77,14 @@ def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, sour
 
 # ---- initialisation ---------------------------------------------------------------------------------------------
 def _param_device(config: Any) -> Optional[torch.device]:
+    get_default = getattr(torch, "get_default_device", None)  # torch >= 2.3
+    if get_default is not None and get_default().type == "meta":
+        return None  # inside `with torch.device("meta")`: a weightless model (layouts, shapes)
     if getattr(config, "use_cpu_initialization", True):
         return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    return None  # torch's default device (a `with torch.device("meta")` block builds a weightless model)
+    return None  # torch's default device
 
 
 def _initialize_affine_weight_cpu(
