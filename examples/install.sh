@@ -31,5 +31,9 @@ if ! $PY -c "import torch" 2>/dev/null; then
 fi
 echo "== installing requirements${EXTRA:+ and test requirements}"
 $PY -m pip install -r requirements.txt "${EXTRA[@]}" setuptools wheel
-echo "== installing this package (pip install -e .; compiles csrc/helpers.cpp)"
-$PY -m pip install --no-build-isolation -e .
+if $PY -m pip show megatron-lite 2>/dev/null | grep -qxF "Editable project location: $PWD"; then
+  echo "== this package is already installed from $PWD (editable)"
+else
+  echo "== installing this package (pip install -e .; compiles csrc/helpers.cpp)"
+  $PY -m pip install --no-build-isolation -e .
+fi
