@@ -73,3 +73,9 @@ def gpt_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLay
     """GPT / Llama-family decoder-only layer: causal self-attention and an MLP (norms and variants from config)."""
     del config  # every variant (norm, activation, GQA, RoPE) is read from the config by the parts themselves
     return transformer_layer_spec(AttnMaskType.causal, cross_attention=False)
+
+
+def bert_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:
+    """BERT encoder layer: the same parts as GPT's with bidirectional (padding-masked) self-attention."""
+    del config
+    return transformer_layer_spec(AttnMaskType.padding, cross_attention=False)

@@ -1,0 +1,184 @@
+"""BERT (Megatron's BertModel): a pre-LN encoder with padding masks, the masked-LM head and the sentence-order head.
+
+Built from the same parts as GPT (layer_specs.bert_layer_spec = GPT's layer with bidirectional attention): word +
+position (+ token-type, with the binary head) embeddings and no embedding LayerNorm, pre-LN layers and a final
+LayerNorm, pooler ``tanh(dense(h[0]))`` (gathers the sequence under SP), LM head ``dense -> erf GeLU -> LayerNorm ->``
+tied word embeddings ``+`` a vocab-parallel bias, binary head ``Linear(h, 2)`` on the pooled output.
+
+Checkpoint layout as Megatron's: ``language_model`` (``embedding.{word,position,tokentype}_embeddings``,
+``encoder``, ``pooler.dense``), ``lm_head`` (``bias``, ``dense.*``, ``layernorm.*``), ``binary_head``, and
+``word_embeddings_for_head`` on a last pipeline stage without the embedding.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.layout import TensorParallelLayout, set_tp_layout
+from megatron.core.transformer_config import TransformerConfig
+from megatron.model.enums import AttnMaskType
+from megatron.model.fused_layer_norm import MixedFusedLayerNorm
+from megatron.model.gpt_model import LANGUAGE_MODEL_KEY, WORD_EMBEDDINGS_FOR_HEAD_KEY, flatten_checkpoint_state_dict
+from megatron.model.language_model import TransformerLanguageModel, parallel_lm_logits
+from megatron.model.layer_specs import bert_layer_spec
+from megatron.model.module import MegatronModule
+from megatron.model.utils import get_linear_layer, group_size, openai_gelu
+
+LM_HEAD_KEY = "lm_head"
+BINARY_HEAD_KEY = "binary_head"
+
+
+def bert_extended_attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
+    """[b, s] (1 = token, 0 = pad) -> bool [b, 1, s, s], True = masked; padded query rows are fully masked."""
+    pad = padding_mask.float()
+    return (pad.unsqueeze(1) * pad.unsqueeze(2) < 0.5).unsqueeze(1)
+
+
+def bert_position_ids(token_ids: torch.Tensor) -> torch.Tensor:
+    """0..s-1 for every row of [b, s]."""
+    s = token_ids.size(1)
+    return torch.arange(s, dtype=torch.long, device=token_ids.device).unsqueeze(0).expand_as(token_ids)
+
+
+class BertLMHead(MegatronModule):
+    """dense -> GeLU (erf; tanh with --openai-gelu) -> LayerNorm -> logits through the tied embedding + bias."""
+
+    def __init__(self, config: TransformerConfig, tp_group: Optional[Any], parallel_output: bool) -> None:
+        super().__init__(config=config)
+        tp = group_size(tp_group)
+        self.tp_group = tp_group
+        self.parallel_output = parallel_output
+        self.sequence_parallel = config.sequence_parallel
+        self.bias = torch.nn.Parameter(torch.zeros(config.padded_vocab_size // tp, dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
+        set_tp_layout(self.bias, TensorParallelLayout(dim=0))
+        self.dense = get_linear_layer(config.hidden_size, config.hidden_size, config.init_method)
+        for p in self.dense.parameters():  # sees this rank's sequence slice under SP: grads summed over TP
+            p.sequence_parallel = config.sequence_parallel
+        self.layernorm = MixedFusedLayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
+                                             sequence_parallel=config.sequence_parallel,
+                                             params_dtype=config.params_dtype)
+        self.gelu = openai_gelu if config.openai_gelu else F.gelu
+
+    def forward(self, hidden_states: torch.Tensor, word_embeddings_weight: torch.Tensor) -> torch.Tensor:
+        """[s(/tp), b, h] -> logits [s, b, vocab/tp] (full vocab unless parallel_output)."""
+        hidden = self.layernorm(self.gelu(self.dense(hidden_states)))
+        return parallel_lm_logits(hidden, word_embeddings_weight, self.parallel_output, self.tp_group,
+                                  bias=self.bias, sequence_parallel=self.sequence_parallel)
+
+
+def _check_layout(config: TransformerConfig, tp_group: Optional[Any], pp_state: Optional[Any]) -> None:
+    if config.padded_vocab_size <= 0:
+        raise ValueError("TransformerConfig.padded_vocab_size is not set: build the tokenizer first")
+    tp = group_size(tp_group)
+    if tp != config.tensor_model_parallel_size:
+        raise ValueError(f"BertModel: config.tensor_model_parallel_size={config.tensor_model_parallel_size} but the "
+                         f"tp_group has {tp} ranks; pass pp_state=parallel_state")
+    pp = getattr(pp_state, "pp_size", 1) if pp_state is not None else 1
+    if pp != config.pipeline_model_parallel_size:
+        raise ValueError(f"BertModel: config.pipeline_model_parallel_size={config.pipeline_model_parallel_size} but "
+                         f"pp_state has pp_size={pp}; pass pp_state=parallel_state")
+    if config.padded_vocab_size % tp:
+        raise ValueError(f"padded vocab size {config.padded_vocab_size} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}; pad it with --make-vocab-size-divisible-by")
+    if not config.share_embeddings_and_output_weights:
+        raise ValueError("BERT ties its output layer to the word embeddings: drop "
+                         "--untie-embeddings-and-output-weights")
+    if config.position_embedding_type != "learned_absolute":
+        raise ValueError("BERT uses learned absolute position embeddings: drop --position-embedding-type "
+                         f"{config.position_embedding_type}")
+
+
+class BertModel(MegatronModule):
+    """Megatron's BertModel. forward(tokens, padding_mask, tokentype_ids, lm_labels) ->
+    (logits [b, s, v/tp] or per-token lm loss [b, s], sop logits [b, 2] or None); hidden states on non-last stages.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        tp_group: Optional[Any] = None,
+        pp_state: Optional[Any] = None,
+        num_tokentypes: int = 2,
+        add_binary_head: bool = True,
+        parallel_output: bool = True,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+    ) -> None:
+        super().__init__(config=config, share_embeddings_and_output_weights=True)
+        if tp_group is None and pp_state is not None:
+            tp_group = getattr(pp_state, "tp_group", None)
+        _check_layout(config, tp_group, pp_state)
+        self.tp_group = tp_group
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.add_binary_head = add_binary_head
+        self.parallel_output = parallel_output
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.language_model = TransformerLanguageModel(
+            config, tp_group, pp_state, encoder_attn_mask_type=AttnMaskType.padding, num_tokentypes=num_tokentypes,
+            add_pooler=add_binary_head, pre_process=pre_process, post_process=post_process,
+            encoder_layer_spec=bert_layer_spec(config),
+        )
+        self.initialize_word_embeddings(tp_group, pp_state)
+        if post_process:
+            self.lm_head = BertLMHead(config, tp_group, parallel_output)
+            self.binary_head = (get_linear_layer(config.hidden_size, 2, config.init_method)
+                                if add_binary_head else None)
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        """Activation from the previous pipeline stage."""
+        self.language_model.set_input_tensor(input_tensor)
+
+    def forward(
+        self,
+        bert_model_input: Optional[torch.Tensor],
+        attention_mask: torch.Tensor,
+        tokentype_ids: Optional[torch.Tensor] = None,
+        lm_labels: Optional[torch.Tensor] = None,
+    ) -> Any:
+        extended_mask = bert_extended_attention_mask(attention_mask)
+        position_ids = bert_position_ids(bert_model_input) if self.pre_process else None
+        lm_output = self.language_model(bert_model_input, position_ids, extended_mask, tokentype_ids=tokentype_ids)
+        if not self.post_process:
+            return lm_output
+        pooled = None
+        if self.add_binary_head:
+            lm_output, pooled = lm_output
+        logits = self.lm_head(lm_output, self.shared_embedding_or_output_weight())
+        binary_logits = self.binary_head(pooled) if self.binary_head is not None else None
+        if lm_labels is None:
+            return logits.transpose(0, 1).contiguous(), binary_logits
+        labels = lm_labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
+        if self.fp16_lm_cross_entropy:
+            if logits.dtype != torch.half:
+                raise ValueError("--fp16-lm-cross-entropy needs fp16 logits (use it together with --fp16)")
+            loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+        else:
+            loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)
+        return loss.transpose(0, 1).contiguous(), binary_logits
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
+        """Megatron's nested layout (see the module docstring)."""
+        out: dict = {LANGUAGE_MODEL_KEY: self.language_model.state_dict_for_save_checkpoint(prefix=prefix,
+                                                                                             keep_vars=keep_vars)}
+        if self.post_process:
+            out[LM_HEAD_KEY] = self.lm_head.state_dict(prefix=prefix, keep_vars=keep_vars)
+            if self.binary_head is not None:
+                out[BINARY_HEAD_KEY] = self.binary_head.state_dict(prefix=prefix, keep_vars=keep_vars)
+            if not self.pre_process:
+                out[WORD_EMBEDDINGS_FOR_HEAD_KEY] = self.word_embeddings.state_dict(prefix=prefix, keep_vars=keep_vars)
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """Load Megatron's nested checkpoint dict or a flat `state_dict()`."""
+        flat = flatten_checkpoint_state_dict(state_dict)
+        own = set(self.state_dict().keys())
+        flat = {k: v for k, v in flat.items() if not (k.endswith("._extra_state") and k not in own)}
+        return super().load_state_dict(flat, strict=strict, assign=assign)
