@@ -38,6 +38,7 @@ TRUST_HINT = (f"only if you trust this file, pass --trust-checkpoint (or set {TR
 ALLOWED_GLOBALS: tuple[str, ...] = (
     # Megatron args and RNG state
     "argparse:Namespace",
+    "types:SimpleNamespace",  # args of checkpoints written by Megatron-LM's conversion tools (model fields only)
     "numpy:ndarray",
     "numpy:dtype",
     "numpy._core.multiarray:_reconstruct",

@@ -1,0 +1,123 @@
+"""`tools/checkpoint/convert.py`: Megatron-LM's command line (--model-type, --loader, --saver, --load-dir,
+--save-dir, --target-*-parallel-size, --true-vocab-size | --vocab-file, --megatron-path) over the plugins.
+
+The output is written into a temporary sibling folder and renamed to --save-dir only when everything succeeded, so a
+failure leaves nothing under the target name. The model flags for the converted checkpoint are printed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from typing import Any, Dict, List, Optional
+
+from megatron.checkpoint_conversion.interchange import MODEL_TYPES, SUPPORTED_MODEL_TYPES, ConversionError, model_flags
+from megatron.checkpoint_conversion.plugins import resolve_plugin
+
+
+def base_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Convert a checkpoint between Megatron layouts (any TP/PP/virtual PP), Hugging Face and "
+                    "DeepSpeed", allow_abbrev=False, conflict_handler="resolve")
+    parser.add_argument("--model-type", required=True, choices=MODEL_TYPES, help="Type of the model")
+    parser.add_argument("--loader", default="megatron", help="Loader plugin: megatron, hf, deepspeed or a module")
+    parser.add_argument("--saver", default="megatron", help="Saver plugin: megatron, hf, deepspeed or a module")
+    parser.add_argument("--load-dir", required=True, help="Folder to read the checkpoint from")
+    parser.add_argument("--save-dir", required=True, help="Folder to write the converted checkpoint to (must not "
+                        "hold a checkpoint already)")
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=None,
+                        help="Tensor-parallel size of the output (default: the input's)")
+    parser.add_argument("--target-pipeline-parallel-size", type=int, default=None,
+                        help="Pipeline-parallel size of the output (default: the input's)")
+    parser.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                        help="Layers per virtual pipeline chunk of the output (interleaved schedule)")
+    vocab = parser.add_mutually_exclusive_group()
+    vocab.add_argument("--true-vocab-size", type=int, default=None,
+                       help="Tokenizer vocabulary size: padding rows are dropped and re-padded for the target TP")
+    vocab.add_argument("--vocab-file", default=None, help="Vocabulary file to take the true vocabulary size from")
+    parser.add_argument("--megatron-path", default=None, help="Accepted for Megatron-LM compatibility (this "
+                        "repository's megatron package is used)")
+    parser.add_argument("--max-queue-size", type=int, default=50, help="Accepted for Megatron-LM compatibility "
+                        "(loader and saver run in one process, one layer at a time)")
+    parser.add_argument("--no-checking", action="store_false", dest="checking",
+                        help="Accepted for Megatron-LM compatibility (messages are always checked)")
+    parser.add_argument("--trust-checkpoint", action="store_true",
+                        help="Load the input with full unpickling (can run code in it); default: weights-only with "
+                             "an allow-list (also MEGATRON_TRUST_CHECKPOINT=1)")
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = base_parser()
+    known, _ = parser.parse_known_args(argv)
+    loader = resolve_plugin("loader", known.loader)
+    saver = resolve_plugin("saver", known.saver)
+    loader.add_arguments(parser)
+    saver.add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.loader_plugin, args.saver_plugin = loader, saver
+    return args
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConversionError(f"--model-type {args.model_type}: no {args.model_type} model exists in this "
+                              f"repository yet; its adapter arrives with the model (supported: "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
+                 "target_num_layers_per_virtual_pipeline_stage", "true_vocab_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConversionError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if args.vocab_file:
+        from megatron.checkpoint_conversion.vocab import true_vocab_size_from_file
+
+        args.true_vocab_size = true_vocab_size_from_file(args.vocab_file)
+    load, save = os.path.abspath(args.load_dir), os.path.abspath(args.save_dir)
+    if load == save or save.startswith(load + os.sep):
+        raise ConversionError("--save-dir must be outside --load-dir")
+    if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
+        raise ConversionError(f"--save-dir {args.save_dir} already exists and is not empty; choose a new folder")
+
+
+def convert(args: argparse.Namespace) -> Dict[str, Any]:
+    """Run one conversion; returns the saver's summary plus the model flags."""
+    from megatron.safe_load import guarded_torch_load
+
+    _check_args(args)
+    save = os.path.abspath(args.save_dir)
+    tmp = os.path.join(os.path.dirname(save), f".{os.path.basename(save)}.converting.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        with guarded_torch_load(trust=args.trust_checkpoint):
+            meta, messages = args.loader_plugin.load_checkpoint(args)
+            summary = args.saver_plugin.save_checkpoint(meta, messages, args, tmp)
+        if os.path.isdir(save):
+            os.rmdir(save)  # empty (checked above)
+        os.replace(tmp, save)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    summary["meta"] = meta
+    if args.saver in ("megatron", "deepspeed"):
+        summary["flags"] = model_flags(meta, summary.get("tp", 1), summary.get("pp", 1), summary.get("vp_layers"))
+    return summary
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    summary = convert(args)
+    meta = summary["meta"]
+    if args.saver == "hf":
+        print(f"wrote Hugging Face {summary['architecture']} ({len(summary['files'])} safetensors file(s), "
+              f"vocabulary {summary['vocab_size']}) to {args.save_dir}", flush=True)
+    else:
+        kind = "release checkpoint" if meta.iteration is None else f"checkpoint iteration {meta.iteration}"
+        print(f"wrote {args.saver} {kind} to {args.save_dir} (TP={summary.get('tp', 1)}, "
+              f"PP={summary.get('pp', 1)}); load it with --load {args.save_dir} --finetune (or --no-load-optim "
+              "--no-load-rng) and these model flags:", flush=True)
+        print(summary["flags"], flush=True)
+    sys.stdout.flush()
+    return summary

@@ -1,0 +1,219 @@
+"""The interchange form between loaders and savers: `ModelMeta` (architecture, vocabulary, training counters,
+tokenizer files) and `Message`s of full TP=1 tensors under Megatron's parameter names.
+
+Message stream of a GPT-family model, in order (Megatron-LM's tools/checkpoint names the same parts)::
+
+    "embeddings"            word_embeddings.weight [vocab rows], position_embeddings.weight (learned positions)
+    "transformer layer {i}" i = 0..num_layers-1; keys are the suffixes after ``language_model.encoder.layers.{i}.``
+                            (``self_attention.query_key_value.weight`` in Megatron's grouped layout, SwiGLU's
+                            ``mlp.dense_h_to_4h.weight`` as [gate; up], ...)
+    "final norm"            final_layernorm.weight [, final_layernorm.bias]
+    "output layer"          output_layer.weight (untied models only)
+
+The word embedding / output layer carry ``meta.true_vocab_size`` rows when the loader knows the tokenizer's size
+(padding dropped; savers re-pad as Megatron does), else the source's padded rows.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+from megatron.core.transformer_config import TransformerConfig
+from megatron.errors import MegatronUserError
+
+EMBEDDINGS = "embeddings"
+FINAL_NORM = "final norm"
+OUTPUT_LAYER = "output layer"
+LAYER_PREFIX = "transformer layer "
+
+MODEL_TYPES = ("GPT", "BERT", "T5")
+SUPPORTED_MODEL_TYPES = ("GPT",)
+
+# TransformerConfig fields a converted model keeps (the architecture; numerics and parallel sizes are the run's).
+_KEPT_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "max_position_embeddings",
+    "padded_vocab_size", "apply_residual_connection_post_layernorm", "normalization", "layernorm_epsilon",
+    "apply_layernorm_1p", "openai_gelu", "squared_relu", "swiglu", "bias_gelu_fusion", "add_bias_linear",
+    "add_qkv_bias", "position_embedding_type", "rotary_base", "rotary_percent", "group_query_attention",
+    "num_query_groups", "share_embeddings_and_output_weights",
+)
+
+
+class ConversionError(MegatronUserError, ValueError):
+    """Bad input for a conversion (names the file or flag and the fix); nothing is written."""
+
+
+def layer_message(i: int) -> str:
+    return f"{LAYER_PREFIX}{i}"
+
+
+@dataclass
+class Message:
+    """One part of the model: full (TP=1) tensors keyed by Megatron names relative to the part."""
+
+    name: str
+    tensors: Dict[str, torch.Tensor]
+
+
+@dataclass
+class ModelMeta:
+    """What a saver needs besides the tensors."""
+
+    model_type: str
+    architecture: Dict[str, Any]
+    true_vocab_size: Optional[int] = None
+    iteration: Optional[int] = None  # None: a release checkpoint (no training state)
+    checkpoint_args: Optional[Any] = None  # the source's saved args namespace, when it is a Megatron checkpoint
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    make_vocab_size_divisible_by: int = 128
+    tokenizer: Dict[str, Any] = field(default_factory=dict)  # {"type", "files": [paths], ...}
+    source: str = ""  # a description for messages
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def config(self, **overrides: Any) -> TransformerConfig:
+        """A TP=1 TransformerConfig of the architecture (dropouts 0)."""
+        kwargs = {k: v for k, v in self.architecture.items() if k in _KEPT_FIELDS}
+        if not kwargs.get("group_query_attention"):
+            kwargs["num_query_groups"] = None
+        kwargs.update(hidden_dropout=0.0, attention_dropout=0.0)
+        kwargs.update(overrides)
+        try:
+            return TransformerConfig(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ConversionError(f"{self.source}: the stored architecture is not a valid model ({exc})") from None
+
+
+def architecture_of(config: TransformerConfig) -> Dict[str, Any]:
+    """{field: plain value} of the architecture fields of `config` (what checkpoints store as ``architecture``)."""
+    out: Dict[str, Any] = {}
+    for name in _KEPT_FIELDS:
+        value = getattr(config, name)
+        out[name] = value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+    if not config.group_query_attention:
+        out["num_query_groups"] = None
+    return out
+
+
+def with_architecture(meta: ModelMeta, **changes: Any) -> ModelMeta:
+    return dataclasses.replace(meta, architecture={**meta.architecture, **changes})
+
+
+def model_flags(meta: ModelMeta, tp: int = 1, pp: int = 1, vp_layers: Optional[int] = None) -> str:
+    """The Megatron flags that build the model of `meta` (what to pass with the converted checkpoint)."""
+    a = meta.architecture
+    flags: List[str] = [f"--num-layers {a['num_layers']}", f"--hidden-size {a['hidden_size']}",
+                        f"--num-attention-heads {a['num_attention_heads']}"]
+    if a.get("ffn_hidden_size") and a["ffn_hidden_size"] != 4 * a["hidden_size"] or a.get("swiglu"):
+        flags.append(f"--ffn-hidden-size {a['ffn_hidden_size']}")
+    if a.get("kv_channels") and a["kv_channels"] != a["hidden_size"] // a["num_attention_heads"]:
+        flags.append(f"--kv-channels {a['kv_channels']}")
+    flags.append(f"--max-position-embeddings {a['max_position_embeddings']}")
+    if a.get("normalization", "LayerNorm") != "LayerNorm":
+        flags.append(f"--normalization {a['normalization']}")
+    flags.append(f"--norm-epsilon {a.get('layernorm_epsilon', 1e-5)}")
+    for key, flag in (("apply_layernorm_1p", "--apply-layernorm-1p"), ("swiglu", "--swiglu"),
+                      ("openai_gelu", "--openai-gelu"), ("squared_relu", "--squared-relu"),
+                      ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm"),
+                      ("add_qkv_bias", "--add-qkv-bias")):
+        if a.get(key):
+            flags.append(flag)
+    if not a.get("bias_gelu_fusion", True) and not (a.get("swiglu") or a.get("squared_relu")):
+        flags.append("--no-bias-gelu-fusion")
+    pos = a.get("position_embedding_type", "learned_absolute")
+    if pos != "learned_absolute":
+        flags.append(f"--position-embedding-type {pos}")
+    if pos == "rope":
+        flags.append(f"--rotary-base {a.get('rotary_base', 10000.0):g}")
+        if a.get("rotary_percent", 1.0) != 1.0:
+            flags.append(f"--rotary-percent {a['rotary_percent']}")
+    if a.get("group_query_attention"):
+        flags.append(f"--group-query-attention --num-query-groups {a['num_query_groups']}")
+    if not a.get("add_bias_linear", True):
+        flags.append("--disable-bias-linear")
+    if not a.get("share_embeddings_and_output_weights", True):
+        flags.append("--untie-embeddings-and-output-weights")
+    flags.append(f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}")
+    if vp_layers:
+        flags.append(f"--num-layers-per-virtual-pipeline-stage {vp_layers}")
+    tok = meta.tokenizer
+    if tok.get("type"):
+        flags.append(f"--tokenizer-type {tok['type']}")
+        for key, flag in (("vocab_file", "--vocab-file"), ("merge_file", "--merge-file"),
+                          ("tokenizer_model", "--tokenizer-model")):
+            if tok.get(key):
+                flags.append(f"{flag} {tok[key]}")
+    if meta.make_vocab_size_divisible_by != 128:
+        flags.append(f"--make-vocab-size-divisible-by {meta.make_vocab_size_divisible_by}")
+    return " ".join(flags)
+
+
+def expect(messages: Iterator[Message], name: str) -> Message:
+    """The next message, which must be `name` (one-line error otherwise, as Megatron's saver)."""
+    msg = next(messages, None)
+    if msg is None:
+        raise ConversionError(f"the loader stopped before sending {name!r}")
+    if msg.name != name:
+        raise ConversionError(f'unexpected message: expecting "{name}" but got "{msg.name}"')
+    return msg
+
+
+def args_namespace(meta: ModelMeta) -> argparse.Namespace:
+    """A Megatron args namespace with the model fields of `meta` (for checkpoints from non-Megatron sources)."""
+    a = meta.architecture
+    ns = argparse.Namespace(**{k: v for k, v in a.items() if k != "share_embeddings_and_output_weights"})
+    ns.untie_embeddings_and_output_weights = not a.get("share_embeddings_and_output_weights", True)
+    ns.norm_epsilon = a.get("layernorm_epsilon")
+    ns.use_rotary_position_embeddings = a.get("position_embedding_type") == "rope"
+    ns.add_position_embedding = a.get("position_embedding_type") == "learned_absolute"
+    ns.onnx_safe = None
+    ns.make_vocab_size_divisible_by = meta.make_vocab_size_divisible_by
+    ns.seq_length = a.get("max_position_embeddings")
+    ns.true_vocab_size = meta.true_vocab_size
+    for key in ("type", "vocab_file", "merge_file", "tokenizer_model"):
+        if meta.tokenizer.get(key):
+            setattr(ns, "tokenizer_type" if key == "type" else key, meta.tokenizer[key])
+    ns.consumed_train_samples = meta.consumed_train_samples
+    ns.consumed_valid_samples = meta.consumed_valid_samples
+    return ns
+
+
+_LM = "language_model."
+_LAYERS = _LM + "encoder.layers."
+
+
+def messages_from_state_dict(flat: Dict[str, torch.Tensor], num_layers: int) -> Iterator[Message]:
+    """The message stream of a full TP=1 flat GPT state dict (``GPTModel.state_dict()`` names)."""
+    emb = {"word_embeddings.weight": flat[_LM + "embedding.word_embeddings.weight"]}
+    if _LM + "embedding.position_embeddings.weight" in flat:
+        emb["position_embeddings.weight"] = flat[_LM + "embedding.position_embeddings.weight"]
+    yield Message(EMBEDDINGS, emb)
+    for i in range(num_layers):
+        prefix = f"{_LAYERS}{i}."
+        yield Message(layer_message(i), {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)})
+    yield Message(FINAL_NORM, {k[len(_LM + "encoder."):]: v for k, v in flat.items()
+                               if k.startswith(_LM + "encoder.final_layernorm.")})
+    if _LM + "output_layer.weight" in flat:
+        yield Message(OUTPUT_LAYER, {"output_layer.weight": flat[_LM + "output_layer.weight"]})
+
+
+def state_dict_from_messages(messages: Iterator[Message]) -> Dict[str, torch.Tensor]:
+    """Inverse of `messages_from_state_dict`: collect a stream into one full TP=1 flat state dict."""
+    out: Dict[str, torch.Tensor] = {}
+    for msg in messages:
+        if msg.name == EMBEDDINGS:
+            out.update({_LM + "embedding." + k: v for k, v in msg.tensors.items()})
+        elif msg.name.startswith(LAYER_PREFIX):
+            i = int(msg.name[len(LAYER_PREFIX):])
+            out.update({f"{_LAYERS}{i}.{k}": v for k, v in msg.tensors.items()})
+        elif msg.name == FINAL_NORM:
+            out.update({_LM + "encoder." + k: v for k, v in msg.tensors.items()})
+        elif msg.name == OUTPUT_LAYER:
+            out.update({_LM + k: v for k, v in msg.tensors.items()})
+        else:
+            raise ConversionError(f"unknown message {msg.name!r}")
+    return out

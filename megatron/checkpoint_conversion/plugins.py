@@ -1,0 +1,132 @@
+"""Loader and saver plugins and how `--loader NAME` / `--saver NAME` find them.
+
+A loader module/object has ``add_arguments(parser)`` and ``load_checkpoint(args) -> (ModelMeta, message iterator)``;
+a saver has ``add_arguments(parser)`` and ``save_checkpoint(meta, messages, args, save_dir) -> dict`` (it writes
+into `save_dir`, a fresh folder the driver renames to --save-dir on success). Built-ins: loaders/savers megatron and hf;
+deepspeed is the modules tools/checkpoint/loader_deepspeed.py / saver_deepspeed.py, found by the import rule. Any
+other NAME is imported as the module ``loader_NAME`` / ``saver_NAME``,
+falling back to ``NAME`` (Megatron-LM's rule), so third-party plugins (and BERT/T5 adapters) plug in unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+from typing import Any, Dict, Iterator, Tuple
+
+from megatron.checkpoint_conversion.interchange import ConversionError, Message, ModelMeta
+
+
+def _trust(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "trust_checkpoint", False))
+
+
+def copy_tokenizer_files(meta: ModelMeta, out_dir: str, final_dir: str) -> None:
+    """Copy a HF source's tokenizer files into ``<out>/tokenizer`` and point the tokenizer flags at them."""
+    files = meta.tokenizer.get("files") or []
+    if not files:
+        return
+    dst = os.path.join(out_dir, "tokenizer")
+    os.makedirs(dst, exist_ok=True)
+    for f in files:
+        shutil.copyfile(f, os.path.join(dst, os.path.basename(f)))
+    for key in ("vocab_file", "merge_file", "tokenizer_model"):
+        rel = meta.tokenizer.get(key)
+        if rel and not os.path.isabs(rel):
+            meta.tokenizer[key] = os.path.normpath(os.path.join(final_dir, "tokenizer", rel))
+    meta.tokenizer["files"] = []
+
+
+class MegatronLoader:
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        pass
+
+    @staticmethod
+    def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
+        from megatron.checkpoint_conversion.megatron_format import read_megatron
+
+        return read_megatron(args.load_dir, true_vocab_size=args.true_vocab_size, model_type=args.model_type,
+                             trust=_trust(args))
+
+
+class HFLoader:
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        pass
+
+    @staticmethod
+    def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
+        from megatron.checkpoint_conversion.hf_format import read_hf
+
+        return read_hf(args.load_dir, true_vocab_size=args.true_vocab_size, model_type=args.model_type,
+                       trust=_trust(args))
+
+
+class MegatronSaver:
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        pass
+
+    @staticmethod
+    def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
+                        save_dir: str) -> Dict[str, Any]:
+        from megatron.checkpoint_conversion.megatron_format import write_megatron
+
+        tp = args.target_tensor_parallel_size or meta.extra.get("tp") or 1
+        pp = args.target_pipeline_parallel_size or meta.extra.get("pp") or 1
+        vp_layers = args.target_num_layers_per_virtual_pipeline_stage
+        copy_tokenizer_files(meta, save_dir, os.path.abspath(args.save_dir))
+        files = write_megatron(meta, messages, save_dir, tp, pp, vp_layers)
+        return {"files": files, "tp": tp, "pp": pp, "vp_layers": vp_layers}
+
+
+class HFSaver:
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("Hugging Face saver")
+        group.add_argument("--max-shard-size", default="5GB",
+                           help="Largest safetensors shard (HF's save_pretrained naming and index file)")
+        group.add_argument("--hf-architecture", default=None,
+                           choices=("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
+                           help="HF class to write (default: GPT2LMHeadModel, or LlamaForCausalLM for "
+                                "Llama-family models, Qwen2ForCausalLM with --add-qkv-bias)")
+
+    @staticmethod
+    def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
+                        save_dir: str) -> Dict[str, Any]:
+        from megatron.checkpoint_conversion.hf_format import write_hf
+
+        for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
+                     "target_num_layers_per_virtual_pipeline_stage"):
+            if getattr(args, flag, None) not in (None, 1):
+                raise ConversionError(f"--{flag.replace('_', '-')} does not apply to --saver hf (HF models are "
+                                      "not sharded by tensor/pipeline rank)")
+        return write_hf(meta, messages, save_dir, max_shard_size=args.max_shard_size,
+                        hf_architecture=args.hf_architecture)
+
+
+BUILTIN: Dict[Tuple[str, str], Any] = {
+    ("loader", "megatron"): MegatronLoader,
+    ("loader", "hf"): HFLoader,
+    ("saver", "megatron"): MegatronSaver,
+    ("saver", "hf"): HFSaver,
+}
+
+
+def resolve_plugin(kind: str, name: str) -> Any:
+    """The plugin for ``--loader NAME`` (kind 'loader') or ``--saver NAME`` (kind 'saver')."""
+    if (kind, name) in BUILTIN:
+        return BUILTIN[(kind, name)]
+    for module_name in (f"{kind}_{name}", name):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        need = "load_checkpoint" if kind == "loader" else "save_checkpoint"
+        if not (hasattr(module, "add_arguments") and hasattr(module, need)):
+            raise ConversionError(f"--{kind} {name}: module {module_name} has no add_arguments/{need}")
+        return module
+    raise ConversionError(f"--{kind} {name}: no such {kind} (built-in: megatron, hf, deepspeed; or an importable "
+                          f"module {kind}_{name})")

@@ -1,0 +1,221 @@
+"""tools/checkpoint/convert.py, Megatron <-> Megatron: any TP/PP/virtual-PP layout to any other.
+
+Proof: A -> B -> A is bitwise (every tensor of every file); the reshape matrix TP 1/2/4 x PP 1/2/4 (+ virtual PP)
+gives the source's logits (1e-5) with the vocabulary re-padded for the target (padding rows repeat the last row,
+output layer too), merged here independently of the converter's reader and run as a TP=1 model; old
+checkpoint_version QKV orders and release checkpoints load; bad input is one line and writes nothing.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.checkpoint_conversion.driver import convert, parse_args
+from megatron.checkpoint_conversion.interchange import ConversionError, state_dict_from_messages
+from megatron.checkpoint_conversion.megatron_format import read_megatron
+from tests.tools.checkpoint_convert_helpers import (
+    DIVISIBLE,
+    TRUE_VOCAB,
+    build,
+    config,
+    load_files,
+    logits,
+    merge_independently,
+    save_source,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _convert(src, dst, *extra):
+    return convert(parse_args(["--model-type", "GPT", "--load-dir", str(src), "--save-dir", str(dst), *extra]))
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def source(request, tmp_path_factory):
+    family = request.param
+    cfg = config(family)
+    model = build(cfg)
+    folder = tmp_path_factory.mktemp(f"src_{family}")
+    save_source(model, cfg, str(folder), 1, 1)
+    return family, cfg, model, folder
+
+
+def _assert_files_equal(a, b):
+    fa, fb = load_files(str(a)), load_files(str(b))
+    assert sorted(fa) == sorted(fb)
+
+    def walk(x, y, path):
+        if isinstance(x, dict):
+            assert sorted(x) == sorted(y), path
+            for k in x:
+                walk(x[k], y[k], f"{path}.{k}")
+        elif isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), path
+    for key in fa:
+        for part in ("model", "model0", "model1"):
+            if part in fa[key]:
+                walk(fa[key][part], fb[key][part], f"{key}/{part}")
+
+
+@pytest.mark.parametrize("a,b", [((2, 2, None), (1, 4, None)), ((4, 1, None), (2, 2, 1)), ((2, 2, 1), (4, 4, None))])
+def test_reshard_a_b_a_is_bitwise(source, tmp_path, a, b):
+    family, cfg, model, src = source
+    # A keeps the source's padding rows (no --true-vocab-size): everything, padding included, round-trips exactly
+    first = tmp_path / "a"
+    flags = lambda s: ["--target-tensor-parallel-size", str(s[0]), "--target-pipeline-parallel-size", str(s[1])] + (  # noqa: E731
+        ["--target-num-layers-per-virtual-pipeline-stage", str(s[2])] if s[2] else [])
+    save_source(model, cfg, str(first), *a)
+    _convert(first, tmp_path / "b", *flags(b))
+    _convert(tmp_path / "b", tmp_path / "a2", *flags(a))
+    _assert_files_equal(first, tmp_path / "a2")
+    full = merge_independently(str(tmp_path / "b"), cfg)
+    ref = model.state_dict()
+    assert sorted(full) == sorted(ref)
+    assert all(torch.equal(full[k], ref[k]) for k in ref)
+
+
+LAYOUTS = [(t, p, None) for t in (1, 2, 4) for p in (1, 2, 4)] + [(2, 2, 1), (1, 2, 1)]
+
+
+def test_reshape_matrix_gives_source_logits(source, tmp_path):
+    family, cfg, model, src = source
+    ref = logits(model)[..., :TRUE_VOCAB]
+    assert ref.abs().max() > 0.5
+    for tp, pp, vl in LAYOUTS:
+        out = tmp_path / f"t{tp}p{pp}v{vl}"
+        extra = ["--target-num-layers-per-virtual-pipeline-stage", str(vl)] if vl else []
+        _convert(src, out, "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp),
+                 "--true-vocab-size", str(TRUE_VOCAB), *extra)
+        full = merge_independently(str(out), cfg)
+        rows = full["language_model.embedding.word_embeddings.weight"].size(0)
+        assert rows == -(-TRUE_VOCAB // (DIVISIBLE * tp)) * DIVISIBLE * tp
+        for name in ("language_model.embedding.word_embeddings.weight", "language_model.output_layer.weight"):
+            if name in full:  # Megatron's re-padding: the padding rows repeat the last real row
+                assert torch.equal(full[name][TRUE_VOCAB:], full[name][TRUE_VOCAB - 1].expand(rows - TRUE_VOCAB, -1))
+        import dataclasses
+
+        got = logits(build(dataclasses.replace(cfg, padded_vocab_size=rows), full))[..., :TRUE_VOCAB]
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=f"TP{tp} PP{pp} VP{vl}")
+        sd = load_files(str(out))[(0, 0)]
+        assert sd["args"].tensor_model_parallel_size == tp and sd["args"].pipeline_model_parallel_size == pp
+        assert sd["iteration"] == 7 and sd["consumed_train_samples"] == 96 and sd["checkpoint_version"] == 3.0
+        assert sd["architecture"]["padded_vocab_size"] == rows
+
+
+def test_loaded_by_megatron_checkpointing(source, tmp_path):
+    """The converted checkpoint loads with megatron.checkpointing.load_checkpoint (architecture check included)."""
+    import argparse
+
+    from megatron.checkpointing import load_checkpoint
+
+    family, cfg, model, src = source
+    _convert(src, tmp_path / "out", "--true-vocab-size", str(TRUE_VOCAB))
+    fresh = build(cfg, seed=99)
+    args = argparse.Namespace(load=str(tmp_path / "out"), finetune=True, tensor_model_parallel_size=1,
+                              pipeline_model_parallel_size=1, no_load_optim=True, no_load_rng=True)
+    assert load_checkpoint([fresh], None, None, args) == 0
+    torch.testing.assert_close(logits(fresh)[..., :TRUE_VOCAB], logits(model)[..., :TRUE_VOCAB], rtol=0, atol=0)
+
+
+def _old_checkpoint(folder, version, args, release=False, qkv_order=None):
+    cfg = config("gpt2", padded=64)
+    model = build(cfg)
+    sd = model.state_dict_for_save_checkpoint()
+    nh, hd = cfg.num_attention_heads, cfg.kv_channels
+    enc = sd["language_model"]["encoder"]
+    for key in list(enc):
+        if "query_key_value" in key and version < 2.0:
+            t = enc[key]
+            rest = t.shape[1:]
+            cur = t.reshape(nh, 3, hd, *rest)  # [heads, 3, d] (version >= 2)
+            old = cur.permute(1, 0, 2, *range(3, 3 + len(rest))) if version == 0 else \
+                cur.permute(0, 2, 1, *range(3, 3 + len(rest)))
+            enc[key] = old.reshape(t.shape).contiguous()
+    if "transformer" == qkv_order:
+        sd["language_model"]["transformer"] = sd["language_model"].pop("encoder")
+    sub = "release" if release else "iter_0000003"
+    os.makedirs(folder / sub / "mp_rank_00")
+    torch.save({"model": sd, "checkpoint_version": version, "args": args, "iteration": 3},
+               folder / sub / "mp_rank_00" / "model_optim_rng.pt")
+    (folder / "latest_checkpointed_iteration.txt").write_text("release" if release else "3")
+    return cfg, model
+
+
+@pytest.mark.parametrize("version", [0, 1.0])
+def test_old_qkv_orders_and_release_with_namespace_args(tmp_path, version):
+    import argparse
+
+    args = argparse.Namespace(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                              max_position_embeddings=16)
+    cfg, model = _old_checkpoint(tmp_path / "old", version, args, release=True, qkv_order="transformer")
+    meta, stream = read_megatron(str(tmp_path / "old"))
+    full = state_dict_from_messages(stream)
+    ref = model.state_dict()
+    assert meta.iteration is None  # release
+    assert all(torch.equal(full[k], ref[k]) for k in ref)
+
+
+def test_simplenamespace_args_model_fields_only(tmp_path):
+    args = types.SimpleNamespace(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                                 max_position_embeddings=16)
+    cfg, model = _old_checkpoint(tmp_path / "ns", 3.0, args)
+    _convert(tmp_path / "ns", tmp_path / "out", "--target-tensor-parallel-size", "2")
+    full = merge_independently(str(tmp_path / "out"), cfg)
+    assert all(torch.equal(full[k], v) for k, v in model.state_dict().items())
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+def _bad(tmp_path, load, *extra):
+    out = tmp_path / "target"
+    with pytest.raises(ConversionError) as exc:
+        _convert(load, out, *extra)
+    assert "\n" not in str(exc.value)
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if "converting" in p]
+    return str(exc.value)
+
+
+def test_bad_input_one_line_nothing_written(source, tmp_path):
+    family, cfg, model, src = source
+    (tmp_path / "empty").mkdir()
+    assert "is not a Megatron checkpoint" in _bad(tmp_path, tmp_path / "empty")
+    save_source(model, cfg, str(tmp_path / "two"), 2, 2)
+    os.remove(tmp_path / "two" / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt")
+    assert "model_optim_rng.pt" in _bad(tmp_path, tmp_path / "two")
+    os.rmdir(tmp_path / "two" / "iter_0000007" / "mp_rank_01_001")
+    assert "missing rank file" in _bad(tmp_path, tmp_path / "two")
+    # mismatched shards: tensor rank 1 of another model with a different layer count
+    save_source(model, cfg, str(tmp_path / "m"), 2, 1)
+    other = config(family, num_layers=2)
+    save_source(build(other), other, str(tmp_path / "o"), 2, 1)
+    os.replace(tmp_path / "o" / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt",
+               tmp_path / "m" / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt")
+    assert "mismatched shards" in _bad(tmp_path, tmp_path / "m")
+    assert "--target-tensor-parallel-size 3" in _bad(tmp_path, src, "--target-tensor-parallel-size", "3")
+    assert "BERT" in str(pytest.raises(ConversionError, _convert, src, tmp_path / "x", "--model-type", "BERT").value)
+
+
+def test_cli_one_line_error_and_flags(tmp_path):
+    family, cfg = "llama", config("llama")
+    model, src = build(cfg), tmp_path / "src"
+    save_source(model, cfg, str(src), 1, 1)
+    tool = [sys.executable, str(REPO / "tools" / "checkpoint" / "convert.py"), "--model-type", "GPT"]
+    bad = subprocess.run(tool + ["--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "o")],
+                         capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0 and "error:" in bad.stderr
+    ok = subprocess.run(tool + ["--load-dir", str(src), "--save-dir", str(tmp_path / "o"),
+                                "--target-tensor-parallel-size", "2", "--megatron-path", "/nowhere"],
+                        capture_output=True, text=True, cwd=REPO)
+    assert ok.returncode == 0, ok.stderr
+    flags = ok.stdout.strip().splitlines()[-1]
+    assert "--tensor-model-parallel-size 2" in flags
+    if family == "llama":  # the printed flags build the model
+        for f in ("--swiglu", "--normalization RMSNorm", "--group-query-attention --num-query-groups 4",
+                  "--rotary-base 50000", "--untie-embeddings-and-output-weights", "--disable-bias-linear"):
+            assert f in flags
