@@ -55,8 +55,11 @@ def _tp_group(tp_group: Any, state: Any) -> Any:
 
 
 def _step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-                 inference_params: Optional[InferenceParams], last_only: bool, tp_group: Any) -> torch.Tensor:
+                 inference_params: Optional[InferenceParams], last_only: bool, tp_group: Any,
+                 rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Full-vocab fp32 logits [b, s', v] of this step (s' = 1 with `last_only`), identical on every TP rank.
+
+    `rows` [b, k] (scoring): only the logits of these positions of each sequence, [b, k, v].
 
     For a GPTModel the output layer is applied here, to the needed positions only, as W @ h^T: for the few rows of
     a decoding step this weight-major product runs ~2.5x faster on CPU than h @ W^T (what nn.Linear does).
@@ -66,6 +69,8 @@ def _step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, m
         hidden = inner.language_model(ids, pos, mask, inference_params=inference_params)  # [s, b, h]
         if last_only:
             hidden = hidden[-1:]
+        elif rows is not None:
+            hidden = hidden.gather(0, rows.t().unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
         s, b, h = hidden.shape
         logits = torch.mm(inner.output_weight(), hidden.reshape(s * b, h).t()).t().reshape(s, b, -1)
         logits = logits.transpose(0, 1)
@@ -74,6 +79,8 @@ def _step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, m
         logits = model(ids, pos, mask, inference_params=inference_params)
         if last_only:
             logits = logits[:, -1:]
+        elif rows is not None:
+            logits = logits.gather(1, rows.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
         gather = getattr(inner, "parallel_output", False)
     if gather and group_size(tp_group) > 1:
         logits = all_gather_along_dim(logits, tp_group, dim=-1)
@@ -89,7 +96,7 @@ def _pp_state(state: Any) -> Any:
 
 def _pipeline_step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
                           inference_params: Optional[InferenceParams], last_only: bool, tp_group: Any,
-                          pp: Any) -> Optional[torch.Tensor]:
+                          pp: Any, rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """One step through the pipeline: the logits of `_step_logits` on the last stage, None on the other stages."""
     inner = _unwrapped(model)
     config = inner.config
@@ -98,7 +105,7 @@ def _pipeline_step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.
     p2p = P2PCommunicator(pp, shape, dtype, ids.device)
     inner.set_input_tensor(None if pp.is_pipeline_first_stage() else p2p.communicate(recv_prev=True)[0])
     if pp.is_pipeline_last_stage():
-        return _step_logits(model, ids, pos, mask, inference_params, last_only, tp_group)
+        return _step_logits(model, ids, pos, mask, inference_params, last_only, tp_group, rows)
     hidden = model(ids, pos, mask, inference_params=inference_params)  # [s, b, h]
     p2p.communicate(send_next=hidden.to(dtype))
     return None

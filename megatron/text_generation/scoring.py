@@ -43,9 +43,13 @@ def _state(state: Optional[ps.ParallelState]) -> ps.ParallelState:
 
 
 @torch.no_grad()
-def forward_logits(model: torch.nn.Module, ids: torch.Tensor, state: Optional[ps.ParallelState] = None
-                   ) -> Optional[torch.Tensor]:
-    """Full-vocabulary logits [b, s, v] of a causal forward over `ids` [b, s] on the last stage, None elsewhere."""
+def forward_logits(model: torch.nn.Module, ids: torch.Tensor, state: Optional[ps.ParallelState] = None,
+                   rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Full-vocabulary logits [b, s, v] of a causal forward over `ids` [b, s] on the last stage, None elsewhere.
+
+    `rows` [b, k]: only the logits at these positions of each sequence ([b, k, v]; the output layer, the costliest
+    part of a small model's forward, then runs on k positions instead of s).
+    """
     state = _state(state)
     pp = _pp_state(state)
     tp_group = _tp_group(None, state)
@@ -56,8 +60,8 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, state: Optional[ps
     model.eval()
     try:
         if pp is None:
-            return _step_logits(model, ids, pos, mask, None, False, tp_group)
-        return _pipeline_step_logits(model, ids, pos, mask, None, False, tp_group, pp)
+            return _step_logits(model, ids, pos, mask, None, False, tp_group, rows)
+        return _pipeline_step_logits(model, ids, pos, mask, None, False, tp_group, pp, rows)
     finally:
         if pp is not None:
             _unwrapped(model).set_input_tensor(None)
@@ -78,24 +82,27 @@ def score_tokens(model: torch.nn.Module, sequences: Sequence[Sequence[int]], *, 
         return []
     starts = [1] * len(sequences) if score_from is None else [int(s) for s in score_from]
     for seq, s in zip(sequences, starts):
-        if not 1 <= s <= len(seq):
-            raise ValueError(f"score_from {s} out of range for a sequence of {len(seq)} tokens")
+        if not 1 <= s < len(seq):
+            raise ValueError(f"score_from {s} leaves nothing to score in a sequence of {len(seq)} tokens")
     device = next(model.parameters()).device
     inputs = [list(seq[:-1]) for seq in sequences]
     width = max(max(len(x) for x in inputs), 1) if width is None else width
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long, device=device)
     for i, x in enumerate(inputs):
         ids[i, : len(x)] = torch.as_tensor(x, dtype=torch.long, device=device)
-    logits = forward_logits(model, ids, state)
     counts = [len(seq) - s for seq, s in zip(sequences, starts)]
+    k = max(max(counts), 1)
+    rows = torch.tensor([[s - 1 + min(j, max(n - 1, 0)) for j in range(k)] for s, n in zip(starts, counts)],
+                        dtype=torch.long, device=device)  # scored positions, the last repeated as padding
+    logits = forward_logits(model, ids, state, rows)  # [b, k, v]: logits[i, j] predicts token starts[i] + j
     cols = 2 + 2 * top_n
-    packed = torch.zeros(len(sequences), max(max(counts), 1), cols, dtype=torch.float64, device=device)
+    packed = torch.zeros(len(sequences), k, cols, dtype=torch.float64, device=device)
     if logits is not None:
         for i, (seq, s, n) in enumerate(zip(sequences, starts, counts)):
             target = torch.as_tensor(list(seq[s:]), dtype=torch.long, device=device)
             for a in range(0, n, ROW_CHUNK):
                 b = min(a + ROW_CHUNK, n)
-                logp = torch.log_softmax(logits[i, s - 1 + a: s - 1 + b, :vocab_size].double(), dim=-1)
+                logp = torch.log_softmax(logits[i, a:b, :vocab_size].double(), dim=-1)
                 packed[i, a:b, 0] = logp.gather(1, target[a:b, None]).squeeze(1)
                 packed[i, a:b, 1] = (logp.argmax(-1) == target[a:b]).double()
                 if top_n:
