@@ -79,6 +79,8 @@ def add_preprocess_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
     g = parser.add_argument_group(title="output data")
     g.add_argument("--output-prefix", type=str, required=True, help="path of the output files without suffix")
+    g.add_argument("--allow-empty", action="store_true",
+                   help="write the output even when no document yields tokens (default: that is an error)")
     g.add_argument("--dataset-impl", type=str, default="mmap", choices=["lazy", "cached", "mmap"])
 
     g = parser.add_argument_group(title="runtime")
@@ -108,7 +110,48 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     if not os.path.isdir(out_dir):
         raise PreprocessError(f"--output-prefix {args.output_prefix}: directory {out_dir} does not exist")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise PreprocessError(f"--output-prefix {args.output_prefix}: directory {out_dir} is not writable; choose "
+                              "another --output-prefix")
+    remove_stale_outputs(args.output_prefix)
     return args
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_outputs(output_prefix: str) -> List[str]:
+    """Temporary files of earlier runs on this prefix that were killed (SIGKILL, power loss): ``*.tmp-<pid>`` and
+    ``*.part<i>-<pid>.bin/.idx`` whose process is gone. Removed, and named in one line."""
+    import re
+
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    base = os.path.basename(output_prefix)
+    pattern = re.compile(r"(?:\.tmp-(\d+)|\.part\d{3}-(\d+)\.(?:bin|idx)(?:\.tmp-\d+)?)$")
+    removed = []
+    for name in os.listdir(out_dir):
+        m = pattern.search(name)
+        if not name.startswith(base) or not m:
+            continue
+        pid = int(m.group(1) or m.group(2))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        try:
+            os.remove(os.path.join(out_dir, name))
+            removed.append(name)
+        except OSError:
+            pass
+    if removed:
+        print(f"note: removed {len(removed)} temporary file(s) of an interrupted earlier run (e.g. {removed[0]})",
+              file=sys.stderr)
+    return removed
 
 
 def expand_inputs(patterns: Sequence[str]) -> List[str]:
@@ -390,6 +433,10 @@ _WORKER_ENCODER: Optional[Encoder] = None
 
 def _worker_init(args: argparse.Namespace) -> None:
     global _WORKER_ENCODER
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C/SIGTERM and stops the pool: no
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # tracebacks from workers
     if _WORKER_ENCODER is None:  # forked workers inherit the parent's encoder
         _WORKER_ENCODER = Encoder(args)
 
@@ -553,6 +600,7 @@ def run(args: argparse.Namespace) -> Stats:
     try:
         consume(results, writers, stats, args)
         results.close()  # stops the worker pool before publishing
+        check_not_empty(stats, prefixes, files, args)
         writers.finalize()
     except BaseException:
         results.close()
@@ -566,15 +614,45 @@ def main(run_fn: Any = run, argv: Optional[Sequence[str]] = None, description: O
     """Entry point shared by the tools: one-line errors, exit code 1 (130 when interrupted)."""
     parser = get_parser(description) if description else get_parser()
     args = parser.parse_args(argv)
+    import signal
+
+    def _terminate(signum: int, frame: Any) -> None:
+        raise _Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, _terminate)  # SIGTERM cleans up like Ctrl-C
     try:
         run_fn(finish_args(args))
     except (PreprocessError, ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except OSError as exc:  # e.g. a read-only or full output folder
+        where = exc.filename or args.output_prefix
+        print(f"error: cannot write {where}: {exc.strerror or exc}; choose another --output-prefix",
+              file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, _Terminated) as exc:
         print("interrupted: no output was published (temporary files removed)", file=sys.stderr)
-        return 130
+        return 143 if isinstance(exc, _Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that the normal cleanup (abort, pool terminate) runs."""
+
+
+def check_not_empty(stats: Stats, prefixes: Dict[str, str], files: Sequence[str], args: argparse.Namespace) -> None:
+    """No document with tokens: an error before anything is published (a counted warning with --allow-empty)."""
+    empty_keys = [key for key in prefixes if stats.tokens.get(key, 0) == 0]
+    if not empty_keys:
+        return
+    what = (f"--input {' '.join(files)}: {stats.docs} documents, none with tokens for --json-keys "
+            f"{' '.join(empty_keys)} ({sum(stats.empty.get(k, 0) for k in empty_keys)} empty, {len(stats.bad)} bad "
+            "lines skipped)")
+    if not getattr(args, "allow_empty", False):
+        raise PreprocessError(f"{what}; nothing to train on (pass --allow-empty to write empty files anyway)")
+    print(f"warning: {what}; writing empty output (--allow-empty)", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -646,6 +724,7 @@ def run_partitioned(args: argparse.Namespace) -> Stats:
                 stats.tokens[key] = stats.tokens.get(key, 0) + outcome["tokens"].get(key, 0)
         for msg in stats.bad[:MAX_BAD_LINE_REPORTS]:
             print(f"warning: skipping {msg}", file=sys.stderr)
+        check_not_empty(stats, prefixes, files, args)
         print(f"Merging {len(parts)} partitions ...", file=sys.stderr)
         writers = Writers(prefixes, args.dataset_impl, encoder.tokenizer.vocab_size)
         for pp in part_prefixes:
