@@ -363,9 +363,13 @@ def _duration_exceeded(args: argparse.Namespace) -> tuple[bool, float]:
 
 def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_scheduler: Any,
           train_data_iterator: Optional[Iterator], valid_data_iterator: Optional[Iterator],
-          process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState
-          ) -> tuple[int, bool]:
-    """The training loop. Returns (last iteration, exited_early) — early exits have already saved."""
+          process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
+          history: Optional[dict] = None) -> tuple[int, bool]:
+    """The training loop. Returns (last iteration, exited_early) — early exits have already saved.
+
+    `history` (pretrain's result) receives ``train_losses[iteration]`` (this rank's reduced losses: the last
+    pipeline stage's ranks hold them) and ``valid_losses[iteration]`` of the evaluations during training.
+    """
     timers = global_vars.get_timers()
     for chunk in model:
         chunk.train()
@@ -385,6 +389,8 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
             torch.cuda.empty_cache()  # Megatron's --empty-unused-memory-level (memory only; same numbers)
         iteration += 1
         args.iteration = iteration
+        if history is not None:
+            history.setdefault("train_losses", {})[iteration] = {k: float(v) for k, v in loss_dict.items()}
         new_samples = args.data_parallel_size * args.micro_batch_size * global_vars.get_num_microbatches()
         args.consumed_train_samples += new_samples
         args.consumed_train_tokens = getattr(args, "consumed_train_tokens", 0) + new_samples * args.seq_length
@@ -409,8 +415,10 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         skip_counter.update(iteration, bool(skipped_iter), nonfinite, loss_scale, _loss_scale_floor(args))
 
         if args.eval_interval and iteration % args.eval_interval == 0 and getattr(args, "do_valid", False):
-            evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
-                                       iteration, process_non_loss_data_func, args, state)
+            losses = evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator,
+                                                model, iteration, process_non_loss_data_func, args, state)
+            if history is not None:
+                history.setdefault("valid_losses", {})[iteration] = losses
 
         saved = False
         if sigterm is not None and any(sigterm.signals_received()):
@@ -447,7 +455,12 @@ def pretrain(
     args_defaults: Optional[dict] = None,
     argv: Optional[list[str]] = None,
 ) -> Optional[dict]:
-    """Megatron's ``pretrain``. Returns ``{"iteration", "val_loss", "test_loss"}`` (None where not evaluated)."""
+    """Megatron's ``pretrain``. Returns the numbers the log lines print, for tests and callers to compare:
+
+    ``{"iteration", "train_losses": {iteration: {"lm loss": ...}}, "valid_losses": {iteration: {...}},
+    "val_loss", "test_loss"}`` (the end-of-training evaluations, None where not run). Losses are the values
+    reduced over data-parallel ranks; only the last pipeline stage's ranks have them (empty dicts elsewhere).
+    """
     global _TRAIN_START_TIME
     args = initialize_megatron(extra_args_provider=extra_args_provider,
                                args_defaults={**(args_defaults or {}), TRAINING_RUN: True}, args=argv)
@@ -481,12 +494,13 @@ def pretrain(
     print_rank_0("done with setup ...")
     timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
 
-    result: dict = {"iteration": args.iteration, "val_loss": None, "test_loss": None}
+    result: dict = {"iteration": args.iteration, "train_losses": {}, "valid_losses": {}, "val_loss": None,
+                    "test_loss": None}
     iteration = args.iteration
     if args.do_train and args.train_iters > 0 and not getattr(args, "skip_train", False):
         print_rank_0("training ...")
         iteration, exited = train(forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it,
-                                  process_non_loss_data_func, args, state)
+                                  process_non_loss_data_func, args, state, history=result)
         result["iteration"] = iteration
         print_datetime("after training is done")
         if exited:

@@ -33,6 +33,15 @@ def parse_losses(text: str) -> dict[str, Any]:
     return {"train": train, "val": val}
 
 
+def curve_from_result(result: dict) -> dict[str, Any]:
+    """The same {'train', 'val'} curve from the numbers pretrain() returns (full precision, no log parsing)."""
+    train = {it: losses["lm loss"] for it, losses in result["train_losses"].items() if losses}
+    val = [(f"iteration {it}", losses["lm loss"]) for it, losses in sorted(result["valid_losses"].items())]
+    if result.get("val_loss"):
+        val.append(("the end of training for val data", result["val_loss"]["lm loss"]))
+    return {"train": train, "val": val}
+
+
 def run_pretrain(rank: int, world_size: int, argv: list[str], sigterm_at_call: Optional[int] = None) -> dict:
     """pretrain_gpt.main(argv) with stdout captured; optionally SIGTERM this process at a forward-step call."""
     import pretrain_gpt

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training._workers import parse_losses, run_pretrain, tiny_gpt_argv
+from tests.training._workers import curve_from_result, parse_losses, run_pretrain, tiny_gpt_argv
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_gpt_serial.json"
 REL_PARALLEL = 1e-5  # parallel layouts vs serial, same machine
@@ -50,8 +50,9 @@ def serial(gpt_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
                          "--log-params-norm", "--log-num-zeros-in-grad")
     (res,) = _run(1, argv)
     assert res["error"] is None, res["error"]
-    curve = parse_losses(res["stdout"])
+    curve = curve_from_result(res["result"])  # the numbers pretrain() returns
     assert len(curve["train"]) == 20, res["stdout"][-3000:]
+    _assert_close(parse_losses(res["stdout"]), curve, 1e-6, "log lines (%.6E) vs pretrain()'s numbers")
     return {"curve": curve, "stdout": res["stdout"], "dir": out, "result": res["result"]}
 
 
@@ -83,11 +84,11 @@ def test_parallel_layout_matches_serial(layout, serial: dict, gpt_data: dict, tm
         extra = extra + ["--save", str(tmp_path / "ckpt")]
     results = _run(world_size, tiny_gpt_argv(gpt_data, *extra))
     assert all(r["error"] is None for r in results), [r["error"] for r in results]
-    last = parse_losses(results[-1]["stdout"])  # the log line is printed by the last rank, as in Megatron
+    last = curve_from_result(results[-1]["result"])  # the last rank holds the losses, as in Megatron
     _assert_close(last, serial["curve"], REL_PARALLEL, f"{extra} vs serial")
     if "--save" in extra:  # only data-parallel rank 0 writes; one folder per tensor-parallel rank
         it_dir = tmp_path / "ckpt" / "iter_0000020"
-        assert sorted(os.listdir(it_dir)) == ["mp_rank_00", "mp_rank_01"]
+        assert sorted(d for d in os.listdir(it_dir) if d != "manifest.json") == ["mp_rank_00", "mp_rank_01"]
         sd = torch.load(it_dir / "mp_rank_01" / "model_optim_rng.pt", weights_only=False)
         assert len(sd["rng_state"]) == 2  # one RNG entry per data-parallel rank
         assert sd["args"].tensor_model_parallel_size == 2
@@ -98,17 +99,18 @@ def test_checkpoint_layout_and_keys(serial: dict) -> None:
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
     path = ckpt / "iter_0000020" / "mp_rank_00" / "model_optim_rng.pt"
     assert sorted(os.listdir(ckpt / "iter_0000020" / "mp_rank_00")) == ["model_optim_rng.pt"]  # no temp files left
-    from megatron.checkpointing import _safe_globals
+    from megatron.safe_load import allowed_globals
 
-    with torch.serialization.safe_globals(_safe_globals()):  # no fallback to full unpickling needed
+    with torch.serialization.safe_globals(allowed_globals()):  # no fallback to full unpickling needed
         sd = torch.load(path, weights_only=True)
     for key in ("args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
                 "lr_scheduler", "rng_state", "consumed_train_samples", "consumed_valid_samples",
-                "consumed_train_tokens", "true_vocab_size", "padded_vocab_size"):
+                "consumed_train_tokens", "true_vocab_size", "padded_vocab_size", "architecture"):
         assert key in sd, key
     assert sd["checkpoint_version"] == 3.0 and sd["iteration"] == 20
     assert sd["consumed_train_samples"] == 160 and sd["consumed_train_tokens"] == 160 * 64
     assert sd["padded_vocab_size"] == 5120
+    assert sd["architecture"]["num_layers"] == 2 and sd["architecture"]["position_embedding_type"] == "learned_absolute"
     enc = sd["model"]["language_model"]["encoder"]
     assert "layers.1.self_attention.query_key_value.weight" in enc
     assert sd["model"]["language_model"]["embedding"]["word_embeddings"]["weight"].shape == (5120, 64)
