@@ -386,7 +386,9 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
                                   f"{load_dir}")
         if os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt")):
             raise CheckpointError(f"--load {load_dir} holds a Megatron checkpoint, not a DeepSpeed one; convert it "
-                                  "with tools/convert_deepspeed_checkpoint.py or train without --deepspeed")
+                                  f"(python tools/convert_deepspeed_checkpoint.py --to-deepspeed --input-folder "
+                                  f"{load_dir} --output-folder {load_dir.rstrip('/')}_ds, then --load "
+                                  f"{load_dir.rstrip('/')}_ds --no-load-optim --no-load-rng) or train without --deepspeed")
         print_rank_0(f"WARNING: could not find the DeepSpeed metadata file {latest}\n"
                      "    will not load any checkpoints and will start from random")
         return 0

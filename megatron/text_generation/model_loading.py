@@ -36,8 +36,9 @@ def require_checkpoint(load_dir: str) -> None:
     if os.path.isfile(os.path.join(load_dir, TRACKER_FILENAME)):
         return
     if os.path.isfile(os.path.join(load_dir, "latest")):
-        raise InferenceLoadError(f"--load {load_dir} holds a DeepSpeed checkpoint; convert it with "
-                                 "tools/convert_deepspeed_checkpoint.py first")
+        raise InferenceLoadError(f"--load {load_dir} holds a DeepSpeed checkpoint; convert it first: python "
+                                 f"tools/convert_deepspeed_checkpoint.py --input-folder {load_dir} --output-folder "
+                                 f"{load_dir.rstrip('/')}_megatron, then --load {load_dir.rstrip('/')}_megatron")
     raise InferenceLoadError(f"--load {load_dir} holds no checkpoint (no {TRACKER_FILENAME}); point --load at a "
                              "folder written by --save (inference will not run with random weights)")
 

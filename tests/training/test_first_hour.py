@@ -171,3 +171,15 @@ def test_small_cli_and_config_papercuts() -> None:
         assert re.match(r" [A-Z_]+\s+\S", after.replace("\n", " ")), proc.stdout
     addopts = re.search(r'^addopts = "(.*)"$', (REPO / "pyproject.toml").read_text(), flags=re.M).group(1)
     assert "-q" not in addopts.split()  # a user's -q stays -q
+
+
+def test_deepspeed_checkpoint_given_to_inference_names_the_conversion(tmp_path: Path, shared_data: Path) -> None:
+    (tmp_path / "ds_ckpt").mkdir()
+    (tmp_path / "ds_ckpt" / "latest").write_text("global_step2")
+    owt = shared_data / "openwebtext-1000"
+    proc = _run(sys.executable, str(REPO / "tools" / "generate_samples_gpt.py"), *MODEL, "--load", "ds_ckpt",
+                "--vocab-file", str(owt / "gpt2-tiny-vocab.json"), "--merge-file", str(owt / "gpt2-tiny-merges.txt"),
+                "--num-samples", "1", cwd=tmp_path)
+    line = _one_error_line(proc)
+    assert "python tools/convert_deepspeed_checkpoint.py --input-folder ds_ckpt --output-folder ds_ckpt_megatron, " \
+           "then --load ds_ckpt_megatron" in line, line
