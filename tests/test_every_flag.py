@@ -207,3 +207,21 @@ def test_zero_shot_tasks_refuse_finetuning_flags(monkeypatch):
     args.rank = 1
     with pytest.raises(ArgumentError, match="--epochs"):
         validate_args(args, {})
+
+
+def test_entry_script_refuses_with_one_line_and_exit_code_1(tmp_path):
+    import subprocess
+
+    argv = [sys.executable, str(REPO / "pretrain_gpt.py"), *BASE, "--train-iters", "1", "--lr", "1e-4",
+            "--data-path", str(tmp_path / "none"), "--standalone-embedding-stage"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: --standalone-embedding-stage is not implemented (the embedding shares the first pipeline stage); "
+        "drop it"]
+
+
+def test_deepspeed_mpi_needs_an_mpi_launch(monkeypatch):
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
+    with pytest.raises(ArgumentError, match="--deepspeed_mpi needs an mpirun"):
+        _validated("--deepspeed_mpi")
