@@ -35,13 +35,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Largest tokens_to_generate a request may ask for (default: the context length).")
     g.add_argument("--max-prompts", type=int, default=128, help="Most prompts in one request.")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20, help="Largest request body (else HTTP 413).")
+    g.add_argument("--request-timeout", type=float, default=300.0,
+                   help="Seconds a request may wait for its turn (else HTTP 503) and a client may stall mid-request.")
     return parser
 
 
 def check_server_args(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ServerArgsError(f"--port {args.port} is not a TCP port; use 0..65535")
-    for flag in ("max_tokens_to_generate", "max_prompts", "max_request_bytes"):
+    for flag in ("max_tokens_to_generate", "max_prompts", "max_request_bytes", "request_timeout"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ServerArgsError(f"--{flag.replace('_', '-')} must be positive (got {value})")
@@ -73,7 +75,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     model = load_model_for_inference(args)
     server = build_server(model, get_tokenizer(), max_sequence_length=args.max_position_embeddings,
                           max_tokens_to_generate=args.max_tokens_to_generate, max_prompts=args.max_prompts,
-                          max_batch_tokens=args.max_tokens_to_oom, max_request_bytes=args.max_request_bytes)
+                          max_batch_tokens=args.max_tokens_to_oom, max_request_bytes=args.max_request_bytes,
+                          request_timeout_s=args.request_timeout)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank != 0:
         # Ctrl-C reaches every rank of a terminal job: only rank 0 reacts, then releases the others.

@@ -36,6 +36,28 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 DEFAULT_PORT = 5000
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEFAULT_MAX_PROMPTS = 128
+DEFAULT_REQUEST_TIMEOUT_S = 300.0  # longest a request may wait for its turn (503 after), and a client may stall
+LISTEN_BACKLOG = 128  # pending connections the kernel queues (the standard library's 5 resets bursts of clients)
+MAX_JSON_DEPTH = 32  # deepest JSON nesting accepted (deeper: 400 before parsing; no RecursionError)
+
+
+def json_depth(raw: bytes) -> int:
+    """Deepest [ / { nesting of a JSON text (strings skipped), in C-speed passes: regex, translate, numpy cumsum."""
+    import re
+
+    import numpy as np
+
+    text = re.sub(rb'"(?:[^"\\]|\\.)*"', b"", raw)
+    brackets = np.frombuffer(text.translate(None, bytes(c for c in range(256) if c not in b"[]{}")), dtype=np.uint8)
+    if brackets.size == 0:
+        return 0
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int64)
+    return int(np.cumsum(steps).max())
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
 
 # JSON field -> (generate() keyword, expected type, default). Types: "bool", "int", "float".
 FIELDS: dict[str, tuple[str, str, Any]] = {
@@ -211,7 +233,9 @@ class MegatronServer:
         src_rank: int = 0,
         heartbeat_s: float = 60.0,
         log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     ) -> None:
+        self.request_timeout_s = float(request_timeout_s)
         self.generate_fn = generate_fn
         self.count_tokens = count_tokens
         self.max_sequence_length = int(max_sequence_length)
@@ -277,7 +301,11 @@ class MegatronServer:
             if self.accepted is None or "random_seed" in self.accepted:
                 # every rank must sample the same tokens: rank 0 picks the seed
                 options["random_seed"] = random.SystemRandom().randrange(2**31)
-        with self.lock:
+        if not self.lock.acquire(timeout=self.request_timeout_s):  # one request at a time; a bounded wait
+            return int(HTTPStatus.SERVICE_UNAVAILABLE), {
+                "message": f"the server is busy: the request waited {self.request_timeout_s:g} s for its turn "
+                           "(--request-timeout); retry later"}
+        try:
             if self._stopped:
                 return int(HTTPStatus.SERVICE_UNAVAILABLE), {"message": "the server is shutting down"}
             if not request["no_log"]:
@@ -291,6 +319,8 @@ class MegatronServer:
             except Exception as exc:  # noqa: BLE001 - answer the client, keep serving
                 self.log(f"server: generate failed: {exc!r}")
                 return int(HTTPStatus.INTERNAL_SERVER_ERROR), {"message": f"generation failed: {exc}"}
+        finally:
+            self.lock.release()
         body = {"text": result.get("text"), "segments": result.get("segments"),
                 "logprobs": result.get("logprobs") if options.get("return_output_log_probs") else None}
         return int(HTTPStatus.OK), _jsonable(body)
@@ -314,7 +344,7 @@ class MegatronServer:
     # -- HTTP plumbing -----------------------------------------------------------------------------------------
     def bind(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> tuple[str, int]:
         """Create the listening socket (port 0 picks a free one); returns the bound (host, port)."""
-        self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        self.httpd = _HTTPServer((host, port), _make_handler(self))
         self.httpd.daemon_threads = True
         return self.httpd.server_address[:2]
 
@@ -350,7 +380,11 @@ class MegatronServer:
 def _make_handler(server: MegatronServer) -> type:
     class Handler(BaseHTTPRequestHandler):
         server_version = "megatron-lite"
-        timeout = 120  # seconds a client may stall mid-request before its connection is dropped
+        timeout = 120  # seconds a client may stall mid-request before its connection is dropped (see setup)
+
+        def setup(self) -> None:
+            self.timeout = min(120.0, server.request_timeout_s)
+            super().setup()
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base class signature
             server.log(f"{self.address_string()} {format % args}")
@@ -396,6 +430,10 @@ def _make_handler(server: MegatronServer) -> type:
                                        f"{server.max_request_bytes} bytes (--max-request-bytes)"})
                 return
             raw = self.rfile.read(int(length))
+            if json_depth(raw) > MAX_JSON_DEPTH:
+                self._json(HTTPStatus.BAD_REQUEST, {"message": f"the request body nests JSON deeper than "
+                                                               f"{MAX_JSON_DEPTH} levels"})
+                return
             try:
                 payload = json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, ValueError) as exc:
