@@ -36,6 +36,9 @@ def base_parser() -> argparse.ArgumentParser:
     vocab.add_argument("--true-vocab-size", type=int, default=None,
                        help="Tokenizer vocabulary size: padding rows are dropped and re-padded for the target TP")
     vocab.add_argument("--vocab-file", default=None, help="Vocabulary file to take the true vocabulary size from")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
+                        help="Vocabulary padding multiple (times the target TP) for the output; default: the "
+                             "source checkpoint's, else 128")
     parser.add_argument("--megatron-path", default=None, help="Accepted for Megatron-LM compatibility (this "
                         "repository's megatron package is used)")
     parser.add_argument("--max-queue-size", type=int, default=50, help="Accepted for Megatron-LM compatibility "
@@ -66,7 +69,7 @@ def _check_args(args: argparse.Namespace) -> None:
                               f"repository yet; its adapter arrives with the model (supported: "
                               f"{', '.join(SUPPORTED_MODEL_TYPES)})")
     for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
-                 "target_num_layers_per_virtual_pipeline_stage", "true_vocab_size"):
+                 "target_num_layers_per_virtual_pipeline_stage", "true_vocab_size", "make_vocab_size_divisible_by"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConversionError(f"--{flag.replace('_', '-')} must be positive, got {value}")
@@ -93,6 +96,8 @@ def convert(args: argparse.Namespace) -> Dict[str, Any]:
     try:
         with guarded_torch_load(trust=args.trust_checkpoint):
             meta, messages = args.loader_plugin.load_checkpoint(args)
+            if args.make_vocab_size_divisible_by:
+                meta.make_vocab_size_divisible_by = args.make_vocab_size_divisible_by
             summary = args.saver_plugin.save_checkpoint(meta, messages, args, tmp)
         if os.path.isdir(save):
             os.rmdir(save)  # empty (checked above)
