@@ -269,3 +269,23 @@ def test_parallel_layouts_equal_single_process(setup, shared_data, layout):
         assert set(metrics) == set(setup["main_metrics"])
         for key, value in setup["main_metrics"].items():
             assert metrics[key] == pytest.approx(value, rel=1e-5), (layout, key)
+
+
+def test_help_missing_lm_eval_and_unknown_task(setup, shared_data, repo_root, monkeypatch):
+    import subprocess
+    import sys
+
+    from tasks.eval_harness import LmEvalMissing, require_lm_eval
+
+    env = {**os.environ, "PYTHONPATH": str(repo_root), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    script = str(repo_root / "tasks" / "eval_harness" / "evaluate.py")
+    proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "--task_list" in proc.stdout and "--include_path" in proc.stdout
+    argv = [a if a != ",".join(TASKS) else "lambada_local,no_such_task"
+            for a in _argv(setup, shared_data, setup["ckpt1"], setup["dir"] / "x.json")]
+    proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown lm-eval task(s) no_such_task")
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
+    with pytest.raises(LmEvalMissing, match=r'pip install "lm-eval>=0.4,<0.5"'):
+        require_lm_eval()
