@@ -119,6 +119,29 @@ def get_distributed_optimizer_checkpoint_name(model_checkpoint_name: str) -> str
     return os.path.join(os.path.dirname(model_checkpoint_name), "distrib_optim.pt")
 
 
+def model_file_name(checkpoint_name: str) -> str:
+    """``model_optim_rng.pt``, or the ``model_rng.pt`` Megatron-LM writes beside a separate optimizer file."""
+    alt = os.path.join(os.path.dirname(checkpoint_name), "model_rng.pt")
+    return alt if not os.path.isfile(checkpoint_name) and os.path.isfile(alt) else checkpoint_name
+
+
+def _qkv_in_current_order(model_sd: dict, sd: dict, args: argparse.Namespace) -> dict:
+    """Megatron's fix_query_key_value_ordering: checkpoint_version 0 / 1.0 QKV rows -> today's [heads, 3, d]."""
+    version = float(sd.get("checkpoint_version", 0) or 0)
+    if version >= 2.0 or getattr(args, "group_query_attention", False) or not getattr(args, "num_attention_heads",
+                                                                                      None):
+        return model_sd
+    from megatron.checkpoint_conversion.qkv_versions import fix_state_dict_qkv, has_qkv
+
+    if not has_qkv(model_sd):
+        return model_sd
+
+    heads = args.num_attention_heads // (getattr(args, "tensor_model_parallel_size", 1) or 1)
+    head_dim = getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
+    _print0(f" reordering the query_key_value rows of a checkpoint_version {version} checkpoint")
+    return fix_state_dict_qkv(model_sd, version, heads, head_dim)
+
+
 def read_metadata(tracker_filename: str) -> tuple[int, bool]:
     """Read the tracker file: (iteration, release). One-line error when its content is not an integer/'release'."""
     with open(tracker_filename) as f:
@@ -395,7 +418,7 @@ def _select_checkpoint(load_dir: str, iteration: int, release: bool, trust: bool
     candidates = [iteration] + ([] if release else [it for it in integrity.iterations(load_dir) if it < iteration])
     skipped: list[str] = []
     for cand in candidates:
-        name = get_checkpoint_name(load_dir, cand, release)
+        name = model_file_name(get_checkpoint_name(load_dir, cand, release))
         iter_dir = os.path.dirname(os.path.dirname(name))
         rel = os.path.relpath(name, iter_dir)
         reason: Optional[str] = None
@@ -484,7 +507,7 @@ def load_checkpoint(
             raise CheckpointError(f"checkpoint {checkpoint_name} has no '{key}' entry (saved with a different "
                                "--virtual-pipeline-model-parallel-size?)")
         try:
-            unwrap_model(chunk).load_state_dict(sd[key], strict=strict)
+            unwrap_model(chunk).load_state_dict(_qkv_in_current_order(sd[key], sd, args), strict=strict)
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()
             detail = " ".join(line.strip() for line in first[1:3]) if len(first) > 1 else first[0]

@@ -31,6 +31,7 @@ from megatron.checkpoint_conversion.interchange import (
     expect,
     layer_message,
 )
+from megatron.checkpoint_conversion.qkv_versions import fix_qkv_ordering
 from megatron.checkpoint_conversion.vocab import repad_rows, target_rows
 from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayout
 from megatron.safe_load import CheckpointFileError, UnsafeCheckpointError, safe_torch_load
@@ -82,19 +83,6 @@ def _layout(layouts: Dict[str, TensorParallelLayout], name: str) -> TensorParall
     if key == HEAD_COPY:
         key = WORD
     return layouts.get(key, REPLICATED)
-
-
-# ----------------------------------------------------------------------------------------------- QKV versions
-def fix_qkv_ordering(t: torch.Tensor, version: float, num_heads: int, head_dim: int) -> torch.Tensor:
-    """One TP shard's query_key_value rows of checkpoint_version 0 / 1.0 -> the >= 2.0 order [heads, 3, d]."""
-    if version >= 2.0:
-        return t
-    rest = t.shape[1:]
-    if version == 0:
-        return t.reshape(3, num_heads, head_dim, *rest).transpose(0, 1).reshape(t.shape).contiguous()
-    if version == 1.0:
-        return t.reshape(num_heads, head_dim, 3, *rest).transpose(1, 2).reshape(t.shape).contiguous()
-    raise ConversionError(f"checkpoint_version {version} is unknown (0, 1.0, 2.0 and 3.0 exist)")
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -301,8 +289,11 @@ def _stream(reader: MegatronCheckpointReader, meta: ModelMeta) -> Iterator[Messa
             if suffix.endswith("_extra_state"):
                 continue
             if reader.version < 2.0 and "query_key_value" in suffix:
-                per_rank = [fix_qkv_ordering(reader.chunks[(t, p, v)][name], reader.version, nh // reader.tp, hd)
-                            for t in range(reader.tp)]
+                try:
+                    per_rank = [fix_qkv_ordering(reader.chunks[(t, p, v)][name], reader.version, nh // reader.tp, hd)
+                                for t in range(reader.tp)]
+                except ValueError as exc:
+                    raise ConversionError(f"{reader.files[(0, p)]}: {exc}") from None
                 tensors[suffix] = _layout(layouts, name).merge(per_rank, name)
             else:
                 tensors[suffix] = reader.merged(p, v, name, _layout(layouts, name))

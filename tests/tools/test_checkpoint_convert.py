@@ -219,3 +219,37 @@ def test_cli_one_line_error_and_flags(tmp_path):
         for f in ("--swiglu", "--normalization RMSNorm", "--group-query-attention --num-query-groups 4",
                   "--rotary-base 50000", "--untie-embeddings-and-output-weights", "--disable-bias-linear"):
             assert f in flags
+
+
+# ----------------------------------------------------------------------------------------------- --load compatibility
+@pytest.mark.parametrize("version,file_name", [(0, "model_optim_rng.pt"), (1.0, "model_rng.pt"),
+                                               (3.0, "model_rng.pt")])
+def test_load_checkpoint_reads_other_tools_checkpoints(tmp_path, version, file_name):
+    """megatron.checkpointing.load_checkpoint (training/inference --load) reads a release checkpoint with
+    SimpleNamespace args (model fields only), old QKV orders, Megatron-LM's model_rng.pt and a dummy optimizer."""
+    import argparse
+
+    from megatron.checkpointing import load_checkpoint
+
+    ns = types.SimpleNamespace(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16)
+    cfg, model = _old_checkpoint(tmp_path / "ck", version, ns, release=True)
+    path = tmp_path / "ck" / "release" / "mp_rank_00"
+    sd = torch.load(path / "model_optim_rng.pt", weights_only=False)
+    sd["optimizer"] = {"dummy": True}
+    os.remove(path / "model_optim_rng.pt")
+    torch.save(sd, path / file_name)
+    fresh = build(cfg, seed=42)
+    args = argparse.Namespace(load=str(tmp_path / "ck"), num_layers=4, hidden_size=32, num_attention_heads=4,
+                              kv_channels=8, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    assert load_checkpoint([fresh], None, None, args) == 0
+    ref = model.state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in fresh.state_dict().items())
+
+
+def test_megatron_lm_module_paths():
+    from megatron.core import package_info
+    from megatron.tokenizer.tokenizer import _vocab_size_with_padding
+
+    assert package_info.__version__.count(".") == 2
+    ns = types.SimpleNamespace(make_vocab_size_divisible_by=128, tensor_model_parallel_size=2, rank=1)
+    assert _vocab_size_with_padding(50257, ns) == 50432
