@@ -6,7 +6,7 @@ in whole KV groups), row-parallel weights along dim 1, everything else replicate
 them from a built model or from a `TransformerConfig` (a weightless model on the meta device); pass the result
 (or `config=`) to the functions below. Without either, the layouts are those of Megatron's GPT layers recognised
 from the parameter names, with SwiGLU told apart from a plain MLP by the shapes (dense_h_to_4h has twice the rows
-of dense_4h_to_h's columns).
+of dense_4h_to_h's columns); a grouped-query query_key_value is refused there (its KV groups need the config).
 """
 from __future__ import annotations
 
@@ -73,7 +73,18 @@ def tensor_parallel_dim(name: str) -> Optional[int]:
     return None
 
 
+def _check_not_grouped(state_dict: Mapping[str, Any]) -> None:
+    """Refuse grouped-query QKV without layouts: which rows form a KV group cannot be told from the shapes."""
+    for name, value in state_dict.items():
+        if name.endswith("self_attention.query_key_value.weight") and isinstance(value, torch.Tensor):
+            dense = state_dict.get(name.replace("query_key_value", "dense"))
+            if isinstance(dense, torch.Tensor) and value.size(0) != 3 * dense.size(1):
+                raise ValueError(f"{name} is a grouped-query (GQA) weight: pass config= or layouts= so that "
+                                 "resharding keeps whole KV groups")
+
+
 def _fallback_layouts(state_dict: Mapping[str, Any], gated: set) -> dict[str, TensorParallelLayout]:
+    _check_not_grouped(state_dict)
     layouts = {}
     for name in state_dict:
         dim = tensor_parallel_dim(name)

@@ -35,7 +35,8 @@ def llama_config(**overrides):
 @pytest.mark.parametrize("how", ["model", "config", "names_and_shapes"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_split_merge_is_bitwise(tp, how):
-    config = llama_config()
+    mha = dict(group_query_attention=False, num_query_groups=None) if how == "names_and_shapes" else {}
+    config = llama_config(**mha)  # from names and shapes alone: SwiGLU yes, GQA refused (see below)
     model = build_gpt(config, seed=SEED)
     sd = model.state_dict()
     kw = {"model": dict(layouts=tensor_parallel_layouts(model)), "config": dict(config=config),
@@ -70,6 +71,8 @@ def test_split_refuses_to_cut_a_kv_group():
     sd = build_gpt(config, seed=SEED).state_dict()
     with pytest.raises(ValueError, match="query_key_value.*tensor parallel size 4"):
         split_tensor_parallel_state_dict(sd, 4, config=config)
+    with pytest.raises(ValueError, match="grouped-query.*pass config="):  # no layouts: never a silent bad split
+        split_tensor_parallel_state_dict(sd, 2)
 
 
 def _gather(t: torch.Tensor, layout, group) -> torch.Tensor:
