@@ -24,6 +24,7 @@ from tests.tools.checkpoint_convert_helpers import (
     TRUE_VOCAB,
     build,
     config,
+    inputs,
     load_files,
     logits,
     merge_independently,
@@ -253,3 +254,36 @@ def test_megatron_lm_module_paths():
     assert package_info.__version__.count(".") == 2
     ns = types.SimpleNamespace(make_vocab_size_divisible_by=128, tensor_model_parallel_size=2, rank=1)
     assert _vocab_size_with_padding(50257, ns) == 50432
+
+
+@pytest.mark.parametrize("pp,vl", [(2, 1), (4, None), (2, None)])
+def test_pipeline_files_load_strictly_into_the_real_stage_models(tmp_path, pp, vl):
+    """Each converted (virtual) stage loads strictly into the GPTModel chunk Megatron builds for that stage
+    (layer offsets of megatron.model.transformer), and chaining the chunks gives the source's logits exactly."""
+    import dataclasses
+
+    from megatron.model import GPTModel
+
+    cfg = config("llama")
+    model = build(cfg)
+    save_source(model, cfg, str(tmp_path / "src"), 1, 1)
+    extra = ["--target-num-layers-per-virtual-pipeline-stage", str(vl)] if vl else []
+    _convert(tmp_path / "src", tmp_path / "out", "--target-pipeline-parallel-size", str(pp), *extra)
+    files = load_files(str(tmp_path / "out"))
+    vp = cfg.num_layers // pp // vl if vl else 1
+    staged = dataclasses.replace(cfg, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vp if vl else None)
+    ids, pos, mask = inputs()
+    hidden = None
+    for v in range(vp):
+        for p in range(pp):
+            state = types.SimpleNamespace(pp_size=pp, pp_rank=p, virtual_pp_size=vp if vl else None,
+                                          virtual_pp_rank=v, tp_group=None)
+            chunk = GPTModel(staged, pp_state=state, pre_process=p == 0 and v == 0,
+                             post_process=p == pp - 1 and v == vp - 1).eval()
+            chunk.load_state_dict(files[(0, p)]["model" if not vl else f"model{v}"], strict=True)
+            with torch.no_grad():
+                if hidden is not None:
+                    chunk.set_input_tensor(hidden)
+                hidden = chunk(ids if hidden is None else None, pos, mask)
+    torch.testing.assert_close(hidden, logits(model), rtol=0, atol=0)
