@@ -97,7 +97,7 @@ def get_optimizer_param_scheduler(optimizer: Any, args: argparse.Namespace) -> O
     return OptimizerParamScheduler(
         optimizer,
         init_lr=getattr(args, "lr_warmup_init", 0.0) or 0.0,
-        max_lr=args.lr,
+        max_lr=args.lr if args.lr is not None else 0.0,  # no --lr: only with --skip-train (never stepped)
         min_lr=args.min_lr,
         lr_warmup_steps=warmup,
         lr_decay_steps=decay,
