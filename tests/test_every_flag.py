@@ -108,6 +108,12 @@ def test_runtime_settings_name_a_file_that_reads_them(entry_parsers):
     assert not unread, f"RUNTIME_SETTINGS names a file that does not read the setting: {unread}"
 
 
+def test_config_table_names_only_real_destinations(entry_parsers):
+    all_dests = {a.dest for p in entry_parsers.values() for a in p._actions}
+    stale = sorted(set(config_mapped_dests()) - all_dests)
+    assert not stale, f"megatron/config_flags.py CONFIG_FIELDS names destinations no parser has: {stale}"
+
+
 def test_refused_and_family_defaults_are_the_parser_defaults(entry_parsers):
     defaults = {a.dest: a.default for p in entry_parsers.values() for a in p._actions}
     for dest, (default, _why) in REFUSED.items():
