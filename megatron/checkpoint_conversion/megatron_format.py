@@ -368,50 +368,48 @@ class MegatronWriter:
                                   f"{groups} query groups")
         self.iteration = meta.iteration
         self.iter_name = "release" if meta.iteration is None else f"iter_{meta.iteration:07d}"
-        self.staged: Dict[Tuple[int, int, int], str] = {}
 
     def _chunk_file(self, t: int, p: int) -> str:
         rank = f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else "")
         return os.path.join(self.save_dir, self.iter_name, rank, "model_optim_rng.pt")
 
     def write(self, messages: Iterator[Message]) -> List[str]:
+        """Split each part for the target TP as it arrives and spill its shards to a staging file that is reopened
+        memory-mapped, so the resident memory is about one layer; then write each rank file from the staged parts."""
         meta = self.meta
         emb = expect(messages, EMBEDDINGS).tensors
         word = emb["word_embeddings.weight"]
         rows = target_rows(word.size(0), meta.true_vocab_size, meta.make_vocab_size_divisible_by, self.tp)
         self.padded = rows
         meta.architecture["padded_vocab_size"] = rows
-        layouts = layer_layouts(meta)
-        self.layouts = layouts
+        self.layouts = layer_layouts(meta)
+        self.parts: Dict[Tuple[int, int, int], Dict[str, Any]] = {
+            (t, p, v): {} for t in range(self.tp) for p in range(self.pp) for v in range(self.vp)}
+        self.staging = os.path.join(self.save_dir, ".staging")
+        last = (self.pp - 1, self.vp - 1)
         emb_flat = {WORD: repad_rows(word, rows)}
         if "position_embeddings.weight" in emb:
             emb_flat[POS] = emb["position_embeddings.weight"]
         tied = meta.architecture.get("share_embeddings_and_output_weights", True)
-        chunk: Dict[str, Any] = dict(emb_flat)
-        current = (0, 0)
-        files: List[str] = []
+        if tied and self.pp > 1:  # the last stage's copy of the tied embedding (word_embeddings_for_head)
+            self._stage("head", last, {HEAD_COPY: emb_flat[WORD]})
+        self._stage("embeddings", (0, 0), emb_flat)
+        del word, emb, emb_flat
         for i in range(self.num_layers):
             p, v, local = chunk_of_layer(i, self.num_layers, self.pp, self.vp)
-            if (p, v) != current:
-                files += self._finish_chunk(*current, chunk)
-                chunk, current = {}, (p, v)
             msg = expect(messages, layer_message(i))
-            for suffix, value in msg.tensors.items():
-                chunk[f"{LAYERS}{local}.{suffix}"] = value
+            self._stage(f"layer{i}", (p, v), {f"{LAYERS}{local}.{k}": t for k, t in msg.tensors.items()})
+            del msg
         norm = expect(messages, FINAL_NORM).tensors
-        for key, value in norm.items():
-            chunk[ENC + key] = value
+        self._stage("final_norm", last, {ENC + k: t for k, t in norm.items()})
         if not tied:
             out = expect(messages, OUTPUT_LAYER).tensors["output_layer.weight"]
-            chunk[OUT] = repad_rows(out, rows)
-        elif self.pp > 1:
-            chunk[HEAD_COPY] = emb_flat[WORD]
+            self._stage("output_layer", last, {OUT: repad_rows(out, rows)})
+            del out
         rest = next(messages, None)
         if rest is not None:
             raise ConversionError(f'unexpected message "{rest.name}" after the model (is --model-type right?)')
-        files += self._finish_chunk(*current, chunk)
-        if self.vp > 1:
-            files = self._assemble_staged()
+        files = self._write_files()
         from megatron import checkpoint_integrity
 
         checkpoint_integrity.write_manifest(os.path.join(self.save_dir, self.iter_name))  # crc32 per file, as saves do
@@ -431,32 +429,29 @@ class MegatronWriter:
                 shards[t][name] = part
         return shards
 
-    def _finish_chunk(self, p: int, v: int, chunk: Dict[str, Any]) -> List[str]:
-        shards = self._split(chunk)
-        files = []
-        for t, shard in enumerate(shards):
-            if self.vp == 1:
-                path = self._chunk_file(t, p)
-                atomic_torch_save(self._file_dict({"model": nest(shard)}), path)
-                files.append(path)
-            else:
-                path = os.path.join(self.save_dir, ".chunks", f"{t}_{p}_{v}.pt")
-                atomic_torch_save(nest(shard), path)
-                self.staged[(t, p, v)] = path
-        return files
+    def _stage(self, tag: str, where: Tuple[int, int], tensors: Dict[str, Any]) -> None:
+        p, v = where
+        for t, shard in enumerate(self._split(tensors)):
+            path = os.path.join(self.staging, f"{tag}_{t}.pt")
+            os.makedirs(self.staging, exist_ok=True)
+            torch.save({k: x.contiguous() for k, x in shard.items()}, path)
+            self.parts[(t, p, v)].update(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
 
-    def _assemble_staged(self) -> List[str]:
+    def _write_files(self) -> List[str]:
         import shutil
 
         files = []
         for t in range(self.tp):
             for p in range(self.pp):
-                body = {f"model{v}": torch.load(self.staged[(t, p, v)], mmap=True, weights_only=True)
-                        for v in range(self.vp)}
+                if self.vp == 1:
+                    body = {"model": nest(self.parts.pop((t, p, 0)))}
+                else:
+                    body = {f"model{v}": nest(self.parts.pop((t, p, v))) for v in range(self.vp)}
                 path = self._chunk_file(t, p)
                 atomic_torch_save(self._file_dict(body), path)
                 files.append(path)
-        shutil.rmtree(os.path.join(self.save_dir, ".chunks"))
+                del body  # unmaps the staged tensors of this rank file
+        shutil.rmtree(self.staging, ignore_errors=True)
         return files
 
     def _file_dict(self, body: Dict[str, Any]) -> Dict[str, Any]:
