@@ -100,6 +100,7 @@ def test_old_checkpoint_without_architecture_falls_back_to_saved_args(tmp_path: 
     for name in ("normalization", "group_query_attention", "num_query_groups", "rotary_base"):  # older flag set
         delattr(sd["args"], name)
     torch.save(sd, path)
+    (path.parent.parent / "manifest.json").unlink(missing_ok=True)  # an older checkpoint has no integrity manifest
     with pytest.raises(ArchitectureMismatchError, match="has swiglu=True"):
         ck.load_checkpoint([torch.nn.Linear(2, 2)], None, None, _args(tmp_path))
     # fields the old namespace lacks are neither checked nor restored
