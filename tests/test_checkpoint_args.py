@@ -67,6 +67,9 @@ def test_architecture_mismatch_is_one_line_naming_field_and_values(tmp_path, fie
 def test_same_architecture_loads(tmp_path: Path) -> None:
     _save(tmp_path, *LLAMA)
     assert ck.load_checkpoint([torch.nn.Linear(2, 2)], None, None, _args(tmp_path, *LLAMA)) == 3
+    # --no-bias-gelu-fusion changes nothing for SwiGLU without biases: not a mismatch
+    assert ck.load_checkpoint([torch.nn.Linear(2, 2)], None, None,
+                              _args(tmp_path, *LLAMA, "--no-bias-gelu-fusion")) == 3
 
 
 def test_use_checkpoint_args_restores_the_whole_architecture(tmp_path: Path) -> None:
