@@ -219,7 +219,8 @@ REFUSED: Dict[str, Tuple[Any, str]] = {
 }
 
 # dest -> (model families that read it, default). The entry script's family comes from its args_defaults
-# ("model_family", default "gpt"); every entry script today is GPT.
+# ("model_family", default "gpt"); pretrain_bert.py is "bert" (it reads --bert-no-binary-head,
+# --mask-prob, --short-seq-prob); the other entry scripts are GPT.
 FAMILY_ONLY: Dict[str, Tuple[Tuple[str, ...], Any]] = {
     "bert_binary_head": (("bert",), True),
     "mask_prob": (("bert", "t5"), 0.15),

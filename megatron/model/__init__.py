@@ -5,13 +5,14 @@ Parameter names follow Megatron's GPT checkpoints (language_model.embedding.word
 language_model.encoder.layers.{i}.self_attention.query_key_value.weight, ...).
 """
 from megatron.model.attention import CoreAttention, ParallelAttention
+from megatron.model.bert_model import BertModel
 from megatron.model.enums import AttnMaskType, AttnType, LayerType, ModelType
 from megatron.model.fused_layer_norm import LayerNorm, MixedFusedLayerNorm
 from megatron.model.fused_softmax import FusedScaleMaskSoftmax
 from megatron.model.gpt_model import GPTModel, flatten_checkpoint_state_dict, post_language_model_processing
 from megatron.model.inference_params import InferenceParams
 from megatron.model.language_model import Embedding, Pooler, TransformerLanguageModel, parallel_lm_logits
-from megatron.model.layer_specs import TransformerLayerSpec, gpt_layer_spec, transformer_layer_spec
+from megatron.model.layer_specs import TransformerLayerSpec, bert_layer_spec, gpt_layer_spec, transformer_layer_spec
 from megatron.model.module import (
     Float16Module,
     MegatronModule,
@@ -32,6 +33,7 @@ from megatron.model.transformer import (
 __all__ = [
     "AttnMaskType",
     "AttnType",
+    "BertModel",
     "CoreAttention",
     "Embedding",
     "Float16Module",
@@ -53,6 +55,7 @@ __all__ = [
     "TransformerLanguageModel",
     "TransformerLayerSpec",
     "allreduce_word_embedding_grads",
+    "bert_layer_spec",
     "build_norm",
     "flatten_checkpoint_state_dict",
     "float16_to_fp32",
