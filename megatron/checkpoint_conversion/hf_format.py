@@ -341,7 +341,7 @@ def _copy_tokenizer(meta: ModelMeta, out: str) -> List[str]:
     return copied
 
 
-def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max_shard_size: str = "5GB",
+def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max_shard_size: str = "2GB",
              hf_architecture: Optional[str] = None) -> Dict[str, Any]:
     """Saver: the stream as a HF folder (safetensors shards + index, config.json, tokenizer files)."""
     family = hf_family(meta)

@@ -112,7 +112,8 @@ def model_flags(meta: ModelMeta, tp: int = 1, pp: int = 1, vp_layers: Optional[i
         flags.append(f"--ffn-hidden-size {a['ffn_hidden_size']}")
     if a.get("kv_channels") and a["kv_channels"] != a["hidden_size"] // a["num_attention_heads"]:
         flags.append(f"--kv-channels {a['kv_channels']}")
-    flags.append(f"--max-position-embeddings {a['max_position_embeddings']}")
+    seq = getattr(meta.checkpoint_args, "seq_length", None) or a["max_position_embeddings"]
+    flags.append(f"--seq-length {seq} --max-position-embeddings {a['max_position_embeddings']}")
     if a.get("normalization", "LayerNorm") != "LayerNorm":
         flags.append(f"--normalization {a['normalization']}")
     flags.append(f"--norm-epsilon {a.get('layernorm_epsilon', 1e-5)}")

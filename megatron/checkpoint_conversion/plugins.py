@@ -86,7 +86,7 @@ class HFSaver:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("Hugging Face saver")
-        group.add_argument("--max-shard-size", default="5GB",
+        group.add_argument("--max-shard-size", default="2GB",
                            help="Largest safetensors shard (HF's save_pretrained naming and index file)")
         group.add_argument("--hf-architecture", default=None,
                            choices=("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),

@@ -180,3 +180,29 @@ def test_merge_mp_partitions(tmp_path):
         tool.main(["--model-type", "GPT", "--tensor-model-parallel-size", "2", "--num-layers", "6", "--load",
                    str(tmp_path / "src"), "--save", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "qwen2_qkv_bias"])
+def test_printed_flags_build_the_checkpoint_architecture(tmp_path, family):
+    """The flags the tool prints pass Megatron's argument validation and agree with the converted checkpoint's
+    architecture under the loader's own check (megatron.checkpoint_args.check_architecture)."""
+    import shlex
+
+    from megatron.arguments import build_parser, validate_args
+    from megatron.checkpoint_args import check_architecture
+
+    _hf_llama(family).save_pretrained(tmp_path / "hf")
+    flags = _convert(tmp_path / "hf", tmp_path / "meg", "--loader", "hf")["flags"]
+    from megatron.checkpoint_args import ArchitectureMismatchError
+
+    saved = load_files(str(tmp_path / "meg"))[(0, 0)]["architecture"]
+    for extra in ([], ["--rotary-base", "10000"]):  # the check is not vacuous: a different flag is caught
+        args = build_parser().parse_args(shlex.split(flags) + ["--micro-batch-size", "1", "--tokenizer-type",
+                                                               "NullTokenizer", "--vocab-size", "61", *extra])
+        args.rank, args.world_size = 0, 1
+        validate_args(args, {})
+        if extra:
+            with pytest.raises(ArchitectureMismatchError, match="rotary_base"):
+                check_architecture(saved, args, str(tmp_path / "meg"))
+        else:
+            check_architecture(saved, args, str(tmp_path / "meg"))
