@@ -10,6 +10,7 @@ saved in them (fields that namespace lacks are neither checked nor restored).
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from megatron.arguments import build_parser
@@ -154,3 +155,15 @@ def use_checkpoint_args(args: argparse.Namespace, state_dict: Mapping[str, Any])
     ckpt_args = state_dict.get("args")
     saved = saved_architecture(state_dict.get("architecture"), ckpt_args)
     return restore_architecture(args, saved, ckpt_args, flag_defaults())
+
+
+def deepspeed_state_file(load_dir: str) -> Optional[str]:
+    """The file of a DeepSpeed checkpoint (``latest`` -> ``global_stepN/mp_rank_00_model_states.pt``) that holds
+    Megatron's client state (args, architecture); None when `load_dir` has no DeepSpeed checkpoint."""
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        tag = f.read().strip()
+    path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")
+    return path if os.path.isfile(path) else None

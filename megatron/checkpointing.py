@@ -36,7 +36,13 @@ import torch
 from megatron import checkpoint_integrity as integrity
 from megatron.atomic_io import atomic_torch_save as _atomic_save
 from megatron.atomic_io import atomic_write_text as _atomic_write_text
-from megatron.checkpoint_args import architecture_from_args, check_architecture, saved_architecture, use_checkpoint_args
+from megatron.checkpoint_args import (
+    architecture_from_args,
+    check_architecture,
+    deepspeed_state_file,
+    saved_architecture,
+    use_checkpoint_args,
+)
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.errors import MegatronUserError
@@ -358,7 +364,11 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
         raise CheckpointError("--use-checkpoint-args needs --load DIR")
     tracker = get_checkpoint_tracker_filename(load_dir)
     if not os.path.isfile(tracker):
-        raise CheckpointError(f"--use-checkpoint-args: no {TRACKER_FILENAME} in {load_dir}")
+        name = deepspeed_state_file(load_dir)  # a DeepSpeed checkpoint keeps Megatron's state in its client state
+        if name is None:
+            raise CheckpointError(f"--use-checkpoint-args: no {TRACKER_FILENAME} (or DeepSpeed 'latest') in {load_dir}")
+        use_checkpoint_args(args, load_state_dict_file(name, trust=bool(getattr(args, "trust_checkpoint", False))))
+        return args
     iteration, release = read_metadata(tracker)
     name = get_checkpoint_name(load_dir, iteration, release, pipeline_parallel=None, tensor_rank=0, pipeline_rank=0)
     if not os.path.isfile(name):
