@@ -86,7 +86,7 @@ def megatron_gpt_to_hf_state_dict(state_dict: Mapping[str, Any], config: Transfo
     out["transformer.ln_f.weight"] = flat[_ENC + "final_layernorm.weight"]
     out["transformer.ln_f.bias"] = flat[_ENC + "final_layernorm.bias"]
     out["lm_head.weight"] = flat.get(_LM + "output_layer.weight", out["transformer.wte.weight"])
-    return out
+    return _shift_ln_1p(out, config, +1.0)
 
 
 def hf_to_megatron_gpt_state_dict(hf_state_dict: Mapping[str, Any], config: TransformerConfig) -> dict:
@@ -116,7 +116,23 @@ def hf_to_megatron_gpt_state_dict(hf_state_dict: Mapping[str, Any], config: Tran
     out[_ENC + "final_layernorm.bias"] = sd["transformer.ln_f.bias"]
     if not config.share_embeddings_and_output_weights and "lm_head.weight" in sd:
         out[_LM + "output_layer.weight"] = sd["lm_head.weight"]
-    return out
+    return _shift_ln_1p(out, config, -1.0)
+
+
+def _check_gpt2(config: TransformerConfig) -> None:
+    if (config.normalization != "LayerNorm" or config.position_embedding_type != "learned_absolute"
+            or not config.add_bias_linear or config.num_query_groups != config.num_attention_heads):
+        raise ValueError("Hugging Face GPT-2 has LayerNorm, learned positions, biases and one K/V head per query "
+                         "head; use the Llama-family mapping for this model")
+
+
+def _shift_ln_1p(sd: dict, config: TransformerConfig, delta: float) -> dict:
+    """--apply-layernorm-1p stores gamma - 1: add 1 for HF's plain LayerNorm (delta +1) or remove it (-1)."""
+    _check_gpt2(config)
+    if not config.apply_layernorm_1p:
+        return sd
+    return {k: v + delta if k.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight", "layernorm.weight")) else v
+            for k, v in sd.items()}
 
 
 def hf_gpt2_activation(config: TransformerConfig) -> str:

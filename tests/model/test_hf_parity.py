@@ -59,6 +59,23 @@ def test_megatron_logits_equal_hf_gpt2(flags, hf_act, wrong_act):
             assert (ours - theirs).abs().max() > 1e-3, f"{act} should differ from Megatron's {flags} MLP"
 
 
+def test_layernorm_1p_maps_to_plain_layernorm():
+    config = tiny_config(apply_layernorm_1p=True, init_method_std=0.2)
+    model = build_gpt(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf = _hf_model(config)
+    hf.load_state_dict(megatron_gpt_to_hf_state_dict(model.state_dict_for_save_checkpoint(), config), strict=False)
+    ids, pos, mask, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, pos, mask), hf(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    back = hf_to_megatron_gpt_state_dict(hf.state_dict(), config)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(back[k], v, rtol=0, atol=1e-7, msg=k)
+
+
 def test_hf_to_megatron_round_trip():
     config = tiny_config()
     hf = _hf_model(config)
