@@ -31,7 +31,8 @@ if ! $PY -c "import torch" 2>/dev/null; then
 fi
 echo "== installing requirements${EXTRA:+ and test requirements}"
 $PY -m pip install -r requirements.txt "${EXTRA[@]}" setuptools wheel
-if $PY -m pip show megatron-lite 2>/dev/null | grep -qxF "Editable project location: $PWD"; then
+INSTALLED_FROM=$($PY -m pip show megatron-lite 2>/dev/null | sed -n 's/^Editable project location: //p' || true)
+if [ "$INSTALLED_FROM" = "$PWD" ]; then
   echo "== this package is already installed from $PWD (editable)"
 else
   echo "== installing this package (pip install -e .; compiles csrc/helpers.cpp)"

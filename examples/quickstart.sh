@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Offline quick-start on a CPU (a GPU is used automatically when present):
-#   1. install the package with examples/install.sh (skipped when it is already importable; a CPU torch 2.13.0 when
+#   1. install the package with examples/install.sh (skipped when it is already installed here; a CPU torch 2.13.0 when
 #      torch is missing and there is no NVIDIA GPU),
 #   2. train a 4,096-token GPT-2-style BPE tokenizer on the corpus shipped in examples/data,
 #   3. preprocess the corpus into Megatron's mmap .bin/.idx dataset,
@@ -25,7 +25,9 @@ WIKI_LINES=${WIKI_LINES:-300}
 LAMBADA_LINES=${LAMBADA_LINES:-200}
 EVAL_DATA=${EVAL_DATA:-tests/fixtures}
 
-if ! $PY -c "import torch, megatron.tokenizer, tokenizers, deepspeed" 2>/dev/null; then
+INSTALLED_FROM=$($PY -m pip show megatron-lite 2>/dev/null | sed -n 's/^Editable project location: //p' || true)
+if [ "$INSTALLED_FROM" != "$PWD" ] \
+    || ! $PY -c "import torch, deepspeed, tokenizers, tiktoken, transformers" >/dev/null 2>&1; then
   echo "== installing (examples/install.sh: torch when missing, requirements.txt, the package)"
   PYTHON=$PY bash examples/install.sh
 fi
