@@ -287,3 +287,41 @@ def test_pipeline_files_load_strictly_into_the_real_stage_models(tmp_path, pp, v
                     chunk.set_input_tensor(hidden)
                 hidden = chunk(ids if hidden is None else None, pos, mask)
     torch.testing.assert_close(hidden, logits(model), rtol=0, atol=0)
+
+
+def test_checkpoint_written_by_save_checkpoint_converts(tmp_path):
+    """A checkpoint written by megatron.checkpointing.save_checkpoint (full args, architecture, optimizer, RNG) of a
+    Llama-style model built from flags converts to TP2xPP2 and back to the same weights; the result loads with the
+    real loader under the same flags."""
+    import argparse
+
+    from megatron.arguments import build_parser, core_transformer_config_from_args, validate_args
+    from megatron.checkpointing import load_checkpoint, save_checkpoint
+
+    flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "8", "--ffn-hidden-size", "24",
+             "--seq-length", "16", "--max-position-embeddings", "16", "--swiglu", "--normalization", "RMSNorm",
+             "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "4",
+             "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--micro-batch-size", "1",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(TRUE_VOCAB), "--make-vocab-size-divisible-by",
+             "4", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    args = build_parser().parse_args(flags)
+    args.rank, args.world_size = 0, 1
+    validate_args(args, {})
+    args.true_vocab_size, args.padded_vocab_size = TRUE_VOCAB, 64
+    cfg = core_transformer_config_from_args(args)
+    model = build(cfg)
+    save_checkpoint(3, [model], torch.optim.Adam(model.parameters()), None, args, str(tmp_path / "ck"))
+    _convert(tmp_path / "ck", tmp_path / "tp2pp2", "--target-tensor-parallel-size", "2",
+             "--target-pipeline-parallel-size", "2")
+    _convert(tmp_path / "tp2pp2", tmp_path / "tp1", "--target-tensor-parallel-size", "1",
+             "--target-pipeline-parallel-size", "1")
+    fresh = build(cfg, seed=77)
+    load = argparse.Namespace(**vars(args))
+    load.load, load.finetune = str(tmp_path / "tp1"), True
+    assert load_checkpoint([fresh], None, None, load) == 0
+    ref = model.state_dict()
+    for k, v in fresh.state_dict().items():  # vocabulary rows past the true size: re-padded with the last row
+        rows = TRUE_VOCAB if "word_embeddings" in k or "output_layer" in k else None
+        assert torch.equal(v[:rows], ref[k][:rows]), k
+        if rows:
+            assert torch.equal(v[rows:], ref[k][rows - 1].expand(64 - rows, -1)), k
