@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32, grads_for_norm
 from megatron.optimizer.grad_scaler import MegatronGradScaler
 from megatron.optimizer.optimizer import _PARALLEL_ATTRS, MixedPrecisionOptimizer, StepResult, _timer
+from megatron.optimizer.param_groups import get_param_groups
 
 PARAM_STATE_FORMAT = "megatron-lite distributed optimizer, per-parameter fp32 state, v1"
 
@@ -304,8 +305,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 # ---------------------------------------------------------------------------------------------------- conversion
 def _model_param_order(model_chunks: Sequence[torch.nn.Module]) -> List[Tuple[int, str, torch.nn.Parameter]]:
     """(chunk, name, param) in the order of the regular optimizer's flat param indices (get_param_groups)."""
-    from megatron.optimizer import get_param_groups
-
     names: Dict[torch.nn.Parameter, Tuple[int, str]] = {}
     for c, chunk in enumerate(model_chunks):
         for name, param in _unwrap(chunk).named_parameters():
