@@ -44,7 +44,7 @@ def base_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-queue-size", type=int, default=50, help="Accepted for Megatron-LM compatibility "
                         "(loader and saver run in one process, one layer at a time)")
     parser.add_argument("--no-checking", action="store_false", dest="checking",
-                        help="Accepted for Megatron-LM compatibility (messages are always checked)")
+                        help="Let the Hugging Face saver drop tensors it has no name for (default: one-line error)")
     parser.add_argument("--trust-checkpoint", action="store_true",
                         help="Load the input with full unpickling (can run code in it); default: weights-only with "
                              "an allow-list (also MEGATRON_TRUST_CHECKPOINT=1)")

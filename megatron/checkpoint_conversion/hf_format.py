@@ -341,15 +341,33 @@ def _copy_tokenizer(meta: ModelMeta, out: str) -> List[str]:
     return copied
 
 
+class _Checked(dict):
+    """A message's tensors that remember which keys the saver used (Megatron's check_message)."""
+
+    def __init__(self, tensors: Dict[str, torch.Tensor], name: str) -> None:
+        super().__init__(tensors)
+        self.name, self.used = name, set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.used.add(key)
+        return super().__getitem__(key)
+
+    def check(self, checking: bool) -> None:
+        rest = sorted(set(self) - self.used)
+        if rest and checking:
+            raise ConversionError(f'message "{self.name}" holds tensors the HF saver does not map ({", ".join(rest)}); '
+                                  "if you want to ignore this, use the argument --no-checking")
+
+
 def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max_shard_size: str = "2GB",
-             hf_architecture: Optional[str] = None) -> Dict[str, Any]:
+             hf_architecture: Optional[str] = None, checking: bool = True) -> Dict[str, Any]:
     """Saver: the stream as a HF folder (safetensors shards + index, config.json, tokenizer files)."""
     family = hf_family(meta)
     a = meta.architecture
     nq, ng, hd = _heads(meta)
     os.makedirs(save_dir, exist_ok=True)
     writer = _ShardWriter(save_dir, parse_size(max_shard_size))
-    emb = expect(messages, EMBEDDINGS).tensors
+    emb = _Checked(expect(messages, EMBEDDINGS).tensors, EMBEDDINGS)
     rows = meta.true_vocab_size or emb["word_embeddings.weight"].size(0)
     word = emb["word_embeddings.weight"][:rows]
     hf_config = _hf_config(meta, family, rows, hf_architecture)  # validate before writing tensors
@@ -360,7 +378,7 @@ def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max
     else:
         writer.add("model.embed_tokens.weight", word)
     for i in range(a["num_layers"]):
-        layer = expect(messages, layer_message(i)).tensors
+        layer = _Checked(expect(messages, layer_message(i)).tensors, layer_message(i))
         if family == "gpt2":
             dst = f"transformer.h.{i}."
             qkv = layer["self_attention.query_key_value.weight"]
@@ -386,12 +404,15 @@ def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max
             writer.add(dst + "mlp.up_proj.weight", up.contiguous())
             for m_name, h_name in hfc._LLAMA_LAYER_MAP:
                 writer.add(dst + h_name, layer[m_name])
-    norm = expect(messages, FINAL_NORM).tensors
+        layer.check(checking)
+    emb.check(checking)
+    norm = _Checked(expect(messages, FINAL_NORM).tensors, FINAL_NORM)
     if family == "gpt2":
         writer.add("transformer.ln_f.weight", norm["final_layernorm.weight"])
         writer.add("transformer.ln_f.bias", norm["final_layernorm.bias"])
     else:
         writer.add("model.norm.weight", norm["final_layernorm.weight"])
+    norm.check(checking)
     if not tied:
         writer.add("lm_head.weight", expect(messages, OUTPUT_LAYER).tensors["output_layer.weight"][:rows])
     rest = next(messages, None)

@@ -104,7 +104,7 @@ class HFSaver:
                 raise ConversionError(f"--{flag.replace('_', '-')} does not apply to --saver hf (HF models are "
                                       "not sharded by tensor/pipeline rank)")
         return write_hf(meta, messages, save_dir, max_shard_size=args.max_shard_size,
-                        hf_architecture=args.hf_architecture)
+                        hf_architecture=args.hf_architecture, checking=args.checking)
 
 
 BUILTIN: Dict[Tuple[str, str], Any] = {

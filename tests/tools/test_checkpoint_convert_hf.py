@@ -206,3 +206,17 @@ def test_printed_flags_build_the_checkpoint_architecture(tmp_path, family):
                 check_architecture(saved, args, str(tmp_path / "meg"))
         else:
             check_architecture(saved, args, str(tmp_path / "meg"))
+
+
+def test_hf_saver_refuses_unmapped_tensors_unless_no_checking(tmp_path):
+    from megatron.checkpoint_conversion.hf_format import write_hf
+    from megatron.checkpoint_conversion.interchange import messages_from_state_dict
+    from tests.tools.checkpoint_convert_helpers import meta_for
+
+    cfg = config("llama")
+    sd = dict(build(cfg).state_dict())
+    sd["language_model.encoder.layers.1.self_attention.extra.weight"] = torch.ones(2)
+    with pytest.raises(ConversionError, match="self_attention.extra.weight.*--no-checking"):
+        write_hf(meta_for(cfg), messages_from_state_dict(sd, cfg.num_layers), str(tmp_path / "a"))
+    write_hf(meta_for(cfg), messages_from_state_dict(sd, cfg.num_layers), str(tmp_path / "b"), checking=False)
+    assert (tmp_path / "b" / "config.json").exists()
