@@ -260,7 +260,8 @@ def refuse_unimplemented(args: argparse.Namespace, flags: Mapping[str, Tuple[str
     for dest, (families, default) in FAMILY_ONLY.items():
         if family not in families and hasattr(args, dest) and getattr(args, dest) != default:
             raise UnsupportedFlagError(f"{name(dest)} is a {'/'.join(f.upper() for f in families)} setting that this "
-                                       f"{family.upper()} entry point does not use: drop it")
+                                       f"{family.upper()} entry point does not use: drop it (an entry point that "
+                                       f"reads it passes args_defaults={{'model_family': '{families[0]}'}})")
     if family != "t5" and getattr(args, "encoder_num_layers", None) not in (None, getattr(args, "num_layers", None)):
         raise UnsupportedFlagError(f"--encoder-num-layers is a T5 setting; this {family.upper()} entry point uses "
                                    "--num-layers: drop it")
