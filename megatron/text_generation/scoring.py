@@ -75,7 +75,8 @@ def score_tokens(model: torch.nn.Module, sequences: Sequence[Sequence[int]], *, 
     """Score tokens[score_from[i]:] of every sequence (default: all but the first token) in one batched forward.
 
     The inputs are the sequences minus their last token, right-padded with `pad_id` to `width` (default: the
-    longest). Every rank of the job returns the same scores.
+    longest). Sequences with the same input and score_from (e.g. one-token answer choices after one context) share
+    one row of the forward. Every rank of the job returns the same scores.
     """
     state = _state(state)
     if not sequences:
@@ -85,37 +86,51 @@ def score_tokens(model: torch.nn.Module, sequences: Sequence[Sequence[int]], *, 
         if not 1 <= s < len(seq):
             raise ValueError(f"score_from {s} leaves nothing to score in a sequence of {len(seq)} tokens")
     device = next(model.parameters()).device
-    inputs = [list(seq[:-1]) for seq in sequences]
-    width = max(max(len(x) for x in inputs), 1) if width is None else width
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long, device=device)
-    for i, x in enumerate(inputs):
-        ids[i, : len(x)] = torch.as_tensor(x, dtype=torch.long, device=device)
+    unique: dict[tuple, int] = {}
+    which = [unique.setdefault((tuple(seq[:-1]), s), len(unique)) for seq, s in zip(sequences, starts)]
+    keys = list(unique)
+    width = max(max(len(x) for x, _ in keys), 1) if width is None else width
+    ids = torch.full((len(keys), width), pad_id, dtype=torch.long, device=device)
+    for u, (x, _) in enumerate(keys):
+        ids[u, : len(x)] = torch.as_tensor(x, dtype=torch.long, device=device)
     counts = [len(seq) - s for seq, s in zip(sequences, starts)]
-    k = max(max(counts), 1)
-    rows = torch.tensor([[s - 1 + min(j, max(n - 1, 0)) for j in range(k)] for s, n in zip(starts, counts)],
+    k = max(counts)
+    rows = torch.tensor([[s - 1 + min(j, len(x) - s) for j in range(k)] for x, s in keys],
                         dtype=torch.long, device=device)  # scored positions, the last repeated as padding
-    logits = forward_logits(model, ids, state, rows)  # [b, k, v]: logits[i, j] predicts token starts[i] + j
-    cols = 2 + 2 * top_n
-    packed = torch.zeros(len(sequences), k, cols, dtype=torch.float64, device=device)
+    logits = forward_logits(model, ids, state, rows)  # [u, k, v]: logits[u, j] predicts token starts + j
+    packed = torch.zeros(len(sequences), k, 2 + 2 * top_n, dtype=torch.float64, device=device)
     if logits is not None:
-        for i, (seq, s, n) in enumerate(zip(sequences, starts, counts)):
-            target = torch.as_tensor(list(seq[s:]), dtype=torch.long, device=device)
-            for a in range(0, n, ROW_CHUNK):
-                b = min(a + ROW_CHUNK, n)
-                logp = torch.log_softmax(logits[i, a:b, :vocab_size].double(), dim=-1)
-                packed[i, a:b, 0] = logp.gather(1, target[a:b, None]).squeeze(1)
-                packed[i, a:b, 1] = (logp.argmax(-1) == target[a:b]).double()
-                if top_n:
-                    values, top = torch.topk(logp, top_n, dim=-1)
-                    packed[i, a:b, 2: 2 + top_n] = top.double()
-                    packed[i, a:b, 2 + top_n:] = values
+        # the scored rows of the unique inputs, flattened; then (sequence, position, row, target) of every score
+        first = [0]
+        for x, s in keys:
+            first.append(first[-1] + len(x) + 1 - s)
+        flat_rows = torch.tensor([u * k + j for u, (x, s) in enumerate(keys) for j in range(len(x) + 1 - s)],
+                                 dtype=torch.long, device=device)
+        pair_i = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], dtype=torch.long, device=device)
+        pair_j = torch.tensor([j for n in counts for j in range(n)], dtype=torch.long, device=device)
+        pair_row = torch.tensor([first[u] + j for u, n in zip(which, counts) for j in range(n)], dtype=torch.long,
+                                device=device)
+        pair_tgt = torch.tensor([t for seq, s in zip(sequences, starts) for t in seq[s:]], dtype=torch.long,
+                                device=device)
+        flat = logits.reshape(-1, logits.size(-1))
+        for a in range(0, first[-1], ROW_CHUNK):
+            b = min(a + ROW_CHUNK, first[-1])
+            logp = torch.log_softmax(flat[flat_rows[a:b], :vocab_size].double(), dim=-1)
+            sel = (pair_row >= a) & (pair_row < b)
+            r, i, j, t = pair_row[sel] - a, pair_i[sel], pair_j[sel], pair_tgt[sel]
+            packed[i, j, 0] = logp[r, t]
+            packed[i, j, 1] = (logp.argmax(-1)[r] == t).double()
+            if top_n:
+                values, top = torch.topk(logp, top_n, dim=-1)
+                packed[i, j, 2: 2 + top_n] = top[r].double()
+                packed[i, j, 2 + top_n:] = values[r]
     packed = _broadcast_from_last_stage(packed, _pp_state(state)).cpu()
     out = []
     for i, n in enumerate(counts):
-        rows = packed[i, :n]
-        out.append(ScoredSequence(logprobs=rows[:, 0].tolist(), greedy=[bool(g) for g in rows[:, 1].tolist()],
-                                  top_ids=rows[:, 2: 2 + top_n].long().tolist() if top_n else [],
-                                  top_logprobs=rows[:, 2 + top_n:].tolist() if top_n else []))
+        r = packed[i, :n]
+        out.append(ScoredSequence(logprobs=r[:, 0].tolist(), greedy=[bool(g) for g in r[:, 1].tolist()],
+                                  top_ids=r[:, 2: 2 + top_n].long().tolist() if top_n else [],
+                                  top_logprobs=r[:, 2 + top_n:].tolist() if top_n else []))
     return out
 
 

@@ -4,8 +4,8 @@
 
 * `loglikelihood` (via lm-eval's `TemplateLM`: empty contexts become the end-of-document token, trailing context
   spaces move into the continuation) -> `_loglikelihood_tokens`: requests sorted by length (longest first) and run
-  in batches, inputs `(context + continuation)[-(max_length + 1):][:-1]` right-padded, the log-softmax over the real
-  vocabulary only (the rows that pad the vocabulary to a multiple of 128 x TP are dropped first), the continuation's
+  in batches (requests with the same input share a row), inputs `(context + continuation)[-(max_length + 1):][:-1]`
+  right-padded, the log-softmax over the real vocabulary only (the rows that pad the vocabulary to a multiple of 128 x TP are dropped first), the continuation's
   summed log-probability and whether every continuation token is the argmax;
 * `loglikelihood_rolling`: lm-eval's disjoint rolling windows of `max_length` with the end-of-document prefix;
 * `generate_until`: our KV-cache generation (`generate_tokens`), greedy or sampled, `max_gen_toks` new tokens, stop
@@ -110,30 +110,32 @@ class MegatronLM(TemplateLM):
         return [answers[i] for i in range(n)]
 
     # -- loglikelihood -------------------------------------------------------------------------------------------
-    def _score(self, batch: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        """(summed log-prob, is_greedy) of each (context, continuation) token pair, on every rank of the pipeline."""
-        full = [(ctx + cont)[-(self.max_length + 1):] for ctx, cont in batch]
-        scored = score_tokens(self.model, full, vocab_size=self.vocab_size,
-                              score_from=[len(f) - len(cont) for f, (_, cont) in zip(full, batch)],
-                              pad_id=self.eot_token_id, width=None if self.adaptive_seq_len else self.max_length,
-                              state=self.state)
-        return [sequence_logprob(s) for s in scored]
-
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any
                               ) -> list[tuple[float, bool]]:
-        """Score `requests` = [(cache key or None, context tokens, continuation tokens)] batched by length."""
+        """Score `requests` = [(cache key or None, context tokens, continuation tokens)] batched by length.
+
+        Requests with the same model input (context + continuation minus its last token, e.g. the one-token answer
+        choices of one question, or repeated requests) form one row of a batch and are scored from the same logits.
+        """
         if any(not cont for _, _, cont in requests):
             raise ValueError("loglikelihood: a continuation encodes to no tokens; nothing to score")
-        order = sorted(range(len(requests)), key=lambda i: (-len(requests[i][1]) - len(requests[i][2]),
-                                                            tuple(requests[i][1] + requests[i][2])))
+        full = [(ctx + cont)[-(self.max_length + 1):] for _, ctx, cont in requests]
+        starts = [len(f) - len(cont) for f, (_, _, cont) in zip(full, requests)]
+        groups: dict[tuple, list[int]] = {}
+        for i, (f, s) in enumerate(zip(full, starts)):
+            groups.setdefault((tuple(f[:-1]), s), []).append(i)
+        order = sorted(groups, key=lambda key: (-len(key[0]), key))  # longest first: the first batch is the widest
         mine = self._my_share(order)
         answers: dict[int, tuple[float, bool]] = {}
-        bar = self._bar(len(order), "loglikelihood requests", disable_tqdm)
+        bar = self._bar(len(requests), "loglikelihood requests", disable_tqdm)
         for start in range(0, len(mine), self.batch_size):
-            chunk = mine[start: start + self.batch_size]
-            for i, ans in zip(chunk, self._score([(requests[i][1], requests[i][2]) for i in chunk])):
-                answers[i] = ans
-            bar.update(len(chunk) * self.state.dp_size)
+            members = [i for key in mine[start: start + self.batch_size] for i in groups[key]]
+            scored = score_tokens(self.model, [full[i] for i in members], vocab_size=self.vocab_size,
+                                  score_from=[starts[i] for i in members], pad_id=self.eot_token_id,
+                                  width=None if self.adaptive_seq_len else self.max_length, state=self.state)
+            for i, sc in zip(members, scored):
+                answers[i] = sequence_logprob(sc)
+            bar.update(len(members) * self.state.dp_size)
         bar.close()
         results = self._gather(answers, len(requests))
         for (key, _, _), ans in zip(requests, results):

@@ -28,7 +28,7 @@ from tasks.eval_harness.evaluate import task_manager  # noqa: E402
 
 LOCAL_TASKS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "tasks", "eval_harness", "local_tasks")
 TASKS = ["lambada_local", "wikitext_local", "mc_local", "qa_gen_local"]
-LIMIT = 6
+LIMIT = 4
 REAL_VOCAB = 5000
 
 
@@ -128,7 +128,8 @@ def test_loglikelihood_equals_hf(setup):
              ("The cat sat on the", " mat"),
              ("She opened the door and said ", "hello there"),  # trailing space moves to the continuation
              (" ".join(["word"] * 90), " and more words"),  # longer than the model: left-truncated
-             ("A", "B")]
+             ("A", "B"),
+             ("The cat sat on the", " dog"), ("A", "B")]  # one-token choices / repeats share a forward row
     ours = _lm(setup, batch_size=2).loglikelihood([Req(c, x) for c, x in pairs])
     for (ctx, cont), (lp, greedy) in zip(pairs, ours):
         ref_lp, ref_greedy = hf_loglikelihood(setup, ctx, cont)
@@ -240,8 +241,11 @@ def _dist_body(rank: int, world_size: int, argv: list[str]) -> dict:
 
 
 def test_entry_point_writes_lm_eval_json(setup, shared_data):
+    """evaluate.py on the TP1 checkpoint; --bf16 --eval_fp32 must evaluate in fp32 (the in-process numbers), and
+    --intermed_results (one task at a time) must give the same merged JSON."""
     out = setup["dir"] / "results.json"
-    res = _run_main(_argv(setup, shared_data, setup["ckpt1"], out))
+    res = _run_main(_argv(setup, shared_data, setup["ckpt1"], out, extra=("--bf16", "--eval_fp32",
+                                                                          "--intermed_results")))
     written = json.loads(out.read_text())
     assert set(written["results"]) == set(TASKS)
     assert {"configs", "versions", "n-shot", "n-samples", "higher_is_better"} <= set(written)

@@ -256,3 +256,45 @@ def test_lm_eval_local_completions_equals_in_process_adapter(served, shared_data
             assert theirs[key] == value, key
         else:
             assert theirs[key] == pytest.approx(value, rel=1e-5), key
+
+
+def _pp2_body(rank: int, world_size: int, full_state: dict, shared_data, payload: dict) -> object:
+    from tests.text_generation.test_generate_pp import _stage_model
+
+    state = initialize_model_parallel(pipeline_model_parallel_size=2)
+    try:
+        model = _stage_model(state, full_state, 1, padded_vocab_size=5120)
+        server = build_server(model, tiny_tokenizer(shared_data), max_sequence_length=CONTEXT, log=lambda msg: None)
+        if rank != 0:
+            server.worker_loop()
+            return None
+        address = server.start("127.0.0.1", 0)
+        answer = post(address, payload)
+        server.shutdown()
+        return answer
+    finally:
+        destroy_model_parallel()
+
+
+def test_pp2_server_equals_pp1(shared_data):
+    from megatron.model import GPTModel
+    from tests.text_generation.helpers import tiny_config
+    from tests.text_generation.test_generate_pp import LAYERS
+
+    torch.manual_seed(4321)
+    model = GPTModel(tiny_config(num_layers=LAYERS, padded_vocab_size=5120)).eval()
+    payload = {"prompt": PROMPTS, "max_tokens": 5, "temperature": 0, "logprobs": 2, "echo": True}
+    server = build_server(model, tiny_tokenizer(shared_data), max_sequence_length=CONTEXT, log=lambda msg: None)
+    address = server.start("127.0.0.1", 0)
+    try:
+        status, reference = post(address, payload)
+    finally:
+        server.shutdown()
+    assert status == 200
+    status, body = run_distributed(_pp2_body, world_size=2, args=(model.state_dict(), shared_data, payload))[0]
+    assert status == 200
+    for ours, ref in zip(body["choices"], reference["choices"]):
+        assert ours["text"] == ref["text"]
+        assert ours["logprobs"]["tokens"] == ref["logprobs"]["tokens"]
+        assert ours["logprobs"]["token_logprobs"][1:] == pytest.approx(ref["logprobs"]["token_logprobs"][1:],
+                                                                       abs=1e-5)

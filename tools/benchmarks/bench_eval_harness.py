@@ -1,7 +1,7 @@
 """Benchmark the lm-eval adapter: loglikelihood requests/s of our MegatronLM vs lm-eval's own HF backend (HFLM).
 
-Both run lm-eval's `loglikelihood` on the same N LAMBADA-style requests (passage -> last word, from the shipped
-local task's data, repeated with varied cuts to reach N) with the same weights: a random GPT (GPT-2 vocabulary) and
+Both run lm-eval's `loglikelihood` on the same N distinct LAMBADA-style requests (passage prefix -> next word, from
+the shipped local task's data, cut at the last word, the one before, ... to reach N) with the same weights: a random GPT (GPT-2 vocabulary) and
 its GPT2LMHeadModel conversion (cut to the real vocabulary). The log-likelihoods are checked equal (1e-4) and the
 ratio printed. Run from the repository root: `python tools/benchmarks/bench_eval_harness.py [--requests 500]`.
 """
@@ -39,16 +39,15 @@ def requests(n: int) -> list[Req]:
     path = ROOT / "tasks" / "eval_harness" / "local_tasks" / "data" / "lambada_sample.jsonl"
     texts = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     out = []
-    cut = 0
-    while len(out) < n:
+    for cut in range(10**6):  # the last word, then each earlier word: distinct requests
         for text in texts:
             words = text.split(" ")
-            k = len(words) - 1 - (cut % 5)  # the last word, then earlier words: distinct requests
-            out.append(Req(" ".join(words[:k]), " " + words[k]))
-            if len(out) == n:
-                break
-        cut += 1
-    return out
+            k = len(words) - 1 - cut
+            if k >= 1 and len(out) < n:
+                out.append(Req(" ".join(words[:k]), " " + words[k]))
+        if len(out) == n:
+            return out
+    raise ValueError(f"cannot build {n} distinct requests")
 
 
 def main() -> None:
