@@ -148,6 +148,8 @@ def _tokenizer_of(folder: str, family: str) -> Dict[str, Any]:
 def read_hf(load_dir: str, *, true_vocab_size: Optional[int] = None, model_type: str = "GPT",
             trust: bool = False) -> Tuple[ModelMeta, Iterator[Message]]:
     """Loader: (meta, message stream) of a HF GPT-2 / Llama-family folder."""
+    if model_type != "GPT":
+        raise ConversionError(f"--loader hf reads GPT-family models; the {model_type} adapter is not written yet")
     cfg = _read_config(load_dir)
     arch = cfg["architectures"][0]
     if arch in GPT2_ARCHS:
@@ -362,6 +364,9 @@ class _Checked(dict):
 def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max_shard_size: str = "2GB",
              hf_architecture: Optional[str] = None, checking: bool = True) -> Dict[str, Any]:
     """Saver: the stream as a HF folder (safetensors shards + index, config.json, tokenizer files)."""
+    if meta.model_type != "GPT":
+        raise ConversionError(f"--saver hf converts GPT-family models; the {meta.model_type} adapter "
+                              "(MegatronBertForPreTraining) is not written yet")
     family = hf_family(meta)
     a = meta.architecture
     nq, ng, hd = _heads(meta)

@@ -31,7 +31,7 @@ OUTPUT_LAYER = "output layer"
 LAYER_PREFIX = "transformer layer "
 
 MODEL_TYPES = ("GPT", "BERT", "T5")
-SUPPORTED_MODEL_TYPES = ("GPT",)
+SUPPORTED_MODEL_TYPES = ("GPT", "BERT")  # BERT: Megatron <-> Megatron so far
 
 # TransformerConfig fields a converted model keeps (the architecture; numerics and parallel sizes are the run's).
 _KEPT_FIELDS = (
@@ -185,21 +185,24 @@ def args_namespace(meta: ModelMeta) -> argparse.Namespace:
 
 _LM = "language_model."
 _LAYERS = _LM + "encoder.layers."
+# parts after the final norm: (flat names starting with, prefix the message keys drop, message); BERT's pooler/heads
+_HEADS = ((_LM + "output_layer.", _LM, OUTPUT_LAYER), (_LM + "pooler.", _LM + "pooler.", "pooler"),
+          ("lm_head.", "lm_head.", "lm head"), ("binary_head.", "binary_head.", "binary head"))
 
 
 def messages_from_state_dict(flat: Dict[str, torch.Tensor], num_layers: int) -> Iterator[Message]:
     """The message stream of a full TP=1 flat GPT state dict (``GPTModel.state_dict()`` names)."""
-    emb = {"word_embeddings.weight": flat[_LM + "embedding.word_embeddings.weight"]}
-    if _LM + "embedding.position_embeddings.weight" in flat:
-        emb["position_embeddings.weight"] = flat[_LM + "embedding.position_embeddings.weight"]
+    emb = {k[len(_LM + "embedding."):]: v for k, v in flat.items() if k.startswith(_LM + "embedding.")}
     yield Message(EMBEDDINGS, emb)
     for i in range(num_layers):
         prefix = f"{_LAYERS}{i}."
         yield Message(layer_message(i), {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)})
     yield Message(FINAL_NORM, {k[len(_LM + "encoder."):]: v for k, v in flat.items()
                                if k.startswith(_LM + "encoder.final_layernorm.")})
-    if _LM + "output_layer.weight" in flat:
-        yield Message(OUTPUT_LAYER, {"output_layer.weight": flat[_LM + "output_layer.weight"]})
+    for match, prefix, name in _HEADS:
+        part = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(match)}
+        if part:
+            yield Message(name, part)
 
 
 def state_dict_from_messages(messages: Iterator[Message]) -> Dict[str, torch.Tensor]:
@@ -213,8 +216,9 @@ def state_dict_from_messages(messages: Iterator[Message]) -> Dict[str, torch.Ten
             out.update({f"{_LAYERS}{i}.{k}": v for k, v in msg.tensors.items()})
         elif msg.name == FINAL_NORM:
             out.update({_LM + "encoder." + k: v for k, v in msg.tensors.items()})
-        elif msg.name == OUTPUT_LAYER:
-            out.update({_LM + k: v for k, v in msg.tensors.items()})
+        elif msg.name in {n for _, _, n in _HEADS}:
+            prefix = {n: p for _, p, n in _HEADS}[msg.name]
+            out.update({prefix + k: v for k, v in msg.tensors.items()})
         else:
             raise ConversionError(f"unknown message {msg.name!r}")
     return out

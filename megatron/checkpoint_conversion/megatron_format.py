@@ -45,6 +45,11 @@ WORD = LM + "embedding.word_embeddings.weight"
 POS = LM + "embedding.position_embeddings.weight"
 OUT = LM + "output_layer.weight"
 HEAD_COPY = "word_embeddings.weight"
+TOKENTYPE = LM + "embedding.tokentype_embeddings.weight"
+# last-stage parts after the final norm: (flat name prefix, message name); BERT's pooler and heads
+HEAD_PARTS = ((LM + "output_layer.", OUTPUT_LAYER), (LM + "pooler.", "pooler"), ("lm_head.", "lm head"),
+              ("binary_head.", "binary head"))
+VOCAB_ROWS = (OUT, "lm_head.bias")  # tensors with one row per vocabulary entry besides the word embeddings
 _RANK_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?$")
 _LAYER_RE = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
 
@@ -66,11 +71,23 @@ def check_layout(num_layers: int, pp: int, vp: int, what: str) -> None:
 def layer_layouts(meta: ModelMeta) -> Dict[str, TensorParallelLayout]:
     """{parameter name of the TP=1 model: its TP layout} (declared by the layers, built on the meta device)."""
     arch = dict(meta.architecture, padded_vocab_size=max(1, meta.architecture.get("padded_vocab_size") or 1))
+    bert = meta.extra.get("bert") if meta.model_type == "BERT" else None
     key = tuple(sorted((k, v) for k, v in arch.items() if isinstance(v, (bool, int, float, str, type(None)))))
+    key += (meta.model_type, tuple(sorted((bert or {}).items())))
     if key not in _LAYOUT_CACHE:
-        from megatron.model.tp_shards import tensor_parallel_layouts
+        config = meta.config(padded_vocab_size=arch["padded_vocab_size"])
+        if bert is None:
+            from megatron.model.tp_shards import tensor_parallel_layouts
 
-        _LAYOUT_CACHE[key] = tensor_parallel_layouts(meta.config(padded_vocab_size=arch["padded_vocab_size"]))
+            _LAYOUT_CACHE[key] = tensor_parallel_layouts(config)
+        else:
+            from megatron.core.tensor_parallel.layout import get_tp_layout
+            from megatron.model.bert_model import BertModel
+
+            with torch.device("meta"):
+                model = BertModel(config, num_tokentypes=bert["num_tokentypes"],
+                                  add_binary_head=bert["add_binary_head"])
+            _LAYOUT_CACHE[key] = {name: get_tp_layout(p) for name, p in model.named_parameters()}
     return _LAYOUT_CACHE[key]
 
 
@@ -260,6 +277,14 @@ def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model
     if padded is None:
         raise ConversionError(f"{reader.files[(0, 0)]} has no {WORD}: not a GPT checkpoint (or a damaged first stage)")
     meta.architecture["padded_vocab_size"] = padded
+    first, last = reader.chunks[(0, 0, 0)], reader.chunks[(0, reader.pp - 1, reader.vp - 1)]
+    is_bert = any(k.startswith(("lm_head.", "binary_head.")) for k in last)
+    if is_bert != (model_type == "BERT"):
+        found = "BERT" if is_bert else "GPT"
+        raise ConversionError(f"{load_dir} holds a {found} checkpoint: pass --model-type {found}")
+    if is_bert:
+        meta.extra["bert"] = {"num_tokentypes": first[TOKENTYPE].size(0) if TOKENTYPE in first else 0,
+                              "add_binary_head": any(k.startswith("binary_head.") for k in last)}
     if meta.true_vocab_size is not None and meta.true_vocab_size > padded:
         raise ConversionError(f"--true-vocab-size {meta.true_vocab_size} exceeds the checkpoint's {padded} "
                               "vocabulary rows")
@@ -271,8 +296,9 @@ def _stream(reader: MegatronCheckpointReader, meta: ModelMeta) -> Iterator[Messa
     rows = slice(0, meta.true_vocab_size)
     first, last = (0, 0), (reader.pp - 1, reader.vp - 1)
     emb = {"word_embeddings.weight": reader.merged(*first, WORD, _layout(layouts, WORD))[rows]}
-    if POS in reader.chunks[(0, 0, 0)]:
-        emb["position_embeddings.weight"] = reader.chunks[(0, 0, 0)][POS]
+    for name in (POS, TOKENTYPE):
+        if name in reader.chunks[(0, 0, 0)]:
+            emb[name[len(LM + "embedding."):]] = reader.chunks[(0, 0, 0)][name]
     yield Message(EMBEDDINGS, emb)
     a = meta.architecture
     nh = a["num_attention_heads"]
@@ -303,10 +329,17 @@ def _stream(reader: MegatronCheckpointReader, meta: ModelMeta) -> Iterator[Messa
     if not norm:
         raise ConversionError(f"{reader.files[(0, reader.pp - 1)]} has no final_layernorm: incomplete last stage")
     yield Message(FINAL_NORM, norm)
-    if not a.get("share_embeddings_and_output_weights", True):
-        if OUT not in last_chunk:
-            raise ConversionError(f"{reader.files[(0, reader.pp - 1)]} has no {OUT} but the architecture is untied")
-        yield Message(OUTPUT_LAYER, {"output_layer.weight": reader.merged(*last, OUT, _layout(layouts, OUT))[rows]})
+    if not a.get("share_embeddings_and_output_weights", True) and OUT not in last_chunk:
+        raise ConversionError(f"{reader.files[(0, reader.pp - 1)]} has no {OUT} but the architecture is untied")
+    for prefix, message in HEAD_PARTS:
+        tensors = {}
+        for name in last_chunk:
+            if name.startswith(prefix):
+                t = reader.merged(*last, name, _layout(layouts, name))
+                tensors[name[len(prefix):] if message != OUTPUT_LAYER else name[len(LM):]] = \
+                    t[rows] if name in VOCAB_ROWS else t
+        if tensors:
+            yield Message(message, tensors)
 
 
 # ----------------------------------------------------------------------------------------------- writing
@@ -324,6 +357,9 @@ def nest(flat: Dict[str, Any]) -> Dict[str, Any]:
                 lm.setdefault(part, {})[tail] = value
         elif key == HEAD_COPY:
             out.setdefault("word_embeddings_for_head", {})["weight"] = value
+        elif key.startswith(("lm_head.", "binary_head.")):  # BERT's heads: one level, as BertModel saves them
+            head, _, tail = key.partition(".")
+            out.setdefault(head, {})[tail] = value
         else:
             out[key] = value
     return out
@@ -343,6 +379,8 @@ def _saved_args(meta: ModelMeta, tp: int, pp: int, vp_layers: Optional[int], pad
                                                  if vp_layers else None)
     args.padded_vocab_size = padded
     args.num_layers = meta.architecture["num_layers"]
+    if meta.model_type == "BERT":
+        args.bert_binary_head = meta.extra["bert"]["add_binary_head"]
     return args
 
 
@@ -388,8 +426,9 @@ class MegatronWriter:
         self.staging = os.path.join(self.save_dir, ".staging")
         last = (self.pp - 1, self.vp - 1)
         emb_flat = {WORD: repad_rows(word, rows)}
-        if "position_embeddings.weight" in emb:
-            emb_flat[POS] = emb["position_embeddings.weight"]
+        for key in ("position_embeddings.weight", "tokentype_embeddings.weight"):
+            if key in emb:
+                emb_flat[LM + "embedding." + key] = emb[key]
         tied = meta.architecture.get("share_embeddings_and_output_weights", True)
         if tied and self.pp > 1:  # the last stage's copy of the tied embedding (word_embeddings_for_head)
             self._stage("head", last, {HEAD_COPY: emb_flat[WORD]})
@@ -402,13 +441,18 @@ class MegatronWriter:
             del msg
         norm = expect(messages, FINAL_NORM).tensors
         self._stage("final_norm", last, {ENC + k: t for k, t in norm.items()})
-        if not tied:
-            out = expect(messages, OUTPUT_LAYER).tensors["output_layer.weight"]
-            self._stage("output_layer", last, {OUT: repad_rows(out, rows)})
-            del out
-        rest = next(messages, None)
-        if rest is not None:
-            raise ConversionError(f'unexpected message "{rest.name}" after the model (is --model-type right?)')
+        prefixes = {message: prefix for prefix, message in HEAD_PARTS}
+        seen = set()
+        for msg in messages:
+            if msg.name not in prefixes or msg.name in seen:
+                raise ConversionError(f'unexpected message "{msg.name}" after the final norm (is --model-type right?)')
+            seen.add(msg.name)
+            prefix = prefixes[msg.name] if msg.name != OUTPUT_LAYER else LM
+            flat = {prefix + k: t for k, t in msg.tensors.items()}
+            flat = {k: repad_rows(t, rows) if k in VOCAB_ROWS else t for k, t in flat.items()}
+            self._stage(msg.name.replace(" ", "_"), last, flat)
+        if not tied and OUTPUT_LAYER not in seen:
+            raise ConversionError("the loader sent no output layer for an untied model")
         files = self._write_files()
         from megatron import checkpoint_integrity
 

@@ -199,7 +199,8 @@ def test_bad_input_one_line_nothing_written(source, tmp_path):
                tmp_path / "m" / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt")
     assert "mismatched shards" in _bad(tmp_path, tmp_path / "m")
     assert "--target-tensor-parallel-size 3" in _bad(tmp_path, src, "--target-tensor-parallel-size", "3")
-    assert "BERT" in str(pytest.raises(ConversionError, _convert, src, tmp_path / "x", "--model-type", "BERT").value)
+    assert "pass --model-type GPT" in _bad(tmp_path, src, "--model-type", "BERT")
+    assert "no T5 model" in _bad(tmp_path, src, "--model-type", "T5")
 
 
 def test_cli_one_line_error_and_flags(tmp_path):
@@ -325,3 +326,49 @@ def test_checkpoint_written_by_save_checkpoint_converts(tmp_path):
         assert torch.equal(v[:rows], ref[k][:rows]), k
         if rows:
             assert torch.equal(v[rows:], ref[k][rows - 1].expand(64 - rows, -1)), k
+
+
+def test_bert_megatron_reshape(tmp_path):
+    """BERT (token types, pooler, LM head with its vocab-parallel bias, binary head): TP2xPP2 -> TP1 is bitwise with
+    the padding kept; TP1 -> TP4 with --true-vocab-size re-pads the LM-head bias too and gives the same scores."""
+    from megatron.checkpoint_conversion.interchange import ModelMeta, architecture_of, messages_from_state_dict
+    from megatron.checkpoint_conversion.megatron_format import write_megatron
+    from megatron.core.tensor_parallel import model_parallel_manual_seed
+    from megatron.model.bert_model import BertModel
+
+    cfg = config("gpt2")
+
+    def bert(state=None):
+        model_parallel_manual_seed(5)
+        m = BertModel(cfg, num_tokentypes=2, add_binary_head=True).eval()
+        if state is not None:
+            m.load_state_dict(state, strict=True)
+        return m
+
+    model = bert()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    meta = ModelMeta("BERT", architecture_of(cfg), iteration=3, make_vocab_size_divisible_by=DIVISIBLE,
+                     extra={"bert": {"num_tokentypes": 2, "add_binary_head": True}})
+    write_megatron(meta, messages_from_state_dict(model.state_dict(), cfg.num_layers), str(tmp_path / "src"), 2, 2)
+    bert_flags = ["--model-type", "BERT"]
+    _convert(tmp_path / "src", tmp_path / "tp1", *bert_flags, "--target-tensor-parallel-size", "1",
+             "--target-pipeline-parallel-size", "1")
+    sd = load_files(str(tmp_path / "tp1"))[(0, 0)]
+    assert sd["args"].bert_binary_head is True
+    saved = model.state_dict_for_save_checkpoint()  # the nesting BertModel itself writes
+    assert sorted(sd["model"]) == sorted(saved)
+    assert sorted(sd["model"]["language_model"]) == sorted(saved["language_model"])
+    assert sorted(sd["model"]["lm_head"]) == sorted(saved["lm_head"])
+    ref = model.state_dict()
+    merged = bert(sd["model"]).state_dict()
+    assert all(torch.equal(merged[k], ref[k]) for k in ref)
+    _convert(tmp_path / "tp1", tmp_path / "tp4", *bert_flags, "--target-tensor-parallel-size", "4",
+             "--true-vocab-size", str(TRUE_VOCAB))
+    files = load_files(str(tmp_path / "tp4"))
+    bias = torch.cat([files[(t, 0)]["model"]["lm_head"]["bias"] for t in range(4)])
+    assert bias.numel() == 64 and torch.equal(bias[TRUE_VOCAB:], bias[TRUE_VOCAB - 1].expand(64 - TRUE_VOCAB))
+    assert torch.equal(bias[:TRUE_VOCAB], ref["lm_head.bias"][:TRUE_VOCAB])
+    with pytest.raises(ConversionError, match="pass --model-type BERT"):
+        _convert(tmp_path / "tp1", tmp_path / "x")

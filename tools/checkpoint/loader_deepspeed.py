@@ -30,6 +30,10 @@ def _cleanup_after(stream: Iterator[Message], tmp: str) -> Iterator[Message]:
 def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
     import convert_deepspeed_checkpoint as ds
 
+    if args.model_type != "GPT":
+        raise ConversionError(f"--loader deepspeed reads GPT checkpoints (--model-type {args.model_type} is not "
+                              "supported)")
+
     from megatron.checkpoint_conversion.megatron_format import read_megatron
 
     tmp = tempfile.mkdtemp(prefix="ds_to_megatron_", dir=os.path.dirname(os.path.abspath(args.save_dir)))

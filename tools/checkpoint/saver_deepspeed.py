@@ -24,6 +24,10 @@ def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse
                     save_dir: str) -> Dict[str, Any]:
     import convert_deepspeed_checkpoint as ds
 
+    if meta.model_type != "GPT":
+        raise ConversionError(f"--saver deepspeed writes GPT checkpoints (--model-type {meta.model_type} is not "
+                              "supported)")
+
     from megatron.checkpoint_conversion.megatron_format import write_megatron
 
     if args.target_num_layers_per_virtual_pipeline_stage:
