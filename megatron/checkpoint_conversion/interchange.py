@@ -3,12 +3,15 @@ tokenizer files) and `Message`s of full TP=1 tensors under Megatron's parameter 
 
 Message stream of a GPT-family model, in order (Megatron-LM's tools/checkpoint names the same parts)::
 
-    "embeddings"            word_embeddings.weight [vocab rows], position_embeddings.weight (learned positions)
+    "embeddings"            word_embeddings.weight [vocab rows], position_embeddings.weight (learned positions),
+                            tokentype_embeddings.weight (BERT)
     "transformer layer {i}" i = 0..num_layers-1; keys are the suffixes after ``language_model.encoder.layers.{i}.``
                             (``self_attention.query_key_value.weight`` in Megatron's grouped layout, SwiGLU's
                             ``mlp.dense_h_to_4h.weight`` as [gate; up], ...)
     "final norm"            final_layernorm.weight [, final_layernorm.bias]
     "output layer"          output_layer.weight (untied models only)
+    "pooler", "lm head", "binary head"   BERT: pooler dense.*, LM head dense.* / layernorm.* / bias (vocab rows),
+                            binary head weight/bias (keys relative to ``language_model.pooler.``, ``lm_head.``, ...)
 
 The word embedding / output layer carry ``meta.true_vocab_size`` rows when the loader knows the tokenizer's size
 (padding dropped; savers re-pad as Megatron does), else the source's padded rows.
