@@ -97,7 +97,7 @@ class SkipCounter:
         """`nonfinite`: the loss or grad norm was non-finite; other skips (fp16 overflow) count only at the minimum
         loss scale."""
         at_floor = loss_scale is not None and min_loss_scale is not None and loss_scale <= min_loss_scale
-        if skipped and (nonfinite or at_floor):
+        if nonfinite or (skipped and at_floor):  # (DeepSpeed applies some non-finite steps itself: they count too)
             self.consecutive += 1
         elif not skipped:
             self.consecutive = 0

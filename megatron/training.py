@@ -338,7 +338,7 @@ def _loss_scale_floor(args: argparse.Namespace) -> Optional[float]:
 
 
 def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace) -> None:
-    if not getattr(args, "deepspeed", False) and not params_finite(model):
+    if not params_finite(model):  # (a ZeRO-3 engine's partitioned parameters are not visible here: not checked)
         raise NonFiniteTrainingError(f"refusing to save the checkpoint of iteration {iteration}: the weights are not "
                                      "finite (the previous checkpoint is left as the latest); lower --lr")
     timers = global_vars.get_timers()

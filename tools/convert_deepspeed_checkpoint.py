@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.atomic_io import atomic_torch_save as _save  # noqa: E402
 from megatron.atomic_io import atomic_write_text as _write_text  # noqa: E402
+from megatron.checkpoint_integrity import write_manifest  # noqa: E402
 from megatron.errors import MegatronUserError, exit_on_user_error  # noqa: E402
 from megatron.safe_load import guarded_torch_load, safe_torch_load  # noqa: E402
 
@@ -373,6 +374,7 @@ def deepspeed_to_megatron(input_folder: str, output_folder: str, iteration: Opti
             path = os.path.join(iter_dir, rank_dir, "model_optim_rng.pt")
             _save(sd, path)
             files.append(path)
+    write_manifest(iter_dir)  # sizes + CRC-32 of the files, before the tracker (megatron/checkpoint_integrity.py)
     _write_text(os.path.join(output_folder, MEGATRON_TRACKER), str(it))
     return {"iteration": it, "tp": tp, "pp": pp, "files": files, "layout": ds["layout"], "rng": same_layout}
 
@@ -486,6 +488,7 @@ def megatron_to_deepspeed(input_folder: str, output_folder: str, iteration: Opti
                 path = os.path.join(tag_dir, f"mp_rank_{p * tp + t:02d}_model_states.pt")
                 _save({"module": None, **engine_state, **client}, path)
                 files.append(path)
+    write_manifest(tag_dir)
     _write_text(os.path.join(output_folder, DS_LATEST), tag)
     return {"iteration": it, "tp": tp, "pp": pp, "files": files, "tag": tag}
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.checkpoint_integrity import write_manifest
 from megatron.safe_load import CheckpointFileError, UnsafeCheckpointError, guarded_torch_load, safe_torch_load
 from tests.reliability.helpers import MODEL, assert_one_line_error, run, train_argv
 
@@ -25,10 +26,11 @@ class _CreateFile:
         return (open, (self.path, "w"))
 
 
-def _poison(path: Path, marker: Path) -> None:
+def _poison(path: Path, marker: Path, iter_dir: Path) -> None:
     sd = safe_torch_load(path)
     sd["payload"] = _CreateFile(str(marker))
     torch.save(sd, path)
+    write_manifest(str(iter_dir))  # the attacker rewrites the manifest too: only the safe loader stands in the way
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +44,8 @@ def poisoned(tiny_ckpt: Path, tiny_data: dict, tmp_path_factory: pytest.TempPath
                "--output-folder", str(ds), cwd=work)
     assert proc.returncode == 0, proc.stderr[-3000:]
     marker = work / "PWNED"
-    _poison(meg / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt", marker)
-    _poison(ds / "global_step2" / "mp_rank_00_model_states.pt", marker)
+    _poison(meg / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt", marker, meg / "iter_0000002")
+    _poison(ds / "global_step2" / "mp_rank_00_model_states.pt", marker, ds / "global_step2")
     (work / "prompts.txt").write_text("Hello\n")
     (work / "wiki.txt").write_text(" = Title = \n\n Some text for the model to score , and more text here .\n")
     (work / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "train_batch_size": 2,
