@@ -32,7 +32,7 @@ from megatron.model import hf_conversion as hfc
 
 LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GPT2_ARCHS = ("GPT2LMHeadModel",)
-SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS
+SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + ("MegatronBertForPreTraining",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json")
 _TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
@@ -136,7 +136,13 @@ def _tokenizer_of(folder: str, family: str) -> Dict[str, Any]:
     files = [os.path.join(folder, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
     names = {os.path.basename(f) for f in files}
     tok: Dict[str, Any] = {"files": files}
-    if family == "gpt2" and {"vocab.json", "merges.txt"} <= names:
+    if family == "bert" and "vocab.txt" in names:
+        lower = True
+        if "tokenizer_config.json" in names:
+            with open(os.path.join(folder, "tokenizer_config.json")) as f:
+                lower = bool(json.load(f).get("do_lower_case", True))
+        tok.update(type="BertWordPieceLowerCase" if lower else "BertWordPieceCase", vocab_file="vocab.txt")
+    elif family == "gpt2" and {"vocab.json", "merges.txt"} <= names:
         tok.update(type="GPT2BPETokenizer", vocab_file="vocab.json", merge_file="merges.txt")
     elif names & {"tokenizer.json", "tokenizer_config.json"}:
         tok.update(type="HuggingFaceTokenizer", tokenizer_model=".")
@@ -148,10 +154,17 @@ def _tokenizer_of(folder: str, family: str) -> Dict[str, Any]:
 def read_hf(load_dir: str, *, true_vocab_size: Optional[int] = None, model_type: str = "GPT",
             trust: bool = False) -> Tuple[ModelMeta, Iterator[Message]]:
     """Loader: (meta, message stream) of a HF GPT-2 / Llama-family folder."""
-    if model_type != "GPT":
-        raise ConversionError(f"--loader hf reads GPT-family models; the {model_type} adapter is not written yet")
     cfg = _read_config(load_dir)
     arch = cfg["architectures"][0]
+    wanted = "BERT" if arch == "MegatronBertForPreTraining" else "GPT"
+    if model_type != wanted:
+        raise ConversionError(f"{load_dir} holds a {arch}: pass --model-type {wanted}")
+    if wanted == "BERT":
+        from megatron.checkpoint_conversion.hf_bert import read_hf_bert
+
+        meta, stream = read_hf_bert(load_dir, cfg, _LazyTensors(load_dir, trust))
+        meta.tokenizer = _tokenizer_of(load_dir, "bert")
+        return meta, stream
     if arch in GPT2_ARCHS:
         fields = megatron_config_from_hf_gpt2(cfg)
         family = "gpt2"
@@ -364,9 +377,16 @@ class _Checked(dict):
 def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max_shard_size: str = "2GB",
              hf_architecture: Optional[str] = None, checking: bool = True) -> Dict[str, Any]:
     """Saver: the stream as a HF folder (safetensors shards + index, config.json, tokenizer files)."""
+    if meta.model_type == "BERT":
+        from megatron.checkpoint_conversion.hf_bert import write_hf_bert
+
+        os.makedirs(save_dir, exist_ok=True)
+        summary = write_hf_bert(meta, messages, save_dir, _ShardWriter(save_dir, parse_size(max_shard_size)),
+                                checking)
+        summary["tokenizer_files"] = _copy_tokenizer(meta, save_dir)
+        return summary
     if meta.model_type != "GPT":
-        raise ConversionError(f"--saver hf converts GPT-family models; the {meta.model_type} adapter "
-                              "(MegatronBertForPreTraining) is not written yet")
+        raise ConversionError(f"--saver hf converts GPT and BERT models, not {meta.model_type}")
     family = hf_family(meta)
     a = meta.architecture
     nq, ng, hd = _heads(meta)

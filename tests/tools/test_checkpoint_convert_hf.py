@@ -220,3 +220,41 @@ def test_hf_saver_refuses_unmapped_tensors_unless_no_checking(tmp_path):
         write_hf(meta_for(cfg), messages_from_state_dict(sd, cfg.num_layers), str(tmp_path / "a"))
     write_hf(meta_for(cfg), messages_from_state_dict(sd, cfg.num_layers), str(tmp_path / "b"), checking=False)
     assert (tmp_path / "b" / "config.json").exists()
+
+
+@pytest.mark.parametrize("act", ["erf", "openai-gelu"])
+def test_bert_megatron_hf_both_ways(tmp_path, act):
+    """Megatron BERT (TP2xPP2) -> MegatronBertForPreTraining: HF's prediction and sentence-order logits equal ours
+    (1e-5); HF -> Megatron -> HF is bitwise; a vocab.txt is copied and named in the printed flags."""
+    from megatron.checkpoint_conversion.interchange import ModelMeta, architecture_of, messages_from_state_dict
+    from megatron.checkpoint_conversion.megatron_format import write_megatron
+    from tests.model.test_bert_model import bert_batch, bert_config, build_bert
+
+    cfg = bert_config(openai_gelu=act == "openai-gelu")
+    model = build_bert(cfg, True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    meta = ModelMeta("BERT", architecture_of(cfg), iteration=3, extra={"bert": {"num_tokentypes": 2,
+                                                                                "add_binary_head": True}})
+    write_megatron(meta, messages_from_state_dict(model.state_dict(), cfg.num_layers), str(tmp_path / "src"), 2, 2)
+    _convert(tmp_path / "src", tmp_path / "hf", "--model-type", "BERT", "--saver", "hf")
+    hf = transformers.MegatronBertForPreTraining.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.hidden_act == ("gelu_new" if act == "openai-gelu" else "gelu")
+    tokens, pad, types, _ = bert_batch()
+    with torch.no_grad():
+        ours, sop = model(tokens, pad, tokentype_ids=types)
+        out = hf(input_ids=tokens, attention_mask=pad, token_type_ids=types)
+    keep = pad.bool()
+    torch.testing.assert_close(out.prediction_logits[keep], ours[keep], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.seq_relationship_logits, sop, rtol=1e-5, atol=1e-5)
+    (tmp_path / "hf" / "vocab.txt").write_text("[PAD]\n[UNK]\nhello\n")
+    res = _convert(tmp_path / "hf", tmp_path / "meg", "--model-type", "BERT", "--loader", "hf",
+                   "--target-tensor-parallel-size", "2")
+    assert f"--tokenizer-type BertWordPieceLowerCase --vocab-file {tmp_path / 'meg' / 'tokenizer' / 'vocab.txt'}" \
+        in res["flags"]
+    _convert(tmp_path / "meg", tmp_path / "hf2", "--model-type", "BERT", "--saver", "hf")
+    a = hf.state_dict()
+    b = transformers.MegatronBertForPreTraining.from_pretrained(tmp_path / "hf2").state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "hf2" / "vocab.txt").read_text() == "[PAD]\n[UNK]\nhello\n"

@@ -1,0 +1,92 @@
+"""Hugging Face ``MegatronBertForPreTraining`` as a conversion loader and saver for ``--model-type BERT``.
+
+The tensor mapping is megatron.model.bert_hf's (separate query/key/value, ``encoder.ln`` final norm, LM-head
+transform, tied decoder + bias, ``seq_relationship`` = binary head). BERT models are small, so the whole model is
+mapped at once. HF has one ``hidden_act`` for the MLP and the LM head: erf "gelu" is ``--no-bias-gelu-fusion``,
+"gelu_new" is ``--openai-gelu``; a Megatron model whose MLP uses the fused (tanh) bias-GeLU has no HF equivalent
+and is refused with one line.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+from megatron.checkpoint_conversion.interchange import (
+    ConversionError,
+    Message,
+    ModelMeta,
+    architecture_of,
+    messages_from_state_dict,
+    state_dict_from_messages,
+)
+from megatron.core.transformer_config import TransformerConfig
+
+ARCHITECTURE = "MegatronBertForPreTraining"
+
+
+def megatron_config_from_hf_bert(cfg: Dict[str, Any]) -> TransformerConfig:
+    act = cfg.get("hidden_act", "gelu")
+    if act not in ("gelu", "gelu_new"):
+        raise ConversionError(f"MegatronBert hidden_act {act!r} has no Megatron equivalent (gelu / gelu_new)")
+    return TransformerConfig(
+        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+        num_attention_heads=cfg["num_attention_heads"], ffn_hidden_size=cfg["intermediate_size"],
+        max_position_embeddings=cfg["max_position_embeddings"], padded_vocab_size=cfg["vocab_size"],
+        layernorm_epsilon=cfg.get("layer_norm_eps", 1e-12), openai_gelu=act == "gelu_new",
+        bias_gelu_fusion=False, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def read_hf_bert(load_dir: str, cfg: Dict[str, Any], tensors: Any) -> Tuple[ModelMeta, Iterator[Message]]:
+    from megatron.model.bert_hf import hf_to_megatron_bert_state_dict
+
+    config = megatron_config_from_hf_bert(cfg)
+    hf_sd = {k: tensors.get(k) for k in tensors.keys()}
+    try:
+        flat = hf_to_megatron_bert_state_dict(hf_sd, config, binary_head=True)
+    except KeyError as exc:
+        raise ConversionError(f"{load_dir}: tensor {exc} is missing from the weights") from None
+    meta = ModelMeta(model_type="BERT", architecture=architecture_of(config), true_vocab_size=cfg["vocab_size"],
+                     iteration=None, source=load_dir,
+                     extra={"bert": {"num_tokentypes": int(cfg.get("type_vocab_size", 2)), "add_binary_head": True},
+                            "hf_architecture": ARCHITECTURE})
+    return meta, messages_from_state_dict(flat, config.num_layers)
+
+
+def write_hf_bert(meta: ModelMeta, messages: Iterator[Message], save_dir: str, writer: Any,
+                  checking: bool = True) -> Dict[str, Any]:
+    import transformers
+
+    from megatron.model.bert_hf import hf_megatron_bert_config_kwargs, megatron_bert_to_hf_state_dict
+
+    flat = state_dict_from_messages(messages)
+    rows = flat["language_model.embedding.word_embeddings.weight"].size(0)
+    rows = min(rows, meta.true_vocab_size or rows)
+    flat = {k: v[:rows] if k in ("language_model.embedding.word_embeddings.weight", "lm_head.bias") else v
+            for k, v in flat.items()}
+    config = meta.config(padded_vocab_size=rows)
+    try:
+        kwargs = hf_megatron_bert_config_kwargs(config, vocab_size=rows)
+    except ValueError as exc:
+        raise ConversionError(f"--saver hf: {exc}") from None
+    if config.apply_layernorm_1p or config.normalization != "LayerNorm" or not config.add_bias_linear or \
+            config.position_embedding_type != "learned_absolute":
+        raise ConversionError("--saver hf: MegatronBert needs LayerNorm, biases and learned positions")
+    tokentypes = meta.extra.get("bert", {}).get("num_tokentypes", 2) or 2
+    kwargs["type_vocab_size"] = tokentypes
+    hf_sd = megatron_bert_to_hf_state_dict(flat, config)
+    hf_sd.pop("cls.predictions.decoder.weight")  # tied to the word embeddings (HF re-ties it on load)
+    hf_sd.pop("cls.predictions.decoder.bias", None)  # the same tensor as cls.predictions.bias
+    for name, t in hf_sd.items():
+        writer.add(name, t)
+    files = writer.close()
+    hf_config = transformers.MegatronBertConfig(**kwargs)
+    hf_config.architectures = [ARCHITECTURE]
+    hf_config.dtype = "float32"
+    hf_config.save_pretrained(save_dir)
+    return {"files": files, "architecture": ARCHITECTURE, "tokenizer_files": [], "vocab_size": rows,
+            "dir": os.path.abspath(save_dir)}
+
+
+def bert_config_or_none(cfg: Dict[str, Any]) -> Optional[str]:
+    archs = cfg.get("architectures") or []
+    return ARCHITECTURE if archs and archs[0] == ARCHITECTURE else None
