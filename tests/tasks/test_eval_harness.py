@@ -204,10 +204,20 @@ def test_simple_evaluate_equals_lm_eval_hf_backend(setup):
     from lm_eval.models.huggingface import HFLM
 
     manager = task_manager(LOCAL_TASKS)
-    kw = dict(tasks=TASKS, limit=LIMIT, bootstrap_iters=0, task_manager=manager, log_samples=False)
-    ours = _metrics(lm_eval.simple_evaluate(model=_lm(setup, max_gen_toks=8), **kw))
+    kw = dict(tasks=TASKS, limit=LIMIT, bootstrap_iters=0, task_manager=manager, log_samples=True)
+    ours_out = lm_eval.simple_evaluate(model=_lm(setup, max_gen_toks=8), **kw)
     ref_lm = HFLM(pretrained=setup["hf"], tokenizer=setup["hf_tok"], batch_size=1, device="cpu", max_length=H.SEQ)
-    ref = _metrics(lm_eval.simple_evaluate(model=ref_lm, **kw))
+    ref_out = lm_eval.simple_evaluate(model=ref_lm, **kw)
+    ours, ref = _metrics(ours_out), _metrics(ref_out)
+    # per document: the generated answers are the same strings, the log-likelihoods the same numbers
+    for a, b in zip(ours_out["samples"]["qa_gen_local"], ref_out["samples"]["qa_gen_local"]):
+        assert a["resps"] == b["resps"] and a["resps"][0][0]
+    for task in ("lambada_local", "mc_local"):
+        for a, b in zip(ours_out["samples"][task], ref_out["samples"][task]):
+            got = [r[0] for r in a["resps"]]
+            want = [r[0] for r in b["resps"]]
+            assert [g for _, g in got] == [g for _, g in want]
+            assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], abs=1e-4, rel=3e-5)  # HFLM: fp32 log-softmax
     assert set(ours) == set(ref) and len(ours) >= 9, sorted(ref)
     for key, value in ref.items():
         if key[1].startswith(("acc", "exact_match")):
