@@ -57,15 +57,26 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_bytes_then_rename(path: str, write: Any) -> None:
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_bytes_then_rename(path: str, write: Any, to_path: bool = False) -> None:
+    """`write(file object)` (or `write(temp path)` with to_path) into the temp file, fsync, rename, fsync the folder."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     base = os.path.basename(path)
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        if to_path:
+            write(tmp)
+        else:
+            with open(tmp, "wb") as f:
+                write(f)
+        _fsync_file(tmp)
         fault_point(f"before-rename:{base}")
         os.replace(tmp, path)
         _fsync_dir(path)
@@ -92,7 +103,7 @@ def atomic_torch_save(obj: Any, path: str) -> None:
         torch.save(obj, buf)
         _write_bytes_then_rename(path, _halves(buf.getvalue(), os.path.basename(path)))
     else:
-        _write_bytes_then_rename(path, lambda f: torch.save(obj, f))
+        _write_bytes_then_rename(path, lambda tmp: torch.save(obj, tmp), to_path=True)  # torch's fast file writer
 
 
 def atomic_write_text(path: str, text: str) -> None:
