@@ -75,7 +75,27 @@ def max_token_id(prefix: str) -> Optional[int]:
 
 
 def check_data_files(args: argparse.Namespace) -> None:
-    """One-line DataCheckError for an empty data file or token ids >= the padded vocabulary size."""
+    """One-line DataCheckError for an empty data file or token ids >= the padded vocabulary size. Global rank 0 reads
+    the data and tells the others (one broadcast), so a node does not scan the same files once per GPU."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    distributed = dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    message = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            _check_data_files(args)
+        except DataCheckError as exc:
+            message = str(exc)
+    if distributed:
+        box = [message]
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+    if message is not None:
+        raise DataCheckError(message)
+
+
+def _check_data_files(args: argparse.Namespace) -> None:
     from megatron.data.indexed_dataset import MMapIndexedDataset, infer_dataset_impl
 
     vocab = getattr(args, "padded_vocab_size", None)
