@@ -2,8 +2,9 @@
 
 Request fields (OpenAI's legacy completions API): `prompt` (string, list of strings, token ids or list of token-id
 lists), `max_tokens` (default 16; 0 only with `echo`), `temperature` (default 1; 0 = greedy), `top_p`, `top_k`
-(extension; not together with top_p < 1), `stop` (string or up to 4 strings), `logprobs` (top-n, 0..5), `echo`
-(prompt tokens and their log-probs returned too: what lm-eval's `local-completions` sends, with `max_tokens` 1),
+(extension; not together with top_p < 1), `stop` (string or up to 16 strings: OpenAI allows 4, but lm-eval adds
+EOS to a task's list), `logprobs` (top-n, 0..5), `echo` (prompt tokens and their log-probs returned too: what
+lm-eval's `local-completions` sends, with `max_tokens` 1),
 `seed`, `n` / `best_of` = 1, `stream` (server-sent events), `model` (any name: one model is served), `user`.
 Penalties and `logit_bias` are accepted only at their neutral values; any other field is refused. Errors use
 OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with HTTP 400 (413 for bodies over the limit).
@@ -32,7 +33,7 @@ from megatron.text_generation.scoring import score_tokens
 COMPLETION_PATHS = ("/v1/completions", "/completions")
 MODEL_PATHS = ("/v1/models", "/models")
 MAX_LOGPROBS = 5
-MAX_STOP = 4
+MAX_STOP = 16
 NEUTRAL_FIELDS = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "suffix": None}
 KNOWN_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "stop", "logprobs",
                 "echo", "seed", "stream", "stream_options", "user", *NEUTRAL_FIELDS}

@@ -152,7 +152,7 @@ def test_streaming_and_seeded_sampling(served):
     ({"prompt": "x", "temperature": -1}, "temperature", "[0.0, 2.0]"),
     ({"prompt": "x", "top_k": 5, "top_p": 0.5}, "top_k", "not both"),
     ({"prompt": "x", "logprobs": 6}, "logprobs", "[0, 5]"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
+    ({"prompt": "x", "stop": list("abcdefghijklmnopq")}, "stop", "up to 16"),
     ({"prompt": "x", "echo": "yes"}, "echo", "true or false"),
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"prompt": ["a"] * 5}, "prompt", "too many prompts"),
