@@ -236,7 +236,7 @@ class MegatronCheckpointReader:
 
     def merged(self, p: int, v: int, name: str, layout: TensorParallelLayout) -> torch.Tensor:
         shards = [self.chunks[(t, p, v)][name] for t in range(self.tp)]
-        if layout.replicated:
+        if layout.replicated or self.tp == 1:  # no copy: the memory-mapped tensor itself
             return shards[0]
         try:
             return layout.merge(shards, name)
