@@ -10,6 +10,8 @@
 #   7. evaluate it zero-shot on slices of WikiText-103 and LAMBADA shipped in tests/fixtures/ (EVAL_DATA=DIR uses
 #      another folder with the same layout, e.g. the full files).
 # Everything lands in $OUT (default: quickstart_out/, ignored by git). Takes a few minutes on 2 cores.
+# `bash examples/quickstart.sh bert` runs the BERT leg instead (examples/quickstart_bert.sh: a WordPiece vocabulary
+# trained on the corpus, --split-sentences preprocessing, a tiny BERT whose lm loss goes down).
 # Shorter runs (used by the fresh-clone test): TRAIN_ITERS (300; it stops and resumes at half), LOG_INTERVAL (25),
 # EVAL_INTERVAL (75), WIKI_LINES (300), LAMBADA_LINES (200).
 set -euo pipefail
@@ -30,6 +32,9 @@ if [ "$INSTALLED_FROM" != "$PWD" ] \
     || ! $PY -c "import torch, deepspeed, tokenizers, tiktoken, transformers" >/dev/null 2>&1; then
   echo "== installing (examples/install.sh: torch when missing, requirements.txt, the package)"
   PYTHON=$PY bash examples/install.sh
+fi
+if [ "${1:-}" = bert ]; then  # the BERT leg instead: WordPiece vocabulary, sentence-split data, a tiny BERT
+  OUT=$OUT PYTHON=$PY exec bash examples/quickstart_bert.sh
 fi
 
 echo "== 1/6 training a BPE tokenizer on examples/data/python_docs.jsonl"

@@ -51,6 +51,18 @@ def make_bert_data(shared_data: Path, out_dir: Path) -> dict:
     return {"prefix": str(out_dir / "owt_text_sentence"), "vocab": vocab, "dir": out_dir}
 
 
+def session_bert_data(shared_data: Path, tmp_path_factory: Any) -> dict:
+    """make_bert_data once per pytest session (every BERT test module shares it)."""
+    out = tmp_path_factory.getbasetemp() / "bert_data_shared"
+    if not (out / "done").exists():
+        out.mkdir(exist_ok=True)
+        data = make_bert_data(shared_data, out)
+        (out / "done").write_text("")
+    else:
+        data = {"prefix": str(out / "owt_text_sentence"), "vocab": str(out / "vocab.txt"), "dir": out}
+    return data
+
+
 def bert_argv(data: dict, *extra: str, iters: int = ITERS, layers: int = 2) -> list[str]:
     return [
         "--num-layers", str(layers), "--hidden-size", "64", "--num-attention-heads", "4",

@@ -12,12 +12,20 @@ import pytest
 
 from tests.dist_utils import run_distributed
 from tests.ds._workers import write_ds_config
-from tests.training._bert import ITERS, assert_matches, bert_argv, curve_of, make_bert_data, run_many, serial_curve
+from tests.training._bert import (
+    ITERS,
+    assert_matches,
+    bert_argv,
+    curve_of,
+    run_many,
+    serial_curve,
+    session_bert_data,
+)
 
 
 @pytest.fixture(scope="module")
 def bert_data(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return make_bert_data(shared_data, tmp_path_factory.mktemp("bert_data"))
+    return session_bert_data(shared_data, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
