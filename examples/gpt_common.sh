@@ -20,7 +20,7 @@ fi
 : "${PRESET:=345m}"
 PRESET_FILE="$EXAMPLES_DIR/presets/gpt_${PRESET}.sh"
 if [ ! -f "$PRESET_FILE" ]; then
-  echo "unknown PRESET=$PRESET: use one of $(ls "$EXAMPLES_DIR/presets" | sed 's/gpt_//;s/\.sh//' | tr '\n' ' ')" >&2
+  echo "unknown PRESET=$PRESET: use one of $(cd "$EXAMPLES_DIR/presets" && ls gpt_*.sh | sed 's/gpt_//;s/\.sh//' | tr '\n' ' ')" >&2
   exit 1
 fi
 # shellcheck source=/dev/null
