@@ -1,8 +1,8 @@
 """pretrain_bert.py end to end on a tiny BERT (tests/training/_bert.py): the serial run learns and logs Megatron's
 `lm loss` / `sop loss` keys; TP=2 + SP, PP=2, DP=2 + distributed optimizer, DeepSpeed ZeRO-2 and TP=2 x PP=2 train
 the serial curve (lm and sop losses, validation, grad norms; 1e-5 relative); resuming DP=2 + distributed optimizer at
-iteration 6 reproduces iterations 7..12 exactly; --bert-no-binary-head trains the masked LM alone; an fp16 overflow
-step is skipped; the DeepSpeed pipeline is refused with one line.
+iteration 6 reproduces iterations 7..12 exactly; --bert-no-binary-head trains the masked LM alone; bf16 steps
+stay within 1% of fp32; an fp16 overflow step is skipped; the DeepSpeed pipeline is refused with one line.
 """
 from __future__ import annotations
 
@@ -71,15 +71,17 @@ def test_tp2_pp2_matches_serial(serial: dict, bert_data: dict) -> None:
     assert_matches(curve_of(results[-1][0], "tp2-sp-pp2"), serial, "TP=2 (+SP) x PP=2")
 
 
-def test_no_binary_head_fp16_overflow_and_ds_pipeline_refusal(bert_data: dict, tmp_path: Path) -> None:
+def test_no_binary_head_bf16_fp16_overflow_and_ds_pipeline_refusal(serial: dict, bert_data: dict,
+                                                                   tmp_path: Path) -> None:
     ds0 = write_ds_config(str(tmp_path / "zero0.json"), zero_optimization={"stage": 0},
                           train_micro_batch_size_per_gpu=2, train_batch_size=8)
     runs = [
         (bert_argv(bert_data, "--bert-no-binary-head", "--eval-iters", "0", iters=4), None),
         (bert_argv(bert_data, "--fp16", "--eval-iters", "0", iters=3), None),
+        (bert_argv(bert_data, "--bf16", "--exit-interval", "2"), None),
         (bert_argv(bert_data, "--deepspeed", "--deepspeed_config", ds0, "--pipeline-model-parallel-size", "2"), None),
     ]
-    no_binary, fp16, ds_pipe = run_distributed(run_many, 2, args=(runs,))[-1]  # the last rank logs
+    no_binary, fp16, bf16, ds_pipe = run_distributed(run_many, 2, args=(runs,))[-1]  # the last rank logs
 
     assert no_binary["error"] is None, no_binary["error"]
     lines = [ln for ln in no_binary["stdout"].splitlines() if ln.startswith(" iteration ")]
@@ -91,6 +93,12 @@ def test_no_binary_head_fp16_overflow_and_ds_pipeline_refusal(bert_data: dict, t
     scales = [float(ln.split("loss scale: ")[1].split(" |")[0]) for ln in lines]
     assert scales == [2.0**32, 2.0**31, 2.0**30]  # Megatron's initial scale overflows; hysteresis 2
     assert all("number of skipped iterations:   1 |" in ln and "lm loss" not in ln for ln in lines)
+
+    bf16 = curve_of(bf16, "bf16")["train"]  # the serial run's first two steps, in bf16
+    assert sorted(bf16) == [1, 2]
+    for it in (1, 2):
+        for a, b in zip(bf16[it], serial["train"][it]):
+            assert abs(a - b) <= 1e-2 * b, (it, bf16[it], serial["train"][it])
 
     assert ds_pipe["error"] is not None and "\n" not in ds_pipe["error"]
     assert "no DeepSpeed pipeline model" in ds_pipe["error"]
