@@ -86,7 +86,7 @@ def test_interleaved_matches_serial_and_saves_chunks(serial: dict, gpt_data: dic
     results = _run(4, _argv(gpt_data, *extra))
     _assert_close(parse_losses(results[-1]["stdout"]), serial, "interleaved PP=4 vs serial")
     it_dir = tmp_path / "ckpt" / "iter_0000020"
-    assert sorted(os.listdir(it_dir)) == [f"mp_rank_00_{pp:03d}" for pp in range(4)]
+    assert sorted(os.listdir(it_dir)) == ["manifest.json", *(f"mp_rank_00_{pp:03d}" for pp in range(4))]
     sd = torch.load(it_dir / "mp_rank_00_003" / "model_optim_rng.pt", weights_only=False)
     assert "model" not in sd and {"model0", "model1"} <= set(sd)
     # rank 3 holds global layers 4 (chunk 0) and 8 (chunk 1, with the final LayerNorm and the head's embedding)
@@ -102,7 +102,7 @@ def test_tp2_pp2_matches_serial_and_resumes_exactly(serial: dict, gpt_data: dict
     full = _run(4, _argv(gpt_data, *extra, "--save", str(tmp_path / "a"), "--save-interval", "10"))
     curve = parse_losses(full[-1]["stdout"])
     _assert_close(curve, serial, "TP=2 x PP=2 vs serial")
-    assert sorted(os.listdir(tmp_path / "a" / "iter_0000010")) == ["mp_rank_00_000", "mp_rank_00_001",
+    assert sorted(os.listdir(tmp_path / "a" / "iter_0000010")) == ["manifest.json", "mp_rank_00_000", "mp_rank_00_001",
                                                                  "mp_rank_01_000", "mp_rank_01_001"]
     # Pretend the run stopped after iteration 10 and resume from there.
     (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("10")
