@@ -1,0 +1,1 @@
+"""GLUE finetuning tasks (MNLI, QQP)."""

@@ -1,0 +1,59 @@
+"""GLUE TSV reading shared by MNLI and QQP (Megatron's tasks/glue/data.py): the header decides train/dev vs test
+format, each row becomes a ``[CLS] a [SEP] b [SEP]`` sample, malformed rows are skipped with a counted warning."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from tasks.data_utils import (
+    RowCounter,
+    TaskDataset,
+    build_sample,
+    build_tokens_types_paddings_from_ids,
+    clean_text,
+    dataset_name,
+    sorted_files,
+)
+
+# (uid, text_a, text_b, label) or raises ValueError/IndexError with the reason
+RowParser = Callable[[list[str], bool], tuple[int, str, str, int]]
+
+
+def read_glue_rows(path: str, is_test_header: Callable[[list[str]], bool], parse_row: RowParser,
+                   verbose: bool = True) -> list[tuple[int, str, str, int]]:
+    """(uid, a, b, label) of every usable row of one TSV file (cleaned text, both texts non-empty)."""
+    rows: list[tuple[int, str, str, int]] = []
+    counter = RowCounter(path, verbose)
+    with open(path, encoding="utf-8") as f:
+        header = f.readline().rstrip("\r\n").split("\t")
+        is_test = is_test_header(header)
+        for lineno, line in enumerate(f, start=2):
+            if not line.strip():
+                continue
+            row = [c.strip() for c in line.rstrip("\r\n").split("\t")]
+            try:
+                uid, a, b, label = parse_row(row, is_test)
+            except (IndexError, ValueError, KeyError) as exc:
+                counter.skip(lineno, f"index error ({type(exc).__name__}: {exc})")
+                continue
+            a, b = clean_text(a), clean_text(b)
+            if not a or not b:
+                counter.skip(lineno, "zero length a" if not a else "zero length b")
+                continue
+            rows.append((uid, a, b, label))
+    counter.finish(len(rows))
+    return rows
+
+
+def build_glue_dataset(task: str, paths: list[str], tokenizer: Any, max_seq_length: int,
+                       is_test_header: Callable[[list[str]], bool], parse_row: RowParser,
+                       verbose: bool = True, name: Optional[str] = None) -> TaskDataset:
+    """One dataset over `paths` (files or directories of *.tsv, sorted), named as Megatron names it."""
+    files = [f for p in paths for f in sorted_files(p, "*.tsv")]
+    samples = []
+    for path in files:
+        for uid, a, b, label in read_glue_rows(path, is_test_header, parse_row, verbose):
+            ids, types, pads = build_tokens_types_paddings_from_ids(
+                tokenizer.tokenize(a), tokenizer.tokenize(b), max_seq_length, tokenizer.cls, tokenizer.sep,
+                tokenizer.pad)
+            samples.append(build_sample(ids, types, pads, label, uid))
+    return TaskDataset(name or dataset_name(files[0] if len(files) == 1 else paths[0], task), samples)

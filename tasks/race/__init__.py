@@ -1,0 +1,1 @@
+"""RACE multiple-choice finetuning."""
