@@ -183,6 +183,11 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "valid_data": "tasks/zeroshot_gpt/evaluate.py",
     "overlapping_eval": "tasks/zeroshot_gpt/evaluate.py",
     "strict_lambada": "tasks/zeroshot_gpt/evaluate.py",
+    # finetuning (tasks/main.py --task MNLI|QQP|RACE; the zero-shot tasks refuse them in tasks/main.py)
+    "epochs": "tasks/finetune_utils.py",
+    "pretrained_checkpoint": "tasks/finetune_utils.py",
+    "train_data": "tasks/finetune_utils.py",
+    "keep_last": "tasks/finetune_utils.py",
     # tasks/eval_harness/evaluate.py (lm-eval harness)
     "task_list": "tasks/eval_harness/evaluate.py",
     "results_path": "tasks/eval_harness/evaluate.py",
@@ -211,11 +216,6 @@ REFUSED: Dict[str, Tuple[Any, str]] = {
     "use_ring_exchange_p2p": (False, "needs a custom PyTorch build (torch.distributed.ring_exchange); not supported"),
     "log_optimizer_states_to_tensorboard": (False, "is not implemented"),
     "sample_rate": (1.0, "is not implemented (it subsamples BERT/T5 data in Megatron)"),
-    "epochs": (None, "is for finetuning tasks; tasks/main.py runs only the zero-shot WIKITEXT103 and LAMBADA tasks"),
-    "pretrained_checkpoint": (None, "is for finetuning tasks; tasks/main.py runs only the zero-shot tasks "
-                                    "(use --load)"),
-    "train_data": (None, "is for finetuning tasks; tasks/main.py runs only the zero-shot tasks"),
-    "keep_last": (False, "is for finetuning tasks; tasks/main.py runs only the zero-shot tasks"),
 }
 
 # dest -> (model families that read it, default). The entry script's family comes from its args_defaults

@@ -6,7 +6,11 @@
         --num-attention-heads 16 [--overlapping-eval 32]
     python tasks/main.py --task LAMBADA --valid-data lambada_test.jsonl [--strict-lambada] ...
 
-Runs in one process or under torchrun (tensor and data parallelism).
+    python tasks/main.py --task MNLI --train-data MNLI/train.tsv --valid-data MNLI/dev_matched.tsv \
+        MNLI/dev_mismatched.tsv --pretrained-checkpoint checkpoints/bert_345m --tokenizer-type BertWordPieceLowerCase \
+        --vocab-file bert-vocab.txt --epochs 5 --seq-length 512 --micro-batch-size 8 --lr 5e-5 ...   (also QQP, RACE)
+
+Runs in one process or under torchrun (tensor, pipeline and data parallelism for the finetuning tasks).
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from megatron.initialize import initialize_megatron  # noqa: E402
 def get_tasks_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's 'tasks' flag group."""
     g = parser.add_argument_group(title="tasks")
-    g.add_argument("--task", type=str, required=True, help="Task name: WIKITEXT103 or LAMBADA.")
+    g.add_argument("--task", type=str, required=True, help="Task name: WIKITEXT103, LAMBADA, MNLI, QQP or RACE.")
     g.add_argument("--epochs", type=int, default=None, help="Finetuning epochs (finetuning tasks).")
     g.add_argument("--pretrained-checkpoint", type=str, default=None, help="Pretrained checkpoint for finetuning.")
     g.add_argument("--keep-last", action="store_true", help="Keep the last batch (maybe incomplete) in the loader.")
@@ -37,19 +41,54 @@ def get_tasks_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+FINETUNE_TASKS = ("MNLI", "QQP", "RACE")
+FINETUNE_FLAGS = {"epochs": None, "pretrained_checkpoint": None, "train_data": None, "keep_last": False}
+
+
+def _task_from_argv(argv: Optional[list[str]]) -> Optional[str]:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--task", type=str, default=None)
+    return pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].task
+
+
+def check_task_flags(args: argparse.Namespace) -> None:
+    """The zero-shot tasks refuse the finetuning flags with one line (nothing accepted is ignored)."""
+    from megatron.errors import ArgumentError
+
+    if args.task in FINETUNE_TASKS:
+        return
+    for dest, default in FINETUNE_FLAGS.items():
+        if getattr(args, dest, default) != default:
+            raise ArgumentError(f"--{dest.replace('_', '-')} is for the finetuning tasks ({', '.join(FINETUNE_TASKS)}); "
+                            f"--task {args.task} does not use it: drop it")
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
-    initialize_megatron(extra_args_provider=get_tasks_args, args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-                        args=argv)
+    finetuning = _task_from_argv(argv) in FINETUNE_TASKS
+    defaults = ({"tokenizer_type": "BertWordPieceLowerCase", "model_family": "bert"} if finetuning
+                else {"tokenizer_type": "GPT2BPETokenizer"})
+    initialize_megatron(extra_args_provider=get_tasks_args, args_defaults=defaults, args=argv)
     from megatron import global_vars
 
     args = global_vars.get_args()
+    check_task_flags(args)
     if args.task in ("LAMBADA", "WIKITEXT103"):
         from tasks.zeroshot_gpt.evaluate import main as zeroshot_main
 
         return zeroshot_main(args)
+    if args.task in ("MNLI", "QQP"):
+        from tasks.finetune_utils import finetune
+        from tasks.glue.finetune import glue_task
+
+        return finetune(glue_task(args.task, args), args)
+    if args.task == "RACE":
+        from tasks.finetune_utils import finetune
+        from tasks.race.finetune import race_task
+
+        return finetune(race_task(args), args)
     from tasks.zeroshot_gpt.evaluate import TaskError
 
-    raise TaskError(f"--task {args.task} is not supported; use WIKITEXT103 or LAMBADA")
+    raise TaskError(f"--task {args.task} is not supported; use WIKITEXT103, LAMBADA, MNLI, QQP or RACE")
 
 
 if __name__ == "__main__":

@@ -207,12 +207,13 @@ def test_impossible_architecture_combinations_are_one_line_errors(flags, named):
 
 def test_zero_shot_tasks_refuse_finetuning_flags(monkeypatch):
     sys.path.insert(0, str(REPO))
-    from tasks.main import get_tasks_args
+    from tasks.main import check_task_flags, get_tasks_args
 
     args = build_parser(get_tasks_args).parse_args([*BASE, "--task", "LAMBADA", "--epochs", "3"])
     args.rank = 1
+    validate_args(args, {})  # accepted by the parser (MNLI/QQP/RACE read it) ...
     with pytest.raises(ArgumentError, match="--epochs"):
-        validate_args(args, {})
+        check_task_flags(args)  # ... and refused with one line by the zero-shot tasks
 
 
 def test_entry_script_refuses_with_one_line_and_exit_code_1(tmp_path):

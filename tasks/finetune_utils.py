@@ -1,0 +1,220 @@
+"""The finetuning loop (Megatron's tasks/finetune_utils.py) on pretrain()'s machinery.
+
+Model, optimizer, scheduler and --load come from megatron.training.setup_model_and_optimizer; steps, the log line,
+the --eval-interval loss evaluation and checkpoint saves are training.py's. What is finetuning's own:
+  * epochs over a data-parallel DistributedSampler (set_epoch(--seed + epoch), drop_last unless --keep-last);
+    train_iters = epochs x batches per epoch, so warmup/decay fractions apply to the whole run;
+  * --pretrained-checkpoint loaded only at iteration 0, model only (no optimizer/RNG; missing head/pooler noticed);
+  * --load resumes exactly: epoch and batch from the iteration, the sampler order replayed, the RNG restored;
+  * a checkpoint at each epoch end (and every --save-interval), then the accuracy lines (tasks/eval_utils.py);
+  * --epochs 0 evaluates only and writes the predictions (Megatron crashes there).
+Loss: cross entropy of the logits, logged under ``lm loss`` as Megatron does.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from functools import partial
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron import global_vars
+from megatron.checkpointing import load_checkpoint, local_rng_state, restore_local_rng_state
+from megatron.core import parallel_state as ps
+from megatron.errors import ArgumentError
+from megatron.model import ModelType
+from megatron.training import (
+    _save,
+    evaluate_and_print_results,
+    print_datetime,
+    setup_model_and_optimizer,
+    train_step,
+    training_log,
+)
+from megatron.utils import average_losses_across_data_parallel_group, print_rank_0
+from tasks.eval_utils import batch_tensors, evaluate_datasets
+
+
+@dataclasses.dataclass
+class FinetuneTask:
+    """What a task provides: its datasets from paths, its model, and its submission-file writer."""
+    name: str
+    build_dataset: Callable[[list[str]], Any]
+    model_provider: Callable[..., torch.nn.Module]
+    write_predictions: Optional[Callable[[str, Any, list], None]] = None
+
+
+def _loss_func(labels: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    loss = F.cross_entropy(logits.float(), labels)
+    averaged = average_losses_across_data_parallel_group([loss])
+    return loss, {"lm loss": averaged[0]}
+
+
+def _forward_step(args: argparse.Namespace, data_iterator: Any, model: torch.nn.Module) -> tuple[Any, Callable]:
+    timers = global_vars.get_timers()
+    timers("batch-generator", log_level=2).start()
+    tokens, types, padding_mask, labels = batch_tensors(next(data_iterator), args)
+    timers("batch-generator").stop()
+    return model(tokens, padding_mask, tokentype_ids=types), partial(_loss_func, labels)
+
+
+def _train_loader(dataset: Any, args: argparse.Namespace, state: ps.ParallelState) -> Any:
+    sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=state.dp_size,
+                                                              rank=state.dp_rank, shuffle=True)
+    return torch.utils.data.DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler,
+                                       drop_last=not args.keep_last, num_workers=0)
+
+
+def _check_batch(args: argparse.Namespace) -> None:
+    if args.global_batch_size != args.micro_batch_size * args.data_parallel_size:
+        raise ArgumentError(f"finetuning runs one micro-batch per step: --global-batch-size "
+                            f"({args.global_batch_size}) must equal --micro-batch-size x data-parallel size "
+                            f"({args.micro_batch_size * args.data_parallel_size}); drop --global-batch-size")
+    if args.rampup_batch_size is not None:
+        raise ArgumentError("--rampup-batch-size is not supported by finetuning: drop it")
+    if not args.bert_binary_head:
+        raise ArgumentError("--bert-no-binary-head: the finetuning heads always use the pooler and token types "
+                            "(a checkpoint pretrained without them loads with a fresh pooler); drop it")
+    for dest, default in (("mask_prob", 0.15), ("short_seq_prob", 0.1)):
+        if getattr(args, dest, default) != default:
+            raise ArgumentError(f"--{dest.replace('_', '-')} is a pretraining setting; finetuning does not use it: "
+                                "drop it")
+
+
+def _load_pretrained(model: list, optimizer: Any, args: argparse.Namespace) -> None:
+    saved = (args.finetune, args.no_load_rng, args.no_load_optim)
+    args.finetune, args.no_load_rng, args.no_load_optim = True, True, True
+    try:
+        load_checkpoint(model, optimizer, None, args, load_arg="pretrained_checkpoint", strict=True)
+    finally:
+        args.finetune, args.no_load_rng, args.no_load_optim = saved
+
+
+def _prediction_writer(task: FinetuneTask, args: argparse.Namespace) -> Optional[Callable[[Any, list], None]]:
+    if task.write_predictions is None:
+        return None
+    out_dir = args.save or (args.load if args.load else None)
+    if out_dir is None:
+        print_rank_0(" > predictions are not written: pass --save DIR to get the submission files")
+        return None
+
+    def write(dataset: Any, preds: list) -> None:
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        path = task.write_predictions(out_dir, dataset, preds)
+        print_rank_0(f" > predictions for {dataset.dataset_name} written to {path}")
+
+    return write
+
+
+def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
+    """Train for --epochs (0: evaluate only). Returns {"train_losses": {it: {...}}, "accuracy": {epoch: {name:
+    (correct, total)}}, "iteration"} with the numbers the log and accuracy lines print."""
+    state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
+    _check_batch(args)
+    epochs = int(args.epochs or 0)
+    if epochs < 0:
+        raise ArgumentError(f"--epochs {epochs}: pass 0 (evaluate only) or more")
+    print_rank_0(f"> building {task.name} datasets ...")
+    train_ds = None
+    if epochs > 0:
+        if not args.train_data:
+            raise ArgumentError(f"--task {task.name} --epochs {epochs} needs --train-data (or --epochs 0 to evaluate)")
+        train_ds = task.build_dataset(args.train_data)
+    valid_sets = [task.build_dataset([p]) for p in (args.valid_data or [])]
+    if epochs == 0 and not valid_sets:
+        raise ArgumentError("--epochs 0 evaluates only: pass --valid-data")
+    multiplier = getattr(train_ds if train_ds is not None else valid_sets[0], "sample_multiplier", 1)
+
+    rng = local_rng_state()
+    loader = _train_loader(train_ds, args, state) if train_ds is not None else None
+    restore_local_rng_state(rng)
+    iters_per_epoch = len(loader) if loader is not None else 0
+    if epochs > 0 and iters_per_epoch == 0:
+        raise ArgumentError(f"--train-data has {len(train_ds)} examples, fewer than one batch of "
+                            f"{args.micro_batch_size * state.dp_size}: lower --micro-batch-size or pass --keep-last")
+    args.train_iters = max(1, epochs * iters_per_epoch)  # the LR schedule's length (never stepped with 0 epochs)
+    print_rank_0(f" > training iterations per epoch: {iters_per_epoch}, total: {epochs * iters_per_epoch}")
+    eval_batch = args.micro_batch_size
+    # Batch sizes count sequences from here on (a RACE question is `multiplier` of them), as Megatron does: the
+    # pipeline's activation shape, the LR schedule's sample counts and the consumed samples follow them.
+    args.orig_micro_batch_size, args.orig_global_batch_size = args.micro_batch_size, args.global_batch_size
+    args.micro_batch_size *= multiplier
+    args.global_batch_size *= multiplier
+
+    model, optimizer, scheduler = setup_model_and_optimizer(task.model_provider, ModelType.encoder_or_decoder,
+                                                            args, state)
+    if args.iteration == 0 and args.pretrained_checkpoint:
+        _load_pretrained(model, optimizer, args)
+    result: dict = {"train_losses": {}, "accuracy": {}, "iteration": args.iteration}
+
+    if epochs == 0:
+        result["accuracy"][-1] = evaluate_datasets(valid_sets, model, args, state, -1, eval_batch,
+                                                   _prediction_writer(task, args))
+        return result
+
+    valid_it = None
+    if valid_sets and args.eval_interval and args.eval_iters:
+        concat = torch.utils.data.ConcatDataset(valid_sets)
+        vloader = torch.utils.data.DataLoader(
+            torch.utils.data.Subset(concat, list(range(state.dp_rank, len(concat), state.dp_size))),
+            batch_size=eval_batch, shuffle=False, drop_last=True)
+        valid_it = _cycle(vloader) if len(vloader) else None
+    args.do_valid = valid_it is not None
+
+    timers = global_vars.get_timers()
+    for chunk in model:
+        chunk.train()
+    iteration = args.iteration
+    start_epoch, start_batch = divmod(iteration, iters_per_epoch)
+    total_loss_dict: dict = {}
+    report_memory_flag = True
+    forward_step = partial(_forward_step, args)
+    timers("interval-time", log_level=0).start(barrier=True)
+    print_datetime("before the start of training step")
+    for epoch in range(start_epoch, epochs):
+        print_rank_0(f"working on epoch {epoch} ...")
+        loader.sampler.set_epoch(args.seed + epoch)
+        rng = local_rng_state()
+        batches = iter(loader)
+        restore_local_rng_state(rng)
+        for index, batch in enumerate(batches):
+            if epoch == start_epoch and index < start_batch:
+                continue  # resume: these batches were trained before the checkpoint
+            loss_dict, skipped, grad_norm, num_zeros = train_step(forward_step, iter([batch]), model, optimizer,
+                                                                  scheduler, args, state)
+            iteration += 1
+            args.iteration = args.curr_iteration = iteration
+            result["train_losses"][iteration] = {k: float(v) for k, v in loss_dict.items()}
+            args.consumed_train_samples += args.global_batch_size
+            args.consumed_train_tokens = getattr(args, "consumed_train_tokens", 0) + \
+                args.global_batch_size * args.seq_length
+            report_memory_flag = training_log(loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"],
+                                              iteration, float(optimizer.get_loss_scale().item()),
+                                              report_memory_flag, skipped, grad_norm, None, num_zeros, args)
+            if valid_it is not None and iteration % args.eval_interval == 0:
+                evaluate_and_print_results(f"iteration {iteration}", forward_step, valid_it, model, iteration,
+                                           None, args, state)
+            saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
+            if saved:
+                _save(iteration, model, optimizer, scheduler, args)
+            if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0:
+                if args.save and not saved:
+                    _save(iteration, model, optimizer, scheduler, args)
+                print_datetime(f"exiting program at iteration {iteration}")
+                result["iteration"] = iteration
+                return result
+        if args.save and not (args.save_interval and iteration % args.save_interval == 0):
+            _save(iteration, model, optimizer, scheduler, args)  # the end of every epoch
+        result["accuracy"][epoch] = evaluate_datasets(valid_sets, model, args, state, epoch, eval_batch)
+    result["iteration"] = iteration
+    return result
+
+
+def _cycle(loader: Any) -> Any:
+    while True:
+        yield from loader
