@@ -15,7 +15,7 @@ last stage and broadcast once at the end.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -143,11 +143,13 @@ def generate_tokens(
     max_position_embeddings: Optional[int] = None,
     tp_group: Any = None,
     state: Any = None,
+    on_step: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
 ) -> GenerationOutput:
     """Generate up to `tokens_to_generate` tokens after each prompt (lists of token ids, each non-empty).
 
     Row i ends after its own `tokens_to_generate` tokens, or at its first eod / stop token (included in its length)
-    when `use_eod_token_for_early_termination`; decoding stops once every row has ended.
+    when `use_eod_token_for_early_termination`; decoding stops once every row has ended. `on_step(tokens, lengths)`
+    (streaming) is called after every decoding step with the tokens so far [b, n] and each row's current length.
     """
     check_sampling_args(top_k, top_p, temperature)
     if not prompt_tokens or any(len(p) == 0 for p in prompt_tokens):
@@ -223,6 +225,8 @@ def generate_tokens(
                 is_done |= just_done
             is_done |= out_lengths <= cur + 1
             prev = cur
+            if on_step is not None:
+                on_step(tokens[:, : cur + 1], out_lengths.clamp(max=cur + 1))
             if bool(is_done.all()):
                 break
     finally:

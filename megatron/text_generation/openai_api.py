@@ -13,8 +13,9 @@ Execution follows the server's `PUT /api`: rank 0 validates, broadcasts the chec
 (`("openai", request)`) and all ranks run `OpenAICompletions.run`: KV-cache generation (`generate_tokens`, stopping at
 end-of-document or a one-token stop string) and, when log-probs are asked for, one teacher-forced scoring pass
 (megatron/text_generation/scoring.py) over prompt + completion. The completion text is cut at the first stop
-string (`finish_reason` "stop"; "length" when `max_tokens` ran out). With `stream`, the finished completion is sent
-as server-sent events, one chunk per token, then `data: [DONE]` (generation itself is not incremental).
+string (`finish_reason` "stop"; "length" when `max_tokens` ran out). With `stream`, server-sent events carry the
+text while it is generated (held back only where a stop string could still begin), then each choice's
+finish_reason and logprobs, then `data: [DONE]`.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import random
 import time
 import uuid
 from http import HTTPStatus
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -198,8 +199,11 @@ class OpenAICompletions:
                 ids.append(int(toks[0]))
         return ids
 
-    def run(self, req: dict) -> list[dict]:
-        """Generate (and score) on every rank; the raw per-prompt results (tokens, scores) used by `response`."""
+    def run(self, req: dict, on_step: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> list[dict]:
+        """Generate (and score) on every rank; the raw per-prompt results (tokens, scores) used by `response`.
+
+        `on_step(tokens, lengths)` (rank 0, streaming) sees the tokens after every decoding step.
+        """
         prompts, max_tokens = req["prompts"], req["max_tokens"]
         if max_tokens > 0:
             greedy = req["temperature"] == 0.0
@@ -207,7 +211,7 @@ class OpenAICompletions:
                 self.model, prompts, max_tokens, eod_id=self.eod, greedy=greedy,
                 temperature=1.0 if greedy else req["temperature"], top_k=req["top_k"],
                 top_p=0.0 if req["top_p"] >= 1.0 else req["top_p"], stop_token_ids=self._stop_token_ids(req["stop"]),
-                random_seed=req["seed"] % 2**62, vocab_size=self.vocab_size, state=self.state)
+                random_seed=req["seed"] % 2**62, vocab_size=self.vocab_size, state=self.state, on_step=on_step)
             seqs = [row[:n] for row, n in zip(out.tokens.tolist(), out.lengths.tolist())]
         else:
             seqs = [list(p) for p in prompts]
@@ -284,28 +288,42 @@ class OpenAICompletions:
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                           "total_tokens": prompt_tokens + completion}}
 
-    def stream_events(self, req: dict, body: dict) -> list[dict]:
-        """The finished completion as streaming chunks: one per token of each choice, then its finish_reason."""
-        events = []
-        base = {"id": body["id"], "object": "text_completion", "created": body["created"], "model": body["model"]}
-        for choice in body["choices"]:
-            text = choice["text"]
-            pieces = [self._piece(t) for t in self.tokenizer.tokenize(text)] if text else []
-            if "".join(pieces) != text:  # a tokenizer that does not round-trip: send the text whole
-                pieces = [text]
-            for piece in pieces:
-                events.append({**base, "choices": [{"index": choice["index"], "text": piece, "logprobs": None,
-                                                    "finish_reason": None}]})
-            events.append({**base, "choices": [{"index": choice["index"], "text": "",
-                                                "logprobs": choice["logprobs"],
-                                                "finish_reason": choice["finish_reason"]}]})
-        if req["include_usage"]:
-            events.append({**base, "choices": [], "usage": body["usage"]})
-        return events
-
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "megatron"}]}
+
+
+class TextStream:
+    """The text of one choice, sent while it is generated: never text that a stop string could still cut away."""
+
+    def __init__(self, api: OpenAICompletions, req: dict, index: int, emit: Callable[[int, str], None]) -> None:
+        self.api, self.req, self.index, self.emit = api, req, index, emit
+        self.prefix = ""
+        if req["echo"]:
+            texts = req["texts"]
+            self.prefix = texts[index] if texts[index] is not None else api.tokenizer.detokenize(req["prompts"][index])
+        self.holdback = max((len(stop) for stop in req["stop"]), default=1) - 1
+        self.sent = ""
+
+    def _send_upto(self, text: str, end: int) -> None:
+        if end > len(self.sent) and text.startswith(self.sent):
+            self.emit(self.index, text[len(self.sent):end])
+            self.sent = text[:end]
+
+    def feed(self, generated: list[int]) -> None:
+        """The tokens generated so far: send what is certain."""
+        if self.api.eod in generated:
+            generated = generated[: generated.index(self.api.eod)]
+        text = self.prefix + self.api.tokenizer.detokenize(generated)
+        cuts = [i for i in (text.find(stop, len(self.prefix)) for stop in self.req["stop"]) if i >= 0]
+        end = min(cuts) if cuts else len(text) - self.holdback
+        while end > 0 and text[end - 1] == "\ufffd":  # a character whose bytes are not all generated yet
+            end -= 1
+        self._send_upto(text, end)
+
+    def finish(self, final_text: str) -> None:
+        """Send the rest of the final (stop-cut) text."""
+        self._send_upto(final_text, len(final_text))
 
 
 # -- HTTP glue (called from megatron/text_generation/server.py) ----------------------------------------------------
@@ -350,6 +368,9 @@ def handle_http(server: Any, handler: Any) -> None:
     except OpenAIError as exc:
         send(exc.status, exc.body())
         return
+    if req["stream"]:
+        _stream(server, api, handler, req)
+        return
     with server.lock:
         if server._stopped:
             send(HTTPStatus.SERVICE_UNAVAILABLE, error_body("the server is shutting down", kind="server_error"))
@@ -365,19 +386,72 @@ def handle_http(server: Any, handler: Any) -> None:
             server.log(f"server: openai completion failed: {exc!r}")
             send(HTTPStatus.INTERNAL_SERVER_ERROR, error_body(f"generation failed: {exc}", kind="server_error"))
             return
+    send(HTTPStatus.OK, api.response(req, results))
+
+
+def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict) -> None:
+    """Server-sent events: text chunks while the tokens are generated, then each choice's finish_reason (and
+    logprobs), optionally the usage, then `data: [DONE]`. A client that goes away does not stop the generation
+    (every rank takes part in it); its events are dropped."""
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    broken = []
+
+    def event(obj: dict) -> None:
+        if broken:
+            return
+        try:
+            handler.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
+            handler.wfile.flush()
+        except OSError:
+            broken.append(True)
+
+    def chunk(index: int, text: str, finish: Optional[str] = None, logprobs: Optional[dict] = None) -> dict:
+        return {"id": cid, "object": "text_completion", "created": created, "model": req["model"],
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+    with server.lock:
+        if server._stopped:
+            handler._send(HTTPStatus.SERVICE_UNAVAILABLE, json.dumps(error_body(
+                "the server is shutting down", kind="server_error")).encode(), "application/json")
+            return
+        handler.send_response(HTTPStatus.OK)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.send_header("Cache-Control", "no-cache")
+        handler.close_connection = True  # the end of the stream is the end of the connection
+        handler.end_headers()
+        streams = [TextStream(api, req, i, lambda i, text: event(chunk(i, text))) for i in range(len(req["prompts"]))]
+        prompt_lengths = [len(p) for p in req["prompts"]]
+
+        def on_step(tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+            for i, (row, n) in enumerate(zip(tokens.tolist(), lengths.tolist())):
+                streams[i].feed(row[prompt_lengths[i]: n])
+
+        server.log(f"openai completion (stream): {len(req['prompts'])} prompt(s), max_tokens={req['max_tokens']}")
+        server._broadcast(("openai", req))
+        try:
+            results = api.run(req, on_step=on_step)
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream, keep serving
+            server.log(f"server: openai completion failed: {exc!r}")
+            event(error_body(f"generation failed: {exc}", kind="server_error"))
+            event_done(handler, broken)
+            return
     body = api.response(req, results)
-    if not req["stream"]:
-        send(HTTPStatus.OK, body)
-        return
-    handler.send_response(HTTPStatus.OK)
-    handler.send_header("Content-Type", "text/event-stream")
-    handler.send_header("Cache-Control", "no-cache")
-    handler.close_connection = True
-    handler.end_headers()
-    for event in api.stream_events(req, body):
-        handler.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-    handler.wfile.write(b"data: [DONE]\n\n")
-    handler.wfile.flush()
+    for stream, choice in zip(streams, body["choices"]):
+        stream.finish(choice["text"])
+        event(chunk(choice["index"], "", choice["finish_reason"], choice["logprobs"]))
+    if req["include_usage"]:
+        event({"id": cid, "object": "text_completion", "created": created, "model": req["model"], "choices": [],
+               "usage": body["usage"]})
+    event_done(handler, broken)
+
+
+def event_done(handler: Any, broken: list) -> None:
+    if not broken:
+        try:
+            handler.wfile.write(b"data: [DONE]\n\n")
+            handler.wfile.flush()
+        except OSError:
+            pass
 
 
 def run_on_worker(server: Any, req: dict) -> None:

@@ -130,6 +130,18 @@ def test_streaming_and_seeded_sampling(served):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) > 2
     assert all(c.id == chunks[0].id for c in chunks)
+    # stop strings and echo: the streamed pieces add up to the plain answer, never past the stop string
+    full = plain.choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    kw = dict(model="m", prompt=PROMPTS, max_tokens=10, temperature=0, stop=[stop], echo=True, logprobs=1)
+    plain2 = client.completions.create(**kw)
+    chunks2 = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    for i in range(len(PROMPTS)):
+        pieces = [c.choices[0] for c in chunks2 if c.choices and c.choices[0].index == i]
+        assert "".join(p.text for p in pieces) == plain2.choices[i].text
+        assert pieces[-1].finish_reason == plain2.choices[i].finish_reason
+        assert pieces[-1].logprobs.token_logprobs[1:] == pytest.approx(plain2.choices[i].logprobs.token_logprobs[1:])
+    assert chunks2[-1].usage.total_tokens == plain2.usage.total_tokens
     a = client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=10, temperature=1.0, top_p=0.9, seed=7)
     b = client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=10, temperature=1.0, top_p=0.9, seed=7)
     c = client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=10, temperature=1.0, seed=8,
@@ -298,3 +310,21 @@ def test_pp2_server_equals_pp1(shared_data):
         assert ours["logprobs"]["tokens"] == ref["logprobs"]["tokens"]
         assert ours["logprobs"]["token_logprobs"][1:] == pytest.approx(ref["logprobs"]["token_logprobs"][1:],
                                                                        abs=1e-5)
+
+
+def test_text_stream_sends_while_generating_and_holds_back_stop_prefixes(served):
+    from megatron.text_generation.openai_api import OpenAICompletions, TextStream
+
+    _, model, tokenizer, _ = served
+    api = OpenAICompletions(model, tokenizer, max_sequence_length=CONTEXT)
+    req = api.validate({"prompt": "Q:", "stop": [" is a", "\n"], "max_tokens": 20})
+    sent: list[str] = []
+    stream = TextStream(api, req, 0, lambda i, text: sent.append(text))
+    generated = tokenizer.tokenize(" Hello world, this is a test")
+    for n in range(1, len(generated) + 1):
+        stream.feed(generated[:n])
+        assert " is a" not in "".join(sent)
+    assert "".join(sent).startswith(" Hello world")  # sent before the end of generation
+    assert "".join(sent) == " Hello world, this"  # everything before the stop string, nothing after
+    stream.finish(" Hello world, this")
+    assert "".join(sent) == " Hello world, this"
