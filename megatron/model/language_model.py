@@ -153,6 +153,7 @@ class TransformerLanguageModel(MegatronModule):
         post_process: bool = True,
         encoder_layer_spec: Optional[Any] = None,
         decoder_layer_spec: Optional[Any] = None,
+        decoder_config: Optional[TransformerConfig] = None,
     ) -> None:
         super().__init__(config=config, share_embeddings_and_output_weights=config.share_embeddings_and_output_weights)
         self.pre_process = pre_process
@@ -182,7 +183,8 @@ class TransformerLanguageModel(MegatronModule):
         )
         self.decoder = (
             ParallelTransformer(
-                config, tp_group, pp_state, layer_type=LayerType.decoder, self_attn_mask_type=decoder_attn_mask_type,
+                decoder_config or config, tp_group, pp_state, layer_type=LayerType.decoder,
+                self_attn_mask_type=decoder_attn_mask_type,
                 pre_process=pre_process, post_process=post_process, spec=decoder_layer_spec,
             )
             if add_decoder

@@ -79,3 +79,14 @@ def bert_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLa
     """BERT encoder layer: the same parts as GPT's with bidirectional (padding-masked) self-attention."""
     del config
     return transformer_layer_spec(AttnMaskType.padding, cross_attention=False)
+
+
+def t5_encoder_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:
+    """T5 encoder layer: BERT's layer (bidirectional, padding-masked self-attention)."""
+    return bert_layer_spec(config)
+
+
+def t5_decoder_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:
+    """T5 decoder layer: causal self-attention, cross-attention (``inter_attention``) with its norm, then the MLP."""
+    del config
+    return transformer_layer_spec(AttnMaskType.causal, cross_attention=True)
