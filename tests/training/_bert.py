@@ -167,7 +167,8 @@ def serial_curve(data: dict, layers: int = 2) -> dict:
         ((res,),) = run_distributed(run_many, 1, args=([(bert_argv(data, layers=layers), None)],))
         curve = curve_of(res, "serial")
         assert sorted(curve["train"]) == list(range(1, ITERS + 1)) and len(curve["val"]) >= 2, res["stdout"][-3000:]
-        assert curve["train"][ITERS][0] < curve["train"][1][0] - 0.3, "the tiny BERT's lm loss should go down"
+        lm = [curve["train"][it][0] for it in range(1, ITERS + 1)]
+        assert sum(lm[-3:]) / 3 < sum(lm[:3]) / 3 - 0.15, f"the tiny BERT's lm loss should go down: {lm}"
         _SERIAL[key] = curve
     return _SERIAL[key]
 

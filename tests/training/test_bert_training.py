@@ -1,8 +1,9 @@
 """pretrain_bert.py end to end on a tiny BERT (tests/training/_bert.py): the serial run learns and logs Megatron's
-`lm loss` / `sop loss` keys; TP=2 + SP, PP=2, DP=2 + distributed optimizer, DeepSpeed ZeRO-2 and TP=2 x PP=2 train
-the serial curve (lm and sop losses, validation, grad norms; 1e-5 relative); resuming DP=2 + distributed optimizer at
-iteration 6 reproduces iterations 7..12 exactly; --bert-no-binary-head trains the masked LM alone; bf16 steps
-stay within 1% of fp32; an fp16 overflow step is skipped; the DeepSpeed pipeline is refused with one line.
+`lm loss` / `sop loss` keys; TP=2 + SP, PP=2, DP=2 + distributed optimizer, DeepSpeed ZeRO-2, TP=2 x PP=2 and PP=4
+interleaved (8 layers, selective recompute) train the serial curve (lm and sop losses, validation, grad norms; 1e-5
+relative); resuming DP=2 + distributed optimizer at iteration 6 reproduces iterations 7..12 exactly;
+--bert-no-binary-head trains the masked LM alone; bf16 steps stay within 1% of fp32; an fp16 overflow step is
+skipped; the DeepSpeed pipeline is refused with one line.
 """
 from __future__ import annotations
 
@@ -65,10 +66,15 @@ def test_two_process_layouts_match_serial_and_resume_exactly(serial: dict, bert_
     assert again["val"] == full["val"][1:]
 
 
-def test_tp2_pp2_matches_serial(serial: dict, bert_data: dict) -> None:
+def test_tp2_pp2_and_pp4_interleaved_match_serial(serial: dict, bert_data: dict) -> None:
     tp2pp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
-    results = run_distributed(run_many, 4, args=([(bert_argv(bert_data, *tp2pp2), None)],))
+    interleaved = ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+                   "--recompute-activations"]
+    runs = [(bert_argv(bert_data, *tp2pp2), None), (bert_argv(bert_data, *interleaved, layers=8), None)]
+    results = run_distributed(run_many, 4, args=(runs,))
     assert_matches(curve_of(results[-1][0], "tp2-sp-pp2"), serial, "TP=2 (+SP) x PP=2")
+    assert_matches(curve_of(results[-1][1], "pp4-interleaved"), serial_curve(bert_data, layers=8),
+                   "PP=4 interleaved (2 chunks per stage) + selective recompute")
 
 
 def test_no_binary_head_bf16_fp16_overflow_and_ds_pipeline_refusal(serial: dict, bert_data: dict,
