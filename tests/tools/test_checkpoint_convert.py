@@ -372,3 +372,43 @@ def test_bert_megatron_reshape(tmp_path):
     assert torch.equal(bias[:TRUE_VOCAB], ref["lm_head.bias"][:TRUE_VOCAB])
     with pytest.raises(ConversionError, match="pass --model-type BERT"):
         _convert(tmp_path / "tp1", tmp_path / "x")
+
+
+def _tp2_load_worker(rank: int, world_size: int, folder: str, rows: int) -> list:
+    import argparse
+    import dataclasses
+
+    from megatron.checkpointing import load_checkpoint
+    from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from megatron.core.tensor_parallel import model_parallel_manual_seed
+    from megatron.model import GPTModel
+
+    state = initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        cfg = dataclasses.replace(config("llama", padded=rows), tensor_model_parallel_size=2)
+        model_parallel_manual_seed(99, state.tp_rank)
+        model = GPTModel(cfg, pp_state=state, parallel_output=False).eval()
+        args = argparse.Namespace(load=folder, finetune=True, tensor_model_parallel_size=2,
+                                  pipeline_model_parallel_size=1)
+        assert load_checkpoint([model], None, None, args) == 0
+        with torch.no_grad():
+            return model(*inputs())[..., :TRUE_VOCAB].tolist()
+    finally:
+        destroy_model_parallel()
+
+
+def test_converted_tp2_checkpoint_loads_in_a_real_tp2_run(tmp_path):
+    """2 gloo processes: a TP=2 model built from the config loads the converted checkpoint with
+    megatron.checkpointing.load_checkpoint (this rank's mp_rank_0X file) and gives the TP=1 source's logits."""
+    from tests.dist_utils import run_distributed
+
+    cfg = config("llama")
+    model = build(cfg)
+    save_source(model, cfg, str(tmp_path / "src"), 1, 1)
+    _convert(tmp_path / "src", tmp_path / "tp2", "--target-tensor-parallel-size", "2", "--true-vocab-size",
+             str(TRUE_VOCAB))
+    rows = load_files(str(tmp_path / "tp2"))[(0, 0)]["padded_vocab_size"]
+    results = run_distributed(_tp2_load_worker, 2, args=(str(tmp_path / "tp2"), rows))
+    ref = logits(model)[..., :TRUE_VOCAB]
+    for out in results:
+        torch.testing.assert_close(torch.tensor(out), ref, rtol=1e-5, atol=1e-5)
