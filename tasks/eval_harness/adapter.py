@@ -67,6 +67,16 @@ class MegatronLM(TemplateLM):
         return int(self.megatron_tokenizer.eod)
 
     @property
+    def prefix_token_id(self) -> int:
+        """What empty contexts and the first rolling window start from: BOS where the tokenizer has one (Llama; as
+        lm-eval's HF backend), else the end-of-document token (GPT-2's <|endoftext|>)."""
+        try:
+            bos = self.megatron_tokenizer.bos
+        except (AttributeError, NotImplementedError, ValueError):
+            return self.eot_token_id
+        return self.eot_token_id if bos is None else int(bos)
+
+    @property
     def max_length(self) -> int:
         return self._max_length
 
@@ -179,7 +189,7 @@ class MegatronLM(TemplateLM):
             raise ValueError(f"generate_until: max_gen_toks={max_gen} leaves no room for a prompt in the model's "
                              f"{self.max_length} tokens")
         until = list(kwargs["until"])
-        prompts = [(self.tok_encode(c) or [self.eot_token_id])[-(self.max_length - max_gen):] for c in contexts]
+        prompts = [(self.tok_encode(c) or [self.prefix_token_id])[-(self.max_length - max_gen):] for c in contexts]
         temperature = float(kwargs.get("temperature") or 0.0)
         greedy = not kwargs.get("do_sample") or temperature == 0.0
         top_p = float(kwargs.get("top_p") or 0.0)
