@@ -220,11 +220,12 @@ REFUSED: Dict[str, Tuple[Any, str]] = {
 
 # dest -> (model families that read it, default). The entry script's family comes from its args_defaults
 # ("model_family", default "gpt"); pretrain_bert.py is "bert" (it reads --bert-no-binary-head,
+# --mask-prob, --short-seq-prob); pretrain_t5.py is "t5" (--decoder-seq-length, --encoder/--decoder-num-layers,
 # --mask-prob, --short-seq-prob); the other entry scripts are GPT.
 FAMILY_ONLY: Dict[str, Tuple[Tuple[str, ...], Any]] = {
     "bert_binary_head": (("bert",), True),
     "mask_prob": (("bert", "t5"), 0.15),
-    "short_seq_prob": (("bert",), 0.1),
+    "short_seq_prob": (("bert", "t5"), 0.1),
     "decoder_seq_length": (("t5",), None),
     "decoder_num_layers": (("t5",), None),
     "pipeline_model_parallel_split_rank": (("t5",), None),
