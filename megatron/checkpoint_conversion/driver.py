@@ -53,7 +53,10 @@ def base_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = base_parser()
-    known, _ = parser.parse_known_args(argv)
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # plugin names first, so --help lists theirs
+    first.add_argument("--loader", default="megatron")
+    first.add_argument("--saver", default="megatron")
+    known, _ = first.parse_known_args(argv)
     loader = resolve_plugin("loader", known.loader)
     saver = resolve_plugin("saver", known.saver)
     loader.add_arguments(parser)

@@ -211,6 +211,9 @@ def test_cli_one_line_error_and_flags(tmp_path):
     bad = subprocess.run(tool + ["--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "o")],
                          capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0 and "error:" in bad.stderr
+    helps = subprocess.run(tool[:2] + ["--saver", "hf", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert helps.returncode == 0 and "--max-shard-size" in helps.stdout and "--target-tensor-parallel-size" in \
+        helps.stdout
     ok = subprocess.run(tool + ["--load-dir", str(src), "--save-dir", str(tmp_path / "o"),
                                 "--target-tensor-parallel-size", "2", "--megatron-path", "/nowhere"],
                         capture_output=True, text=True, cwd=REPO)
