@@ -258,3 +258,20 @@ def test_bert_megatron_hf_both_ways(tmp_path, act):
     b = transformers.MegatronBertForPreTraining.from_pretrained(tmp_path / "hf2").state_dict()
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert (tmp_path / "hf2" / "vocab.txt").read_text() == "[PAD]\n[UNK]\nhello\n"
+
+
+def test_hf_pytorch_model_bin_folder(tmp_path):
+    """An older HF folder with pytorch_model.bin (read through the safe loader) converts like safetensors."""
+    hf = _hf_llama("llama_gqa", seed=2)
+    (tmp_path / "hf").mkdir()
+    hf.config.architectures = ["LlamaForCausalLM"]
+    hf.config.save_pretrained(tmp_path / "hf")
+    torch.save(hf.state_dict(), tmp_path / "hf" / "pytorch_model.bin")
+    meta = _convert(tmp_path / "hf", tmp_path / "meg", "--loader", "hf")["meta"]
+    cfg = meta.config()
+    full = merge_independently(str(tmp_path / "meg"), cfg)
+    rows = full["language_model.embedding.word_embeddings.weight"].size(0)
+    ours = logits(build(dataclasses.replace(cfg, padded_vocab_size=rows), full))
+    with torch.no_grad():
+        theirs = hf(input_ids=inputs()[0]).logits
+    torch.testing.assert_close(ours[..., :theirs.size(-1)], theirs, rtol=1e-5, atol=1e-5)
