@@ -50,6 +50,20 @@ def test_presets_define_the_published_models(name: str) -> None:
     assert args.max_position_embeddings == max_pos and args.hidden_dropout == args.attention_dropout == 0.0
 
 
+@pytest.mark.parametrize("name,vocab,params", [("llama2_7b", 32000, 6_738_415_616),
+                                               ("mistral_7b", 32000, 7_241_732_096)])
+def test_presets_have_the_published_parameter_count(name: str, vocab: int, params: int) -> None:
+    """Hugging Face's Llama-2-7b-hf / Mistral-7B-v0.1 sizes, counted from the config the flags build."""
+    from megatron.arguments import parse_args, validate_args
+    from megatron.theoretical_memory_usage import count_parameters
+
+    argv = _preset_args(name) + ["--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                                 str(vocab), "--make-vocab-size-divisible-by", "1"]
+    args = validate_args(parse_args(args=argv))
+    args.padded_vocab_size = vocab
+    assert count_parameters(args).total == params
+
+
 def test_pretrain_llama_sh_runs_tiny(shared_data: Path, tmp_path: Path) -> None:
     """PRESET=llama_tiny trains 2 iterations on CPU from a tokenizer.model and Llama2Tokenizer-preprocessed data."""
     model = train_llama_sentencepiece(tmp_path / "tok", shared_data)
