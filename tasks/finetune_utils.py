@@ -146,6 +146,8 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
     args.micro_batch_size *= multiplier
     args.global_batch_size *= multiplier
 
+    if epochs == 0:  # evaluation only: --load gives the weights; no optimizer, schedule or RNG to restore
+        args.no_load_optim, args.no_load_rng = True, True
     model, optimizer, scheduler = setup_model_and_optimizer(task.model_provider, ModelType.encoder_or_decoder,
                                                             args, state)
     if args.iteration == 0 and args.pretrained_checkpoint:
