@@ -1,8 +1,10 @@
-"""pretrain_t5.py end to end on a tiny T5 (the BERT tests' sentence-level WordPiece data + 100 sentinels, vocabulary
-padded to 1,152 at TP 1 and 2 so that the curves can be equal; 2 encoder and 1 decoder layers, hidden 64, enc 64 / dec 32 tokens, fp32, no dropout): the serial run learns and logs Megatron's
-`lm loss`; TP=2 + SP, DP=2 + distributed optimizer and DeepSpeed ZeRO-2 train the serial curve (losses and
+"""pretrain_t5.py end to end on a tiny T5 (the BERT tests' sentence-level WordPiece data + 100 sentinels,
+vocabulary padded to 1,152 at TP 1 and 2 so that the curves can be equal; 2 encoder and 1 decoder layers, hidden
+64, enc 64 / dec 32 tokens, fp32, no dropout): the serial run learns and logs Megatron's `lm loss`; TP=2 + SP,
+DP=2 + distributed optimizer and DeepSpeed ZeRO-2 train the serial curve (losses and
 validation 1e-5 relative, grad norms 2e-3); resuming DP=2 + distributed optimizer at iteration 6 reproduces
-iterations 7..12 exactly; pipeline layouts, interleaving and a missing --decoder-seq-length are refused with one line.
+iterations 7..12 exactly; pipeline layouts (so also interleaving) and a missing --decoder-seq-length are refused
+with one line.
 """
 from __future__ import annotations
 

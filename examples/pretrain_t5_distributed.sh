@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Data-parallel T5 pretraining with torchrun on one or more nodes (GPUS_PER_NODE processes per node); add e.g.
+# --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer to split the model.
+# Multi-node: set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT on every node.
+set -euo pipefail
+source "$(cd "$(dirname "$0")" && pwd)/t5_common.sh"
+: "${GPUS_PER_NODE:=$DEFAULT_PROCESSES}"  # 8 with GPUs, 2 on a CPU-only machine
+: "${NNODES:=1}"
+: "${NODE_RANK:=0}"
+: "${MASTER_ADDR:=localhost}"
+: "${MASTER_PORT:=6000}"
+
+# shellcheck disable=SC2086
+torchrun --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+  "$REPO_DIR/pretrain_t5.py" $T5_ARGS $DATA_ARGS $OUTPUT_ARGS $PRECISION_ARGS "$@"

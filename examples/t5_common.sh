@@ -1,0 +1,58 @@
+# Shared settings for the T5 example scripts (sourced). Override any variable from the environment:
+#   PRESET=220m|tiny   DATA_PATH=<prefix of tools/preprocess_data.py output, e.g. my-t5_text_sentence>
+#   VOCAB_FILE (WordPiece vocab.txt), CHECKPOINT_PATH, TENSORBOARD_DIR, TRAIN_ITERS, LR_DECAY_ITERS,
+#   LOG_INTERVAL, SAVE_INTERVAL, EVAL_INTERVAL
+# Data: python tools/preprocess_data.py --input corpus.jsonl --output-prefix my-t5 --vocab-file bert-vocab.txt \
+#         --tokenizer-type BertWordPieceLowerCase --split-sentences --workers 8
+# Without a GPU (and PRESET unset) the tiny preset is used, with one line saying so; the distributed script then
+# starts CPU_PROCESSES (2) processes instead of 8. Pipeline parallelism is not available for T5 yet.
+EXAMPLES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_DIR="$(dirname "$EXAMPLES_DIR")"
+if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  HAS_GPU=1
+else
+  HAS_GPU=0
+  if [ -z "${PRESET:-}" ]; then
+    PRESET=tiny
+    echo "note: no GPU found: using PRESET=tiny (2+2 layers, hidden 128, runs on this CPU); set PRESET=220m for T5-220M" >&2
+  fi
+fi
+: "${PRESET:=220m}"
+PRESET_FILE="$EXAMPLES_DIR/presets/t5_${PRESET}.sh"
+if [ ! -f "$PRESET_FILE" ]; then
+  echo "unknown PRESET=$PRESET: use one of $(ls "$EXAMPLES_DIR/presets" | grep '^t5_' | sed 's/t5_//;s/\.sh//' | tr '\n' ' ')" >&2
+  exit 1
+fi
+# shellcheck source=/dev/null
+source "$PRESET_FILE"
+: "${DATA_PATH:=my-t5_text_sentence}"
+: "${VOCAB_FILE:=bert-vocab.txt}"
+: "${CHECKPOINT_PATH:=checkpoints/t5_${PRESET}}"
+: "${TENSORBOARD_DIR:=$CHECKPOINT_PATH/tensorboard}"
+: "${TRAIN_ITERS:=1000000}"
+: "${LR_DECAY_ITERS:=1000000}"
+: "${LOG_INTERVAL:=100}"
+: "${SAVE_INTERVAL:=10000}"
+: "${EVAL_INTERVAL:=1000}"
+for f in "$VOCAB_FILE" "$DATA_PATH.bin" "$DATA_PATH.idx"; do
+  if [ ! -f "$f" ]; then
+    echo "missing $f: set DATA_PATH (prefix of tools/preprocess_data.py --split-sentences output) and VOCAB_FILE (bash examples/quickstart.sh bert makes quickstart_out/bert_data/python_docs_text_sentence and quickstart_out/bert_tokenizer/vocab.txt, which T5 can use too)" >&2
+    exit 1
+  fi
+done
+
+# Megatron's examples/pretrain_t5.sh settings (linear decay, 1% warmup).
+T5_ARGS="$T5_MODEL_ARGS \
+  --micro-batch-size $MICRO_BATCH_SIZE --global-batch-size $GLOBAL_BATCH_SIZE \
+  --train-iters $TRAIN_ITERS --lr-decay-iters $LR_DECAY_ITERS --lr-decay-style linear \
+  --lr $LR --min-lr $MIN_LR --lr-warmup-fraction .01 --weight-decay 1e-2 --clip-grad 1.0"
+DATA_ARGS="--data-path $DATA_PATH --vocab-file $VOCAB_FILE --tokenizer-type BertWordPieceLowerCase --split 949,50,1"
+OUTPUT_ARGS="--log-interval $LOG_INTERVAL --save-interval $SAVE_INTERVAL --eval-interval $EVAL_INTERVAL --eval-iters 10 \
+  --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH --tensorboard-dir $TENSORBOARD_DIR"
+if [ "$HAS_GPU" = 1 ]; then
+  PRECISION_ARGS="${PRECISION_ARGS:---fp16}"
+  DEFAULT_PROCESSES=8
+else
+  PRECISION_ARGS="${PRECISION_ARGS:-}"
+  DEFAULT_PROCESSES=${CPU_PROCESSES:-2}
+fi

@@ -1,0 +1,49 @@
+"""The T5 example scripts: valid bash, the t5_220m preset (Megatron's documented T5 shape), and
+examples/pretrain_t5.sh training a tiny T5 (flags appended to the 220m preset override it) and saving a checkpoint."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.training._bert import session_bert_data
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+SCRIPTS = ["pretrain_t5.sh", "pretrain_t5_distributed.sh", "t5_common.sh", "presets/t5_220m.sh",
+           "presets/t5_tiny.sh"]
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--kv-channels", "16",
+        "--ffn-hidden-size", "256", "--encoder-seq-length", "64", "--decoder-seq-length", "32",
+        "--max-position-embeddings", "64", "--train-iters", "2", "--lr-warmup-fraction", "0", "--log-interval", "1",
+        "--eval-iters", "1", "--num-workers", "0", "--micro-batch-size", "2", "--global-batch-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def t5_data(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return session_bert_data(shared_data, tmp_path_factory)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_is_valid_bash(script: str) -> None:
+    subprocess.run(["bash", "-n", str(EXAMPLES / script)], check=True)
+
+
+def test_t5_220m_preset() -> None:
+    text = " ".join((EXAMPLES / "presets" / "t5_220m.sh").read_text().replace("\\\n", " ").split())
+    assert ("--num-layers 12 --hidden-size 768 --num-attention-heads 12 --kv-channels 64 --ffn-hidden-size 3072 "
+            "--encoder-seq-length 512 --decoder-seq-length 128 --max-position-embeddings 512 "
+            "--vocab-extra-ids 100") in text
+
+
+def test_pretrain_t5_sh_runs_tiny(t5_data: dict, tmp_path: Path) -> None:
+    env = dict(os.environ, PRESET="220m", DATA_PATH=t5_data["prefix"], VOCAB_FILE=t5_data["vocab"],
+               CHECKPOINT_PATH=str(tmp_path / "ckpt"), OMP_NUM_THREADS="1")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # the same python
+    proc = subprocess.run(["bash", str(EXAMPLES / "pretrain_t5.sh"), *TINY], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert " iteration        2/       2 |" in proc.stdout and "| lm loss: " in proc.stdout
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
