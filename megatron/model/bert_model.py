@@ -67,8 +67,13 @@ class BertLMHead(MegatronModule):
     def forward(self, hidden_states: torch.Tensor, word_embeddings_weight: torch.Tensor) -> torch.Tensor:
         """[s(/tp), b, h] -> logits [s, b, vocab/tp] (full vocab unless parallel_output)."""
         hidden = self.layernorm(self.gelu(self.dense(hidden_states)))
-        return parallel_lm_logits(hidden, word_embeddings_weight, self.parallel_output, self.tp_group,
-                                  bias=self.bias, sequence_parallel=self.sequence_parallel)
+        if not self.parallel_output:  # the bias is vocab-parallel: add it before the gather
+            return parallel_lm_logits(hidden, word_embeddings_weight, False, self.tp_group,
+                                      bias=self.bias, sequence_parallel=self.sequence_parallel)
+        # Without a bias the output layer writes into its reused logits buffer (lm_head.py); add the bias in place.
+        logits = parallel_lm_logits(hidden, word_embeddings_weight, True, self.tp_group,
+                                    sequence_parallel=self.sequence_parallel)
+        return logits.add_(self.bias)
 
 
 def _check_layout(config: TransformerConfig, tp_group: Optional[Any], pp_state: Optional[Any]) -> None:
