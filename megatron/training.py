@@ -248,7 +248,14 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
         per_iter = elapsed / max(1, total_iters)
         if writer is not None and getattr(args, "log_timers_to_tensorboard", False):
             writer.add_scalar("iteration-time", per_iter, iteration)
-        flops = num_floating_point_operations(core_transformer_config_from_args(args), batch_size, args.seq_length)
+        if getattr(args, "model_family", "gpt") == "t5":  # encoder-decoder: two sequence lengths
+            from megatron.model.t5_model import t5_num_floating_point_operations
+
+            flops = t5_num_floating_point_operations(core_transformer_config_from_args(args), batch_size,
+                                                     args.encoder_seq_length, args.decoder_seq_length)
+        else:
+            flops = num_floating_point_operations(core_transformer_config_from_args(args), batch_size,
+                                                  args.seq_length)
         losses = {k: v / float(max(1, total_loss_dict[ADVANCED])) for k, v in total_loss_dict.items()
                   if k not in (ADVANCED, SKIPPED, NAN)}
         if total_loss_dict[ADVANCED] == 0 and total_loss_dict[NAN] > 0:  # print `nan`, do not hide the loss

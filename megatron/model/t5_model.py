@@ -90,6 +90,30 @@ def _check_layout(config: TransformerConfig, tp_group: Optional[Any], pp_state: 
                          f"{config.position_embedding_type}")
 
 
+def t5_num_floating_point_operations(config: TransformerConfig, batch_size: int, encoder_seq_length: int,
+                                     decoder_seq_length: int) -> float:
+    """FLOPs of one T5 training iteration (forward + backward = 3 forwards, 2 per multiply-add; megatron/flops.py's
+    conventions): encoder layers over the encoder tokens, decoder layers (self-attention over the decoder tokens,
+    cross-attention whose key/value projections run over the encoder tokens) and the logits over the decoder tokens.
+    """
+    b, h, n = batch_size, config.hidden_size, config.num_attention_heads
+    se, sd = encoder_seq_length, decoder_seq_length
+    kv = (config.num_query_groups or n) / n  # key/value projection size relative to the query projection's
+    q = config.kv_channels * n
+    ffn = 2.0 * h * config.ffn_hidden_size * (1.5 if config.swiglu else 1.0)
+
+    def self_layer(s: int) -> float:  # multiply-adds of one layer over one sequence of s tokens
+        return s * (2.0 * h * q * (1.0 + kv) + 2.0 * s * q + ffn)
+
+    enc_layers = config.encoder_num_layers or config.num_layers
+    dec_layers = config.decoder_num_layers or config.num_layers
+    cross = sd * (2.0 * h * q + 2.0 * se * q) + se * 2.0 * h * q * kv
+    transformer = 6.0 * b * (enc_layers * self_layer(se) + dec_layers * (self_layer(sd) + cross))
+    if config.recompute_granularity == "full":
+        transformer *= 4.0 / 3.0
+    return transformer + 6.0 * b * sd * h * config.padded_vocab_size
+
+
 class T5Model(MegatronModule):
     """Megatron's T5Model. forward(enc_ids, dec_ids, enc_mask, dec_mask, enc_dec_mask, lm_labels=None) ->
     logits [b, s_dec, v/tp] (full vocab unless parallel_output), or the per-token lm loss [b, s_dec] with labels.

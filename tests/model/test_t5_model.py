@@ -14,7 +14,7 @@ from torch import nn
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.gpt_model import flatten_checkpoint_state_dict
-from megatron.model.t5_model import PP_SPLIT_MISSING, T5Model
+from megatron.model.t5_model import PP_SPLIT_MISSING, T5Model, t5_num_floating_point_operations
 
 VOCAB, ENC, DEC, H, HEADS, TOL = 64, 12, 8, 32, 4, 1e-5
 
@@ -217,3 +217,17 @@ def test_pipeline_is_refused_with_one_line() -> None:
         T5Model(t5_config(pipeline_model_parallel_size=2))
     assert str(err.value) == PP_SPLIT_MISSING and "\n" not in PP_SPLIT_MISSING
     assert "--pipeline-model-parallel-split-rank" in PP_SPLIT_MISSING
+
+
+def test_flops_formula_counts_the_forward_matmuls() -> None:
+    """The TFLOPs formula / 3 equals torch's count of one forward's matmul FLOPs (GQA and unequal depths)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = t5_config(num_query_groups=2, group_query_attention=True, ffn_hidden_size=48)
+    model = build_t5(config)
+    enc, dec, enc_mask, dec_mask, enc_dec_mask, _ = t5_batch()
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model(enc, dec, enc_mask, dec_mask, enc_dec_mask)
+    expected = t5_num_floating_point_operations(config, 2, ENC, DEC) / 3
+    assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12)
