@@ -22,7 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron import global_vars
-from megatron.checkpointing import load_checkpoint, local_rng_state, restore_local_rng_state
+from megatron.checkpointing import (
+    get_checkpoint_tracker_filename,
+    load_checkpoint,
+    local_rng_state,
+    restore_local_rng_state,
+)
 from megatron.core import parallel_state as ps
 from megatron.errors import ArgumentError
 from megatron.model import ModelType
@@ -85,6 +90,10 @@ def _check_batch(args: argparse.Namespace) -> None:
 
 
 def _load_pretrained(model: list, optimizer: Any, args: argparse.Namespace) -> None:
+    tracker = get_checkpoint_tracker_filename(args.pretrained_checkpoint)
+    if not os.path.isfile(tracker):
+        raise ArgumentError(f"--pretrained-checkpoint {args.pretrained_checkpoint}: no checkpoint there ({tracker} is "
+                            "missing); pass the --save directory of pretrain_bert.py")
     saved = (args.finetune, args.no_load_rng, args.no_load_optim)
     args.finetune, args.no_load_rng, args.no_load_optim = True, True, True
     try:

@@ -1,0 +1,58 @@
+# Shared settings of the finetuning examples (sourced by examples/finetune_{mnli,qqp,race}_distributed.sh).
+# Override from the environment:
+#   PRESET=345m|tiny (the pretrained BERT's shape: examples/presets/bert_*.sh), PRETRAINED_CHECKPOINT (a
+#   pretrain_bert.py checkpoint), VOCAB_FILE (its WordPiece vocab.txt), CHECKPOINT_PATH (where the finetuned
+#   model and the predictions go), GPUS_PER_NODE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, PRECISION_ARGS,
+#   DRY_RUN=1 (print the command instead of running it).
+# Without a GPU (and PRESET unset) the tiny preset is used and 2 CPU processes are started.
+EXAMPLES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_DIR="$(dirname "$EXAMPLES_DIR")"
+if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  HAS_GPU=1
+else
+  HAS_GPU=0
+  if [ -z "${PRESET:-}" ]; then
+    PRESET=tiny
+    echo "note: no GPU found: using PRESET=tiny (2 layers, hidden 128); set PRESET=345m for BERT-345M" >&2
+  fi
+fi
+: "${PRESET:=345m}"
+PRESET_FILE="$EXAMPLES_DIR/presets/bert_${PRESET}.sh"
+if [ ! -f "$PRESET_FILE" ]; then
+  echo "unknown PRESET=$PRESET: use one of $(ls "$EXAMPLES_DIR/presets" | grep '^bert_' | sed 's/bert_//;s/\.sh//' | tr '\n' ' ')" >&2
+  exit 1
+fi
+# shellcheck source=/dev/null
+source "$PRESET_FILE"
+: "${PRETRAINED_CHECKPOINT:=checkpoints/bert_${PRESET}}"
+: "${VOCAB_FILE:=bert-vocab.txt}"
+if [ "$HAS_GPU" = 1 ]; then
+  PRECISION_ARGS="${PRECISION_ARGS---fp16}"
+  : "${GPUS_PER_NODE:=8}"
+else
+  PRECISION_ARGS="${PRECISION_ARGS-}"
+  : "${GPUS_PER_NODE:=2}"
+fi
+: "${NNODES:=1}"
+: "${NODE_RANK:=0}"
+: "${MASTER_ADDR:=localhost}"
+: "${MASTER_PORT:=6000}"
+COMMON_ARGS="$BERT_MODEL_ARGS --tokenizer-type BertWordPieceLowerCase --vocab-file $VOCAB_FILE \
+  --pretrained-checkpoint $PRETRAINED_CHECKPOINT --seed 1234 --tensor-model-parallel-size 1"
+
+# run_task ARGS...: torchrun tasks/main.py (or print the command with DRY_RUN=1)
+run_task() {
+  for f in "$VOCAB_FILE"; do
+    if [ ! -f "$f" ] && [ -z "${DRY_RUN:-}" ]; then
+      echo "missing $f: set VOCAB_FILE to the pretrained BERT's WordPiece vocab.txt" >&2
+      exit 1
+    fi
+  done
+  local cmd=(torchrun --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK"
+             --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$REPO_DIR/tasks/main.py" "$@")
+  if [ -n "${DRY_RUN:-}" ]; then
+    echo "${cmd[*]}"
+  else
+    "${cmd[@]}"
+  fi
+}
