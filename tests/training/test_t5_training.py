@@ -1,10 +1,10 @@
 """pretrain_t5.py end to end on a tiny T5 (the BERT tests' sentence-level WordPiece data + 100 sentinels,
 vocabulary padded to 1,152 at TP 1 and 2 so that the curves can be equal; 2 encoder and 1 decoder layers, hidden
 64, enc 64 / dec 32 tokens, fp32, no dropout): the serial run learns and logs Megatron's `lm loss`; TP=2 + SP,
-DP=2 + distributed optimizer and DeepSpeed ZeRO-2 train the serial curve (losses and
-validation 1e-5 relative, grad norms 2e-3); resuming DP=2 + distributed optimizer at iteration 6 reproduces
-iterations 7..12 exactly; pipeline layouts (so also interleaving) and a missing --decoder-seq-length are refused
-with one line.
+DP=2 + distributed optimizer, DeepSpeed ZeRO-2 and ZeRO-3, DP=2 with torch DDP and full recompute train the serial
+curve (losses and validation 1e-5 relative, grad norms 2e-3); resuming DP=2 + distributed optimizer at iteration 6
+reproduces iterations 7..12 exactly; pipeline layouts (so also interleaving) and a missing --decoder-seq-length are
+refused with one line.
 """
 from __future__ import annotations
 
@@ -131,6 +131,19 @@ def test_two_process_layouts_match_serial_and_resume_exactly(serial: dict, t5_da
         assert again["train"][it] == full["train"][it], (it, full["train"][it], again["train"][it])
         assert again["grad_norm"][it] == full["grad_norm"][it]
     assert again["val"] == full["val"][1:]
+
+
+def test_zero3_and_torch_ddp_with_full_recompute_match_serial(serial: dict, t5_data: dict, tmp_path: Path) -> None:
+    zero3 = write_ds_config(str(tmp_path / "zero3.json"), zero_optimization={"stage": 3},
+                            train_micro_batch_size_per_gpu=2, train_batch_size=8)
+    layouts = {
+        "zero3-dp2": ["--deepspeed", "--deepspeed_config", zero3],
+        "dp2-torch-ddp-full-recompute": ["--DDP-impl", "torch", "--recompute-granularity", "full",
+                                         "--recompute-method", "uniform"],
+    }
+    results = run_distributed(run_many, 2, args=([(t5_argv(t5_data, *extra), None) for extra in layouts.values()],))
+    for i, name in enumerate(layouts):
+        assert_matches(curve_of(results[-1][i], name), serial, name)
 
 
 def test_refusals_are_one_line(t5_data: dict) -> None:
