@@ -80,6 +80,9 @@ def _check_batch(args: argparse.Namespace) -> None:
                             f"({args.micro_batch_size * args.data_parallel_size}); drop --global-batch-size")
     if args.rampup_batch_size is not None:
         raise ArgumentError("--rampup-batch-size is not supported by finetuning: drop it")
+    if getattr(args, "deepspeed", False):
+        raise ArgumentError("--deepspeed is not supported by the finetuning tasks yet: drop it (TP/PP/DP and "
+                            "--use-distributed-optimizer work)")
     if not args.bert_binary_head:
         raise ArgumentError("--bert-no-binary-head: the finetuning heads always use the pooler and token types "
                             "(a checkpoint pretrained without them loads with a fresh pooler); drop it")

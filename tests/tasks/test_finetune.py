@@ -1,8 +1,8 @@
 """tasks/main.py --task MNLI finetuning on the shipped MNLI sample (fp32, tiny BERT, no dropout unless said):
-TP=2, PP=2 and DP=2 give the serial losses and accuracy counts (1e-5); an interrupted run (with dropout) resumed
-mid-epoch with --load repeats the uninterrupted run exactly; --epochs 0 prints Megatron's accuracy lines, trains
-nothing and writes the predictions; the printed accuracy equals an independent Hugging Face computation on the saved
-checkpoint; a tiny model overfits 32 MNLI examples to 100%.
+TP=2 (also + SP), PP=2 and DP=2 (also + distributed optimizer) give the serial losses and accuracy counts (1e-5); an
+interrupted run (with dropout) resumed mid-epoch with --load repeats the uninterrupted run exactly; --epochs 0 prints
+Megatron's accuracy lines, trains nothing and writes the predictions; the printed accuracy equals an independent
+Hugging Face computation on the saved checkpoint; a tiny model overfits 32 MNLI examples to 100%.
 """
 from __future__ import annotations
 
@@ -157,7 +157,9 @@ def test_printed_accuracy_equals_hugging_face(serial: dict, data: dict) -> None:
 
 def test_tp2_pp2_dp2_equal_serial(serial: dict, data: dict) -> None:
     layouts = {"tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"],
-               "dp2": ["--micro-batch-size", "1"]}
+               "dp2": ["--micro-batch-size", "1"],
+               "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+               "dp2-distopt": ["--micro-batch-size", "1", "--use-distributed-optimizer"]}
     runs = [dict(entry="tasks", argv=mnli_argv(data, *extra), serial_init=True) for extra in layouts.values()]
     last = run_distributed(run_many, 2, args=(runs,))[-1]
     ref = losses(serial["ref"])
