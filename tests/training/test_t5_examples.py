@@ -1,5 +1,6 @@
 """The T5 example scripts: valid bash, the t5_220m preset (Megatron's documented T5 shape), and
-examples/pretrain_t5.sh training a tiny T5 (flags appended to the 220m preset override it) and saving a checkpoint."""
+examples/pretrain_t5.sh training a tiny T5 (flags appended to the 220m preset override it) and saving a checkpoint,
+pretrain_t5_distributed_with_mp.sh training it with TP=2 + SP under torchrun, the DeepSpeed script's command."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,8 @@ from tests.training._bert import session_bert_data
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
-SCRIPTS = ["pretrain_t5.sh", "pretrain_t5_distributed.sh", "t5_common.sh", "presets/t5_220m.sh",
+SCRIPTS = ["pretrain_t5.sh", "pretrain_t5_distributed.sh", "pretrain_t5_distributed_with_mp.sh",
+           "pretrain_t5_deepspeed.sh", "slurm/pretrain_t5.slurm", "t5_common.sh", "presets/t5_220m.sh",
            "presets/t5_tiny.sh"]
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--kv-channels", "16",
         "--ffn-hidden-size", "256", "--encoder-seq-length", "64", "--decoder-seq-length", "32",
@@ -38,12 +40,33 @@ def test_t5_220m_preset() -> None:
             "--vocab-extra-ids 100") in text
 
 
-def test_pretrain_t5_sh_runs_tiny(t5_data: dict, tmp_path: Path) -> None:
+def _env(t5_data: dict, **extra: str) -> dict:
     env = dict(os.environ, PRESET="220m", DATA_PATH=t5_data["prefix"], VOCAB_FILE=t5_data["vocab"],
-               CHECKPOINT_PATH=str(tmp_path / "ckpt"), OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", **extra)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # the same python
+    return env
+
+
+def test_pretrain_t5_sh_runs_tiny(t5_data: dict, tmp_path: Path) -> None:
+    env = _env(t5_data, CHECKPOINT_PATH=str(tmp_path / "ckpt"))
     proc = subprocess.run(["bash", str(EXAMPLES / "pretrain_t5.sh"), *TINY], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert " iteration        2/       2 |" in proc.stdout and "| lm loss: " in proc.stdout
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_with_mp_script_trains_tp2_and_deepspeed_command(t5_data: dict, tmp_path: Path) -> None:
+    from tests.dist_utils import free_port
+
+    env = _env(t5_data, CHECKPOINT_PATH=str(tmp_path / "mp"), GPUS_PER_NODE="2", MASTER_PORT=str(free_port()))
+    proc = subprocess.run(["bash", str(EXAMPLES / "pretrain_t5_distributed_with_mp.sh"), *TINY], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert " iteration        2/       2 |" in proc.stdout and "tensor-model-parallel size: 2" in proc.stdout
+    proc = subprocess.run(["bash", str(EXAMPLES / "pretrain_t5_deepspeed.sh")], capture_output=True, text=True,
+                          env=_env(t5_data, DRY_RUN="1", ZERO_STAGE="3", CHECKPOINT_PATH=str(tmp_path / "ds")),
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "pretrain_t5.py" in proc.stdout and "--zero-stage 3" in proc.stdout
+    assert '"stage": 3' in (tmp_path / "ds" / "ds_config.json").read_text()
