@@ -5,7 +5,9 @@ layer, no biases, seq 512, micro batch 4, vocab 32000, fp32, no dropout, AdamW l
 the same initial weights (HF's, converted with megatron.model.hf_conversion, so the first losses agree), the same
 random token batches, measured in the same process with the two frameworks' steps interleaved (both see the same
 machine load): a few warm-up steps, then timed steps (median). Prints tokens/s of each, the ratio, and the MFU of
-each against a fp32 matmul peak measured here (FLOPs counted from the shapes: 3x forward, no recomputation).
+each against a fp32 matmul peak measured here (FLOPs counted from the shapes: 3x forward, no recomputation). It also
+prints the ratio of process CPU time per step: on a machine shared with other jobs, wall time mostly measures waiting
+for a core, while CPU time (with --threads 1) still measures each stack's own work.
 
     python tools/benchmarks/bench_train_llama.py [--steps 5] [--warmup 2] [--threads N] [--json out.json]
 """
@@ -136,25 +138,30 @@ def main(argv: list[str] | None = None) -> dict:
     frameworks = {"megatron": build_megatron(hf[0]), "hf": hf}
     # Interleave the steps (alternating which framework goes first) so that both see the same machine load.
     times: dict[str, list[float]] = {name: [] for name in frameworks}
+    cpu: dict[str, list[float]] = {name: [] for name in frameworks}
     losses: dict[str, list[float]] = {name: [] for name in frameworks}
     for i, batch in enumerate(batches):
         order = list(frameworks) if i % 2 == 0 else list(reversed(frameworks))
         for name in order:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             losses[name].append(frameworks[name][1](batch))
             if i >= a.warmup:
                 times[name].append(time.perf_counter() - t)
+                cpu[name].append(time.process_time() - c)
     for name, (model, _step) in frameworks.items():
         n_params = sum(q.numel() for q in model.parameters())
         med = statistics.median(times[name])
-        results[name] = {"params": n_params, "step_s": med, "tokens_per_s": tokens / med,
+        cpu_med = statistics.median(cpu[name])
+        results[name] = {"params": n_params, "step_s": med, "tokens_per_s": tokens / med, "cpu_s": cpu_med,
                          "mfu": flops / med / peak, "first_loss": losses[name][0], "last_loss": losses[name][-1]}
         print(f"{name:9s} params {n_params / 1e6:.2f}M  step {med:.3f} s (median of {len(times[name])})  "
-              f"{tokens / med:8.1f} tokens/s  MFU {100 * flops / med / peak:.1f}%  loss {losses[name][0]:.4f} -> "
-              f"{losses[name][-1]:.4f}", flush=True)
+              f"{tokens / med:8.1f} tokens/s  MFU {100 * flops / med / peak:.1f}%  CPU {cpu_med:.3f} s/step  "
+              f"loss {losses[name][0]:.4f} -> {losses[name][-1]:.4f}", flush=True)
     ratio = results["megatron"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
     results["ratio"] = ratio
-    print(f"megatron-lite / HF tokens/s: {ratio:.2f}x", flush=True)
+    results["cpu_ratio"] = results["hf"]["cpu_s"] / results["megatron"]["cpu_s"]
+    print(f"megatron-lite / HF tokens/s: {ratio:.2f}x (process CPU time per step: {results['cpu_ratio']:.2f}x)",
+          flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
