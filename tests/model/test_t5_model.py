@@ -231,3 +231,23 @@ def test_flops_formula_counts_the_forward_matmuls() -> None:
         model(enc, dec, enc_mask, dec_mask, enc_dec_mask)
     expected = t5_num_floating_point_operations(config, 2, ENC, DEC) / 3
     assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12)
+
+
+def test_t5_flags_reach_the_model_config() -> None:
+    """--encoder-num-layers / --decoder-num-layers (default --num-layers), --encoder-seq-length, --decoder-seq-length
+    and --short-seq-prob parse and validate for the t5 family and build the stacks they name."""
+    from megatron.arguments import core_transformer_config_from_args, parse_args, validate_args
+
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--encoder-seq-length", "16",
+            "--decoder-seq-length", "8", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "60", "--short-seq-prob", "0.2"]
+    for extra, layers in (([], (2, 2)), (["--encoder-num-layers", "3", "--decoder-num-layers", "1"], (3, 1))):
+        args = parse_args(args=[*base, *extra])
+        args.rank = 1  # keep the argument dump quiet
+        args = validate_args(args, {"model_family": "t5"})
+        assert (args.seq_length, args.decoder_seq_length, args.short_seq_prob) == (16, 8, 0.2)
+        config = core_transformer_config_from_args(args)
+        config.padded_vocab_size = VOCAB
+        model = T5Model(config)
+        lm = model.language_model
+        assert (len(lm.encoder.layers), len(lm.decoder.layers)) == layers
