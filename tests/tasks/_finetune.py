@@ -25,45 +25,53 @@ def task_argv(vocab: str, *extra: str, hidden: int = HIDDEN) -> list[str]:
             "--make-vocab-size-divisible-by", "256", *extra]  # the same padded vocabulary at TP 1 and 2
 
 
-def _serial_classification(args: Any, state: Any, num_classes: int) -> torch.nn.Module:
+def _serial_model(args: Any, state: Any, num_classes: int) -> torch.nn.Module:
+    """The full (unsplit) Classification, or MultipleChoice when num_classes is 0, built from the run's seed."""
     from megatron.arguments import core_transformer_config_from_args
     from megatron.core.tensor_parallel import get_rng_tracker
     from megatron.core.tensor_parallel.random import model_parallel_manual_seed
     from megatron.model.classification import Classification
+    from megatron.model.multiple_choice import MultipleChoice
 
     config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=1)
     tracker = get_rng_tracker().get_states()
     with torch.random.fork_rng(devices=[]):
         model_parallel_manual_seed(args.seed, state.tp_rank)
         torch.manual_seed(args.seed)
-        full = Classification(config, num_classes, tp_group=state.tp_group)
+        full = (Classification(config, num_classes, tp_group=state.tp_group) if num_classes
+                else MultipleChoice(config, tp_group=state.tp_group))
     get_rng_tracker().set_states(tracker)
     return full
 
 
+def _serial_init(task: Any, args: Any, num_classes: int) -> Any:
+    from megatron.core import parallel_state as ps
+    from tests.pipeline._workers import _copy_stage_weights
+
+    provider = task.model_provider
+
+    def model_provider(pre_process: bool = True, post_process: bool = True) -> Any:
+        state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
+        stage = provider(pre_process=pre_process, post_process=post_process)
+        _copy_stage_weights(_serial_model(args, state, num_classes), stage)
+        return stage
+
+    task.model_provider = model_provider
+    return task
+
+
 def _patch_serial_init() -> Any:
     import tasks.glue.finetune as glue
+    import tasks.race.finetune as race
 
-    base = glue.glue_task
+    glue_base, race_base = glue.glue_task, race.race_task
+    glue.glue_task = lambda name, args: _serial_init(glue_base(name, args), args, glue._TASKS[name][0].NUM_CLASSES)
+    race.race_task = lambda args: _serial_init(race_base(args), args, 0)
 
-    def patched(name: str, args: Any) -> Any:
-        from megatron.core import parallel_state as ps
-        from tests.pipeline._workers import _copy_stage_weights
+    def restore() -> None:
+        glue.glue_task, race.race_task = glue_base, race_base
 
-        task = base(name, args)
-        provider = task.model_provider
-
-        def model_provider(pre_process: bool = True, post_process: bool = True) -> Any:
-            state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
-            stage = provider(pre_process=pre_process, post_process=post_process)
-            _copy_stage_weights(_serial_classification(args, state, glue._TASKS[name][0].NUM_CLASSES), stage)
-            return stage
-
-        task.model_provider = model_provider
-        return task
-
-    glue.glue_task = patched
-    return lambda: setattr(glue, "glue_task", base)
+    return restore
 
 
 def run_one(rank: int, world_size: int, entry: str, argv: list[str], resume_from: Optional[tuple[str, int]] = None,

@@ -1,5 +1,6 @@
 """tasks/main.py --task MNLI finetuning on the shipped MNLI sample (fp32, tiny BERT, no dropout unless said):
-TP=2 (also + SP), PP=2 and DP=2 (also + distributed optimizer) give the serial losses and accuracy counts (1e-5); an
+TP=2 (also + SP), PP=2 and DP=2 (also + distributed optimizer) give the serial losses and accuracy counts (1e-5), and
+so does RACE (4 options per question) at PP=2; an
 interrupted run (with dropout) resumed mid-epoch with --load repeats the uninterrupted run exactly; --epochs 0 prints
 Megatron's accuracy lines, trains nothing and writes the predictions; the printed accuracy equals an independent
 Hugging Face computation on the saved checkpoint; a tiny model overfits 32 MNLI examples to 100%.
@@ -39,7 +40,7 @@ def data(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     (out / "overfit32.tsv").write_text("\n".join([header, *rows]) + "\n", encoding="utf-8")
     assert len(rows) == 32
     vocab = str(shared_data / "bert-wordpiece" / "bert-base-uncased-vocab.txt")
-    return {"dir": out, "vocab": vocab}
+    return {"dir": out, "vocab": vocab, "race": shared_data / "race-sample" / "RACE"}
 
 
 def mnli_argv(data: dict, *extra: str, epochs: int = 2, hidden: int = 32) -> list[str]:
@@ -71,11 +72,20 @@ def serial(data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
                                   str(data["dir"] / "dev_matched.tsv"), str(data["dir"] / "test_matched.tsv"),
                                   *task_argv(data["vocab"], "--load", str(ref), "--save", str(tmp / "eval"),
                                              "--save-interval", "1000")]),
+        dict(entry="tasks", argv=race_argv(data), serial_init=True),
     ]
     results = run_distributed(run_many, 1, args=(runs,))[0]
-    for res, what in zip(results, ("reference", "dropout", "resumed", "epochs 0")):
+    for res, what in zip(results, ("reference", "dropout", "resumed", "epochs 0", "race")):
         ok(res, what)
-    return {"ref": results[0], "drop": results[1], "resumed": results[2], "eval": results[3], "tmp": tmp}
+    return {"ref": results[0], "drop": results[1], "resumed": results[2], "eval": results[3], "race": results[4],
+            "tmp": tmp}
+
+
+def race_argv(data: dict, *extra: str) -> list[str]:
+    race = data["race"]
+    return ["--task", "RACE", "--train-data", str(race / "train" / "middle"), str(race / "train" / "high"),
+            "--valid-data", str(race / "dev" / "middle"), str(race / "dev" / "high"), "--epochs", "1",
+            *task_argv(data["vocab"], *extra)]
 
 
 def test_serial_run_logs_and_accuracy_lines(serial: dict) -> None:
@@ -161,8 +171,13 @@ def test_tp2_pp2_dp2_equal_serial(serial: dict, data: dict) -> None:
                "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                "dp2-distopt": ["--micro-batch-size", "1", "--use-distributed-optimizer"]}
     runs = [dict(entry="tasks", argv=mnli_argv(data, *extra), serial_init=True) for extra in layouts.values()]
-    last = run_distributed(run_many, 2, args=(runs,))[-1]
-    ref = losses(serial["ref"])
+    runs.append(dict(entry="tasks", argv=race_argv(data, "--pipeline-model-parallel-size", "2"), serial_init=True))
+    *last, race_pp2 = run_distributed(run_many, 2, args=(runs,))[-1]
+    ref, race_ref = losses(serial["ref"]), losses(serial["race"])
+    got = losses(ok(race_pp2, "race pp2"))  # RACE's [b, 4, s] inputs: 4x the sequences through the pipeline
+    assert sorted(got) == sorted(race_ref) == list(range(1, 7))
+    assert all(math.isclose(got[it], race_ref[it], rel_tol=1e-5) for it in race_ref), (got, race_ref)
+    assert race_pp2["result"]["accuracy"] == serial["race"]["result"]["accuracy"]
     for res, name in zip(last, layouts):
         got = losses(ok(res, name))
         assert sorted(got) == sorted(ref), name
