@@ -3,8 +3,8 @@ vocabulary padded to 1,152 at TP 1 and 2 so that the curves can be equal; 2 enco
 64, enc 64 / dec 32 tokens, fp32, no dropout): the serial run learns and logs Megatron's `lm loss`; TP=2 + SP,
 DP=2 + distributed optimizer, DeepSpeed ZeRO-2 and ZeRO-3, DP=2 with torch DDP and full recompute train the serial
 curve (losses and validation 1e-5 relative, grad norms 2e-3); resuming DP=2 + distributed optimizer at iteration 6
-reproduces iterations 7..12 exactly; pipeline layouts (so also interleaving) and a missing --decoder-seq-length are
-refused with one line.
+reproduces iterations 7..12 exactly; bf16 and fp16 (loss scaling) stay within 1% of fp32; pipeline layouts (so also
+interleaving) and a missing --decoder-seq-length are refused with one line.
 """
 from __future__ import annotations
 
@@ -144,6 +144,17 @@ def test_zero3_and_torch_ddp_with_full_recompute_match_serial(serial: dict, t5_d
     results = run_distributed(run_many, 2, args=([(t5_argv(t5_data, *extra), None) for extra in layouts.values()],))
     for i, name in enumerate(layouts):
         assert_matches(curve_of(results[-1][i], name), serial, name)
+
+
+def test_bf16_and_fp16_stay_within_one_percent_of_fp32(serial: dict, t5_data: dict) -> None:
+    runs = [(t5_argv(t5_data, "--bf16"), None), (t5_argv(t5_data, "--fp16", "--initial-loss-scale", "1024"), None)]
+    ((bf16, fp16),) = run_distributed(run_many, 1, args=(runs,))
+    for res, name in ((bf16, "bf16"), (fp16, "fp16")):
+        curve = curve_of(res, name)
+        assert sorted(curve["train"]) == list(range(1, ITERS + 1)), name
+        for it, ref in serial["train"].items():
+            assert math.isclose(curve["train"][it], ref, rel_tol=1e-2), (name, it, curve["train"][it], ref)
+    assert "loss scale: 1024.0" in fp16["stdout"]
 
 
 def test_refusals_are_one_line(t5_data: dict) -> None:
