@@ -157,11 +157,14 @@ def test_bf16_and_fp16_stay_within_one_percent_of_fp32(serial: dict, t5_data: di
     assert "loss scale: 1024.0" in fp16["stdout"]
 
 
-def test_refusals_are_one_line(t5_data: dict) -> None:
+def test_refusals_are_one_line(t5_data: dict, tmp_path: Path) -> None:
+    ds = write_ds_config(str(tmp_path / "ds.json"), zero_optimization={"stage": 1}, train_micro_batch_size_per_gpu=2,
+                         train_batch_size=8)
     cases = {
         "--pipeline-model-parallel-split-rank": ["--pipeline-model-parallel-size", "2",
                                                  "--pipeline-model-parallel-split-rank", "1"],
         "not implemented yet": ["--pipeline-model-parallel-size", "2"],
+        "T5 pipeline parallelism": ["--pipeline-model-parallel-size", "2", "--deepspeed", "--deepspeed_config", ds],
     }
     runs = [(t5_argv(t5_data, *extra, iters=1), None) for extra in cases.values()]
     results = run_distributed(run_many, 2, args=(runs,))
