@@ -214,7 +214,7 @@ def test_bad_input_is_one_line(setup, shared_data, repo_root, tmp_path):
     bad = tmp_path / "bad_lambada.jsonl"
     bad.write_text('{"text": "fine line"}\nnot json\n')
     for task, data, needle in (("WIKITEXT103", tmp_path / "missing.tokens", "--valid-data"),
-                               ("RACE", setup["wiki"], "--task RACE")):
+                               ("SQUAD", setup["wiki"], "--task SQUAD")):  # RACE/MNLI/QQP finetune now
         with pytest.raises(MegatronUserError, match=re.escape(needle)):
             _run_in_process(_argv(setup, shared_data, task, data))
     proc = subprocess.run([sys.executable, str(repo_root / "tasks" / "main.py"),
