@@ -145,12 +145,18 @@ def test_masked_lm_loss_ignores_minus_one_labels() -> None:
     assert torch.allclose(loss[keep], ref, atol=1e-5)
 
 
-def _tp2_worker(rank: int, world_size: int, binary: bool, sequence_parallel: bool) -> dict:
+def _tp2_worker(rank: int, world_size: int, cases: list[tuple[bool, bool]]) -> list[dict]:
     from megatron.core import parallel_state as ps
-    from megatron.model.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
-    state = ps.get_parallel_state()
+    out = [_tp2_case(ps.get_parallel_state(), binary, sp) for binary, sp in cases]
+    ps.destroy_model_parallel()
+    return out
+
+
+def _tp2_case(state, binary: bool, sequence_parallel: bool) -> dict:
+    from megatron.model.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
+
     full = build_bert(bert_config(), binary)
     config = bert_config(tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
     model_parallel_manual_seed(99, state.tp_rank)
@@ -165,15 +171,15 @@ def _tp2_worker(rank: int, world_size: int, binary: bool, sequence_parallel: boo
         loss, _ = tp_model(tokens, pad, tokentype_ids=types if binary else None, lm_labels=labels)
         ref_loss, _ = full(tokens, pad, tokentype_ids=types if binary else None, lm_labels=labels)
     hf_logits, hf_sop = hf_outputs(full, bert_config(), binary)
-    ps.destroy_model_parallel()
     return {"logits": logits, "sop": sop, "hf_logits": hf_logits, "hf_sop": hf_sop,
             "loss_err": (loss - ref_loss)[labels >= 0].abs().max().item()}
 
 
-@pytest.mark.parametrize("binary,sp", [(True, True), (False, False)], ids=["binary-head-sp", "no-binary-head"])
-def test_tp2_logits_equal_hf(binary: bool, sp: bool) -> None:
-    for res in run_distributed(_tp2_worker, 2, args=(binary, sp)):
-        assert_close_at_tokens(res["logits"], res["hf_logits"])
-        if binary:
-            assert (res["sop"] - res["hf_sop"]).abs().max().item() <= TOL
-        assert res["loss_err"] <= TOL
+def test_tp2_logits_equal_hf() -> None:
+    cases = [(True, True), (False, False)]  # (binary head, sequence parallel)
+    for rank_results in run_distributed(_tp2_worker, 2, args=(cases,)):
+        for (binary, _sp), res in zip(cases, rank_results):
+            assert_close_at_tokens(res["logits"], res["hf_logits"])
+            if binary:
+                assert (res["sop"] - res["hf_sop"]).abs().max().item() <= TOL
+            assert res["loss_err"] <= TOL
