@@ -140,6 +140,13 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
     valid_sets = [task.build_dataset([p]) for p in (args.valid_data or [])]
     if epochs == 0 and not valid_sets:
         raise ArgumentError("--epochs 0 evaluates only: pass --valid-data")
+    if epochs == 0:  # evaluation never runs on random weights
+        if not (args.load or args.pretrained_checkpoint):
+            raise ArgumentError("--epochs 0 evaluates a finetuned model: pass --load (a finetuning --save directory)")
+        if args.load and not args.pretrained_checkpoint:
+            from megatron.text_generation.model_loading import require_checkpoint
+
+            require_checkpoint(args.load)
     multiplier = getattr(train_ds if train_ds is not None else valid_sets[0], "sample_multiplier", 1)
 
     rng = local_rng_state()

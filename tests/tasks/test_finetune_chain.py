@@ -62,8 +62,11 @@ def test_pretrain_finetune_evaluate_chain_race_and_qqp(shared_data: Path, tmp_pa
                                   str(qqp / "train.tsv"), "--epochs", "1", *_model(vocab)]),
         dict(entry="tasks", argv=["--task", "QQP", "--valid-data", str(qqp / "train.tsv"), "--epochs", "0",
                                   "--pretrained-checkpoint", str(tmp_path / "nothing"), *_model(vocab)]),
+        dict(entry="tasks", argv=["--task", "QQP", "--valid-data", str(qqp / "train.tsv"), "--epochs", "0",
+                                  "--load", str(qqp), *_model(vocab)]),
     ]
-    *results, missing = run_distributed(run_many, 1, args=(runs,))[0]
+    *results, missing, no_weights = run_distributed(run_many, 1, args=(runs,))[0]
+    assert no_weights["error"] is not None and f"--load {qqp} holds no checkpoint" in no_weights["error"]
     fin_res, ev_res, race_res, race_ev, qqp_res = (
         ok(r, w) for r, w in zip(results, ("finetune", "evaluate", "race", "race eval", "qqp")))
     assert missing["error"] is not None and "\n" not in missing["error"]
