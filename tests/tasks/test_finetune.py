@@ -3,7 +3,8 @@ TP=2 (also + SP), PP=2 and DP=2 (also + distributed optimizer) give the serial l
 so does RACE (4 options per question) at PP=2; an
 interrupted run (with dropout) resumed mid-epoch with --load repeats the uninterrupted run exactly; --epochs 0 prints
 Megatron's accuracy lines, trains nothing and writes the predictions; the printed accuracy equals an independent
-Hugging Face computation on the saved checkpoint; a tiny model overfits 32 MNLI examples to 100%.
+Hugging Face computation on the saved checkpoint; a tiny model overfits 32 MNLI examples to 100%; bf16 and fp16
+(loss scaling) runs stay within 1% of the fp32 losses.
 """
 from __future__ import annotations
 
@@ -73,12 +74,14 @@ def serial(data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
                                   *task_argv(data["vocab"], "--load", str(ref), "--save", str(tmp / "eval"),
                                              "--save-interval", "1000")]),
         dict(entry="tasks", argv=race_argv(data), serial_init=True),
+        dict(entry="tasks", argv=mnli_argv(data, "--bf16"), serial_init=True),
+        dict(entry="tasks", argv=mnli_argv(data, "--fp16", "--initial-loss-scale", "1024"), serial_init=True),
     ]
     results = run_distributed(run_many, 1, args=(runs,))[0]
-    for res, what in zip(results, ("reference", "dropout", "resumed", "epochs 0", "race")):
+    names = ("ref", "drop", "resumed", "eval", "race", "bf16", "fp16")
+    for res, what in zip(results, names):
         ok(res, what)
-    return {"ref": results[0], "drop": results[1], "resumed": results[2], "eval": results[3], "race": results[4],
-            "tmp": tmp}
+    return {**dict(zip(names, results)), "tmp": tmp}
 
 
 def race_argv(data: dict, *extra: str) -> list[str]:
@@ -195,3 +198,13 @@ def test_overfits_32_examples(data: dict) -> None:
     ok(res, "overfit")
     acc = res["result"]["accuracy"]
     assert acc[19]["overfit32"] == (32, 32), {e: v["overfit32"] for e, v in acc.items()}
+
+
+def test_bf16_and_fp16_follow_fp32(serial: dict) -> None:
+    ref = losses(serial["ref"])
+    for name in ("bf16", "fp16"):
+        got = losses(serial[name])
+        assert sorted(got) == sorted(ref), name
+        for it in ref:
+            assert abs(got[it] - ref[it]) <= 1e-2 * ref[it], (name, it, got[it], ref[it])
+    assert "loss scale: 1024.0 |" in serial["fp16"]["stdout"]
