@@ -80,6 +80,9 @@ def _check_batch(args: argparse.Namespace) -> None:
                             f"({args.micro_batch_size * args.data_parallel_size}); drop --global-batch-size")
     if args.rampup_batch_size is not None:
         raise ArgumentError("--rampup-batch-size is not supported by finetuning: drop it")
+    if args.keep_last and args.pipeline_model_parallel_size > 1:
+        raise ArgumentError("--keep-last with --pipeline-model-parallel-size > 1: the pipeline needs full "
+                            "micro-batches; drop --keep-last")
     if getattr(args, "deepspeed", False):
         raise ArgumentError("--deepspeed is not supported by the finetuning tasks yet: drop it (TP/PP/DP and "
                             "--use-distributed-optimizer work)")
@@ -108,8 +111,8 @@ def _load_pretrained(model: list, optimizer: Any, args: argparse.Namespace) -> N
 def _prediction_writer(task: FinetuneTask, args: argparse.Namespace) -> Optional[Callable[[Any, list], None]]:
     if task.write_predictions is None:
         return None
-    out_dir = args.save or (args.load if args.load else None)
-    if out_dir is None:
+    out_dir = args.save
+    if not out_dir:
         print_rank_0(" > predictions are not written: pass --save DIR to get the submission files")
         return None
 
