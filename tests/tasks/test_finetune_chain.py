@@ -1,7 +1,8 @@
 """The chain a user follows: pretrain a tiny BERT with pretrain_bert.py (3 steps, saved) -> tasks/main.py --task MNLI
 --pretrained-checkpoint (the missing classification head is noticed) -> --epochs 0 --load evaluates the finetuned
-checkpoint with the same accuracy; a missing --pretrained-checkpoint is a one-line error. Also RACE (4-way multiple
-choice over the RACE sample directories, predictions as JSONL) and QQP through tasks/main.py, and the example scripts.
+checkpoint with the same accuracy; a missing --pretrained-checkpoint is a one-line error; a BERT pretrained with
+--bert-no-binary-head finetunes with a fresh pooler and notices. Also RACE (4-way multiple choice over the RACE sample
+directories, predictions as JSONL) and QQP through tasks/main.py, and the example scripts.
 """
 from __future__ import annotations
 
@@ -29,13 +30,17 @@ def _model(vocab: str, *extra: str) -> list[str]:  # bert_argv's architecture (h
 
 @pytest.fixture(scope="module")
 def pretrained(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """pretrain_bert.py: 3 steps of the tiny BERT, saved."""
+    """pretrain_bert.py: 3 steps of the tiny BERT, saved (and the same with --bert-no-binary-head)."""
     bert = session_bert_data(shared_data, tmp_path_factory)
     pre = tmp_path_factory.mktemp("pretrained") / "bert"
     argv = bert_argv(bert, "--save", str(pre), "--save-interval", "3", iters=3)
-    (res,) = run_distributed(run_many, 1, args=([dict(entry="pretrain_bert", argv=argv)],))[0]
+    nobin = bert_argv(bert, "--bert-no-binary-head", "--eval-iters", "0", "--save", str(pre.parent / "nobin"),
+                      "--save-interval", "3", iters=3)
+    res, res2 = run_distributed(run_many, 1, args=([dict(entry="pretrain_bert", argv=argv),
+                                                    dict(entry="pretrain_bert", argv=nobin)],))[0]
     assert ok(res, "pretrain")["result"]["iteration"] == 3
-    return {"dir": pre, "vocab": bert["vocab"]}
+    assert ok(res2, "pretrain --bert-no-binary-head")["result"]["iteration"] == 3
+    return {"dir": pre, "nobin": pre.parent / "nobin", "vocab": bert["vocab"]}
 
 
 def test_pretrain_finetune_evaluate_chain_race_and_qqp(shared_data: Path, tmp_path: Path, pretrained: dict) -> None:
@@ -64,8 +69,15 @@ def test_pretrain_finetune_evaluate_chain_race_and_qqp(shared_data: Path, tmp_pa
                                   "--pretrained-checkpoint", str(tmp_path / "nothing"), *_model(vocab)]),
         dict(entry="tasks", argv=["--task", "QQP", "--valid-data", str(qqp / "train.tsv"), "--epochs", "0",
                                   "--load", str(qqp), *_model(vocab)]),
+        dict(entry="tasks", argv=["--task", "QQP", "--train-data", str(qqp / "train.tsv"), "--epochs", "1",
+                                  "--pretrained-checkpoint", str(pretrained["nobin"]), *_model(vocab)]),
     ]
-    *results, missing, no_weights = run_distributed(run_many, 1, args=(runs,))[0]
+    *results, missing, no_weights, from_nobin = run_distributed(run_many, 1, args=(runs,))[0]
+    ok(from_nobin, "finetune from --bert-no-binary-head")  # Megatron asserts; here a fresh pooler, with notices
+    assert "***WARNING*** the checkpoint has no pooler (a BERT pretrained with --bert-no-binary-head)" \
+        in from_nobin["stdout"]
+    assert "***WARNING*** expected tokentype embeddings in the checkpoint" in from_nobin["stdout"]
+    assert sorted(from_nobin["result"]["train_losses"]) == [1, 2]
     assert no_weights["error"] is not None and f"--load {qqp} holds no checkpoint" in no_weights["error"]
     fin_res, ev_res, race_res, race_ev, qqp_res = (
         ok(r, w) for r, w in zip(results, ("finetune", "evaluate", "race", "race eval", "qqp")))
