@@ -10,7 +10,7 @@ RoPE (`position_embedding_type == "rope"`) rotates q and k after the split, at p
 The one attention path selector is `CoreAttention.forward`:
 
 * ``--use-flash-attn`` with the flash-attn package installed, CUDA tensors and fp16/bf16: ``flash_attn_func``;
-* otherwise ``F.scaled_dot_product_attention`` (fused kernels on CUDA, the math kernel on CPU) whenever it computes
+* otherwise ``F.scaled_dot_product_attention`` (fused kernels on CUDA, its flash kernel for CPU) whenever it computes
   the same thing as Megatron's softmax (always with ``--use-flash-attn``; without it only when no attention dropout
   is in effect, so that dropout masks come from the model-parallel RNG exactly as in Megatron);
 * else the explicit bmm / scaled-masked-softmax / dropout / bmm path.
@@ -76,7 +76,7 @@ def reset_flash_attn_cache() -> None:
 
 
 def _sdpa_description(cuda: bool) -> str:
-    return "torch scaled_dot_product_attention (" + ("fused kernels on CUDA" if cuda else "math kernel on CPU") + ")"
+    return "torch scaled_dot_product_attention (" + ("fused kernels on CUDA" if cuda else "its fused flash kernel for CPU") + ")"
 
 
 def describe_attention_path(config: TransformerConfig, cuda: Optional[bool] = None) -> tuple[bool, str]:

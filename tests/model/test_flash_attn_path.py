@@ -62,7 +62,7 @@ def test_message_when_flash_attn_is_not_installed(monkeypatch, capsys) -> None:
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("> attention:")]
     assert lines == ["> attention: --use-flash-attn: the flash-attn package is not installed (pip install flash-attn); "
-                     "using torch scaled_dot_product_attention (math kernel on CPU)"]
+                     "using torch scaled_dot_product_attention (its fused flash kernel for CPU)"]
     assert not core.flash_attn_ready
     _core(use_flash_attn=True)  # a second layer / model does not print the line again
     assert "> attention:" not in capsys.readouterr().out
@@ -79,7 +79,7 @@ def test_messages_with_flash_attn_installed(monkeypatch) -> None:
     ready, line = describe_attention_path(tiny_config(use_flash_attn=True, bf16=True), cuda=True)
     assert ready and line == "> attention: flash-attn 2.9.fake (CUDA, bf16)"
     ready, line = describe_attention_path(tiny_config(use_flash_attn=True, fp16=True), cuda=False)
-    assert not ready and "flash-attn needs CUDA" in line and "math kernel on CPU" in line
+    assert not ready and "flash-attn needs CUDA" in line and "fused flash kernel for CPU" in line
     ready, line = describe_attention_path(tiny_config(use_flash_attn=True), cuda=True)
     assert not ready and "fp16/bf16 only" in line and "fused kernels on CUDA" in line
 
