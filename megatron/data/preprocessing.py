@@ -531,14 +531,23 @@ class Stats:
 def _pool(args: argparse.Namespace, workers: int):
     import gc
     import multiprocessing as mp
+    import signal
+    import threading
 
-    if "fork" in mp.get_all_start_methods():
-        gc.freeze()  # the tokenizer's objects stay shared with the forked workers (no copy-on-write by the GC)
-        try:
-            return mp.get_context("fork").Pool(workers, initializer=_worker_init, initargs=(args,))
-        finally:
-            gc.unfreeze()  # the workers exist now; the parent goes back to normal collection
-    return mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(args,))
+    if "fork" not in mp.get_all_start_methods():
+        return mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(args,))
+    # Workers are forked with SIGTERM at its default action. With the parent's Python-level handler inherited, a
+    # SIGTERM from Pool.terminate() that reaches a worker before it first runs is dropped (CPython clears tripped
+    # signals after fork), the worker then blocks on the task queue's lock and Pool.terminate() waits forever.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL) if main else None
+    gc.freeze()  # the tokenizer's objects stay shared with the forked workers (no copy-on-write by the GC)
+    try:
+        return mp.get_context("fork").Pool(workers, initializer=_worker_init, initargs=(args,))
+    finally:
+        gc.unfreeze()  # the workers exist now; the parent goes back to normal collection
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def encode_results(args: argparse.Namespace, encoder: Encoder, tasks: Iterator[Task], workers: int) -> Iterator[Any]:
