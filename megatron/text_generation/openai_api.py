@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron.text_generation.generation import generate_tokens
+from megatron.text_generation.http_limits import MAX_JSON_DEPTH, json_depth
 from megatron.text_generation.scoring import score_tokens
 
 COMPLETION_PATHS = ("/v1/completions", "/completions")
@@ -358,8 +359,12 @@ def handle_http(server: Any, handler: Any) -> None:
         send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
              error_body(f"request body of {length} bytes is over the limit of {server.max_request_bytes} bytes"))
         return
+    raw = handler.rfile.read(int(length))
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        send(HTTPStatus.BAD_REQUEST, error_body(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels"))
+        return
     try:
-        payload = json.loads(handler.rfile.read(int(length)).decode("utf-8"))
+        payload = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         send(HTTPStatus.BAD_REQUEST, error_body(f"the request body is not valid JSON: {exc}"))
         return

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.text_generation import openai_api
+from megatron.text_generation.http_limits import MAX_JSON_DEPTH, json_depth  # noqa: F401  (re-exported)
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 DEFAULT_PORT = 5000
@@ -38,23 +39,6 @@ DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEFAULT_MAX_PROMPTS = 128
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # longest a request may wait for its turn (503 after), and a client may stall
 LISTEN_BACKLOG = 128  # pending connections the kernel queues (the standard library's 5 resets bursts of clients)
-MAX_JSON_DEPTH = 32  # deepest JSON nesting accepted (deeper: 400 before parsing; no RecursionError)
-
-
-def json_depth(raw: bytes) -> int:
-    """Deepest [ / { nesting of a JSON text (strings skipped), in C-speed passes: regex, translate, numpy cumsum."""
-    import re
-
-    import numpy as np
-
-    text = re.sub(rb'"(?:[^"\\]|\\.)*"', b"", raw)
-    brackets = np.frombuffer(text.translate(None, bytes(c for c in range(256) if c not in b"[]{}")), dtype=np.uint8)
-    if brackets.size == 0:
-        return 0
-    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int64)
-    return int(np.cumsum(steps).max())
-
-
 class _HTTPServer(ThreadingHTTPServer):
     request_queue_size = LISTEN_BACKLOG
     daemon_threads = True

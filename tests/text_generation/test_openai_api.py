@@ -182,6 +182,8 @@ def test_http_edges_and_client_errors(served):
     address, _, _, client = served
     status, body = post(address, b"{not json")
     assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = post(address, b'{"prompt": ' + b"[" * 200 + b"]" * 200 + b"}")  # no RecursionError
+    assert status == 400 and "deeper than 32 levels" in body["error"]["message"]
     status, body = post(address, json.dumps({"prompt": "x" * 5000}).encode())
     assert status == 413 and "limit" in body["error"]["message"]
     assert call(address, "GET", "/v1/completions")[0] == 405
