@@ -847,6 +847,11 @@ def _resolve_position_embedding(args: argparse.Namespace) -> None:
     if kind != "rope":
         _require(args.rotary_percent == 1.0 and args.rotary_base == 10000.0,
                  f"--rotary-percent/--rotary-base need --position-embedding-type rope (got {kind})")
+    # Rotary embeddings take positions 0..s-1 (plus the decode offset), as in Megatron-LM: reset position ids would
+    # silently change nothing there.
+    _require(not (getattr(args, "reset_position_ids", False) and kind != "learned_absolute"),
+             f"--reset-position-ids needs learned absolute position embeddings (--position-embedding-type {kind} "
+             "does not read position ids); drop --reset-position-ids")
 
 
 def _validate_architecture(args: argparse.Namespace) -> None:

@@ -200,6 +200,8 @@ INVALID = [
     ("--split 90,a,1", 1, None, "--split"),
     ("--split 0,0,0", 1, None, "--split"),
     ("--split 1,2,3,4", 1, None, "--split"),
+    ("--reset-position-ids --position-embedding-type rope", 1, None, "--reset-position-ids"),
+    ("--reset-position-ids --no-position-embedding", 1, None, "--reset-position-ids"),
 ]
 
 
