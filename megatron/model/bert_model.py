@@ -17,13 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
-from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-from megatron.core.tensor_parallel.layout import TensorParallelLayout, set_tp_layout
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.enums import AttnMaskType
 from megatron.model.fused_layer_norm import MixedFusedLayerNorm
 from megatron.model.gpt_model import LANGUAGE_MODEL_KEY, WORD_EMBEDDINGS_FOR_HEAD_KEY, flatten_checkpoint_state_dict
-from megatron.model.language_model import TransformerLanguageModel, parallel_lm_logits
+from megatron.model.language_model import TiedLMHeadWithBias, TransformerLanguageModel, sequential_position_ids
 from megatron.model.layer_specs import bert_layer_spec
 from megatron.model.module import MegatronModule
 from megatron.model.utils import get_linear_layer, group_size, openai_gelu
@@ -38,24 +36,14 @@ def bert_extended_attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
     return (pad.unsqueeze(1) * pad.unsqueeze(2) < 0.5).unsqueeze(1)
 
 
-def bert_position_ids(token_ids: torch.Tensor) -> torch.Tensor:
-    """0..s-1 for every row of [b, s]."""
-    s = token_ids.size(1)
-    return torch.arange(s, dtype=torch.long, device=token_ids.device).unsqueeze(0).expand_as(token_ids)
+bert_position_ids = sequential_position_ids  # Megatron's name
 
 
-class BertLMHead(MegatronModule):
+class BertLMHead(TiedLMHeadWithBias):
     """dense -> GeLU (erf; tanh with --openai-gelu) -> LayerNorm -> logits through the tied embedding + bias."""
 
     def __init__(self, config: TransformerConfig, tp_group: Optional[Any], parallel_output: bool) -> None:
-        super().__init__(config=config)
-        tp = group_size(tp_group)
-        self.tp_group = tp_group
-        self.parallel_output = parallel_output
-        self.sequence_parallel = config.sequence_parallel
-        self.bias = torch.nn.Parameter(torch.zeros(config.padded_vocab_size // tp, dtype=config.params_dtype))
-        set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
-        set_tp_layout(self.bias, TensorParallelLayout(dim=0))
+        super().__init__(config, tp_group, parallel_output)
         self.dense = get_linear_layer(config.hidden_size, config.hidden_size, config.init_method)
         for p in self.dense.parameters():  # sees this rank's sequence slice under SP: grads summed over TP
             p.sequence_parallel = config.sequence_parallel
@@ -66,14 +54,7 @@ class BertLMHead(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, word_embeddings_weight: torch.Tensor) -> torch.Tensor:
         """[s(/tp), b, h] -> logits [s, b, vocab/tp] (full vocab unless parallel_output)."""
-        hidden = self.layernorm(self.gelu(self.dense(hidden_states)))
-        if not self.parallel_output:  # the bias is vocab-parallel: add it before the gather
-            return parallel_lm_logits(hidden, word_embeddings_weight, False, self.tp_group,
-                                      bias=self.bias, sequence_parallel=self.sequence_parallel)
-        # Without a bias the output layer writes into its reused logits buffer (lm_head.py); add the bias in place.
-        logits = parallel_lm_logits(hidden, word_embeddings_weight, True, self.tp_group,
-                                    sequence_parallel=self.sequence_parallel)
-        return logits.add_(self.bias)
+        return self.logits(self.layernorm(self.gelu(self.dense(hidden_states))), word_embeddings_weight)
 
 
 def _check_layout(config: TransformerConfig, tp_group: Optional[Any], pp_state: Optional[Any]) -> None:

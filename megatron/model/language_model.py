@@ -6,12 +6,14 @@ from typing import Any, Optional
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.layout import TensorParallelLayout, set_tp_layout
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.attention import _model_parallel_rng_fork
 from megatron.model.enums import AttnMaskType, LayerType
 from megatron.model.module import MegatronModule
 from megatron.model.transformer import ParallelTransformer
-from megatron.model.utils import get_linear_layer
+from megatron.model.utils import get_linear_layer, group_size
 
 
 def parallel_lm_logits(
@@ -33,6 +35,40 @@ def parallel_lm_logits(
     if parallel_output:
         return logits
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits, tp_group)
+
+
+def sequential_position_ids(token_ids: torch.Tensor) -> torch.Tensor:
+    """0..s-1 for every row of [b, s] (BERT's and T5's position ids)."""
+    s = token_ids.size(1)
+    return torch.arange(s, dtype=torch.long, device=token_ids.device).unsqueeze(0).expand_as(token_ids)
+
+
+class TiedLMHeadWithBias(MegatronModule):
+    """Logits through the tied word embeddings plus a vocab-parallel bias (`lm_head.bias`): T5's head, and the last
+    step of BERT's (which first runs dense -> GeLU -> LayerNorm)."""
+
+    def __init__(self, config: TransformerConfig, tp_group: Optional[Any], parallel_output: bool) -> None:
+        super().__init__(config=config)
+        self.tp_group = tp_group
+        self.parallel_output = parallel_output
+        self.sequence_parallel = config.sequence_parallel
+        vocab_per_rank = config.padded_vocab_size // group_size(tp_group)
+        self.bias = torch.nn.Parameter(torch.zeros(vocab_per_rank, dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
+        set_tp_layout(self.bias, TensorParallelLayout(dim=0))
+
+    def logits(self, hidden_states: torch.Tensor, word_embeddings_weight: torch.Tensor) -> torch.Tensor:
+        """[s(/tp), b, h] -> logits [s, b, vocab/tp] (full vocab unless parallel_output)."""
+        if not self.parallel_output:  # the bias is vocab-parallel: add it before the gather
+            return parallel_lm_logits(hidden_states, word_embeddings_weight, False, self.tp_group,
+                                      bias=self.bias, sequence_parallel=self.sequence_parallel)
+        # Without a bias the output layer writes into its reused logits buffer (lm_head.py); add the bias in place.
+        logits = parallel_lm_logits(hidden_states, word_embeddings_weight, True, self.tp_group,
+                                    sequence_parallel=self.sequence_parallel)
+        return logits.add_(self.bias)
+
+    def forward(self, hidden_states: torch.Tensor, word_embeddings_weight: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden_states, word_embeddings_weight)
 
 
 class Pooler(MegatronModule):

@@ -20,12 +20,10 @@ from typing import Any, Mapping, Optional
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-from megatron.core.tensor_parallel.layout import TensorParallelLayout, set_tp_layout
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.enums import AttnMaskType
 from megatron.model.gpt_model import LANGUAGE_MODEL_KEY, flatten_checkpoint_state_dict
-from megatron.model.language_model import TransformerLanguageModel, parallel_lm_logits
+from megatron.model.language_model import TiedLMHeadWithBias, TransformerLanguageModel, sequential_position_ids
 from megatron.model.layer_specs import t5_decoder_layer_spec, t5_encoder_layer_spec
 from megatron.model.module import MegatronModule
 from megatron.model.utils import group_size
@@ -41,28 +39,8 @@ def t5_extended_attention_mask(masks: list) -> list:
     return [None if m is None else (m.unsqueeze(1) < 0.5) for m in masks]
 
 
-def t5_position_ids(token_ids: torch.Tensor) -> torch.Tensor:
-    """0..s-1 for every row of [b, s]."""
-    s = token_ids.size(1)
-    return torch.arange(s, dtype=torch.long, device=token_ids.device).unsqueeze(0).expand_as(token_ids)
-
-
-class T5LMHead(MegatronModule):
-    """Logits through the tied word embeddings plus a vocab-parallel bias."""
-
-    def __init__(self, config: TransformerConfig, tp_group: Optional[Any], parallel_output: bool) -> None:
-        super().__init__(config=config)
-        tp = group_size(tp_group)
-        self.tp_group = tp_group
-        self.parallel_output = parallel_output
-        self.sequence_parallel = config.sequence_parallel
-        self.bias = torch.nn.Parameter(torch.zeros(config.padded_vocab_size // tp, dtype=config.params_dtype))
-        set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
-        set_tp_layout(self.bias, TensorParallelLayout(dim=0))
-
-    def forward(self, hidden_states: torch.Tensor, word_embeddings_weight: torch.Tensor) -> torch.Tensor:
-        return parallel_lm_logits(hidden_states, word_embeddings_weight, self.parallel_output, self.tp_group,
-                                  bias=self.bias, sequence_parallel=self.sequence_parallel)
+t5_position_ids = sequential_position_ids
+T5LMHead = TiedLMHeadWithBias  # logits through the tied word embeddings plus a vocab-parallel bias
 
 
 def _with_layers(config: TransformerConfig, layers: Optional[int]) -> TransformerConfig:
