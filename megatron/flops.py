@@ -39,3 +39,18 @@ def num_floating_point_operations(config: TransformerConfig, batch_size: int, se
     if config.recompute_granularity == "full":
         transformer *= 4.0 / 3.0
     return transformer + logits
+
+
+def bert_num_floating_point_operations(config: TransformerConfig, batch_size: int, seq_length: int,
+                                       binary_head: bool = True) -> float:
+    """FLOPs of one BERT training iteration: the encoder layers as GPT's (bidirectional attention multiplies the
+    same matrices), the LM head's dense h x h before the tied logits h x V at every position, and with the binary
+    head the pooler's h x h and the binary head's h x 2 once per sequence (on the first token)."""
+    transformer, logits = transformer_and_logit_flops(config, batch_size, seq_length)
+    if config.recompute_granularity == "full":
+        transformer *= 4.0 / 3.0
+    h = config.hidden_size
+    head = 6.0 * batch_size * seq_length * h * h
+    if binary_head:
+        head += 6.0 * batch_size * (h * h + 2 * h)
+    return transformer + logits + head

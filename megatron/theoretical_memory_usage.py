@@ -3,7 +3,7 @@
 Numbers are for the most loaded rank (the first pipeline stage, which also holds the embeddings):
 
 * parameters are counted exactly for this code base's GPT from its `TransformerConfig` (built from the flags by
-  megatron/config_flags.py): query groups (QKV rows (n + 2g)·d), SwiGLU's doubled first projection, biases or
+  megatron/config_flags.py; BERT adds token types, its LM head, pooler and binary head): query groups (QKV rows (n + 2g)·d), SwiGLU's doubled first projection, biases or
   none (--disable-bias-linear, --add-qkv-bias), LayerNorm (weight and bias) or RMSNorm (weight), learned position
   embeddings only with --position-embedding-type learned_absolute, tied or untied output layer (no bias);
   tensor-parallel split weights count 1/TP, replicated ones (norms, row-parallel biases, position embeddings) in
@@ -68,6 +68,22 @@ def _layer_parameters(config: TransformerConfig) -> tuple[int, int]:
     return split, replicated
 
 
+def _bert_extra_parameters(args: argparse.Namespace, config: TransformerConfig) -> tuple[int, int, int]:
+    """BERT's (token-type embeddings, TP-split head, replicated head) parameters; zeros for other families.
+
+    LM head: dense h x h + bias and LayerNorm (replicated), vocab-parallel bias V; with the binary head also two
+    token-type embeddings, the pooler h x h + bias and the binary head h x 2 + bias (replicated). Counted with the
+    embedding layers (they sit next to the tied output layer)."""
+    if getattr(args, "model_family", "gpt") != "bert":
+        return 0, 0, 0
+    h = config.hidden_size
+    binary = bool(getattr(args, "bert_binary_head", True))
+    head_repl = h * h + h + 2 * h  # the LM head's LayerNorm has a bias whatever --normalization says
+    if binary:
+        head_repl += h * h + h + 2 * h + 2
+    return (2 * h if binary else 0), args.padded_vocab_size, head_repl
+
+
 def count_parameters(args: argparse.Namespace) -> ParameterCounts:
     """Exact parameter counts of this code base's GPT for `args` (see the module docstring)."""
     config = model_config(args)
@@ -80,16 +96,19 @@ def count_parameters(args: argparse.Namespace) -> ParameterCounts:
     untied = not config.share_embeddings_and_output_weights
     final_ln = _norm_parameters(config)
     transformer = layers * (split + replicated) + final_ln
-    embedding = word + position + (word if untied else 0)
+    tokentype, head_split, head_repl = _bert_extra_parameters(args, config)
+    position += tokentype  # replicated on the first stage, like the position table
+    embedding = word + position + (word if untied else 0) + head_split + head_repl
 
     per_stage = layers // pp
     first_split = per_stage * split + word
     first_repl = per_stage * replicated + position
     last_split = per_stage * split + word  # tied: the last stage keeps its own copy of the word embeddings
-    last_repl = per_stage * replicated + final_ln
+    last_split += head_split
+    last_repl = per_stage * replicated + final_ln + head_repl
     if pp == 1:
-        first_split += word if untied else 0
-        first_repl += final_ln
+        first_split += (word if untied else 0) + head_split
+        first_repl += final_ln + head_repl
         shard = first_split // tp + first_repl
     else:
         shard = max(first_split // tp + first_repl, last_split // tp + last_repl)

@@ -253,6 +253,11 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
 
             flops = t5_num_floating_point_operations(core_transformer_config_from_args(args), batch_size,
                                                      args.encoder_seq_length, args.decoder_seq_length)
+        elif getattr(args, "model_family", "gpt") == "bert":  # + LM head dense, pooler and binary head
+            from megatron.flops import bert_num_floating_point_operations
+
+            flops = bert_num_floating_point_operations(core_transformer_config_from_args(args), batch_size,
+                                                       args.seq_length, bool(args.bert_binary_head))
         else:
             flops = num_floating_point_operations(core_transformer_config_from_args(args), batch_size,
                                                   args.seq_length)

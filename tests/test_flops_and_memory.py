@@ -140,3 +140,43 @@ def test_activation_estimate_with_query_groups_by_hand() -> None:
     assert compute_activation_memory(_memory_args(), 1) == 2 * layer + embedding + output
     mha = _memory_args(group_query_attention=False, num_query_groups=None)
     assert compute_activation_memory(mha, 1) - compute_activation_memory(_memory_args(), 1) == 2 * 4 * s * b * 64
+
+
+BERT = dict(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=64, max_position_embeddings=16,
+            hidden_dropout=0.0, attention_dropout=0.1, bias_gelu_fusion=False)
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_bert_flops_and_parameter_count_equal_the_model(binary: bool) -> None:
+    """BERT's TFLOPs formula / 3 equals torch's count of one forward of the real BertModel (encoder layers, LM head
+    dense + tied logits, pooler + binary head), and the start-up parameter count equals the model's numel."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron.core.tensor_parallel import model_parallel_manual_seed
+    from megatron.flops import bert_num_floating_point_operations
+    from megatron.model.bert_model import BertModel
+
+    model_parallel_manual_seed(1234, 0)
+    config = TransformerConfig(**BERT)  # attention dropout > 0: the explicit softmax path the counter sees
+    model = BertModel(config, num_tokentypes=2 if binary else 0, add_binary_head=binary)
+    b, s = 2, 12
+    tokens = torch.randint(0, 64, (b, s))
+    pad = torch.ones(b, s, dtype=torch.long)
+    pad[1, 8:] = 0
+    types = torch.zeros(b, s, dtype=torch.long) if binary else None
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(tokens, pad, types)
+    flops = bert_num_floating_point_operations(config, b, s, binary)
+    assert counter.get_total_flops() == flops / 3 == (1405184 if binary else 1400832)
+    assert flops > num_floating_point_operations(config, b, s)  # GPT's formula missed the heads
+
+    args = _memory_args(model_family="bert", bert_binary_head=binary, num_layers=2, hidden_size=32,
+                        num_attention_heads=4, kv_channels=8, group_query_attention=False, num_query_groups=None,
+                        ffn_hidden_size=128, swiglu=False, add_bias_linear=True, normalization="LayerNorm",
+                        position_embedding_type="learned_absolute", untie_embeddings_and_output_weights=False,
+                        seq_length=12, max_position_embeddings=16, padded_vocab_size=64)
+    counts = count_parameters(args)
+    n = sum(p.numel() for p in model.parameters())
+    assert counts.total == n == counts.most_loaded_shard == (30402 if binary else 29216)
+    pp2 = count_parameters(_memory_args(**{**vars(args), "pipeline_model_parallel_size": 2}))
+    assert pp2.total == n and pp2.most_loaded_shard < n
