@@ -6,7 +6,11 @@ temporary directory. Reports wall seconds, MB/s and CPU seconds for `--workers 1
 this process as the reference ceiling. Megatron-DeepSpeed's own tool takes 8.4 s wall for this input with 2 workers
 on a 2-core machine; the target here is <= 2.1 s.
 
-    python tools/benchmarks/bench_preprocess.py [--data /path/to/shared/data] [--repeats 3] [--json out.json]
+`--bert`: Megatron's BERT workflow instead, `--split-sentences` with `BertWordPieceLowerCase` (bert-base-uncased
+vocab, no end-of-document token), and where one worker's time goes: the Punkt sentence splitter vs WordPiece over the
+same documents in this process (wall and CPU seconds; the machine may be shared, so CPU time is the steadier figure).
+
+    python tools/benchmarks/bench_preprocess.py [--data /path/to/shared/data] [--repeats 3] [--json out.json] [--bert]
 """
 from __future__ import annotations
 
@@ -47,12 +51,47 @@ def engine_speed(data: Path, texts: list) -> dict:
             "cpu_s": round(best_cpu, 3), "mb_per_cpu_s": round(nbytes / best_cpu / 1e6, 2)}
 
 
-def run_tool(data: Path, src: Path, out_prefix: Path, workers: int, repeats: int) -> dict:
+def bert_split_and_wordpiece(data: Path, texts: list) -> dict:
+    """One worker's work, split in two: Punkt sentence splitting, then WordPiece over the sentences (best of 2)."""
+    sys.path.insert(0, str(REPO))
+    from megatron.data.sentence_splitter import SentenceSplitter
+    from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
+
+    t0 = time.perf_counter()
+    splitter = SentenceSplitter("english")
+    tok = BertWordPieceTokenizer(str(data / "bert-wordpiece" / "bert-base-uncased-vocab.txt"), lower_case=True)
+    load_s = time.perf_counter() - t0
+    nbytes = sum(len(t.encode("utf-8")) for t in texts)
+    best = {}
+    for _ in range(2):
+        t0, c0 = time.perf_counter(), time.process_time()
+        sentences = [s for text in texts for s in splitter(text)]
+        t1, c1 = time.perf_counter(), time.process_time()
+        ntok = sum(len(ids) for ids in tok.tokenize_batch(sentences))
+        t2, c2 = time.perf_counter(), time.process_time()
+        for key, value in (("split_s", t1 - t0), ("split_cpu_s", c1 - c0), ("wordpiece_s", t2 - t1),
+                           ("wordpiece_cpu_s", c2 - c1)):
+            best[key] = round(min(best.get(key, float("inf")), value), 3)
+    total_cpu = best["split_cpu_s"] + best["wordpiece_cpu_s"]
+    return {"load_s": round(load_s, 3), "text_mb": round(nbytes / 1e6, 2), "sentences": len(sentences),
+            "tokens": ntok, **best, "split_share_cpu": round(best["split_cpu_s"] / total_cpu, 3),
+            "mb_per_cpu_s": round(nbytes / total_cpu / 1e6, 2)}
+
+
+def tool_flags(data: Path, bert: bool) -> list:
+    if bert:
+        return ["--tokenizer-type", "BertWordPieceLowerCase",
+                "--vocab-file", str(data / "bert-wordpiece" / "bert-base-uncased-vocab.txt"), "--split-sentences"]
+    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(data / "gpt2-bpe" / "gpt2-vocab.json"),
+            "--merge-file", str(data / "gpt2-bpe" / "gpt2-merges.txt"), "--append-eod"]
+
+
+def run_tool(data: Path, src: Path, out_prefix: Path, workers: int, repeats: int, bert: bool = False) -> dict:
     cmd = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(src),
-           "--output-prefix", str(out_prefix), "--tokenizer-type", "GPT2BPETokenizer",
-           "--vocab-file", str(data / "gpt2-bpe" / "gpt2-vocab.json"),
-           "--merge-file", str(data / "gpt2-bpe" / "gpt2-merges.txt"), "--append-eod",
+           "--output-prefix", str(out_prefix), *tool_flags(data, bert),
            "--workers", str(workers), "--log-interval", "100000000"]
+    if src.stat().st_size == 0:
+        cmd.append("--allow-empty")  # the start-up run: an empty input is otherwise refused
     walls, cpus = [], []
     for _ in range(repeats):
         cpu0 = _children_cpu()
@@ -75,7 +114,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--copies", type=int, default=4, help="how many times openwebtext-1000 is repeated")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--bert", action="store_true",
+                        help="--split-sentences with BertWordPieceLowerCase (Megatron's BERT workflow)")
     args = parser.parse_args()
+    if args.bert:
+        return main_bert(args)
 
     owt = (args.data / "openwebtext-1000" / "openwebtext-1000.jsonl").read_bytes()
     with tempfile.TemporaryDirectory(prefix="bench_preprocess_") as tmp:
@@ -113,6 +156,38 @@ def main() -> None:
           "(start-up CPU + the rest of the CPU time / 2; use when the machine is shared)")
     print(f"vs Megatron-DeepSpeed ({MEGATRON_DEEPSPEED_2_WORKERS_S} s, 2 workers): "
           f"{results['speedup_vs_megatron_deepspeed_2_workers']}x faster (target >= 4x, <= 2.1 s)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def main_bert(args: argparse.Namespace) -> None:
+    owt = (args.data / "openwebtext-1000" / "openwebtext-1000.jsonl").read_bytes()
+    with tempfile.TemporaryDirectory(prefix="bench_preprocess_bert_") as tmp:
+        src = Path(tmp) / "owt-x4.jsonl"
+        src.write_bytes(owt * args.copies)
+        texts = [json.loads(line)["text"] for line in owt.decode("utf-8").splitlines()] * args.copies
+        results = {"input_mb": round(src.stat().st_size / 1e6, 2), "cpus": os.cpu_count(),
+                   "load_avg_1min": round(os.getloadavg()[0], 2)}
+        results["split_vs_wordpiece"] = bert_split_and_wordpiece(args.data, texts)
+        empty = Path(tmp) / "empty.jsonl"
+        empty.write_bytes(b"")
+        fixed = run_tool(args.data, empty, Path(tmp) / "empty", 1, args.repeats, bert=True)
+        runs = [run_tool(args.data, src, Path(tmp) / f"w{w}", w, args.repeats, bert=True) for w in (1, 2)]
+        same = all((Path(tmp) / f"w1_text_sentence{ext}").read_bytes()
+                   == (Path(tmp) / f"w2_text_sentence{ext}").read_bytes() for ext in (".bin", ".idx"))
+    results.update(runs=runs, startup_cpu_s=fixed["cpu_s"], workers_1_and_2_identical=same)
+    e = results["split_vs_wordpiece"]
+    print(f"input: {results['input_mb']} MB ({args.copies} x openwebtext-1000), {results['cpus']} CPUs, "
+          f"load average {results['load_avg_1min']}")
+    print(f"one worker's work in this process: sentence splitting {e['split_s']} s wall / {e['split_cpu_s']} s CPU, "
+          f"WordPiece {e['wordpiece_s']} s wall / {e['wordpiece_cpu_s']} s CPU ({e['sentences']} sentences, "
+          f"{e['tokens']} tokens); splitting is {e['split_share_cpu']:.0%} of the CPU time, "
+          f"{e['mb_per_cpu_s']} MB per CPU-second")
+    print(f"start-up (empty input, --workers 1): {fixed['wall_s_best']} s wall, {fixed['cpu_s']} s CPU")
+    for r in runs:
+        print(f"preprocess_data.py --split-sentences --workers {r['workers']}: {r['wall_s_best']} s wall (best of "
+              f"{args.repeats}: {r['wall_s_all']}), {r['mb_per_s']} MB/s, {r['cpu_s']} s CPU")
+    print(f"outputs identical for 1 and 2 workers: {same}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 
