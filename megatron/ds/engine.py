@@ -384,11 +384,10 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
         if getattr(args, "exit_on_missing_checkpoint", False):
             raise CheckpointError(f"--exit-on-missing-checkpoint: no DeepSpeed checkpoint ({latest}) in --load "
                                   f"{load_dir}")
-        if os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt")):
-            raise CheckpointError(f"--load {load_dir} holds a Megatron checkpoint, not a DeepSpeed one; convert it "
-                                  f"(python tools/convert_deepspeed_checkpoint.py --to-deepspeed --input-folder "
-                                  f"{load_dir} --output-folder {load_dir.rstrip('/')}_ds, then --load "
-                                  f"{load_dir.rstrip('/')}_ds --no-load-optim --no-load-rng) or train without --deepspeed")
+        from megatron.ds.weights import is_megatron_checkpoint, load_megatron_checkpoint_into_engine
+
+        if is_megatron_checkpoint(load_dir):  # --finetune (or --no-load-optim --no-load-rng): weights only
+            return load_megatron_checkpoint_into_engine(engine, args, ps.get_parallel_state())
         print_rank_0(f"WARNING: could not find the DeepSpeed metadata file {latest}\n"
                      "    will not load any checkpoints and will start from random")
         return 0
@@ -405,16 +404,33 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
                                              _first_reason, print_rank_0)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
-    with guarded_torch_load(trust=bool(getattr(args, "trust_checkpoint", False))):  # DeepSpeed's torch.load calls
-        path, client_state = engine.load_checkpoint(
-            load_dir, tag=tag, load_optimizer_states=load_optim, load_lr_scheduler_states=False,
-            load_module_only=finetune)
+    from megatron.ds.weights import expected_layout, load_other_layout_into_engine, tag_layout_or_none
+
+    tag_dir = os.path.join(load_dir, tag)
+    layout = tag_layout_or_none(tag_dir)
+    streamed = layout is not None and layout != expected_layout(engine)
+    if streamed:  # e.g. --to-deepspeed output under ZeRO-3: module weights, then partitioned
+        if load_optim:
+            raise CheckpointError(f"{tag_dir} was written by a {layout} engine and this run uses a "
+                                  f"{expected_layout(engine)} one: its optimizer state does not load here; pass "
+                                  "--no-load-optim (and --no-load-rng), or --finetune, to start from its weights")
+        path, client_state = load_other_layout_into_engine(engine, tag_dir, args, ps.get_parallel_state())
+    else:
+        with guarded_torch_load(trust=bool(getattr(args, "trust_checkpoint", False))):  # DeepSpeed's torch.load
+            path, client_state = engine.load_checkpoint(
+                load_dir, tag=tag, load_optimizer_states=load_optim, load_lr_scheduler_states=False,
+                load_module_only=finetune)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load the checkpoint named by {latest}; check that the "
                               "global_step folder exists and matches this run's parallel layout")
     client_state = client_state or {}
     ckpt_args = client_state.get("args")
-    if ckpt_args is not None or client_state.get("architecture"):
+    if streamed:  # another TP/PP layout is fine here: the architecture must match
+        from megatron.checkpoint_args import check_architecture, saved_architecture
+
+        saved = saved_architecture(client_state.get("architecture"), ckpt_args)
+        check_architecture({k: v for k, v in saved.items() if k != "padded_vocab_size"}, args, path)
+    elif ckpt_args is not None or client_state.get("architecture"):
         check_checkpoint_args(ckpt_args, args, path, client_state.get("architecture"))
     if finetune:
         iteration = 0

@@ -1,0 +1,202 @@
+"""DeepSpeed checkpoints (``latest``, ``global_stepN/``) read as a stream of the interchange form, one layer at a time.
+
+`DeepSpeedCheckpointReader` presents a DeepSpeed tag folder with the interface of megatron_format's
+`MegatronCheckpointReader` (``chunks[(tp, pp, vp)]`` = flat GPTModel names, ``merged``), so the same layer-by-layer
+stream (QKV order, TP merge with the parameters' own layouts, vocabulary rows) serves both formats:
+
+- non-pipeline engine, ZeRO 0/1/2 (and ``--to-deepspeed`` output): ``mp_rank_{tp:02d}_model_states.pt`` whose
+  ``module`` is tensor rank tp's GPTModel state dict, opened memory-mapped;
+- pipeline engine (GPTModelPipe): ``layer_{idx:02d}-model_{tp:02d}-model_states.pt``, one file per pipe layer,
+  memory-mapped and renamed to Megatron's names (global layer numbers, one chunk per tensor rank);
+- ZeRO-3: the weights live in the fp32 optimizer partitions; each tensor rank is consolidated with DeepSpeed's
+  ``zero_to_fp32`` (that one holds a tensor rank in memory: DeepSpeed's format has no per-layer access).
+
+The client state of model rank 0 (``args``, ``iteration``, consumed samples, ``opt_param_scheduler``) becomes the
+`ModelMeta` as for a Megatron checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import tempfile
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
+
+from megatron.checkpoint_conversion.interchange import ConversionError, Message, ModelMeta
+from megatron.checkpoint_conversion.megatron_format import (
+    WORD,
+    MegatronCheckpointReader,
+    _architecture_from,
+    _load,
+    _stream,
+    megatron_meta,
+)
+from megatron.core.tensor_parallel.layout import TensorParallelLayout
+
+LATEST = "latest"
+MP_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+ZERO3_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+
+
+def resolve_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
+    """The ``global_stepN`` folder: --iteration N, else the tag named by ``latest`` (or `load_dir` itself)."""
+    if not os.path.isdir(load_dir):
+        raise ConversionError(f"--load-dir {load_dir} does not exist")
+    if iteration is None and any(n.endswith("_model_states.pt") for n in os.listdir(load_dir)):
+        return load_dir  # pointed at global_stepN/ itself
+    if iteration is not None:
+        tag = f"global_step{iteration}"
+    else:
+        latest = os.path.join(load_dir, LATEST)
+        if not os.path.isfile(latest):
+            hint = " (it is a Megatron checkpoint: use --loader megatron)" if os.path.isfile(
+                os.path.join(load_dir, "latest_checkpointed_iteration.txt")) else ""
+            raise ConversionError(f"--load-dir {load_dir} is not a DeepSpeed checkpoint: no '{LATEST}' file{hint}")
+        with open(latest) as f:
+            tag = f.read().strip()
+    tag_dir = os.path.join(load_dir, tag)
+    if not os.path.isdir(tag_dir):
+        raise ConversionError(f"DeepSpeed checkpoint {tag_dir} does not exist; fix --iteration or the "
+                              f"'{LATEST}' file")
+    return tag_dir
+
+
+def tag_layout(tag_dir: str) -> Tuple[str, Dict[Any, str]]:
+    """('pipe' | 'module' | 'zero3', {rank key: file name}) of a tag folder (one-line error for anything else)."""
+    names = sorted(os.listdir(tag_dir))
+    layers = {(int(m.group(1)), int(m.group(2))): n for n in names for m in [LAYER_RE.match(n)] if m}
+    if layers:
+        return "pipe", layers
+    mp = {int(m.group(1)): n for n in names for m in [MP_RE.match(n)] if m}
+    if mp:
+        return "module", mp
+    zero3 = {(int(m.group(1)), int(m.group(2))): n for n in names for m in [ZERO3_RE.match(n)] if m}
+    if zero3:
+        return "zero3", zero3
+    raise ConversionError(f"{tag_dir} is not a DeepSpeed checkpoint of a known layout (no mp_rank_XX_model_states.pt, "
+                          "zero_pp_rank_X_mp_rank_XX_model_states.pt or layer_XX-model_XX-model_states.pt files)")
+
+
+def zero3_rank_state(tag_dir: str, tp: int) -> Dict[str, torch.Tensor]:
+    """One tensor rank of a ZeRO-3 checkpoint consolidated by DeepSpeed's zero_to_fp32 (fp32 master weights)."""
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError:
+        raise ConversionError(
+            f"{tag_dir} is a ZeRO-3 checkpoint (weights live in the optimizer partitions) and DeepSpeed is not "
+            "installed: run DeepSpeed's zero_to_fp32.py on it first, or install deepspeed") from None
+    pattern = re.compile(rf"^zero_pp_rank_\d+_mp_rank_{tp:02d}_(model|optim)_states\.pt$")
+    with tempfile.TemporaryDirectory() as tmp:
+        tag = os.path.basename(os.path.normpath(tag_dir))
+        view = os.path.join(tmp, tag)
+        os.makedirs(view)
+        for name in os.listdir(tag_dir):
+            if pattern.match(name):
+                os.symlink(os.path.abspath(os.path.join(tag_dir, name)), os.path.join(view, name))
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                sd = get_fp32_state_dict_from_zero_checkpoint(tmp, tag=tag)
+            except (ValueError, FileNotFoundError) as exc:
+                raise ConversionError(f"{tag_dir} (tensor rank {tp}): zero_to_fp32 failed: "
+                                      f"{str(exc).splitlines()[0]}") from None
+    return dict(sd)
+
+
+class DeepSpeedCheckpointReader(MegatronCheckpointReader):
+    """A DeepSpeed tag folder with MegatronCheckpointReader's interface (pp = vp = 1: one chunk per tensor rank)."""
+
+    def __init__(self, tag_dir: str, trust: bool = False) -> None:  # noqa: D107 - no super().__init__: other files
+        from megatron.model.gpt_model import flatten_checkpoint_state_dict
+
+        self.load_dir = self.iter_dir = tag_dir
+        self.trust = trust
+        self.layout, files = tag_layout(tag_dir)
+        self.pp = self.vp = 1
+        self.version = 3.0
+        meta_name = {"module": lambda: files.get(0), "zero3": lambda: files.get((0, 0)),
+                     "pipe": lambda: "mp_rank_00_model_states.pt"}[self.layout]()
+        meta_path = os.path.join(tag_dir, meta_name or "mp_rank_00_model_states.pt")
+        if not os.path.isfile(meta_path):
+            raise ConversionError(f"{tag_dir} has no {os.path.basename(meta_path)} (the client state of model rank 0); "
+                                  "the checkpoint is incomplete")
+        self.first = _load(meta_path, trust)
+        args = self.first.get("args")
+        self.version = float(self.first.get("checkpoint_version", 3.0) or 3.0)
+        self.architecture = _architecture_from(self.first, meta_path)
+        self.chunks: Dict[Tuple[int, int, int], Dict[str, Any]] = {}
+        self.files: Dict[Tuple[int, int], str] = {}
+        self.optim_entries: Dict[Tuple[int, int], Any] = {}  # weights only: no training state is read from here
+        self.opt: Optional[Dict[Any, Any]] = None
+        self.opt_common: Dict[str, Any] = {}
+        if self.layout == "module":
+            tps = sorted(files)
+            for t in tps:
+                path = os.path.join(tag_dir, files[t])
+                state = self.first if t == 0 else _load(path, trust)
+                module = state.get("module")
+                if not isinstance(module, dict):
+                    raise ConversionError(f"{path} holds no 'module' weights")
+                if any(isinstance(v, torch.Tensor) and v.numel() == 0 for v in module.values()):
+                    raise ConversionError(f"{path} holds ZeRO-3 placeholders and no optimizer partitions were found: "
+                                          "run DeepSpeed's zero_to_fp32.py on the checkpoint first")
+                self.chunks[(t, 0, 0)] = flatten_checkpoint_state_dict(module)
+                self.files[(t, 0)] = path
+        elif self.layout == "zero3":
+            tps = sorted({t for _, t in files})
+            for t in tps:
+                self.chunks[(t, 0, 0)] = zero3_rank_state(tag_dir, t)
+                self.files[(t, 0)] = os.path.join(tag_dir, files[(0, t)])
+        else:
+            from megatron.model.gpt_model_pipe import megatron_state_dict_from_pipe_layers
+
+            tps = sorted({t for _, t in files})
+            num_layers = self.architecture.get("num_layers") or getattr(args, "num_layers", None)
+            for t in tps:
+                layers = {idx: _load(os.path.join(tag_dir, n), trust) for (idx, tt), n in sorted(files.items())
+                          if tt == t}
+                try:
+                    self.chunks[(t, 0, 0)] = megatron_state_dict_from_pipe_layers(layers, num_layers)
+                except ValueError as exc:
+                    raise ConversionError(f"{tag_dir} (tensor rank {t}): {exc}") from None
+                self.files[(t, 0)] = os.path.join(tag_dir, files[min(k for k in files if k[1] == t)])
+        if tps != list(range(len(tps))):
+            raise ConversionError(f"{tag_dir}: tensor ranks {tps} are not 0..{len(tps) - 1}; a file is missing")
+        self.tp = len(tps)
+        saved_tp = int(getattr(args, "tensor_model_parallel_size", self.tp) or self.tp)
+        if saved_tp != self.tp:
+            raise ConversionError(f"{tag_dir} holds {self.tp} tensor-parallel shards but its args say "
+                                  f"--tensor-model-parallel-size {saved_tp}; the checkpoint is incomplete")
+        for t in range(1, self.tp):
+            if set(self.chunks[(t, 0, 0)]) != set(self.chunks[(0, 0, 0)]):
+                raise ConversionError(f"{self.files[(t, 0)]} and {self.files[(0, 0)]} hold different parameters: "
+                                      "mismatched shards")
+        total = self._layers_in(0, 0)
+        if self.architecture.get("num_layers") not in (None, total):
+            raise ConversionError(f"{tag_dir} holds {total} layers but its args say num_layers="
+                                  f"{self.architecture['num_layers']}: mismatched shards")
+        self.architecture["num_layers"] = total
+        m = re.search(r"(\d+)$", os.path.basename(os.path.normpath(tag_dir)))
+        self.iteration = int(self.first.get("iteration", int(m.group(1)) if m else 0))
+
+
+def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab_size: Optional[int] = None,
+                   model_type: str = "GPT", trust: bool = False) -> Tuple[ModelMeta, Iterator[Message]]:
+    """Loader: (meta, message stream) of a DeepSpeed GPT checkpoint (any ZeRO stage, pipeline engine, any TP)."""
+    if model_type != "GPT":
+        raise ConversionError(f"--loader deepspeed reads GPT checkpoints (--model-type {model_type} is not supported)")
+    reader = DeepSpeedCheckpointReader(resolve_tag_dir(load_dir, iteration), trust)
+    meta = megatron_meta(reader, true_vocab_size, model_type)
+    meta.source = load_dir
+    if WORD not in reader.chunks[(0, 0, 0)]:
+        raise ConversionError(f"{reader.files[(0, 0)]} has no {WORD}: not a GPT checkpoint")
+    padded = reader.merged(0, 0, WORD, TensorParallelLayout(dim=0)).size(0)
+    meta.architecture["padded_vocab_size"] = padded
+    if meta.true_vocab_size is not None and meta.true_vocab_size > padded:
+        raise ConversionError(f"--true-vocab-size {meta.true_vocab_size} exceeds the checkpoint's {padded} "
+                              "vocabulary rows")
+    meta.extra["layout"] = reader.layout
+    return meta, _stream(reader, meta)

@@ -1,0 +1,140 @@
+"""``--deepspeed --finetune --load <Megatron checkpoint>`` under every ZeRO stage and the pipeline engine, and a
+``--to-deepspeed`` checkpoint under ZeRO-3 (megatron/ds/weights.py).
+
+One 2-process job (DeepSpeed imported once per process): a non-DeepSpeed run saves a Megatron checkpoint at
+iteration 4 (TP=1, DP=2); rank 0 converts it to TP=2 (tools/checkpoint/convert.py) and to DeepSpeed's layout
+(tools/convert_deepspeed_checkpoint.py --to-deepspeed). Then:
+
+- reference: the non-DeepSpeed ``--finetune`` run from it (DP=2);
+- ``--deepspeed --finetune`` from the Megatron checkpoint under ZeRO-0/1/2/3 (DP=2), the pipeline engine (PP=2,
+  GPTModelPipe), TP=2 x ZeRO-1 from the TP=2 checkpoint (per-rank mp_rank_XX files) and TP=2 x ZeRO-3 from the TP=1
+  checkpoint (split on load), and ZeRO-3 from the --to-deepspeed output (no ZeRO-3 files in it): the first loss (the
+  loaded weights, before any update) equals the reference's within 1e-6, every training loss and the final
+  validation loss within 1e-5 — so the fp32 master copies followed the loaded weights;
+- ``--no-load-optim --no-load-rng`` from the Megatron checkpoint (ZeRO-1) and from the --to-deepspeed output
+  (ZeRO-3) continue at iteration 5 with the non-DeepSpeed run's curve of the same flags;
+- without --finetune (or those two flags) the Megatron checkpoint is refused in one line.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.ds._workers import run_pretrain_ds, tiny_gpt_argv, write_ds_config
+from tests.training._workers import curve_from_result
+
+REPO = Path(__file__).resolve().parents[2]
+FT_ITERS = 5
+
+
+def _convert(ckpt: str, tp2: str, ds: str) -> None:
+    """Megatron TP=1 -> TP=2 (convert.py) and -> DeepSpeed layout (--to-deepspeed), in this process."""
+    import contextlib
+    import io
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import convert_deepspeed_checkpoint as ds_tool
+
+    from megatron.checkpoint_conversion.driver import main as convert_main
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert_main(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir", ckpt,
+                      "--save-dir", tp2, "--target-tensor-parallel-size", "2"])
+        ds_tool.main(["--to-deepspeed", "--input-folder", ckpt, "--output-folder", ds])
+
+
+def _job(rank: int, world_size: int, save: list[str], ckpts: tuple[str, str, str], runs: list[list[str]]) -> list:
+    import torch
+
+    first = run_pretrain_ds(rank, world_size, save)
+    if rank == 0 and first["error"] is None:
+        _convert(*ckpts)
+    torch.distributed.barrier()
+    return [first] + [run_pretrain_ds(rank, world_size, argv) for argv in runs]
+
+
+@pytest.fixture(scope="module")
+def job(gpt_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("ds_finetune")
+    ckpt, tp2, ds = str(tmp / "megatron"), str(tmp / "megatron_tp2"), str(tmp / "ds")
+    cfg = {s: write_ds_config(str(tmp / f"z{s}.json"), zero_optimization={"stage": s}) for s in (0, 1, 2, 3)}
+
+    def ft(load: str, *extra: str, iters: int = FT_ITERS) -> list[str]:
+        return tiny_gpt_argv(gpt_data, "--load", load, *extra, iters=iters)
+
+    fine = ["--finetune", "--lr-warmup-iters", "1"]
+    keep = ["--no-load-optim", "--no-load-rng"]
+    tp = ["--tensor-model-parallel-size", "2"]
+    named = {
+        "ref": ft(ckpt, *fine),
+        **{f"zero{s}": ft(ckpt, *fine, "--deepspeed", "--deepspeed_config", cfg[s]) for s in (0, 1, 2, 3)},
+        "pipe": ft(ckpt, *fine, "--deepspeed", "--deepspeed_config", cfg[1], "--pipeline-model-parallel-size", "2"),
+        "tp2_zero1": ft(tp2, *fine, "--deepspeed", "--deepspeed_config", cfg[1], *tp),
+        "tp2_zero3_split": ft(ckpt, *fine, "--deepspeed", "--deepspeed_config", cfg[3], *tp),
+        "zero3_from_ds": ft(ds, *fine, "--deepspeed", "--deepspeed_config", cfg[3]),
+        "keep_ref": ft(ckpt, *keep, iters=8),
+        "keep_zero1": ft(ckpt, *keep, "--deepspeed", "--deepspeed_config", cfg[1], iters=8),
+        "keep_zero3_from_ds": ft(ds, *keep, "--deepspeed", "--deepspeed_config", cfg[3], iters=8),
+        "refused": ft(ckpt, "--deepspeed", "--deepspeed_config", cfg[1]),
+    }
+    save = tiny_gpt_argv(gpt_data, "--save", ckpt, "--save-interval", "4", iters=4)
+    results = run_distributed(_job, 2, args=(save, (ckpt, tp2, ds), list(named.values())))
+    last = results[1]  # the loss is logged (and returned) on the last rank
+    assert last[0]["error"] is None, last[0]["error"]
+    out = {name: dict(res, stdout0=r0["stdout"]) for name, res, r0 in zip(named, last[1:], results[0][1:])}
+    out["paths"] = {"megatron": ckpt, "tp2": tp2, "ds": ds}
+    return out
+
+
+def _curve(res: dict, name: str) -> dict:
+    assert res["error"] is None, f"{name}: {res['error']}"
+    return curve_from_result(res["result"])
+
+
+def _assert_same(curve: dict, ref: dict, what: str, first_rel: float = 1e-6) -> None:
+    assert sorted(curve["train"]) == sorted(ref["train"]), f"{what}: iterations {sorted(curve['train'])}"
+    first = min(ref["train"])
+    assert math.isclose(curve["train"][first], ref["train"][first], rel_tol=first_rel), \
+        f"{what}: loaded weights give {curve['train'][first]} vs {ref['train'][first]}"
+    for it, loss in ref["train"].items():
+        assert math.isclose(curve["train"][it], loss, rel_tol=1e-5), f"{what}: iteration {it}: {curve['train'][it]} " \
+                                                                     f"vs {loss}"
+    assert [p for p, _ in curve["val"]] == [p for p, _ in ref["val"]] and ref["val"], what
+    for (p, a), (_, b) in zip(curve["val"], ref["val"]):
+        assert math.isclose(a, b, rel_tol=1e-5), f"{what}: validation at {p}: {a} vs {b}"
+
+
+def test_layouts_written(job: dict) -> None:
+    paths = job["paths"]
+    assert sorted(os.listdir(os.path.join(paths["tp2"], "iter_0000004"))) == ["manifest.json", "mp_rank_00",
+                                                                               "mp_rank_01"]
+    step = os.listdir(os.path.join(paths["ds"], "global_step4"))
+    assert "mp_rank_00_model_states.pt" in step and not any(n.startswith("zero_pp_rank") for n in step)
+
+
+@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "pipe", "tp2_zero1", "tp2_zero3_split",
+                                  "zero3_from_ds"])
+def test_deepspeed_finetune_equals_megatron_finetune(job: dict, name: str) -> None:
+    ref = _curve(job["ref"], "ref")
+    assert sorted(ref["train"]) == list(range(1, FT_ITERS + 1))
+    curve = _curve(job[name], name)
+    _assert_same(curve, ref, name)
+    log = job[name]["stdout0"]  # print_rank_0
+    assert "successfully loaded checkpoint" in log and "at iteration 0" in log, log[:2000]
+
+
+def test_no_load_optim_continues_the_iteration_count(job: dict) -> None:
+    ref = _curve(job["keep_ref"], "keep_ref")
+    assert sorted(ref["train"]) == [5, 6, 7, 8]
+    for name in ("keep_zero1", "keep_zero3_from_ds"):
+        _assert_same(_curve(job[name], name), ref, name)
+
+
+def test_megatron_checkpoint_without_finetune_is_refused(job: dict) -> None:
+    err = job["refused"]["error"]
+    assert err is not None and "holds a Megatron checkpoint" in err and "--finetune" in err and "\n" not in err
