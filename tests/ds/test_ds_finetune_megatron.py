@@ -48,14 +48,53 @@ def _convert(ckpt: str, tp2: str, ds: str) -> None:
         ds_tool.main(["--to-deepspeed", "--input-folder", ckpt, "--output-folder", ds])
 
 
-def _job(rank: int, world_size: int, save: list[str], ckpts: tuple[str, str, str], runs: list[list[str]]) -> list:
+def _weights_vs_megatron(rank: int, world_size: int, argv: list[str], ref_load: str) -> float:
+    """Max |engine weight - Megatron-loaded weight| after the engine's start-up load (ZeRO-3 gathered first); the
+    reference is a plain GPTModel loaded by megatron.checkpointing.load_checkpoint from `ref_load`."""
+    import contextlib
+    import io
+
+    import deepspeed
+    import torch
+
+    import pretrain_gpt
+    from megatron.checkpointing import load_checkpoint
+    from megatron.core import parallel_state as ps
+    from megatron.initialize import initialize_megatron
+    from megatron.model.enums import ModelType
+    from megatron.training import setup_model_and_optimizer
+    from tests.ds._workers import _reset_megatron, ds_env
+
+    ds_env(rank, world_size)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = initialize_megatron(args=argv, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+            model, _, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder, args,
+                                                    ps.get_parallel_state())
+            ref = pretrain_gpt.model_provider()
+            args.load = ref_load
+            load_checkpoint([ref], None, None, args)
+        ref_sd = ref.state_dict()
+        module = model[0].module
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            diffs = [float((p.detach() - ref_sd[n]).abs().max()) for n, p in module.named_parameters()]
+        assert len(diffs) == len(ref_sd)
+        return max(diffs)
+    finally:
+        _reset_megatron()
+        torch.distributed.barrier()
+
+
+def _job(rank: int, world_size: int, save: list[str], ckpts: tuple[str, str, str], runs: list[list[str]],
+         compare: list[tuple[list[str], str]]) -> list:
     import torch
 
     first = run_pretrain_ds(rank, world_size, save)
     if rank == 0 and first["error"] is None:
         _convert(*ckpts)
     torch.distributed.barrier()
-    return [first] + [run_pretrain_ds(rank, world_size, argv) for argv in runs]
+    out = [first] + [run_pretrain_ds(rank, world_size, argv) for argv in runs]
+    return out + [[_weights_vs_megatron(rank, world_size, argv, ref) for argv, ref in compare]]
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +122,12 @@ def job(gpt_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "refused": ft(ckpt, "--deepspeed", "--deepspeed_config", cfg[1]),
     }
     save = tiny_gpt_argv(gpt_data, "--save", ckpt, "--save-interval", "4", iters=4)
-    results = run_distributed(_job, 2, args=(save, (ckpt, tp2, ds), list(named.values())))
+    compare = [(named["zero3"], ckpt), (named["tp2_zero3_split"], tp2), (named["zero1"], ckpt)]
+    results = run_distributed(_job, 2, args=(save, (ckpt, tp2, ds), list(named.values()), compare))
     last = results[1]  # the loss is logged (and returned) on the last rank
     assert last[0]["error"] is None, last[0]["error"]
-    out = {name: dict(res, stdout0=r0["stdout"]) for name, res, r0 in zip(named, last[1:], results[0][1:])}
+    out = {name: dict(res, stdout0=r0["stdout"]) for name, res, r0 in zip(named, last[1:-1], results[0][1:-1])}
+    out["weight_diffs"] = [results[0][-1], results[1][-1]]
     out["paths"] = {"megatron": ckpt, "tp2": tp2, "ds": ds}
     return out
 
@@ -126,6 +167,12 @@ def test_deepspeed_finetune_equals_megatron_finetune(job: dict, name: str) -> No
     _assert_same(curve, ref, name)
     log = job[name]["stdout0"]  # print_rank_0
     assert "successfully loaded checkpoint" in log and "at iteration 0" in log, log[:2000]
+
+
+def test_loaded_weights_equal_megatron_load(job: dict) -> None:
+    # ZeRO-3 (DP=2), TP=2 x ZeRO-3 (TP=1 checkpoint split on load vs the converter's TP=2 checkpoint), ZeRO-1
+    for rank_diffs in job["weight_diffs"]:
+        assert len(rank_diffs) == 3 and all(d <= 1e-6 for d in rank_diffs), job["weight_diffs"]
 
 
 def test_no_load_optim_continues_the_iteration_count(job: dict) -> None:
