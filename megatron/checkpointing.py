@@ -66,13 +66,11 @@ _PARALLEL_ARGS = (
 
 
 def reshard_hint(load_dir: str) -> str:
-    """The command that changes a checkpoint's TP/PP sizes today (weights only, through the DeepSpeed layout)."""
+    """The command that changes a checkpoint's TP/PP sizes (with its optimizer state, so the run continues)."""
     if load_dir.endswith(".pt"):  # .../iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt -> the --load directory
         load_dir = os.path.dirname(os.path.dirname(os.path.dirname(load_dir)))
-    return (f"reshard its weights: python tools/convert_deepspeed_checkpoint.py --to-deepspeed --input-folder "
-            f"{load_dir} --output-folder TMP --target-tp N --target-pp M, then python "
-            "tools/convert_deepspeed_checkpoint.py --input-folder TMP --output-folder NEW and --load NEW "
-            "--no-load-optim --no-load-rng")
+    return (f"reshard it: python tools/checkpoint/convert.py --model-type GPT --load-dir {load_dir} --save-dir NEW "
+            "--target-tensor-parallel-size N --target-pipeline-parallel-size M, then --load NEW --no-load-rng")
 
 
 def _print0(msg: str) -> None:

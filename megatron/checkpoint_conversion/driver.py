@@ -1,5 +1,7 @@
 """`tools/checkpoint/convert.py`: Megatron-LM's command line (--model-type, --loader, --saver, --load-dir,
---save-dir, --target-*-parallel-size, --true-vocab-size | --vocab-file, --megatron-path) over the plugins.
+--save-dir, --target-*-parallel-size, --true-vocab-size | --vocab-file, --megatron-path) over the plugins. A
+training checkpoint converted megatron -> megatron keeps its optimizer state unless --no-save-optim (resume on another
+layout: megatron/checkpoint_conversion/optimizer_state.py).
 
 The output is written into a temporary sibling folder and renamed to --save-dir only when everything succeeded, so a
 failure leaves nothing under the target name. The model flags for the converted checkpoint are printed at the end.
@@ -45,6 +47,14 @@ def base_parser() -> argparse.ArgumentParser:
                         "(loader and saver run in one process, one layer at a time)")
     parser.add_argument("--no-checking", action="store_false", dest="checking",
                         help="Let the Hugging Face saver drop tensors it has no name for (default: one-line error)")
+    parser.add_argument("--no-save-optim", action="store_true",
+                        help="Write the weights only. By default a Megatron training checkpoint converted by the "
+                             "megatron saver keeps its training state: the optimizer state (fp32 main params, Adam "
+                             "moments, step; regular or distributed optimizer) resharded for the target layout, the "
+                             "iteration, consumed samples and LR schedule, so --load on the new TP x PP x DP layout "
+                             "continues the run (with --no-load-rng; any DP size, with or without "
+                             "--use-distributed-optimizer). Keep the padded vocabulary equal (see "
+                             "--make-vocab-size-divisible-by) for a continuation equal to the original layout's")
     parser.add_argument("--trust-checkpoint", action="store_true",
                         help="Load the input with full unpickling (can run code in it); default: weights-only with "
                              "an allow-list (also MEGATRON_TRUST_CHECKPOINT=1)")
@@ -92,6 +102,7 @@ def convert(args: argparse.Namespace) -> Dict[str, Any]:
     from megatron.safe_load import guarded_torch_load
 
     _check_args(args)
+    args.keep_training_state = not getattr(args, "no_save_optim", False) and args.saver == "megatron"
     save = os.path.abspath(args.save_dir)
     tmp = os.path.join(os.path.dirname(save), f".{os.path.basename(save)}.converting.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -123,9 +134,19 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
               f"vocabulary {summary['vocab_size']}) to {args.save_dir}", flush=True)
     else:
         kind = "release checkpoint" if meta.iteration is None else f"checkpoint iteration {meta.iteration}"
-        print(f"wrote {args.saver} {kind} to {args.save_dir} (TP={summary.get('tp', 1)}, "
-              f"PP={summary.get('pp', 1)}); load it with --load {args.save_dir} --finetune (or --no-load-optim "
-              "--no-load-rng) and these model flags:", flush=True)
+        if meta.extra.get("optimizer"):
+            print(f"wrote {args.saver} {kind} with its optimizer state to {args.save_dir} (TP={summary.get('tp', 1)}"
+                  f", PP={summary.get('pp', 1)}, any data-parallel size); continue the run with --load "
+                  f"{args.save_dir} --no-load-rng, the parallel sizes and these model flags:", flush=True)
+            src, dst = meta.extra.get("source_padded_vocab_size"), meta.architecture.get("padded_vocab_size")
+            if src != dst:
+                print(f"note: the padded vocabulary changed from {src} to {dst} rows, so the continuation is close "
+                      "to but not equal to the original layout's (choose --make-vocab-size-divisible-by to keep it)",
+                      flush=True)
+        else:
+            print(f"wrote {args.saver} {kind} to {args.save_dir} (TP={summary.get('tp', 1)}, "
+                  f"PP={summary.get('pp', 1)}); load it with --load {args.save_dir} --finetune (or --no-load-optim "
+                  "--no-load-rng) and these model flags:", flush=True)
         print(summary["flags"], flush=True)
     sys.stdout.flush()
     return summary

@@ -14,7 +14,9 @@ Message stream of a GPT-family model, in order (Megatron-LM's tools/checkpoint n
                             binary head weight/bias (keys relative to ``language_model.pooler.``, ``lm_head.``, ...)
 
 The word embedding / output layer carry ``meta.true_vocab_size`` rows when the loader knows the tokenizer's size
-(padding dropped; savers re-pad as Megatron does), else the source's padded rows.
+(padding dropped; savers re-pad as Megatron does), else the source's padded rows. With the training state
+(``Message.optimizer``, ``meta.extra["optimizer"]``: step count, param-group hyperparameters, grad scaler) the padded
+rows are kept as trained, since they take part in the softmax (megatron/checkpoint_conversion/optimizer_state.py).
 """
 from __future__ import annotations
 
@@ -60,6 +62,9 @@ class Message:
 
     name: str
     tensors: Dict[str, torch.Tensor]
+    # training state (loaders that read it, `--no-save-optim` not given): per key of `tensors`, the full fp32 main
+    # param and optimizer moments {"param", "exp_avg", "exp_avg_sq"} (shaped like the tensor, same TP layout)
+    optimizer: Dict[str, Dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass

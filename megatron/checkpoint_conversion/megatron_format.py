@@ -7,7 +7,10 @@ layer plus the embeddings. QKV rows of checkpoint_version 0 ([3, heads, d]) and 
 to the current [heads, 3, d]. Writing splits each layer for the target TP, groups layers into the target's pipeline
 stages / virtual chunks (Megatron's layer offsets), pads the vocabulary for the target TP (repeating the last row,
 output layer too) and writes Megatron's files with ``args``, ``architecture``, ``checkpoint_version`` 3.0 and the
-iteration (no optimizer or RNG state; load with --finetune or --no-load-optim --no-load-rng).
+iteration. With the training state (the loader's ``optimizer=True``; optimizer_state.py) the optimizer state of
+either optimizer is converted too and written as ``distrib_optim.pt`` per rank, with the iteration, consumed samples
+and LR schedule, so ``--load`` continues the run (``--no-load-rng``: the RNG streams of another layout do not
+exist); without it the files hold no optimizer or RNG state (load with --finetune or --no-load-optim --no-load-rng).
 """
 from __future__ import annotations
 
@@ -202,13 +205,18 @@ class MegatronCheckpointReader:
         self.architecture = _architecture_from(first, self.files[(0, 0)])
         # {(tp, pp, vp): flat state dict}
         self.chunks: Dict[Tuple[int, int, int], Dict[str, Any]] = {}
+        self.optim_entries: Dict[Tuple[int, int], Any] = {}  # each rank file's 'optimizer' entry (memory-mapped)
         self._open()
+        # {(tp, pp, vp): {name: {"param", "exp_avg", ...}}} when the training state is carried (optimizer_state.py)
+        self.opt: Optional[Dict[Tuple[int, int, int], Dict[str, Dict[str, torch.Tensor]]]] = None
+        self.opt_common: Dict[str, Any] = {}
 
     def _open(self) -> None:
         from megatron.model.gpt_model import flatten_checkpoint_state_dict
 
         for (t, p), path in sorted(self.files.items()):
             sd = self.first if (t, p) == (0, 0) else _load(path, self.trust)
+            self.optim_entries[(t, p)] = sd.get("optimizer")
             keys = ["model"] if self.vp == 1 else [f"model{v}" for v in range(self.vp)]
             for v, key in enumerate(keys):
                 if key not in sd:
@@ -229,6 +237,51 @@ class MegatronCheckpointReader:
         if len(set(counts)) > 1:
             raise ConversionError(f"{self.iter_dir}: pipeline chunks hold unequal layer counts {counts}")
         self.architecture["num_layers"] = total
+
+    def open_optimizer(self, meta: ModelMeta) -> None:
+        """Read every rank's optimizer state into per-parameter entries (nothing when the checkpoint has none)."""
+        from megatron.checkpoint_conversion import optimizer_state as ostate
+
+        if not all(ostate.has_training_state(e) for e in self.optim_entries.values()):
+            return
+        if self.version < 2.0:
+            raise ConversionError(f"{self.iter_dir}: checkpoint_version {self.version} optimizer states are not "
+                                  "converted; pass --no-save-optim to convert the weights only")
+        full_order = list(layer_layouts(meta))
+        self.opt, steps, keys = {}, set(), set()
+        for (t, p), optim_sd in sorted(self.optim_entries.items()):
+            chunks = [self.chunks[(t, p, v)] for v in range(self.vp)]
+            path = self.files[(t, p)]
+            if optim_sd.get("distributed_optimizer"):
+                dpath = os.path.join(os.path.dirname(path), "distrib_optim.pt")
+                if not os.path.isfile(dpath):
+                    raise ConversionError(f"missing rank file {dpath} (saved with --use-distributed-optimizer); the "
+                                          "checkpoint is incomplete (or pass --no-save-optim)")
+                entries, step, k = ostate.distributed_entries(_load(dpath, self.trust), chunks, dpath)
+            else:
+                entries, step, k = ostate.regular_entries(optim_sd, chunks, full_order, path)
+            for v, e in enumerate(entries):
+                self.opt[(t, p, v)] = e
+            steps.add(step)
+            keys.update(k)
+        self.opt_common = ostate.common_part(self.optim_entries[(0, 0)])
+        self.opt_common.update(step=max(steps), state_keys=sorted(keys))
+
+    def opt_merged(self, p: int, v: int, name: str, layout: TensorParallelLayout) -> Dict[str, torch.Tensor]:
+        """The full (TP=1) training-state entry of parameter `name`, merged like its weight; {} without state."""
+        if self.opt is None:
+            return {}
+        per_rank = [self.opt[(t, p, v)].get(name) for t in range(self.tp)]
+        if any(e is None for e in per_rank):
+            raise ConversionError(f"{self.iter_dir}: no optimizer state for {name} on every tensor rank: mismatched "
+                                  "shards (or pass --no-save-optim)")
+        if layout.replicated or self.tp == 1:
+            return dict(per_rank[0])
+        try:
+            return {k: layout.merge([e[k] for e in per_rank], name) for k in per_rank[0]}
+        except (ValueError, RuntimeError, KeyError) as exc:
+            raise ConversionError(f"{self.iter_dir}: cannot merge the optimizer state of {name} over {self.tp} "
+                                  f"tensor ranks ({str(exc).splitlines()[0][:160]}): mismatched shards") from None
 
     def _layers_in(self, p: int, v: int) -> int:
         ids = {int(m.group(1)) for m in map(_LAYER_RE.match, self.chunks[(0, p, v)]) if m}
@@ -268,8 +321,9 @@ def megatron_meta(reader: MegatronCheckpointReader, true_vocab_size: Optional[in
 
 
 def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model_type: str = "GPT",
-                  trust: bool = False) -> Tuple[ModelMeta, Iterator[Message]]:
-    """Loader: (meta, message stream) of a Megatron checkpoint at any TP/PP/virtual-PP layout."""
+                  trust: bool = False, optimizer: bool = False) -> Tuple[ModelMeta, Iterator[Message]]:
+    """Loader: (meta, message stream) of a Megatron checkpoint at any TP/PP/virtual-PP layout; with `optimizer`,
+    the messages also carry the training state when the checkpoint has one (GPT models; optimizer_state.py)."""
     reader = MegatronCheckpointReader(load_dir, trust)
     meta = megatron_meta(reader, true_vocab_size, model_type)
     padded = reader.merged(0, 0, WORD, TensorParallelLayout(dim=0)).size(0) if WORD in reader.chunks[(0, 0, 0)] \
@@ -288,18 +342,36 @@ def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model
     if meta.true_vocab_size is not None and meta.true_vocab_size > padded:
         raise ConversionError(f"--true-vocab-size {meta.true_vocab_size} exceeds the checkpoint's {padded} "
                               "vocabulary rows")
+    if optimizer and model_type == "GPT" and meta.iteration is not None:
+        reader.open_optimizer(meta)
+        if reader.opt is not None:
+            meta.extra["optimizer"] = reader.opt_common
+            meta.extra["source_padded_vocab_size"] = padded
+            tokens = reader.first.get("consumed_train_tokens")
+            if tokens is not None:
+                meta.extra["consumed_tokens"] = (int(tokens), int(reader.first.get("consumed_valid_tokens", 0) or 0))
     return meta, _stream(reader, meta)
 
 
 def _stream(reader: MegatronCheckpointReader, meta: ModelMeta) -> Iterator[Message]:
     layouts = layer_layouts(meta)
-    rows = slice(0, meta.true_vocab_size)
+    # with the training state the padded rows stay as trained (see optimizer_state.py)
+    rows = slice(0, meta.true_vocab_size if reader.opt is None else None)
     first, last = (0, 0), (reader.pp - 1, reader.vp - 1)
+
+    def opt(p: int, v: int, name: str, cut: bool = False) -> Dict[str, torch.Tensor]:
+        if reader.opt is None or name not in reader.opt[(0, p, v)]:  # no state, or not a trained parameter
+            return {}
+        entry = reader.opt_merged(p, v, name, _layout(layouts, name))
+        return {k: t[rows] for k, t in entry.items()} if cut else entry
+
     emb = {"word_embeddings.weight": reader.merged(*first, WORD, _layout(layouts, WORD))[rows]}
+    emb_opt = {"word_embeddings.weight": opt(*first, WORD, cut=True)}
     for name in (POS, TOKENTYPE):
         if name in reader.chunks[(0, 0, 0)]:
             emb[name[len(LM + "embedding."):]] = reader.chunks[(0, 0, 0)][name]
-    yield Message(EMBEDDINGS, emb)
+            emb_opt[name[len(LM + "embedding."):]] = opt(*first, name)
+    yield Message(EMBEDDINGS, emb, {k: e for k, e in emb_opt.items() if e})
     a = meta.architecture
     nh = a["num_attention_heads"]
     hd = a.get("kv_channels") or a["hidden_size"] // nh
@@ -307,13 +379,16 @@ def _stream(reader: MegatronCheckpointReader, meta: ModelMeta) -> Iterator[Messa
     for i in range(num_layers):
         p, v, local = chunk_of_layer(i, num_layers, reader.pp, reader.vp)
         prefix = f"{LAYERS}{local}."
-        tensors = {}
+        tensors, layer_opt = {}, {}
         for name in reader.chunks[(0, p, v)]:
             if not name.startswith(prefix):
                 continue
             suffix = name[len(prefix):]
             if suffix.endswith("_extra_state"):
                 continue
+            entry = opt(p, v, name)
+            if entry:
+                layer_opt[suffix] = entry
             if reader.version < 2.0 and "query_key_value" in suffix:
                 try:
                     per_rank = [fix_qkv_ordering(reader.chunks[(t, p, v)][name], reader.version, nh // reader.tp, hd)
@@ -323,23 +398,27 @@ def _stream(reader: MegatronCheckpointReader, meta: ModelMeta) -> Iterator[Messa
                 tensors[suffix] = _layout(layouts, name).merge(per_rank, name)
             else:
                 tensors[suffix] = reader.merged(p, v, name, _layout(layouts, name))
-        yield Message(layer_message(i), tensors)
+        yield Message(layer_message(i), tensors, layer_opt)
     last_chunk = reader.chunks[(0, *last)]
     norm = {k[len(ENC):]: last_chunk[k] for k in last_chunk if k.startswith(ENC + "final_layernorm.")}
     if not norm:
         raise ConversionError(f"{reader.files[(0, reader.pp - 1)]} has no final_layernorm: incomplete last stage")
-    yield Message(FINAL_NORM, norm)
+    norm_opt = {k: opt(*last, ENC + k) for k in norm}
+    yield Message(FINAL_NORM, norm, {k: e for k, e in norm_opt.items() if e})
     if not a.get("share_embeddings_and_output_weights", True) and OUT not in last_chunk:
         raise ConversionError(f"{reader.files[(0, reader.pp - 1)]} has no {OUT} but the architecture is untied")
     for prefix, message in HEAD_PARTS:
-        tensors = {}
+        tensors, head_opt = {}, {}
         for name in last_chunk:
             if name.startswith(prefix):
                 t = reader.merged(*last, name, _layout(layouts, name))
-                tensors[name[len(prefix):] if message != OUTPUT_LAYER else name[len(LM):]] = \
-                    t[rows] if name in VOCAB_ROWS else t
+                key = name[len(prefix):] if message != OUTPUT_LAYER else name[len(LM):]
+                tensors[key] = t[rows] if name in VOCAB_ROWS else t
+                entry = opt(*last, name, cut=name in VOCAB_ROWS)
+                if entry:
+                    head_opt[key] = entry
         if tensors:
-            yield Message(message, tensors)
+            yield Message(message, tensors, head_opt)
 
 
 # ----------------------------------------------------------------------------------------------- writing
@@ -415,7 +494,8 @@ class MegatronWriter:
         """Split each part for the target TP as it arrives and spill its shards to a staging file that is reopened
         memory-mapped, so the resident memory is about one layer; then write each rank file from the staged parts."""
         meta = self.meta
-        emb = expect(messages, EMBEDDINGS).tensors
+        emb_msg = expect(messages, EMBEDDINGS)
+        emb, emb_opt = emb_msg.tensors, emb_msg.optimizer
         word = emb["word_embeddings.weight"]
         rows = target_rows(word.size(0), meta.true_vocab_size, meta.make_vocab_size_divisible_by, self.tp)
         self.padded = rows
@@ -423,24 +503,31 @@ class MegatronWriter:
         self.layouts = layer_layouts(meta)
         self.parts: Dict[Tuple[int, int, int], Dict[str, Any]] = {
             (t, p, v): {} for t in range(self.tp) for p in range(self.pp) for v in range(self.vp)}
+        self.opt_parts: Dict[Tuple[int, int, int], Dict[str, Dict[str, Any]]] = {k: {} for k in self.parts}
+        self.with_optimizer = bool(meta.extra.get("optimizer"))
         self.staging = os.path.join(self.save_dir, ".staging")
         last = (self.pp - 1, self.vp - 1)
         emb_flat = {WORD: repad_rows(word, rows)}
+        opt_flat = {WORD: {k: repad_rows(x, rows) for k, x in emb_opt.get("word_embeddings.weight", {}).items()}}
         for key in ("position_embeddings.weight", "tokentype_embeddings.weight"):
             if key in emb:
                 emb_flat[LM + "embedding." + key] = emb[key]
+                opt_flat[LM + "embedding." + key] = emb_opt.get(key, {})
         tied = meta.architecture.get("share_embeddings_and_output_weights", True)
-        if tied and self.pp > 1:  # the last stage's copy of the tied embedding (word_embeddings_for_head)
-            self._stage("head", last, {HEAD_COPY: emb_flat[WORD]})
-        self._stage("embeddings", (0, 0), emb_flat)
-        del word, emb, emb_flat
+        if tied and self.pp > 1:  # the last stage's copy of the tied embedding (word_embeddings_for_head); its
+            # gradient is all-reduced with the first stage's, so its optimizer state is the same
+            self._stage("head", last, {HEAD_COPY: emb_flat[WORD]}, {HEAD_COPY: opt_flat[WORD]})
+        self._stage("embeddings", (0, 0), emb_flat, opt_flat)
+        del word, emb, emb_flat, emb_opt, opt_flat, emb_msg
         for i in range(self.num_layers):
             p, v, local = chunk_of_layer(i, self.num_layers, self.pp, self.vp)
             msg = expect(messages, layer_message(i))
-            self._stage(f"layer{i}", (p, v), {f"{LAYERS}{local}.{k}": t for k, t in msg.tensors.items()})
+            self._stage(f"layer{i}", (p, v), {f"{LAYERS}{local}.{k}": t for k, t in msg.tensors.items()},
+                        {f"{LAYERS}{local}.{k}": e for k, e in msg.optimizer.items()})
             del msg
-        norm = expect(messages, FINAL_NORM).tensors
-        self._stage("final_norm", last, {ENC + k: t for k, t in norm.items()})
+        norm_msg = expect(messages, FINAL_NORM)
+        self._stage("final_norm", last, {ENC + k: t for k, t in norm_msg.tensors.items()},
+                    {ENC + k: e for k, e in norm_msg.optimizer.items()})
         prefixes = {message: prefix for prefix, message in HEAD_PARTS}
         seen = set()
         for msg in messages:
@@ -450,7 +537,9 @@ class MegatronWriter:
             prefix = prefixes[msg.name] if msg.name != OUTPUT_LAYER else LM
             flat = {prefix + k: t for k, t in msg.tensors.items()}
             flat = {k: repad_rows(t, rows) if k in VOCAB_ROWS else t for k, t in flat.items()}
-            self._stage(msg.name.replace(" ", "_"), last, flat)
+            flat_opt = {prefix + k: {s: repad_rows(x, rows) if prefix + k in VOCAB_ROWS else x for s, x in e.items()}
+                        for k, e in msg.optimizer.items()}
+            self._stage(msg.name.replace(" ", "_"), last, flat, flat_opt)
         if not tied and OUTPUT_LAYER not in seen:
             raise ConversionError("the loader sent no output layer for an untied model")
         files = self._write_files()
@@ -473,13 +562,28 @@ class MegatronWriter:
                 shards[t][name] = part
         return shards
 
-    def _stage(self, tag: str, where: Tuple[int, int], tensors: Dict[str, Any]) -> None:
+    def _stage(self, tag: str, where: Tuple[int, int], tensors: Dict[str, Any],
+               opt: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
         p, v = where
         for t, shard in enumerate(self._split(tensors)):
-            path = os.path.join(self.staging, f"{tag}_{t}.pt")
-            os.makedirs(self.staging, exist_ok=True)
-            torch.save({k: x.contiguous() for k, x in shard.items()}, path)
-            self.parts[(t, p, v)].update(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+            self.parts[(t, p, v)].update(self._spill(f"{tag}_{t}", shard))
+        if not self.with_optimizer:
+            return
+        missing = [name for name in tensors if not (opt or {}).get(name) and not name.endswith("_extra_state")]
+        if missing:
+            raise ConversionError(f"the loader sent no optimizer state for {missing[0]}; pass --no-save-optim to "
+                                  "convert the weights only")
+        for key in sorted({k for e in opt.values() for k in e}):  # "param", "exp_avg", "exp_avg_sq"
+            for t, shard in enumerate(self._split({name: e[key] for name, e in opt.items()})):
+                for name, x in self._spill(f"{tag}_{key}_{t}", shard).items():
+                    self.opt_parts[(t, p, v)].setdefault(name, {})[key] = x
+
+    def _spill(self, stem: str, shard: Dict[str, Any]) -> Dict[str, Any]:
+        """Write `shard` to the staging folder and reopen it memory-mapped (bounded resident memory)."""
+        path = os.path.join(self.staging, f"{stem}.pt")
+        os.makedirs(self.staging, exist_ok=True)
+        torch.save({k: x.contiguous() for k, x in shard.items()}, path)
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
 
     def _write_files(self) -> List[str]:
         import shutil
@@ -492,6 +596,17 @@ class MegatronWriter:
                 else:
                     body = {f"model{v}": nest(self.parts.pop((t, p, v))) for v in range(self.vp)}
                 path = self._chunk_file(t, p)
+                if self.with_optimizer:
+                    from megatron.checkpoint_conversion.optimizer_state import distributed_files
+
+                    common = self.meta.extra["optimizer"]
+                    body["optimizer"], param_state = distributed_files(
+                        [self.opt_parts.pop((t, p, v)) for v in range(self.vp)], common, common["step"],
+                        common["state_keys"])
+                    dpath = os.path.join(os.path.dirname(path), "distrib_optim.pt")
+                    atomic_torch_save(param_state, dpath)
+                    files.append(dpath)
+                    del param_state
                 atomic_torch_save(self._file_dict(body), path)
                 files.append(path)
                 del body  # unmaps the staged tensors of this rank file
@@ -513,6 +628,8 @@ class MegatronWriter:
             "padded_vocab_size": self.padded,
             "architecture": arch,
         }
+        if "consumed_tokens" in meta.extra:
+            sd["consumed_train_tokens"], sd["consumed_valid_tokens"] = meta.extra["consumed_tokens"]
         sched = meta.extra.get("opt_param_scheduler")
         if sched is not None:
             sd["opt_param_scheduler"] = sched

@@ -48,7 +48,7 @@ class MegatronLoader:
         from megatron.checkpoint_conversion.megatron_format import read_megatron
 
         return read_megatron(args.load_dir, true_vocab_size=args.true_vocab_size, model_type=args.model_type,
-                             trust=_trust(args))
+                             trust=_trust(args), optimizer=bool(getattr(args, "keep_training_state", False)))
 
 
 class HFLoader:

@@ -92,7 +92,8 @@ def test_generate_temperature_zero_is_greedy(trained: dict) -> None:
 
 
 def test_layout_mismatch_names_a_reshard_command_that_works(trained: dict) -> None:
-    """The TP-mismatch message names tools/convert_deepspeed_checkpoint.py; its two commands give a TP=2 checkpoint."""
+    """The TP-mismatch message names tools/checkpoint/convert.py; its command gives a TP=2 checkpoint (optimizer
+    state included)."""
     from megatron.checkpointing import CheckpointError, check_checkpoint_args
 
     work = trained["dir"]
@@ -103,14 +104,14 @@ def test_layout_mismatch_names_a_reshard_command_that_works(trained: dict) -> No
         check_checkpoint_args(saved, current, path)
     message = str(exc.value)
     assert "\n" not in message and "reshard the checkpoint" not in message
-    commands = re.findall(r"python (tools/convert_deepspeed_checkpoint\.py [^,]*?)(?:, then | and --load)", message)
-    assert len(commands) == 2, message
+    commands = re.findall(r"python (tools/checkpoint/convert\.py [^,]*?), then --load NEW --no-load-rng", message)
+    assert len(commands) == 1, message
     for command in commands:
-        argv = shlex.split(command.replace("TMP", str(work / "ds_tmp")).replace("NEW", str(work / "tp2"))
-                           .replace(" N ", " 2 ").replace(" M", " 1"))
+        argv = shlex.split(command.replace("NEW", str(work / "tp2")).replace(" N ", " 2 ").replace(" M", " 1"))
         proc = _run(sys.executable, str(REPO / argv[0]), *argv[1:], cwd=REPO)
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in (work / "tp2" / "iter_0000002").iterdir() if p.is_dir()) == ["mp_rank_00", "mp_rank_01"]
+    assert (work / "tp2" / "iter_0000002" / "mp_rank_01" / "distrib_optim.pt").is_file()
 
 
 def test_readme_deepspeed_command_passes_startup_as_written() -> None:

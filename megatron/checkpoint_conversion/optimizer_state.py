@@ -1,0 +1,183 @@
+"""Training state in checkpoint conversion: resume a run on another TP x PP x DP layout.
+
+Reading: the optimizer state of every (tensor, pipeline) rank file of a Megatron checkpoint becomes per-parameter
+entries ``{"param": fp32 main param, "exp_avg", "exp_avg_sq"}`` keyed by the parameter's flat name in that rank's
+model chunk, from either optimizer:
+
+- the regular optimizer (``model_optim_rng.pt``'s ``optimizer``: torch's state dict whose integer indices follow
+  `megatron.optimizer.param_groups.get_param_groups` over the rank's chunks, plus ``fp32_from_fp16_params`` with
+  --fp16/--bf16), mapped to names with `regular_param_order` (the stage's parameter order is that of the TP=1 model
+  built on the meta device, restricted to the stage: TP does not change names, shapes' ranks or order);
+- the distributed optimizer (``distrib_optim.pt``: already full per-parameter state of the model-parallel rank).
+
+The megatron loader merges these over TP ranks with each parameter's own TP layout (as it merges the weights) and
+sends them with the weights (`Message.optimizer`); the megatron saver splits them for the target layout and writes
+them in the distributed optimizer's data-parallel-independent form (``distrib_optim.pt`` per TP x PP rank, the
+common part in ``model_optim_rng.pt``), which ``--load`` reads with ``--use-distributed-optimizer`` at any DP size and
+converts for the regular optimizer (megatron/checkpointing.py).
+
+Vocabulary padding: with the training state the padded rows of the word embedding / output layer are kept exactly
+as trained, weights and moments. They are not inert: their logits take part in the softmax, so they get gradients
+and Adam updates; dropping them and re-padding (repeating the last row) would change the continuation. The curve
+after conversion therefore equals the original's when the padded vocabulary is the same at both TP sizes (choose
+--make-vocab-size-divisible-by so); when it is not, missing rows repeat the last row's weights *and* moments (a
+twin of that row: zero moments would make the first Adam update of those rows about 1/sqrt(1-beta2) ~ 30x a normal
+step), and extra rows are cut.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from megatron.checkpoint_conversion.interchange import ConversionError
+
+PARAM = "param"
+_LAYER_RE = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
+_LAYER0 = "language_model.encoder.layers.0."
+HEAD_COPY = "word_embeddings.weight"
+
+OptEntries = Dict[str, Dict[str, torch.Tensor]]  # {flat parameter name: {"param", "exp_avg", ...}}
+
+
+def stage_order(names: Sequence[str], full_order: Sequence[str]) -> List[str]:
+    """The parameters among `names` (a stage's flat names, local layer numbers) in ``named_parameters()`` order of
+    that stage's model: embeddings, layers by local index, final norm, output layer, then the last stage's copy of
+    the tied embedding (registered last). `full_order`: the TP=1 model's parameter names in order."""
+    position = {n: i for i, n in enumerate(full_order)}
+    first_layer = min((i for n, i in position.items() if n.startswith(_LAYER0)), default=len(full_order))
+    keyed = []
+    for name in names:
+        m = _LAYER_RE.match(name)
+        if m:
+            canon = _LAYER0 + m.group(2)
+            if canon in position:
+                keyed.append(((1, int(m.group(1)), position[canon]), name))
+        elif name == HEAD_COPY:
+            keyed.append(((3, 0, 0), name))
+        elif name in position:
+            keyed.append(((0 if position[name] < first_layer else 2, 0, position[name]), name))
+    return [name for _, name in sorted(keyed)]
+
+
+def regular_param_order(chunks: Sequence[Dict[str, Any]], full_order: Sequence[str]) -> List[List[Tuple[int, str]]]:
+    """[(chunk, name), ...] per param group of the regular optimizer of one rank, as
+    `megatron.optimizer.param_groups.get_param_groups` builds them (weight decay on tensors of rank >= 2 that are
+    not biases, then the rest; empty groups dropped)."""
+    buckets: Dict[bool, List[Tuple[int, str]]] = {True: [], False: []}
+    for c, flat in enumerate(chunks):
+        for name in stage_order(list(flat), full_order):
+            no_wd = name.endswith(".bias") or flat[name].dim() == 1
+            buckets[not no_wd].append((c, name))
+    return [b for b in (buckets[True], buckets[False]) if b]
+
+
+def _inner(optim_sd: Dict[str, Any]) -> Dict[str, Any]:
+    """torch's optimizer state dict inside a regular optimizer entry (FP32Optimizer: itself; fp16/bf16: 'optimizer')."""
+    if "param_groups" in optim_sd:
+        return optim_sd
+    inner = optim_sd.get("optimizer", optim_sd.get("optimizer_state_dict"))
+    if not isinstance(inner, dict) or "param_groups" not in inner:
+        raise ConversionError("the checkpoint's optimizer entry is not a Megatron optimizer state; pass --no-save-optim "
+                              "to convert the weights only")
+    return inner
+
+
+def has_training_state(optim_sd: Any) -> bool:
+    """True when a rank file's ``optimizer`` entry holds state worth carrying (a distributed optimizer, or a
+    regular one that stepped at least once)."""
+    if not isinstance(optim_sd, dict):
+        return False
+    if optim_sd.get("distributed_optimizer"):
+        return True
+    try:
+        return bool(_inner(optim_sd).get("state"))
+    except ConversionError:
+        return False
+
+
+def regular_entries(optim_sd: Dict[str, Any], chunks: Sequence[Dict[str, Any]], full_order: Sequence[str],
+                    where: str) -> Tuple[List[OptEntries], float, List[str]]:
+    """Per-chunk entries of a regular optimizer's state (see the module docstring); (entries, step, state keys)."""
+    inner = _inner(optim_sd)
+    groups = regular_param_order(chunks, full_order)
+    saved = inner["param_groups"]
+    if [len(g["params"]) for g in saved] != [len(g) for g in groups]:
+        raise ConversionError(f"{where}: the optimizer has param groups of {[len(g['params']) for g in saved]} "
+                              f"parameters but the model files give {[len(g) for g in groups]}: mismatched shards")
+    main = optim_sd.get("fp32_from_fp16_params", optim_sd.get("fp32_from_fp16")) if "param_groups" not in optim_sd \
+        else None
+    out: List[OptEntries] = [{} for _ in chunks]
+    step, keys = 0.0, set()
+    for g, (saved_group, names) in enumerate(zip(saved, groups)):
+        for i, (index, (c, name)) in enumerate(zip(saved_group["params"], names)):
+            weight = chunks[c][name]
+            value = main[g][i] if main else weight
+            entry = {PARAM: value.float()}
+            for k, v in inner["state"].get(index, {}).items():
+                if k == "step":
+                    step = max(step, float(v))
+                elif torch.is_tensor(v) and v.dim() > 0:
+                    entry[k] = v.float()
+                    keys.add(k)
+            for k, v in entry.items():
+                if v.shape != weight.shape:
+                    raise ConversionError(f"{where}: optimizer {k} of {name} has shape {tuple(v.shape)}, the weight "
+                                          f"{tuple(weight.shape)}: mismatched shards")
+            out[c][name] = entry
+    return out, step, sorted(keys)
+
+
+def distributed_entries(param_state: Dict[str, Any], chunks: Sequence[Dict[str, Any]], where: str
+                        ) -> Tuple[List[OptEntries], float, List[str]]:
+    """Per-chunk entries of a ``distrib_optim.pt`` (already full per parameter)."""
+    from megatron.optimizer.distrib_optimizer import PARAM_STATE_FORMAT
+
+    if not isinstance(param_state, dict) or param_state.get("format") != PARAM_STATE_FORMAT:
+        raise ConversionError(f"{where} is not a distributed optimizer state of this framework; pass --no-save-optim "
+                              "to convert the weights only")
+    saved = param_state["chunks"]
+    if len(saved) != len(chunks):
+        raise ConversionError(f"{where} holds {len(saved)} model chunks, the model file {len(chunks)}: mismatched "
+                              "shards")
+    out: List[OptEntries] = []
+    for c, flat in enumerate(chunks):
+        entries: OptEntries = {}
+        for name, entry in saved[c].items():
+            if name not in flat or entry[PARAM].shape != flat[name].shape:
+                raise ConversionError(f"{where}: state of {name} does not match the model file: mismatched shards")
+            entries[name] = {k: v.float() for k, v in entry.items()}
+        out.append(entries)
+    return out, float(param_state.get("step", 0.0)), list(param_state.get("state_keys", []))
+
+
+def common_part(optim_sd: Dict[str, Any]) -> Dict[str, Any]:
+    """The layout-independent part: param-group hyperparameters (without their param lists) and the grad scaler."""
+    inner = optim_sd["optimizer"] if optim_sd.get("distributed_optimizer") else _inner(optim_sd)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.get("param_groups", [])]
+    out: Dict[str, Any] = {"param_groups": groups}
+    if optim_sd.get("grad_scaler") is not None:
+        out["grad_scaler"] = optim_sd["grad_scaler"]
+    return out
+
+
+def resize_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Vocabulary rows of a weight or moment for the target padding (see the module docstring)."""
+    from megatron.checkpoint_conversion.vocab import repad_rows
+
+    return repad_rows(t, rows)
+
+
+def distributed_files(entries_per_chunk: List[OptEntries], common: Dict[str, Any], step: float,
+                      state_keys: List[str]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(the ``optimizer`` entry of ``model_optim_rng.pt``, the ``distrib_optim.pt`` body) of one target rank."""
+    from megatron.optimizer.distrib_optimizer import PARAM_STATE_FORMAT
+
+    groups = [dict(g, params=[]) for g in common.get("param_groups", [])]
+    optimizer: Dict[str, Any] = {"distributed_optimizer": True, "optimizer": {"param_groups": groups, "state": {}}}
+    if common.get("grad_scaler") is not None:
+        optimizer["grad_scaler"] = common["grad_scaler"]
+    body = {"format": PARAM_STATE_FORMAT, "step": step, "state_keys": list(state_keys),
+            "chunks": entries_per_chunk, "saved_data_parallel_size": None}
+    return optimizer, body
