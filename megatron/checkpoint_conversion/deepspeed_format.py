@@ -199,4 +199,92 @@ def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab
         raise ConversionError(f"--true-vocab-size {meta.true_vocab_size} exceeds the checkpoint's {padded} "
                               "vocabulary rows")
     meta.extra["layout"] = reader.layout
+    if reader.layout == "pipe":  # the source's pipeline size (the stream itself is layout-free)
+        meta.extra["pp"] = int(getattr(meta.checkpoint_args, "pipeline_model_parallel_size", 1) or 1)
     return meta, _stream(reader, meta)
+
+
+# ----------------------------------------------------------------------------------------------- writing
+def engine_state(iteration: int, samples: int, tp: int, pp: int) -> Dict[str, Any]:
+    """The engine fields DeepSpeed's load_checkpoint reads from ``mp_rank_XX_model_states.pt`` (no optimizer)."""
+    import importlib.metadata
+
+    try:
+        ds_version = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        ds_version = "0.0.0"
+    return {"buffer_names": [], "optimizer": None, "lr_scheduler": None, "skipped_steps": 0,
+            "global_steps": iteration, "global_samples": samples, "dp_world_size": 1, "mp_world_size": tp * pp,
+            "ds_version": ds_version, "param_shapes": None, "frozen_param_shapes": None, "shared_params": {},
+            "frozen_param_fragments": None, "data_sampler": None, "random_ltd": None,
+            "checkpoint_parallel_dimensions": {"pp_degree": pp, "tp_degree": tp}}
+
+
+def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str, tp: int = 1,
+                    pp: int = 1) -> Dict[str, Any]:
+    """Saver: the stream as DeepSpeed ``global_stepN`` files (weights and client state, no optimizer state).
+
+    PP 1: ``mp_rank_{tp:02d}_model_states.pt`` with ``module`` (what the non-pipeline engine reads; under ZeRO-3
+    megatron.ds loads it as module weights and partitions them). PP > 1: the pipeline engine's
+    ``layer_{idx:02d}-model_{tp:02d}-model_states.pt`` files plus one client-state file per model rank. The stream is
+    first written as a TP `tp` Megatron checkpoint in a staging folder (megatron_format: about one layer resident),
+    then each tensor rank's file is reopened memory-mapped and rewritten in DeepSpeed's layout, one rank at a time.
+    """
+    import copy
+    import dataclasses
+    import shutil
+
+    from megatron.atomic_io import atomic_torch_save, atomic_write_text
+    from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, rank_files, write_megatron
+    from megatron.checkpoint_integrity import write_manifest
+    from megatron.model.gpt_model import flatten_checkpoint_state_dict
+    from megatron.model.gpt_model_pipe import pipe_layers_from_megatron_state_dict
+
+    if meta.model_type != "GPT":
+        raise ConversionError(f"--saver deepspeed writes GPT checkpoints (--model-type {meta.model_type} is not "
+                              "supported)")
+    num_layers = int(meta.architecture["num_layers"])
+    if pp > 1 and num_layers % pp:
+        raise ConversionError(f"--target-pipeline-parallel-size {pp} does not divide the {num_layers} layers")
+    meta = dataclasses.replace(meta, extra={k: v for k, v in meta.extra.items() if k != "optimizer"})
+    iteration = 0 if meta.iteration is None else int(meta.iteration)
+    meta.iteration = iteration
+    staging = os.path.join(save_dir, ".megatron_staging")
+    write_megatron(meta, messages, staging, tp, 1, None)
+    files = rank_files(find_iteration_dir(staging)[0])
+    tag = f"global_step{iteration}"
+    tag_dir = os.path.join(save_dir, tag)
+    state = engine_state(iteration, int(meta.consumed_train_samples), tp, pp)
+    written = []
+    client: Dict[str, Any] = {}
+    for t in range(tp):
+        sd = _load(files[(t, 0)], trust=True)  # our own staging file, memory-mapped
+        args = copy.deepcopy(sd.get("args"))
+        if args is not None:
+            args.pipeline_model_parallel_size = pp
+        client = {"iteration": iteration, "args": args, "checkpoint_version": sd.get("checkpoint_version", 3.0)}
+        for key in ("architecture", "consumed_train_samples", "consumed_valid_samples", "opt_param_scheduler",
+                    "padded_vocab_size", "true_vocab_size"):
+            if sd.get(key) is not None:
+                client[key] = sd[key]
+        flat = flatten_checkpoint_state_dict(sd["model"])
+        if pp == 1:
+            path = os.path.join(tag_dir, f"mp_rank_{t:02d}_model_states.pt")
+            atomic_torch_save({"module": flat, **state, **client}, path)
+            written.append(path)
+        else:
+            for idx, layer in sorted(pipe_layers_from_megatron_state_dict(flat, num_layers).items()):
+                path = os.path.join(tag_dir, f"layer_{idx:02d}-model_{t:02d}-model_states.pt")
+                atomic_torch_save({k: v.clone() for k, v in layer.items()}, path)
+                written.append(path)
+        del sd, flat
+    if pp > 1:
+        for p in range(pp):  # DeepSpeed's grid numbers model-parallel ranks pipeline-major
+            for t in range(tp):
+                path = os.path.join(tag_dir, f"mp_rank_{p * tp + t:02d}_model_states.pt")
+                atomic_torch_save({"module": None, **state, **client}, path)
+                written.append(path)
+    shutil.rmtree(staging, ignore_errors=True)
+    write_manifest(tag_dir)
+    atomic_write_text(os.path.join(save_dir, LATEST), tag)
+    return {"files": written, "tp": tp, "pp": pp, "tag": tag, "iteration": iteration}

@@ -13,7 +13,10 @@ iteration 4 (TP=1, DP=2); rank 0 converts it to TP=2 (tools/checkpoint/convert.p
   validation loss within 1e-5 — so the fp32 master copies followed the loaded weights;
 - ``--no-load-optim --no-load-rng`` from the Megatron checkpoint (ZeRO-1) and from the --to-deepspeed output
   (ZeRO-3) continue at iteration 5 with the non-DeepSpeed run's curve of the same flags;
-- without --finetune (or those two flags) the Megatron checkpoint is refused in one line.
+- the ZeRO-3 run's global_step files (weights in the fp32 partitions) evaluated under ZeRO-1 give its final
+  validation loss (1e-6);
+- without --finetune (or those two flags) the Megatron checkpoint is refused in one line, and so is loading the
+  optimizer state from weights-only DeepSpeed files.
 """
 from __future__ import annotations
 
@@ -100,7 +103,7 @@ def _job(rank: int, world_size: int, save: list[str], ckpts: tuple[str, str, str
 @pytest.fixture(scope="module")
 def job(gpt_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("ds_finetune")
-    ckpt, tp2, ds = str(tmp / "megatron"), str(tmp / "megatron_tp2"), str(tmp / "ds")
+    ckpt, tp2, ds, ds3 = str(tmp / "megatron"), str(tmp / "megatron_tp2"), str(tmp / "ds"), str(tmp / "ds_zero3")
     cfg = {s: write_ds_config(str(tmp / f"z{s}.json"), zero_optimization={"stage": s}) for s in (0, 1, 2, 3)}
 
     def ft(load: str, *extra: str, iters: int = FT_ITERS) -> list[str]:
@@ -111,7 +114,9 @@ def job(gpt_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     tp = ["--tensor-model-parallel-size", "2"]
     named = {
         "ref": ft(ckpt, *fine),
-        **{f"zero{s}": ft(ckpt, *fine, "--deepspeed", "--deepspeed_config", cfg[s]) for s in (0, 1, 2, 3)},
+        **{f"zero{s}": ft(ckpt, *fine, "--deepspeed", "--deepspeed_config", cfg[s]) for s in (0, 1, 2)},
+        "zero3": ft(ckpt, *fine, "--deepspeed", "--deepspeed_config", cfg[3], "--save", ds3, "--save-interval",
+                    str(FT_ITERS)),
         "pipe": ft(ckpt, *fine, "--deepspeed", "--deepspeed_config", cfg[1], "--pipeline-model-parallel-size", "2"),
         "tp2_zero1": ft(tp2, *fine, "--deepspeed", "--deepspeed_config", cfg[1], *tp),
         "tp2_zero3_split": ft(ckpt, *fine, "--deepspeed", "--deepspeed_config", cfg[3], *tp),
@@ -120,6 +125,9 @@ def job(gpt_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "keep_zero1": ft(ckpt, *keep, "--deepspeed", "--deepspeed_config", cfg[1], iters=8),
         "keep_zero3_from_ds": ft(ds, *keep, "--deepspeed", "--deepspeed_config", cfg[3], iters=8),
         "refused": ft(ckpt, "--deepspeed", "--deepspeed_config", cfg[1]),
+        "refused_optim": ft(ds, "--deepspeed", "--deepspeed_config", cfg[3]),
+        # the ZeRO-3 files (weights in the fp32 partitions) under ZeRO-1: consolidated, then loaded as module weights
+        "zero1_from_zero3_files": ft(ds3, *fine, "--deepspeed", "--deepspeed_config", cfg[1], "--skip-train"),
     }
     save = tiny_gpt_argv(gpt_data, "--save", ckpt, "--save-interval", "4", iters=4)
     compare = [(named["zero3"], ckpt), (named["tp2_zero3_split"], tp2), (named["zero1"], ckpt)]
@@ -185,3 +193,13 @@ def test_no_load_optim_continues_the_iteration_count(job: dict) -> None:
 def test_megatron_checkpoint_without_finetune_is_refused(job: dict) -> None:
     err = job["refused"]["error"]
     assert err is not None and "holds a Megatron checkpoint" in err and "--finetune" in err and "\n" not in err
+    err = job["refused_optim"]["error"]  # weights-only DeepSpeed files under ZeRO-3, optimizer state requested
+    assert err is not None and "--no-load-optim" in err and "\n" not in err, err
+
+
+def test_zero3_checkpoint_loads_under_zero1(job: dict) -> None:
+    saved = _curve(job["zero3"], "zero3")["val"]
+    evaluated = _curve(job["zero1_from_zero3_files"], "zero1_from_zero3_files")["val"]
+    assert saved and evaluated and saved[-1][0] == evaluated[0][0] == "the end of training for val data"
+    assert math.isclose(evaluated[0][1], saved[-1][1], rel_tol=1e-6), (evaluated, saved)
+    assert "zero3 layout" in job["zero1_from_zero3_files"]["stdout0"]

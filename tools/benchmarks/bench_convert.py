@@ -1,5 +1,5 @@
-"""Benchmark of tools/checkpoint/convert.py: wall time and peak RSS of TP1 -> TP4 (Megatron) and TP1 -> Hugging Face
-for a GPT preset with fp32 random weights, printed with the model size and the largest input shard.
+"""Benchmark of tools/checkpoint/convert.py: wall time and peak RSS of TP1 -> TP4 (Megatron), TP1 -> Hugging Face and
+TP1 -> DeepSpeed -> TP1 for a GPT preset with fp32 random weights, printed with the model size and the largest input shard.
 
 The source checkpoint is written by the converter's own saver from random layers generated one at a time (so making
 it is itself bounded in memory). Each conversion runs as `python tools/checkpoint/convert.py ...` in a fresh process;
@@ -105,6 +105,12 @@ def main() -> None:
                                   "--save-dir", os.path.join(work, "tp4"), "--target-tensor-parallel-size", "4"],
         "TP1 -> Hugging Face (safetensors)": [py, "tools/checkpoint/convert.py", "--model-type", "GPT", "--load-dir",
                                               src, "--saver", "hf", "--save-dir", os.path.join(work, "hf")],
+        "TP1 -> DeepSpeed (mp_rank_00_model_states.pt)": [
+            py, "tools/checkpoint/convert.py", "--model-type", "GPT", "--load-dir", src, "--saver", "deepspeed",
+            "--save-dir", os.path.join(work, "ds")],
+        "DeepSpeed -> TP1 (Megatron)": [py, "tools/checkpoint/convert.py", "--model-type", "GPT", "--loader",
+                                        "deepspeed", "--load-dir", os.path.join(work, "ds"), "--save-dir",
+                                        os.path.join(work, "from_ds")],
     }
     results = {}
     for name, cmd in runs.items():
