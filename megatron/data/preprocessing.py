@@ -396,12 +396,35 @@ class Encoder:
         for k, key in enumerate(self.keys):
             counts = [len(d[k]) for d in docs]
             sentences = list(chain.from_iterable(d[k] for d in docs))
+            flat = getattr(self.tokenizer, "tokenize_flat", None)
             try:
+                if flat is not None:  # ids as one array: no per-sentence lists (BERT WordPiece)
+                    results[key] = self._pack_flat(*flat(sentences), counts)
+                    continue
                 ids = self.tokenizer.tokenize_batch(sentences)
             except ValueError as exc:  # e.g. NullTokenizer on non-numeric text
                 raise PreprocessError(f"{task.path}: key '{key}': {exc}") from None
             results[key] = self._pack(ids, counts)
         return TaskResult(len(docs), num_bytes, results, bad)
+
+    def _pack_flat(self, ids: np.ndarray, lengths: np.ndarray, counts: List[int]) -> KeyResult:
+        """_pack for ids given as one array plus per-sentence lengths, in numpy: same KeyResult."""
+        counts_a = np.asarray(counts, dtype=np.int64)
+        doc_of = np.repeat(np.arange(counts_a.size), counts_a)
+        keep = lengths > 0
+        kept_per_doc = np.bincount(doc_of[keep], minlength=counts_a.size)
+        nonempty = kept_per_doc > 0
+        doc_sentences = kept_per_doc[nonempty].astype(np.int64)
+        sizes = lengths[keep].astype(np.int64)
+        tokens = ids
+        if self.eod is not None and sizes.size:
+            last = np.cumsum(doc_sentences) - 1  # each document's last kept sentence
+            tokens = np.insert(ids, np.cumsum(sizes)[last], self.eod)
+            sizes[last] += 1
+        info = np.iinfo(self.dtype)
+        if tokens.size and (int(tokens.min()) < info.min or int(tokens.max()) > info.max):
+            raise PreprocessError(f"a token id does not fit the output dtype {self.dtype.name}")
+        return KeyResult(tokens.astype(self.dtype, copy=False), sizes, doc_sentences, int(counts_a.size - nonempty.sum()))
 
     def _pack(self, ids: List[List[int]], counts: List[int]) -> KeyResult:
         kept: List[List[int]] = []

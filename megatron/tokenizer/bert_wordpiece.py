@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import re
 from itertools import chain
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
 
 from megatron.tokenizer.abstract import AbstractTokenizer
 
@@ -97,7 +99,16 @@ class BertWordPieceTokenizer(AbstractTokenizer):
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        out: List[List[int]] = [[] for _ in texts]
+        ids, lengths = self.tokenize_flat(texts)
+        flat = ids.tolist()
+        out, pos = [], 0
+        for n in lengths.tolist():
+            out.append(flat[pos:pos + n])
+            pos += n
+        return out
+
+    def tokenize_flat(self, texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
+        """All texts' ids concatenated (int64) and the number of ids of each text: tokenize_batch without lists."""
         slow_idx: List[int] = []
         fast_idx: List[int] = []
         words_of: List[List[str]] = []
@@ -110,24 +121,48 @@ class BertWordPieceTokenizer(AbstractTokenizer):
                 text = _CONTROL.sub("", text)
             fast_idx.append(i)
             words_of.append(words(text.lower() if lower else text))
+        parts = []
         if fast_idx:
-            cache = self._word_ids
-            missing = set().union(*words_of).difference(cache)
-            if missing:
-                if len(cache) + len(missing) > MAX_WORD_CACHE:
-                    cache.clear()
-                    missing = set().union(*words_of)
-                missing_list = list(missing)
-                for word, enc in zip(missing_list, self._tok.encode_batch_fast(missing_list, add_special_tokens=False)):
-                    cache[word] = enc.ids
-            get = cache.__getitem__
-            for i, ws in zip(fast_idx, words_of):
-                out[i] = list(chain.from_iterable(map(get, ws)))
+            parts.append((fast_idx, *self._fast_ids(words_of)))
         if slow_idx:
             encs = self._tok.encode_batch_fast([texts[i] for i in slow_idx], add_special_tokens=False)
-            for i, enc in zip(slow_idx, encs):
-                out[i] = enc.ids
-        return out
+            per_text = [e.ids for e in encs]
+            lens = np.fromiter(map(len, per_text), dtype=np.int64, count=len(per_text))
+            flat = np.fromiter(chain.from_iterable(per_text), dtype=np.int64, count=int(lens.sum()))
+            parts.append((slow_idx, flat, lens))
+        lengths = np.zeros(len(texts), dtype=np.int64)
+        if not parts:
+            return np.zeros(0, dtype=np.int64), lengths
+        if len(parts) == 1 and len(parts[0][0]) == len(texts):
+            return parts[0][1], parts[0][2]
+        for idx, _, lens in parts:
+            lengths[idx] = lens
+        offsets = np.cumsum(lengths) - lengths
+        out = np.empty(int(lengths.sum()), dtype=np.int64)
+        for idx, flat, lens in parts:  # scatter each part's texts to their places in input order
+            src_start = np.cumsum(lens) - lens
+            out[np.repeat(offsets[idx] - src_start, lens) + np.arange(flat.size)] = flat
+        return out, lengths
+
+    def _fast_ids(self, words_of: List[List[str]]) -> Tuple[np.ndarray, np.ndarray]:
+        """Ids of pre-split, normalized words through the per-word cache (misses encoded in one batch)."""
+        cache = self._word_ids
+        missing = set().union(*words_of).difference(cache)
+        if missing:
+            if len(cache) + len(missing) > MAX_WORD_CACHE:
+                cache.clear()
+                missing = set().union(*words_of)
+            missing_list = list(missing)
+            for word, enc in zip(missing_list, self._tok.encode_batch_fast(missing_list, add_special_tokens=False)):
+                cache[word] = enc.ids
+        per_word = list(map(cache.__getitem__, chain.from_iterable(words_of)))
+        word_lens = np.fromiter(map(len, per_word), dtype=np.int64, count=len(per_word))
+        flat = np.fromiter(chain.from_iterable(per_word), dtype=np.int64, count=int(word_lens.sum()))
+        n_words = np.fromiter(map(len, words_of), dtype=np.int64, count=len(words_of))
+        cum = np.zeros(len(per_word) + 1, dtype=np.int64)
+        np.cumsum(word_lens, out=cum[1:])
+        ends = np.cumsum(n_words)
+        return flat, cum[ends] - cum[ends - n_words]
 
     def tokenize_batch_reference(self, texts: Sequence[str]) -> List[List[int]]:
         """The `tokenizers` engine on every text (what tokenize_batch's fast path is compared against)."""

@@ -246,3 +246,57 @@ def test_other_tokenizers_and_flag_errors(tmp_path, shared_data, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nope.json" in err[0]
     assert not os.path.exists(tmp_path / "g_text_document.bin")
+
+
+def test_bert_fast_path_output_is_byte_identical_to_reference(tmp_path, shared_data, monkeypatch):
+    """--split-sentences with BertWordPieceLowerCase: the fast Punkt engine + WordPiece fast path + numpy packing write
+    the same .bin/.idx bytes as NLTK's Punkt + the tokenizers engine + per-sentence lists (the reference path)."""
+    import functools
+
+    from megatron.data import sentence_splitter
+    from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
+
+    pytest.importorskip("nltk")
+    src = _head(shared_data / "openwebtext-1000" / "openwebtext-1000.jsonl", tmp_path / "in.jsonl", 150)
+    with open(src, "a", encoding="utf-8") as f:  # pre-split, empty, non-ASCII and control-character documents
+        for text in (["Already split.", "", "Yes!"], "", "   ", "Caf\u00e9 \u00fcber na\u00efve. \u4e2d\u6587 ok.",
+                     "\u201cQuoted.\u201d Then\x0bmore\x01text\u2026 done. \u00a3 5.", "!!!", ["", ""]):
+            f.write(json.dumps({"text": text}) + "\n")
+    vocab = str(shared_data / "bert-wordpiece" / "bert-base-uncased-vocab.txt")
+    flags = ["--input", str(src), "--tokenizer-type", "BertWordPieceLowerCase", "--vocab", vocab,
+             "--split-sentences", "--allow-empty"]
+    assert _run([*flags, "--output-prefix", str(tmp_path / "fast"), "--workers", "2"]) == 0
+    monkeypatch.setattr(sentence_splitter, "SentenceSplitter",
+                        functools.partial(sentence_splitter.SentenceSplitter, engine="nltk"))
+    monkeypatch.setattr(BertWordPieceTokenizer, "tokenize_flat", None)
+    monkeypatch.setattr(BertWordPieceTokenizer, "tokenize_batch", BertWordPieceTokenizer.tokenize_batch_reference)
+    assert _run([*flags, "--output-prefix", str(tmp_path / "ref")]) == 0
+    fast, ref = _files(tmp_path / "fast_text_sentence"), _files(tmp_path / "ref_text_sentence")
+    assert fast == ref
+    ds = MMapIndexedDataset(str(tmp_path / "ref_text_sentence"))
+    assert len(ds.doc_idx) - 1 == 154 and len(ds) > 10 * 150  # 3 documents without tokens skipped, many sentences
+
+
+def test_pack_flat_equals_pack(shared_data):
+    """Encoder._pack_flat (numpy) and _pack (lists) agree, with empty sentences, empty documents and an eod token."""
+    import argparse
+
+    rng = np.random.default_rng(0)
+    args = argparse.Namespace(json_keys=["text"], tokenizer_type="BertWordPieceLowerCase", append_eod=False,
+                              vocab_file=str(shared_data / "bert-wordpiece" / "bert-base-uncased-vocab.txt"),
+                              dataset_impl="mmap", split_sentences=False, rank=1, make_vocab_size_divisible_by=128,
+                              tensor_model_parallel_size=1, vocab_extra_ids=0)
+    enc = preprocessing.Encoder(args)
+    for eod in (None, 7):
+        enc.eod = eod
+        counts = rng.integers(0, 5, size=60).tolist()
+        lengths = rng.integers(0, 4, size=sum(counts)) * rng.integers(0, 2, size=sum(counts))
+        ids = rng.integers(0, 30000, size=int(lengths.sum()))
+        lists, pos = [], 0
+        for n in lengths.tolist():
+            lists.append(ids[pos:pos + n].tolist())
+            pos += n
+        a, b = enc._pack_flat(ids, lengths, counts), enc._pack(lists, counts)
+        assert a.empty_docs == b.empty_docs > 0 and a.tokens.dtype == b.tokens.dtype
+        for x, y in zip(a[:3], b[:3]):
+            assert x.tolist() == y.tolist()
