@@ -29,14 +29,11 @@ By default the output keeps the source's tensor/pipeline sizes; --target-tp/--ta
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import glob
-import io
 import os
 import re
 import sys
-import tempfile
 from typing import Any, Optional
 
 import torch
@@ -224,27 +221,13 @@ def _iteration_from(meta: dict, tag_dir: str) -> int:
 
 def _zero3_rank_state(tag_dir: str, tp: int) -> dict[str, Any]:
     """Consolidate one tensor rank of a ZeRO-3 checkpoint with deepspeed.utils.zero_to_fp32 (fp32 master weights)."""
+    from megatron.checkpoint_conversion.deepspeed_format import zero3_rank_state
+    from megatron.checkpoint_conversion.interchange import ConversionError
+
     try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    except ImportError:
-        raise ConvertCheckpointError(
-            f"{tag_dir} is a ZeRO-3 checkpoint (weights live in the optimizer partitions) and DeepSpeed is not "
-            "installed: run DeepSpeed's zero_to_fp32.py on it first, or install deepspeed") from None
-    pattern = re.compile(rf"^zero_pp_rank_\d+_mp_rank_{tp:02d}_(model|optim)_states\.pt$")
-    with tempfile.TemporaryDirectory() as tmp:
-        tag = os.path.basename(os.path.normpath(tag_dir))
-        view = os.path.join(tmp, tag)
-        os.makedirs(view)
-        for name in os.listdir(tag_dir):
-            if pattern.match(name):
-                os.symlink(os.path.abspath(os.path.join(tag_dir, name)), os.path.join(view, name))
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            try:
-                sd = get_fp32_state_dict_from_zero_checkpoint(tmp, tag=tag)
-            except (ValueError, FileNotFoundError) as exc:
-                raise ConvertCheckpointError(f"{tag_dir} (tensor rank {tp}): zero_to_fp32 failed: "
-                                             f"{str(exc).splitlines()[0]}") from None
-    return dict(sd)
+        return zero3_rank_state(tag_dir, tp)
+    except ConversionError as exc:
+        raise ConvertCheckpointError(str(exc)) from None
 
 
 def read_deepspeed_checkpoint(folder: str, iteration: Optional[int] = None) -> dict[str, Any]:
