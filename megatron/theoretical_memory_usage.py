@@ -23,6 +23,11 @@ Numbers are for the most loaded rank (the first pipeline stage, which also holds
   checkpointed unit plus one unit recomputed at a time (block: the first n layers checkpointed, the others kept). The first pipeline stage holds min(PP, micro-batches)
   micro-batches in flight (times Megatron's interleaving penalty 1 + (p - 1)/(p·v)); with PP = 1 the output
   layer's input and the fp32 logits are added.
+* BERT (`model_family` "bert") adds, per micro-batch, its int64 padding mask 8·s·b, the bool [b, 1, s, s] attention
+  mask s²·b and, with the binary head, the int64 token types 8·s·b; its LM head (with PP = 1) keeps the dense input,
+  the GeLU input and the LayerNorm input (e·s·b·h/t_sp each, the head runs on the sequence-parallel shard) besides the
+  logits input and fp32 logits GPT counts; the pooler keeps its dense input and tanh output (2e·b·h, the binary head's
+  input is the tanh output) and the sentence-order logits are fp32 (4·2·b). T5 is estimated with GPT's formula.
 """
 from __future__ import annotations
 
@@ -178,6 +183,10 @@ def compute_activation_memory(args: argparse.Namespace, num_microbatches: Option
     else:
         per_microbatch = layers * layer
     per_microbatch += 8 * s * b * 2 + s * b * h / t_sp  # token ids and positions (int64), embedding dropout mask
+    bert = getattr(args, "model_family", "gpt") == "bert"
+    binary = bert and bool(getattr(args, "bert_binary_head", True))
+    if bert:  # int64 padding mask, bool [b, 1, s, s] attention mask, int64 token types with the binary head
+        per_microbatch += 8 * s * b + s * s * b + (8 * s * b if binary else 0)
     in_flight = float(p)
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     if p > 1 and vp is not None:
@@ -187,6 +196,8 @@ def compute_activation_memory(args: argparse.Namespace, num_microbatches: Option
     total = per_microbatch * in_flight + recompute_peak
     if p == 1:
         total += e * s * b * h + 4 * s * b * args.padded_vocab_size / t  # output layer input, fp32 logits
+        if bert:  # LM head dense, GeLU and LayerNorm inputs; pooler dense input, tanh output, fp32 SOP logits
+            total += 3 * e * s * b * h / t_sp + ((2 * e * b * h + 4 * 2 * b) if binary else 0)
     return total
 
 

@@ -180,3 +180,31 @@ def test_bert_flops_and_parameter_count_equal_the_model(binary: bool) -> None:
     assert counts.total == n == counts.most_loaded_shard == (30402 if binary else 29216)
     pp2 = count_parameters(_memory_args(**{**vars(args), "pipeline_model_parallel_size": 2}))
     assert pp2.total == n and pp2.most_loaded_shard < n
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_bert_activation_estimate_by_hand(binary: bool) -> None:
+    """fp32 BERT, 2 layers, s = 12, b = 2, h = 32, a = 4, f = 128, V = 64: GPT's per-layer, embedding and output terms
+    plus the padding mask (int64 [b, s] and bool [b, 1, s, s]), token types (binary head), the LM head's dense, GeLU
+    and LayerNorm inputs and the pooler (dense input, tanh output, fp32 sentence-order logits)."""
+    s, b, h, a, f, v = 12, 2, 32, 4, 128, 64
+    args = _memory_args(model_family="bert", bert_binary_head=binary, num_layers=2, hidden_size=h,
+                        num_attention_heads=a, kv_channels=8, group_query_attention=False, num_query_groups=None,
+                        ffn_hidden_size=f, swiglu=False, add_bias_linear=True, normalization="LayerNorm",
+                        position_embedding_type="learned_absolute", untie_embeddings_and_output_weights=False,
+                        seq_length=s, max_position_embeddings=16, padded_vocab_size=v, micro_batch_size=b)
+    layer = s * b * h * 18 + 4 * s * b * (2 * h + 2 * h) + 8 * s * b * f + 9 * a * s * s * b
+    embedding = 8 * s * b * 2 + s * b * h
+    masks = 8 * s * b + s * s * b + (8 * s * b if binary else 0)
+    gpt_output = 4 * s * b * h + 4 * s * b * v
+    head = 3 * 4 * s * b * h + ((2 * 4 * b * h + 4 * 2 * b) if binary else 0)
+    assert compute_activation_memory(args, 1) == 2 * layer + embedding + masks + gpt_output + head
+    gpt = _memory_args(**{**vars(args), "model_family": "gpt"})
+    assert compute_activation_memory(args, 1) - compute_activation_memory(gpt, 1) == masks + head
+    # TP2 + SP: the head's dense, GeLU and LayerNorm run on the sequence shard; PP2: the head is on the last stage
+    sp = _memory_args(**{**vars(args), "tensor_model_parallel_size": 2, "sequence_parallel": True})
+    sp_gpt = _memory_args(**{**vars(sp), "model_family": "gpt"})
+    assert compute_activation_memory(sp, 1) - compute_activation_memory(sp_gpt, 1) == masks + head - 3 * 2 * s * b * h
+    pp = _memory_args(**{**vars(args), "pipeline_model_parallel_size": 2})
+    pp_gpt = _memory_args(**{**vars(pp), "model_family": "gpt"})
+    assert compute_activation_memory(pp, 4) - compute_activation_memory(pp_gpt, 4) == 2 * masks
