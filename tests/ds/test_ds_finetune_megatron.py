@@ -13,6 +13,8 @@ iteration 4 (TP=1, DP=2); rank 0 converts it to TP=2 (tools/checkpoint/convert.p
   validation loss within 1e-5 — so the fp32 master copies followed the loaded weights;
 - ``--no-load-optim --no-load-rng`` from the Megatron checkpoint (ZeRO-1) and from the --to-deepspeed output
   (ZeRO-3) continue at iteration 5 with the non-DeepSpeed run's curve of the same flags;
+- a random tiny Hugging Face GPT2LMHeadModel converted with convert.py --loader hf (a release checkpoint): its
+  ZeRO-3 and PP=2 DeepSpeed --finetune curves equal the non-DeepSpeed one (same tolerances);
 - the ZeRO-3 run's global_step files (weights in the fp32 partitions) evaluated under ZeRO-1 give its final
   validation loss (1e-6);
 - without --finetune (or those two flags) the Megatron checkpoint is refused in one line, and so is loading the
@@ -100,6 +102,26 @@ def _job(rank: int, world_size: int, save: list[str], ckpts: tuple[str, str, str
     return out + [[_weights_vs_megatron(rank, world_size, argv, ref) for argv, ref in compare]]
 
 
+def _hf_gpt2_to_megatron(folder: Path, vocab_size: int) -> list[str]:
+    """A random tiny HF GPT2LMHeadModel (safetensors) converted by convert.py --loader hf; returns its model flags."""
+    import contextlib
+    import io
+
+    import torch
+    import transformers
+
+    from megatron.checkpoint_conversion.driver import main as convert_main
+
+    torch.manual_seed(11)
+    cfg = transformers.GPT2Config(vocab_size=vocab_size, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                  activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(str(folder / "hf"))
+    with contextlib.redirect_stdout(io.StringIO()):
+        summary = convert_main(["--model-type", "GPT", "--loader", "hf", "--saver", "megatron", "--load-dir",
+                                str(folder / "hf"), "--save-dir", str(folder / "hf_megatron")])
+    return summary["flags"].split()
+
+
 @pytest.fixture(scope="module")
 def job(gpt_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("ds_finetune")
@@ -129,6 +151,13 @@ def job(gpt_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
         # the ZeRO-3 files (weights in the fp32 partitions) under ZeRO-1: consolidated, then loaded as module weights
         "zero1_from_zero3_files": ft(ds3, *fine, "--deepspeed", "--deepspeed_config", cfg[1], "--skip-train"),
     }
+    # a Hugging Face model: HF -> Megatron (release checkpoint) -> finetuned with and without DeepSpeed
+    hf_flags = _hf_gpt2_to_megatron(tmp, 5000)
+    hf = str(tmp / "hf_megatron")
+    named["hf_ref"] = ft(hf, *fine, *hf_flags)
+    named["hf_zero3"] = ft(hf, *fine, *hf_flags, "--deepspeed", "--deepspeed_config", cfg[3])
+    named["hf_pipe"] = ft(hf, *fine, *hf_flags, "--deepspeed", "--deepspeed_config", cfg[1],
+                          "--pipeline-model-parallel-size", "2")
     save = tiny_gpt_argv(gpt_data, "--save", ckpt, "--save-interval", "4", iters=4)
     compare = [(named["zero3"], ckpt), (named["tp2_zero3_split"], tp2), (named["zero1"], ckpt)]
     results = run_distributed(_job, 2, args=(save, (ckpt, tp2, ds), list(named.values()), compare))
@@ -137,6 +166,7 @@ def job(gpt_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = {name: dict(res, stdout0=r0["stdout"]) for name, res, r0 in zip(named, last[1:-1], results[0][1:-1])}
     out["weight_diffs"] = [results[0][-1], results[1][-1]]
     out["paths"] = {"megatron": ckpt, "tp2": tp2, "ds": ds}
+    out["hf_flags"] = hf_flags
     return out
 
 
@@ -181,6 +211,14 @@ def test_loaded_weights_equal_megatron_load(job: dict) -> None:
     # ZeRO-3 (DP=2), TP=2 x ZeRO-3 (TP=1 checkpoint split on load vs the converter's TP=2 checkpoint), ZeRO-1
     for rank_diffs in job["weight_diffs"]:
         assert len(rank_diffs) == 3 and all(d <= 1e-6 for d in rank_diffs), job["weight_diffs"]
+
+
+@pytest.mark.parametrize("name", ["hf_zero3", "hf_pipe"])
+def test_hugging_face_model_finetunes_under_deepspeed(job: dict, name: str) -> None:
+    ref = _curve(job["hf_ref"], "hf_ref")
+    assert sorted(ref["train"]) == list(range(1, FT_ITERS + 1))
+    _assert_same(_curve(job[name], name), ref, name)
+    assert "--num-layers" in job["hf_flags"] and "successfully loaded checkpoint" in job[name]["stdout0"]
 
 
 def test_no_load_optim_continues_the_iteration_count(job: dict) -> None:
