@@ -7,9 +7,10 @@ Data: the sentence-level (or document-level) output of ``tools/preprocess_data.p
         --micro-batch-size 8 --train-iters 100 --lr 1e-4 --vocab-file bert-vocab.txt --vocab-extra-ids 100 \
         --data-path my-t5_text_sentence
 Loss: the decoder's masked LM loss over the target tokens (``lm loss`` in the log and validation lines).
-``--encoder-num-layers`` / ``--decoder-num-layers`` default to ``--num-layers``. Pipeline parallelism (Megatron
-23.06's ``--pipeline-model-parallel-split-rank`` scheme) is refused with one line for now; under DeepSpeed, ZeRO
-1-3 run without its pipeline engine.
+``--encoder-num-layers`` / ``--decoder-num-layers`` default to ``--num-layers``. Pipeline parallelism follows
+Megatron 23.06's ``--pipeline-model-parallel-split-rank R`` scheme (stages 0..R-1 run the encoder, R..P-1 the
+decoder; 1F1B only, interleaving is refused); under DeepSpeed, ZeRO 1-3 run without its pipeline engine (PP > 1 with
+--deepspeed is refused).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from megatron.arguments import core_transformer_config_from_args  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.errors import ArgumentError, exit_on_user_error  # noqa: E402
 from megatron.model import ModelType  # noqa: E402
-from megatron.model.t5_model import PP_SPLIT_MISSING, T5Model  # noqa: E402
+from megatron.model.t5_model import PP_INTERLEAVED_T5, PP_SPLIT_MISSING, T5Model  # noqa: E402
 from megatron.training import pretrain  # noqa: E402
 from megatron.utils import average_losses_across_data_parallel_group  # noqa: E402
 
@@ -40,11 +41,27 @@ def _state() -> ps.ParallelState:
 
 def check_t5_args(args: Any) -> None:
     """One-line refusals for the layouts this build does not run for T5, and the T5-only requirements."""
-    if args.pipeline_model_parallel_size > 1 or args.pipeline_model_parallel_split_rank is not None:
-        raise ArgumentError(PP_SPLIT_MISSING)
+    pp, split = args.pipeline_model_parallel_size, args.pipeline_model_parallel_split_rank
     if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None:
-        raise ArgumentError("interleaved pipeline stages are not supported for T5: drop "
-                            "--num-layers-per-virtual-pipeline-stage")
+        raise ArgumentError(PP_INTERLEAVED_T5)
+    if pp > 1 and split is None:
+        raise ArgumentError(PP_SPLIT_MISSING)
+    if split is not None and not 0 < split < pp:
+        raise ArgumentError(f"--pipeline-model-parallel-split-rank ({split}) must be in 1..{pp - 1} with "
+                            f"--pipeline-model-parallel-size {pp} (stages 0..R-1 run the encoder, R..P-1 the "
+                            "decoder)" if pp > 1 else "--pipeline-model-parallel-split-rank needs "
+                            "--pipeline-model-parallel-size > 1")
+    if pp > 1:
+        enc = args.encoder_num_layers or args.num_layers
+        dec = args.decoder_num_layers or args.num_layers
+        for flag, layers, stages in (("--encoder-num-layers", enc, split), ("--decoder-num-layers", dec, pp - split)):
+            if layers % stages:
+                raise ArgumentError(f"{flag} ({layers}) must be divisible by its {stages} pipeline stages "
+                                    f"(--pipeline-model-parallel-split-rank {split} of "
+                                    f"--pipeline-model-parallel-size {pp})")
+        if getattr(args, "deepspeed", False):
+            raise ArgumentError("T5 pipeline parallelism runs without DeepSpeed (its pipeline engine has no "
+                                "encoder-decoder split): drop --deepspeed or use --pipeline-model-parallel-size 1")
     if args.decoder_seq_length is None:
         raise ArgumentError("pretrain_t5.py needs --decoder-seq-length (e.g. 128 with --encoder-seq-length 512)")
     tp = args.tensor_model_parallel_size

@@ -163,6 +163,7 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,
         args.virtual_pipeline_model_parallel_size,
+        pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None),
     )
     if args.rank == 0:
         print(f"> initialized tensor model parallel with size {state.tp_size}", flush=True)

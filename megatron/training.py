@@ -186,7 +186,7 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=global_vars.get_num_microbatches(), forward_only=False,
         grad_scale_func=optimizer.scale_loss, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        parallel_state=state,
+        decoder_seq_length=getattr(args, "decoder_seq_length", None), parallel_state=state,
     )
     timers("forward-backward").stop()
 
@@ -308,7 +308,8 @@ def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], mod
             loss_dicts = forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=num_mb, forward_only=True, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, parallel_state=state)
+                micro_batch_size=args.micro_batch_size, parallel_state=state,
+                decoder_seq_length=getattr(args, "decoder_seq_length", None))
             if state.is_pipeline_last_stage(ignore_virtual=True):
                 for d in loss_dicts:
                     for key, value in d.items():
@@ -320,7 +321,8 @@ def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], mod
             collected = forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=num_mb, forward_only=True, collect_non_loss_data=True, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, parallel_state=state)
+                micro_batch_size=args.micro_batch_size, parallel_state=state,
+                decoder_seq_length=getattr(args, "decoder_seq_length", None))
     for chunk in model:
         chunk.train()
     for key in total:

@@ -20,10 +20,13 @@ import torch.distributed as dist
 Group = Any  # torch.distributed.ProcessGroup or None
 
 
-def _build_rank_groups(world_size: int, tp: int, pp: int) -> Dict[str, List[List[int]]]:
+def _build_rank_groups(world_size: int, tp: int, pp: int,
+                       split_rank: Optional[int] = None) -> Dict[str, List[List[int]]]:
     """Pure rank layout: the rank lists of every TP/DP/PP/model-parallel/embedding group (no processes needed).
 
-    Returns a dict with keys "tp", "dp", "pp", "mp", "embedding", "position_embedding"; each is a list of groups,
+    With a pipeline split rank R (encoder-and-decoder models, Megatron 23.06's --pipeline-model-parallel-split-rank)
+    the word-embedding group is {first, R, last} (the decoder's embedding lives on stage R) and the
+    position-embedding group is {first, R}. Returns a dict with keys "tp", "dp", "pp", "mp", "embedding", "position_embedding"; each is a list of groups,
     each group a list of global ranks. Raises ValueError for impossible layouts.
     """
     if tp < 1 or pp < 1:
@@ -47,8 +50,14 @@ def _build_rank_groups(world_size: int, tp: int, pp: int) -> Dict[str, List[List
     mp_groups = []
     for d in range(dp):
         mp_groups.append(sorted(p * stage + d * tp + t for p in range(pp) for t in range(tp)))
+    if split_rank is not None and pp > 1 and not 0 < split_rank < pp:
+        raise ValueError(f"--pipeline-model-parallel-split-rank ({split_rank}) must be in 1..{pp - 1} "
+                         f"(--pipeline-model-parallel-size {pp}): the first decoder stage")
     emb_groups = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups]
     pos_groups = [[g[0]] for g in pp_groups]
+    if split_rank is not None and pp > 1:
+        emb_groups = [sorted({g[0], g[split_rank], g[-1]}) for g in pp_groups]
+        pos_groups = [[g[0], g[split_rank]] for g in pp_groups]
     return {
         "tp": tp_groups,
         "dp": dp_groups,
@@ -94,6 +103,7 @@ class ParallelState:
     dp_ranks_: List[int] = field(default_factory=lambda: [0])
     embedding_ranks: List[int] = field(default_factory=lambda: [0])
     position_embedding_ranks: List[int] = field(default_factory=lambda: [0])
+    pipeline_split_rank: Optional[int] = None  # first decoder stage of an encoder-and-decoder model (T5)
 
     @classmethod
     def single(cls) -> ParallelState:
@@ -144,6 +154,23 @@ class ParallelState:
     def is_rank_in_position_embedding_group(self) -> bool:
         return self.global_rank in self.position_embedding_ranks
 
+    # ---- encoder-and-decoder split (Megatron 23.06: stages < R run the encoder, stages >= R the decoder) --------
+    def is_pipeline_stage_before_split(self, rank: Optional[int] = None) -> bool:
+        """True on an encoder stage (always true without a split or without pipelining)."""
+        if self.pp_size == 1 or self.pipeline_split_rank is None:
+            return True
+        return (self.pp_rank if rank is None else rank) < self.pipeline_split_rank
+
+    def is_pipeline_stage_after_split(self, rank: Optional[int] = None) -> bool:
+        """True on a decoder stage (always true without a split or without pipelining)."""
+        if self.pp_size == 1 or self.pipeline_split_rank is None:
+            return True
+        return (self.pp_rank if rank is None else rank) >= self.pipeline_split_rank
+
+    def is_pipeline_stage_at_split(self) -> bool:
+        """True on the last encoder stage (the next stage runs the decoder)."""
+        return self.is_pipeline_stage_before_split() and self.is_pipeline_stage_after_split(self.pp_rank + 1)
+
     # ---- TP / DP helpers --------------------------------------------------------------------------------------
     def tp_src_rank(self) -> int:
         """Global rank of tp_rank 0 in my TP group (broadcast source for data)."""
@@ -168,6 +195,7 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     backend: Optional[str] = None,
+    pipeline_model_parallel_split_rank: Optional[int] = None,
 ) -> ParallelState:
     """Create all groups (collective: every rank calls it) and make the result the current state."""
     global _STATE
@@ -179,7 +207,8 @@ def initialize_model_parallel(
     world_size = dist.get_world_size()
     rank = dist.get_rank()
     tp, pp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size)
-    layout = _build_rank_groups(world_size, tp, pp)
+    split = pipeline_model_parallel_split_rank if pp > 1 else None
+    layout = _build_rank_groups(world_size, tp, pp, split)
     if virtual_pipeline_model_parallel_size is not None:
         if pp <= 1:
             raise ValueError(
@@ -219,6 +248,7 @@ def initialize_model_parallel(
         dp_ranks_=my_ranks["dp"],
         embedding_ranks=my_ranks.get("embedding", []),
         position_embedding_ranks=my_ranks.get("position_embedding", []),
+        pipeline_split_rank=split,
     )
     _STATE = state
     return state
@@ -314,6 +344,22 @@ def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
 
 def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
     return get_parallel_state().is_pipeline_last_stage(ignore_virtual)
+
+
+def get_pipeline_model_parallel_split_rank() -> Optional[int]:
+    return get_parallel_state().pipeline_split_rank if _STATE is not None else None
+
+
+def is_pipeline_stage_before_split(rank: Optional[int] = None) -> bool:
+    return get_parallel_state().is_pipeline_stage_before_split(rank) if _STATE is not None else True
+
+
+def is_pipeline_stage_after_split(rank: Optional[int] = None) -> bool:
+    return get_parallel_state().is_pipeline_stage_after_split(rank) if _STATE is not None else True
+
+
+def is_pipeline_stage_at_split() -> bool:
+    return get_parallel_state().is_pipeline_stage_at_split()
 
 
 def get_tensor_model_parallel_src_rank() -> int:

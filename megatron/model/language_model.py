@@ -190,7 +190,10 @@ class TransformerLanguageModel(MegatronModule):
         encoder_layer_spec: Optional[Any] = None,
         decoder_layer_spec: Optional[Any] = None,
         decoder_config: Optional[TransformerConfig] = None,
+        pipeline_split: bool = False,
     ) -> None:
+        """``pipeline_split``: the encoder and decoder stacks sit on either side of pp_state's pipeline split rank
+        (T5 under --pipeline-model-parallel-split-rank); ``add_encoder`` / ``add_decoder`` say which this stage has."""
         super().__init__(config=config, share_embeddings_and_output_weights=config.share_embeddings_and_output_weights)
         self.pre_process = pre_process
         self.post_process = post_process
@@ -213,6 +216,7 @@ class TransformerLanguageModel(MegatronModule):
             ParallelTransformer(
                 config, tp_group, pp_state, self_attn_mask_type=encoder_attn_mask_type,
                 pre_process=pre_process, post_process=post_process, spec=encoder_layer_spec,
+                split_stack="encoder" if pipeline_split else None,
             )
             if add_encoder
             else None
@@ -222,6 +226,7 @@ class TransformerLanguageModel(MegatronModule):
                 decoder_config or config, tp_group, pp_state, layer_type=LayerType.decoder,
                 self_attn_mask_type=decoder_attn_mask_type,
                 pre_process=pre_process, post_process=post_process, spec=decoder_layer_spec,
+                split_stack="decoder" if pipeline_split else None,
             )
             if add_decoder
             else None
@@ -268,8 +273,9 @@ class TransformerLanguageModel(MegatronModule):
         enc_hidden_states: Optional[torch.Tensor] = None,
         output_enc_hidden: bool = False,
     ) -> Any:
-        encoder_input = (
-            self.embedding(enc_input_ids, enc_position_ids, tokentype_ids=tokentype_ids) if self.pre_process else None
+        encoder_input = (  # a decoder-only pipeline stage (T5's split stage) embeds the decoder tokens only
+            self.embedding(enc_input_ids, enc_position_ids, tokentype_ids=tokentype_ids)
+            if self.pre_process and self.encoder is not None else None
         )
         if enc_hidden_states is not None:
             encoder_output = enc_hidden_states

@@ -161,7 +161,8 @@ class Float16Module(MegatronModule):
         if getattr(self.module, "pre_process", True):
             inputs = fp32_to_float16(inputs, self.dtype)
         outputs = self.module(*inputs, **kwargs)
-        if getattr(self.module, "post_process", True):
+        # T5's last encoder stage has post_process but sends fp16 activations on: ``returns_loss`` says which stage.
+        if getattr(self.module, "returns_loss", getattr(self.module, "post_process", True)):
             outputs = float16_to_fp32(outputs)
         return outputs
 

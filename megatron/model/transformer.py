@@ -95,10 +95,28 @@ class ParallelTransformerLayer(MegatronModule):
         return bias_dropout_add(mlp_out, mlp_bias, residual, self.hidden_dropout, self.training)
 
 
-def layers_on_this_stage(config: TransformerConfig, pp_state: Optional[Any]) -> tuple[int, int]:
-    """(number of layers in this model chunk, global index of its first layer) for the pipeline layout."""
+def layers_on_this_stage(config: TransformerConfig, pp_state: Optional[Any],
+                         split_stack: Optional[str] = None) -> tuple[int, int]:
+    """(number of layers in this model chunk, global index of its first layer) for the pipeline layout.
+
+    ``split_stack`` ("encoder" / "decoder") places one stack of an encoder-and-decoder model under Megatron's
+    --pipeline-model-parallel-split-rank R: the encoder's layers spread evenly over stages 0..R-1, the decoder's
+    over R..P-1 (layer numbers restart at 1 in each stack).
+    """
     pp_size = getattr(pp_state, "pp_size", 1) if pp_state is not None else 1
     pp_rank = getattr(pp_state, "pp_rank", 0) if pp_state is not None else 0
+    if split_stack is not None and pp_size > 1:
+        split = getattr(pp_state, "pipeline_split_rank", None)
+        if split is None:
+            raise ValueError("an encoder-and-decoder model needs --pipeline-model-parallel-split-rank with "
+                             "--pipeline-model-parallel-size > 1")
+        first, stages = (split, pp_size - split) if split_stack == "decoder" else (0, split)
+        if config.num_layers % stages != 0:
+            raise ValueError(f"--{split_stack}-num-layers ({config.num_layers}) must be divisible by its {stages} "
+                             f"pipeline stages (--pipeline-model-parallel-split-rank {split} of "
+                             f"--pipeline-model-parallel-size {pp_size})")
+        per_stage = config.num_layers // stages
+        return per_stage, (pp_rank - first) * per_stage
     if config.num_layers % pp_size != 0:
         raise ValueError(
             f"--num-layers ({config.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp_size})"
@@ -131,6 +149,7 @@ class ParallelTransformer(MegatronModule):
         pre_process: bool = True,
         post_process: bool = True,
         spec: Optional[TransformerLayerSpec] = None,
+        split_stack: Optional[str] = None,
     ) -> None:
         super().__init__(config=config)
         self.layer_type = layer_type
@@ -154,7 +173,7 @@ class ParallelTransformer(MegatronModule):
             )
 
         self.tp_group = tp_group
-        self.num_layers, offset = layers_on_this_stage(config, pp_state)
+        self.num_layers, offset = layers_on_this_stage(config, pp_state, split_stack)
         self.layers = torch.nn.ModuleList(
             [
                 ParallelTransformerLayer(config, i + 1 + offset, tp_group, layer_type, self_attn_mask_type, spec=spec)

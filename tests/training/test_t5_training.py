@@ -3,8 +3,9 @@ vocabulary padded to 1,152 at TP 1 and 2 so that the curves can be equal; 2 enco
 64, enc 64 / dec 32 tokens, fp32, no dropout): the serial run learns and logs Megatron's `lm loss`; TP=2 + SP,
 DP=2 + distributed optimizer, DeepSpeed ZeRO-2 and ZeRO-3, DP=2 with torch DDP and full recompute train the serial
 curve (losses and validation 1e-5 relative, grad norms 2e-3); resuming DP=2 + distributed optimizer at iteration 6
-reproduces iterations 7..12 exactly; bf16 and fp16 (loss scaling) stay within 1% of fp32; pipeline layouts (so also
-interleaving) and a missing --decoder-seq-length are refused with one line.
+reproduces iterations 7..12 exactly; bf16 and fp16 (loss scaling) stay within 1% of fp32; a pipeline without
+--pipeline-model-parallel-split-rank, a pipeline under DeepSpeed and a missing --decoder-seq-length are refused with
+one line (pipelines with a split rank: test_t5_pipeline.py).
 """
 from __future__ import annotations
 
@@ -160,11 +161,11 @@ def test_bf16_and_fp16_stay_within_one_percent_of_fp32(serial: dict, t5_data: di
 def test_refusals_are_one_line(t5_data: dict, tmp_path: Path) -> None:
     ds = write_ds_config(str(tmp_path / "ds.json"), zero_optimization={"stage": 1}, train_micro_batch_size_per_gpu=2,
                          train_batch_size=8)
-    cases = {
-        "--pipeline-model-parallel-split-rank": ["--pipeline-model-parallel-size", "2",
-                                                 "--pipeline-model-parallel-split-rank", "1"],
-        "not implemented yet": ["--pipeline-model-parallel-size", "2"],
-        "T5 pipeline parallelism": ["--pipeline-model-parallel-size", "2", "--deepspeed", "--deepspeed_config", ds],
+    cases = {  # pipelines with a split rank: tests/training/test_t5_pipeline.py
+        "needs --pipeline-model-parallel-split-rank": ["--pipeline-model-parallel-size", "2"],
+        "T5 pipeline parallelism runs without DeepSpeed": ["--pipeline-model-parallel-size", "2",
+                                                           "--pipeline-model-parallel-split-rank", "1",
+                                                           "--deepspeed", "--deepspeed_config", ds],
     }
     runs = [(t5_argv(t5_data, *extra, iters=1), None) for extra in cases.values()]
     results = run_distributed(run_many, 2, args=(runs,))

@@ -6,7 +6,8 @@
 2. with sequence parallelism, all-reduce over the TP group the grads of params marked `sequence_parallel`
    (LayerNorm weights/biases whose inputs were split along the sequence);
 3. with pipeline parallelism and tied embeddings, all-reduce the word-embedding grad between the first and last
-   stage over the embedding group.
+   stage over the embedding group (with an encoder-and-decoder split rank R the group is {first, R, last}, and the
+   position-embedding grads of stages 0 and R are summed too).
 Grads are read from `param.main_grad` when the local DDP provides it, else `param.grad`.
 
 Steps 2 and 3 are sums, so they commute with the data-parallel average. With the distributed optimizer (only this
@@ -92,6 +93,26 @@ def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], parallel_
     dist.all_reduce(grad, group=parallel_state.embedding_group)
 
 
+def allreduce_position_embedding_grads(model_chunks: Sequence[torch.nn.Module], parallel_state) -> None:
+    """Sum the position-embedding grad of the encoder's (stage 0) and the decoder's (split stage R) embedding over
+    the position-embedding group {0, R} (encoder-and-decoder pipelines with a split rank only)."""
+    if parallel_state is None or parallel_state.pp_size <= 1 or \
+            getattr(parallel_state, "pipeline_split_rank", None) is None:
+        return
+    if not parallel_state.is_rank_in_position_embedding_group() or not _active(
+            parallel_state.position_embedding_group):
+        return
+    embedding = getattr(getattr(_unwrap(model_chunks[0]), "language_model", None), "embedding", None)
+    weight = getattr(getattr(embedding, "position_embeddings", None), "weight", None)
+    if weight is None:
+        return
+    grad = _grad(weight)
+    if grad is None:
+        raise RuntimeError("position embedding has no gradient on this pipeline stage; run backward before "
+                           "finalize_model_grads")
+    dist.all_reduce(grad, group=parallel_state.position_embedding_group)
+
+
 def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], parallel_state=None,
                          sequence_parallel: bool = False) -> None:
     """Run all post-backward reductions for `model_chunks` (DDP-wrapped or plain modules)."""
@@ -102,3 +123,4 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], parallel_state
     if sequence_parallel and parallel_state is not None:
         allreduce_sequence_parallel_grads(model_chunks, parallel_state.tp_group)
     allreduce_embedding_grads(model_chunks, parallel_state)
+    allreduce_position_embedding_grads(model_chunks, parallel_state)

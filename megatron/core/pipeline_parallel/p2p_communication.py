@@ -2,7 +2,8 @@
 
 Every exchange is posted as one ``torch.distributed.batch_isend_irecv`` (works with gloo and NCCL). Shapes are known
 ahead of time (``[seq (/tp under sequence parallelism), micro batch, hidden]``), so no shape exchange is needed.
-Activations travel with tag 0, gradients with tag 1. Set ``MEGATRON_DEBUG_P2P=1`` to print every P2P operation
+Activations travel with tag 0, gradients with tag 1. ``communicate_many`` sends messages of several
+tensors with per-tensor shapes (encoder-and-decoder pipelines: Megatron's per-stage lists of tensor shapes). Set ``MEGATRON_DEBUG_P2P=1`` to print every P2P operation
 (rank, op, peer, shape) to stderr.
 """
 from __future__ import annotations
@@ -71,6 +72,42 @@ class P2PCommunicator:
         if from_next is not None:
             ops.append(dist.P2POp(dist.irecv, from_next.data, next_rank, tag=GRAD_TAG))
             self._log("recv_backward", next_rank, from_next)
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        return from_prev, from_next
+
+    def communicate_many(
+        self,
+        send_next: Optional[Sequence[torch.Tensor]] = None,
+        send_prev: Optional[Sequence[torch.Tensor]] = None,
+        recv_prev_shapes: Optional[Sequence[Sequence[int]]] = None,
+        recv_next_shapes: Optional[Sequence[Sequence[int]]] = None,
+    ) -> tuple[Optional[list], Optional[list]]:
+        """Messages of several tensors with their own shapes (T5's decoder stages pass [decoder hidden states,
+        encoder output]), all posted as one batch; tensor i of a message travels with tag ACT/GRAD + 2 i.
+        Returns (list from prev or None, list from next or None)."""
+        prev_rank, next_rank = self.state.pp_prev_rank(), self.state.pp_next_rank()
+
+        def empty(shape: Sequence[int]) -> torch.Tensor:
+            return torch.empty(tuple(int(x) for x in shape), dtype=self.dtype, device=self.device,
+                               requires_grad=True)
+
+        from_prev = [empty(shape) for shape in recv_prev_shapes] if recv_prev_shapes is not None else None
+        from_next = [empty(shape) for shape in recv_next_shapes] if recv_next_shapes is not None else None
+        ops = []
+        for i, tensor in enumerate(send_next or []):
+            ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), next_rank, tag=ACT_TAG + 2 * i))
+            self._log(f"send_forward[{i}]", next_rank, tensor)
+        for i, tensor in enumerate(from_prev or []):
+            ops.append(dist.P2POp(dist.irecv, tensor.data, prev_rank, tag=ACT_TAG + 2 * i))
+            self._log(f"recv_forward[{i}]", prev_rank, tensor)
+        for i, tensor in enumerate(send_prev or []):
+            ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), prev_rank, tag=GRAD_TAG + 2 * i))
+            self._log(f"send_backward[{i}]", prev_rank, tensor)
+        for i, tensor in enumerate(from_next or []):
+            ops.append(dist.P2POp(dist.irecv, tensor.data, next_rank, tag=GRAD_TAG + 2 * i))
+            self._log(f"recv_backward[{i}]", next_rank, tensor)
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()

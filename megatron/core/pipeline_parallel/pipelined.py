@@ -10,7 +10,8 @@ Both take Megatron's keyword arguments (``forward_step_func``, ``data_iterator``
 ``seq_length``, ``micro_batch_size``, ``forward_only``, ``collect_non_loss_data``) plus ``grad_scale_func`` (the
 optimizer's loss scaling), ``parallel_state`` (default: the global one) and ``p2p`` (a communicator with
 ``communicate(send_next, send_prev, recv_prev, recv_next)``; default: a ``P2PCommunicator``; tests pass a fake one).
-The loss dicts are returned on the last stage only; other stages return an empty list.
+The loss dicts are returned on the last stage only; other stages return an empty list. Encoder-and-decoder models
+pipelined with a split rank (T5) send lists of tensors with per-stage shapes (``get_tensor_shapes``; 1F1B only).
 """
 from __future__ import annotations
 
@@ -43,6 +44,36 @@ def tensor_shape_for(model: torch.nn.Module, seq_length: int, micro_batch_size: 
     if getattr(config, "sequence_parallel", False):
         seq = seq_length // int(getattr(config, "tensor_model_parallel_size", 1))
     return (seq, micro_batch_size, config.hidden_size)
+
+
+def get_tensor_shapes(rank: int, state: Any, model: torch.nn.Module, seq_length: int,
+                      decoder_seq_length: Optional[int], micro_batch_size: int) -> list:
+    """Megatron's get_tensor_shapes: the shapes of the message that stage ``rank`` sends forward. One
+    [seq(/tp), mb, h] tensor, or with an encoder-and-decoder split rank: [enc_seq(/tp), mb, h] from an encoder
+    stage, [[dec_seq(/tp), mb, h], [enc_seq(/tp), mb, h]] (decoder hidden states, encoder output) from a decoder
+    stage."""
+    enc = tensor_shape_for(model, seq_length, micro_batch_size)
+    if getattr(state, "pipeline_split_rank", None) is None or state.is_pipeline_stage_before_split(rank):
+        return [enc]
+    if decoder_seq_length is None:
+        raise ValueError("an encoder-and-decoder pipeline needs decoder_seq_length (--decoder-seq-length)")
+    return [tensor_shape_for(model, decoder_seq_length, micro_batch_size), enc]
+
+
+class _ListMessages:
+    """``communicate`` of the single-tensor schedule on messages that are lists of tensors: this stage receives
+    ``recv_shapes`` from the previous stage (and their grads go back), sends ``send_shapes`` to the next."""
+
+    def __init__(self, p2p: Any, recv_shapes: list, send_shapes: list) -> None:
+        self.p2p, self.recv_shapes, self.send_shapes = p2p, recv_shapes, send_shapes
+
+    def communicate(self, send_next: Any = None, send_prev: Optional[list] = None, recv_prev: bool = False,
+                    recv_next: bool = False) -> tuple[Optional[list], Optional[list]]:
+        if send_next is not None and not isinstance(send_next, (list, tuple)):
+            send_next = [send_next]
+        return self.p2p.communicate_many(send_next=send_next, send_prev=send_prev,
+                                         recv_prev_shapes=self.recv_shapes if recv_prev else None,
+                                         recv_next_shapes=self.send_shapes if recv_next else None)
 
 
 def _default_p2p(model: torch.nn.Module, state: Any, seq_length: Optional[int], micro_batch_size: Optional[int]):
@@ -100,6 +131,42 @@ class _Stepper:
         self.store.append(loss_reduced)
         return loss / self.num_microbatches
 
+    def backward_many(self, chunk_id: int, input_tensors: Optional[list], output_tensors: Any,
+                      output_grads: Optional[list]) -> Optional[list]:
+        """Backward of a stage whose messages are lists of tensors. An output that is one of the inputs, passed on
+        unchanged (T5's encoder output on decoder stages), is not differentiated: its received grad is added to that
+        input's grad, which then flows back to the encoder stages."""
+        inputs = list(input_tensors or [])
+        for x in inputs:
+            if x is not None:
+                x.retain_grad()
+        outputs = list(output_tensors) if isinstance(output_tensors, (list, tuple)) else [output_tensors]
+        grads = list(output_grads) if output_grads is not None else [None] * len(outputs)
+        through, tensors, tensor_grads = [], [], []
+        for out, grad in zip(outputs, grads):
+            index = next((i for i, x in enumerate(inputs) if x is out), None)
+            if index is not None:
+                if grad is not None:
+                    through.append((index, grad))
+            else:
+                tensors.append(out)
+                tensor_grads.append(grad)
+        if tensor_grads[0] is None and self.grad_scale_func is not None:
+            tensors[0] = self.grad_scale_func(tensors[0])
+        chunk = self.chunks[chunk_id]
+        self.backwards_done[chunk_id] += 1
+        last_microbatch = self.backwards_done[chunk_id] == self.num_microbatches
+        sync = chunk.no_sync() if isinstance(chunk, DistributedDataParallel) and not last_microbatch \
+            else contextlib.nullcontext()
+        with sync:
+            torch.autograd.backward(tensors, grad_tensors=tensor_grads)
+        if not inputs:
+            return None
+        result = [x.grad if x is not None else None for x in inputs]
+        for index, grad in through:
+            result[index] = grad if result[index] is None else result[index] + grad
+        return result
+
     def backward(self, chunk_id: int, input_tensor: Optional[torch.Tensor], output_tensor: torch.Tensor,
                  output_tensor_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if input_tensor is not None:
@@ -153,9 +220,13 @@ def forward_backward_pipelining_without_interleaving(
     micro_batch_size: Optional[int] = None,
     parallel_state: Any = None,
     p2p: Any = None,
+    decoder_seq_length: Optional[int] = None,
     **unused: Any,
 ) -> list:
-    """1F1B over the pipeline stages (one model chunk per rank)."""
+    """1F1B over the pipeline stages (one model chunk per rank).
+
+    With an encoder-and-decoder split rank in ``parallel_state`` (T5) every message is a list of tensors with
+    per-stage shapes (``get_tensor_shapes``; ``decoder_seq_length`` gives the decoder's)."""
     chunks = _chunks(model)
     if len(chunks) != 1:
         raise ValueError("the 1F1B schedule takes one model chunk per rank; use the interleaved schedule for "
@@ -166,6 +237,13 @@ def forward_backward_pipelining_without_interleaving(
     p2p = p2p or _default_p2p(chunks[0], state, seq_length, micro_batch_size)
     first, last = state.is_pipeline_first_stage(), state.is_pipeline_last_stage()
     step = _Stepper(forward_step_func, num_microbatches, forward_only, collect_non_loss_data, grad_scale_func, chunks)
+    many = getattr(state, "pipeline_split_rank", None) is not None
+    if many:
+        p2p = _ListMessages(p2p, get_tensor_shapes(state.pp_rank - 1, state, chunks[0], seq_length,
+                                                   decoder_seq_length, micro_batch_size),
+                            get_tensor_shapes(state.pp_rank, state, chunks[0], seq_length, decoder_seq_length,
+                                              micro_batch_size))
+        step.backward = step.backward_many  # type: ignore[method-assign]
 
     def recv_forward() -> Optional[torch.Tensor]:
         return None if first else p2p.communicate(recv_prev=True)[0]
@@ -236,6 +314,9 @@ def forward_backward_pipelining_with_interleaving(
     chunks = _chunks(model)
     num_chunks = len(chunks)
     state = _state_or_global(parallel_state)
+    if getattr(state, "pipeline_split_rank", None) is not None:
+        raise ValueError("interleaved pipeline stages are not supported for encoder-and-decoder models (T5 with "
+                         "--pipeline-model-parallel-split-rank): drop --num-layers-per-virtual-pipeline-stage")
     pp_size, pp_rank = state.pp_size, state.pp_rank
     if num_microbatches % pp_size != 0:
         raise ValueError(f"the interleaved schedule needs the number of micro-batches ({num_microbatches}) to be "
