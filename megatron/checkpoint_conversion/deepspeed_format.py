@@ -184,8 +184,10 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
 
 
 def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab_size: Optional[int] = None,
-                   model_type: str = "GPT", trust: bool = False) -> Tuple[ModelMeta, Iterator[Message]]:
-    """Loader: (meta, message stream) of a DeepSpeed GPT checkpoint (any ZeRO stage, pipeline engine, any TP)."""
+                   model_type: str = "GPT", trust: bool = False, optimizer: bool = False
+                   ) -> Tuple[ModelMeta, Iterator[Message]]:
+    """Loader: (meta, message stream) of a DeepSpeed GPT checkpoint (any ZeRO stage, pipeline engine, any TP); with
+    `optimizer`, a ZeRO 1/2 non-pipeline checkpoint's optimizer state travels too (optimizer_state.zero_entries)."""
     if model_type != "GPT":
         raise ConversionError(f"--loader deepspeed reads GPT checkpoints (--model-type {model_type} is not supported)")
     reader = DeepSpeedCheckpointReader(resolve_tag_dir(load_dir, iteration), trust)
@@ -199,6 +201,18 @@ def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab
         raise ConversionError(f"--true-vocab-size {meta.true_vocab_size} exceeds the checkpoint's {padded} "
                               "vocabulary rows")
     meta.extra["layout"] = reader.layout
+    if optimizer and reader.layout == "module":
+        from megatron.checkpoint_conversion.optimizer_state import attach_zero_state
+
+        attach_zero_state(reader, lambda path: _load(path, trust))
+        if reader.opt is not None:
+            meta.extra.update(optimizer=reader.opt_common, source_padded_vocab_size=padded)
+            if reader.first.get("consumed_train_tokens") is not None:
+                meta.extra["consumed_tokens"] = (int(reader.first["consumed_train_tokens"]),
+                                                 int(reader.first.get("consumed_valid_tokens", 0) or 0))
+    elif optimizer:
+        print(f"note: the optimizer state of a DeepSpeed {reader.layout} checkpoint is not converted (ZeRO 1/2 "
+              "without the pipeline engine is); writing the weights only", flush=True)
     if reader.layout == "pipe":  # the source's pipeline size (the stream itself is layout-free)
         meta.extra["pp"] = int(getattr(meta.checkpoint_args, "pipeline_model_parallel_size", 1) or 1)
     return meta, _stream(reader, meta)

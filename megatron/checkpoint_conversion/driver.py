@@ -48,9 +48,10 @@ def base_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-checking", action="store_false", dest="checking",
                         help="Let the Hugging Face saver drop tensors it has no name for (default: one-line error)")
     parser.add_argument("--no-save-optim", action="store_true",
-                        help="Write the weights only. By default a Megatron training checkpoint converted by the "
-                             "megatron saver keeps its training state: the optimizer state (fp32 main params, Adam "
-                             "moments, step; regular or distributed optimizer) resharded for the target layout, the "
+                        help="Write the weights only. By default a training checkpoint converted by the megatron "
+                             "saver keeps its training state: the optimizer state (fp32 main params, Adam moments, "
+                             "step; Megatron's regular or distributed optimizer, or DeepSpeed ZeRO-1/2 with --loader "
+                             "deepspeed) resharded for the target layout, the "
                              "iteration, consumed samples and LR schedule, so --load on the new TP x PP x DP layout "
                              "continues the run (with --no-load-rng; any DP size, with or without "
                              "--use-distributed-optimizer). Keep the padded vocabulary equal (see "

@@ -181,3 +181,97 @@ def distributed_files(entries_per_chunk: List[OptEntries], common: Dict[str, Any
     body = {"format": PARAM_STATE_FORMAT, "step": step, "state_keys": list(state_keys),
             "chunks": entries_per_chunk, "saved_data_parallel_size": None}
     return optimizer, body
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed ZeRO 1/2
+_ZERO_OPTIM_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+def zero_entries(tag_dir: str, tp_rank: int, chunk: Dict[str, Any], param_shapes: List[Dict[str, Any]],
+                 load: Any) -> Tuple[OptEntries, float, List[str], Dict[str, Any]]:
+    """Per-parameter entries of tensor rank `tp_rank` of a DeepSpeed ZeRO stage 1/2 checkpoint (non-pipeline engine):
+    each data-parallel rank's ``zero_pp_rank_{d}_mp_rank_{tp:02d}_optim_states.pt`` holds, per param group, an equal
+    slice of the group's flat fp32 params (``single_partition_of_fp32_groups``) and of the flat Adam moments
+    (``base_optimizer_state``); concatenated over the ranks they split by the model file's ``param_shapes`` in order
+    (with DeepSpeed's per-parameter alignment paddings), as DeepSpeed's zero_to_fp32 does for the weights. Holds
+    this tensor rank's state in memory (DeepSpeed's flat layout has no per-layer access).
+    Returns (entries, step, state keys, common part)."""
+    import os
+
+    files = {}
+    for name in os.listdir(tag_dir):
+        m = _ZERO_OPTIM_RE.match(name)
+        if m and int(m.group(2)) == tp_rank:
+            files[int(m.group(1))] = os.path.join(tag_dir, name)
+    if not files:
+        raise ConversionError(f"{tag_dir} has no zero_pp_rank_*_mp_rank_{tp_rank:02d}_optim_states.pt: no ZeRO "
+                              "optimizer state to convert; pass --no-save-optim to convert the weights only")
+    if sorted(files) != list(range(len(files))):
+        missing = min(set(range(max(files) + 1)) - set(files))
+        path = os.path.join(tag_dir, f"zero_pp_rank_{missing}_mp_rank_{tp_rank:02d}_optim_states.pt")
+        raise ConversionError(f"missing rank file {path}; the checkpoint is incomplete")
+    states = [load(files[d])["optimizer_state_dict"] for d in range(len(files))]
+    first = states[0]
+    counts = first.get("partition_count") or [len(files)]
+    dp = int(counts[0] if isinstance(counts, (list, tuple)) else counts)
+    if dp > len(files):
+        path = os.path.join(tag_dir, f"zero_pp_rank_{len(files)}_mp_rank_{tp_rank:02d}_optim_states.pt")
+        raise ConversionError(f"missing rank file {path} (ZeRO partitions over {dp} data-parallel ranks); the "
+                              "checkpoint is incomplete")
+    stage = int(getattr(first.get("zero_stage"), "value", first.get("zero_stage", 0)) or 0)
+    if stage not in (1, 2) or "single_partition_of_fp32_groups" not in first:
+        raise ConversionError(f"{files[0]}: ZeRO stage {stage} optimizer states are not converted (stages 1 and 2 "
+                              "are); pass --no-save-optim to convert the weights only")
+    if len(param_shapes) != len(first["single_partition_of_fp32_groups"]):
+        raise ConversionError(f"{files[0]} has {len(first['single_partition_of_fp32_groups'])} param groups, the "
+                              f"model file's param_shapes {len(param_shapes)}: mismatched shards")
+    paddings = first.get("param_alignment_paddings")
+    out: OptEntries = {}
+    step, keys = 0.0, set()
+    for g, shapes in enumerate(param_shapes):
+        flat = {PARAM: torch.cat([s["single_partition_of_fp32_groups"][g].float() for s in states])}
+        group_state = [s["base_optimizer_state"]["state"].get(g, {}) for s in states]
+        for k, v in group_state[0].items():
+            if k == "step":
+                step = max(step, float(v))
+            elif torch.is_tensor(v) and v.dim() > 0:
+                flat[k] = torch.cat([gs[k].float() for gs in group_state])
+                keys.add(k)
+        offset = 0
+        for i, (name, shape) in enumerate(shapes.items()):
+            numel = int(torch.Size(shape).numel())
+            if name not in chunk or tuple(chunk[name].shape) != tuple(shape):
+                raise ConversionError(f"{files[0]}: {name} of param_shapes is not a parameter of the model file: "
+                                      "mismatched shards")
+            if offset + numel > flat[PARAM].numel():
+                raise ConversionError(f"{files[0]}: the flat optimizer partitions are shorter than param_shapes: "
+                                      "mismatched shards (a missing data-parallel rank file?)")
+            out[name] = {k: v.narrow(0, offset, numel).view(tuple(shape)).clone() for k, v in flat.items()}
+            offset += numel + (int(paddings[g][i]) if paddings else 0)
+        del flat
+    base_groups = first["base_optimizer_state"].get("param_groups", [])
+    common: Dict[str, Any] = {"param_groups": [{k: v for k, v in grp.items() if k != "params"} for grp in base_groups]}
+    return out, step, sorted(keys), common
+
+
+def attach_zero_state(reader: Any, load: Any) -> None:
+    """Fill ``reader.opt`` / ``reader.opt_common`` (megatron_format's reader interface) of a DeepSpeed tag folder read
+    as one pipeline stage per tensor rank (non-pipeline engine, ZeRO 1/2); nothing when it has no ZeRO files."""
+    import os
+
+    names = os.listdir(reader.iter_dir)
+    if not any(_ZERO_OPTIM_RE.match(n) for n in names):
+        return
+    reader.opt, steps, keys, common = {}, set(), set(), {}
+    for t in range(reader.tp):
+        model_file = os.path.join(reader.iter_dir, f"mp_rank_{t:02d}_model_states.pt")
+        shapes = (reader.first if t == 0 else load(model_file)).get("param_shapes")
+        if not shapes:
+            raise ConversionError(f"{model_file} has no param_shapes (needed to read the ZeRO partitions); pass "
+                                  "--no-save-optim to convert the weights only")
+        entries, step, k, common_t = zero_entries(reader.iter_dir, t, reader.chunks[(t, 0, 0)], shapes, load)
+        reader.opt[(t, 0, 0)] = entries
+        steps.add(step)
+        keys.update(k)
+        common = common or common_t
+    reader.opt_common = dict(common, step=max(steps), state_keys=sorted(keys))

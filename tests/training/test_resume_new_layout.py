@@ -5,14 +5,17 @@ consumed samples and learning rates per iteration (pretrain_gpt, fp32, gloo CPU,
 tests/training/_workers.py: 5,000-token vocabulary padded to 5,120 rows at TP 1 and 2).
 
 - TP2 x PP2 x DP1, regular optimizer -> TP1 x PP1 x DP2 (resumed with the distributed optimizer);
-- TP1 x DP2, distributed optimizer -> TP2 x PP2 (resumed with the regular optimizer; tied embedding on 2 stages).
+- TP1 x DP2, distributed optimizer -> TP2 x PP2 (resumed with the regular optimizer; tied embedding on 2 stages);
+- DeepSpeed ZeRO-1 x DP2 (pretrain_gpt --deepspeed, --loader deepspeed) -> Megatron TP2 without DeepSpeed.
 """
 from __future__ import annotations
 
 import math
 import re
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
@@ -91,3 +94,35 @@ def test_resume_on_new_layouts(gpt_data: dict, tmp_path: Path) -> None:
                               "2", "--load", str(tmp_path / "tp2pp2"), "--no-load-rng"))
     assert "converting the checkpoint's --use-distributed-optimizer state for the regular optimizer" in c
     _assert_continues(c, b, 16, "TP1xDP2 distopt -> TP2xPP2 regular")
+
+
+def test_deepspeed_zero1_to_megatron_tp2(gpt_data: dict, tmp_path: Path) -> None:
+    """pretrain_gpt --deepspeed with ZeRO-1 over DP=2 saves global_step10 (flat fp32 and Adam partitions per DP
+    rank); converted with --loader deepspeed to Megatron TP2, pretrain_gpt without DeepSpeed continues its curve."""
+    from tests.ds._workers import run_pretrain_ds, write_ds_config
+
+    plugins = str(Path(__file__).resolve().parents[2] / "tools" / "checkpoint")
+    if plugins not in sys.path:  # the DeepSpeed loader plugin, as when tools/checkpoint/convert.py runs
+        sys.path.insert(0, plugins)
+
+    cfg = write_ds_config(str(tmp_path / "ds.json"), train_micro_batch_size_per_gpu=2, train_batch_size=8)
+    results = run_distributed(run_pretrain_ds, 2, args=(tiny_gpt_argv(
+        gpt_data, *SHAPE, "--deepspeed", "--deepspeed_config", cfg, "--save", str(tmp_path / "ds"),
+        "--save-interval", "10"),))
+    assert all(r["error"] is None for r in results), [r["error"] for r in results]
+    original = results[-1]["stdout"]
+    assert sorted(p.name for p in (tmp_path / "ds" / "global_step10").glob("zero_pp_rank_*_optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    summary = _convert(tmp_path / "ds", tmp_path / "tp2", "--loader", "deepspeed", "--iteration", "10",
+                       "--target-tensor-parallel-size", "2")
+    assert summary["meta"].extra["optimizer"]["step"] == 10
+    resumed = _run(2, tiny_gpt_argv(gpt_data, *SHAPE, "--tensor-model-parallel-size", "2", "--load",
+                                    str(tmp_path / "tp2"), "--no-load-rng"))
+    _assert_continues(resumed, original, 11, "DeepSpeed ZeRO-1 DP2 -> Megatron TP2")
+
+    from megatron.checkpoint_conversion.interchange import ConversionError
+
+    (tmp_path / "ds" / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(ConversionError, match=r"missing rank file .*zero_pp_rank_1_mp_rank_00_optim_states\.pt"):
+        _convert(tmp_path / "ds", tmp_path / "bad", "--loader", "deepspeed", "--iteration", "10")
+    assert not (tmp_path / "bad").exists()

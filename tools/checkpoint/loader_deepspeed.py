@@ -19,4 +19,5 @@ def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Messa
     from megatron.checkpoint_conversion.deepspeed_format import read_deepspeed
 
     return read_deepspeed(args.load_dir, iteration=args.iteration, true_vocab_size=args.true_vocab_size,
-                          model_type=args.model_type, trust=bool(args.trust_checkpoint))
+                          model_type=args.model_type, trust=bool(args.trust_checkpoint),
+                          optimizer=bool(getattr(args, "keep_training_state", False)))
