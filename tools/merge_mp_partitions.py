@@ -6,7 +6,7 @@
 The bigscience / Megatron-LM v2 interface, a thin wrapper over tools/checkpoint/convert.py's code
 (megatron/checkpoint_conversion): unlike the original it also reads PP > 1 (and virtual-pipeline) inputs. The
 architecture comes from the checkpoint; model flags given here must agree with it (one-line error otherwise).
-Classification checkpoints (RACE/MNLI/QQP) and BERT are refused until those models exist in this repository.
+BERT and the finetuned classification (MNLI, QQP) and multiple-choice (RACE) checkpoints of tasks/main.py merge too.
 """
 from __future__ import annotations
 
@@ -50,9 +50,8 @@ def get_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = get_parser().parse_args(argv)
-    if args.model_type != "GPT":
-        raise ConversionError(f"--model-type {args.model_type}: only GPT checkpoints can be merged so far (BERT and "
-                              "the classification heads arrive with those models)")
+    # RACE (multiple choice), MNLI and QQP (classification) are finetuned BERT checkpoints (tasks/)
+    model_type = "GPT" if args.model_type == "GPT" else "BERT"
     from megatron.checkpoint_conversion.driver import convert, parse_args
     from megatron.checkpoint_conversion.megatron_format import MegatronCheckpointReader
 
@@ -69,7 +68,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         if given is not None and have is not None and given != have:
             raise ConversionError(f"{flag} {given} but the checkpoint {args.load} has {field}={have}; fix the flag")
     del reader
-    conv = ["--model-type", "GPT", "--load-dir", args.load, "--save-dir", args.save,
+    conv = ["--model-type", model_type, "--load-dir", args.load, "--save-dir", args.save,
             "--target-tensor-parallel-size", "1",
             "--target-pipeline-parallel-size", str(args.target_pipeline_model_parallel_size)]
     if args.vocab_file:

@@ -12,6 +12,7 @@ Message stream of a GPT-family model, in order (Megatron-LM's tools/checkpoint n
     "output layer"          output_layer.weight (untied models only)
     "pooler", "lm head", "binary head"   BERT: pooler dense.*, LM head dense.* / layernorm.* / bias (vocab rows),
                             binary head weight/bias (keys relative to ``language_model.pooler.``, ``lm_head.``, ...)
+    "classification head", "multichoice head"   finetuned BERT (tasks/): weight/bias of the replicated linear head
 
 The word embedding / output layer carry ``meta.true_vocab_size`` rows when the loader knows the tokenizer's size
 (padding dropped; savers re-pad as Megatron does), else the source's padded rows. With the training state
@@ -195,7 +196,9 @@ _LM = "language_model."
 _LAYERS = _LM + "encoder.layers."
 # parts after the final norm: (flat names starting with, prefix the message keys drop, message); BERT's pooler/heads
 _HEADS = ((_LM + "output_layer.", _LM, OUTPUT_LAYER), (_LM + "pooler.", _LM + "pooler.", "pooler"),
-          ("lm_head.", "lm_head.", "lm head"), ("binary_head.", "binary_head.", "binary head"))
+          ("lm_head.", "lm_head.", "lm head"), ("binary_head.", "binary_head.", "binary head"),
+          ("classification_head.", "classification_head.", "classification head"),
+          ("multichoice_head.", "multichoice_head.", "multichoice head"))
 
 
 def messages_from_state_dict(flat: Dict[str, torch.Tensor], num_layers: int) -> Iterator[Message]:

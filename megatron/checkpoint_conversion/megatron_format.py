@@ -51,7 +51,9 @@ HEAD_COPY = "word_embeddings.weight"
 TOKENTYPE = LM + "embedding.tokentype_embeddings.weight"
 # last-stage parts after the final norm: (flat name prefix, message name); BERT's pooler and heads
 HEAD_PARTS = ((LM + "output_layer.", OUTPUT_LAYER), (LM + "pooler.", "pooler"), ("lm_head.", "lm head"),
-              ("binary_head.", "binary head"))
+              ("binary_head.", "binary head"), ("classification_head.", "classification head"),
+              ("multichoice_head.", "multichoice head"))
+TASK_HEADS = ("classification_head", "multichoice_head")  # finetuned BERT (tasks/): replicated linear heads
 VOCAB_ROWS = (OUT, "lm_head.bias")  # tensors with one row per vocabulary entry besides the word embeddings
 _RANK_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?$")
 _LAYER_RE = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
@@ -332,13 +334,16 @@ def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model
         raise ConversionError(f"{reader.files[(0, 0)]} has no {WORD}: not a GPT checkpoint (or a damaged first stage)")
     meta.architecture["padded_vocab_size"] = padded
     first, last = reader.chunks[(0, 0, 0)], reader.chunks[(0, reader.pp - 1, reader.vp - 1)]
-    is_bert = any(k.startswith(("lm_head.", "binary_head.")) for k in last)
+    is_bert = any(k.startswith(("lm_head.", "binary_head.") + tuple(h + "." for h in TASK_HEADS)) for k in last)
     if is_bert != (model_type == "BERT"):
         found = "BERT" if is_bert else "GPT"
         raise ConversionError(f"{load_dir} holds a {found} checkpoint: pass --model-type {found}")
     if is_bert:
         meta.extra["bert"] = {"num_tokentypes": first[TOKENTYPE].size(0) if TOKENTYPE in first else 0,
                               "add_binary_head": any(k.startswith("binary_head.") for k in last)}
+        heads = [h for h in TASK_HEADS if h + ".weight" in last]
+        if heads:  # a finetuned classification / multiple-choice model (tasks/)
+            meta.extra["bert"].update(task_head=heads[0], num_classes=int(last[heads[0] + ".weight"].size(0)))
     if meta.true_vocab_size is not None and meta.true_vocab_size > padded:
         raise ConversionError(f"--true-vocab-size {meta.true_vocab_size} exceeds the checkpoint's {padded} "
                               "vocabulary rows")
@@ -436,7 +441,8 @@ def nest(flat: Dict[str, Any]) -> Dict[str, Any]:
                 lm.setdefault(part, {})[tail] = value
         elif key == HEAD_COPY:
             out.setdefault("word_embeddings_for_head", {})["weight"] = value
-        elif key.startswith(("lm_head.", "binary_head.")):  # BERT's heads: one level, as BertModel saves them
+        elif key.startswith(("lm_head.", "binary_head.") + tuple(h + "." for h in TASK_HEADS)):
+            # BERT's heads (pretraining and finetuned): one level, as BertModel / Classification save them
             head, _, tail = key.partition(".")
             out.setdefault(head, {})[tail] = value
         else:
