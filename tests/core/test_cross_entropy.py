@@ -69,3 +69,19 @@ def test_tp2_equals_serial_with_and_without_smoothing():
     for per_rank in run_distributed(_ce_body, 2, args=([0.0, 0.15],)):
         for loss_err, grad_err in per_rank:
             assert loss_err < 1e-5 and grad_err < 1e-6
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_blocked_passes_bitwise_equal_one_block(monkeypatch, smoothing):
+    """The forward's row blocks (a block size that does not divide the rows) give the same bits as one block."""
+    from megatron.core.tensor_parallel import cross_entropy as ce
+
+    logits, target, upstream = _data(vocab=37, seed=5)
+    results = []
+    for block_bytes in (1 << 30, 4 * 37 * 4):  # 15 rows: blocks of 4
+        monkeypatch.setattr(ce, "_BLOCK_BYTES", block_bytes)
+        x = logits.clone().requires_grad_()
+        loss = tp.vocab_parallel_cross_entropy(x * 1.0, target, None, smoothing)
+        loss.backward(upstream)
+        results.append((loss.detach(), x.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

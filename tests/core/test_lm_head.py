@@ -61,3 +61,27 @@ def test_falls_back_with_bias_or_mixed_dtypes():
     torch.testing.assert_close(lm_logits_linear(x, w, b), F.linear(x, w, b))
     out = lm_logits_linear(x.double(), w.double())
     assert out.dtype == torch.float64
+
+
+def test_embedding_lookup_equals_f_embedding_bitwise_and_pools_the_grad():
+    from megatron.core.tensor_parallel.lm_head import embedding_lookup
+
+    lm_head._GRAD_POOL.clear()
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(50, 8, generator=g, requires_grad=True)
+    ids = torch.randint(0, 6, (4, 9), generator=g)  # repeated ids: the per-row sums must keep torch's order
+    gy = torch.randn(4, 9, 8, generator=g)
+    F.embedding(ids, w).backward(gy)
+    ref = w.grad
+    w.grad = None
+    out = embedding_lookup(ids, w)
+    out.backward(gy)
+    assert torch.equal(out, F.embedding(ids, w)) and torch.equal(w.grad, ref)
+    ptr = w.grad.data_ptr()
+    kept, w.grad = w.grad, None
+    embedding_lookup(ids, w).backward(gy)  # the first buffer is still held by `kept`: a fresh one
+    assert torch.equal(kept, ref) and torch.equal(w.grad, ref) and w.grad.data_ptr() != ptr
+    del kept
+    w.grad = None
+    embedding_lookup(ids, w).backward(gy)  # nothing holds the first buffer: reused, and zeroed first
+    assert w.grad.data_ptr() == ptr and torch.equal(w.grad, ref)

@@ -184,3 +184,20 @@ def test_llama_half_precision_close_to_fp32(dtype):
         out = half(ids, pos, mask)
     assert out.dtype == torch.float32 or out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+
+
+def test_swiglu_function_bitwise_equals_autograd_of_silu_times_up():
+    from megatron.model.mlp import swiglu
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 3, 14, generator=g, requires_grad=True)
+    gy = torch.randn(5, 3, 7, generator=g)
+    gate, up = torch.chunk(x, 2, dim=-1)
+    ref = F.silu(gate) * up
+    ref.backward(gy)
+    ref_grad, x.grad = x.grad, None
+    out = swiglu(x)
+    out.backward(gy)
+    assert torch.equal(out, ref) and torch.equal(x.grad, ref_grad)
+    with torch.no_grad():
+        assert torch.equal(swiglu(x), ref)

@@ -24,19 +24,23 @@ def _all_reduce_(t: torch.Tensor, group: Any, op: Any = None) -> None:
         dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.SUM, group=group)
 
 
+# Rows of logits handled together by the forward's passes: 32 rows of a 32k vocabulary are 4 MB, so after the first
+# read (the max) a block stays in cache for the subtraction, exp, sum and (TP=1) normalisation, instead of five
+# passes over the whole [tokens, V] tensor in memory (2,048 x 32k fp32 = 262 MB). Same ops per row: bitwise equal.
+_BLOCK_BYTES = 4 << 20
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, vocab_parallel_logits: torch.Tensor, target: torch.Tensor, group: Any,
                 label_smoothing: float) -> torch.Tensor:
-        logits_max = vocab_parallel_logits.max(dim=-1)[0].contiguous()
-        _all_reduce_(logits_max, group, dist.ReduceOp.MAX)
         # In place (as Megatron-core) when the logits are an intermediate (the LM head's output): every new
         # [s, b, V] buffer costs page faults on CPU (glibc mmaps large blocks), ~0.3 s per step at V=50k, 2k tokens.
-        if vocab_parallel_logits.grad_fn is None:  # a leaf (the caller may still use it): work on a copy
-            vocab_parallel_logits = vocab_parallel_logits.clone()
-        logits = vocab_parallel_logits.sub_(logits_max.unsqueeze(-1))
-
-        partition_vocab_size = logits.size(-1)
+        if vocab_parallel_logits.grad_fn is None or not vocab_parallel_logits.is_contiguous():
+            vocab_parallel_logits = vocab_parallel_logits.contiguous().clone()  # a leaf the caller may still use
+        partition_vocab_size = vocab_parallel_logits.size(-1)
+        logits_2d = vocab_parallel_logits.view(-1, partition_vocab_size)
+        rows = logits_2d.size(0)
         rank, world = group_rank(group), group_size(group)
         vocab_start, vocab_end = VocabUtility.vocab_range_from_per_partition_vocab_size(
             partition_vocab_size, rank, world
@@ -45,27 +49,46 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         target_mask = (target < vocab_start) | (target >= vocab_end)
         masked_target = (target - vocab_start).masked_fill(target_mask, 0)
-        logits_2d = logits.reshape(-1, partition_vocab_size)
         masked_target_1d = masked_target.reshape(-1)
-        arange_1d = torch.arange(logits_2d.size(0), device=logits_2d.device)
-        predicted_logits = logits_2d[arange_1d, masked_target_1d].masked_fill(target_mask.reshape(-1), 0.0)
-        predicted_logits = predicted_logits.view_as(target).contiguous()
-        _all_reduce_(predicted_logits, group)
 
-        sum_logits = logits.sum(dim=-1) if label_smoothing > 0 else None  # exp below overwrites the logits
-        exp_logits = torch.exp(logits, out=logits)
-        sum_exp_logits = exp_logits.sum(dim=-1).contiguous()
-        _all_reduce_(sum_exp_logits, group)
+        # softmax(x) = exp(x - max) / sum exp(x - max), max and sum over the whole (all-reduced) vocabulary. With
+        # one rank every pass runs block by block; with TP the max must be all-reduced before the subtraction and
+        # the sum before the division, so those two are whole-tensor passes.
+        local = world == 1
+        logits_max = None if local else logits_2d.amax(dim=-1, keepdim=True)
+        if logits_max is not None:
+            _all_reduce_(logits_max, group, dist.ReduceOp.MAX)
+        sum_exp_logits = logits_2d.new_empty(rows, 1)
+        predicted_logits = logits_2d.new_empty(rows, 1)
+        sum_logits = logits_2d.new_empty(rows) if label_smoothing > 0 else None
+        block = max(1, _BLOCK_BYTES // max(1, partition_vocab_size * logits_2d.element_size()))
+        for i in range(0, rows, block):
+            j = min(rows, i + block)
+            chunk = logits_2d[i:j]
+            chunk.sub_(chunk.amax(dim=-1, keepdim=True) if local else logits_max[i:j])
+            torch.gather(chunk, 1, masked_target_1d[i:j, None], out=predicted_logits[i:j])
+            if sum_logits is not None:
+                torch.sum(chunk, dim=-1, out=sum_logits[i:j])  # exp below overwrites the logits
+            torch.exp(chunk, out=chunk)
+            torch.sum(chunk, dim=-1, keepdim=True, out=sum_exp_logits[i:j])
+            if local:
+                chunk.div_(sum_exp_logits[i:j])
+        predicted_logits = predicted_logits.view_as(target).masked_fill(target_mask, 0.0)
+        _all_reduce_(predicted_logits, group)
+        if not local:
+            _all_reduce_(sum_exp_logits, group)
+            logits_2d.div_(sum_exp_logits)
+        softmax = vocab_parallel_logits
+        sum_exp_logits = sum_exp_logits.view_as(target)
 
         log_sum_exp = torch.log(sum_exp_logits)
         loss = log_sum_exp - predicted_logits
-        softmax = exp_logits.div_(sum_exp_logits.unsqueeze(-1))
 
         if label_smoothing > 0:
             if not 0.0 < label_smoothing < 1.0:
                 raise ValueError(f"label smoothing must be in (0, 1), got {label_smoothing}")
             smoothing = label_smoothing * global_vocab / (global_vocab - 1)
-            sum_log_probs = (sum_logits - partition_vocab_size * log_sum_exp).contiguous()
+            sum_log_probs = (sum_logits.view_as(target) - partition_vocab_size * log_sum_exp).contiguous()
             _all_reduce_(sum_log_probs, group)
             loss = (1.0 - smoothing) * loss - smoothing * (sum_log_probs / global_vocab)
 

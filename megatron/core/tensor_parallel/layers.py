@@ -19,10 +19,10 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, set_tp_layout
+from megatron.core.tensor_parallel.lm_head import embedding_lookup
 from megatron.core.tensor_parallel.mappings import (
     all_gather_along_dim,
     copy_to_tensor_model_parallel_region,
@@ -173,7 +173,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             masked_input = masked_input.masked_fill(input_mask, 0)
         else:
             masked_input = input_
-        output_parallel = F.embedding(masked_input, self.weight)
+        output_parallel = embedding_lookup(masked_input, self.weight)
         if self.tp_size > 1:
             output_parallel = output_parallel.masked_fill(input_mask.unsqueeze(-1), 0.0)
         return reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)
