@@ -28,8 +28,9 @@ _SIMPLE_PUNCT = "\u2018\u2019\u201c\u201d\u2013\u2014\u2026"
 _NOT_SIMPLE = re.compile(f"[^\\x00-\\x7f{_SIMPLE_PUNCT}\\xa0]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # removed by the normalizer (tab, CR, LF are spaces)
 _PUNCT = f"[!-/:-@\\[-`{{-~{_SIMPLE_PUNCT}]"
-_WORDS_LOWER = re.compile(f"[a-z0-9]+|{_PUNCT}").findall
-_WORDS_CASED = re.compile(f"[A-Za-z0-9]+|{_PUNCT}").findall
+_SEP = "\x00"  # joins fast-path texts (a control character: never left inside one) and is a word of its own
+_WORDS_LOWER = re.compile(f"[a-z0-9]+|{_PUNCT}|\\x00").findall
+_WORDS_CASED = re.compile(f"[A-Za-z0-9]+|{_PUNCT}|\\x00").findall
 MAX_WORD_CACHE = 1 << 20
 
 
@@ -74,7 +75,7 @@ class BertWordPieceTokenizer(AbstractTokenizer):
             self._add_token(t)
         self._lower = lower_case
         self._words = _WORDS_LOWER if lower_case else _WORDS_CASED
-        self._word_ids: Dict[str, List[int]] = {}
+        self._word_ids: Dict[str, List[int]] = {_SEP: []}
 
     def _add_token(self, token: str) -> int:
         if token not in self._vocab:
@@ -111,19 +112,17 @@ class BertWordPieceTokenizer(AbstractTokenizer):
         """All texts' ids concatenated (int64) and the number of ids of each text: tokenize_batch without lists."""
         slow_idx: List[int] = []
         fast_idx: List[int] = []
-        words_of: List[List[str]] = []
-        words, lower, not_simple, control = self._words, self._lower, _NOT_SIMPLE.search, _CONTROL.search
+        fast: List[str] = []
+        not_simple, control, remove = _NOT_SIMPLE.search, _CONTROL.search, _CONTROL.sub
         for i, text in enumerate(texts):
             if not text.isascii() and not_simple(text):
                 slow_idx.append(i)
                 continue
-            if control(text):
-                text = _CONTROL.sub("", text)
             fast_idx.append(i)
-            words_of.append(words(text.lower() if lower else text))
+            fast.append(remove("", text) if control(text) else text)  # (this also drops any NUL: the separator)
         parts = []
         if fast_idx:
-            parts.append((fast_idx, *self._fast_ids(words_of)))
+            parts.append((fast_idx, *self._fast_ids(fast)))
         if slow_idx:
             encs = self._tok.encode_batch_fast([texts[i] for i in slow_idx], add_special_tokens=False)
             per_text = [e.ids for e in encs]
@@ -144,25 +143,30 @@ class BertWordPieceTokenizer(AbstractTokenizer):
             out[np.repeat(offsets[idx] - src_start, lens) + np.arange(flat.size)] = flat
         return out, lengths
 
-    def _fast_ids(self, words_of: List[List[str]]) -> Tuple[np.ndarray, np.ndarray]:
-        """Ids of pre-split, normalized words through the per-word cache (misses encoded in one batch)."""
+    def _fast_ids(self, texts: List[str]) -> Tuple[np.ndarray, np.ndarray]:
+        """Ids of fast-path texts (no control characters left): the texts are joined with NUL separators, split into
+        normalized words by one regex, and each word's ids come from the per-word cache (misses through the
+        WordPiece model, which is what the engine runs on each pre-tokenized word)."""
+        joined = _SEP.join(texts)
+        words = self._words(joined.lower() if self._lower else joined)
         cache = self._word_ids
-        missing = set().union(*words_of).difference(cache)
+        missing = set(words).difference(cache)
         if missing:
             if len(cache) + len(missing) > MAX_WORD_CACHE:
                 cache.clear()
-                missing = set().union(*words_of)
-            missing_list = list(missing)
-            for word, enc in zip(missing_list, self._tok.encode_batch_fast(missing_list, add_special_tokens=False)):
-                cache[word] = enc.ids
-        per_word = list(map(cache.__getitem__, chain.from_iterable(words_of)))
+                cache[_SEP] = []
+                missing = set(words).difference(cache)
+            model = self._tok.model
+            for word in missing:
+                cache[word] = [t.id for t in model.tokenize(word)]
+        per_word = list(map(cache.__getitem__, words))
         word_lens = np.fromiter(map(len, per_word), dtype=np.int64, count=len(per_word))
         flat = np.fromiter(chain.from_iterable(per_word), dtype=np.int64, count=int(word_lens.sum()))
-        n_words = np.fromiter(map(len, words_of), dtype=np.int64, count=len(words_of))
-        cum = np.zeros(len(per_word) + 1, dtype=np.int64)
+        seps = np.flatnonzero(np.fromiter(map(_SEP.__eq__, words), dtype=bool, count=len(words)))
+        cum = np.zeros(len(words) + 1, dtype=np.int64)
         np.cumsum(word_lens, out=cum[1:])
-        ends = np.cumsum(n_words)
-        return flat, cum[ends] - cum[ends - n_words]
+        ends = cum[np.append(seps, len(words))]  # ids before each text's end (its separator, or the end)
+        return flat, np.diff(ends, prepend=0)
 
     def tokenize_batch_reference(self, texts: Sequence[str]) -> List[List[int]]:
         """The `tokenizers` engine on every text (what tokenize_batch's fast path is compared against)."""
