@@ -113,3 +113,35 @@ def test_missing_distrib_optim_is_one_line(tmp_path):
     with pytest.raises(ConversionError, match="missing rank file .*distrib_optim.pt"):
         _convert(tmp_path / "tp2", tmp_path / "tp1", "--target-tensor-parallel-size", "1")
     assert not (tmp_path / "tp1").exists()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_regular_optimizer_order_matches_real_stage_models(family):
+    """The regular optimizer's parameter order that the reader derives from a rank file's names equals
+    get_param_groups over the real GPTModel chunks of each pipeline stage (PP2 x 2 virtual chunks; GPT-2 style has
+    the last stage's copy of the tied embedding)."""
+    import dataclasses
+    import types
+
+    from megatron.checkpoint_conversion.megatron_format import layer_layouts
+    from megatron.checkpoint_conversion.optimizer_state import regular_param_order
+    from megatron.model import GPTModel
+    from megatron.model.gpt_model import flatten_checkpoint_state_dict
+    from megatron.optimizer.param_groups import get_param_groups
+    from tests.tools.checkpoint_convert_helpers import config, meta_for
+
+    cfg = config(family)
+    full_order = list(layer_layouts(meta_for(cfg)))
+    pp, vp = 2, 2
+    staged = dataclasses.replace(cfg, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
+    for p in range(pp):
+        chunks = []
+        for v in range(vp):
+            state = types.SimpleNamespace(pp_size=pp, pp_rank=p, virtual_pp_size=vp, virtual_pp_rank=v,
+                                          tp_group=None)
+            chunks.append(GPTModel(staged, pp_state=state, pre_process=p == 0 and v == 0,
+                                   post_process=p == pp - 1 and v == vp - 1))
+        names = {param: (c, n) for c, chunk in enumerate(chunks) for n, param in chunk.named_parameters()}
+        expected = [[names[param] for param in g["params"]] for g in get_param_groups(chunks)]
+        flats = [flatten_checkpoint_state_dict(chunk.state_dict_for_save_checkpoint()) for chunk in chunks]
+        assert regular_param_order(flats, full_order) == expected, (family, p)
