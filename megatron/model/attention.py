@@ -12,7 +12,8 @@ The one attention path selector is `CoreAttention.forward`:
 * ``--use-flash-attn`` with the flash-attn package installed, CUDA tensors and fp16/bf16: ``flash_attn_func``;
 * otherwise ``F.scaled_dot_product_attention`` (fused kernels on CUDA, its flash kernel for CPU) whenever it computes
   the same thing as Megatron's softmax (always with ``--use-flash-attn``; without it only when no attention dropout
-  is in effect, so that dropout masks come from the model-parallel RNG exactly as in Megatron);
+  is in effect, so that dropout masks come from the model-parallel RNG exactly as in Megatron); a fully masked row
+  (a padding query: BERT, T5) gets Megatron's uniform softmax there too, as the mean of V;
 * else the explicit bmm / scaled-masked-softmax / dropout / bmm path.
 
 `describe_attention_path` gives the one line printed (rank 0, once per process) when the model is built.
@@ -47,7 +48,8 @@ def _model_parallel_rng_fork(active: bool):
     return tensor_parallel.get_rng_tracker().fork(MODEL_PARALLEL_RNG)
 
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa= since 2.5
-_MASK_CACHE: dict = {"ref": None, "version": -1, "key": None, "value": None}
+_MASK_CACHE: list = []  # recent masks: [weakref, in-place version, key, value, SDPA form or None]; T5 uses three
+_MASK_CACHE_SIZE = 4
 _FLASH_ATTN: dict = {}  # lazy import result: {"func": flash_attn_func or None, "version": str, "error": str}
 _ANNOUNCED: set = set()  # attention-path lines already printed in this process
 
@@ -110,22 +112,38 @@ def _announce(message: str) -> None:
 def _classify_mask(mask: torch.Tensor, sq: int, sk: int) -> tuple[bool, bool]:
     """(has a fully masked row, is exactly the standard causal mask [1, 1, s, s]) for a bool attention mask.
 
-    Every layer sees the same mask tensor, so the answer is cached for the last mask object (weak reference plus
-    its in-place version counter): one device sync per forward instead of one per layer.
+    Every layer sees the same mask tensor (T5: three), so the answer is cached for the last few mask objects (weak
+    reference plus its in-place version counter): one device sync per mask and forward instead of one per layer.
     """
+    return _mask_entry(mask, sq, sk)[3]
+
+
+def _mask_entry(mask: torch.Tensor, sq: int, sk: int) -> list:
     key = (sq, sk, tuple(mask.shape))
-    cache = _MASK_CACHE
-    ref = cache["ref"]
-    if ref is not None and ref() is mask and cache["version"] == mask._version and cache["key"] == key:
-        return cache["value"]
+    for entry in _MASK_CACHE:
+        if entry[0]() is mask and entry[1] == mask._version and entry[2] == key:
+            return entry
     fully_masked = bool(mask.all(dim=-1).any())
     plain_causal = False
     if sq == sk and mask.dim() == 4 and mask.size(0) == 1 and mask.size(1) == 1 and mask.shape[-2:] == (sq, sk):
         causal = torch.ones(sq, sk, dtype=torch.bool, device=mask.device).triu(1)
         plain_causal = bool(torch.equal(mask[0, 0], causal))
-    value = (fully_masked, plain_causal)
-    cache.update(ref=weakref.ref(mask), version=mask._version, key=key, value=value)
-    return value
+    entry = [weakref.ref(mask), mask._version, key, (fully_masked, plain_causal), None]
+    _MASK_CACHE.insert(0, entry)
+    del _MASK_CACHE[_MASK_CACHE_SIZE:]
+    return entry
+
+
+def _sdpa_mask(mask: torch.Tensor, sq: int, sk: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(SDPA's attn_mask, True = attend; the fully masked rows [.., sq, 1] or None) of a bool mask (True = masked),
+    cached with the mask. Fully masked rows attend everywhere in the SDPA mask (SDPA would give NaN); the caller
+    replaces their output by Megatron's uniform row."""
+    entry = _mask_entry(mask, sq, sk)
+    if entry[4] is None:
+        empty_rows = mask.all(dim=-1, keepdim=True) if entry[3][0] else None
+        entry[4] = (~mask if empty_rows is None else ~(mask & ~empty_rows), empty_rows)
+    return entry[4]
+
 
 def _expand_kv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     """K or V [s, b, ng, hn] -> [s, b, num_heads, hn], each group repeated for its heads (HF's repeat_kv)."""
@@ -195,10 +213,10 @@ class CoreAttention(MegatronModule):
     def _can_use_sdpa(self, attention_mask: Optional[torch.Tensor], sq: int, sk: int) -> bool:
         if not self.allow_sdpa:
             return False
-        if self._dropout_active() and not self.use_flash_attn:
-            return False
-        # Fully masked rows: Megatron's -10000 fill gives a uniform row, SDPA would give NaN.
-        return attention_mask is None or not _classify_mask(attention_mask, sq, sk)[0]
+        if not self._dropout_active():
+            return True  # fully masked rows (padding queries) too: _sdpa_call gives them Megatron's uniform row
+        # Dropout (--use-flash-attn) over a fully masked row's uniform probabilities: the explicit path.
+        return self.use_flash_attn and (attention_mask is None or not _classify_mask(attention_mask, sq, sk)[0])
 
     def forward(
         self,
@@ -264,16 +282,24 @@ class CoreAttention(MegatronModule):
                 gqa = {"enable_gqa": True}
             else:
                 k, v = (_expand_kv(t.permute(2, 0, 1, 3), np_).permute(1, 2, 0, 3) for t in (k, v))
+        # Fully masked rows ([b or 1, 1, sq, 1]): Megatron's -10000 fill gives them a uniform softmax, i.e. the mean
+        # of V (no gradient to q and k); SDPA attends everywhere there and the mean replaces its output.
+        attend, empty_rows = (None, None) if mask is None else _sdpa_mask(mask, sq, k.size(2))
         ctx = F.scaled_dot_product_attention(
             q,
             k,
             v,
-            attn_mask=None if mask is None else ~mask,
+            attn_mask=attend,
             dropout_p=dropout_p,
             is_causal=is_causal,
             scale=1.0 / math.sqrt(hn),
             **gqa,
         )
+        if empty_rows is not None:
+            v_mean = v.mean(dim=2, keepdim=True)  # [b, ng, 1, hn]
+            if v_mean.size(1) != np_:
+                v_mean = v_mean.repeat_interleave(np_ // v_mean.size(1), dim=1)
+            ctx = torch.where(empty_rows, v_mean, ctx)
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
     def _explicit(

@@ -82,7 +82,8 @@ def _set_sdpa(model: torch.nn.Module, allow: bool) -> None:
 def test_sdpa_and_explicit_attention_agree(qk_scaling):
     model = build_gpt(tiny_config(apply_query_key_layer_scaling=qk_scaling))
     ids, pos, mask, labels = batch()
-    # A padding-style mask with a fully masked row forces the explicit path even when SDPA is allowed.
+    # A padding-style mask with a fully masked row: SDPA gives it Megatron's uniform row (the mean of V, no gradient
+    # to q and k), as the explicit path; forward and gradients agree.
     pad_mask = mask.clone().expand(2, 1, 8, 8).clone()
     pad_mask[1, :, 3, :] = True
     # reset_attention_mask style: two documents per sample, per-sample masks
@@ -95,7 +96,10 @@ def test_sdpa_and_explicit_attention_agree(qk_scaling):
         loss = model(ids, pos, mask, labels=labels)
         loss.sum().backward()
         grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
         padded = model(ids, pos, pad_mask)
+        (padded * torch.linspace(-1, 1, padded.numel()).view_as(padded)).sum().backward()
+        grads += [p.grad.clone() for p in model.parameters()]
         docs = model(ids, pos, doc_mask)
         results.append((loss.detach(), grads, padded.detach(), docs.detach()))
     torch.testing.assert_close(results[0][3], results[1][3], rtol=1e-5, atol=1e-5)

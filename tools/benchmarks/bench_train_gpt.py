@@ -20,21 +20,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_common import matmul_peak_flops  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, SEQ, MBS, VOCAB = 6, 384, 6, 512, 4, 50304
-
-
-def matmul_peak_flops(n: int = 2048, reps: int = 10) -> float:
-    """Best observed fp32 GEMM FLOP/s on this machine (n x n x n)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    for _ in range(2):
-        a @ b
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * n**3 / best
 
 
 def model_flops_per_step(layers: int = LAYERS, hidden: int = HIDDEN, seq: int = SEQ, mbs: int = MBS,
