@@ -121,6 +121,11 @@ def convert(args: argparse.Namespace) -> Dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     summary["meta"] = meta
+    src, dst = meta.extra.get("source_padded_vocab_size"), meta.architecture.get("padded_vocab_size")
+    if meta.extra.get("optimizer") and src != dst:
+        summary["note"] = (f"note: the padded vocabulary changed from {src} to {dst} rows, so the continuation is "
+                           "close to but not equal to the original layout's (choose --make-vocab-size-divisible-by "
+                           "to keep it)")
     if args.saver in ("megatron", "deepspeed"):
         summary["flags"] = model_flags(meta, summary.get("tp", 1), summary.get("pp", 1), summary.get("vp_layers"))
     return summary
@@ -139,11 +144,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             print(f"wrote {args.saver} {kind} with its optimizer state to {args.save_dir} (TP={summary.get('tp', 1)}"
                   f", PP={summary.get('pp', 1)}, any data-parallel size); continue the run with --load "
                   f"{args.save_dir} --no-load-rng, the parallel sizes and these model flags:", flush=True)
-            src, dst = meta.extra.get("source_padded_vocab_size"), meta.architecture.get("padded_vocab_size")
-            if src != dst:
-                print(f"note: the padded vocabulary changed from {src} to {dst} rows, so the continuation is close "
-                      "to but not equal to the original layout's (choose --make-vocab-size-divisible-by to keep it)",
-                      flush=True)
+            if summary.get("note"):
+                print(summary["note"], flush=True)
         else:
             print(f"wrote {args.saver} {kind} to {args.save_dir} (TP={summary.get('tp', 1)}, "
                   f"PP={summary.get('pp', 1)}); load it with --load {args.save_dir} --finetune (or --no-load-optim "

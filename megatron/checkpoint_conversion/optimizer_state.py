@@ -111,6 +111,8 @@ def regular_entries(optim_sd: Dict[str, Any], chunks: Sequence[Dict[str, Any]], 
     out: List[OptEntries] = [{} for _ in chunks]
     step, keys = 0.0, set()
     for g, (saved_group, names) in enumerate(zip(saved, groups)):
+        if "step" in saved_group:  # apex FusedAdam (Megatron-LM checkpoints): the step count is per group
+            step = max(step, float(saved_group["step"]))
         for i, (index, (c, name)) in enumerate(zip(saved_group["params"], names)):
             weight = chunks[c][name]
             value = main[g][i] if main else weight

@@ -145,3 +145,21 @@ def test_regular_optimizer_order_matches_real_stage_models(family):
         expected = [[names[param] for param in g["params"]] for g in get_param_groups(chunks)]
         flats = [flatten_checkpoint_state_dict(chunk.state_dict_for_save_checkpoint()) for chunk in chunks]
         assert regular_param_order(flats, full_order) == expected, (family, p)
+
+
+def test_new_padding_rows_repeat_the_last_row_with_its_moments(tmp_path):
+    """A target padding of 66 rows (--make-vocab-size-divisible-by 33) instead of 64: the two new rows of the word
+    embedding and the untied output layer repeat the last row, weights and optimizer state alike, and the tool says
+    the continuation will differ."""
+    _trained_checkpoint(tmp_path / "src", "fp32")
+    summary = _convert(tmp_path / "src", tmp_path / "out", "--make-vocab-size-divisible-by", "33")
+    assert "the padded vocabulary changed from 64 to 66 rows" in summary["note"]
+    folder = tmp_path / "out" / "iter_0000002" / "mp_rank_00"
+    state = torch.load(folder / "distrib_optim.pt", weights_only=False)["chunks"][0]
+    src = torch.load(tmp_path / "src" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert src["padded_vocab_size"] == 64
+    for name in ("language_model.embedding.word_embeddings.weight", "language_model.output_layer.weight"):
+        for key, value in state[name].items():
+            assert value.shape[0] == 66 and torch.equal(value[64:], value[63].expand(2, -1)), (name, key)
+    out = state["language_model.output_layer.weight"]["exp_avg_sq"]
+    assert out[63].abs().sum() > 0  # a padding row of the output layer is trained (softmax), its moments carried
