@@ -128,9 +128,9 @@ def test_config_table_covers_every_transformer_config_field():
     unmapped = fields - set(CONFIG_FIELDS) - NOT_FROM_FLAGS
     assert not unmapped, (f"TransformerConfig fields no flag feeds: {sorted(unmapped)}; add a line per field to "
                           "CONFIG_FIELDS in megatron/config_flags.py")
-    # The contract's architecture fields all exist; only --no-initialization waits for a field (and is refused).
-    assert set(CONFIG_FIELDS) - fields <= {"perform_initialization"}
-    assert set(dests_without_config_field(TransformerConfig)) <= {"perform_initialization"}
+    # The contract's architecture fields all exist (--no-initialization is TransformerConfig.perform_initialization).
+    assert not set(CONFIG_FIELDS) - fields
+    assert not set(dests_without_config_field(TransformerConfig))
 
 
 # ------------------------------------------------------------------------------------------------ start-up behaviour
@@ -147,7 +147,6 @@ def _validated(*extra: str, defaults: dict | None = None) -> argparse.Namespace:
 
 @pytest.mark.parametrize("flags, named", [
     (["--standalone-embedding-stage"], "--standalone-embedding-stage"),
-    (["--no-initialization"], "--no-initialization"),
     (["--bert-no-binary-head"], "--bert-no-binary-head"),
     (["--mask-prob", "0.2"], "--mask-prob"),
     (["--decoder-seq-length", "16"], "--decoder-seq-length"),

@@ -25,6 +25,10 @@ class ModelParallelConfig:
     # Initialise the full (unsharded) weight on CPU from the global seed, then keep this rank's shard:
     # makes TP=N weights bitwise equal to TP=1 weights for the same seed (Megatron's --use-cpu-initialization).
     use_cpu_initialization: bool = True
+    perform_initialization: bool = True
+    """Initialise the weights with the init methods; False (--no-initialization) only allocates them (their values
+    are whatever memory held: for a model whose weights a checkpoint load overwrites next). Biases are still zeroed
+    and norms set to ones, as in Megatron-LM."""
     gradient_accumulation_fusion: bool = False
     async_tensor_model_parallel_allreduce: bool = False
     deterministic_mode: bool = False

@@ -114,12 +114,14 @@ class Embedding(MegatronModule):
         self.add_position_embedding = config.position_embedding_type == "learned_absolute"
         if self.add_position_embedding:
             self.position_embeddings = torch.nn.Embedding(max_sequence_length, hidden_size, dtype=config.params_dtype)
-            config.init_method(self.position_embeddings.weight)
+            if config.perform_initialization:
+                config.init_method(self.position_embeddings.weight)
         else:
             self.position_embeddings = None
         if num_tokentypes > 0:
             self.tokentype_embeddings = torch.nn.Embedding(num_tokentypes, hidden_size, dtype=config.params_dtype)
-            config.init_method(self.tokentype_embeddings.weight)
+            if config.perform_initialization:
+                config.init_method(self.tokentype_embeddings.weight)
         else:
             self.tokentype_embeddings = None
         self.fp32_residual_connection = config.fp32_residual_connection

@@ -124,6 +124,11 @@ def _initialize_affine_weight_device(weight: torch.Tensor, init_method: Callable
         init_method(weight)
 
 
+def _perform_initialization(config: Any) -> bool:
+    """False under --no-initialization: weights are allocated, not initialised (a checkpoint load follows)."""
+    return bool(getattr(config, "perform_initialization", True))
+
+
 def _make_weight(rows: int, cols: int, config: Any) -> Parameter:
     return Parameter(torch.empty(rows, cols, device=_param_device(config), dtype=config.params_dtype))
 
@@ -151,7 +156,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         self.weight = _make_weight(self.num_embeddings_per_partition, embedding_dim, config)
         set_tp_layout(self.weight, TensorParallelLayout(dim=0, structure="vocabulary range"))
-        if getattr(config, "use_cpu_initialization", True):
+        if not _perform_initialization(config):
+            set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        elif getattr(config, "use_cpu_initialization", True):
             _initialize_affine_weight_cpu(
                 self.weight, num_embeddings, embedding_dim, self.num_embeddings_per_partition, 0, init_method,
                 tp_group, params_dtype=config.params_dtype,
@@ -295,7 +302,9 @@ class ColumnParallelLinear(torch.nn.Module):
             self.register_parameter("weight", None)
         else:
             self.weight = _make_weight(self.output_size_per_partition, input_size, config)
-            if getattr(config, "use_cpu_initialization", True):
+            if not _perform_initialization(config):
+                set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+            elif getattr(config, "use_cpu_initialization", True):
                 self.master_weight = _initialize_affine_weight_cpu(
                     self.weight, output_size, input_size, self.output_size_per_partition, 0, init_method, tp_group,
                     stride=stride, return_master_weight=keep_master_weight_for_test, params_dtype=config.params_dtype,
@@ -366,7 +375,9 @@ class RowParallelLinear(torch.nn.Module):
         self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
         self.weight = _make_weight(output_size, self.input_size_per_partition, config)
         self.master_weight = None
-        if getattr(config, "use_cpu_initialization", True):
+        if not _perform_initialization(config):
+            set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        elif getattr(config, "use_cpu_initialization", True):
             self.master_weight = _initialize_affine_weight_cpu(
                 self.weight, output_size, input_size, self.input_size_per_partition, 1, init_method, tp_group,
                 stride=stride, return_master_weight=keep_master_weight_for_test, params_dtype=config.params_dtype,
