@@ -37,7 +37,7 @@ OUTPUT_LAYER = "output layer"
 LAYER_PREFIX = "transformer layer "
 
 MODEL_TYPES = ("GPT", "BERT", "T5")
-SUPPORTED_MODEL_TYPES = ("GPT", "BERT")  # BERT: Megatron <-> Megatron so far
+SUPPORTED_MODEL_TYPES = ("GPT", "BERT", "T5")  # T5: Megatron <-> Megatron, TP only (t5_format.py)
 
 # TransformerConfig fields a converted model keeps (the architecture; numerics and parallel sizes are the run's).
 _KEPT_FIELDS = (
@@ -147,6 +147,12 @@ def model_flags(meta: ModelMeta, tp: int = 1, pp: int = 1, vp_layers: Optional[i
         flags.append("--disable-bias-linear")
     if not a.get("share_embeddings_and_output_weights", True):
         flags.append("--untie-embeddings-and-output-weights")
+    t5 = meta.extra.get("t5") if meta.model_type == "T5" else None
+    if t5:
+        flags.append(f"--encoder-num-layers {t5['encoder_num_layers']} --decoder-num-layers "
+                     f"{t5['decoder_num_layers']}")
+        if getattr(meta.checkpoint_args, "vocab_extra_ids", None):
+            flags.append(f"--vocab-extra-ids {meta.checkpoint_args.vocab_extra_ids}")
     flags.append(f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}")
     if vp_layers:
         flags.append(f"--num-layers-per-virtual-pipeline-stage {vp_layers}")

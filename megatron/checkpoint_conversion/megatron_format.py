@@ -326,6 +326,10 @@ def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model
                   trust: bool = False, optimizer: bool = False) -> Tuple[ModelMeta, Iterator[Message]]:
     """Loader: (meta, message stream) of a Megatron checkpoint at any TP/PP/virtual-PP layout; with `optimizer`,
     the messages also carry the training state when the checkpoint has one (GPT models; optimizer_state.py)."""
+    if model_type == "T5":  # encoder-decoder: its own stream (t5_format.py)
+        from megatron.checkpoint_conversion.t5_format import read_t5
+
+        return read_t5(load_dir, true_vocab_size=true_vocab_size, trust=trust)
     reader = MegatronCheckpointReader(load_dir, trust)
     meta = megatron_meta(reader, true_vocab_size, model_type)
     padded = reader.merged(0, 0, WORD, TensorParallelLayout(dim=0)).size(0) if WORD in reader.chunks[(0, 0, 0)] \
@@ -334,6 +338,8 @@ def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model
         raise ConversionError(f"{reader.files[(0, 0)]} has no {WORD}: not a GPT checkpoint (or a damaged first stage)")
     meta.architecture["padded_vocab_size"] = padded
     first, last = reader.chunks[(0, 0, 0)], reader.chunks[(0, reader.pp - 1, reader.vp - 1)]
+    if any(k.startswith(LM + "decoder.") for k in last):
+        raise ConversionError(f"{load_dir} holds a T5 checkpoint: pass --model-type T5")
     is_bert = any(k.startswith(("lm_head.", "binary_head.") + tuple(h + "." for h in TASK_HEADS)) for k in last)
     if is_bert != (model_type == "BERT"):
         found = "BERT" if is_bert else "GPT"
@@ -647,4 +653,8 @@ class MegatronWriter:
 def write_megatron(meta: ModelMeta, messages: Iterator[Message], save_dir: str, tp: int = 1, pp: int = 1,
                    vp_layers: Optional[int] = None) -> List[str]:
     """Saver: write the stream as a Megatron checkpoint (TP `tp`, PP `pp`, optional virtual chunks)."""
+    if meta.model_type == "T5":
+        from megatron.checkpoint_conversion.t5_format import write_t5
+
+        return write_t5(meta, messages, save_dir, tp, pp, vp_layers)
     return MegatronWriter(meta, save_dir, tp, pp, vp_layers).write(messages)

@@ -200,7 +200,7 @@ def test_bad_input_one_line_nothing_written(source, tmp_path):
     assert "mismatched shards" in _bad(tmp_path, tmp_path / "m")
     assert "--target-tensor-parallel-size 3" in _bad(tmp_path, src, "--target-tensor-parallel-size", "3")
     assert "pass --model-type GPT" in _bad(tmp_path, src, "--model-type", "BERT")
-    assert "no T5 model" in _bad(tmp_path, src, "--model-type", "T5")
+    assert "not a T5 checkpoint" in _bad(tmp_path, src, "--model-type", "T5")
 
 
 def test_cli_one_line_error_and_flags(tmp_path):

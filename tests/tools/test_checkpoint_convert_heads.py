@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron.checkpoint_conversion.driver import convert, parse_args
-from megatron.checkpoint_conversion.interchange import ModelMeta, architecture_of, messages_from_state_dict
+from megatron.checkpoint_conversion.interchange import Message, ModelMeta, architecture_of, messages_from_state_dict
 from megatron.checkpoint_conversion.megatron_format import write_megatron
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from tests.tools.checkpoint_convert_helpers import DIVISIBLE, TRUE_VOCAB, config, load_files
@@ -86,3 +86,119 @@ def test_task_head_megatron_reshape(tmp_path, kind):
     torch.testing.assert_close(_scores(back, kind), ref_scores, rtol=1e-5, atol=1e-5)
     merged_ref = back.state_dict()
     assert all(torch.equal(merged_ref[k], ref[k]) for k in ref if "word_embeddings" not in k)
+
+
+# ------------------------------------------------------------------------------------------------------- T5
+def _t5_config(padded: int = 64, **kw):
+    from megatron.core.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=2, encoder_num_layers=2, decoder_num_layers=3, hidden_size=32,
+                             num_attention_heads=4, ffn_hidden_size=48, max_position_embeddings=16,
+                             padded_vocab_size=padded, hidden_dropout=0.0, attention_dropout=0.0,
+                             bias_gelu_fusion=False, **kw)
+
+
+def _t5(cfg, state=None, pp_state=None, seed: int = 7):
+    from megatron.model.t5_model import T5Model
+
+    model_parallel_manual_seed(seed, getattr(pp_state, "tp_rank", 0))
+    model = T5Model(cfg, pp_state=pp_state, parallel_output=False).eval()
+    if state is None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+    else:
+        model.load_state_dict(state, strict=True)
+    return model
+
+
+def _t5_inputs():
+    g = torch.Generator().manual_seed(4)
+    enc, dec = torch.randint(0, TRUE_VOCAB, (2, 10), generator=g), torch.randint(0, TRUE_VOCAB, (2, 6), generator=g)
+    ev, dv = torch.ones(2, 10, dtype=torch.long), torch.ones(2, 6, dtype=torch.long)
+    ev[1, 7:] = 0
+    dv[1, 4:] = 0
+    return enc, dec, ev[:, :, None] * ev[:, None, :], torch.tril(dv[:, :, None] * dv[:, None, :]), \
+        dv[:, :, None] * ev[:, None, :]
+
+
+def _t5_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(*_t5_inputs())[..., :TRUE_VOCAB]
+
+
+def _t5_tp2_worker(rank: int, world_size: int, folder: str, rows: int) -> list:
+    import argparse
+    import dataclasses
+
+    from megatron.checkpointing import load_checkpoint
+    from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+
+    state = initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        cfg = dataclasses.replace(_t5_config(padded=rows), tensor_model_parallel_size=2)
+        model = _t5(cfg, pp_state=state, seed=99)
+        args = argparse.Namespace(load=folder, finetune=True, tensor_model_parallel_size=2,
+                                  pipeline_model_parallel_size=1)
+        assert load_checkpoint([model], None, None, args) == 0
+        return _t5_logits(model).tolist()
+    finally:
+        destroy_model_parallel()
+
+
+def test_t5_tensor_parallel_reshape(tmp_path):
+    """T5 (unequal encoder/decoder depths): TP1 -> TP2 -> TP1 is bitwise with the padding rows kept; TP2 with
+    --true-vocab-size re-pads the word embeddings and lm_head.bias, and a real TP=2 run (2 gloo processes,
+    megatron.checkpointing.load_checkpoint) gives the source's logits (1e-5); a pipeline target is one line."""
+    from megatron.checkpoint_conversion.interchange import ConversionError
+    from megatron.checkpoint_conversion.t5_format import T5Writer, read_t5
+    from tests.dist_utils import run_distributed
+
+    cfg = _t5_config()
+    model = _t5(cfg)
+    ref = model.state_dict()
+    src = tmp_path / "src"
+    meta = ModelMeta("T5", architecture_of(cfg), iteration=5, make_vocab_size_divisible_by=DIVISIBLE,
+                     extra={"t5": {"encoder_num_layers": 2, "decoder_num_layers": 3}})
+    flat = {k: v for k, v in ref.items() if not k.endswith("_extra_state")}
+
+    def stream():
+        emb = {k[len("language_model.embedding."):]: v for k, v in flat.items() if ".embedding." in k}
+        yield Message("embeddings", emb)
+        for part, n in (("encoder", 2), ("decoder", 3)):
+            for i in range(n):
+                p = f"language_model.{part}.layers.{i}."
+                yield Message(f"{part} layer {i}", {k[len(p):]: v for k, v in flat.items() if k.startswith(p)})
+            p = f"language_model.{part}."
+            yield Message(f"{part} final norm", {k[len(p):]: v for k, v in flat.items()
+                                                 if k.startswith(p + "final_layernorm.")})
+        yield Message("lm head", {"bias": flat["lm_head.bias"]})
+
+    T5Writer(meta, str(src), 1, 1, None).write(stream())
+    sd = load_files(str(src))[(0, 0)]
+    assert sorted(sd["model"]) == sorted(model.state_dict_for_save_checkpoint())
+    assert sd["architecture"]["decoder_num_layers"] == 3
+    t5 = ["--model-type", "T5"]
+    flags = _convert(src, tmp_path / "tp2", *t5, "--target-tensor-parallel-size", "2")["flags"]
+    assert "--encoder-num-layers 2 --decoder-num-layers 3 --tensor-model-parallel-size 2" in flags
+    _convert(tmp_path / "tp2", tmp_path / "back", *t5, "--target-tensor-parallel-size", "1")
+    back = _t5(cfg, load_files(str(tmp_path / "back"))[(0, 0)]["model"]).state_dict()
+    assert all(torch.equal(back[k], ref[k]) for k in ref)
+    meta2, messages = read_t5(str(tmp_path / "tp2"))
+    assert meta2.extra["t5"] == {"encoder_num_layers": 2, "decoder_num_layers": 3}
+    assert [m.name for m in messages][-3:] == ["decoder layer 2", "decoder final norm", "lm head"]
+
+    _convert(src, tmp_path / "tp2v", *t5, "--target-tensor-parallel-size", "2", "--true-vocab-size",
+             str(TRUE_VOCAB))
+    files = load_files(str(tmp_path / "tp2v"))
+    bias = torch.cat([files[(t, 0)]["model"]["lm_head"]["bias"] for t in range(2)])
+    assert bias.numel() == 64 and torch.equal(bias[TRUE_VOCAB:], bias[TRUE_VOCAB - 1].expand(64 - TRUE_VOCAB))
+    results = run_distributed(_t5_tp2_worker, 2, args=(str(tmp_path / "tp2v"), 64))
+    for out in results:
+        torch.testing.assert_close(torch.tensor(out), _t5_logits(model), rtol=1e-5, atol=1e-5)
+
+    for bad, match in ((["--target-pipeline-parallel-size", "2"], "pipeline-parallel T5"),
+                       (["--model-type", "GPT"], "pass --model-type T5")):
+        with pytest.raises(ConversionError, match=match):
+            _convert(src, tmp_path / "x", *t5, *bad)
+        assert not (tmp_path / "x").exists()
