@@ -8,7 +8,8 @@ iteration 4 (TP=1, DP=2); rank 0 converts it to TP=2 (tools/checkpoint/convert.p
 - reference: the non-DeepSpeed ``--finetune`` run from it (DP=2);
 - ``--deepspeed --finetune`` from the Megatron checkpoint under ZeRO-0/1/2/3 (DP=2), the pipeline engine (PP=2,
   GPTModelPipe), TP=2 x ZeRO-1 from the TP=2 checkpoint (per-rank mp_rank_XX files) and TP=2 x ZeRO-3 from the TP=1
-  checkpoint (split on load), and ZeRO-3 from the --to-deepspeed output (no ZeRO-3 files in it): the first loss (the
+  checkpoint (split on load), and ZeRO-3 from the --to-deepspeed output and from convert.py --saver deepspeed at TP=2
+  (no ZeRO-3 files in either; the latter merged to TP=1 on load): the first loss (the
   loaded weights, before any update) equals the reference's within 1e-6, every training loss and the final
   validation loss within 1e-5 — so the fp32 master copies followed the loaded weights;
 - ``--no-load-optim --no-load-rng`` from the Megatron checkpoint (ZeRO-1) and from the --to-deepspeed output
@@ -17,8 +18,8 @@ iteration 4 (TP=1, DP=2); rank 0 converts it to TP=2 (tools/checkpoint/convert.p
   ZeRO-3 and PP=2 DeepSpeed --finetune curves equal the non-DeepSpeed one (same tolerances);
 - the ZeRO-3 run's global_step files (weights in the fp32 partitions) evaluated under ZeRO-1 give its final
   validation loss (1e-6);
-- without --finetune (or those two flags) the Megatron checkpoint is refused in one line, and so is loading the
-  optimizer state from weights-only DeepSpeed files.
+- without --finetune (or those two flags) the Megatron checkpoint is refused in one line, and so are another
+  --hidden-size and loading the optimizer state from weights-only DeepSpeed files.
 """
 from __future__ import annotations
 
@@ -38,11 +39,13 @@ FT_ITERS = 5
 
 
 def _convert(ckpt: str, tp2: str, ds: str) -> None:
-    """Megatron TP=1 -> TP=2 (convert.py) and -> DeepSpeed layout (--to-deepspeed), in this process."""
+    """Megatron TP=1 -> TP=2 (convert.py), -> DeepSpeed layout (--to-deepspeed) and -> DeepSpeed layout at TP=2
+    (convert.py --saver deepspeed, into `ds`_saver_tp2), in this process."""
     import contextlib
     import io
 
     sys.path.insert(0, str(REPO / "tools"))
+    sys.path.insert(0, str(REPO / "tools" / "checkpoint"))  # the DeepSpeed plugins, as when convert.py runs
     import convert_deepspeed_checkpoint as ds_tool
 
     from megatron.checkpoint_conversion.driver import main as convert_main
@@ -51,6 +54,8 @@ def _convert(ckpt: str, tp2: str, ds: str) -> None:
         convert_main(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir", ckpt,
                       "--save-dir", tp2, "--target-tensor-parallel-size", "2"])
         ds_tool.main(["--to-deepspeed", "--input-folder", ckpt, "--output-folder", ds])
+        convert_main(["--model-type", "GPT", "--loader", "megatron", "--saver", "deepspeed", "--load-dir", ckpt,
+                      "--save-dir", ds + "_saver_tp2", "--target-tensor-parallel-size", "2"])
 
 
 def _weights_vs_megatron(rank: int, world_size: int, argv: list[str], ref_load: str) -> float:
@@ -143,11 +148,13 @@ def job(gpt_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "tp2_zero1": ft(tp2, *fine, "--deepspeed", "--deepspeed_config", cfg[1], *tp),
         "tp2_zero3_split": ft(ckpt, *fine, "--deepspeed", "--deepspeed_config", cfg[3], *tp),
         "zero3_from_ds": ft(ds, *fine, "--deepspeed", "--deepspeed_config", cfg[3]),
+        "zero3_from_saver_tp2": ft(ds + "_saver_tp2", *fine, "--deepspeed", "--deepspeed_config", cfg[3]),
         "keep_ref": ft(ckpt, *keep, iters=8),
         "keep_zero1": ft(ckpt, *keep, "--deepspeed", "--deepspeed_config", cfg[1], iters=8),
         "keep_zero3_from_ds": ft(ds, *keep, "--deepspeed", "--deepspeed_config", cfg[3], iters=8),
         "refused": ft(ckpt, "--deepspeed", "--deepspeed_config", cfg[1]),
         "refused_optim": ft(ds, "--deepspeed", "--deepspeed_config", cfg[3]),
+        "wrong_arch": ft(ckpt, *fine, "--deepspeed", "--deepspeed_config", cfg[1], "--hidden-size", "128"),
         # the ZeRO-3 files (weights in the fp32 partitions) under ZeRO-1: consolidated, then loaded as module weights
         "zero1_from_zero3_files": ft(ds3, *fine, "--deepspeed", "--deepspeed_config", cfg[1], "--skip-train"),
     }
@@ -197,7 +204,7 @@ def test_layouts_written(job: dict) -> None:
 
 
 @pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "pipe", "tp2_zero1", "tp2_zero3_split",
-                                  "zero3_from_ds"])
+                                  "zero3_from_ds", "zero3_from_saver_tp2"])
 def test_deepspeed_finetune_equals_megatron_finetune(job: dict, name: str) -> None:
     ref = _curve(job["ref"], "ref")
     assert sorted(ref["train"]) == list(range(1, FT_ITERS + 1))
@@ -231,6 +238,8 @@ def test_no_load_optim_continues_the_iteration_count(job: dict) -> None:
 def test_megatron_checkpoint_without_finetune_is_refused(job: dict) -> None:
     err = job["refused"]["error"]
     assert err is not None and "holds a Megatron checkpoint" in err and "--finetune" in err and "\n" not in err
+    err = job["wrong_arch"]["error"]
+    assert err is not None and "hidden_size=64" in err and "\n" not in err, err
     err = job["refused_optim"]["error"]  # weights-only DeepSpeed files under ZeRO-3, optimizer state requested
     assert err is not None and "--no-load-optim" in err and "\n" not in err, err
 
