@@ -210,15 +210,15 @@ class FastPunkt:
             else:
                 last = max(text.rfind(c, prev_stop, start) for c in ws)
             word_start = last + 1 if last > prev_stop else prev_start
-            if prev is not None and prev_stop <= word_start:
-                if contains(text[prev_start:prev_stop] + prev.group() + prev.group("after_tok")):
-                    raw.append((last_break, prev.end()))
-                    last_break = prev.start("next_tok") if prev.group("next_tok") else prev.end()
-            prev, prev_start, prev_stop = m, word_start, start
-        if prev is not None:
-            if contains(text[prev_start:prev_stop] + prev.group() + prev.group("after_tok")):
+            # the context: the word before, the candidate and the token after (group 1, right after the match);
+            # the next sentence starts at the next token (group 2) or, without one, right after the candidate
+            if prev is not None and prev_stop <= word_start and contains(text[prev_start:prev.end(1)]):
                 raw.append((last_break, prev.end()))
-                last_break = prev.start("next_tok") if prev.group("next_tok") else prev.end()
+                last_break = prev.start(2) if prev.start(2) >= 0 else prev.end()
+            prev, prev_start, prev_stop = m, word_start, start
+        if prev is not None and contains(text[prev_start:prev.end(1)]):
+            raw.append((last_break, prev.end()))
+            last_break = prev.start(2) if prev.start(2) >= 0 else prev.end()
         raw.append((last_break, len(text.rstrip())))
 
         out: List[Tuple[int, int]] = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from itertools import chain
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
 
@@ -32,6 +32,29 @@ _SEP = "\x00"  # joins fast-path texts (a control character: never left inside o
 _WORDS_LOWER = re.compile(f"[a-z0-9]+|{_PUNCT}|\\x00").findall
 _WORDS_CASED = re.compile(f"[A-Za-z0-9]+|{_PUNCT}|\\x00").findall
 MAX_WORD_CACHE = 1 << 20
+
+
+class _WordTable:
+    """Distinct normalized words -> row; each row's WordPiece ids in one array (row 0: the separator, no ids)."""
+
+    def __init__(self) -> None:
+        self.index: Dict[str, int] = {_SEP: 0}
+        self.lens = np.zeros(1, dtype=np.int64)
+        self.starts = np.zeros(1, dtype=np.int64)
+        self.ids = np.zeros(0, dtype=np.int64)
+
+    def add(self, words: Iterable[str], model: Any) -> None:
+        new_lens: List[int] = []
+        new_ids: List[int] = []
+        for word in words:
+            self.index[word] = len(self.index)
+            pieces = [t.id for t in model.tokenize(word)]
+            new_lens.append(len(pieces))
+            new_ids.extend(pieces)
+        lens = np.asarray(new_lens, dtype=np.int64)
+        self.starts = np.concatenate([self.starts, self.ids.size + np.cumsum(lens) - lens])
+        self.lens = np.concatenate([self.lens, lens])
+        self.ids = np.concatenate([self.ids, np.asarray(new_ids, dtype=np.int64)])
 
 
 def load_wordpiece_vocab(vocab_file: str) -> Dict[str, int]:
@@ -75,7 +98,7 @@ class BertWordPieceTokenizer(AbstractTokenizer):
             self._add_token(t)
         self._lower = lower_case
         self._words = _WORDS_LOWER if lower_case else _WORDS_CASED
-        self._word_ids: Dict[str, List[int]] = {_SEP: []}
+        self._table = _WordTable()
 
     def _add_token(self, token: str) -> int:
         if token not in self._vocab:
@@ -145,27 +168,23 @@ class BertWordPieceTokenizer(AbstractTokenizer):
 
     def _fast_ids(self, texts: List[str]) -> Tuple[np.ndarray, np.ndarray]:
         """Ids of fast-path texts (no control characters left): the texts are joined with NUL separators, split into
-        normalized words by one regex, and each word's ids come from the per-word cache (misses through the
-        WordPiece model, which is what the engine runs on each pre-tokenized word)."""
+        normalized words by one regex, each word becomes its row in the word table (new words go through the
+        WordPiece model, which is what the engine runs on each pre-tokenized word) and numpy gathers the ids."""
         joined = _SEP.join(texts)
         words = self._words(joined.lower() if self._lower else joined)
-        cache = self._word_ids
-        missing = set(words).difference(cache)
+        table = self._table
+        missing = set(words).difference(table.index)
         if missing:
-            if len(cache) + len(missing) > MAX_WORD_CACHE:
-                cache.clear()
-                cache[_SEP] = []
-                missing = set(words).difference(cache)
-            model = self._tok.model
-            for word in missing:
-                cache[word] = [t.id for t in model.tokenize(word)]
-        per_word = list(map(cache.__getitem__, words))
-        word_lens = np.fromiter(map(len, per_word), dtype=np.int64, count=len(per_word))
-        flat = np.fromiter(chain.from_iterable(per_word), dtype=np.int64, count=int(word_lens.sum()))
-        seps = np.flatnonzero(np.fromiter(map(_SEP.__eq__, words), dtype=bool, count=len(words)))
+            if len(table.index) + len(missing) > MAX_WORD_CACHE:
+                table = self._table = _WordTable()
+                missing = set(words).difference(table.index)
+            table.add(missing, self._tok.model)
+        rows = np.fromiter(map(table.index.__getitem__, words), dtype=np.int64, count=len(words))
+        lens = table.lens[rows]
         cum = np.zeros(len(words) + 1, dtype=np.int64)
-        np.cumsum(word_lens, out=cum[1:])
-        ends = cum[np.append(seps, len(words))]  # ids before each text's end (its separator, or the end)
+        np.cumsum(lens, out=cum[1:])
+        flat = table.ids[np.repeat(table.starts[rows] - cum[:-1], lens) + np.arange(int(cum[-1]))]
+        ends = cum[np.append(np.flatnonzero(rows == 0), len(words))]  # ids before each text's separator or the end
         return flat, np.diff(ends, prepend=0)
 
     def tokenize_batch_reference(self, texts: Sequence[str]) -> List[List[int]]:

@@ -47,4 +47,4 @@ def test_fast_path_equals_engine(shared_data, vocab, lower, monkeypatch):
     monkeypatch.setattr(bert_wordpiece, "MAX_WORD_CACHE", 50)  # the cache is cleared and refilled batch by batch
     small = BertWordPieceTokenizer(str(shared_data / "bert-wordpiece" / vocab), lower_case=lower)
     assert [ids for i in range(0, 2000, 100) for ids in small.tokenize_batch(texts[i:i + 100])] == ref[:2000]
-    assert len(small._word_ids) <= 50 + 100 * 40
+    assert len(small._table.index) <= 50 + 100 * 40
