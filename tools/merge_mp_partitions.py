@@ -70,7 +70,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     del reader
     conv = ["--model-type", model_type, "--load-dir", args.load, "--save-dir", args.save,
             "--target-tensor-parallel-size", "1",
-            "--target-pipeline-parallel-size", str(args.target_pipeline_model_parallel_size)]
+            "--target-pipeline-parallel-size", str(args.target_pipeline_model_parallel_size),
+            "--no-save-optim"]  # the model only, as the original tool
     if args.vocab_file:
         conv += ["--vocab-file", args.vocab_file]
     if args.trust_checkpoint:
