@@ -2,8 +2,8 @@
 
 A loader module/object has ``add_arguments(parser)`` and ``load_checkpoint(args) -> (ModelMeta, message iterator)``;
 a saver has ``add_arguments(parser)`` and ``save_checkpoint(meta, messages, args, save_dir) -> dict`` (it writes
-into `save_dir`, a fresh folder the driver renames to --save-dir on success). Built-ins: loaders/savers megatron and hf;
-deepspeed is the modules tools/checkpoint/loader_deepspeed.py / saver_deepspeed.py, found by the import rule. Any
+into `save_dir`, a fresh folder the driver renames to --save-dir on success). Built-ins: loaders/savers megatron, hf
+and deepspeed (deepspeed_format.py; tools/checkpoint/loader_deepspeed.py / saver_deepspeed.py re-export them). Any
 other NAME is imported as the module ``loader_NAME`` / ``saver_NAME``,
 falling back to ``NAME`` (Megatron-LM's rule), so third-party plugins (and BERT/T5 adapters) plug in unchanged.
 """
@@ -107,11 +107,47 @@ class HFSaver:
                         hf_architecture=args.hf_architecture, checking=args.checking)
 
 
+class DeepSpeedLoader:
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("DeepSpeed loader")
+        group.add_argument("--iteration", type=int, default=None,
+                           help="Read global_step{N} instead of the tag named by 'latest'")
+
+    @staticmethod
+    def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
+        from megatron.checkpoint_conversion.deepspeed_format import read_deepspeed
+
+        return read_deepspeed(args.load_dir, iteration=getattr(args, "iteration", None),
+                              true_vocab_size=args.true_vocab_size, model_type=args.model_type, trust=_trust(args))
+
+
+class DeepSpeedSaver:
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        pass
+
+    @staticmethod
+    def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
+                        save_dir: str) -> Dict[str, Any]:
+        from megatron.checkpoint_conversion.deepspeed_format import write_deepspeed
+
+        if args.target_num_layers_per_virtual_pipeline_stage:
+            raise ConversionError("--saver deepspeed has no virtual pipeline chunks; drop "
+                                  "--target-num-layers-per-virtual-pipeline-stage")
+        tp = args.target_tensor_parallel_size or meta.extra.get("tp") or 1
+        pp = args.target_pipeline_parallel_size or meta.extra.get("pp") or 1
+        result = write_deepspeed(meta, messages, save_dir, tp, pp)
+        return {"files": result["files"], "tp": tp, "pp": pp, "vp_layers": None}
+
+
 BUILTIN: Dict[Tuple[str, str], Any] = {
     ("loader", "megatron"): MegatronLoader,
     ("loader", "hf"): HFLoader,
+    ("loader", "deepspeed"): DeepSpeedLoader,
     ("saver", "megatron"): MegatronSaver,
     ("saver", "hf"): HFSaver,
+    ("saver", "deepspeed"): DeepSpeedSaver,
 }
 
 
