@@ -5,7 +5,7 @@
 # Data: python tools/preprocess_data.py --input corpus.jsonl --output-prefix my-t5 --vocab-file bert-vocab.txt \
 #         --tokenizer-type BertWordPieceLowerCase --split-sentences --workers 8
 # Without a GPU (and PRESET unset) the tiny preset is used, with one line saying so; the distributed script then
-# starts CPU_PROCESSES (2) processes instead of 8. Pipeline parallelism is not available for T5 yet.
+# starts CPU_PROCESSES (2) processes instead of 8 (the _with_mp script TP x PP).
 EXAMPLES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_DIR="$(dirname "$EXAMPLES_DIR")"
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then

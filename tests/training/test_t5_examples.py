@@ -1,6 +1,7 @@
 """The T5 example scripts: valid bash, the t5_220m preset (Megatron's documented T5 shape), and
 examples/pretrain_t5.sh training a tiny T5 (flags appended to the 220m preset override it) and saving a checkpoint,
-pretrain_t5_distributed_with_mp.sh training it with TP=2 + SP under torchrun, the DeepSpeed script's command."""
+pretrain_t5_distributed_with_mp.sh training it with TP=2 + SP x PP=2 (split rank 1, its defaults) on 4 torchrun
+processes, the DeepSpeed script's command."""
 from __future__ import annotations
 
 import os
@@ -56,14 +57,15 @@ def test_pretrain_t5_sh_runs_tiny(t5_data: dict, tmp_path: Path) -> None:
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
 
 
-def test_with_mp_script_trains_tp2_and_deepspeed_command(t5_data: dict, tmp_path: Path) -> None:
+def test_with_mp_script_trains_tp2_pp2_and_deepspeed_command(t5_data: dict, tmp_path: Path) -> None:
     from tests.dist_utils import free_port
 
-    env = _env(t5_data, CHECKPOINT_PATH=str(tmp_path / "mp"), GPUS_PER_NODE="2", MASTER_PORT=str(free_port()))
+    env = _env(t5_data, CHECKPOINT_PATH=str(tmp_path / "mp"), MASTER_PORT=str(free_port()))
     proc = subprocess.run(["bash", str(EXAMPLES / "pretrain_t5_distributed_with_mp.sh"), *TINY], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert " iteration        2/       2 |" in proc.stdout and "tensor-model-parallel size: 2" in proc.stdout
+    assert " iteration        2/       2 |" in proc.stdout
+    assert "tensor-model-parallel size: 2, pipeline-model-parallel size: 2" in proc.stdout
     proc = subprocess.run(["bash", str(EXAMPLES / "pretrain_t5_deepspeed.sh")], capture_output=True, text=True,
                           env=_env(t5_data, DRY_RUN="1", ZERO_STAGE="3", CHECKPOINT_PATH=str(tmp_path / "ds")),
                           timeout=60)
