@@ -119,7 +119,8 @@ class DeepSpeedLoader:
         from megatron.checkpoint_conversion.deepspeed_format import read_deepspeed
 
         return read_deepspeed(args.load_dir, iteration=getattr(args, "iteration", None),
-                              true_vocab_size=args.true_vocab_size, model_type=args.model_type, trust=_trust(args))
+                              true_vocab_size=args.true_vocab_size, model_type=args.model_type, trust=_trust(args),
+                              optimizer=bool(getattr(args, "keep_training_state", False)))
 
 
 class DeepSpeedSaver:

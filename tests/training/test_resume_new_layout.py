@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -100,10 +99,6 @@ def test_deepspeed_zero1_to_megatron_tp2(gpt_data: dict, tmp_path: Path) -> None
     """pretrain_gpt --deepspeed with ZeRO-1 over DP=2 saves global_step10 (flat fp32 and Adam partitions per DP
     rank); converted with --loader deepspeed to Megatron TP2, pretrain_gpt without DeepSpeed continues its curve."""
     from tests.ds._workers import run_pretrain_ds, write_ds_config
-
-    plugins = str(Path(__file__).resolve().parents[2] / "tools" / "checkpoint")
-    if plugins not in sys.path:  # the DeepSpeed loader plugin, as when tools/checkpoint/convert.py runs
-        sys.path.insert(0, plugins)
 
     cfg = write_ds_config(str(tmp_path / "ds.json"), train_micro_batch_size_per_gpu=2, train_batch_size=8)
     results = run_distributed(run_pretrain_ds, 2, args=(tiny_gpt_argv(
