@@ -32,7 +32,8 @@ from megatron.model import hf_conversion as hfc
 
 LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GPT2_ARCHS = ("GPT2LMHeadModel",)
-SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + ("MegatronBertForPreTraining",)
+SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + ("MegatronBertForPreTraining", "MegatronBertForSequenceClassification",
+                                       "MegatronBertForMultipleChoice")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json")
 _TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
@@ -156,7 +157,7 @@ def read_hf(load_dir: str, *, true_vocab_size: Optional[int] = None, model_type:
     """Loader: (meta, message stream) of a HF GPT-2 / Llama-family folder."""
     cfg = _read_config(load_dir)
     arch = cfg["architectures"][0]
-    wanted = "BERT" if arch == "MegatronBertForPreTraining" else "GPT"
+    wanted = "BERT" if arch.startswith("MegatronBertFor") else "GPT"
     if model_type != wanted:
         raise ConversionError(f"{load_dir} holds a {arch}: pass --model-type {wanted}")
     if wanted == "BERT":
