@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # T5 pretraining under the DeepSpeed launcher with ZeRO (stage ZERO_STAGE, default 1) and data parallelism
-# (tensor parallelism via TP; T5 has no pipeline layout yet: PP stays 1).
+# (tensor parallelism via TP; PP stays 1: T5 pipelines with a split rank run without DeepSpeed, see
+# pretrain_t5_distributed_with_mp.sh).
 #   PRESET=220m DATA_PATH=... VOCAB_FILE=... ZERO_STAGE=2 bash examples/pretrain_t5_deepspeed.sh
 # The DeepSpeed config is written to $CHECKPOINT_PATH/ds_config.json from the batch sizes and precision (the file's
 # batch sizes must match the flags). DRY_RUN=1 prints the command instead of running it.
