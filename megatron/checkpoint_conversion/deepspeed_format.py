@@ -202,9 +202,13 @@ def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab
                               "vocabulary rows")
     meta.extra["layout"] = reader.layout
     if optimizer and reader.layout == "module":
-        from megatron.checkpoint_conversion.optimizer_state import attach_zero_state
+        from megatron.checkpoint_conversion.optimizer_state import ForeignOptimizerState, attach_zero_state
 
-        attach_zero_state(reader, lambda path: _load(path, trust))
+        try:
+            attach_zero_state(reader, lambda path: _load(path, trust))
+        except ForeignOptimizerState as exc:
+            print(f"note: {exc}: its optimizer state is not converted; writing the weights only", flush=True)
+            reader.opt = None
         if reader.opt is not None:
             meta.extra.update(optimizer=reader.opt_common, source_padded_vocab_size=padded)
             if reader.first.get("consumed_train_tokens") is not None:

@@ -261,7 +261,8 @@ class MegatronCheckpointReader:
                                           "checkpoint is incomplete (or pass --no-save-optim)")
                 entries, step, k = ostate.distributed_entries(_load(dpath, self.trust), chunks, dpath)
             else:
-                entries, step, k = ostate.regular_entries(optim_sd, chunks, full_order, path)
+                entries, step, k = ostate.regular_entries(optim_sd, chunks, full_order, path,
+                                                          ours="architecture" in self.first)
             for v, e in enumerate(entries):
                 self.opt[(t, p, v)] = e
             steps.add(step)
@@ -354,7 +355,13 @@ def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model
         raise ConversionError(f"--true-vocab-size {meta.true_vocab_size} exceeds the checkpoint's {padded} "
                               "vocabulary rows")
     if optimizer and model_type == "GPT" and meta.iteration is not None:
-        reader.open_optimizer(meta)
+        from megatron.checkpoint_conversion.optimizer_state import ForeignOptimizerState
+
+        try:
+            reader.open_optimizer(meta)
+        except ForeignOptimizerState as exc:
+            print(f"note: {exc}: its optimizer state is not converted; writing the weights only", flush=True)
+            reader.opt = None
         if reader.opt is not None:
             meta.extra["optimizer"] = reader.opt_common
             meta.extra["source_padded_vocab_size"] = padded

@@ -41,6 +41,11 @@ HEAD_COPY = "word_embeddings.weight"
 OptEntries = Dict[str, Dict[str, torch.Tensor]]  # {flat parameter name: {"param", "exp_avg", ...}}
 
 
+class ForeignOptimizerState(ConversionError):
+    """An optimizer state in a layout this converter does not map (another framework's); the loader converts the
+    weights only and says so, as before training states were converted."""
+
+
 def stage_order(names: Sequence[str], full_order: Sequence[str]) -> List[str]:
     """The parameters among `names` (a stage's flat names, local layer numbers) in ``named_parameters()`` order of
     that stage's model: embeddings, layers by local index, final norm, output layer, then the last stage's copy of
@@ -98,14 +103,16 @@ def has_training_state(optim_sd: Any) -> bool:
 
 
 def regular_entries(optim_sd: Dict[str, Any], chunks: Sequence[Dict[str, Any]], full_order: Sequence[str],
-                    where: str) -> Tuple[List[OptEntries], float, List[str]]:
-    """Per-chunk entries of a regular optimizer's state (see the module docstring); (entries, step, state keys)."""
+                    where: str, ours: bool = True) -> Tuple[List[OptEntries], float, List[str]]:
+    """Per-chunk entries of a regular optimizer's state (see the module docstring); (entries, step, state keys).
+    `ours`: the file was written by this framework (else a group layout it does not know is ForeignOptimizerState)."""
     inner = _inner(optim_sd)
     groups = regular_param_order(chunks, full_order)
     saved = inner["param_groups"]
     if [len(g["params"]) for g in saved] != [len(g) for g in groups]:
-        raise ConversionError(f"{where}: the optimizer has param groups of {[len(g['params']) for g in saved]} "
-                              f"parameters but the model files give {[len(g) for g in groups]}: mismatched shards")
+        error = ConversionError if ours else ForeignOptimizerState
+        raise error(f"{where}: the optimizer has param groups of {[len(g['params']) for g in saved]} parameters but "
+                    f"the model files give {[len(g) for g in groups]}" + (": mismatched shards" if ours else ""))
     main = optim_sd.get("fp32_from_fp16_params", optim_sd.get("fp32_from_fp16")) if "param_groups" not in optim_sd \
         else None
     out: List[OptEntries] = [{} for _ in chunks]
@@ -137,8 +144,7 @@ def distributed_entries(param_state: Dict[str, Any], chunks: Sequence[Dict[str, 
     from megatron.optimizer.distrib_optimizer import PARAM_STATE_FORMAT
 
     if not isinstance(param_state, dict) or param_state.get("format") != PARAM_STATE_FORMAT:
-        raise ConversionError(f"{where} is not a distributed optimizer state of this framework; pass --no-save-optim "
-                              "to convert the weights only")
+        raise ForeignOptimizerState(f"{where} is not a distributed optimizer state of this framework")
     saved = param_state["chunks"]
     if len(saved) != len(chunks):
         raise ConversionError(f"{where} holds {len(saved)} model chunks, the model file {len(chunks)}: mismatched "
@@ -269,8 +275,7 @@ def attach_zero_state(reader: Any, load: Any) -> None:
         model_file = os.path.join(reader.iter_dir, f"mp_rank_{t:02d}_model_states.pt")
         shapes = (reader.first if t == 0 else load(model_file)).get("param_shapes")
         if not shapes:
-            raise ConversionError(f"{model_file} has no param_shapes (needed to read the ZeRO partitions); pass "
-                                  "--no-save-optim to convert the weights only")
+            raise ForeignOptimizerState(f"{model_file} has no param_shapes (needed to read the ZeRO partitions)")
         entries, step, k, common_t = zero_entries(reader.iter_dir, t, reader.chunks[(t, 0, 0)], shapes, load)
         reader.opt[(t, 0, 0)] = entries
         steps.add(step)

@@ -163,3 +163,17 @@ def test_new_padding_rows_repeat_the_last_row_with_its_moments(tmp_path):
             assert value.shape[0] == 66 and torch.equal(value[64:], value[63].expand(2, -1)), (name, key)
     out = state["language_model.output_layer.weight"]["exp_avg_sq"]
     assert out[63].abs().sum() > 0  # a padding row of the output layer is trained (softmax), its moments carried
+
+
+def test_foreign_optimizer_state_converts_the_weights_only(tmp_path, capsys):
+    """A distrib_optim.pt of another framework's format: one note, the weights are converted as before."""
+    _trained_checkpoint(tmp_path / "src", "fp32")
+    _convert(tmp_path / "src", tmp_path / "tp2", "--target-tensor-parallel-size", "2")
+    for path in (tmp_path / "tp2" / "iter_0000002").glob("*/distrib_optim.pt"):
+        torch.save({"param_state_sharding_type": "dp_zero_gather_scatter"}, path)
+    (tmp_path / "tp2" / "iter_0000002" / "manifest.json").unlink(missing_ok=True)
+    summary = _convert(tmp_path / "tp2", tmp_path / "tp1", "--target-tensor-parallel-size", "1")
+    assert "optimizer" not in summary["meta"].extra
+    assert "is not a distributed optimizer state of this framework: its optimizer state is not converted; writing " \
+           "the weights only" in capsys.readouterr().out
+    assert all("optimizer" not in f for f in load_files(str(tmp_path / "tp1")).values())
