@@ -14,8 +14,9 @@ iteration 4 (TP=1, DP=2); rank 0 converts it to TP=2 (tools/checkpoint/convert.p
   validation loss within 1e-5 — so the fp32 master copies followed the loaded weights;
 - ``--no-load-optim --no-load-rng`` from the Megatron checkpoint (ZeRO-1) and from the --to-deepspeed output
   (ZeRO-3) continue at iteration 5 with the non-DeepSpeed run's curve of the same flags;
-- a random tiny Hugging Face GPT2LMHeadModel converted with convert.py --loader hf (a release checkpoint): its
-  ZeRO-3 and PP=2 DeepSpeed --finetune curves equal the non-DeepSpeed one (same tolerances);
+- random tiny Hugging Face models converted with convert.py --loader hf (release checkpoints): GPT2LMHeadModel
+  under ZeRO-3 and PP=2, LlamaForCausalLM (GQA, SwiGLU, RMSNorm, rope, untied output layer) under PP=2 and TP=2 x
+  ZeRO-3: their DeepSpeed --finetune curves equal the non-DeepSpeed ones (same tolerances);
 - the ZeRO-3 run's global_step files (weights in the fp32 partitions) evaluated under ZeRO-1 give its final
   validation loss (1e-6);
 - without --finetune (or those two flags) the Megatron checkpoint is refused in one line, and so are another
@@ -107,8 +108,9 @@ def _job(rank: int, world_size: int, save: list[str], ckpts: tuple[str, str, str
     return out + [[_weights_vs_megatron(rank, world_size, argv, ref) for argv, ref in compare]]
 
 
-def _hf_gpt2_to_megatron(folder: Path, vocab_size: int) -> list[str]:
-    """A random tiny HF GPT2LMHeadModel (safetensors) converted by convert.py --loader hf; returns its model flags."""
+def _hf_to_megatron(folder: Path, kind: str, vocab_size: int) -> list[str]:
+    """A random tiny HF GPT2LMHeadModel or LlamaForCausalLM (GQA, SwiGLU, RMSNorm, rope, untied; safetensors)
+    converted by convert.py --loader hf into folder/{kind}_megatron; returns the model flags the tool prints."""
     import contextlib
     import io
 
@@ -118,12 +120,19 @@ def _hf_gpt2_to_megatron(folder: Path, vocab_size: int) -> list[str]:
     from megatron.checkpoint_conversion.driver import main as convert_main
 
     torch.manual_seed(11)
-    cfg = transformers.GPT2Config(vocab_size=vocab_size, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                                  activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(str(folder / "hf"))
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=vocab_size, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                      activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-5)
+        model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(str(folder / kind))
     with contextlib.redirect_stdout(io.StringIO()):
         summary = convert_main(["--model-type", "GPT", "--loader", "hf", "--saver", "megatron", "--load-dir",
-                                str(folder / "hf"), "--save-dir", str(folder / "hf_megatron")])
+                                str(folder / kind), "--save-dir", str(folder / f"{kind}_megatron")])
     return summary["flags"].split()
 
 
@@ -159,12 +168,18 @@ def job(gpt_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "zero1_from_zero3_files": ft(ds3, *fine, "--deepspeed", "--deepspeed_config", cfg[1], "--skip-train"),
     }
     # a Hugging Face model: HF -> Megatron (release checkpoint) -> finetuned with and without DeepSpeed
-    hf_flags = _hf_gpt2_to_megatron(tmp, 5000)
-    hf = str(tmp / "hf_megatron")
+    hf_flags = _hf_to_megatron(tmp, "gpt2", 5000)
+    hf = str(tmp / "gpt2_megatron")
     named["hf_ref"] = ft(hf, *fine, *hf_flags)
     named["hf_zero3"] = ft(hf, *fine, *hf_flags, "--deepspeed", "--deepspeed_config", cfg[3])
     named["hf_pipe"] = ft(hf, *fine, *hf_flags, "--deepspeed", "--deepspeed_config", cfg[1],
                           "--pipeline-model-parallel-size", "2")
+    llama_flags = _hf_to_megatron(tmp, "llama", 5000)
+    llama = str(tmp / "llama_megatron")
+    named["llama_ref"] = ft(llama, *fine, *llama_flags)
+    named["llama_pipe"] = ft(llama, *fine, *llama_flags, "--deepspeed", "--deepspeed_config", cfg[1],
+                             "--pipeline-model-parallel-size", "2")
+    named["llama_tp2_zero3"] = ft(llama, *fine, *llama_flags, "--deepspeed", "--deepspeed_config", cfg[3], *tp)
     save = tiny_gpt_argv(gpt_data, "--save", ckpt, "--save-interval", "4", iters=4)
     compare = [(named["zero3"], ckpt), (named["tp2_zero3_split"], tp2), (named["zero1"], ckpt)]
     results = run_distributed(_job, 2, args=(save, (ckpt, tp2, ds), list(named.values()), compare))
@@ -173,7 +188,7 @@ def job(gpt_data: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = {name: dict(res, stdout0=r0["stdout"]) for name, res, r0 in zip(named, last[1:-1], results[0][1:-1])}
     out["weight_diffs"] = [results[0][-1], results[1][-1]]
     out["paths"] = {"megatron": ckpt, "tp2": tp2, "ds": ds}
-    out["hf_flags"] = hf_flags
+    out["hf_flags"], out["llama_flags"] = hf_flags, llama_flags
     return out
 
 
@@ -220,12 +235,16 @@ def test_loaded_weights_equal_megatron_load(job: dict) -> None:
         assert len(rank_diffs) == 3 and all(d <= 1e-6 for d in rank_diffs), job["weight_diffs"]
 
 
-@pytest.mark.parametrize("name", ["hf_zero3", "hf_pipe"])
+@pytest.mark.parametrize("name", ["hf_zero3", "hf_pipe", "llama_pipe", "llama_tp2_zero3"])
 def test_hugging_face_model_finetunes_under_deepspeed(job: dict, name: str) -> None:
-    ref = _curve(job["hf_ref"], "hf_ref")
+    family = name.split("_")[0]
+    ref = _curve(job[f"{family}_ref"], f"{family}_ref")
     assert sorted(ref["train"]) == list(range(1, FT_ITERS + 1))
     _assert_same(_curve(job[name], name), ref, name)
-    assert "--num-layers" in job["hf_flags"] and "successfully loaded checkpoint" in job[name]["stdout0"]
+    assert "successfully loaded checkpoint" in job[name]["stdout0"]
+    if family == "llama":  # untied output layer (its own pipe layer), GQA query_key_value split for TP=2
+        flags = " ".join(job["llama_flags"])
+        assert "--untie-embeddings-and-output-weights" in flags and "--num-query-groups 2" in flags, flags
 
 
 def test_no_load_optim_continues_the_iteration_count(job: dict) -> None:
