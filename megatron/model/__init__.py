@@ -16,7 +16,6 @@ from megatron.model.layer_specs import TransformerLayerSpec, bert_layer_spec, gp
 from megatron.model.module import (
     Float16Module,
     MegatronModule,
-    allreduce_word_embedding_grads,
     float16_to_fp32,
     fp32_to_float16,
     param_is_not_shared,
@@ -54,7 +53,6 @@ __all__ = [
     "RotaryEmbedding",
     "TransformerLanguageModel",
     "TransformerLayerSpec",
-    "allreduce_word_embedding_grads",
     "bert_layer_spec",
     "build_norm",
     "flatten_checkpoint_state_dict",

@@ -1,8 +1,8 @@
-"""MegatronModule base class, shared word embeddings across pipeline stages (and their gradient all-reduce),
-and Float16Module (the fp16/bf16 model wrapper)."""
+"""MegatronModule base class, shared word embeddings across pipeline stages (their gradient all-reduce is in
+megatron/core/distributed/finalize_model_grads.py), and Float16Module (the fp16/bf16 model wrapper)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -76,35 +76,6 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     return model
-
-
-def allreduce_word_embedding_grads(model: Union[torch.nn.Module, Iterable[torch.nn.Module]], pp_state: Any) -> None:
-    """Sum the word-embedding gradient of the first and last pipeline stage over the embedding group.
-
-    `model` is one module or the list of virtual-pipeline chunks on this rank (wrapped or not). Reads
-    `param.main_grad` when the local DDP provides it, else `param.grad`. No-op for PP=1 or ranks outside the group.
-    """
-    if not _is_pp_multi(pp_state):
-        return
-    group = getattr(pp_state, "embedding_group", None)
-    if group is None:
-        return
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    if pp_state.is_pipeline_first_stage(ignore_virtual=True):
-        unwrapped = unwrap_model(chunks[0])
-    elif pp_state.is_pipeline_last_stage(ignore_virtual=True):
-        unwrapped = unwrap_model(chunks[-1])
-    else:
-        return
-    if not unwrapped.share_embeddings_and_output_weights:
-        return
-    weight = unwrapped.shared_embedding_or_output_weight()
-    grad = getattr(weight, "main_grad", None)
-    if grad is None:
-        grad = weight.grad
-    if grad is None:
-        raise RuntimeError("allreduce_word_embedding_grads: the shared word embedding has no gradient; run backward first")
-    torch.distributed.all_reduce(grad, group=group)
 
 
 def param_is_not_shared(param: torch.Tensor) -> bool:

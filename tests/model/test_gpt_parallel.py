@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.finalize_model_grads import allreduce_embedding_grads
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.model import GPTModel, allreduce_word_embedding_grads
+from megatron.model import GPTModel
 from megatron.model.tp_shards import split_tensor_parallel_state_dict
 from tests.dist_utils import run_distributed
 from tests.model.helpers import batch, build_gpt, tiny_config
@@ -154,7 +155,7 @@ def _check_pipeline(ref: GPTModel, ref_loss, ref_grads) -> dict:
             loss.mean().backward()
             dist.send(recv.grad.contiguous(), state.pp_prev_rank())
             result["loss_checked"] = True
-        allreduce_word_embedding_grads([model], state)
+        allreduce_embedding_grads([model], state)  # what finalize_model_grads runs in training
         for name, p in model.named_parameters():
             full = _gather_tp(p.grad, p, state.tp_group)
             ref_name = _local_to_ref_name(name, offset)
