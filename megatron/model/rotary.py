@@ -7,7 +7,10 @@ decode offset (as Megatron-LM, which does not read position_ids for RoPE).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.autograd.function import once_differentiable
 
 
 class RotaryEmbedding:
@@ -45,10 +48,38 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rotate_into(out: torch.Tensor, t: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """out += rotate_half(t) * sin (sign 1) or its transpose, rotate_half^T(t) * sin (sign -1), half by half."""
+    half = t.size(-1) // 2
+    low, high = out[..., :half], out[..., half:]
+    (low.sub_ if sign > 0 else low.add_)(t[..., half:] * sin[..., :half])  # not addcmul_: it may fuse (FMA)
+    (high.add_ if sign > 0 else high.sub_)(t[..., :half] * sin[..., half:])
+    return out
+
+
+class _RotaryFull(torch.autograd.Function):
+    """t * cos + rotate_half(t) * sin over the whole head dimension in three passes (no negated copy, no cat), and
+    its backward g * cos + rotate_half^T(g * sin) likewise. Bitwise equal to the plain expression and its autograd:
+    each element is the same product and sum (a negation moved onto the other factor is exact)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate_into(t * cos, t, sin, 1.0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate_into(grad_output * cos, grad_output, sin, -1.0), None, None
+
+
 def apply_rotary_pos_emb(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on t [s, b, heads, head_dim] with cos/sin [s, 1, 1, d], d <= head_dim."""
     d = cos.size(-1)
     if d == t.size(-1):
+        if d % 2 == 0 and not cos.requires_grad and not sin.requires_grad:
+            return _RotaryFull.apply(t, cos, sin)
         return t * cos + rotate_half(t) * sin
     t_rot, t_pass = t[..., :d], t[..., d:]
     return torch.cat((t_rot * cos + rotate_half(t_rot) * sin, t_pass), dim=-1)

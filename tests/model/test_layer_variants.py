@@ -201,3 +201,37 @@ def test_swiglu_function_bitwise_equals_autograd_of_silu_times_up():
     assert torch.equal(out, ref) and torch.equal(x.grad, ref_grad)
     with torch.no_grad():
         assert torch.equal(swiglu(x), ref)
+
+
+def test_rmsnorm_fp32_function_forward_bitwise_backward_equals_autograd():
+    norm = RMSNorm(24, eps=1e-6)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(24, generator=g) + 0.5)
+    x = torch.randn(6, 2, 24, generator=g, requires_grad=True)
+    gy = torch.randn(6, 2, 24, generator=g)
+    ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))  # the module's expression
+    ref.backward(gy)
+    ref_gx, ref_gw = x.grad, norm.weight.grad
+    x.grad = norm.weight.grad = None
+    out = norm(x)
+    out.backward(gy)
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(x.grad, ref_gx, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(norm.weight.grad, ref_gw, rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_function_bitwise_equals_plain_expression_and_its_autograd():
+    from megatron.model.rotary import rotate_half
+
+    rope = RotaryEmbedding(16, 500000.0)
+    cos, sin = rope.cos_sin(5, 2, torch.device("cpu"), torch.float32)
+    g = torch.Generator().manual_seed(4)
+    t = torch.randn(5, 2, 3, 16, generator=g, requires_grad=True)
+    gy = torch.randn(5, 2, 3, 16, generator=g)
+    ref = t * cos + rotate_half(t) * sin
+    ref.backward(gy)
+    ref_grad, t.grad = t.grad, None
+    out = apply_rotary_pos_emb(t, cos, sin)
+    out.backward(gy)
+    assert torch.equal(out, ref) and torch.equal(t.grad, ref_grad)
