@@ -67,7 +67,9 @@ class HFLoader:
 class MegatronSaver:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        pass
+        parser.add_argument("--target-pipeline-model-parallel-split-rank", type=int, default=None,
+                            help="T5 with --target-pipeline-parallel-size > 1: the first decoder stage (default: "
+                                 "the source's when the pipeline size is unchanged)")
 
     @staticmethod
     def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
@@ -78,6 +80,7 @@ class MegatronSaver:
         pp = args.target_pipeline_parallel_size or meta.extra.get("pp") or 1
         vp_layers = args.target_num_layers_per_virtual_pipeline_stage
         copy_tokenizer_files(meta, save_dir, os.path.abspath(args.save_dir))
+        meta.extra["target_split_rank"] = getattr(args, "target_pipeline_model_parallel_split_rank", None)
         files = write_megatron(meta, messages, save_dir, tp, pp, vp_layers)
         return {"files": files, "tp": tp, "pp": pp, "vp_layers": vp_layers}
 

@@ -11,8 +11,12 @@ Message stream of a T5 model (full TP=1 tensors; keys relative to the part, as G
     "decoder final norm"         final_layernorm.* (of ``language_model.decoder.``)
     "lm head"                    bias [vocab rows] (the logits use the tied word embeddings)
 
-Pipeline-parallel T5 checkpoints (--pipeline-model-parallel-split-rank) are not reshaped here yet: a PP > 1 source
-or target is refused with one line. The training state is not converted (weights only).
+Pipeline-parallel T5 (Megatron 23.06's --pipeline-model-parallel-split-rank R, t5_model.t5_stage_roles): stages
+0..R-1 hold the encoder layers (numbered from 0 per stage), stage R-1 the encoder's final LayerNorm, stages R..P-1
+the decoder layers, stage R a copy of the embeddings, the last stage the decoder's final LayerNorm, ``lm_head`` and
+(when it is not stage R) ``word_embeddings_for_head``. The target's split rank is
+``--target-pipeline-model-parallel-split-rank`` (default: the source's when the pipeline size is unchanged).
+Virtual pipeline stages do not exist for T5. The training state is not converted (weights only).
 """
 from __future__ import annotations
 
@@ -37,8 +41,15 @@ from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayou
 
 EMBEDDINGS = "embeddings"
 LM_HEAD_BIAS = "lm_head.bias"
-PP_REFUSED = ("T5 checkpoints are reshaped between tensor-parallel sizes only: pipeline-parallel T5 "
-              "(--pipeline-model-parallel-split-rank) is not converted yet; use {what} 1")
+HEAD_COPY = "word_embeddings.weight"  # the last stage's copy of the tied word embeddings
+
+
+def stage_of(i: int, count: int, first: int, stages: int, what: str) -> Tuple[int, int]:
+    """(pipeline stage, local index) of layer `i` of a stack of `count` layers over `stages` stages from `first`."""
+    if count % stages:
+        raise ConversionError(f"{what}: {count} layers do not split evenly over {stages} pipeline stage(s)")
+    per = count // stages
+    return first + i // per, i % per
 
 
 def _stack(part: str) -> str:
@@ -64,30 +75,45 @@ def t5_layouts(meta: ModelMeta) -> Dict[str, TensorParallelLayout]:
 
 
 class T5CheckpointReader(MegatronCheckpointReader):
-    """A Megatron T5 checkpoint's files (TP any, PP 1): GPT's reader counts encoder layers only, so the layer-count
-    check against --num-layers is replaced by T5's own (encoder and decoder counts)."""
+    """A Megatron T5 checkpoint's files (any TP and PP): GPT's reader counts encoder layers per stage, so its
+    layer-count checks are replaced by T5's own (encoder and decoder counts, read_t5)."""
 
     def _open(self) -> None:
         num_layers = self.architecture.pop("num_layers", None)
         super()._open()
         self.architecture["num_layers"] = num_layers
 
+    def _layers_in(self, p: int, v: int) -> int:
+        return 0
+
+    def layers(self, part: str, p: int) -> int:
+        prefix = _stack(part) + "layers."
+        ids = {int(k[len(prefix):].split(".")[0]) for k in self.chunks[(0, p, 0)] if k.startswith(prefix)}
+        return max(ids) + 1 if ids else 0
+
 
 def read_t5(load_dir: str, *, true_vocab_size: Optional[int] = None,
             trust: bool = False) -> Tuple[ModelMeta, Iterator[Message]]:
     """Loader: (meta, message stream) of a Megatron T5 checkpoint."""
     reader = T5CheckpointReader(load_dir, trust)
-    if reader.pp > 1:
-        raise ConversionError(f"{load_dir}: " + PP_REFUSED.format(what="a --pipeline-model-parallel-size"))
     meta = megatron_meta(reader, true_vocab_size, "T5")
-    first = reader.chunks[(0, 0, 0)]
-    if not any(k.startswith(_stack("decoder")) for k in first) or LM_HEAD_BIAS not in first:
+    args = meta.checkpoint_args
+    last = reader.chunks[(0, reader.pp - 1, 0)]
+    if not any(k.startswith(_stack("decoder")) for k in last) or LM_HEAD_BIAS not in last:
         raise ConversionError(f"{load_dir} holds no T5 decoder / lm_head.bias: not a T5 checkpoint (pass the "
                               "--model-type it was trained as)")
-    layer_ids = {part: {int(k[len(_stack(part)) + len("layers."):].split(".")[0]) for k in first
-                        if k.startswith(_stack(part) + "layers.")} for part in ("encoder", "decoder")}
-    enc, dec = (max(layer_ids[p]) + 1 if layer_ids[p] else 0 for p in ("encoder", "decoder"))
-    args = meta.checkpoint_args
+    split = getattr(args, "pipeline_model_parallel_split_rank", None) if reader.pp > 1 else 1
+    if split is None or not 0 < split < reader.pp + (reader.pp == 1):
+        raise ConversionError(f"{reader.files[(0, 0)]}: a T5 checkpoint with {reader.pp} pipeline stages needs "
+                              f"args.pipeline_model_parallel_split_rank in 1..{reader.pp - 1} (got {split})")
+    enc_stages, dec_stages = (range(split), range(split, reader.pp)) if reader.pp > 1 else ([0], [0])
+    per = {part: {reader.layers(part, p) for p in stages}
+           for part, stages in (("encoder", enc_stages), ("decoder", dec_stages))}
+    if any(len(v) != 1 for v in per.values()):
+        raise ConversionError(f"{reader.iter_dir}: pipeline stages hold unequal layer counts {per}: mismatched "
+                              "shards")
+    enc, dec = per["encoder"].pop() * len(enc_stages), per["decoder"].pop() * len(dec_stages)
+    meta.extra["split_rank"] = split if reader.pp > 1 else None
     for field, have in (("encoder_num_layers", enc), ("decoder_num_layers", dec)):
         said = meta.architecture.get(field) or getattr(args, field, None)
         if said not in (None, have):
@@ -103,37 +129,60 @@ def read_t5(load_dir: str, *, true_vocab_size: Optional[int] = None,
     return meta, _stream(reader, meta)
 
 
+def _stages(pp: int, split: Optional[int]) -> Dict[str, Tuple[int, int]]:
+    """{stack: (first stage, number of stages)} of a layout."""
+    if pp == 1:
+        return {"encoder": (0, 1), "decoder": (0, 1)}
+    return {"encoder": (0, split), "decoder": (split, pp - split)}
+
+
 def _stream(reader: T5CheckpointReader, meta: ModelMeta) -> Iterator[Message]:
     layouts = t5_layouts(meta)
-    chunk = reader.chunks[(0, 0, 0)]
     rows = slice(0, meta.true_vocab_size)
+    stages = _stages(reader.pp, meta.extra["split_rank"])
 
-    def merged(name: str) -> torch.Tensor:
-        return reader.merged(0, 0, name, layouts.get(name, REPLICATED))
+    def merged(p: int, name: str) -> torch.Tensor:
+        return reader.merged(p, 0, name, layouts.get(name, REPLICATED))
 
-    yield Message(EMBEDDINGS, {"word_embeddings.weight": merged(WORD)[rows], "position_embeddings.weight":
-                               merged(POS)})
+    yield Message(EMBEDDINGS, {"word_embeddings.weight": merged(0, WORD)[rows], "position_embeddings.weight":
+                               merged(0, POS)})
     counts = dict(zip(("encoder", "decoder"), t5_layer_counts(meta)))
     for part in ("encoder", "decoder"):
+        first, n = stages[part]
         for i in range(counts[part]):
-            prefix = f"{_stack(part)}layers.{i}."
-            yield Message(f"{part} layer {i}", {k[len(prefix):]: merged(k) for k in chunk
+            p, local = stage_of(i, counts[part], first, n, part)
+            prefix = f"{_stack(part)}layers.{local}."
+            yield Message(f"{part} layer {i}", {k[len(prefix):]: merged(p, k) for k in reader.chunks[(0, p, 0)]
                                                 if k.startswith(prefix) and not k.endswith("_extra_state")})
-        prefix = _stack(part)
-        norm = {k[len(prefix):]: merged(k) for k in chunk if k.startswith(prefix + "final_layernorm.")}
+        prefix, end = _stack(part), first + n - 1
+        norm = {k[len(prefix):]: merged(end, k) for k in reader.chunks[(0, end, 0)]
+                if k.startswith(prefix + "final_layernorm.")}
         if not norm:
-            raise ConversionError(f"{reader.files[(0, 0)]} has no {part} final_layernorm: incomplete checkpoint")
+            raise ConversionError(f"{reader.files[(0, end)]} has no {part} final_layernorm: incomplete checkpoint")
         yield Message(f"{part} final norm", norm)
-    yield Message("lm head", {"bias": merged(LM_HEAD_BIAS)[rows]})
+    yield Message("lm head", {"bias": merged(reader.pp - 1, LM_HEAD_BIAS)[rows]})
 
 
 class T5Writer(MegatronWriter):
     """Writes the T5 stream at TP `tp` (PP 1), reusing the GPT writer's staging, splitting and file writing."""
 
-    def __init__(self, meta: ModelMeta, save_dir: str, tp: int, pp: int, vp_layers: Optional[int]) -> None:
-        if pp != 1 or vp_layers:
-            raise ConversionError(PP_REFUSED.format(what="--target-pipeline-parallel-size"))
+    def __init__(self, meta: ModelMeta, save_dir: str, tp: int, pp: int, vp_layers: Optional[int],
+                 split_rank: Optional[int] = None) -> None:
+        if vp_layers:
+            raise ConversionError("--target-num-layers-per-virtual-pipeline-stage: interleaved pipeline stages are "
+                                  "not supported for T5")
         super().__init__(meta, save_dir, tp, 1, None)
+        if pp > 1:
+            if split_rank is None and meta.extra.get("pp") == pp:
+                split_rank = meta.extra.get("split_rank")
+            if split_rank is None or not 0 < split_rank < pp:
+                raise ConversionError(f"--target-pipeline-parallel-size {pp} for T5 needs "
+                                      f"--target-pipeline-model-parallel-split-rank in 1..{pp - 1} (stages before it "
+                                      "run the encoder, the rest the decoder)")
+        self.pp, self.split_rank = pp, split_rank if pp > 1 else None
+        self.stages = _stages(pp, self.split_rank)
+        for part, count in zip(("encoder", "decoder"), t5_layer_counts(meta)):
+            stage_of(0, count, *self.stages[part], f"--target-pipeline-parallel-size {pp} ({part})")
 
     def write(self, messages: Iterator[Message]) -> List[str]:
         meta = self.meta
@@ -143,20 +192,28 @@ class T5Writer(MegatronWriter):
         self.padded = rows
         meta.architecture["padded_vocab_size"] = rows
         self.layouts = t5_layouts(meta)
-        self.parts = {(t, 0, 0): {} for t in range(self.tp)}
+        self.parts = {(t, p, 0): {} for t in range(self.tp) for p in range(self.pp)}
         self.opt_parts = {k: {} for k in self.parts}
         self.with_optimizer = False
         self.staging = os.path.join(self.save_dir, ".staging")
-        self._stage("embeddings", (0, 0), {WORD: repad_rows(word, rows), POS: emb["position_embeddings.weight"]})
-        del word, emb
+        embeddings = {WORD: repad_rows(word, rows), POS: emb["position_embeddings.weight"]}
+        last, split = self.pp - 1, self.split_rank
+        for p in sorted({0, split or 0}):  # stage 0's embeddings and, under a split, the decoder's copy on stage R
+            self._stage(f"embeddings{p}", (p, 0), embeddings)
+        if self.pp > 1 and last != split:  # the last stage's copy of the tied word embeddings for its head
+            self._stage("head_copy", (last, 0), {HEAD_COPY: embeddings[WORD]})
+        del word, emb, embeddings
         for part, count in zip(("encoder", "decoder"), t5_layer_counts(meta)):
+            first, n = self.stages[part]
             for i in range(count):
+                p, local = stage_of(i, count, first, n, part)
                 msg = expect(messages, f"{part} layer {i}")
-                self._stage(f"{part}{i}", (0, 0), {f"{_stack(part)}layers.{i}.{k}": t for k, t in msg.tensors.items()})
+                self._stage(f"{part}{i}", (p, 0),
+                            {f"{_stack(part)}layers.{local}.{k}": t for k, t in msg.tensors.items()})
             msg = expect(messages, f"{part} final norm")
-            self._stage(f"{part}_norm", (0, 0), {_stack(part) + k: t for k, t in msg.tensors.items()})
+            self._stage(f"{part}_norm", (first + n - 1, 0), {_stack(part) + k: t for k, t in msg.tensors.items()})
         head = expect(messages, "lm head")
-        self._stage("lm_head", (0, 0), {LM_HEAD_BIAS: repad_rows(head.tensors["bias"], rows)})
+        self._stage("lm_head", (last, 0), {LM_HEAD_BIAS: repad_rows(head.tensors["bias"], rows)})
         extra = next(messages, None)
         if extra is not None:
             raise ConversionError(f'unexpected message "{extra.name}" after the T5 lm head (is --model-type right?)')
@@ -174,10 +231,12 @@ class T5Writer(MegatronWriter):
         enc, dec = t5_layer_counts(self.meta)
         sd["architecture"].update(encoder_num_layers=enc, decoder_num_layers=dec)
         sd["args"].encoder_num_layers, sd["args"].decoder_num_layers = enc, dec
+        sd["args"].pipeline_model_parallel_split_rank = self.split_rank
         return sd
 
 
 def write_t5(meta: ModelMeta, messages: Iterator[Message], save_dir: str, tp: int = 1, pp: int = 1,
-             vp_layers: Optional[int] = None) -> List[str]:
-    """Saver: write the T5 stream as a Megatron checkpoint at TP `tp`."""
-    return T5Writer(meta, save_dir, tp, pp, vp_layers).write(messages)
+             vp_layers: Optional[int] = None, split_rank: Optional[int] = None) -> List[str]:
+    """Saver: write the T5 stream as a Megatron checkpoint at TP `tp`, PP `pp` split at `split_rank`."""
+    split_rank = split_rank if split_rank is not None else meta.extra.get("target_split_rank")
+    return T5Writer(meta, save_dir, tp, pp, vp_layers, split_rank).write(messages)

@@ -149,7 +149,7 @@ def _t5_tp2_worker(rank: int, world_size: int, folder: str, rows: int) -> list:
 def test_t5_tensor_parallel_reshape(tmp_path):
     """T5 (unequal encoder/decoder depths): TP1 -> TP2 -> TP1 is bitwise with the padding rows kept; TP2 with
     --true-vocab-size re-pads the word embeddings and lm_head.bias, and a real TP=2 run (2 gloo processes,
-    megatron.checkpointing.load_checkpoint) gives the source's logits (1e-5); a pipeline target is one line."""
+    megatron.checkpointing.load_checkpoint) gives the source's logits (1e-5); bad pipeline targets are one line."""
     from megatron.checkpoint_conversion.interchange import ConversionError
     from megatron.checkpoint_conversion.t5_format import T5Writer, read_t5
     from tests.dist_utils import run_distributed
@@ -162,19 +162,7 @@ def test_t5_tensor_parallel_reshape(tmp_path):
                      extra={"t5": {"encoder_num_layers": 2, "decoder_num_layers": 3}})
     flat = {k: v for k, v in ref.items() if not k.endswith("_extra_state")}
 
-    def stream():
-        emb = {k[len("language_model.embedding."):]: v for k, v in flat.items() if ".embedding." in k}
-        yield Message("embeddings", emb)
-        for part, n in (("encoder", 2), ("decoder", 3)):
-            for i in range(n):
-                p = f"language_model.{part}.layers.{i}."
-                yield Message(f"{part} layer {i}", {k[len(p):]: v for k, v in flat.items() if k.startswith(p)})
-            p = f"language_model.{part}."
-            yield Message(f"{part} final norm", {k[len(p):]: v for k, v in flat.items()
-                                                 if k.startswith(p + "final_layernorm.")})
-        yield Message("lm head", {"bias": flat["lm_head.bias"]})
-
-    T5Writer(meta, str(src), 1, 1, None).write(stream())
+    T5Writer(meta, str(src), 1, 1, None).write(read_t5_stream(flat))
     sd = load_files(str(src))[(0, 0)]
     assert sorted(sd["model"]) == sorted(model.state_dict_for_save_checkpoint())
     assert sd["architecture"]["decoder_num_layers"] == 3
@@ -197,11 +185,75 @@ def test_t5_tensor_parallel_reshape(tmp_path):
     for out in results:
         torch.testing.assert_close(torch.tensor(out), _t5_logits(model), rtol=1e-5, atol=1e-5)
 
-    for bad, match in ((["--target-pipeline-parallel-size", "2"], "pipeline-parallel T5"),
+    for bad, match in ((["--target-pipeline-parallel-size", "2"], "--target-pipeline-model-parallel-split-rank"),
+                       (["--target-pipeline-parallel-size", "2", "--target-pipeline-model-parallel-split-rank", "2"],
+                        "in 1..1"),
+                       (["--target-pipeline-parallel-size", "3", "--target-pipeline-model-parallel-split-rank", "1"],
+                        "3 layers do not split evenly over 2"),
                        (["--model-type", "GPT"], "pass --model-type T5")):
         with pytest.raises(ConversionError, match=match):
             _convert(src, tmp_path / "x", *t5, *bad)
         assert not (tmp_path / "x").exists()
+
+
+def test_t5_pipeline_reshape(tmp_path):
+    """T5 under --pipeline-model-parallel-split-rank: TP1 -> TP2xPP2 (R=1) -> TP1 and TP1 -> PP4 (R=1) -> TP1 are
+    bitwise; each PP4 rank file loads strictly into the real stage model (encoder stage with its final norm, decoder
+    stages, stage R's embedding copy, the last stage's head copy and lm_head); PP4 -> PP4 keeps the split rank."""
+    import dataclasses
+
+    from megatron.core.parallel_state import ParallelState
+
+    cfg = _t5_config()
+    model = _t5(cfg)
+    ref = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    meta = ModelMeta("T5", architecture_of(cfg), iteration=5, make_vocab_size_divisible_by=DIVISIBLE,
+                     extra={"t5": {"encoder_num_layers": 2, "decoder_num_layers": 3}})
+    from megatron.checkpoint_conversion.t5_format import T5Writer, read_t5
+
+    T5Writer(meta, str(tmp_path / "src"), 1, 1, None).write(read_t5_stream(ref))
+    t5 = ["--model-type", "T5"]
+    for name, layout in (("tp2pp2", ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2",
+                                     "--target-pipeline-model-parallel-split-rank", "1"]),
+                         ("pp4", ["--target-pipeline-parallel-size", "4",
+                                  "--target-pipeline-model-parallel-split-rank", "1"])):
+        _convert(tmp_path / "src", tmp_path / name, *t5, *layout)
+        _convert(tmp_path / name, tmp_path / f"{name}_back", *t5, "--target-tensor-parallel-size", "1",
+                 "--target-pipeline-parallel-size", "1")
+        back = _t5(cfg, load_files(str(tmp_path / f"{name}_back"))[(0, 0)]["model"]).state_dict()
+        assert all(torch.equal(back[k], ref[k]) for k in ref), name
+    files = load_files(str(tmp_path / "pp4"))
+    assert sorted(files) == [(0, p) for p in range(4)]
+    assert all(f["args"].pipeline_model_parallel_split_rank == 1 for f in files.values())
+    stage_cfg = dataclasses.replace(cfg, pipeline_model_parallel_size=4)
+    from megatron.model.t5_model import T5Model
+
+    for p in range(4):
+        st = ParallelState(pp_size=4, pp_rank=p, pipeline_split_rank=1, pp_ranks=list(range(4)))
+        stage = T5Model(stage_cfg, pp_state=st)
+        stage.load_state_dict(files[(0, p)]["model"], strict=True)
+    assert torch.equal(files[(0, 1)]["model"]["language_model"]["embedding"]["word_embeddings"]["weight"],
+                       ref["language_model.embedding.word_embeddings.weight"])
+    assert torch.equal(files[(0, 3)]["model"]["word_embeddings_for_head"]["weight"],
+                       ref["language_model.embedding.word_embeddings.weight"])
+    _convert(tmp_path / "pp4", tmp_path / "pp4b", *t5)  # same layout: the source's split rank
+    assert load_files(str(tmp_path / "pp4b"))[(0, 2)]["args"].pipeline_model_parallel_split_rank == 1
+    meta2, _ = read_t5(str(tmp_path / "pp4"))
+    assert meta2.extra["t5"] == {"encoder_num_layers": 2, "decoder_num_layers": 3}
+
+
+def read_t5_stream(flat):
+    """The T5 message stream of a flat TP=1 T5Model state dict."""
+    emb = {k[len("language_model.embedding."):]: v for k, v in flat.items() if ".embedding." in k}
+    yield Message("embeddings", emb)
+    for part, n in (("encoder", 2), ("decoder", 3)):
+        for i in range(n):
+            p = f"language_model.{part}.layers.{i}."
+            yield Message(f"{part} layer {i}", {k[len(p):]: v for k, v in flat.items() if k.startswith(p)})
+        p = f"language_model.{part}."
+        yield Message(f"{part} final norm", {k[len(p):]: v for k, v in flat.items()
+                                             if k.startswith(p + "final_layernorm.")})
+    yield Message("lm head", {"bias": flat["lm_head.bias"]})
 
 
 @pytest.mark.parametrize("kind", ["classification", "multichoice"])
