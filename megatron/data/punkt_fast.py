@@ -12,7 +12,9 @@ Same algorithm and same regular expressions as NLTK 3.9+ (the `regex` engine, as
 - Boundary realignment (closing quotes/brackets after the end) is NLTK's rule on the list of spans.
 
 tests/data/test_punkt_fast.py proves the output equal to NLTK's on OpenWebText-1000 and WikiText (when nltk is
-installed) for the default and the `--keep-newlines` language variables.
+installed) for the default and the `--keep-newlines` language variables. The expressions are those of the NLTK release
+this repository is tested with (3.10, whose Punkt treats curly quotes and guillemets as closing punctuation); an older
+NLTK can split differently around those quotes.
 """
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ _Tok = Tuple[bool, bool, bool, str, str, bool, bool, bool, bool]
 class FastPunkt:
     """Callable text -> list of sentences, equal to NLTK's PunktSentenceTokenizer(params).tokenize(text)."""
 
-    MAX_CACHE = 1 << 20
+    MAX_CACHE = 1 << 18  # entries per cache (contexts, tokens): a few tens of MB at most
 
     def __init__(self, abbrev_types: Iterable[str], collocations: Iterable[Tuple[str, str]],
                  sent_starters: Iterable[str], ortho_context: Dict[str, int], keep_newlines: bool = False):

@@ -31,7 +31,7 @@ _PUNCT = f"[!-/:-@\\[-`{{-~{_SIMPLE_PUNCT}]"
 _SEP = "\x00"  # joins fast-path texts (a control character: never left inside one) and is a word of its own
 _WORDS_LOWER = re.compile(f"[a-z0-9]+|{_PUNCT}|\\x00").findall
 _WORDS_CASED = re.compile(f"[A-Za-z0-9]+|{_PUNCT}|\\x00").findall
-MAX_WORD_CACHE = 1 << 20
+MAX_WORD_CACHE = 1 << 19  # distinct words kept (~80 MB at most); the table restarts when full
 
 
 class _WordTable:

@@ -58,3 +58,15 @@ def test_fast_splitter_does_not_import_nltk():
     expected = SentenceSplitter(engine="nltk")(text)
     assert sentences == repr(expected) and len(expected) >= 4
     assert imported == "False"
+
+
+def test_fast_punkt_with_tiny_caches(shared_data, monkeypatch):
+    """The context and token caches restart when full; the sentences stay NLTK's."""
+    from megatron.data.punkt_fast import FastPunkt
+
+    monkeypatch.setattr(FastPunkt, "MAX_CACHE", 16)
+    fast = SentenceSplitter("english", engine="fast")
+    ref = SentenceSplitter("english", engine="nltk")
+    texts = _corpus(shared_data)[:150]
+    assert [fast(t) for t in texts] == [ref(t) for t in texts]
+    assert len(fast._split._decisions) <= 16 and len(fast._split._tokens) <= 16
