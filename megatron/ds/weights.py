@@ -163,9 +163,13 @@ def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, 
     from megatron.checkpoint_conversion.interchange import ConversionError
     from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, read_megatron
     from megatron.checkpointing import _first_reason
+    from megatron.model import GPTModel
 
     load_dir = args.load
     finetune = bool(getattr(args, "finetune", False))
+    if not (isinstance(engine.module, GPTModel) or _is_pipe(engine.module)):
+        raise CheckpointError(f"--deepspeed --load of a Megatron checkpoint ({load_dir}) loads GPT models only, not "
+                              f"{type(engine.module).__name__}: train without --deepspeed to start from it")
     if not finetune and not (getattr(args, "no_load_optim", False) and getattr(args, "no_load_rng", False)):
         raise CheckpointError(f"--load {load_dir} holds a Megatron checkpoint (no DeepSpeed optimizer or RNG state): "
                               "add --finetune to start from its weights, or --no-load-optim --no-load-rng to continue "
