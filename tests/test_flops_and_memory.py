@@ -182,17 +182,22 @@ def test_bert_flops_and_parameter_count_equal_the_model(binary: bool) -> None:
     assert pp2.total == n and pp2.most_loaded_shard < n
 
 
+def _bert_memory_args(binary: bool) -> argparse.Namespace:
+    """fp32 BERT, 2 layers, s = 12, b = 2, h = 32, a = 4, f = 128, V = 64."""
+    return _memory_args(model_family="bert", bert_binary_head=binary, num_layers=2, hidden_size=32,
+                        num_attention_heads=4, kv_channels=8, group_query_attention=False, num_query_groups=None,
+                        ffn_hidden_size=128, swiglu=False, add_bias_linear=True, normalization="LayerNorm",
+                        position_embedding_type="learned_absolute", untie_embeddings_and_output_weights=False,
+                        seq_length=12, max_position_embeddings=16, padded_vocab_size=64, micro_batch_size=2)
+
+
 @pytest.mark.parametrize("binary", [True, False])
 def test_bert_activation_estimate_by_hand(binary: bool) -> None:
     """fp32 BERT, 2 layers, s = 12, b = 2, h = 32, a = 4, f = 128, V = 64: GPT's per-layer, embedding and output terms
     plus the padding mask (int64 [b, s] and bool [b, 1, s, s]), token types (binary head), the LM head's dense, GeLU
     and LayerNorm inputs and the pooler (dense input, tanh output, fp32 sentence-order logits)."""
     s, b, h, a, f, v = 12, 2, 32, 4, 128, 64
-    args = _memory_args(model_family="bert", bert_binary_head=binary, num_layers=2, hidden_size=h,
-                        num_attention_heads=a, kv_channels=8, group_query_attention=False, num_query_groups=None,
-                        ffn_hidden_size=f, swiglu=False, add_bias_linear=True, normalization="LayerNorm",
-                        position_embedding_type="learned_absolute", untie_embeddings_and_output_weights=False,
-                        seq_length=s, max_position_embeddings=16, padded_vocab_size=v, micro_batch_size=b)
+    args = _bert_memory_args(binary)
     layer = s * b * h * 18 + 4 * s * b * (2 * h + 2 * h) + 8 * s * b * f + 9 * a * s * s * b
     embedding = 8 * s * b * 2 + s * b * h
     masks = 8 * s * b + s * s * b + (8 * s * b if binary else 0)
@@ -208,3 +213,44 @@ def test_bert_activation_estimate_by_hand(binary: bool) -> None:
     pp = _memory_args(**{**vars(args), "pipeline_model_parallel_size": 2})
     pp_gpt = _memory_args(**{**vars(pp), "model_family": "gpt"})
     assert compute_activation_memory(pp, 4) - compute_activation_memory(pp_gpt, 4) == 2 * masks
+
+
+def test_bert_head_activation_terms_equal_what_autograd_saves() -> None:
+    """The estimate's LM head (logits input + dense, GeLU and LayerNorm inputs: 4·e·s·b·h) and pooler + binary head
+    (2·e·b·h) terms equal the non-parameter [.., h] tensors autograd saves in the real BertModel's heads (fp32)."""
+    from megatron.core.tensor_parallel import model_parallel_manual_seed
+    from megatron.model.bert_model import BertModel
+
+    model_parallel_manual_seed(1234, 0)
+    model = BertModel(TransformerConfig(**{**BERT, "attention_dropout": 0.0}), num_tokentypes=2, add_binary_head=True)
+    params = {p.data_ptr() for p in model.parameters()}
+    saved: dict = {}
+    current = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if current and t.data_ptr() not in params and t.shape[-1] == BERT["hidden_size"]:
+            saved.setdefault(current[-1], {})[(t.data_ptr(), tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+
+    def enter(name: str):
+        def hook(module, inputs) -> None:
+            current.append(name)
+        return hook
+
+    def leave(module, inputs, output) -> None:
+        current.pop()
+
+    for name, module in (("lm", model.lm_head), ("pooler", model.language_model.pooler), ("pooler", model.binary_head)):
+        module.register_forward_pre_hook(enter(name))
+        module.register_forward_hook(leave)
+    b, s, h, e = 2, 12, BERT["hidden_size"], 4
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(torch.randint(0, 64, (b, s)), torch.ones(b, s, dtype=torch.long), torch.zeros(b, s, dtype=torch.long))
+    assert sum(saved["lm"].values()) == 4 * e * s * b * h  # GPT's output-layer input + the 3 BERT head terms
+    assert sum(saved["pooler"].values()) == 2 * e * b * h
+    # the estimate's BERT-only terms: masks and token types (inputs), the heads' saved tensors, fp32 SOP logits
+    args = _bert_memory_args(True)
+    gpt = _memory_args(**{**vars(args), "model_family": "gpt"})
+    masks = 8 * s * b + s * s * b + 8 * s * b
+    head = compute_activation_memory(args, 1) - compute_activation_memory(gpt, 1) - masks
+    assert head == sum(saved["lm"].values()) - e * s * b * h + sum(saved["pooler"].values()) + 4 * 2 * b
