@@ -213,6 +213,7 @@ def expected_layout(engine: Any) -> str:
 def load_other_layout_into_engine(engine: Any, tag_dir: str, args: argparse.Namespace, state: Any
                                   ) -> tuple[str, dict]:
     """A DeepSpeed tag of another layout than the engine's: its weights through the stream; (path, client state)."""
+    from megatron.checkpoint_args import check_architecture
     from megatron.checkpoint_conversion.deepspeed_format import DeepSpeedCheckpointReader
     from megatron.checkpoint_conversion.interchange import ConversionError
     from megatron.checkpoint_conversion.megatron_format import WORD as _WORD
@@ -221,6 +222,7 @@ def load_other_layout_into_engine(engine: Any, tag_dir: str, args: argparse.Name
 
     try:
         reader = DeepSpeedCheckpointReader(tag_dir, trust=bool(getattr(args, "trust_checkpoint", False)))
+        check_architecture({k: v for k, v in reader.architecture.items() if k != "padded_vocab_size"}, args, tag_dir)
         meta = megatron_meta(reader, None, "GPT")
         meta.architecture["padded_vocab_size"] = reader.merged(0, 0, _WORD, TensorParallelLayout(dim=0)).size(0)
         print_rank_0(f" loading the weights of {tag_dir} ({reader.layout} layout, TP={reader.tp}) into the "
