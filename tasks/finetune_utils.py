@@ -127,8 +127,9 @@ def _prediction_writer(task: FinetuneTask, args: argparse.Namespace) -> Optional
 
 
 def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
-    """Train for --epochs (0: evaluate only). Returns {"train_losses": {it: {...}}, "accuracy": {epoch: {name:
-    (correct, total)}}, "iteration"} with the numbers the log and accuracy lines print."""
+    """Train for --epochs (0: evaluate only). Returns {"train_losses": {it: {...}}, "valid_losses": {it: {...}},
+    "accuracy": {epoch: {name: (correct, total)}}, "iteration"} with the numbers the log, validation and accuracy
+    lines print."""
     state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
     _check_batch(args)
     epochs = int(args.epochs or 0)
@@ -174,7 +175,7 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
                                                             args, state)
     if args.iteration == 0 and args.pretrained_checkpoint:
         _load_pretrained(model, optimizer, args)
-    result: dict = {"train_losses": {}, "accuracy": {}, "iteration": args.iteration}
+    result: dict = {"train_losses": {}, "valid_losses": {}, "accuracy": {}, "iteration": args.iteration}
 
     if epochs == 0:
         result["accuracy"][-1] = evaluate_datasets(valid_sets, model, args, state, -1, eval_batch,
@@ -183,11 +184,17 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
 
     valid_it = None
     if valid_sets and args.eval_interval and args.eval_iters:
+        # Megatron's padded DistributedSampler: every DP rank gets ceil(n / dp) examples (the first ones repeated),
+        # so all ranks have the same number of batches and take part in the same loss all-reduces (a rank with
+        # fewer batches than the others would hang them).
         concat = torch.utils.data.ConcatDataset(valid_sets)
-        vloader = torch.utils.data.DataLoader(
-            torch.utils.data.Subset(concat, list(range(state.dp_rank, len(concat), state.dp_size))),
-            batch_size=eval_batch, shuffle=False, drop_last=True)
+        sampler = torch.utils.data.distributed.DistributedSampler(concat, num_replicas=state.dp_size,
+                                                                  rank=state.dp_rank, shuffle=False)
+        vloader = torch.utils.data.DataLoader(concat, batch_size=eval_batch, sampler=sampler, drop_last=True)
         valid_it = _cycle(vloader) if len(vloader) else None
+        if valid_it is None:
+            print_rank_0(f" > no --eval-interval validation loss: {len(concat)} validation example(s) give no full "
+                         f"batch of {eval_batch} per data-parallel rank (the accuracy is still computed)")
     args.do_valid = valid_it is not None
 
     timers = global_vars.get_timers()
@@ -221,8 +228,9 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
                                               iteration, float(optimizer.get_loss_scale().item()),
                                               report_memory_flag, skipped, grad_norm, None, num_zeros, args)
             if valid_it is not None and iteration % args.eval_interval == 0:
-                evaluate_and_print_results(f"iteration {iteration}", forward_step, valid_it, model, iteration,
-                                           None, args, state)
+                valid = evaluate_and_print_results(f"iteration {iteration}", forward_step, valid_it, model,
+                                                   iteration, None, args, state)
+                result["valid_losses"][iteration] = {k: float(v) for k, v in valid.items()}
             saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
             if saved:
                 _save(iteration, model, optimizer, scheduler, args)
