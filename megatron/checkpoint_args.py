@@ -157,13 +157,16 @@ def use_checkpoint_args(args: argparse.Namespace, state_dict: Mapping[str, Any])
     return restore_architecture(args, saved, ckpt_args, flag_defaults())
 
 
-def deepspeed_state_file(load_dir: str) -> Optional[str]:
+def deepspeed_state_file(load_dir: str, select_tag: Optional[Callable[[str], str]] = None) -> Optional[str]:
     """The file of a DeepSpeed checkpoint (``latest`` -> ``global_stepN/mp_rank_00_model_states.pt``) that holds
-    Megatron's client state (args, architecture); None when `load_dir` has no DeepSpeed checkpoint."""
+    Megatron's client state (args, architecture); None when `load_dir` has no DeepSpeed checkpoint.
+    `select_tag(latest tag)` picks the tag actually loaded (the integrity fallback)."""
     latest = os.path.join(load_dir, "latest")
     if not os.path.isfile(latest):
         return None
     with open(latest) as f:
         tag = f.read().strip()
+    if select_tag is not None:
+        tag = select_tag(tag)
     path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")
     return path if os.path.isfile(path) else None

@@ -28,7 +28,7 @@ import argparse
 import os
 import random
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -356,23 +356,37 @@ def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Na
 
 
 def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") -> argparse.Namespace:
-    """--use-checkpoint-args: restore the whole architecture saved in the latest checkpoint into ``args``."""
+    """--use-checkpoint-args: restore the whole architecture saved in the checkpoint that load_checkpoint will load
+    (the tracker's iteration, or the newest intact one below it) into ``args``."""
     load_dir = getattr(args, load_arg, None)
     if not load_dir:
         raise CheckpointError("--use-checkpoint-args needs --load DIR")
     tracker = get_checkpoint_tracker_filename(load_dir)
     if not os.path.isfile(tracker):
-        name = deepspeed_state_file(load_dir)  # a DeepSpeed checkpoint keeps Megatron's state in its client state
+        def select_tag(latest_tag: str) -> str:  # the tag megatron/ds/engine.py will load
+            try:
+                return integrity.select_deepspeed_tag(load_dir, latest_tag,
+                                                      not getattr(args, "no_checkpoint_fallback", False),
+                                                      _first_reason, _print0)
+            except ValueError as exc:
+                raise CheckpointError(f"--use-checkpoint-args: {exc}") from None
+
+        # a DeepSpeed checkpoint keeps Megatron's state in its client state
+        name = deepspeed_state_file(load_dir, select_tag)
         if name is None:
             raise CheckpointError(f"--use-checkpoint-args: no {TRACKER_FILENAME} (or DeepSpeed 'latest') in {load_dir}")
         use_checkpoint_args(args, load_state_dict_file(name, trust=bool(getattr(args, "trust_checkpoint", False))))
         return args
     iteration, release = read_metadata(tracker)
-    name = get_checkpoint_name(load_dir, iteration, release, pipeline_parallel=None, tensor_rank=0, pipeline_rank=0)
-    if not os.path.isfile(name):
-        name = get_checkpoint_name(load_dir, iteration, release, pipeline_parallel=True, tensor_rank=0,
-                                   pipeline_rank=0)
-    sd = load_state_dict_file(name, trust=bool(getattr(args, "trust_checkpoint", False)))
+
+    def rank0_file(cand: int) -> str:  # the layout is not known yet: TP rank 0 / PP stage 0, either naming
+        name = get_checkpoint_name(load_dir, cand, release, pipeline_parallel=False, tensor_rank=0, pipeline_rank=0)
+        staged = get_checkpoint_name(load_dir, cand, release, pipeline_parallel=True, tensor_rank=0, pipeline_rank=0)
+        return staged if not os.path.isdir(os.path.dirname(name)) and os.path.isdir(os.path.dirname(staged)) else name
+
+    # The iteration load_checkpoint will load: the tracker's, or the newest intact one below it (integrity fallback).
+    _, name, sd = _select_checkpoint(load_dir, iteration, release, bool(getattr(args, "trust_checkpoint", False)),
+                                     not getattr(args, "no_checkpoint_fallback", False), rank0_file)
     if sd.get("args") is None and not sd.get("architecture"):
         raise CheckpointError(f"--use-checkpoint-args: {name} holds no args")
     use_checkpoint_args(args, sd)
@@ -418,15 +432,17 @@ def _first_reason(reason: Optional[str]) -> Optional[str]:
     return reason
 
 
-def _select_checkpoint(load_dir: str, iteration: int, release: bool, trust: bool, fallback: bool
-                       ) -> tuple[int, str, dict[str, Any]]:
+def _select_checkpoint(load_dir: str, iteration: int, release: bool, trust: bool, fallback: bool,
+                       checkpoint_name: Optional[Callable[[int], str]] = None) -> tuple[int, str, dict[str, Any]]:
     """(iteration, this rank's file, its state dict) of the newest iteration at or below the tracker's whose files
     match their manifest and unpickle on every rank. Skipped iterations are named in one line; with
-    ``fallback=False`` (--no-checkpoint-fallback) the first failure is a one-line CheckpointError."""
+    ``fallback=False`` (--no-checkpoint-fallback) the first failure is a one-line CheckpointError.
+    `checkpoint_name(iteration)` overrides which file is read (default: this rank's)."""
     candidates = [iteration] + ([] if release else [it for it in integrity.iterations(load_dir) if it < iteration])
     skipped: list[str] = []
     for cand in candidates:
-        name = model_file_name(get_checkpoint_name(load_dir, cand, release))
+        name = model_file_name(checkpoint_name(cand) if checkpoint_name is not None
+                               else get_checkpoint_name(load_dir, cand, release))
         iter_dir = os.path.dirname(os.path.dirname(name))
         rel = os.path.relpath(name, iter_dir)
         reason: Optional[str] = None

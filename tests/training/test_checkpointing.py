@@ -154,3 +154,51 @@ def test_use_checkpoint_args_copies_model_shape(tmp_path: Path) -> None:
     assert (args.num_layers, args.hidden_size, args.max_position_embeddings) == (2, 4, 8)
     with pytest.raises(RuntimeError, match="no latest_checkpointed_iteration.txt"):
         ck.load_args_from_checkpoint(argparse.Namespace(load=str(tmp_path / "empty")))
+
+
+def _damage(tmp: Path, iteration: int) -> None:
+    path = tmp / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: the manifest's CRC no longer matches
+    path.write_bytes(bytes(data))
+
+
+def test_use_checkpoint_args_follows_the_integrity_fallback(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _save(tmp_path, iteration=5, hidden_size=4)
+    _save(tmp_path, iteration=10, hidden_size=8)
+    args = argparse.Namespace(load=str(tmp_path), num_layers=None, hidden_size=None)
+    ck.load_args_from_checkpoint(args)
+    assert args.hidden_size == 8  # intact: the tracker's iteration
+    _damage(tmp_path, 10)
+    capsys.readouterr()
+    args = argparse.Namespace(load=str(tmp_path), num_layers=None, hidden_size=None)
+    ck.load_args_from_checkpoint(args)
+    assert args.hidden_size == 4  # the iteration load_checkpoint will load
+    assert "skipped damaged checkpoint iteration(s) 10 (" in capsys.readouterr().out
+    net = _Net()
+    assert ck.load_checkpoint([net], _opt(net), None, _args(tmp_path, hidden_size=args.hidden_size)) == 5
+    with pytest.raises(RuntimeError, match="checkpoint iteration 10 .* is damaged"):
+        ck.load_args_from_checkpoint(argparse.Namespace(load=str(tmp_path), hidden_size=None,
+                                                        no_checkpoint_fallback=True))
+
+
+def test_use_checkpoint_args_follows_the_deepspeed_fallback(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from megatron import checkpoint_integrity as integrity
+
+    for step, hidden in ((5, 4), (10, 8)):  # DeepSpeed's layout with Megatron's client state, as engine saves write it
+        tag_dir = tmp_path / f"global_step{step}"
+        tag_dir.mkdir()
+        torch.save({"architecture": {"hidden_size": hidden, "num_layers": 2}, "module": {"w": torch.ones(64)}},
+                   tag_dir / "mp_rank_00_model_states.pt")
+        integrity.write_manifest(str(tag_dir))
+    (tmp_path / "latest").write_text("global_step10")
+    args = argparse.Namespace(load=str(tmp_path), hidden_size=None)
+    ck.load_args_from_checkpoint(args)
+    assert args.hidden_size == 8
+    path = tmp_path / "global_step10" / "mp_rank_00_model_states.pt"
+    path.write_bytes(path.read_bytes()[:-16])  # truncated
+    capsys.readouterr()
+    args = argparse.Namespace(load=str(tmp_path), hidden_size=None)
+    ck.load_args_from_checkpoint(args)
+    assert args.hidden_size == 4
+    assert "skipped damaged checkpoint(s) global_step10 (" in capsys.readouterr().out
