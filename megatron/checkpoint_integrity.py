@@ -177,6 +177,10 @@ def select_deepspeed_tag(load_dir: str, latest_tag: str, fallback: bool, agree: 
     if not m:
         return latest_tag  # a custom tag: nothing to fall back to
     newest = int(m.group(1))
+    newer = sorted(it for it in iterations(load_dir, "deepspeed") if it > newest)
+    if newer:  # 'latest' is the commit point: anything after it is incomplete by definition
+        log(f"note: global_step(s) {', '.join(map(str, newer))} in {load_dir} are newer than 'latest' ({latest_tag}); "
+            "not loaded: 'latest' marks the last committed checkpoint")
     candidates = [newest] + [it for it in iterations(load_dir, "deepspeed") if it < newest]
     skipped: list[str] = []
     for cand in candidates:

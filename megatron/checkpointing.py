@@ -437,7 +437,15 @@ def _select_checkpoint(load_dir: str, iteration: int, release: bool, trust: bool
     """(iteration, this rank's file, its state dict) of the newest iteration at or below the tracker's whose files
     match their manifest and unpickle on every rank. Skipped iterations are named in one line; with
     ``fallback=False`` (--no-checkpoint-fallback) the first failure is a one-line CheckpointError.
-    `checkpoint_name(iteration)` overrides which file is read (default: this rank's)."""
+    `checkpoint_name(iteration)` overrides which file is read (default: this rank's).
+
+    Iterations newer than the tracker's are never loaded: the tracker is the commit point, so they are incomplete
+    by definition (e.g. a crash after the files but before the tracker update); one line names them."""
+    if not release:
+        newer = sorted(it for it in integrity.iterations(load_dir) if it > iteration)
+        if newer:
+            _print0(f"note: iteration(s) {', '.join(map(str, newer))} in {load_dir} are newer than the tracker's "
+                    f"{iteration} ({TRACKER_FILENAME}); not loaded: the tracker marks the last committed checkpoint")
     candidates = [iteration] + ([] if release else [it for it in integrity.iterations(load_dir) if it < iteration])
     skipped: list[str] = []
     for cand in candidates:

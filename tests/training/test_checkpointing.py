@@ -182,19 +182,36 @@ def test_use_checkpoint_args_follows_the_integrity_fallback(tmp_path: Path, caps
                                                         no_checkpoint_fallback=True))
 
 
+def test_iteration_newer_than_the_tracker_is_ignored_with_a_line(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    _save(tmp_path, iteration=5, hidden_size=4)
+    _save(tmp_path, iteration=10, hidden_size=8)  # complete (manifest written) ...
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")  # ... but the crash came before the tracker
+    capsys.readouterr()
+    net = _Net()
+    assert ck.load_checkpoint([net], _opt(net), None, _args(tmp_path)) == 5
+    out = capsys.readouterr().out
+    assert "iteration(s) 10 in" in out and "newer than the tracker's 5" in out, out
+    args = argparse.Namespace(load=str(tmp_path), hidden_size=None)
+    ck.load_args_from_checkpoint(args)
+    assert args.hidden_size == 4
+
+
 def test_use_checkpoint_args_follows_the_deepspeed_fallback(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from megatron import checkpoint_integrity as integrity
 
-    for step, hidden in ((5, 4), (10, 8)):  # DeepSpeed's layout with Megatron's client state, as engine saves write it
+    for step, hidden in ((5, 4), (10, 8), (15, 16)):  # DeepSpeed's layout with Megatron's client state
         tag_dir = tmp_path / f"global_step{step}"
         tag_dir.mkdir()
         torch.save({"architecture": {"hidden_size": hidden, "num_layers": 2}, "module": {"w": torch.ones(64)}},
                    tag_dir / "mp_rank_00_model_states.pt")
         integrity.write_manifest(str(tag_dir))
-    (tmp_path / "latest").write_text("global_step10")
+    (tmp_path / "latest").write_text("global_step10")  # global_step15 complete, the crash came before 'latest'
+    capsys.readouterr()
     args = argparse.Namespace(load=str(tmp_path), hidden_size=None)
     ck.load_args_from_checkpoint(args)
     assert args.hidden_size == 8
+    assert "global_step(s) 15 in" in capsys.readouterr().out
     path = tmp_path / "global_step10" / "mp_rank_00_model_states.pt"
     path.write_bytes(path.read_bytes()[:-16])  # truncated
     capsys.readouterr()
