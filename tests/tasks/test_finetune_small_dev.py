@@ -1,7 +1,7 @@
-"""Finetuning with data-parallel ranks that get few or no validation examples (3 dev examples at DP 2 with
-micro-batch 2, a 1-example dev set): every rank takes part in the same collectives, the --eval-interval loss
-equals the serial loss over Megatron's padded DistributedSampler order, and the accuracy counts equal the serial
-run's (every example counted once).
+"""Finetuning with data-parallel ranks that get few or no validation examples (3 dev examples at DP 4, and at
+TP 2 x DP 2 with micro-batch 2, where DP rank 1 used to have no loss batch and left rank 0 hanging): every rank takes
+part in the same collectives, the --eval-interval loss equals the serial loss over Megatron's padded
+DistributedSampler order, and the accuracy counts equal the serial run's (every example counted once).
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ def files(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     shutil.copy(src / "dev_matched.tsv", out / "dev_matched.tsv")
     return {"train4": _subset(src / "train.tsv", out / "train4.tsv", [0, 1, 2, 3]),
             "dev3": _subset(src / "dev_matched.tsv", out / "dev3.tsv", [0, 1, 2]),
-            "dev1": _subset(src / "dev_matched.tsv", out / "dev1.tsv", [3]),
             # what the padded sampler gives 2 ranks from dev3: rank 0 [0, 2], rank 1 [1, 0]
             "dev3-padded": _subset(src / "dev_matched.tsv", out / "dev3padded.tsv", [0, 1, 2, 0]),
             "vocab": str(shared_data / "bert-wordpiece" / "bert-base-uncased-vocab.txt")}
@@ -41,22 +40,21 @@ def _argv(files: dict, valid: list[str], mbs: int, *extra: str) -> list[str]:
 
 
 def test_ranks_without_validation_examples_match_serial(files: dict) -> None:
-    serial = [dict(entry="tasks", argv=_argv(files, [files["dev3"], files["dev1"]], 4), serial_init=True),
+    serial = [dict(entry="tasks", argv=_argv(files, [files["dev3"]], 4), serial_init=True),
               dict(entry="tasks", argv=_argv(files, [files["dev3-padded"]], 4), serial_init=True)]
-    acc_ref, loss_ref = (ok(r, "serial")["result"] for r in run_distributed(run_many, 1, args=(serial,))[0])
-    dp2 = [dict(entry="tasks", argv=_argv(files, [files["dev3"]], 2), serial_init=True),
-           dict(entry="tasks", argv=_argv(files, [files["dev1"], files["dev3"]], 2, "--eval-interval", "1000"),
-                serial_init=True)]
-    per_rank = run_distributed(run_many, 2, args=(dp2,))
-    for rank, (dev3_run, dev1_run) in enumerate(per_rank):
-        ok(dev3_run, f"rank {rank} dev3")
-        ok(dev1_run, f"rank {rank} dev1+dev3")
-        for got in (dev3_run["result"], dev1_run["result"]):  # the same step: the 4 training examples
-            assert math.isclose(got["train_losses"][1]["lm loss"], acc_ref["train_losses"][1]["lm loss"],
-                                rel_tol=1e-5)
-        assert dev3_run["result"]["accuracy"][0] == {"dev3": acc_ref["accuracy"][0]["dev3"]}
-        assert dev1_run["result"]["accuracy"][0] == acc_ref["accuracy"][0]  # rank 1 holds no dev1 example
-        assert acc_ref["accuracy"][0]["dev1"][1] == 1 and acc_ref["accuracy"][0]["dev3"][1] == 3
-    want = loss_ref["valid_losses"][1]["lm loss"]
-    got = per_rank[0][0]["result"]["valid_losses"][1]["lm loss"]
-    assert math.isclose(got, want, rel_tol=1e-5), (got, want)
+    ref, padded_ref = (ok(r, "serial")["result"] for r in run_distributed(run_many, 1, args=(serial,))[0])
+    assert ref["valid_losses"] == {} and ref["accuracy"][0]["dev3"][1] == 3  # 3 examples < one serial batch of 4
+    layouts = {"dp4": (1, []),  # DP rank 3 holds no dev3 example
+               "tp2-dp2": (2, ["--tensor-model-parallel-size", "2"])}  # dev3 [0, 2] and [1]
+    runs = [dict(entry="tasks", argv=_argv(files, [files["dev3"]], mbs, *extra), serial_init=True)
+            for mbs, extra in layouts.values()]
+    per_rank = run_distributed(run_many, 4, args=(runs,))
+    for rank, results in enumerate(per_rank):
+        for name, res in zip(layouts, results):
+            got = ok(res, f"{name} rank {rank}")["result"]
+            # the same step (the 4 training examples), every dev example counted once, and the --eval-interval
+            # loss over the padded sampler's [0, 1, 2, 0]
+            assert math.isclose(got["train_losses"][1]["lm loss"], ref["train_losses"][1]["lm loss"], rel_tol=1e-5)
+            assert got["accuracy"] == ref["accuracy"], (name, rank)
+            assert math.isclose(got["valid_losses"][1]["lm loss"], padded_ref["valid_losses"][1]["lm loss"],
+                                rel_tol=1e-5), (name, rank, got["valid_losses"], padded_ref["valid_losses"])
