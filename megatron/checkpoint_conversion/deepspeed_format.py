@@ -132,6 +132,7 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
         self.optim_entries: Dict[Tuple[int, int], Any] = {}  # weights only: no training state is read from here
         self.opt: Optional[Dict[Any, Any]] = None
         self.opt_common: Dict[str, Any] = {}
+        self.rng_states: Dict[int, Any] = {}  # client 'rng_state' per tensor rank (not in pipe-engine layouts)
         if self.layout == "module":
             tps = sorted(files)
             for t in tps:
@@ -145,11 +146,13 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
                                           "run DeepSpeed's zero_to_fp32.py on the checkpoint first")
                 self.chunks[(t, 0, 0)] = flatten_checkpoint_state_dict(module)
                 self.files[(t, 0)] = path
+                self.rng_states[t] = state.get("rng_state")
         elif self.layout == "zero3":
             tps = sorted({t for _, t in files})
             for t in tps:
                 self.chunks[(t, 0, 0)] = zero3_rank_state(tag_dir, t)
                 self.files[(t, 0)] = os.path.join(tag_dir, files[(0, t)])
+                self.rng_states[t] = (self.first if t == 0 else _load(self.files[(t, 0)], trust)).get("rng_state")
         else:
             from megatron.model.gpt_model_pipe import megatron_state_dict_from_pipe_layers
 
@@ -201,6 +204,8 @@ def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab
         raise ConversionError(f"--true-vocab-size {meta.true_vocab_size} exceeds the checkpoint's {padded} "
                               "vocabulary rows")
     meta.extra["layout"] = reader.layout
+    if reader.rng_states and all(r is not None for r in reader.rng_states.values()):
+        meta.extra["rng_states"] = reader.rng_states  # kept by write_megatron when the layout is unchanged
     if optimizer and reader.layout == "module":
         from megatron.checkpoint_conversion.optimizer_state import ForeignOptimizerState, attach_zero_state
 
@@ -281,8 +286,8 @@ def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str,
         if args is not None:
             args.pipeline_model_parallel_size = pp
         client = {"iteration": iteration, "args": args, "checkpoint_version": sd.get("checkpoint_version", 3.0)}
-        for key in ("architecture", "consumed_train_samples", "consumed_valid_samples", "opt_param_scheduler",
-                    "padded_vocab_size", "true_vocab_size"):
+        for key in ("architecture", "consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens",
+                    "consumed_valid_tokens", "opt_param_scheduler", "padded_vocab_size", "true_vocab_size"):
             if sd.get(key) is not None:
                 client[key] = sd[key]
         flat = flatten_checkpoint_state_dict(sd["model"])

@@ -10,7 +10,8 @@ output layer too) and writes Megatron's files with ``args``, ``architecture``, `
 iteration. With the training state (the loader's ``optimizer=True``; optimizer_state.py) the optimizer state of
 either optimizer is converted too and written as ``distrib_optim.pt`` per rank, with the iteration, consumed samples
 and LR schedule, so ``--load`` continues the run (``--no-load-rng``: the RNG streams of another layout do not
-exist); without it the files hold no optimizer or RNG state (load with --finetune or --no-load-optim --no-load-rng).
+exist); without it the files hold no optimizer or RNG state (load with --finetune or --no-load-optim --no-load-rng),
+except that a DeepSpeed source's RNG states are kept when the layout is unchanged (same TP, PP 1).
 """
 from __future__ import annotations
 
@@ -108,10 +109,15 @@ def _layout(layouts: Dict[str, TensorParallelLayout], name: str) -> TensorParall
 
 
 # ----------------------------------------------------------------------------------------------- reading
-def find_iteration_dir(load_dir: str) -> Tuple[str, Optional[int]]:
-    """(iteration folder, iteration or None for ``release``) named by the tracker file."""
+def find_iteration_dir(load_dir: str, iteration: Optional[int] = None) -> Tuple[str, Optional[int]]:
+    """(iteration folder, iteration or None for ``release``) named by the tracker file, or ``iter_{iteration}``."""
     if not os.path.isdir(load_dir):
         raise ConversionError(f"--load-dir {load_dir} does not exist")
+    if iteration is not None:
+        iter_dir = os.path.join(load_dir, f"iter_{iteration:07d}")
+        if not os.path.isdir(iter_dir):
+            raise ConversionError(f"Megatron checkpoint {iter_dir} does not exist; fix --iteration")
+        return iter_dir, iteration
     tracker = os.path.join(load_dir, TRACKER)
     if not os.path.isfile(tracker):
         hint = ""
@@ -191,9 +197,9 @@ def _architecture_from(sd: Dict[str, Any], path: str) -> Dict[str, Any]:
 class MegatronCheckpointReader:
     """The files of one Megatron checkpoint iteration, memory-mapped, with per-layer merging."""
 
-    def __init__(self, load_dir: str, trust: bool = False) -> None:
+    def __init__(self, load_dir: str, trust: bool = False, iteration: Optional[int] = None) -> None:
         self.load_dir = load_dir
-        self.iter_dir, self.iteration = find_iteration_dir(load_dir)
+        self.iter_dir, self.iteration = find_iteration_dir(load_dir, iteration)
         self.files = rank_files(self.iter_dir)
         self.tp = max(t for t, _ in self.files) + 1
         self.pp = max(p for _, p in self.files) + 1
@@ -312,6 +318,8 @@ def megatron_meta(reader: MegatronCheckpointReader, true_vocab_size: Optional[in
             tok["type"] = args.tokenizer_type
     true_vocab = true_vocab_size or sd.get("true_vocab_size") or getattr(args, "true_vocab_size", None)
     src = sd if "consumed_train_samples" in sd else vars(args) if args is not None else {}
+    tokens = tuple(int((sd[k] if sd.get(k) is not None else getattr(args, k, 0)) or 0)
+                   for k in ("consumed_train_tokens", "consumed_valid_tokens"))
     return ModelMeta(
         model_type=model_type, architecture=dict(reader.architecture), true_vocab_size=true_vocab,
         iteration=None if reader.iteration is None else int(sd.get("iteration", reader.iteration)),
@@ -319,19 +327,23 @@ def megatron_meta(reader: MegatronCheckpointReader, true_vocab_size: Optional[in
         consumed_valid_samples=int(src.get("consumed_valid_samples", 0) or 0),
         make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128) or 128),
         tokenizer=tok, source=reader.load_dir,
-        extra={"tp": reader.tp, "pp": reader.pp, "vp": reader.vp, "opt_param_scheduler":
-               sd.get("opt_param_scheduler", sd.get("lr_scheduler"))})
+        extra={"tp": reader.tp, "pp": reader.pp, "vp": reader.vp, "consumed_tokens": tokens,
+               "opt_param_scheduler": sd.get("opt_param_scheduler", sd.get("lr_scheduler"))})
 
 
 def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model_type: str = "GPT",
-                  trust: bool = False, optimizer: bool = False) -> Tuple[ModelMeta, Iterator[Message]]:
-    """Loader: (meta, message stream) of a Megatron checkpoint at any TP/PP/virtual-PP layout; with `optimizer`,
-    the messages also carry the training state when the checkpoint has one (GPT models; optimizer_state.py)."""
+                  trust: bool = False, optimizer: bool = False, iteration: Optional[int] = None
+                  ) -> Tuple[ModelMeta, Iterator[Message]]:
+    """Loader: (meta, message stream) of a Megatron checkpoint at any TP/PP/virtual-PP layout (the iteration the
+    tracker names, or `iteration`); with `optimizer`, the messages also carry the training state when the checkpoint
+    has one (GPT models; optimizer_state.py)."""
     if model_type == "T5":  # encoder-decoder: its own stream (t5_format.py)
         from megatron.checkpoint_conversion.t5_format import read_t5
 
+        if iteration is not None:
+            raise ConversionError("--iteration is not supported for --model-type T5: point the tracker file at it")
         return read_t5(load_dir, true_vocab_size=true_vocab_size, trust=trust)
-    reader = MegatronCheckpointReader(load_dir, trust)
+    reader = MegatronCheckpointReader(load_dir, trust, iteration)
     meta = megatron_meta(reader, true_vocab_size, model_type)
     padded = reader.merged(0, 0, WORD, TensorParallelLayout(dim=0)).size(0) if WORD in reader.chunks[(0, 0, 0)] \
         else None
@@ -626,7 +638,11 @@ class MegatronWriter:
                     atomic_torch_save(param_state, dpath)
                     files.append(dpath)
                     del param_state
-                atomic_torch_save(self._file_dict(body), path)
+                sd = self._file_dict(body)
+                rng = self.meta.extra.get("rng_states")  # per tensor rank (deepspeed_format): same layout only
+                if rng and len(rng) == self.tp and self.pp == 1 and self.vp == 1:
+                    sd["rng_state"] = rng[t]
+                atomic_torch_save(sd, path)
                 files.append(path)
                 del body  # unmaps the staged tensors of this rank file
         shutil.rmtree(self.staging, ignore_errors=True)

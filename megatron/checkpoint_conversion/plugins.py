@@ -41,14 +41,18 @@ def copy_tokenizer_files(meta: ModelMeta, out_dir: str, final_dir: str) -> None:
 class MegatronLoader:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        pass
+        group = parser.add_argument_group("Megatron loader")
+        group.add_argument("--iteration", type=int, default=None,
+                           help="Read iter_{N:07d} instead of the iteration named by "
+                                "latest_checkpointed_iteration.txt")
 
     @staticmethod
     def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
         from megatron.checkpoint_conversion.megatron_format import read_megatron
 
         return read_megatron(args.load_dir, true_vocab_size=args.true_vocab_size, model_type=args.model_type,
-                             trust=_trust(args), optimizer=bool(getattr(args, "keep_training_state", False)))
+                             trust=_trust(args), optimizer=bool(getattr(args, "keep_training_state", False)),
+                             iteration=getattr(args, "iteration", None))
 
 
 class HFLoader:

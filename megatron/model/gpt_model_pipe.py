@@ -23,8 +23,8 @@ Stage split: ``partition_method="type:transformer"`` gives every stage num_layer
 split as our non-DeepSpeed pipeline. The process topology is DeepSpeed's ``PipeModelDataParallelTopology`` whose
 axes (pipe, data, model) put TP fastest, then DP, then PP: the layout of megatron.core.parallel_state.
 
-The module also provides the layer-file <-> Megatron state-dict mapping used by tools/convert_deepspeed_checkpoint.py
-(`pipe_layer_specs_names`, `megatron_state_dict_from_pipe_layers`, `pipe_layers_from_megatron_state_dict`).
+The module also provides the layer-file <-> Megatron state-dict mapping used by the DeepSpeed checkpoint conversion
+(megatron/checkpoint_conversion/deepspeed_format.py; `pipe_layer_specs_names`, `megatron_state_dict_from_pipe_layers`, `pipe_layers_from_megatron_state_dict`).
 DeepSpeed is imported only when a `GPTModelPipe` is built; the mapping functions never import it.
 """
 from __future__ import annotations
