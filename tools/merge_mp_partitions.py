@@ -62,6 +62,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.pipeline_model_parallel_size not in (None, reader.pp):
         raise ConversionError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: {args.load} "
                               f"has {reader.pp} pipeline stages")
+    last = reader.chunks[(0, reader.pp - 1, reader.vp - 1)]
+    head = {"MNLI": "classification_head", "QQP": "classification_head", "RACE": "multichoice_head"}.get(
+        args.model_type)
+    if head is not None and f"{head}.weight" not in last:
+        raise ConversionError(f"--model-type {args.model_type}: {args.load} has no {head} (a {args.model_type} "
+                              "finetuning checkpoint of tasks/main.py is expected)")
     for flag, field in _CHECKED:
         given = getattr(args, flag[2:].replace("-", "_"))
         have = reader.architecture.get(field)

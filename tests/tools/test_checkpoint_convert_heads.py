@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from megatron.checkpoint_conversion.driver import convert, parse_args
-from megatron.checkpoint_conversion.interchange import Message, ModelMeta, architecture_of, messages_from_state_dict
+from megatron.checkpoint_conversion.interchange import (
+    ConversionError,
+    Message,
+    ModelMeta,
+    architecture_of,
+    messages_from_state_dict,
+)
 from megatron.checkpoint_conversion.megatron_format import write_megatron
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from tests.tools.checkpoint_convert_helpers import DIVISIBLE, TRUE_VOCAB, config, load_files
@@ -82,6 +88,10 @@ def test_task_head_megatron_reshape(tmp_path, kind):
     task = "MNLI" if kind == "classification" else "RACE"
     merge.main(["--model-type", task, "--tensor-model-parallel-size", "4", "--load", str(tmp_path / "tp4"),
                 "--save", str(tmp_path / "merged"), "--num-layers", str(cfg.num_layers)])
+    wrong = "RACE" if kind == "classification" else "QQP"
+    with pytest.raises(ConversionError, match="has no"):
+        merge.main(["--model-type", wrong, "--tensor-model-parallel-size", "4", "--load", str(tmp_path / "tp4"),
+                    "--save", str(tmp_path / "wrong")])
     back = _task_model(kind, cfg, load_files(str(tmp_path / "merged"))[(0, 0)]["model"])
     torch.testing.assert_close(_scores(back, kind), ref_scores, rtol=1e-5, atol=1e-5)
     merged_ref = back.state_dict()
@@ -150,7 +160,6 @@ def test_t5_tensor_parallel_reshape(tmp_path):
     """T5 (unequal encoder/decoder depths): TP1 -> TP2 -> TP1 is bitwise with the padding rows kept; TP2 with
     --true-vocab-size re-pads the word embeddings and lm_head.bias, and a real TP=2 run (2 gloo processes,
     megatron.checkpointing.load_checkpoint) gives the source's logits (1e-5); bad pipeline targets are one line."""
-    from megatron.checkpoint_conversion.interchange import ConversionError
     from megatron.checkpoint_conversion.t5_format import T5Writer, read_t5
     from tests.dist_utils import run_distributed
 
