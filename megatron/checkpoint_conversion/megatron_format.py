@@ -342,7 +342,7 @@ def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model
 
         if iteration is not None:
             raise ConversionError("--iteration is not supported for --model-type T5: point the tracker file at it")
-        return read_t5(load_dir, true_vocab_size=true_vocab_size, trust=trust)
+        return read_t5(load_dir, true_vocab_size=true_vocab_size, trust=trust, optimizer=optimizer)
     reader = MegatronCheckpointReader(load_dir, trust, iteration)
     meta = megatron_meta(reader, true_vocab_size, model_type)
     padded = reader.merged(0, 0, WORD, TensorParallelLayout(dim=0)).size(0) if WORD in reader.chunks[(0, 0, 0)] \

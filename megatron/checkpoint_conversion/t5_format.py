@@ -92,10 +92,14 @@ class T5CheckpointReader(MegatronCheckpointReader):
         return max(ids) + 1 if ids else 0
 
 
-def read_t5(load_dir: str, *, true_vocab_size: Optional[int] = None,
-            trust: bool = False) -> Tuple[ModelMeta, Iterator[Message]]:
-    """Loader: (meta, message stream) of a Megatron T5 checkpoint."""
+def read_t5(load_dir: str, *, true_vocab_size: Optional[int] = None, trust: bool = False,
+            optimizer: bool = False) -> Tuple[ModelMeta, Iterator[Message]]:
+    """Loader: (meta, message stream) of a Megatron T5 checkpoint (weights; `optimizer` only adds a notice when the
+    checkpoint has a training state, which is not converted for T5)."""
     reader = T5CheckpointReader(load_dir, trust)
+    if optimizer and reader.iteration is not None and any(e for e in reader.optim_entries.values()):
+        print("note: the optimizer state of a T5 checkpoint is not converted (weights only): continue with "
+              "--finetune, or --no-load-optim --no-load-rng", flush=True)
     meta = megatron_meta(reader, true_vocab_size, "T5")
     args = meta.checkpoint_args
     last = reader.chunks[(0, reader.pp - 1, 0)]

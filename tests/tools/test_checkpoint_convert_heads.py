@@ -295,3 +295,37 @@ def test_task_head_hugging_face_round_trip(tmp_path, kind):
     _convert(tmp_path / "hf", tmp_path / "back", "--loader", "hf", "--make-vocab-size-divisible-by", str(DIVISIBLE))
     back = _task_model(kind, cfg, load_files(str(tmp_path / "back"))[(0, 0)]["model"]).state_dict()
     assert all(torch.equal(back[k], ref[k]) for k in ref)
+
+
+def test_t5_checkpoint_written_by_save_checkpoint_converts(tmp_path):
+    """A T5 checkpoint written by megatron.checkpointing.save_checkpoint (pretrain_t5's flags, full args,
+    architecture, optimizer) converts to TP2 and back, and the result loads with the real loader under the same
+    flags (the architecture check included) with the source's weights."""
+    import argparse
+
+    from megatron.arguments import build_parser, core_transformer_config_from_args, validate_args
+    from megatron.checkpointing import load_checkpoint, save_checkpoint
+
+    flags = ["--num-layers", "2", "--decoder-num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--ffn-hidden-size", "48", "--encoder-seq-length", "10", "--decoder-seq-length", "6",
+             "--max-position-embeddings", "16", "--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", str(TRUE_VOCAB), "--make-vocab-size-divisible-by", "4", "--hidden-dropout", "0",
+             "--attention-dropout", "0", "--no-bias-gelu-fusion"]
+    args = build_parser().parse_args(flags)
+    args.rank, args.world_size = 0, 1
+    validate_args(args, {"model_family": "t5"})
+    args.true_vocab_size, args.padded_vocab_size = TRUE_VOCAB, 64
+    cfg = core_transformer_config_from_args(args)
+    model = _t5(cfg)
+    save_checkpoint(3, [model], torch.optim.Adam(model.parameters()), None, args, str(tmp_path / "ck"))
+    t5 = ["--model-type", "T5"]
+    _convert(tmp_path / "ck", tmp_path / "tp2", *t5, "--target-tensor-parallel-size", "2")
+    _convert(tmp_path / "tp2", tmp_path / "tp1", *t5, "--target-tensor-parallel-size", "1")
+    fresh = _t5(cfg, seed=77)
+    load = argparse.Namespace(**vars(args))
+    load.load, load.finetune = str(tmp_path / "tp1"), True
+    assert load_checkpoint([fresh], None, None, load) == 0
+    ref = model.state_dict()
+    for k, v in fresh.state_dict().items():  # rows past the true vocabulary: re-padded with the last row
+        rows = TRUE_VOCAB if "word_embeddings" in k or k == "lm_head.bias" else None
+        assert torch.equal(v[:rows], ref[k][:rows]), k
