@@ -586,7 +586,8 @@ class MegatronWriter:
         for name, value in chunk.items():
             layout = _layout(self.layouts, name)
             try:
-                parts = layout.split(value, self.tp, name) if not layout.replicated else [value] * self.tp
+                # TP 1 needs no split: no anonymous copy of each tensor on its way to the staging file
+                parts = [value] * self.tp if layout.replicated or self.tp == 1 else layout.split(value, self.tp, name)
             except ValueError as exc:
                 raise ConversionError(f"--target-tensor-parallel-size {self.tp}: {exc}") from None
             for t, part in enumerate(parts):
