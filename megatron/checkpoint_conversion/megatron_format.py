@@ -337,12 +337,8 @@ def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model
     """Loader: (meta, message stream) of a Megatron checkpoint at any TP/PP/virtual-PP layout (the iteration the
     tracker names, or `iteration`); with `optimizer`, the messages also carry the training state when the checkpoint
     has one (GPT models; optimizer_state.py)."""
-    if model_type == "T5":  # encoder-decoder: its own stream (t5_format.py)
-        from megatron.checkpoint_conversion.t5_format import read_t5
-
-        if iteration is not None:
-            raise ConversionError("--iteration is not supported for --model-type T5: point the tracker file at it")
-        return read_t5(load_dir, true_vocab_size=true_vocab_size, trust=trust, optimizer=optimizer)
+    if model_type == "T5":  # encoder-decoder: its own stream, t5_format.read_t5 (which builds on this module)
+        raise ConversionError("read_megatron reads GPT/BERT checkpoints: read T5 ones with t5_format.read_t5")
     reader = MegatronCheckpointReader(load_dir, trust, iteration)
     meta = megatron_meta(reader, true_vocab_size, model_type)
     padded = reader.merged(0, 0, WORD, TensorParallelLayout(dim=0)).size(0) if WORD in reader.chunks[(0, 0, 0)] \
@@ -677,8 +673,6 @@ class MegatronWriter:
 def write_megatron(meta: ModelMeta, messages: Iterator[Message], save_dir: str, tp: int = 1, pp: int = 1,
                    vp_layers: Optional[int] = None) -> List[str]:
     """Saver: write the stream as a Megatron checkpoint (TP `tp`, PP `pp`, optional virtual chunks)."""
-    if meta.model_type == "T5":
-        from megatron.checkpoint_conversion.t5_format import write_t5
-
-        return write_t5(meta, messages, save_dir, tp, pp, vp_layers)
+    if meta.model_type == "T5":  # t5_format.write_t5 (which builds on this module)
+        raise ConversionError("write_megatron writes GPT/BERT checkpoints: write T5 ones with t5_format.write_t5")
     return MegatronWriter(meta, save_dir, tp, pp, vp_layers).write(messages)

@@ -50,6 +50,14 @@ class MegatronLoader:
     def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
         from megatron.checkpoint_conversion.megatron_format import read_megatron
 
+        if args.model_type == "T5":  # encoder-decoder: its own stream (t5_format.py)
+            from megatron.checkpoint_conversion.t5_format import read_t5
+
+            if getattr(args, "iteration", None) is not None:
+                raise ConversionError("--iteration is not supported for --model-type T5: point the tracker file "
+                                      "at it")
+            return read_t5(args.load_dir, true_vocab_size=args.true_vocab_size, trust=_trust(args),
+                           optimizer=bool(getattr(args, "keep_training_state", False)))
         return read_megatron(args.load_dir, true_vocab_size=args.true_vocab_size, model_type=args.model_type,
                              trust=_trust(args), optimizer=bool(getattr(args, "keep_training_state", False)),
                              iteration=getattr(args, "iteration", None))
@@ -85,7 +93,12 @@ class MegatronSaver:
         vp_layers = args.target_num_layers_per_virtual_pipeline_stage
         copy_tokenizer_files(meta, save_dir, os.path.abspath(args.save_dir))
         meta.extra["target_split_rank"] = getattr(args, "target_pipeline_model_parallel_split_rank", None)
-        files = write_megatron(meta, messages, save_dir, tp, pp, vp_layers)
+        if meta.model_type == "T5":
+            from megatron.checkpoint_conversion.t5_format import write_t5
+
+            files = write_t5(meta, messages, save_dir, tp, pp, vp_layers)
+        else:
+            files = write_megatron(meta, messages, save_dir, tp, pp, vp_layers)
         return {"files": files, "tp": tp, "pp": pp, "vp_layers": vp_layers}
 
 

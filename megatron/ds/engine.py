@@ -33,21 +33,13 @@ from megatron.checkpointing import (
 )
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+from megatron.ds.engine_kind import is_pipe_engine
 from megatron.ds.mpu import get_mpu
 from megatron.logging_utils import print_rank_0
 from megatron.model_setup import get_optimizer_param_scheduler
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def is_pipe_engine(engine: Any) -> bool:
-    """True for DeepSpeed's PipelineEngine (GPTModelPipe under --pipeline-model-parallel-size > 1)."""
-    try:
-        from deepspeed.runtime.pipe.engine import PipelineEngine
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(engine, PipelineEngine)
-
-
 def _build_torch_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
     """Megatron's parameter groups (wd_mult/lr_mult) in a torch AdamW (decoupled weight decay) or SGD."""
     from megatron.optimizer import get_param_groups

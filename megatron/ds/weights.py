@@ -203,7 +203,7 @@ def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, 
 
 def expected_layout(engine: Any) -> str:
     """The DeepSpeed file layout this engine's load_checkpoint reads: 'pipe', 'zero3' or 'module'."""
-    from megatron.ds.engine import is_pipe_engine
+    from megatron.ds.engine_kind import is_pipe_engine
 
     if is_pipe_engine(engine):
         return "pipe"
