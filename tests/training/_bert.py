@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-ITERS = 12
+ITERS = 20
 REL = 1e-5
 NUM_DOCS = 60
 LOSS_RE = re.compile(r" iteration +(\d+)/ *\d+ \|.* lm loss: ([0-9.E+-]+) \| sop loss: ([0-9.E+-]+) \|"

@@ -25,7 +25,7 @@ from tests.dist_utils import run_distributed
 from tests.training._bert import session_bert_data
 from tests.training.test_t5_training import parse_curve, run_t5, t5_argv
 
-ITERS = 8
+ITERS = 20
 REL = 1e-5
 
 
