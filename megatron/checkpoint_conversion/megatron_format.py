@@ -336,7 +336,7 @@ def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model
                   ) -> Tuple[ModelMeta, Iterator[Message]]:
     """Loader: (meta, message stream) of a Megatron checkpoint at any TP/PP/virtual-PP layout (the iteration the
     tracker names, or `iteration`); with `optimizer`, the messages also carry the training state when the checkpoint
-    has one (GPT models; optimizer_state.py)."""
+    has one (GPT and BERT models; optimizer_state.py)."""
     if model_type == "T5":  # encoder-decoder: its own stream, t5_format.read_t5 (which builds on this module)
         raise ConversionError("read_megatron reads GPT/BERT checkpoints: read T5 ones with t5_format.read_t5")
     reader = MegatronCheckpointReader(load_dir, trust, iteration)
@@ -362,7 +362,7 @@ def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model
     if meta.true_vocab_size is not None and meta.true_vocab_size > padded:
         raise ConversionError(f"--true-vocab-size {meta.true_vocab_size} exceeds the checkpoint's {padded} "
                               "vocabulary rows")
-    if optimizer and model_type == "GPT" and meta.iteration is not None:
+    if optimizer and meta.iteration is not None:  # GPT and BERT (the model type was checked above)
         from megatron.checkpoint_conversion.optimizer_state import ForeignOptimizerState
 
         try:

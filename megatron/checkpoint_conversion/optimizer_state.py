@@ -37,6 +37,7 @@ PARAM = "param"
 _LAYER_RE = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
 _LAYER0 = "language_model.encoder.layers.0."
 HEAD_COPY = "word_embeddings.weight"
+_LM = "language_model."
 
 OptEntries = Dict[str, Dict[str, torch.Tensor]]  # {flat parameter name: {"param", "exp_avg", ...}}
 
@@ -48,10 +49,13 @@ class ForeignOptimizerState(ConversionError):
 
 def stage_order(names: Sequence[str], full_order: Sequence[str]) -> List[str]:
     """The parameters among `names` (a stage's flat names, local layer numbers) in ``named_parameters()`` order of
-    that stage's model: embeddings, layers by local index, final norm, output layer, then the last stage's copy of
-    the tied embedding (registered last). `full_order`: the TP=1 model's parameter names in order."""
+    that stage's model: embeddings, layers by local index, final norm, output layer (GPT) or pooler (BERT), the last
+    stage's copy of the tied embedding (registered after the language model), then BERT's heads (``lm_head``,
+    ``binary_head``, registered after it). `full_order`: the TP=1 model's parameter names in order."""
     position = {n: i for i, n in enumerate(full_order)}
     first_layer = min((i for n, i in position.items() if n.startswith(_LAYER0)), default=len(full_order))
+    # the tied embedding's copy sits between the language model and the first parameter outside it (BERT's heads)
+    head_copy = min((i for n, i in position.items() if not n.startswith(_LM)), default=len(full_order)) - 0.5
     keyed = []
     for name in names:
         m = _LAYER_RE.match(name)
@@ -60,7 +64,7 @@ def stage_order(names: Sequence[str], full_order: Sequence[str]) -> List[str]:
             if canon in position:
                 keyed.append(((1, int(m.group(1)), position[canon]), name))
         elif name == HEAD_COPY:
-            keyed.append(((3, 0, 0), name))
+            keyed.append(((2, 0, head_copy), name))
         elif name in position:
             keyed.append(((0 if position[name] < first_layer else 2, 0, position[name]), name))
     return [name for _, name in sorted(keyed)]
