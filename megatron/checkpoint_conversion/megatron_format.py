@@ -246,6 +246,10 @@ class MegatronCheckpointReader:
             raise ConversionError(f"{self.iter_dir}: pipeline chunks hold unequal layer counts {counts}")
         self.architecture["num_layers"] = total
 
+    def parameter_order(self, meta: ModelMeta) -> List[str]:
+        """The TP=1 model's parameter names in ``named_parameters()`` order (the regular optimizer's order)."""
+        return list(layer_layouts(meta))
+
     def open_optimizer(self, meta: ModelMeta) -> None:
         """Read every rank's optimizer state into per-parameter entries (nothing when the checkpoint has none)."""
         from megatron.checkpoint_conversion import optimizer_state as ostate
@@ -255,7 +259,7 @@ class MegatronCheckpointReader:
         if self.version < 2.0:
             raise ConversionError(f"{self.iter_dir}: checkpoint_version {self.version} optimizer states are not "
                                   "converted; pass --no-save-optim to convert the weights only")
-        full_order = list(layer_layouts(meta))
+        full_order = self.parameter_order(meta)
         self.opt, steps, keys = {}, set(), set()
         for (t, p), optim_sd in sorted(self.optim_entries.items()):
             chunks = [self.chunks[(t, p, v)] for v in range(self.vp)]

@@ -34,8 +34,7 @@ import torch
 from megatron.checkpoint_conversion.interchange import ConversionError
 
 PARAM = "param"
-_LAYER_RE = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
-_LAYER0 = "language_model.encoder.layers.0."
+_LAYER_RE = re.compile(r"^language_model\.(encoder|decoder)\.layers\.(\d+)\.(.+)$")
 HEAD_COPY = "word_embeddings.weight"
 _LM = "language_model."
 
@@ -49,24 +48,30 @@ class ForeignOptimizerState(ConversionError):
 
 def stage_order(names: Sequence[str], full_order: Sequence[str]) -> List[str]:
     """The parameters among `names` (a stage's flat names, local layer numbers) in ``named_parameters()`` order of
-    that stage's model: embeddings, layers by local index, final norm, output layer (GPT) or pooler (BERT), the last
-    stage's copy of the tied embedding (registered after the language model), then BERT's heads (``lm_head``,
-    ``binary_head``, registered after it). `full_order`: the TP=1 model's parameter names in order."""
+    that stage's model: embeddings, each layer stack (the encoder; T5's decoder too) by local layer index followed
+    by its final norm, output layer (GPT) or pooler (BERT), the last stage's copy of the tied embedding (registered
+    after the language model), then the heads outside it (BERT's ``lm_head`` and ``binary_head``, T5's
+    ``lm_head``). `full_order`: the TP=1 model's parameter names in order."""
     position = {n: i for i, n in enumerate(full_order)}
-    first_layer = min((i for n, i in position.items() if n.startswith(_LAYER0)), default=len(full_order))
-    # the tied embedding's copy sits between the language model and the first parameter outside it (BERT's heads)
+    # a layer's parameter sorts at its stack's first position, then by local layer, then by its layer-0 name
+    stack_start: Dict[str, int] = {}
+    for n, i in position.items():
+        m = _LAYER_RE.match(n)
+        if m:
+            stack_start.setdefault(m.group(1), i)
+    # the tied embedding's copy sits between the language model and the first parameter outside it (the heads)
     head_copy = min((i for n, i in position.items() if not n.startswith(_LM)), default=len(full_order)) - 0.5
     keyed = []
     for name in names:
         m = _LAYER_RE.match(name)
         if m:
-            canon = _LAYER0 + m.group(2)
+            canon = f"{_LM}{m.group(1)}.layers.0.{m.group(3)}"
             if canon in position:
-                keyed.append(((1, int(m.group(1)), position[canon]), name))
+                keyed.append(((stack_start[m.group(1)], int(m.group(2)), position[canon]), name))
         elif name == HEAD_COPY:
-            keyed.append(((2, 0, head_copy), name))
+            keyed.append(((head_copy, 0, 0), name))
         elif name in position:
-            keyed.append(((0 if position[name] < first_layer else 2, 0, position[name]), name))
+            keyed.append(((position[name], 0, 0), name))
     return [name for _, name in sorted(keyed)]
 
 

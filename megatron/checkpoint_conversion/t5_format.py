@@ -16,7 +16,11 @@ Pipeline-parallel T5 (Megatron 23.06's --pipeline-model-parallel-split-rank R, t
 the decoder layers, stage R a copy of the embeddings, the last stage the decoder's final LayerNorm, ``lm_head`` and
 (when it is not stage R) ``word_embeddings_for_head``. The target's split rank is
 ``--target-pipeline-model-parallel-split-rank`` (default: the source's when the pipeline size is unchanged).
-Virtual pipeline stages do not exist for T5. The training state is not converted (weights only).
+Virtual pipeline stages do not exist for T5. With the training state (the loader's ``optimizer=True``) each message
+also carries its parameters' optimizer state (fp32 main param, Adam moments; regular or distributed optimizer), merged
+and split with the parameters' own TP layouts as for GPT (optimizer_state.py): the copies of the tied embeddings on
+stage R and the last stage get stage 0's state (their gradients are summed with it), and the padded vocabulary rows
+stay as trained.
 """
 from __future__ import annotations
 
@@ -86,6 +90,9 @@ class T5CheckpointReader(MegatronCheckpointReader):
     def _layers_in(self, p: int, v: int) -> int:
         return 0
 
+    def parameter_order(self, meta: ModelMeta) -> List[str]:
+        return list(t5_layouts(meta))
+
     def layers(self, part: str, p: int) -> int:
         prefix = _stack(part) + "layers."
         ids = {int(k[len(prefix):].split(".")[0]) for k in self.chunks[(0, p, 0)] if k.startswith(prefix)}
@@ -94,12 +101,9 @@ class T5CheckpointReader(MegatronCheckpointReader):
 
 def read_t5(load_dir: str, *, true_vocab_size: Optional[int] = None, trust: bool = False,
             optimizer: bool = False) -> Tuple[ModelMeta, Iterator[Message]]:
-    """Loader: (meta, message stream) of a Megatron T5 checkpoint (weights; `optimizer` only adds a notice when the
-    checkpoint has a training state, which is not converted for T5)."""
+    """Loader: (meta, message stream) of a Megatron T5 checkpoint; with `optimizer`, the messages also carry the
+    training state when the checkpoint has one (optimizer_state.py)."""
     reader = T5CheckpointReader(load_dir, trust)
-    if optimizer and reader.iteration is not None and any(e for e in reader.optim_entries.values()):
-        print("note: the optimizer state of a T5 checkpoint is not converted (weights only): continue with "
-              "--finetune, or --no-load-optim --no-load-rng", flush=True)
     meta = megatron_meta(reader, true_vocab_size, "T5")
     args = meta.checkpoint_args
     last = reader.chunks[(0, reader.pp - 1, 0)]
@@ -130,6 +134,20 @@ def read_t5(load_dir: str, *, true_vocab_size: Optional[int] = None, trust: bool
     if meta.true_vocab_size is not None and meta.true_vocab_size > padded:
         raise ConversionError(f"--true-vocab-size {meta.true_vocab_size} exceeds the checkpoint's {padded} "
                               "vocabulary rows")
+    if optimizer and meta.iteration is not None:
+        from megatron.checkpoint_conversion.optimizer_state import ForeignOptimizerState
+
+        try:
+            reader.open_optimizer(meta)
+        except ForeignOptimizerState as exc:
+            print(f"note: {exc}: its optimizer state is not converted; writing the weights only", flush=True)
+            reader.opt = None
+        if reader.opt is not None:
+            meta.extra["optimizer"] = reader.opt_common
+            meta.extra["source_padded_vocab_size"] = padded
+            tokens = reader.first.get("consumed_train_tokens")
+            if tokens is not None:
+                meta.extra["consumed_tokens"] = (int(tokens), int(reader.first.get("consumed_valid_tokens", 0) or 0))
     return meta, _stream(reader, meta)
 
 
@@ -142,29 +160,43 @@ def _stages(pp: int, split: Optional[int]) -> Dict[str, Tuple[int, int]]:
 
 def _stream(reader: T5CheckpointReader, meta: ModelMeta) -> Iterator[Message]:
     layouts = t5_layouts(meta)
-    rows = slice(0, meta.true_vocab_size)
+    # with the training state the padded rows stay as trained (see optimizer_state.py)
+    rows = slice(0, meta.true_vocab_size if reader.opt is None else None)
     stages = _stages(reader.pp, meta.extra["split_rank"])
 
     def merged(p: int, name: str) -> torch.Tensor:
         return reader.merged(p, 0, name, layouts.get(name, REPLICATED))
 
+    def opt(p: int, names: Dict[str, str], cut: Tuple[str, ...] = ()) -> Dict[str, Dict[str, torch.Tensor]]:
+        """{message key: merged optimizer entry} of stage `p`'s parameters `names` ({message key: flat name})."""
+        if reader.opt is None:
+            return {}
+        out = {}
+        for key, name in names.items():
+            if name in reader.opt[(0, p, 0)]:
+                entry = reader.opt_merged(p, 0, name, layouts.get(name, REPLICATED))
+                out[key] = {k: t[rows] for k, t in entry.items()} if key in cut else entry
+        return out
+
+    emb_names = {"word_embeddings.weight": WORD, "position_embeddings.weight": POS}
     yield Message(EMBEDDINGS, {"word_embeddings.weight": merged(0, WORD)[rows], "position_embeddings.weight":
-                               merged(0, POS)})
+                               merged(0, POS)}, opt(0, emb_names, cut=("word_embeddings.weight",)))
     counts = dict(zip(("encoder", "decoder"), t5_layer_counts(meta)))
     for part in ("encoder", "decoder"):
         first, n = stages[part]
         for i in range(counts[part]):
             p, local = stage_of(i, counts[part], first, n, part)
             prefix = f"{_stack(part)}layers.{local}."
-            yield Message(f"{part} layer {i}", {k[len(prefix):]: merged(p, k) for k in reader.chunks[(0, p, 0)]
-                                                if k.startswith(prefix) and not k.endswith("_extra_state")})
+            names = {k[len(prefix):]: k for k in reader.chunks[(0, p, 0)]
+                     if k.startswith(prefix) and not k.endswith("_extra_state")}
+            yield Message(f"{part} layer {i}", {key: merged(p, k) for key, k in names.items()}, opt(p, names))
         prefix, end = _stack(part), first + n - 1
-        norm = {k[len(prefix):]: merged(end, k) for k in reader.chunks[(0, end, 0)]
-                if k.startswith(prefix + "final_layernorm.")}
-        if not norm:
+        names = {k[len(prefix):]: k for k in reader.chunks[(0, end, 0)] if k.startswith(prefix + "final_layernorm.")}
+        if not names:
             raise ConversionError(f"{reader.files[(0, end)]} has no {part} final_layernorm: incomplete checkpoint")
-        yield Message(f"{part} final norm", norm)
-    yield Message("lm head", {"bias": merged(reader.pp - 1, LM_HEAD_BIAS)[rows]})
+        yield Message(f"{part} final norm", {key: merged(end, k) for key, k in names.items()}, opt(end, names))
+    yield Message("lm head", {"bias": merged(reader.pp - 1, LM_HEAD_BIAS)[rows]},
+                  opt(reader.pp - 1, {"bias": LM_HEAD_BIAS}, cut=("bias",)))
 
 
 class T5Writer(MegatronWriter):
@@ -190,7 +222,8 @@ class T5Writer(MegatronWriter):
 
     def write(self, messages: Iterator[Message]) -> List[str]:
         meta = self.meta
-        emb = expect(messages, EMBEDDINGS).tensors
+        emb_msg = expect(messages, EMBEDDINGS)
+        emb, emb_opt = emb_msg.tensors, emb_msg.optimizer
         word = emb["word_embeddings.weight"]
         rows = target_rows(word.size(0), meta.true_vocab_size, meta.make_vocab_size_divisible_by, self.tp)
         self.padded = rows
@@ -198,26 +231,33 @@ class T5Writer(MegatronWriter):
         self.layouts = t5_layouts(meta)
         self.parts = {(t, p, 0): {} for t in range(self.tp) for p in range(self.pp)}
         self.opt_parts = {k: {} for k in self.parts}
-        self.with_optimizer = False
+        self.with_optimizer = bool(meta.extra.get("optimizer"))
         self.staging = os.path.join(self.save_dir, ".staging")
         embeddings = {WORD: repad_rows(word, rows), POS: emb["position_embeddings.weight"]}
+        emb_state = {WORD: {k: repad_rows(x, rows) for k, x in emb_opt.get("word_embeddings.weight", {}).items()},
+                     POS: emb_opt.get("position_embeddings.weight", {})}
         last, split = self.pp - 1, self.split_rank
-        for p in sorted({0, split or 0}):  # stage 0's embeddings and, under a split, the decoder's copy on stage R
-            self._stage(f"embeddings{p}", (p, 0), embeddings)
+        # stage 0's embeddings and, under a split, the decoder's copy on stage R; the copies' gradients are summed
+        # with stage 0's, so their optimizer state is stage 0's
+        for p in sorted({0, split or 0}):
+            self._stage(f"embeddings{p}", (p, 0), embeddings, emb_state)
         if self.pp > 1 and last != split:  # the last stage's copy of the tied word embeddings for its head
-            self._stage("head_copy", (last, 0), {HEAD_COPY: embeddings[WORD]})
-        del word, emb, embeddings
+            self._stage("head_copy", (last, 0), {HEAD_COPY: embeddings[WORD]}, {HEAD_COPY: emb_state[WORD]})
+        del word, emb, embeddings, emb_opt, emb_state, emb_msg
         for part, count in zip(("encoder", "decoder"), t5_layer_counts(meta)):
             first, n = self.stages[part]
             for i in range(count):
                 p, local = stage_of(i, count, first, n, part)
                 msg = expect(messages, f"{part} layer {i}")
-                self._stage(f"{part}{i}", (p, 0),
-                            {f"{_stack(part)}layers.{local}.{k}": t for k, t in msg.tensors.items()})
+                prefix = f"{_stack(part)}layers.{local}."
+                self._stage(f"{part}{i}", (p, 0), {prefix + k: t for k, t in msg.tensors.items()},
+                            {prefix + k: e for k, e in msg.optimizer.items()})
             msg = expect(messages, f"{part} final norm")
-            self._stage(f"{part}_norm", (first + n - 1, 0), {_stack(part) + k: t for k, t in msg.tensors.items()})
+            self._stage(f"{part}_norm", (first + n - 1, 0), {_stack(part) + k: t for k, t in msg.tensors.items()},
+                        {_stack(part) + k: e for k, e in msg.optimizer.items()})
         head = expect(messages, "lm head")
-        self._stage("lm_head", (last, 0), {LM_HEAD_BIAS: repad_rows(head.tensors["bias"], rows)})
+        self._stage("lm_head", (last, 0), {LM_HEAD_BIAS: repad_rows(head.tensors["bias"], rows)},
+                    {LM_HEAD_BIAS: {k: repad_rows(x, rows) for k, x in head.optimizer.get("bias", {}).items()}})
         extra = next(messages, None)
         if extra is not None:
             raise ConversionError(f'unexpected message "{extra.name}" after the T5 lm head (is --model-type right?)')
