@@ -1,4 +1,4 @@
-"""Training state in checkpoint conversion: resume a run on another TP x PP x DP layout.
+"""Training state in checkpoint conversion: resume a run on another TP x PP x DP layout (GPT, BERT and T5 models).
 
 Reading: the optimizer state of every (tensor, pipeline) rank file of a Megatron checkpoint becomes per-parameter
 entries ``{"param": fp32 main param, "exp_avg", "exp_avg_sq"}`` keyed by the parameter's flat name in that rank's
