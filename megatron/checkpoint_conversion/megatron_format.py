@@ -335,6 +335,24 @@ def megatron_meta(reader: MegatronCheckpointReader, true_vocab_size: Optional[in
                "opt_param_scheduler": sd.get("opt_param_scheduler", sd.get("lr_scheduler"))})
 
 
+def attach_optimizer_state(reader: Any, meta: ModelMeta, padded: int) -> None:
+    """Open the reader's training state (optimizer_state.py) and announce it in `meta`; an optimizer state in a layout
+    we do not know is a note, and the weights convert alone."""
+    from megatron.checkpoint_conversion.optimizer_state import ForeignOptimizerState
+
+    try:
+        reader.open_optimizer(meta)
+    except ForeignOptimizerState as exc:
+        print(f"note: {exc}: its optimizer state is not converted; writing the weights only", flush=True)
+        reader.opt = None
+    if reader.opt is not None:
+        meta.extra["optimizer"] = reader.opt_common
+        meta.extra["source_padded_vocab_size"] = padded
+        tokens = reader.first.get("consumed_train_tokens")
+        if tokens is not None:
+            meta.extra["consumed_tokens"] = (int(tokens), int(reader.first.get("consumed_valid_tokens", 0) or 0))
+
+
 def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model_type: str = "GPT",
                   trust: bool = False, optimizer: bool = False, iteration: Optional[int] = None
                   ) -> Tuple[ModelMeta, Iterator[Message]]:
@@ -367,19 +385,7 @@ def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model
         raise ConversionError(f"--true-vocab-size {meta.true_vocab_size} exceeds the checkpoint's {padded} "
                               "vocabulary rows")
     if optimizer and meta.iteration is not None:  # GPT and BERT (the model type was checked above)
-        from megatron.checkpoint_conversion.optimizer_state import ForeignOptimizerState
-
-        try:
-            reader.open_optimizer(meta)
-        except ForeignOptimizerState as exc:
-            print(f"note: {exc}: its optimizer state is not converted; writing the weights only", flush=True)
-            reader.opt = None
-        if reader.opt is not None:
-            meta.extra["optimizer"] = reader.opt_common
-            meta.extra["source_padded_vocab_size"] = padded
-            tokens = reader.first.get("consumed_train_tokens")
-            if tokens is not None:
-                meta.extra["consumed_tokens"] = (int(tokens), int(reader.first.get("consumed_valid_tokens", 0) or 0))
+        attach_optimizer_state(reader, meta, padded)
     return meta, _stream(reader, meta)
 
 

@@ -38,6 +38,7 @@ from megatron.checkpoint_conversion.megatron_format import (
     WORD,
     MegatronCheckpointReader,
     MegatronWriter,
+    attach_optimizer_state,
     megatron_meta,
 )
 from megatron.checkpoint_conversion.vocab import repad_rows, target_rows
@@ -135,19 +136,7 @@ def read_t5(load_dir: str, *, true_vocab_size: Optional[int] = None, trust: bool
         raise ConversionError(f"--true-vocab-size {meta.true_vocab_size} exceeds the checkpoint's {padded} "
                               "vocabulary rows")
     if optimizer and meta.iteration is not None:
-        from megatron.checkpoint_conversion.optimizer_state import ForeignOptimizerState
-
-        try:
-            reader.open_optimizer(meta)
-        except ForeignOptimizerState as exc:
-            print(f"note: {exc}: its optimizer state is not converted; writing the weights only", flush=True)
-            reader.opt = None
-        if reader.opt is not None:
-            meta.extra["optimizer"] = reader.opt_common
-            meta.extra["source_padded_vocab_size"] = padded
-            tokens = reader.first.get("consumed_train_tokens")
-            if tokens is not None:
-                meta.extra["consumed_tokens"] = (int(tokens), int(reader.first.get("consumed_valid_tokens", 0) or 0))
+        attach_optimizer_state(reader, meta, padded)
     return meta, _stream(reader, meta)
 
 
