@@ -77,3 +77,23 @@ def run_interleaved(steps: dict[str, Callable[[Any], float]], batches: dict[str,
                 cpu[name].append(time.process_time() - c)
     return {name: {"step_s": statistics.median(times[name]), "cpu_s": statistics.median(cpu[name]),
                    "times": times[name], "losses": losses[name]} for name in steps}
+
+
+def gpt_forward_step(seq: int, mbs: int) -> Callable:
+    """Megatron's GPT forward step for `megatron_train_step`: batches [mbs, seq + 1] of token ids, shifted into
+    tokens and labels, the causal mask, the mean LM loss."""
+    position_ids = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
+    mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu_(1)
+
+    def forward_step(data_iterator, m):
+        data = next(data_iterator)
+        tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+        losses = m(tokens, position_ids, mask, labels=labels)
+
+        def loss_func(out):
+            loss = out.float().mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return losses, loss_func
+
+    return forward_step

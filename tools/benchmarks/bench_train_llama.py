@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import matmul_peak_flops  # noqa: E402
+from bench_common import gpt_forward_step, matmul_peak_flops  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, SEQ, MBS, VOCAB = 6, 384, 6, 2, 1024, 512, 4, 32000
 
@@ -85,19 +85,7 @@ def build_megatron(hf_model):
     model = GPTModel(config, tp_group=None, pp_state=state, parallel_output=True)
     model.load_state_dict(hf_llama_to_megatron_state_dict(hf_model.state_dict(), config))
     optimizer = get_megatron_optimizer([model], OptimizerConfig(lr=1e-4, weight_decay=0.01, clip_grad=1.0), state)
-    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
-    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu_(1)
-
-    def forward_step(data_iterator, m):
-        data = next(data_iterator)
-        tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-        losses = m(tokens, position_ids, mask, labels=labels)
-
-        def loss_func(out):
-            loss = out.float().mean()
-            return loss, {"lm loss": loss.detach()}
-
-        return losses, loss_func
+    forward_step = gpt_forward_step(SEQ, MBS)
 
     def step(batch: torch.Tensor) -> float:
         optimizer.zero_grad()

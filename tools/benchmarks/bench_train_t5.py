@@ -25,7 +25,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import add_common_args, matmul_peak_flops, megatron_train_step, run_interleaved  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_common_args,
+    gpt_forward_step,
+    matmul_peak_flops,
+    megatron_train_step,
+    run_interleaved,
+)
 
 ENC_LAYERS, DEC_LAYERS, HIDDEN, HEADS, ENC_SEQ, DEC_SEQ, MBS = 6, 6, 384, 6, 512, 128, 4
 VOCAB = 30522 + 100  # BERT WordPiece + --vocab-extra-ids 100
@@ -119,19 +125,7 @@ def build_gpt():
     model_parallel_manual_seed(1234, 0)
     torch.manual_seed(1234)
     model = GPTModel(gpt_config(), tp_group=None, pp_state=ps.ParallelState.single(), parallel_output=True)
-    position_ids = torch.arange(ENC_SEQ).unsqueeze(0).expand(MBS, ENC_SEQ)
-    mask = torch.ones(1, 1, ENC_SEQ, ENC_SEQ, dtype=torch.bool).triu_(1)
-
-    def forward_step(data_iterator, m):
-        data = next(data_iterator)
-        tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-        losses = m(tokens, position_ids, mask, labels=labels)
-
-        def loss_func(out):
-            loss = out.float().mean()
-            return loss, {"lm loss": loss.detach()}
-
-        return losses, loss_func
+    forward_step = gpt_forward_step(ENC_SEQ, MBS)
 
     return model, megatron_train_step(model, forward_step)
 
