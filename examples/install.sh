@@ -31,6 +31,17 @@ if ! $PY -c "import torch" 2>/dev/null; then
 fi
 echo "== installing requirements${EXTRA:+ and test requirements}"
 $PY -m pip install -r requirements.txt "${EXTRA[@]}" setuptools wheel
+if [ "${1:-}" = "--dev" ]; then
+  # NVIDIA's megatron-core, the oracle of the MoE and Megatron Core checkpoint tests. Its top-level package is also
+  # named `megatron`, so it goes into its own folder (never this environment) and tests run it in a subprocess with
+  # PYTHONPATH pointing there (tests/mcore_oracle.py). MCORE_ORACLE_DIR overrides the folder.
+  ORACLE_DIR=${MCORE_ORACLE_DIR:-$PWD/.oracles/megatron-core-0.16.1}
+  if [ ! -f "$ORACLE_DIR/megatron/core/__init__.py" ]; then
+    echo "== installing the megatron-core 0.16.1 oracle into $ORACLE_DIR (tests only)"
+    $PY -m pip install -q --no-deps --target "$ORACLE_DIR" megatron-core==0.16.1
+  fi
+  $PY -m pip install -q psutil
+fi
 INSTALLED_FROM=$($PY -m pip show megatron-lite 2>/dev/null | sed -n 's/^Editable project location: //p' || true)
 if [ "$INSTALLED_FROM" = "$PWD" ]; then
   echo "== this package is already installed from $PWD (editable)"
