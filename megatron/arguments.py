@@ -322,6 +322,12 @@ def _add_checkpointing_args(parser: argparse.ArgumentParser) -> argparse.Argumen
                    help="A damaged latest checkpoint is an error (default: load the newest iteration that verifies).")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
                    help="After a save verifies, delete all but the N newest checkpoint iterations.")
+    g.add_argument("--ckpt-format", type=str, default="torch", choices=["torch", "torch_dist"],
+                   help="Checkpoint format to save (and expect on load): torch = per-rank model_optim_rng.pt files "
+                        "(ours, the default; Megatron-LM's default is torch_dist), torch_dist = one "
+                        "torch.distributed.checkpoint folder with Megatron Core names, any layout can load it.")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="Load whichever format the checkpoint folder holds (torch, Megatron Core torch, torch_dist).")
     return parser
 
 

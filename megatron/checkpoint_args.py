@@ -79,6 +79,8 @@ def fill_derived_defaults(arch: Dict[str, Any], ckpt_args: Any = None) -> Dict[s
     """Fill the sizes Megatron derives when a flag is left unset (`None` or absent in saved args): ffn_hidden_size
     4h (SwiGLU: 2/3 of that, rounded down to 64), kv_channels h/heads, encoder_num_layers num_layers, the padded
     vocabulary from `orig_vocab_size`; fields still unknown are dropped (an unknown field is never compared)."""
+    if arch.get("bias_gelu_fusion") is None and getattr(ckpt_args, "bias_activation_fusion", None) is not None:
+        arch["bias_gelu_fusion"] = bool(ckpt_args.bias_activation_fusion)  # Megatron Core's name for the fusion
     h, heads = arch.get("hidden_size"), arch.get("num_attention_heads")
     if arch.get("ffn_hidden_size") is None and h:
         arch["ffn_hidden_size"] = int((4 * h * 2 / 3) / 64) * 64 if arch.get("swiglu") else 4 * h

@@ -378,6 +378,13 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
         use_checkpoint_args(args, load_state_dict_file(name, trust=bool(getattr(args, "trust_checkpoint", False))))
         return args
     iteration, release = read_metadata(tracker)
+    iter_dir = _iteration_dir(load_dir, iteration, release)
+    trust = bool(getattr(args, "trust_checkpoint", False))
+    from megatron.checkpoint_conversion.torch_dist import is_torch_dist, read_common
+
+    if is_torch_dist(iter_dir):  # Megatron-LM's args live in common.pt
+        use_checkpoint_args(args, read_common(iter_dir, trust))
+        return args
 
     def rank0_file(cand: int) -> str:  # the layout is not known yet: TP rank 0 / PP stage 0, either naming
         name = get_checkpoint_name(load_dir, cand, release, pipeline_parallel=False, tensor_rank=0, pipeline_rank=0)
@@ -487,6 +494,27 @@ def _select_checkpoint(load_dir: str, iteration: int, release: bool, trust: bool
                           "without --load")
 
 
+def _iteration_dir(load_dir: str, iteration: int, release: bool) -> str:
+    return os.path.join(load_dir, "release" if release else f"iter_{iteration:07d}")
+
+
+def _load_other_format(models: list, args: argparse.Namespace, load_dir: str, iteration: int, release: bool,
+                       state: ps.ParallelState, trust: bool) -> Optional[int]:
+    """Megatron Core layouts (per-rank files with Core names, torch_dist): load their weights at this run's layout
+    (megatron/checkpoint_formats.py) and return the iteration; None for our own layout."""
+    from megatron.checkpoint_formats import TORCH, check_format_flags, detect_format, load_foreign
+
+    iter_dir = _iteration_dir(load_dir, iteration, release)
+    fmt = detect_format(iter_dir, trust) if os.path.isdir(iter_dir) else TORCH
+    check_format_flags(fmt, args, iter_dir)
+    if fmt == TORCH:
+        return None
+    iteration, _ = load_foreign(models, args, load_dir, iter_dir, fmt, release, state)
+    _barrier()
+    _print0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
+    return iteration
+
+
 def load_checkpoint(
     model: Any,
     optimizer: Any,
@@ -514,6 +542,9 @@ def load_checkpoint(
         return 0
     iteration, release = read_metadata(tracker)
     trust = bool(getattr(args, "trust_checkpoint", False))
+    foreign = _load_other_format(models, args, load_dir, iteration, release, state, trust)
+    if foreign is not None:
+        return foreign
     iteration, checkpoint_name, sd = _select_checkpoint(load_dir, iteration, release, trust,
                                                         not getattr(args, "no_checkpoint_fallback", False))
     _print0(f" loading checkpoint from {load_dir} at iteration {iteration}")

@@ -97,6 +97,8 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "trust_checkpoint": "megatron/checkpointing.py",
     "no_checkpoint_fallback": "megatron/checkpointing.py",
     "keep_last_n_checkpoints": "megatron/checkpointing.py",
+    "ckpt_format": "megatron/checkpoint_formats.py",
+    "auto_detect_ckpt_format": "megatron/checkpoint_formats.py",
     # evaluation
     "eval_iters": "megatron/training.py",
     "eval_interval": "megatron/training.py",

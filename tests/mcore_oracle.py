@@ -51,3 +51,24 @@ def run_oracle(script: str, cwd: Path, timeout: float = 600, nproc: int = 1) -> 
         raise AssertionError(f"megatron-core oracle script failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-8000:]}")
     return proc
+
+
+# Stand-ins for the CUDA-only calls megatron-core makes while building and running a model on CPU; an oracle script
+# starts with `exec(ORACLE_CPU_PRELUDE)` (and keeps its work under `if __name__ == "__main__":`, since
+# dist_checkpointing starts a worker process).
+ORACLE_CPU_PRELUDE = '''
+import contextlib as _contextlib
+import torch as _torch
+_torch.cuda.current_device = lambda: "cpu"          # its global memory buffer and RNG setup then live on the CPU
+_torch.cuda.synchronize = lambda *a, **k: None
+_torch.Tensor.cuda = lambda self, *a, **k: self     # tied embeddings over pipeline stages move a copy "to the GPU"
+from megatron.core.tensor_parallel import random as _mcore_random
+
+
+@_contextlib.contextmanager
+def _no_fork(self, name=None):                       # the CUDA RNG tracker's fork: no CUDA generator to fork
+    yield
+
+
+_mcore_random.CudaRNGStatesTracker.fork = _no_fork
+'''

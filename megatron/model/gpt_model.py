@@ -10,10 +10,12 @@ from megatron.core.transformer_config import TransformerConfig
 from megatron.model.enums import AttnMaskType
 from megatron.model.language_model import TransformerLanguageModel, parallel_lm_logits
 from megatron.model.layer_specs import gpt_layer_spec
+from megatron.model.mcore_names import core_to_ours, has_core_names
 from megatron.model.module import MegatronModule
 from megatron.model.utils import group_size
 
 WORD_EMBEDDINGS_FOR_HEAD_KEY = "word_embeddings_for_head"
+OUTPUT_COPY = "language_model.output_layer.weight"
 LANGUAGE_MODEL_KEY = "language_model"
 
 
@@ -57,6 +59,8 @@ def flatten_checkpoint_state_dict(state_dict: Mapping[str, Any]) -> dict:
                 flat[name] = value
 
     walk("", state_dict)
+    if has_core_names(flat):  # Megatron Core's names (its per-rank `torch` checkpoints)
+        return core_to_ours(flat)
     # older checkpoints call self-attention "attention"
     return {k.replace(".attention.", ".self_attention."): v for k, v in flat.items()}
 
@@ -176,4 +180,7 @@ class GPTModel(MegatronModule):
         # tool writes it on every last stage): elsewhere it is ignored, strict or not.
         if "word_embeddings.weight" in flat and "word_embeddings.weight" not in own:
             del flat["word_embeddings.weight"]
+        # Megatron Core keeps that copy as `output_layer.weight` (tied embeddings on a last stage without them)
+        if OUTPUT_COPY in flat and OUTPUT_COPY not in own and "word_embeddings.weight" in own:
+            flat["word_embeddings.weight"] = flat.pop(OUTPUT_COPY)
         return super().load_state_dict(flat, strict=strict, assign=assign)

@@ -1,0 +1,259 @@
+"""Megatron-LM's ``--ckpt-format torch_dist`` folders, read and written (GPT and Llama-family models).
+
+An iteration folder holds a `torch.distributed.checkpoint` save: ``.metadata`` (the tensors' global shapes and where
+each chunk lives), ``__R_K.distcp`` data files, ``common.pt`` (the non-tensor state: ``args``, ``iteration``,
+``checkpoint_version``...) and ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``). Each tensor is stored
+once with its global (TP=1) shape under Megatron Core's name, the layers stacked on a leading axis
+(``decoder.layers.self_attention.linear_qkv.weight`` is ``[num_layers, ...]``; SwiGLU's ``linear_fc1`` is
+``[W; V]`` over the full width, i.e. our TP=1 tensor), whatever TP/PP/DP layout wrote it.
+
+Reading is ours, on CPU and without a process group: ``.metadata`` is unpickled with an allow-list of
+`torch.distributed.checkpoint`'s own record types (no other class is ever built), each tensor chunk is loaded
+weights-only from the byte range the metadata names, and a missing or damaged data file is one line naming it.
+Non-tensor entries (Transformer Engine's ``_extra_state``) are never unpickled. Writing goes through
+`torch.distributed.checkpoint.save` (one process, ``no_dist``), so Megatron Core's ``dist_checkpointing.load`` reads
+the result into its models at any layout.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
+
+from megatron.checkpoint_conversion.interchange import (
+    ConversionError,
+    Message,
+    ModelMeta,
+    args_namespace,
+    messages_from_state_dict,
+    state_dict_from_messages,
+)
+from megatron.model.mcore_names import core_layer_suffix_to_ours, core_to_ours, our_layer_suffix_to_core
+
+METADATA_JSON = "metadata.json"
+COMMON = "common.pt"
+DCP_METADATA = ".metadata"
+_LAYERS = "language_model.encoder.layers."
+_DCP = "torch.distributed.checkpoint."
+_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_ALLOWED_MODULES = (_DCP + "metadata", _DCP + "planner", _DCP + "filesystem")
+
+
+def is_torch_dist(iter_dir: str) -> bool:
+    """Whether `iter_dir` holds a torch_dist checkpoint (its metadata.json says so)."""
+    path = os.path.join(iter_dir, METADATA_JSON)
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f).get("sharded_backend") == "torch_dist"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only torch.distributed.checkpoint's metadata records, torch.Size and dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _ALLOWED_MODULES or (module, name) in (("torch", "Size"), ("torch.serialization", "_get_layout"),
+                                                             ("collections", "OrderedDict")):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a torch.distributed.checkpoint record")
+
+
+def read_dcp_metadata(iter_dir: str) -> Any:
+    path = os.path.join(iter_dir, DCP_METADATA)
+    if not os.path.isfile(path):
+        raise ConversionError(f"torch_dist checkpoint {iter_dir} has no {DCP_METADATA}; the checkpoint is incomplete")
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged or foreign file
+        raise ConversionError(f"{path} is damaged or not torch.distributed.checkpoint metadata "
+                              f"({str(exc).splitlines()[0][:160]})") from None
+
+
+def read_common(iter_dir: str, trust: bool = False) -> Dict[str, Any]:
+    """common.pt through the safe loader (weights-only + allow-list)."""
+    from megatron.safe_load import safe_torch_load
+
+    path = os.path.join(iter_dir, COMMON)
+    if not os.path.isfile(path):
+        raise ConversionError(f"torch_dist checkpoint {iter_dir} has no {COMMON}; the checkpoint is incomplete")
+    sd = safe_torch_load(path, map_location="cpu", trust=trust)
+    if not isinstance(sd, dict):
+        raise ConversionError(f"{path} is not a Megatron common state (a {type(sd).__name__}, not a dict)")
+    return sd
+
+
+def read_tensors(iter_dir: str) -> Dict[str, torch.Tensor]:
+    """{Core name: global tensor} of every tensor in the folder (byte entries skipped, never unpickled)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    md = read_dcp_metadata(iter_dir)
+    files: Dict[str, int] = {}
+    for info in md.storage_data.values():  # every data file named, and long enough for its byte ranges
+        files[info.relative_path] = max(files.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in sorted(files.items()):
+        path = os.path.join(iter_dir, rel)
+        if not os.path.isfile(path):
+            raise ConversionError(f"missing shard {path} of the torch_dist checkpoint {iter_dir}; restore it")
+        if os.path.getsize(path) < end:
+            raise ConversionError(f"shard {path} is truncated ({os.path.getsize(path)} bytes, the metadata needs "
+                                  f"{end}); restore it")
+    out: Dict[str, torch.Tensor] = {}
+    handles: Dict[str, Any] = {}
+    try:
+        for key, item in md.state_dict_metadata.items():
+            if not isinstance(item, TensorStorageMetadata):
+                continue
+            full = torch.empty(item.size, dtype=item.properties.dtype)
+            for index, chunk in enumerate(item.chunks):
+                info = md.storage_data[MetadataIndex(key, chunk.offsets, index)]
+                path = os.path.join(iter_dir, info.relative_path)
+                if getattr(info, "transform_descriptors", None):
+                    raise ConversionError(f"{path}: {key} is stored with transforms {info.transform_descriptors} "
+                                          "(compression?) that this reader does not apply")
+                f = handles.setdefault(path, open(path, "rb"))  # noqa: SIM115 - closed below
+                f.seek(info.offset)
+                try:
+                    part = torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
+                except Exception as exc:  # noqa: BLE001 - a damaged byte range
+                    raise ConversionError(f"shard {path} is damaged (reading {key}: "
+                                          f"{str(exc).splitlines()[0][:120]}); restore it") from None
+                if not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(chunk.sizes):
+                    raise ConversionError(f"shard {path} is damaged ({key} chunk has the wrong shape); restore it")
+                full[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] = part
+            out[key] = full
+    finally:
+        for f in handles.values():
+            f.close()
+    return out
+
+
+def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """torch_dist's stacked Core tensors -> our full flat TP=1 state dict (one entry per layer)."""
+    flat: Dict[str, torch.Tensor] = {}
+    rest: Dict[str, torch.Tensor] = {}
+    for key, t in tensors.items():
+        if key.startswith("decoder.layers."):
+            suffix = key[len("decoder.layers."):]
+            if suffix.endswith("_extra_state"):
+                continue
+            ours = core_layer_suffix_to_ours(suffix, key)
+            for i in range(t.size(0)):
+                flat[f"{_LAYERS}{i}.{ours}"] = t[i].clone()
+        else:
+            rest[key] = t
+    flat.update(core_to_ours(rest))
+    return flat
+
+
+def ours_to_core_stacked(flat: Dict[str, torch.Tensor], num_layers: int) -> Dict[str, torch.Tensor]:
+    """Our full flat TP=1 state dict -> torch_dist's tensors (layers stacked; norms in Transformer Engine's names)."""
+    from megatron.model.mcore_names import ours_to_core
+
+    per_suffix: Dict[str, list] = {}
+    rest: Dict[str, torch.Tensor] = {}
+    for key, t in flat.items():
+        if key.startswith(_LAYERS):
+            index, _, suffix = key[len(_LAYERS):].partition(".")
+            per_suffix.setdefault(suffix, [None] * num_layers)[int(index)] = t
+        else:
+            rest[key] = t
+    out = ours_to_core(rest)
+    for suffix, tensors in per_suffix.items():
+        if any(t is None for t in tensors):
+            raise ConversionError(f"layer tensor {suffix} is missing for some of the {num_layers} layers")
+        out["decoder.layers." + our_layer_suffix_to_core(suffix, fused_norms=True)] = torch.stack(tensors)
+    return out
+
+
+def _architecture(common: Dict[str, Any], tensors: Dict[str, torch.Tensor], path: str) -> Dict[str, Any]:
+    from megatron.checkpoint_args import saved_architecture
+
+    arch = saved_architecture(common.get("architecture"), common.get("args"))
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if not arch.get(k)]
+    if missing:
+        raise ConversionError(f"{path} records neither 'architecture' nor args with {', '.join(missing)}: "
+                              "not a checkpoint this tool can describe")
+    qkv = tensors.get("decoder.layers.self_attention.linear_qkv.weight")
+    if qkv is not None and qkv.size(0) != arch["num_layers"]:
+        raise ConversionError(f"{path}: the tensors stack {qkv.size(0)} layers but the args say num_layers="
+                              f"{arch['num_layers']}: mismatched files")
+    if "output_layer.weight" in tensors:
+        arch["share_embeddings_and_output_weights"] = False
+    arch["padded_vocab_size"] = int(tensors["embedding.word_embeddings.weight"].size(0))
+    return arch
+
+
+def read_iteration(iter_dir: str, trust: bool = False) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
+    """(common state, architecture, our full flat TP=1 state dict) of one torch_dist iteration folder."""
+    common = read_common(iter_dir, trust)
+    tensors = read_tensors(iter_dir)
+    if "embedding.word_embeddings.weight" not in tensors:
+        raise ConversionError(f"torch_dist checkpoint {iter_dir} has no embedding.word_embeddings.weight: not a GPT "
+                              "model checkpoint")
+    arch = _architecture(common, tensors, os.path.join(iter_dir, COMMON))
+    return common, arch, core_stacked_to_ours(tensors)
+
+
+def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int] = None
+                    ) -> Tuple[ModelMeta, Iterator[Message]]:
+    """Loader: (meta, message stream) of a torch_dist checkpoint (the tracker's iteration, or `iteration`)."""
+    from megatron.checkpoint_conversion.megatron_format import find_iteration_dir
+
+    iter_dir, it = find_iteration_dir(load_dir, iteration)
+    common, arch, flat = read_iteration(iter_dir, trust)
+    args = common.get("args")
+    tok: Dict[str, Any] = {}
+    for key in ("vocab_file", "merge_file", "tokenizer_model"):
+        if getattr(args, key, None):
+            tok[key] = getattr(args, key)
+    if getattr(args, "tokenizer_type", None):
+        tok["type"] = args.tokenizer_type
+    meta = ModelMeta(model_type="GPT", architecture=arch, iteration=None if it is None else int(common.get(
+        "iteration", it)), checkpoint_args=args, true_vocab_size=getattr(args, "true_vocab_size", None),
+        consumed_train_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
+        consumed_valid_samples=int(getattr(args, "consumed_valid_samples", 0) or 0),
+        make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128) or 128),
+        tokenizer=tok, source=iter_dir)
+    return meta, messages_from_state_dict(flat, arch["num_layers"])
+
+
+def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str,
+                     extra_common: Optional[Dict[str, Any]] = None) -> None:
+    """Write one torch_dist iteration folder from a message stream (into a temporary folder, renamed at the end)."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.atomic_io import atomic_torch_save, atomic_write_text
+
+    flat = state_dict_from_messages(messages)
+    tensors = {k: v.detach().contiguous().clone() for k, v in
+               ours_to_core_stacked(flat, meta.architecture["num_layers"]).items()}
+    state: Dict[str, Any] = dict(tensors)
+    num_layers = int(meta.architecture["num_layers"])
+    for linear in _LINEARS:  # Megatron Core's per-layer ShardedObjects (empty extra state), so its loader finds them
+        for i in range(num_layers):
+            # DCP's default planner torch.saves the value: Megatron Core's ShardedObject payload, a list of data
+            state[f"decoder.layers.{linear}._extra_state/shard_{i}_{num_layers}"] = [None]
+    tmp = iter_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+    args = meta.checkpoint_args if meta.checkpoint_args is not None else args_namespace(meta)
+    common = {"args": args, "checkpoint_version": 3.0, "iteration": meta.iteration or 0,
+              "architecture": dict(meta.architecture), **(extra_common or {})}
+    atomic_torch_save(common, os.path.join(tmp, COMMON))
+    atomic_write_text(os.path.join(tmp, METADATA_JSON), json.dumps(
+        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+         "common_backend_version": 1}))
+    shutil.rmtree(iter_dir, ignore_errors=True)
+    os.replace(tmp, iter_dir)

@@ -1,0 +1,167 @@
+"""Which checkpoint layout a folder holds, and `--load` of today's Megatron-LM layouts into our models.
+
+Three layouts load with ``--load``:
+  * ``torch`` (ours): per-rank ``mp_rank_XX[_YYY]/model_optim_rng.pt`` with Megatron-LM 23.06's names; loaded by
+    megatron/checkpointing.py at the layout that wrote it;
+  * ``torch`` with Megatron Core names (Megatron-LM's ``--ckpt-format torch`` since Megatron Core): the same files,
+    other parameter names (megatron/model/mcore_names.py);
+  * ``torch_dist`` (Megatron-LM's default): one `torch.distributed.checkpoint` folder of global tensors
+    (megatron/checkpoint_conversion/torch_dist.py).
+The last two load at any TP/PP/DP layout of this run, whatever layout wrote them: every rank reads the full (TP=1)
+tensors (through the safe loader, and the manifest check when the folder has one), takes its pipeline stage's
+layers and its tensor-parallel slice. Their model weights load (``--finetune``, or ``--no-load-optim
+--no-load-rng``); Megatron Core's optimizer and RNG state are not converted (a one-line error says so).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from megatron import checkpoint_integrity as integrity
+from megatron.errors import MegatronUserError
+
+TORCH, CORE_TORCH, TORCH_DIST = "torch", "torch (Megatron Core names)", "torch_dist"
+_LAYERS = "language_model.encoder.layers."
+_WORD = "language_model.embedding.word_embeddings.weight"
+_OUT = "language_model.output_layer.weight"
+
+
+class CheckpointFormatError(MegatronUserError, RuntimeError):
+    """A checkpoint in a layout this run cannot load as asked (one line: the file or flag and the fix)."""
+
+
+def _rank0_file(iter_dir: str) -> Optional[str]:
+    for sub in ("mp_rank_00", "mp_rank_00_000"):
+        for name in ("model_optim_rng.pt", "model_rng.pt"):
+            path = os.path.join(iter_dir, sub, name)
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def detect_format(iter_dir: str, trust: bool = False) -> str:
+    """TORCH, CORE_TORCH or TORCH_DIST for one iteration folder (TORCH when it cannot tell: ours reports that)."""
+    from megatron.checkpoint_conversion.torch_dist import is_torch_dist
+    from megatron.model.mcore_names import has_core_names
+    from megatron.safe_load import safe_torch_load
+
+    if is_torch_dist(iter_dir):
+        return TORCH_DIST
+    path = _rank0_file(iter_dir)
+    if path is None:
+        return TORCH
+    try:
+        sd = safe_torch_load(path, map_location="cpu", trust=trust, mmap=True)
+    except Exception:  # noqa: BLE001 - the regular loader reports a damaged file with its own message
+        return TORCH
+    model = sd.get("model", sd.get("model0")) if isinstance(sd, dict) else None
+    return CORE_TORCH if isinstance(model, dict) and has_core_names(model) else TORCH
+
+
+def check_format_flags(fmt: str, args: argparse.Namespace, iter_dir: str) -> None:
+    """Megatron-LM's rule: a folder in another format than --ckpt-format loads only with --auto-detect-ckpt-format;
+    says in one line which layout it found."""
+    wanted = getattr(args, "ckpt_format", TORCH) or TORCH
+    found = TORCH_DIST if fmt == TORCH_DIST else TORCH
+    if found != wanted and not getattr(args, "auto_detect_ckpt_format", False):
+        raise CheckpointFormatError(f"checkpoint {iter_dir} is in the {found} format but --ckpt-format is {wanted}: "
+                                    f"pass --auto-detect-ckpt-format (or --ckpt-format {found})")
+    if fmt != TORCH and _is_rank0():
+        print(f" detected checkpoint format {fmt} in {iter_dir}", flush=True)
+
+
+def _is_rank0() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool
+              ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, torch.Tensor]]:
+    """(state besides the weights: args/iteration/..., architecture, our full flat TP=1 state dict)."""
+    from megatron.checkpoint_conversion.interchange import ConversionError, state_dict_from_messages
+
+    reason = integrity.verify(iter_dir)
+    if reason is not None and reason != integrity.NO_MANIFEST:
+        raise CheckpointFormatError(f"checkpoint {iter_dir} is damaged: {reason}; restore it")
+    try:
+        if fmt == TORCH_DIST:
+            from megatron.checkpoint_conversion.torch_dist import read_iteration
+
+            return read_iteration(iter_dir, trust)
+        from megatron.checkpoint_conversion.megatron_format import read_megatron
+
+        iteration = None if os.path.basename(iter_dir) == "release" else int(os.path.basename(iter_dir)[5:])
+        meta, messages = read_megatron(load_dir, trust=trust, iteration=iteration)
+        flat = state_dict_from_messages(messages)
+        # read_megatron cuts nothing without a true vocabulary size: the rows are the writer's padded ones
+        first = _rank0_file(iter_dir)
+        from megatron.safe_load import safe_torch_load
+
+        sd = safe_torch_load(first, map_location="cpu", trust=trust, mmap=True)
+        common = {k: v for k, v in sd.items() if not k.startswith("model") and k not in ("optimizer", "rng_state")}
+        return common, dict(meta.architecture), flat
+    except ConversionError as exc:
+        raise CheckpointFormatError(str(exc)) from None
+
+
+def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], model: torch.nn.Module,
+               num_layers: int, chunk: int, state: Any) -> Dict[str, torch.Tensor]:
+    """This rank's part of a full flat state dict for one model chunk: its pipeline layers (renumbered), the
+    vocabulary re-padded to the model's rows, its tensor-parallel slice; only the names the chunk has."""
+    from megatron.checkpoint_conversion.megatron_format import chunk_of_layer
+    from megatron.checkpoint_conversion.vocab import repad_rows
+    from megatron.model.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
+
+    vp = state.virtual_pp_size or 1
+    piece: Dict[str, torch.Tensor] = {}
+    for key, value in full.items():
+        if key.startswith(_LAYERS):
+            index, _, suffix = key[len(_LAYERS):].partition(".")
+            p, v, local = chunk_of_layer(int(index), num_layers, state.pp_size, vp)
+            if (p, v) == (state.pp_rank, chunk):
+                piece[f"{_LAYERS}{local}.{suffix}"] = value
+        else:
+            piece[key] = value
+    if "word_embeddings.weight" in own and _WORD in full:  # the head's copy of tied embeddings (last stage)
+        piece["word_embeddings.weight"] = full[_WORD]
+    for key in (_WORD, _OUT, "word_embeddings.weight"):
+        if key in piece and key in own:
+            piece[key] = repad_rows(piece[key], own[key].size(0) * state.tp_size)
+    piece = {k: v for k, v in piece.items() if k in own}
+    if state.tp_size > 1:
+        piece = split_tensor_parallel_state_dict(piece, state.tp_size, layouts=tensor_parallel_layouts(model))[
+            state.tp_rank]
+    return piece
+
+
+def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, iter_dir: str, fmt: str,
+                 release: bool, state: Any) -> Tuple[int, Dict[str, Any]]:
+    """Load a Megatron Core checkpoint's weights into `models`; returns (iteration to continue from, common state)."""
+    from megatron.checkpoint_args import check_architecture
+    from megatron.model.module import unwrap_model
+
+    finetune = bool(getattr(args, "finetune", False))
+    if not (finetune or release) and not (getattr(args, "no_load_optim", False)
+                                          and getattr(args, "no_load_rng", False)):
+        raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): its optimizer and RNG state are not converted; "
+                                    "pass --finetune, or --no-load-optim --no-load-rng")
+    trust = bool(getattr(args, "trust_checkpoint", False))
+    common, arch, full = read_full(iter_dir, load_dir, fmt, trust)
+    check_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, args, iter_dir)
+    for i, chunk in enumerate(models):
+        model = unwrap_model(chunk)
+        own = model.state_dict()
+        piece = rank_piece(full, own, model, int(arch["num_layers"]), i, state)
+        missing = sorted(set(own) - set(piece) - {k for k in own if k.endswith("_extra_state")})
+        if missing:
+            raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}) has no {missing[0]} for this model; check "
+                                        "--num-layers, --untie-embeddings-and-output-weights and the model flags")
+        model.load_state_dict(piece, strict=False)
+    if finetune or release:
+        return 0, common
+    ckpt_args = common.get("args")
+    for key in ("consumed_train_samples", "consumed_valid_samples"):
+        setattr(args, key, int(common.get(key, getattr(ckpt_args, key, 0)) or 0))
+    return int(common.get("iteration", getattr(ckpt_args, "iteration", 0)) or 0), common

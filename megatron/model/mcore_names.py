@@ -1,0 +1,110 @@
+"""Megatron Core parameter names <-> ours (Megatron-LM 23.06's), for GPT and Llama-family models.
+
+Megatron Core calls the same tensors (same shapes, same tensor-parallel split, same fused-QKV row order and SwiGLU
+halves per rank) by other names: ``embedding.word_embeddings.weight``, ``decoder.layers.N.self_attention.linear_qkv``,
+``linear_proj``, ``mlp.linear_fc1``/``linear_fc2``, ``decoder.final_layernorm``, ``output_layer``. Its local layer spec
+keeps ``input_layernorm``/``pre_mlp_layernorm``; the Transformer Engine spec folds them into the next linear
+(``linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``, ``_bias`` likewise), which is also how
+``torch_dist`` checkpoints name them. ``_extra_state`` entries (Transformer Engine's FP8 metadata) carry no weights and
+are dropped. A per-rank file is renamed tensor by tensor; parts we do not model (MoE routers and experts, QK norms)
+are one line naming the key.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, Mapping
+
+from megatron.errors import MegatronUserError
+
+_LM = "language_model."
+_LAYERS = _LM + "encoder.layers."
+
+# (Core suffix inside a layer, our suffix); the fused-norm spellings first (prefix matches run in order)
+LAYER_SUFFIXES = (
+    ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+    ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
+    ("mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight"),
+    ("mlp.linear_fc1.layer_norm_bias", "post_attention_layernorm.bias"),
+    ("input_layernorm.", "input_layernorm."),
+    ("pre_mlp_layernorm.", "post_attention_layernorm."),
+    ("self_attention.linear_qkv.", "self_attention.query_key_value."),
+    ("self_attention.linear_proj.", "self_attention.dense."),
+    ("mlp.linear_fc1.", "mlp.dense_h_to_4h."),
+    ("mlp.linear_fc2.", "mlp.dense_4h_to_h."),
+)
+# (Core prefix outside the layers, ours)
+TOP_PREFIXES = (
+    ("embedding.", _LM + "embedding."),
+    ("decoder.final_layernorm.", _LM + "encoder.final_layernorm."),
+    ("output_layer.", _LM + "output_layer."),
+)
+
+
+class UnsupportedCoreCheckpoint(MegatronUserError, ValueError):
+    """A Megatron Core checkpoint holding a part this code does not model (one line naming the key)."""
+
+
+def has_core_names(keys: Iterable[str]) -> bool:
+    """Whether a flat state dict uses Megatron Core's names (``embedding.``, ``decoder.``, ``output_layer.``)."""
+    return any(k.startswith(("embedding.", "decoder.", "output_layer.")) for k in keys)
+
+
+def _skipped(key: str) -> bool:
+    return key.endswith("_extra_state") or key.endswith("inv_freq")
+
+
+def core_layer_suffix_to_ours(suffix: str, key: str) -> str:
+    """A layer-relative Core name -> ours (`key` names the tensor in the error)."""
+    for core, ours in LAYER_SUFFIXES:
+        if suffix == core or (core.endswith(".") and suffix.startswith(core)):
+            return ours + suffix[len(core):] if core.endswith(".") else ours
+    what = "a Mixture-of-Experts layer" if ".router." in key or ".experts." in key else "a part we do not model"
+    raise UnsupportedCoreCheckpoint(f"Megatron Core tensor {key} belongs to {what}; this checkpoint cannot be "
+                                    "loaded here (dense GPT / Llama-family models only)")
+
+
+def core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
+    """A flat Core state dict (one rank's, or a full one) -> our flat names; `_extra_state` entries dropped."""
+    out: Dict[str, Any] = {}
+    for key, value in flat.items():
+        if _skipped(key):
+            continue
+        if key.startswith("decoder.layers."):
+            index, _, suffix = key[len("decoder.layers."):].partition(".")
+            out[f"{_LAYERS}{index}.{core_layer_suffix_to_ours(suffix, key)}"] = value
+            continue
+        for core, ours in TOP_PREFIXES:
+            if key.startswith(core):
+                out[ours + key[len(core):]] = value
+                break
+        else:
+            raise UnsupportedCoreCheckpoint(f"Megatron Core tensor {key} is not part of a GPT model we know; this "
+                                            "checkpoint cannot be loaded here")
+    return out
+
+
+def our_layer_suffix_to_core(suffix: str, fused_norms: bool) -> str:
+    """Our layer-relative name -> Core's (norms folded into the next linear with `fused_norms`, as torch_dist)."""
+    for core, ours in LAYER_SUFFIXES:
+        fused = not core.endswith(".")
+        if fused != fused_norms and ours.startswith(("input_layernorm", "post_attention_layernorm")):
+            continue
+        if suffix == ours or (ours.endswith(".") and suffix.startswith(ours)):
+            return core + suffix[len(ours):] if ours.endswith(".") else core
+    raise UnsupportedCoreCheckpoint(f"our layer tensor {suffix} has no Megatron Core name")
+
+
+def ours_to_core(flat: Mapping[str, Any], fused_norms: bool = False) -> Dict[str, Any]:
+    """Our flat names -> Core's (the local layer spec's spelling; `fused_norms`: Transformer Engine's)."""
+    out: Dict[str, Any] = {}
+    for key, value in flat.items():
+        if key.startswith(_LAYERS):
+            index, _, suffix = key[len(_LAYERS):].partition(".")
+            out[f"decoder.layers.{index}.{our_layer_suffix_to_core(suffix, fused_norms)}"] = value
+            continue
+        for core, ours in TOP_PREFIXES:
+            if key.startswith(ours):
+                out[core + key[len(ours):]] = value
+                break
+        else:
+            raise UnsupportedCoreCheckpoint(f"our tensor {key} has no Megatron Core name")
+    return out
