@@ -106,6 +106,25 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool
         raise CheckpointFormatError(str(exc)) from None
 
 
+def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str) -> None:
+    """--ckpt-format torch_dist on save: turn the per-rank files of `iter_dir` (just written, any layout) into one
+    torch_dist folder with Megatron Core names; common.pt keeps args, iteration, consumed samples and the LR
+    schedule (the optimizer state is refused at start-up: validate_args)."""
+    from megatron.checkpoint_conversion.interchange import ConversionError
+    from megatron.checkpoint_conversion.megatron_format import read_megatron
+    from megatron.checkpoint_conversion.torch_dist import write_torch_dist
+    from megatron.safe_load import safe_torch_load
+
+    try:
+        meta, messages = read_megatron(save_dir, iteration=iteration)
+        first = safe_torch_load(_rank0_file(iter_dir), map_location="cpu")
+        keep = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens",
+                "opt_param_scheduler", "true_vocab_size", "padded_vocab_size")
+        write_torch_dist(meta, messages, iter_dir, {k: first[k] for k in keep if k in first})
+    except ConversionError as exc:
+        raise CheckpointFormatError(f"--ckpt-format torch_dist: {exc}") from None
+
+
 def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], model: torch.nn.Module,
                num_layers: int, chunk: int, state: Any) -> Dict[str, torch.Tensor]:
     """This rank's part of a full flat state dict for one model chunk: its pipeline layers (renumbered), the

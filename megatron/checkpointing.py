@@ -298,6 +298,12 @@ def save_checkpoint(
             _atomic_save(param_state, get_distributed_optimizer_checkpoint_name(checkpoint_name))
 
     _barrier()
+    if getattr(args, "ckpt_format", "torch") == "torch_dist":
+        if _is_rank0():  # the per-rank files just written become one torch_dist folder (any layout loads it)
+            from megatron.checkpoint_formats import rewrite_as_torch_dist
+
+            rewrite_as_torch_dist(save_dir, iteration, iter_dir)
+        _barrier()
     if _is_rank0():  # the manifest is written last of the iteration, then the tracker moves
         integrity.write_manifest(iter_dir)
         _atomic_write_text(get_checkpoint_tracker_filename(save_dir), str(iteration))

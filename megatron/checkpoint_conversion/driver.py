@@ -23,8 +23,11 @@ def base_parser() -> argparse.ArgumentParser:
         description="Convert a checkpoint between Megatron layouts (any TP/PP/virtual PP), Hugging Face and "
                     "DeepSpeed", allow_abbrev=False, conflict_handler="resolve")
     parser.add_argument("--model-type", required=True, choices=MODEL_TYPES, help="Type of the model")
-    parser.add_argument("--loader", default="megatron", help="Loader plugin: megatron, hf, deepspeed or a module")
-    parser.add_argument("--saver", default="megatron", help="Saver plugin: megatron, hf, deepspeed or a module")
+    parser.add_argument("--loader", default="megatron",
+                        help="Loader plugin: megatron, mcore (Megatron Core torch / torch_dist), hf, deepspeed or a "
+                             "module")
+    parser.add_argument("--saver", default="megatron",
+                        help="Saver plugin: megatron, mcore (torch_dist), hf, deepspeed or a module")
     parser.add_argument("--load-dir", required=True, help="Folder to read the checkpoint from")
     parser.add_argument("--save-dir", required=True, help="Folder to write the converted checkpoint to (must not "
                         "hold a checkpoint already)")
@@ -126,8 +129,10 @@ def convert(args: argparse.Namespace) -> Dict[str, Any]:
         summary["note"] = (f"note: the padded vocabulary changed from {src} to {dst} rows, so the continuation is "
                            "close to but not equal to the original layout's (choose --make-vocab-size-divisible-by "
                            "to keep it)")
-    if args.saver in ("megatron", "deepspeed"):
+    if args.saver in ("megatron", "deepspeed", "mcore"):
         summary["flags"] = model_flags(meta, summary.get("tp", 1), summary.get("pp", 1), summary.get("vp_layers"))
+        if args.saver == "mcore":  # loads at any layout: the parallel sizes are the run's
+            summary["flags"] += " --auto-detect-ckpt-format"
     return summary
 
 

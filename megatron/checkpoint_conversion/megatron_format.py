@@ -230,7 +230,10 @@ class MegatronCheckpointReader:
                 if key not in sd:
                     raise ConversionError(f"{path} has no '{key}' entry: its virtual pipeline chunks differ from "
                                           f"{self.files[(0, 0)]} (mismatched shards)")
-                self.chunks[(t, p, v)] = flatten_checkpoint_state_dict(sd[key])
+                flat = flatten_checkpoint_state_dict(sd[key])
+                if OUT in flat and WORD not in flat and self.architecture.get("share_embeddings_and_output_weights"):
+                    flat[HEAD_COPY] = flat.pop(OUT)  # Megatron Core's name for the tied head copy (last stage)
+                self.chunks[(t, p, v)] = flat
         for (t, p, v), flat in self.chunks.items():
             ref = self.chunks[(0, p, v)]
             if set(flat) != set(ref):

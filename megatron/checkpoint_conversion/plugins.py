@@ -162,7 +162,53 @@ class DeepSpeedSaver:
         return {"files": result["files"], "tp": tp, "pp": pp, "vp_layers": None}
 
 
+class McoreLoader:
+    """Megatron Core checkpoints: per-rank `torch` files with Core names (any TP/PP) or a `torch_dist` folder."""
+
+    add_arguments = MegatronLoader.add_arguments
+
+    @staticmethod
+    def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
+        from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, read_megatron
+        from megatron.checkpoint_conversion.torch_dist import is_torch_dist, read_torch_dist
+
+        if args.model_type != "GPT":
+            raise ConversionError(f"--loader mcore reads GPT / Llama-family checkpoints, not --model-type "
+                                  f"{args.model_type}")
+        iter_dir, _ = find_iteration_dir(args.load_dir, getattr(args, "iteration", None))
+        if is_torch_dist(iter_dir):
+            print(f" detected checkpoint format torch_dist in {iter_dir}", flush=True)
+            return read_torch_dist(args.load_dir, trust=_trust(args), iteration=getattr(args, "iteration", None))
+        return read_megatron(args.load_dir, true_vocab_size=args.true_vocab_size, model_type="GPT",
+                             trust=_trust(args), iteration=getattr(args, "iteration", None))
+
+
+class McoreSaver:
+    """A `torch_dist` folder (Megatron-LM's default format; Megatron Core loads it at any layout)."""
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        pass
+
+    @staticmethod
+    def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
+                        save_dir: str) -> Dict[str, Any]:
+        from megatron.atomic_io import atomic_write_text
+        from megatron.checkpoint_conversion.torch_dist import write_torch_dist
+
+        if meta.model_type != "GPT":
+            raise ConversionError(f"--saver mcore writes GPT / Llama-family models, not --model-type {meta.model_type}")
+        name = "release" if meta.iteration is None else f"iter_{meta.iteration:07d}"
+        write_torch_dist(meta, messages, os.path.join(save_dir, name))
+        atomic_write_text(os.path.join(save_dir, "latest_checkpointed_iteration.txt"),
+                          "release" if meta.iteration is None else str(meta.iteration))
+        copy_tokenizer_files(meta, save_dir, os.path.abspath(args.save_dir))
+        return {"files": [os.path.join(save_dir, name)], "tp": 1, "pp": 1, "vp_layers": None}
+
+
 BUILTIN: Dict[Tuple[str, str], Any] = {
+    ("loader", "mcore"): McoreLoader,
+    ("saver", "mcore"): McoreSaver,
     ("loader", "megatron"): MegatronLoader,
     ("loader", "hf"): HFLoader,
     ("loader", "deepspeed"): DeepSpeedLoader,
@@ -185,5 +231,5 @@ def resolve_plugin(kind: str, name: str) -> Any:
         if not (hasattr(module, "add_arguments") and hasattr(module, need)):
             raise ConversionError(f"--{kind} {name}: module {module_name} has no add_arguments/{need}")
         return module
-    raise ConversionError(f"--{kind} {name}: no such {kind} (built-in: megatron, hf, deepspeed; or an importable "
+    raise ConversionError(f"--{kind} {name}: no such {kind} (built-in: megatron, mcore, hf, deepspeed; or an importable "
                           f"module {kind}_{name})")

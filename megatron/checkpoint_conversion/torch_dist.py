@@ -42,6 +42,8 @@ _LAYERS = "language_model.encoder.layers."
 _DCP = "torch.distributed.checkpoint."
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 _ALLOWED_MODULES = (_DCP + "metadata", _DCP + "planner", _DCP + "filesystem")
+_ALLOWED_NAMES = (("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                  ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"))  # the writer's checkpoint_id
 
 
 def is_torch_dist(iter_dir: str) -> bool:
@@ -60,8 +62,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Builds only torch.distributed.checkpoint's metadata records, torch.Size and dtypes."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES or (module, name) in (("torch", "Size"), ("torch.serialization", "_get_layout"),
-                                                             ("collections", "OrderedDict")):
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_NAMES:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)

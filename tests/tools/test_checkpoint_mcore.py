@@ -9,6 +9,7 @@ Megatron Core; convert.py reads both (`--loader mcore`); damaged or missing shar
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -64,26 +65,23 @@ def load_logits(family: str, load: Path, *extra: str) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory) -> Path:
-    """The oracle's checkpoints and logits; it also loads ours (written here first) as torch_dist."""
-    from megatron.checkpoint_conversion.interchange import ModelMeta, architecture_of, messages_from_state_dict
-    from megatron.checkpoint_conversion.torch_dist import write_torch_dist
+    """The oracle's checkpoints and logits; it also loads ours (saved here first with --ckpt-format torch_dist)."""
+    from megatron.checkpointing import save_checkpoint
 
     root = tmp_path_factory.mktemp("mcore")
     job = {"families": ["gpt", "llama"], "ours": {}}
     for family in job["families"]:
-        args = run_args(family, root / "none")
+        save = root / "ours" / family
+        args = run_args(family, root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format", "torch_dist", "--no-save-optim",
+                        "--no-save-rng")
         torch.manual_seed(11)
         model = our_model(args)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.1 * torch.randn_like(p))
-        with torch.no_grad():
             torch.save(model(*tokens()), root / f"ours_{family}_logits.pt")
-        meta = ModelMeta(model_type="GPT", architecture=architecture_of(model.config), iteration=3)
-        iter_dir = root / "ours" / family / "iter_0000003"
-        iter_dir.parent.mkdir(parents=True)
-        write_torch_dist(meta, messages_from_state_dict(model.state_dict(), LAYERS), str(iter_dir))
-        job["ours"][family] = str(iter_dir)
+        save_checkpoint(3, [model], None, None, args)
+        job["ours"][family] = str(save / "iter_0000003")
     (root / "job.json").write_text(json.dumps(job))
     script = ORACLE_CPU_PRELUDE + (Path(__file__).parent / "mcore_oracle_checkpoints.py").read_text()
     run_oracle(script, root, nproc=2)
@@ -105,3 +103,125 @@ def test_ours_as_torch_dist_gives_the_same_logits_in_megatron_core(oracle, famil
     ours = torch.load(oracle / f"ours_{family}_logits.pt")
     for name in ("ours_logits_tp1.pt", "ours_logits_tp2.pt"):
         torch.testing.assert_close(torch.load(oracle / "out" / family / name), ours, **TOL, msg=name)
+
+
+@pytest.mark.slow
+def test_convert_loader_and_saver_mcore(oracle, tmp_path):
+    from megatron.checkpoint_conversion.driver import main as convert
+
+    for family, name in (("gpt", "torch_pp2"), ("llama", "dist_tp2")):
+        ref = torch.load(oracle / "out" / family / "logits.pt")
+        ours = tmp_path / f"{family}_ours"
+        convert(["--model-type", "GPT", "--loader", "mcore", "--saver", "megatron", "--load-dir",
+                 str(oracle / "out" / family / name), "--save-dir", str(ours), "--target-tensor-parallel-size", "1",
+                 "--target-pipeline-parallel-size", "1"])
+        torch.testing.assert_close(load_logits(family, ours), ref, **TOL, msg=f"{family} {name} -> megatron")
+        back = tmp_path / f"{family}_back"
+        summary = convert(["--model-type", "GPT", "--loader", "megatron", "--saver", "mcore", "--load-dir", str(ours),
+                           "--save-dir", str(back)])
+        assert summary["flags"].endswith("--auto-detect-ckpt-format")
+        assert json.loads((back / "iter_0000010" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+        torch.testing.assert_close(load_logits(family, back), ref, **TOL, msg=f"{family} -> mcore")
+
+
+@pytest.mark.slow
+def test_use_checkpoint_args_from_common_pt(oracle):
+    from megatron.checkpointing import load_args_from_checkpoint, load_checkpoint
+
+    load = oracle / "out" / "llama" / "dist_pp2"
+    args = parse_args(args=["--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+                            "--load", str(load), "--use-checkpoint-args", "--finetune", "--auto-detect-ckpt-format",
+                            "--hidden-dropout", "0", "--attention-dropout", "0"])
+    load_args_from_checkpoint(args)
+    args.rank = 1
+    validate_args(args, {})
+    assert (args.swiglu, args.normalization, args.num_query_groups, args.ffn_hidden_size) == (True, "RMSNorm", 2, 64)
+    args.padded_vocab_size = VOCAB
+    model = our_model(args)
+    assert load_checkpoint([model], None, None, args) == 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(*tokens()), torch.load(oracle / "out" / "llama" / "logits.pt"), **TOL)
+
+
+@pytest.mark.slow
+def test_format_flags_and_damaged_shards_are_one_line(oracle, tmp_path):
+    from megatron.checkpoint_formats import CheckpointFormatError
+    from megatron.checkpointing import load_checkpoint
+
+    src = oracle / "out" / "gpt" / "dist_tp2"
+    args = run_args("gpt", src, "--finetune")
+    args.auto_detect_ckpt_format = False
+    with pytest.raises(CheckpointFormatError, match="pass --auto-detect-ckpt-format") as info:
+        load_checkpoint([our_model(args)], None, None, args)
+    assert "\n" not in str(info.value)
+    args = run_args("gpt", src)  # without --finetune: the optimizer state is not converted
+    with pytest.raises(CheckpointFormatError, match="--no-load-optim --no-load-rng"):
+        load_checkpoint([our_model(args)], None, None, args)
+    for damage in ("missing", "truncated", "flipped"):
+        bad = tmp_path / damage
+        shutil.copytree(src, bad)
+        shard = bad / "iter_0000010" / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        if damage == "missing":
+            shard.unlink()
+        elif damage == "truncated":
+            shard.write_bytes(bytes(data[: len(data) // 2]))
+        else:
+            for i in range(64, len(data), 97):
+                data[i] ^= 0xFF
+            shard.write_bytes(bytes(data))
+        with pytest.raises(Exception) as info:
+            load_logits("gpt", bad)
+        msg = str(info.value)
+        assert "__1_0.distcp" in msg and "\n" not in msg, (damage, msg)
+
+
+def _load_parallel(rank: int, world_size: int, jobs: list) -> list:
+    """Each (checkpoint, tp, pp) loaded into our GPT at that layout: this rank's weights (and logits at PP1)."""
+    from megatron.checkpointing import load_checkpoint
+    from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from megatron.core.tensor_parallel import model_parallel_manual_seed
+
+    results = []
+    for load, tp, pp in jobs:
+        state = initialize_model_parallel(tp, pp)
+        model_parallel_manual_seed(1234, state.tp_rank)
+        try:
+            args = run_args("gpt", Path(load), "--finetune", "--tensor-model-parallel-size", str(tp),
+                            "--pipeline-model-parallel-size", str(pp))
+            model = our_model(args, state, pre_process=state.is_pipeline_first_stage(),
+                              post_process=state.is_pipeline_last_stage())
+            load_checkpoint([model], None, None, args)
+            out = {"state": {k: v.clone() for k, v in model.state_dict().items()}}
+            if pp == 1:
+                with torch.no_grad():
+                    out["logits"] = model(*tokens())
+            results.append(out)
+        finally:
+            destroy_model_parallel()
+    return results
+
+
+@pytest.mark.slow
+def test_core_checkpoints_load_at_our_tp2_and_pp2(oracle):
+    from megatron.checkpointing import load_checkpoint
+    from tests.dist_utils import run_distributed
+
+    gpt = oracle / "out" / "gpt"
+    jobs = [(str(gpt / "torch_pp2"), 2, 1), (str(gpt / "dist_tp1"), 2, 1), (str(gpt / "dist_tp2"), 1, 2)]
+    per_rank = run_distributed(_load_parallel, world_size=2, args=(jobs,))
+    ref = torch.load(gpt / "logits.pt")
+    for rank_results in per_rank:
+        for job, res in zip(jobs[:2], rank_results[:2]):
+            torch.testing.assert_close(res["logits"], ref, **TOL, msg=job[0])
+    args = run_args("gpt", gpt / "dist_tp2", "--finetune")
+    full = our_model(args)
+    load_checkpoint([full], None, None, args)
+    expected = full.state_dict()
+    for stage, rank_results in enumerate(per_rank):
+        for key, value in rank_results[2]["state"].items():
+            if key == "word_embeddings.weight":  # the last stage's copy of the tied embeddings
+                source = "language_model.embedding.word_embeddings.weight"
+            else:
+                source = key.replace(".layers.0.", f".layers.{stage}.")
+            assert torch.equal(value, expected[source]), (stage, key)
