@@ -26,7 +26,7 @@ class ArchitectureMismatchError(MegatronUserError, RuntimeError):
 # the kinds first (a different kind also changes derived sizes, e.g. --swiglu the FFN width: name the cause).
 ARCHITECTURE_FIELDS: Tuple[str, ...] = (
     "normalization", "layernorm_epsilon", "apply_layernorm_1p", "apply_residual_connection_post_layernorm",
-    "openai_gelu", "squared_relu", "swiglu", "add_bias_linear", "add_qkv_bias", "bias_gelu_fusion",
+    "openai_gelu", "squared_relu", "swiglu", "glu_activation", "embed_layernorm", "add_bias_linear", "add_qkv_bias", "bias_gelu_fusion",
     "position_embedding_type", "rotary_base", "rotary_percent", "group_query_attention", "num_query_groups",
     "share_embeddings_and_output_weights",
     "num_layers", "encoder_num_layers", "decoder_num_layers", "hidden_size", "num_attention_heads",
@@ -105,7 +105,7 @@ def check_architecture(saved: Mapping[str, Any], args: argparse.Namespace, path:
         if name == "max_position_embeddings" and current.get("position_embedding_type") != "learned_absolute":
             continue  # no position-embedding table: the length limit is a run-time setting
         if name == "bias_gelu_fusion" and not (current.get("add_bias_linear", True) and not any(
-                current.get(k) for k in ("openai_gelu", "squared_relu", "swiglu"))):
+                current.get(k) for k in ("openai_gelu", "squared_relu", "swiglu", "glu_activation"))):
             continue  # the fusion (tanh GeLU) only applies to a plain GeLU MLP with a bias
         if have != want:
             raise ArchitectureMismatchError(
