@@ -50,6 +50,24 @@ def test_logits_equal_hf(family, sdpa):
         torch.testing.assert_close(model(ids, pos, None), theirs, **TOL)  # no mask: the causal type's own
 
 
+def test_loss_and_grads_equal_hf():
+    from megatron.model.hf_bloom import hf_bloom_to_megatron_state_dict
+
+    hf = hf_model("bloom_12_heads")
+    model = megatron_twin(hf).train()
+    hf.train()
+    ids, pos, mask = causal_inputs()
+    labels = torch.randint(0, VOCAB, ids.shape, generator=torch.Generator().manual_seed(9))
+    ours = model(ids, pos, mask, labels=labels).mean()
+    ours.backward()
+    theirs = torch.nn.functional.cross_entropy(hf(input_ids=ids).logits.reshape(-1, VOCAB), labels.reshape(-1))
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs, **TOL)
+    ref = hf_bloom_to_megatron_state_dict({n: p.grad for n, p in hf.named_parameters()}, model.config)
+    for name, p in model.named_parameters():  # the embedding LayerNorm included
+        torch.testing.assert_close(p.grad, ref[name], **TOL, msg=name)
+
+
 @pytest.mark.parametrize("sdpa", [True, False])
 def test_left_padding_mask_equals_hf(sdpa):
     """HF counts ALiBi positions from the first real token; ours from 0: a per-row shift the softmax ignores."""
