@@ -18,6 +18,7 @@ from megatron.core.transformer_config import TransformerConfig
 from megatron.errors import ArgumentError
 from megatron.flag_registry import refuse_unimplemented
 from megatron.launcher import detect_launcher_env
+from megatron.moe_arguments import add_moe_args, validate_moe_args
 from megatron.required_flags import TRAINING_RUN, check_required_flags
 
 _FALLBACK_TOKENIZER_TYPES = (
@@ -97,6 +98,7 @@ def build_parser(
         _add_data_args,
         _add_logging_args,
         _add_inference_args,
+        add_moe_args,
     ):
         parser = add_group(parser)
     if extra_args_provider is not None:
@@ -547,6 +549,7 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
     _validate_training_length(args)
     _validate_model_shape(args)
     _validate_architecture(args)
+    validate_moe_args(args)
     _validate_recompute(args)
     _validate_misc(args)
 
