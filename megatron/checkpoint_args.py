@@ -105,8 +105,8 @@ def saved_architecture(architecture: Optional[Mapping[str, Any]],
 
 
 # Megatron's defaults for the activation flags a third-party `args` may leave out.
-_ACTIVATION_DEFAULTS = {"swiglu": False, "glu_activation": None, "squared_relu": False, "openai_gelu": False, "bias_gelu_fusion": True,
-                        "add_bias_linear": True}
+_ACTIVATION_DEFAULTS = {"swiglu": False, "glu_activation": None, "squared_relu": False, "openai_gelu": False,
+                        "bias_gelu_fusion": True, "add_bias_linear": True}
 _ACTIVATION_FLAGS = ("swiglu", "glu_activation", "squared_relu", "openai_gelu", "bias_gelu_fusion")
 _ACTIVATION_FIX = {"swiglu": "pass --swiglu", "squared_relu": "pass --squared-relu",
                    "tanh GeLU": "pass --openai-gelu (or drop --no-bias-gelu-fusion)",
