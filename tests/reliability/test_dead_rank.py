@@ -23,7 +23,6 @@ from megatron import checkpoint_integrity as integrity
 from megatron.initialize import find_free_port
 from tests.reliability.helpers import REPO, train_argv
 
-pytestmark = pytest.mark.slow
 TIMEOUT_S = 60  # MEGATRON_DISTRIBUTED_TIMEOUT_SECONDS: the survivors must exit well before it
 DP4 = ["--global-batch-size", "8", "--distributed-backend", "gloo"]
 TP2 = ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--distributed-backend", "gloo"]
@@ -81,12 +80,14 @@ def _assert_survivors_name(out: Path, procs: list, ended: list[float], dead: int
         assert ended[rank] - fault["time"] < TIMEOUT_S, (rank, ended[rank] - fault["time"])
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_step_others_exit_naming_it(tiny_data: dict, tmp_path: Path) -> None:
     argv = train_argv(tiny_data, *DP4, iters=8)
     procs, ended = _run4(argv, tmp_path, "2 train-forward 3 kill")
     _assert_survivors_name(tmp_path, procs, ended, 2, "training iteration 3")
 
 
+@pytest.mark.slow
 def test_rank_killed_in_checkpoint_save_others_exit_last_good_stays(tiny_data: dict, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     argv = train_argv(tiny_data, *TP2, "--save", str(ckpt), "--save-interval", "2", iters=6)
@@ -96,12 +97,14 @@ def test_rank_killed_in_checkpoint_save_others_exit_last_good_stays(tiny_data: d
     assert integrity.verify(str(integrity.iteration_dir(str(ckpt), 2))) is None
 
 
+@pytest.mark.slow
 def test_rank_killed_in_evaluation_others_exit_naming_it(tiny_data: dict, tmp_path: Path) -> None:
     argv = train_argv(tiny_data, *DP4, "--split", "80,20,0", "--eval-iters", "1", "--eval-interval", "2", iters=4)
     procs, ended = _run4(argv, tmp_path, "3 eval-forward 1 kill")
     _assert_survivors_name(tmp_path, procs, ended, 3, "evaluation at iteration 2")
 
 
+@pytest.mark.slow
 def test_sigterm_at_one_rank_saves_and_exits_zero_on_every_rank(tiny_data: dict, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     argv = train_argv(tiny_data, *DP4, "--exit-signal-handler", "--save", str(ckpt), "--save-interval", "100",
@@ -118,6 +121,7 @@ def test_sigterm_at_one_rank_saves_and_exits_zero_on_every_rank(tiny_data: dict,
     assert integrity.verify(str(integrity.iteration_dir(str(ckpt), 3))) is None
 
 
+@pytest.mark.slow
 def test_torchrun_max_restarts_resumes_from_last_checkpoint_exactly(tiny_data: dict, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     argv = train_argv(tiny_data, *DP4, "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3", iters=7)
@@ -139,3 +143,55 @@ def test_torchrun_max_restarts_resumes_from_last_checkpoint_exactly(tiny_data: d
     assert sorted(before) == [1, 2, 3, 4, 5] and sorted(after) == [4, 5, 6, 7] and results[0]["iteration"] == 7
     assert all(r["train_losses"] == results[0]["train_losses"] for r in results)  # every DP rank agrees
     assert after[4] == before[4] and after[5] == before[5]  # resumed from iteration 3: the same curve, exactly
+
+
+class _Store:
+    """The few store calls the diagnosis makes, in memory."""
+
+    def __init__(self, values: dict) -> None:
+        self.values = dict(values)
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value.encode()
+
+    def multi_get(self, keys: list) -> list:
+        return [self.values[k] for k in keys]
+
+    def check(self, keys: list) -> bool:
+        return all(k in self.values for k in keys)
+
+
+def test_diagnosis_names_the_dead_and_the_silent_rank() -> None:
+    import socket
+
+    from megatron import peer_failure
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a process id that is gone
+    host = socket.gethostname()
+    store = _Store({f"megatron/peer/{r}": f"{host} {pid}".encode() for r, pid in
+                    [(0, os.getpid()), (1, os.getpid()), (2, dead.pid), (3, os.getpid())]})
+    store.set("megatron/failed/1", "1")  # rank 1 failed too (a survivor); rank 3 neither failed nor died
+    lost, ok = peer_failure.find_lost_ranks(store, 0, 4, wait_s=0.3)
+    assert ok and lost == [f"rank 2 died (process {dead.pid} on {host} is gone)"]
+    store.set("megatron/failed/2", "1")  # a survivor that exited after marking itself: not named as dead
+    lost, ok = peer_failure.find_lost_ranks(store, 0, 4, wait_s=0.3)
+    assert ok and lost == [f"rank 3 stopped responding (process {os.getpid()} on {host}: hung, or its node is lost)"]
+    assert peer_failure.find_lost_ranks(_Store({}), 0, 4, wait_s=0.3) == ([], False)  # no store: said so
+
+
+def test_peer_failure_recognises_communication_errors_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron import peer_failure
+
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
+    assert peer_failure.is_peer_failure(gloo)
+    assert peer_failure.is_peer_failure(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
+    wrapped = ValueError("outer")
+    wrapped.__cause__ = gloo
+    assert peer_failure.is_peer_failure(wrapped)
+    assert not peer_failure.is_peer_failure(RuntimeError("shape mismatch"))
+    assert not peer_failure.peer_failure_in_run(gloo)  # no process group here: the usual traceback
+    monkeypatch.delenv(peer_failure.TIMEOUT_ENV, raising=False)
+    assert peer_failure.distributed_timeout(10).total_seconds() == 600
+    monkeypatch.setenv(peer_failure.TIMEOUT_ENV, "2.5")
+    assert peer_failure.distributed_timeout(10).total_seconds() == 2.5
