@@ -69,6 +69,8 @@ class TransformerConfig(ModelParallelConfig):
     """MLP activation: relu(x)^2 (--squared-relu)."""
     swiglu: bool = False
     """Gated MLP silu(x W) * (x V); dense_h_to_4h holds [gate; up] per TP rank (--swiglu)."""
+    bias_swiglu_fusion: bool = True
+    """SwiGLU as one fused bias + SwiGLU kernel on CUDA with Triton (--no-bias-swiglu-fusion: unfused; same numbers)."""
     bias_gelu_fusion: bool = True
     """Megatron's fused bias+GeLU, which computes the tanh approximation (plain GeLU MLP with a bias only)."""
     # ---- biases
