@@ -74,6 +74,7 @@ CONFIG_FIELDS: Dict[str, Tuple[Tuple[str, ...], Getter]] = {
     "position_embedding_type": (("position_embedding_type", "use_rotary_position_embeddings",
                                  "add_position_embedding"), lambda a: a.position_embedding_type),
     "rotary_base": _copy("rotary_base"),
+    "embed_layernorm": _copy("embed_layernorm"),
     "rotary_percent": _copy("rotary_percent"),
     # normalization
     "normalization": _copy("normalization"),
@@ -85,7 +86,11 @@ CONFIG_FIELDS: Dict[str, Tuple[Tuple[str, ...], Getter]] = {
     "openai_gelu": _copy("openai_gelu"),
     "squared_relu": _copy("squared_relu"),
     "swiglu": _copy("swiglu"),
+<<<<<<< HEAD
     "bias_swiglu_fusion": _copy("bias_swiglu_fusion"),
+=======
+    "glu_activation": _copy("glu_activation"),
+>>>>>>> main
     # Megatron's MLP with --onnx-safe uses erf GeLU without the (tanh) fused bias-GeLU.
     "bias_gelu_fusion": (("bias_gelu_fusion", "onnx_safe"), lambda a: a.bias_gelu_fusion and not a.onnx_safe),
     "bias_dropout_fusion": _copy("bias_dropout_fusion"),
@@ -97,6 +102,24 @@ CONFIG_FIELDS: Dict[str, Tuple[Tuple[str, ...], Getter]] = {
     "init_method_std": _copy("init_method_std"),
     "init_method": (("init_method_xavier_uniform",), _init_method),
     "output_layer_init_method": (("init_method_xavier_uniform",), _init_method),
+    # mixture of experts (megatron/moe_arguments.py)
+    "num_moe_experts": _copy("num_experts"),
+    "moe_ffn_hidden_size": _copy("moe_ffn_hidden_size"),
+    "moe_router_topk": _copy("moe_router_topk"),
+    "moe_router_load_balancing_type": _copy("moe_router_load_balancing_type"),
+    "moe_aux_loss_coeff": _copy("moe_aux_loss_coeff"),
+    "moe_z_loss_coeff": _copy("moe_z_loss_coeff"),
+    "moe_router_pre_softmax": _copy("moe_router_pre_softmax"),
+    "moe_router_score_function": _copy("moe_router_score_function"),
+    "moe_router_topk_scaling_factor": _copy("moe_router_topk_scaling_factor"),
+    "moe_router_dtype": _copy("moe_router_dtype"),
+    "moe_expert_capacity_factor": _copy("moe_expert_capacity_factor"),
+    "moe_token_drop_policy": _copy("moe_token_drop_policy"),
+    "moe_pad_expert_input_to_capacity": _copy("moe_pad_expert_input_to_capacity"),
+    "moe_layer_freq": _copy("moe_layer_freq"),
+    "moe_shared_expert_intermediate_size": _copy("moe_shared_expert_intermediate_size"),
+    "moe_shared_expert_gate": _copy("moe_shared_expert_gate"),
+    "moe_apply_probs_on_input": _copy("moe_apply_probs_on_input"),
     # activation recomputation
     "recompute_granularity": (("recompute_granularity", "recompute_activations", "checkpoint_activations"),
                               lambda a: a.recompute_granularity),

@@ -151,7 +151,8 @@ def active_kernels(cfg: Any, cuda: Optional[bool] = None, triton: Optional[bool]
             names.append("bias-swiglu")
         else:
             off.append("bias-swiglu (--no-bias-swiglu-fusion)")
-    elif not (getattr(cfg, "openai_gelu", False) or getattr(cfg, "squared_relu", False)):
+    elif not (getattr(cfg, "openai_gelu", False) or getattr(cfg, "squared_relu", False)
+              or getattr(cfg, "glu_activation", None)):
         if gelu:
             names.append("bias-gelu")
         else:

@@ -3,8 +3,11 @@
 Activations (one of, from the config): Megatron's default GeLU, which with a bias and `bias_gelu_fusion` on is its
 fused ``bias_gelu`` = the **tanh approximation** (HF ``gelu_new``/``gelu_fast``), else erf GeLU (``F.gelu``);
 ``--openai-gelu`` (tanh); ``--squared-relu``; gated ``--swiglu``: ``dense_h_to_4h`` has 2 * ffn rows and each TP
-rank holds ``[gate_r; up_r]`` (Megatron-LM's layout), computing ``silu(gate) * up``. On CUDA with Triton the tanh GeLU
-and SwiGLU (unless --no-bias-swiglu-fusion) run as one fused bias + activation kernel (megatron/fused_kernels/).
+rank holds ``[gate_r; up_r]`` (Megatron-LM's layout), computing ``silu(gate) * up``; Megatron-DeepSpeed's
+``--glu-activation geglu|liglu|reglu|swiglu`` (BigScience): the same two halves per rank ``[x1_r; x2_r]``, computing
+``x1 * act(x2)`` with act = erf GeLU, identity, ReLU or SiLU (note: the activated half is the second one).
+On CUDA with Triton the tanh GeLU and --swiglu (unless --no-bias-swiglu-fusion) run as one fused bias + activation
+kernel (megatron/fused_kernels/).
 """
 from __future__ import annotations
 
@@ -59,10 +62,27 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+_GLU_INNER: dict = {"geglu": F.gelu, "liglu": lambda x: x, "reglu": F.relu, "swiglu": F.silu}
+
+
+class GLU:
+    """Megatron-DeepSpeed's GLU activation: x1 * act(x2) over the two halves of the last dim (a picklable callable)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.inner = _GLU_INNER[name]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return x1 * self.inner(x2)
+
+
 def activation_for(config: TransformerConfig) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
     """(name, function) of the MLP activation `config` selects, with Megatron 23.06's bias-gelu-fusion rule."""
     if config.swiglu:
         return "swiglu", swiglu
+    if config.glu_activation is not None:
+        return "glu_" + config.glu_activation, GLU(config.glu_activation)
     if config.squared_relu:
         return "squared_relu", squared_relu
     if config.openai_gelu:
@@ -77,7 +97,7 @@ class ParallelMLP(MegatronModule):
 
     def __init__(self, config: TransformerConfig, tp_group: Optional[Any] = None) -> None:
         super().__init__(config=config)
-        gated = config.swiglu
+        gated = config.gated_linear_unit
         self.dense_h_to_4h = tensor_parallel.ColumnParallelLinear(
             config.hidden_size,
             config.ffn_hidden_size * (2 if gated else 1),
