@@ -74,6 +74,7 @@ CONFIG_FIELDS: Dict[str, Tuple[Tuple[str, ...], Getter]] = {
     "position_embedding_type": (("position_embedding_type", "use_rotary_position_embeddings",
                                  "add_position_embedding"), lambda a: a.position_embedding_type),
     "rotary_base": _copy("rotary_base"),
+    "embed_layernorm": _copy("embed_layernorm"),
     "rotary_percent": _copy("rotary_percent"),
     # normalization
     "normalization": _copy("normalization"),
@@ -85,6 +86,8 @@ CONFIG_FIELDS: Dict[str, Tuple[Tuple[str, ...], Getter]] = {
     "openai_gelu": _copy("openai_gelu"),
     "squared_relu": _copy("squared_relu"),
     "swiglu": _copy("swiglu"),
+    "bias_swiglu_fusion": _copy("bias_swiglu_fusion"),
+    "glu_activation": _copy("glu_activation"),
     # Megatron's MLP with --onnx-safe uses erf GeLU without the (tanh) fused bias-GeLU.
     "bias_gelu_fusion": (("bias_gelu_fusion", "onnx_safe"), lambda a: a.bias_gelu_fusion and not a.onnx_safe),
     "bias_dropout_fusion": _copy("bias_dropout_fusion"),

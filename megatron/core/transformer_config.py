@@ -69,6 +69,12 @@ class TransformerConfig(ModelParallelConfig):
     """MLP activation: relu(x)^2 (--squared-relu)."""
     swiglu: bool = False
     """Gated MLP silu(x W) * (x V); dense_h_to_4h holds [gate; up] per TP rank (--swiglu)."""
+    bias_swiglu_fusion: bool = True
+    """SwiGLU as one fused bias + SwiGLU kernel on CUDA with Triton (--no-bias-swiglu-fusion: unfused; same numbers)."""
+    glu_activation: Optional[str] = None
+    """Megatron-DeepSpeed's gated MLP (--glu-activation geglu|liglu|reglu|swiglu): dense_h_to_4h has 2 * ffn rows,
+    each TP rank's output is split in halves [x1; x2] and the MLP computes x1 * act(x2) (act: erf GeLU, identity,
+    ReLU, SiLU)."""
     bias_gelu_fusion: bool = True
     """Megatron's fused bias+GeLU, which computes the tanh approximation (plain GeLU MLP with a bias only)."""
     # ---- biases
@@ -78,7 +84,11 @@ class TransformerConfig(ModelParallelConfig):
     """Bias in query_key_value even with add_bias_linear False (Qwen-style, --add-qkv-bias)."""
     # ---- positions
     position_embedding_type: str = "learned_absolute"
-    """"learned_absolute" (position_embeddings table), "rope" (rotary, half-split convention) or "none"."""
+    """"learned_absolute" (position_embeddings table), "rope" (rotary, half-split convention), "alibi" (BLOOM's
+    per-head linear biases on the attention scores, no position table) or "none"."""
+    embed_layernorm: bool = False
+    """LayerNorm right after the word embeddings (BLOOM; Megatron-DeepSpeed's --embed-layernorm), stored as
+    ``word_embeddings.norm`` as Megatron-DeepSpeed does."""
     rotary_base: float = 10000.0
     """RoPE base theta (--rotary-base)."""
     rotary_percent: float = 1.0
@@ -165,12 +175,14 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
         if self.apply_layernorm_1p and self.normalization != "LayerNorm":
             raise ValueError("--apply-layernorm-1p needs --normalization LayerNorm (RMSNorm has no 1p form)")
-        activations = [n for n in ("openai_gelu", "squared_relu", "swiglu") if getattr(self, n)]
+        if self.glu_activation not in (None, "geglu", "liglu", "reglu", "swiglu"):
+            raise ValueError(f"--glu-activation must be geglu, liglu, reglu or swiglu, got {self.glu_activation!r}")
+        activations = [n for n in ("openai_gelu", "squared_relu", "swiglu", "glu_activation") if getattr(self, n)]
         if len(activations) > 1:
             raise ValueError("choose one MLP activation: " + " and ".join("--" + a.replace("_", "-")
                                                                          for a in activations) + " were given together")
-        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
-            raise ValueError("--position-embedding-type must be learned_absolute, rope or none, "
+        if self.position_embedding_type not in ("learned_absolute", "rope", "alibi", "none"):
+            raise ValueError("--position-embedding-type must be learned_absolute, rope, alibi or none, "
                              f"got {self.position_embedding_type!r}")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
@@ -263,8 +275,8 @@ class TransformerConfig(ModelParallelConfig):
 
     @property
     def gated_linear_unit(self) -> bool:
-        """True when the MLP's first linear holds [gate; up] (SwiGLU)."""
-        return self.swiglu
+        """True when the MLP's first linear holds two halves per rank (SwiGLU [gate; up], --glu-activation)."""
+        return self.swiglu or self.glu_activation is not None
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
