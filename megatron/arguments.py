@@ -254,6 +254,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="Do not fuse scaling, masking and softmax.")
     g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
                    help="Do not fuse bias add and GeLU.")
+    g.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion",
+                   help="Do not fuse bias add and SwiGLU (the Triton kernel on CUDA).")
     g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
                    help="Do not fuse bias add, dropout and residual add.")
     g.add_argument("--use-flash-attn", action="store_true", help="FlashAttention (CUDA only).")

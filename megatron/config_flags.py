@@ -86,6 +86,7 @@ CONFIG_FIELDS: Dict[str, Tuple[Tuple[str, ...], Getter]] = {
     "openai_gelu": _copy("openai_gelu"),
     "squared_relu": _copy("squared_relu"),
     "swiglu": _copy("swiglu"),
+    "bias_swiglu_fusion": _copy("bias_swiglu_fusion"),
     "glu_activation": _copy("glu_activation"),
     # Megatron's MLP with --onnx-safe uses erf GeLU without the (tanh) fused bias-GeLU.
     "bias_gelu_fusion": (("bias_gelu_fusion", "onnx_safe"), lambda a: a.bias_gelu_fusion and not a.onnx_safe),

@@ -207,7 +207,8 @@ RUNTIME_SETTINGS: Dict[str, str] = {
 
 # In Megatron these only choose a kernel or a communication pattern; the numbers are the same. We have one variant.
 SAME_RESULT_VARIANTS: Dict[str, str] = {
-    "no_persist_layer_norm": "picks apex's non-persistent LayerNorm kernel; this build uses torch's LayerNorm",
+    "no_persist_layer_norm": "picks apex's non-persistent LayerNorm kernel; this build's LayerNorm is torch's, or on "
+                             "CUDA the Triton one (megatron/fused_kernels/norms.py) for every hidden size",
     "scatter_gather_tensors_in_pipeline": "pipeline p2p always sends whole activations (what the --no- form asks)",
     "inference_batch_times_seqlen_threshold": "generation sends the whole batch through the pipeline stages at "
                                               "once; micro-batching it gives the same tokens",

@@ -69,6 +69,8 @@ class TransformerConfig(ModelParallelConfig):
     """MLP activation: relu(x)^2 (--squared-relu)."""
     swiglu: bool = False
     """Gated MLP silu(x W) * (x V); dense_h_to_4h holds [gate; up] per TP rank (--swiglu)."""
+    bias_swiglu_fusion: bool = True
+    """SwiGLU as one fused bias + SwiGLU kernel on CUDA with Triton (--no-bias-swiglu-fusion: unfused; same numbers)."""
     glu_activation: Optional[str] = None
     """Megatron-DeepSpeed's gated MLP (--glu-activation geglu|liglu|reglu|swiglu): dense_h_to_4h has 2 * ffn rows,
     each TP rank's output is split in halves [x1; x2] and the MLP computes x1 * act(x2) (act: erf GeLU, identity,

@@ -6,6 +6,8 @@ fused ``bias_gelu`` = the **tanh approximation** (HF ``gelu_new``/``gelu_fast``)
 rank holds ``[gate_r; up_r]`` (Megatron-LM's layout), computing ``silu(gate) * up``; Megatron-DeepSpeed's
 ``--glu-activation geglu|liglu|reglu|swiglu`` (BigScience): the same two halves per rank ``[x1_r; x2_r]``, computing
 ``x1 * act(x2)`` with act = erf GeLU, identity, ReLU or SiLU (note: the activated half is the second one).
+On CUDA with Triton the tanh GeLU and --swiglu (unless --no-bias-swiglu-fusion) run as one fused bias + activation
+kernel (megatron/fused_kernels/).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from megatron import fused_kernels
 from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.module import MegatronModule
@@ -112,6 +115,8 @@ class ParallelMLP(MegatronModule):
                 tensor_parallel.set_tp_layout(p, tensor_parallel.TensorParallelLayout(
                     dim=0, blocks=2, structure="[gate; up] per rank"))
         self.activation_name, self.activation_func = activation_for(config)
+        self.fused_bias_activation = fused_kernels.bias_activation_kind(self.activation_name,
+                                                                        config.bias_swiglu_fusion)
         self.dense_4h_to_h = tensor_parallel.RowParallelLinear(
             config.ffn_hidden_size,
             config.hidden_size,
@@ -126,6 +131,8 @@ class ParallelMLP(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         intermediate, bias = self.dense_h_to_4h(hidden_states)
+        if self.fused_bias_activation is not None and fused_kernels.runs_on(intermediate):
+            return self.dense_4h_to_h(fused_kernels.bias_activation(self.fused_bias_activation, intermediate, bias))
         if bias is not None:
             intermediate = intermediate + bias
         intermediate = self.activation_func(intermediate)
