@@ -26,7 +26,8 @@ class ArchitectureMismatchError(MegatronUserError, RuntimeError):
 # the kinds first (a different kind also changes derived sizes, e.g. --swiglu the FFN width: name the cause).
 ARCHITECTURE_FIELDS: Tuple[str, ...] = (
     "normalization", "layernorm_epsilon", "apply_layernorm_1p", "apply_residual_connection_post_layernorm",
-    "openai_gelu", "squared_relu", "swiglu", "add_bias_linear", "add_qkv_bias", "bias_gelu_fusion",
+    "openai_gelu", "squared_relu", "swiglu", "glu_activation", "embed_layernorm", "add_bias_linear", "add_qkv_bias",
+    "bias_gelu_fusion",
     "position_embedding_type", "rotary_base", "rotary_percent", "group_query_attention", "num_query_groups",
     "share_embeddings_and_output_weights",
     "num_layers", "encoder_num_layers", "decoder_num_layers", "hidden_size", "num_attention_heads",
@@ -106,9 +107,9 @@ def saved_architecture(architecture: Optional[Mapping[str, Any]],
 
 
 # Megatron's defaults for the activation flags a third-party `args` may leave out.
-_ACTIVATION_DEFAULTS = {"swiglu": False, "squared_relu": False, "openai_gelu": False, "bias_gelu_fusion": True,
-                        "add_bias_linear": True}
-_ACTIVATION_FLAGS = ("swiglu", "squared_relu", "openai_gelu", "bias_gelu_fusion")
+_ACTIVATION_DEFAULTS = {"swiglu": False, "glu_activation": None, "squared_relu": False, "openai_gelu": False,
+                        "bias_gelu_fusion": True, "add_bias_linear": True}
+_ACTIVATION_FLAGS = ("swiglu", "glu_activation", "squared_relu", "openai_gelu", "bias_gelu_fusion")
 _ACTIVATION_FIX = {"swiglu": "pass --swiglu", "squared_relu": "pass --squared-relu",
                    "tanh GeLU": "pass --openai-gelu (or drop --no-bias-gelu-fusion)",
                    "erf GeLU": "pass --no-bias-gelu-fusion and drop --openai-gelu"}
@@ -127,6 +128,8 @@ def _activation(arch: Mapping[str, Any]) -> str:
 
     if get("swiglu"):
         return "swiglu"
+    if get("glu_activation"):
+        return "glu " + get("glu_activation")
     if get("squared_relu"):
         return "squared_relu"
     return "tanh GeLU" if get("openai_gelu") or (get("bias_gelu_fusion") and get("add_bias_linear")) else "erf GeLU"
@@ -150,7 +153,8 @@ def _check_activation(saved: Mapping[str, Any], current: Mapping[str, Any], path
     if have == want:
         return
     name = next(k for k in _ACTIVATION_FLAGS + ("add_bias_linear",) if _flag(saved, k) != _flag(current, k))
-    fix = _fix(name, _flag(saved, name)) if name == "add_bias_linear" else _ACTIVATION_FIX[want]
+    fix = (_fix(name, _flag(saved, name)) if name == "add_bias_linear"
+           else _ACTIVATION_FIX.get(want) or f"pass --glu-activation {want[len('glu '):]}")
     raise ArchitectureMismatchError(
         f"checkpoint {path} has {name}={_flag(saved, name)!r} but this run's flags give "
         f"{name}={_flag(current, name)!r} (an MLP with {want}, not {have}): {fix} to match, "
