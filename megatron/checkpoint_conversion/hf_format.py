@@ -38,8 +38,8 @@ from megatron.model import hf_moe_conversion as hfm
 LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM") + hfm.MOE_ARCHS
 GPT2_ARCHS = ("GPT2LMHeadModel",)
 BLOOM_ARCHS = ("BloomForCausalLM",)
-SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + BLOOM_ARCHS + ("MegatronBertForPreTraining", "MegatronBertForSequenceClassification",
-                                       "MegatronBertForMultipleChoice")
+SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + BLOOM_ARCHS + (
+    "MegatronBertForPreTraining", "MegatronBertForSequenceClassification", "MegatronBertForMultipleChoice")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json")
 _TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
