@@ -49,7 +49,8 @@ def check_data_prefixes(args: argparse.Namespace) -> None:
         missing = [p for p in (index_file_path(prefix), data_file_path(prefix)) if not os.path.isfile(p)]
         if missing:
             hint = next((f"pass the prefix without '{ext}' ({prefix[:-len(ext)]})" for ext in (".bin", ".idx")
-                         if prefix.endswith(ext)), "pass the prefix tools/preprocess_data.py printed, without .bin/.idx")
+                         if prefix.endswith(ext)),
+                        f"check {flag}: the prefix tools/preprocess_data.py printed, without .bin/.idx")
             raise DataCheckError(f"{flag} {prefix}: no such dataset (missing {' and '.join(missing)}); {hint}")
         try:
             infer_dataset_impl(prefix)
