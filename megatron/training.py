@@ -521,6 +521,9 @@ def pretrain(
     check_pipeline_schedule(args, global_vars.get_num_microbatches())
     timers = global_vars.get_timers()
 
+    from megatron.data.data_checks import check_data_prefixes
+
+    check_data_prefixes(args)  # a mistyped --data-path: one line before the model is built
     timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, args, state)
     timers("model-and-optimizer-setup").stop()
