@@ -18,7 +18,8 @@ def _command(repo_root, shared_data, port: int, extra: tuple = ()) -> list[str]:
     return [sys.executable, str(repo_root / "tools" / "run_text_generation_server.py"), "--num-layers", "2",
             "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--vocab-file", str(d / "gpt2-tiny-vocab.json"),
-            "--merge-file", str(d / "gpt2-tiny-merges.txt"), "--port", str(port), "--max-tokens-to-generate", "8", *extra]
+            "--merge-file", str(d / "gpt2-tiny-merges.txt"), "--port", str(port), "--max-tokens-to-generate", "8",
+            "--allow-random-weights", *extra]
 
 
 @pytest.mark.parametrize("extra", [(), ("--position-embedding-type", "alibi", "--embed-layernorm")],
