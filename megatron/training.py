@@ -174,8 +174,12 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
     if getattr(args, "deepspeed", False):
         from megatron.ds.engine import deepspeed_train_step
 
-        return deepspeed_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, args,
-                                    state)
+        loss_dict, skipped_iter, grad_norm, num_zeros = deepspeed_train_step(
+            forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, args, state)
+        moe_losses = moe_aux_losses(args, state)
+        if loss_dict:
+            loss_dict.update(moe_losses)
+        return loss_dict, skipped_iter, grad_norm, num_zeros
     timers = global_vars.get_timers()
     for chunk in model:
         chunk.zero_grad_buffer()
