@@ -115,12 +115,13 @@ def test_layout_mismatch_names_a_reshard_command_that_works(trained: dict) -> No
 
 
 def test_readme_deepspeed_command_passes_startup_as_written() -> None:
-    """The README's DeepSpeed command (its pretraining flags + the DeepSpeed line) passes argument validation with
-    examples/ds_config_gpt.json: the flags set the batch, and they equal the config's."""
+    """The documented DeepSpeed command (docs/gpt.md's pretraining flags + docs/deepspeed.md's line) passes argument
+    validation with examples/ds_config_gpt.json: the flags set the batch, and they equal the config's."""
     from megatron.arguments import build_parser, validate_args
     from megatron.required_flags import TRAINING_RUN
 
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    pages = [REPO / "README.md", REPO / "docs" / "gpt.md", REPO / "docs" / "deepspeed.md"]
+    readme = "".join(page.read_text(encoding="utf-8") for page in pages)
     blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
     pretrain = next(b for b in blocks if b.startswith("python pretrain_gpt.py"))
     ds = next(b for b in blocks if b.startswith("deepspeed --num_gpus"))
