@@ -207,7 +207,8 @@ def test_zero3_tensor_parallel_checkpoint_merges_to_tp1(ds_checkpoints: dict, sh
     src = ds_checkpoints["root"] / "zero3_tp2"
     same = _convert("--input-folder", str(src), "--output-folder", str(tmp_path / "tp2"))
     assert (same["layout"], same["tp"], same["pp"]) == ("zero3", 2, 1)
-    assert sorted(os.listdir(tmp_path / "tp2" / f"iter_{ITERATION:07d}")) == ["manifest.json", "mp_rank_00", "mp_rank_01"]
+    # the source (written by DeepSpeed itself) has no manifest: read unverified, so the output is not signed
+    assert sorted(os.listdir(tmp_path / "tp2" / f"iter_{ITERATION:07d}")) == ["mp_rank_00", "mp_rank_01"]
     merged = _convert("--input-folder", str(src), "--output-folder", str(tmp_path / "tp1"), "--target-tp", "1")
     assert (merged["tp"], merged["rng"]) == (1, False)
     saved = torch.load(tmp_path / "tp1" / f"iter_{ITERATION:07d}" / "mp_rank_00" / "model_optim_rng.pt",
