@@ -149,8 +149,10 @@ def _qkv_in_current_order(model_sd: dict, sd: dict, args: argparse.Namespace) ->
 
 def read_metadata(tracker_filename: str) -> tuple[int, bool]:
     """Read the tracker file: (iteration, release). One-line error when its content is not an integer/'release'."""
-    with open(tracker_filename) as f:
-        text = f.read().strip()
+    try:
+        text = integrity.read_pointer_file(tracker_filename)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     if text == "release":
         return 0, True
     try:

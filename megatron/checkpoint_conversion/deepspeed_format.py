@@ -56,8 +56,12 @@ def resolve_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
             hint = " (it is a Megatron checkpoint: use --loader megatron)" if os.path.isfile(
                 os.path.join(load_dir, "latest_checkpointed_iteration.txt")) else ""
             raise ConversionError(f"--load-dir {load_dir} is not a DeepSpeed checkpoint: no '{LATEST}' file{hint}")
-        with open(latest) as f:
-            tag = f.read().strip()
+        from megatron.checkpoint_integrity import read_pointer_file
+
+        try:
+            tag = read_pointer_file(latest)
+        except ValueError as exc:
+            raise ConversionError(str(exc)) from None
     tag_dir = os.path.join(load_dir, tag)
     if not os.path.isdir(tag_dir):
         raise ConversionError(f"DeepSpeed checkpoint {tag_dir} does not exist; fix --iteration or the "

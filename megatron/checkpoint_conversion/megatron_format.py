@@ -126,8 +126,12 @@ def find_iteration_dir(load_dir: str, iteration: Optional[int] = None) -> Tuple[
         elif os.path.isfile(os.path.join(load_dir, "config.json")):
             hint = " (it looks like a Hugging Face model: use --loader hf)"
         raise ConversionError(f"--load-dir {load_dir} is not a Megatron checkpoint: no {TRACKER}{hint}")
-    with open(tracker) as f:
-        text = f.read().strip()
+    from megatron.checkpoint_integrity import read_pointer_file
+
+    try:
+        text = read_pointer_file(tracker)
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from None
     if text == "release":
         return os.path.join(load_dir, "release"), None
     try:
