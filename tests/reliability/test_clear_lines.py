@@ -65,6 +65,7 @@ def test_non_utf8_tracker_file_is_one_line(tmp_path: Path) -> None:
 
 def test_truncated_safetensors_in_convert_is_named(tmp_path: Path) -> None:
     import transformers
+
     from megatron.checkpoint_conversion import driver
     from megatron.checkpoint_conversion.interchange import ConversionError
 
@@ -123,3 +124,103 @@ def test_stale_converting_folder_is_removed_on_the_next_run(tiny_ckpt: Path, tmp
     driver.main(["--model-type", "GPT", "--load-dir", str(tiny_ckpt), "--save-dir", str(tmp_path / "out")])
     assert "removed 1 unfinished conversion folder(s) of interrupted runs" in capsys.readouterr().out
     assert not stale.exists() and other.exists() and (tmp_path / "out" / "iter_0000002").is_dir()
+
+
+@pytest.fixture(scope="module")
+def bert_tok(shared_data: Path):
+    from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
+
+    return BertWordPieceTokenizer(str(shared_data / "bert-wordpiece" / "bert-base-uncased-vocab.txt"))
+
+
+def test_binary_mnli_tsv_is_one_line(shared_data: Path, bert_tok, tmp_path: Path) -> None:
+    from tasks.data_utils import TaskDataError
+    from tasks.glue import mnli
+
+    good = (shared_data / "mnli-sample").rglob("*.tsv").__next__().read_bytes()
+    binary = tmp_path / "dev_matched.tsv"
+    binary.write_bytes(good[:300] + bytes(range(128, 256)) * 4)  # e.g. a gzip file under the .tsv name
+    with pytest.raises(TaskDataError) as exc:
+        mnli.build_dataset([str(binary)], bert_tok, 32, verbose=False)
+    assert "\n" not in str(exc.value) and f"{binary}: not UTF-8 text near line" in str(exc.value)
+
+
+def test_race_dev_folder_without_files_is_one_line(bert_tok, tmp_path: Path) -> None:
+    from tasks.data_utils import TaskDataError
+    from tasks.race import data as race
+
+    (tmp_path / "RACE" / "dev" / "middle").mkdir(parents=True)  # unpacked somewhere else: no *.txt here
+    with pytest.raises(TaskDataError, match=r"dev/middle: no \*.txt files in this folder .*--valid-data"):
+        race.build_dataset([str(tmp_path / "RACE" / "dev" / "middle")], bert_tok, 32, verbose=False)
+
+
+def _sentences(prefix: str, docs: list, vocab_size: int) -> None:
+    from megatron.data.indexed_dataset import make_builder
+
+    builder = make_builder(prefix + ".bin", impl="mmap", vocab_size=vocab_size)
+    for doc in docs:
+        for sentence in doc:
+            builder.add_item(np.asarray(sentence, dtype=np.int64))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+
+@pytest.fixture(scope="module")
+def t5_tok(shared_data: Path):
+    from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
+
+    return BertWordPieceTokenizer(str(shared_data / "bert-wordpiece" / "bert-base-uncased-vocab.txt"),
+                                  vocab_extra_ids=100)
+
+
+def test_t5_zero_length_sentences_and_no_samples_are_one_line(t5_tok, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    from megatron.data.dataset_utils import DatasetError
+    from megatron.data.indexed_dataset import make_dataset
+    from megatron.data.t5_dataset import T5Dataset
+
+    def t5(prefix: str) -> T5Dataset:
+        return T5Dataset("train", make_dataset(prefix, "mmap", True), prefix, None, 20, 0.15, 64, 32, 0.1, 1234,
+                         tokenizer=t5_tok)
+
+    empty = str(tmp_path / "empty_text_sentence")
+    _sentences(empty, [[[], []] for _ in range(5)], t5_tok.vocab_size)  # preprocessing of an empty text field
+    with pytest.raises(DatasetError, match="all 5 document.s. hold only zero-length sentences: no T5 sample"):
+        t5(empty)
+    nothing = str(tmp_path / "nothing_text_sentence")
+    _sentences(nothing, [], t5_tok.vocab_size)
+    with pytest.raises(DatasetError, match="no sentences in its documents: no T5 sample can be built"):
+        t5(nothing)
+    some = str(tmp_path / "some_text_sentence")
+    _sentences(some, [[[5, 6, 7], [8, 9]], [[]], [[10, 11], [], [12]]], t5_tok.vocab_size)
+    capsys.readouterr()
+    ds = t5(some)
+    assert "1 of 3 documents hold only zero-length sentences" in capsys.readouterr().out
+    assert len(ds) >= 20 and ds[0]["loss_mask"].sum() > 0
+
+
+def test_random_seed_beyond_64_bits_is_a_400_line() -> None:
+    from megatron.text_generation.server import BadRequest, validate_request
+
+    def check(seed: int) -> dict:
+        return validate_request({"prompts": ["a"], "random_seed": seed, "tokens_to_generate": 4},
+                                count_tokens=lambda text: len(text.split()),
+                                max_sequence_length=64)
+
+    for seed in (2**64, 2**63, -2):  # 2**64 was "Overflow when unpacking long long" from the generator
+        with pytest.raises(BadRequest, match=r"random_seed must be between 0 and 2\*\*63-1 .*or -1 for none; got"):
+            check(seed)
+    assert check(2**63 - 1)["options"]["random_seed"] == 2**63 - 1
+
+
+@pytest.mark.slow
+def test_bert_vocab_without_cls_sep_mask_is_one_line_without_traceback(shared_data: Path, tmp_path: Path) -> None:
+    from tests.reliability.helpers import MODEL, assert_one_line_error, run
+
+    words = (shared_data / "bert-wordpiece" / "bert-base-uncased-vocab.txt").read_text(encoding="utf-8").splitlines()
+    (tmp_path / "vocab.txt").write_text("\n".join(w for w in words if w not in ("[CLS]", "[SEP]", "[MASK]")) + "\n",
+                                        encoding="utf-8")
+    proc = run("pretrain_bert.py", *MODEL, "--vocab-file", "vocab.txt", "--tokenizer-type", "BertWordPieceLowerCase",
+               "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-4", "--data-path", "none",
+               cwd=tmp_path)
+    assert_one_line_error(proc, "--vocab-file vocab.txt: missing [CLS], [SEP], [MASK]; is this a BERT WordPiece")
