@@ -29,6 +29,7 @@ from megatron.checkpointing import (
     restore_local_rng_state,
     save_checkpoint,
 )
+from megatron.core import moe_aux
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -234,13 +235,41 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
     else:
         skipped_iter = 1
 
+    moe_losses = moe_aux_losses(args, state)
     if state.is_pipeline_last_stage(ignore_virtual=True) and losses_reduced:
         loss_reduced = {}
         for key in losses_reduced[0]:
             values = [float(x[key]) for x in losses_reduced]
             loss_reduced[key] = sum(values) / len(values)
+        loss_reduced.update(moe_losses)
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def moe_aux_losses(args: argparse.Namespace, state: ps.ParallelState) -> dict:
+    """This iteration's MoE router losses as Megatron-LM logs them (`load_balancing_loss`, `z_loss`: mean over the
+    micro-batches and MoE layers); with --moe-per-layer-logging also TensorBoard's moe/<name>_layer_<i>."""
+    if getattr(args, "num_experts", None) is None:
+        return {}
+    names, groups = [], {}
+    if args.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and args.moe_aux_loss_coeff:
+        name = "load_balancing_loss" if args.moe_router_load_balancing_type == "aux_loss" else \
+            "seq_load_balancing_loss"
+        names.append(name)
+        groups[name] = state.tp_group
+    if args.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    freq = args.moe_layer_freq
+    num_moe = sum(freq) if isinstance(freq, list) else len(range(0, args.num_layers, freq))
+    values = moe_aux.reduce_aux_losses(names, args.num_layers, num_moe, 1.0 / global_vars.get_num_microbatches(),
+                                       pp_group=state.pp_group, dp_group=state.dp_group, reduce_groups=groups,
+                                       per_layer=bool(args.moe_per_layer_logging))
+    per_layer = {k: values.pop(k) for k in list(values) if k.startswith("moe/")}
+    writer = global_vars.get_tensorboard_writer()
+    if writer is not None and per_layer:
+        for key, value in per_layer.items():
+            writer.add_scalar(key, value, args.curr_iteration + 1)
+    return values
 
 
 def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, iteration: int, loss_scale: float,

@@ -5,7 +5,8 @@ Families: GPT-2 (``GPT2LMHeadModel``; HF's Conv1D weights are the transposes, c_
 the MLP activation is the one Megatron computes from the flags: fused bias-GeLU / --openai-gelu = tanh = "gelu_new",
 --no-bias-gelu-fusion = erf = "gelu") and the Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM``: Megatron's grouped QKV, SwiGLU [gate; up], RMSNorm, RoPE in HF's half-split layout with no
-permutation, ``rope_theta`` -> --rotary-base). The per-tensor mappings are those of megatron.model.hf_conversion,
+permutation, ``rope_theta`` -> --rotary-base) and BLOOM (``BloomForCausalLM``: --position-embedding-type alibi
+--embed-layernorm, the same names and layouts as Megatron-DeepSpeed; megatron/model/hf_bloom.py). The per-tensor mappings are those of megatron.model.hf_conversion,
 applied one layer at a time; tensors are read lazily from the safetensors files.
 """
 from __future__ import annotations
@@ -28,11 +29,13 @@ from megatron.checkpoint_conversion.interchange import (
     expect,
     layer_message,
 )
+from megatron.model import hf_bloom
 from megatron.model import hf_conversion as hfc
 
 LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GPT2_ARCHS = ("GPT2LMHeadModel",)
-SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + ("MegatronBertForPreTraining", "MegatronBertForSequenceClassification",
+BLOOM_ARCHS = ("BloomForCausalLM",)
+SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + BLOOM_ARCHS + ("MegatronBertForPreTraining", "MegatronBertForSequenceClassification",
                                        "MegatronBertForMultipleChoice")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json")
@@ -174,6 +177,17 @@ def read_hf(load_dir: str, *, true_vocab_size: Optional[int] = None, model_type:
     if arch in GPT2_ARCHS:
         fields = megatron_config_from_hf_gpt2(cfg)
         family = "gpt2"
+    elif arch in BLOOM_ARCHS:
+        import transformers
+
+        hf_config = transformers.AutoConfig.from_pretrained(load_dir, local_files_only=True)
+        try:  # BLOOM has no position table; its length limit is a run-time setting (BigScience trained 2048)
+            config = hf_bloom.megatron_config_from_hf_bloom(hf_config,
+                                                            max_position_embeddings=int(cfg.get("seq_length", 2048)))
+        except ValueError as exc:
+            raise ConversionError(f"{load_dir}: {exc}") from None
+        fields = architecture_of(config)
+        family = "bloom"
     else:
         import transformers
 
@@ -190,7 +204,7 @@ def read_hf(load_dir: str, *, true_vocab_size: Optional[int] = None, model_type:
                      iteration=None, tokenizer=_tokenizer_of(load_dir, family), source=load_dir,
                      extra={"hf_architecture": arch, "hf_config": cfg})
     meta.config()  # validates the architecture (one line)
-    stream = _gpt2_stream(tensors, meta) if family == "gpt2" else _llama_stream(tensors, meta)
+    stream = {"gpt2": _gpt2_stream, "bloom": _bloom_stream, "llama": _llama_stream}[family](tensors, meta)
     return meta, stream
 
 
@@ -218,6 +232,17 @@ def _gpt2_stream(t: _LazyTensors, meta: ModelMeta) -> Iterator[Message]:
                                "final_layernorm.bias": t.get(pre + "ln_f.bias")})
     if not meta.architecture["share_embeddings_and_output_weights"]:
         yield Message(OUTPUT_LAYER, {"output_layer.weight": t.get("lm_head.weight")})
+
+
+def _bloom_stream(t: _LazyTensors, meta: ModelMeta) -> Iterator[Message]:
+    pre = "transformer." if "transformer.word_embeddings.weight" in t else ""
+    yield Message(EMBEDDINGS, {"word_embeddings.weight": t.get(pre + "word_embeddings.weight"),
+                               "word_embeddings.norm.weight": t.get(pre + "word_embeddings_layernorm.weight"),
+                               "word_embeddings.norm.bias": t.get(pre + "word_embeddings_layernorm.bias")})
+    for i in range(meta.architecture["num_layers"]):
+        yield Message(layer_message(i), {k: t.get(f"{pre}h.{i}.{k}") for k in hf_bloom.LAYER_KEYS})
+    yield Message(FINAL_NORM, {"final_layernorm.weight": t.get(pre + "ln_f.weight"),
+                               "final_layernorm.bias": t.get(pre + "ln_f.bias")})
 
 
 def _llama_stream(t: _LazyTensors, meta: ModelMeta) -> Iterator[Message]:
@@ -307,11 +332,14 @@ def hf_family(meta: ModelMeta) -> str:
     a = meta.architecture
     if a.get("swiglu") and a.get("normalization") == "RMSNorm" and a.get("position_embedding_type") == "rope":
         return "llama"
+    if a.get("position_embedding_type") == "alibi" and a.get("embed_layernorm"):
+        return "bloom"
     if a.get("position_embedding_type", "learned_absolute") == "learned_absolute" and \
             a.get("normalization", "LayerNorm") == "LayerNorm" and not (a.get("swiglu") or a.get("squared_relu")):
         return "gpt2"
     raise ConversionError("--saver hf: this architecture is neither GPT-2 (learned positions, LayerNorm, GeLU) nor "
-                          "Llama-family (--swiglu --normalization RMSNorm --position-embedding-type rope)")
+                          "Llama-family (--swiglu --normalization RMSNorm --position-embedding-type rope) nor BLOOM "
+                          "(--position-embedding-type alibi --embed-layernorm)")
 
 
 def _hf_config(meta: ModelMeta, family: str, rows: int, arch_name: Optional[str]) -> Any:
@@ -326,6 +354,9 @@ def _hf_config(meta: ModelMeta, family: str, rows: int, arch_name: Optional[str]
                 raise ValueError("HF GPT-2 needs plain pre-LayerNorm layers with biases")
             hf = transformers.GPT2Config(**kwargs)
             hf.architectures = ["GPT2LMHeadModel"]
+        elif family == "bloom":
+            hf = transformers.BloomConfig(**hf_bloom.hf_bloom_config_kwargs(config, vocab_size=rows))
+            hf.architectures = ["BloomForCausalLM"]
         else:
             kwargs = hfc.hf_llama_config_kwargs(config, vocab_size=rows)
             name = arch_name or ("Qwen2ForCausalLM" if config.add_qkv_bias else "LlamaForCausalLM")
@@ -406,6 +437,10 @@ def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max
     if family == "gpt2":
         writer.add("transformer.wte.weight", word)
         writer.add("transformer.wpe.weight", emb["position_embeddings.weight"])
+    elif family == "bloom":
+        writer.add("transformer.word_embeddings.weight", word)
+        writer.add("transformer.word_embeddings_layernorm.weight", emb["word_embeddings.norm.weight"])
+        writer.add("transformer.word_embeddings_layernorm.bias", emb["word_embeddings.norm.bias"])
     else:
         writer.add("model.embed_tokens.weight", word)
     for i in range(a["num_layers"]):
@@ -419,6 +454,9 @@ def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max
             for m_name, h_name, transpose in _GPT2_LAYER:
                 v = layer[m_name]
                 writer.add(dst + h_name, v.t().contiguous() if transpose else v)
+        elif family == "bloom":
+            for key in hf_bloom.LAYER_KEYS:
+                writer.add(f"transformer.h.{i}.{key}", layer[key])
         else:
             dst = f"model.layers.{i}."
             q, k, v = hfc.qkv_unpack_groups(layer["self_attention.query_key_value.weight"], nq, ng, hd)
@@ -438,7 +476,7 @@ def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max
         layer.check(checking)
     emb.check(checking)
     norm = _Checked(expect(messages, FINAL_NORM).tensors, FINAL_NORM)
-    if family == "gpt2":
+    if family in ("gpt2", "bloom"):
         writer.add("transformer.ln_f.weight", norm["final_layernorm.weight"])
         writer.add("transformer.ln_f.bias", norm["final_layernorm.bias"])
     else:

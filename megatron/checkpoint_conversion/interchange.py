@@ -4,7 +4,7 @@ tokenizer files) and `Message`s of full TP=1 tensors under Megatron's parameter 
 Message stream of a GPT-family model, in order (Megatron-LM's tools/checkpoint names the same parts)::
 
     "embeddings"            word_embeddings.weight [vocab rows], position_embeddings.weight (learned positions),
-                            tokentype_embeddings.weight (BERT)
+                            tokentype_embeddings.weight (BERT), word_embeddings.norm.weight/bias (--embed-layernorm)
     "transformer layer {i}" i = 0..num_layers-1; keys are the suffixes after ``language_model.encoder.layers.{i}.``
                             (``self_attention.query_key_value.weight`` in Megatron's grouped layout, SwiGLU's
                             ``mlp.dense_h_to_4h.weight`` as [gate; up], ...)
@@ -45,7 +45,7 @@ _KEPT_FIELDS = (
     "padded_vocab_size", "apply_residual_connection_post_layernorm", "normalization", "layernorm_epsilon",
     "apply_layernorm_1p", "openai_gelu", "squared_relu", "swiglu", "bias_gelu_fusion", "add_bias_linear",
     "add_qkv_bias", "position_embedding_type", "rotary_base", "rotary_percent", "group_query_attention",
-    "num_query_groups", "share_embeddings_and_output_weights",
+    "num_query_groups", "share_embeddings_and_output_weights", "glu_activation", "embed_layernorm",
 )
 
 
@@ -129,10 +129,13 @@ def model_flags(meta: ModelMeta, tp: int = 1, pp: int = 1, vp_layers: Optional[i
     for key, flag in (("apply_layernorm_1p", "--apply-layernorm-1p"), ("swiglu", "--swiglu"),
                       ("openai_gelu", "--openai-gelu"), ("squared_relu", "--squared-relu"),
                       ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm"),
-                      ("add_qkv_bias", "--add-qkv-bias")):
+                      ("add_qkv_bias", "--add-qkv-bias"), ("embed_layernorm", "--embed-layernorm")):
         if a.get(key):
             flags.append(flag)
-    if not a.get("bias_gelu_fusion", True) and not (a.get("swiglu") or a.get("squared_relu")):
+    if a.get("glu_activation"):
+        flags.append(f"--glu-activation {a['glu_activation']}")
+    if not a.get("bias_gelu_fusion", True) and not (a.get("swiglu") or a.get("squared_relu")
+                                                    or a.get("glu_activation")):
         flags.append("--no-bias-gelu-fusion")
     pos = a.get("position_embedding_type", "learned_absolute")
     if pos != "learned_absolute":
