@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from megatron import global_vars
+from megatron import global_vars, peer_failure
 from megatron.arguments import core_transformer_config_from_args
 from megatron.checkpointing import (
     forget_last_loaded,
@@ -342,6 +342,7 @@ def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], mod
              process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
              verbose: bool = False, count_valid_samples: bool = True) -> tuple[dict, Any]:
     """Average the losses over --eval-iters batches (forward only)."""
+    peer_failure.note_phase(f"evaluation at iteration {getattr(args, 'iteration', 0)}")
     if getattr(args, "deepspeed", False):
         from megatron.ds.engine import deepspeed_evaluate
 
@@ -412,6 +413,7 @@ def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
     if not params_finite(model):  # (a ZeRO-3 engine's partitioned parameters are not visible here: not checked)
         raise NonFiniteTrainingError(f"refusing to save the checkpoint of iteration {iteration}: the weights are not "
                                      "finite (the previous checkpoint is left as the latest); lower --lr")
+    peer_failure.note_phase(f"the checkpoint save of iteration {iteration}")
     timers = global_vars.get_timers()
     timers("save-checkpoint", log_level=0).start(barrier=True)
     if getattr(args, "deepspeed", False):
@@ -473,6 +475,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     while iteration < args.train_iters:
         global_vars.update_num_microbatches(args.consumed_train_samples)
         args.curr_iteration = iteration
+        peer_failure.note_phase(f"training iteration {iteration + 1}")  # named if a peer is lost (one line)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, args, state)
         if getattr(args, "empty_unused_memory_level", 0) >= 1 and torch.cuda.is_available():
@@ -569,6 +572,9 @@ def pretrain(
     check_pipeline_schedule(args, global_vars.get_num_microbatches())
     timers = global_vars.get_timers()
 
+    from megatron.data.data_checks import check_data_prefixes
+
+    check_data_prefixes(args)  # a mistyped --data-path: one line before the model is built
     timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, args, state)
     timers("model-and-optimizer-setup").stop()

@@ -115,3 +115,33 @@ def test_moe_needs_no_bias_and_sequence_parallel_with_tp():
     args.rank, args.world_size = 1, 2
     with pytest.raises(ArgumentError, match="--sequence-parallel"):
         validate_args(args, {})
+
+
+def test_checkpoint_architecture_holds_and_restores_the_moe_settings():
+    """The checkpoint's architecture records the MoE layout; --use-checkpoint-args restores it; a run whose MoE
+    flags differ is stopped with one line naming the field."""
+    from megatron.checkpoint_args import (
+        ArchitectureMismatchError,
+        architecture_from_args,
+        check_architecture,
+        flag_defaults,
+        restore_architecture,
+    )
+
+    saved_args = parse_args(args=[*BASE, "--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-layer-freq",
+                                  "[1,0]", "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate",
+                                  "--moe-expert-capacity-factor", "1.5"])
+    saved_args.rank = 1
+    saved = architecture_from_args(validate_args(saved_args, {}))
+    assert (saved["num_moe_experts"], saved["moe_router_topk"], saved["moe_layer_freq"]) == (4, 1, [1, 0])
+    plain = parse_args(args=[*BASE[:-3], "--disable-bias-linear"])  # no --num-experts
+    restored = restore_architecture(plain, saved, None, flag_defaults())
+    assert "num_experts" in restored and plain.num_experts == 4
+    plain.rank = 1
+    again = architecture_from_args(validate_args(plain, {}))
+    assert {k: again[k] for k in saved if k.startswith(("num_moe", "moe_"))} == \
+        {k: v for k, v in saved.items() if k.startswith(("num_moe", "moe_"))}
+    other = parse_args(args=[*BASE, "--moe-router-topk", "2"])
+    other.rank = 1
+    with pytest.raises(ArchitectureMismatchError, match="moe_router_topk"):
+        check_architecture(saved, validate_args(other, {}), "ckpt")
