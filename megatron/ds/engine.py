@@ -392,9 +392,8 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
     from megatron.checkpointing import _first_reason
     from megatron.safe_load import guarded_torch_load
 
-    with open(latest) as f:
-        latest_tag = f.read().strip()
     try:  # the newest global_stepN whose files match their manifest
+        latest_tag = integrity.read_pointer_file(latest)
         tag = integrity.select_deepspeed_tag(load_dir, latest_tag, not getattr(args, "no_checkpoint_fallback", False),
                                              _first_reason, print_rank_0)
     except ValueError as exc:
