@@ -84,7 +84,12 @@ class _LazyTensors:
             if name.endswith(".safetensors"):
                 from safetensors import safe_open
 
-                handle: Any = safe_open(path, framework="pt")
+                try:
+                    handle: Any = safe_open(path, framework="pt")
+                except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type (or OSError)
+                    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    raise ConversionError(f"{path} is not a readable safetensors file ({detail}): it is truncated or "
+                                          "damaged; download or copy it again") from None
             else:
                 from megatron.safe_load import safe_torch_load
 
