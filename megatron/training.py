@@ -52,6 +52,7 @@ from megatron.model_setup import (  # noqa: F401
 from megatron.nan_guard import NonFiniteTrainingError, SkipCounter, loss_and_grads_finite, params_finite
 from megatron.optimizer import get_megatron_optimizer
 from megatron.optimizer.optimizer_config import optimizer_config_from_args
+from megatron.progress import ProgressNotes
 from megatron.required_flags import TRAINING_RUN
 from megatron.theoretical_memory_usage import report_theoretical_memory
 from megatron.utils import calc_params_l2_norm
@@ -394,6 +395,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     print_datetime("before the start of training step")
     report_memory_flag = True
     skip_counter = SkipCounter(getattr(args, "max_skipped_iterations", 10))
+    notes = ProgressNotes(iteration, args.train_iters, args.log_interval, print_rank_last)
     while iteration < args.train_iters:
         global_vars.update_num_microbatches(args.consumed_train_samples)
         args.curr_iteration = iteration
@@ -427,6 +429,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         nonfinite = (grad_norm is not None and not math.isfinite(grad_norm)) or \
             any(not math.isfinite(float(v)) for v in loss_dict.values())
         skip_counter.update(iteration, bool(skipped_iter), nonfinite, loss_scale, _loss_scale_floor(args))
+        notes.after_iteration(iteration)
 
         if args.eval_interval and iteration % args.eval_interval == 0 and getattr(args, "do_valid", False):
             losses = evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator,
