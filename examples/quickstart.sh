@@ -108,5 +108,6 @@ EVAL_ARGS=("${MODEL_ARGS[@]}" --load "$OUT/checkpoints" --no-load-optim --no-loa
 $PY tasks/main.py --task WIKITEXT103 --valid-data "$OUT/wiki.test.tokens" --overlapping-eval 32 "${EVAL_ARGS[@]}"
 $PY tasks/main.py --task LAMBADA --valid-data "$OUT/lambada_test.jsonl" "${EVAL_ARGS[@]}"
 
-echo "quick-start done in ${SECONDS} s (CPU seconds of its processes, user and system: $(times | tail -1)):" \
-  "tokenizer, dataset, checkpoints, TensorBoard logs and samples are in $OUT/"
+echo "quick-start done in ${SECONDS} s: tokenizer, dataset, checkpoints, TensorBoard logs and samples are in $OUT/"
+echo "CPU time (user system) of this script, then of the processes it ran:"
+times

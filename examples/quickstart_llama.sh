@@ -94,5 +94,7 @@ if before != after:
 print("Hugging Face round trip OK: AutoTokenizer gives our ids (BOS first), the converted-back checkpoint "
       "generates the same greedy tokens")
 PYEOF
-echo "quick-start (llama) done in ${SECONDS} s (CPU seconds of its processes, user and system: $(times | tail -1)):" \
-  "tokenizer.model, dataset, checkpoints, samples and the HF folder are in $OUT/llama_*"
+echo "quick-start (llama) done in ${SECONDS} s: tokenizer.model, dataset, checkpoints, samples and the HF folder are" \
+  "in $OUT/llama_*"
+echo "CPU time (user system) of this script, then of the processes it ran:"
+times

@@ -27,8 +27,11 @@ def test_quickstart_llama_leg(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(r"Llama training OK: loss [0-9.]+ -> [0-9.]+", proc.stdout)
     assert "Hugging Face round trip OK" in proc.stdout
-    assert re.search(r"^ validation loss at iteration 5 ", proc.stdout, flags=re.M) or "lm loss value" in proc.stdout
-    assert re.search(r"number correct: +[0-9.]+E[+-]\d+", proc.stdout) or "accuracy" in proc.stdout.lower()
+    assert re.search(r"^ validation loss at iteration 5 \| lm loss value: ", proc.stdout, flags=re.M)
+    assert re.search(r"validation results on WIKITEXT103 \| avg loss: [0-9.]+E[+-]\d+ \| ppl", proc.stdout)
+    assert re.search(r"validation results on LAMBADA \| number correct: [0-9.E+-]+ \| total examples: 1\.0+E\+01",
+                     proc.stdout)
+    assert re.search(r"^ > first iteration done in [0-9.]+ s \(iteration 1 of 10;", proc.stdout, flags=re.M)
     out = tmp_path / "qs"
     hf = out / "llama_hf"
     assert {"tokenizer.model", "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(
