@@ -18,6 +18,7 @@ from megatron.core.transformer_config import TransformerConfig
 from megatron.errors import ArgumentError
 from megatron.flag_registry import refuse_unimplemented
 from megatron.launcher import detect_launcher_env
+from megatron.moe_arguments import add_moe_args, validate_moe_args
 from megatron.required_flags import TRAINING_RUN, check_required_flags
 
 _FALLBACK_TOKENIZER_TYPES = (
@@ -97,6 +98,7 @@ def build_parser(
         _add_data_args,
         _add_logging_args,
         _add_inference_args,
+        add_moe_args,
     ):
         parser = add_group(parser)
     if extra_args_provider is not None:
@@ -123,8 +125,9 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="Projection size per head (default hidden-size // num-attention-heads).")
     g.add_argument("--max-position-embeddings", type=int, default=None, help="Largest sequence length supported.")
     g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                   choices=["learned_absolute", "rope", "none"],
-                   help="Position embedding: learned absolute (GPT-2), rotary (Llama), or none.")
+                   choices=["learned_absolute", "rope", "alibi", "none", "absolute", "rotary"],
+                   help="Position embedding: learned absolute (GPT-2), rotary (Llama), ALiBi linear biases (BLOOM), "
+                        "or none; Megatron-DeepSpeed's names absolute/rotary are accepted.")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Megatron-LM 23.06 spelling of --position-embedding-type rope.")
     g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
@@ -153,6 +156,11 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--openai-gelu", action="store_true", help="OpenAI's tanh GeLU approximation.")
     g.add_argument("--squared-relu", action="store_true", help="Squared ReLU activation instead of GeLU.")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU activation instead of GeLU.")
+    g.add_argument("--glu-activation", type=str, default=None, choices=["geglu", "liglu", "reglu", "swiglu"],
+                   help="Megatron-DeepSpeed's GLU activations: x1 * act(x2) over the two halves of a 2 * ffn "
+                        "first projection (act = GeLU, identity, ReLU, SiLU).")
+    g.add_argument("--embed-layernorm", action="store_true",
+                   help="LayerNorm right after the word embeddings (BLOOM; Megatron-DeepSpeed's flag).")
     g.add_argument("--onnx-safe", type=bool, required=False, help="Workarounds for known ONNX exporter problems.")
     g.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
                    help="Disable BERT's binary (next-sentence) head.")
@@ -246,6 +254,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="Do not fuse scaling, masking and softmax.")
     g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
                    help="Do not fuse bias add and GeLU.")
+    g.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion",
+                   help="Do not fuse bias add and SwiGLU (the Triton kernel on CUDA).")
     g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
                    help="Do not fuse bias add, dropout and residual add.")
     g.add_argument("--use-flash-attn", action="store_true", help="FlashAttention (CUDA only).")
@@ -541,6 +551,7 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
     _validate_training_length(args)
     _validate_model_shape(args)
     _validate_architecture(args)
+    validate_moe_args(args)
     _validate_recompute(args)
     _validate_misc(args)
 
@@ -826,7 +837,7 @@ def _validate_model_shape(args: argparse.Namespace) -> None:
     elif args.encoder_seq_length is not None:
         args.seq_length = args.encoder_seq_length
     _require(args.seq_length is not None, "--seq-length is required (or --encoder-seq-length)")
-    if args.max_position_embeddings is None and args.position_embedding_type in ("rope", "none"):
+    if args.max_position_embeddings is None and args.position_embedding_type in ("rope", "alibi", "none"):
         args.max_position_embeddings = args.seq_length
     _require(args.max_position_embeddings is not None, "--max-position-embeddings is required")
     if args.seq_length is not None:
@@ -846,7 +857,8 @@ def _validate_model_shape(args: argparse.Namespace) -> None:
 
 def _resolve_position_embedding(args: argparse.Namespace) -> None:
     """--use-rotary-position-embeddings / --no-position-embedding (Megatron-LM 23.06) -> --position-embedding-type."""
-    kind = args.position_embedding_type
+    kind = {"absolute": "learned_absolute", "rotary": "rope"}.get(args.position_embedding_type,
+                                                                   args.position_embedding_type)
     if args.use_rotary_position_embeddings:
         _require(kind in ("learned_absolute", "rope"),
                  f"--use-rotary-position-embeddings means --position-embedding-type rope (got {kind}); drop one")
@@ -882,7 +894,7 @@ def _validate_architecture(args: argparse.Namespace) -> None:
     else:
         _require(args.num_query_groups is None, "--num-query-groups needs --group-query-attention")
     kinds = [flag for flag, on in (("--openai-gelu", args.openai_gelu), ("--squared-relu", args.squared_relu),
-                                   ("--swiglu", args.swiglu)) if on]
+                                   ("--swiglu", args.swiglu), ("--glu-activation", args.glu_activation)) if on]
     _require(len(kinds) <= 1, f"{' and '.join(kinds)} are different activations; pick one")
 
 

@@ -26,11 +26,18 @@ class ArchitectureMismatchError(MegatronUserError, RuntimeError):
 # the kinds first (a different kind also changes derived sizes, e.g. --swiglu the FFN width: name the cause).
 ARCHITECTURE_FIELDS: Tuple[str, ...] = (
     "normalization", "layernorm_epsilon", "apply_layernorm_1p", "apply_residual_connection_post_layernorm",
-    "openai_gelu", "squared_relu", "swiglu", "add_bias_linear", "add_qkv_bias", "bias_gelu_fusion",
+    "openai_gelu", "squared_relu", "swiglu", "glu_activation", "embed_layernorm", "add_bias_linear", "add_qkv_bias",
+    "bias_gelu_fusion",
     "position_embedding_type", "rotary_base", "rotary_percent", "group_query_attention", "num_query_groups",
     "share_embeddings_and_output_weights",
     "num_layers", "encoder_num_layers", "decoder_num_layers", "hidden_size", "num_attention_heads",
     "ffn_hidden_size", "kv_channels", "max_position_embeddings", "padded_vocab_size",
+    # mixture of experts (the router's loss coefficients are training settings, not architecture)
+    "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
+    "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
+    "moe_router_dtype", "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+    "moe_apply_probs_on_input",
 )
 
 # Restored by --use-checkpoint-args only when the flag is left at its default (Megatron's rule for these).
@@ -44,6 +51,7 @@ _FLAG_OF_FIELD: Dict[str, str] = {
     "bias_gelu_fusion": "--no-bias-gelu-fusion (or not)",
     "layernorm_epsilon": "--norm-epsilon",
     "num_query_groups": "--group-query-attention --num-query-groups",
+    "num_moe_experts": "--num-experts",
 }
 
 # field -> [(parser destination, value of that destination for a saved field value)] for --use-checkpoint-args.
@@ -53,6 +61,7 @@ _RESTORE: Dict[str, List[Tuple[str, Callable[[Any], Any]]]] = {
                                 ("use_rotary_position_embeddings", lambda v: v == "rope"),
                                 ("add_position_embedding", lambda v: v == "learned_absolute")],
     "bias_gelu_fusion": [("bias_gelu_fusion", lambda v: v), ("onnx_safe", lambda v: None)],
+    "num_moe_experts": [("num_experts", lambda v: v)],
 }
 
 
@@ -60,6 +69,8 @@ def _plain(value: Any) -> Any:
     """Python scalars only (the checkpoint loads weights-only)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return list(value)  # --moe-layer-freq as a 0/1 pattern
     return str(value)
 
 
@@ -75,12 +86,61 @@ def architecture_from_args(args: argparse.Namespace) -> Dict[str, Any]:
     return out
 
 
+def fill_derived_defaults(arch: Dict[str, Any], ckpt_args: Any = None) -> Dict[str, Any]:
+    """Fill the sizes Megatron derives when a flag is left unset (`None` or absent in saved args): ffn_hidden_size
+    4h (SwiGLU: 2/3 of that, rounded down to 64), kv_channels h/heads, encoder_num_layers num_layers, the padded
+    vocabulary from `orig_vocab_size`; fields still unknown are dropped (an unknown field is never compared)."""
+    h, heads = arch.get("hidden_size"), arch.get("num_attention_heads")
+    if arch.get("ffn_hidden_size") is None and h:
+        arch["ffn_hidden_size"] = int((4 * h * 2 / 3) / 64) * 64 if arch.get("swiglu") else 4 * h
+    if arch.get("kv_channels") is None and h and heads:
+        arch["kv_channels"] = h // heads
+    if arch.get("encoder_num_layers") is None and arch.get("num_layers"):
+        arch["encoder_num_layers"] = arch["num_layers"]
+    if not arch.get("padded_vocab_size") and ckpt_args is not None:
+        vocab, multiple = getattr(ckpt_args, "orig_vocab_size", None), getattr(ckpt_args, "make_vocab_size_divisible_by", None)
+        if vocab and multiple:
+            step = multiple * (getattr(ckpt_args, "tensor_model_parallel_size", None) or 1)
+            arch["padded_vocab_size"] = -(-vocab // step) * step
+    return {k: v for k, v in arch.items() if v is not None or k == "num_query_groups"}
+
+
 def saved_architecture(architecture: Optional[Mapping[str, Any]],
                        ckpt_args: Optional[argparse.Namespace]) -> Dict[str, Any]:
-    """The checkpoint's stored architecture, or (older checkpoints) the one computed from its saved args."""
+    """The checkpoint's stored architecture, or (older and third-party checkpoints) the one computed from its saved
+    args with Megatron's derived defaults filled in."""
     if architecture:
         return dict(architecture)
-    return architecture_from_args(ckpt_args) if ckpt_args is not None else {}
+    return fill_derived_defaults(architecture_from_args(ckpt_args), ckpt_args) if ckpt_args is not None else {}
+
+
+# Megatron's defaults for the activation flags a third-party `args` may leave out.
+_ACTIVATION_DEFAULTS = {"swiglu": False, "glu_activation": None, "squared_relu": False, "openai_gelu": False,
+                        "bias_gelu_fusion": True, "add_bias_linear": True}
+_ACTIVATION_FLAGS = ("swiglu", "glu_activation", "squared_relu", "openai_gelu", "bias_gelu_fusion")
+_ACTIVATION_FIX = {"swiglu": "pass --swiglu", "squared_relu": "pass --squared-relu",
+                   "tanh GeLU": "pass --openai-gelu (or drop --no-bias-gelu-fusion)",
+                   "erf GeLU": "pass --no-bias-gelu-fusion and drop --openai-gelu"}
+
+
+def _flag(arch: Mapping[str, Any], key: str) -> Any:
+    """An activation flag's value, Megatron's default where `arch` does not record it."""
+    value = arch.get(key)
+    return _ACTIVATION_DEFAULTS[key] if value is None else value
+
+
+def _activation(arch: Mapping[str, Any]) -> str:
+    """What the MLP computes (the flags overlap: --openai-gelu and the fused bias-GeLU are both tanh GeLU)."""
+    def get(key: str) -> Any:
+        return _flag(arch, key)
+
+    if get("swiglu"):
+        return "swiglu"
+    if get("glu_activation"):
+        return "glu " + get("glu_activation")
+    if get("squared_relu"):
+        return "squared_relu"
+    return "tanh GeLU" if get("openai_gelu") or (get("bias_gelu_fusion") and get("add_bias_linear")) else "erf GeLU"
 
 
 def _fix(field: str, value: Any) -> str:
@@ -93,20 +153,37 @@ def _fix(field: str, value: Any) -> str:
     return f"pass {flag} {value}"
 
 
+def _check_activation(saved: Mapping[str, Any], current: Mapping[str, Any], path: str) -> None:
+    """One line when the MLPs compute different activations (flags the checkpoint lacks take Megatron's default)."""
+    if not any(saved.get(k) is not None for k in _ACTIVATION_FLAGS):
+        return
+    have, want = _activation(current), _activation(saved)
+    if have == want:
+        return
+    name = next(k for k in _ACTIVATION_FLAGS + ("add_bias_linear",) if _flag(saved, k) != _flag(current, k))
+    fix = (_fix(name, _flag(saved, name)) if name == "add_bias_linear"
+           else _ACTIVATION_FIX.get(want) or f"pass --glu-activation {want[len('glu '):]}")
+    raise ArchitectureMismatchError(
+        f"checkpoint {path} has {name}={_flag(saved, name)!r} but this run's flags give "
+        f"{name}={_flag(current, name)!r} (an MLP with {want}, not {have}): {fix} to match, "
+        "or --use-checkpoint-args to take the architecture from the checkpoint")
+
+
 def check_architecture(saved: Mapping[str, Any], args: argparse.Namespace, path: str) -> None:
     """One line naming the first field where the checkpoint and this run's flags differ, with both values."""
     current = architecture_from_args(args)
     for name in ARCHITECTURE_FIELDS:
-        if name not in saved or name not in current:
-            continue
+        if name == ARCHITECTURE_FIELDS[0]:
+            _check_activation(saved, current, path)
+        if name not in saved or name not in current or name in _ACTIVATION_FLAGS:
+            continue  # the activation flags are compared as what they compute together
         have, want = current[name], saved[name]
+        if want is None and name != "num_query_groups":
+            continue  # unknown in the checkpoint: never blocks a load
         if name == "padded_vocab_size" and not (have and want):
             continue  # not known on one side (before the tokenizer is built, or an old checkpoint)
         if name == "max_position_embeddings" and current.get("position_embedding_type") != "learned_absolute":
             continue  # no position-embedding table: the length limit is a run-time setting
-        if name == "bias_gelu_fusion" and not (current.get("add_bias_linear", True) and not any(
-                current.get(k) for k in ("openai_gelu", "squared_relu", "swiglu"))):
-            continue  # the fusion (tanh GeLU) only applies to a plain GeLU MLP with a bias
         if have != want:
             raise ArchitectureMismatchError(
                 f"checkpoint {path} has {name}={want!r} but this run's flags give {name}={have!r}: "

@@ -178,6 +178,7 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "max_prompts": "tools/run_text_generation_server.py",
     "max_request_bytes": "tools/run_text_generation_server.py",
     "request_timeout": "tools/run_text_generation_server.py",
+    "allow_random_weights": "tools/run_text_generation_server.py",
     # tasks/main.py
     "task": "tasks/main.py",
     "valid_data": "tasks/zeroshot_gpt/evaluate.py",
@@ -200,14 +201,25 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "intermed_results": "tasks/eval_harness/evaluate.py",
     "micro_bs_multiplier": "tasks/eval_harness/evaluate.py",
     "max_gen_toks": "tasks/eval_harness/evaluate.py",
+    # mixture of experts (megatron/moe_arguments.py checks them)
+    "moe_per_layer_logging": "megatron/training.py",
 }
 
 # In Megatron these only choose a kernel or a communication pattern; the numbers are the same. We have one variant.
 SAME_RESULT_VARIANTS: Dict[str, str] = {
-    "no_persist_layer_norm": "picks apex's non-persistent LayerNorm kernel; this build uses torch's LayerNorm",
+    "no_persist_layer_norm": "picks apex's non-persistent LayerNorm kernel; this build's LayerNorm is torch's, or on "
+                             "CUDA the Triton one (megatron/fused_kernels/norms.py) for every hidden size",
     "scatter_gather_tensors_in_pipeline": "pipeline p2p always sends whole activations (what the --no- form asks)",
     "inference_batch_times_seqlen_threshold": "generation sends the whole batch through the pipeline stages at "
                                               "once; micro-batching it gives the same tokens",
+    "moe_grouped_gemm": "the experts always run as one batched GEMM per projection (megatron/model/moe.py)",
+    "moe_use_legacy_grouped_gemm": "one expert implementation (batched GEMM); legacy or TE grouped GEMM alike",
+    "moe_permute_fusion": "picks TE's fused permutation kernel; the permutation is the same",
+    "moe_router_fusion": "picks TE's fused top-k/aux-loss kernels; the routing is the same",
+    "moe_shared_expert_overlap": "overlaps the shared expert with dispatch on GPU; the shared expert's output is the "
+                                 "same (only the order of gradient additions differs)",
+    "moe_token_dispatcher_type": "allgather and alltoall move the same tokens to the same experts (flex is refused "
+                                 "by megatron/moe_arguments.py)",
 }
 
 # dest -> (default, why it is refused when set to anything else). Implement a flag and move it to RUNTIME_SETTINGS.
@@ -216,6 +228,26 @@ REFUSED: Dict[str, Tuple[Any, str]] = {
     "use_ring_exchange_p2p": (False, "needs a custom PyTorch build (torch.distributed.ring_exchange); not supported"),
     "log_optimizer_states_to_tensorboard": (False, "is not implemented"),
     "sample_rate": (1.0, "is not implemented (it subsamples BERT/T5 data in Megatron)"),
+    # mixture of experts: Megatron-LM flags this build does not implement
+    "expert_model_parallel_size": (1, "(expert parallelism) is not implemented yet; the experts of a layer stay on "
+                                      "each rank (TP+SP, PP, DP and the distributed optimizer work)"),
+    "expert_tensor_parallel_size": (None, "is not implemented (the experts use --tensor-model-parallel-size)"),
+    "moe_extended_tp": (False, "is deprecated in Megatron-LM and not implemented"),
+    "moe_use_upcycling": (False, "(dense -> MoE upcycling) is not implemented"),
+    "moe_layer_recompute": (False, "is not implemented (use --recompute-granularity full)"),
+    "moe_router_num_groups": (None, "(group-limited routing) is not implemented"),
+    "moe_router_group_topk": (None, "(group-limited routing) is not implemented"),
+    "moe_router_enable_expert_bias": (False, "(aux-loss-free expert bias) is not implemented"),
+    "moe_router_bias_update_rate": (1e-3, "(aux-loss-free expert bias) is not implemented"),
+    "moe_router_force_load_balancing": (False, "(random benchmark routing) is not implemented"),
+    "moe_router_padding_for_fp8": (False, "is an FP8 setting; FP8 is not supported"),
+    "moe_input_jitter_eps": (None, "(input jitter) is not implemented"),
+    "moe_enable_deepep": (False, "(DeepEP) needs CUDA; not supported"),
+    "moe_deepep_num_sms": (20, "(DeepEP) needs CUDA; not supported"),
+    "overlap_moe_expert_parallel_comm": (False, "needs expert parallelism on GPUs; not supported"),
+    "delay_wgrad_compute": (False, "is not implemented"),
+    "moe_upcycling_granularity": (1, "(upcycling) is not implemented"),
+    "moe_pad_experts_for_cuda_graph_inference": (False, "is a CUDA-graph setting; not supported"),
 }
 
 # dest -> (model families that read it, default). The entry script's family comes from its args_defaults

@@ -26,7 +26,7 @@ def transformer_and_logit_flops(config: TransformerConfig, batch_size: int, seq_
     n = config.num_attention_heads
     g = config.num_query_groups or n
     q = config.kv_channels * n
-    gated = 1.5 if config.swiglu else 1.0
+    gated = 1.5 if config.gated_linear_unit else 1.0
     per_h2 = (1.0 + g / n + s / h) * (q / h) + (config.ffn_hidden_size / h) * gated
     transformer = 12.0 * b * s * layers * h * h * per_h2
     logits = 6.0 * b * s * h * config.padded_vocab_size

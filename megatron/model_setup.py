@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron import global_vars
+from megatron import fused_kernels, global_vars
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.learning_rates import OptimizerParamScheduler
@@ -38,6 +38,7 @@ def get_model(model_provider_func: Callable, model_type: Any, args: argparse.Nam
         for param in chunk.parameters():
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     n_params = sum(p.nelement() for chunk in chunks for p in chunk.parameters())
+    print_rank_0(fused_kernels.describe(args))
     if state.dp_rank == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
               f"{state.pp_rank}): {n_params}", flush=True)

@@ -26,7 +26,7 @@ def missing_required_flags(args: argparse.Namespace, training: bool,
     if getattr(args, "seq_length", None) is None and getattr(args, "encoder_seq_length", None) is None:
         missing.append("--seq-length")
     if (getattr(args, "max_position_embeddings", None) is None
-            and getattr(args, "position_embedding_type", "learned_absolute") not in ("rope", "none")):
+            and getattr(args, "position_embedding_type", "learned_absolute") not in ("rope", "rotary", "alibi", "none")):
         missing.append("--max-position-embeddings")
     kind = getattr(args, "tokenizer_type", None)
     for flag in tokenizer_flags.get(kind, ()):

@@ -65,7 +65,7 @@ def _layer_parameters(config: TransformerConfig) -> tuple[int, int]:
     h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
     q = d * config.num_attention_heads
     qkv = q + 2 * d * (config.num_query_groups or config.num_attention_heads)
-    f_in = 2 * f if config.swiglu else f
+    f_in = 2 * f if config.gated_linear_unit else f
     bias = int(config.add_bias_linear)
     qkv_bias = int(config.add_bias_linear or config.add_qkv_bias)
     split = (h * qkv + qkv_bias * qkv) + q * h + (h * f_in + bias * f_in) + f * h  # qkv, dense w, fc1, fc2 w
@@ -103,6 +103,7 @@ def count_parameters(args: argparse.Namespace) -> ParameterCounts:
     transformer = layers * (split + replicated) + final_ln
     tokentype, head_split, head_repl = _bert_extra_parameters(args, config)
     position += tokentype  # replicated on the first stage, like the position table
+    position += 2 * h if config.embed_layernorm else 0  # --embed-layernorm: LayerNorm weight and bias, first stage
     embedding = word + position + (word if untied else 0) + head_split + head_repl
 
     per_stage = layers // pp
@@ -145,7 +146,7 @@ def _layer_activation_bytes(args: argparse.Namespace, e: int, selective: bool) -
     config = model_config(args)
     s, b, h = args.seq_length, args.micro_batch_size, config.hidden_size
     f = config.ffn_hidden_size
-    if config.swiglu:
+    if config.gated_linear_unit:
         f = 2 * f  # two first-projection outputs kept (gate and value)
     a, t = config.num_attention_heads, args.tensor_model_parallel_size
     q = config.kv_channels * a

@@ -19,9 +19,10 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from megatron import global_vars
+from megatron import global_vars, peer_failure
 from megatron.arguments import core_transformer_config_from_args
 from megatron.checkpointing import load_checkpoint, local_rng_state, restore_local_rng_state, save_checkpoint
+from megatron.core import moe_aux
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -213,13 +214,41 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
     else:
         skipped_iter = 1
 
+    moe_losses = moe_aux_losses(args, state)
     if state.is_pipeline_last_stage(ignore_virtual=True) and losses_reduced:
         loss_reduced = {}
         for key in losses_reduced[0]:
             values = [float(x[key]) for x in losses_reduced]
             loss_reduced[key] = sum(values) / len(values)
+        loss_reduced.update(moe_losses)
         return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def moe_aux_losses(args: argparse.Namespace, state: ps.ParallelState) -> dict:
+    """This iteration's MoE router losses as Megatron-LM logs them (`load_balancing_loss`, `z_loss`: mean over the
+    micro-batches and MoE layers); with --moe-per-layer-logging also TensorBoard's moe/<name>_layer_<i>."""
+    if getattr(args, "num_experts", None) is None:
+        return {}
+    names, groups = [], {}
+    if args.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and args.moe_aux_loss_coeff:
+        name = "load_balancing_loss" if args.moe_router_load_balancing_type == "aux_loss" else \
+            "seq_load_balancing_loss"
+        names.append(name)
+        groups[name] = state.tp_group
+    if args.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    freq = args.moe_layer_freq
+    num_moe = sum(freq) if isinstance(freq, list) else len(range(0, args.num_layers, freq))
+    values = moe_aux.reduce_aux_losses(names, args.num_layers, num_moe, 1.0 / global_vars.get_num_microbatches(),
+                                       pp_group=state.pp_group, dp_group=state.dp_group, reduce_groups=groups,
+                                       per_layer=bool(args.moe_per_layer_logging))
+    per_layer = {k: values.pop(k) for k in list(values) if k.startswith("moe/")}
+    writer = global_vars.get_tensorboard_writer()
+    if writer is not None and per_layer:
+        for key, value in per_layer.items():
+            writer.add_scalar(key, value, args.curr_iteration + 1)
+    return values
 
 
 def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, iteration: int, loss_scale: float,
@@ -292,6 +321,7 @@ def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], mod
              process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
              verbose: bool = False, count_valid_samples: bool = True) -> tuple[dict, Any]:
     """Average the losses over --eval-iters batches (forward only)."""
+    peer_failure.note_phase(f"evaluation at iteration {getattr(args, 'iteration', 0)}")
     if getattr(args, "deepspeed", False):
         from megatron.ds.engine import deepspeed_evaluate
 
@@ -356,6 +386,7 @@ def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
     if not params_finite(model):  # (a ZeRO-3 engine's partitioned parameters are not visible here: not checked)
         raise NonFiniteTrainingError(f"refusing to save the checkpoint of iteration {iteration}: the weights are not "
                                      "finite (the previous checkpoint is left as the latest); lower --lr")
+    peer_failure.note_phase(f"the checkpoint save of iteration {iteration}")
     timers = global_vars.get_timers()
     timers("save-checkpoint", log_level=0).start(barrier=True)
     if getattr(args, "deepspeed", False):
@@ -399,6 +430,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     while iteration < args.train_iters:
         global_vars.update_num_microbatches(args.consumed_train_samples)
         args.curr_iteration = iteration
+        peer_failure.note_phase(f"training iteration {iteration + 1}")  # named if a peer is lost (one line)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, args, state)
         if getattr(args, "empty_unused_memory_level", 0) >= 1 and torch.cuda.is_available():

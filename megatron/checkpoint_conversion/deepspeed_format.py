@@ -7,7 +7,10 @@ stream (QKV order, TP merge with the parameters' own layouts, vocabulary rows) s
 - non-pipeline engine, ZeRO 0/1/2 (and ``--to-deepspeed`` output): ``mp_rank_{tp:02d}_model_states.pt`` whose
   ``module`` is tensor rank tp's GPTModel state dict, opened memory-mapped;
 - pipeline engine (GPTModelPipe): ``layer_{idx:02d}-model_{tp:02d}-model_states.pt``, one file per pipe layer,
-  memory-mapped and renamed to Megatron's names (global layer numbers, one chunk per tensor rank);
+  memory-mapped and renamed to Megatron's names (global layer numbers, one chunk per tensor rank); both our
+  GPTModelPipe's numbering (embedding layer_00, transformer layers 01..L, final norm L+1) and Megatron-DeepSpeed's,
+  in which BigScience wrote BLOOM (embedding layer_01, transformer layers 03..L+2, final norm L+4: its spec list
+  also holds parameter-free functions), recognised by which of layer_00 / layer_01 exists;
 - ZeRO-3: the weights live in the fp32 optimizer partitions; each tensor rank is consolidated with DeepSpeed's
   ``zero_to_fp32`` (that one holds a tensor rank in memory: DeepSpeed's format has no per-layer access).
 
@@ -40,6 +43,26 @@ LATEST = "latest"
 MP_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 ZERO3_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+
+
+def bigscience_index(idx: int, num_layers: int) -> int:
+    """Our GPTModelPipe layer index -> Megatron-DeepSpeed's (BigScience's BLOOM files): 0 -> 1, transformer layer
+    k (1..L) -> k + 2, final norm L+1 -> L+4, untied output layer L+2 -> L+5."""
+    if idx == 0:
+        return 1
+    return idx + 2 if idx <= num_layers else idx + 3
+
+
+def from_bigscience_index(idx: int, num_layers: int) -> int:
+    """Inverse of `bigscience_index` (ValueError for an index that holds no parameters there)."""
+    if idx == 1:
+        return 0
+    if 3 <= idx <= num_layers + 2:
+        return idx - 2
+    if idx in (num_layers + 4, num_layers + 5):
+        return idx - 3
+    raise ValueError(f"layer_{idx:02d} is not a parameter layer of a {num_layers}-layer Megatron-DeepSpeed "
+                     "GPTModelPipe (embedding 01, transformer layers 03.., final norm L+4)")
 
 
 def resolve_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
@@ -115,6 +138,7 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
         self.load_dir = self.iter_dir = tag_dir
         self.trust = trust
         self.layout, files = tag_layout(tag_dir)
+        self.bigscience = False  # Megatron-DeepSpeed's pipe layer numbering (set below for a pipe layout)
         self.pp = self.vp = 1
         self.version = 3.0
         meta_name = {"module": lambda: files.get(0), "zero3": lambda: files.get((0, 0)),
@@ -157,11 +181,17 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
             from megatron.model.gpt_model_pipe import megatron_state_dict_from_pipe_layers
 
             tps = sorted({t for _, t in files})
+            indices = {idx for idx, _ in files}
+            self.bigscience = 0 not in indices and 1 in indices
             num_layers = self.architecture.get("num_layers") or getattr(args, "num_layers", None)
+            if num_layers is None:  # no client state: count the files (final norm = last file)
+                num_layers = max(indices) - (4 if self.bigscience else 1)
             for t in tps:
                 layers = {idx: _load(os.path.join(tag_dir, n), trust) for (idx, tt), n in sorted(files.items())
                           if tt == t}
                 try:
+                    if self.bigscience:
+                        layers = {from_bigscience_index(idx, num_layers): sd for idx, sd in layers.items()}
                     self.chunks[(t, 0, 0)] = megatron_state_dict_from_pipe_layers(layers, num_layers)
                 except ValueError as exc:
                     raise ConversionError(f"{tag_dir} (tensor rank {t}): {exc}") from None
@@ -222,6 +252,8 @@ def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab
     elif optimizer:
         print(f"note: the optimizer state of a DeepSpeed {reader.layout} checkpoint is not converted (ZeRO 1/2 "
               "without the pipeline engine is); writing the weights only", flush=True)
+    if reader.layout == "pipe" and reader.bigscience:
+        meta.extra["bigscience"] = True
     if reader.layout == "pipe":  # the source's pipeline size (the stream itself is layout-free)
         meta.extra["pp"] = int(getattr(meta.checkpoint_args, "pipeline_model_parallel_size", 1) or 1)
     return meta, _stream(reader, meta)
@@ -244,7 +276,7 @@ def engine_state(iteration: int, samples: int, tp: int, pp: int) -> Dict[str, An
 
 
 def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str, tp: int = 1,
-                    pp: int = 1) -> Dict[str, Any]:
+                    pp: int = 1, bigscience: bool = False) -> Dict[str, Any]:
     """Saver: the stream as DeepSpeed ``global_stepN`` files (weights and client state, no optimizer state).
 
     PP 1: ``mp_rank_{tp:02d}_model_states.pt`` with ``module`` (what the non-pipeline engine reads; under ZeRO-3
@@ -252,6 +284,8 @@ def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str,
     ``layer_{idx:02d}-model_{tp:02d}-model_states.pt`` files plus one client-state file per model rank. The stream is
     first written as a TP `tp` Megatron checkpoint in a staging folder (megatron_format: about one layer resident),
     then each tensor rank's file is reopened memory-mapped and rewritten in DeepSpeed's layout, one rank at a time.
+    `bigscience`: layer files at any PP, numbered as Megatron-DeepSpeed's GPTModelPipe (BigScience's BLOOM
+    checkpoints; `bigscience_index`), which the non-pipeline engine does not read.
     """
     import copy
     import dataclasses
@@ -291,17 +325,18 @@ def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str,
             if sd.get(key) is not None:
                 client[key] = sd[key]
         flat = flatten_checkpoint_state_dict(sd["model"])
-        if pp == 1:
+        if pp == 1 and not bigscience:
             path = os.path.join(tag_dir, f"mp_rank_{t:02d}_model_states.pt")
             atomic_torch_save({"module": flat, **state, **client}, path)
             written.append(path)
         else:
             for idx, layer in sorted(pipe_layers_from_megatron_state_dict(flat, num_layers).items()):
+                idx = bigscience_index(idx, num_layers) if bigscience else idx
                 path = os.path.join(tag_dir, f"layer_{idx:02d}-model_{t:02d}-model_states.pt")
                 atomic_torch_save({k: v.clone() for k, v in layer.items()}, path)
                 written.append(path)
         del sd, flat
-    if pp > 1:
+    if pp > 1 or bigscience:
         for p in range(pp):  # DeepSpeed's grid numbers model-parallel ranks pipeline-major
             for t in range(tp):
                 path = os.path.join(tag_dir, f"mp_rank_{p * tp + t:02d}_model_states.pt")
@@ -310,4 +345,4 @@ def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str,
     shutil.rmtree(staging, ignore_errors=True)
     write_manifest(tag_dir)
     atomic_write_text(os.path.join(save_dir, LATEST), tag)
-    return {"files": written, "tp": tp, "pp": pp, "tag": tag, "iteration": iteration}
+    return {"files": written, "tp": tp, "pp": pp, "tag": tag, "iteration": iteration, "bigscience": bigscience}

@@ -5,7 +5,10 @@ Families: GPT-2 (``GPT2LMHeadModel``; HF's Conv1D weights are the transposes, c_
 the MLP activation is the one Megatron computes from the flags: fused bias-GeLU / --openai-gelu = tanh = "gelu_new",
 --no-bias-gelu-fusion = erf = "gelu") and the Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM``: Megatron's grouped QKV, SwiGLU [gate; up], RMSNorm, RoPE in HF's half-split layout with no
-permutation, ``rope_theta`` -> --rotary-base). The per-tensor mappings are those of megatron.model.hf_conversion,
+permutation, ``rope_theta`` -> --rotary-base) with its MoE members ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM``
+(megatron.model.hf_moe_conversion), and BLOOM (``BloomForCausalLM``: --position-embedding-type alibi
+--embed-layernorm, the same names and layouts as Megatron-DeepSpeed; megatron/model/hf_bloom.py). The per-tensor
+mappings are those of megatron.model.hf_conversion,
 applied one layer at a time; tensors are read lazily from the safetensors files.
 """
 from __future__ import annotations
@@ -29,11 +32,14 @@ from megatron.checkpoint_conversion.interchange import (
     expect,
     layer_message,
 )
+from megatron.model import hf_bloom
 from megatron.model import hf_conversion as hfc
+from megatron.model import hf_moe_conversion as hfm
 
-LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM") + hfm.MOE_ARCHS
 GPT2_ARCHS = ("GPT2LMHeadModel",)
-SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + ("MegatronBertForPreTraining", "MegatronBertForSequenceClassification",
+BLOOM_ARCHS = ("BloomForCausalLM",)
+SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + BLOOM_ARCHS + ("MegatronBertForPreTraining", "MegatronBertForSequenceClassification",
                                        "MegatronBertForMultipleChoice")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json")
@@ -170,12 +176,24 @@ def read_hf(load_dir: str, *, true_vocab_size: Optional[int] = None, model_type:
     if arch in GPT2_ARCHS:
         fields = megatron_config_from_hf_gpt2(cfg)
         family = "gpt2"
+    elif arch in BLOOM_ARCHS:
+        import transformers
+
+        hf_config = transformers.AutoConfig.from_pretrained(load_dir, local_files_only=True)
+        try:  # BLOOM has no position table; its length limit is a run-time setting (BigScience trained 2048)
+            config = hf_bloom.megatron_config_from_hf_bloom(hf_config,
+                                                            max_position_embeddings=int(cfg.get("seq_length", 2048)))
+        except ValueError as exc:
+            raise ConversionError(f"{load_dir}: {exc}") from None
+        fields = architecture_of(config)
+        family = "bloom"
     else:
         import transformers
 
         hf_config = transformers.AutoConfig.from_pretrained(load_dir, local_files_only=True)
         try:
-            config = hfc.megatron_config_from_hf_llama(hf_config)
+            config = (hfm.megatron_config_from_hf_moe(hf_config) if arch in hfm.MOE_ARCHS
+                      else hfc.megatron_config_from_hf_llama(hf_config))
         except ValueError as exc:
             raise ConversionError(f"{load_dir}: {exc}") from None
         fields = architecture_of(config)
@@ -186,7 +204,7 @@ def read_hf(load_dir: str, *, true_vocab_size: Optional[int] = None, model_type:
                      iteration=None, tokenizer=_tokenizer_of(load_dir, family), source=load_dir,
                      extra={"hf_architecture": arch, "hf_config": cfg})
     meta.config()  # validates the architecture (one line)
-    stream = _gpt2_stream(tensors, meta) if family == "gpt2" else _llama_stream(tensors, meta)
+    stream = {"gpt2": _gpt2_stream, "bloom": _bloom_stream, "llama": _llama_stream}[family](tensors, meta)
     return meta, stream
 
 
@@ -216,8 +234,21 @@ def _gpt2_stream(t: _LazyTensors, meta: ModelMeta) -> Iterator[Message]:
         yield Message(OUTPUT_LAYER, {"output_layer.weight": t.get("lm_head.weight")})
 
 
+def _bloom_stream(t: _LazyTensors, meta: ModelMeta) -> Iterator[Message]:
+    pre = "transformer." if "transformer.word_embeddings.weight" in t else ""
+    yield Message(EMBEDDINGS, {"word_embeddings.weight": t.get(pre + "word_embeddings.weight"),
+                               "word_embeddings.norm.weight": t.get(pre + "word_embeddings_layernorm.weight"),
+                               "word_embeddings.norm.bias": t.get(pre + "word_embeddings_layernorm.bias")})
+    for i in range(meta.architecture["num_layers"]):
+        yield Message(layer_message(i), {k: t.get(f"{pre}h.{i}.{k}") for k in hf_bloom.LAYER_KEYS})
+    yield Message(FINAL_NORM, {"final_layernorm.weight": t.get(pre + "ln_f.weight"),
+                               "final_layernorm.bias": t.get(pre + "ln_f.bias")})
+
+
 def _llama_stream(t: _LazyTensors, meta: ModelMeta) -> Iterator[Message]:
     nq, ng, hd = _heads(meta)
+    moe_pattern = meta.config().moe_layer_pattern  # MoE MLP (1) or dense MLP (0) per layer
+    shared = bool(meta.architecture.get("moe_shared_expert_intermediate_size"))
     yield Message(EMBEDDINGS, {"word_embeddings.weight": t.get("model.embed_tokens.weight")})
     for i in range(meta.architecture["num_layers"]):
         src = f"model.layers.{i}."
@@ -227,10 +258,15 @@ def _llama_stream(t: _LazyTensors, meta: ModelMeta) -> Iterator[Message]:
         if attn + "q_proj.bias" in t:
             out["self_attention.query_key_value.bias"] = hfc.qkv_pack_groups(
                 t.get(attn + "q_proj.bias"), t.get(attn + "k_proj.bias"), t.get(attn + "v_proj.bias"), nq, ng, hd)
-        out["mlp.dense_h_to_4h.weight"] = torch.cat([t.get(src + "mlp.gate_proj.weight"),
-                                                     t.get(src + "mlp.up_proj.weight")], dim=0)
+        if moe_pattern[i]:
+            out.update(hfm.hf_moe_mlp_to_megatron(t.get, src, meta.extra["hf_architecture"],
+                                                  meta.architecture["num_moe_experts"], shared))
+        else:
+            out["mlp.dense_h_to_4h.weight"] = torch.cat([t.get(src + "mlp.gate_proj.weight"),
+                                                         t.get(src + "mlp.up_proj.weight")], dim=0)
         for m_name, h_name in hfc._LLAMA_LAYER_MAP:
-            out[m_name] = t.get(src + h_name)
+            if not (moe_pattern[i] and m_name.startswith("mlp.")):
+                out[m_name] = t.get(src + h_name)
         yield Message(layer_message(i), out)
     yield Message(FINAL_NORM, {"final_layernorm.weight": t.get("model.norm.weight")})
     if not meta.architecture["share_embeddings_and_output_weights"]:
@@ -304,11 +340,14 @@ def hf_family(meta: ModelMeta) -> str:
     a = meta.architecture
     if a.get("swiglu") and a.get("normalization") == "RMSNorm" and a.get("position_embedding_type") == "rope":
         return "llama"
+    if a.get("position_embedding_type") == "alibi" and a.get("embed_layernorm"):
+        return "bloom"
     if a.get("position_embedding_type", "learned_absolute") == "learned_absolute" and \
             a.get("normalization", "LayerNorm") == "LayerNorm" and not (a.get("swiglu") or a.get("squared_relu")):
         return "gpt2"
     raise ConversionError("--saver hf: this architecture is neither GPT-2 (learned positions, LayerNorm, GeLU) nor "
-                          "Llama-family (--swiglu --normalization RMSNorm --position-embedding-type rope)")
+                          "Llama-family (--swiglu --normalization RMSNorm --position-embedding-type rope) nor BLOOM "
+                          "(--position-embedding-type alibi --embed-layernorm)")
 
 
 def _hf_config(meta: ModelMeta, family: str, rows: int, arch_name: Optional[str]) -> Any:
@@ -323,8 +362,20 @@ def _hf_config(meta: ModelMeta, family: str, rows: int, arch_name: Optional[str]
                 raise ValueError("HF GPT-2 needs plain pre-LayerNorm layers with biases")
             hf = transformers.GPT2Config(**kwargs)
             hf.architectures = ["GPT2LMHeadModel"]
+        elif family == "bloom":
+            hf = transformers.BloomConfig(**hf_bloom.hf_bloom_config_kwargs(config, vocab_size=rows))
+            hf.architectures = ["BloomForCausalLM"]
         else:
             kwargs = hfc.hf_llama_config_kwargs(config, vocab_size=rows)
+            if config.num_moe_experts is not None:
+                name = arch_name or hfm.hf_moe_arch(config)
+                kwargs.update(hfm.hf_moe_config_kwargs(config, name))
+                if name == "Qwen2MoeForCausalLM":
+                    kwargs.pop("head_dim", None)
+                hf = getattr(transformers, name.replace("ForCausalLM", "Config"))(**kwargs)
+                hf.architectures = [name]
+                hf.dtype = "float32"
+                return hf
             name = arch_name or ("Qwen2ForCausalLM" if config.add_qkv_bias else "LlamaForCausalLM")
             if config.add_qkv_bias and name != "Qwen2ForCausalLM":
                 raise ValueError("a QKV bias (--add-qkv-bias) exists only in Qwen2ForCausalLM")
@@ -410,6 +461,10 @@ def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max
     if family == "gpt2":
         writer.add("transformer.wte.weight", word)
         writer.add("transformer.wpe.weight", emb["position_embeddings.weight"])
+    elif family == "bloom":
+        writer.add("transformer.word_embeddings.weight", word)
+        writer.add("transformer.word_embeddings_layernorm.weight", emb["word_embeddings.norm.weight"])
+        writer.add("transformer.word_embeddings_layernorm.bias", emb["word_embeddings.norm.bias"])
     else:
         writer.add("model.embed_tokens.weight", word)
     for i in range(a["num_layers"]):
@@ -423,6 +478,9 @@ def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max
             for m_name, h_name, transpose in _GPT2_LAYER:
                 v = layer[m_name]
                 writer.add(dst + h_name, v.t().contiguous() if transpose else v)
+        elif family == "bloom":
+            for key in hf_bloom.LAYER_KEYS:
+                writer.add(f"transformer.h.{i}.{key}", layer[key])
         else:
             dst = f"model.layers.{i}."
             q, k, v = hfc.qkv_unpack_groups(layer["self_attention.query_key_value.weight"], nq, ng, hd)
@@ -434,15 +492,20 @@ def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max
                 writer.add(dst + "self_attn.q_proj.bias", q)
                 writer.add(dst + "self_attn.k_proj.bias", k)
                 writer.add(dst + "self_attn.v_proj.bias", v)
-            gate, up = layer["mlp.dense_h_to_4h.weight"].chunk(2, dim=0)
-            writer.add(dst + "mlp.gate_proj.weight", gate.contiguous())
-            writer.add(dst + "mlp.up_proj.weight", up.contiguous())
+            if hfm.ROUTER in layer:
+                for name, tensor in hfm.megatron_moe_mlp_to_hf(layer, dst, hf_config.architectures[0]).items():
+                    writer.add(name, tensor)
+            else:
+                gate, up = layer["mlp.dense_h_to_4h.weight"].chunk(2, dim=0)
+                writer.add(dst + "mlp.gate_proj.weight", gate.contiguous())
+                writer.add(dst + "mlp.up_proj.weight", up.contiguous())
             for m_name, h_name in hfc._LLAMA_LAYER_MAP:
-                writer.add(dst + h_name, layer[m_name])
+                if not (hfm.ROUTER in layer and m_name.startswith("mlp.")):
+                    writer.add(dst + h_name, layer[m_name])
         layer.check(checking)
     emb.check(checking)
     norm = _Checked(expect(messages, FINAL_NORM).tensors, FINAL_NORM)
-    if family == "gpt2":
+    if family in ("gpt2", "bloom"):
         writer.add("transformer.ln_f.weight", norm["final_layernorm.weight"])
         writer.add("transformer.ln_f.bias", norm["final_layernorm.bias"])
     else:

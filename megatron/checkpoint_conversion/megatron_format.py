@@ -47,6 +47,7 @@ ENC = LM + "encoder."
 LAYERS = ENC + "layers."
 WORD = LM + "embedding.word_embeddings.weight"
 POS = LM + "embedding.position_embeddings.weight"
+EMB_NORM = LM + "embedding.word_embeddings.norm."  # --embed-layernorm (Megatron-DeepSpeed's name)
 OUT = LM + "output_layer.weight"
 HEAD_COPY = "word_embeddings.weight"
 TOKENTYPE = LM + "embedding.tokentype_embeddings.weight"
@@ -403,7 +404,7 @@ def _stream(reader: MegatronCheckpointReader, meta: ModelMeta) -> Iterator[Messa
 
     emb = {"word_embeddings.weight": reader.merged(*first, WORD, _layout(layouts, WORD))[rows]}
     emb_opt = {"word_embeddings.weight": opt(*first, WORD, cut=True)}
-    for name in (POS, TOKENTYPE):
+    for name in (POS, TOKENTYPE, EMB_NORM + "weight", EMB_NORM + "bias"):
         if name in reader.chunks[(0, 0, 0)]:
             emb[name[len(LM + "embedding."):]] = reader.chunks[(0, 0, 0)][name]
             emb_opt[name[len(LM + "embedding."):]] = opt(*first, name)
@@ -546,7 +547,8 @@ class MegatronWriter:
         last = (self.pp - 1, self.vp - 1)
         emb_flat = {WORD: repad_rows(word, rows)}
         opt_flat = {WORD: {k: repad_rows(x, rows) for k, x in emb_opt.get("word_embeddings.weight", {}).items()}}
-        for key in ("position_embeddings.weight", "tokentype_embeddings.weight"):
+        for key in ("position_embeddings.weight", "tokentype_embeddings.weight", "word_embeddings.norm.weight",
+                    "word_embeddings.norm.bias"):  # the last two: --embed-layernorm (BLOOM)
             if key in emb:
                 emb_flat[LM + "embedding." + key] = emb[key]
                 opt_flat[LM + "embedding." + key] = emb_opt.get(key, {})

@@ -6,7 +6,7 @@ layers and models receive it (and their process groups) explicitly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -69,6 +69,12 @@ class TransformerConfig(ModelParallelConfig):
     """MLP activation: relu(x)^2 (--squared-relu)."""
     swiglu: bool = False
     """Gated MLP silu(x W) * (x V); dense_h_to_4h holds [gate; up] per TP rank (--swiglu)."""
+    bias_swiglu_fusion: bool = True
+    """SwiGLU as one fused bias + SwiGLU kernel on CUDA with Triton (--no-bias-swiglu-fusion: unfused; same numbers)."""
+    glu_activation: Optional[str] = None
+    """Megatron-DeepSpeed's gated MLP (--glu-activation geglu|liglu|reglu|swiglu): dense_h_to_4h has 2 * ffn rows,
+    each TP rank's output is split in halves [x1; x2] and the MLP computes x1 * act(x2) (act: erf GeLU, identity,
+    ReLU, SiLU)."""
     bias_gelu_fusion: bool = True
     """Megatron's fused bias+GeLU, which computes the tanh approximation (plain GeLU MLP with a bias only)."""
     # ---- biases
@@ -78,7 +84,11 @@ class TransformerConfig(ModelParallelConfig):
     """Bias in query_key_value even with add_bias_linear False (Qwen-style, --add-qkv-bias)."""
     # ---- positions
     position_embedding_type: str = "learned_absolute"
-    """"learned_absolute" (position_embeddings table), "rope" (rotary, half-split convention) or "none"."""
+    """"learned_absolute" (position_embeddings table), "rope" (rotary, half-split convention), "alibi" (BLOOM's
+    per-head linear biases on the attention scores, no position table) or "none"."""
+    embed_layernorm: bool = False
+    """LayerNorm right after the word embeddings (BLOOM; Megatron-DeepSpeed's --embed-layernorm), stored as
+    ``word_embeddings.norm`` as Megatron-DeepSpeed does."""
     rotary_base: float = 10000.0
     """RoPE base theta (--rotary-base)."""
     rotary_percent: float = 1.0
@@ -93,6 +103,41 @@ class TransformerConfig(ModelParallelConfig):
     """Encoder layers of an encoder-decoder model (--encoder-num-layers); None = num_layers."""
     decoder_num_layers: Optional[int] = None
     """Decoder layers of an encoder-decoder model (--decoder-num-layers); None = num_layers."""
+    # ---- mixture of experts (Megatron-LM core's names; megatron/model/moe.py)
+    num_moe_experts: Optional[int] = None
+    """Experts per MoE layer; None = dense MLP everywhere (--num-experts)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Inner size of each routed expert (--moe-ffn-hidden-size); None = ffn_hidden_size."""
+    moe_router_topk: int = 2
+    """Experts each token is sent to (--moe-router-topk)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """aux_loss | seq_aux_loss | sinkhorn | none (--moe-router-load-balancing-type)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Coefficient of the load-balancing loss (--moe-aux-loss-coeff)."""
+    moe_z_loss_coeff: Optional[float] = None
+    """Coefficient of the router z-loss; None = off (--moe-z-loss-coeff)."""
+    moe_router_pre_softmax: bool = False
+    """Score function before top-k (Qwen/DeepSeek) instead of softmax over the k chosen logits."""
+    moe_router_score_function: str = "softmax"
+    """softmax | sigmoid (--moe-router-score-function)."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Multiplies the routing weights (--moe-router-topk-scaling-factor)."""
+    moe_router_dtype: Optional[str] = None
+    """fp32 | fp64: dtype of the router logits and routing weights; None = the activations' dtype."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """Tokens per expert at most ceil(tokens * topk / experts * factor); None = dropless."""
+    moe_token_drop_policy: str = "probs"
+    """Which tokens an over-full expert drops: the lowest-probability ones (probs) or the latest (position)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Every expert computes exactly `capacity` rows (padding with unrouted tokens at zero weight)."""
+    moe_layer_freq: Any = 1
+    """int N: layers 0, N, 2N, ... (0-based) are MoE; or a list of 0/1 per layer (--moe-layer-freq)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Inner size of the shared expert(s) every token also passes through; None = none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x . gate_weight) (Qwen2-MoE)."""
+    moe_apply_probs_on_input: bool = False
+    """Multiply the expert input (not the activation) by the routing weight (top-1 only)."""
     # Activation recomputation: None | "selective" | "full"; method "uniform" | "block".
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
@@ -130,12 +175,14 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
         if self.apply_layernorm_1p and self.normalization != "LayerNorm":
             raise ValueError("--apply-layernorm-1p needs --normalization LayerNorm (RMSNorm has no 1p form)")
-        activations = [n for n in ("openai_gelu", "squared_relu", "swiglu") if getattr(self, n)]
+        if self.glu_activation not in (None, "geglu", "liglu", "reglu", "swiglu"):
+            raise ValueError(f"--glu-activation must be geglu, liglu, reglu or swiglu, got {self.glu_activation!r}")
+        activations = [n for n in ("openai_gelu", "squared_relu", "swiglu", "glu_activation") if getattr(self, n)]
         if len(activations) > 1:
             raise ValueError("choose one MLP activation: " + " and ".join("--" + a.replace("_", "-")
                                                                          for a in activations) + " were given together")
-        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
-            raise ValueError("--position-embedding-type must be learned_absolute, rope or none, "
+        if self.position_embedding_type not in ("learned_absolute", "rope", "alibi", "none"):
+            raise ValueError("--position-embedding-type must be learned_absolute, rope, alibi or none, "
                              f"got {self.position_embedding_type!r}")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
@@ -158,10 +205,67 @@ class TransformerConfig(ModelParallelConfig):
         if self.num_query_groups % self.tensor_model_parallel_size:
             raise ValueError(f"--num-query-groups ({self.num_query_groups}) must be divisible by "
                              f"--tensor-model-parallel-size ({self.tensor_model_parallel_size})")
+        if self.num_moe_experts is not None:
+            self._validate_moe()
         for name in ("encoder_num_layers", "decoder_num_layers"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+    def _validate_moe(self) -> None:
+        experts, topk = self.num_moe_experts, self.moe_router_topk
+        if experts < 1:
+            raise ValueError(f"--num-experts must be >= 1, got {experts}")
+        if not 1 <= topk <= experts:
+            raise ValueError(f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if topk == 1 and self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax \
+                and self.moe_router_load_balancing_type != "sinkhorn":
+            raise ValueError("--moe-router-topk 1 needs --moe-router-pre-softmax (softmax over one logit is 1), "
+                             "as in Megatron-LM")
+        if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "sinkhorn", "none"):
+            raise ValueError("--moe-router-load-balancing-type must be aux_loss, seq_aux_loss, sinkhorn or none, "
+                             f"got {self.moe_router_load_balancing_type!r}")
+        if self.moe_router_load_balancing_type == "sinkhorn" and self.moe_aux_loss_coeff:
+            raise ValueError("--moe-router-load-balancing-type sinkhorn takes no --moe-aux-loss-coeff (set it to 0)")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"--moe-router-score-function must be softmax or sigmoid, "
+                             f"got {self.moe_router_score_function!r}")
+        if self.moe_router_topk_scaling_factor is not None and not self.moe_router_pre_softmax \
+                and self.moe_router_score_function == "softmax":
+            raise ValueError("--moe-router-topk-scaling-factor needs --moe-router-pre-softmax (or the sigmoid score "
+                             "function), as in Megatron-LM")
+        if self.moe_token_drop_policy not in ("probs", "position"):
+            raise ValueError(f"--moe-token-drop-policy must be probs or position, got {self.moe_token_drop_policy!r}")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
+            raise ValueError(f"--moe-expert-capacity-factor must be positive, got {self.moe_expert_capacity_factor}")
+        if self.moe_apply_probs_on_input and topk != 1:
+            raise ValueError("--moe-apply-probs-on-input needs --moe-router-topk 1")
+        if self.moe_router_dtype not in (None, "fp32", "fp64"):
+            raise ValueError(f"--moe-router-dtype must be fp32 or fp64, got {self.moe_router_dtype!r}")
+        pattern = self.moe_layer_pattern
+        if len(pattern) != self.num_layers:
+            raise ValueError(f"--moe-layer-freq lists {len(pattern)} layers but --num-layers is {self.num_layers}")
+        if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
+            raise ValueError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron-LM)")
+
+    @property
+    def moe_layer_pattern(self) -> list:
+        """1 (MoE) or 0 (dense MLP) for each layer, from moe_layer_freq (all 0 without experts)."""
+        if self.num_moe_experts is None:
+            return [0] * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            if freq < 1:
+                raise ValueError(f"--moe-layer-freq must be >= 1, got {freq}")
+            return [1 if i % freq == 0 else 0 for i in range(self.num_layers)]
+        pattern = [int(x) for x in freq]
+        if any(x not in (0, 1) for x in pattern):
+            raise ValueError(f"--moe-layer-freq list must hold only 0 and 1, got {freq}")
+        return pattern
 
     @property
     def rotary_dim(self) -> int:
@@ -171,8 +275,8 @@ class TransformerConfig(ModelParallelConfig):
 
     @property
     def gated_linear_unit(self) -> bool:
-        """True when the MLP's first linear holds [gate; up] (SwiGLU)."""
-        return self.swiglu
+        """True when the MLP's first linear holds two halves per rank (SwiGLU [gate; up], --glu-activation)."""
+        return self.swiglu or self.glu_activation is not None
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:

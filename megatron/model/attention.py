@@ -6,6 +6,9 @@ Activations are [sequence, batch, ...]; heads are split across the tensor-parall
 grouped per KV group ``[q of the group's heads; k; v]``, so a plain dim-0 split over TP ranks keeps whole groups;
 query head ``g * (heads / groups) + i`` uses K/V head g, and the KV cache holds the groups' K/V (not expanded).
 RoPE (`position_embedding_type == "rope"`) rotates q and k after the split, at positions offset by the decode step.
+ALiBi (`"alibi"`, BLOOM) adds this rank's heads' ``slope * key position`` to the scores (megatron/model/alibi.py):
+SDPA takes it as an additive float mask (masked entries -inf), the explicit path adds it before the softmax; never
+flash-attn.
 
 The one attention path selector is `CoreAttention.forward`:
 
@@ -31,12 +34,13 @@ import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
+from megatron.model.alibi import AlibiBias
 from megatron.model.enums import AttnMaskType, AttnType
 from megatron.model.fused_softmax import FusedScaleMaskSoftmax
 from megatron.model.inference_params import InferenceParams
 from megatron.model.module import MegatronModule
 from megatron.model.rotary import RotaryEmbedding, apply_rotary_pos_emb
-from megatron.model.utils import attention_mask_func, group_size
+from megatron.model.utils import attention_mask_func, group_rank, group_size
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
@@ -184,6 +188,8 @@ class CoreAttention(MegatronModule):
         self.hidden_size_per_partition = tensor_parallel.divide(projection_size, tp_size)
         self.hidden_size_per_attention_head = config.kv_channels
         self.num_attention_heads_per_partition = tensor_parallel.divide(config.num_attention_heads, tp_size)
+        self.alibi = (AlibiBias(config.num_attention_heads, group_rank(tp_group), tp_size)
+                      if config.position_embedding_type == "alibi" else None)
 
         coeff = None
         self.norm_factor = math.sqrt(self.hidden_size_per_attention_head)
@@ -229,7 +235,8 @@ class CoreAttention(MegatronModule):
         -> [sq, b, np*hn]."""
         sq, b, np_, hn = query_layer.shape
         sk = key_layer.size(0)
-        if attention_mask is None and self.attn_mask_type == AttnMaskType.causal and sq != sk:
+        causal = self.attn_mask_type == AttnMaskType.causal
+        if attention_mask is None and causal and (sq != sk or self.alibi is not None):
             attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=query_layer.device).triu(sk - sq + 1)
         if self._can_use_flash_attn(query_layer, attention_mask, sq, sk):
             context = self._flash(query_layer, key_layer, value_layer)  # flash-attn takes fewer K/V heads itself
@@ -243,6 +250,8 @@ class CoreAttention(MegatronModule):
     def _can_use_flash_attn(self, q: torch.Tensor, mask: Optional[torch.Tensor], sq: int, sk: int) -> bool:
         if not self.flash_attn_ready or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
             return False
+        if self.alibi is not None:
+            return False  # the ALiBi bias goes to SDPA as an additive mask
         if q.size(-1) % 8 != 0 or q.size(-1) > 256:  # flash-attn 2's head-dimension limits
             return False
         if self.attn_mask_type != AttnMaskType.causal:
@@ -272,7 +281,8 @@ class CoreAttention(MegatronModule):
                    mask: Optional[torch.Tensor]) -> torch.Tensor:
         sq, b, np_, hn = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, np, s, hn]
-        if mask is not None and self.attn_mask_type == AttnMaskType.causal and _classify_mask(mask, sq, k.size(2))[1]:
+        if (mask is not None and self.alibi is None and self.attn_mask_type == AttnMaskType.causal
+                and _classify_mask(mask, sq, k.size(2))[1]):
             mask = None  # the standard causal mask: let SDPA pick its causal (flash) kernels
         is_causal = mask is None and self.attn_mask_type == AttnMaskType.causal
         dropout_p = self.attention_dropout_prob if self._dropout_active() else 0.0
@@ -285,6 +295,9 @@ class CoreAttention(MegatronModule):
         # Fully masked rows ([b or 1, 1, sq, 1]): Megatron's -10000 fill gives them a uniform softmax, i.e. the mean
         # of V (no gradient to q and k); SDPA attends everywhere there and the mean replaces its output.
         attend, empty_rows = (None, None) if mask is None else _sdpa_mask(mask, sq, k.size(2))
+        if self.alibi is not None:  # additive float mask: the bias where attending, -inf where masked
+            bias = self.alibi(k.size(2), q.device, q.dtype).unsqueeze(0)  # [1, np, 1, sk]
+            attend = bias if attend is None else torch.where(attend, bias, float("-inf"))
         ctx = F.scaled_dot_product_attention(
             q,
             k,
@@ -310,6 +323,10 @@ class CoreAttention(MegatronModule):
         q2 = q.reshape(sq, b * np_, hn).transpose(0, 1)  # [b*np, sq, hn]
         k2 = k.reshape(sk, b * np_, hn).permute(1, 2, 0)  # [b*np, hn, sk]
         scores = torch.bmm(q2, k2).mul_(1.0 / self.norm_factor).view(b, np_, sq, sk)
+        if self.alibi is not None:
+            # Megatron-DeepSpeed: baddbmm(alibi, q, k^T, beta=1/layer_number with layer scaling, else 1).
+            bias = self.alibi(sk, q.device, scores.dtype)
+            scores = scores + (bias / self.layer_number if self.apply_query_key_layer_scaling else bias)
         probs = self.scale_mask_softmax(scores, mask)
         if self._dropout_active():
             with _model_parallel_rng_fork(not self.sequence_parallel):

@@ -2,7 +2,8 @@
 
 Pure PyTorch (`F.layer_norm`); inputs whose dtype differs from the parameters (fp32 residual stream with fp16/bf16
 weights, Megatron's "mixed" case) are normalised in the input dtype and returned in the parameter dtype, as apex's
-mixed-dtype kernel does. Parameters carry `sequence_parallel` so training can all-reduce their grads over the TP group.
+mixed-dtype kernel does.
+On CUDA with Triton the Triton LayerNorm (megatron/fused_kernels/norms.py, same numbers) runs instead of F.layer_norm. Parameters carry `sequence_parallel` so training can all-reduce their grads over the TP group.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Sequence, Union
 
 import torch
 import torch.nn.functional as F
+
+from megatron import fused_kernels
 
 
 class MixedFusedLayerNorm(torch.nn.Module):
@@ -48,6 +51,9 @@ class MixedFusedLayerNorm(torch.nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight + 1 if self.apply_layernorm_1p else self.weight
+        if len(self.normalized_shape) == 1 and fused_kernels.norm_fits(input.size(-1)) and fused_kernels.runs_on(input):
+            out = fused_kernels.layer_norm(input, weight.to(input.dtype), self.bias.to(input.dtype), self.eps)
+            return out if out.dtype == weight.dtype else out.to(weight.dtype)
         if input.dtype != weight.dtype:
             out = F.layer_norm(input, self.normalized_shape, weight.to(input.dtype), self.bias.to(input.dtype), self.eps)
             return out.to(weight.dtype)

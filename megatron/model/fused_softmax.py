@@ -1,7 +1,8 @@
 """Scale + mask + softmax over attention scores (Megatron's FusedScaleMaskSoftmax), pure PyTorch.
 
-The CUDA fused kernels are an optional later fast path; this module always computes
-`softmax(mask_fill(scale * x, -10000))`, in fp32 when `softmax_in_fp32`, casting back to the input dtype.
+Computes `softmax(mask_fill(scale * x, -10000))`, in fp32 when `softmax_in_fp32`, casting back to the input dtype.
+On CUDA with Triton, Megatron's fused kernels' rule (`is_kernel_available`) picks the Triton scaled (causal) masked
+softmax of megatron/fused_kernels/softmax.py, which gives the same numbers.
 """
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron import fused_kernels
 from megatron.model.enums import AttnMaskType
+from megatron.model.utils import attention_mask_func
 
 
 class FusedScaleMaskSoftmax(torch.nn.Module):
@@ -42,7 +45,22 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
     def forward(self, input: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         if input.dim() != 4:
             raise ValueError(f"FusedScaleMaskSoftmax expects [b, np, sq, sk] scores, got shape {tuple(input.shape)}")
+        if self.is_kernel_available(input, *input.size()):
+            return self.forward_fused_softmax(input, mask)
         return self.forward_torch_softmax(input, mask)
+
+    def is_kernel_available(self, input: torch.Tensor, b: int, np: int, sq: int, sk: int) -> bool:
+        """Megatron's size rule (fused_kernels.softmax_fits) on a device where the Triton kernels run; only with
+        Megatron's own mask function (-10000 fill), which the kernel implements."""
+        causal = self.attn_mask_type == AttnMaskType.causal
+        return (self.mask_func is attention_mask_func and fused_kernels.runs_on(input)
+                and fused_kernels.softmax_fits(self.scaled_masked_softmax_fusion, self.input_in_float16, causal,
+                                               b, np, sq, sk))
+
+    def forward_fused_softmax(self, input: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        scale = self.scale if self.scale is not None else 1.0
+        causal = self.attn_mask_type == AttnMaskType.causal  # the causal kernel ignores the mask, as Megatron's
+        return fused_kernels.masked_softmax(input, mask, scale, causal)
 
     def forward_torch_softmax(self, input: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         orig_dtype = input.dtype

@@ -172,4 +172,8 @@ class GPTModel(MegatronModule):
         # Checkpoints never store non-persistent extras; drop Megatron's optional '_extra_state' entries we lack.
         own = set(self.state_dict().keys())
         flat = {k: v for k, v in flat.items() if not (k.endswith("._extra_state") and k not in own)}
+        # Megatron reads the head's copy of the embeddings only on a last stage without the embedding (HF's Megatron
+        # tool writes it on every last stage): elsewhere it is ignored, strict or not.
+        if "word_embeddings.weight" in flat and "word_embeddings.weight" not in own:
+            del flat["word_embeddings.weight"]
         return super().load_state_dict(flat, strict=strict, assign=assign)

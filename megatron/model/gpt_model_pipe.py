@@ -3,7 +3,8 @@
 
 Pipe layers (their index is the ``layer_XX`` of DeepSpeed's checkpoint files)::
 
-    0          TiedLayerSpec("embed", EmbeddingPipe)      word (vocab-parallel) + position embeddings, dropout
+    0          TiedLayerSpec("embed", EmbeddingPipe)      word (vocab-parallel) [+ --embed-layernorm's norm] +
+                                                          position embeddings, dropout
     1 .. L     LayerSpec(ParallelTransformerLayerPipe)    transformer layer i-1 (global layer number i), built
                                                           from the same `gpt_layer_spec` as GPTModel's layers
     L + 1      LayerSpec(FinalLayerNormPipe)              the final norm (LayerNorm or RMSNorm, from the config)
@@ -220,7 +221,7 @@ def _layer_specs(config: TransformerConfig, tp_group: Optional[Any]) -> list:
                                self_attn_mask_type=AttnMaskType.causal, spec=layer_spec))
     specs.append(LayerSpec(FinalLayerNormPipe, config))
     if tied:
-        specs.append(TiedLayerSpec(TIED_KEY, EmbeddingPipe, *embed_args, tp_group=tp_group,
+        specs.append(TiedLayerSpec(TIED_KEY, EmbeddingPipe, *embed_args, tp_group=tp_group, embed_layernorm=False,
                                    forward_fn=_tied_logits(tp_group, config.sequence_parallel),
                                    tied_weight_attr=TIED_WEIGHT_ATTR))
     else:

@@ -11,6 +11,7 @@ from megatron.core.tensor_parallel.layout import TensorParallelLayout, set_tp_la
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.attention import _model_parallel_rng_fork
 from megatron.model.enums import AttnMaskType, LayerType
+from megatron.model.fused_layer_norm import MixedFusedLayerNorm
 from megatron.model.module import MegatronModule
 from megatron.model.transformer import ParallelTransformer
 from megatron.model.utils import get_linear_layer, group_size
@@ -91,7 +92,11 @@ class Pooler(MegatronModule):
 class Embedding(MegatronModule):
     """word (vocab-parallel) [+ learned position] (+ tokentype) embeddings, transposed to [s, b, h], then dropout.
 
-    The position table exists only for position_embedding_type "learned_absolute" (RoPE lives in attention).
+    The position table exists only for position_embedding_type "learned_absolute" (RoPE and ALiBi live in
+    attention). With `config.embed_layernorm` (BLOOM) a LayerNorm follows the word embeddings; as in Megatron-DeepSpeed
+    it is ``word_embeddings.norm`` (checkpoint keys ``...word_embeddings.norm.weight/bias``; HF's
+    ``word_embeddings_layernorm``). It runs on the full sequence before any sequence-parallel scatter, so its
+    gradients are already equal on every TP rank (no sequence-parallel all-reduce).
     """
 
     def __init__(
@@ -103,7 +108,10 @@ class Embedding(MegatronModule):
         config: TransformerConfig,
         tp_group: Optional[Any] = None,
         num_tokentypes: int = 0,
+        embed_layernorm: Optional[bool] = None,
     ) -> None:
+        """``embed_layernorm``: None = ``config.embed_layernorm``; False for a copy that only serves the tied output
+        layer (GPTModelPipe's head on the last stage, which Megatron-DeepSpeed also builds without the norm)."""
         super().__init__(config=config)
         self.hidden_size = hidden_size
         self.num_tokentypes = num_tokentypes
@@ -111,6 +119,9 @@ class Embedding(MegatronModule):
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
             vocab_size, hidden_size, init_method=config.init_method, config=config, tp_group=tp_group
         )
+        if config.embed_layernorm if embed_layernorm is None else embed_layernorm:
+            self.word_embeddings.norm = MixedFusedLayerNorm(hidden_size, eps=config.layernorm_epsilon,
+                                                            params_dtype=config.params_dtype)
         self.add_position_embedding = config.position_embedding_type == "learned_absolute"
         if self.add_position_embedding:
             self.position_embeddings = torch.nn.Embedding(max_sequence_length, hidden_size, dtype=config.params_dtype)
@@ -135,6 +146,9 @@ class Embedding(MegatronModule):
         words = self.word_embeddings(input_ids)
         if isinstance(words, tuple):
             words = words[0]
+        norm = getattr(self.word_embeddings, "norm", None)
+        if norm is not None:
+            words = norm(words)
         # Range check on CPU only (on GPU it would force a device sync every step).
         if (
             self.position_embeddings is not None

@@ -5,10 +5,11 @@ cross-attention with its norm, pre-MLP norm, MLP); every builder is called as ``
 tp_group)``. `ParallelTransformerLayer` builds itself from a spec (keeping Megatron's attribute and checkpoint names:
 ``input_layernorm``, ``self_attention``, ``post_attention_layernorm``, ``inter_attention``,
 ``post_inter_attention_layernorm``, ``mlp``); GPTModel and DeepSpeed's GPTModelPipe use `gpt_layer_spec`.
-BERT and T5 add their own functions here.
+BERT and T5 add their own functions here. An MoE model's GPT spec holds `moe_mlp_builder` as its MLP part.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -18,6 +19,7 @@ from megatron.core.transformer_config import TransformerConfig
 from megatron.model.attention import ParallelAttention
 from megatron.model.enums import AttnMaskType, AttnType
 from megatron.model.mlp import ParallelMLP
+from megatron.model.moe import MoELayer
 from megatron.model.norms import build_norm
 
 Builder = Callable[[TransformerConfig, int, Optional[Any]], torch.nn.Module]
@@ -41,6 +43,13 @@ def norm_builder(config: TransformerConfig, layer_number: int, tp_group: Optiona
 
 
 def mlp_builder(config: TransformerConfig, layer_number: int, tp_group: Optional[Any]) -> torch.nn.Module:
+    return ParallelMLP(config, tp_group)
+
+
+def moe_mlp_builder(config: TransformerConfig, layer_number: int, tp_group: Optional[Any]) -> torch.nn.Module:
+    """The MoE MLP on the layers --moe-layer-freq marks, the dense MLP on the others."""
+    if config.moe_layer_pattern[layer_number - 1]:
+        return MoELayer(config, layer_number, tp_group)
     return ParallelMLP(config, tp_group)
 
 
@@ -70,9 +79,12 @@ def transformer_layer_spec(self_attn_mask_type: AttnMaskType = AttnMaskType.padd
 
 
 def gpt_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:
-    """GPT / Llama-family decoder-only layer: causal self-attention and an MLP (norms and variants from config)."""
-    del config  # every variant (norm, activation, GQA, RoPE) is read from the config by the parts themselves
-    return transformer_layer_spec(AttnMaskType.causal, cross_attention=False)
+    """GPT / Llama-family decoder-only layer: causal self-attention and an MLP (norms and variants from config);
+    with --num-experts the MLP is the mixture of experts on the layers --moe-layer-freq selects."""
+    spec = transformer_layer_spec(AttnMaskType.causal, cross_attention=False)
+    if config is not None and config.num_moe_experts is not None:
+        spec = dataclasses.replace(spec, mlp=moe_mlp_builder)
+    return spec
 
 
 def bert_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:

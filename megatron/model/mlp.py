@@ -3,7 +3,11 @@
 Activations (one of, from the config): Megatron's default GeLU, which with a bias and `bias_gelu_fusion` on is its
 fused ``bias_gelu`` = the **tanh approximation** (HF ``gelu_new``/``gelu_fast``), else erf GeLU (``F.gelu``);
 ``--openai-gelu`` (tanh); ``--squared-relu``; gated ``--swiglu``: ``dense_h_to_4h`` has 2 * ffn rows and each TP
-rank holds ``[gate_r; up_r]`` (Megatron-LM's layout), computing ``silu(gate) * up``.
+rank holds ``[gate_r; up_r]`` (Megatron-LM's layout), computing ``silu(gate) * up``; Megatron-DeepSpeed's
+``--glu-activation geglu|liglu|reglu|swiglu`` (BigScience): the same two halves per rank ``[x1_r; x2_r]``, computing
+``x1 * act(x2)`` with act = erf GeLU, identity, ReLU or SiLU (note: the activated half is the second one).
+On CUDA with Triton the tanh GeLU and --swiglu (unless --no-bias-swiglu-fusion) run as one fused bias + activation
+kernel (megatron/fused_kernels/).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from megatron import fused_kernels
 from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.module import MegatronModule
@@ -57,10 +62,27 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+_GLU_INNER: dict = {"geglu": F.gelu, "liglu": lambda x: x, "reglu": F.relu, "swiglu": F.silu}
+
+
+class GLU:
+    """Megatron-DeepSpeed's GLU activation: x1 * act(x2) over the two halves of the last dim (a picklable callable)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.inner = _GLU_INNER[name]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return x1 * self.inner(x2)
+
+
 def activation_for(config: TransformerConfig) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
     """(name, function) of the MLP activation `config` selects, with Megatron 23.06's bias-gelu-fusion rule."""
     if config.swiglu:
         return "swiglu", swiglu
+    if config.glu_activation is not None:
+        return "glu_" + config.glu_activation, GLU(config.glu_activation)
     if config.squared_relu:
         return "squared_relu", squared_relu
     if config.openai_gelu:
@@ -75,7 +97,7 @@ class ParallelMLP(MegatronModule):
 
     def __init__(self, config: TransformerConfig, tp_group: Optional[Any] = None) -> None:
         super().__init__(config=config)
-        gated = config.swiglu
+        gated = config.gated_linear_unit
         self.dense_h_to_4h = tensor_parallel.ColumnParallelLinear(
             config.hidden_size,
             config.ffn_hidden_size * (2 if gated else 1),
@@ -93,6 +115,8 @@ class ParallelMLP(MegatronModule):
                 tensor_parallel.set_tp_layout(p, tensor_parallel.TensorParallelLayout(
                     dim=0, blocks=2, structure="[gate; up] per rank"))
         self.activation_name, self.activation_func = activation_for(config)
+        self.fused_bias_activation = fused_kernels.bias_activation_kind(self.activation_name,
+                                                                        config.bias_swiglu_fusion)
         self.dense_4h_to_h = tensor_parallel.RowParallelLinear(
             config.ffn_hidden_size,
             config.hidden_size,
@@ -107,6 +131,8 @@ class ParallelMLP(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         intermediate, bias = self.dense_h_to_4h(hidden_states)
+        if self.fused_bias_activation is not None and fused_kernels.runs_on(intermediate):
+            return self.dense_4h_to_h(fused_kernels.bias_activation(self.fused_bias_activation, intermediate, bias))
         if bias is not None:
             intermediate = intermediate + bias
         intermediate = self.activation_func(intermediate)

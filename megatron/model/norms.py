@@ -2,7 +2,7 @@
 
 `LayerNorm` (Megatron's MixedFusedLayerNorm, optionally zero-centred with --apply-layernorm-1p) or `RMSNorm`
 (``(x.float() * rsqrt(mean(x^2) + eps)).type_as(x) * weight``: the op order of Megatron-LM's legacy RMSNorm and of
-Hugging Face's LlamaRMSNorm). Parameters carry `sequence_parallel` so training all-reduces their grads over TP.
+Hugging Face's LlamaRMSNorm; on CUDA with Triton, megatron/fused_kernels/norms.py's kernel with the same numbers). Parameters carry `sequence_parallel` so training all-reduces their grads over TP.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from megatron import fused_kernels
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.fused_layer_norm import MixedFusedLayerNorm
 
@@ -56,6 +57,8 @@ class RMSNorm(torch.nn.Module):
             self.weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_kernels.norm_fits(x.size(-1)) and fused_kernels.runs_on(x):
+            return fused_kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and torch.is_grad_enabled():
             return _RMSNormFP32.apply(x, self.weight, self.eps)
         normed = x.float()

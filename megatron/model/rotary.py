@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from megatron import fused_kernels
+
 
 class RotaryEmbedding:
     """cos/sin tables (fp32, grown on demand, one per device) for one rotary dimension and base. Holds no
@@ -77,6 +79,8 @@ class _RotaryFull(torch.autograd.Function):
 def apply_rotary_pos_emb(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on t [s, b, heads, head_dim] with cos/sin [s, 1, 1, d], d <= head_dim."""
     d = cos.size(-1)
+    if d % 2 == 0 and not (cos.requires_grad or sin.requires_grad) and fused_kernels.runs_on(t):
+        return fused_kernels.apply_rope(t, cos, sin)  # the Triton kernel: same numbers, one pass
     if d == t.size(-1):
         if d % 2 == 0 and not cos.requires_grad and not sin.requires_grad:
             return _RotaryFull.apply(t, cos, sin)

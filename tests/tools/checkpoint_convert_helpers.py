@@ -1,4 +1,4 @@
-"""Tiny GPT-2-style and Llama-style models, source checkpoints and an independent shard merger for the
+"""Tiny GPT-2-style, Llama-style and BLOOM models, source checkpoints and an independent shard merger for the
 checkpoint-conversion tests."""
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ FAMILIES = {
                   position_embedding_type="rope", rotary_base=50000.0, group_query_attention=True,
                   num_query_groups=4, add_bias_linear=False, bias_gelu_fusion=False,
                   share_embeddings_and_output_weights=False, layernorm_epsilon=1e-6),
+    # BLOOM: ALiBi (6 heads: not a power of two, 3 per TP rank), LayerNorm after the word embeddings, 4h tanh GeLU
+    "bloom": dict(num_layers=4, hidden_size=48, num_attention_heads=6, ffn_hidden_size=192,
+                  max_position_embeddings=16, position_embedding_type="alibi", embed_layernorm=True),
 }
 
 

@@ -50,7 +50,7 @@ def _repeat_padding(model):
     """Padding rows equal to the last real row, as Megatron's converters write them (so round trips are exact)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "word_embeddings" in name or "output_layer" in name:
+            if ("word_embeddings" in name or "output_layer" in name) and ".norm." not in name:
                 p[TRUE_VOCAB:] = p[TRUE_VOCAB - 1]
     return model
 
@@ -98,7 +98,7 @@ def test_greedy_generation_of_converted_llama_equals_hf_generate(tmp_path):
         assert row == ref[0].tolist()
 
 
-@pytest.mark.parametrize("family,flags,act", [("llama", {}, None), ("gpt2", {}, "gelu_new"),
+@pytest.mark.parametrize("family,flags,act", [("llama", {}, None), ("bloom", {}, None), ("gpt2", {}, "gelu_new"),
                                               ("gpt2", {"bias_gelu_fusion": False}, "gelu"),
                                               ("gpt2", {"openai_gelu": True}, "gelu_new")])
 def test_megatron_to_hf_logits_and_round_trips(tmp_path, family, flags, act):
@@ -129,19 +129,44 @@ def test_megatron_to_hf_logits_and_round_trips(tmp_path, family, flags, act):
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_hf_bloom_to_tp2_pp2_logits_and_back_bitwise(tmp_path):
+    """HF BloomForCausalLM (12 heads) -> ours TP2 x PP2: logits equal HF; -> HF again: every tensor bitwise."""
+    from tests.model.hf_bloom_helpers import hf_model
+
+    hf = hf_model("bloom_12_heads", seed=2, n_layer=4)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    out = _convert(tmp_path / "hf", tmp_path / "meg", "--loader", "hf", "--target-tensor-parallel-size", "2",
+                   "--target-pipeline-parallel-size", "2")
+    cfg = out["meta"].config()
+    assert cfg.position_embedding_type == "alibi" and cfg.embed_layernorm
+    assert "--position-embedding-type alibi" in out["flags"] and "--embed-layernorm" in out["flags"]
+    full = merge_independently(str(tmp_path / "meg"), cfg)
+    assert "language_model.embedding.word_embeddings.norm.weight" in full
+    rows = full["language_model.embedding.word_embeddings.weight"].size(0)
+    ours = logits(build(dataclasses.replace(cfg, padded_vocab_size=rows), full))
+    with torch.no_grad():
+        theirs = hf(input_ids=inputs()[0]).logits
+    torch.testing.assert_close(ours[..., :theirs.size(-1)], theirs, rtol=1e-5, atol=1e-5)
+    _convert(tmp_path / "meg", tmp_path / "hf2", "--saver", "hf")
+    hf2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2")
+    assert type(hf2).__name__ == "BloomForCausalLM"
+    a, b = hf.state_dict(), hf2.state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_unsupported_hf_architecture_one_line_nothing_written(tmp_path):
-    (tmp_path / "bloom").mkdir()
-    (tmp_path / "bloom" / "config.json").write_text(json.dumps({"architectures": ["BloomForCausalLM"]}))
+    (tmp_path / "falcon").mkdir()
+    (tmp_path / "falcon" / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"]}))
     with pytest.raises(ConversionError) as exc:
-        _convert(tmp_path / "bloom", tmp_path / "out", "--loader", "hf")
-    assert "BloomForCausalLM" in str(exc.value) and "\n" not in str(exc.value)
-    assert sorted(os.listdir(tmp_path)) == ["bloom"]
+        _convert(tmp_path / "falcon", tmp_path / "out", "--loader", "hf")
+    assert "FalconForCausalLM" in str(exc.value) and "\n" not in str(exc.value)
+    assert sorted(os.listdir(tmp_path)) == ["falcon"]
     # a Megatron model HF has no class for (squared ReLU) is refused before anything is written
     cfg = config("gpt2", squared_relu=True)
     save_source(build(cfg), cfg, str(tmp_path / "sq"), 1, 1)
     with pytest.raises(ConversionError):
         _convert(tmp_path / "sq", tmp_path / "out", "--saver", "hf")
-    assert sorted(os.listdir(tmp_path)) == ["bloom", "sq"]
+    assert sorted(os.listdir(tmp_path)) == ["falcon", "sq"]
 
 
 @pytest.mark.parametrize("pp", [1, 2])

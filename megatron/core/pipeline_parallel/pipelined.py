@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megatron.core import moe_aux
 from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
@@ -104,6 +105,7 @@ class _Stepper:
         self.forward_only = forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.grad_scale_func = grad_scale_func
+        moe_aux.set_scale_for_schedule(num_microbatches, grad_scale_func)
         self.store: list = []
         self.chunks = chunks
         # torch DDP decides at forward time whether the backward all-reduces; under 1F1B the forwards of later

@@ -7,6 +7,10 @@ vocabulary slice, times the incoming per-token gradient.
 Label smoothing follows Megatron's formula, loss = (1 - s') * nll - s' * mean_j log p_j with
 s' = label_smoothing * K / (K - 1), but K and the mean are over the *full* vocabulary (Megatron uses the local
 partition, which makes the smoothed loss depend on the TP size); at TP=1 both are identical.
+
+On CUDA with Triton (and no label smoothing) the fused kernel of megatron/fused_kernels/cross_entropy.py runs
+instead: it computes each rank's local max, sum of exp and target logit in one pass, never materialising the
+softmax, and the same all-reduces combine them.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron import fused_kernels
 from megatron.core.tensor_parallel.mappings import group_rank, group_size
 from megatron.core.tensor_parallel.utils import VocabUtility
 
@@ -126,4 +131,9 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
             f"vocab_parallel_cross_entropy: logits shape {tuple(vocab_parallel_logits.shape)} does not match "
             f"target shape {tuple(target.shape)} + [vocab/tp]"
         )
+    if label_smoothing == 0.0 and fused_kernels.runs_on(vocab_parallel_logits):
+        partition = vocab_parallel_logits.size(-1)
+        vocab_start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            partition, group_rank(tp_group), group_size(tp_group))
+        return fused_kernels.vocab_parallel_cross_entropy(vocab_parallel_logits, target, vocab_start, tp_group)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, label_smoothing)

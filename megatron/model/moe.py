@@ -1,0 +1,304 @@
+"""Mixture-of-experts MLP (Megatron-LM core's MoELayer numerics): router, batched experts, shared expert.
+
+Flow of `MoELayer.forward(hidden [s, b, h])`:
+  shared expert (optional, every token)  +  router -> (probs, routing map) -> permute tokens by expert ->
+  experts as one batched GEMM per projection over groups padded to the largest (or to the capacity) ->
+  unpermute (index_add back to token order; routing weights are applied to the activation, as Megatron-LM does).
+Under tensor parallelism (which needs sequence parallelism, as in Megatron-LM) the tokens of the TP group are
+all-gathered before the experts, every rank computes its slice of each expert's inner dimension, and the result is
+reduce-scattered back to the sequence split (Megatron-LM's allgather dispatcher with expert-TP = TP).
+
+Routing (`TopKRouter`): logits = x W^T (fp32/fp64 with moe_router_dtype); z-loss; top-k then softmax over the k
+(or softmax/sigmoid before top-k with moe_router_pre_softmax / the sigmoid score function); optional scaling factor;
+capacity dropping (probs | position, optional pad to capacity); load-balancing loss from the softmax over all
+experts. Auxiliary losses enter backward through megatron.core.moe_aux.AuxLossAutoScaler.
+
+Parameter names: ``mlp.router.weight`` [E, h]; ``mlp.experts.weight1`` [E, h, F (x2 gated: [gate | up] per TP
+rank)], ``mlp.experts.weight2`` [E, F, h] (per-expert matrices stacked, input-major, as Megatron's GroupedMLP
+views them); ``mlp.shared_experts.dense_h_to_4h`` / ``dense_4h_to_h`` (+ ``gate_weight`` [1, h]).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import moe_aux, tensor_parallel
+from megatron.core.transformer_config import TransformerConfig
+from megatron.model.mlp import ParallelMLP, activation_for
+from megatron.model.module import MegatronModule
+from megatron.model.utils import group_rank, group_size
+
+_ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def capacity_of(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:
+    """Megatron's expert capacity: ceil(tokens * topk / experts * factor)."""
+    return math.ceil((num_tokens * topk / num_experts) * factor)
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 0.0001) -> torch.Tensor:
+    """Sinkhorn normalisation of exp(cost) (S-BASE routing), Megatron's iteration and tolerance."""
+    cost = torch.exp(cost)
+    d0 = torch.ones(cost.size(0), dtype=cost.dtype)
+    d1 = torch.ones(cost.size(1), dtype=cost.dtype)
+    eps, error, d1_old = 1e-8, 1e9, d1
+    while error > tol:
+        d0 = (1 / d0.size(0)) / (torch.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.size(0)) / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+        error = torch.mean(torch.abs(d1_old - d1))
+        d1_old = d1
+    return d1 * cost * d0.unsqueeze(1)
+
+
+def topk_routing(logits: torch.Tensor, topk: int, pre_softmax: bool, score_function: str,
+                 scaling_factor: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs [T, E] zero outside the chosen experts, routing map [T, E] bool) from logits [T, E]."""
+    if score_function == "softmax":
+        if pre_softmax:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+            probs, idx = torch.topk(scores, k=topk, dim=1)
+        else:
+            top, idx = torch.topk(logits, k=topk, dim=1)
+            probs = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
+    else:  # sigmoid
+        scores = torch.sigmoid(logits.float()).type_as(logits)
+        probs, idx = torch.topk(scores, k=topk, dim=1)
+        if topk > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    if scaling_factor:
+        probs = probs * scaling_factor
+    routing_probs = torch.zeros_like(logits).scatter(1, idx, probs)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+    return routing_probs, routing_map
+
+
+def drop_over_capacity(probs: torch.Tensor, routing_map: torch.Tensor, topk: int, factor: float, policy: str,
+                       pad_to_capacity: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep at most `capacity` tokens per expert (highest probs, or earliest positions); Megatron's rule."""
+    num_tokens, num_experts = probs.shape
+    capacity = capacity_of(num_tokens, num_experts, topk, factor)
+    if capacity > num_tokens:
+        keep = torch.ones_like(routing_map)
+    else:
+        ranking = probs if policy == "probs" else routing_map.int()
+        _, rows = torch.topk(ranking, k=capacity, dim=0, sorted=False)
+        keep = torch.zeros_like(routing_map).scatter(0, rows, True)
+    final_map = keep if pad_to_capacity else routing_map & keep
+    return probs * final_map, final_map
+
+
+class TopKRouter(MegatronModule):
+    """Megatron-LM core's TopKRouter: ``weight`` [num_experts, hidden] (replicated over TP)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: Optional[int] = None,
+                 tp_group: Optional[Any] = None) -> None:
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.tp_group = tp_group
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        weight = torch.empty(config.num_moe_experts, config.hidden_size, dtype=torch.float32)
+        if config.perform_initialization:
+            config.init_method(weight)
+        self.weight = torch.nn.Parameter(weight.to(config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel  # grads summed over TP under SP
+
+    def _aux_losses_active(self) -> bool:
+        return self.training and torch.is_grad_enabled()
+
+    def gating(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = _ROUTER_DTYPES[self.config.moe_router_dtype] or x.dtype
+        return F.linear(x.to(dtype), self.weight.to(dtype))
+
+    def apply_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
+        coeff = self.config.moe_z_loss_coeff
+        if coeff is None or not self._aux_losses_active():
+            return logits
+        coeff = coeff / group_size(self.tp_group)
+        z_loss = torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
+        moe_aux.record("z_loss", z_loss / coeff, self.layer_number, self.config.num_layers)
+        return moe_aux.AuxLossAutoScaler.apply(logits, z_loss)
+
+    def _load_balancing(self, probs: torch.Tensor, logits: torch.Tensor, seq_length: int, bsz: int) -> torch.Tensor:
+        kind, coeff = self.config.moe_router_load_balancing_type, self.config.moe_aux_loss_coeff
+        if kind not in ("aux_loss", "seq_aux_loss") or not coeff or not self._aux_losses_active():
+            return probs
+        if self.config.moe_router_score_function == "softmax":
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        else:
+            scores = torch.sigmoid(logits)
+            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        _, idx = torch.topk(scores, k=self.topk, dim=1)
+        chosen = torch.zeros_like(scores).scatter(1, idx, 1.0)
+        divisor = 1
+        if kind == "seq_aux_loss":  # each sequence of the batch is its own group of tokens
+            scores, chosen, divisor = scores.reshape(seq_length, -1), chosen.reshape(seq_length, -1), bsz
+        tokens_per_expert = tensor_parallel.reduce_from_tensor_model_parallel_region(chosen.sum(dim=0), self.tp_group)
+        total = scores.shape[0] * group_size(self.tp_group)
+        aux = torch.sum(scores.sum(dim=0) * tokens_per_expert) * (
+            self.num_experts * coeff / (self.topk * total * total)) / divisor
+        name = "load_balancing_loss" if kind == "aux_loss" else "seq_load_balancing_loss"
+        moe_aux.record(name, aux / coeff, self.layer_number, self.config.num_layers, reduce_group=self.tp_group)
+        return moe_aux.AuxLossAutoScaler.apply(probs, aux)
+
+    def forward(self, x: torch.Tensor, seq_length: int, bsz: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, h] -> (probs [T, E], routing map [T, E] bool)."""
+        cfg = self.config
+        logits = self.apply_z_loss(self.gating(x))
+        if cfg.moe_router_load_balancing_type == "sinkhorn":
+            probs, routing_map = self._sinkhorn(logits)
+        else:
+            probs, routing_map = topk_routing(logits, self.topk, cfg.moe_router_pre_softmax,
+                                              cfg.moe_router_score_function, cfg.moe_router_topk_scaling_factor)
+        if cfg.moe_expert_capacity_factor is not None:
+            probs, routing_map = drop_over_capacity(probs, routing_map, self.topk, cfg.moe_expert_capacity_factor,
+                                                    cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity)
+        probs = self._load_balancing(probs, logits, seq_length, bsz)
+        return probs, routing_map
+
+    def _sinkhorn(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def activation(x: torch.Tensor) -> torch.Tensor:
+            return torch.sigmoid(x) if self.topk == 1 else torch.softmax(x, dim=-1, dtype=torch.float32).type_as(x)
+
+        if self.training:
+            with torch.no_grad():
+                _, idx = torch.topk(sinkhorn(logits.float()), k=self.topk, dim=1)
+            scores = activation(logits)
+        else:
+            scores = activation(logits)
+            _, idx = torch.topk(scores, k=self.topk, dim=1)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+        return scores * routing_map, routing_map
+
+
+class GroupedExperts(MegatronModule):
+    """All experts of the layer as stacked weights, computed with one batched matmul per projection."""
+
+    def __init__(self, config: TransformerConfig, tp_group: Optional[Any] = None) -> None:
+        super().__init__(config=config)
+        self.num_experts = config.num_moe_experts
+        tp, rank = group_size(tp_group), group_rank(tp_group)
+        ffn = config.moe_ffn_hidden_size
+        if ffn % tp:
+            raise ValueError(f"--moe-ffn-hidden-size ({ffn}) must be divisible by --tensor-model-parallel-size ({tp})")
+        self.gated = config.gated_linear_unit
+        self.activation_name, self.activation_func = activation_for(config)
+        blocks = 2 if self.gated else 1
+        e, h = self.num_experts, config.hidden_size
+        # Full (TP=1) weights from the global seed, then this rank's slice: TP=N equals TP=1 for one seed.
+        w1 = torch.empty(e, blocks * ffn, h, dtype=torch.float32)  # Megatron's per-expert fc1 layout [2F, h]
+        w2 = torch.empty(e, h, ffn, dtype=torch.float32)
+        if config.perform_initialization:
+            config.init_method(w1)
+            config.output_layer_init_method(w2)
+        w1 = torch.cat([b.chunk(tp, dim=1)[rank] for b in w1.chunk(blocks, dim=1)], dim=1)
+        w2 = w2.chunk(tp, dim=2)[rank]
+        self.weight1 = torch.nn.Parameter(w1.transpose(1, 2).contiguous().to(config.params_dtype))
+        self.weight2 = torch.nn.Parameter(w2.transpose(1, 2).contiguous().to(config.params_dtype))
+        for param, dim, nblocks, what in ((self.weight1, 2, blocks, "[gate | up] per rank" if self.gated else ""),
+                                          (self.weight2, 1, 1, "")):
+            tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)
+            tensor_parallel.set_tp_layout(param, tensor_parallel.TensorParallelLayout(dim=dim, blocks=nblocks,
+                                                                                      structure=what))
+
+    def forward(self, tokens: torch.Tensor, probs: torch.Tensor, expert_of_row: torch.Tensor,
+                slot_of_row: torch.Tensor, slots: int) -> torch.Tensor:
+        """tokens [N, h] grouped by expert, probs [N]; row i goes to slot `slot_of_row[i]` of its expert's group."""
+        e, h = self.num_experts, tokens.shape[-1]
+        flat = expert_of_row * slots + slot_of_row
+        grouped = tokens.new_zeros(e * slots, h).index_copy(0, flat, tokens).view(e, slots, h)
+        weights = probs.new_zeros(e * slots).index_copy(0, flat, probs).view(e, slots, 1)
+        inner = self.activation_func(torch.bmm(grouped, self.weight1))  # swiglu: [gate | up] halves
+        inner = (inner * weights).to(tokens.dtype)
+        out = torch.bmm(inner, self.weight2)
+        return out.view(e * slots, h).index_select(0, flat)
+
+
+class SharedExpertMLP(ParallelMLP):
+    """The shared expert(s): a dense MLP of moe_shared_expert_intermediate_size, optionally gated by
+    sigmoid(x . gate_weight) (Megatron-LM core's SharedExpertMLP)."""
+
+    def __init__(self, config: TransformerConfig, tp_group: Optional[Any] = None) -> None:
+        shared_config = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+        super().__init__(shared_config, tp_group)
+        self.gate_weight = None
+        if config.moe_shared_expert_gate:
+            gate = torch.empty(1, config.hidden_size, dtype=torch.float32)
+            if config.perform_initialization:
+                config.init_method(gate)
+            self.gate_weight = torch.nn.Parameter(gate.to(config.params_dtype))
+            self.gate_weight.sequence_parallel = config.sequence_parallel
+        self.tp_group = tp_group
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        out, bias = super().forward(hidden_states)
+        if bias is not None:
+            out = out + bias
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(F.linear(hidden_states, self.gate_weight))
+        return out, None
+
+
+class MoELayer(MegatronModule):
+    """Router + experts (+ shared expert); returns (output [s(/tp), b, h], None) like ParallelMLP."""
+
+    def __init__(self, config: TransformerConfig, layer_number: Optional[int] = None,
+                 tp_group: Optional[Any] = None) -> None:
+        super().__init__(config=config)
+        if config.add_bias_linear:
+            raise ValueError("MoE layers (--num-experts) need --disable-bias-linear, as in Megatron-LM core")
+        self.tp_group = tp_group
+        self.sequence_parallel = config.sequence_parallel
+        self.router = TopKRouter(config, layer_number, tp_group)
+        self.experts = GroupedExperts(config, tp_group)
+        self.shared_experts = (SharedExpertMLP(config, tp_group)
+                               if config.moe_shared_expert_intermediate_size else None)
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens of the whole TP group (sequence parallel): all-gather forward, reduce-scatter backward."""
+        return tensor_parallel.gather_from_sequence_parallel_region(x, self.tp_group)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        shape = hidden_states.shape
+        seq_length, bsz, h = shape
+        x = hidden_states.reshape(-1, h)
+        probs, routing_map = self.router(x, seq_length, bsz)
+        if group_size(self.tp_group) > 1:
+            x, probs = self._gather(x), self._gather(probs)
+            with torch.no_grad():
+                routing_map = self._gather(routing_map.to(torch.int8)).bool()
+        out = self._route_and_compute(x, probs, routing_map)
+        if group_size(self.tp_group) > 1:
+            out = tensor_parallel.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+        out = out.view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden_states)[0]
+        return out, None
+
+    def _route_and_compute(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """Permute tokens by expert, run the batched experts, unpermute (weighted sum) to token order."""
+        num_tokens = x.shape[0]
+        mask = routing_map.t()  # [E, T]: tokens of each expert in token order (Megatron's permutation)
+        expert_of_row, token_of_row = mask.nonzero(as_tuple=True)
+        counts = mask.sum(dim=1)
+        starts = torch.cumsum(counts, 0) - counts
+        slot_of_row = torch.arange(token_of_row.numel()) - starts[expert_of_row]
+        cfg = self.config
+        if cfg.moe_pad_expert_input_to_capacity:
+            slots = capacity_of(num_tokens, cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor)
+            slots = max(slots, int(counts.max()) if counts.numel() else 0)
+        else:
+            slots = int(counts.max()) if token_of_row.numel() else 0
+        if slots == 0:
+            return x * 0
+        row_probs = probs.t()[expert_of_row, token_of_row]
+        tokens = x.index_select(0, token_of_row)
+        if cfg.moe_apply_probs_on_input:
+            tokens = tokens * row_probs.unsqueeze(-1).to(tokens.dtype)
+            row_probs = torch.ones_like(row_probs)
+        out = self.experts(tokens, row_probs, expert_of_row, slot_of_row, slots)
+        return torch.zeros_like(x, dtype=out.dtype).index_add(0, token_of_row, out).to(x.dtype)
