@@ -24,7 +24,7 @@ else
 fi
 : "${PRESET:=llama2_7b}"
 PRESET_FILE="$EXAMPLES_DIR/presets/${PRESET}.sh"
-case "$PRESET" in llama*|mistral*) ;; *) PRESET_FILE=/nonexistent ;; esac
+case "$PRESET" in llama*|mistral*|mixtral*) ;; *) PRESET_FILE=/nonexistent ;; esac
 if [ ! -f "$PRESET_FILE" ]; then
   echo "unknown PRESET=$PRESET: use one of $(cd "$EXAMPLES_DIR/presets" && ls llama*.sh mistral*.sh | sed 's/\.sh//' | tr '\n' ' ')" >&2
   exit 1

@@ -25,7 +25,11 @@ class ArgumentError(MegatronUserError, ValueError):
 
 
 def exit_on_user_error(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run `fn`; a MegatronUserError becomes one line on stderr and exit code 1 (process group torn down)."""
+    """Run `fn`; a MegatronUserError becomes one line on stderr and exit code 1 (process group torn down).
+
+    A lost peer of a distributed run (a rank died or hung) also becomes one line naming it and exit code 1
+    (megatron/peer_failure.py); other exceptions propagate unchanged.
+    """
     try:
         return fn(*args, **kwargs)
     except MegatronUserError as exc:
@@ -37,3 +41,19 @@ def exit_on_user_error(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             except Exception:  # noqa: BLE001 - exiting anyway
                 pass
         sys.exit(1)
+    except Exception as exc:
+        if "torch.distributed" in sys.modules:
+            from megatron import peer_failure
+
+            if peer_failure.peer_failure_in_run(exc):
+                peer_failure.exit_on_peer_failure(exc)
+        raise
+
+
+class InputFileError(MegatronUserError, ValueError):
+    """A file named by a flag (--vocab-file, --merge-file, --tokenizer-model, ...) is unreadable or of the wrong kind;
+    the message starts with the flag and the path."""
+
+
+class InputFileNotFoundError(MegatronUserError, FileNotFoundError):
+    """A file named by a flag does not exist; the message starts with the flag and the path."""

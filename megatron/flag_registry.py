@@ -178,6 +178,7 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "max_prompts": "tools/run_text_generation_server.py",
     "max_request_bytes": "tools/run_text_generation_server.py",
     "request_timeout": "tools/run_text_generation_server.py",
+    "allow_random_weights": "tools/run_text_generation_server.py",
     # tasks/main.py
     "task": "tasks/main.py",
     "valid_data": "tasks/zeroshot_gpt/evaluate.py",

@@ -12,12 +12,12 @@ import os
 import random
 import socket
 import time
-from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 
+from megatron import peer_failure
 from megatron.arguments import ArgumentError, parse_args, validate_args
 from megatron.global_vars import get_args, set_global_variables, unset_global_variables
 
@@ -134,14 +134,10 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
         os.environ.setdefault("WORLD_SIZE", str(env.world_size))
         os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
         init_method = f"tcp://{_format_host(env.master_addr)}:{port}"
+        timeout = peer_failure.distributed_timeout(args.distributed_timeout_minutes)
         try:
-            dist.init_process_group(
-                backend=backend,
-                init_method=init_method,
-                world_size=env.world_size,
-                rank=env.rank,
-                timeout=timedelta(minutes=args.distributed_timeout_minutes),
-            )
+            dist.init_process_group(backend=backend, world_size=env.world_size, rank=env.rank, timeout=timeout,
+                                    **_rendezvous(init_method, env.master_addr, port, env.world_size, timeout))
         except (RuntimeError, ValueError, OSError) as exc:
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RuntimeError(
@@ -150,6 +146,7 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
                 "(is the port free and the same on every rank?)"
             ) from exc
         _OWNS_PROCESS_GROUP = True
+        peer_failure.register(dist.distributed_c10d._get_default_store(), env.rank)  # to name a dead rank later
         if not _ATEXIT_REGISTERED:
             atexit.register(_destroy_process_group_at_exit)
             _ATEXIT_REGISTERED = True
@@ -164,10 +161,27 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
         args.pipeline_model_parallel_size,
         args.virtual_pipeline_model_parallel_size,
         pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None),
+        timeout=peer_failure.distributed_timeout(args.distributed_timeout_minutes),  # bounds every group's wait
     )
     if args.rank == 0:
         print(f"> initialized tensor model parallel with size {state.tp_size}", flush=True)
         print(f"> initialized pipeline model parallel with size {state.pp_size}", flush=True)
+
+
+def _rendezvous(init_method: str, addr: str, port: int, world_size: int, timeout: Any) -> Dict[str, Any]:
+    """init_process_group's rendezvous: the tcp:// address, or under torchrun's agent store a per-restart prefix.
+
+    torchrun (`--max-restarts N`) keeps one store for all restarts; torch's own tcp:// and env:// rendezvous reuse
+    the same keys in it, so a restarted rank can read the address a dead rank of the previous attempt published and
+    fail ("Gloo connectFullMesh failed ... Connection refused"). Each attempt gets its own key prefix here.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt is None:
+        return {"init_method": init_method}
+    import torch.distributed as dist
+
+    store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"megatron/attempt_{attempt}", store)}
 
 
 def _format_host(host: str) -> str:

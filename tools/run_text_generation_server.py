@@ -37,10 +37,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-request-bytes", type=int, default=1 << 20, help="Largest request body (else HTTP 413).")
     g.add_argument("--request-timeout", type=float, default=300.0,
                    help="Seconds a request may wait for its turn (else HTTP 503) and a client may stall mid-request.")
+    g.add_argument("--allow-random-weights", action="store_true",
+                   help="Serve without --load (an untrained, randomly initialised model); refused otherwise.")
     return parser
 
 
 def check_server_args(args: argparse.Namespace) -> None:
+    if not getattr(args, "load", None) and not args.allow_random_weights:
+        raise ServerArgsError("no --load: the server would answer with random weights; pass --load CHECKPOINT_DIR "
+                              "(a folder written by --save), or --allow-random-weights to serve an untrained model")
     if not 0 <= args.port <= 65535:
         raise ServerArgsError(f"--port {args.port} is not a TCP port; use 0..65535")
     for flag in ("max_tokens_to_generate", "max_prompts", "max_request_bytes", "request_timeout"):

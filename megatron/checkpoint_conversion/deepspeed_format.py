@@ -7,7 +7,10 @@ stream (QKV order, TP merge with the parameters' own layouts, vocabulary rows) s
 - non-pipeline engine, ZeRO 0/1/2 (and ``--to-deepspeed`` output): ``mp_rank_{tp:02d}_model_states.pt`` whose
   ``module`` is tensor rank tp's GPTModel state dict, opened memory-mapped;
 - pipeline engine (GPTModelPipe): ``layer_{idx:02d}-model_{tp:02d}-model_states.pt``, one file per pipe layer,
-  memory-mapped and renamed to Megatron's names (global layer numbers, one chunk per tensor rank);
+  memory-mapped and renamed to Megatron's names (global layer numbers, one chunk per tensor rank); both our
+  GPTModelPipe's numbering (embedding layer_00, transformer layers 01..L, final norm L+1) and Megatron-DeepSpeed's,
+  in which BigScience wrote BLOOM (embedding layer_01, transformer layers 03..L+2, final norm L+4: its spec list
+  also holds parameter-free functions), recognised by which of layer_00 / layer_01 exists;
 - ZeRO-3: the weights live in the fp32 optimizer partitions; each tensor rank is consolidated with DeepSpeed's
   ``zero_to_fp32`` (that one holds a tensor rank in memory: DeepSpeed's format has no per-layer access).
 
@@ -42,6 +45,26 @@ ZERO3_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 
 
+def bigscience_index(idx: int, num_layers: int) -> int:
+    """Our GPTModelPipe layer index -> Megatron-DeepSpeed's (BigScience's BLOOM files): 0 -> 1, transformer layer
+    k (1..L) -> k + 2, final norm L+1 -> L+4, untied output layer L+2 -> L+5."""
+    if idx == 0:
+        return 1
+    return idx + 2 if idx <= num_layers else idx + 3
+
+
+def from_bigscience_index(idx: int, num_layers: int) -> int:
+    """Inverse of `bigscience_index` (ValueError for an index that holds no parameters there)."""
+    if idx == 1:
+        return 0
+    if 3 <= idx <= num_layers + 2:
+        return idx - 2
+    if idx in (num_layers + 4, num_layers + 5):
+        return idx - 3
+    raise ValueError(f"layer_{idx:02d} is not a parameter layer of a {num_layers}-layer Megatron-DeepSpeed "
+                     "GPTModelPipe (embedding 01, transformer layers 03.., final norm L+4)")
+
+
 def resolve_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
     """The ``global_stepN`` folder: --iteration N, else the tag named by ``latest`` (or `load_dir` itself)."""
     if not os.path.isdir(load_dir):
@@ -56,13 +79,32 @@ def resolve_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
             hint = " (it is a Megatron checkpoint: use --loader megatron)" if os.path.isfile(
                 os.path.join(load_dir, "latest_checkpointed_iteration.txt")) else ""
             raise ConversionError(f"--load-dir {load_dir} is not a DeepSpeed checkpoint: no '{LATEST}' file{hint}")
-        with open(latest) as f:
-            tag = f.read().strip()
+        from megatron.checkpoint_integrity import read_pointer_file
+
+        try:
+            tag = read_pointer_file(latest)
+        except ValueError as exc:
+            raise ConversionError(str(exc)) from None
     tag_dir = os.path.join(load_dir, tag)
     if not os.path.isdir(tag_dir):
         raise ConversionError(f"DeepSpeed checkpoint {tag_dir} does not exist; fix --iteration or the "
                               f"'{LATEST}' file")
     return tag_dir
+
+
+def verified_tag_dir(load_dir: str, iteration: Optional[int] = None) -> Tuple[str, bool]:
+    """(tag folder, verified): resolve_tag_dir checked against its manifest as --load does (megatron_format's
+    verified_source: the newest intact global_stepN at or below 'latest''s; an explicit one must verify)."""
+    from megatron.checkpoint_conversion.megatron_format import verified_source
+
+    tag_dir = resolve_tag_dir(load_dir, iteration)
+    m = re.fullmatch(r"global_step(\d+)", os.path.basename(os.path.normpath(tag_dir)))
+    explicit = iteration is not None or os.path.normpath(tag_dir) == os.path.normpath(load_dir)
+    if m is None:  # a custom tag: nothing to fall back to
+        explicit = True
+    tag_dir, _, verified = verified_source(os.path.dirname(os.path.normpath(tag_dir)), tag_dir,
+                                           int(m.group(1)) if m else None, explicit, layout="deepspeed")
+    return tag_dir, verified
 
 
 def tag_layout(tag_dir: str) -> Tuple[str, Dict[Any, str]]:
@@ -115,6 +157,7 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
         self.load_dir = self.iter_dir = tag_dir
         self.trust = trust
         self.layout, files = tag_layout(tag_dir)
+        self.bigscience = False  # Megatron-DeepSpeed's pipe layer numbering (set below for a pipe layout)
         self.pp = self.vp = 1
         self.version = 3.0
         meta_name = {"module": lambda: files.get(0), "zero3": lambda: files.get((0, 0)),
@@ -157,11 +200,17 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
             from megatron.model.gpt_model_pipe import megatron_state_dict_from_pipe_layers
 
             tps = sorted({t for _, t in files})
+            indices = {idx for idx, _ in files}
+            self.bigscience = 0 not in indices and 1 in indices
             num_layers = self.architecture.get("num_layers") or getattr(args, "num_layers", None)
+            if num_layers is None:  # no client state: count the files (final norm = last file)
+                num_layers = max(indices) - (4 if self.bigscience else 1)
             for t in tps:
                 layers = {idx: _load(os.path.join(tag_dir, n), trust) for (idx, tt), n in sorted(files.items())
                           if tt == t}
                 try:
+                    if self.bigscience:
+                        layers = {from_bigscience_index(idx, num_layers): sd for idx, sd in layers.items()}
                     self.chunks[(t, 0, 0)] = megatron_state_dict_from_pipe_layers(layers, num_layers)
                 except ValueError as exc:
                     raise ConversionError(f"{tag_dir} (tensor rank {t}): {exc}") from None
@@ -193,7 +242,9 @@ def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab
     `optimizer`, a ZeRO 1/2 non-pipeline checkpoint's optimizer state travels too (optimizer_state.zero_entries)."""
     if model_type != "GPT":
         raise ConversionError(f"--loader deepspeed reads GPT checkpoints (--model-type {model_type} is not supported)")
-    reader = DeepSpeedCheckpointReader(resolve_tag_dir(load_dir, iteration), trust)
+    tag_dir, verified = verified_tag_dir(load_dir, iteration)
+    reader = DeepSpeedCheckpointReader(tag_dir, trust)
+    reader.verified = verified
     meta = megatron_meta(reader, true_vocab_size, model_type)
     meta.source = load_dir
     if WORD not in reader.chunks[(0, 0, 0)]:
@@ -222,6 +273,8 @@ def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab
     elif optimizer:
         print(f"note: the optimizer state of a DeepSpeed {reader.layout} checkpoint is not converted (ZeRO 1/2 "
               "without the pipeline engine is); writing the weights only", flush=True)
+    if reader.layout == "pipe" and reader.bigscience:
+        meta.extra["bigscience"] = True
     if reader.layout == "pipe":  # the source's pipeline size (the stream itself is layout-free)
         meta.extra["pp"] = int(getattr(meta.checkpoint_args, "pipeline_model_parallel_size", 1) or 1)
     return meta, _stream(reader, meta)
@@ -244,7 +297,7 @@ def engine_state(iteration: int, samples: int, tp: int, pp: int) -> Dict[str, An
 
 
 def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str, tp: int = 1,
-                    pp: int = 1) -> Dict[str, Any]:
+                    pp: int = 1, bigscience: bool = False) -> Dict[str, Any]:
     """Saver: the stream as DeepSpeed ``global_stepN`` files (weights and client state, no optimizer state).
 
     PP 1: ``mp_rank_{tp:02d}_model_states.pt`` with ``module`` (what the non-pipeline engine reads; under ZeRO-3
@@ -252,14 +305,20 @@ def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str,
     ``layer_{idx:02d}-model_{tp:02d}-model_states.pt`` files plus one client-state file per model rank. The stream is
     first written as a TP `tp` Megatron checkpoint in a staging folder (megatron_format: about one layer resident),
     then each tensor rank's file is reopened memory-mapped and rewritten in DeepSpeed's layout, one rank at a time.
+    `bigscience`: layer files at any PP, numbered as Megatron-DeepSpeed's GPTModelPipe (BigScience's BLOOM
+    checkpoints; `bigscience_index`), which the non-pipeline engine does not read.
     """
     import copy
     import dataclasses
     import shutil
 
     from megatron.atomic_io import atomic_torch_save, atomic_write_text
-    from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, rank_files, write_megatron
-    from megatron.checkpoint_integrity import write_manifest
+    from megatron.checkpoint_conversion.megatron_format import (
+        find_iteration_dir,
+        rank_files,
+        sign_output,
+        write_megatron,
+    )
     from megatron.model.gpt_model import flatten_checkpoint_state_dict
     from megatron.model.gpt_model_pipe import pipe_layers_from_megatron_state_dict
 
@@ -291,23 +350,24 @@ def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str,
             if sd.get(key) is not None:
                 client[key] = sd[key]
         flat = flatten_checkpoint_state_dict(sd["model"])
-        if pp == 1:
+        if pp == 1 and not bigscience:
             path = os.path.join(tag_dir, f"mp_rank_{t:02d}_model_states.pt")
             atomic_torch_save({"module": flat, **state, **client}, path)
             written.append(path)
         else:
             for idx, layer in sorted(pipe_layers_from_megatron_state_dict(flat, num_layers).items()):
+                idx = bigscience_index(idx, num_layers) if bigscience else idx
                 path = os.path.join(tag_dir, f"layer_{idx:02d}-model_{t:02d}-model_states.pt")
                 atomic_torch_save({k: v.clone() for k, v in layer.items()}, path)
                 written.append(path)
         del sd, flat
-    if pp > 1:
+    if pp > 1 or bigscience:
         for p in range(pp):  # DeepSpeed's grid numbers model-parallel ranks pipeline-major
             for t in range(tp):
                 path = os.path.join(tag_dir, f"mp_rank_{p * tp + t:02d}_model_states.pt")
                 atomic_torch_save({"module": None, **state, **client}, path)
                 written.append(path)
     shutil.rmtree(staging, ignore_errors=True)
-    write_manifest(tag_dir)
+    sign_output(tag_dir, meta)
     atomic_write_text(os.path.join(save_dir, LATEST), tag)
-    return {"files": written, "tp": tp, "pp": pp, "tag": tag, "iteration": iteration}
+    return {"files": written, "tp": tp, "pp": pp, "tag": tag, "iteration": iteration, "bigscience": bigscience}

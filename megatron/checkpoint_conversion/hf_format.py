@@ -5,8 +5,10 @@ Families: GPT-2 (``GPT2LMHeadModel``; HF's Conv1D weights are the transposes, c_
 the MLP activation is the one Megatron computes from the flags: fused bias-GeLU / --openai-gelu = tanh = "gelu_new",
 --no-bias-gelu-fusion = erf = "gelu") and the Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM``: Megatron's grouped QKV, SwiGLU [gate; up], RMSNorm, RoPE in HF's half-split layout with no
-permutation, ``rope_theta`` -> --rotary-base) and BLOOM (``BloomForCausalLM``: --position-embedding-type alibi
---embed-layernorm, the same names and layouts as Megatron-DeepSpeed; megatron/model/hf_bloom.py). The per-tensor mappings are those of megatron.model.hf_conversion,
+permutation, ``rope_theta`` -> --rotary-base) with its MoE members ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM``
+(megatron.model.hf_moe_conversion), and BLOOM (``BloomForCausalLM``: --position-embedding-type alibi
+--embed-layernorm, the same names and layouts as Megatron-DeepSpeed; megatron/model/hf_bloom.py). The per-tensor
+mappings are those of megatron.model.hf_conversion,
 applied one layer at a time; tensors are read lazily from the safetensors files.
 """
 from __future__ import annotations
@@ -31,12 +33,13 @@ from megatron.checkpoint_conversion.interchange import (
 )
 from megatron.model import hf_bloom
 from megatron.model import hf_conversion as hfc
+from megatron.model import hf_moe_conversion as hfm
 
-LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM") + hfm.MOE_ARCHS
 GPT2_ARCHS = ("GPT2LMHeadModel",)
 BLOOM_ARCHS = ("BloomForCausalLM",)
-SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + BLOOM_ARCHS + ("MegatronBertForPreTraining", "MegatronBertForSequenceClassification",
-                                       "MegatronBertForMultipleChoice")
+SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + BLOOM_ARCHS + (
+    "MegatronBertForPreTraining", "MegatronBertForSequenceClassification", "MegatronBertForMultipleChoice")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json")
 _TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
@@ -81,7 +84,12 @@ class _LazyTensors:
             if name.endswith(".safetensors"):
                 from safetensors import safe_open
 
-                handle: Any = safe_open(path, framework="pt")
+                try:
+                    handle: Any = safe_open(path, framework="pt")
+                except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type (or OSError)
+                    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    raise ConversionError(f"{path} is not a readable safetensors file ({detail}): it is truncated or "
+                                          "damaged; download or copy it again") from None
             else:
                 from megatron.safe_load import safe_torch_load
 
@@ -188,7 +196,8 @@ def read_hf(load_dir: str, *, true_vocab_size: Optional[int] = None, model_type:
 
         hf_config = transformers.AutoConfig.from_pretrained(load_dir, local_files_only=True)
         try:
-            config = hfc.megatron_config_from_hf_llama(hf_config)
+            config = (hfm.megatron_config_from_hf_moe(hf_config) if arch in hfm.MOE_ARCHS
+                      else hfc.megatron_config_from_hf_llama(hf_config))
         except ValueError as exc:
             raise ConversionError(f"{load_dir}: {exc}") from None
         fields = architecture_of(config)
@@ -242,6 +251,8 @@ def _bloom_stream(t: _LazyTensors, meta: ModelMeta) -> Iterator[Message]:
 
 def _llama_stream(t: _LazyTensors, meta: ModelMeta) -> Iterator[Message]:
     nq, ng, hd = _heads(meta)
+    moe_pattern = meta.config().moe_layer_pattern  # MoE MLP (1) or dense MLP (0) per layer
+    shared = bool(meta.architecture.get("moe_shared_expert_intermediate_size"))
     yield Message(EMBEDDINGS, {"word_embeddings.weight": t.get("model.embed_tokens.weight")})
     for i in range(meta.architecture["num_layers"]):
         src = f"model.layers.{i}."
@@ -251,10 +262,15 @@ def _llama_stream(t: _LazyTensors, meta: ModelMeta) -> Iterator[Message]:
         if attn + "q_proj.bias" in t:
             out["self_attention.query_key_value.bias"] = hfc.qkv_pack_groups(
                 t.get(attn + "q_proj.bias"), t.get(attn + "k_proj.bias"), t.get(attn + "v_proj.bias"), nq, ng, hd)
-        out["mlp.dense_h_to_4h.weight"] = torch.cat([t.get(src + "mlp.gate_proj.weight"),
-                                                     t.get(src + "mlp.up_proj.weight")], dim=0)
+        if moe_pattern[i]:
+            out.update(hfm.hf_moe_mlp_to_megatron(t.get, src, meta.extra["hf_architecture"],
+                                                  meta.architecture["num_moe_experts"], shared))
+        else:
+            out["mlp.dense_h_to_4h.weight"] = torch.cat([t.get(src + "mlp.gate_proj.weight"),
+                                                         t.get(src + "mlp.up_proj.weight")], dim=0)
         for m_name, h_name in hfc._LLAMA_LAYER_MAP:
-            out[m_name] = t.get(src + h_name)
+            if not (moe_pattern[i] and m_name.startswith("mlp.")):
+                out[m_name] = t.get(src + h_name)
         yield Message(layer_message(i), out)
     yield Message(FINAL_NORM, {"final_layernorm.weight": t.get("model.norm.weight")})
     if not meta.architecture["share_embeddings_and_output_weights"]:
@@ -354,6 +370,15 @@ def _hf_config(meta: ModelMeta, family: str, rows: int, arch_name: Optional[str]
             hf.architectures = ["BloomForCausalLM"]
         else:
             kwargs = hfc.hf_llama_config_kwargs(config, vocab_size=rows)
+            if config.num_moe_experts is not None:
+                name = arch_name or hfm.hf_moe_arch(config)
+                kwargs.update(hfm.hf_moe_config_kwargs(config, name))
+                if name == "Qwen2MoeForCausalLM":
+                    kwargs.pop("head_dim", None)
+                hf = getattr(transformers, name.replace("ForCausalLM", "Config"))(**kwargs)
+                hf.architectures = [name]
+                hf.dtype = "float32"
+                return hf
             name = arch_name or ("Qwen2ForCausalLM" if config.add_qkv_bias else "LlamaForCausalLM")
             if config.add_qkv_bias and name != "Qwen2ForCausalLM":
                 raise ValueError("a QKV bias (--add-qkv-bias) exists only in Qwen2ForCausalLM")
@@ -463,11 +488,16 @@ def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max
                 writer.add(dst + "self_attn.q_proj.bias", q)
                 writer.add(dst + "self_attn.k_proj.bias", k)
                 writer.add(dst + "self_attn.v_proj.bias", v)
-            gate, up = layer["mlp.dense_h_to_4h.weight"].chunk(2, dim=0)
-            writer.add(dst + "mlp.gate_proj.weight", gate.contiguous())
-            writer.add(dst + "mlp.up_proj.weight", up.contiguous())
+            if hfm.ROUTER in layer:
+                for name, tensor in hfm.megatron_moe_mlp_to_hf(layer, dst, hf_config.architectures[0]).items():
+                    writer.add(name, tensor)
+            else:
+                gate, up = layer["mlp.dense_h_to_4h.weight"].chunk(2, dim=0)
+                writer.add(dst + "mlp.gate_proj.weight", gate.contiguous())
+                writer.add(dst + "mlp.up_proj.weight", up.contiguous())
             for m_name, h_name in hfc._LLAMA_LAYER_MAP:
-                writer.add(dst + h_name, layer[m_name])
+                if not (hfm.ROUTER in layer and m_name.startswith("mlp.")):
+                    writer.add(dst + h_name, layer[m_name])
         layer.check(checking)
     emb.check(checking)
     norm = _Checked(expect(messages, FINAL_NORM).tensors, FINAL_NORM)

@@ -46,6 +46,12 @@ _KEPT_FIELDS = (
     "apply_layernorm_1p", "openai_gelu", "squared_relu", "swiglu", "bias_gelu_fusion", "add_bias_linear",
     "add_qkv_bias", "position_embedding_type", "rotary_base", "rotary_percent", "group_query_attention",
     "num_query_groups", "share_embeddings_and_output_weights", "glu_activation", "embed_layernorm",
+    # mixture of experts (megatron/model/moe.py)
+    "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function",
+    "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_expert_capacity_factor", "moe_token_drop_policy",
+    "moe_pad_expert_input_to_capacity", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate", "moe_apply_probs_on_input",
 )
 
 
@@ -102,7 +108,7 @@ def architecture_of(config: TransformerConfig) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for name in _KEPT_FIELDS:
         value = getattr(config, name)
-        out[name] = value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+        out[name] = value if value is None or isinstance(value, (bool, int, float, str, list)) else str(value)
     if not config.group_query_attention:
         out["num_query_groups"] = None
     return out
@@ -150,6 +156,8 @@ def model_flags(meta: ModelMeta, tp: int = 1, pp: int = 1, vp_layers: Optional[i
         flags.append("--disable-bias-linear")
     if not a.get("share_embeddings_and_output_weights", True):
         flags.append("--untie-embeddings-and-output-weights")
+    if a.get("num_moe_experts"):
+        flags.append(_moe_flags(a))
     t5 = meta.extra.get("t5") if meta.model_type == "T5" else None
     if t5:
         flags.append(f"--encoder-num-layers {t5['encoder_num_layers']} --decoder-num-layers "
@@ -168,6 +176,36 @@ def model_flags(meta: ModelMeta, tp: int = 1, pp: int = 1, vp_layers: Optional[i
                 flags.append(f"{flag} {tok[key]}")
     if meta.make_vocab_size_divisible_by != 128:
         flags.append(f"--make-vocab-size-divisible-by {meta.make_vocab_size_divisible_by}")
+    return " ".join(flags)
+
+
+def _moe_flags(a: Dict[str, Any]) -> str:
+    """The MoE architecture flags of `a` (values that differ from Megatron-LM's defaults)."""
+    flags = [f"--num-experts {a['num_moe_experts']} --moe-router-topk {a.get('moe_router_topk', 2)}"]
+    freq = a.get("moe_layer_freq", 1)
+    if freq != 1:
+        flags.append(f"--moe-layer-freq {str(freq).replace(' ', '')}" if isinstance(freq, list)
+                     else f"--moe-layer-freq {freq}")
+    for key, flag in (("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+                      ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
+                      ("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor"),
+                      ("moe_expert_capacity_factor", "--moe-expert-capacity-factor"),
+                      ("moe_z_loss_coeff", "--moe-z-loss-coeff"), ("moe_router_dtype", "--moe-router-dtype")):
+        if a.get(key) is not None:
+            flags.append(f"{flag} {a[key]}")
+    for key, flag in (("moe_router_pre_softmax", "--moe-router-pre-softmax"),
+                      ("moe_shared_expert_gate", "--moe-shared-expert-gate"),
+                      ("moe_pad_expert_input_to_capacity", "--moe-pad-expert-input-to-capacity"),
+                      ("moe_apply_probs_on_input", "--moe-apply-probs-on-input")):
+        if a.get(key):
+            flags.append(flag)
+    for key, flag, default in (("moe_router_score_function", "--moe-router-score-function", "softmax"),
+                               ("moe_router_load_balancing_type", "--moe-router-load-balancing-type", "aux_loss"),
+                               ("moe_token_drop_policy", "--moe-token-drop-policy", "probs")):
+        if a.get(key, default) != default:
+            flags.append(f"{flag} {a[key]}")
+    if a.get("moe_aux_loss_coeff"):
+        flags.append(f"--moe-aux-loss-coeff {a['moe_aux_loss_coeff']}")
     return " ".join(flags)
 
 
@@ -190,6 +228,7 @@ def args_namespace(meta: ModelMeta) -> argparse.Namespace:
     ns.use_rotary_position_embeddings = a.get("position_embedding_type") == "rope"
     ns.add_position_embedding = a.get("position_embedding_type") == "learned_absolute"
     ns.onnx_safe = None
+    ns.num_experts = a.get("num_moe_experts")
     ns.make_vocab_size_divisible_by = meta.make_vocab_size_divisible_by
     ns.seq_length = a.get("max_position_embeddings")
     ns.true_vocab_size = meta.true_vocab_size

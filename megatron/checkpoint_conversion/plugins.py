@@ -146,7 +146,11 @@ class DeepSpeedLoader:
 class DeepSpeedSaver:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        pass
+        group = parser.add_argument_group("DeepSpeed saver")
+        group.add_argument("--bigscience-layout", action="store_true",
+                           help="Pipeline layer files at any PP numbered as Megatron-DeepSpeed's GPTModelPipe, the "
+                                "layout of BigScience's BLOOM checkpoints (embedding layer_01, transformer layers "
+                                "from layer_03, final norm layer_{L+4})")
 
     @staticmethod
     def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
@@ -158,7 +162,8 @@ class DeepSpeedSaver:
                                   "--target-num-layers-per-virtual-pipeline-stage")
         tp = args.target_tensor_parallel_size or meta.extra.get("tp") or 1
         pp = args.target_pipeline_parallel_size or meta.extra.get("pp") or 1
-        result = write_deepspeed(meta, messages, save_dir, tp, pp)
+        result = write_deepspeed(meta, messages, save_dir, tp, pp,
+                                 bigscience=bool(getattr(args, "bigscience_layout", False)))
         return {"files": result["files"], "tp": tp, "pp": pp, "vp_layers": None}
 
 

@@ -13,6 +13,7 @@ state for entry scripts (`get_parallel_state()`), together with Megatron-style m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
@@ -196,8 +197,12 @@ def initialize_model_parallel(
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     backend: Optional[str] = None,
     pipeline_model_parallel_split_rank: Optional[int] = None,
+    timeout: Optional[timedelta] = None,
 ) -> ParallelState:
-    """Create all groups (collective: every rank calls it) and make the result the current state."""
+    """Create all groups (collective: every rank calls it) and make the result the current state.
+
+    `timeout` bounds every collective of the new groups (torch's default otherwise: 30 minutes for gloo, whatever
+    init_process_group was given); initialize passes --distributed-timeout-minutes, as Megatron Core does."""
     global _STATE
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -221,7 +226,7 @@ def initialize_model_parallel(
     my_ranks: Dict[str, List[int]] = {}
     for kind in ("tp", "dp", "pp", "mp", "embedding", "position_embedding"):
         for ranks in layout[kind]:
-            group = dist.new_group(ranks, backend=backend)  # every rank creates every group, same order
+            group = dist.new_group(ranks, backend=backend, timeout=timeout)  # every rank creates every group, same order
             if rank in ranks:
                 mine[kind] = group
                 my_ranks[kind] = ranks

@@ -235,7 +235,8 @@ class CoreAttention(MegatronModule):
         -> [sq, b, np*hn]."""
         sq, b, np_, hn = query_layer.shape
         sk = key_layer.size(0)
-        if attention_mask is None and self.attn_mask_type == AttnMaskType.causal and (sq != sk or self.alibi is not None):
+        causal = self.attn_mask_type == AttnMaskType.causal
+        if attention_mask is None and causal and (sq != sk or self.alibi is not None):
             attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=query_layer.device).triu(sk - sq + 1)
         if self._can_use_flash_attn(query_layer, attention_mask, sq, sk):
             context = self._flash(query_layer, key_layer, value_layer)  # flash-attn takes fewer K/V heads itself

@@ -31,6 +31,7 @@ import torch
 from megatron.text_generation.generation import generate_tokens
 from megatron.text_generation.http_limits import MAX_JSON_DEPTH, json_depth
 from megatron.text_generation.scoring import score_tokens
+from megatron.text_generation.stream_writer import StreamWriter
 
 COMPLETION_PATHS = ("/v1/completions", "/completions")
 MODEL_PATHS = ("/v1/models", "/models")
@@ -373,57 +374,62 @@ def handle_http(server: Any, handler: Any) -> None:
     except OpenAIError as exc:
         send(exc.status, exc.body())
         return
-    if req["stream"]:
-        _stream(server, api, handler, req)
+    if not server.lock.acquire(timeout=server.request_timeout_s):  # one request at a time; a bounded wait
+        send(HTTPStatus.SERVICE_UNAVAILABLE, error_body(
+            f"the server is busy: the request waited {server.request_timeout_s:g} s for its turn (--request-timeout);"
+            " retry later", kind="server_error"))
         return
-    with server.lock:
-        if server._stopped:
-            send(HTTPStatus.SERVICE_UNAVAILABLE, error_body("the server is shutting down", kind="server_error"))
-            return
+    if server._stopped:
+        server.lock.release()
+        send(HTTPStatus.SERVICE_UNAVAILABLE, error_body("the server is shutting down", kind="server_error"))
+        return
+    if req["stream"]:
+        _stream(server, api, handler, req)  # releases the lock
+        return
+    try:
         server.log(f"openai completion: {len(req['prompts'])} prompt(s), max_tokens={req['max_tokens']}")
         server._broadcast(("openai", req))
-        try:
-            results = api.run(req)
-        except ValueError as exc:  # generation's own input checks fail alike on every rank
-            send(HTTPStatus.BAD_REQUEST, error_body(str(exc)))
-            return
-        except Exception as exc:  # noqa: BLE001 - answer the client, keep serving
-            server.log(f"server: openai completion failed: {exc!r}")
-            send(HTTPStatus.INTERNAL_SERVER_ERROR, error_body(f"generation failed: {exc}", kind="server_error"))
-            return
+        results = api.run(req)
+    except ValueError as exc:  # generation's own input checks fail alike on every rank
+        server.lock.release()
+        send(HTTPStatus.BAD_REQUEST, error_body(str(exc)))
+        return
+    except Exception as exc:  # noqa: BLE001 - answer the client, keep serving
+        server.lock.release()
+        server.log(f"server: openai completion failed: {exc!r}")
+        send(HTTPStatus.INTERNAL_SERVER_ERROR, error_body(f"generation failed: {exc}", kind="server_error"))
+        return
+    server.lock.release()
     send(HTTPStatus.OK, api.response(req, results))
 
 
 def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict) -> None:
     """Server-sent events: text chunks while the tokens are generated, then each choice's finish_reason (and
-    logprobs), optionally the usage, then `data: [DONE]`. A client that goes away does not stop the generation
-    (every rank takes part in it); its events are dropped."""
+    logprobs), optionally the usage, then `data: [DONE]`. Called holding the server lock; releases it when the
+    generation ends. The socket is written by a StreamWriter thread, never under the lock: a client that does not
+    read stalls only itself and is dropped after the stall timeout. A client that goes away does not stop the
+    generation (every rank takes part in it); its events are dropped."""
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    broken = []
+    try:
+        handler.send_response(HTTPStatus.OK)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.send_header("Cache-Control", "no-cache")
+        handler.close_connection = True  # the end of the stream is the end of the connection
+        handler.end_headers()  # a few bytes into a fresh connection's empty send buffer
+        out = StreamWriter(handler.wfile, getattr(handler, "connection", None), getattr(handler, "timeout", None)
+                           or server.request_timeout_s, server.log, handler.address_string())
+    except BaseException:
+        server.lock.release()
+        raise
 
     def event(obj: dict) -> None:
-        if broken:
-            return
-        try:
-            handler.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
-            handler.wfile.flush()
-        except OSError:
-            broken.append(True)
+        out.put(f"data: {json.dumps(obj)}\n\n".encode())
 
     def chunk(index: int, text: str, finish: Optional[str] = None, logprobs: Optional[dict] = None) -> dict:
         return {"id": cid, "object": "text_completion", "created": created, "model": req["model"],
                 "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
-    with server.lock:
-        if server._stopped:
-            handler._send(HTTPStatus.SERVICE_UNAVAILABLE, json.dumps(error_body(
-                "the server is shutting down", kind="server_error")).encode(), "application/json")
-            return
-        handler.send_response(HTTPStatus.OK)
-        handler.send_header("Content-Type", "text/event-stream")
-        handler.send_header("Cache-Control", "no-cache")
-        handler.close_connection = True  # the end of the stream is the end of the connection
-        handler.end_headers()
+    try:
         streams = [TextStream(api, req, i, lambda i, text: event(chunk(i, text))) for i in range(len(req["prompts"]))]
         prompt_lengths = [len(p) for p in req["prompts"]]
 
@@ -433,13 +439,15 @@ def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict) -> Non
 
         server.log(f"openai completion (stream): {len(req['prompts'])} prompt(s), max_tokens={req['max_tokens']}")
         server._broadcast(("openai", req))
-        try:
-            results = api.run(req, on_step=on_step)
-        except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream, keep serving
-            server.log(f"server: openai completion failed: {exc!r}")
-            event(error_body(f"generation failed: {exc}", kind="server_error"))
-            event_done(handler, broken)
-            return
+        results = api.run(req, on_step=on_step)
+    except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream, keep serving
+        server.lock.release()
+        server.log(f"server: openai completion failed: {exc!r}")
+        event(error_body(f"generation failed: {exc}", kind="server_error"))
+        out.put(b"data: [DONE]\n\n")
+        out.close()
+        return
+    server.lock.release()
     body = api.response(req, results)
     for stream, choice in zip(streams, body["choices"]):
         stream.finish(choice["text"])
@@ -447,16 +455,8 @@ def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict) -> Non
     if req["include_usage"]:
         event({"id": cid, "object": "text_completion", "created": created, "model": req["model"], "choices": [],
                "usage": body["usage"]})
-    event_done(handler, broken)
-
-
-def event_done(handler: Any, broken: list) -> None:
-    if not broken:
-        try:
-            handler.wfile.write(b"data: [DONE]\n\n")
-            handler.wfile.flush()
-        except OSError:
-            pass
+    out.put(b"data: [DONE]\n\n")
+    out.close()
 
 
 def run_on_worker(server: Any, req: dict) -> None:

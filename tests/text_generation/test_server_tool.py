@@ -8,19 +8,24 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests.text_generation.test_server_http import put
 
 
-def _command(repo_root, shared_data, port: int) -> list[str]:
+def _command(repo_root, shared_data, port: int, extra: tuple = ()) -> list[str]:
     d = shared_data / "openwebtext-1000"
     return [sys.executable, str(repo_root / "tools" / "run_text_generation_server.py"), "--num-layers", "2",
             "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--vocab-file", str(d / "gpt2-tiny-vocab.json"),
-            "--merge-file", str(d / "gpt2-tiny-merges.txt"), "--port", str(port), "--max-tokens-to-generate", "8"]
+            "--merge-file", str(d / "gpt2-tiny-merges.txt"), "--port", str(port), "--max-tokens-to-generate", "8",
+            "--allow-random-weights", *extra]
 
 
-def test_server_tool_serves_and_stops_on_sigterm(repo_root, shared_data, tmp_path):
-    proc = subprocess.Popen(_command(repo_root, shared_data, 0), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+@pytest.mark.parametrize("extra", [(), ("--position-embedding-type", "alibi", "--embed-layernorm")],
+                         ids=["gpt", "bloom"])
+def test_server_tool_serves_and_stops_on_sigterm(repo_root, shared_data, tmp_path, extra):
+    proc = subprocess.Popen(_command(repo_root, shared_data, 0, extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=tmp_path)
     try:
         lines = []
