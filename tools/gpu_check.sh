@@ -78,8 +78,8 @@ TEST_RC=${PIPESTATUS[0]}
 
 echo "== gpu_check: benchmark" | tee -a "$OUT/gpu_check.log"
 BENCH=()
-if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then BENCH=(--smoke)
-elif [ $QUICK = 1 ]; then BENCH=(--quick); fi
+if [ $QUICK = 1 ]; then BENCH=(--quick); fi
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then BENCH+=(--smoke); fi
 timeout $([ $QUICK = 1 ] && echo 100 || echo 270) $PY tools/benchmarks/bench_gpu.py --out "$OUT" "${BENCH[@]}" 2>&1 \
     | tee "$OUT/bench.log"
 BENCH_RC=${PIPESTATUS[0]}
