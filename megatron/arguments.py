@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.cli_parser import FlagParser
 from megatron.config_flags import config_kwargs_from_args, dests_without_config_field
 from megatron.core.transformer_config import TransformerConfig
 from megatron.errors import ArgumentError
@@ -84,7 +85,7 @@ def build_parser(
     extra_args_provider: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None,
 ) -> argparse.ArgumentParser:
     """The argparse parser with every Megatron group (plus the caller's extra groups)."""
-    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    parser = FlagParser(description="Megatron-LM Arguments", allow_abbrev=False)
     for add_group in (
         _add_network_size_args,
         _add_regularization_args,

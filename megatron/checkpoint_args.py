@@ -241,8 +241,12 @@ def deepspeed_state_file(load_dir: str, select_tag: Optional[Callable[[str], str
     latest = os.path.join(load_dir, "latest")
     if not os.path.isfile(latest):
         return None
-    with open(latest) as f:
-        tag = f.read().strip()
+    from megatron.checkpoint_integrity import read_pointer_file
+
+    try:
+        tag = read_pointer_file(latest)
+    except ValueError as exc:
+        raise MegatronUserError(str(exc)) from None
     if select_tag is not None:
         tag = select_tag(tag)
     path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")

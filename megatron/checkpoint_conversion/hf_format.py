@@ -39,8 +39,8 @@ from megatron.model import hf_moe_conversion as hfm
 LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM") + hfm.MOE_ARCHS
 GPT2_ARCHS = ("GPT2LMHeadModel",)
 BLOOM_ARCHS = ("BloomForCausalLM",)
-SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + BLOOM_ARCHS + ("MegatronBertForPreTraining", "MegatronBertForSequenceClassification",
-                                       "MegatronBertForMultipleChoice")
+SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + BLOOM_ARCHS + (
+    "MegatronBertForPreTraining", "MegatronBertForSequenceClassification", "MegatronBertForMultipleChoice")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json")
 _TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
@@ -85,7 +85,12 @@ class _LazyTensors:
             if name.endswith(".safetensors"):
                 from safetensors import safe_open
 
-                handle: Any = safe_open(path, framework="pt")
+                try:
+                    handle: Any = safe_open(path, framework="pt")
+                except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type (or OSError)
+                    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    raise ConversionError(f"{path} is not a readable safetensors file ({detail}): it is truncated or "
+                                          "damaged; download or copy it again") from None
             else:
                 from megatron.safe_load import safe_torch_load
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.interpreter import path_with_this_python
 from tests.training._bert import session_bert_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ def bert_data(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 
 def _env(**extra: str) -> dict:
     env = dict(os.environ, **extra)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # the same python
+    env["PATH"] = path_with_this_python(env["PATH"])  # `python` is this interpreter
     return env
 
 
