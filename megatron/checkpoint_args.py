@@ -32,6 +32,12 @@ ARCHITECTURE_FIELDS: Tuple[str, ...] = (
     "share_embeddings_and_output_weights",
     "num_layers", "encoder_num_layers", "decoder_num_layers", "hidden_size", "num_attention_heads",
     "ffn_hidden_size", "kv_channels", "max_position_embeddings", "padded_vocab_size",
+    # mixture of experts (the router's loss coefficients are training settings, not architecture)
+    "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
+    "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
+    "moe_router_dtype", "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+    "moe_apply_probs_on_input",
 )
 
 # Restored by --use-checkpoint-args only when the flag is left at its default (Megatron's rule for these).
@@ -45,6 +51,7 @@ _FLAG_OF_FIELD: Dict[str, str] = {
     "bias_gelu_fusion": "--no-bias-gelu-fusion (or not)",
     "layernorm_epsilon": "--norm-epsilon",
     "num_query_groups": "--group-query-attention --num-query-groups",
+    "num_moe_experts": "--num-experts",
 }
 
 # field -> [(parser destination, value of that destination for a saved field value)] for --use-checkpoint-args.
@@ -54,6 +61,7 @@ _RESTORE: Dict[str, List[Tuple[str, Callable[[Any], Any]]]] = {
                                 ("use_rotary_position_embeddings", lambda v: v == "rope"),
                                 ("add_position_embedding", lambda v: v == "learned_absolute")],
     "bias_gelu_fusion": [("bias_gelu_fusion", lambda v: v), ("onnx_safe", lambda v: None)],
+    "num_moe_experts": [("num_experts", lambda v: v)],
 }
 
 
@@ -61,6 +69,8 @@ def _plain(value: Any) -> Any:
     """Python scalars only (the checkpoint loads weights-only)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return list(value)  # --moe-layer-freq as a 0/1 pattern
     return str(value)
 
 
@@ -234,8 +244,12 @@ def deepspeed_state_file(load_dir: str, select_tag: Optional[Callable[[str], str
     latest = os.path.join(load_dir, "latest")
     if not os.path.isfile(latest):
         return None
-    with open(latest) as f:
-        tag = f.read().strip()
+    from megatron.checkpoint_integrity import read_pointer_file
+
+    try:
+        tag = read_pointer_file(latest)
+    except ValueError as exc:
+        raise MegatronUserError(str(exc)) from None
     if select_tag is not None:
         tag = select_tag(tag)
     path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")

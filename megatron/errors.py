@@ -48,3 +48,12 @@ def exit_on_user_error(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             if peer_failure.peer_failure_in_run(exc):
                 peer_failure.exit_on_peer_failure(exc)
         raise
+
+
+class InputFileError(MegatronUserError, ValueError):
+    """A file named by a flag (--vocab-file, --merge-file, --tokenizer-model, ...) is unreadable or of the wrong kind;
+    the message starts with the flag and the path."""
+
+
+class InputFileNotFoundError(MegatronUserError, FileNotFoundError):
+    """A file named by a flag does not exist; the message starts with the flag and the path."""

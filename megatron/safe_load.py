@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import enum
 import importlib
 import os
 import pickle
@@ -56,6 +57,11 @@ ALLOWED_GLOBALS: tuple[str, ...] = (
     "megatron.model.enums:LayerType",
     "megatron.model.enums:AttnType",
     "megatron.model.enums:AttnMaskType",
+    # Megatron-DeepSpeed's (BigScience's BLOOM checkpoints) enums in their args; stand-ins in megatron/enums.py
+    "megatron.enums:PositionEmbeddingType",
+    "megatron.enums:AttnMaskType",
+    "megatron.enums:LayerType",
+    "megatron.enums:AttnType",
     # DeepSpeed 0.19 model/optimizer state files
     "deepspeed.runtime.fp16.loss_scaler:LossScaler",
     "deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler",
@@ -97,10 +103,21 @@ def _resolve(spec: str) -> Any:
     return obj
 
 
-def allowed_globals() -> list[Any]:
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``getattr`` as unpickling may call it: Python 3.11.0-3.11.4 pickle an enum member as ``getattr(Enum, 'name')``
+    (Debian 12's python3 writes `args.model_type` so). Only a member of an allow-listed Enum is returned."""
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and any(cls is o for o in allowed_globals(False))
+            and isinstance(name, str) and name in cls.__members__):
+        raise pickle.UnpicklingError(f"Weights only load failed: Unsupported global: GLOBAL builtins.getattr "
+                                     f"on {getattr(cls, '__name__', type(cls).__name__)}.{name}")
+    return cls.__members__[name]
+
+
+def allowed_globals(enum_by_name: bool = True) -> list[Any]:
     """The allow-list objects whose modules are already imported (DeepSpeed is never imported just for this;
-    `safe_torch_load` imports an allowed module on demand when a file needs it)."""
-    resolved: list[Any] = []
+    `safe_torch_load` imports an allowed module on demand when a file needs it), and ``getattr`` restricted to
+    members of the allow-listed enums (`_enum_member`)."""
+    resolved: list[Any] = [(_enum_member, "builtins.getattr")] if enum_by_name else []
     for spec in ALLOWED_GLOBALS:
         module_name = spec.partition(":")[0]
         if module_name.split(".")[0] not in sys.modules and module_name.startswith("deepspeed"):

@@ -243,3 +243,12 @@ def test_validate_args_is_idempotent():
     first = dict(vars(args))
     validate_args(args)
     assert vars(args) == first
+
+
+def test_mistyped_flag_is_one_line_with_the_closest_names(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(args=(BASE + " --train-iter 3 --hiden-size=8").split())
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "usage:" not in err, err
+    assert err.startswith("error: unrecognized arguments: --train-iter (did you mean --train-iters")
+    assert "--hiden-size=8 (did you mean --hidden-size" in err

@@ -4,6 +4,8 @@
   outside the model's (padded) vocabulary. The largest id is read from the ``.bin`` in 64 MiB chunks (numpy max, a
   few GB/s), skipped when the file's dtype cannot hold an id that large; the result is cached next to the data cache
   so a restart does not read the data again.
+- `check_data_prefixes`: every prefix names an existing .bin/.idx pair whose index has a known header; cheap (no data
+  read), run by `pretrain` before the model is built so a mistyped path costs seconds, not a model build.
 - `check_train_split`: a training run (--train-iters/--train-samples > 0, no --skip-train) whose training split came
   out empty (an empty data set, or --split giving training 0%) stops instead of reporting success.
 """
@@ -37,6 +39,23 @@ def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
             except (TypeError, ValueError):
                 out.append((flag, str(entry)))
     return out
+
+
+def check_data_prefixes(args: argparse.Namespace) -> None:
+    """One-line DataCheckError naming the flag when a data prefix has no .bin/.idx pair or an unknown index header."""
+    from megatron.data.indexed_dataset import IndexedDatasetError, data_file_path, index_file_path, infer_dataset_impl
+
+    for flag, prefix in data_prefixes(args):
+        missing = [p for p in (index_file_path(prefix), data_file_path(prefix)) if not os.path.isfile(p)]
+        if missing:
+            hint = next((f"pass the prefix without '{ext}' ({prefix[:-len(ext)]})" for ext in (".bin", ".idx")
+                         if prefix.endswith(ext)),
+                        f"check {flag}: the prefix tools/preprocess_data.py printed, without .bin/.idx")
+            raise DataCheckError(f"{flag} {prefix}: no such dataset (missing {' and '.join(missing)}); {hint}")
+        try:
+            infer_dataset_impl(prefix)
+        except IndexedDatasetError as exc:
+            raise DataCheckError(f"{flag} {prefix}: {exc}") from None
 
 
 def _cache_file(prefix: str) -> str:

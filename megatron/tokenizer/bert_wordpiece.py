@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
 
+from megatron.errors import InputFileError, InputFileNotFoundError
 from megatron.tokenizer.abstract import AbstractTokenizer
 
 # Characters besides ASCII that BERT's normalizer keeps as they are (no accent, no case, no decomposition) and its
@@ -59,20 +60,21 @@ class _WordTable:
 
 def load_wordpiece_vocab(vocab_file: str) -> Dict[str, int]:
     if not vocab_file:
-        raise ValueError("BERT tokenizers need --vocab-file (one WordPiece token per line)")
+        raise InputFileError("BERT tokenizers need --vocab-file (one WordPiece token per line)")
     try:
         with open(vocab_file, encoding="utf-8") as f:
             tokens = [line.strip() for line in f.read().split("\n")]
     except FileNotFoundError:
-        raise FileNotFoundError(f"--vocab-file {vocab_file}: file not found") from None
+        raise InputFileNotFoundError(f"--vocab-file {vocab_file}: file not found") from None
     except UnicodeDecodeError as exc:
-        raise ValueError(f"--vocab-file {vocab_file}: not a UTF-8 WordPiece vocab ({exc})") from None
+        raise InputFileError(f"--vocab-file {vocab_file}: not a UTF-8 WordPiece vocab ({exc})") from None
     if tokens and tokens[-1] == "":
         tokens.pop()
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    for required in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"):
-        if required not in vocab:
-            raise ValueError(f"--vocab-file {vocab_file}: missing {required}; is this a BERT WordPiece vocab?")
+    missing = [t for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]") if t not in vocab]
+    if missing:
+        raise InputFileError(f"--vocab-file {vocab_file}: missing {', '.join(missing)}; is this a BERT WordPiece "
+                             "vocab?")
     return vocab
 
 

@@ -25,6 +25,7 @@ import os
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron.errors import InputFileError, InputFileNotFoundError
 from megatron.tokenizer.abstract import AbstractTokenizer
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -63,12 +64,12 @@ def token_to_bytes(token: str) -> bytes:
 
 def load_vocab(vocab_file: str) -> Dict[str, int]:
     if not vocab_file:
-        raise ValueError("GPT2BPETokenizer needs --vocab-file (GPT-2 encoder.json / gpt2-vocab.json)")
+        raise InputFileError("GPT2BPETokenizer needs --vocab-file (GPT-2 encoder.json / gpt2-vocab.json)")
     try:
         with open(vocab_file, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        raise FileNotFoundError(f"--vocab-file {vocab_file}: file not found") from None
+        raise InputFileNotFoundError(f"--vocab-file {vocab_file}: file not found") from None
     try:
         try:
             import orjson
@@ -77,22 +78,22 @@ def load_vocab(vocab_file: str) -> Dict[str, int]:
         except ImportError:  # pragma: no cover
             vocab = json.loads(raw)
     except ValueError as exc:
-        raise ValueError(f"--vocab-file {vocab_file}: not a GPT-2 JSON vocab ({exc})") from None
+        raise InputFileError(f"--vocab-file {vocab_file}: not a GPT-2 JSON vocab ({exc})") from None
     if not isinstance(vocab, dict) or set(map(type, vocab.values())) - {int}:
-        raise ValueError(f"--vocab-file {vocab_file}: expected a JSON object token -> id (GPT-2 encoder.json)")
+        raise InputFileError(f"--vocab-file {vocab_file}: expected a JSON object token -> id (GPT-2 encoder.json)")
     return vocab
 
 
 def _merge_lines(merge_file: str) -> List[str]:
     if not merge_file:
-        raise ValueError("GPT2BPETokenizer needs --merge-file (GPT-2 vocab.bpe / gpt2-merges.txt)")
+        raise InputFileError("GPT2BPETokenizer needs --merge-file (GPT-2 vocab.bpe / gpt2-merges.txt)")
     try:
         with open(merge_file, encoding="utf-8") as f:
             lines = f.read().split("\n")
     except FileNotFoundError:
-        raise FileNotFoundError(f"--merge-file {merge_file}: file not found") from None
+        raise InputFileNotFoundError(f"--merge-file {merge_file}: file not found") from None
     except UnicodeDecodeError as exc:
-        raise ValueError(f"--merge-file {merge_file}: not UTF-8 ({exc})") from None
+        raise InputFileError(f"--merge-file {merge_file}: not UTF-8 ({exc})") from None
     if lines and lines[0].startswith("#version"):
         lines[0] = ""
     return lines
@@ -105,7 +106,8 @@ def load_merges(merge_file: str) -> List[Tuple[str, str]]:
             continue
         parts = line.split()
         if len(parts) != 2:
-            raise ValueError(f"--merge-file {merge_file}:{lineno}: expected two space-separated symbols, got {line!r}")
+            raise InputFileError(f"--merge-file {merge_file}:{lineno}: expected two space-separated symbols, "
+                                 f"got {line[:60]!r}")
         merges.append((parts[0], parts[1]))
     return merges
 
@@ -269,7 +271,8 @@ class GPT2BPETokenizer(AbstractTokenizer):
         super().__init__("GPT2 BPE")
         self._vocab = load_vocab(vocab_file)
         if EOD_TOKEN not in self._vocab:
-            raise ValueError(f"--vocab-file {vocab_file}: has no '{EOD_TOKEN}' entry, which GPT2BPETokenizer uses as eod")
+            raise InputFileError(f"--vocab-file {vocab_file}: has no '{EOD_TOKEN}' entry, which GPT2BPETokenizer "
+                                 "uses as eod")
         self.eod_id = self._vocab[EOD_TOKEN]
         engine = engine or os.environ.get("MEGATRON_BPE_ENGINE", "auto")
         if engine not in ("auto", "tiktoken", "hf", "python"):
@@ -278,7 +281,7 @@ class GPT2BPETokenizer(AbstractTokenizer):
         if ranks is not None and not _merges_self_consistent(self._vocab, vocab_file, merge_file):
             ranks = None
         if engine == "tiktoken" and ranks is None:
-            raise ValueError(f"--vocab-file {vocab_file}: these BPE files cannot be run exactly by tiktoken "
+            raise InputFileError(f"--vocab-file {vocab_file}: these BPE files cannot be run exactly by tiktoken "
                              "(ids not in merge order or merges not self-consistent); use MEGATRON_BPE_ENGINE=hf")
         if ranks is not None:
             self.engine = _TiktokenEngine(ranks)

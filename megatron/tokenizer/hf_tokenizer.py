@@ -11,7 +11,12 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Sequence
 
+from megatron.errors import InputFileError
 from megatron.tokenizer.abstract import AbstractTokenizer
+
+
+class TokenizerLoadError(InputFileError, RuntimeError):
+    """transformers could not load the tokenizer folder/name given (a RuntimeError, as before)."""
 
 
 class PretrainedFromHFTokenizer(AbstractTokenizer):
@@ -21,7 +26,7 @@ class PretrainedFromHFTokenizer(AbstractTokenizer):
     def __init__(self, name_or_path: str, vocab_extra_ids: int = 0):
         super().__init__(str(name_or_path))
         if not name_or_path:
-            raise ValueError(f"{self._type} needs {self._flag} (a local tokenizer directory)")
+            raise InputFileError(f"{self._type} needs {self._flag} (a local tokenizer directory)")
         from transformers import AutoTokenizer
 
         kwargs = {}
@@ -33,7 +38,7 @@ class PretrainedFromHFTokenizer(AbstractTokenizer):
         except (OSError, ValueError) as exc:
             where = "directory" if local else "name (not a local directory and not in the local Hugging Face cache)"
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RuntimeError(f"{self._flag} {name_or_path}: cannot load a tokenizer from this {where}; "
+            raise TokenizerLoadError(f"{self._flag} {name_or_path}: cannot load a tokenizer from this {where}; "
                                f"pass a directory saved with save_pretrained() ({msg})") from None
         self._extra = kwargs.get("additional_special_tokens", [])
         self._vocab_cache: Dict[str, int] = {}

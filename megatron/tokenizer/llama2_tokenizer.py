@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
+from megatron.errors import ArgumentError, InputFileError, InputFileNotFoundError
 from megatron.tokenizer.abstract import AbstractTokenizer
 
 
@@ -16,9 +17,9 @@ class Llama2Tokenizer(AbstractTokenizer):
     def __init__(self, model_file: str, vocab_extra_ids: int = 0):
         super().__init__("Llama2Tokenizer")
         if not model_file:
-            raise ValueError("Llama2Tokenizer needs --tokenizer-model (the model's SentencePiece tokenizer.model)")
+            raise InputFileError("Llama2Tokenizer needs --tokenizer-model (the model's SentencePiece tokenizer.model)")
         if vocab_extra_ids:
-            raise ValueError(f"--vocab-extra-ids {vocab_extra_ids} is not supported with --tokenizer-type "
+            raise ArgumentError(f"--vocab-extra-ids {vocab_extra_ids} is not supported with --tokenizer-type "
                              "Llama2Tokenizer (its vocab is the SentencePiece model's); drop the flag")
         import sentencepiece
 
@@ -27,15 +28,16 @@ class Llama2Tokenizer(AbstractTokenizer):
                 proto = f.read()
             self._sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
         except FileNotFoundError:
-            raise FileNotFoundError(f"--tokenizer-model {model_file}: file not found") from None
+            raise InputFileNotFoundError(f"--tokenizer-model {model_file}: file not found") from None
         except (RuntimeError, IsADirectoryError) as exc:
-            raise ValueError(f"--tokenizer-model {model_file}: not a SentencePiece model ({exc})") from None
+            raise InputFileError(f"--tokenizer-model {model_file}: not a SentencePiece model ({exc})") from None
         sp = self._sp
         self._bos_id, self._eos_id, self._pad_id = sp.bos_id(), sp.eos_id(), sp.pad_id()
         for what, value in (("BOS", self._bos_id), ("EOS", self._eos_id)):
             if value < 0:
-                raise ValueError(f"--tokenizer-model {model_file}: the SentencePiece model has no {what} piece, which "
-                                 "Llama2Tokenizer needs; use --tokenizer-type SentencePieceTokenizer for this model")
+                raise InputFileError(f"--tokenizer-model {model_file}: the SentencePiece model has no {what} piece, "
+                                     "which Llama2Tokenizer needs; use --tokenizer-type SentencePieceTokenizer for "
+                                     "this model")
         self._vocab: Optional[Dict[str, int]] = None
 
     @property

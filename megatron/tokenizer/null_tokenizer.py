@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
+from megatron.errors import ArgumentError
 from megatron.tokenizer.abstract import AbstractTokenizer
 
 
@@ -16,9 +17,9 @@ class NullTokenizer(AbstractTokenizer):
         try:
             n = int(vocab_size)
         except (TypeError, ValueError):
-            raise ValueError(f"NullTokenizer: --vocab-size must be an integer, got {vocab_size!r}") from None
+            raise ArgumentError(f"NullTokenizer: --vocab-size must be an integer, got {vocab_size!r}") from None
         if n <= 0:
-            raise ValueError(f"NullTokenizer: --vocab-size must be positive, got {n}")
+            raise ArgumentError(f"NullTokenizer: --vocab-size must be positive, got {n}")
         self._vocab_size_without_eod = n
         self._eod_id = n
 
@@ -42,7 +43,7 @@ class NullTokenizer(AbstractTokenizer):
             raise ValueError(f"NullTokenizer: text must be integer ids separated by spaces, found {bad[:40]!r}") from None
         for i in ids:
             if i < 0 or i >= self.vocab_size:
-                raise ValueError(f"NullTokenizer: id {i} is outside [0, {self.vocab_size}) (raise --vocab-size)")
+                raise ArgumentError(f"NullTokenizer: id {i} is outside [0, {self.vocab_size}) (raise --vocab-size)")
         return ids
 
     def detokenize(self, token_ids: Sequence[int]) -> str:

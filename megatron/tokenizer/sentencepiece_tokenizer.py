@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Dict, List, Sequence
 
+from megatron.errors import InputFileError, InputFileNotFoundError
 from megatron.tokenizer.abstract import AbstractTokenizer
 
 
@@ -19,15 +20,15 @@ class SentencePieceTokenizer(AbstractTokenizer):
         import sentencepiece
 
         if not model_file:
-            raise ValueError("SentencePieceTokenizer needs --tokenizer-model (a sentencepiece .model file)")
+            raise InputFileError("SentencePieceTokenizer needs --tokenizer-model (a sentencepiece .model file)")
         try:
             with open(model_file, "rb") as f:
                 proto = f.read()
             self._sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
         except FileNotFoundError:
-            raise FileNotFoundError(f"--tokenizer-model {model_file}: file not found") from None
+            raise InputFileNotFoundError(f"--tokenizer-model {model_file}: file not found") from None
         except RuntimeError as exc:
-            raise ValueError(f"--tokenizer-model {model_file}: not a sentencepiece model ({exc})") from None
+            raise InputFileError(f"--tokenizer-model {model_file}: not a sentencepiece model ({exc})") from None
         sp = self._sp
         self._vocab: Dict[str, int] = {}
         self._inv_vocab: Dict[int, str] = {}

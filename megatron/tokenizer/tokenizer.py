@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron.errors import ArgumentError
 from megatron.tokenizer.abstract import AbstractTokenizer
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
@@ -14,8 +15,8 @@ def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: 
     """Round the vocab up to a multiple of make_vocab_size_divisible_by * tp (Megatron's _vocab_size_with_padding)."""
     multiple = int(make_vocab_size_divisible_by) * int(tensor_model_parallel_size)
     if multiple <= 0:
-        raise ValueError(f"--make-vocab-size-divisible-by ({make_vocab_size_divisible_by}) times tensor parallel size "
-                         f"({tensor_model_parallel_size}) must be positive")
+        raise ArgumentError(f"--make-vocab-size-divisible-by ({make_vocab_size_divisible_by}) times tensor parallel "
+                            f"size ({tensor_model_parallel_size}) must be positive")
     padded = -(-int(orig_vocab_size) // multiple) * multiple
     if log:
         print(f" > padded vocab (size: {orig_vocab_size}) with {padded - orig_vocab_size} dummy tokens "
@@ -62,9 +63,9 @@ def _make(args: Any) -> AbstractTokenizer:
         from megatron.tokenizer.null_tokenizer import NullTokenizer
 
         if getattr(args, "vocab_size", None) is None:
-            raise ValueError("NullTokenizer needs --vocab-size")
+            raise ArgumentError("NullTokenizer needs --vocab-size")
         return NullTokenizer(args.vocab_size)
-    raise ValueError(f"--tokenizer-type {kind!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
+    raise ArgumentError(f"--tokenizer-type {kind!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
 def build_tokenizer(args: Any) -> AbstractTokenizer:

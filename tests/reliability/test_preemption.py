@@ -8,10 +8,10 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from megatron import checkpoint_integrity as integrity
+from tests.interpreter import path_with_this_python
 from tests.reliability.helpers import REPO
 
 SCRIPT = REPO / "examples" / "slurm" / "pretrain_gpt_requeue.slurm"
@@ -28,11 +28,9 @@ def _env(tiny_data: dict, tmp_path: Path, ckpt: str) -> dict:
     stubs.mkdir(exist_ok=True)
     (stubs / "srun").write_text('#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n')
     (stubs / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n')
-    if not (stubs / "python").exists():  # the script runs `python`: this interpreter
-        (stubs / "python").symlink_to(sys.executable)
     for stub in ("srun", "scontrol"):
         (stubs / stub).chmod(0o755)
-    return {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO),
+    return {**os.environ, "PATH": f"{stubs}{os.pathsep}{path_with_this_python()}", "PYTHONPATH": str(REPO),
             "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(REPO), "PRESET": "345m",
             "DATA_PATH": tiny_data["prefix"], "VOCAB_FILE": tiny_data["vocab"], "MERGE_FILE": tiny_data["merges"],
             "CHECKPOINT_PATH": str(tmp_path / ckpt), "TRAIN_ITERS": str(ITERS), "LR_DECAY_ITERS": str(ITERS),

@@ -149,3 +149,27 @@ def test_deepspeed_engine_and_converter_refuse(poisoned: dict) -> None:
     proc = run(*conv, "--trust-checkpoint", cwd=work)
     assert proc.returncode == 0 and marker.exists(), proc.stderr[-3000:]
     marker.unlink()
+
+
+class _EnumByName:
+    """What Python 3.11.0-3.11.4 (Debian 12's python3) pickle for an enum member: ``getattr(EnumClass, 'name')``."""
+
+    def __init__(self, cls: type, name: str) -> None:
+        self.cls, self.name = cls, name
+
+    def __reduce__(self):
+        return (getattr, (self.cls, self.name))
+
+
+def test_enum_members_pickled_by_name_load_and_other_getattr_is_refused(tmp_path: Path) -> None:
+    import argparse
+
+    from megatron.model.enums import ModelType
+
+    ok, bad = tmp_path / "ok.pt", tmp_path / "bad.pt"
+    torch.save({"args": argparse.Namespace(model_type=_EnumByName(ModelType, "encoder_or_decoder"))}, ok)
+    assert safe_torch_load(ok)["args"].model_type is ModelType.encoder_or_decoder
+    for target in (_EnumByName(argparse.Namespace, "__init__"), _EnumByName(ModelType, "__class__")):
+        torch.save({"x": target}, bad)
+        with pytest.raises(UnsafeCheckpointError, match="getattr"):
+            safe_torch_load(bad)

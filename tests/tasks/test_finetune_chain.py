@@ -10,12 +10,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.dist_utils import free_port, run_distributed
+from tests.interpreter import path_with_this_python
 from tests.tasks._finetune import ok, run_many
 from tests.tasks.test_finetune import accuracy_lines
 from tests.training._bert import bert_argv, session_bert_data
@@ -113,7 +113,7 @@ def test_examples_mnli_script_finetunes_with_two_processes(shared_data: Path, tm
     env = dict(os.environ, PRESET="tiny", GLUE_DIR=str(tmp_path / "glue"), PRETRAINED_CHECKPOINT=str(pretrained["dir"]),
                VOCAB_FILE=pretrained["vocab"], CHECKPOINT_PATH=str(tmp_path / "out"), EPOCHS="1",
                GPUS_PER_NODE="2", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
+    env["PATH"] = path_with_this_python(env["PATH"])  # `python` is this interpreter
     (tmp_path / "glue").mkdir()
     shutil.copytree(shared_data / "mnli-sample", tmp_path / "glue" / "MNLI")
     small = ["--hidden-size", "64", "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size",

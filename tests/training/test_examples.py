@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.interpreter import path_with_this_python
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPTS = ["pretrain_gpt.sh", "pretrain_gpt_distributed.sh", "pretrain_gpt_distributed_with_mp.sh", "gpt_common.sh",
@@ -29,7 +30,7 @@ def test_presets_define_the_standard_models(name: str) -> None:
 def test_pretrain_gpt_sh_runs_tiny(gpt_data: dict, tmp_path: Path) -> None:
     env = dict(os.environ, PRESET="345m", DATA_PATH=gpt_data["prefix"], VOCAB_FILE=gpt_data["vocab"],
                MERGE_FILE=gpt_data["merges"], CHECKPOINT_PATH=str(tmp_path / "ckpt"), PATH=os.environ["PATH"])
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # the same python
+    env["PATH"] = path_with_this_python(env["PATH"])  # `python` is this interpreter
     tiny = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--train-iters", "2", "--lr-warmup-fraction", "0",
             "--log-interval", "1", "--eval-iters", "1", "--num-workers", "0", "--global-batch-size", "4"]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.interpreter import path_with_this_python
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32"]
@@ -143,7 +145,7 @@ def test_example_script_without_gpu_picks_a_preset_that_runs(gpt_data: dict, tmp
     env = {"CUDA_VISIBLE_DEVICES": "",  # no GPU, also on a machine that has one
            "DATA_PATH": gpt_data["prefix"], "VOCAB_FILE": gpt_data["vocab"], "MERGE_FILE": gpt_data["merges"],
            "CHECKPOINT_PATH": str(tmp_path / "ckpt"), "TRAIN_ITERS": "2", "LOG_INTERVAL": "1",
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+           "PATH": path_with_this_python()}
     env_all = {k: v for k, v in os.environ.items() if k != "PRESET"}
     proc = subprocess.run(["bash", str(REPO / "examples" / "pretrain_gpt.sh"), "--eval-iters", "0",
                            "--num-workers", "0", "--seq-length", "32", "--max-position-embeddings", "32"],

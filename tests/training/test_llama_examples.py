@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.interpreter import path_with_this_python
 from tests.tokenizer.llama_files import train_llama_sentencepiece
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -75,7 +76,7 @@ def test_pretrain_llama_sh_runs_tiny(shared_data: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     env = dict(os.environ, PRESET="llama_tiny", DATA_PATH=str(prefix) + "_text_document", TOKENIZER_MODEL=str(model),
                CHECKPOINT_PATH=str(tmp_path / "ckpt"), SEQ_LENGTH="64", MICRO_BATCH_SIZE="2", GLOBAL_BATCH_SIZE="4")
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # the same python
+    env["PATH"] = path_with_this_python(env["PATH"])  # `python` is this interpreter
     flags = ["--train-iters", "2", "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-iters", "1",
              "--num-workers", "0"]
     proc = subprocess.run(["bash", str(EXAMPLES / "pretrain_llama.sh"), *flags], env=env, capture_output=True,

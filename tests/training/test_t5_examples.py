@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.interpreter import path_with_this_python
 from tests.training._bert import session_bert_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def test_t5_220m_preset() -> None:
 def _env(t5_data: dict, **extra: str) -> dict:
     env = dict(os.environ, PRESET="220m", DATA_PATH=t5_data["prefix"], VOCAB_FILE=t5_data["vocab"],
                OMP_NUM_THREADS="1", **extra)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # the same python
+    env["PATH"] = path_with_this_python(env["PATH"])  # `python` is this interpreter
     return env
 
 

@@ -1,0 +1,143 @@
+"""Benchmark one Mixtral-style training step: megatron-lite's MoE vs Hugging Face MixtralForCausalLM + AdamW.
+
+Same model in both (4 layers, hidden 384, 6 query heads in 2 KV groups, 8 SwiGLU experts of ffn 1024, top-2
+routing, RMSNorm, RoPE, untied output layer, no biases, seq 512, micro batch 2, vocab 32000, fp32, no dropout, no
+router loss in either, AdamW lr 1e-4 wd 0.01, grad clipping 1.0), the same initial weights (HF's, written as
+safetensors and read by our HF loader, so the first losses agree), the same random token batches, the two steps
+interleaved in one process (both see the same machine load): warm-up steps, then timed steps (median). Prints
+tokens/s of each and the ratio (HF computes its experts in a Python loop over experts; ours runs one batched GEMM
+per projection over tokens grouped by expert), the ratio of process CPU time per step, and the share of one MoE
+layer's forward time spent outside the expert GEMMs (routing: gate, top-k, softmax; dispatch: permutation,
+grouping, unpermutation).
+
+    python tools/benchmarks/bench_train_mixtral.py [--steps 5] [--warmup 2] [--threads N] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_common import add_common_args, gpt_forward_step, megatron_train_step, run_interleaved  # noqa: E402
+
+LAYERS, HIDDEN, HEADS, GROUPS, FFN, EXPERTS, TOPK, SEQ, MBS, VOCAB = 4, 384, 6, 2, 1024, 8, 2, 512, 2, 32000
+
+
+def _batches(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g) for _ in range(n)]
+
+
+def build_hf():
+    """MixtralForCausalLM (SDPA attention) + torch.optim.AdamW in a plain loop."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(1234)
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                        num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=SEQ,
+                        num_local_experts=EXPERTS, num_experts_per_tok=TOPK, rms_norm_eps=1e-5, rope_theta=1e6,
+                        tie_word_embeddings=False, attention_dropout=0.0, attn_implementation="sdpa")
+    model = MixtralForCausalLM(cfg).float()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def step(batch: torch.Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        out = model(input_ids=batch[:, :-1], labels=batch[:, :-1])
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return float(out.loss.detach())
+
+    return model, step
+
+
+def build_megatron(hf_model):
+    """GPTModel with MoE layers and the HF model's weights (through the HF safetensors loader)."""
+    from megatron.checkpoint_conversion.hf_format import read_hf
+    from megatron.checkpoint_conversion.interchange import state_dict_from_messages
+    from megatron.core.tensor_parallel import model_parallel_manual_seed
+    from megatron.model import GPTModel
+
+    with tempfile.TemporaryDirectory() as folder:
+        hf_model.save_pretrained(folder)
+        meta, stream = read_hf(folder)
+        flat = state_dict_from_messages(stream)
+    model_parallel_manual_seed(1234, 0)
+    model = GPTModel(meta.config(max_position_embeddings=SEQ))
+    model.load_state_dict(flat)
+    model.train()
+    return model, megatron_train_step(model, gpt_forward_step(SEQ, MBS))
+
+
+def routing_dispatch_share(model, reps: int = 5) -> dict:
+    """Median forward time of one MoE layer and of its expert GEMMs alone on the same routed tokens."""
+    from megatron.model.moe import MoELayer
+
+    layer = next(m for m in model.modules() if isinstance(m, MoELayer))
+    x = torch.randn(SEQ, MBS, HIDDEN)
+    captured = {}
+    experts_forward = layer.experts.forward
+
+    def capture(*args):
+        captured["args"] = args
+        return experts_forward(*args)
+
+    total, experts = [], []
+    with torch.no_grad():
+        layer.experts.forward = capture
+        for _ in range(reps):
+            t = time.perf_counter()
+            layer(x)
+            total.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            experts_forward(*captured["args"])
+            experts.append(time.perf_counter() - t)
+        del layer.experts.forward
+    whole, gemms = statistics.median(total), statistics.median(experts)
+    return {"moe_layer_s": whole, "experts_s": gemms, "routing_dispatch_share": (whole - gemms) / whole}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    tokens = MBS * SEQ
+    hf_model, hf_step = build_hf()
+    ours, our_step = build_megatron(hf_model)
+    runs = run_interleaved({"megatron": our_step, "hf": hf_step}, _batches(a.warmup + a.steps), a.warmup)
+    results = {"threads": torch.get_num_threads(), "tokens_per_step": tokens}
+    for name, model in (("megatron", ours), ("hf", hf_model)):
+        r = runs[name]
+        results[name] = {"params": sum(q.numel() for q in model.parameters()), "step_s": r["step_s"],
+                         "tokens_per_s": tokens / r["step_s"], "cpu_s": r["cpu_s"], "first_loss": r["losses"][0],
+                         "last_loss": r["losses"][-1]}
+        print(f"{name:9s} step {r['step_s']:.3f} s (median of {len(r['times'])})  {tokens / r['step_s']:8.1f} "
+              f"tokens/s  CPU {r['cpu_s']:.3f} s/step  loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
+              flush=True)
+    results["ratio"] = results["megatron"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
+    results["cpu_ratio"] = results["hf"]["cpu_s"] / results["megatron"]["cpu_s"]
+    results.update(routing_dispatch_share(ours))
+    print(f"megatron-lite / HF tokens/s: {results['ratio']:.2f}x (process CPU time per step: "
+          f"{results['cpu_ratio']:.2f}x)", flush=True)
+    print(f"MoE layer forward {results['moe_layer_s'] * 1e3:.1f} ms, expert GEMMs {results['experts_s'] * 1e3:.1f} "
+          f"ms: routing + dispatch share {100 * results['routing_dispatch_share']:.1f}%", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
