@@ -199,12 +199,14 @@ class McoreSaver:
     def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
                         save_dir: str) -> Dict[str, Any]:
         from megatron.atomic_io import atomic_write_text
+        from megatron.checkpoint_conversion.megatron_format import sign_output
         from megatron.checkpoint_conversion.torch_dist import write_torch_dist
 
         if meta.model_type != "GPT":
             raise ConversionError(f"--saver mcore writes GPT / Llama-family models, not --model-type {meta.model_type}")
         name = "release" if meta.iteration is None else f"iter_{meta.iteration:07d}"
         write_torch_dist(meta, messages, os.path.join(save_dir, name))
+        sign_output(os.path.join(save_dir, name), meta)  # its manifest, unless the source was read unverified
         atomic_write_text(os.path.join(save_dir, "latest_checkpointed_iteration.txt"),
                           "release" if meta.iteration is None else str(meta.iteration))
         copy_tokenizer_files(meta, save_dir, os.path.abspath(args.save_dir))

@@ -209,9 +209,11 @@ def read_iteration(iter_dir: str, trust: bool = False) -> Tuple[Dict[str, Any], 
 def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int] = None
                     ) -> Tuple[ModelMeta, Iterator[Message]]:
     """Loader: (meta, message stream) of a torch_dist checkpoint (the tracker's iteration, or `iteration`)."""
-    from megatron.checkpoint_conversion.megatron_format import find_iteration_dir
+    from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, verified_source
 
     iter_dir, it = find_iteration_dir(load_dir, iteration)
+    # checked against its manifest as --load does (the newest intact iteration; an explicit one must verify)
+    iter_dir, it, verified = verified_source(load_dir, iter_dir, it, explicit=iteration is not None)
     common, arch, flat = read_iteration(iter_dir, trust)
     args = common.get("args")
     tok: Dict[str, Any] = {}
@@ -225,7 +227,7 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
         consumed_train_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
         consumed_valid_samples=int(getattr(args, "consumed_valid_samples", 0) or 0),
         make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128) or 128),
-        tokenizer=tok, source=iter_dir)
+        tokenizer=tok, source=iter_dir, extra={"unverified_source": None if verified else iter_dir})
     return meta, messages_from_state_dict(flat, arch["num_layers"])
 
 

@@ -174,6 +174,16 @@ def test_format_flags_and_damaged_shards_are_one_line(oracle, tmp_path):
             load_logits("gpt", bad)
         msg = str(info.value)
         assert "__1_0.distcp" in msg and "\n" not in msg, (damage, msg)
+    # ours, saved with --ckpt-format torch_dist, is signed (manifest.json): a changed shard fails its check first
+    signed = tmp_path / "signed"
+    shutil.copytree(oracle / "ours" / "gpt", signed)
+    shard = next((signed / "iter_0000003").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointFormatError, match=f"is damaged: .*{shard.name}") as info:
+        load_logits("gpt", signed)
+    assert "\n" not in str(info.value)
 
 
 def _load_parallel(rank: int, world_size: int, jobs: list) -> list:
