@@ -155,8 +155,8 @@ def _fix(field: str, value: Any) -> str:
 
 def _check_activation(saved: Mapping[str, Any], current: Mapping[str, Any], path: str) -> None:
     """One line when the MLPs compute different activations (flags the checkpoint lacks take Megatron's default)."""
-    if not any(saved.get(k) is not None for k in _ACTIVATION_FLAGS):
-        return
+    if not any(saved.get(k) is not None for k in _ACTIVATION_FLAGS) or not any(k in current for k in _ACTIVATION_FLAGS):
+        return  # nothing recorded, or an `args` without the activation flags (nothing to compare with)
     have, want = _activation(current), _activation(saved)
     if have == want:
         return
