@@ -549,7 +549,7 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
     _validate_batch(args)
     _validate_deepspeed(args)
     _validate_precision(args)
-    _validate_training_length(args)
+    _validate_training_length(args, training_run)
     _validate_model_shape(args)
     _validate_architecture(args)
     validate_moe_args(args)
@@ -742,7 +742,7 @@ def _grad_accumulation_fusion_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _validate_training_length(args: argparse.Namespace) -> None:
+def _validate_training_length(args: argparse.Namespace, training_run: bool = False) -> None:
     _require(not (args.train_iters is not None and args.train_samples is not None),
              "use either --train-iters or --train-samples, not both")
     if args.train_iters is not None:
@@ -772,7 +772,7 @@ def _validate_training_length(args: argparse.Namespace) -> None:
     if args.lr_warmup_fraction is not None:
         _require(0.0 <= args.lr_warmup_fraction <= 1.0,
                  f"--lr-warmup-fraction must be within [0, 1] (got {args.lr_warmup_fraction})")
-    if args.save is not None:
+    if args.save is not None and training_run:  # finetuning saves at epoch ends; evaluation writes predictions there
         _require(args.save_interval is not None, "--save needs --save-interval (iterations between saves)")
     if args.save_interval is not None:
         _require(args.save_interval > 0, f"--save-interval must be positive (got {args.save_interval})")
