@@ -240,6 +240,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--train-iters", type=int, default=None, help="Total training iterations.")
     g.add_argument("--train-samples", type=int, default=None, help="Total training samples.")
     g.add_argument("--log-interval", type=int, default=100, help="Report loss and timing every N iterations.")
+    g.add_argument("--log-args", action="store_true",
+                   help="Print Megatron's full argument dump on a terminal too (a redirected log always has it; on a "
+                        "terminal one summary line is printed instead).")
     g.add_argument("--exit-interval", type=int, default=None, help="Exit when iteration %% N == 0.")
     g.add_argument("--exit-duration-in-mins", type=int, default=None, help="Exit after this many minutes.")
     g.add_argument("--exit-signal-handler", action="store_true", help="Save and exit on SIGTERM.")
@@ -536,7 +539,7 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
     for key, value in defaults.items():
         current = getattr(args, key, None)
         if current is not None:
-            if current != value:
+            if current != value and _full_arg_log(args):  # the user's own flag: news only in the full log
                 _print0(args, f"WARNING: overriding default arguments for {key}:{value} with {key}:{current}")
         else:
             setattr(args, key, value)
@@ -984,9 +987,21 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def _full_arg_log(args: argparse.Namespace) -> bool:
+    """Megatron's argument dump goes to redirected logs (not a terminal) or anywhere with --log-args."""
+    return bool(getattr(args, "log_args", False)) or not sys.stdout.isatty()
+
+
 def _print_args(args: argparse.Namespace) -> None:
-    """Megatron's argument dump on rank 0."""
+    """Megatron's argument dump on rank 0 (on a terminal without --log-args: one summary line)."""
     if getattr(args, "rank", 0) != 0:
+        return
+    if not _full_arg_log(args):
+        shape = ", ".join(f"{label} {getattr(args, name)}" for name, label in (
+            ("num_layers", "layers"), ("hidden_size", "hidden"), ("num_attention_heads", "heads"),
+            ("seq_length", "seq"), ("micro_batch_size", "micro-batch"), ("global_batch_size", "global batch"),
+            ("world_size", "processes")) if getattr(args, name, None) is not None)
+        print(f"> arguments: {shape} ({len(vars(args))} settings: --log-args prints them all)", flush=True)
         return
     lines = ["------------------------ arguments ------------------------"]
     for name in sorted(vars(args), key=lambda s: s.lower()):

@@ -84,7 +84,7 @@ def test_pretrain_finetune_evaluate_chain_race_and_qqp(shared_data: Path, tmp_pa
     assert missing["error"] is not None and "\n" not in missing["error"]
     assert f"--pretrained-checkpoint {tmp_path / 'nothing'}: no checkpoint there" in missing["error"]
     assert f"loading checkpoint from {pre} at iteration 3" in fin_res["stdout"]
-    assert "***WARNING*** could not find classification_head in the checkpoint, initializing to random" \
+    assert " > could not find classification_head in the checkpoint, initializing to random (a new head" \
         in fin_res["stdout"]
     assert sorted(fin_res["result"]["train_losses"]) == [1, 2, 3]
     assert accuracy_lines(ev_res["stdout"])[(-1, "dev-matched")] == accuracy_lines(fin_res["stdout"])[
