@@ -2,7 +2,7 @@
 trains the serial run's 20-step curve (lm loss, load_balancing_loss and z_loss within 1e-5 relative) under PP=2
 and DP=2 with the distributed optimizer (both with capacity dropping) and TP=2 + SP; resuming TP=2 + SP at
 iteration 10 reproduces 11..20 exactly; DeepSpeed ZeRO-1 and ZeRO-2 (DP=2) around our MoE layer give the serial
-curve too.
+curve too, and so does full activation recomputation (serial).
 Megatron-LM's MoE log entries appear in the log line and in what pretrain() returns. Unimplemented MoE flags and
 impossible layouts are one-line errors."""
 from __future__ import annotations
@@ -60,10 +60,14 @@ def _same(curve: dict, ref: dict, what: str, iters=range(1, ITERS + 1), z_loss: 
 
 
 def test_moe_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: Path) -> None:
-    ((serial_res, capacity_res),) = run_distributed(
-        run_many, 1, args=([("stage", _argv(gpt_data)), ("stage", _argv(gpt_data, *CAPACITY))],))
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    ((serial_res, capacity_res, recompute_res),) = run_distributed(
+        run_many, 1, args=([("stage", _argv(gpt_data)), ("stage", _argv(gpt_data, *CAPACITY)),
+                            ("stage", _argv(gpt_data, *CAPACITY, *recompute))],))
     serial, capacity = _curve(serial_res, "serial"), _curve(capacity_res, "serial with capacity")
     assert serial != capacity  # tokens were dropped
+    # full recompute: the router runs again in backward; its losses are attached and recorded once
+    _same(_curve(recompute_res, "recompute"), capacity, "full recompute")
     assert sorted(serial) == list(range(1, ITERS + 1))
     assert serial[ITERS][0] < serial[1][0] - 0.05, "the tiny MoE model should learn"
     assert all(v[1] > 0.5 and v[2] > 0 for v in serial.values())  # balanced routing gives ~1 (E * sum f_i P_i)
@@ -157,3 +161,20 @@ def test_checkpoint_architecture_holds_and_restores_the_moe_settings():
     other.rank = 1
     with pytest.raises(ArchitectureMismatchError, match="moe_router_topk"):
         check_architecture(saved, validate_args(other, {}), "ckpt")
+
+
+def test_moe_per_layer_values_and_their_average():
+    """The tracker's per-layer values: the log entry averages them over the MoE layers and the micro-batches;
+    --moe-per-layer-logging also returns moe/<name>_layer_<i> (written to TensorBoard only)."""
+    import torch
+
+    from megatron.core import moe_aux
+
+    moe_aux.clear()
+    for _ in range(2):  # two micro-batches
+        moe_aux.record("load_balancing_loss", torch.tensor(1.0), 1, 3)
+        moe_aux.record("load_balancing_loss", torch.tensor(3.0), 3, 3)
+    out = moe_aux.reduce_aux_losses(["load_balancing_loss", "z_loss"], 3, 2, 0.5, per_layer=True)
+    assert out["load_balancing_loss"] == 2.0 and out["z_loss"] == 0.0
+    assert [out[f"moe/load_balancing_loss_layer_{i}"] for i in range(3)] == [1.0, 0.0, 3.0]
+    assert moe_aux.tracked() == {}
