@@ -745,6 +745,16 @@ def _grad_accumulation_fusion_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _check_warmup_before_decay(warmup: int, decay: Optional[int], train: int, unit: str) -> None:
+    """The LR warmup must end before the decay does: checked here in the flags' own units (the scheduler counts
+    samples), before anything is built."""
+    decay_flag = f"--lr-decay-{unit}" if decay is not None else f"--train-{unit} (the decay length by default)"
+    decay = decay if decay is not None else train
+    if warmup and decay and warmup >= decay:
+        raise ArgumentError(f"--lr-warmup-{unit} {warmup} must be smaller than {decay_flag} {decay}: lower the warmup "
+                            f"or lengthen the decay")
+
+
 def _validate_training_length(args: argparse.Namespace, training_run: bool = False) -> None:
     _require(not (args.train_iters is not None and args.train_samples is not None),
              "use either --train-iters or --train-samples, not both")
@@ -759,6 +769,7 @@ def _validate_training_length(args: argparse.Namespace, training_run: bool = Fal
                  "--rampup-batch-size needs sample-based training: use --train-samples instead of --train-iters")
         if args.lr_warmup_fraction is not None:
             _require(args.lr_warmup_iters == 0, "use either --lr-warmup-fraction or --lr-warmup-iters, not both")
+        _check_warmup_before_decay(args.lr_warmup_iters, args.lr_decay_iters, args.train_iters, "iters")
     if args.train_samples is not None:
         _require(args.train_samples > 0 or args.skip_train,
                  f"--train-samples must be > 0 (got {args.train_samples}); to only evaluate, pass --skip-train")
@@ -768,6 +779,7 @@ def _validate_training_length(args: argparse.Namespace, training_run: bool = Fal
                  "--lr-warmup-iters needs --train-iters; with --train-samples use --lr-warmup-samples")
         if args.lr_warmup_fraction is not None:
             _require(args.lr_warmup_samples == 0, "use either --lr-warmup-fraction or --lr-warmup-samples, not both")
+        _check_warmup_before_decay(args.lr_warmup_samples, args.lr_decay_samples, args.train_samples, "samples")
     if (args.train_iters or args.train_samples) and not args.skip_train:
         _require(args.lr is not None, "--lr is required for training (peak learning rate, e.g. --lr 1.5e-4)")
     if args.lr is not None:

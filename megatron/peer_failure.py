@@ -125,19 +125,21 @@ def find_lost_ranks(store: Any, rank: int, world_size: int, wait_s: float = 10.0
 
 
 def linger_while_others_diagnose(store: Any, rank: int, world_size: int, wait_s: float = 10.0) -> None:
-    """Rank 0 of a launch without an agent store hosts the store: stay until every other rank has finished its
-    diagnosis (or is gone unmarked, or `wait_s` passed), so that they can still name the dead rank."""
+    """Rank 0 of a launch without an agent store hosts the store: stay while the other survivors diagnose (those
+    that marked themselves failed and are not done; ranks that marked nothing get 2 s to start), at most `wait_s`."""
     if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return
     others = list(range(1, world_size))
-    end = time.monotonic() + wait_s
+    start = time.monotonic()
     try:
         peers = _read_peers(store, others)
         host = socket.gethostname()
-        while time.monotonic() < end:
-            waiting = [r for r in others if not store.check([f"{_DONE}{r}"])
-                       and not (peers[r][0] == host and _process_gone(peers[r][1]))]
-            if not waiting:
+        while time.monotonic() - start < wait_s:
+            failed = {r for r in others if store.check([f"{_FAILED}{r}"])}
+            busy = [r for r in failed if not store.check([f"{_DONE}{r}"])]
+            unmarked = [r for r in others
+                        if r not in failed and not (peers[r][0] == host and _process_gone(peers[r][1]))]
+            if not busy and (not unmarked or time.monotonic() - start > 2.0):
                 return
             time.sleep(0.1)
     except Exception:  # noqa: BLE001 - best effort

@@ -31,6 +31,7 @@ from megatron.checkpointing import (
     get_rng_state,
     set_rng_state,
 )
+from megatron.core import moe_aux
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.ds.engine_kind import is_pipe_engine
@@ -222,6 +223,8 @@ def deepspeed_train_step(forward_step_func: Callable, data_iterator: Optional[It
     timers = global_vars.get_timers()
     barrier = bool(getattr(args, "barrier_with_L1_time", True))
     losses = []
+    # MoE router losses get the main loss's backward scale (engine.backward divides by the accumulation steps).
+    moe_aux.set_aux_loss_scale(deepspeed_loss_scale(model) / num_mb)
     timers("forward-backward", log_level=1).start(barrier=barrier)
     for i in range(num_mb):
         # Explicit boundary: DeepSpeed's own test ((micro_steps + 1) % gas) drifts once the ramp-up changes gas.
@@ -389,9 +392,8 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
     from megatron.checkpointing import _first_reason
     from megatron.safe_load import guarded_torch_load
 
-    with open(latest) as f:
-        latest_tag = f.read().strip()
     try:  # the newest global_stepN whose files match their manifest
+        latest_tag = integrity.read_pointer_file(latest)
         tag = integrity.select_deepspeed_tag(load_dir, latest_tag, not getattr(args, "no_checkpoint_fallback", False),
                                              _first_reason, print_rank_0)
     except ValueError as exc:

@@ -4,9 +4,10 @@ Runs pretrain_gpt.main as the entry script does (exit_on_user_error: one `error:
 RANK/WORLD_SIZE/MASTER_* in the environment (as srun or each node's torchrun starts a worker) or by torchrun.
 ``REL_FAULT="<rank> <point> <n> <action>"`` makes that rank act at the n-th matching point of the first attempt
 (TORCHELASTIC_RESTART_COUNT unset or 0): points ``train-forward`` and ``eval-forward`` (the forward step in training
-and in evaluation mode), or any megatron/atomic_io.py fault point such as ``mid-write:model_optim_rng.pt``); actions ``kill`` (SIGKILL), ``term`` (SIGTERM, SLURM's preemption signal). Just before acting it writes
-OUT_DIR/fault.json with the time and pretrain's numbers so far. A run that returns writes its result (pretrain's numbers) to
-OUT_DIR/rank<R>.attempt<A>.json.
+and in evaluation mode), or any megatron/atomic_io.py fault point such as ``mid-write:model_optim_rng.pt``; actions
+``kill`` (SIGKILL), ``term`` (SIGTERM, SLURM's preemption signal), ``stop`` (SIGSTOP: a hung rank). Just before
+acting it writes OUT_DIR/fault.json with the time and pretrain's numbers so far. A run that returns writes its result
+(pretrain's numbers) to OUT_DIR/rank<R>.attempt<A>.json.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def main() -> None:
     def fire() -> None:
         with open(os.path.join(out_dir, "fault.json"), "w") as f:
             json.dump({"rank": rank, "time": time.time(), "result": history.get("result")}, f)
-        os.kill(os.getpid(), signal.SIGKILL if fault[3] == "kill" else signal.SIGTERM)
+        os.kill(os.getpid(), {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}[fault[3]])
 
     if armed and fault[1] in ("train-forward", "eval-forward"):
         original, hits = pretrain_gpt.forward_step, {"n": 0}

@@ -28,20 +28,22 @@ DP4 = ["--global-batch-size", "8", "--distributed-backend", "gloo"]
 TP2 = ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--distributed-backend", "gloo"]
 
 
-def _env(fault: Optional[str]) -> dict:
+def _env(fault: Optional[str], timeout_s: int = TIMEOUT_S) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MEGATRON_FAULT"))}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MEGATRON_DISTRIBUTED_TIMEOUT_SECONDS":
-                str(TIMEOUT_S), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "WORLD_SIZE": "4"})
+                str(timeout_s), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "WORLD_SIZE": "4"})
     env.pop("REL_FAULT", None)
     if fault:
         env["REL_FAULT"] = fault
     return env
 
 
-def _run4(argv: list[str], out: Path, fault: Optional[str]) -> tuple[list[subprocess.Popen], list[float]]:
-    """Start 4 workers directly; wait for all (bounded); return them and each one's exit time."""
+def _run4(argv: list[str], out: Path, fault: Optional[str], timeout_s: int = TIMEOUT_S, hung: Optional[int] = None
+          ) -> tuple[list[subprocess.Popen], list[float]]:
+    """Start 4 workers directly; wait for all but the `hung` one (bounded; that one is then killed); return them and
+    each one's exit time."""
     out.mkdir(parents=True, exist_ok=True)
-    env = _env(fault)
+    env = _env(fault, timeout_s)
     procs = []
     for rank in range(4):
         logs = [open(out / f"rank{rank}.{kind}", "w") for kind in ("out", "err")]
@@ -49,6 +51,8 @@ def _run4(argv: list[str], out: Path, fault: Optional[str]) -> tuple[list[subpro
             [sys.executable, "-m", "tests.reliability._rank_worker", str(out), *argv], cwd=out,
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=logs[0], stderr=logs[1]))
     ended = [0.0] * 4
+    if hung is not None:
+        ended[hung] = -1.0
     deadline = time.time() + 300
     try:
         while not all(ended) and time.time() < deadline:
@@ -65,9 +69,10 @@ def _run4(argv: list[str], out: Path, fault: Optional[str]) -> tuple[list[subpro
     return procs, ended
 
 
-def _assert_survivors_name(out: Path, procs: list, ended: list[float], dead: int, phase: str) -> None:
+def _assert_survivors_name(out: Path, procs: list, ended: list[float], dead: int, phase: str,
+                           how: Optional[str] = None, bound_s: float = TIMEOUT_S) -> None:
     fault = json.loads((out / "fault.json").read_text())
-    assert fault["rank"] == dead and procs[dead].returncode == -9
+    assert fault["rank"] == dead and procs[dead].returncode == -9  # killed by the fault, or by _run4 when hung
     for rank, proc in enumerate(procs):
         if rank == dead:
             continue
@@ -76,8 +81,8 @@ def _assert_survivors_name(out: Path, procs: list, ended: list[float], dead: int
         errors = [line for line in err.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
         assert f"rank {rank} of 4 stopped during {phase}" in errors[0], errors[0]
-        assert f"rank {dead} died (process {procs[dead].pid} " in errors[0], errors[0]
-        assert ended[rank] - fault["time"] < TIMEOUT_S, (rank, ended[rank] - fault["time"])
+        assert (how or f"rank {dead} died (process {procs[dead].pid} ") in errors[0], errors[0]
+        assert ended[rank] - fault["time"] < bound_s, (rank, ended[rank] - fault["time"])
 
 
 @pytest.mark.slow
@@ -85,6 +90,18 @@ def test_rank_killed_mid_step_others_exit_naming_it(tiny_data: dict, tmp_path: P
     argv = train_argv(tiny_data, *DP4, iters=8)
     procs, ended = _run4(argv, tmp_path, "2 train-forward 3 kill")
     _assert_survivors_name(tmp_path, procs, ended, 2, "training iteration 3")
+
+
+@pytest.mark.slow
+def test_hung_rank_times_out_in_a_tensor_parallel_group(tiny_data: dict, tmp_path: Path) -> None:
+    """SIGSTOP rank 2 in step 2 of TP=2 x DP=2: rank 3 waits in its TP group's all-reduce, ranks 0-1 in the DP one;
+    all three fail at the (test-short) time-out, which therefore reaches the model-parallel groups (torch's default
+    for them is 30 minutes), and name rank 2 as not responding."""
+    timeout_s = 20
+    argv = train_argv(tiny_data, *TP2, iters=4)
+    procs, ended = _run4(argv, tmp_path, "2 train-forward 2 stop", timeout_s, hung=2)
+    _assert_survivors_name(tmp_path, procs, ended, 2, "training iteration 2",
+                           f"rank 2 stopped responding (process {procs[2].pid} ", bound_s=timeout_s + 20)
 
 
 @pytest.mark.slow
