@@ -67,6 +67,7 @@ from megatron.nan_guard import (
 )
 from megatron.optimizer import get_megatron_optimizer
 from megatron.optimizer.optimizer_config import optimizer_config_from_args
+from megatron.progress import ProgressNotes
 from megatron.required_flags import TRAINING_RUN
 from megatron.theoretical_memory_usage import report_theoretical_memory
 from megatron.utils import calc_params_l2_norm
@@ -468,6 +469,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     report_memory_flag = True
     if skip_counter is None:
         skip_counter = new_skip_counter(args)
+    notes = ProgressNotes(iteration, args.train_iters, args.log_interval, print_rank_last)
     loaded = last_loaded() if args.load else None
     watch = None
     if loaded is not None and not loaded.verified:  # an unverified checkpoint: its first losses must look sane
@@ -512,6 +514,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         if watch is not None:
             watch.check(iteration, loss_dict)
         skip_counter.update(iteration, bool(skipped_iter), nonfinite, loss_scale, _loss_scale_floor(args))
+        notes.after_iteration(iteration)
         if loss_dict and not nonfinite:
             skip_counter.last_loss = sum(float(v) for v in loss_dict.values())  # recorded in the checkpoints
 
