@@ -157,9 +157,10 @@ def _fix(field: str, value: Any) -> str:
 
 def _check_activation(saved: Mapping[str, Any], current: Mapping[str, Any], path: str) -> None:
     """One line when the MLPs compute different activations (flags the checkpoint lacks take Megatron's default)."""
-    if not any(saved.get(k) is not None for k in _ACTIVATION_FLAGS) or \
-            not any(current.get(k) is not None for k in _ACTIVATION_FLAGS):
-        return  # one side records no activation: nothing to compare
+    if not any(saved.get(k) is not None for k in _ACTIVATION_FLAGS):
+        return
+    if not any(current.get(k) is not None for k in _ACTIVATION_FLAGS):
+        return  # the loading side records no activation (a bare Namespace, as Megatron's tools pass): nothing to compare
     have, want = _activation(current), _activation(saved)
     if have == want:
         return

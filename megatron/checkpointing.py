@@ -573,8 +573,8 @@ def load_checkpoint(
     if not os.path.isfile(tracker):
         if getattr(args, "exit_on_missing_checkpoint", False):
             raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint ({tracker}) in --load {load_dir}")
-        _print0(f"WARNING: could not find the metadata file {tracker}\n"
-                "    will not load any checkpoints and will start from random")
+        _print0(f" no checkpoint in {load_dir} yet ({os.path.basename(tracker)} not found): will not load any "
+                "checkpoints and will start from random")
         return 0
     iteration, release = read_metadata(tracker)
     trust = bool(getattr(args, "trust_checkpoint", False))
@@ -594,6 +594,7 @@ def load_checkpoint(
     ckpt_args = sd.get("args")
     if ckpt_args is not None or sd.get("architecture"):
         check_checkpoint_args(ckpt_args, args, checkpoint_name, sd.get("architecture"))
+    loaded_iteration = iteration
     if finetune or release:
         iteration = 0
     else:
@@ -642,6 +643,8 @@ def load_checkpoint(
         set_rng_state(sd["rng_state"], state)
 
     _barrier()
-    _print0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
+    restart = "" if iteration == loaded_iteration else \
+        f"; training starts at iteration {iteration} ({'--finetune' if finetune else 'a release checkpoint'})"
+    _print0(f"  successfully loaded checkpoint from {load_dir} at iteration {loaded_iteration}{restart}")
     sys.stdout.flush()
     return iteration

@@ -115,10 +115,11 @@ class RowCounter:
 class TaskDataset(torch.utils.data.Dataset):
     """A list of samples with a name (``dev-matched``) and the uids in file order."""
 
-    def __init__(self, name: str, samples: list[dict], sample_multiplier: int = 1) -> None:
+    def __init__(self, name: str, samples: list[dict], sample_multiplier: int = 1, has_labels: bool = True) -> None:
         self.dataset_name = name
         self.samples = samples
         self.sample_multiplier = sample_multiplier
+        self.has_labels = has_labels  # False for GLUE test files (placeholder labels): predictions, no accuracy
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -383,8 +383,8 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
 
         if is_megatron_checkpoint(load_dir):  # --finetune (or --no-load-optim --no-load-rng): weights only
             return load_megatron_checkpoint_into_engine(engine, args, ps.get_parallel_state())
-        print_rank_0(f"WARNING: could not find the DeepSpeed metadata file {latest}\n"
-                     "    will not load any checkpoints and will start from random")
+        print_rank_0(f" no DeepSpeed checkpoint in {load_dir} yet ({os.path.basename(latest)} not found): will not "
+                     "load any checkpoints and will start from random")
         return 0
     finetune = bool(getattr(args, "finetune", False))
     load_optim = not finetune and not getattr(args, "no_load_optim", False)
@@ -426,10 +426,11 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
         check_architecture({k: v for k, v in saved.items() if k != "padded_vocab_size"}, args, path)
     elif ckpt_args is not None or client_state.get("architecture"):
         check_checkpoint_args(ckpt_args, args, path, client_state.get("architecture"))
+    loaded_iteration = int(client_state.get("iteration", 0))
     if finetune:
         iteration = 0
     else:
-        iteration = int(client_state.get("iteration", 0))
+        iteration = loaded_iteration
         src = client_state if "consumed_train_samples" in client_state else vars(ckpt_args or argparse.Namespace())
         args.consumed_train_samples = int(src.get("consumed_train_samples", 0))
         args.consumed_valid_samples = int(src.get("consumed_valid_samples", 0))
@@ -442,5 +443,6 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
         set_rng_state(client_state["rng_state"])
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    print_rank_0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
+    restart = "" if iteration == loaded_iteration else f"; training starts at iteration {iteration} (--finetune)"
+    print_rank_0(f"  successfully loaded checkpoint from {load_dir} at iteration {loaded_iteration}{restart}")
     return iteration

@@ -198,7 +198,9 @@ def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, 
         args.consumed_valid_samples = int(meta.consumed_valid_samples)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    print_rank_0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
+    loaded = 0 if release else int(meta.iteration)
+    restart = "" if iteration == loaded else f"; training starts at iteration {iteration} (--finetune)"
+    print_rank_0(f"  successfully loaded checkpoint from {load_dir} at iteration {loaded}{restart}")
     return iteration
 
 

@@ -58,4 +58,9 @@ def build_glue_dataset(task: str, paths: list[str], tokenizer: Any, max_seq_leng
                 tokenizer.tokenize(a), tokenizer.tokenize(b), max_seq_length, tokenizer.cls, tokenizer.sep,
                 tokenizer.pad)
             samples.append(build_sample(ids, types, pads, label, uid))
-    return TaskDataset(name or dataset_name(files[0] if len(files) == 1 else paths[0], task), samples)
+    unlabeled = False
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            unlabeled |= is_test_header(f.readline().rstrip("\r\n").split("\t"))
+    return TaskDataset(name or dataset_name(files[0] if len(files) == 1 else paths[0], task), samples,
+                       has_labels=not unlabeled)
