@@ -30,7 +30,7 @@ source "$PRESET_FILE"
 : "${CHECKPOINT_PATH:=checkpoints/bert_${PRESET}}"
 : "${TENSORBOARD_DIR:=$CHECKPOINT_PATH/tensorboard}"
 : "${TRAIN_ITERS:=2000000}"
-: "${LR_DECAY_ITERS:=990000}"
+: "${LR_DECAY_ITERS:=$((TRAIN_ITERS < 990000 ? TRAIN_ITERS : 990000))}"  # 1% of it warms up
 : "${LOG_INTERVAL:=100}"
 : "${SAVE_INTERVAL:=10000}"
 : "${EVAL_INTERVAL:=1000}"

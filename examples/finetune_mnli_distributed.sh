@@ -11,7 +11,9 @@ source "$(cd "$(dirname "$0")" && pwd)/finetune_common.sh"
 : "${CHECKPOINT_PATH:=checkpoints/bert_${PRESET}_mnli}"
 : "${EPOCHS:=5}"
 # shellcheck disable=SC2086
+MICRO_BATCH=$(fit_micro_batch 8 $TRAIN_DATA)
+# shellcheck disable=SC2086
 run_task --task MNLI --train-data $TRAIN_DATA --valid-data $VALID_DATA $COMMON_ARGS --epochs "$EPOCHS" \
-  --micro-batch-size 8 --lr 5.0e-5 --lr-decay-style linear --lr-warmup-fraction 0.065 --weight-decay 1.0e-1 \
+  --micro-batch-size "$MICRO_BATCH" --lr 5.0e-5 --lr-decay-style linear --lr-warmup-fraction 0.065 --weight-decay 1.0e-1 \
   --save-interval 500000 --save "$CHECKPOINT_PATH" --log-interval 10 --eval-interval 100 --eval-iters 50 \
   $PRECISION_ARGS "$@"

@@ -31,7 +31,7 @@ source "$PRESET_FILE"
 : "${CHECKPOINT_PATH:=checkpoints/gpt_${PRESET}}"
 : "${TENSORBOARD_DIR:=$CHECKPOINT_PATH/tensorboard}"
 : "${TRAIN_ITERS:=500000}"
-: "${LR_DECAY_ITERS:=320000}"
+: "${LR_DECAY_ITERS:=$((TRAIN_ITERS < 320000 ? TRAIN_ITERS : 320000))}"  # 1% of it warms up
 : "${LOG_INTERVAL:=100}"
 : "${SAVE_INTERVAL:=10000}"
 : "${EVAL_INTERVAL:=1000}"

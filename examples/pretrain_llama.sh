@@ -29,6 +29,7 @@ if [ ! -f "$PRESET_FILE" ]; then
   echo "unknown PRESET=$PRESET: use one of $(cd "$EXAMPLES_DIR/presets" && ls llama*.sh mistral*.sh | sed 's/\.sh//' | tr '\n' ' ')" >&2
   exit 1
 fi
+USER_LR_WARMUP_ITERS=${LR_WARMUP_ITERS:-}
 # shellcheck source=/dev/null
 source "$PRESET_FILE"
 : "${DATA_PATH:=my-llama_text_document}"
@@ -38,6 +39,10 @@ source "$PRESET_FILE"
 : "${TENSORBOARD_DIR:=$CHECKPOINT_PATH/tensorboard}"
 : "${TRAIN_ITERS:=500000}"
 : "${LR_DECAY_ITERS:=$TRAIN_ITERS}"
+# The preset's warmup suits its full-length run; a shorter run (TRAIN_ITERS=20) warms up over its first tenth.
+if [ -z "$USER_LR_WARMUP_ITERS" ] && [ $((LR_WARMUP_ITERS * 10)) -gt "$LR_DECAY_ITERS" ]; then
+  LR_WARMUP_ITERS=$((LR_DECAY_ITERS / 10))
+fi
 : "${LOG_INTERVAL:=100}"
 : "${SAVE_INTERVAL:=10000}"
 : "${EVAL_INTERVAL:=1000}"

@@ -240,6 +240,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--train-iters", type=int, default=None, help="Total training iterations.")
     g.add_argument("--train-samples", type=int, default=None, help="Total training samples.")
     g.add_argument("--log-interval", type=int, default=100, help="Report loss and timing every N iterations.")
+    g.add_argument("--log-args", action="store_true",
+                   help="Print Megatron's full argument dump on a terminal too (a redirected log always has it; on a "
+                        "terminal one summary line is printed instead).")
     g.add_argument("--exit-interval", type=int, default=None, help="Exit when iteration %% N == 0.")
     g.add_argument("--exit-duration-in-mins", type=int, default=None, help="Exit after this many minutes.")
     g.add_argument("--exit-signal-handler", action="store_true", help="Save and exit on SIGTERM.")
@@ -536,7 +539,7 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
     for key, value in defaults.items():
         current = getattr(args, key, None)
         if current is not None:
-            if current != value:
+            if current != value and _full_arg_log(args):  # the user's own flag: news only in the full log
                 _print0(args, f"WARNING: overriding default arguments for {key}:{value} with {key}:{current}")
         else:
             setattr(args, key, value)
@@ -549,7 +552,7 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
     _validate_batch(args)
     _validate_deepspeed(args)
     _validate_precision(args)
-    _validate_training_length(args)
+    _validate_training_length(args, training_run)
     _validate_model_shape(args)
     _validate_architecture(args)
     validate_moe_args(args)
@@ -742,7 +745,17 @@ def _grad_accumulation_fusion_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _validate_training_length(args: argparse.Namespace) -> None:
+def _check_warmup_before_decay(warmup: int, decay: Optional[int], train: int, unit: str) -> None:
+    """The LR warmup must end before the decay does: checked here in the flags' own units (the scheduler counts
+    samples), before anything is built."""
+    decay_flag = f"--lr-decay-{unit}" if decay is not None else f"--train-{unit} (the decay length by default)"
+    decay = decay if decay is not None else train
+    if warmup and decay and warmup >= decay:
+        raise ArgumentError(f"--lr-warmup-{unit} {warmup} must be smaller than {decay_flag} {decay}: lower the warmup "
+                            f"or lengthen the decay")
+
+
+def _validate_training_length(args: argparse.Namespace, training_run: bool = False) -> None:
     _require(not (args.train_iters is not None and args.train_samples is not None),
              "use either --train-iters or --train-samples, not both")
     if args.train_iters is not None:
@@ -756,6 +769,7 @@ def _validate_training_length(args: argparse.Namespace) -> None:
                  "--rampup-batch-size needs sample-based training: use --train-samples instead of --train-iters")
         if args.lr_warmup_fraction is not None:
             _require(args.lr_warmup_iters == 0, "use either --lr-warmup-fraction or --lr-warmup-iters, not both")
+        _check_warmup_before_decay(args.lr_warmup_iters, args.lr_decay_iters, args.train_iters, "iters")
     if args.train_samples is not None:
         _require(args.train_samples > 0 or args.skip_train,
                  f"--train-samples must be > 0 (got {args.train_samples}); to only evaluate, pass --skip-train")
@@ -765,6 +779,7 @@ def _validate_training_length(args: argparse.Namespace) -> None:
                  "--lr-warmup-iters needs --train-iters; with --train-samples use --lr-warmup-samples")
         if args.lr_warmup_fraction is not None:
             _require(args.lr_warmup_samples == 0, "use either --lr-warmup-fraction or --lr-warmup-samples, not both")
+        _check_warmup_before_decay(args.lr_warmup_samples, args.lr_decay_samples, args.train_samples, "samples")
     if (args.train_iters or args.train_samples) and not args.skip_train:
         _require(args.lr is not None, "--lr is required for training (peak learning rate, e.g. --lr 1.5e-4)")
     if args.lr is not None:
@@ -772,7 +787,7 @@ def _validate_training_length(args: argparse.Namespace) -> None:
     if args.lr_warmup_fraction is not None:
         _require(0.0 <= args.lr_warmup_fraction <= 1.0,
                  f"--lr-warmup-fraction must be within [0, 1] (got {args.lr_warmup_fraction})")
-    if args.save is not None:
+    if args.save is not None and training_run:  # finetuning saves at epoch ends; evaluation writes predictions there
         _require(args.save_interval is not None, "--save needs --save-interval (iterations between saves)")
     if args.save_interval is not None:
         _require(args.save_interval > 0, f"--save-interval must be positive (got {args.save_interval})")
@@ -984,9 +999,21 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def _full_arg_log(args: argparse.Namespace) -> bool:
+    """Megatron's argument dump goes to redirected logs (not a terminal) or anywhere with --log-args."""
+    return bool(getattr(args, "log_args", False)) or not sys.stdout.isatty()
+
+
 def _print_args(args: argparse.Namespace) -> None:
-    """Megatron's argument dump on rank 0."""
+    """Megatron's argument dump on rank 0 (on a terminal without --log-args: one summary line)."""
     if getattr(args, "rank", 0) != 0:
+        return
+    if not _full_arg_log(args):
+        shape = ", ".join(f"{label} {getattr(args, name)}" for name, label in (
+            ("num_layers", "layers"), ("hidden_size", "hidden"), ("num_attention_heads", "heads"),
+            ("seq_length", "seq"), ("micro_batch_size", "micro-batch"), ("global_batch_size", "global batch"),
+            ("world_size", "processes")) if getattr(args, name, None) is not None)
+        print(f"> arguments: {shape} ({len(vars(args))} settings: --log-args prints them all)", flush=True)
         return
     lines = ["------------------------ arguments ------------------------"]
     for name in sorted(vars(args), key=lambda s: s.lower()):

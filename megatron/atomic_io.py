@@ -1,15 +1,17 @@
 """Atomic file writes for checkpoints and converters: write a temporary file beside the target (``<name>.tmp.<pid>``),
 flush and fsync it, then rename it over the target, so a crash or a full disk never leaves a half-written checkpoint
-or tracker file behind. A crash can leave the temporary file; `remove_stale_temp_files` deletes those (checkpoint
-saves call it first).
+or tracker file behind (a full disk is one line: `DiskFullError`, "no space left on the device holding ..."). A crash
+can leave the temporary file; `remove_stale_temp_files` deletes those (checkpoint saves call it first).
 
 Fault injection for the crash tests: with ``MEGATRON_FAULT_INJECT=<substring>@<n>`` the process SIGKILLs itself at
 the n-th `fault_point` whose name contains the substring (points: ``mid-write:<file>`` with half the bytes on disk,
 ``before-rename:<file>``, ``after-rename:<file>``, plus any the caller adds); ``MEGATRON_FAULT_INJECT_LOG=<path>``
-appends every point's name to a file. Without these variables `fault_point` is a dictionary lookup.
+appends every point's name to a file; a ``!enospc`` suffix (``<substring>@<n>!enospc``) raises a full-disk OSError at
+that point instead of the SIGKILL. Without these variables `fault_point` is a dictionary lookup.
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
 import re
@@ -17,6 +19,12 @@ import signal
 from typing import Any
 
 import torch
+
+from megatron.errors import MegatronUserError
+
+
+class DiskFullError(MegatronUserError, OSError):
+    """A write failed because the device is full (or over quota); the target file was not published."""
 
 FAULT_ENV = "MEGATRON_FAULT_INJECT"
 FAULT_LOG_ENV = "MEGATRON_FAULT_INJECT_LOG"
@@ -33,10 +41,13 @@ def fault_point(name: str) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
+    spec, _, action = spec.partition("!")
     pattern, _, count = spec.rpartition("@")
     if pattern in name:
         _fault_hits["n"] += 1
         if _fault_hits["n"] == int(count):
+            if action == "enospc":  # a full disk at this point instead of a crash
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -81,9 +92,30 @@ def _write_bytes_then_rename(path: str, write: Any, to_path: bool = False) -> No
         os.replace(tmp, path)
         _fsync_dir(path)
         fault_point(f"after-rename:{base}")
+    except (OSError, RuntimeError) as exc:
+        if _disk_full(exc, os.path.dirname(path) or "."):
+            raise DiskFullError(f"no space left on the device holding {os.path.dirname(path) or '.'} while writing "
+                                f"{base}: free space or write somewhere else; {base} was not published (the previous "
+                                "version, if any, is intact)") from None
+        raise
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _free_bytes(folder: str) -> int:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
+
+
+def _disk_full(exc: BaseException, folder: str) -> bool:
+    """ENOSPC / EDQUOT, or torch's writer failing (it reports no errno) on a device with (almost) no space left."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return "write failed" in str(exc) and 0 <= _free_bytes(folder) < (1 << 20)
 
 
 def _halves(data: bytes, base: str) -> Any:

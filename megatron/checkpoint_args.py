@@ -157,6 +157,8 @@ def _check_activation(saved: Mapping[str, Any], current: Mapping[str, Any], path
     """One line when the MLPs compute different activations (flags the checkpoint lacks take Megatron's default)."""
     if not any(saved.get(k) is not None for k in _ACTIVATION_FLAGS):
         return
+    if not any(current.get(k) is not None for k in _ACTIVATION_FLAGS):
+        return  # the loading side records no activation (a bare Namespace, as Megatron's tools pass): nothing to compare
     have, want = _activation(current), _activation(saved)
     if have == want:
         return
@@ -241,8 +243,12 @@ def deepspeed_state_file(load_dir: str, select_tag: Optional[Callable[[str], str
     latest = os.path.join(load_dir, "latest")
     if not os.path.isfile(latest):
         return None
-    with open(latest) as f:
-        tag = f.read().strip()
+    from megatron.checkpoint_integrity import read_pointer_file
+
+    try:
+        tag = read_pointer_file(latest)
+    except ValueError as exc:
+        raise MegatronUserError(str(exc)) from None
     if select_tag is not None:
         tag = select_tag(tag)
     path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")

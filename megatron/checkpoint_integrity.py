@@ -25,6 +25,19 @@ _ITER_RE = {"megatron": re.compile(r"^iter_(\d{7})$"), "deepspeed": re.compile(r
 _CHUNK = 8 << 20
 
 
+def read_pointer_file(path: str) -> str:
+    """The stripped text of a tracker file (``latest_checkpointed_iteration.txt``, DeepSpeed's ``latest``); a
+    ValueError with one line when its bytes are not text (e.g. a disk error wrote garbage)."""
+    with open(path, "rb") as f:
+        data = f.read(4096)
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not text (byte 0x{data[exc.start]:02x} at offset {exc.start} is not UTF-8); it "
+                         "must hold an iteration number or 'release' (a DeepSpeed tag for 'latest'): fix or delete "
+                         "the file") from None
+
+
 def file_crc32(path: str) -> str:
     crc = 0
     with open(path, "rb") as f:

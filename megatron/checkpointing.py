@@ -25,6 +25,7 @@ All functions take ``args`` (the parsed Megatron flags) explicitly instead of re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import sys
@@ -148,8 +149,10 @@ def _qkv_in_current_order(model_sd: dict, sd: dict, args: argparse.Namespace) ->
 
 def read_metadata(tracker_filename: str) -> tuple[int, bool]:
     """Read the tracker file: (iteration, release). One-line error when its content is not an integer/'release'."""
-    with open(tracker_filename) as f:
-        text = f.read().strip()
+    try:
+        text = integrity.read_pointer_file(tracker_filename)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     if text == "release":
         return 0, True
     try:
@@ -245,8 +248,10 @@ def save_checkpoint(
     opt_param_scheduler: Any,
     args: argparse.Namespace,
     save_dir: Optional[str] = None,
+    train_loss: Optional[float] = None,
 ) -> str:
-    """Write the checkpoint of ``iteration`` into ``save_dir`` (default ``args.save``); returns this rank's file."""
+    """Write the checkpoint of ``iteration`` into ``save_dir`` (default ``args.save``); returns this rank's file.
+    `train_loss` (the last finite training loss, summed over its terms) is recorded for the check after loading."""
     save_dir = save_dir or args.save
     if not save_dir:
         raise CheckpointError("save_checkpoint called without a directory: pass --save DIR")
@@ -279,6 +284,8 @@ def save_checkpoint(
             "padded_vocab_size": getattr(args, "padded_vocab_size", None),
             "architecture": architecture_from_args(args),
         }
+        if train_loss is not None:
+            state_dict["train_loss"] = float(train_loss)
         if len(models) == 1:
             state_dict["model"] = _model_state_dict(models[0])
         else:
@@ -487,6 +494,28 @@ def _select_checkpoint(load_dir: str, iteration: int, release: bool, trust: bool
                           "without --load")
 
 
+@dataclasses.dataclass
+class LoadedCheckpoint:
+    """What the last load_checkpoint of this process read (training's divergence checks use it)."""
+
+    folder: str  # the iteration folder
+    iteration: int
+    verified: bool  # False: it had no manifest.json and was loaded unverified
+    train_loss: Optional[float]  # the loss recorded when it was saved (None for older checkpoints)
+
+
+_LAST_LOADED: Optional[LoadedCheckpoint] = None
+
+
+def last_loaded() -> Optional[LoadedCheckpoint]:
+    return _LAST_LOADED
+
+
+def forget_last_loaded() -> None:
+    global _LAST_LOADED
+    _LAST_LOADED = None
+
+
 def load_checkpoint(
     model: Any,
     optimizer: Any,
@@ -500,6 +529,7 @@ def load_checkpoint(
     Honours --finetune (model only, iteration 0), --no-load-optim, --no-load-rng and ``release`` checkpoints,
     restores consumed train/valid samples into ``args``. No tracker file → start from scratch (0).
     """
+    forget_last_loaded()
     load_dir = getattr(args, load_arg, None)
     if not load_dir:
         return 0
@@ -509,8 +539,8 @@ def load_checkpoint(
     if not os.path.isfile(tracker):
         if getattr(args, "exit_on_missing_checkpoint", False):
             raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint ({tracker}) in --load {load_dir}")
-        _print0(f"WARNING: could not find the metadata file {tracker}\n"
-                "    will not load any checkpoints and will start from random")
+        _print0(f" no checkpoint in {load_dir} yet ({os.path.basename(tracker)} not found): will not load any "
+                "checkpoints and will start from random")
         return 0
     iteration, release = read_metadata(tracker)
     trust = bool(getattr(args, "trust_checkpoint", False))
@@ -518,10 +548,16 @@ def load_checkpoint(
                                                         not getattr(args, "no_checkpoint_fallback", False))
     _print0(f" loading checkpoint from {load_dir} at iteration {iteration}")
     finetune = bool(getattr(args, "finetune", False))
+    global _LAST_LOADED
+    _LAST_LOADED = LoadedCheckpoint(folder=os.path.dirname(os.path.dirname(checkpoint_name)), iteration=iteration,
+                                    verified=integrity.verify(os.path.dirname(os.path.dirname(checkpoint_name)), [])
+                                    != integrity.NO_MANIFEST,
+                                    train_loss=sd.get("train_loss") if isinstance(sd.get("train_loss"), float) else None)
 
     ckpt_args = sd.get("args")
     if ckpt_args is not None or sd.get("architecture"):
         check_checkpoint_args(ckpt_args, args, checkpoint_name, sd.get("architecture"))
+    loaded_iteration = iteration
     if finetune or release:
         iteration = 0
     else:
@@ -570,6 +606,8 @@ def load_checkpoint(
         set_rng_state(sd["rng_state"], state)
 
     _barrier()
-    _print0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
+    restart = "" if iteration == loaded_iteration else \
+        f"; training starts at iteration {iteration} ({'--finetune' if finetune else 'a release checkpoint'})"
+    _print0(f"  successfully loaded checkpoint from {load_dir} at iteration {loaded_iteration}{restart}")
     sys.stdout.flush()
     return iteration

@@ -17,6 +17,8 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
+from megatron.enums import position_embedding_name
+
 Getter = Callable[[argparse.Namespace], Any]
 
 
@@ -71,8 +73,9 @@ CONFIG_FIELDS: Dict[str, Tuple[Tuple[str, ...], Getter]] = {
     "use_flash_attn": _copy("use_flash_attn"),
     "attention_dropout": _copy("attention_dropout"),
     # positions
-    "position_embedding_type": (("position_embedding_type", "use_rotary_position_embeddings",
-                                 "add_position_embedding"), lambda a: a.position_embedding_type),
+    # (a Megatron-DeepSpeed checkpoint's args hold an enum member: megatron/enums.py names it)
+    "position_embedding_type": (("position_embedding_type", "use_rotary_position_embeddings", "add_position_embedding"),
+                                lambda a: position_embedding_name(a.position_embedding_type)),
     "rotary_base": _copy("rotary_base"),
     "embed_layernorm": _copy("embed_layernorm"),
     "rotary_percent": _copy("rotary_percent"),

@@ -24,6 +24,21 @@ class ArgumentError(MegatronUserError, ValueError):
     """
 
 
+def _report_user_error(line: str) -> None:
+    """Print the line; under megatron.quiet_torchrun (MEGATRON_USER_ERROR_DIR set) only rank 0 prints and every rank
+    leaves the line in that folder for the launcher."""
+    import os
+
+    folder, rank = os.environ.get("MEGATRON_USER_ERROR_DIR"), os.environ.get("RANK", "0")
+    if not folder or rank == "0":
+        print(line, file=sys.stderr, flush=True)
+    if folder and os.path.isdir(folder):
+        tmp = os.path.join(folder, f".rank{rank}.{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(line + "\n")
+        os.replace(tmp, os.path.join(folder, f"rank{rank}.txt"))
+
+
 def exit_on_user_error(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run `fn`; a MegatronUserError becomes one line on stderr and exit code 1 (process group torn down).
 
@@ -33,7 +48,7 @@ def exit_on_user_error(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     try:
         return fn(*args, **kwargs)
     except MegatronUserError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        _report_user_error(f"error: {exc}")
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized():
             try:

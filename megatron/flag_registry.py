@@ -126,6 +126,7 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "vocab_extra_ids": "megatron/tokenizer/tokenizer.py",
     # logging
     "log_interval": "megatron/training.py",
+    "log_args": "megatron/arguments.py",
     "log_params_norm": "megatron/training.py",
     "log_num_zeros_in_grad": "megatron/optimizer/__init__.py",
     "timing_log_level": "megatron/global_vars.py",

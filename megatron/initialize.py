@@ -94,6 +94,9 @@ def finish_mpu_init(args: Optional[argparse.Namespace] = None) -> None:
     args = get_args() if args is None else args
     if args.deterministic_mode:  # before torch.distributed: NCCL reads NCCL_ALGO when it builds communicators
         set_deterministic_mode()
+    from megatron.progress import fit_cpu_threads
+
+    fit_cpu_threads()  # without OMP_NUM_THREADS: each local process gets its share of the cores
     _initialize_distributed(args)
     if args.deterministic_mode:
         _print0(f"> deterministic mode: torch deterministic algorithms on, cuDNN benchmark off, "

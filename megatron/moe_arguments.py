@@ -123,6 +123,8 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     _single(args, "moe_aux_loss_coeff", "--moe-aux-loss-coeff")
     if args.num_experts is None:
         return
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size  # Megatron-LM's default
     if args.moe_router_load_balancing_type == "global_aux_loss":
         raise ArgumentError("--moe-router-load-balancing-type global_aux_loss is not implemented; use aux_loss, "
                             "seq_aux_loss, sinkhorn or none")
@@ -136,6 +138,8 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     if args.num_experts % max(1, args.expert_model_parallel_size):
         raise ArgumentError(f"--num-experts ({args.num_experts}) must be divisible by --expert-model-parallel-size "
                             f"({args.expert_model_parallel_size})")
-    if getattr(args, "deepspeed", False):
-        raise ArgumentError("--num-experts is not supported with --deepspeed here (DeepSpeed-MoE is a different "
-                            "layer); train MoE models without --deepspeed (TP, PP, DP, distributed optimizer work)")
+    if getattr(args, "deepspeed", False) and args.pipeline_model_parallel_size > 1 and \
+            not getattr(args, "no_pipeline_parallel", False):
+        raise ArgumentError("--num-experts with --deepspeed runs on DeepSpeed's data-parallel engine (ZeRO-1/2/3), "
+                            "not its pipeline engine: drop --pipeline-model-parallel-size or train without "
+                            "--deepspeed (our 1F1B schedules run MoE under PP)")

@@ -6,7 +6,10 @@ the step (weights, optimizer state and LR schedule untouched) and the iteration 
 iteration. `SkipCounter` stops the run with one line after --max-skipped-iterations consecutive skipped iterations
 (fp16 overflow skips count only once the loss scale is at --min-loss-scale, since the dynamic scaler normally skips a
 few dozen steps while it backs off from 2^32). `params_finite` guards checkpoint saves: no non-finite weights are ever
-written.
+written, and no checkpoint is written during a non-finite streak (the weights it would hold are the ones that diverged);
+the stop line names the newest checkpoint written before the streak. `loaded_state_problem` refuses a loaded
+checkpoint that holds non-finite values, and `FirstLossWatch` stops a run whose first losses after loading an
+unverified checkpoint (no manifest) are non-finite or many times the loss the checkpoint recorded.
 """
 from __future__ import annotations
 
@@ -86,11 +89,26 @@ def _each_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 class SkipCounter:
-    """Consecutive skipped iterations; raises NonFiniteTrainingError at the limit (0 disables the limit)."""
+    """Consecutive skipped iterations; raises NonFiniteTrainingError at the limit (0 disables the limit).
 
-    def __init__(self, limit: int) -> None:
+    Also remembers the checkpoints of the run (`checkpoint`: the loaded one and every save) and where the current
+    non-finite streak began, so that saves can be withheld during a streak (`in_streak`) and the stop line can name
+    the newest checkpoint written before it."""
+
+    def __init__(self, limit: int, loaded: Optional[tuple[int, str]] = None) -> None:
         self.limit = int(limit)
         self.consecutive = 0
+        self.streak_start: Optional[int] = None
+        self.loaded = loaded  # (the run's first iteration, "iteration N in DIR") of the checkpoint it started from
+        self.checkpoints: list[tuple[int, str]] = [loaded] if loaded else []  # (iteration of the run, description)
+        self.last_loss: Optional[float] = None  # the last finite training loss (the training loop sets it)
+
+    def checkpoint(self, iteration: int, save_dir: str) -> None:
+        self.checkpoints.append((iteration, f"iteration {iteration} in {save_dir}"))
+
+    @property
+    def in_streak(self) -> bool:
+        return self.consecutive > 0
 
     def update(self, iteration: int, skipped: bool, nonfinite: bool, loss_scale: Optional[float],
                min_loss_scale: Optional[float]) -> None:
@@ -98,14 +116,86 @@ class SkipCounter:
         loss scale."""
         at_floor = loss_scale is not None and min_loss_scale is not None and loss_scale <= min_loss_scale
         if nonfinite or (skipped and at_floor):  # (DeepSpeed applies some non-finite steps itself: they count too)
+            if self.consecutive == 0:
+                self.streak_start = iteration
             self.consecutive += 1
         elif not skipped:
             self.consecutive = 0
+            self.streak_start = None
         if self.limit > 0 and self.consecutive >= self.limit:
             raise NonFiniteTrainingError(
                 f"stopped at iteration {iteration}: {self.consecutive} consecutive iterations skipped with a "
-                f"non-finite loss or gradient norm (--max-skipped-iterations {self.limit}); nothing non-finite was "
-                "saved: lower --lr, check the data, or resume from the last checkpoint")
+                f"non-finite loss or gradient norm since iteration {self.streak_start} (--max-skipped-iterations "
+                f"{self.limit}); nothing was saved during them; {self.advice()}")
+
+    def advice(self) -> str:
+        """Where to resume from: the newest checkpoint written before the streak began."""
+        start = self.streak_start if self.streak_start is not None else 0
+        if self.loaded is not None and start == self.loaded[0] + 1:
+            return (f"the checkpoint it started from ({self.loaded[1]}) gives a "
+                    "non-finite loss or gradient at once, so it is damaged, not the learning rate: resume from an "
+                    "earlier checkpoint (edit latest_checkpointed_iteration.txt) or start without --load")
+        before = [c for c in self.checkpoints if c[0] < start]
+        if not before:
+            return "no checkpoint was written before it: lower --lr or check the data, and start again"
+        newest = before[-1]
+        where = newest[1]
+        if newest[0] == start - 1:  # it holds the weights whose forward pass was the first non-finite one
+            older = [c for c in before if c[0] < newest[0]]
+            earlier = (f"resume from {older[-1][1]} (edit latest_checkpointed_iteration.txt)" if older
+                       else "start again")
+            return (f"the newest checkpoint before it, {where}, holds the weights that gave the first non-finite "
+                    f"loss (resuming it repeats the failure): {earlier} with a lower --lr, or check the data")
+        return f"the newest checkpoint before it is {where}: resume from it with a lower --lr, or check the data"
+
+
+def loaded_state_problem(model: Iterable[torch.nn.Module], optimizer: Any) -> Optional[str]:
+    """'weights' or 'optimizer state' when the loaded model / optimizer holds non-finite values on any rank (collective),
+    else None."""
+    if not params_finite(model):
+        return "weights"
+    bad = False
+    if optimizer is not None:
+        tensors = [t for t in _optimizer_tensors(optimizer) if t.is_floating_point() and t.numel() > 0]
+        bad = bool(tensors) and not (bool(torch.isfinite(_norm_sq(tensors))) or _each_finite(tensors))
+    return "optimizer state" if _any_rank(bad) else None
+
+
+def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
+    out = [p.detach() for p in getattr(optimizer, "get_parameters", lambda: [])()]
+    state = getattr(optimizer, "state", None)
+    if isinstance(state, dict):
+        for entry in state.values():
+            if isinstance(entry, dict):
+                out.extend(v.detach() for v in entry.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+class FirstLossWatch:
+    """After loading an unverified checkpoint (no manifest): the first `iterations` losses must be finite and below
+    `factor` x the loss the checkpoint recorded (or 2 ln(vocabulary) when it recorded none); otherwise one line naming
+    the checkpoint. Collective (call on every rank with this rank's losses; only the last stage has them)."""
+
+    def __init__(self, checkpoint: str, first_iteration: int, recorded_loss: Optional[float],
+                 vocab_size: Optional[int], iterations: int = 3, factor: float = 5.0) -> None:
+        self.checkpoint, self.recorded = checkpoint, recorded_loss
+        self.last = first_iteration + iterations - 1
+        floor = 2.0 * math.log(vocab_size) if vocab_size and vocab_size > 1 else 0.0
+        self.limit = max(factor * recorded_loss if recorded_loss else 0.0, floor) or math.inf
+
+    def check(self, iteration: int, losses: dict) -> None:
+        if iteration > self.last:
+            return
+        total = sum(float(v) for v in losses.values()) if losses else 0.0
+        bad = bool(losses) and not (math.isfinite(total) and total <= self.limit)
+        if not _any_rank(bad):
+            return
+        recorded = f"{self.recorded:.4g}" if self.recorded else "none"
+        shown = f"{total:.4g}" if losses else "non-finite or exploding"
+        raise NonFiniteTrainingError(
+            f"stopped at iteration {iteration}: the loss ({shown}; the checkpoint recorded {recorded}) exploded "
+            f"right after loading {self.checkpoint}, which has no manifest.json and was loaded unverified: its bytes "
+            "are likely damaged; resume from a checkpoint that verifies, or start without --load")
 
 
 def is_finite_number(value: Any) -> bool:

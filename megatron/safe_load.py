@@ -57,6 +57,11 @@ ALLOWED_GLOBALS: tuple[str, ...] = (
     "megatron.model.enums:LayerType",
     "megatron.model.enums:AttnType",
     "megatron.model.enums:AttnMaskType",
+    # Megatron-DeepSpeed's (BigScience's BLOOM checkpoints) enums in their args; stand-ins in megatron/enums.py
+    "megatron.enums:PositionEmbeddingType",
+    "megatron.enums:AttnMaskType",
+    "megatron.enums:LayerType",
+    "megatron.enums:AttnType",
     # DeepSpeed 0.19 model/optimizer state files
     "deepspeed.runtime.fp16.loss_scaler:LossScaler",
     "deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler",

@@ -21,7 +21,14 @@ import torch
 
 from megatron import global_vars, peer_failure
 from megatron.arguments import core_transformer_config_from_args
-from megatron.checkpointing import load_checkpoint, local_rng_state, restore_local_rng_state, save_checkpoint
+from megatron.checkpointing import (
+    forget_last_loaded,
+    last_loaded,
+    load_checkpoint,
+    local_rng_state,
+    restore_local_rng_state,
+    save_checkpoint,
+)
 from megatron.core import moe_aux
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
@@ -50,9 +57,17 @@ from megatron.model_setup import (  # noqa: F401
     get_optimizer_param_scheduler,
     update_train_iters,
 )
-from megatron.nan_guard import NonFiniteTrainingError, SkipCounter, loss_and_grads_finite, params_finite
+from megatron.nan_guard import (
+    FirstLossWatch,
+    NonFiniteTrainingError,
+    SkipCounter,
+    loaded_state_problem,
+    loss_and_grads_finite,
+    params_finite,
+)
 from megatron.optimizer import get_megatron_optimizer
 from megatron.optimizer.optimizer_config import optimizer_config_from_args
+from megatron.progress import ProgressNotes
 from megatron.required_flags import TRAINING_RUN
 from megatron.theoretical_memory_usage import report_theoretical_memory
 from megatron.utils import calc_params_l2_norm
@@ -86,6 +101,7 @@ def check_pipeline_schedule(args: argparse.Namespace, num_microbatches: int) -> 
 
 def setup_model_and_optimizer(model_provider_func: Callable, model_type: Any, args: argparse.Namespace,
                               state: ps.ParallelState) -> tuple[list, Any, Any]:
+    forget_last_loaded()
     if getattr(args, "deepspeed", False):
         from megatron.ds.engine import setup_deepspeed_model_and_optimizer
 
@@ -99,6 +115,13 @@ def setup_model_and_optimizer(model_provider_func: Callable, model_type: Any, ar
         args.iteration = load_checkpoint(model, optimizer, opt_param_scheduler, args)
         timers("load-checkpoint").stop(barrier=True)
         timers.log(["load-checkpoint"])
+        loaded = last_loaded()
+        problem = loaded_state_problem(model, optimizer) if loaded is not None else None
+        if problem is not None:
+            raise NonFiniteTrainingError(f"the checkpoint loaded from --load ({loaded.folder}) holds non-finite "
+                                         f"{problem}: training cannot continue from it (a lower --lr will not help); "
+                                         "resume from an earlier checkpoint (edit latest_checkpointed_iteration.txt) "
+                                         "or start without --load")
     else:
         args.iteration = 0
     return model, optimizer, opt_param_scheduler
@@ -174,8 +197,12 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
     if getattr(args, "deepspeed", False):
         from megatron.ds.engine import deepspeed_train_step
 
-        return deepspeed_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, args,
-                                    state)
+        loss_dict, skipped_iter, grad_norm, num_zeros = deepspeed_train_step(
+            forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, args, state)
+        moe_losses = moe_aux_losses(args, state)
+        if loss_dict:
+            loss_dict.update(moe_losses)
+        return loss_dict, skipped_iter, grad_norm, num_zeros
     timers = global_vars.get_timers()
     for chunk in model:
         chunk.zero_grad_buffer()
@@ -381,7 +408,13 @@ def _loss_scale_floor(args: argparse.Namespace) -> Optional[float]:
     return float(args.loss_scale) if args.loss_scale else float(getattr(args, "min_loss_scale", 1.0))
 
 
-def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace) -> None:
+def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+          guard: Optional[SkipCounter] = None, train_loss: Optional[float] = None) -> None:
+    """Save a checkpoint, except during a non-finite streak (`guard`): those weights are the ones that diverged."""
+    if guard is not None and guard.in_streak:
+        print_rank_0(f"not saving the checkpoint of iteration {iteration}: the run is in a non-finite streak since "
+                     f"iteration {guard.streak_start} (the latest checkpoint stays the one written before it)")
+        return
     if not params_finite(model):  # (a ZeRO-3 engine's partitioned parameters are not visible here: not checked)
         raise NonFiniteTrainingError(f"refusing to save the checkpoint of iteration {iteration}: the weights are not "
                                      "finite (the previous checkpoint is left as the latest); lower --lr")
@@ -393,9 +426,19 @@ def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
 
         save_deepspeed_checkpoint(iteration, model, optimizer, opt_param_scheduler, args)
     else:
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args)
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, train_loss=train_loss)
     timers("save-checkpoint").stop(barrier=True)
     timers.log(["save-checkpoint"])
+    if guard is not None:
+        guard.checkpoint(iteration, args.save)
+
+
+def new_skip_counter(args: argparse.Namespace) -> SkipCounter:
+    """--max-skipped-iterations, knowing the checkpoint the run started from (named when it diverges at once)."""
+    loaded = last_loaded() if args.load else None
+    return SkipCounter(getattr(args, "max_skipped_iterations", 10),
+                       loaded=(args.iteration, f"iteration {loaded.iteration} in {args.load}")
+                       if loaded is not None else None)
 
 
 def _duration_exceeded(args: argparse.Namespace) -> tuple[bool, float]:
@@ -409,7 +452,7 @@ def _duration_exceeded(args: argparse.Namespace) -> tuple[bool, float]:
 def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_scheduler: Any,
           train_data_iterator: Optional[Iterator], valid_data_iterator: Optional[Iterator],
           process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
-          history: Optional[dict] = None) -> tuple[int, bool]:
+          history: Optional[dict] = None, skip_counter: Optional[SkipCounter] = None) -> tuple[int, bool]:
     """The training loop. Returns (last iteration, exited_early) — early exits have already saved.
 
     `history` (pretrain's result) receives ``train_losses[iteration]`` (this rank's reduced losses: the last
@@ -424,7 +467,17 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     timers("interval-time", log_level=0).start(barrier=True)
     print_datetime("before the start of training step")
     report_memory_flag = True
-    skip_counter = SkipCounter(getattr(args, "max_skipped_iterations", 10))
+    if skip_counter is None:
+        skip_counter = new_skip_counter(args)
+    notes = ProgressNotes(iteration, args.train_iters, args.log_interval, print_rank_last)
+    loaded = last_loaded() if args.load else None
+    watch = None
+    if loaded is not None and not loaded.verified:  # an unverified checkpoint: its first losses must look sane
+        watch = FirstLossWatch(loaded.folder, iteration + 1, loaded.train_loss, getattr(args, "padded_vocab_size", None))
+
+    def save() -> None:
+        _save(iteration, model, optimizer, opt_param_scheduler, args, skip_counter, skip_counter.last_loss)
+
     while iteration < args.train_iters:
         global_vars.update_num_microbatches(args.consumed_train_samples)
         args.curr_iteration = iteration
@@ -458,7 +511,12 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
             report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros, args)
         nonfinite = (grad_norm is not None and not math.isfinite(grad_norm)) or \
             any(not math.isfinite(float(v)) for v in loss_dict.values())
+        if watch is not None:
+            watch.check(iteration, loss_dict)
         skip_counter.update(iteration, bool(skipped_iter), nonfinite, loss_scale, _loss_scale_floor(args))
+        notes.after_iteration(iteration)
+        if loss_dict and not nonfinite:
+            skip_counter.last_loss = sum(float(v) for v in loss_dict.values())  # recorded in the checkpoints
 
         if args.eval_interval and iteration % args.eval_interval == 0 and getattr(args, "do_valid", False):
             losses = evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator,
@@ -469,22 +527,22 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         saved = False
         if sigterm is not None and any(sigterm.signals_received()):
             if args.save:
-                _save(iteration, model, optimizer, opt_param_scheduler, args)
+                save()
             print_datetime("exiting program after receiving SIGTERM.")
             return iteration, True
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            _save(iteration, model, optimizer, opt_param_scheduler, args)
+            save()
             saved = True
         if getattr(args, "exit_duration_in_mins", None):
             done, minutes = _duration_exceeded(args)
             if done:
                 if args.save and not saved:
-                    _save(iteration, model, optimizer, opt_param_scheduler, args)
+                    save()
                 print_datetime(f"exiting program after {minutes} minutes")
                 return iteration, True
         if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0:
             if args.save and not saved:
-                _save(iteration, model, optimizer, opt_param_scheduler, args)
+                save()
             print_datetime(f"exiting program at iteration {iteration}")
             return iteration, True
     return iteration, False
@@ -548,15 +606,17 @@ def pretrain(
     iteration = args.iteration
     if args.do_train and args.train_iters > 0 and not getattr(args, "skip_train", False):
         print_rank_0("training ...")
+        skip_counter = new_skip_counter(args)
         iteration, exited = train(forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it,
-                                  process_non_loss_data_func, args, state, history=result)
+                                  process_non_loss_data_func, args, state, history=result, skip_counter=skip_counter)
         result["iteration"] = iteration
         print_datetime("after training is done")
         if exited:
             _flush_writer()
             return result
         if args.save and iteration != 0 and iteration % args.save_interval != 0:
-            _save(iteration, model, optimizer, opt_param_scheduler, args)
+            _save(iteration, model, optimizer, opt_param_scheduler, args, skip_counter,
+                  skip_counter.last_loss)
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
 

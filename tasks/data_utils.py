@@ -9,7 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -68,12 +68,30 @@ def dataset_name(path: str, marker: str) -> str:
 
 
 def sorted_files(path: str, pattern: str) -> list[str]:
-    """A directory's files matching `pattern`, or the file itself; sorted (stable uids, unlike Megatron's glob)."""
+    """A directory's files matching `pattern`, or the file itself; sorted (stable uids, unlike Megatron's glob).
+    A directory without any is a one-line TaskDataError (it would otherwise evaluate ``0 / 0``)."""
     if os.path.isdir(path):
-        return sorted(glob.glob(os.path.join(path, "**", pattern), recursive=True))
+        files = sorted(f for f in glob.glob(os.path.join(path, "**", pattern), recursive=True) if os.path.isfile(f))
+        if not files:
+            raise TaskDataError(f"{path}: no {pattern} files in this folder (searched its subfolders too); check "
+                                "--train-data/--valid-data")
+        return files
     if not os.path.exists(path):
         raise TaskDataError(f"{path}: no such file or directory; check --train-data/--valid-data")
     return [path]
+
+
+def text_lines(path: str, start: int = 1) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 text file; a file that is not text (e.g. binary) is a one-line TaskDataError
+    naming the file and the line."""
+    lineno = start - 1
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=start):
+                yield lineno, line
+    except UnicodeDecodeError as exc:
+        raise TaskDataError(f"{path}: not UTF-8 text near line {lineno + 1} (byte 0x{exc.object[exc.start]:02x}); "
+                            "is it the right file (a binary or compressed file)?") from None
 
 
 class RowCounter:
@@ -97,10 +115,11 @@ class RowCounter:
 class TaskDataset(torch.utils.data.Dataset):
     """A list of samples with a name (``dev-matched``) and the uids in file order."""
 
-    def __init__(self, name: str, samples: list[dict], sample_multiplier: int = 1) -> None:
+    def __init__(self, name: str, samples: list[dict], sample_multiplier: int = 1, has_labels: bool = True) -> None:
         self.dataset_name = name
         self.samples = samples
         self.sample_multiplier = sample_multiplier
+        self.has_labels = has_labels  # False for GLUE test files (placeholder labels): predictions, no accuracy
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -178,7 +178,6 @@ INVALID = [
     ("--batch-size 4", 1, None, "--micro-batch-size"),
     ("--model-parallel-size 2", 1, None, "--tensor-model-parallel-size"),
     ("--warmup 10", 1, None, "--lr-warmup-fraction"),
-    ("--save ckpt", 1, None, "--save-interval"),
     ("--min-lr 1.0", 1, None, "--min-lr"),
     ("--start-weight-decay 0.1", 1, None, "--weight-decay-incr-style"),
     ("--weight-decay-incr-style linear", 1, None, "--start-weight-decay"),
@@ -252,3 +251,12 @@ def test_mistyped_flag_is_one_line_with_the_closest_names(capsys):
     assert exc.value.code == 2 and err.count("\n") == 1 and "usage:" not in err, err
     assert err.startswith("error: unrecognized arguments: --train-iter (did you mean --train-iters")
     assert "--hiden-size=8 (did you mean --hidden-size" in err
+
+
+def test_save_needs_save_interval_only_when_pretraining():
+    from megatron.required_flags import TRAINING_RUN
+
+    with pytest.raises(ArgumentError, match="--save needs --save-interval"):
+        validate_args(_args("--save ckpt --data-path x", 1, base=BASE), {TRAINING_RUN: True})
+    # tasks/main.py (finetuning saves at epoch ends; --epochs 0 writes predictions there), as Megatron accepts it
+    assert validate_args(_args("--save ckpt", 1, base=BASE)).save_interval is None

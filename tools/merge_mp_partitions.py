@@ -73,6 +73,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         have = reader.architecture.get(field)
         if given is not None and have is not None and given != have:
             raise ConversionError(f"{flag} {given} but the checkpoint {args.load} has {field}={have}; fix the flag")
+    iteration = reader.iteration  # the one verified above (the newest intact one: see verified_source)
     del reader
     conv = ["--model-type", model_type, "--load-dir", args.load, "--save-dir", args.save,
             "--target-tensor-parallel-size", "1",
@@ -82,6 +83,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         conv += ["--vocab-file", args.vocab_file]
     if args.trust_checkpoint:
         conv.append("--trust-checkpoint")
+    if iteration is not None:
+        conv += ["--iteration", str(iteration)]
     summary = convert(parse_args(conv))
     print(f"merged {args.load} into TP=1, PP={summary['pp']} at {args.save}", flush=True)
     return summary

@@ -79,13 +79,32 @@ def resolve_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
             hint = " (it is a Megatron checkpoint: use --loader megatron)" if os.path.isfile(
                 os.path.join(load_dir, "latest_checkpointed_iteration.txt")) else ""
             raise ConversionError(f"--load-dir {load_dir} is not a DeepSpeed checkpoint: no '{LATEST}' file{hint}")
-        with open(latest) as f:
-            tag = f.read().strip()
+        from megatron.checkpoint_integrity import read_pointer_file
+
+        try:
+            tag = read_pointer_file(latest)
+        except ValueError as exc:
+            raise ConversionError(str(exc)) from None
     tag_dir = os.path.join(load_dir, tag)
     if not os.path.isdir(tag_dir):
         raise ConversionError(f"DeepSpeed checkpoint {tag_dir} does not exist; fix --iteration or the "
                               f"'{LATEST}' file")
     return tag_dir
+
+
+def verified_tag_dir(load_dir: str, iteration: Optional[int] = None) -> Tuple[str, bool]:
+    """(tag folder, verified): resolve_tag_dir checked against its manifest as --load does (megatron_format's
+    verified_source: the newest intact global_stepN at or below 'latest''s; an explicit one must verify)."""
+    from megatron.checkpoint_conversion.megatron_format import verified_source
+
+    tag_dir = resolve_tag_dir(load_dir, iteration)
+    m = re.fullmatch(r"global_step(\d+)", os.path.basename(os.path.normpath(tag_dir)))
+    explicit = iteration is not None or os.path.normpath(tag_dir) == os.path.normpath(load_dir)
+    if m is None:  # a custom tag: nothing to fall back to
+        explicit = True
+    tag_dir, _, verified = verified_source(os.path.dirname(os.path.normpath(tag_dir)), tag_dir,
+                                           int(m.group(1)) if m else None, explicit, layout="deepspeed")
+    return tag_dir, verified
 
 
 def tag_layout(tag_dir: str) -> Tuple[str, Dict[Any, str]]:
@@ -223,7 +242,9 @@ def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab
     `optimizer`, a ZeRO 1/2 non-pipeline checkpoint's optimizer state travels too (optimizer_state.zero_entries)."""
     if model_type != "GPT":
         raise ConversionError(f"--loader deepspeed reads GPT checkpoints (--model-type {model_type} is not supported)")
-    reader = DeepSpeedCheckpointReader(resolve_tag_dir(load_dir, iteration), trust)
+    tag_dir, verified = verified_tag_dir(load_dir, iteration)
+    reader = DeepSpeedCheckpointReader(tag_dir, trust)
+    reader.verified = verified
     meta = megatron_meta(reader, true_vocab_size, model_type)
     meta.source = load_dir
     if WORD not in reader.chunks[(0, 0, 0)]:
@@ -292,8 +313,12 @@ def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str,
     import shutil
 
     from megatron.atomic_io import atomic_torch_save, atomic_write_text
-    from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, rank_files, write_megatron
-    from megatron.checkpoint_integrity import write_manifest
+    from megatron.checkpoint_conversion.megatron_format import (
+        find_iteration_dir,
+        rank_files,
+        sign_output,
+        write_megatron,
+    )
     from megatron.model.gpt_model import flatten_checkpoint_state_dict
     from megatron.model.gpt_model_pipe import pipe_layers_from_megatron_state_dict
 
@@ -343,6 +368,6 @@ def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str,
                 atomic_torch_save({"module": None, **state, **client}, path)
                 written.append(path)
     shutil.rmtree(staging, ignore_errors=True)
-    write_manifest(tag_dir)
+    sign_output(tag_dir, meta)
     atomic_write_text(os.path.join(save_dir, LATEST), tag)
     return {"files": written, "tp": tp, "pp": pp, "tag": tag, "iteration": iteration, "bigscience": bigscience}

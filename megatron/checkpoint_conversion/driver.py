@@ -98,6 +98,36 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConversionError(f"--save-dir {args.save_dir} already exists and is not empty; choose a new folder")
 
 
+def remove_stale_conversions(save: str) -> List[str]:
+    """Delete ``.<name>.converting.<pid>`` folders of conversions into `save` whose process is gone (a SIGKILL or a
+    power cut left them); one line says how many. Returns the removed paths."""
+    import re
+
+    parent, name = os.path.dirname(save), os.path.basename(save)
+    pattern = re.compile(rf"^\.{re.escape(name)}\.converting\.(\d+)$")
+    removed = []
+    for entry in os.listdir(parent) if os.path.isdir(parent) else []:
+        m = pattern.match(entry)
+        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+            continue
+        shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+        removed.append(os.path.join(parent, entry))
+    if removed:
+        print(f"removed {len(removed)} unfinished conversion folder(s) of interrupted runs (e.g. {removed[0]})",
+              flush=True)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def convert(args: argparse.Namespace) -> Dict[str, Any]:
     """Run one conversion; returns the saver's summary plus the model flags."""
     from megatron.safe_load import guarded_torch_load
@@ -105,6 +135,7 @@ def convert(args: argparse.Namespace) -> Dict[str, Any]:
     _check_args(args)
     args.keep_training_state = not getattr(args, "no_save_optim", False) and args.saver == "megatron"
     save = os.path.abspath(args.save_dir)
+    remove_stale_conversions(save)
     tmp = os.path.join(os.path.dirname(save), f".{os.path.basename(save)}.converting.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -117,8 +148,15 @@ def convert(args: argparse.Namespace) -> Dict[str, Any]:
         if os.path.isdir(save):
             os.rmdir(save)  # empty (checked above)
         os.replace(tmp, save)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        from megatron.atomic_io import DiskFullError, _disk_full
+
+        if isinstance(exc, DiskFullError) or isinstance(exc, (OSError, RuntimeError)) and \
+                _disk_full(exc, os.path.dirname(save)):
+            raise DiskFullError(f"no space left on the device holding {os.path.dirname(save)} while converting into "
+                                f"{args.save_dir}: free space or choose another --save-dir; nothing was written "
+                                "there") from None
         raise
     summary["meta"] = meta
     src, dst = meta.extra.get("source_padded_vocab_size"), meta.architecture.get("padded_vocab_size")

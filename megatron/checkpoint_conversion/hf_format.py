@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from megatron.checkpoint_conversion.hf_tokenizer_export import export_tokenizer, write_generation_config
 from megatron.checkpoint_conversion.interchange import (
     EMBEDDINGS,
     FINAL_NORM,
@@ -38,8 +39,8 @@ from megatron.model import hf_moe_conversion as hfm
 LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM") + hfm.MOE_ARCHS
 GPT2_ARCHS = ("GPT2LMHeadModel",)
 BLOOM_ARCHS = ("BloomForCausalLM",)
-SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + BLOOM_ARCHS + ("MegatronBertForPreTraining", "MegatronBertForSequenceClassification",
-                                       "MegatronBertForMultipleChoice")
+SUPPORTED = GPT2_ARCHS + LLAMA_ARCHS + BLOOM_ARCHS + (
+    "MegatronBertForPreTraining", "MegatronBertForSequenceClassification", "MegatronBertForMultipleChoice")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json")
 _TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
@@ -84,7 +85,12 @@ class _LazyTensors:
             if name.endswith(".safetensors"):
                 from safetensors import safe_open
 
-                handle: Any = safe_open(path, framework="pt")
+                try:
+                    handle: Any = safe_open(path, framework="pt")
+                except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type (or OSError)
+                    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    raise ConversionError(f"{path} is not a readable safetensors file ({detail}): it is truncated or "
+                                          "damaged; download or copy it again") from None
             else:
                 from megatron.safe_load import safe_torch_load
 
@@ -313,6 +319,7 @@ class _ShardWriter:
         tmp = f".shard{len(self.shards):05d}.safetensors"
         save_file({k: v.contiguous() for k, v in self.pending.items()}, os.path.join(self.folder, tmp),
                   metadata={"format": "pt"})
+        os.chmod(os.path.join(self.folder, tmp), _file_mode())  # safetensors writes 0600; the rest follows the umask
         self.shards.append((tmp, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
@@ -406,6 +413,13 @@ def _copy_tokenizer(meta: ModelMeta, out: str) -> List[str]:
             shutil.copyfile(src, os.path.join(out, name))
             copied.append(name)
     return copied
+
+
+def _file_mode() -> int:
+    """The mode open() gives a new file under this process's umask (0644 under the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 class _Checked(dict):
@@ -508,7 +522,13 @@ def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max
     if rest is not None:
         raise ConversionError(f'unexpected message "{rest.name}" after the model (is --model-type right?)')
     files = writer.close()
-    hf_config.save_pretrained(save_dir)
     copied = _copy_tokenizer(meta, save_dir)
+    exported = export_tokenizer(meta.tokenizer, save_dir, a.get("max_position_embeddings"))
+    for key in ("bos_token_id", "eos_token_id"):
+        if exported[key] is not None:
+            setattr(hf_config, key, exported[key])
+    hf_config.save_pretrained(save_dir)
+    copied += exported["files"] + write_generation_config(save_dir, exported["bos_token_id"],
+                                                          exported["eos_token_id"])
     return {"files": files, "architecture": hf_config.architectures[0], "tokenizer_files": copied,
             "vocab_size": rows}

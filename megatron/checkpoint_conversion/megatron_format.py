@@ -79,14 +79,20 @@ def layer_layouts(meta: ModelMeta) -> Dict[str, TensorParallelLayout]:
     """{parameter name of the TP=1 model: its TP layout} (declared by the layers, built on the meta device)."""
     arch = dict(meta.architecture, padded_vocab_size=max(1, meta.architecture.get("padded_vocab_size") or 1))
     bert = meta.extra.get("bert") if meta.model_type == "BERT" else None
-    key = tuple(sorted((k, v) for k, v in arch.items() if isinstance(v, (bool, int, float, str, type(None)))))
+    key = tuple(sorted((k, v if isinstance(v, (bool, int, float, str, type(None))) else repr(v))
+                       for k, v in arch.items()))
     key += (meta.model_type, tuple(sorted((bert or {}).items())))
     if key not in _LAYOUT_CACHE:
         config = meta.config(padded_vocab_size=arch["padded_vocab_size"])
         if bert is None:
             from megatron.model.tp_shards import tensor_parallel_layouts
 
-            _LAYOUT_CACHE[key] = tensor_parallel_layouts(config)
+            layouts = tensor_parallel_layouts(config)
+            for name, layout in list(layouts.items()):  # every layer kind's names under layer 0 (MoE and dense)
+                m = _LAYER_RE.match(name)
+                if m:
+                    layouts.setdefault(f"{LAYERS}0.{m.group(2)}", layout)
+            _LAYOUT_CACHE[key] = layouts
         else:
             from megatron.core.tensor_parallel.layout import get_tp_layout
             from megatron.model.bert_model import BertModel
@@ -127,8 +133,12 @@ def find_iteration_dir(load_dir: str, iteration: Optional[int] = None) -> Tuple[
         elif os.path.isfile(os.path.join(load_dir, "config.json")):
             hint = " (it looks like a Hugging Face model: use --loader hf)"
         raise ConversionError(f"--load-dir {load_dir} is not a Megatron checkpoint: no {TRACKER}{hint}")
-    with open(tracker) as f:
-        text = f.read().strip()
+    from megatron.checkpoint_integrity import read_pointer_file
+
+    try:
+        text = read_pointer_file(tracker)
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from None
     if text == "release":
         return os.path.join(load_dir, "release"), None
     try:
@@ -136,6 +146,50 @@ def find_iteration_dir(load_dir: str, iteration: Optional[int] = None) -> Tuple[
     except ValueError:
         raise ConversionError(f"{tracker} holds {text!r}, not an iteration number or 'release'") from None
     return os.path.join(load_dir, f"iter_{iteration:07d}"), iteration
+
+
+def verified_source(load_dir: str, iter_dir: str, iteration: Optional[int], explicit: bool,
+                    layout: str = "megatron") -> Tuple[str, Optional[int], bool]:
+    """(iteration folder, iteration, verified) to read, checked against its manifest as --load does: the newest
+    intact iteration at or below the named one (one WARNING line naming what was skipped); an explicitly named
+    (--iteration) or ``release`` folder that does not verify is a one-line ConversionError. `verified` is False for a
+    folder without a manifest (older saves): it is read with a note, and what is written from it is not signed."""
+    from megatron import checkpoint_integrity as integrity
+
+    reason = integrity.verify(iter_dir)
+    if reason is None or reason == integrity.NO_MANIFEST:
+        return iter_dir, iteration, _note_unverified(iter_dir, reason)
+    if explicit or iteration is None:
+        raise ConversionError(f"checkpoint {iter_dir} is damaged: {reason}; restore it (its files no longer match "
+                              f"its {integrity.MANIFEST_NAME}) or convert another iteration")
+    skipped = [f"{os.path.basename(iter_dir)} ({reason})"]
+    for cand in (it for it in integrity.iterations(load_dir, layout) if it < iteration):
+        cand_dir = integrity.iteration_dir(load_dir, cand, layout)
+        cand_reason = integrity.verify(cand_dir)
+        if cand_reason is None or cand_reason == integrity.NO_MANIFEST:
+            print(f"WARNING: skipped damaged checkpoint {'; '.join(skipped)} in {load_dir}; converting "
+                  f"{os.path.basename(cand_dir)} instead", flush=True)
+            return cand_dir, cand, _note_unverified(cand_dir, cand_reason)
+        skipped.append(f"{os.path.basename(cand_dir)} ({cand_reason})")
+    raise ConversionError(f"no intact checkpoint in {load_dir}: {'; '.join(skipped)}; restore one")
+
+
+def _note_unverified(iter_dir: str, reason: Optional[str]) -> bool:
+    if reason is None:
+        return True
+    print(f"note: {iter_dir} has no manifest.json (saved before integrity checks): converted without verifying it, "
+          "and the output is not signed either", flush=True)
+    return False
+
+
+def sign_output(iter_dir: str, meta: ModelMeta) -> None:
+    """Write the output's manifest, unless the source was read unverified (never sign what was not verified)."""
+    from megatron import checkpoint_integrity
+
+    if meta.extra.get("unverified_source"):
+        checkpoint_integrity.remove_manifest(iter_dir)
+        return
+    checkpoint_integrity.write_manifest(iter_dir)  # crc32 per file, as saves do
 
 
 def rank_files(iter_dir: str) -> Dict[Tuple[int, int], str]:
@@ -198,9 +252,14 @@ def _architecture_from(sd: Dict[str, Any], path: str) -> Dict[str, Any]:
 class MegatronCheckpointReader:
     """The files of one Megatron checkpoint iteration, memory-mapped, with per-layer merging."""
 
-    def __init__(self, load_dir: str, trust: bool = False, iteration: Optional[int] = None) -> None:
+    def __init__(self, load_dir: str, trust: bool = False, iteration: Optional[int] = None,
+                 verify: bool = True) -> None:
         self.load_dir = load_dir
         self.iter_dir, self.iteration = find_iteration_dir(load_dir, iteration)
+        self.verified = True  # verify=False: the caller verified the folder itself
+        if verify:
+            self.iter_dir, self.iteration, self.verified = verified_source(load_dir, self.iter_dir, self.iteration,
+                                                                           iteration is not None)
         self.files = rank_files(self.iter_dir)
         self.tp = max(t for t, _ in self.files) + 1
         self.pp = max(p for _, p in self.files) + 1
@@ -333,7 +392,8 @@ def megatron_meta(reader: MegatronCheckpointReader, true_vocab_size: Optional[in
         make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128) or 128),
         tokenizer=tok, source=reader.load_dir,
         extra={"tp": reader.tp, "pp": reader.pp, "vp": reader.vp, "consumed_tokens": tokens,
-               "opt_param_scheduler": sd.get("opt_param_scheduler", sd.get("lr_scheduler"))})
+               "opt_param_scheduler": sd.get("opt_param_scheduler", sd.get("lr_scheduler")),
+               "unverified_source": None if getattr(reader, "verified", True) else reader.iter_dir})
 
 
 def attach_optimizer_state(reader: Any, meta: ModelMeta, padded: int) -> None:
@@ -355,14 +415,14 @@ def attach_optimizer_state(reader: Any, meta: ModelMeta, padded: int) -> None:
 
 
 def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model_type: str = "GPT",
-                  trust: bool = False, optimizer: bool = False, iteration: Optional[int] = None
-                  ) -> Tuple[ModelMeta, Iterator[Message]]:
+                  trust: bool = False, optimizer: bool = False, iteration: Optional[int] = None,
+                  verify: bool = True) -> Tuple[ModelMeta, Iterator[Message]]:
     """Loader: (meta, message stream) of a Megatron checkpoint at any TP/PP/virtual-PP layout (the iteration the
     tracker names, or `iteration`); with `optimizer`, the messages also carry the training state when the checkpoint
     has one (GPT and BERT models; optimizer_state.py)."""
     if model_type == "T5":  # encoder-decoder: its own stream, t5_format.read_t5 (which builds on this module)
         raise ConversionError("read_megatron reads GPT/BERT checkpoints: read T5 ones with t5_format.read_t5")
-    reader = MegatronCheckpointReader(load_dir, trust, iteration)
+    reader = MegatronCheckpointReader(load_dir, trust, iteration, verify)
     meta = megatron_meta(reader, true_vocab_size, model_type)
     padded = reader.merged(0, 0, WORD, TensorParallelLayout(dim=0)).size(0) if WORD in reader.chunks[(0, 0, 0)] \
         else None
@@ -582,9 +642,7 @@ class MegatronWriter:
         if not tied and OUTPUT_LAYER not in seen:
             raise ConversionError("the loader sent no output layer for an untied model")
         files = self._write_files()
-        from megatron import checkpoint_integrity
-
-        checkpoint_integrity.write_manifest(os.path.join(self.save_dir, self.iter_name))  # crc32 per file, as saves do
+        sign_output(os.path.join(self.save_dir, self.iter_name), self.meta)
         atomic_write_text(os.path.join(self.save_dir, TRACKER),
                           "release" if self.iteration is None else str(self.iteration))
         return files

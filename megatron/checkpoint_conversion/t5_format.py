@@ -251,10 +251,10 @@ class T5Writer(MegatronWriter):
         if extra is not None:
             raise ConversionError(f'unexpected message "{extra.name}" after the T5 lm head (is --model-type right?)')
         files = self._write_files()
-        from megatron import checkpoint_integrity
         from megatron.atomic_io import atomic_write_text
+        from megatron.checkpoint_conversion.megatron_format import sign_output
 
-        checkpoint_integrity.write_manifest(os.path.join(self.save_dir, self.iter_name))
+        sign_output(os.path.join(self.save_dir, self.iter_name), self.meta)
         atomic_write_text(os.path.join(self.save_dir, TRACKER),
                           "release" if self.iteration is None else str(self.iteration))
         return files

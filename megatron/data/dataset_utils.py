@@ -175,6 +175,27 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+def npy_problem(path: Path) -> Optional[str]:
+    """None when `path` is a readable .npy whose size matches its header; otherwise what is wrong with it (an index
+    cache file truncated or overwritten outside our atomic writes)."""
+    try:
+        np.load(path, allow_pickle=False, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as exc:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None
+
+
+def usable_npy(path: Path, report: bool = False) -> bool:
+    """A cached index file exists and is intact; with `report`, one warning line names a damaged one (it is then
+    rebuilt by the caller)."""
+    if not path.is_file():
+        return False
+    problem = npy_problem(path)
+    if problem is not None and report:
+        print(f" > WARNING: index cache file {path} is damaged ({problem}; truncated?): rebuilding it", flush=True)
+    return problem is None
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
@@ -285,7 +306,7 @@ def get_samples_mapping(indexed_dataset: Any, data_prefix: str, num_epochs: Opti
 
     def find(report: bool = False) -> Optional[Path]:
         for path in search:
-            if path.is_file():
+            if usable_npy(path, report):
                 dsc = _dsc_path(path)
                 if dsc.is_file() and dsc.read_text() != desc:  # same name, other split or binary head: stale
                     if report:

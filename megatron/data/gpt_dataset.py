@@ -28,6 +28,7 @@ from megatron.data.dataset_utils import (
     is_group_leader,
     print_rank_0,
     save_npy_atomic,
+    usable_npy,
     write_text_atomic,
 )
 
@@ -154,10 +155,12 @@ def _describe(name: str, data_prefix: str, num_samples: int, seq_length: int, se
             f"Sequence length {seq_length}\nRandom seed {seed}\nSplit {splits_string}\n")
 
 
-def _find_cache(search_dirs: Sequence[Path], desc_hash: str) -> Optional[dict]:
+def _find_cache(search_dirs: Sequence[Path], desc_hash: str, report: bool = False) -> Optional[dict]:
+    """The first complete, intact cache entry (a damaged .npy is skipped, named when `report`, and rebuilt)."""
     for d in search_dirs:
         paths = {k: d / (desc_hash + s) for k, s in _SUFFIXES.items()}
-        if all(p.is_file() for p in paths.values()):
+        if all(p.is_file() for p in paths.values()) and \
+                all(usable_npy(p, report) for k, p in paths.items() if k != "desc"):
             return paths
     return None
 
@@ -168,7 +171,7 @@ def _build_and_save(dirs: Sequence[Path], search_dirs: Sequence[Path], desc: str
     """Build the three index arrays and write them (under a file lock, so concurrent builders do it once)."""
     out_dir = first_writable_dir(dirs)
     with file_lock(out_dir / f".{desc_hash}.lock"):
-        if _find_cache(search_dirs, desc_hash) is None:
+        if _find_cache(search_dirs, desc_hash, report=True) is None:
             _build_arrays_into(out_dir, desc, desc_hash, documents, sizes, num_samples, seq_length, seed,
                                tokens_per_epoch, num_epochs)
 

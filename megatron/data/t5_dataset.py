@@ -55,11 +55,15 @@ class T5Dataset(_TorchDataset):
         self.sep_id = _special_or_none(tokenizer, "sep")
         self.mask_id = _special_or_none(tokenizer, "mask")
         self.pad_id, self.bos_id, self.eos_id = tokenizer_special_ids(tokenizer, ("pad", "bos", "eos"), "T5")
+        check_t5_documents(indexed_dataset, data_prefix, name)
         self.samples_mapping = get_samples_mapping(indexed_dataset, data_prefix, num_epochs, max_num_samples,
                                                    max_seq_length - 2,  # as Megatron (room for bos/eos)
                                                    short_seq_prob, seed, name, False,
                                                    data_cache_path=data_cache_path, group=group,
                                                    synchronize=synchronize)
+        if self.samples_mapping.shape[0] == 0:
+            raise DatasetError(f"{data_prefix} ({name} split): no T5 sample can be built from its "
+                               f"{len(indexed_dataset.doc_idx) - 1} document(s); use more data or another --split")
 
     def __len__(self) -> int:
         return self.samples_mapping.shape[0]
@@ -75,6 +79,26 @@ class T5Dataset(_TorchDataset):
                                          self.eos_id, self.sentinel_tokens)
         except DatasetError as exc:
             raise DatasetError(f"{self.name} sample {idx}: {exc}") from None
+
+
+def check_t5_documents(indexed_dataset: Any, data_prefix: str, name: str) -> None:
+    """The split's documents must hold tokens: documents made only of zero-length sentences would become empty
+    samples (all padding) that T5 trains on silently. All such: one-line DatasetError; some: one warning line."""
+    doc_idx = np.asarray(indexed_dataset.doc_idx, dtype=np.int64)
+    if len(doc_idx) < 2 or doc_idx[-1] <= doc_idx[0]:
+        raise DatasetError(f"{data_prefix} ({name} split): no sentences in its documents: no T5 sample can be built; "
+                           "use more data or another --split")
+    sizes = np.asarray(indexed_dataset.sizes, dtype=np.int64)[doc_idx[0]:doc_idx[-1]]
+    starts = doc_idx[:-1] - doc_idx[0]
+    nonempty = doc_idx[1:] > doc_idx[:-1]  # documents without sentences are skipped by the mapping itself
+    per_doc = np.add.reduceat(np.append(sizes, 0), starts)[nonempty]
+    empty = int((per_doc == 0).sum())
+    if empty == len(per_doc):
+        raise DatasetError(f"{data_prefix} ({name} split): all {empty} document(s) hold only zero-length sentences: "
+                           "no T5 sample can be built; check the --json-keys field used by preprocessing")
+    if empty:
+        print(f" > WARNING: {data_prefix} ({name} split): {empty} of {len(per_doc)} documents hold only "
+              "zero-length sentences; their samples are empty", flush=True)
 
 
 def _special_or_none(tokenizer: Any, attr: str) -> Optional[int]:

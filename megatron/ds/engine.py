@@ -31,6 +31,7 @@ from megatron.checkpointing import (
     get_rng_state,
     set_rng_state,
 )
+from megatron.core import moe_aux
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.ds.engine_kind import is_pipe_engine
@@ -222,6 +223,8 @@ def deepspeed_train_step(forward_step_func: Callable, data_iterator: Optional[It
     timers = global_vars.get_timers()
     barrier = bool(getattr(args, "barrier_with_L1_time", True))
     losses = []
+    # MoE router losses get the main loss's backward scale (engine.backward divides by the accumulation steps).
+    moe_aux.set_aux_loss_scale(deepspeed_loss_scale(model) / num_mb)
     timers("forward-backward", log_level=1).start(barrier=barrier)
     for i in range(num_mb):
         # Explicit boundary: DeepSpeed's own test ((micro_steps + 1) % gas) drifts once the ramp-up changes gas.
@@ -380,8 +383,8 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
 
         if is_megatron_checkpoint(load_dir):  # --finetune (or --no-load-optim --no-load-rng): weights only
             return load_megatron_checkpoint_into_engine(engine, args, ps.get_parallel_state())
-        print_rank_0(f"WARNING: could not find the DeepSpeed metadata file {latest}\n"
-                     "    will not load any checkpoints and will start from random")
+        print_rank_0(f" no DeepSpeed checkpoint in {load_dir} yet ({os.path.basename(latest)} not found): will not "
+                     "load any checkpoints and will start from random")
         return 0
     finetune = bool(getattr(args, "finetune", False))
     load_optim = not finetune and not getattr(args, "no_load_optim", False)
@@ -389,9 +392,8 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
     from megatron.checkpointing import _first_reason
     from megatron.safe_load import guarded_torch_load
 
-    with open(latest) as f:
-        latest_tag = f.read().strip()
     try:  # the newest global_stepN whose files match their manifest
+        latest_tag = integrity.read_pointer_file(latest)
         tag = integrity.select_deepspeed_tag(load_dir, latest_tag, not getattr(args, "no_checkpoint_fallback", False),
                                              _first_reason, print_rank_0)
     except ValueError as exc:
@@ -424,10 +426,11 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
         check_architecture({k: v for k, v in saved.items() if k != "padded_vocab_size"}, args, path)
     elif ckpt_args is not None or client_state.get("architecture"):
         check_checkpoint_args(ckpt_args, args, path, client_state.get("architecture"))
+    loaded_iteration = int(client_state.get("iteration", 0))
     if finetune:
         iteration = 0
     else:
-        iteration = int(client_state.get("iteration", 0))
+        iteration = loaded_iteration
         src = client_state if "consumed_train_samples" in client_state else vars(ckpt_args or argparse.Namespace())
         args.consumed_train_samples = int(src.get("consumed_train_samples", 0))
         args.consumed_valid_samples = int(src.get("consumed_valid_samples", 0))
@@ -440,5 +443,6 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
         set_rng_state(client_state["rng_state"])
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    print_rank_0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
+    restart = "" if iteration == loaded_iteration else f"; training starts at iteration {iteration} (--finetune)"
+    print_rank_0(f"  successfully loaded checkpoint from {load_dir} at iteration {loaded_iteration}{restart}")
     return iteration

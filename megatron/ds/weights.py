@@ -180,7 +180,8 @@ def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, 
         reason = _first_reason(None if reason == integrity.NO_MANIFEST else reason)
         if reason is not None:
             raise CheckpointError(f"checkpoint {iter_dir} is damaged: {reason}; restore it")
-        meta, messages = read_megatron(load_dir, model_type="GPT", trust=bool(getattr(args, "trust_checkpoint", False)))
+        meta, messages = read_megatron(load_dir, model_type="GPT", trust=bool(getattr(args, "trust_checkpoint", False)),
+                                       verify=False)  # verified above, collectively
         release = meta.iteration is None
         print_rank_0(f" loading checkpoint from {load_dir} at iteration {0 if release else meta.iteration} "
                      f"(Megatron checkpoint, TP={meta.extra.get('tp')} PP={meta.extra.get('pp')}, into the "
@@ -197,7 +198,9 @@ def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, 
         args.consumed_valid_samples = int(meta.consumed_valid_samples)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    print_rank_0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
+    loaded = 0 if release else int(meta.iteration)
+    restart = "" if iteration == loaded else f"; training starts at iteration {iteration} (--finetune)"
+    print_rank_0(f"  successfully loaded checkpoint from {load_dir} at iteration {loaded}{restart}")
     return iteration
 
 

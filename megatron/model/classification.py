@@ -77,7 +77,8 @@ class BertTaskModel(MegatronModule):
         flat = {k: v for k, v in flat.items() if k in own}  # drops lm_head, binary_head, word_embeddings
         missing = [k for k in own if k not in flat and not k.endswith("._extra_state")]
         if self.post_process and any(k.startswith(self.head_key + ".") for k in missing):
-            _notice(f"***WARNING*** could not find {self.head_key} in the checkpoint, initializing to random")
+            _notice(f" > could not find {self.head_key} in the checkpoint, initializing to random (a new head for "
+                    "this task, as expected when finetuning a pretrained BERT)")
         if any(k.startswith(LANGUAGE_MODEL_KEY + ".pooler.") for k in missing):
             _notice("***WARNING*** the checkpoint has no pooler (a BERT pretrained with --bert-no-binary-head): "
                     "the pooler starts from a fresh initialization")

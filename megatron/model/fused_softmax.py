@@ -59,7 +59,9 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
 
     def forward_fused_softmax(self, input: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         scale = self.scale if self.scale is not None else 1.0
-        causal = self.attn_mask_type == AttnMaskType.causal  # the causal kernel ignores the mask, as Megatron's
+        # Megatron's causal kernel ignores the mask tensor (wrong for reset-attention-mask documents); ours uses the
+        # causal kernel only when there is no mask and otherwise reads the mask, so it always equals the torch path.
+        causal = self.attn_mask_type == AttnMaskType.causal and mask is None
         return fused_kernels.masked_softmax(input, mask, scale, causal)
 
     def forward_torch_softmax(self, input: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:

@@ -134,6 +134,8 @@ class OpenAICompletions:
         """Check a decoded JSON body; the request every rank runs, or OpenAIError."""
         if not isinstance(payload, dict):
             raise OpenAIError('the request body must be a JSON object such as {"prompt": "Hello", "max_tokens": 16}')
+        # null means absent, as in OpenAI's API for optional fields (lm-eval's local-completions sends "model": null)
+        payload = {name: value for name, value in payload.items() if value is not None}
         unknown = sorted(set(payload) - KNOWN_FIELDS)
         if unknown:
             raise OpenAIError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])

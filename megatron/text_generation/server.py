@@ -61,6 +61,7 @@ FIELDS: dict[str, tuple[str, str, Any]] = {
 }
 SERVER_ONLY_FIELDS = {"no_log"}
 # Options always handed to generate (the rest only when the request sets them to a non-default value).
+MAX_RANDOM_SEED = 2**63 - 1  # a signed 64-bit integer (torch's generator seed and the broadcast to other ranks)
 CORE_OPTIONS = ("return_output_log_probs", "temperature", "top_k", "top_p", "add_BOS", "stop_on_eol", "random_seed")
 
 
@@ -159,8 +160,9 @@ def validate_request(
         if values["top_p"] > 0.0:
             raise BadRequest("temperature 0 means greedy decoding; leave top_p unset")
         values["temperature"], values["top_k"] = 1.0, 1
-    if values["random_seed"] < -1:
-        raise BadRequest(f"random_seed must be >= 0 (or -1 for none), got {values['random_seed']}")
+    if not -1 <= values["random_seed"] <= MAX_RANDOM_SEED:
+        raise BadRequest(f"random_seed must be between 0 and 2**63-1 ({MAX_RANDOM_SEED}), or -1 for none; got "
+                         f"{values['random_seed']}")
 
     bos = 1 if values["add_BOS"] else 0
     longest = 0

@@ -71,9 +71,10 @@ def load_wordpiece_vocab(vocab_file: str) -> Dict[str, int]:
     if tokens and tokens[-1] == "":
         tokens.pop()
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    for required in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"):
-        if required not in vocab:
-            raise InputFileError(f"--vocab-file {vocab_file}: missing {required}; is this a BERT WordPiece vocab?")
+    missing = [t for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]") if t not in vocab]
+    if missing:
+        raise InputFileError(f"--vocab-file {vocab_file}: missing {', '.join(missing)}; is this a BERT WordPiece "
+                             "vocab?")
     return vocab
 
 

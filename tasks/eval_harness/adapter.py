@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -36,6 +37,24 @@ from tqdm import tqdm
 from megatron.core import parallel_state as ps
 from megatron.text_generation.generation import generate_tokens
 from megatron.text_generation.scoring import score_tokens, sequence_logprob
+
+
+class _LineProgress:
+    """Progress for a redirected log: whole lines (no '\r'), at most every 30 seconds, and one at the end."""
+
+    def __init__(self, total: int, desc: str, every: float = 30.0) -> None:
+        self.total, self.desc, self.every, self.done = total, desc, every, 0
+        self.last = time.monotonic()
+
+    def update(self, n: int = 1) -> None:
+        self.done = min(self.total, self.done + n)
+        if time.monotonic() - self.last >= self.every:
+            self.last = time.monotonic()
+            print(f"{self.desc}: {self.done}/{self.total}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        print(f"{self.desc}: {self.done}/{self.total} done", file=sys.stderr, flush=True)
+
 
 GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"}
 
@@ -105,6 +124,8 @@ class MegatronLM(TemplateLM):
     # -- parallel plumbing ---------------------------------------------------------------------------------------
     def _bar(self, total: int, desc: str, disable: bool) -> Any:
         show = self.progress and not disable and self.state.global_rank == 0
+        if show and not sys.stderr.isatty():
+            return _LineProgress(total, desc)
         return tqdm(total=total, desc=desc, disable=not show, file=sys.stderr, dynamic_ncols=True)
 
     def _my_share(self, order: list[int]) -> list[int]:

@@ -186,4 +186,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
+    if not sys.stderr.isatty():  # a redirected log: no '\r' progress bars (lm-eval's, read when tqdm is imported)
+        os.environ.setdefault("TQDM_DISABLE", "1")
     exit_on_user_error(main)

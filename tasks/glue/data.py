@@ -12,6 +12,7 @@ from tasks.data_utils import (
     clean_text,
     dataset_name,
     sorted_files,
+    text_lines,
 )
 
 # (uid, text_a, text_b, label) or raises ValueError/IndexError with the reason
@@ -23,23 +24,24 @@ def read_glue_rows(path: str, is_test_header: Callable[[list[str]], bool], parse
     """(uid, a, b, label) of every usable row of one TSV file (cleaned text, both texts non-empty)."""
     rows: list[tuple[int, str, str, int]] = []
     counter = RowCounter(path, verbose)
-    with open(path, encoding="utf-8") as f:
-        header = f.readline().rstrip("\r\n").split("\t")
-        is_test = is_test_header(header)
-        for lineno, line in enumerate(f, start=2):
-            if not line.strip():
-                continue
-            row = [c.strip() for c in line.rstrip("\r\n").split("\t")]
-            try:
-                uid, a, b, label = parse_row(row, is_test)
-            except (IndexError, ValueError, KeyError) as exc:
-                counter.skip(lineno, f"index error ({type(exc).__name__}: {exc})")
-                continue
-            a, b = clean_text(a), clean_text(b)
-            if not a or not b:
-                counter.skip(lineno, "zero length a" if not a else "zero length b")
-                continue
-            rows.append((uid, a, b, label))
+    is_test = False
+    for lineno, line in text_lines(path):
+        if lineno == 1:
+            is_test = is_test_header(line.rstrip("\r\n").split("\t"))
+            continue
+        if not line.strip():
+            continue
+        row = [c.strip() for c in line.rstrip("\r\n").split("\t")]
+        try:
+            uid, a, b, label = parse_row(row, is_test)
+        except (IndexError, ValueError, KeyError) as exc:
+            counter.skip(lineno, f"index error ({type(exc).__name__}: {exc})")
+            continue
+        a, b = clean_text(a), clean_text(b)
+        if not a or not b:
+            counter.skip(lineno, "zero length a" if not a else "zero length b")
+            continue
+        rows.append((uid, a, b, label))
     counter.finish(len(rows))
     return rows
 
@@ -56,4 +58,9 @@ def build_glue_dataset(task: str, paths: list[str], tokenizer: Any, max_seq_leng
                 tokenizer.tokenize(a), tokenizer.tokenize(b), max_seq_length, tokenizer.cls, tokenizer.sep,
                 tokenizer.pad)
             samples.append(build_sample(ids, types, pads, label, uid))
-    return TaskDataset(name or dataset_name(files[0] if len(files) == 1 else paths[0], task), samples)
+    unlabeled = False
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            unlabeled |= is_test_header(f.readline().rstrip("\r\n").split("\t"))
+    return TaskDataset(name or dataset_name(files[0] if len(files) == 1 else paths[0], task), samples,
+                       has_labels=not unlabeled)

@@ -18,6 +18,7 @@ from tasks.data_utils import (
     clean_text,
     dataset_name,
     sorted_files,
+    text_lines,
 )
 
 NUM_CHOICES = 4
@@ -32,26 +33,25 @@ def read_race_file(path: str, verbose: bool = True) -> list[tuple[str, list[str]
     """(article, 4 qa texts, label) per question of one file; malformed questions/lines are skipped and counted."""
     out: list[tuple[str, list[str], int]] = []
     counter = RowCounter(path, verbose)
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    for lineno, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+            article = clean_text(doc["article"])
+            questions, options, answers = doc["questions"], doc["options"], doc["answers"]
+            if not (len(questions) == len(options) == len(answers)):
+                raise ValueError(f"{len(questions)} questions, {len(options)} option lists, "
+                                 f"{len(answers)} answers")
+        except (ValueError, KeyError, TypeError) as exc:
+            counter.skip(lineno, f"not a RACE JSON line ({type(exc).__name__}: {exc})")
+            continue
+        for q, (question, opts, answer) in enumerate(zip(questions, options, answers)):
+            label = ord(str(answer)) - ord("A") if len(str(answer)) == 1 else -1
+            if len(opts) != NUM_CHOICES or not 0 <= label < NUM_CHOICES or not article:
+                counter.skip(lineno, f"question {q}: needs {NUM_CHOICES} options, an answer A-D and an article")
                 continue
-            try:
-                doc = json.loads(line)
-                article = clean_text(doc["article"])
-                questions, options, answers = doc["questions"], doc["options"], doc["answers"]
-                if not (len(questions) == len(options) == len(answers)):
-                    raise ValueError(f"{len(questions)} questions, {len(options)} option lists, "
-                                     f"{len(answers)} answers")
-            except (ValueError, KeyError, TypeError) as exc:
-                counter.skip(lineno, f"not a RACE JSON line ({type(exc).__name__}: {exc})")
-                continue
-            for q, (question, opts, answer) in enumerate(zip(questions, options, answers)):
-                label = ord(str(answer)) - ord("A") if len(str(answer)) == 1 else -1
-                if len(opts) != NUM_CHOICES or not 0 <= label < NUM_CHOICES or not article:
-                    counter.skip(lineno, f"question {q}: needs {NUM_CHOICES} options, an answer A-D and an article")
-                    continue
-                out.append((article, [clean_text(qa_text(question, o)) for o in opts], label))
+            out.append((article, [clean_text(qa_text(question, o)) for o in opts], label))
     counter.finish(len(out))
     return out
 

@@ -115,3 +115,12 @@ def test_bf16_softmax_seam_runs_the_kernel():
         assert softmax.is_kernel_available(scores, *scores.shape)
         fused = softmax(scores, mask)
     torch.testing.assert_close(fused, softmax.forward_torch_softmax(scores.clone(), mask), rtol=2e-2, atol=4e-3)
+    # Causal with a reset-attention-mask style document mask: the mask is read (Megatron's kernel would ignore it).
+    causal = FusedScaleMaskSoftmax(False, True, AttnMaskType.causal, True, attention_mask_func, True, None)
+    scores = torch.randn(2, 2, 20, 20, generator=g).to(torch.bfloat16)
+    docs = torch.ones(20, 20, dtype=torch.bool).triu(1).expand(2, 1, 20, 20).clone()
+    docs[:, :, 8:, :8] = True
+    with fused_kernels.interpreter_on_cpu():
+        fused = causal(scores, docs)
+    torch.testing.assert_close(fused, causal.forward_torch_softmax(scores.clone(), docs), rtol=2e-2, atol=4e-3)
+    assert fused[0, 0, 10, :8].abs().max() == 0

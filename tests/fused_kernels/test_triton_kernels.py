@@ -24,7 +24,8 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=2e-6), torch.float16: dict(rtol=2e-3,
 
 def _interpreted_kernels() -> None:
     """Import (or re-import, if something imported them before TRITON_INTERPRET was set) the kernel modules."""
-    assert os.environ.get("TRITON_INTERPRET") == "1"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CUDA machine: the kernels are compiled for the GPU (tests/gpu/ checks them there)")
     for name in KERNEL_MODULES:
         full = f"megatron.fused_kernels.{name}"
         module = sys.modules.get(full) or importlib.import_module(full)

@@ -84,7 +84,7 @@ def test_pretrain_finetune_evaluate_chain_race_and_qqp(shared_data: Path, tmp_pa
     assert missing["error"] is not None and "\n" not in missing["error"]
     assert f"--pretrained-checkpoint {tmp_path / 'nothing'}: no checkpoint there" in missing["error"]
     assert f"loading checkpoint from {pre} at iteration 3" in fin_res["stdout"]
-    assert "***WARNING*** could not find classification_head in the checkpoint, initializing to random" \
+    assert " > could not find classification_head in the checkpoint, initializing to random (a new head" \
         in fin_res["stdout"]
     assert sorted(fin_res["result"]["train_losses"]) == [1, 2, 3]
     assert accuracy_lines(ev_res["stdout"])[(-1, "dev-matched")] == accuracy_lines(fin_res["stdout"])[
@@ -116,15 +116,18 @@ def test_examples_mnli_script_finetunes_with_two_processes(shared_data: Path, tm
     env["PATH"] = path_with_this_python(env["PATH"])  # `python` is this interpreter
     (tmp_path / "glue").mkdir()
     shutil.copytree(shared_data / "mnli-sample", tmp_path / "glue" / "MNLI")
-    small = ["--hidden-size", "64", "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size",
-             "1", "--no-bias-gelu-fusion", "--log-interval", "1", "--distributed-backend", "gloo"]
+    small = ["--hidden-size", "64", "--seq-length", "64", "--max-position-embeddings", "64",
+             "--no-bias-gelu-fusion", "--log-interval", "1", "--distributed-backend", "gloo"]
     proc = subprocess.run(["bash", str(examples / "finetune_mnli_distributed.sh"), *small], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     acc = accuracy_lines(proc.stdout)
     assert sorted(acc) == [(0, "dev-matched"), (0, "dev-mismatched")] and all(t == 5 for _, t in acc.values())
-    assert " iteration        3/       3 |" in proc.stdout  # 6 examples over 2 ranks of micro-batch 1
-    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    # the script's micro-batch 8 x 2 processes does not fit the 6 examples: it says so and uses micro-batch 3
+    assert "note: --train-data has 6 examples, fewer than one batch of 16 (micro-batch 8 x 2 processes): using " \
+           "micro-batch 3" in proc.stderr, proc.stderr[-3000:]
+    assert " iteration        1/       1 |" in proc.stdout  # 6 examples over 2 ranks of micro-batch 3
+    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "1"
     for script, task in (("finetune_race_distributed.sh", "RACE"), ("finetune_qqp_distributed.sh", "QQP")):
         dry = subprocess.run(["bash", str(examples / script)], env=dict(env, DRY_RUN="1"), capture_output=True,
                              text=True, timeout=60)

@@ -330,3 +330,54 @@ def test_text_stream_sends_while_generating_and_holds_back_stop_prefixes(served)
     assert "".join(sent) == " Hello world, this"  # everything before the stop string, nothing after
     stream.finish(" Hello world, this")
     assert "".join(sent) == " Hello world, this"
+
+
+def test_null_fields_mean_absent(served):
+    """OpenAI's API treats null optional fields as absent; lm-eval 0.4's local-completions sends "model": null."""
+    address = served[0]
+    status, body = post(address, {"prompt": "ok", "max_tokens": 2, "temperature": 0, "model": None, "echo": None,
+                                  "stop": None, "logprobs": None, "seed": None, "stream": None})
+    assert status == 200, body
+    assert body["model"] == "megatron-gpt" and body["choices"][0]["finish_reason"] in ("stop", "length")
+    status, body = post(address, {"prompt": None})
+    assert status == 400 and body["error"]["param"] == "prompt"
+
+
+def readme_lm_eval_model_args() -> str:
+    """The --model_args of the README's `lm_eval --model local-completions` command, as written."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    command = re.search(r"^lm_eval --model local-completions .*?(?<!\\)\n", readme, flags=re.S | re.M).group(0)
+    return re.search(r"--model_args (\S+)", command).group(1)
+
+
+def test_lm_eval_client_with_the_readmes_model_args(served, shared_data, tmp_path, monkeypatch):
+    """lm-eval's own client, built from exactly the README's model_args (server address and tokenizer folder
+    swapped for this test's), scores a local task against the server: no "model must be a string" 400."""
+    lm_eval = pytest.importorskip("lm_eval")
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from tasks.eval_harness.evaluate import task_manager
+    from tests.tasks.test_eval_harness import LOCAL_TASKS, _metrics
+
+    address = served[0]
+    model_args = readme_lm_eval_model_args()
+    assert model_args.startswith("base_url=http://localhost:5000/v1/completions,tokenizer=") and "model=" not in model_args
+    owt = shared_data / "openwebtext-1000"
+    transformers.GPT2TokenizerFast(vocab=str(owt / "gpt2-tiny-vocab.json"), merges=str(owt / "gpt2-tiny-merges.txt"),
+                                   eos_token="<|endoftext|>").save_pretrained(tmp_path / "tok")
+    tokenizer_dir = model_args.split("tokenizer=", 1)[1].split(",")[0]
+    assert "max_length=128" in model_args  # the quick-start model's --seq-length
+    model_args = model_args.replace("localhost:5000", f"{address[0]}:{address[1]}").replace(
+        f"tokenizer={tokenizer_dir}", f"tokenizer={tmp_path / 'tok'}").replace("max_length=128", f"max_length={CONTEXT}")
+    remote = LocalCompletionsAPI.create_from_arg_string(model_args, {"batch_size": 1, "max_retries": 1})
+    assert remote.model is None  # what the README's command sends: "model": null
+    results = lm_eval.simple_evaluate(model=remote, tasks=["lambada_local"], limit=2, bootstrap_iters=0,
+                                      task_manager=task_manager(LOCAL_TASKS), log_samples=False)
+    metrics = _metrics(results)
+    assert any(key[1].startswith("acc") for key in metrics) and all(v == v for v in metrics.values()), metrics

@@ -19,6 +19,7 @@ import torch
 from megatron.checkpoint_conversion.driver import convert, parse_args
 from megatron.checkpoint_conversion.interchange import ConversionError, state_dict_from_messages
 from megatron.checkpoint_conversion.megatron_format import read_megatron
+from megatron.checkpoint_integrity import write_manifest
 from tests.tools.checkpoint_convert_helpers import (
     DIVISIBLE,
     TRUE_VOCAB,
@@ -190,6 +191,8 @@ def test_bad_input_one_line_nothing_written(source, tmp_path):
     os.remove(tmp_path / "two" / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt")
     assert "model_optim_rng.pt" in _bad(tmp_path, tmp_path / "two")
     os.rmdir(tmp_path / "two" / "iter_0000007" / "mp_rank_01_001")
+    assert "mp_rank_01_001/model_optim_rng.pt is missing" in _bad(tmp_path, tmp_path / "two")  # the manifest
+    os.remove(tmp_path / "two" / "iter_0000007" / "manifest.json")  # unverified: the layout check names it
     assert "missing rank file" in _bad(tmp_path, tmp_path / "two")
     # mismatched shards: tensor rank 1 of another model with a different layer count
     save_source(model, cfg, str(tmp_path / "m"), 2, 1)
@@ -197,6 +200,8 @@ def test_bad_input_one_line_nothing_written(source, tmp_path):
     save_source(build(other), other, str(tmp_path / "o"), 2, 1)
     os.replace(tmp_path / "o" / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt",
                tmp_path / "m" / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt")
+    assert "mp_rank_01/model_optim_rng.pt has" in _bad(tmp_path, tmp_path / "m")  # not the file its manifest lists
+    write_manifest(str(tmp_path / "m" / "iter_0000007"))  # re-signed by hand: the shard check still finds it
     assert "mismatched shards" in _bad(tmp_path, tmp_path / "m")
     assert "--target-tensor-parallel-size 3" in _bad(tmp_path, src, "--target-tensor-parallel-size", "3")
     assert "pass --model-type GPT" in _bad(tmp_path, src, "--model-type", "BERT")

@@ -104,3 +104,40 @@ def test_our_deepspeed_pipeline_checkpoint_to_hf_through_bigscience_equals_direc
     a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_direct").state_dict()
     b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_bs").state_dict()
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bigscience_client_state_with_megatron_deepspeed_enums(tmp_path: Path) -> None:
+    """BigScience's mp_rank files pickle args whose position_embedding_type is Megatron-DeepSpeed's enum member
+    (``megatron.enums.PositionEmbeddingType.alibi``) and carry no ``architecture``: read with the safe loader, the
+    architecture comes from those args and the conversion to HF equals the direct one."""
+    import argparse
+
+    from megatron.enums import AttnMaskType, PositionEmbeddingType
+
+    cfg = config("bloom")
+    save_source(build(cfg), cfg, str(tmp_path / "src"), 1, 1, true_vocab=TRUE_VOCAB)
+    _convert(tmp_path / "src", tmp_path / "bs", "--saver", "deepspeed", "--bigscience-layout",
+             "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
+    tag = tmp_path / "bs" / (tmp_path / "bs" / "latest").read_text().strip()
+    args = argparse.Namespace(num_layers=4, hidden_size=48, num_attention_heads=6, ffn_hidden_size=192, kv_channels=8,
+                              seq_length=16, max_position_embeddings=16,
+                              position_embedding_type=PositionEmbeddingType.alibi, attn_mask_type=AttnMaskType.causal,
+                              embed_layernorm=True, glu_activation=None,
+                              tensor_model_parallel_size=2, pipeline_model_parallel_size=2, layernorm_epsilon=1e-5,
+                              bias_gelu_fusion=True, openai_gelu=False, apply_residual_connection_post_layernorm=False,
+                              make_vocab_size_divisible_by=4, padded_vocab_size=64, params_dtype=torch.bfloat16,
+                              tokenizer_type="PretrainedFromHF", tokenizer_name_or_path="bigscience/tokenizer")
+    for name in os.listdir(tag):
+        if name.startswith("mp_rank_"):
+            state = safe_torch_load(str(tag / name))
+            state.pop("architecture", None)
+            state["args"] = args
+            torch.save(state, tag / name)
+    (tag / "manifest.json").unlink()  # BigScience's folders have no integrity manifest (ours would flag the rewrite)
+    out = _convert(tmp_path / "bs", tmp_path / "hf_bs", "--loader", "deepspeed", "--saver", "hf",
+                   "--true-vocab-size", str(TRUE_VOCAB))
+    assert out["meta"].architecture["position_embedding_type"] == "alibi"
+    _convert(tmp_path / "src", tmp_path / "hf", "--saver", "hf")
+    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_bs").state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

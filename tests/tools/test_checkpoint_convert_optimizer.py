@@ -110,6 +110,10 @@ def test_missing_distrib_optim_is_one_line(tmp_path):
     _trained_checkpoint(tmp_path / "src", "fp32")
     _convert(tmp_path / "src", tmp_path / "tp2", "--target-tensor-parallel-size", "2")
     (tmp_path / "tp2" / "iter_0000002" / "mp_rank_01" / "distrib_optim.pt").unlink()
+    with pytest.raises(ConversionError, match="iter_0000002 .mp_rank_01/distrib_optim.pt is missing"):  # manifest
+        _convert(tmp_path / "tp2", tmp_path / "tp1", "--target-tensor-parallel-size", "1")
+    assert not (tmp_path / "tp1").exists()
+    (tmp_path / "tp2" / "iter_0000002" / "manifest.json").unlink()  # unverified: the reader's own check names it
     with pytest.raises(ConversionError, match="missing rank file .*distrib_optim.pt"):
         _convert(tmp_path / "tp2", tmp_path / "tp1", "--target-tensor-parallel-size", "1")
     assert not (tmp_path / "tp1").exists()

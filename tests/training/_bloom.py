@@ -1,7 +1,7 @@
 """The tiny BLOOM of the parity curves (ALiBi with 6 heads: not a power of two, 3 per TP rank; --embed-layernorm;
 LayerNorm, biases, tanh GeLU, tied embeddings; 4 layers, hidden 48, seq 64, micro-batch 2, fp32, no dropout, 20
-steps with validation at 10 and 20, lr 6e-3) and its serial reference (once per pytest session). Every run starts from the
-serial model's initial weights; the run helpers are the Llama curves' (tests/training/_llama.py).
+steps with validation at 10 and 20, lr 6e-3) and its serial reference (once per pytest session). Every run starts
+from the serial model's initial weights; the run helpers are the Llama curves' (tests/training/_llama.py).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def serial_curve(data: dict) -> dict:
         ((res,),) = run_distributed(run_many, 1, args=([("stage", bloom_argv(data))],))
         curve = curve_of(res, "serial")
         assert sorted(curve["train"]) == list(range(1, ITERS + 1)) and len(curve["val"]) >= 2
-        assert curve["train"][ITERS] < curve["train"][1] - 0.1, f"the tiny BLOOM should learn within ITERS steps: {curve['train']}"
+        assert curve["train"][ITERS] < curve["train"][1] - 0.1, f"the tiny BLOOM should learn: {curve['train']}"
         assert max(curve["grad_norm"].values()) > 1.0, "--clip-grad 1.0 should be active in some steps"
         _SERIAL[data["prefix"]] = curve
     return _SERIAL[data["prefix"]]

@@ -1,7 +1,8 @@
 """A tiny Mixtral-style MoE GPT (4 experts, top-2, z-loss, a gated shared expert, one MoE and one dense layer)
 trains the serial run's 20-step curve (lm loss, load_balancing_loss and z_loss within 1e-5 relative) under PP=2
 and DP=2 with the distributed optimizer (both with capacity dropping) and TP=2 + SP; resuming TP=2 + SP at
-iteration 10 reproduces 11..20 exactly.
+iteration 10 reproduces 11..20 exactly, and so does (1e-5) a serial run from that checkpoint converted to TP=1; DeepSpeed ZeRO-1 and ZeRO-2 (DP=2) around our MoE layer give the serial
+curve too, and so does full activation recomputation (serial).
 Megatron-LM's MoE log entries appear in the log line and in what pretrain() returns. Unimplemented MoE flags and
 impossible layouts are one-line errors."""
 from __future__ import annotations
@@ -14,10 +15,12 @@ import pytest
 
 from megatron.arguments import ArgumentError, parse_args, validate_args
 from tests.dist_utils import run_distributed
+from tests.ds._workers import write_ds_config
 from tests.training._llama import run_many
 from tests.training._workers import tiny_gpt_argv
 
 ITERS = 20
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MOE = ["--hidden-size", "32", "--seq-length", "32", "--max-position-embeddings", "32", "--ffn-hidden-size", "48",
        "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear",
        "--untie-embeddings-and-output-weights", "--num-experts", "4", "--moe-router-topk", "2",
@@ -57,10 +60,14 @@ def _same(curve: dict, ref: dict, what: str, iters=range(1, ITERS + 1), z_loss: 
 
 
 def test_moe_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: Path) -> None:
-    ((serial_res, capacity_res),) = run_distributed(
-        run_many, 1, args=([("stage", _argv(gpt_data)), ("stage", _argv(gpt_data, *CAPACITY))],))
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    ((serial_res, capacity_res, recompute_res),) = run_distributed(
+        run_many, 1, args=([("stage", _argv(gpt_data)), ("stage", _argv(gpt_data, *CAPACITY)),
+                            ("stage", _argv(gpt_data, *CAPACITY, *recompute))],))
     serial, capacity = _curve(serial_res, "serial"), _curve(capacity_res, "serial with capacity")
     assert serial != capacity  # tokens were dropped
+    # full recompute: the router runs again in backward; its losses are attached and recorded once
+    _same(_curve(recompute_res, "recompute"), capacity, "full recompute")
     assert sorted(serial) == list(range(1, ITERS + 1))
     assert serial[ITERS][0] < serial[1][0] - 0.05, "the tiny MoE model should learn"
     assert all(v[1] > 0.5 and v[2] > 0 for v in serial.values())  # balanced routing gives ~1 (E * sum f_i P_i)
@@ -71,10 +78,17 @@ def test_moe_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: Path) -> 
     half = ITERS // 2
     runs = [("stage", _argv(gpt_data, *extra)) for extra in LAYOUTS.values()]
     runs.append(("stage", _argv(gpt_data, *TP2, "--save", str(tmp_path / "ck"), "--save-interval", str(half))))
+    batch = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 8}
+    zero = {stage: write_ds_config(str(tmp_path / f"zero{stage}.json"), zero_optimization={"stage": stage}, **batch)
+            for stage in (1, 2)}
+    runs += [("stage", _argv(gpt_data, *CAPACITY, "--deepspeed", "--deepspeed_config", zero[stage]))
+             for stage in (1, 2)]
     results = run_distributed(run_many, 2, args=(runs,))
     for i, name in enumerate(LAYOUTS):
         ref = capacity if "capacity" in name else serial
         _same(_curve(results[-1][i], name), ref, name, z_loss=name.startswith("pp2"))
+    for i, stage in enumerate((1, 2)):  # DeepSpeed's engine around our MoE layer, DP=2
+        _same(_curve(results[-1][len(LAYOUTS) + 1 + i], f"zero{stage}"), capacity, f"ZeRO-{stage}", z_loss=False)
     (tmp_path / "ck" / "latest_checkpointed_iteration.txt").write_text(str(half))
     resume = [("stage", _argv(gpt_data, *TP2, "--load", str(tmp_path / "ck")))]
     (again,) = run_distributed(run_many, 2, args=(resume,))[-1]
@@ -83,6 +97,16 @@ def test_moe_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: Path) -> 
     assert sorted(again) == list(range(half + 1, ITERS + 1))
     for it in again:
         assert again[it] == full[it], (it, again[it], full[it])
+    # tools/checkpoint/convert.py reshapes the MoE checkpoint (experts' TP slices, optimizer state) to TP=1, and a
+    # serial run continues the curve from it.
+    from megatron.checkpoint_conversion.driver import main as convert
+
+    summary = convert(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir",
+                       str(tmp_path / "ck"), "--save-dir", str(tmp_path / "tp1"), "--target-tensor-parallel-size", "1"])
+    assert summary["meta"].extra["optimizer"]["step"] == half
+    ((tp1,),) = run_distributed(run_many, 1, args=([("stage", _argv(gpt_data, "--load", str(tmp_path / "tp1"),
+                                                                    "--no-load-rng"))],))
+    _same(_curve(tp1, "TP2+SP -> TP1 converted"), serial, "TP2+SP -> TP1 converted", iters=range(half + 1, ITERS + 1))
 
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
@@ -97,10 +121,12 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--moe-router-num-groups", "2"], "--moe-router-num-groups"),
     (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type"),
     (["--moe-router-load-balancing-type", "global_aux_loss"], "global_aux_loss"),
+    (["--deepspeed", "--deepspeed_config", str(EXAMPLES / "ds_config_gpt.json"), "--pipeline-model-parallel-size",
+      "2", "--micro-batch-size", "1", "--global-batch-size", "16", "--fp16"], "pipeline engine"),
 ])
 def test_unimplemented_moe_flags_are_refused_with_one_line(flags, named):
     args = parse_args(args=[*BASE, *flags])
-    args.rank = 1
+    args.rank, args.world_size = 1, 2
     with pytest.raises(ArgumentError) as info:
         validate_args(args, {})
     assert named in str(info.value) and "\n" not in str(info.value)
@@ -145,3 +171,20 @@ def test_checkpoint_architecture_holds_and_restores_the_moe_settings():
     other.rank = 1
     with pytest.raises(ArchitectureMismatchError, match="moe_router_topk"):
         check_architecture(saved, validate_args(other, {}), "ckpt")
+
+
+def test_moe_per_layer_values_and_their_average():
+    """The tracker's per-layer values: the log entry averages them over the MoE layers and the micro-batches;
+    --moe-per-layer-logging also returns moe/<name>_layer_<i> (written to TensorBoard only)."""
+    import torch
+
+    from megatron.core import moe_aux
+
+    moe_aux.clear()
+    for _ in range(2):  # two micro-batches
+        moe_aux.record("load_balancing_loss", torch.tensor(1.0), 1, 3)
+        moe_aux.record("load_balancing_loss", torch.tensor(3.0), 3, 3)
+    out = moe_aux.reduce_aux_losses(["load_balancing_loss", "z_loss"], 3, 2, 0.5, per_layer=True)
+    assert out["load_balancing_loss"] == 2.0 and out["z_loss"] == 0.0
+    assert [out[f"moe/load_balancing_loss_layer_{i}"] for i in range(3)] == [1.0, 0.0, 3.0]
+    assert moe_aux.tracked() == {}
