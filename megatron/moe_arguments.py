@@ -123,6 +123,8 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     _single(args, "moe_aux_loss_coeff", "--moe-aux-loss-coeff")
     if args.num_experts is None:
         return
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size  # Megatron-LM's default
     if args.moe_router_load_balancing_type == "global_aux_loss":
         raise ArgumentError("--moe-router-load-balancing-type global_aux_loss is not implemented; use aux_loss, "
                             "seq_aux_loss, sinkhorn or none")

@@ -21,7 +21,8 @@ LONG = ("bash examples/quickstart.sh bert", "python tools/checkpoint/convert.py 
 QUICKSTART = {"TRAIN_ITERS": "4", "LOG_INTERVAL": "2", "EVAL_INTERVAL": "4", "WIKI_LINES": "10", "LAMBADA_LINES": "10"}
 # what the quick-start (and the BERT leg) leave in quickstart_out/, and what the README's own blocks write there
 PRODUCED = re.compile(r"^quickstart_out/(tokenizer|data|checkpoints|prompts\.txt|bert_tokenizer|bert_data|"
-                      r"bert_checkpoints|hf|gpt_example|t5_example|more_samples|copy|owt|all|my-|ckpt_mnli|mnli_pred|out)")
+                      r"bert_checkpoints|hf|gpt_example|t5_example|more_samples|copy|owt|all|my-|ckpt_|mnli_pred|out|llama_|"
+                      r"results|gpt_345m)|^runs/ds_single_node/")
 
 
 OUTPUTS = (r"(--save|--save-dir|--output-prefix|--output-folder|--sample-output-file|--tensorboard-dir|--results_path"

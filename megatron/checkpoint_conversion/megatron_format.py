@@ -79,14 +79,20 @@ def layer_layouts(meta: ModelMeta) -> Dict[str, TensorParallelLayout]:
     """{parameter name of the TP=1 model: its TP layout} (declared by the layers, built on the meta device)."""
     arch = dict(meta.architecture, padded_vocab_size=max(1, meta.architecture.get("padded_vocab_size") or 1))
     bert = meta.extra.get("bert") if meta.model_type == "BERT" else None
-    key = tuple(sorted((k, v) for k, v in arch.items() if isinstance(v, (bool, int, float, str, type(None)))))
+    key = tuple(sorted((k, v if isinstance(v, (bool, int, float, str, type(None))) else repr(v))
+                       for k, v in arch.items()))
     key += (meta.model_type, tuple(sorted((bert or {}).items())))
     if key not in _LAYOUT_CACHE:
         config = meta.config(padded_vocab_size=arch["padded_vocab_size"])
         if bert is None:
             from megatron.model.tp_shards import tensor_parallel_layouts
 
-            _LAYOUT_CACHE[key] = tensor_parallel_layouts(config)
+            layouts = tensor_parallel_layouts(config)
+            for name, layout in list(layouts.items()):  # every layer kind's names under layer 0 (MoE and dense)
+                m = _LAYER_RE.match(name)
+                if m:
+                    layouts.setdefault(f"{LAYERS}0.{m.group(2)}", layout)
+            _LAYOUT_CACHE[key] = layouts
         else:
             from megatron.core.tensor_parallel.layout import get_tp_layout
             from megatron.model.bert_model import BertModel

@@ -61,13 +61,22 @@ def stage_order(names: Sequence[str], full_order: Sequence[str]) -> List[str]:
             stack_start.setdefault(m.group(1), i)
     # the tied embedding's copy sits between the language model and the first parameter outside it (the heads)
     head_copy = min((i for n, i in position.items() if not n.startswith(_LM)), default=len(full_order)) - 0.5
+    # within a layer, by the name's offset in the first full-model layer holding it (layers may differ: an MoE
+    # model's dense and MoE layers hold different MLP parameters)
+    layer_first: Dict[Tuple[str, str], int] = {}
+    offset: Dict[Tuple[str, str], int] = {}
+    for n, i in position.items():
+        m = _LAYER_RE.match(n)
+        if m:
+            first = layer_first.setdefault((m.group(1), m.group(2)), i)
+            offset.setdefault((m.group(1), m.group(3)), i - first)
     keyed = []
     for name in names:
         m = _LAYER_RE.match(name)
         if m:
-            canon = f"{_LM}{m.group(1)}.layers.0.{m.group(3)}"
-            if canon in position:
-                keyed.append(((stack_start[m.group(1)], int(m.group(2)), position[canon]), name))
+            suffix = (m.group(1), m.group(3))
+            if suffix in offset:
+                keyed.append(((stack_start[m.group(1)], int(m.group(2)), offset[suffix]), name))
         elif name == HEAD_COPY:
             keyed.append(((head_copy, 0, 0), name))
         elif name in position:

@@ -1,7 +1,7 @@
 """A tiny Mixtral-style MoE GPT (4 experts, top-2, z-loss, a gated shared expert, one MoE and one dense layer)
 trains the serial run's 20-step curve (lm loss, load_balancing_loss and z_loss within 1e-5 relative) under PP=2
 and DP=2 with the distributed optimizer (both with capacity dropping) and TP=2 + SP; resuming TP=2 + SP at
-iteration 10 reproduces 11..20 exactly; DeepSpeed ZeRO-1 and ZeRO-2 (DP=2) around our MoE layer give the serial
+iteration 10 reproduces 11..20 exactly, and so does (1e-5) a serial run from that checkpoint converted to TP=1; DeepSpeed ZeRO-1 and ZeRO-2 (DP=2) around our MoE layer give the serial
 curve too, and so does full activation recomputation (serial).
 Megatron-LM's MoE log entries appear in the log line and in what pretrain() returns. Unimplemented MoE flags and
 impossible layouts are one-line errors."""
@@ -97,6 +97,16 @@ def test_moe_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: Path) -> 
     assert sorted(again) == list(range(half + 1, ITERS + 1))
     for it in again:
         assert again[it] == full[it], (it, again[it], full[it])
+    # tools/checkpoint/convert.py reshapes the MoE checkpoint (experts' TP slices, optimizer state) to TP=1, and a
+    # serial run continues the curve from it.
+    from megatron.checkpoint_conversion.driver import main as convert
+
+    summary = convert(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir",
+                       str(tmp_path / "ck"), "--save-dir", str(tmp_path / "tp1"), "--target-tensor-parallel-size", "1"])
+    assert summary["meta"].extra["optimizer"]["step"] == half
+    ((tp1,),) = run_distributed(run_many, 1, args=([("stage", _argv(gpt_data, "--load", str(tmp_path / "tp1"),
+                                                                    "--no-load-rng"))],))
+    _same(_curve(tp1, "TP2+SP -> TP1 converted"), serial, "TP2+SP -> TP1 converted", iters=range(half + 1, ITERS + 1))
 
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
