@@ -118,6 +118,7 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
         _print0("torch distributed is already initialized, skipping initialization ...")
         args.rank = dist.get_rank()
         args.world_size = dist.get_world_size()
+        peer_failure.register(args.rank)  # to name a dead rank later
         if cuda and args.distributed_backend != "gloo":
             torch.cuda.set_device(args.local_rank % torch.cuda.device_count())
     else:
@@ -149,7 +150,7 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
                 "(is the port free and the same on every rank?)"
             ) from exc
         _OWNS_PROCESS_GROUP = True
-        peer_failure.register(dist.distributed_c10d._get_default_store(), env.rank)  # to name a dead rank later
+        peer_failure.register(env.rank)  # to name a dead rank later
         if not _ATEXIT_REGISTERED:
             atexit.register(_destroy_process_group_at_exit)
             _ATEXIT_REGISTERED = True

@@ -49,9 +49,13 @@ def note_phase(what: str) -> None:
     _phase["what"] = what
 
 
-def register(store: Any, rank: int) -> None:
-    """Record this process's host and pid in the rendezvous store (one set; failures here are not fatal)."""
+def register(rank: int, store: Any = None) -> None:
+    """Record this process's host and pid in the (default) rendezvous store; one set, failures here are not fatal."""
     try:
+        if store is None:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            store = _get_default_store()
         store.set(f"{_KEY}{rank}", f"{socket.gethostname()} {os.getpid()}")
     except Exception:  # noqa: BLE001 - diagnosis is best effort; training must not depend on it
         pass
@@ -190,7 +194,7 @@ def describe(exc: BaseException) -> str:
     if lost:
         who = "; ".join(lost)
     elif not store_ok:
-        who = "the rendezvous store (hosted by rank 0 or the launcher) is gone too, so rank 0 or its node died"
+        who = "the rendezvous store does not answer either (rank 0 or the launcher that hosts it is gone)"
     else:
         who = "every other rank reports the same failure (a network problem?)"
     cause = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", " ".join(str(exc).split()))  # gloo's source path

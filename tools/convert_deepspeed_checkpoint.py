@@ -32,6 +32,7 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint_conversion.interchange import ConversionError  # noqa: E402
+from megatron.cli_parser import FlagParser  # noqa: E402
 from megatron.errors import MegatronUserError, exit_on_user_error  # noqa: E402
 
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -96,7 +97,7 @@ def _written_files(folder: str) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------- CLI
 def get_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         description="Convert a DeepSpeed checkpoint (global_step{N}/, latest) of pretrain_gpt.py --deepspeed into "
                     "Megatron's layout (iter_{N:07d}/mp_rank_XX/model_optim_rng.pt), or back with --to-deepspeed; "
                     "weights, iteration, consumed samples and LR schedule (no optimizer state: for a ZeRO-1/2 "

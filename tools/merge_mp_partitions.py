@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint_conversion.interchange import ConversionError  # noqa: E402
+from megatron.cli_parser import FlagParser  # noqa: E402
 from megatron.errors import exit_on_user_error  # noqa: E402
 
 # model flags accepted for compatibility: (flag, architecture field) - checked against the checkpoint
@@ -27,7 +28,7 @@ _CHECKED = (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
 
 
 def get_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Merge tensor-parallel partitions of a Megatron checkpoint",
+    parser = FlagParser(description="Merge tensor-parallel partitions of a Megatron checkpoint",
                                      allow_abbrev=False)
     parser.add_argument("--model-type", required=True, choices=("GPT", "BERT", "RACE", "MNLI", "QQP"))
     parser.add_argument("--tensor-model-parallel-size", type=int, required=True,

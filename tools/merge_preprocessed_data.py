@@ -16,11 +16,12 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron.cli_parser import FlagParser  # noqa: E402
 from megatron.data import indexed_dataset  # noqa: E402
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = FlagParser(description=__doc__.split("\n")[0])
     parser.add_argument("--datasets", nargs="+", required=True,
                         help="prefixes (without .bin/.idx) of the pairs to merge, in output order")
     parser.add_argument("--output-prefix", required=True, help="prefix of the merged pair (writes PREFIX.bin/.idx)")

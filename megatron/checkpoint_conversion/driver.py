@@ -16,10 +16,11 @@ from typing import Any, Dict, List, Optional
 
 from megatron.checkpoint_conversion.interchange import MODEL_TYPES, SUPPORTED_MODEL_TYPES, ConversionError, model_flags
 from megatron.checkpoint_conversion.plugins import resolve_plugin
+from megatron.cli_parser import FlagParser
 
 
 def base_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         description="Convert a checkpoint between Megatron layouts (any TP/PP/virtual PP), Hugging Face and "
                     "DeepSpeed", allow_abbrev=False, conflict_handler="resolve")
     parser.add_argument("--model-type", required=True, choices=MODEL_TYPES, help="Type of the model")
@@ -67,7 +68,7 @@ def base_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = base_parser()
-    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # plugin names first, so --help lists theirs
+    first = FlagParser(add_help=False, allow_abbrev=False)  # plugin names first, so --help lists theirs
     first.add_argument("--loader", default="megatron")
     first.add_argument("--saver", default="megatron")
     known, _ = first.parse_known_args(argv)

@@ -23,6 +23,8 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 
 import numpy as np
 
+from megatron.cli_parser import FlagParser
+
 try:
     import orjson as _orjson
 
@@ -92,7 +94,7 @@ def add_preprocess_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def get_parser(description: str = "Tokenize JSON lines into Megatron .bin/.idx files") -> argparse.ArgumentParser:
-    return add_preprocess_args(argparse.ArgumentParser(description=description))
+    return add_preprocess_args(FlagParser(description=description))
 
 
 def finish_args(args: argparse.Namespace) -> argparse.Namespace:
