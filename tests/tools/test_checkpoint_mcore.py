@@ -235,3 +235,14 @@ def test_core_checkpoints_load_at_our_tp2_and_pp2(oracle):
             else:
                 source = key.replace(".layers.0.", f".layers.{stage}.")
             assert torch.equal(value, expected[source]), (stage, key)
+
+
+def test_torch_dist_save_flags_refused_in_one_line(tmp_path):
+    from megatron.errors import ArgumentError
+
+    for extra, needle in (((), "add --no-save-optim"), (("--no-save-optim", "--deepspeed"), "--deepspeed")):
+        with pytest.raises(ArgumentError, match=needle) as info:
+            run_args("gpt", tmp_path, "--save", str(tmp_path), "--save-interval", "1", "--ckpt-format", "torch_dist",
+                     *extra)
+        assert "\n" not in str(info.value)
+    assert run_args("gpt", tmp_path).ckpt_format == "torch"  # ours stays the default
