@@ -135,7 +135,7 @@ def test_pp2_split1_matches_serial_resumes_exactly_and_bad_splits_are_refused(se
     }
     runs = [(argv(t5_data, *pp2, "--save", str(save), "--save-interval", str(ITERS // 2)), None),
             (argv(t5_data, *pp2, "--load", str(save)), (str(save), ITERS // 2))]
-    runs += [(argv(t5_data, *extra, iters=1), None) for extra in refusals.values()]
+    runs += [(argv(t5_data, *extra, iters=3), None) for extra in refusals.values()]
     results = run_distributed(run_many, 2, args=(runs,))
     full, again = curve(results[1][0], "pp2"), curve(results[1][1], "pp2 resumed")
     assert_matches(full, serial, "PP=2, split rank 1")
@@ -154,9 +154,9 @@ def test_pp4_split2_and_tp2_pp2_split1_match_serial(serial: dict, t5_data: dict)
             (argv(t5_data, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                   "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-split-rank", "1"), None),
             (argv(t5_data, "--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-split-rank", "2",
-                  "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1", iters=1), None),
+                  "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1", iters=3), None),
             (argv(t5_data, "--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-split-rank", "2",
-                  "--num-layers", "3", iters=1), None)]
+                  "--num-layers", "3", iters=3), None)]
     results = run_distributed(run_many, 4, args=(runs,))
     assert_matches(curve(results[-1][0], "pp4"), serial, "PP=4, split rank 2")
     assert_matches(curve(results[-1][1], "tp2-sp-pp2"), serial, "TP=2 (+SP) x PP=2, split rank 1")

@@ -168,11 +168,11 @@ def test_refusals_are_one_line(t5_data: dict, tmp_path: Path) -> None:
                                                            "--pipeline-model-parallel-split-rank", "1",
                                                            "--deepspeed", "--deepspeed_config", ds],
     }
-    runs = [(t5_argv(t5_data, *extra, iters=1), None) for extra in cases.values()]
+    runs = [(t5_argv(t5_data, *extra, iters=3), None) for extra in cases.values()]
     results = run_distributed(run_many, 2, args=(runs,))
     for res, named in zip(results[0], cases):
         assert res["error"] is not None and named in res["error"] and "\n" not in res["error"], res["error"]
-    missing = [a for a in t5_argv(t5_data, iters=1)]
+    missing = [a for a in t5_argv(t5_data, iters=3)]
     i = missing.index("--decoder-seq-length")
     del missing[i:i + 2]
     ((res,),) = run_distributed(run_many, 1, args=([(missing, None)],))
