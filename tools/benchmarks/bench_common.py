@@ -56,6 +56,22 @@ def megatron_train_step(model: torch.nn.Module, forward_step: Callable, clip_gra
     return step
 
 
+def hf_train_step(model: torch.nn.Module, clip_grad: float = 1.0) -> Callable[[torch.Tensor], float]:
+    """One fp32 training step of a Hugging Face causal LM in a plain loop: torch.optim.AdamW (lr 1e-4, wd 0.01),
+    gradient clipping, batches [mbs, seq + 1] of token ids (HF shifts the labels itself); returns the step function."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def step(batch: torch.Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        out = model(input_ids=batch[:, :-1], labels=batch[:, :-1])
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+        opt.step()
+        return float(out.loss.detach())
+
+    return step
+
+
 def run_interleaved(steps: dict[str, Callable[[Any], float]], batches: dict[str, Iterable[Any]] | Iterable[Any],
                     warmup: int) -> dict[str, dict[str, Any]]:
     """Run the contenders' steps interleaved (batch i of each, alternating which goes first); per contender the
@@ -76,7 +92,7 @@ def run_interleaved(steps: dict[str, Callable[[Any], float]], batches: dict[str,
                 times[name].append(time.perf_counter() - t)
                 cpu[name].append(time.process_time() - c)
     return {name: {"step_s": statistics.median(times[name]), "cpu_s": statistics.median(cpu[name]),
-                   "times": times[name], "losses": losses[name]} for name in steps}
+                   "times": times[name], "cpu_times": cpu[name], "losses": losses[name]} for name in steps}
 
 
 def gpt_forward_step(seq: int, mbs: int) -> Callable:

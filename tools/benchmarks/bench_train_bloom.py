@@ -18,16 +18,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import gpt_forward_step, matmul_peak_flops  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_common_args,
+    gpt_forward_step,
+    hf_train_step,
+    matmul_peak_flops,
+    megatron_train_step,
+    run_interleaved,
+)
 
 LAYERS, HIDDEN, HEADS, SEQ, MBS, VOCAB = 6, 384, 6, 512, 4, 32000
 FFN = 4 * HIDDEN
@@ -54,58 +59,30 @@ def build_hf():
                       hidden_dropout=0.0, attention_dropout=0.0, attn_implementation="eager")
     model = BloomForCausalLM(cfg).float()
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-
-    def step(batch: torch.Tensor) -> float:
-        opt.zero_grad(set_to_none=True)
-        out = model(input_ids=batch[:, :-1], labels=batch[:, :-1])
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return float(out.loss.detach())
-
-    return model, step
+    return model, hf_train_step(model)
 
 
 def build_megatron(hf_model):
     """GPTModel (BLOOM: ALiBi, embedding LayerNorm) with the HF model's weights + Megatron FP32 optimizer + the
     no-pipelining schedule."""
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.model import GPTModel
     from megatron.model.hf_bloom import hf_bloom_to_megatron_state_dict, megatron_config_from_hf_bloom
-    from megatron.optimizer import get_megatron_optimizer
-    from megatron.optimizer.optimizer_config import OptimizerConfig
 
     model_parallel_manual_seed(1234, 0)
     config = megatron_config_from_hf_bloom(hf_model.config, max_position_embeddings=SEQ)
-    state = ps.ParallelState.single()
-    model = GPTModel(config, tp_group=None, pp_state=state, parallel_output=True)
+    model = GPTModel(config, tp_group=None, pp_state=ps.ParallelState.single(), parallel_output=True)
     model.load_state_dict(hf_bloom_to_megatron_state_dict(hf_model.state_dict(), config))
-    optimizer = get_megatron_optimizer([model], OptimizerConfig(lr=1e-4, weight_decay=0.01, clip_grad=1.0), state)
-    forward_step = gpt_forward_step(SEQ, MBS)
-
-    def step(batch: torch.Tensor) -> float:
-        optimizer.zero_grad()
-        store = forward_backward_no_pipelining(forward_step, iter([batch]), [model], 1,
-                                               grad_scale_func=optimizer.scale_loss)
-        optimizer.step()
-        return float(store[0]["lm loss"])
-
-    return model, step
+    return model, megatron_train_step(model, gpt_forward_step(SEQ, MBS))
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per framework")
-    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per framework")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--json", type=str, default=None, help="also write the results here")
+    add_common_args(p)
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    batches = _batches(a.warmup + a.steps)
     tokens = MBS * SEQ
     flops = model_flops_per_step()
     peak = matmul_peak_flops()
@@ -114,28 +91,18 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"threads": torch.get_num_threads(), "peak_gflops": peak / 1e9, "tokens_per_step": tokens}
     hf = build_hf()
     frameworks = {"megatron": build_megatron(hf[0]), "hf": hf}
-    # Interleave the steps (alternating which framework goes first) so that both see the same machine load.
-    times: dict[str, list[float]] = {name: [] for name in frameworks}
-    cpu: dict[str, list[float]] = {name: [] for name in frameworks}
-    losses: dict[str, list[float]] = {name: [] for name in frameworks}
-    for i, batch in enumerate(batches):
-        order = list(frameworks) if i % 2 == 0 else list(reversed(frameworks))
-        for name in order:
-            t, c = time.perf_counter(), time.process_time()
-            losses[name].append(frameworks[name][1](batch))
-            if i >= a.warmup:
-                times[name].append(time.perf_counter() - t)
-                cpu[name].append(time.process_time() - c)
+    runs = run_interleaved({name: step for name, (_model, step) in frameworks.items()},
+                           _batches(a.warmup + a.steps), a.warmup)
     for name, (model, _step) in frameworks.items():
+        r = runs[name]
         n_params = sum(q.numel() for q in model.parameters())
-        med = statistics.median(times[name])
-        cpu_med = statistics.median(cpu[name])
+        med, cpu_med, losses = r["step_s"], r["cpu_s"], r["losses"]
         results[name] = {"params": n_params, "step_s": med, "tokens_per_s": tokens / med, "cpu_s": cpu_med,
-                         "step_min_s": min(times[name]), "cpu_min_s": min(cpu[name]),
-                         "mfu": flops / med / peak, "first_loss": losses[name][0], "last_loss": losses[name][-1]}
-        print(f"{name:9s} params {n_params / 1e6:.2f}M  step {med:.3f} s (median of {len(times[name])})  "
+                         "step_min_s": min(r["times"]), "cpu_min_s": min(r["cpu_times"]),
+                         "mfu": flops / med / peak, "first_loss": losses[0], "last_loss": losses[-1]}
+        print(f"{name:9s} params {n_params / 1e6:.2f}M  step {med:.3f} s (median of {len(r['times'])})  "
               f"{tokens / med:8.1f} tokens/s  MFU {100 * flops / med / peak:.1f}%  CPU {cpu_med:.3f} s/step  "
-              f"loss {losses[name][0]:.4f} -> {losses[name][-1]:.4f}", flush=True)
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     ratio = results["megatron"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
     results["ratio"] = ratio
     results["cpu_ratio"] = results["hf"]["cpu_s"] / results["megatron"]["cpu_s"]

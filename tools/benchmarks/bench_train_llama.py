@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import gpt_forward_step, matmul_peak_flops  # noqa: E402
+from bench_common import gpt_forward_step, hf_train_step, matmul_peak_flops  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, SEQ, MBS, VOCAB = 6, 384, 6, 2, 1024, 512, 4, 32000
 
@@ -56,17 +56,7 @@ def build_hf():
                       attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg).float()
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-
-    def step(batch: torch.Tensor) -> float:
-        opt.zero_grad(set_to_none=True)
-        out = model(input_ids=batch[:, :-1], labels=batch[:, :-1])
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return float(out.loss.detach())
-
-    return model, step
+    return model, hf_train_step(model)
 
 
 def build_megatron(hf_model):

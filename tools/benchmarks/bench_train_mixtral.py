@@ -27,7 +27,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import add_common_args, gpt_forward_step, megatron_train_step, run_interleaved  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_common_args,
+    gpt_forward_step,
+    hf_train_step,
+    megatron_train_step,
+    run_interleaved,
+)
 
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, EXPERTS, TOPK, SEQ, MBS, VOCAB = 4, 384, 6, 2, 1024, 8, 2, 512, 2, 32000
 
@@ -48,17 +54,7 @@ def build_hf():
                         tie_word_embeddings=False, attention_dropout=0.0, attn_implementation="sdpa")
     model = MixtralForCausalLM(cfg).float()
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-
-    def step(batch: torch.Tensor) -> float:
-        opt.zero_grad(set_to_none=True)
-        out = model(input_ids=batch[:, :-1], labels=batch[:, :-1])
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return float(out.loss.detach())
-
-    return model, step
+    return model, hf_train_step(model)
 
 
 def build_megatron(hf_model):
