@@ -50,16 +50,23 @@ def _bias_gelu_bwd(g_ptr, x_ptr, b_ptr, dx_ptr, n, f, HAS_BIAS: tl.constexpr, BL
 
 
 @triton.jit
-def _bias_swiglu_fwd(x_ptr, b_ptr, y_ptr, f, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < f
+def _swiglu_inputs(x_ptr, b_ptr, row, cols, inside, f, HAS_BIAS: tl.constexpr):
+    """The gate and up halves of row `row` in fp32, plus the bias rounded to the input dtype first (as torch adds it)."""
     gate = tl.load(x_ptr + row * 2 * f + cols, mask=inside, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * f + f + cols, mask=inside, other=0.0).to(tl.float32)
     if HAS_BIAS:
         gate = (gate + tl.load(b_ptr + cols, mask=inside, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
         up = (up + tl.load(b_ptr + f + cols, mask=inside, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
         gate, up = gate.to(tl.float32), up.to(tl.float32)
+    return gate, up
+
+
+@triton.jit
+def _bias_swiglu_fwd(x_ptr, b_ptr, y_ptr, f, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < f
+    gate, up = _swiglu_inputs(x_ptr, b_ptr, row, cols, inside, f, HAS_BIAS)
     y = gate * tl.sigmoid(gate) * up
     tl.store(y_ptr + row * f + cols, y.to(y_ptr.dtype.element_ty), mask=inside)
 
@@ -69,12 +76,7 @@ def _bias_swiglu_bwd(g_ptr, x_ptr, b_ptr, dx_ptr, f, HAS_BIAS: tl.constexpr, BLO
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < f
-    gate = tl.load(x_ptr + row * 2 * f + cols, mask=inside, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * 2 * f + f + cols, mask=inside, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        gate = (gate + tl.load(b_ptr + cols, mask=inside, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
-        up = (up + tl.load(b_ptr + f + cols, mask=inside, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
-        gate, up = gate.to(tl.float32), up.to(tl.float32)
+    gate, up = _swiglu_inputs(x_ptr, b_ptr, row, cols, inside, f, HAS_BIAS)
     g = tl.load(g_ptr + row * f + cols, mask=inside, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     d_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
