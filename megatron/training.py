@@ -6,6 +6,10 @@ Initialises Megatron (flags, torch.distributed, model-parallel groups, seeds, to
 consumed-sample position and runs the training loop with Megatron's logging, evaluation, checkpointing and exit
 conditions (--exit-interval, --exit-duration-in-mins, --exit-signal-handler).
 
+The loop owns the run state (a `TrainingState`: iteration, consumed samples, ...; megatron/training_state.py) and
+drives one training backend (megatron/backend/: Megatron's own or DeepSpeed's engine, picked by `backend_for`) for
+set-up, load, steps, evaluation, saves, loss scale and parameter norm; it has no DeepSpeed branches.
+
 Entry scripts may pass ``argv`` (a list of flag strings) instead of reading ``sys.argv``; tests use that.
 """
 from __future__ import annotations
@@ -21,19 +25,16 @@ import torch
 
 from megatron import global_vars, peer_failure
 from megatron.arguments import core_transformer_config_from_args
+from megatron.backend import backend_for
+from megatron.backend.megatron import PipelineScheduleError, check_pipeline_schedule  # noqa: F401  (Megatron's names)
 from megatron.checkpointing import (
     forget_last_loaded,
     last_loaded,
-    load_checkpoint,
     local_rng_state,
     restore_local_rng_state,
-    save_checkpoint,
 )
 from megatron.core import moe_aux
 from megatron.core import parallel_state as ps
-from megatron.core.distributed import finalize_model_grads
-from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.errors import MegatronUserError
 from megatron.flops import num_floating_point_operations
 from megatron.initialize import initialize_megatron
 from megatron.logging_utils import (
@@ -61,23 +62,14 @@ from megatron.nan_guard import (
     FirstLossWatch,
     NonFiniteTrainingError,
     SkipCounter,
-    loaded_state_problem,
-    loss_and_grads_finite,
     params_finite,
 )
-from megatron.optimizer import get_megatron_optimizer
-from megatron.optimizer.optimizer_config import optimizer_config_from_args
 from megatron.progress import ProgressNotes
 from megatron.required_flags import TRAINING_RUN
 from megatron.theoretical_memory_usage import report_theoretical_memory
 from megatron.training_state import TrainingState
-from megatron.utils import calc_params_l2_norm
 
 _TRAIN_START_TIME = time.time()
-
-
-class PipelineScheduleError(MegatronUserError):
-    """The batch layout does not fit the pipeline schedule."""
 
 
 def print_datetime(message: str) -> None:
@@ -88,46 +80,15 @@ def print_datetime(message: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- model + optimizer
-def check_pipeline_schedule(args: argparse.Namespace, num_microbatches: int) -> None:
-    """Megatron's start-up rule for the interleaved schedule: micro-batches divisible by the pipeline size."""
-    pp = args.pipeline_model_parallel_size
-    if pp > 1 and getattr(args, "virtual_pipeline_model_parallel_size", None) is not None \
-            and num_microbatches % pp != 0:
-        raise PipelineScheduleError(
-            f"the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage) needs the number of "
-            f"micro-batches ({num_microbatches} = --global-batch-size / (--micro-batch-size x data-parallel "
-            f"size)) to be divisible by --pipeline-model-parallel-size ({pp}); change --global-batch-size or "
-            f"--micro-batch-size")
-
-
 def setup_model_and_optimizer(model_provider_func: Callable, model_type: Any, args: argparse.Namespace,
                               state: ps.ParallelState, train_state: Optional[TrainingState] = None
                               ) -> tuple[list, Any, Any]:
-    """Model, optimizer and LR schedule; loads --load. The iteration and consumed samples go to `train_state`
-    (without one, onto ``args`` under Megatron's names: the finetuning loop keeps its run state there)."""
+    """Model, optimizer and LR schedule from the backend; loads --load. The iteration and consumed samples go to
+    `train_state` (without one, onto ``args`` under Megatron's names: the finetuning loop keeps its run state there)."""
     forget_last_loaded()
-    if getattr(args, "deepspeed", False):
-        from megatron.ds.engine import setup_deepspeed_model_and_optimizer
-
-        return setup_deepspeed_model_and_optimizer(model_provider_func, model_type, args, state, train_state)
-    model = get_model(model_provider_func, model_type, args, state)
-    optimizer = get_megatron_optimizer(model, optimizer_config_from_args(args), state)
-    opt_param_scheduler = get_optimizer_param_scheduler(optimizer, args)
-    if args.load is not None:
-        timers = global_vars.get_timers()
-        timers("load-checkpoint", log_level=0).start(barrier=True)
-        iteration = load_checkpoint(model, optimizer, opt_param_scheduler, args, train_state=train_state)
-        timers("load-checkpoint").stop(barrier=True)
-        timers.log(["load-checkpoint"])
-        loaded = last_loaded()
-        problem = loaded_state_problem(model, optimizer) if loaded is not None else None
-        if problem is not None:
-            raise NonFiniteTrainingError(f"the checkpoint loaded from --load ({loaded.folder}) holds non-finite "
-                                         f"{problem}: training cannot continue from it (a lower --lr will not help); "
-                                         "resume from an earlier checkpoint (edit latest_checkpointed_iteration.txt) "
-                                         "or start without --load")
-    else:
-        iteration = 0
+    backend = backend_for(args)
+    model, optimizer, opt_param_scheduler = backend.setup(model_provider_func, model_type, args, state)
+    iteration = backend.load(model, optimizer, opt_param_scheduler, args, train_state) if args.load is not None else 0
     if train_state is None:
         args.iteration = iteration
     else:
@@ -194,74 +155,19 @@ def build_train_valid_test_data_iterators(
 
 
 # ----------------------------------------------------------------------------------------------- steps
-def _schedule(args: argparse.Namespace) -> Callable[..., list]:
-    check_pipeline_schedule(args, global_vars.get_num_microbatches())
-    return get_forward_backward_func(args.pipeline_model_parallel_size,
-                                     getattr(args, "virtual_pipeline_model_parallel_size", None))
-
-
 def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list, optimizer: Any,
                opt_param_scheduler: Any, args: argparse.Namespace, state: ps.ParallelState,
                iteration: Optional[int] = None) -> tuple[dict, int, Optional[float], Optional[int]]:
-    """One iteration (`iteration`: the one being trained, default ``args.curr_iteration``): forward/backward over
-    the micro-batches, gradient reductions, optimizer and LR step."""
+    """One iteration through the backend (`iteration`: the one being trained, default ``args.curr_iteration``),
+    with the MoE router losses of the step added to the losses."""
     if iteration is None:
         iteration = getattr(args, "curr_iteration", 0)
-    if getattr(args, "deepspeed", False):
-        from megatron.ds.engine import deepspeed_train_step
-
-        loss_dict, skipped_iter, grad_norm, num_zeros = deepspeed_train_step(
-            forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, args, state)
-        moe_losses = moe_aux_losses(args, state, iteration)
-        if loss_dict:
-            loss_dict.update(moe_losses)
-        return loss_dict, skipped_iter, grad_norm, num_zeros
-    timers = global_vars.get_timers()
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-
-    forward_backward_func = _schedule(args)
-    timers("forward-backward", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
-    losses_reduced = forward_backward_func(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=global_vars.get_num_microbatches(), forward_only=False,
-        grad_scale_func=optimizer.scale_loss, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        decoder_seq_length=getattr(args, "decoder_seq_length", None), parallel_state=state,
-    )
-    timers("forward-backward").stop()
-
-    timers("grads-all-reduce", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
-    finalize_model_grads(model, state, sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
-    timers("grads-all-reduce").stop()
-
-    # --check-for-nan-in-loss-and-grad: a non-finite loss or grad norm skips the step on every rank (nan_guard).
-    finite = True
-    if getattr(args, "check_for_nan_in_loss_and_grad", True):
-        finite, _ = loss_and_grads_finite(losses_reduced, model, check_grads=not args.fp16)
-    timers("optimizer", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
-    if finite:
-        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
-    else:
-        update_successful, grad_norm, num_zeros_in_grad = False, float("nan"), None
-    timers("optimizer").stop()
-
-    if update_successful:
-        increment = global_vars.get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
-        opt_param_scheduler.step(increment=increment)
-        skipped_iter = 0
-    else:
-        skipped_iter = 1
-
-    moe_losses = moe_aux_losses(args, state, iteration)
-    if state.is_pipeline_last_stage(ignore_virtual=True) and losses_reduced:
-        loss_reduced = {}
-        for key in losses_reduced[0]:
-            values = [float(x[key]) for x in losses_reduced]
-            loss_reduced[key] = sum(values) / len(values)
-        loss_reduced.update(moe_losses)
-        return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
-    return {}, skipped_iter, grad_norm, num_zeros_in_grad
+    loss_dict, skipped_iter, grad_norm, num_zeros = backend_for(args).train_step(
+        forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, args, state)
+    moe_losses = moe_aux_losses(args, state, iteration)  # collective: every rank
+    if loss_dict:
+        loss_dict.update(moe_losses)
+    return loss_dict, skipped_iter, grad_norm, num_zeros
 
 
 def moe_aux_losses(args: argparse.Namespace, state: ps.ParallelState, iteration: int) -> dict:
@@ -367,43 +273,8 @@ def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], mod
     `train_state` (without one, in ``args``)."""
     run: Any = train_state if train_state is not None else args
     peer_failure.note_phase(f"evaluation at iteration {getattr(run, 'iteration', 0)}")
-    if getattr(args, "deepspeed", False):
-        from megatron.ds.engine import deepspeed_evaluate
-
-        return deepspeed_evaluate(forward_step_func, data_iterator, model, args, state, verbose,
-                                  count_valid_samples, train_state), None
-    for chunk in model:
-        chunk.eval()
-    total: dict[str, float] = {}
-    forward_backward_func = _schedule(args)
-    num_mb = global_vars.get_num_microbatches()
-    with torch.no_grad():
-        for it in range(args.eval_iters):
-            if verbose:
-                print_rank_0(f"Evaluating iter {it + 1}/{args.eval_iters}")
-            loss_dicts = forward_backward_func(
-                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                num_microbatches=num_mb, forward_only=True, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, parallel_state=state,
-                decoder_seq_length=getattr(args, "decoder_seq_length", None))
-            if state.is_pipeline_last_stage(ignore_virtual=True):
-                for d in loss_dicts:
-                    for key, value in d.items():
-                        total[key] = total.get(key, 0.0) + float(value)
-            if count_valid_samples:
-                run.consumed_valid_samples += args.micro_batch_size * args.data_parallel_size * num_mb
-        collected = None
-        if process_non_loss_data_func is not None:  # every stage takes part in the pipelined forward
-            collected = forward_backward_func(
-                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                num_microbatches=num_mb, forward_only=True, collect_non_loss_data=True, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, parallel_state=state,
-                decoder_seq_length=getattr(args, "decoder_seq_length", None))
-    for chunk in model:
-        chunk.train()
-    for key in total:
-        total[key] /= args.eval_iters * num_mb
-    return total, collected
+    return backend_for(args).evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, args,
+                                      state, verbose, count_valid_samples, run)
 
 
 def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_iterator: Optional[Iterator],
@@ -442,13 +313,7 @@ def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
     peer_failure.note_phase(f"the checkpoint save of iteration {iteration}")
     timers = global_vars.get_timers()
     timers("save-checkpoint", log_level=0).start(barrier=True)
-    if getattr(args, "deepspeed", False):
-        from megatron.ds.engine import save_deepspeed_checkpoint
-
-        save_deepspeed_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, train_state)
-    else:
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, train_loss=train_loss,
-                        train_state=train_state)
+    backend_for(args).save(iteration, model, optimizer, opt_param_scheduler, args, train_loss, train_state)
     timers("save-checkpoint").stop(barrier=True)
     timers.log(["save-checkpoint"])
     if guard is not None:
@@ -488,6 +353,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         chunk.train()
     total_loss_dict: dict = {}
     run = train_state if train_state is not None else TrainingState.from_args(args)
+    backend = backend_for(args)
     iteration = run.iteration
     sigterm = global_vars.get_signal_handler() if getattr(args, "exit_signal_handler", False) else None
     timers("interval-time", log_level=0).start(barrier=True)
@@ -520,18 +386,8 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         run.consumed_train_samples += new_samples
         run.consumed_train_tokens += new_samples * args.seq_length
 
-        if getattr(args, "deepspeed", False):
-            from megatron.ds.engine import deepspeed_loss_scale, deepspeed_params_norm
-
-            loss_scale = deepspeed_loss_scale(model)
-            params_norm = deepspeed_params_norm(model, state) if getattr(args, "log_params_norm", False) else None
-        else:
-            loss_scale = float(optimizer.get_loss_scale().item())
-            if getattr(args, "log_params_norm", False):  # --overlap-param-gather: params must be complete
-                for chunk in model:
-                    getattr(chunk, "finish_param_sync", lambda: None)()
-            params_norm = (calc_params_l2_norm(model, state.mp_group, state.tp_rank)
-                           if getattr(args, "log_params_norm", False) else None)
+        loss_scale = backend.loss_scale(model, optimizer)
+        params_norm = backend.params_norm(model, state) if getattr(args, "log_params_norm", False) else None
         report_memory_flag = training_log(
             loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], iteration, loss_scale,
             report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros, args, run)

@@ -1,8 +1,8 @@
 """The ``--deepspeed`` training path: build the DeepSpeed engine, run train/eval steps, save and load checkpoints.
 
-`setup_deepspeed_model_and_optimizer` builds our model (GPTModel, or GPTModelPipe under pipeline
-parallelism), Megatron's parameter groups and a torch AdamW/SGD (so no DeepSpeed op needs compiling), and hands
-them to ``deepspeed.initialize`` with the reconciled config (`megatron.ds.config`) and our `mpu` adapter. DeepSpeed
+`setup_deepspeed_model_and_optimizer` builds the model it is given (GPTModel, or GPTModelPipe under pipeline
+parallelism: megatron/backend/deepspeed.py chooses), Megatron's parameter groups and a torch AdamW/SGD (so no
+DeepSpeed op needs compiling), and hands them to ``deepspeed.initialize`` with the reconciled config (`megatron.ds.config`) and our `mpu` adapter. DeepSpeed
 then owns precision (fp16/bf16 from the config), gradient accumulation, data-parallel reduction, ZeRO partitioning
 and gradient clipping; Megatron's `OptimizerParamScheduler` still sets LR and weight decay, stepped by the samples
 of each applied update exactly like the non-DeepSpeed path.
@@ -136,10 +136,9 @@ def _skip_inference_only_cpu_op() -> None:
 
 
 def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: Any, args: argparse.Namespace,
-                                        state: ps.ParallelState, train_state: Optional[TrainingState] = None
-                                        ) -> tuple[list, Any, Any]:
-    """([engine], engine's optimizer, OptimizerParamScheduler); loads --load (the iteration and consumed samples go
-    to `train_state`; without one, onto ``args``)."""
+                                        state: ps.ParallelState) -> tuple[list, Any, Any]:
+    """([engine], engine's optimizer, OptimizerParamScheduler); `model_provider` builds the module the engine
+    wraps (the DeepSpeed backend passes the family's pipe model under DeepSpeed's pipeline engine)."""
     import deepspeed
 
     args.model_type = model_type
@@ -163,18 +162,6 @@ def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: An
     )
     # The scheduler drives the engine optimizer's groups (ZeRO keeps our group dicts, flattening their params).
     opt_param_scheduler = get_optimizer_param_scheduler(ds_optimizer, args)
-    if args.load is not None:
-        timers = global_vars.get_timers()
-        timers("load-checkpoint", log_level=0).start(barrier=True)
-        iteration = load_deepspeed_checkpoint([engine], ds_optimizer, opt_param_scheduler, args, train_state)
-        timers("load-checkpoint").stop(barrier=True)
-        timers.log(["load-checkpoint"])
-    else:
-        iteration = 0
-    if train_state is None:
-        args.iteration = iteration
-    else:
-        train_state.iteration = iteration
     return [engine], ds_optimizer, opt_param_scheduler
 
 
@@ -284,8 +271,9 @@ def deepspeed_forward_only(forward_step_func: Callable, data_iterator: Optional[
 
 def deepspeed_evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
                        args: argparse.Namespace, state: ps.ParallelState, verbose: bool = False,
-                       count_valid_samples: bool = True, train_state: Optional[TrainingState] = None) -> dict:
-    """training.evaluate for engines: average losses over --eval-iters batches."""
+                       count_valid_samples: bool = True, counts: Any = None) -> dict:
+    """training.evaluate for engines: average losses over --eval-iters batches; validation samples are counted in
+    `counts` (a TrainingState; default ``args``)."""
     engine = model[0]
     engine.eval()
     num_mb = global_vars.get_num_microbatches()
@@ -300,7 +288,7 @@ def deepspeed_evaluate(forward_step_func: Callable, data_iterator: Optional[Iter
                 total[key] = total.get(key, 0.0) + float(value)
         count += len(dicts)
         if count_valid_samples:
-            (train_state or args).consumed_valid_samples += args.micro_batch_size * args.data_parallel_size * num_mb
+            (args if counts is None else counts).consumed_valid_samples += args.micro_batch_size * args.data_parallel_size * num_mb
     engine.train()
     return {k: v / max(1, count) for k, v in total.items()}
 
