@@ -43,6 +43,8 @@ CONFIG_FIELDS: Dict[str, Tuple[Tuple[str, ...], Getter]] = {
     "virtual_pipeline_model_parallel_size": (("num_layers_per_virtual_pipeline_stage",),
                                              lambda a: a.virtual_pipeline_model_parallel_size),
     "sequence_parallel": _copy("sequence_parallel"),
+    "context_parallel_size": _copy("context_parallel_size"),
+    "cp_comm_type": _copy("cp_comm_type"),
     "params_dtype": (("fp16", "bf16"), lambda a: getattr(a, "params_dtype", torch.float)),
     "fp16": _copy("fp16"),
     "bf16": _copy("bf16"),

@@ -342,7 +342,8 @@ def context_parallel_attention(
     seq_len = s * n
     check_cp_layout(seq_len, n)
     scale = 1.0 / math.sqrt(hn) if softmax_scale is None else softmax_scale
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+    dtype = query.dtype  # fp16/bf16 inputs: the softmax and its statistics in fp32 (Megatron's softmax-in-fp32)
+    q, k, v = (t.permute(1, 2, 0, 3).float() for t in (query, key, value))  # [b, h, s, d]
     if n == 1:
         pos = torch.arange(s, device=q.device)
         out = _dense_attention(q, k, v, scale, pos, pos, causal, attention_mask)
@@ -368,4 +369,4 @@ def context_parallel_attention(
             mask = full.index_select(-1, cols)
         o = _dense_attention(qa, ka, va, scale, cols, cols, causal, mask)
         out = _AllToAll.apply(o, group, 2, 1)  # back to [b, h, s, d]
-    return out.permute(2, 0, 1, 3).reshape(s, b, heads * hn)
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * hn).to(dtype)

@@ -19,6 +19,10 @@ class ModelParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    """Ranks the sequence is split over (megatron/core/context_parallel.py); the layers get the group explicitly."""
+    cp_comm_type: str = "p2p"
+    """Context-parallel attention: "p2p" (ring), "all_gather" or "a2a" (--cp-comm-type)."""
     params_dtype: torch.dtype = torch.float32
     fp16: bool = False
     bf16: bool = False

@@ -111,3 +111,68 @@ def test_layout_positions_and_errors() -> None:
     # One process (no group): plain full attention.
     out = cpa.context_parallel_attention(q, q, q, None, causal=True)
     assert torch.allclose(out, _reference(q, q, q, True, None), atol=1e-6)
+
+
+def test_rank_layout_is_megatrons_tp_cp_dp_pp_order() -> None:
+    from megatron.core.parallel_state import _build_rank_groups, rank_coordinates
+
+    layout = _build_rank_groups(16, tp=2, pp=2, cp=2)  # DP 2
+    assert layout["tp"][:2] == [[0, 1], [2, 3]]
+    assert layout["cp"][:4] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout["dp"][:2] == [[0, 4], [1, 5]]
+    assert layout["dp_cp"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]  # gradients: same TP and PP coordinates
+    assert layout["pp"][0] == [0, 8]
+    assert layout["mp"][0] == [0, 1, 8, 9]  # TP x PP of one (DP, CP) coordinate
+    assert rank_coordinates(7, 16, 2, 2, 2) == {"tp_rank": 1, "cp_rank": 1, "dp_rank": 1, "pp_rank": 0}
+    assert _build_rank_groups(4, 1, 1)["dp"] == [[0, 1, 2, 3]]  # without CP: unchanged
+    with pytest.raises(ValueError, match="context-parallel size"):
+        _build_rank_groups(6, tp=1, pp=1, cp=4)
+
+
+def _validate(extra: str, world_size: int = 2, training: bool = True):
+    from megatron.arguments import parse_args, validate_args
+    from megatron.required_flags import TRAINING_RUN
+
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 64 "
+            "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --attention-dropout 0 --data-path p "
+            "--tokenizer-type GPT2BPETokenizer --vocab-file v --merge-file m ")
+    args = parse_args(args=(base + extra).split())
+    args.world_size = world_size
+    return validate_args(args, {TRAINING_RUN: True} if training else {})
+
+
+@pytest.mark.parametrize("extra, world, message", [
+    ("--context-parallel-size 2 --seq-length 30", 2, r"--seq-length \(30\) must be divisible by 2 x"),
+    ("--context-parallel-size 2", 3, r"world size \(3\) is not divisible .* --context-parallel-size \(2\)"),
+    ("--context-parallel-size 4 --cp-comm-type a2a --group-query-attention --num-query-groups 2 "
+     "--num-attention-heads 2", 4, "a2a needs the attention heads per tensor-parallel rank"),
+    ("--context-parallel-size 2 --attention-dropout 0.1", 2, "needs --attention-dropout 0"),
+    ("--context-parallel-size 2 --position-embedding-type alibi", 2, "does not support ALiBi"),
+])
+def test_impossible_layouts_are_one_line_errors(extra: str, world: int, message: str) -> None:
+    from megatron.arguments import ArgumentError
+
+    with pytest.raises(ArgumentError, match=message) as info:
+        _validate(extra, world)
+    assert "\n" not in str(info.value)
+
+
+def test_cp_sets_data_parallel_size_and_refuses_outside_training() -> None:
+    from megatron.arguments import ArgumentError
+
+    args = _validate("--context-parallel-size 2 --tensor-model-parallel-size 2", world_size=8)
+    assert args.data_parallel_size == 2
+    with pytest.raises(ArgumentError, match="evaluation and text generation run at --context-parallel-size 1"):
+        _validate("--context-parallel-size 2", training=False)  # tasks/main.py, generation, the eval harness
+
+
+def test_memory_estimate_knows_context_parallelism() -> None:
+    from megatron.theoretical_memory_usage import compute_activation_memory
+
+    def estimate(extra: str, world: int) -> float:
+        args = _validate("--seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1 " + extra, world)
+        args.padded_vocab_size = 512
+        return compute_activation_memory(args)
+
+    one, two, four = estimate("", 1), estimate("--context-parallel-size 2", 2), estimate("--context-parallel-size 4", 4)
+    assert four < two < 0.55 * one
