@@ -15,7 +15,7 @@ import torch
 
 from megatron.cli_parser import FlagParser
 from megatron.config_flags import config_kwargs_from_args, dests_without_config_field
-from megatron.core.transformer_config import TransformerConfig
+from megatron.core.transformer_config import TransformerConfig, rope_scaling_problem
 from megatron.errors import ArgumentError
 from megatron.flag_registry import refuse_unimplemented
 from megatron.launcher import detect_launcher_env
@@ -137,6 +137,19 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="Fraction of each head's channels that RoPE rotates (0 < p <= 1).")
     g.add_argument("--rotary-base", type=float, default=10000.0,
                    help="RoPE base (theta): 10000 for Llama-2, 1e6 for Mistral v0.3, 500000 for Llama-3.")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
+                   help="Linear position interpolation: RoPE rotates position p as p / factor (HF rope_type linear; "
+                        "Megatron-LM parses an int, any positive number is accepted here).")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama-3.1 RoPE frequency scaling (HF rope_type llama3), as Megatron-LM.")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="Llama-3.1 scaling factor with --use-rope-scaling (8 for Llama-3.1, 32 for Llama-3.2).")
+    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0,
+                   help="Llama-3.1 low_freq_factor with --use-rope-scaling (Megatron-LM hard-codes 1).")
+    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0,
+                   help="Llama-3.1 high_freq_factor with --use-rope-scaling (Megatron-LM hard-codes 4).")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
+                   help="Llama-3.1 original context length with --use-rope-scaling (Megatron-LM hard-codes 8192).")
     g.add_argument("--normalization", type=str, default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
                    help="Normalization layer: LayerNorm (GPT-2/BERT) or RMSNorm (Llama).")
     g.add_argument("--group-query-attention", action="store_true",
@@ -895,6 +908,9 @@ def _resolve_position_embedding(args: argparse.Namespace) -> None:
     if kind != "rope":
         _require(args.rotary_percent == 1.0 and args.rotary_base == 10000.0,
                  f"--rotary-percent/--rotary-base need --position-embedding-type rope (got {kind})")
+        _require(not args.use_rope_scaling and args.rotary_seq_len_interpolation_factor is None,
+                 "--use-rope-scaling/--rotary-seq-len-interpolation-factor need --position-embedding-type rope "
+                 f"(got {kind})")
     # Rotary embeddings take positions 0..s-1 (plus the decode offset), as in Megatron-LM: reset position ids would
     # silently change nothing there.
     _require(not (getattr(args, "reset_position_ids", False) and kind != "learned_absolute"),
@@ -906,6 +922,8 @@ def _validate_architecture(args: argparse.Namespace) -> None:
     """Query groups, rotary range, activations: refuse what cannot work, with one line naming the flags."""
     _require(0.0 < args.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1] (got {args.rotary_percent})")
     _require(args.rotary_base > 0, f"--rotary-base must be positive (got {args.rotary_base})")
+    problem = rope_scaling_problem(args)
+    _require(problem is None, problem or "")
     heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
     if args.group_query_attention:
         if args.num_query_groups is None:

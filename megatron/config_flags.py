@@ -81,6 +81,12 @@ CONFIG_FIELDS: Dict[str, Tuple[Tuple[str, ...], Getter]] = {
     "rotary_base": _copy("rotary_base"),
     "embed_layernorm": _copy("embed_layernorm"),
     "rotary_percent": _copy("rotary_percent"),
+    "rotary_seq_len_interpolation_factor": _copy("rotary_seq_len_interpolation_factor"),
+    "use_rope_scaling": _copy("use_rope_scaling"),
+    "rope_scaling_factor": _copy("rope_scaling_factor"),
+    "rope_scaling_low_freq_factor": _copy("rope_scaling_low_freq_factor"),
+    "rope_scaling_high_freq_factor": _copy("rope_scaling_high_freq_factor"),
+    "rope_scaling_original_max_position_embeddings": _copy("rope_scaling_original_max_position_embeddings"),
     # normalization
     "normalization": _copy("normalization"),
     "layernorm_epsilon": _copy("layernorm_epsilon"),

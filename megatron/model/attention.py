@@ -381,7 +381,7 @@ class ParallelAttention(MegatronModule):
             layout = tensor_parallel.TensorParallelLayout(dim=0, unit=2 * hn, structure=f"{ng} KV groups of [k; v]")
             for p in self.key_value.parameters():
                 tensor_parallel.set_tp_layout(p, layout)
-        self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base)
+        self.rotary = (RotaryEmbedding.from_config(config)
                        if config.position_embedding_type == "rope" and attention_type == AttnType.self_attn else None)
         self.core_attention = CoreAttention(config, self.layer_number, tp_group, attn_mask_type)
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
