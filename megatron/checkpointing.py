@@ -275,7 +275,7 @@ def save_checkpoint(
     if optimizer is not None and hasattr(optimizer, "get_parameter_state") and not getattr(args, "no_save_optim",
                                                                                             False):
         param_state = optimizer.get_parameter_state()  # collective over the data-parallel group
-    if state.dp_rank == 0:
+    if state.dp_rank == 0 and state.cp_rank == 0:  # context-parallel ranks hold the same weights: one writer
         run = train_state if train_state is not None else TrainingState.from_args(args)
         state_dict: dict[str, Any] = {
             "args": _args_to_save(args) if train_state is None else train_state.megatron_args(args),
