@@ -6,6 +6,7 @@
 - Counters restore from a checkpoint's top-level keys, or from its saved ``args`` (old checkpoints), and write back
   onto ``args`` for callers that keep their run state there.
 - tools/check_same_behaviour.py masks timings only, and reports a changed loss, log line or tensor.
+- megatron/training.py never mentions DeepSpeed; both backends implement every method of the seam.
 """
 from __future__ import annotations
 
@@ -95,3 +96,23 @@ def test_behaviour_check_masks_timings_and_reports_changes() -> None:
                        "")
     changed_tensor = {"gpt": {**base["gpt"], "checkpoints": {"f.pt": {"sha256": "b", "content": other}}}}
     assert ".w:" in tool.compare(base, changed_tensor)[0]
+
+
+def test_the_loop_has_no_deepspeed_branches_and_both_backends_implement_the_seam() -> None:
+    import inspect
+
+    from megatron import training
+    from megatron.backend import TrainingBackend, backend_for
+    from megatron.backend.megatron import MegatronBackend
+
+    code = inspect.getsource(training).split('"""', 2)[2]  # below the module docstring
+    assert "deepspeed" not in code.lower()
+    assert type(backend_for(argparse.Namespace())) is MegatronBackend
+    assert type(backend_for(argparse.Namespace(deepspeed=True))).__name__ == "DeepSpeedBackend"
+    methods = {"setup", "load", "train_step", "evaluate", "save", "loss_scale", "params_norm"}
+    assert methods <= TrainingBackend.__abstractmethods__
+    from megatron.backend.deepspeed import PIPE_MODELS, DeepSpeedBackend
+
+    for cls in (MegatronBackend, DeepSpeedBackend):
+        assert not cls.__abstractmethods__, cls
+    assert set(PIPE_MODELS) == {"gpt"}  # BERT/T5 keep their entry scripts' one-line refusals under DeepSpeed PP
