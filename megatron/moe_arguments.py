@@ -143,6 +143,9 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     if args.expert_tensor_parallel_size != tp:
         raise ArgumentError(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} is not implemented: "
                             f"the experts use --tensor-model-parallel-size ({tp}); drop the flag or set it to {tp}")
+    if ep > 1 and (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        raise ArgumentError("--expert-model-parallel-size > 1 with --context-parallel-size > 1 is not implemented; "
+                            "use one of them")
     world = getattr(args, "world_size", 1) or 1
     dp = world // max(1, tp * args.pipeline_model_parallel_size)
     if ep < 1 or dp % ep:
