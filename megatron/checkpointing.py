@@ -5,13 +5,15 @@ Layout (same as Megatron-LM, so its tools and ours read each other's folders)::
     <save>/latest_checkpointed_iteration.txt          "1000" or "release"
     <save>/iter_0001000/mp_rank_00/model_optim_rng.pt   (PP == 1)
     <save>/iter_0001000/mp_rank_00_000/model_optim_rng.pt (PP > 1: tensor rank, pipeline rank)
+    <save>/iter_0001000/mp_rank_00[_000]_001/...          (expert parallelism: + expert rank, 3 digits)
 
 Each file holds ``args``, ``checkpoint_version`` (3.0), ``iteration``, ``model`` (the nested
 ``state_dict_for_save_checkpoint()``; ``model0``, ``model1`` … with virtual pipeline chunks), ``optimizer``,
 ``opt_param_scheduler`` (and its old name ``lr_scheduler``), ``rng_state`` (one entry per data-parallel rank),
 consumed samples/tokens and the true/padded vocabulary sizes. Only data-parallel rank 0 writes; every file is
 written to a temporary name and renamed, and the tracker file is written last, so a crash never leaves a
-half-written checkpoint that looks complete.
+half-written checkpoint that looks complete. Under expert parallelism expert-data-parallel rank 0 of every expert rank
+writes its folder (the dense weights and its own experts), as Megatron-LM does.
 
 With ``--use-distributed-optimizer`` the sharded optimizer state goes to ``distrib_optim.pt`` next to
 ``model_optim_rng.pt`` (whose ``optimizer`` entry keeps the non-sharded part: param-group hyperparameters and the
@@ -64,6 +66,7 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 _PARALLEL_ARGS = (
     ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
     ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
+    ("--expert-model-parallel-size", "expert_model_parallel_size"),
 )
 
 
@@ -72,7 +75,8 @@ def reshard_hint(load_dir: str) -> str:
     if load_dir.endswith(".pt"):  # .../iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt -> the --load directory
         load_dir = os.path.dirname(os.path.dirname(os.path.dirname(load_dir)))
     return (f"reshard it: python tools/checkpoint/convert.py --model-type GPT --load-dir {load_dir} --save-dir NEW "
-            "--target-tensor-parallel-size N --target-pipeline-parallel-size M, then --load NEW --no-load-rng")
+            "--target-tensor-parallel-size N --target-pipeline-parallel-size M (MoE: --target-expert-parallel-size E), "
+            "then --load NEW --no-load-rng")
 
 
 def _print0(msg: str) -> None:
@@ -108,15 +112,22 @@ def get_checkpoint_name(
     pipeline_parallel: Optional[bool] = None,
     tensor_rank: Optional[int] = None,
     pipeline_rank: Optional[int] = None,
+    expert_parallel: Optional[bool] = None,
+    expert_rank: Optional[int] = None,
 ) -> str:
-    """Megatron's ``.../iter_{:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`` for this (or the given) rank."""
+    """Megatron's ``.../iter_{:07d}/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`` for this (or the
+    given) rank."""
     state = _state()
     if pipeline_parallel is None:
         pipeline_parallel = state.pp_size > 1
+    if expert_parallel is None:
+        expert_parallel = state.ep_size > 1
     tensor_rank = state.tp_rank if tensor_rank is None else tensor_rank
     pipeline_rank = state.pp_rank if pipeline_rank is None else pipeline_rank
+    expert_rank = state.ep_rank if expert_rank is None else expert_rank
     directory = "release" if release else f"iter_{iteration:07d}"
     rank_dir = f"mp_rank_{tensor_rank:02d}" + (f"_{pipeline_rank:03d}" if pipeline_parallel else "")
+    rank_dir += f"_{expert_rank:03d}" if expert_parallel else ""
     return os.path.join(checkpoints_path, directory, rank_dir, "model_optim_rng.pt")
 
 
@@ -275,7 +286,8 @@ def save_checkpoint(
     if optimizer is not None and hasattr(optimizer, "get_parameter_state") and not getattr(args, "no_save_optim",
                                                                                             False):
         param_state = optimizer.get_parameter_state()  # collective over the data-parallel group
-    if state.dp_rank == 0 and state.cp_rank == 0:  # context-parallel ranks hold the same weights: one writer
+    if (state.edp_rank if state.ep_size > 1 else state.dp_rank) == 0 and state.cp_rank == 0:  # one writer per
+        # model-parallel (and expert) rank: context-parallel ranks hold the same weights
         run = train_state if train_state is not None else TrainingState.from_args(args)
         state_dict: dict[str, Any] = {
             "args": _args_to_save(args) if train_state is None else train_state.megatron_args(args),
@@ -401,10 +413,11 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
         use_checkpoint_args(args, read_common(iter_dir, trust))
         return args
 
-    def rank0_file(cand: int) -> str:  # the layout is not known yet: TP rank 0 / PP stage 0, either naming
-        name = get_checkpoint_name(load_dir, cand, release, pipeline_parallel=False, tensor_rank=0, pipeline_rank=0)
-        staged = get_checkpoint_name(load_dir, cand, release, pipeline_parallel=True, tensor_rank=0, pipeline_rank=0)
-        return staged if not os.path.isdir(os.path.dirname(name)) and os.path.isdir(os.path.dirname(staged)) else name
+    def rank0_file(cand: int) -> str:  # the layout is not known yet: TP rank 0 / PP stage 0 / EP rank 0, any naming
+        names = [get_checkpoint_name(load_dir, cand, release, pipeline_parallel=pp, tensor_rank=0, pipeline_rank=0,
+                                     expert_parallel=ep, expert_rank=0)
+                 for pp, ep in ((False, False), (True, False), (True, True))]
+        return next((n for n in names if os.path.isdir(os.path.dirname(n))), names[0])
 
     # The iteration load_checkpoint will load: the tracker's, or the newest intact one below it (integrity fallback).
     _, name, sd = _select_checkpoint(load_dir, iteration, release, bool(getattr(args, "trust_checkpoint", False)),

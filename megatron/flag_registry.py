@@ -206,6 +206,7 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "max_gen_toks": "tasks/eval_harness/evaluate.py",
     # mixture of experts (megatron/moe_arguments.py checks them)
     "moe_per_layer_logging": "megatron/training.py",
+    "expert_tensor_parallel_size": "megatron/moe_arguments.py",  # must equal TP (checked there)
 }
 
 # In Megatron these only choose a kernel or a communication pattern; the numbers are the same. We have one variant.
@@ -221,8 +222,6 @@ SAME_RESULT_VARIANTS: Dict[str, str] = {
     "moe_router_fusion": "picks TE's fused top-k/aux-loss kernels; the routing is the same",
     "moe_shared_expert_overlap": "overlaps the shared expert with dispatch on GPU; the shared expert's output is the "
                                  "same (only the order of gradient additions differs)",
-    "moe_token_dispatcher_type": "allgather and alltoall move the same tokens to the same experts (flex is refused "
-                                 "by megatron/moe_arguments.py)",
 }
 
 # dest -> (default, why it is refused when set to anything else). Implement a flag and move it to RUNTIME_SETTINGS.
@@ -232,9 +231,6 @@ REFUSED: Dict[str, Tuple[Any, str]] = {
     "log_optimizer_states_to_tensorboard": (False, "is not implemented"),
     "sample_rate": (1.0, "is not implemented (it subsamples BERT/T5 data in Megatron)"),
     # mixture of experts: Megatron-LM flags this build does not implement
-    "expert_model_parallel_size": (1, "(expert parallelism) is not implemented yet; the experts of a layer stay on "
-                                      "each rank (TP+SP, PP, DP and the distributed optimizer work)"),
-    "expert_tensor_parallel_size": (None, "is not implemented (the experts use --tensor-model-parallel-size)"),
     "moe_extended_tp": (False, "is deprecated in Megatron-LM and not implemented"),
     "moe_use_upcycling": (False, "(dense -> MoE upcycling) is not implemented"),
     "moe_layer_recompute": (False, "is not implemented (use --recompute-granularity full)"),
