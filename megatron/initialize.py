@@ -166,6 +166,7 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
         args.virtual_pipeline_model_parallel_size,
         pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None),
         timeout=peer_failure.distributed_timeout(args.distributed_timeout_minutes),  # bounds every group's wait
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
         context_parallel_size=getattr(args, "context_parallel_size", 1),
     )
     if args.rank == 0:
