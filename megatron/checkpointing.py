@@ -51,6 +51,7 @@ from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.errors import MegatronUserError
 from megatron.model.module import unwrap_model
 from megatron.safe_load import CheckpointFileError, safe_torch_load
+from megatron.training_state import TrainingState
 
 
 class CheckpointError(MegatronUserError, RuntimeError):
@@ -260,9 +261,12 @@ def save_checkpoint(
     args: argparse.Namespace,
     save_dir: Optional[str] = None,
     train_loss: Optional[float] = None,
+    train_state: Optional[TrainingState] = None,
 ) -> str:
     """Write the checkpoint of ``iteration`` into ``save_dir`` (default ``args.save``); returns this rank's file.
-    `train_loss` (the last finite training loss, summed over its terms) is recorded for the check after loading."""
+    `train_loss` (the last finite training loss, summed over its terms) is recorded for the check after loading.
+    `train_state`: the loop's run state (saved as Megatron's keys and inside ``args``); without it, the run state
+    is read from ``args`` under Megatron's names."""
     save_dir = save_dir or args.save
     if not save_dir:
         raise CheckpointError("save_checkpoint called without a directory: pass --save DIR")
@@ -284,16 +288,14 @@ def save_checkpoint(
         param_state = optimizer.get_parameter_state()  # collective over the data-parallel group
     if (state.edp_rank if state.ep_size > 1 else state.dp_rank) == 0 and state.cp_rank == 0:  # one writer per
         # model-parallel (and expert) rank: context-parallel ranks hold the same weights
+        run = train_state if train_state is not None else TrainingState.from_args(args)
         state_dict: dict[str, Any] = {
-            "args": _args_to_save(args),
+            "args": _args_to_save(args) if train_state is None else train_state.megatron_args(args),
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
-            "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0)),
-            "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0)),
-            "consumed_train_tokens": int(getattr(args, "consumed_train_tokens", 0)),
-            "consumed_valid_tokens": int(getattr(args, "consumed_valid_tokens", 0)),
+            **run.checkpoint_counters(),
             "true_vocab_size": getattr(args, "true_vocab_size", None),
-            "padded_vocab_size": getattr(args, "padded_vocab_size", None),
+            "padded_vocab_size": run.padded_vocab_size,
             "architecture": architecture_from_args(args),
         }
         if train_loss is not None:
@@ -525,7 +527,8 @@ def _iteration_dir(load_dir: str, iteration: int, release: bool) -> str:
 
 
 def _load_other_format(models: list, args: argparse.Namespace, load_dir: str, iteration: int, release: bool,
-                       state: ps.ParallelState, trust: bool) -> Optional[int]:
+                       state: ps.ParallelState, trust: bool,
+                       train_state: Optional[TrainingState] = None) -> Optional[int]:
     """Megatron Core layouts (per-rank files with Core names, torch_dist): load their weights at this run's layout
     (megatron/checkpoint_formats.py) and return the iteration; None for our own layout."""
     from megatron.checkpoint_formats import TORCH, check_format_flags, detect_format, load_foreign
@@ -535,7 +538,7 @@ def _load_other_format(models: list, args: argparse.Namespace, load_dir: str, it
     check_format_flags(fmt, args, iter_dir)
     if fmt == TORCH:
         return None
-    iteration, _ = load_foreign(models, args, load_dir, iter_dir, fmt, release, state)
+    iteration, _ = load_foreign(models, args, load_dir, iter_dir, fmt, release, state, train_state)
     _barrier()
     _print0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
     return iteration
@@ -570,11 +573,13 @@ def load_checkpoint(
     args: argparse.Namespace,
     load_arg: str = "load",
     strict: bool = True,
+    train_state: Optional[TrainingState] = None,
 ) -> int:
     """Load the latest checkpoint under ``getattr(args, load_arg)``; returns the iteration to continue from.
 
     Honours --finetune (model only, iteration 0), --no-load-optim, --no-load-rng and ``release`` checkpoints,
-    restores consumed train/valid samples into ``args``. No tracker file → start from scratch (0).
+    restores consumed train/valid samples into `train_state` (without one: into ``args``, Megatron's names). No
+    tracker file → start from scratch (0).
     """
     forget_last_loaded()
     load_dir = getattr(args, load_arg, None)
@@ -591,7 +596,7 @@ def load_checkpoint(
         return 0
     iteration, release = read_metadata(tracker)
     trust = bool(getattr(args, "trust_checkpoint", False))
-    foreign = _load_other_format(models, args, load_dir, iteration, release, state, trust)
+    foreign = _load_other_format(models, args, load_dir, iteration, release, state, trust, train_state)
     if foreign is not None:
         return foreign
     iteration, checkpoint_name, sd = _select_checkpoint(load_dir, iteration, release, trust,
@@ -612,11 +617,10 @@ def load_checkpoint(
         iteration = 0
     else:
         iteration = int(sd.get("iteration", sd.get("total_iters", 0)))
-        src = sd if "consumed_train_samples" in sd else vars(ckpt_args or argparse.Namespace())
-        args.consumed_train_samples = int(src.get("consumed_train_samples", 0))
-        args.consumed_valid_samples = int(src.get("consumed_valid_samples", 0))
-        args.consumed_train_tokens = int(src.get("consumed_train_tokens", 0))
-        args.consumed_valid_tokens = int(src.get("consumed_valid_tokens", 0))
+        run = train_state if train_state is not None else TrainingState()
+        run.restore_counters(sd, ckpt_args)
+        if train_state is None:
+            run.write_counters(args)
 
     # Model weights.
     for i, chunk in enumerate(models):

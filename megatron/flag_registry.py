@@ -51,7 +51,7 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "exit_interval": "megatron/training.py",
     "exit_duration_in_mins": "megatron/training.py",
     "exit_signal_handler": "megatron/training.py",
-    "check_for_nan_in_loss_and_grad": "megatron/training.py",
+    "check_for_nan_in_loss_and_grad": "megatron/backend/megatron.py",
     "max_skipped_iterations": "megatron/training.py",
     "empty_unused_memory_level": "megatron/training.py",
     # optimizer and learning rate
@@ -133,7 +133,7 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "log_num_zeros_in_grad": "megatron/optimizer/__init__.py",
     "timing_log_level": "megatron/global_vars.py",
     "timing_log_option": "megatron/global_vars.py",
-    "barrier_with_L1_time": "megatron/training.py",
+    "barrier_with_L1_time": "megatron/backend/megatron.py",
     "tensorboard_dir": "megatron/global_vars.py",
     "tensorboard_log_interval": "megatron/training.py",
     "tensorboard_queue_size": "megatron/global_vars.py",
@@ -145,7 +145,7 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "log_memory_to_tensorboard": "megatron/logging_utils.py",
     "log_world_size_to_tensorboard": "megatron/logging_utils.py",
     # DeepSpeed
-    "deepspeed": "megatron/training.py",
+    "deepspeed": "megatron/backend/__init__.py",
     "deepspeed_config": "megatron/ds/config.py",
     "deepscale": "megatron/arguments.py",  # alias of --deepspeed
     "deepscale_config": "megatron/ds/config.py",
@@ -163,7 +163,7 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "checkpoint_in_cpu": "megatron/ds/engine.py",
     "synchronize_each_layer": "megatron/ds/engine.py",
     "profile_backward": "megatron/ds/engine.py",
-    "no_pipeline_parallel": "pretrain_gpt.py",
+    "no_pipeline_parallel": "megatron/backend/deepspeed.py",
     # inference (tools/generate_samples_gpt.py, tools/run_text_generation_server.py)
     "max_tokens_to_oom": "tools/run_text_generation_server.py",
     "temperature": "tools/generate_samples_gpt.py",

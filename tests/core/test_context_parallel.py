@@ -1,9 +1,10 @@
 """Context-parallel attention (megatron/core/context_parallel.py) equals full attention, forward and backward.
 
-One 4-process gloo launch runs every case at N = 4 and N = 2 (p2p ring, all_gather, a2a; causal, padding and causal+padding masks, a
-fully masked query row; RoPE at each chunk's true positions; GQA; head dims 8 and 12): each rank computes the full
-attention of the whole sequence on its own and compares its slice of the output and of the gradients of q, k, v
-(before RoPE) with what context parallelism returns (fp32, 1e-6 of each tensor's scale).
+One 4-process gloo launch runs every case at N = 4 and N = 2 (p2p ring, all_gather, a2a; causal, padding and
+causal+padding masks, a fully masked query row; RoPE at each chunk's true positions; GQA; head dims 8 and 12; query
+tiles smaller than a chunk): each rank computes the full attention of the whole sequence on its own and compares its
+slice of the output and of the gradients of q, k, v (before RoPE) with what context parallelism returns (fp32, 1e-6
+of each tensor's scale).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def _reference(q, k, v, causal, mask):
 def _body(rank: int, world_size: int) -> list:
     """Every case at N = 4 (the world) and at N = 2 (ranks {0, 1} and {2, 3}): one launch for both sizes."""
     halves = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    cpa._TILE_ROWS = 3  # chunks of 4 queries: tiles of 3 and 1 rows (partial diagonal blocks) in the ring
     out = _cases(rank, world_size, torch.distributed.group.WORLD)
     return out + _cases(rank % 2, 2, halves[rank // 2])
 
