@@ -48,6 +48,13 @@ def _run(layer, x: torch.Tensor, g: torch.Tensor) -> dict:
     return res
 
 
+def oracle_case_worker(rank: int, world_size: int, w: dict) -> dict:
+    """Our EP layer (alltoall) on this rank's tokens from the weights and inputs `w` of the megatron-core oracle."""
+    group = dist.new_group(list(range(world_size)))
+    res = _run(_layer({}, group, "alltoall", w), w["xs"][rank], w["gs"][rank])
+    return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in res.items()}
+
+
 def ep_layer_worker(rank: int, world_size: int, cases: dict) -> dict:
     """Per case and dispatcher: max |EP result - serial result| (serial: every expert on this rank; the expert
     grads of the serial runs summed over the ranks, as the expert-parallel layer's backward sums them)."""
