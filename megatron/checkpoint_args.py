@@ -29,6 +29,8 @@ ARCHITECTURE_FIELDS: Tuple[str, ...] = (
     "openai_gelu", "squared_relu", "swiglu", "glu_activation", "embed_layernorm", "add_bias_linear", "add_qkv_bias",
     "bias_gelu_fusion",
     "position_embedding_type", "rotary_base", "rotary_percent", "group_query_attention", "num_query_groups",
+    "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
     "share_embeddings_and_output_weights",
     "num_layers", "encoder_num_layers", "decoder_num_layers", "hidden_size", "num_attention_heads",
     "ffn_hidden_size", "kv_channels", "max_position_embeddings", "padded_vocab_size",
@@ -41,7 +43,9 @@ ARCHITECTURE_FIELDS: Tuple[str, ...] = (
 )
 
 # Restored by --use-checkpoint-args only when the flag is left at its default (Megatron's rule for these).
-FILLED_IF_UNSET: Tuple[str, ...] = ("seq_length", "tokenizer_type", "make_vocab_size_divisible_by")
+FILLED_IF_UNSET: Tuple[str, ...] = ("seq_length", "tokenizer_type", "make_vocab_size_divisible_by",
+                                     "expert_model_parallel_size", "expert_tensor_parallel_size",
+                                     "moe_token_dispatcher_type")
 
 # The flag(s) to pass for a field, where it is not simply --field-name.
 _FLAG_OF_FIELD: Dict[str, str] = {
