@@ -22,6 +22,7 @@ import torch
 
 from megatron import checkpoint_integrity as integrity
 from megatron.errors import MegatronUserError
+from megatron.training_state import TrainingState
 
 TORCH, CORE_TORCH, TORCH_DIST = "torch", "torch (Megatron Core names)", "torch_dist"
 _LAYERS = "language_model.encoder.layers."
@@ -156,8 +157,9 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
 
 
 def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, iter_dir: str, fmt: str,
-                 release: bool, state: Any) -> Tuple[int, Dict[str, Any]]:
-    """Load a Megatron Core checkpoint's weights into `models`; returns (iteration to continue from, common state)."""
+                 release: bool, state: Any, train_state: Optional[TrainingState] = None) -> Tuple[int, Dict[str, Any]]:
+    """Load a Megatron Core checkpoint's weights into `models`; returns (iteration to continue from, common state).
+    The consumed samples go to `train_state` (a TrainingState), or onto ``args`` without one."""
     from megatron.checkpoint_args import check_architecture
     from megatron.model.module import unwrap_model
 
@@ -181,6 +183,10 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
     if finetune or release:
         return 0, common
     ckpt_args = common.get("args")
-    for key in ("consumed_train_samples", "consumed_valid_samples"):
-        setattr(args, key, int(common.get(key, getattr(ckpt_args, key, 0)) or 0))
+    run = train_state if train_state is not None else TrainingState()
+    names = ("consumed_train_samples", "consumed_valid_samples")
+    for key in names:
+        setattr(run, key, int(common.get(key, getattr(ckpt_args, key, 0)) or 0))
+    if train_state is None:
+        run.write_counters(args, names)
     return int(common.get("iteration", getattr(ckpt_args, "iteration", 0)) or 0), common

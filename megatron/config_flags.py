@@ -43,6 +43,8 @@ CONFIG_FIELDS: Dict[str, Tuple[Tuple[str, ...], Getter]] = {
     "virtual_pipeline_model_parallel_size": (("num_layers_per_virtual_pipeline_stage",),
                                              lambda a: a.virtual_pipeline_model_parallel_size),
     "sequence_parallel": _copy("sequence_parallel"),
+    "context_parallel_size": _copy("context_parallel_size"),
+    "cp_comm_type": _copy("cp_comm_type"),
     "params_dtype": (("fp16", "bf16"), lambda a: getattr(a, "params_dtype", torch.float)),
     "fp16": _copy("fp16"),
     "bf16": _copy("bf16"),
@@ -126,6 +128,8 @@ CONFIG_FIELDS: Dict[str, Tuple[Tuple[str, ...], Getter]] = {
     "moe_shared_expert_intermediate_size": _copy("moe_shared_expert_intermediate_size"),
     "moe_shared_expert_gate": _copy("moe_shared_expert_gate"),
     "moe_apply_probs_on_input": _copy("moe_apply_probs_on_input"),
+    "expert_model_parallel_size": _copy("expert_model_parallel_size"),
+    "moe_token_dispatcher_type": _copy("moe_token_dispatcher_type"),
     # activation recomputation
     "recompute_granularity": (("recompute_granularity", "recompute_activations", "checkpoint_activations"),
                               lambda a: a.recompute_granularity),

@@ -118,9 +118,11 @@ def write_train_scalars(
     grad_norm: Optional[float],
     num_zeros_in_grad: Optional[float],
     params_norm: Optional[float],
+    consumed_samples: Optional[int] = None,
 ) -> None:
-    """Per-iteration TensorBoard scalars (every --tensorboard-log-interval), Megatron-LM tag names."""
-    samples = int(args.consumed_train_samples)
+    """Per-iteration TensorBoard scalars (every --tensorboard-log-interval), Megatron-LM tag names; the "vs samples"
+    axis is `consumed_samples` (default: ``args.consumed_train_samples``)."""
+    samples = int(args.consumed_train_samples if consumed_samples is None else consumed_samples)
 
     def both(tag: str, value: float) -> None:
         writer.add_scalar(tag, value, iteration)
@@ -163,12 +165,14 @@ def format_validation_line(prefix: str, losses: dict[str, float]) -> tuple[str, 
 
 
 def log_validation(
-    prefix: str, losses: dict[str, float], writer: Any, args: Any, iteration: int
+    prefix: str, losses: dict[str, float], writer: Any, args: Any, iteration: int,
+    consumed_samples: Optional[int] = None,
 ) -> str:
-    """Print the framed validation line on the last rank and write the validation scalars."""
+    """Print the framed validation line on the last rank and write the validation scalars ("vs samples":
+    `consumed_samples`, default ``args.consumed_train_samples``)."""
     line, ppls = format_validation_line(prefix, losses)
     if writer is not None:
-        samples = int(args.consumed_train_samples)
+        samples = int(args.consumed_train_samples if consumed_samples is None else consumed_samples)
         for key, value in losses.items():
             writer.add_scalar(f"{key} validation", value, iteration)
             writer.add_scalar(f"{key} validation vs samples", value, samples)

@@ -1,14 +1,22 @@
-"""Process groups for tensor, pipeline and data parallelism, laid out exactly as Megatron-LM lays them out.
+"""Process groups for tensor, context, pipeline and data parallelism, laid out exactly as Megatron-LM lays them out.
 
-Rank layout (TP groups are runs of contiguous ranks, then DP, then PP)::
+Rank layout (Megatron's order tp-cp-dp-pp: TP groups are runs of contiguous ranks, then CP, then DP, then PP)::
 
-    global_rank = pp_rank * (tp_size * dp_size) + dp_rank * tp_size + tp_rank
+    global_rank = pp_rank * (tp_size * cp_size * dp_size) + dp_rank * (tp_size * cp_size) + cp_rank * tp_size + tp_rank
+
+Context parallelism (CP) splits the sequence; it does not shard weights, so gradients are reduced (and the
+distributed optimizer shards its state) over the data-parallel-with-context-parallel group `dp_cp_group` (the ranks
+with the same TP and PP coordinates), while data loading and loss averaging use the plain `dp_group`.
 
 `initialize_model_parallel(tp, pp, vpp)` builds every group (all ranks must call it, in the same order) and returns
 a `ParallelState` that layers and schedules receive explicitly. The last one built is also kept as the "current"
 state for entry scripts (`get_parallel_state()`), together with Megatron-style module functions
 (`get_tensor_model_parallel_group()`, `get_data_parallel_rank()`, ...).  A group of None means "no communication";
 `ParallelState.single()` describes one process without torch.distributed.
+
+Expert parallelism (Megatron-LM core's layout with expert-tensor-parallel size = TP): the EP ranks of a rank are
+`ep` consecutive data-parallel ranks of its (TP rank, PP stage); the expert-data-parallel group holds the ranks with
+the same expert rank (data-parallel rank modulo `ep`), so dp_rank = edp_rank * ep + ep_rank and edp = dp / ep.
 """
 from __future__ import annotations
 
@@ -22,35 +30,41 @@ Group = Any  # torch.distributed.ProcessGroup or None
 
 
 def _build_rank_groups(world_size: int, tp: int, pp: int,
-                       split_rank: Optional[int] = None) -> Dict[str, List[List[int]]]:
+                       split_rank: Optional[int] = None, cp: int = 1, ep: int = 1) -> Dict[str, List[List[int]]]:
     """Pure rank layout: the rank lists of every TP/DP/PP/model-parallel/embedding group (no processes needed).
 
     With a pipeline split rank R (encoder-and-decoder models, Megatron 23.06's --pipeline-model-parallel-split-rank)
     the word-embedding group is {first, R, last} (the decoder's embedding lives on stage R) and the
-    position-embedding group is {first, R}. Returns a dict with keys "tp", "dp", "pp", "mp", "embedding", "position_embedding"; each is a list of groups,
-    each group a list of global ranks. Raises ValueError for impossible layouts.
+    position-embedding group is {first, R}. Returns a dict with keys "tp", "cp", "dp", "dp_cp", "pp", "mp", "embedding",
+    "position_embedding"; each is a list of groups, each group a list of global ranks. Raises ValueError for
+    impossible layouts.
     """
-    if tp < 1 or pp < 1:
+    if tp < 1 or pp < 1 or cp < 1:
         raise ValueError(
-            f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1"
+            f"--tensor-model-parallel-size ({tp}), --pipeline-model-parallel-size ({pp}) and "
+            f"--context-parallel-size ({cp}) must be >= 1"
         )
-    if world_size % (tp * pp) != 0:
+    if world_size % (tp * pp * cp) != 0:
         raise ValueError(
             f"world size ({world_size}) is not divisible by tensor-model-parallel size ({tp}) x "
-            f"pipeline-model-parallel size ({pp}); launch a multiple of {tp * pp} processes or change "
-            f"--tensor-model-parallel-size/--pipeline-model-parallel-size"
+            f"pipeline-model-parallel size ({pp}) x context-parallel size ({cp}); launch a multiple of "
+            f"{tp * pp * cp} processes or change --tensor-model-parallel-size/--pipeline-model-parallel-size/"
+            f"--context-parallel-size"
         )
-    dp = world_size // (tp * pp)
-    stage = tp * dp  # ranks per pipeline stage
+    dp = world_size // (tp * pp * cp)
+    stage = tp * cp * dp  # ranks per pipeline stage
+
+    def rank(p: int, d: int, c: int, t: int) -> int:
+        return p * stage + d * tp * cp + c * tp + t
+
     tp_groups = [list(range(start, start + tp)) for start in range(0, world_size, tp)]
-    dp_groups = []
-    for p in range(pp):
-        for t in range(tp):
-            dp_groups.append([p * stage + d * tp + t for d in range(dp)])
+    cp_groups = [[rank(p, d, c, t) for c in range(cp)] for p in range(pp) for d in range(dp) for t in range(tp)]
+    dp_groups = [[rank(p, d, c, t) for d in range(dp)] for p in range(pp) for c in range(cp) for t in range(tp)]
+    dp_cp_groups = [sorted(rank(p, d, c, t) for d in range(dp) for c in range(cp)) for p in range(pp)
+                    for t in range(tp)]
     pp_groups = [list(range(r, world_size, stage)) for r in range(stage)]
-    mp_groups = []
-    for d in range(dp):
-        mp_groups.append(sorted(p * stage + d * tp + t for p in range(pp) for t in range(tp)))
+    mp_groups = [sorted(rank(p, d, c, t) for p in range(pp) for t in range(tp)) for d in range(dp)
+                 for c in range(cp)]
     if split_rank is not None and pp > 1 and not 0 < split_rank < pp:
         raise ValueError(f"--pipeline-model-parallel-split-rank ({split_rank}) must be in 1..{pp - 1} "
                          f"(--pipeline-model-parallel-size {pp}): the first decoder stage")
@@ -59,23 +73,33 @@ def _build_rank_groups(world_size: int, tp: int, pp: int,
     if split_rank is not None and pp > 1:
         emb_groups = [sorted({g[0], g[split_rank], g[-1]}) for g in pp_groups]
         pos_groups = [[g[0], g[split_rank]] for g in pp_groups]
+    if ep < 1 or dp % ep:
+        raise ValueError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp} = world size "
+                         f"{world_size} / (TP {tp} x PP {pp})); launch a multiple of {tp * pp * ep} processes")
+    ep_groups = [g[i:i + ep] for g in dp_groups for i in range(0, dp, ep)]
+    edp_groups = [g[e::ep] for g in dp_groups for e in range(ep)]
     return {
         "tp": tp_groups,
+        "cp": cp_groups,
         "dp": dp_groups,
+        "dp_cp": dp_cp_groups,
         "pp": pp_groups,
         "mp": mp_groups,
         "embedding": emb_groups,
         "position_embedding": pos_groups,
+        "ep": ep_groups,
+        "edp": edp_groups,
     }
 
 
-def rank_coordinates(global_rank: int, world_size: int, tp: int, pp: int) -> Dict[str, int]:
-    """(tp_rank, dp_rank, pp_rank) of `global_rank` under Megatron's layout."""
-    dp = world_size // (tp * pp)
+def rank_coordinates(global_rank: int, world_size: int, tp: int, pp: int, cp: int = 1) -> Dict[str, int]:
+    """(tp_rank, cp_rank, dp_rank, pp_rank) of `global_rank` under Megatron's layout."""
+    dp = world_size // (tp * pp * cp)
     return {
         "tp_rank": global_rank % tp,
-        "dp_rank": (global_rank // tp) % dp,
-        "pp_rank": global_rank // (tp * dp),
+        "cp_rank": (global_rank // tp) % cp,
+        "dp_rank": (global_rank // (tp * cp)) % dp,
+        "pp_rank": global_rank // (tp * cp * dp),
     }
 
 
@@ -105,6 +129,29 @@ class ParallelState:
     embedding_ranks: List[int] = field(default_factory=lambda: [0])
     position_embedding_ranks: List[int] = field(default_factory=lambda: [0])
     pipeline_split_rank: Optional[int] = None  # first decoder stage of an encoder-and-decoder model (T5)
+    ep_group: Group = None  # expert model parallel: `ep_size` consecutive data-parallel ranks
+    edp_group: Group = None  # expert data parallel: the data-parallel ranks holding the same experts
+    ep_rank: int = 0
+    ep_size: int = 1
+    edp_rank: int = 0
+    edp_size: int = 1
+    # context parallelism: the sequence is split over cp_group; gradients are reduced over dp_cp_group
+    cp_group: Group = None
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_ranks: List[int] = field(default_factory=lambda: [0])
+    dp_cp_group_: Group = None
+    dp_cp_ranks: List[int] = field(default_factory=lambda: [0])
+
+    @property
+    def dp_cp_group(self) -> Group:
+        """The data-parallel group including the context-parallel ranks (gradient reduction, distributed
+        optimizer); the plain data-parallel group without context parallelism."""
+        return self.dp_group if self.cp_size == 1 else self.dp_cp_group_
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp_size
 
     @classmethod
     def single(cls) -> ParallelState:
@@ -198,6 +245,8 @@ def initialize_model_parallel(
     backend: Optional[str] = None,
     pipeline_model_parallel_split_rank: Optional[int] = None,
     timeout: Optional[timedelta] = None,
+    expert_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> ParallelState:
     """Create all groups (collective: every rank calls it) and make the result the current state.
 
@@ -211,9 +260,12 @@ def initialize_model_parallel(
         )
     world_size = dist.get_world_size()
     rank = dist.get_rank()
-    tp, pp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size)
+    tp, pp, cp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size), int(context_parallel_size)
     split = pipeline_model_parallel_split_rank if pp > 1 else None
-    layout = _build_rank_groups(world_size, tp, pp, split)
+    ep = int(expert_model_parallel_size)
+    if ep > 1 and cp > 1:
+        raise ValueError("--expert-model-parallel-size > 1 with --context-parallel-size > 1 is not implemented")
+    layout = _build_rank_groups(world_size, tp, pp, split, cp, ep)
     if virtual_pipeline_model_parallel_size is not None:
         if pp <= 1:
             raise ValueError(
@@ -224,13 +276,15 @@ def initialize_model_parallel(
 
     mine: Dict[str, Any] = {}
     my_ranks: Dict[str, List[int]] = {}
-    for kind in ("tp", "dp", "pp", "mp", "embedding", "position_embedding"):
+    kinds = ("tp", "dp", "pp", "mp", "embedding", "position_embedding") + (("cp", "dp_cp") if cp > 1 else ()) + \
+        (("ep", "edp") if ep > 1 else ())
+    for kind in kinds:
         for ranks in layout[kind]:
             group = dist.new_group(ranks, backend=backend, timeout=timeout)  # every rank creates every group, same order
             if rank in ranks:
                 mine[kind] = group
                 my_ranks[kind] = ranks
-    coords = rank_coordinates(rank, world_size, tp, pp)
+    coords = rank_coordinates(rank, world_size, tp, pp, cp)
     state = ParallelState(
         tp_group=mine["tp"],
         pp_group=mine["pp"],
@@ -243,7 +297,7 @@ def initialize_model_parallel(
         pp_rank=coords["pp_rank"],
         pp_size=pp,
         dp_rank=coords["dp_rank"],
-        dp_size=world_size // (tp * pp),
+        dp_size=world_size // (tp * pp * cp),
         world_size=world_size,
         global_rank=rank,
         virtual_pp_rank=0 if virtual_pipeline_model_parallel_size is not None else None,
@@ -254,7 +308,18 @@ def initialize_model_parallel(
         embedding_ranks=my_ranks.get("embedding", []),
         position_embedding_ranks=my_ranks.get("position_embedding", []),
         pipeline_split_rank=split,
+        cp_group=mine.get("cp"),
+        cp_rank=coords["cp_rank"],
+        cp_size=cp,
+        cp_ranks=my_ranks.get("cp", [rank]),
+        dp_cp_group_=mine.get("dp_cp"),
+        dp_cp_ranks=my_ranks.get("dp_cp", my_ranks["dp"]),
     )
+    if ep > 1:
+        dp_size = world_size // (tp * pp)
+        state.ep_group, state.edp_group = mine["ep"], mine["edp"]
+        state.ep_size, state.ep_rank = ep, coords["dp_rank"] % ep
+        state.edp_size, state.edp_rank = dp_size // ep, coords["dp_rank"] // ep
     _STATE = state
     return state
 
@@ -305,6 +370,22 @@ def get_embedding_group() -> Group:
 
 def get_position_embedding_group() -> Group:
     return get_parallel_state().position_embedding_group
+
+
+def get_context_parallel_group() -> Group:
+    return get_parallel_state().cp_group
+
+
+def get_context_parallel_world_size() -> int:
+    return get_parallel_state().cp_size if _STATE is not None else 1
+
+
+def get_context_parallel_rank() -> int:
+    return get_parallel_state().cp_rank if _STATE is not None else 0
+
+
+def get_data_parallel_group_with_context_parallel() -> Group:
+    return get_parallel_state().dp_cp_group
 
 
 def get_tensor_model_parallel_world_size() -> int:
@@ -389,3 +470,32 @@ def get_pipeline_model_parallel_next_rank() -> int:
 
 def get_pipeline_model_parallel_prev_rank() -> int:
     return get_parallel_state().pp_prev_rank()
+
+
+# ---- expert parallelism (Megatron-LM core's names) -------------------------------------------------------------
+def get_expert_model_parallel_group() -> Group:
+    return get_parallel_state().ep_group
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return get_parallel_state().ep_size if _STATE is not None else 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    return get_parallel_state().ep_rank if _STATE is not None else 0
+
+
+def get_expert_data_parallel_group() -> Group:
+    """The expert-data-parallel group (the data-parallel group itself without expert parallelism)."""
+    state = get_parallel_state()
+    return state.edp_group if state.ep_size > 1 else state.dp_group
+
+
+def get_expert_data_parallel_world_size() -> int:
+    state = get_parallel_state() if _STATE is not None else ParallelState.single()
+    return state.edp_size if state.ep_size > 1 else state.dp_size
+
+
+def get_expert_data_parallel_rank() -> int:
+    state = get_parallel_state() if _STATE is not None else ParallelState.single()
+    return state.edp_rank if state.ep_size > 1 else state.dp_rank

@@ -8,6 +8,16 @@ Under tensor parallelism (which needs sequence parallelism, as in Megatron-LM) t
 all-gathered before the experts, every rank computes its slice of each expert's inner dimension, and the result is
 reduce-scattered back to the sequence split (Megatron-LM's allgather dispatcher with expert-TP = TP).
 
+Expert parallelism (`ep_group` of size EP, expert-TP = TP): each rank holds experts [ep_rank * L, (ep_rank + 1) * L)
+with L = num_experts / EP. The tokens (after the TP gather) reach them by either dispatcher:
+  allgather: all-gather tokens, probs and routing map over the EP group, compute the local experts on all of them,
+             reduce-scatter the partial outputs back (every token's contributions summed over the EP ranks);
+  alltoall:  permute by (global) expert, all-to-all the rows with per-rank counts, compute the local experts on the
+             rows received, reverse all-to-all, unpermute (megatron/core/expert_parallel.py; autograd reverses both).
+Router, capacity and aux losses work on each rank's own tokens, as without EP (EP ranks are data-parallel ranks).
+Expert parameters carry ``allreduce = False`` (Megatron's mark): their grads are reduced over the
+expert-data-parallel group.
+
 Routing (`TopKRouter`): logits = x W^T (fp32/fp64 with moe_router_dtype); z-loss; top-k then softmax over the k
 (or softmax/sigmoid before top-k with moe_router_pre_softmax / the sigmoid score function); optional scaling factor;
 capacity dropping (probs | position, optional pad to capacity); load-balancing loss from the softmax over all
@@ -26,7 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core import moe_aux, tensor_parallel
+from megatron.core import expert_parallel, moe_aux, tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model import moe_permute
 from megatron.model.mlp import ParallelMLP, activation_for
@@ -179,9 +189,15 @@ class TopKRouter(MegatronModule):
 class GroupedExperts(MegatronModule):
     """All experts of the layer as stacked weights, computed with one batched matmul per projection."""
 
-    def __init__(self, config: TransformerConfig, tp_group: Optional[Any] = None) -> None:
+    def __init__(self, config: TransformerConfig, tp_group: Optional[Any] = None,
+                 ep_group: Optional[Any] = None) -> None:
         super().__init__(config=config)
-        self.num_experts = config.num_moe_experts
+        ep, ep_rank = group_size(ep_group), group_rank(ep_group)
+        if config.num_moe_experts % ep:
+            raise ValueError(f"--num-experts ({config.num_moe_experts}) must be divisible by "
+                             f"--expert-model-parallel-size ({ep})")
+        self.num_experts = config.num_moe_experts // ep  # this rank's (local) experts
+        local = slice(ep_rank * self.num_experts, (ep_rank + 1) * self.num_experts)
         tp, rank = group_size(tp_group), group_rank(tp_group)
         ffn = config.moe_ffn_hidden_size
         if ffn % tp:
@@ -189,13 +205,14 @@ class GroupedExperts(MegatronModule):
         self.gated = config.gated_linear_unit
         self.activation_name, self.activation_func = activation_for(config)
         blocks = 2 if self.gated else 1
-        e, h = self.num_experts, config.hidden_size
-        # Full (TP=1) weights from the global seed, then this rank's slice: TP=N equals TP=1 for one seed.
+        e, h = config.num_moe_experts, config.hidden_size
+        # Full (TP=1, EP=1) weights from the global seed, then this rank's slice: TP=N / EP=N equal TP=1 for a seed.
         w1 = torch.empty(e, blocks * ffn, h, dtype=torch.float32)  # Megatron's per-expert fc1 layout [2F, h]
         w2 = torch.empty(e, h, ffn, dtype=torch.float32)
         if config.perform_initialization:
             config.init_method(w1)
             config.output_layer_init_method(w2)
+        w1, w2 = w1[local], w2[local]
         w1 = torch.cat([b.chunk(tp, dim=1)[rank] for b in w1.chunk(blocks, dim=1)], dim=1)
         w2 = w2.chunk(tp, dim=2)[rank]
         self.weight1 = torch.nn.Parameter(w1.transpose(1, 2).contiguous().to(config.params_dtype))
@@ -205,6 +222,7 @@ class GroupedExperts(MegatronModule):
             tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)
             tensor_parallel.set_tp_layout(param, tensor_parallel.TensorParallelLayout(dim=dim, blocks=nblocks,
                                                                                       structure=what))
+            param.allreduce = False  # an expert parameter (Megatron's mark): reduced over expert-data-parallel
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, expert_of_row: torch.Tensor,
                 slot_of_row: torch.Tensor, slots: int) -> torch.Tensor:
@@ -302,14 +320,19 @@ class MoELayer(MegatronModule):
     """Router + experts (+ shared expert); returns (output [s(/tp), b, h], None) like ParallelMLP."""
 
     def __init__(self, config: TransformerConfig, layer_number: Optional[int] = None,
-                 tp_group: Optional[Any] = None) -> None:
+                 tp_group: Optional[Any] = None, ep_group: Optional[Any] = None,
+                 dispatcher: str = "allgather") -> None:
         super().__init__(config=config)
+        if dispatcher not in ("allgather", "alltoall"):
+            raise ValueError(f"--moe-token-dispatcher-type {dispatcher} is not implemented; use allgather or alltoall")
         if config.add_bias_linear:
             raise ValueError("MoE layers (--num-experts) need --disable-bias-linear, as in Megatron-LM core")
         self.tp_group = tp_group
         self.sequence_parallel = config.sequence_parallel
         self.router = TopKRouter(config, layer_number, tp_group)
-        self.experts = GroupedExperts(config, tp_group)
+        self.ep_group, self.dispatcher = ep_group, dispatcher
+        self.ep_size, self.ep_rank = group_size(ep_group), group_rank(ep_group)
+        self.experts = GroupedExperts(config, tp_group, ep_group)
         self.shared_experts = (SharedExpertMLP(config, tp_group)
                                if config.moe_shared_expert_intermediate_size else None)
 
@@ -326,13 +349,64 @@ class MoELayer(MegatronModule):
             x, probs = self._gather(x), self._gather(probs)
             with torch.no_grad():
                 routing_map = self._gather(routing_map.to(torch.int8)).bool()
-        out = self._route_and_compute(x, probs, routing_map)
+        if self.ep_size == 1:
+            out = self._route_and_compute(x, probs, routing_map)
+        elif self.dispatcher == "alltoall":
+            out = self._alltoall(x, probs, routing_map)
+        else:
+            out = self._allgather(x, probs, routing_map)
         if group_size(self.tp_group) > 1:
             out = tensor_parallel.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         out = out.view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)[0]
         return out, None
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        """The columns [T, E] -> [T, L] of this rank's experts."""
+        n = self.experts.num_experts
+        return t[:, self.ep_rank * n:(self.ep_rank + 1) * n]
+
+    def _allgather(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """Tokens of the whole EP group through the local experts; partial outputs reduce-scattered back."""
+        group = self.ep_group
+        x = tensor_parallel.gather_from_sequence_parallel_region(x, group)
+        probs = self._local(tensor_parallel.gather_from_sequence_parallel_region(probs, group))
+        with torch.no_grad():
+            routing_map = tensor_parallel.gather_from_sequence_parallel_region(routing_map.to(torch.int8), group)
+        out = self._route_and_compute(x, probs, self._local(routing_map).bool())
+        return tensor_parallel.reduce_scatter_to_sequence_parallel_region(out, group)
+
+    def _alltoall(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """Rows permuted by global expert go to the expert's rank (all-to-all), through its local experts, back."""
+        ep, n_local = self.ep_size, self.experts.num_experts
+        mask = routing_map.t()  # [E, T]
+        expert_of_row, token_of_row = mask.nonzero(as_tuple=True)
+        counts = mask.sum(dim=1).view(ep, n_local)  # rows for rank r's local expert l
+        row_probs = probs.t()[expert_of_row, token_of_row]
+        tokens = x.index_select(0, token_of_row)
+        if self.config.moe_apply_probs_on_input:
+            tokens = tokens * row_probs.unsqueeze(-1).to(tokens.dtype)
+            row_probs = torch.ones_like(row_probs)
+        recv_counts = expert_parallel.exchange_counts(counts, self.ep_group)  # [source rank, local expert]
+        send_splits, recv_splits = counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
+        tokens = expert_parallel.all_to_all(tokens, recv_splits, send_splits, self.ep_group)
+        row_probs = expert_parallel.all_to_all(row_probs.unsqueeze(-1), recv_splits, send_splits,
+                                               self.ep_group).squeeze(-1)
+        # received rows: source-major, then local expert; a row's slot is its place among its expert's rows
+        expert_of_recv = torch.repeat_interleave(torch.arange(n_local).repeat(ep), recv_counts.reshape(-1))
+        per_expert = recv_counts.sum(dim=0)
+        slots = int(per_expert.max()) if expert_of_recv.numel() else 0
+        if slots == 0:
+            out = tokens * 0
+        else:
+            order = torch.argsort(expert_of_recv, stable=True)
+            starts = torch.cumsum(per_expert, 0) - per_expert
+            slot_of_recv = torch.empty_like(expert_of_recv)
+            slot_of_recv[order] = torch.arange(order.numel()) - starts[expert_of_recv[order]]
+            out = self.experts(tokens, row_probs, expert_of_recv, slot_of_recv, slots)
+        out = expert_parallel.all_to_all(out, send_splits, recv_splits, self.ep_group)
+        return torch.zeros_like(x, dtype=out.dtype).index_add(0, token_of_row, out).to(x.dtype)
 
     def _route_and_compute(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
         """Permute tokens by expert, run the batched experts, unpermute (weighted sum) to token order."""
@@ -344,7 +418,8 @@ class MoELayer(MegatronModule):
         slot_of_row = torch.arange(token_of_row.numel()) - starts[expert_of_row]
         cfg = self.config
         if cfg.moe_pad_expert_input_to_capacity:
-            slots = capacity_of(num_tokens, cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor)
+            slots = capacity_of(num_tokens // self.ep_size, cfg.num_moe_experts, cfg.moe_router_topk,
+                                cfg.moe_expert_capacity_factor)
             slots = max(slots, int(counts.max()) if counts.numel() else 0)
         else:
             slots = int(counts.max()) if token_of_row.numel() else 0
