@@ -2,8 +2,9 @@
 
 Flow of `MoELayer.forward(hidden [s, b, h])`:
   shared expert (optional, every token)  +  router -> (probs, routing map) -> permute tokens by expert ->
-  experts as one batched GEMM per projection over groups padded to the largest (or to the capacity) ->
-  unpermute (index_add back to token order; routing weights are applied to the activation, as Megatron-LM does).
+  experts as batched GEMMs over groups padded to their run's largest (`expert_buckets`; or to the capacity) ->
+  unpermute (sum back to token order; routing weights are applied to the activation, as Megatron-LM does).
+  The permutations are gathers forward and backward (megatron/model/moe_permute.py), equal to index_select/index_add.
 Under tensor parallelism (which needs sequence parallelism, as in Megatron-LM) the tokens of the TP group are
 all-gathered before the experts, every rank computes its slice of each expert's inner dimension, and the result is
 reduce-scattered back to the sequence split (Megatron-LM's allgather dispatcher with expert-TP = TP).
