@@ -56,7 +56,10 @@ def test_context_parallel_layouts_match_serial_resume_and_load_at_cp1(gpt_data: 
     build = {"llama": _llama, "gpt": _gpt, "gpt-reset": lambda data, *extra: _gpt(data, *RESET, *extra)}
     save = ["--save", str(tmp_path / "cp2"), "--save-interval", str(HALF)]
     two = [build[model](gpt_data, *extra, *(save if name == "cp2" else [])) for name, (model, extra) in TWO.items()]
-    two_results = run_distributed(run_many, 2, args=(two,))[-1]  # the last rank prints the losses
+    by_rank = run_distributed(run_many, 2, args=(two,))
+    two_results = by_rank[-1]  # the last rank prints the losses, rank 0 the layout
+    assert ("> context parallel: size 2, attention a2a; sequence 64 in 4 chunks of 16 tokens, 32 per rank "
+            "(rank 0: chunks 0 and 3; rank 1: chunks 1 and 2)") in by_rank[0][1]["stdout"]
     ckpt = tmp_path / "cp2" / f"iter_{HALF:07d}"
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["mp_rank_00"]  # one writer per TP/PP rank
 
