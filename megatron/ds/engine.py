@@ -149,10 +149,6 @@ def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: An
     model.model_type = model_type
     for param in model.parameters():
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-        if getattr(param, "allreduce", True) is False:
-            # DeepSpeed reads Megatron's expert mark as a DeepSpeed-MoE parameter (and looks for its group_name);
-            # under DeepSpeed our experts are not expert-parallel (EP > 1 is refused): plain data-parallel params.
-            del param.allreduce
     if state.dp_rank == 0:
         n_params = sum(p.nelement() for p in model.parameters())
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
