@@ -2,8 +2,9 @@
 
 Flow of `MoELayer.forward(hidden [s, b, h])`:
   shared expert (optional, every token)  +  router -> (probs, routing map) -> permute tokens by expert ->
-  experts as one batched GEMM per projection over groups padded to the largest (or to the capacity) ->
-  unpermute (index_add back to token order; routing weights are applied to the activation, as Megatron-LM does).
+  experts as batched GEMMs over groups padded to their run's largest (`expert_buckets`; or to the capacity) ->
+  unpermute (sum back to token order; routing weights are applied to the activation, as Megatron-LM does).
+  The permutations are gathers forward and backward (megatron/model/moe_permute.py), equal to index_select/index_add.
 Under tensor parallelism (which needs sequence parallelism, as in Megatron-LM) the tokens of the TP group are
 all-gathered before the experts, every rank computes its slice of each expert's inner dimension, and the result is
 reduce-scattered back to the sequence split (Megatron-LM's allgather dispatcher with expert-TP = TP).
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from megatron.core import expert_parallel, moe_aux, tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
+from megatron.model import moe_permute
 from megatron.model.mlp import ParallelMLP, activation_for
 from megatron.model.module import MegatronModule
 from megatron.model.utils import group_rank, group_size
@@ -225,15 +227,69 @@ class GroupedExperts(MegatronModule):
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, expert_of_row: torch.Tensor,
                 slot_of_row: torch.Tensor, slots: int) -> torch.Tensor:
-        """tokens [N, h] grouped by expert, probs [N]; row i goes to slot `slot_of_row[i]` of its expert's group."""
-        e, h = self.num_experts, tokens.shape[-1]
-        flat = expert_of_row * slots + slot_of_row
-        grouped = tokens.new_zeros(e * slots, h).index_copy(0, flat, tokens).view(e, slots, h)
-        weights = probs.new_zeros(e * slots).index_copy(0, flat, probs).view(e, slots, 1)
-        inner = self.activation_func(torch.bmm(grouped, self.weight1))  # swiglu: [gate | up] halves
-        inner = (inner * weights).to(tokens.dtype)
-        out = torch.bmm(inner, self.weight2)
-        return out.view(e * slots, h).index_select(0, flat)
+        """tokens [N, h] grouped by expert, probs [N]; row i is slot `slot_of_row[i]` of its expert's group. `slots`
+        is the group size to pad to (the largest group, or the capacity with --moe-pad-expert-input-to-capacity).
+
+        Without capacity padding the experts are split into contiguous runs (`expert_buckets`), each a batched GEMM
+        over groups padded to the run's largest, instead of one over all groups padded to the overall largest: the
+        same numbers per row, less padding when the routing is unbalanced."""
+        e = self.num_experts
+        n = tokens.shape[0]
+        with torch.no_grad():
+            counts = torch.bincount(expert_of_row, minlength=e).tolist()
+            buckets = ([(0, e, slots)] if slots > max(counts, default=0) else expert_buckets(counts))
+            base = torch.empty(e, dtype=torch.long)
+            offset = 0
+            for first, num, size in buckets:
+                base[first:first + num] = offset + size * torch.arange(num)
+                offset += num * size
+            flat = base[expert_of_row] + slot_of_row  # row i's place in the padded groups
+            inverse = torch.full((offset,), n, dtype=torch.long)
+            inverse[flat] = torch.arange(n)
+            padded = offset > n
+        grouped = moe_permute.dispatch(tokens, inverse, flat.view(-1, 1), padded, False)  # [offset, h]
+        weights = probs.new_zeros(offset).index_copy(0, flat, probs)
+        out = self.compute(grouped, weights, buckets)
+        return moe_permute.combine(out, flat.view(-1, 1), inverse, False, padded)
+
+    def compute(self, grouped: torch.Tensor, weights: torch.Tensor, buckets: list) -> torch.Tensor:
+        """The expert MLPs on padded groups [rows, h] laid out run by run (`buckets`), outputs times `weights`."""
+        h = grouped.shape[-1]
+        sizes = [num * size for _, num, size in buckets]
+        if len(buckets) > 1:
+            parts = zip(grouped.split(sizes), weights.split(sizes), self.weight1.split([b[1] for b in buckets]),
+                        self.weight2.split([b[1] for b in buckets]), buckets)
+        else:
+            parts = [(grouped, weights, self.weight1, self.weight2, buckets[0])]
+        outs = []
+        for rows, w, w1, w2, (_, num, size) in parts:
+            inner = self.activation_func(torch.bmm(rows.view(num, size, h), w1))  # swiglu: [gate | up] halves
+            inner = (inner * w.view(num, size, 1)).to(grouped.dtype)
+            outs.append(torch.bmm(inner, w2).view(num * size, h))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def expert_buckets(counts: list[int], run_rows: int = 16, split_rows: int = 128) -> list[tuple[int, int, int]]:
+    """Contiguous runs of experts (first, number, rows each) covering all experts that minimise the padded rows:
+    the sum over runs of number x the run's largest count, plus `run_rows` per run (one more GEMM call); one run
+    unless splitting saves more than `split_rows` (the weight gradients are then concatenated from the runs')."""
+    e = len(counts)
+    best, cut = [0] + [None] * e, [0] * (e + 1)
+    for j in range(1, e + 1):
+        largest = 0
+        for i in range(j - 1, -1, -1):
+            largest = max(largest, counts[i])
+            cost = best[i] + (j - i) * largest + run_rows
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    if best[e] + split_rows >= e * max(counts, default=0) + run_rows:
+        return [(0, e, max(counts, default=0))]
+    runs, j = [], e
+    while j > 0:
+        i = cut[j]
+        runs.append((i, j - i, max(counts[i:j])))
+        j = i
+    return runs[::-1]
 
 
 class SharedExpertMLP(ParallelMLP):
@@ -371,9 +427,11 @@ class MoELayer(MegatronModule):
         if slots == 0:
             return x * 0
         row_probs = probs.t()[expert_of_row, token_of_row]
-        tokens = x.index_select(0, token_of_row)
+        with torch.no_grad():
+            rows_of_token, uneven = moe_permute.inverse_table(token_of_row, num_tokens)
+        tokens = moe_permute.dispatch(x, token_of_row, rows_of_token, False, uneven)
         if cfg.moe_apply_probs_on_input:
             tokens = tokens * row_probs.unsqueeze(-1).to(tokens.dtype)
             row_probs = torch.ones_like(row_probs)
         out = self.experts(tokens, row_probs, expert_of_row, slot_of_row, slots)
-        return torch.zeros_like(x, dtype=out.dtype).index_add(0, token_of_row, out).to(x.dtype)
+        return moe_permute.combine(out, rows_of_token, token_of_row, uneven, False).to(x.dtype)
