@@ -195,15 +195,25 @@ def _architecture(common: Dict[str, Any], tensors: Dict[str, torch.Tensor], path
     return arch
 
 
-def read_iteration(iter_dir: str, trust: bool = False) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
-    """(common state, architecture, our full flat TP=1 state dict) of one torch_dist iteration folder."""
+def read_iteration_state(iter_dir: str, trust: bool = False
+                         ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any], Dict[str, Dict[str, Any]]]:
+    """(common state, architecture, our full flat TP=1 state dict, {optimizer state key: our full flat dict}) of one
+    torch_dist iteration folder (the last empty without model-space optimizer state: torch_dist_optim.py)."""
+    from megatron.checkpoint_conversion.torch_dist_optim import split_optimizer_tensors
+
     common = read_common(iter_dir, trust)
-    tensors = read_tensors(iter_dir)
+    tensors, opt = split_optimizer_tensors(read_tensors(iter_dir))
     if "embedding.word_embeddings.weight" not in tensors:
         raise ConversionError(f"torch_dist checkpoint {iter_dir} has no embedding.word_embeddings.weight: not a GPT "
                               "model checkpoint")
     arch = _architecture(common, tensors, os.path.join(iter_dir, COMMON))
-    return common, arch, core_stacked_to_ours(tensors)
+    return common, arch, core_stacked_to_ours(tensors), {k: core_stacked_to_ours(v) for k, v in opt.items()}
+
+
+def read_iteration(iter_dir: str, trust: bool = False) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
+    """(common state, architecture, our full flat TP=1 state dict) of one torch_dist iteration folder."""
+    common, arch, flat, _ = read_iteration_state(iter_dir, trust)
+    return common, arch, flat
 
 
 def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int] = None
@@ -233,16 +243,25 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
 
 def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str,
                      extra_common: Optional[Dict[str, Any]] = None) -> None:
-    """Write one torch_dist iteration folder from a message stream (into a temporary folder, renamed at the end)."""
+    """Write one torch_dist iteration folder from a message stream (into a temporary folder, renamed at the end).
+    Messages with training state (`Message.optimizer`, `meta.extra["optimizer"]`) add the optimizer state in Megatron
+    Core's fully_reshardable layout (torch_dist_optim.py)."""
     import torch.distributed.checkpoint as dcp
 
     from megatron.atomic_io import atomic_torch_save, atomic_write_text
+    from megatron.checkpoint_conversion.torch_dist_optim import PARAM, common_entry, state_tensors
 
-    flat = state_dict_from_messages(messages)
-    tensors = {k: v.detach().contiguous().clone() for k, v in
-               ours_to_core_stacked(flat, meta.architecture["num_layers"]).items()}
-    state: Dict[str, Any] = dict(tensors)
+    msgs = list(messages)
     num_layers = int(meta.architecture["num_layers"])
+    flat = state_dict_from_messages(iter(msgs))
+    tensors = {k: v.detach().contiguous().clone() for k, v in ours_to_core_stacked(flat, num_layers).items()}
+    state: Dict[str, Any] = dict(tensors)
+    opt_common = meta.extra.get("optimizer")
+    if opt_common and any(m.optimizer for m in msgs):
+        for key in [PARAM, *opt_common.get("state_keys", [])]:
+            per_key = state_dict_from_messages(Message(m.name, {n: e[key] for n, e in m.optimizer.items()})
+                                               for m in msgs)
+            state.update(state_tensors({key: ours_to_core_stacked(per_key, num_layers)}))
     for linear in _LINEARS:  # Megatron Core's per-layer ShardedObjects (empty extra state), so its loader finds them
         for i in range(num_layers):
             # DCP's default planner torch.saves the value: Megatron Core's ShardedObject payload, a list of data
@@ -254,6 +273,10 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     args = meta.checkpoint_args if meta.checkpoint_args is not None else args_namespace(meta)
     common = {"args": args, "checkpoint_version": 3.0, "iteration": meta.iteration or 0,
               "architecture": dict(meta.architecture), **(extra_common or {})}
+    if opt_common and any(m.optimizer for m in msgs):
+        common["optimizer"] = common_entry(opt_common)
+        if meta.extra.get("opt_param_scheduler") is not None:
+            common.setdefault("opt_param_scheduler", meta.extra["opt_param_scheduler"])
     atomic_torch_save(common, os.path.join(tmp, COMMON))
     atomic_write_text(os.path.join(tmp, METADATA_JSON), json.dumps(
         {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
