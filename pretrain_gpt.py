@@ -5,7 +5,9 @@ Distributed:      torchrun --nproc_per_node 4 pretrain_gpt.py --tensor-model-par
 
 Data: every rank builds the same datasets and its data-parallel shard of the pretraining sampler, so the ranks of
 one tensor-parallel group read the identical micro-batch deterministically (instead of Megatron's broadcast from
-tensor-parallel rank 0; no communication is needed and the result is the same).
+tensor-parallel rank 0; no communication is needed and the result is the same). With --context-parallel-size N
+each rank keeps its 2 of the sequence's 2N chunks (megatron/core/context_parallel.py) and the loss is summed over the
+context-parallel group before dividing, so it is the loss of the full sequence.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron import global_vars  # noqa: E402
 from megatron.arguments import core_transformer_config_from_args  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.context_parallel import slice_for_cp  # noqa: E402
 from megatron.errors import exit_on_user_error  # noqa: E402
 from megatron.model import GPTModel, ModelType  # noqa: E402
 from megatron.training import pretrain  # noqa: E402
@@ -59,6 +62,11 @@ def get_batch(data_iterator: Optional[Iterator]) -> tuple[torch.Tensor, ...]:
     tokens = tokens_[:, :-1].contiguous()
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
         tokens, tokenizer.eod, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss)
+    state = _state()
+    if state.cp_size > 1:  # this context-parallel rank's chunks r and 2N-1-r (the mask: its query rows)
+        tokens, labels, loss_mask, position_ids = (slice_for_cp(t, 1, state.cp_size, state.cp_rank)
+                                                   for t in (tokens, labels, loss_mask, position_ids))
+        attention_mask = slice_for_cp(attention_mask, 2, state.cp_size, state.cp_rank)
     if torch.cuda.is_available() and args.distributed_backend != "gloo":
         device = torch.cuda.current_device()
         tokens, labels, loss_mask, attention_mask, position_ids = (
@@ -67,12 +75,24 @@ def get_batch(data_iterator: Optional[Iterator]) -> tuple[torch.Tensor, ...]:
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Masked mean of the per-token losses; the reported value is averaged over data-parallel ranks."""
+    """Masked mean of the per-token losses; the reported value is averaged over data-parallel ranks.
+
+    Under context parallelism the sums are taken over the full sequence (all-reduce over the CP group), and the
+    loss that is back-propagated is scaled by N: gradients are averaged over the DP x CP group, in which the N
+    context-parallel ranks each hold a part of one sample's gradient (Megatron-LM's rule)."""
     losses = output_tensor.float()
     loss_mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses.view(-1) * loss_mask) / loss_mask.sum()
-    averaged = average_losses_across_data_parallel_group([loss])
-    return loss, {"lm loss": averaged[0]}
+    state = _state()
+    if state.cp_size == 1:
+        loss = torch.sum(losses.view(-1) * loss_mask) / loss_mask.sum()
+        averaged = average_losses_across_data_parallel_group([loss])
+        return loss, {"lm loss": averaged[0]}
+    totals = torch.stack([torch.sum(losses.view(-1) * loss_mask), loss_mask.sum()]).detach()
+    torch.distributed.all_reduce(totals, group=state.cp_group)  # the full sequence's sums (no gradient)
+    local = torch.sum(losses.view(-1) * loss_mask) / totals[1].detach()
+    full = (totals[0] / totals[1]).detach()
+    averaged = average_losses_across_data_parallel_group([full])
+    return local * state.cp_size, {"lm loss": averaged[0]}
 
 
 def forward_step(data_iterator: Optional[Iterator], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:

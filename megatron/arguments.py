@@ -15,7 +15,7 @@ import torch
 
 from megatron.cli_parser import FlagParser
 from megatron.config_flags import config_kwargs_from_args, dests_without_config_field
-from megatron.core.transformer_config import TransformerConfig
+from megatron.core.transformer_config import TransformerConfig, rope_scaling_problem
 from megatron.errors import ArgumentError
 from megatron.flag_registry import refuse_unimplemented
 from megatron.launcher import detect_launcher_env
@@ -137,6 +137,19 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="Fraction of each head's channels that RoPE rotates (0 < p <= 1).")
     g.add_argument("--rotary-base", type=float, default=10000.0,
                    help="RoPE base (theta): 10000 for Llama-2, 1e6 for Mistral v0.3, 500000 for Llama-3.")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
+                   help="Linear position interpolation: RoPE rotates position p as p / factor (HF rope_type linear; "
+                        "Megatron-LM parses an int, any positive number is accepted here).")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama-3.1 RoPE frequency scaling (HF rope_type llama3), as Megatron-LM.")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="Llama-3.1 scaling factor with --use-rope-scaling (8 for Llama-3.1, 32 for Llama-3.2).")
+    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0,
+                   help="Llama-3.1 low_freq_factor with --use-rope-scaling (Megatron-LM hard-codes 1).")
+    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0,
+                   help="Llama-3.1 high_freq_factor with --use-rope-scaling (Megatron-LM hard-codes 4).")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
+                   help="Llama-3.1 original context length with --use-rope-scaling (Megatron-LM hard-codes 8192).")
     g.add_argument("--normalization", type=str, default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
                    help="Normalization layer: LayerNorm (GPT-2/BERT) or RMSNorm (Llama).")
     g.add_argument("--group-query-attention", action="store_true",
@@ -371,6 +384,10 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     g = parser.add_argument_group(title="distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Tensor model parallel size.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline model parallel size.")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="Context parallel size: the sequence is split over this many ranks (ring attention; GPT).")
+    g.add_argument("--cp-comm-type", type=str, default="p2p", choices=["p2p", "all_gather", "a2a"],
+                   help="Context-parallel attention: p2p (ring of K/V), all_gather (of K/V) or a2a (DeepSpeed-Ulysses).")
     g.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
                    help="Rank where the encoder ends and the decoder starts (T5).")
     g.add_argument("--model-parallel-size", type=int, default=None,
@@ -564,6 +581,7 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
     validate_moe_args(args)
     _validate_recompute(args)
     _validate_misc(args)
+    _validate_context_parallel(args, training_run)
 
     _print_args(args)
     return args
@@ -596,14 +614,23 @@ def _validate_deprecated(args: argparse.Namespace) -> None:
 
 def _validate_parallel_layout(args: argparse.Namespace) -> None:
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
+    cp = getattr(args, "context_parallel_size", 1)
     _require(tp >= 1, f"--tensor-model-parallel-size must be >= 1 (got {tp})")
     _require(pp >= 1, f"--pipeline-model-parallel-size must be >= 1 (got {pp})")
-    _require(world % (tp * pp) == 0,
-             f"world size ({world}) is not divisible by --tensor-model-parallel-size ({tp}) x "
-             f"--pipeline-model-parallel-size ({pp}); launch a multiple of {tp * pp} processes or change the sizes")
-    args.data_parallel_size = world // (tp * pp)
+    _require(cp >= 1, f"--context-parallel-size must be >= 1 (got {cp})")
+    if cp == 1:
+        _require(world % (tp * pp) == 0,
+                 f"world size ({world}) is not divisible by --tensor-model-parallel-size ({tp}) x "
+                 f"--pipeline-model-parallel-size ({pp}); launch a multiple of {tp * pp} processes or change the sizes")
+    else:
+        _require(world % (tp * pp * cp) == 0,
+                 f"world size ({world}) is not divisible by --tensor-model-parallel-size ({tp}) x "
+                 f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}); launch a multiple of "
+                 f"{tp * pp * cp} processes or change the sizes")
+    args.data_parallel_size = world // (tp * pp * cp)
     _print0(args, f"using world size: {world}, data-parallel size: {args.data_parallel_size}, "
-                  f"tensor-model-parallel size: {tp}, pipeline-model-parallel size: {pp} ")
+                  + (f"context-parallel size: {cp}, " if cp > 1 else "")
+                  + f"tensor-model-parallel size: {tp}, pipeline-model-parallel size: {pp} ")
     if args.pipeline_model_parallel_split_rank is not None:
         _require(args.pipeline_model_parallel_split_rank < pp,
                  f"--pipeline-model-parallel-split-rank ({args.pipeline_model_parallel_split_rank}) must be smaller "
@@ -881,6 +908,9 @@ def _resolve_position_embedding(args: argparse.Namespace) -> None:
     if kind != "rope":
         _require(args.rotary_percent == 1.0 and args.rotary_base == 10000.0,
                  f"--rotary-percent/--rotary-base need --position-embedding-type rope (got {kind})")
+        _require(not args.use_rope_scaling and args.rotary_seq_len_interpolation_factor is None,
+                 "--use-rope-scaling/--rotary-seq-len-interpolation-factor need --position-embedding-type rope "
+                 f"(got {kind})")
     # Rotary embeddings take positions 0..s-1 (plus the decode offset), as in Megatron-LM: reset position ids would
     # silently change nothing there.
     _require(not (getattr(args, "reset_position_ids", False) and kind != "learned_absolute"),
@@ -892,6 +922,8 @@ def _validate_architecture(args: argparse.Namespace) -> None:
     """Query groups, rotary range, activations: refuse what cannot work, with one line naming the flags."""
     _require(0.0 < args.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1] (got {args.rotary_percent})")
     _require(args.rotary_base > 0, f"--rotary-base must be positive (got {args.rotary_base})")
+    problem = rope_scaling_problem(args)
+    _require(problem is None, problem or "")
     heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
     if args.group_query_attention:
         if args.num_query_groups is None:
@@ -1040,3 +1072,31 @@ def _print_args(args: argparse.Namespace) -> None:
 def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     """Build the `TransformerConfig` the model layers take, from validated args (explicit table: config_flags.py)."""
     return TransformerConfig(**config_kwargs_from_args(TransformerConfig, args))
+
+
+def _validate_context_parallel(args: argparse.Namespace, training_run: bool) -> None:
+    """--context-parallel-size N: GPT training with Megatron's 2N-chunk layout; impossible layouts are one line."""
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp == 1:
+        return
+    _require(training_run, f"--context-parallel-size {cp} is for training (pretrain_gpt.py); evaluation and text "
+                           "generation run at --context-parallel-size 1 (load the same checkpoint: CP shards no weights)")
+    family = getattr(args, "model_family", "gpt")
+    _require(family == "gpt", f"--context-parallel-size is implemented for GPT-style decoders (pretrain_gpt.py), "
+                              f"not {family.upper()}: drop it")
+    _require(not getattr(args, "deepspeed", False),
+             "--context-parallel-size is not implemented with --deepspeed: drop one of them")
+    seq, tp = args.seq_length, args.tensor_model_parallel_size
+    _require(seq % (2 * cp) == 0, f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size "
+                                  f"({2 * cp}): each context-parallel rank holds 2 of {2 * cp} equal chunks")
+    if args.sequence_parallel:
+        _require((seq // cp) % tp == 0, f"--sequence-parallel with --context-parallel-size {cp} needs the per-rank "
+                                        f"sequence ({seq // cp}) divisible by --tensor-model-parallel-size ({tp})")
+    heads = args.num_attention_heads // tp
+    if args.cp_comm_type == "a2a":
+        _require(heads % cp == 0, f"--cp-comm-type a2a needs the attention heads per tensor-parallel rank ({heads}) "
+                                  f"divisible by --context-parallel-size ({cp}); use --cp-comm-type p2p or all_gather")
+    _require(not args.attention_dropout, f"--context-parallel-size needs --attention-dropout 0 (got "
+                                         f"{args.attention_dropout}): context-parallel attention has no dropout")
+    _require(args.position_embedding_type != "alibi",
+             "--context-parallel-size does not support ALiBi (--position-embedding-type alibi): use rope or learned")

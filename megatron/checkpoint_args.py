@@ -29,6 +29,8 @@ ARCHITECTURE_FIELDS: Tuple[str, ...] = (
     "openai_gelu", "squared_relu", "swiglu", "glu_activation", "embed_layernorm", "add_bias_linear", "add_qkv_bias",
     "bias_gelu_fusion",
     "position_embedding_type", "rotary_base", "rotary_percent", "group_query_attention", "num_query_groups",
+    "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
     "share_embeddings_and_output_weights",
     "num_layers", "encoder_num_layers", "decoder_num_layers", "hidden_size", "num_attention_heads",
     "ffn_hidden_size", "kv_channels", "max_position_embeddings", "padded_vocab_size",

@@ -271,7 +271,7 @@ def save_checkpoint(
     if optimizer is not None and hasattr(optimizer, "get_parameter_state") and not getattr(args, "no_save_optim",
                                                                                             False):
         param_state = optimizer.get_parameter_state()  # collective over the data-parallel group
-    if state.dp_rank == 0:
+    if state.dp_rank == 0 and state.cp_rank == 0:  # context-parallel ranks hold the same weights: one writer
         state_dict: dict[str, Any] = {
             "args": _args_to_save(args),
             "checkpoint_version": CHECKPOINT_VERSION,

@@ -166,10 +166,15 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
         args.virtual_pipeline_model_parallel_size,
         pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None),
         timeout=peer_failure.distributed_timeout(args.distributed_timeout_minutes),  # bounds every group's wait
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
     )
     if args.rank == 0:
         print(f"> initialized tensor model parallel with size {state.tp_size}", flush=True)
         print(f"> initialized pipeline model parallel with size {state.pp_size}", flush=True)
+        if state.cp_size > 1:
+            from megatron.core.context_parallel import describe_cp_layout
+
+            print(describe_cp_layout(args.seq_length, state.cp_size, args.cp_comm_type), flush=True)
 
 
 def _rendezvous(init_method: str, addr: str, port: int, world_size: int, timeout: Any) -> Dict[str, Any]:

@@ -55,10 +55,10 @@ def _wrap_chunk(model: torch.nn.Module, args: argparse.Namespace, state: ps.Para
         from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 
         if args.DDP_impl == "torch":
-            model = TorchDistributedDataParallel(model, dp_group=state.dp_group)
+            model = TorchDistributedDataParallel(model, dp_group=state.dp_cp_group)  # DP x CP: gradients
         else:
             model = DistributedDataParallel(
-                model, dp_group=state.dp_group,
+                model, dp_group=state.dp_cp_group,  # context-parallel ranks hold parts of the same gradient
                 accumulate_allreduce_grads_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
                 use_contiguous_buffers=bool(getattr(args, "use_contiguous_buffers_in_local_ddp", True)),
                 overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),

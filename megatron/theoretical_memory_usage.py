@@ -23,6 +23,9 @@ Numbers are for the most loaded rank (the first pipeline stage, which also holds
   checkpointed unit plus one unit recomputed at a time (block: the first n layers checkpointed, the others kept). The first pipeline stage holds min(PP, micro-batches)
   micro-batches in flight (times Megatron's interleaving penalty 1 + (p - 1)/(p·v)); with PP = 1 the output
   layer's input and the fp32 logits are added.
+* context parallelism (--context-parallel-size c) gives each rank s/c of the sequence: every activation term uses
+  s/c, and the attention-score term is replaced by the ring attention's saved fp32 softmax statistics (8·a·(s/c)·b/t:
+  it recomputes block scores in the backward instead of keeping them).
 * BERT (`model_family` "bert") adds, per micro-batch, its int64 padding mask 8·s·b, the bool [b, 1, s, s] attention
   mask s²·b and, with the binary head, the int64 token types 8·s·b; its LM head (with PP = 1) keeps the dense input,
   the GeLU input and the LayerNorm input (e·s·b·h/t_sp each, the head runs on the sequence-parallel shard) besides the
@@ -144,7 +147,8 @@ def compute_weight_and_optimizer_memory(args: argparse.Namespace) -> float:
 
 def _layer_activation_bytes(args: argparse.Namespace, e: int, selective: bool) -> float:
     config = model_config(args)
-    s, b, h = args.seq_length, args.micro_batch_size, config.hidden_size
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    s, b, h = args.seq_length // cp, args.micro_batch_size, config.hidden_size
     f = config.ffn_hidden_size
     if config.gated_linear_unit:
         f = 2 * f  # two first-projection outputs kept (gate and value)
@@ -153,7 +157,9 @@ def _layer_activation_bytes(args: argparse.Namespace, e: int, selective: bool) -
     k = config.kv_channels * (config.num_query_groups or a)
     t_sp = t if args.sequence_parallel else 1
     total = s * b * h * (4 * e + 2) / t_sp + e * s * b * (2 * q + 2 * k) / t + 2 * e * s * b * f / t
-    if not selective:
+    if cp > 1:
+        total += 8 * a * s * b / t  # ring attention keeps its fp32 softmax statistics, not the scores
+    elif not selective:
         total += (2 * e + 1) * a * s * s * b / t
     return total
 
@@ -162,7 +168,7 @@ def compute_activation_memory(args: argparse.Namespace, num_microbatches: Option
     """Activation bytes on the first pipeline stage (see the module docstring); None where it does not apply."""
     if getattr(args, "distribute_saved_activations", False):
         return None  # checkpointed inputs split over TP without SP: not modelled
-    s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
+    s, b, h = args.seq_length // (getattr(args, "context_parallel_size", 1) or 1), args.micro_batch_size, args.hidden_size
     t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     t_sp = t if args.sequence_parallel else 1
     e = 2 if (args.fp16 or args.bf16) else 4

@@ -46,6 +46,8 @@ _KEPT_FIELDS = (
     "apply_layernorm_1p", "openai_gelu", "squared_relu", "swiglu", "bias_gelu_fusion", "add_bias_linear",
     "add_qkv_bias", "position_embedding_type", "rotary_base", "rotary_percent", "group_query_attention",
     "num_query_groups", "share_embeddings_and_output_weights", "glu_activation", "embed_layernorm",
+    "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
     # mixture of experts (megatron/model/moe.py)
     "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_load_balancing_type",
     "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function",
@@ -150,6 +152,7 @@ def model_flags(meta: ModelMeta, tp: int = 1, pp: int = 1, vp_layers: Optional[i
         flags.append(f"--rotary-base {a.get('rotary_base', 10000.0):g}")
         if a.get("rotary_percent", 1.0) != 1.0:
             flags.append(f"--rotary-percent {a['rotary_percent']}")
+        flags.extend(_rope_scaling_flags(a))
     if a.get("group_query_attention"):
         flags.append(f"--group-query-attention --num-query-groups {a['num_query_groups']}")
     if not a.get("add_bias_linear", True):
@@ -177,6 +180,21 @@ def model_flags(meta: ModelMeta, tp: int = 1, pp: int = 1, vp_layers: Optional[i
     if meta.make_vocab_size_divisible_by != 128:
         flags.append(f"--make-vocab-size-divisible-by {meta.make_vocab_size_divisible_by}")
     return " ".join(flags)
+
+
+def _rope_scaling_flags(a: Dict[str, Any]) -> List[str]:
+    """--rotary-seq-len-interpolation-factor / --use-rope-scaling and its values that differ from the defaults."""
+    flags = []
+    if a.get("rotary_seq_len_interpolation_factor") is not None:
+        flags.append(f"--rotary-seq-len-interpolation-factor {a['rotary_seq_len_interpolation_factor']}")
+    if a.get("use_rope_scaling"):
+        flags.append("--use-rope-scaling")
+        for key, default in (("rope_scaling_factor", 8.0), ("rope_scaling_low_freq_factor", 1.0),
+                             ("rope_scaling_high_freq_factor", 4.0),
+                             ("rope_scaling_original_max_position_embeddings", 8192)):
+            if a.get(key, default) != default:
+                flags.append(f"--{key.replace('_', '-')} {a[key]}")
+    return flags
 
 
 def _moe_flags(a: Dict[str, Any]) -> str:

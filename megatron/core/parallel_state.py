@@ -1,8 +1,12 @@
-"""Process groups for tensor, pipeline and data parallelism, laid out exactly as Megatron-LM lays them out.
+"""Process groups for tensor, context, pipeline and data parallelism, laid out exactly as Megatron-LM lays them out.
 
-Rank layout (TP groups are runs of contiguous ranks, then DP, then PP)::
+Rank layout (Megatron's order tp-cp-dp-pp: TP groups are runs of contiguous ranks, then CP, then DP, then PP)::
 
-    global_rank = pp_rank * (tp_size * dp_size) + dp_rank * tp_size + tp_rank
+    global_rank = pp_rank * (tp_size * cp_size * dp_size) + dp_rank * (tp_size * cp_size) + cp_rank * tp_size + tp_rank
+
+Context parallelism (CP) splits the sequence; it does not shard weights, so gradients are reduced (and the
+distributed optimizer shards its state) over the data-parallel-with-context-parallel group `dp_cp_group` (the ranks
+with the same TP and PP coordinates), while data loading and loss averaging use the plain `dp_group`.
 
 `initialize_model_parallel(tp, pp, vpp)` builds every group (all ranks must call it, in the same order) and returns
 a `ParallelState` that layers and schedules receive explicitly. The last one built is also kept as the "current"
@@ -22,35 +26,41 @@ Group = Any  # torch.distributed.ProcessGroup or None
 
 
 def _build_rank_groups(world_size: int, tp: int, pp: int,
-                       split_rank: Optional[int] = None) -> Dict[str, List[List[int]]]:
+                       split_rank: Optional[int] = None, cp: int = 1) -> Dict[str, List[List[int]]]:
     """Pure rank layout: the rank lists of every TP/DP/PP/model-parallel/embedding group (no processes needed).
 
     With a pipeline split rank R (encoder-and-decoder models, Megatron 23.06's --pipeline-model-parallel-split-rank)
     the word-embedding group is {first, R, last} (the decoder's embedding lives on stage R) and the
-    position-embedding group is {first, R}. Returns a dict with keys "tp", "dp", "pp", "mp", "embedding", "position_embedding"; each is a list of groups,
-    each group a list of global ranks. Raises ValueError for impossible layouts.
+    position-embedding group is {first, R}. Returns a dict with keys "tp", "cp", "dp", "dp_cp", "pp", "mp", "embedding",
+    "position_embedding"; each is a list of groups, each group a list of global ranks. Raises ValueError for
+    impossible layouts.
     """
-    if tp < 1 or pp < 1:
+    if tp < 1 or pp < 1 or cp < 1:
         raise ValueError(
-            f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1"
+            f"--tensor-model-parallel-size ({tp}), --pipeline-model-parallel-size ({pp}) and "
+            f"--context-parallel-size ({cp}) must be >= 1"
         )
-    if world_size % (tp * pp) != 0:
+    if world_size % (tp * pp * cp) != 0:
         raise ValueError(
             f"world size ({world_size}) is not divisible by tensor-model-parallel size ({tp}) x "
-            f"pipeline-model-parallel size ({pp}); launch a multiple of {tp * pp} processes or change "
-            f"--tensor-model-parallel-size/--pipeline-model-parallel-size"
+            f"pipeline-model-parallel size ({pp}) x context-parallel size ({cp}); launch a multiple of "
+            f"{tp * pp * cp} processes or change --tensor-model-parallel-size/--pipeline-model-parallel-size/"
+            f"--context-parallel-size"
         )
-    dp = world_size // (tp * pp)
-    stage = tp * dp  # ranks per pipeline stage
+    dp = world_size // (tp * pp * cp)
+    stage = tp * cp * dp  # ranks per pipeline stage
+
+    def rank(p: int, d: int, c: int, t: int) -> int:
+        return p * stage + d * tp * cp + c * tp + t
+
     tp_groups = [list(range(start, start + tp)) for start in range(0, world_size, tp)]
-    dp_groups = []
-    for p in range(pp):
-        for t in range(tp):
-            dp_groups.append([p * stage + d * tp + t for d in range(dp)])
+    cp_groups = [[rank(p, d, c, t) for c in range(cp)] for p in range(pp) for d in range(dp) for t in range(tp)]
+    dp_groups = [[rank(p, d, c, t) for d in range(dp)] for p in range(pp) for c in range(cp) for t in range(tp)]
+    dp_cp_groups = [sorted(rank(p, d, c, t) for d in range(dp) for c in range(cp)) for p in range(pp)
+                    for t in range(tp)]
     pp_groups = [list(range(r, world_size, stage)) for r in range(stage)]
-    mp_groups = []
-    for d in range(dp):
-        mp_groups.append(sorted(p * stage + d * tp + t for p in range(pp) for t in range(tp)))
+    mp_groups = [sorted(rank(p, d, c, t) for p in range(pp) for t in range(tp)) for d in range(dp)
+                 for c in range(cp)]
     if split_rank is not None and pp > 1 and not 0 < split_rank < pp:
         raise ValueError(f"--pipeline-model-parallel-split-rank ({split_rank}) must be in 1..{pp - 1} "
                          f"(--pipeline-model-parallel-size {pp}): the first decoder stage")
@@ -61,7 +71,9 @@ def _build_rank_groups(world_size: int, tp: int, pp: int,
         pos_groups = [[g[0], g[split_rank]] for g in pp_groups]
     return {
         "tp": tp_groups,
+        "cp": cp_groups,
         "dp": dp_groups,
+        "dp_cp": dp_cp_groups,
         "pp": pp_groups,
         "mp": mp_groups,
         "embedding": emb_groups,
@@ -69,13 +81,14 @@ def _build_rank_groups(world_size: int, tp: int, pp: int,
     }
 
 
-def rank_coordinates(global_rank: int, world_size: int, tp: int, pp: int) -> Dict[str, int]:
-    """(tp_rank, dp_rank, pp_rank) of `global_rank` under Megatron's layout."""
-    dp = world_size // (tp * pp)
+def rank_coordinates(global_rank: int, world_size: int, tp: int, pp: int, cp: int = 1) -> Dict[str, int]:
+    """(tp_rank, cp_rank, dp_rank, pp_rank) of `global_rank` under Megatron's layout."""
+    dp = world_size // (tp * pp * cp)
     return {
         "tp_rank": global_rank % tp,
-        "dp_rank": (global_rank // tp) % dp,
-        "pp_rank": global_rank // (tp * dp),
+        "cp_rank": (global_rank // tp) % cp,
+        "dp_rank": (global_rank // (tp * cp)) % dp,
+        "pp_rank": global_rank // (tp * cp * dp),
     }
 
 
@@ -105,6 +118,23 @@ class ParallelState:
     embedding_ranks: List[int] = field(default_factory=lambda: [0])
     position_embedding_ranks: List[int] = field(default_factory=lambda: [0])
     pipeline_split_rank: Optional[int] = None  # first decoder stage of an encoder-and-decoder model (T5)
+    # context parallelism: the sequence is split over cp_group; gradients are reduced over dp_cp_group
+    cp_group: Group = None
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_ranks: List[int] = field(default_factory=lambda: [0])
+    dp_cp_group_: Group = None
+    dp_cp_ranks: List[int] = field(default_factory=lambda: [0])
+
+    @property
+    def dp_cp_group(self) -> Group:
+        """The data-parallel group including the context-parallel ranks (gradient reduction, distributed
+        optimizer); the plain data-parallel group without context parallelism."""
+        return self.dp_group if self.cp_size == 1 else self.dp_cp_group_
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp_size
 
     @classmethod
     def single(cls) -> ParallelState:
@@ -198,6 +228,7 @@ def initialize_model_parallel(
     backend: Optional[str] = None,
     pipeline_model_parallel_split_rank: Optional[int] = None,
     timeout: Optional[timedelta] = None,
+    context_parallel_size: int = 1,
 ) -> ParallelState:
     """Create all groups (collective: every rank calls it) and make the result the current state.
 
@@ -211,9 +242,9 @@ def initialize_model_parallel(
         )
     world_size = dist.get_world_size()
     rank = dist.get_rank()
-    tp, pp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size)
+    tp, pp, cp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size), int(context_parallel_size)
     split = pipeline_model_parallel_split_rank if pp > 1 else None
-    layout = _build_rank_groups(world_size, tp, pp, split)
+    layout = _build_rank_groups(world_size, tp, pp, split, cp)
     if virtual_pipeline_model_parallel_size is not None:
         if pp <= 1:
             raise ValueError(
@@ -224,13 +255,13 @@ def initialize_model_parallel(
 
     mine: Dict[str, Any] = {}
     my_ranks: Dict[str, List[int]] = {}
-    for kind in ("tp", "dp", "pp", "mp", "embedding", "position_embedding"):
+    for kind in ("tp", "dp", "pp", "mp", "embedding", "position_embedding") + (("cp", "dp_cp") if cp > 1 else ()):
         for ranks in layout[kind]:
             group = dist.new_group(ranks, backend=backend, timeout=timeout)  # every rank creates every group, same order
             if rank in ranks:
                 mine[kind] = group
                 my_ranks[kind] = ranks
-    coords = rank_coordinates(rank, world_size, tp, pp)
+    coords = rank_coordinates(rank, world_size, tp, pp, cp)
     state = ParallelState(
         tp_group=mine["tp"],
         pp_group=mine["pp"],
@@ -243,7 +274,7 @@ def initialize_model_parallel(
         pp_rank=coords["pp_rank"],
         pp_size=pp,
         dp_rank=coords["dp_rank"],
-        dp_size=world_size // (tp * pp),
+        dp_size=world_size // (tp * pp * cp),
         world_size=world_size,
         global_rank=rank,
         virtual_pp_rank=0 if virtual_pipeline_model_parallel_size is not None else None,
@@ -254,6 +285,12 @@ def initialize_model_parallel(
         embedding_ranks=my_ranks.get("embedding", []),
         position_embedding_ranks=my_ranks.get("position_embedding", []),
         pipeline_split_rank=split,
+        cp_group=mine.get("cp"),
+        cp_rank=coords["cp_rank"],
+        cp_size=cp,
+        cp_ranks=my_ranks.get("cp", [rank]),
+        dp_cp_group_=mine.get("dp_cp"),
+        dp_cp_ranks=my_ranks.get("dp_cp", my_ranks["dp"]),
     )
     _STATE = state
     return state
@@ -305,6 +342,22 @@ def get_embedding_group() -> Group:
 
 def get_position_embedding_group() -> Group:
     return get_parallel_state().position_embedding_group
+
+
+def get_context_parallel_group() -> Group:
+    return get_parallel_state().cp_group
+
+
+def get_context_parallel_world_size() -> int:
+    return get_parallel_state().cp_size if _STATE is not None else 1
+
+
+def get_context_parallel_rank() -> int:
+    return get_parallel_state().cp_rank if _STATE is not None else 0
+
+
+def get_data_parallel_group_with_context_parallel() -> Group:
+    return get_parallel_state().dp_cp_group
 
 
 def get_tensor_model_parallel_world_size() -> int:

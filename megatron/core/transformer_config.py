@@ -19,6 +19,10 @@ class ModelParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    """Ranks the sequence is split over (megatron/core/context_parallel.py); the layers get the group explicitly."""
+    cp_comm_type: str = "p2p"
+    """Context-parallel attention: "p2p" (ring), "all_gather" or "a2a" (--cp-comm-type)."""
     params_dtype: torch.dtype = torch.float32
     fp16: bool = False
     bf16: bool = False
@@ -93,6 +97,19 @@ class TransformerConfig(ModelParallelConfig):
     """RoPE base theta (--rotary-base)."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that RoPE rotates, 0 < p <= 1 (--rotary-percent)."""
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    """Linear position interpolation: RoPE rotates position p by the angles of p / f
+    (--rotary-seq-len-interpolation-factor; HF rope_type "linear" with factor f)."""
+    use_rope_scaling: bool = False
+    """Llama-3.1 RoPE frequency scaling (--use-rope-scaling; HF rope_type "llama3") with the four values below."""
+    rope_scaling_factor: float = 8.0
+    """Llama-3.1 scaling factor (--rope-scaling-factor; Megatron-LM's default 8)."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """Llama-3.1 low_freq_factor (--rope-scaling-low-freq-factor; Megatron-LM hard-codes 1)."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """Llama-3.1 high_freq_factor (--rope-scaling-high-freq-factor; Megatron-LM hard-codes 4)."""
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """Llama-3.1 original context length (--rope-scaling-original-max-position-embeddings; Megatron-LM: 8192)."""
     # ---- attention heads
     group_query_attention: bool = False
     """Grouped-query attention: num_query_groups K/V heads shared by the query heads (--group-query-attention)."""
@@ -193,6 +210,12 @@ class TransformerConfig(ModelParallelConfig):
                                  f"gives rotary dimension {rot_dim}; it must be even and >= 2")
             if self.rotary_base <= 0:
                 raise ValueError(f"--rotary-base must be positive, got {self.rotary_base}")
+            problem = rope_scaling_problem(self)
+            if problem:
+                raise ValueError(problem)
+        elif self.use_rope_scaling or self.rotary_seq_len_interpolation_factor is not None:
+            raise ValueError("--use-rope-scaling / --rotary-seq-len-interpolation-factor need --position-embedding-type "
+                             f"rope (got {self.position_embedding_type})")
         if not self.group_query_attention:
             if self.num_query_groups not in (None, self.num_attention_heads):
                 raise ValueError(f"--num-query-groups {self.num_query_groups} needs --group-query-attention")
@@ -296,3 +319,23 @@ def scaled_init_method_normal(sigma: float, num_layers: int) -> Callable[[torch.
         return torch.nn.init.normal_(tensor, mean=0.0, std=std)
 
     return init_
+
+
+def rope_scaling_problem(c: Any) -> Optional[str]:
+    """One line naming the RoPE-scaling flag whose value cannot work (None if all can); `c` is a TransformerConfig
+    or the parsed args (the same names). Scaling values without --use-rope-scaling would be ignored: refused."""
+    f = c.rotary_seq_len_interpolation_factor
+    if f is not None and not f > 0:
+        return f"--rotary-seq-len-interpolation-factor must be positive (got {f})"
+    names = ("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+             "rope_scaling_original_max_position_embeddings")
+    if not c.use_rope_scaling:
+        given = [n for n, default in zip(names, (8.0, 1.0, 4.0, 8192)) if getattr(c, n) != default]
+        return f"--{given[0].replace('_', '-')} needs --use-rope-scaling" if given else None
+    for name in names:
+        if not getattr(c, name) > 0:
+            return f"--{name.replace('_', '-')} must be positive (got {getattr(c, name)})"
+    if not c.rope_scaling_high_freq_factor > c.rope_scaling_low_freq_factor:
+        return (f"--rope-scaling-high-freq-factor ({c.rope_scaling_high_freq_factor}) must exceed "
+                f"--rope-scaling-low-freq-factor ({c.rope_scaling_low_freq_factor})")
+    return None

@@ -20,6 +20,10 @@ The one attention path selector is `CoreAttention.forward`:
 * else the explicit bmm / scaled-masked-softmax / dropout / bmm path.
 
 `describe_attention_path` gives the one line printed (rank 0, once per process) when the model is built.
+
+Under context parallelism (`set_context_parallel(cp_group)`, done by ParallelTransformer when
+`config.context_parallel_size` > 1) this rank holds two of the sequence's 2N chunks: RoPE rotates them at their true
+positions and self-attention runs through megatron/core/context_parallel.py (`config.cp_comm_type`).
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core import tensor_parallel
+from megatron.core import context_parallel, tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.alibi import AlibiBias
 from megatron.model.enums import AttnMaskType, AttnType
@@ -377,10 +381,13 @@ class ParallelAttention(MegatronModule):
             layout = tensor_parallel.TensorParallelLayout(dim=0, unit=2 * hn, structure=f"{ng} KV groups of [k; v]")
             for p in self.key_value.parameters():
                 tensor_parallel.set_tp_layout(p, layout)
-        self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base)
+        self.rotary = (RotaryEmbedding.from_config(config)
                        if config.position_embedding_type == "rope" and attention_type == AttnType.self_attn else None)
         self.core_attention = CoreAttention(config, self.layer_number, tp_group, attn_mask_type)
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
+        self.cp_group: Optional[Any] = None
+        self.cp_comm_type = config.cp_comm_type
+        self._cp_mask_cache: list = []  # [weakref to the mask, its version, "is the plain causal mask"]
         self.dense = tensor_parallel.RowParallelLinear(
             projection_size,
             config.hidden_size,
@@ -392,6 +399,46 @@ class ParallelAttention(MegatronModule):
             skip_bias_add=True,
             sequence_parallel=config.sequence_parallel,
         )
+
+    def set_context_parallel(self, cp_group: Any) -> None:
+        """Split the sequence over `cp_group` (self-attention only): this rank holds chunks r and 2N-1-r."""
+        if self.attention_type != AttnType.self_attn:
+            raise ValueError("context parallelism splits self-attention only (no cross-attention)")
+        self.cp_group = cp_group
+
+    def _cp_coords(self) -> tuple[int, int]:
+        return torch.distributed.get_world_size(self.cp_group), torch.distributed.get_rank(self.cp_group)
+
+    def _cp_plain_causal(self, mask: Optional[torch.Tensor], seq_len: int, positions: torch.Tensor) -> bool:
+        """Whether this rank's mask rows [b|1, 1, s, S] are exactly the causal mask at `positions` (cached)."""
+        if mask is None:
+            return True
+        entry = self._cp_mask_cache
+        if entry and entry[0]() is mask and entry[1] == mask._version:
+            return entry[2]
+        keys = torch.arange(seq_len, device=mask.device)
+        causal = (keys[None, :] > positions.to(mask.device)[:, None]).expand(mask.shape)
+        plain = bool(torch.equal(mask, causal))
+        self._cp_mask_cache = [weakref.ref(mask), mask._version, plain]
+        return plain
+
+    def _context_parallel_forward(self, q, k, v, attention_mask):
+        n, r = self._cp_coords()
+        causal = self.attn_mask_type == AttnMaskType.causal
+        if causal and self._cp_plain_causal(attention_mask, q.size(0) * n,
+                                            context_parallel.cp_positions(q.size(0) * n, n, r)):
+            attention_mask = None  # built per block from positions, never materialised
+        if attention_mask is not None and attention_mask.size(-2) != q.size(0):
+            raise ValueError(f"context parallelism needs this rank's attention-mask rows ([b, 1, {q.size(0)}, S]), "
+                             f"got {tuple(attention_mask.shape)}: slice the batch with slice_for_cp")
+
+        def run(q_, k_, v_, mask_):
+            return context_parallel.context_parallel_attention(
+                q_, k_, v_, self.cp_group, comm_type=self.cp_comm_type, causal=causal, attention_mask=mask_)
+
+        if self.checkpoint_core_attention and self.training and torch.is_grad_enabled():
+            return tensor_parallel.checkpoint(run, False, q, k, v, attention_mask)
+        return run(q, k, v, attention_mask)
 
     def _checkpointed_attention_forward(self, q, k, v, attention_mask):
         def custom_forward(q_, k_, v_, mask_):
@@ -452,7 +499,16 @@ class ParallelAttention(MegatronModule):
             query, _ = self.query(hidden_states)
             query = query.view(query.size(0), query.size(1), np_, hn)
 
-        if self.rotary is not None:
+        if self.cp_group is not None and inference_params is not None:
+            raise ValueError("KV-cache decoding does not run under context parallelism; generate at "
+                             "--context-parallel-size 1")
+        if self.rotary is not None and self.cp_group is not None:  # each chunk at its true positions
+            n, r = self._cp_coords()
+            cos, sin = self.rotary.cos_sin(query.size(0) * n, 0, query.device, query.dtype)
+            positions = context_parallel.cp_positions(query.size(0) * n, n, r, query.device)
+            query = apply_rotary_pos_emb(query, cos[positions], sin[positions])
+            key = apply_rotary_pos_emb(key, cos[positions], sin[positions])
+        elif self.rotary is not None:
             offset = inference_params.sequence_len_offset if inference_params is not None else 0
             cos, sin = self.rotary.cos_sin(query.size(0), offset, query.device, query.dtype)
             query = apply_rotary_pos_emb(query, cos, sin)
@@ -463,7 +519,9 @@ class ParallelAttention(MegatronModule):
             if attention_mask is not None and attention_mask.size(-2) != query.size(0):
                 attention_mask = attention_mask[..., s0:s1, :s1]
 
-        if self.checkpoint_core_attention and self.training and torch.is_grad_enabled():
+        if self.cp_group is not None:
+            context = self._context_parallel_forward(query, key, value, attention_mask)
+        elif self.checkpoint_core_attention and self.training and torch.is_grad_enabled():
             context = self._checkpointed_attention_forward(query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask)

@@ -275,11 +275,9 @@ def megatron_config_from_hf_llama(hf_config: Any, **overrides: Any) -> Transform
     heads = hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    rope = getattr(hf_config, "rope_parameters", None) or {}
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", "default")
-    if rope_type not in ("default", None):
-        raise ValueError(f"rope_type {rope_type!r} (RoPE scaling) is not supported; only the default RoPE")
+    scaling = rope_scaling_fields_from_hf(rope, hf_config.max_position_embeddings)
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
         raise ValueError("Llama configs with attention_bias / mlp_bias are not supported")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
@@ -292,7 +290,7 @@ def megatron_config_from_hf_llama(hf_config: Any, **overrides: Any) -> Transform
         normalization="RMSNorm", swiglu=True, position_embedding_type="rope", rotary_base=float(theta),
         group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
         add_bias_linear=False, add_qkv_bias=model_type == "qwen2", bias_gelu_fusion=False,
-        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)), **scaling,
     )
     window = getattr(hf_config, "sliding_window", None)
     windowed = window is not None and getattr(hf_config, "use_sliding_window", None) is not False
@@ -301,6 +299,39 @@ def megatron_config_from_hf_llama(hf_config: Any, **overrides: Any) -> Transform
                          "sliding-window attention is not modelled; pass max_position_embeddings <= the window")
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def rope_scaling_fields_from_hf(rope: Mapping[str, Any], max_position_embeddings: int) -> dict:
+    """TransformerConfig RoPE-scaling fields for a HF ``rope_parameters`` / ``rope_scaling`` dict: rope_type
+    "llama3" (Llama-3.1) or "linear" (position interpolation); other scalings are refused with one line."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in ("default", None):
+        return {}
+    if rope_type == "linear":
+        return dict(rotary_seq_len_interpolation_factor=float(rope["factor"]))
+    if rope_type == "llama3":
+        return dict(use_rope_scaling=True, rope_scaling_factor=float(rope["factor"]),
+                    rope_scaling_low_freq_factor=float(rope["low_freq_factor"]),
+                    rope_scaling_high_freq_factor=float(rope["high_freq_factor"]),
+                    rope_scaling_original_max_position_embeddings=int(
+                        rope.get("original_max_position_embeddings") or max_position_embeddings))
+    raise ValueError(f"rope_type {rope_type!r} (RoPE scaling) is not supported; default, llama3 and linear are")
+
+
+def hf_rope_scaling(config: TransformerConfig) -> Optional[dict]:
+    """The HF ``rope_scaling`` dict of `config`'s RoPE scaling (None without scaling); both at once has no HF form."""
+    factor = config.rotary_seq_len_interpolation_factor
+    if config.use_rope_scaling and factor is not None:
+        raise ValueError("--use-rope-scaling together with --rotary-seq-len-interpolation-factor has no Hugging Face "
+                         "rope_scaling form (it holds one rope_type); keep one")
+    if factor is not None:
+        return {"rope_type": "linear", "factor": float(factor)}
+    if config.use_rope_scaling:
+        return {"rope_type": "llama3", "factor": float(config.rope_scaling_factor),
+                "low_freq_factor": float(config.rope_scaling_low_freq_factor),
+                "high_freq_factor": float(config.rope_scaling_high_freq_factor),
+                "original_max_position_embeddings": int(config.rope_scaling_original_max_position_embeddings)}
+    return None
 
 
 def hf_llama_config_kwargs(config: TransformerConfig, vocab_size: Optional[int] = None) -> dict:
@@ -316,4 +347,5 @@ def hf_llama_config_kwargs(config: TransformerConfig, vocab_size: Optional[int] 
         head_dim=config.kv_channels, max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.layernorm_epsilon, rope_theta=config.rotary_base, hidden_act="silu",
         tie_word_embeddings=config.share_embeddings_and_output_weights, attention_dropout=config.attention_dropout,
+        rope_scaling=hf_rope_scaling(config),
     )

@@ -4,10 +4,16 @@
 ``emb = cat(freqs, freqs)``; a head vector t becomes ``t[:d] * cos + rotate_half(t[:d]) * sin`` with
 ``rotate_half(x) = cat(-x[d/2:], x[:d/2])``; channels past d pass through. Positions are 0..s-1 plus the KV-cache
 decode offset (as Megatron-LM, which does not read position_ids for RoPE).
+
+Long-context scaling changes only the frequencies, as Megatron-LM core's RotaryEmbedding and Hugging Face's
+``rope_type`` "llama3" / "linear" do: Llama-3.1 scaling (`llama3_inv_freq`, --use-rope-scaling) divides the low
+frequencies by the factor and blends the middle band; linear position interpolation
+(--rotary-seq-len-interpolation-factor f) rotates position p by the angles of p / f.
 """
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -15,22 +21,70 @@ from torch.autograd.function import once_differentiable
 from megatron import fused_kernels
 
 
-class RotaryEmbedding:
-    """cos/sin tables (fp32, grown on demand, one per device) for one rotary dimension and base. Holds no
-    parameters or buffers, so state dicts and dtype conversions of the model are unaffected."""
+class Llama3Scaling(NamedTuple):
+    """Llama-3.1 RoPE scaling (HF rope_type "llama3"); Megatron-LM hard-codes all but the factor to these values."""
 
-    def __init__(self, rotary_dim: int, base: float = 10000.0) -> None:
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3Scaling) -> torch.Tensor:
+    """Llama-3.1 frequencies: wavelengths longer than original_len / low_freq_factor are stretched by the factor,
+    shorter than original_len / high_freq_factor kept, and the band between blended linearly in original_len /
+    wavelength (the formula of Megatron-LM core's `_apply_scaling` and HF's `_compute_llama3_parameters`)."""
+    factor, low, high, old_len = scaling
+    wavelen = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * stretched / factor + smooth * stretched
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, blended, stretched)
+
+
+class RotaryEmbedding:
+    """cos/sin tables (fp32, grown on demand, one per device) for one rotary dimension and base, optionally with
+    Llama-3.1 frequency scaling and linear position interpolation. Holds no parameters or buffers, so state dicts and
+    dtype conversions of the model are unaffected."""
+
+    def __init__(self, rotary_dim: int, base: float = 10000.0, *,
+                 seq_len_interpolation_factor: Optional[float] = None,
+                 llama3_scaling: Optional[Llama3Scaling] = None) -> None:
         self.rotary_dim = rotary_dim
         self.base = float(base)
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.llama3_scaling = llama3_scaling
         self._tables: dict = {}
+
+    @classmethod
+    def from_config(cls, config: Any) -> RotaryEmbedding:
+        """The rotary embedding a `TransformerConfig` describes (rotary_dim, base and the scaling fields)."""
+        scaling = (Llama3Scaling(config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
+                                 config.rope_scaling_high_freq_factor,
+                                 config.rope_scaling_original_max_position_embeddings)
+                   if config.use_rope_scaling else None)
+        return cls(config.rotary_dim, config.rotary_base,
+                   seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor, llama3_scaling=scaling)
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The d/2 inverse frequencies (fp32), scaled when Llama-3.1 scaling is on."""
+        d = self.rotary_dim
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+        return llama3_inv_freq(inv_freq, self.llama3_scaling) if self.llama3_scaling is not None else inv_freq
+
+    def positions(self, size: int, device: torch.device) -> torch.Tensor:
+        """Positions 0..size-1 (fp32), times 1/f under linear interpolation by f (Megatron-LM's order of operations)."""
+        seq = torch.arange(size, device=device, dtype=torch.float32)
+        if self.seq_len_interpolation_factor is not None:
+            seq *= 1 / self.seq_len_interpolation_factor
+        return seq
 
     def _table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         cached = self._tables.get(device)
         if cached is None or cached[0].size(0) < length:
             size = max(length, 2 * cached[0].size(0) if cached is not None else length)
-            d = self.rotary_dim
-            inv_freq = 1.0 / (self.base ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
-            freqs = torch.outer(torch.arange(size, device=device, dtype=torch.float32), inv_freq)
+            freqs = torch.outer(self.positions(size, device), self.inv_freq(device))
             emb = torch.cat((freqs, freqs), dim=-1)
             cached = (emb.cos(), emb.sin())
             self._tables[device] = cached

@@ -26,6 +26,7 @@ from megatron.model.layer_specs import TransformerLayerSpec, transformer_layer_s
 from megatron.model.mlp import ParallelMLP  # noqa: F401  (re-exported: Megatron's name lives in transformer.py)
 from megatron.model.module import MegatronModule
 from megatron.model.norms import build_norm
+from megatron.model.utils import group_size
 
 
 def bias_dropout_add(
@@ -180,6 +181,13 @@ class ParallelTransformer(MegatronModule):
                 for i in range(self.num_layers)
             ]
         )
+        if config.context_parallel_size > 1:  # the sequence is split: self-attention runs over the CP group
+            cp_group = getattr(pp_state, "cp_group", None)
+            if group_size(cp_group) != config.context_parallel_size:
+                raise ValueError(f"config.context_parallel_size={config.context_parallel_size} but the context-"
+                                 f"parallel group has {group_size(cp_group)} ranks; pass pp_state=parallel_state")
+            for layer in self.layers:
+                layer.self_attention.set_context_parallel(cp_group)
         if self.post_process and self.post_layer_norm:
             self.final_layernorm = build_norm(config)
 

@@ -119,7 +119,7 @@ def get_megatron_optimizer(
                 device=device,
             )
     if shard_entries is not None:
-        dp_group = getattr(parallel_state, "dp_group", None) if parallel_state is not None else chunks[0].dp_group
+        dp_group = getattr(parallel_state, "dp_cp_group", None) if parallel_state is not None else chunks[0].dp_group
         return DistributedOptimizer(
             inner, shard_entries, chunks, config.clip_grad, config.log_num_zeros_in_grad, config.fp16, config.bf16,
             config.params_dtype, grad_scaler, mp_group, tp_rank, data_parallel_group=dp_group,

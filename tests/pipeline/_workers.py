@@ -40,7 +40,8 @@ def serial_gpt(args: Any, state: Any) -> torch.nn.Module:
     from megatron.core.tensor_parallel.random import model_parallel_manual_seed
     from megatron.model import GPTModel
 
-    config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=1)
+    config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=1,
+                                 context_parallel_size=1)  # CP splits no weights
     tracker_states = get_rng_tracker().get_states()
     with torch.random.fork_rng(devices=[]):
         model_parallel_manual_seed(args.seed, state.tp_rank)

@@ -39,11 +39,12 @@ def _chunks(model: Union[torch.nn.Module, Sequence[torch.nn.Module]]) -> list:
 
 
 def tensor_shape_for(model: torch.nn.Module, seq_length: int, micro_batch_size: int) -> tuple[int, int, int]:
-    """[seq (/tp with sequence parallelism), micro batch, hidden] of the activations passed between stages."""
+    """[seq (/cp with context parallelism, /tp with sequence parallelism), micro batch, hidden] of the activations
+    passed between stages."""
     config = _unwrap(model).config
-    seq = seq_length
+    seq = seq_length // int(getattr(config, "context_parallel_size", 1) or 1)
     if getattr(config, "sequence_parallel", False):
-        seq = seq_length // int(getattr(config, "tensor_model_parallel_size", 1))
+        seq = seq // int(getattr(config, "tensor_model_parallel_size", 1))
     return (seq, micro_batch_size, config.hidden_size)
 
 
