@@ -41,6 +41,15 @@ FAMILIES = {
                             num_query_groups=2, position_embedding_type="rope", rotary_base=10000,
                             untie_embeddings_and_output_weights=True, ffn_hidden_size=64)),
 }
+# a Mixtral-like MoE (the Llama family's layers with 4 experts, top-2, a gated shared expert), local spec's
+# SequentialMLP; saved at TP1 and PP2 only (Megatron Core's MoE with TP needs sequence parallelism)
+_MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=40,
+            moe_shared_expert_gate=True, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0)
+FAMILIES["moe"] = dict(config={**FAMILIES["llama"]["config"], **_MOE}, model=FAMILIES["llama"]["model"],
+                       args={**FAMILIES["llama"]["args"], "num_experts": 4, "moe_router_topk": 2,
+                             "moe_ffn_hidden_size": 48, "moe_shared_expert_intermediate_size": 40,
+                             "moe_shared_expert_gate": True},
+                       spec=dict(num_experts=4, moe_grouped_gemm=False), layouts=(("pp2", (1, 2)),))
 
 
 def megatron_lm_args(family: str, tp: int, pp: int) -> argparse.Namespace:
@@ -62,7 +71,7 @@ def build(family: str, parallel_output: bool = False) -> GPTModel:
                             pipeline_dtype=torch.float32, tensor_model_parallel_size=mps.get_tensor_model_parallel_world_size(),
                             pipeline_model_parallel_size=mps.get_pipeline_model_parallel_world_size(),
                             **spec["config"])
-    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(**spec.get("spec", {})), vocab_size=VOCAB,
                     max_sequence_length=SEQ, pre_process=mps.is_pipeline_first_stage(),
                     post_process=mps.is_pipeline_last_stage(), parallel_output=parallel_output, **spec["model"])
 
@@ -242,6 +251,10 @@ def train(job: dict) -> None:
 
 
 def main() -> None:
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    # without Transformer Engine the router's GEMM helper never gets defined (Megatron Core 0.16.1 tests its name)
+    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
     job = json.load(open("job.json"))
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -263,7 +276,7 @@ def main() -> None:
             if rank == 0:
                 torch.save(logits_of(fresh), os.path.join(out, "ours_logits_tp1.pt"))
         mps.destroy_model_parallel()
-        for name, (tp, pp) in (("tp2", (2, 1)), ("pp2", (1, 2))):
+        for name, (tp, pp) in FAMILIES[family].get("layouts", (("tp2", (2, 1)), ("pp2", (1, 2)))):
             mps.initialize_model_parallel(tp, pp)
             model = build(family)
             load_dist(model, source)
