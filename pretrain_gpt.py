@@ -35,18 +35,13 @@ def _state() -> ps.ParallelState:
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
-    """Build the GPT model for this rank (DeepSpeed's GPTModelPipe under --deepspeed with PP > 1)."""
+    """Build the GPT model for this rank's pipeline stage (under --deepspeed with PP > 1 the DeepSpeed backend builds
+    GPTModelPipe instead: megatron/backend/deepspeed.py)."""
     args = global_vars.get_args()
     state = _state()
     if state.global_rank == 0:
         print(" > building GPT model ...", flush=True)
     config = core_transformer_config_from_args(args)
-    if (getattr(args, "deepspeed", False) and args.pipeline_model_parallel_size > 1
-            and not getattr(args, "no_pipeline_parallel", False)):
-        from megatron.model.gpt_model_pipe import GPTModelPipe
-
-        return GPTModelPipe(config, state, fp16_lm_cross_entropy=bool(getattr(args, "fp16_lm_cross_entropy", False)),
-                            carry_attention_mask=bool(args.reset_attention_mask))
     return GPTModel(config, tp_group=state.tp_group, pp_state=state, num_tokentypes=0, parallel_output=True,
                     pre_process=pre_process, post_process=post_process,
                     fp16_lm_cross_entropy=bool(getattr(args, "fp16_lm_cross_entropy", False)))

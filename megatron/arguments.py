@@ -1100,3 +1100,6 @@ def _validate_context_parallel(args: argparse.Namespace, training_run: bool) -> 
                                          f"{args.attention_dropout}): context-parallel attention has no dropout")
     _require(args.position_embedding_type != "alibi",
              "--context-parallel-size does not support ALiBi (--position-embedding-type alibi): use rope or learned")
+    _require(getattr(args, "num_experts", None) is None,
+             "--context-parallel-size with --num-experts (MoE) is not implemented: the router's auxiliary losses are "
+             "not yet reduced over the context-parallel group; drop one of them")

@@ -43,7 +43,9 @@ ARCHITECTURE_FIELDS: Tuple[str, ...] = (
 )
 
 # Restored by --use-checkpoint-args only when the flag is left at its default (Megatron's rule for these).
-FILLED_IF_UNSET: Tuple[str, ...] = ("seq_length", "tokenizer_type", "make_vocab_size_divisible_by")
+FILLED_IF_UNSET: Tuple[str, ...] = ("seq_length", "tokenizer_type", "make_vocab_size_divisible_by",
+                                     "expert_model_parallel_size", "expert_tensor_parallel_size",
+                                     "moe_token_dispatcher_type")
 
 # The flag(s) to pass for a field, where it is not simply --field-name.
 _FLAG_OF_FIELD: Dict[str, str] = {

@@ -26,6 +26,7 @@ import torch
 
 from megatron import checkpoint_integrity as integrity
 from megatron.errors import MegatronUserError
+from megatron.training_state import TrainingState
 
 TORCH, CORE_TORCH, TORCH_DIST = "torch", "torch (Megatron Core names)", "torch_dist"
 _LAYERS = "language_model.encoder.layers."
@@ -218,11 +219,11 @@ def saved_rng(common: Dict[str, Any], iter_dir: str, state: Any) -> Optional[Lis
 
 
 def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, iter_dir: str, fmt: str,
-                 release: bool, state: Any, optimizer: Any = None, opt_param_scheduler: Any = None
-                 ) -> Tuple[int, Dict[str, Any], Optional[List[Any]]]:
+                 release: bool, state: Any, train_state: Optional[TrainingState] = None, optimizer: Any = None,
+                 opt_param_scheduler: Any = None) -> Tuple[int, Dict[str, Any], Optional[List[Any]]]:
     """Load a Megatron Core checkpoint into `models` (and, resuming from a torch_dist folder, `optimizer` and
     `opt_param_scheduler`); returns (iteration to continue from, common state, this rank's RNG state list to restore
-    or None)."""
+    or None). The consumed samples go to `train_state` (a TrainingState), or onto ``args`` without one."""
     from megatron.checkpoint_args import check_architecture
     from megatron.model.module import unwrap_model
 
@@ -266,6 +267,11 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
         optimizer.reload_model_params()  # fp32 main params follow the loaded weights
     rng = saved_rng(common, iter_dir, state) if load_rng else None
     ckpt_args = common.get("args")
-    for key in ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens"):
-        setattr(args, key, int(common.get(key, getattr(ckpt_args, key, 0)) or 0))
+    run = train_state if train_state is not None else TrainingState()
+    names = tuple(k for k in ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens",
+                              "consumed_valid_tokens") if k in common or k.endswith("samples"))
+    for key in names:
+        setattr(run, key, int(common.get(key, getattr(ckpt_args, key, 0)) or 0))
+    if train_state is None:
+        run.write_counters(args, names)
     return int(common.get("iteration", getattr(ckpt_args, "iteration", 0)) or 0), common, rng

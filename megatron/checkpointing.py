@@ -5,13 +5,15 @@ Layout (same as Megatron-LM, so its tools and ours read each other's folders)::
     <save>/latest_checkpointed_iteration.txt          "1000" or "release"
     <save>/iter_0001000/mp_rank_00/model_optim_rng.pt   (PP == 1)
     <save>/iter_0001000/mp_rank_00_000/model_optim_rng.pt (PP > 1: tensor rank, pipeline rank)
+    <save>/iter_0001000/mp_rank_00[_000]_001/...          (expert parallelism: + expert rank, 3 digits)
 
 Each file holds ``args``, ``checkpoint_version`` (3.0), ``iteration``, ``model`` (the nested
 ``state_dict_for_save_checkpoint()``; ``model0``, ``model1`` … with virtual pipeline chunks), ``optimizer``,
 ``opt_param_scheduler`` (and its old name ``lr_scheduler``), ``rng_state`` (one entry per data-parallel rank),
 consumed samples/tokens and the true/padded vocabulary sizes. Only data-parallel rank 0 writes; every file is
 written to a temporary name and renamed, and the tracker file is written last, so a crash never leaves a
-half-written checkpoint that looks complete.
+half-written checkpoint that looks complete. Under expert parallelism expert-data-parallel rank 0 of every expert rank
+writes its folder (the dense weights and its own experts), as Megatron-LM does.
 
 With ``--use-distributed-optimizer`` the sharded optimizer state goes to ``distrib_optim.pt`` next to
 ``model_optim_rng.pt`` (whose ``optimizer`` entry keeps the non-sharded part: param-group hyperparameters and the
@@ -49,6 +51,7 @@ from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.errors import MegatronUserError
 from megatron.model.module import unwrap_model
 from megatron.safe_load import CheckpointFileError, safe_torch_load
+from megatron.training_state import TrainingState
 
 
 class CheckpointError(MegatronUserError, RuntimeError):
@@ -63,6 +66,7 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 _PARALLEL_ARGS = (
     ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
     ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
+    ("--expert-model-parallel-size", "expert_model_parallel_size"),
 )
 
 
@@ -71,7 +75,8 @@ def reshard_hint(load_dir: str) -> str:
     if load_dir.endswith(".pt"):  # .../iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt -> the --load directory
         load_dir = os.path.dirname(os.path.dirname(os.path.dirname(load_dir)))
     return (f"reshard it: python tools/checkpoint/convert.py --model-type GPT --load-dir {load_dir} --save-dir NEW "
-            "--target-tensor-parallel-size N --target-pipeline-parallel-size M, then --load NEW --no-load-rng")
+            "--target-tensor-parallel-size N --target-pipeline-parallel-size M (MoE: --target-expert-parallel-size E), "
+            "then --load NEW --no-load-rng")
 
 
 def _print0(msg: str) -> None:
@@ -107,15 +112,22 @@ def get_checkpoint_name(
     pipeline_parallel: Optional[bool] = None,
     tensor_rank: Optional[int] = None,
     pipeline_rank: Optional[int] = None,
+    expert_parallel: Optional[bool] = None,
+    expert_rank: Optional[int] = None,
 ) -> str:
-    """Megatron's ``.../iter_{:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`` for this (or the given) rank."""
+    """Megatron's ``.../iter_{:07d}/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`` for this (or the
+    given) rank."""
     state = _state()
     if pipeline_parallel is None:
         pipeline_parallel = state.pp_size > 1
+    if expert_parallel is None:
+        expert_parallel = state.ep_size > 1
     tensor_rank = state.tp_rank if tensor_rank is None else tensor_rank
     pipeline_rank = state.pp_rank if pipeline_rank is None else pipeline_rank
+    expert_rank = state.ep_rank if expert_rank is None else expert_rank
     directory = "release" if release else f"iter_{iteration:07d}"
     rank_dir = f"mp_rank_{tensor_rank:02d}" + (f"_{pipeline_rank:03d}" if pipeline_parallel else "")
+    rank_dir += f"_{expert_rank:03d}" if expert_parallel else ""
     return os.path.join(checkpoints_path, directory, rank_dir, "model_optim_rng.pt")
 
 
@@ -249,9 +261,12 @@ def save_checkpoint(
     args: argparse.Namespace,
     save_dir: Optional[str] = None,
     train_loss: Optional[float] = None,
+    train_state: Optional[TrainingState] = None,
 ) -> str:
     """Write the checkpoint of ``iteration`` into ``save_dir`` (default ``args.save``); returns this rank's file.
-    `train_loss` (the last finite training loss, summed over its terms) is recorded for the check after loading."""
+    `train_loss` (the last finite training loss, summed over its terms) is recorded for the check after loading.
+    `train_state`: the loop's run state (saved as Megatron's keys and inside ``args``); without it, the run state
+    is read from ``args`` under Megatron's names."""
     save_dir = save_dir or args.save
     if not save_dir:
         raise CheckpointError("save_checkpoint called without a directory: pass --save DIR")
@@ -271,17 +286,16 @@ def save_checkpoint(
     if optimizer is not None and hasattr(optimizer, "get_parameter_state") and not getattr(args, "no_save_optim",
                                                                                             False):
         param_state = optimizer.get_parameter_state()  # collective over the data-parallel group
-    if state.dp_rank == 0 and state.cp_rank == 0:  # context-parallel ranks hold the same weights: one writer
+    if (state.edp_rank if state.ep_size > 1 else state.dp_rank) == 0 and state.cp_rank == 0:  # one writer per
+        # model-parallel (and expert) rank: context-parallel ranks hold the same weights
+        run = train_state if train_state is not None else TrainingState.from_args(args)
         state_dict: dict[str, Any] = {
-            "args": _args_to_save(args),
+            "args": _args_to_save(args) if train_state is None else train_state.megatron_args(args),
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
-            "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0)),
-            "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0)),
-            "consumed_train_tokens": int(getattr(args, "consumed_train_tokens", 0)),
-            "consumed_valid_tokens": int(getattr(args, "consumed_valid_tokens", 0)),
+            **run.checkpoint_counters(),
             "true_vocab_size": getattr(args, "true_vocab_size", None),
-            "padded_vocab_size": getattr(args, "padded_vocab_size", None),
+            "padded_vocab_size": run.padded_vocab_size,
             "architecture": architecture_from_args(args),
         }
         if train_loss is not None:
@@ -400,10 +414,11 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
         use_checkpoint_args(args, read_common(iter_dir, trust))
         return args
 
-    def rank0_file(cand: int) -> str:  # the layout is not known yet: TP rank 0 / PP stage 0, either naming
-        name = get_checkpoint_name(load_dir, cand, release, pipeline_parallel=False, tensor_rank=0, pipeline_rank=0)
-        staged = get_checkpoint_name(load_dir, cand, release, pipeline_parallel=True, tensor_rank=0, pipeline_rank=0)
-        return staged if not os.path.isdir(os.path.dirname(name)) and os.path.isdir(os.path.dirname(staged)) else name
+    def rank0_file(cand: int) -> str:  # the layout is not known yet: TP rank 0 / PP stage 0 / EP rank 0, any naming
+        names = [get_checkpoint_name(load_dir, cand, release, pipeline_parallel=pp, tensor_rank=0, pipeline_rank=0,
+                                     expert_parallel=ep, expert_rank=0)
+                 for pp, ep in ((False, False), (True, False), (True, True))]
+        return next((n for n in names if os.path.isdir(os.path.dirname(n))), names[0])
 
     # The iteration load_checkpoint will load: the tracker's, or the newest intact one below it (integrity fallback).
     _, name, sd = _select_checkpoint(load_dir, iteration, release, bool(getattr(args, "trust_checkpoint", False)),
@@ -513,7 +528,8 @@ def _iteration_dir(load_dir: str, iteration: int, release: bool) -> str:
 
 
 def _load_other_format(models: list, args: argparse.Namespace, load_dir: str, iteration: int, release: bool,
-                       state: ps.ParallelState, trust: bool, optimizer: Any = None,
+                       state: ps.ParallelState, trust: bool,
+                       train_state: Optional[TrainingState] = None, optimizer: Any = None,
                        opt_param_scheduler: Any = None) -> Optional[int]:
     """Megatron Core layouts (per-rank files with Core names, torch_dist): load their weights (and a torch_dist
     folder's training state) at this run's layout (megatron/checkpoint_formats.py) and return the iteration; None for
@@ -525,7 +541,7 @@ def _load_other_format(models: list, args: argparse.Namespace, load_dir: str, it
     check_format_flags(fmt, args, iter_dir)
     if fmt == TORCH:
         return None
-    iteration, _, rng = load_foreign(models, args, load_dir, iter_dir, fmt, release, state, optimizer,
+    iteration, _, rng = load_foreign(models, args, load_dir, iter_dir, fmt, release, state, train_state, optimizer,
                                      opt_param_scheduler)
     if rng is not None:
         set_rng_state(rng, state)
@@ -563,11 +579,13 @@ def load_checkpoint(
     args: argparse.Namespace,
     load_arg: str = "load",
     strict: bool = True,
+    train_state: Optional[TrainingState] = None,
 ) -> int:
     """Load the latest checkpoint under ``getattr(args, load_arg)``; returns the iteration to continue from.
 
     Honours --finetune (model only, iteration 0), --no-load-optim, --no-load-rng and ``release`` checkpoints,
-    restores consumed train/valid samples into ``args``. No tracker file → start from scratch (0).
+    restores consumed train/valid samples into `train_state` (without one: into ``args``, Megatron's names). No
+    tracker file → start from scratch (0).
     """
     forget_last_loaded()
     load_dir = getattr(args, load_arg, None)
@@ -584,7 +602,7 @@ def load_checkpoint(
         return 0
     iteration, release = read_metadata(tracker)
     trust = bool(getattr(args, "trust_checkpoint", False))
-    foreign = _load_other_format(models, args, load_dir, iteration, release, state, trust, optimizer,
+    foreign = _load_other_format(models, args, load_dir, iteration, release, state, trust, train_state, optimizer,
                                  opt_param_scheduler)
     if foreign is not None:
         return foreign
@@ -606,11 +624,10 @@ def load_checkpoint(
         iteration = 0
     else:
         iteration = int(sd.get("iteration", sd.get("total_iters", 0)))
-        src = sd if "consumed_train_samples" in sd else vars(ckpt_args or argparse.Namespace())
-        args.consumed_train_samples = int(src.get("consumed_train_samples", 0))
-        args.consumed_valid_samples = int(src.get("consumed_valid_samples", 0))
-        args.consumed_train_tokens = int(src.get("consumed_train_tokens", 0))
-        args.consumed_valid_tokens = int(src.get("consumed_valid_tokens", 0))
+        run = train_state if train_state is not None else TrainingState()
+        run.restore_counters(sd, ckpt_args)
+        if train_state is None:
+            run.write_counters(args)
 
     # Model weights.
     for i, chunk in enumerate(models):

@@ -128,6 +128,8 @@ CONFIG_FIELDS: Dict[str, Tuple[Tuple[str, ...], Getter]] = {
     "moe_shared_expert_intermediate_size": _copy("moe_shared_expert_intermediate_size"),
     "moe_shared_expert_gate": _copy("moe_shared_expert_gate"),
     "moe_apply_probs_on_input": _copy("moe_apply_probs_on_input"),
+    "expert_model_parallel_size": _copy("expert_model_parallel_size"),
+    "moe_token_dispatcher_type": _copy("moe_token_dispatcher_type"),
     # activation recomputation
     "recompute_granularity": (("recompute_granularity", "recompute_activations", "checkpoint_activations"),
                               lambda a: a.recompute_granularity),

@@ -51,7 +51,7 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "exit_interval": "megatron/training.py",
     "exit_duration_in_mins": "megatron/training.py",
     "exit_signal_handler": "megatron/training.py",
-    "check_for_nan_in_loss_and_grad": "megatron/training.py",
+    "check_for_nan_in_loss_and_grad": "megatron/backend/megatron.py",
     "max_skipped_iterations": "megatron/training.py",
     "empty_unused_memory_level": "megatron/training.py",
     # optimizer and learning rate
@@ -133,7 +133,7 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "log_num_zeros_in_grad": "megatron/optimizer/__init__.py",
     "timing_log_level": "megatron/global_vars.py",
     "timing_log_option": "megatron/global_vars.py",
-    "barrier_with_L1_time": "megatron/training.py",
+    "barrier_with_L1_time": "megatron/backend/megatron.py",
     "tensorboard_dir": "megatron/global_vars.py",
     "tensorboard_log_interval": "megatron/training.py",
     "tensorboard_queue_size": "megatron/global_vars.py",
@@ -145,7 +145,7 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "log_memory_to_tensorboard": "megatron/logging_utils.py",
     "log_world_size_to_tensorboard": "megatron/logging_utils.py",
     # DeepSpeed
-    "deepspeed": "megatron/training.py",
+    "deepspeed": "megatron/backend/__init__.py",
     "deepspeed_config": "megatron/ds/config.py",
     "deepscale": "megatron/arguments.py",  # alias of --deepspeed
     "deepscale_config": "megatron/ds/config.py",
@@ -163,7 +163,7 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "checkpoint_in_cpu": "megatron/ds/engine.py",
     "synchronize_each_layer": "megatron/ds/engine.py",
     "profile_backward": "megatron/ds/engine.py",
-    "no_pipeline_parallel": "pretrain_gpt.py",
+    "no_pipeline_parallel": "megatron/backend/deepspeed.py",
     # inference (tools/generate_samples_gpt.py, tools/run_text_generation_server.py)
     "max_tokens_to_oom": "tools/run_text_generation_server.py",
     "temperature": "tools/generate_samples_gpt.py",
@@ -206,6 +206,7 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "max_gen_toks": "tasks/eval_harness/evaluate.py",
     # mixture of experts (megatron/moe_arguments.py checks them)
     "moe_per_layer_logging": "megatron/training.py",
+    "expert_tensor_parallel_size": "megatron/moe_arguments.py",  # must equal TP (checked there)
 }
 
 # In Megatron these only choose a kernel or a communication pattern; the numbers are the same. We have one variant.
@@ -221,8 +222,6 @@ SAME_RESULT_VARIANTS: Dict[str, str] = {
     "moe_router_fusion": "picks TE's fused top-k/aux-loss kernels; the routing is the same",
     "moe_shared_expert_overlap": "overlaps the shared expert with dispatch on GPU; the shared expert's output is the "
                                  "same (only the order of gradient additions differs)",
-    "moe_token_dispatcher_type": "allgather and alltoall move the same tokens to the same experts (flex is refused "
-                                 "by megatron/moe_arguments.py)",
 }
 
 # dest -> (default, why it is refused when set to anything else). Implement a flag and move it to RUNTIME_SETTINGS.
@@ -232,9 +231,6 @@ REFUSED: Dict[str, Tuple[Any, str]] = {
     "log_optimizer_states_to_tensorboard": (False, "is not implemented"),
     "sample_rate": (1.0, "is not implemented (it subsamples BERT/T5 data in Megatron)"),
     # mixture of experts: Megatron-LM flags this build does not implement
-    "expert_model_parallel_size": (1, "(expert parallelism) is not implemented yet; the experts of a layer stay on "
-                                      "each rank (TP+SP, PP, DP and the distributed optimizer work)"),
-    "expert_tensor_parallel_size": (None, "is not implemented (the experts use --tensor-model-parallel-size)"),
     "moe_extended_tp": (False, "is deprecated in Megatron-LM and not implemented"),
     "moe_use_upcycling": (False, "(dense -> MoE upcycling) is not implemented"),
     "moe_layer_recompute": (False, "is not implemented (use --recompute-granularity full)"),

@@ -20,26 +20,17 @@ from typing import Any, Optional
 
 import torch
 
+from megatron.core.rank_print import is_last_rank, print_rank_0, print_rank_last  # noqa: F401  (re-exported)
+
 ADVANCED = "advanced iterations"
 SKIPPED = "skipped iterations"
 NAN = "nan iterations"
 
 
-def is_last_rank() -> bool:
-    if not torch.distributed.is_initialized():
-        return True
-    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
 
-def print_rank_last(message: str) -> None:
-    """Print on the last global rank (where the loss lives with pipelining), like Megatron."""
-    if is_last_rank():
-        print(message, flush=True)
 
 
-def print_rank_0(message: str) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(message, flush=True)
 
 
 def accumulate_losses(
@@ -118,9 +109,11 @@ def write_train_scalars(
     grad_norm: Optional[float],
     num_zeros_in_grad: Optional[float],
     params_norm: Optional[float],
+    consumed_samples: Optional[int] = None,
 ) -> None:
-    """Per-iteration TensorBoard scalars (every --tensorboard-log-interval), Megatron-LM tag names."""
-    samples = int(args.consumed_train_samples)
+    """Per-iteration TensorBoard scalars (every --tensorboard-log-interval), Megatron-LM tag names; the "vs samples"
+    axis is `consumed_samples` (default: ``args.consumed_train_samples``)."""
+    samples = int(args.consumed_train_samples if consumed_samples is None else consumed_samples)
 
     def both(tag: str, value: float) -> None:
         writer.add_scalar(tag, value, iteration)
@@ -163,12 +156,14 @@ def format_validation_line(prefix: str, losses: dict[str, float]) -> tuple[str, 
 
 
 def log_validation(
-    prefix: str, losses: dict[str, float], writer: Any, args: Any, iteration: int
+    prefix: str, losses: dict[str, float], writer: Any, args: Any, iteration: int,
+    consumed_samples: Optional[int] = None,
 ) -> str:
-    """Print the framed validation line on the last rank and write the validation scalars."""
+    """Print the framed validation line on the last rank and write the validation scalars ("vs samples":
+    `consumed_samples`, default ``args.consumed_train_samples``)."""
     line, ppls = format_validation_line(prefix, losses)
     if writer is not None:
-        samples = int(args.consumed_train_samples)
+        samples = int(args.consumed_train_samples if consumed_samples is None else consumed_samples)
         for key, value in losses.items():
             writer.add_scalar(f"{key} validation", value, iteration)
             writer.add_scalar(f"{key} validation vs samples", value, samples)
@@ -226,8 +221,7 @@ def report_memory(name: str, data_parallel_rank: Optional[int] = None) -> Option
     if data_parallel_rank is None:
         from megatron.core import parallel_state
 
-        data_parallel_rank = (parallel_state.get_parallel_state().dp_rank
-                              if parallel_state.model_parallel_is_initialized() else 0)
+        data_parallel_rank = parallel_state.current_parallel_state().dp_rank
     if data_parallel_rank != 0:
         return None
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

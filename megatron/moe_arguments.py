@@ -122,6 +122,8 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     _single(args, "moe_router_load_balancing_type", "--moe-router-load-balancing-type")
     _single(args, "moe_aux_loss_coeff", "--moe-aux-loss-coeff")
     if args.num_experts is None:
+        if args.expert_model_parallel_size != 1:
+            raise ArgumentError("--expert-model-parallel-size needs --num-experts (experts to shard)")
         return
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size  # Megatron-LM's default
@@ -135,6 +137,26 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         raise ArgumentError("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
                             "(as Megatron-LM)")
+    ep, tp = args.expert_model_parallel_size, args.tensor_model_parallel_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp  # Megatron-LM's default
+    if args.expert_tensor_parallel_size != tp:
+        raise ArgumentError(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} is not implemented: "
+                            f"the experts use --tensor-model-parallel-size ({tp}); drop the flag or set it to {tp}")
+    if ep > 1 and (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        raise ArgumentError("--expert-model-parallel-size > 1 with --context-parallel-size > 1 is not implemented; "
+                            "use one of them")
+    world = getattr(args, "world_size", 1) or 1
+    dp = world // max(1, tp * args.pipeline_model_parallel_size)
+    if ep < 1 or dp % ep:
+        raise ArgumentError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp} = world "
+                            f"size {world} / (TP x PP)); launch a multiple of "
+                            f"{tp * args.pipeline_model_parallel_size * max(ep, 1)} processes")
+    if ep > 1 and getattr(args, "deepspeed", False):
+        raise ArgumentError("--expert-model-parallel-size > 1 with --deepspeed is not implemented (DeepSpeed's engine "
+                            "reduces every grad over its data-parallel group); train without --deepspeed, whose "
+                            "local DDP and distributed optimizer reduce expert grads over the expert-data-parallel "
+                            "group")
     if args.num_experts % max(1, args.expert_model_parallel_size):
         raise ArgumentError(f"--num-experts ({args.num_experts}) must be divisible by --expert-model-parallel-size "
                             f"({args.expert_model_parallel_size})")

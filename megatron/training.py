@@ -6,6 +6,10 @@ Initialises Megatron (flags, torch.distributed, model-parallel groups, seeds, to
 consumed-sample position and runs the training loop with Megatron's logging, evaluation, checkpointing and exit
 conditions (--exit-interval, --exit-duration-in-mins, --exit-signal-handler).
 
+The loop owns the run state (a `TrainingState`: iteration, consumed samples, ...; megatron/training_state.py) and
+drives one training backend (megatron/backend/: Megatron's own or DeepSpeed's engine, picked by `backend_for`) for
+set-up, load, steps, evaluation, saves, loss scale and parameter norm; it has no DeepSpeed branches.
+
 Entry scripts may pass ``argv`` (a list of flag strings) instead of reading ``sys.argv``; tests use that.
 """
 from __future__ import annotations
@@ -21,19 +25,16 @@ import torch
 
 from megatron import global_vars, peer_failure
 from megatron.arguments import core_transformer_config_from_args
+from megatron.backend import backend_for
+from megatron.backend.megatron import PipelineScheduleError, check_pipeline_schedule  # noqa: F401  (Megatron's names)
 from megatron.checkpointing import (
     forget_last_loaded,
     last_loaded,
-    load_checkpoint,
     local_rng_state,
     restore_local_rng_state,
-    save_checkpoint,
 )
 from megatron.core import moe_aux
 from megatron.core import parallel_state as ps
-from megatron.core.distributed import finalize_model_grads
-from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.errors import MegatronUserError
 from megatron.flops import num_floating_point_operations
 from megatron.initialize import initialize_megatron
 from megatron.logging_utils import (
@@ -61,22 +62,15 @@ from megatron.nan_guard import (
     FirstLossWatch,
     NonFiniteTrainingError,
     SkipCounter,
-    loaded_state_problem,
-    loss_and_grads_finite,
     params_finite,
 )
-from megatron.optimizer import get_megatron_optimizer
-from megatron.optimizer.optimizer_config import optimizer_config_from_args
 from megatron.progress import ProgressNotes
 from megatron.required_flags import TRAINING_RUN
+from megatron.run_settings import LoopSettings
 from megatron.theoretical_memory_usage import report_theoretical_memory
-from megatron.utils import calc_params_l2_norm
+from megatron.training_state import TrainingState
 
 _TRAIN_START_TIME = time.time()
-
-
-class PipelineScheduleError(MegatronUserError):
-    """The batch layout does not fit the pipeline schedule."""
 
 
 def print_datetime(message: str) -> None:
@@ -87,43 +81,19 @@ def print_datetime(message: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- model + optimizer
-def check_pipeline_schedule(args: argparse.Namespace, num_microbatches: int) -> None:
-    """Megatron's start-up rule for the interleaved schedule: micro-batches divisible by the pipeline size."""
-    pp = args.pipeline_model_parallel_size
-    if pp > 1 and getattr(args, "virtual_pipeline_model_parallel_size", None) is not None \
-            and num_microbatches % pp != 0:
-        raise PipelineScheduleError(
-            f"the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage) needs the number of "
-            f"micro-batches ({num_microbatches} = --global-batch-size / (--micro-batch-size x data-parallel "
-            f"size)) to be divisible by --pipeline-model-parallel-size ({pp}); change --global-batch-size or "
-            f"--micro-batch-size")
-
-
 def setup_model_and_optimizer(model_provider_func: Callable, model_type: Any, args: argparse.Namespace,
-                              state: ps.ParallelState) -> tuple[list, Any, Any]:
+                              state: ps.ParallelState, train_state: Optional[TrainingState] = None
+                              ) -> tuple[list, Any, Any]:
+    """Model, optimizer and LR schedule from the backend; loads --load. The iteration and consumed samples go to
+    `train_state` (without one, onto ``args`` under Megatron's names: the finetuning loop keeps its run state there)."""
     forget_last_loaded()
-    if getattr(args, "deepspeed", False):
-        from megatron.ds.engine import setup_deepspeed_model_and_optimizer
-
-        return setup_deepspeed_model_and_optimizer(model_provider_func, model_type, args, state)
-    model = get_model(model_provider_func, model_type, args, state)
-    optimizer = get_megatron_optimizer(model, optimizer_config_from_args(args), state)
-    opt_param_scheduler = get_optimizer_param_scheduler(optimizer, args)
-    if args.load is not None:
-        timers = global_vars.get_timers()
-        timers("load-checkpoint", log_level=0).start(barrier=True)
-        args.iteration = load_checkpoint(model, optimizer, opt_param_scheduler, args)
-        timers("load-checkpoint").stop(barrier=True)
-        timers.log(["load-checkpoint"])
-        loaded = last_loaded()
-        problem = loaded_state_problem(model, optimizer) if loaded is not None else None
-        if problem is not None:
-            raise NonFiniteTrainingError(f"the checkpoint loaded from --load ({loaded.folder}) holds non-finite "
-                                         f"{problem}: training cannot continue from it (a lower --lr will not help); "
-                                         "resume from an earlier checkpoint (edit latest_checkpointed_iteration.txt) "
-                                         "or start without --load")
+    backend = backend_for(args)
+    model, optimizer, opt_param_scheduler = backend.setup(model_provider_func, model_type, args, state)
+    iteration = backend.load(model, optimizer, opt_param_scheduler, args, train_state) if args.load is not None else 0
+    if train_state is None:
+        args.iteration = iteration
     else:
-        args.iteration = 0
+        train_state.iteration = iteration
     return model, optimizer, opt_param_scheduler
 
 
@@ -134,18 +104,20 @@ def _cyclic_iter(loader: Any) -> Iterator:
 
 
 def build_train_valid_test_data_iterators(
-    dataset_provider: Callable, args: argparse.Namespace, state: ps.ParallelState
+    dataset_provider: Callable, args: argparse.Namespace, state: ps.ParallelState, train_state: TrainingState
 ) -> tuple[Optional[Iterator], Optional[Iterator], Optional[Iterator]]:
-    """Build the datasets (every rank) and the pretraining loaders at the resume point (consumed samples)."""
+    """Build the datasets (every rank) and the pretraining loaders at the resume point (consumed samples); sets
+    `train_state`'s do_train/do_valid/do_test."""
     from megatron.data.data_samplers import build_pretraining_data_loader
 
+    run = train_state
     print_rank_0("> building train, validation, and test datasets ...")
-    if args.iteration > 0 and args.consumed_train_samples == 0:
+    if run.iteration > 0 and run.consumed_train_samples == 0:
         if args.train_samples is not None:
             raise RuntimeError("checkpoint has no consumed_train_samples; cannot resume with --train-samples")
-        args.consumed_train_samples = args.iteration * args.global_batch_size
-    if args.iteration > 0 and args.consumed_valid_samples == 0 and args.train_samples is None:
-        args.consumed_valid_samples = (args.iteration // args.eval_interval) * args.eval_iters * \
+        run.consumed_train_samples = run.iteration * args.global_batch_size
+    if run.iteration > 0 and run.consumed_valid_samples == 0 and args.train_samples is None:
+        run.consumed_valid_samples = (run.iteration // args.eval_interval) * args.eval_iters * \
             args.global_batch_size
     train_samples = args.train_samples if args.train_samples else args.train_iters * args.global_batch_size
     eval_iters = (args.train_iters // args.eval_interval + 1) * args.eval_iters
@@ -168,12 +140,12 @@ def build_train_valid_test_data_iterators(
         return build_pretraining_data_loader(ds, consumed, args.micro_batch_size, state.dp_rank, state.dp_size,
                                              args.num_workers, args.dataloader_type)
 
-    train_dl = loader(train_ds, args.consumed_train_samples)
-    valid_dl = loader(valid_ds, args.consumed_valid_samples)
+    train_dl = loader(train_ds, run.consumed_train_samples)
+    valid_dl = loader(valid_ds, run.consumed_valid_samples)
     test_dl = loader(test_ds, 0)
-    args.do_train = train_dl is not None and args.train_iters > 0
-    args.do_valid = valid_dl is not None and args.eval_iters > 0
-    args.do_test = test_dl is not None and args.eval_iters > 0
+    run.do_train = train_dl is not None and args.train_iters > 0
+    run.do_valid = valid_dl is not None and args.eval_iters > 0
+    run.do_test = test_dl is not None and args.eval_iters > 0
 
     def make_iter(dl: Any) -> Optional[Iterator]:
         if dl is None:
@@ -184,74 +156,22 @@ def build_train_valid_test_data_iterators(
 
 
 # ----------------------------------------------------------------------------------------------- steps
-def _schedule(args: argparse.Namespace) -> Callable[..., list]:
-    check_pipeline_schedule(args, global_vars.get_num_microbatches())
-    return get_forward_backward_func(args.pipeline_model_parallel_size,
-                                     getattr(args, "virtual_pipeline_model_parallel_size", None))
-
-
 def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list, optimizer: Any,
-               opt_param_scheduler: Any, args: argparse.Namespace, state: ps.ParallelState
-               ) -> tuple[dict, int, Optional[float], Optional[int]]:
-    """One iteration: forward/backward over the micro-batches, gradient reductions, optimizer and LR step."""
-    if getattr(args, "deepspeed", False):
-        from megatron.ds.engine import deepspeed_train_step
-
-        loss_dict, skipped_iter, grad_norm, num_zeros = deepspeed_train_step(
-            forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, args, state)
-        moe_losses = moe_aux_losses(args, state)
-        if loss_dict:
-            loss_dict.update(moe_losses)
-        return loss_dict, skipped_iter, grad_norm, num_zeros
-    timers = global_vars.get_timers()
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-
-    forward_backward_func = _schedule(args)
-    timers("forward-backward", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
-    losses_reduced = forward_backward_func(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=global_vars.get_num_microbatches(), forward_only=False,
-        grad_scale_func=optimizer.scale_loss, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        decoder_seq_length=getattr(args, "decoder_seq_length", None), parallel_state=state,
-    )
-    timers("forward-backward").stop()
-
-    timers("grads-all-reduce", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
-    finalize_model_grads(model, state, sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
-    timers("grads-all-reduce").stop()
-
-    # --check-for-nan-in-loss-and-grad: a non-finite loss or grad norm skips the step on every rank (nan_guard).
-    finite = True
-    if getattr(args, "check_for_nan_in_loss_and_grad", True):
-        finite, _ = loss_and_grads_finite(losses_reduced, model, check_grads=not args.fp16)
-    timers("optimizer", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
-    if finite:
-        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
-    else:
-        update_successful, grad_norm, num_zeros_in_grad = False, float("nan"), None
-    timers("optimizer").stop()
-
-    if update_successful:
-        increment = global_vars.get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
-        opt_param_scheduler.step(increment=increment)
-        skipped_iter = 0
-    else:
-        skipped_iter = 1
-
-    moe_losses = moe_aux_losses(args, state)
-    if state.is_pipeline_last_stage(ignore_virtual=True) and losses_reduced:
-        loss_reduced = {}
-        for key in losses_reduced[0]:
-            values = [float(x[key]) for x in losses_reduced]
-            loss_reduced[key] = sum(values) / len(values)
-        loss_reduced.update(moe_losses)
-        return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
-    return {}, skipped_iter, grad_norm, num_zeros_in_grad
+               opt_param_scheduler: Any, args: argparse.Namespace, state: ps.ParallelState,
+               iteration: Optional[int] = None) -> tuple[dict, int, Optional[float], Optional[int]]:
+    """One iteration through the backend (`iteration`: the one being trained, default ``args.curr_iteration``),
+    with the MoE router losses of the step added to the losses."""
+    if iteration is None:
+        iteration = getattr(args, "curr_iteration", 0)
+    loss_dict, skipped_iter, grad_norm, num_zeros = backend_for(args).train_step(
+        forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, args, state)
+    moe_losses = moe_aux_losses(args, state, iteration)  # collective: every rank
+    if loss_dict:
+        loss_dict.update(moe_losses)
+    return loss_dict, skipped_iter, grad_norm, num_zeros
 
 
-def moe_aux_losses(args: argparse.Namespace, state: ps.ParallelState) -> dict:
+def moe_aux_losses(args: argparse.Namespace, state: ps.ParallelState, iteration: int) -> dict:
     """This iteration's MoE router losses as Megatron-LM logs them (`load_balancing_loss`, `z_loss`: mean over the
     micro-batches and MoE layers); with --moe-per-layer-logging also TensorBoard's moe/<name>_layer_<i>."""
     if getattr(args, "num_experts", None) is None:
@@ -273,14 +193,17 @@ def moe_aux_losses(args: argparse.Namespace, state: ps.ParallelState) -> dict:
     writer = global_vars.get_tensorboard_writer()
     if writer is not None and per_layer:
         for key, value in per_layer.items():
-            writer.add_scalar(key, value, args.curr_iteration + 1)
+            writer.add_scalar(key, value, iteration + 1)
     return values
 
 
 def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, iteration: int, loss_scale: float,
                  report_memory_flag: bool, skipped_iter: int, grad_norm: Optional[float],
-                 params_norm: Optional[float], num_zeros_in_grad: Optional[int], args: argparse.Namespace) -> bool:
-    """Accumulate losses, write TensorBoard scalars and print the log line every --log-interval."""
+                 params_norm: Optional[float], num_zeros_in_grad: Optional[int], args: argparse.Namespace,
+                 train_state: Optional[TrainingState] = None) -> bool:
+    """Accumulate losses, write TensorBoard scalars and print the log line every --log-interval (consumed samples
+    from `train_state`; without one, from ``args``)."""
+    run = train_state if train_state is not None else TrainingState.from_args(args)
     timers = global_vars.get_timers()
     writer = global_vars.get_tensorboard_writer()
     accumulate_losses(loss_dict, total_loss_dict, skipped_iter)
@@ -296,7 +219,7 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
         timers.write(timers_to_log, writer, iteration, normalizer=1.0)
     if writer is not None and iteration % args.tensorboard_log_interval == 0:
         write_train_scalars(writer, args, iteration, loss_dict, learning_rate, batch_size, loss_scale, grad_norm,
-                            num_zeros_in_grad, params_norm)
+                            num_zeros_in_grad, params_norm, consumed_samples=run.consumed_train_samples)
 
     if iteration % args.log_interval == 0:
         elapsed = timers("interval-time").elapsed(barrier=True)
@@ -322,8 +245,8 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
         if total_loss_dict[ADVANCED] == 0 and total_loss_dict[NAN] > 0:  # print `nan`, do not hide the loss
             losses = {k: float("nan") for k in [*losses, *loss_dict]}
         line = format_training_log_line(
-            iteration=iteration, train_iters=args.train_iters, consumed_samples=int(args.consumed_train_samples),
-            consumed_tokens=int(args.consumed_train_tokens), elapsed_per_iter=per_iter,
+            iteration=iteration, train_iters=args.train_iters, consumed_samples=int(run.consumed_train_samples),
+            consumed_tokens=int(run.consumed_train_tokens), elapsed_per_iter=per_iter,
             learning_rate=learning_rate, batch_size=batch_size, losses=losses, loss_scale=loss_scale,
             grad_norm=grad_norm, num_zeros_in_grad=num_zeros_in_grad, params_norm=params_norm,
             skipped=total_loss_dict[SKIPPED], nans=total_loss_dict[NAN],
@@ -345,71 +268,34 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
 # ----------------------------------------------------------------------------------------------- evaluation
 def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
              process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
-             verbose: bool = False, count_valid_samples: bool = True) -> tuple[dict, Any]:
-    """Average the losses over --eval-iters batches (forward only)."""
-    peer_failure.note_phase(f"evaluation at iteration {getattr(args, 'iteration', 0)}")
-    if getattr(args, "deepspeed", False):
-        from megatron.ds.engine import deepspeed_evaluate
-
-        return deepspeed_evaluate(forward_step_func, data_iterator, model, args, state, verbose,
-                                  count_valid_samples), None
-    for chunk in model:
-        chunk.eval()
-    total: dict[str, float] = {}
-    forward_backward_func = _schedule(args)
-    num_mb = global_vars.get_num_microbatches()
-    with torch.no_grad():
-        for it in range(args.eval_iters):
-            if verbose:
-                print_rank_0(f"Evaluating iter {it + 1}/{args.eval_iters}")
-            loss_dicts = forward_backward_func(
-                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                num_microbatches=num_mb, forward_only=True, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, parallel_state=state,
-                decoder_seq_length=getattr(args, "decoder_seq_length", None))
-            if state.is_pipeline_last_stage(ignore_virtual=True):
-                for d in loss_dicts:
-                    for key, value in d.items():
-                        total[key] = total.get(key, 0.0) + float(value)
-            if count_valid_samples:
-                args.consumed_valid_samples += args.micro_batch_size * args.data_parallel_size * num_mb
-        collected = None
-        if process_non_loss_data_func is not None:  # every stage takes part in the pipelined forward
-            collected = forward_backward_func(
-                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                num_microbatches=num_mb, forward_only=True, collect_non_loss_data=True, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, parallel_state=state,
-                decoder_seq_length=getattr(args, "decoder_seq_length", None))
-    for chunk in model:
-        chunk.train()
-    for key in total:
-        total[key] /= args.eval_iters * num_mb
-    return total, collected
+             verbose: bool = False, count_valid_samples: bool = True,
+             train_state: Optional[TrainingState] = None) -> tuple[dict, Any]:
+    """Average the losses over --eval-iters batches (forward only); counts the validation samples in
+    `train_state` (without one, in ``args``)."""
+    run: Any = train_state if train_state is not None else args
+    peer_failure.note_phase(f"evaluation at iteration {getattr(run, 'iteration', 0)}")
+    return backend_for(args).evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, args,
+                                      state, verbose, count_valid_samples, run)
 
 
 def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_iterator: Optional[Iterator],
                                model: list, iteration: int, process_non_loss_data_func: Optional[Callable],
                                args: argparse.Namespace, state: ps.ParallelState, verbose: bool = False,
-                               count_valid_samples: bool = True) -> dict:
+                               count_valid_samples: bool = True, train_state: Optional[TrainingState] = None) -> dict:
     writer = global_vars.get_tensorboard_writer()
     losses, collected = evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, args, state,
-                                 verbose, count_valid_samples)
-    log_validation(prefix, losses, writer, args, iteration)
+                                 verbose, count_valid_samples, train_state)
+    log_validation(prefix, losses, writer, args, iteration, consumed_samples=None if train_state is None else
+                   train_state.consumed_train_samples)
     if process_non_loss_data_func is not None and writer is not None and collected is not None:
         process_non_loss_data_func(collected, iteration, writer)
     return losses
 
 
 # ----------------------------------------------------------------------------------------------- exit handling
-def _loss_scale_floor(args: argparse.Namespace) -> Optional[float]:
-    """fp16: the loss scale at which an overflow skip can no longer back off (counts toward the skip limit)."""
-    if not args.fp16:
-        return None
-    return float(args.loss_scale) if args.loss_scale else float(getattr(args, "min_loss_scale", 1.0))
-
-
 def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
-          guard: Optional[SkipCounter] = None, train_loss: Optional[float] = None) -> None:
+          guard: Optional[SkipCounter] = None, train_loss: Optional[float] = None,
+          train_state: Optional[TrainingState] = None) -> None:
     """Save a checkpoint, except during a non-finite streak (`guard`): those weights are the ones that diverged."""
     if guard is not None and guard.in_streak:
         print_rank_0(f"not saving the checkpoint of iteration {iteration}: the run is in a non-finite streak since "
@@ -421,29 +307,25 @@ def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
     peer_failure.note_phase(f"the checkpoint save of iteration {iteration}")
     timers = global_vars.get_timers()
     timers("save-checkpoint", log_level=0).start(barrier=True)
-    if getattr(args, "deepspeed", False):
-        from megatron.ds.engine import save_deepspeed_checkpoint
-
-        save_deepspeed_checkpoint(iteration, model, optimizer, opt_param_scheduler, args)
-    else:
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, train_loss=train_loss)
+    backend_for(args).save(iteration, model, optimizer, opt_param_scheduler, args, train_loss, train_state)
     timers("save-checkpoint").stop(barrier=True)
     timers.log(["save-checkpoint"])
     if guard is not None:
         guard.checkpoint(iteration, args.save)
 
 
-def new_skip_counter(args: argparse.Namespace) -> SkipCounter:
-    """--max-skipped-iterations, knowing the checkpoint the run started from (named when it diverges at once)."""
-    loaded = last_loaded() if args.load else None
-    return SkipCounter(getattr(args, "max_skipped_iterations", 10),
-                       loaded=(args.iteration, f"iteration {loaded.iteration} in {args.load}")
+def new_skip_counter(loop: LoopSettings, iteration: int) -> SkipCounter:
+    """--max-skipped-iterations, knowing the checkpoint the run started from at `iteration` (named when it diverges
+    at once)."""
+    loaded = last_loaded() if loop.load else None
+    return SkipCounter(loop.max_skipped_iterations,
+                       loaded=(iteration, f"iteration {loaded.iteration} in {loop.load}")
                        if loaded is not None else None)
 
 
-def _duration_exceeded(args: argparse.Namespace) -> tuple[bool, float]:
+def _duration_exceeded(loop: LoopSettings) -> tuple[bool, float]:
     minutes = (time.time() - _TRAIN_START_TIME) / 60.0
-    flag = torch.tensor([int(minutes > args.exit_duration_in_mins)], dtype=torch.int32)
+    flag = torch.tensor([int(minutes > loop.exit_duration_in_mins)], dtype=torch.int32)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item()), minutes
@@ -452,8 +334,10 @@ def _duration_exceeded(args: argparse.Namespace) -> tuple[bool, float]:
 def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_scheduler: Any,
           train_data_iterator: Optional[Iterator], valid_data_iterator: Optional[Iterator],
           process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
-          history: Optional[dict] = None, skip_counter: Optional[SkipCounter] = None) -> tuple[int, bool]:
-    """The training loop. Returns (last iteration, exited_early) — early exits have already saved.
+          history: Optional[dict] = None, skip_counter: Optional[SkipCounter] = None,
+          train_state: Optional[TrainingState] = None, loop: Optional[LoopSettings] = None) -> tuple[int, bool]:
+    """The training loop over `train_state` (the run state; default: read from ``args``) with the `loop` settings
+    (default: built from ``args``). Returns (last iteration, exited_early) — early exits have already saved.
 
     `history` (pretrain's result) receives ``train_losses[iteration]`` (this rank's reduced losses: the last
     pipeline stage's ranks hold them) and ``valid_losses[iteration]`` of the evaluations during training.
@@ -462,86 +346,82 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     for chunk in model:
         chunk.train()
     total_loss_dict: dict = {}
-    iteration = args.iteration
-    sigterm = global_vars.get_signal_handler() if getattr(args, "exit_signal_handler", False) else None
+    run = train_state if train_state is not None else TrainingState.from_args(args)
+    loop = loop if loop is not None else LoopSettings.from_args(args)
+    backend = backend_for(args)
+    iteration = run.iteration
+    sigterm = global_vars.get_signal_handler() if loop.exit_signal_handler else None
     timers("interval-time", log_level=0).start(barrier=True)
     print_datetime("before the start of training step")
     report_memory_flag = True
     if skip_counter is None:
-        skip_counter = new_skip_counter(args)
-    notes = ProgressNotes(iteration, args.train_iters, args.log_interval, print_rank_last)
-    loaded = last_loaded() if args.load else None
+        skip_counter = new_skip_counter(loop, iteration)
+    notes = ProgressNotes(iteration, loop.train_iters, args.log_interval, print_rank_last)
+    loaded = last_loaded() if loop.load else None
     watch = None
     if loaded is not None and not loaded.verified:  # an unverified checkpoint: its first losses must look sane
-        watch = FirstLossWatch(loaded.folder, iteration + 1, loaded.train_loss, getattr(args, "padded_vocab_size", None))
+        watch = FirstLossWatch(loaded.folder, iteration + 1, loaded.train_loss, run.padded_vocab_size)
 
     def save() -> None:
-        _save(iteration, model, optimizer, opt_param_scheduler, args, skip_counter, skip_counter.last_loss)
+        _save(iteration, model, optimizer, opt_param_scheduler, args, skip_counter, skip_counter.last_loss, run)
 
-    while iteration < args.train_iters:
-        global_vars.update_num_microbatches(args.consumed_train_samples)
-        args.curr_iteration = iteration
+    while iteration < loop.train_iters:
+        global_vars.update_num_microbatches(run.consumed_train_samples)
+        run.curr_iteration = iteration
         peer_failure.note_phase(f"training iteration {iteration + 1}")  # named if a peer is lost (one line)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, args, state)
-        if getattr(args, "empty_unused_memory_level", 0) >= 1 and torch.cuda.is_available():
+            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, args, state, iteration)
+        if loop.empty_unused_memory_level >= 1 and torch.cuda.is_available():
             torch.cuda.empty_cache()  # Megatron's --empty-unused-memory-level (memory only; same numbers)
         iteration += 1
-        args.iteration = iteration
+        run.iteration = iteration
         if history is not None:
             history.setdefault("train_losses", {})[iteration] = {k: float(v) for k, v in loss_dict.items()}
         new_samples = args.data_parallel_size * args.micro_batch_size * global_vars.get_num_microbatches()
-        args.consumed_train_samples += new_samples
-        args.consumed_train_tokens = getattr(args, "consumed_train_tokens", 0) + new_samples * args.seq_length
+        run.consumed_train_samples += new_samples
+        run.consumed_train_tokens += new_samples * args.seq_length
 
-        if getattr(args, "deepspeed", False):
-            from megatron.ds.engine import deepspeed_loss_scale, deepspeed_params_norm
-
-            loss_scale = deepspeed_loss_scale(model)
-            params_norm = deepspeed_params_norm(model, state) if getattr(args, "log_params_norm", False) else None
-        else:
-            loss_scale = float(optimizer.get_loss_scale().item())
-            if getattr(args, "log_params_norm", False):  # --overlap-param-gather: params must be complete
-                for chunk in model:
-                    getattr(chunk, "finish_param_sync", lambda: None)()
-            params_norm = (calc_params_l2_norm(model, state.mp_group, state.tp_rank)
-                           if getattr(args, "log_params_norm", False) else None)
+        loss_scale = backend.loss_scale(model, optimizer)
+        params_norm = backend.params_norm(model, state) if loop.log_params_norm else None
         report_memory_flag = training_log(
             loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], iteration, loss_scale,
-            report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros, args)
+            report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros, args, run)
         nonfinite = (grad_norm is not None and not math.isfinite(grad_norm)) or \
             any(not math.isfinite(float(v)) for v in loss_dict.values())
+        run.skipped_iterations += int(bool(skipped_iter))
+        run.nan_iterations += int(nonfinite)
         if watch is not None:
             watch.check(iteration, loss_dict)
-        skip_counter.update(iteration, bool(skipped_iter), nonfinite, loss_scale, _loss_scale_floor(args))
+        skip_counter.update(iteration, bool(skipped_iter), nonfinite, loss_scale, loop.loss_scale_floor)
         notes.after_iteration(iteration)
         if loss_dict and not nonfinite:
             skip_counter.last_loss = sum(float(v) for v in loss_dict.values())  # recorded in the checkpoints
 
-        if args.eval_interval and iteration % args.eval_interval == 0 and getattr(args, "do_valid", False):
+        if loop.eval_interval and iteration % loop.eval_interval == 0 and run.do_valid:
             losses = evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator,
-                                                model, iteration, process_non_loss_data_func, args, state)
+                                                model, iteration, process_non_loss_data_func, args, state,
+                                                train_state=run)
             if history is not None:
                 history.setdefault("valid_losses", {})[iteration] = losses
 
         saved = False
         if sigterm is not None and any(sigterm.signals_received()):
-            if args.save:
+            if loop.save:
                 save()
             print_datetime("exiting program after receiving SIGTERM.")
             return iteration, True
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
+        if loop.save and loop.save_interval and iteration % loop.save_interval == 0:
             save()
             saved = True
-        if getattr(args, "exit_duration_in_mins", None):
-            done, minutes = _duration_exceeded(args)
+        if loop.exit_duration_in_mins:
+            done, minutes = _duration_exceeded(loop)
             if done:
-                if args.save and not saved:
+                if loop.save and not saved:
                     save()
                 print_datetime(f"exiting program after {minutes} minutes")
                 return iteration, True
-        if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0:
-            if args.save and not saved:
+        if loop.exit_interval and iteration % loop.exit_interval == 0:
+            if loop.save and not saved:
                 save()
             print_datetime(f"exiting program at iteration {iteration}")
             return iteration, True
@@ -575,7 +455,7 @@ def pretrain(
     print_rank_0(f"time to initialize megatron (seconds): {time.time() - _TRAIN_START_TIME:.3f}")
     print_datetime("after megatron is initialized")
     state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
-    args.consumed_train_tokens = getattr(args, "consumed_train_tokens", 0)
+    run = TrainingState(padded_vocab_size=getattr(args, "padded_vocab_size", None))
     check_pipeline_schedule(args, global_vars.get_num_microbatches())
     timers = global_vars.get_timers()
 
@@ -583,7 +463,7 @@ def pretrain(
 
     check_data_prefixes(args)  # a mistyped --data-path: one line before the model is built
     timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
-    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, args, state)
+    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, args, state, run)
     timers("model-and-optimizer-setup").stop()
     print_datetime("after model, optimizer, and learning rate scheduler are built")
     if args.rank == 0 and getattr(model_type, "name", "") == "encoder_or_decoder":  # GPT-shaped models
@@ -594,40 +474,42 @@ def pretrain(
     # untouched so that resuming from a checkpoint replays exactly the same dropout masks.
     rng = local_rng_state()
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(
-        train_valid_test_dataset_provider, args, state)
+        train_valid_test_dataset_provider, args, state, run)
     restore_local_rng_state(rng)
     timers("train/valid/test-data-iterators-setup").stop()
     print_datetime("after dataloaders are built")
     print_rank_0("done with setup ...")
     timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
 
-    result: dict = {"iteration": args.iteration, "train_losses": {}, "valid_losses": {}, "val_loss": None,
+    result: dict = {"iteration": run.iteration, "train_losses": {}, "valid_losses": {}, "val_loss": None,
                     "test_loss": None}
-    iteration = args.iteration
-    if args.do_train and args.train_iters > 0 and not getattr(args, "skip_train", False):
+    iteration = run.iteration
+    loop = LoopSettings.from_args(args)  # after the set-up: --train-samples has become --train-iters
+    if run.do_train and loop.train_iters > 0 and not loop.skip_train:
         print_rank_0("training ...")
-        skip_counter = new_skip_counter(args)
+        skip_counter = new_skip_counter(loop, iteration)
         iteration, exited = train(forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it,
-                                  process_non_loss_data_func, args, state, history=result, skip_counter=skip_counter)
+                                  process_non_loss_data_func, args, state, history=result, skip_counter=skip_counter,
+                                  train_state=run, loop=loop)
         result["iteration"] = iteration
         print_datetime("after training is done")
         if exited:
             _flush_writer()
             return result
-        if args.save and iteration != 0 and iteration % args.save_interval != 0:
+        if loop.save and iteration != 0 and iteration % loop.save_interval != 0:
             _save(iteration, model, optimizer, opt_param_scheduler, args, skip_counter,
-                  skip_counter.last_loss)
+                  skip_counter.last_loss, run)
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
 
-    if getattr(args, "do_valid", False):
+    if run.do_valid:
         result["val_loss"] = evaluate_and_print_results(
             "the end of training for val data", forward_step_func, valid_it, model, iteration,
-            process_non_loss_data_func, args, state, verbose=False)
-    if getattr(args, "do_test", False):
+            process_non_loss_data_func, args, state, verbose=False, train_state=run)
+    if run.do_test:
         result["test_loss"] = evaluate_and_print_results(
             "the end of training for test data", forward_step_func, test_it, model, iteration,
-            process_non_loss_data_func, args, state, verbose=True, count_valid_samples=False)
+            process_non_loss_data_func, args, state, verbose=True, count_valid_samples=False, train_state=run)
     _flush_writer()
     return result
 

@@ -192,6 +192,50 @@ def sign_output(iter_dir: str, meta: ModelMeta) -> None:
     checkpoint_integrity.write_manifest(iter_dir)  # crc32 per file, as saves do
 
 
+_EXPERT_RANK_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
+EXPERT_PARAM_RE = re.compile(r"\.mlp\.experts\.weight[12]$")  # stacked experts: dim 0 is the (local) expert
+
+
+def expert_rank_files(iter_dir: str) -> Tuple[int, Dict[Tuple[int, int, int], str]]:
+    """(EP size, {(tp, pp, expert rank): model_optim_rng.pt}) of a checkpoint saved with expert parallelism
+    (Megatron-LM's mp_rank_TT[_PPP]_EEE folders); (1, {}) for any other checkpoint. The saved args tell whether
+    mp_rank_TT_NNN names a pipeline or an expert rank."""
+    if not os.path.isdir(iter_dir):
+        return 1, {}
+    found = {d: _EXPERT_RANK_RE.match(d) for d in sorted(os.listdir(iter_dir))}
+    found = {d: m for d, m in found.items() if m and os.path.isfile(os.path.join(iter_dir, d, "model_optim_rng.pt"))}
+    if not found:
+        return 1, {}
+    args = _load(os.path.join(iter_dir, next(iter(found)), "model_optim_rng.pt"), False).get("args")
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    if ep == 1:
+        return 1, {}
+    staged = int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1
+    files: Dict[Tuple[int, int, int], str] = {}
+    for d, m in found.items():
+        nums = [int(g) for g in m.groups() if g is not None]
+        if len(nums) != (3 if staged else 2):
+            raise ConversionError(f"{iter_dir}/{d} does not follow the expert-parallel naming mp_rank_TT"
+                                  f"{'_PPP' if staged else ''}_EEE of its args; remove the stale folder")
+        t, p, e = (nums if staged else (nums[0], 0, nums[1]))
+        files[(t, p, e)] = os.path.join(iter_dir, d, "model_optim_rng.pt")
+    tp, pp = max(k[0] for k in files) + 1, max(k[1] for k in files) + 1
+    missing = [k for k in ((t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)) if k not in files]
+    if missing:
+        raise ConversionError(f"{iter_dir}: no folder for tensor rank {missing[0][0]}, pipeline rank "
+                              f"{missing[0][1]}, expert rank {missing[0][2]} (EP={ep}); the checkpoint is incomplete")
+    return ep, files
+
+
+def merge_experts(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Expert ranks' flat state dicts -> one: expert params concatenated over dim 0, the rest from expert rank 0."""
+    out = dict(per_rank[0])
+    for name in out:
+        if EXPERT_PARAM_RE.search(name):
+            out[name] = torch.cat([sd[name] for sd in per_rank], dim=0)
+    return out
+
+
 def rank_files(iter_dir: str) -> Dict[Tuple[int, int], str]:
     """{(tp rank, pp rank): model_optim_rng.pt} of an iteration folder; one-line errors for missing files."""
     if not os.path.isdir(iter_dir):
@@ -260,7 +304,11 @@ class MegatronCheckpointReader:
         if verify:
             self.iter_dir, self.iteration, self.verified = verified_source(load_dir, self.iter_dir, self.iteration,
                                                                            iteration is not None)
-        self.files = rank_files(self.iter_dir)
+        self.ep, self.expert_files = expert_rank_files(self.iter_dir)
+        if self.ep > 1:  # expert parallelism: the experts of every rank's folders are merged on reading
+            self.files = {(t, p): path for (t, p, e), path in self.expert_files.items() if e == 0}
+        else:
+            self.files = rank_files(self.iter_dir)
         self.tp = max(t for t, _ in self.files) + 1
         self.pp = max(p for _, p in self.files) + 1
         self.trust = trust
@@ -282,18 +330,28 @@ class MegatronCheckpointReader:
     def _open(self) -> None:
         from megatron.model.gpt_model import flatten_checkpoint_state_dict
 
+        # expert parallelism: {(tp, pp, vp): [flat state dict of each expert rank]}, {(tp, pp): [optimizer entries]}
+        self.expert_chunks: Dict[Tuple[int, int, int], List[Dict[str, Any]]] = {}
+        self.expert_optim: Dict[Tuple[int, int], List[Any]] = {}
         for (t, p), path in sorted(self.files.items()):
             sd = self.first if (t, p) == (0, 0) else _load(path, self.trust)
             self.optim_entries[(t, p)] = sd.get("optimizer")
             keys = ["model"] if self.vp == 1 else [f"model{v}" for v in range(self.vp)]
+            others = [_load(self.expert_files[(t, p, e)], self.trust) for e in range(1, self.ep)]
+            self.expert_optim[(t, p)] = [sd.get("optimizer")] + [o.get("optimizer") for o in others]
             for v, key in enumerate(keys):
                 if key not in sd:
                     raise ConversionError(f"{path} has no '{key}' entry: its virtual pipeline chunks differ from "
                                           f"{self.files[(0, 0)]} (mismatched shards)")
-                flat = flatten_checkpoint_state_dict(sd[key])
-                if OUT in flat and WORD not in flat and self.architecture.get("share_embeddings_and_output_weights"):
-                    flat[HEAD_COPY] = flat.pop(OUT)  # Megatron Core's name for the tied head copy (last stage)
-                self.chunks[(t, p, v)] = flat
+                flats = []
+                for one in [sd, *others]:
+                    flat = flatten_checkpoint_state_dict(one[key])
+                    if OUT in flat and WORD not in flat and \
+                            self.architecture.get("share_embeddings_and_output_weights"):
+                        flat[HEAD_COPY] = flat.pop(OUT)  # Megatron Core's name for the tied head copy (last stage)
+                    flats.append(flat)
+                self.expert_chunks[(t, p, v)] = flats
+                self.chunks[(t, p, v)] = merge_experts(flats) if self.ep > 1 else flats[0]
         for (t, p, v), flat in self.chunks.items():
             ref = self.chunks[(0, p, v)]
             if set(flat) != set(ref):
@@ -317,27 +375,37 @@ class MegatronCheckpointReader:
         """Read every rank's optimizer state into per-parameter entries (nothing when the checkpoint has none)."""
         from megatron.checkpoint_conversion import optimizer_state as ostate
 
-        if not all(ostate.has_training_state(e) for e in self.optim_entries.values()):
+        expert_optim = getattr(self, "expert_optim", None) or {k: [o] for k, o in self.optim_entries.items()}
+        if not all(ostate.has_training_state(e) for per in expert_optim.values() for e in per):
             return
         if self.version < 2.0:
             raise ConversionError(f"{self.iter_dir}: checkpoint_version {self.version} optimizer states are not "
                                   "converted; pass --no-save-optim to convert the weights only")
         full_order = self.parameter_order(meta)
         self.opt, steps, keys = {}, set(), set()
-        for (t, p), optim_sd in sorted(self.optim_entries.items()):
-            chunks = [self.chunks[(t, p, v)] for v in range(self.vp)]
-            path = self.files[(t, p)]
-            if optim_sd.get("distributed_optimizer"):
-                dpath = os.path.join(os.path.dirname(path), "distrib_optim.pt")
-                if not os.path.isfile(dpath):
-                    raise ConversionError(f"missing rank file {dpath} (saved with --use-distributed-optimizer); the "
-                                          "checkpoint is incomplete (or pass --no-save-optim)")
-                entries, step, k = ostate.distributed_entries(_load(dpath, self.trust), chunks, dpath)
-            else:
-                entries, step, k = ostate.regular_entries(optim_sd, chunks, full_order, path,
-                                                          ours="architecture" in self.first)
-            for v, e in enumerate(entries):
-                self.opt[(t, p, v)] = e
+        for (t, p) in sorted(self.optim_entries):
+            per_expert_rank = []
+            for e, optim_sd in enumerate(expert_optim[(t, p)]):
+                chunks = [self.expert_chunks[(t, p, v)][e] if self.ep > 1 else self.chunks[(t, p, v)]
+                          for v in range(self.vp)]
+                path = self.expert_files[(t, p, e)] if self.ep > 1 else self.files[(t, p)]
+                if optim_sd.get("distributed_optimizer"):
+                    dpath = os.path.join(os.path.dirname(path), "distrib_optim.pt")
+                    if not os.path.isfile(dpath):
+                        raise ConversionError(f"missing rank file {dpath} (saved with --use-distributed-optimizer); "
+                                              "the checkpoint is incomplete (or pass --no-save-optim)")
+                    entries, step, k = ostate.distributed_entries(_load(dpath, self.trust), chunks, dpath)
+                else:
+                    entries, step, k = ostate.regular_entries(optim_sd, chunks, full_order, path,
+                                                              ours="architecture" in self.first)
+                per_expert_rank.append(entries)
+            for v in range(self.vp):
+                merged = dict(per_expert_rank[0][v])
+                for name in merged:
+                    if EXPERT_PARAM_RE.search(name):
+                        merged[name] = {k: torch.cat([r[v][name][k] for r in per_expert_rank], dim=0)
+                                        for k in merged[name]}
+                self.opt[(t, p, v)] = merged
             steps.add(step)
             keys.update(k)
         self.opt_common = ostate.common_part(self.optim_entries[(0, 0)])
@@ -394,7 +462,8 @@ def megatron_meta(reader: MegatronCheckpointReader, true_vocab_size: Optional[in
         consumed_valid_samples=int(src.get("consumed_valid_samples", 0) or 0),
         make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128) or 128),
         tokenizer=tok, source=reader.load_dir,
-        extra={"tp": reader.tp, "pp": reader.pp, "vp": reader.vp, "consumed_tokens": tokens,
+        extra={"tp": reader.tp, "pp": reader.pp, "vp": reader.vp, "ep": getattr(reader, "ep", 1),  # DeepSpeed: 1
+               "consumed_tokens": tokens,
                "opt_param_scheduler": sd.get("opt_param_scheduler", sd.get("lr_scheduler")),
                "unverified_source": None if getattr(reader, "verified", True) else reader.iter_dir})
 
@@ -545,7 +614,8 @@ def nest(flat: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _saved_args(meta: ModelMeta, tp: int, pp: int, vp_layers: Optional[int], padded: int) -> argparse.Namespace:
+def _saved_args(meta: ModelMeta, tp: int, pp: int, vp_layers: Optional[int], padded: int,
+                ep: int = 1) -> argparse.Namespace:
     src = meta.checkpoint_args
     if isinstance(src, argparse.Namespace):
         args = copy.copy(src)
@@ -554,6 +624,9 @@ def _saved_args(meta: ModelMeta, tp: int, pp: int, vp_layers: Optional[int], pad
         for key, value in vars(src or argparse.Namespace()).items():
             setattr(args, key, value)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    args.expert_model_parallel_size = ep
+    if getattr(args, "expert_tensor_parallel_size", None) is not None:
+        args.expert_tensor_parallel_size = tp
     args.num_layers_per_virtual_pipeline_stage = vp_layers
     args.virtual_pipeline_model_parallel_size = (meta.architecture["num_layers"] // pp // vp_layers
                                                  if vp_layers else None)
@@ -567,9 +640,14 @@ def _saved_args(meta: ModelMeta, tp: int, pp: int, vp_layers: Optional[int], pad
 class MegatronWriter:
     """Consumes the message stream chunk by chunk and writes a Megatron checkpoint under `save_dir`."""
 
-    def __init__(self, meta: ModelMeta, save_dir: str, tp: int, pp: int, vp_layers: Optional[int]) -> None:
+    def __init__(self, meta: ModelMeta, save_dir: str, tp: int, pp: int, vp_layers: Optional[int],
+                 ep: int = 1) -> None:
         a = meta.architecture
-        self.meta, self.save_dir, self.tp, self.pp = meta, save_dir, tp, pp
+        self.meta, self.save_dir, self.tp, self.pp, self.ep = meta, save_dir, tp, pp, ep
+        experts = a.get("num_moe_experts")
+        if ep > 1 and (not experts or experts % ep):
+            raise ConversionError(f"--target-expert-parallel-size {ep} must divide the model's experts "
+                                  f"({experts or 'none: not an MoE model'})")
         self.num_layers = a["num_layers"]
         self.vp = self.num_layers // pp // vp_layers if vp_layers else 1
         if vp_layers and (self.num_layers % (pp * vp_layers) or self.vp < 1):
@@ -587,9 +665,29 @@ class MegatronWriter:
         self.iteration = meta.iteration
         self.iter_name = "release" if meta.iteration is None else f"iter_{meta.iteration:07d}"
 
-    def _chunk_file(self, t: int, p: int) -> str:
-        rank = f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else "")
+    def _chunk_file(self, t: int, p: int, e: int = 0) -> str:
+        rank = f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else "") + (f"_{e:03d}" if self.ep > 1 else "")
         return os.path.join(self.save_dir, self.iter_name, rank, "model_optim_rng.pt")
+
+    def _expert_slice(self, flat: Dict[str, Any], e: int) -> Dict[str, Any]:
+        """Expert rank e's part of a flat dict (its local experts; a copy, so only they are saved)."""
+        if self.ep == 1:
+            return flat
+        out = {}
+        for name, value in flat.items():
+            if EXPERT_PARAM_RE.search(name):
+                n = value.size(0) // self.ep
+                value = value[e * n:(e + 1) * n].clone()
+            out[name] = value
+        return out
+
+    def _expert_slice_entries(self, entries: Dict[str, Dict[str, Any]], e: int) -> Dict[str, Dict[str, Any]]:
+        """The optimizer entries {name: {"param", "exp_avg", ...}} of expert rank e."""
+        if self.ep == 1:
+            return entries
+        return {name: ({k: x[e * (x.size(0) // self.ep):(e + 1) * (x.size(0) // self.ep)].clone()
+                        for k, x in entry.items()} if EXPERT_PARAM_RE.search(name) else entry)
+                for name, entry in entries.items()}
 
     def write(self, messages: Iterator[Message]) -> List[str]:
         """Split each part for the target TP as it arrives and spill its shards to a staging file that is reopened
@@ -690,31 +788,34 @@ class MegatronWriter:
         import shutil
 
         files = []
-        for t in range(self.tp):
-            for p in range(self.pp):
-                if self.vp == 1:
-                    body = {"model": nest(self.parts.pop((t, p, 0)))}
-                else:
-                    body = {f"model{v}": nest(self.parts.pop((t, p, v))) for v in range(self.vp)}
-                path = self._chunk_file(t, p)
-                if self.with_optimizer:
-                    from megatron.checkpoint_conversion.optimizer_state import distributed_files
+        for t, p, e in ((t, p, e) for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)):
+            last = e == self.ep - 1  # the staged parts of (t, p) are released after its last expert rank
+            take = self.parts.pop if last else self.parts.__getitem__
+            parts = [self._expert_slice(take((t, p, v)), e) for v in range(self.vp)]
+            if self.vp == 1:
+                body = {"model": nest(parts[0])}
+            else:
+                body = {f"model{v}": nest(parts[v]) for v in range(self.vp)}
+            path = self._chunk_file(t, p, e)
+            if self.with_optimizer:
+                from megatron.checkpoint_conversion.optimizer_state import distributed_files
 
-                    common = self.meta.extra["optimizer"]
-                    body["optimizer"], param_state = distributed_files(
-                        [self.opt_parts.pop((t, p, v)) for v in range(self.vp)], common, common["step"],
-                        common["state_keys"])
-                    dpath = os.path.join(os.path.dirname(path), "distrib_optim.pt")
-                    atomic_torch_save(param_state, dpath)
-                    files.append(dpath)
-                    del param_state
-                sd = self._file_dict(body)
-                rng = self.meta.extra.get("rng_states")  # per tensor rank (deepspeed_format): same layout only
-                if rng and len(rng) == self.tp and self.pp == 1 and self.vp == 1:
-                    sd["rng_state"] = rng[t]
-                atomic_torch_save(sd, path)
-                files.append(path)
-                del body  # unmaps the staged tensors of this rank file
+                common = self.meta.extra["optimizer"]
+                take_opt = self.opt_parts.pop if last else self.opt_parts.__getitem__
+                opt = [self._expert_slice_entries(take_opt((t, p, v)), e) for v in range(self.vp)]
+                body["optimizer"], param_state = distributed_files(opt, common, common["step"],
+                                                                   common["state_keys"])
+                dpath = os.path.join(os.path.dirname(path), "distrib_optim.pt")
+                atomic_torch_save(param_state, dpath)
+                files.append(dpath)
+                del param_state
+            sd = self._file_dict(body)
+            rng = self.meta.extra.get("rng_states")  # per tensor rank (deepspeed_format): same layout only
+            if rng and len(rng) == self.tp and self.pp == 1 and self.vp == 1 and self.ep == 1:
+                sd["rng_state"] = rng[t]
+            atomic_torch_save(sd, path)
+            files.append(path)
+            del body, parts  # unmaps the staged tensors of this rank file
         shutil.rmtree(self.staging, ignore_errors=True)
         return files
 
@@ -724,7 +825,7 @@ class MegatronWriter:
 
         arch = architecture_of(meta.config(padded_vocab_size=self.padded))
         sd: Dict[str, Any] = {
-            "args": _saved_args(meta, self.tp, self.pp, self.vp_layers, self.padded),
+            "args": _saved_args(meta, self.tp, self.pp, self.vp_layers, self.padded, self.ep),
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": 0 if self.iteration is None else self.iteration,
             "consumed_train_samples": meta.consumed_train_samples,
@@ -744,8 +845,9 @@ class MegatronWriter:
 
 
 def write_megatron(meta: ModelMeta, messages: Iterator[Message], save_dir: str, tp: int = 1, pp: int = 1,
-                   vp_layers: Optional[int] = None) -> List[str]:
-    """Saver: write the stream as a Megatron checkpoint (TP `tp`, PP `pp`, optional virtual chunks)."""
+                   vp_layers: Optional[int] = None, ep: int = 1) -> List[str]:
+    """Saver: write the stream as a Megatron checkpoint (TP `tp`, PP `pp`, optional virtual chunks, experts
+    sharded over `ep` expert ranks)."""
     if meta.model_type == "T5":  # t5_format.write_t5 (which builds on this module)
         raise ConversionError("write_megatron writes GPT/BERT checkpoints: write T5 ones with t5_format.write_t5")
-    return MegatronWriter(meta, save_dir, tp, pp, vp_layers).write(messages)
+    return MegatronWriter(meta, save_dir, tp, pp, vp_layers, ep).write(messages)

@@ -82,6 +82,8 @@ class MegatronSaver:
         parser.add_argument("--target-pipeline-model-parallel-split-rank", type=int, default=None,
                             help="T5 with --target-pipeline-parallel-size > 1: the first decoder stage (default: "
                                  "the source's when the pipeline size is unchanged)")
+        parser.add_argument("--target-expert-parallel-size", type=int, default=None,
+                            help="Expert-parallel size of the output (MoE models; default: the input's)")
 
     @staticmethod
     def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
@@ -91,6 +93,11 @@ class MegatronSaver:
         tp = args.target_tensor_parallel_size or meta.extra.get("tp") or 1
         pp = args.target_pipeline_parallel_size or meta.extra.get("pp") or 1
         vp_layers = args.target_num_layers_per_virtual_pipeline_stage
+        ep = getattr(args, "target_expert_parallel_size", None) or meta.extra.get("ep") or 1
+        if ep < 1:
+            raise ConversionError(f"--target-expert-parallel-size must be positive, got {ep}")
+        if ep > 1 and meta.model_type == "T5":
+            raise ConversionError("--target-expert-parallel-size applies to GPT MoE models, not T5")
         copy_tokenizer_files(meta, save_dir, os.path.abspath(args.save_dir))
         meta.extra["target_split_rank"] = getattr(args, "target_pipeline_model_parallel_split_rank", None)
         if meta.model_type == "T5":
@@ -98,8 +105,8 @@ class MegatronSaver:
 
             files = write_t5(meta, messages, save_dir, tp, pp, vp_layers)
         else:
-            files = write_megatron(meta, messages, save_dir, tp, pp, vp_layers)
-        return {"files": files, "tp": tp, "pp": pp, "vp_layers": vp_layers}
+            files = write_megatron(meta, messages, save_dir, tp, pp, vp_layers, ep)
+        return {"files": files, "tp": tp, "pp": pp, "vp_layers": vp_layers, "ep": ep}
 
 
 class HFSaver:

@@ -9,7 +9,9 @@ Three ways to compute attention over the whole sequence from each rank's slice (
 
 * ``p2p`` (ring attention): K/V travel around the ring with point-to-point send/recv (`batch_isend_irecv`), the
   next block's transfer overlapped with the current block's computation; blocks are merged with the log-sum-exp
-  (online softmax) rule; a causal block is full, diagonal-causal or skipped per pair of chunks. The backward pass
+  (online softmax) rule; a causal block is full, diagonal-causal or skipped per pair of chunks. Without a Megatron
+  mask (causal or none) a block on CPU runs torch's flash-attention kernel (output and log-sum-exp; its backward
+  from the final output and log-sum-exp); with a mask, explicit fp32 math over query tiles. The backward pass
   (a custom autograd function) sends K/V around again, recomputes each block's probabilities from the saved
   softmax statistics, and returns the gradients of K/V to their owners with the accumulator travelling with them.
 * ``all_gather``: K/V are gathered from every rank; local queries attend to all keys.
@@ -33,6 +35,7 @@ import torch.distributed as dist
 Group = Any
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 _MASK_FILL = -10000.0  # Megatron's attention_mask_func
+OVERLAP = True  # False: wait for each ring transfer before computing (tools/benchmarks/bench_context_parallel.py)
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------
@@ -165,7 +168,11 @@ class _Ring:
         bufs = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, buf, self.prev, self.group) for buf in bufs]
-        return dist.batch_isend_irecv(ops), bufs
+        reqs = dist.batch_isend_irecv(ops)
+        if not OVERLAP:
+            self.wait(reqs)
+            reqs = []
+        return reqs, bufs
 
     @staticmethod
     def wait(reqs: list) -> None:
@@ -173,13 +180,33 @@ class _Ring:
             req.wait()
 
 
+_TILE_ROWS = 1024  # query rows per block computation: bounds the transient scores to 1024 x c per head
+
+
 def _pieces(s_local: int) -> List[slice]:
+    """The two chunks of this rank's slice (key blocks)."""
     c = s_local // 2
     return [slice(0, c), slice(c, 2 * c)]
 
 
+def _q_tiles(s_local: int) -> List[slice]:
+    """Query tiles of at most _TILE_ROWS rows, never crossing the boundary between the two chunks."""
+    c = s_local // 2
+    return [slice(start + i, start + min(i + _TILE_ROWS, c)) for start in (0, c) for i in range(0, c, _TILE_ROWS)]
+
+
 def _mask_cols(mask: Optional[torch.Tensor], cols: torch.Tensor) -> Optional[torch.Tensor]:
     return None if mask is None else mask.index_select(-1, cols)
+
+
+def _flash_cpu(q: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
+    """Whether blocks can use torch's CPU flash-attention kernels (no Megatron mask: causal or none)."""
+    return mask is None and q.device.type == "cpu" and hasattr(torch.ops.aten,
+                                                                "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _c(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous()
 
 
 class _RingAttention(torch.autograd.Function):
@@ -191,21 +218,29 @@ class _RingAttention(torch.autograd.Function):
         heads = q.size(1)
         pos = [cp_positions(seq_len, n, src, q.device) for src in range(n)]
         my_pos = pos[r]
+        fast = _flash_cpu(q, mask)  # whole-chunk blocks through the flash kernel, else tiled explicit blocks
         pieces = _pieces(q.size(2))
-        acc: list = [None, None]
+        tiles = pieces if fast else _q_tiles(q.size(2))
+        acc: list = [None] * len(tiles)
         kv = [k, v]
         for step in range(n):
             src = (r - step) % n
             reqs, nxt = ring.start(kv) if step < n - 1 else ([], None)
             ke, ve = _expand(kv[0], heads), _expand(kv[1], heads)
             bmask = _mask_cols(mask, pos[src])
-            for i, qs in enumerate(pieces):
+            for i, qs in enumerate(tiles):
                 for ks in pieces:
                     qp, kp = my_pos[qs], pos[src][ks]
                     if causal and int(kp[0]) > int(qp[-1]):
                         continue  # the whole key chunk is in the future of every query: skipped
-                    future, m = _block_masks(qp, kp, causal, None if bmask is None else bmask[..., qs, ks])
-                    blk = _block_forward(q[:, :, qs], ke[:, :, ks], ve[:, :, ks], scale, future, m)
+                    if fast:  # a chunk against itself is diagonal-causal, an earlier chunk full
+                        diag = causal and int(kp[0]) == int(qp[0])
+                        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                            _c(q[:, :, qs]), _c(ke[:, :, ks]), _c(ve[:, :, ks]), 0.0, diag, scale=scale)
+                        blk = (o, lse, torch.ones_like(lse))
+                    else:
+                        future, m = _block_masks(qp, kp, causal, None if bmask is None else bmask[..., qs, ks])
+                        blk = _block_forward(q[:, :, qs], ke[:, :, ks], ve[:, :, ks], scale, future, m)
                     acc[i] = _merge(acc[i], blk)
             ring.wait(reqs)
             kv = nxt
@@ -222,9 +257,12 @@ class _RingAttention(torch.autograd.Function):
         heads, groups = q.size(1), k.size(1)
         pos = [cp_positions(ctx.seq_len, n, src, q.device) for src in range(n)]
         my_pos = pos[r]
+        fast = _flash_cpu(q, mask)
         pieces = _pieces(q.size(2))
+        tiles = pieces if fast else _q_tiles(q.size(2))
         dout = dout.contiguous()
         delta = (dout * out).sum(dim=-1)
+        lse = rmax + torch.log(rsum)  # the flash kernel's statistics
         dq = torch.zeros_like(q)
         kv = [k, v]
         dkv = None  # the accumulator of the current K/V's gradients, travelling with them
@@ -235,15 +273,21 @@ class _RingAttention(torch.autograd.Function):
             ke, ve = _expand(kv[0], heads), _expand(kv[1], heads)
             dke, dve = torch.zeros_like(ke), torch.zeros_like(ve)
             bmask = _mask_cols(mask, pos[src])
-            for qs in pieces:
+            for qs in tiles:
                 for ks in pieces:
                     qp, kp = my_pos[qs], pos[src][ks]
                     if ctx.causal and int(kp[0]) > int(qp[-1]):
                         continue
-                    future, m = _block_masks(qp, kp, ctx.causal, None if bmask is None else bmask[..., qs, ks])
-                    gq, gk, gv = _block_backward(q[:, :, qs], ke[:, :, ks], ve[:, :, ks], dout[:, :, qs],
-                                                 rmax[:, :, qs], rsum[:, :, qs], delta[:, :, qs], ctx.scale,
-                                                 future, m)
+                    if fast:  # the block's gradients from the final output and log-sum-exp (ring flash attention)
+                        diag = ctx.causal and int(kp[0]) == int(qp[0])
+                        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                            _c(dout[:, :, qs]), _c(q[:, :, qs]), _c(ke[:, :, ks]), _c(ve[:, :, ks]),
+                            _c(out[:, :, qs]), _c(lse[:, :, qs]), 0.0, diag, scale=ctx.scale)
+                    else:
+                        future, m = _block_masks(qp, kp, ctx.causal, None if bmask is None else bmask[..., qs, ks])
+                        gq, gk, gv = _block_backward(q[:, :, qs], ke[:, :, ks], ve[:, :, ks], dout[:, :, qs],
+                                                     rmax[:, :, qs], rsum[:, :, qs], delta[:, :, qs], ctx.scale,
+                                                     future, m)
                     dq[:, :, qs] += gq
                     dke[:, :, ks] += gk
                     dve[:, :, ks] += gv

@@ -13,6 +13,10 @@ a `ParallelState` that layers and schedules receive explicitly. The last one bui
 state for entry scripts (`get_parallel_state()`), together with Megatron-style module functions
 (`get_tensor_model_parallel_group()`, `get_data_parallel_rank()`, ...).  A group of None means "no communication";
 `ParallelState.single()` describes one process without torch.distributed.
+
+Expert parallelism (Megatron-LM core's layout with expert-tensor-parallel size = TP): the EP ranks of a rank are
+`ep` consecutive data-parallel ranks of its (TP rank, PP stage); the expert-data-parallel group holds the ranks with
+the same expert rank (data-parallel rank modulo `ep`), so dp_rank = edp_rank * ep + ep_rank and edp = dp / ep.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ Group = Any  # torch.distributed.ProcessGroup or None
 
 
 def _build_rank_groups(world_size: int, tp: int, pp: int,
-                       split_rank: Optional[int] = None, cp: int = 1) -> Dict[str, List[List[int]]]:
+                       split_rank: Optional[int] = None, cp: int = 1, ep: int = 1) -> Dict[str, List[List[int]]]:
     """Pure rank layout: the rank lists of every TP/DP/PP/model-parallel/embedding group (no processes needed).
 
     With a pipeline split rank R (encoder-and-decoder models, Megatron 23.06's --pipeline-model-parallel-split-rank)
@@ -69,6 +73,11 @@ def _build_rank_groups(world_size: int, tp: int, pp: int,
     if split_rank is not None and pp > 1:
         emb_groups = [sorted({g[0], g[split_rank], g[-1]}) for g in pp_groups]
         pos_groups = [[g[0], g[split_rank]] for g in pp_groups]
+    if ep < 1 or dp % ep:
+        raise ValueError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp} = world size "
+                         f"{world_size} / (TP {tp} x PP {pp})); launch a multiple of {tp * pp * ep} processes")
+    ep_groups = [g[i:i + ep] for g in dp_groups for i in range(0, dp, ep)]
+    edp_groups = [g[e::ep] for g in dp_groups for e in range(ep)]
     return {
         "tp": tp_groups,
         "cp": cp_groups,
@@ -78,6 +87,8 @@ def _build_rank_groups(world_size: int, tp: int, pp: int,
         "mp": mp_groups,
         "embedding": emb_groups,
         "position_embedding": pos_groups,
+        "ep": ep_groups,
+        "edp": edp_groups,
     }
 
 
@@ -118,6 +129,12 @@ class ParallelState:
     embedding_ranks: List[int] = field(default_factory=lambda: [0])
     position_embedding_ranks: List[int] = field(default_factory=lambda: [0])
     pipeline_split_rank: Optional[int] = None  # first decoder stage of an encoder-and-decoder model (T5)
+    ep_group: Group = None  # expert model parallel: `ep_size` consecutive data-parallel ranks
+    edp_group: Group = None  # expert data parallel: the data-parallel ranks holding the same experts
+    ep_rank: int = 0
+    ep_size: int = 1
+    edp_rank: int = 0
+    edp_size: int = 1
     # context parallelism: the sequence is split over cp_group; gradients are reduced over dp_cp_group
     cp_group: Group = None
     cp_rank: int = 0
@@ -228,6 +245,7 @@ def initialize_model_parallel(
     backend: Optional[str] = None,
     pipeline_model_parallel_split_rank: Optional[int] = None,
     timeout: Optional[timedelta] = None,
+    expert_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
 ) -> ParallelState:
     """Create all groups (collective: every rank calls it) and make the result the current state.
@@ -244,7 +262,10 @@ def initialize_model_parallel(
     rank = dist.get_rank()
     tp, pp, cp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size), int(context_parallel_size)
     split = pipeline_model_parallel_split_rank if pp > 1 else None
-    layout = _build_rank_groups(world_size, tp, pp, split, cp)
+    ep = int(expert_model_parallel_size)
+    if ep > 1 and cp > 1:
+        raise ValueError("--expert-model-parallel-size > 1 with --context-parallel-size > 1 is not implemented")
+    layout = _build_rank_groups(world_size, tp, pp, split, cp, ep)
     if virtual_pipeline_model_parallel_size is not None:
         if pp <= 1:
             raise ValueError(
@@ -255,7 +276,9 @@ def initialize_model_parallel(
 
     mine: Dict[str, Any] = {}
     my_ranks: Dict[str, List[int]] = {}
-    for kind in ("tp", "dp", "pp", "mp", "embedding", "position_embedding") + (("cp", "dp_cp") if cp > 1 else ()):
+    kinds = ("tp", "dp", "pp", "mp", "embedding", "position_embedding") + (("cp", "dp_cp") if cp > 1 else ()) + \
+        (("ep", "edp") if ep > 1 else ())
+    for kind in kinds:
         for ranks in layout[kind]:
             group = dist.new_group(ranks, backend=backend, timeout=timeout)  # every rank creates every group, same order
             if rank in ranks:
@@ -292,6 +315,11 @@ def initialize_model_parallel(
         dp_cp_group_=mine.get("dp_cp"),
         dp_cp_ranks=my_ranks.get("dp_cp", my_ranks["dp"]),
     )
+    if ep > 1:
+        dp_size = world_size // (tp * pp)
+        state.ep_group, state.edp_group = mine["ep"], mine["edp"]
+        state.ep_size, state.ep_rank = ep, coords["dp_rank"] % ep
+        state.edp_size, state.edp_rank = dp_size // ep, coords["dp_rank"] // ep
     _STATE = state
     return state
 
@@ -311,6 +339,14 @@ def get_parallel_state() -> ParallelState:
     if _STATE is None:
         raise RuntimeError("model parallel groups are not initialised; call initialize_model_parallel first")
     return _STATE
+
+
+def current_parallel_state(state: Optional[ParallelState] = None) -> ParallelState:
+    """`state` when given, else the installed state, else `ParallelState.single()` (one process, no groups): the one
+    fallback that library code uses when a caller may or may not have initialised model parallelism."""
+    if state is not None:
+        return state
+    return _STATE if _STATE is not None else ParallelState.single()
 
 
 def destroy_model_parallel() -> None:
@@ -442,3 +478,32 @@ def get_pipeline_model_parallel_next_rank() -> int:
 
 def get_pipeline_model_parallel_prev_rank() -> int:
     return get_parallel_state().pp_prev_rank()
+
+
+# ---- expert parallelism (Megatron-LM core's names) -------------------------------------------------------------
+def get_expert_model_parallel_group() -> Group:
+    return get_parallel_state().ep_group
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return get_parallel_state().ep_size if _STATE is not None else 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    return get_parallel_state().ep_rank if _STATE is not None else 0
+
+
+def get_expert_data_parallel_group() -> Group:
+    """The expert-data-parallel group (the data-parallel group itself without expert parallelism)."""
+    state = get_parallel_state()
+    return state.edp_group if state.ep_size > 1 else state.dp_group
+
+
+def get_expert_data_parallel_world_size() -> int:
+    state = get_parallel_state() if _STATE is not None else ParallelState.single()
+    return state.edp_size if state.ep_size > 1 else state.dp_size
+
+
+def get_expert_data_parallel_rank() -> int:
+    state = get_parallel_state() if _STATE is not None else ParallelState.single()
+    return state.edp_rank if state.ep_size > 1 else state.dp_rank

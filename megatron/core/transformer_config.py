@@ -155,6 +155,10 @@ class TransformerConfig(ModelParallelConfig):
     """Scale the shared expert's output by sigmoid(x . gate_weight) (Qwen2-MoE)."""
     moe_apply_probs_on_input: bool = False
     """Multiply the expert input (not the activation) by the routing weight (top-1 only)."""
+    expert_model_parallel_size: int = 1
+    """Ranks the experts of a layer are sharded over (--expert-model-parallel-size); expert-TP = TP."""
+    moe_token_dispatcher_type: str = "allgather"
+    """How tokens reach expert-parallel ranks: allgather | alltoall (--moe-token-dispatcher-type)."""
     # Activation recomputation: None | "selective" | "full"; method "uniform" | "block".
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None

@@ -1,8 +1,8 @@
 """The ``--deepspeed`` training path: build the DeepSpeed engine, run train/eval steps, save and load checkpoints.
 
-`setup_deepspeed_model_and_optimizer` builds our model (GPTModel, or GPTModelPipe under pipeline
-parallelism), Megatron's parameter groups and a torch AdamW/SGD (so no DeepSpeed op needs compiling), and hands
-them to ``deepspeed.initialize`` with the reconciled config (`megatron.ds.config`) and our `mpu` adapter. DeepSpeed
+`setup_deepspeed_model_and_optimizer` builds the model it is given (GPTModel, or GPTModelPipe under pipeline
+parallelism: megatron/backend/deepspeed.py chooses), Megatron's parameter groups and a torch AdamW/SGD (so no
+DeepSpeed op needs compiling), and hands them to ``deepspeed.initialize`` with the reconciled config (`megatron.ds.config`) and our `mpu` adapter. DeepSpeed
 then owns precision (fp16/bf16 from the config), gradient accumulation, data-parallel reduction, ZeRO partitioning
 and gradient clipping; Megatron's `OptimizerParamScheduler` still sets LR and weight decay, stepped by the samples
 of each applied update exactly like the non-DeepSpeed path.
@@ -38,6 +38,7 @@ from megatron.ds.engine_kind import is_pipe_engine
 from megatron.ds.mpu import get_mpu
 from megatron.logging_utils import print_rank_0
 from megatron.model_setup import get_optimizer_param_scheduler
+from megatron.training_state import TrainingState
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -136,7 +137,8 @@ def _skip_inference_only_cpu_op() -> None:
 
 def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: Any, args: argparse.Namespace,
                                         state: ps.ParallelState) -> tuple[list, Any, Any]:
-    """([engine], engine's optimizer, OptimizerParamScheduler); loads --load (args.iteration set)."""
+    """([engine], engine's optimizer, OptimizerParamScheduler); `model_provider` builds the module the engine
+    wraps (the DeepSpeed backend passes the family's pipe model under DeepSpeed's pipeline engine)."""
     import deepspeed
 
     args.model_type = model_type
@@ -152,6 +154,9 @@ def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: An
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
               f"{state.pp_rank}): {n_params}", flush=True)
 
+    for param in model.parameters():  # Megatron's expert mark reads as DeepSpeed's own MoE mark (which needs a
+        if getattr(param, "allreduce", True) is False:  # group_name); expert parallelism is refused under
+            del param.allreduce  # DeepSpeed, so the experts are ordinary data-parallel params here
     optimizer = _build_torch_optimizer(model, args)
     pipe = type(model).__name__ == "GPTModelPipe" or _is_pipeline_module(model)
     engine, ds_optimizer, _, _ = deepspeed.initialize(
@@ -160,14 +165,6 @@ def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: An
     )
     # The scheduler drives the engine optimizer's groups (ZeRO keeps our group dicts, flattening their params).
     opt_param_scheduler = get_optimizer_param_scheduler(ds_optimizer, args)
-    if args.load is not None:
-        timers = global_vars.get_timers()
-        timers("load-checkpoint", log_level=0).start(barrier=True)
-        args.iteration = load_deepspeed_checkpoint([engine], ds_optimizer, opt_param_scheduler, args)
-        timers("load-checkpoint").stop(barrier=True)
-        timers.log(["load-checkpoint"])
-    else:
-        args.iteration = 0
     return [engine], ds_optimizer, opt_param_scheduler
 
 
@@ -277,8 +274,9 @@ def deepspeed_forward_only(forward_step_func: Callable, data_iterator: Optional[
 
 def deepspeed_evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
                        args: argparse.Namespace, state: ps.ParallelState, verbose: bool = False,
-                       count_valid_samples: bool = True) -> dict:
-    """training.evaluate for engines: average losses over --eval-iters batches."""
+                       count_valid_samples: bool = True, counts: Any = None) -> dict:
+    """training.evaluate for engines: average losses over --eval-iters batches; validation samples are counted in
+    `counts` (a TrainingState; default ``args``)."""
     engine = model[0]
     engine.eval()
     num_mb = global_vars.get_num_microbatches()
@@ -293,7 +291,7 @@ def deepspeed_evaluate(forward_step_func: Callable, data_iterator: Optional[Iter
                 total[key] = total.get(key, 0.0) + float(value)
         count += len(dicts)
         if count_valid_samples:
-            args.consumed_valid_samples += args.micro_batch_size * args.data_parallel_size * num_mb
+            (args if counts is None else counts).consumed_valid_samples += args.micro_batch_size * args.data_parallel_size * num_mb
     engine.train()
     return {k: v / max(1, count) for k, v in total.items()}
 
@@ -329,21 +327,22 @@ def checkpoint_tag(iteration: int) -> str:
 
 
 def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
-                              args: argparse.Namespace) -> None:
-    """engine.save_checkpoint(args.save, tag=global_step{N}) with Megatron's state in client_state (collective)."""
+                              args: argparse.Namespace, train_state: Optional[TrainingState] = None) -> None:
+    """engine.save_checkpoint(args.save, tag=global_step{N}) with Megatron's state in client_state (collective);
+    the run state comes from `train_state` (without one: from ``args``)."""
     del optimizer  # saved by the engine
     engine = model[0]
     if not args.save:
         raise CheckpointError("saving a DeepSpeed checkpoint needs --save DIR")
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
+    run = train_state if train_state is not None else TrainingState.from_args(args)
+    counters = run.checkpoint_counters()
     client_state: dict[str, Any] = {
         "iteration": iteration,
-        "args": _args_to_save(args),
+        "args": _args_to_save(args) if train_state is None else train_state.megatron_args(args),
         "architecture": architecture_from_args(args),
         "checkpoint_version": CHECKPOINT_VERSION,
-        "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0)),
-        "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0)),
-        "consumed_train_tokens": int(getattr(args, "consumed_train_tokens", 0)),
+        **{k: counters[k] for k in ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens")},
     }
     if not getattr(args, "no_save_rng", False):
         client_state["rng_state"] = get_rng_state()  # gathered over data-parallel ranks: every rank calls
@@ -369,8 +368,9 @@ def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_p
 
 
 def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: Any,
-                              args: argparse.Namespace) -> int:
-    """Resume from ``<load>/latest`` (DeepSpeed layout); returns the iteration (0 with --finetune or none found)."""
+                              args: argparse.Namespace, train_state: Optional[TrainingState] = None) -> int:
+    """Resume from ``<load>/latest`` (DeepSpeed layout); returns the iteration (0 with --finetune or none found).
+    The consumed samples go to `train_state` (without one: onto ``args``)."""
     del optimizer  # restored by the engine
     engine = model[0]
     load_dir = args.load
@@ -382,7 +382,7 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
         from megatron.ds.weights import is_megatron_checkpoint, load_megatron_checkpoint_into_engine
 
         if is_megatron_checkpoint(load_dir):  # --finetune (or --no-load-optim --no-load-rng): weights only
-            return load_megatron_checkpoint_into_engine(engine, args, ps.get_parallel_state())
+            return load_megatron_checkpoint_into_engine(engine, args, ps.get_parallel_state(), train_state)
         print_rank_0(f" no DeepSpeed checkpoint in {load_dir} yet ({os.path.basename(latest)} not found): will not "
                      "load any checkpoints and will start from random")
         return 0
@@ -431,10 +431,11 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
         iteration = 0
     else:
         iteration = loaded_iteration
-        src = client_state if "consumed_train_samples" in client_state else vars(ckpt_args or argparse.Namespace())
-        args.consumed_train_samples = int(src.get("consumed_train_samples", 0))
-        args.consumed_valid_samples = int(src.get("consumed_valid_samples", 0))
-        args.consumed_train_tokens = int(src.get("consumed_train_tokens", 0))
+        run = train_state if train_state is not None else TrainingState()
+        names = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens")
+        run.restore_counters(client_state, ckpt_args, names)
+        if train_state is None:
+            run.write_counters(args, names)
     if load_optim and opt_param_scheduler is not None and "opt_param_scheduler" in client_state:
         opt_param_scheduler.load_state_dict(client_state["opt_param_scheduler"])
     if not finetune and not getattr(args, "no_load_rng", False):

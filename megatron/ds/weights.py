@@ -26,6 +26,7 @@ import torch
 
 from megatron.checkpointing import CheckpointError
 from megatron.logging_utils import print_rank_0
+from megatron.training_state import TrainingState
 
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 WORD = "language_model.embedding.word_embeddings.weight"
@@ -155,9 +156,11 @@ def _true_vocab(meta_true: Optional[int]) -> Optional[int]:
         return None
 
 
-def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, state: Any) -> int:
+def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, state: Any,
+                                         train_state: Optional[TrainingState] = None) -> int:
     """--deepspeed --load <Megatron checkpoint> with --finetune (iteration 0) or --no-load-optim --no-load-rng
-    (the checkpoint's iteration and consumed samples); returns the iteration to continue from."""
+    (the checkpoint's iteration and consumed samples, into `train_state`, or onto ``args`` without one);
+    returns the iteration to continue from."""
     from megatron import checkpoint_integrity as integrity
     from megatron.checkpoint_args import check_architecture
     from megatron.checkpoint_conversion.interchange import ConversionError
@@ -194,8 +197,9 @@ def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, 
         iteration = 0
     else:
         iteration = int(meta.iteration)
-        args.consumed_train_samples = int(meta.consumed_train_samples)
-        args.consumed_valid_samples = int(meta.consumed_valid_samples)
+        target = train_state if train_state is not None else args
+        target.consumed_train_samples = int(meta.consumed_train_samples)
+        target.consumed_valid_samples = int(meta.consumed_valid_samples)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     loaded = 0 if release else int(meta.iteration)

@@ -46,10 +46,23 @@ def mlp_builder(config: TransformerConfig, layer_number: int, tp_group: Optional
     return ParallelMLP(config, tp_group)
 
 
+def expert_group(config: TransformerConfig) -> Optional[Any]:
+    """The expert-model-parallel group of the current parallel state (None without expert parallelism)."""
+    if config.expert_model_parallel_size <= 1:
+        return None
+    from megatron.core import parallel_state
+
+    state = parallel_state.get_parallel_state()
+    if state.ep_size != config.expert_model_parallel_size:
+        raise ValueError(f"--expert-model-parallel-size {config.expert_model_parallel_size} but the process groups "
+                         f"were built with {state.ep_size}; initialize_model_parallel(expert_model_parallel_size=...)")
+    return state.ep_group
+
+
 def moe_mlp_builder(config: TransformerConfig, layer_number: int, tp_group: Optional[Any]) -> torch.nn.Module:
     """The MoE MLP on the layers --moe-layer-freq marks, the dense MLP on the others."""
     if config.moe_layer_pattern[layer_number - 1]:
-        return MoELayer(config, layer_number, tp_group)
+        return MoELayer(config, layer_number, tp_group, expert_group(config), config.moe_token_dispatcher_type)
     return ParallelMLP(config, tp_group)
 
 

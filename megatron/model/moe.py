@@ -2,11 +2,22 @@
 
 Flow of `MoELayer.forward(hidden [s, b, h])`:
   shared expert (optional, every token)  +  router -> (probs, routing map) -> permute tokens by expert ->
-  experts as one batched GEMM per projection over groups padded to the largest (or to the capacity) ->
-  unpermute (index_add back to token order; routing weights are applied to the activation, as Megatron-LM does).
+  experts as batched GEMMs over groups padded to their run's largest (`expert_buckets`; or to the capacity) ->
+  unpermute (sum back to token order; routing weights are applied to the activation, as Megatron-LM does).
+  The permutations are gathers forward and backward (megatron/model/moe_permute.py), equal to index_select/index_add.
 Under tensor parallelism (which needs sequence parallelism, as in Megatron-LM) the tokens of the TP group are
 all-gathered before the experts, every rank computes its slice of each expert's inner dimension, and the result is
 reduce-scattered back to the sequence split (Megatron-LM's allgather dispatcher with expert-TP = TP).
+
+Expert parallelism (`ep_group` of size EP, expert-TP = TP): each rank holds experts [ep_rank * L, (ep_rank + 1) * L)
+with L = num_experts / EP. The tokens (after the TP gather) reach them by either dispatcher:
+  allgather: all-gather tokens, probs and routing map over the EP group, compute the local experts on all of them,
+             reduce-scatter the partial outputs back (every token's contributions summed over the EP ranks);
+  alltoall:  permute by (global) expert, all-to-all the rows with per-rank counts, compute the local experts on the
+             rows received, reverse all-to-all, unpermute (megatron/core/expert_parallel.py; autograd reverses both).
+Router, capacity and aux losses work on each rank's own tokens, as without EP (EP ranks are data-parallel ranks).
+Expert parameters carry ``allreduce = False`` (Megatron's mark): their grads are reduced over the
+expert-data-parallel group.
 
 Routing (`TopKRouter`): logits = x W^T (fp32/fp64 with moe_router_dtype); z-loss; top-k then softmax over the k
 (or softmax/sigmoid before top-k with moe_router_pre_softmax / the sigmoid score function); optional scaling factor;
@@ -26,8 +37,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core import moe_aux, tensor_parallel
+from megatron.core import expert_parallel, moe_aux, tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
+from megatron.model import moe_permute
 from megatron.model.mlp import ParallelMLP, activation_for
 from megatron.model.module import MegatronModule
 from megatron.model.utils import group_rank, group_size
@@ -178,9 +190,15 @@ class TopKRouter(MegatronModule):
 class GroupedExperts(MegatronModule):
     """All experts of the layer as stacked weights, computed with one batched matmul per projection."""
 
-    def __init__(self, config: TransformerConfig, tp_group: Optional[Any] = None) -> None:
+    def __init__(self, config: TransformerConfig, tp_group: Optional[Any] = None,
+                 ep_group: Optional[Any] = None) -> None:
         super().__init__(config=config)
-        self.num_experts = config.num_moe_experts
+        ep, ep_rank = group_size(ep_group), group_rank(ep_group)
+        if config.num_moe_experts % ep:
+            raise ValueError(f"--num-experts ({config.num_moe_experts}) must be divisible by "
+                             f"--expert-model-parallel-size ({ep})")
+        self.num_experts = config.num_moe_experts // ep  # this rank's (local) experts
+        local = slice(ep_rank * self.num_experts, (ep_rank + 1) * self.num_experts)
         tp, rank = group_size(tp_group), group_rank(tp_group)
         ffn = config.moe_ffn_hidden_size
         if ffn % tp:
@@ -188,13 +206,14 @@ class GroupedExperts(MegatronModule):
         self.gated = config.gated_linear_unit
         self.activation_name, self.activation_func = activation_for(config)
         blocks = 2 if self.gated else 1
-        e, h = self.num_experts, config.hidden_size
-        # Full (TP=1) weights from the global seed, then this rank's slice: TP=N equals TP=1 for one seed.
+        e, h = config.num_moe_experts, config.hidden_size
+        # Full (TP=1, EP=1) weights from the global seed, then this rank's slice: TP=N / EP=N equal TP=1 for a seed.
         w1 = torch.empty(e, blocks * ffn, h, dtype=torch.float32)  # Megatron's per-expert fc1 layout [2F, h]
         w2 = torch.empty(e, h, ffn, dtype=torch.float32)
         if config.perform_initialization:
             config.init_method(w1)
             config.output_layer_init_method(w2)
+        w1, w2 = w1[local], w2[local]
         w1 = torch.cat([b.chunk(tp, dim=1)[rank] for b in w1.chunk(blocks, dim=1)], dim=1)
         w2 = w2.chunk(tp, dim=2)[rank]
         self.weight1 = torch.nn.Parameter(w1.transpose(1, 2).contiguous().to(config.params_dtype))
@@ -204,18 +223,73 @@ class GroupedExperts(MegatronModule):
             tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)
             tensor_parallel.set_tp_layout(param, tensor_parallel.TensorParallelLayout(dim=dim, blocks=nblocks,
                                                                                       structure=what))
+            param.allreduce = False  # an expert parameter (Megatron's mark): reduced over expert-data-parallel
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, expert_of_row: torch.Tensor,
                 slot_of_row: torch.Tensor, slots: int) -> torch.Tensor:
-        """tokens [N, h] grouped by expert, probs [N]; row i goes to slot `slot_of_row[i]` of its expert's group."""
-        e, h = self.num_experts, tokens.shape[-1]
-        flat = expert_of_row * slots + slot_of_row
-        grouped = tokens.new_zeros(e * slots, h).index_copy(0, flat, tokens).view(e, slots, h)
-        weights = probs.new_zeros(e * slots).index_copy(0, flat, probs).view(e, slots, 1)
-        inner = self.activation_func(torch.bmm(grouped, self.weight1))  # swiglu: [gate | up] halves
-        inner = (inner * weights).to(tokens.dtype)
-        out = torch.bmm(inner, self.weight2)
-        return out.view(e * slots, h).index_select(0, flat)
+        """tokens [N, h] grouped by expert, probs [N]; row i is slot `slot_of_row[i]` of its expert's group. `slots`
+        is the group size to pad to (the largest group, or the capacity with --moe-pad-expert-input-to-capacity).
+
+        Without capacity padding the experts are split into contiguous runs (`expert_buckets`), each a batched GEMM
+        over groups padded to the run's largest, instead of one over all groups padded to the overall largest: the
+        same numbers per row, less padding when the routing is unbalanced."""
+        e = self.num_experts
+        n = tokens.shape[0]
+        with torch.no_grad():
+            counts = torch.bincount(expert_of_row, minlength=e).tolist()
+            buckets = ([(0, e, slots)] if slots > max(counts, default=0) else expert_buckets(counts))
+            base = torch.empty(e, dtype=torch.long)
+            offset = 0
+            for first, num, size in buckets:
+                base[first:first + num] = offset + size * torch.arange(num)
+                offset += num * size
+            flat = base[expert_of_row] + slot_of_row  # row i's place in the padded groups
+            inverse = torch.full((offset,), n, dtype=torch.long)
+            inverse[flat] = torch.arange(n)
+            padded = offset > n
+        grouped = moe_permute.dispatch(tokens, inverse, flat.view(-1, 1), padded, False)  # [offset, h]
+        weights = probs.new_zeros(offset).index_copy(0, flat, probs)
+        out = self.compute(grouped, weights, buckets)
+        return moe_permute.combine(out, flat.view(-1, 1), inverse, False, padded)
+
+    def compute(self, grouped: torch.Tensor, weights: torch.Tensor, buckets: list) -> torch.Tensor:
+        """The expert MLPs on padded groups [rows, h] laid out run by run (`buckets`), outputs times `weights`."""
+        h = grouped.shape[-1]
+        sizes = [num * size for _, num, size in buckets]
+        if len(buckets) > 1:
+            parts = zip(grouped.split(sizes), weights.split(sizes), self.weight1.split([b[1] for b in buckets]),
+                        self.weight2.split([b[1] for b in buckets]), buckets)
+        else:
+            parts = [(grouped, weights, self.weight1, self.weight2, buckets[0])]
+        outs = []
+        for rows, w, w1, w2, (_, num, size) in parts:
+            inner = self.activation_func(torch.bmm(rows.view(num, size, h), w1))  # swiglu: [gate | up] halves
+            inner = (inner * w.view(num, size, 1)).to(grouped.dtype)
+            outs.append(torch.bmm(inner, w2).view(num * size, h))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def expert_buckets(counts: list[int], run_rows: int = 16, split_rows: int = 128) -> list[tuple[int, int, int]]:
+    """Contiguous runs of experts (first, number, rows each) covering all experts that minimise the padded rows:
+    the sum over runs of number x the run's largest count, plus `run_rows` per run (one more GEMM call); one run
+    unless splitting saves more than `split_rows` (the weight gradients are then concatenated from the runs')."""
+    e = len(counts)
+    best, cut = [0] + [None] * e, [0] * (e + 1)
+    for j in range(1, e + 1):
+        largest = 0
+        for i in range(j - 1, -1, -1):
+            largest = max(largest, counts[i])
+            cost = best[i] + (j - i) * largest + run_rows
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    if best[e] + split_rows >= e * max(counts, default=0) + run_rows:
+        return [(0, e, max(counts, default=0))]
+    runs, j = [], e
+    while j > 0:
+        i = cut[j]
+        runs.append((i, j - i, max(counts[i:j])))
+        j = i
+    return runs[::-1]
 
 
 class SharedExpertMLP(ParallelMLP):
@@ -247,14 +321,19 @@ class MoELayer(MegatronModule):
     """Router + experts (+ shared expert); returns (output [s(/tp), b, h], None) like ParallelMLP."""
 
     def __init__(self, config: TransformerConfig, layer_number: Optional[int] = None,
-                 tp_group: Optional[Any] = None) -> None:
+                 tp_group: Optional[Any] = None, ep_group: Optional[Any] = None,
+                 dispatcher: str = "allgather") -> None:
         super().__init__(config=config)
+        if dispatcher not in ("allgather", "alltoall"):
+            raise ValueError(f"--moe-token-dispatcher-type {dispatcher} is not implemented; use allgather or alltoall")
         if config.add_bias_linear:
             raise ValueError("MoE layers (--num-experts) need --disable-bias-linear, as in Megatron-LM core")
         self.tp_group = tp_group
         self.sequence_parallel = config.sequence_parallel
         self.router = TopKRouter(config, layer_number, tp_group)
-        self.experts = GroupedExperts(config, tp_group)
+        self.ep_group, self.dispatcher = ep_group, dispatcher
+        self.ep_size, self.ep_rank = group_size(ep_group), group_rank(ep_group)
+        self.experts = GroupedExperts(config, tp_group, ep_group)
         self.shared_experts = (SharedExpertMLP(config, tp_group)
                                if config.moe_shared_expert_intermediate_size else None)
 
@@ -271,13 +350,64 @@ class MoELayer(MegatronModule):
             x, probs = self._gather(x), self._gather(probs)
             with torch.no_grad():
                 routing_map = self._gather(routing_map.to(torch.int8)).bool()
-        out = self._route_and_compute(x, probs, routing_map)
+        if self.ep_size == 1:
+            out = self._route_and_compute(x, probs, routing_map)
+        elif self.dispatcher == "alltoall":
+            out = self._alltoall(x, probs, routing_map)
+        else:
+            out = self._allgather(x, probs, routing_map)
         if group_size(self.tp_group) > 1:
             out = tensor_parallel.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         out = out.view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)[0]
         return out, None
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        """The columns [T, E] -> [T, L] of this rank's experts."""
+        n = self.experts.num_experts
+        return t[:, self.ep_rank * n:(self.ep_rank + 1) * n]
+
+    def _allgather(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """Tokens of the whole EP group through the local experts; partial outputs reduce-scattered back."""
+        group = self.ep_group
+        x = tensor_parallel.gather_from_sequence_parallel_region(x, group)
+        probs = self._local(tensor_parallel.gather_from_sequence_parallel_region(probs, group))
+        with torch.no_grad():
+            routing_map = tensor_parallel.gather_from_sequence_parallel_region(routing_map.to(torch.int8), group)
+        out = self._route_and_compute(x, probs, self._local(routing_map).bool())
+        return tensor_parallel.reduce_scatter_to_sequence_parallel_region(out, group)
+
+    def _alltoall(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """Rows permuted by global expert go to the expert's rank (all-to-all), through its local experts, back."""
+        ep, n_local = self.ep_size, self.experts.num_experts
+        mask = routing_map.t()  # [E, T]
+        expert_of_row, token_of_row = mask.nonzero(as_tuple=True)
+        counts = mask.sum(dim=1).view(ep, n_local)  # rows for rank r's local expert l
+        row_probs = probs.t()[expert_of_row, token_of_row]
+        tokens = x.index_select(0, token_of_row)
+        if self.config.moe_apply_probs_on_input:
+            tokens = tokens * row_probs.unsqueeze(-1).to(tokens.dtype)
+            row_probs = torch.ones_like(row_probs)
+        recv_counts = expert_parallel.exchange_counts(counts, self.ep_group)  # [source rank, local expert]
+        send_splits, recv_splits = counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
+        tokens = expert_parallel.all_to_all(tokens, recv_splits, send_splits, self.ep_group)
+        row_probs = expert_parallel.all_to_all(row_probs.unsqueeze(-1), recv_splits, send_splits,
+                                               self.ep_group).squeeze(-1)
+        # received rows: source-major, then local expert; a row's slot is its place among its expert's rows
+        expert_of_recv = torch.repeat_interleave(torch.arange(n_local).repeat(ep), recv_counts.reshape(-1))
+        per_expert = recv_counts.sum(dim=0)
+        slots = int(per_expert.max()) if expert_of_recv.numel() else 0
+        if slots == 0:
+            out = tokens * 0
+        else:
+            order = torch.argsort(expert_of_recv, stable=True)
+            starts = torch.cumsum(per_expert, 0) - per_expert
+            slot_of_recv = torch.empty_like(expert_of_recv)
+            slot_of_recv[order] = torch.arange(order.numel()) - starts[expert_of_recv[order]]
+            out = self.experts(tokens, row_probs, expert_of_recv, slot_of_recv, slots)
+        out = expert_parallel.all_to_all(out, send_splits, recv_splits, self.ep_group)
+        return torch.zeros_like(x, dtype=out.dtype).index_add(0, token_of_row, out).to(x.dtype)
 
     def _route_and_compute(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
         """Permute tokens by expert, run the batched experts, unpermute (weighted sum) to token order."""
@@ -289,16 +419,19 @@ class MoELayer(MegatronModule):
         slot_of_row = torch.arange(token_of_row.numel()) - starts[expert_of_row]
         cfg = self.config
         if cfg.moe_pad_expert_input_to_capacity:
-            slots = capacity_of(num_tokens, cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor)
+            slots = capacity_of(num_tokens // self.ep_size, cfg.num_moe_experts, cfg.moe_router_topk,
+                                cfg.moe_expert_capacity_factor)
             slots = max(slots, int(counts.max()) if counts.numel() else 0)
         else:
             slots = int(counts.max()) if token_of_row.numel() else 0
         if slots == 0:
             return x * 0
         row_probs = probs.t()[expert_of_row, token_of_row]
-        tokens = x.index_select(0, token_of_row)
+        with torch.no_grad():
+            rows_of_token, uneven = moe_permute.inverse_table(token_of_row, num_tokens)
+        tokens = moe_permute.dispatch(x, token_of_row, rows_of_token, False, uneven)
         if cfg.moe_apply_probs_on_input:
             tokens = tokens * row_probs.unsqueeze(-1).to(tokens.dtype)
             row_probs = torch.ones_like(row_probs)
         out = self.experts(tokens, row_probs, expert_of_row, slot_of_row, slots)
-        return torch.zeros_like(x, dtype=out.dtype).index_add(0, token_of_row, out).to(x.dtype)
+        return moe_permute.combine(out, rows_of_token, token_of_row, uneven, False).to(x.dtype)

@@ -52,6 +52,15 @@ def _resolve_parallel_state(parallel_state):
 
 
 
+def _expert_state(parallel_state):
+    """The parallel state that holds the expert-parallel groups (the given one, else the current one)."""
+    if parallel_state is not None:
+        return parallel_state if hasattr(parallel_state, "ep_size") else None
+    from megatron.core import parallel_state as ps
+
+    return ps.get_parallel_state() if ps.model_parallel_is_initialized() else None
+
+
 def _can_use_fused_adam(param_groups: list[dict], config: OptimizerConfig) -> Optional[bool]:
     """torch's fused AdamW (one kernel over all tensors; ~6x faster than the for-each path on CPU) when every
     parameter the inner optimizer updates is a floating tensor on one CPU/CUDA device type; None (torch picks)
@@ -120,13 +129,18 @@ def get_megatron_optimizer(
             )
     if shard_entries is not None:
         dp_group = getattr(parallel_state, "dp_cp_group", None) if parallel_state is not None else chunks[0].dp_group
-        return DistributedOptimizer(
+        optimizer: MegatronOptimizer = DistributedOptimizer(
             inner, shard_entries, chunks, config.clip_grad, config.log_num_zeros_in_grad, config.fp16, config.bf16,
             config.params_dtype, grad_scaler, mp_group, tp_rank, data_parallel_group=dp_group,
         )
-    if config.fp16 or config.bf16:
-        return Float16OptimizerWithFloat16Params(
+    elif config.fp16 or config.bf16:
+        optimizer = Float16OptimizerWithFloat16Params(
             inner, config.clip_grad, config.log_num_zeros_in_grad, config.fp16, config.bf16, config.params_dtype,
             grad_scaler, mp_group, tp_rank,
         )
-    return FP32Optimizer(inner, config.clip_grad, config.log_num_zeros_in_grad, mp_group, tp_rank)
+    else:
+        optimizer = FP32Optimizer(inner, config.clip_grad, config.log_num_zeros_in_grad, mp_group, tp_rank)
+    state = _expert_state(parallel_state)
+    if state is not None and state.ep_size > 1:  # expert grads differ between expert-parallel ranks
+        optimizer.expert_parallel_group, optimizer.expert_data_parallel_group = state.ep_group, state.edp_group
+    return optimizer

@@ -4,6 +4,9 @@ Each gradient is counted once over the whole model: tensor-parallel shards on ev
 (non-TP) params only on TP rank 0, and params marked `shared` (e.g. the tied output embedding on the last
 pipeline stage) not at all. Partial sums are all-reduced over the model-parallel (TP x PP) group; with the
 distributed optimizer (each data-parallel rank holds a shard of the grads) first over the data-parallel group.
+Under expert parallelism the expert params (``allreduce is False``) differ between expert-parallel ranks: their
+partial sum is first reduced over the expert-data-parallel group (distributed optimizer) and the expert-parallel
+group, then joins the dense one, so each expert counts once (Megatron-LM core's rule).
 """
 from __future__ import annotations
 
@@ -29,12 +32,19 @@ def param_is_not_tp_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
     return bool(param_is_not_tensor_parallel_duplicate(param, tp_rank))
 
 
-def grads_for_norm(params: Iterable[torch.Tensor], tp_rank: int = 0) -> List[torch.Tensor]:
-    """The grads that count toward the global norm on this rank."""
+def is_expert_param(param: torch.Tensor) -> bool:
+    """Megatron's mark of an expert parameter (megatron/model/moe.py sets ``allreduce = False``)."""
+    return getattr(param, "allreduce", True) is False
+
+
+def grads_for_norm(params: Iterable[torch.Tensor], tp_rank: int = 0,
+                   expert: Optional[bool] = None) -> List[torch.Tensor]:
+    """The grads that count toward the global norm on this rank (only expert / only dense ones when `expert` is set)."""
     return [
         p.grad
         for p in params
         if p.grad is not None and param_is_not_shared(p) and param_is_not_tp_duplicate(p, tp_rank)
+        and (expert is None or is_expert_param(p) == expert)
     ]
 
 
@@ -48,30 +58,45 @@ def _reduce(total: torch.Tensor, op, model_parallel_group, data_parallel_group) 
             dist.all_reduce(total, op=op, group=group)
 
 
+def _local_total(grads: List[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """max |g| (inf norm) or sum |g|^p of this rank's grads, as a [1] fp32 tensor."""
+    if norm_type == math.inf:
+        local = max((g.abs().max().float() for g in grads), default=torch.zeros((), device=device))
+        return local.reshape(1).clone().to(torch.float32)
+    if grads:
+        per_tensor = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+        return (torch.linalg.vector_norm(per_tensor, norm_type) ** norm_type).reshape(1)
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
 def get_grad_norm_fp32(
     grads: Tensors, model_parallel_group=None, norm_type: float = 2.0, device: Optional[torch.device] = None,
-    data_parallel_group=None,
+    data_parallel_group=None, expert_grads: Optional[List[torch.Tensor]] = None, expert_parallel_group=None,
+    expert_data_parallel_group=None,
 ) -> float:
     """Norm of `grads` (already filtered) over all model-parallel ranks (and data-parallel ranks when the grads are
     sharded over them). `device` holds the reduction buffer when this rank has no grads to count (it must suit the
-    backend: CUDA for NCCL)."""
+    backend: CUDA for NCCL). `expert_grads` (expert parallelism): the expert params' grads, reduced over
+    `expert_data_parallel_group` (when sharded) and `expert_parallel_group` before joining the others."""
     if isinstance(grads, torch.Tensor):
         grads = [grads]
     grads = [g.detach() for g in grads]
     norm_type = float(norm_type)
     if device is None:
         device = grads[0].device if grads else torch.device("cpu")
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    total = _local_total(grads, norm_type, device)
+    if expert_grads is not None:
+        for group in (data_parallel_group,):
+            if _active(group):
+                dist.all_reduce(total, op=op, group=group)
+        experts = _local_total([g.detach() for g in expert_grads], norm_type, device)
+        _reduce(experts, op, expert_parallel_group, expert_data_parallel_group)
+        total = torch.maximum(total, experts) if norm_type == math.inf else total + experts
+        data_parallel_group = None
+    _reduce(total, op, model_parallel_group, data_parallel_group)
     if norm_type == math.inf:
-        local = max((g.abs().max().float() for g in grads), default=torch.zeros((), device=device))
-        total = local.reshape(1).clone().to(torch.float32)
-        _reduce(total, dist.ReduceOp.MAX, model_parallel_group, data_parallel_group)
         return float(total.item())
-    if grads:
-        per_tensor = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
-        total = (torch.linalg.vector_norm(per_tensor, norm_type) ** norm_type).reshape(1)
-    else:
-        total = torch.zeros(1, dtype=torch.float32, device=device)
-    _reduce(total, dist.ReduceOp.SUM, model_parallel_group, data_parallel_group)
     return float(total.item()) ** (1.0 / norm_type)
 
 
@@ -83,6 +108,9 @@ def clip_grad_norm_fp32(
     norm_type: float = 2.0,
     data_parallel_group=None,
     device: Optional[torch.device] = None,
+    expert_grads: Optional[List[torch.Tensor]] = None,
+    expert_parallel_group=None,
+    expert_data_parallel_group=None,
 ) -> float:
     """Scale the grads of `parameters` in place so their global norm is <= max_norm; return the norm before clipping.
 
@@ -100,7 +128,8 @@ def clip_grad_norm_fp32(
         grads_for_norm = grads
     if device is None:
         device = parameters[0].device if parameters else None
-    total_norm = get_grad_norm_fp32(grads_for_norm, model_parallel_group, norm_type, device, data_parallel_group)
+    total_norm = get_grad_norm_fp32(grads_for_norm, model_parallel_group, norm_type, device, data_parallel_group,
+                                    expert_grads, expert_parallel_group, expert_data_parallel_group)
     clip_coeff = float(max_norm) / (total_norm + 1.0e-6)
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(grads, clip_coeff)

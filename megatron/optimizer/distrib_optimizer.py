@@ -17,8 +17,9 @@ bucket. Per step:
    `--overlap-param-gather`, waited by the forward pre-hooks).
 
 Checkpoints: `state_dict()` holds the non-sharded part (param-group hyperparameters, grad scaler);
-`get_parameter_state()` (collective over the data-parallel group) returns, on data-parallel rank 0, the full fp32
-params and optimizer state of every parameter of this model-parallel rank, keyed by chunk and parameter name, which
+`get_parameter_state()` (collective over the data-parallel group) returns, on data-parallel rank 0 (expert-data-parallel
+rank 0 of each expert-parallel rank, under expert parallelism), the full fp32 params and optimizer state of every
+parameter of this model-parallel rank, keyed by chunk and parameter name, which
 `load_parameter_state()` slices on any data-parallel size (so a run can resume at another DP size).
 """
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32, grads_for_norm
+from megatron.core.utils import unwrap_model as _unwrap
+from megatron.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32
 from megatron.optimizer.grad_scaler import MegatronGradScaler
 from megatron.optimizer.optimizer import _PARALLEL_ATTRS, MixedPrecisionOptimizer, StepResult, _timer
 from megatron.optimizer.param_groups import get_param_groups
@@ -40,10 +42,6 @@ def _active(group) -> bool:
     return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while isinstance(getattr(module, "module", None), torch.nn.Module):
-        module = module.module
-    return module
 
 
 class _ShardEntry:
@@ -82,7 +80,7 @@ def shard_param_groups(model_chunks: Sequence[torch.nn.Module], param_groups: Li
             if param not in index:
                 raise ValueError("a trainable parameter is not in any DDP gradient buffer")
             c, name, chunk, (_key, start, end, bucket) = index[param]
-            shard_start, shard_end = bucket.shard_range(chunk.dp_rank, chunk.dp_size)
+            shard_start, shard_end = bucket.shard_range()  # over the bucket's group (expert-DP for experts)
             lo, hi = max(start, shard_start) - start, min(end, shard_end) - start
             if hi <= lo:
                 continue
@@ -148,16 +146,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _inf_check_groups(self) -> tuple:
         # Each rank only sees its shard's grads: the flag must also travel over the data-parallel group.
-        return (self.data_parallel_group, self.model_parallel_group)
+        return (self.data_parallel_group, self.model_parallel_group, self.expert_parallel_group)
 
     def get_parameters(self) -> List[torch.Tensor]:
         return [e.main_param for e in self._all_entries()]
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         params = self.get_parameters()
-        return clip_grad_norm_fp32(params, grads_for_norm(params, self.tp_rank), clip_grad,
-                                   self.model_parallel_group, data_parallel_group=self.data_parallel_group,
-                                   device=self._device)
+        return clip_grad_norm_fp32(params, max_norm=clip_grad, model_parallel_group=self.model_parallel_group,
+                                   data_parallel_group=self.data_parallel_group, device=self._device,
+                                   **self._expert_norm_kwargs(params, sharded=True))
 
     def count_zeros(self) -> int:
         return count_zeros_fp32(self.get_parameters(), self.model_parallel_group, self.tp_rank,
@@ -259,14 +257,18 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         if k in state:
                             full[k][entry.lo:entry.hi] = state[k].float()
                 flat = torch.cat([full[k] for k in ["param", *keys]])
-                if _active(self.data_parallel_group):
-                    dist.reduce(flat, dst=dist.get_global_rank(self.data_parallel_group, 0),
-                                group=self.data_parallel_group)
+                group = chunk.param_index_map[param][3].group  # the data- or expert-data-parallel group
+                if self.expert_parallel_group is not None:  # every expert-DP rank 0 writes: dense state everywhere
+                    if _active(group):
+                        dist.all_reduce(flat, group=group)
+                elif _active(group):
+                    dist.reduce(flat, dst=dist.get_global_rank(group, 0), group=group)
                 pieces = flat.split(param.numel())
                 out[name] = {k: piece.view(param.shape).clone() for k, piece in zip(["param", *keys], pieces)}
             chunks.append(out)
-        dp_rank = dist.get_rank(self.data_parallel_group) if _active(self.data_parallel_group) else 0
-        if dp_rank != 0:
+        writers = self.expert_data_parallel_group if self.expert_parallel_group is not None else \
+            self.data_parallel_group
+        if (dist.get_rank(writers) if _active(writers) else 0) != 0:
             return None
         dp_size = dist.get_world_size(self.data_parallel_group) if _active(self.data_parallel_group) else 1
         return {"format": PARAM_STATE_FORMAT, "step": step, "state_keys": keys, "chunks": chunks,

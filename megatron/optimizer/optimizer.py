@@ -20,7 +20,8 @@ from megatron.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32,
 from megatron.optimizer.grad_scaler import MegatronGradScaler
 
 StepResult = Tuple[bool, Optional[float], Optional[int]]
-_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel", "shared")
+_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel", "shared",
+                   "allreduce")
 
 
 def _zero_grad_group_helper(group: List[torch.Tensor], set_to_none: bool) -> None:
@@ -92,6 +93,18 @@ class MegatronOptimizer:
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
         self.model_parallel_group = model_parallel_group
         self.tp_rank = tp_rank
+        # expert parallelism (set by get_megatron_optimizer): expert grads differ between expert-parallel ranks
+        self.expert_parallel_group = None
+        self.expert_data_parallel_group = None
+
+    def _expert_norm_kwargs(self, params: List[torch.Tensor], sharded: bool = False) -> dict:
+        """grads_for_norm / expert_grads / groups for clip_grad_norm_fp32 (all grads together without EP)."""
+        if self.expert_parallel_group is None:
+            return {"grads_for_norm": grads_for_norm(params, self.tp_rank)}
+        return {"grads_for_norm": grads_for_norm(params, self.tp_rank, expert=False),
+                "expert_grads": grads_for_norm(params, self.tp_rank, expert=True),
+                "expert_parallel_group": self.expert_parallel_group,
+                "expert_data_parallel_group": self.expert_data_parallel_group if sharded else None}
 
     def get_parameters(self) -> List[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -100,6 +113,10 @@ class MegatronOptimizer:
         return grads_for_norm(self.get_parameters(), self.tp_rank)
 
     def clip_grad_norm(self, clip_grad: float) -> float:
+        if self.expert_parallel_group is not None:
+            params = self.get_parameters()
+            return clip_grad_norm_fp32(params, max_norm=clip_grad, model_parallel_group=self.model_parallel_group,
+                                       **self._expert_norm_kwargs(params))
         return clip_grad_norm_fp32(
             self.get_parameters(), self.get_main_grads_for_grad_norm(), clip_grad, self.model_parallel_group
         )
@@ -246,7 +263,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     def _inf_check_groups(self) -> tuple:
         """The groups over which an inf/nan in any rank's grads must skip the step everywhere."""
-        return (self.model_parallel_group,)
+        return (self.model_parallel_group, self.expert_parallel_group)
 
     @torch.no_grad()
     def step(self, timers: Optional[Callable] = None) -> StepResult:

@@ -1,7 +1,7 @@
 """Workers for the DeepSpeed pipeline tests (module level so `run_distributed` can pickle them).
 
-`run_pretrain_ds_serial_init` runs pretrain_gpt under DeepSpeed with a model provider that loads the weights of the
-serially initialised GPTModel (the same one tests/pipeline/_workers.serial_init_provider builds for the
+`run_pretrain_ds_serial_init` runs pretrain_gpt under DeepSpeed with a pipe model builder (the DeepSpeed backend's
+PIPE_MODELS["gpt"], wrapped) that loads the weights of the serially initialised GPTModel (the same one tests/pipeline/_workers.serial_init_provider builds for the
 non-DeepSpeed runs) into the GPTModelPipe stages via `GPTModelPipe.load_megatron_state_dict`, so DeepSpeed's
 pipeline starts from exactly the serial run's weights.
 
@@ -9,7 +9,8 @@ pipeline starts from exactly the serial run's weights.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -18,31 +19,39 @@ from tests.pipeline._workers import serial_gpt
 
 
 def serial_init_pipe_provider(provider: Callable) -> Callable:
-    """Wrap pretrain_gpt.model_provider: the GPTModelPipe it returns gets the serial model's initial weights."""
+    """Wrap the DeepSpeed backend's GPT pipe model builder (megatron.backend.deepspeed.PIPE_MODELS["gpt"]): the
+    GPTModelPipe it returns gets the serial model's initial weights."""
 
-    def model_provider(pre_process: bool = True, post_process: bool = True) -> Any:
-        from megatron import global_vars
-        from megatron.core import parallel_state as ps
+    def model_provider(args: Any, state: Any) -> Any:
         from megatron.model.gpt_model_pipe import is_gpt_model_pipe
 
-        args = global_vars.get_args()
-        state = ps.get_parallel_state()
         full = serial_gpt(args, state)
-        model = provider(pre_process=pre_process, post_process=post_process)
+        model = provider(args, state)
         if not is_gpt_model_pipe(model):
-            raise AssertionError("expected pretrain_gpt.model_provider to build a GPTModelPipe")
+            raise AssertionError("expected the DeepSpeed backend to build a GPTModelPipe")
         model.load_megatron_state_dict(full.state_dict())
         return model
 
     return model_provider
 
 
-def run_pretrain_ds_serial_init(rank: int, world_size: int, argv: list[str]) -> dict:
-    """tests.ds._workers.run_pretrain_ds with the serial-init GPTModelPipe provider."""
-    import pretrain_gpt
+@contextlib.contextmanager
+def serial_init_pipe_models() -> Iterator[None]:
+    """While active, the DeepSpeed backend's GPT pipe model starts from the serial model's weights."""
+    from megatron.backend import deepspeed as ds_backend
 
-    pretrain_gpt.model_provider = serial_init_pipe_provider(pretrain_gpt.model_provider)
-    return run_pretrain_ds(rank, world_size, argv)
+    base = ds_backend.PIPE_MODELS["gpt"]
+    ds_backend.PIPE_MODELS["gpt"] = serial_init_pipe_provider(base)
+    try:
+        yield
+    finally:
+        ds_backend.PIPE_MODELS["gpt"] = base
+
+
+def run_pretrain_ds_serial_init(rank: int, world_size: int, argv: list[str]) -> dict:
+    """tests.ds._workers.run_pretrain_ds with the serial-init GPTModelPipe."""
+    with serial_init_pipe_models():
+        return run_pretrain_ds(rank, world_size, argv)
 
 
 def pipe_forward_worker(rank: int, world_size: int) -> dict:

@@ -122,3 +122,31 @@ def test_convert_cli_hf_to_megatron_tp2_pp3_and_back_is_bitwise(tmp_path):
     assert sorted(before) == sorted(after)
     for key in before:
         assert torch.equal(before[key], after[key]), key
+
+
+def test_convert_cli_hf_mixtral_to_megatron_ep2_tp2_and_back_is_bitwise(tmp_path):
+    """HF Mixtral -> Megatron with its experts over 2 expert ranks (x TP=2: Megatron-LM's mp_rank_TT_EEE folders,
+    each holding 2 of the 4 experts) -> HF, bitwise."""
+    from megatron.checkpoint_conversion.driver import convert as run
+    from megatron.checkpoint_conversion.driver import parse_args
+
+    _hf("mixtral_top2", tmp_path / "hf", seed=6)
+
+    def convert(*argv: str) -> None:
+        run(parse_args(["--model-type", "GPT", *argv]))
+
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", str(tmp_path / "hf"), "--save-dir",
+            str(tmp_path / "meg"), "--target-tensor-parallel-size", "2", "--target-expert-parallel-size", "2")
+    ranks = sorted(p.name for p in (tmp_path / "meg" / "release").iterdir() if p.is_dir())
+    assert ranks == [f"mp_rank_{t:02d}_{e:03d}" for t in range(2) for e in range(2)]
+    shard = torch.load(tmp_path / "meg" / "release" / "mp_rank_01_001" / "model_optim_rng.pt", weights_only=False)
+    assert shard["args"].expert_model_parallel_size == 2
+    w1 = shard["model"]["language_model"]["encoder"]["layers.0.mlp.experts.weight1"]
+    assert w1.shape[0] == 2  # local experts 2 and 3
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", str(tmp_path / "meg"), "--save-dir",
+            str(tmp_path / "out"))
+    load = safetensors_torch.load_file
+    before, after = load(tmp_path / "hf" / "model.safetensors"), load(tmp_path / "out" / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    for key in before:
+        assert torch.equal(before[key], after[key]), key

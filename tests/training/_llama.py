@@ -6,6 +6,7 @@ and 12. Every run starts from the serial model's initial weights (tests/pipeline
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from typing import Any
@@ -38,16 +39,18 @@ def curve_of(result: dict, what: str) -> dict:
 def run_many(rank: int, world_size: int, runs: list[tuple[str, list[str]]]) -> list[dict]:
     """Several pretrain_gpt runs in one process group; `init` 'stage' or 'pipe' picks the serial-init wrapper."""
     import pretrain_gpt
-    from tests.ds._pipe_workers import serial_init_pipe_provider
+    from tests.ds._pipe_workers import serial_init_pipe_models
     from tests.ds._workers import run_pretrain_ds
     from tests.pipeline._workers import serial_init_provider
 
     base = pretrain_gpt.model_provider
-    wrappers = {"stage": serial_init_provider, "pipe": serial_init_pipe_provider}
     out = []
     for init, argv in runs:
-        pretrain_gpt.model_provider = wrappers[init](base)
-        out.append(run_pretrain_ds(rank, world_size, argv))
+        # 'stage': the entry script's provider copies the serial weights; 'pipe': the DeepSpeed backend's
+        # GPTModelPipe does (under DeepSpeed's pipeline engine the backend, not model_provider, builds the model).
+        pretrain_gpt.model_provider = serial_init_provider(base) if init == "stage" else base
+        with serial_init_pipe_models() if init == "pipe" else contextlib.nullcontext():
+            out.append(run_pretrain_ds(rank, world_size, argv))
     pretrain_gpt.model_provider = base
     return out
 

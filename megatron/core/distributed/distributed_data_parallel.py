@@ -8,6 +8,9 @@ collective per bucket (one bucket per dtype unless `--overlap-grad-reduce`). Wit
 hook launches a bucket's collective asynchronously as soon as all its params have their grad of the last
 micro-batch (the schedules run the other micro-batches under `no_sync()`), and `finish_grad_sync()` waits.
 With `--use-distributed-optimizer` the buckets are reduce-scattered and the params are all-gathered after the step.
+Under expert parallelism (`expert_dp_group`) the expert params (``param.allreduce is False``) get buffers of their
+own, reduced (sharded) over the expert-data-parallel group; every grad is still divided by the full data-parallel
+size (an expert's grad already sums the tokens of all its expert-parallel ranks), as Megatron-LM core does.
 """
 from __future__ import annotations
 
@@ -83,8 +86,12 @@ class _Bucket:
     With the distributed optimizer `end - start` is padded to a multiple of the data-parallel size and data-parallel
     rank r owns the shard [start + r * shard_size, start + (r + 1) * shard_size)."""
 
-    def __init__(self, index: int, key: torch.dtype, start: int, end: int, params: List[torch.nn.Parameter]) -> None:
+    def __init__(self, index: int, key, start: int, end: int, params: List[torch.nn.Parameter],
+                 group=None) -> None:
         self.index = index
+        self.group = group  # the group this bucket is reduced (and, distributed optimizer, sharded) over
+        self.group_size = _group_size(group)
+        self.group_rank = dist.get_rank(group) if self.group_size > 1 else 0
         self.key = key
         self.start = start
         self.end = end
@@ -99,7 +106,10 @@ class _Bucket:
     def numel(self) -> int:
         return self.end - self.start
 
-    def shard_range(self, dp_rank: int, dp_size: int) -> tuple:
+    def shard_range(self, dp_rank: Optional[int] = None, dp_size: Optional[int] = None) -> tuple:
+        """This rank's shard of the bucket (by default over the bucket's own group)."""
+        dp_rank = self.group_rank if dp_rank is None else dp_rank
+        dp_size = self.group_size if dp_size is None else dp_size
         size = self.numel // dp_size
         return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
 
@@ -132,6 +142,7 @@ class DistributedDataParallel(_DDPBase):
         use_distributed_optimizer: bool = False,
         overlap_param_gather: bool = False,
         bucket_size: Optional[int] = None,
+        expert_dp_group=None,
     ) -> None:
         super().__init__(module)
         if (overlap_grad_reduce or use_distributed_optimizer) and not use_contiguous_buffers:
@@ -142,6 +153,7 @@ class DistributedDataParallel(_DDPBase):
         if bucket_size is not None and bucket_size <= 0:
             raise ValueError(f"--ddp-bucket-size must be positive (got {bucket_size})")
         self.dp_group = dp_group
+        self.expert_dp_group = expert_dp_group  # None: expert params are reduced like the others
         self.dp_size = _group_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group) if self.dp_size > 1 else 0
         self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
@@ -168,14 +180,25 @@ class DistributedDataParallel(_DDPBase):
     def _buffer_dtype(self, param: torch.Tensor) -> torch.dtype:
         return torch.float32 if self.accumulate_allreduce_grads_in_fp32 else param.dtype
 
+    def _is_expert(self, param: torch.Tensor) -> bool:
+        return self.expert_dp_group is not None and getattr(param, "allreduce", True) is False
+
+    def _buffer_key(self, param: torch.Tensor):
+        """The buffer of a param: its grad dtype, or (dtype, "expert") for expert params under expert parallelism."""
+        dtype = self._buffer_dtype(param)
+        return (dtype, "expert") if self._is_expert(param) else dtype
+
+    def _key_group(self, key):
+        return self.expert_dp_group if isinstance(key, tuple) else self.dp_group
+
     def _build_buffers(self) -> None:
-        by_key: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+        by_key: Dict = {}
         for param in self._params():
-            by_key.setdefault(self._buffer_dtype(param), []).append(param)
-        pad = self.dp_size if self.use_distributed_optimizer else 1
-        layouts: Dict[torch.dtype, List[tuple]] = {}
-        sizes: Dict[torch.dtype, int] = {}
+            by_key.setdefault(self._buffer_key(param), []).append(param)
+        layouts: Dict = {}
+        sizes: Dict = {}
         for key, params in by_key.items():
+            pad = _group_size(self._key_group(key)) if self.use_distributed_optimizer else 1
             # Backward visits params roughly in reverse order, so lay them out back to front (as Megatron does).
             layout, offset, bucket_start, current = [], 0, 0, []
             for param in reversed(params):
@@ -192,7 +215,8 @@ class DistributedDataParallel(_DDPBase):
                 offset = self._close_bucket(key, bucket_start, offset, current, pad)
             layouts[key], sizes[key] = layout, offset
         devices = {key: params[0].device for key, params in by_key.items()}
-        self._grad_buffers = {key: GradBuffer(sizes[key], key, devices[key]) for key in by_key}
+        self._grad_buffers = {key: GradBuffer(sizes[key], key[0] if isinstance(key, tuple) else key, devices[key])
+                              for key in by_key}
         bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
         for key, layout in layouts.items():
             if self.use_distributed_optimizer:
@@ -214,7 +238,7 @@ class DistributedDataParallel(_DDPBase):
     def _close_bucket(self, key: torch.dtype, start: int, end: int, params: list, pad: int) -> int:
         """Record the bucket [start, end) padded to a multiple of `pad`; empties `params`; returns the padded end."""
         padded = start + -(-(end - start) // pad) * pad
-        self.buckets.append(_Bucket(len(self.buckets), key, start, padded, list(params)))
+        self.buckets.append(_Bucket(len(self.buckets), key, start, padded, list(params), self._key_group(key)))
         params.clear()
         return padded
 
@@ -241,13 +265,15 @@ class DistributedDataParallel(_DDPBase):
         if self.dp_size == 1:
             return
         data = self._grad_buffers[bucket.key].data[bucket.start:bucket.end]
-        data /= self.dp_size
+        data /= self.dp_size  # expert buckets too: Megatron scales every grad by 1 / data-parallel size
+        if bucket.group_size == 1:
+            return
         if self.use_distributed_optimizer:
-            bucket.shard_out = torch.empty(bucket.numel // self.dp_size, dtype=data.dtype, device=data.device)
+            bucket.shard_out = torch.empty(bucket.numel // bucket.group_size, dtype=data.dtype, device=data.device)
             scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            bucket.handle = scatter(bucket.shard_out, data, group=self.dp_group, async_op=async_op)
+            bucket.handle = scatter(bucket.shard_out, data, group=bucket.group, async_op=async_op)
         else:
-            bucket.handle = dist.all_reduce(data, group=self.dp_group, async_op=async_op)
+            bucket.handle = dist.all_reduce(data, group=bucket.group, async_op=async_op)
 
     @property
     def grad_buffers(self) -> Optional[Dict[torch.dtype, GradBuffer]]:
@@ -300,7 +326,7 @@ class DistributedDataParallel(_DDPBase):
             if bucket.handle is not None and hasattr(bucket.handle, "wait"):
                 bucket.handle.wait()
             if bucket.shard_out is not None:
-                start, end = bucket.shard_range(self.dp_rank, self.dp_size)
+                start, end = bucket.shard_range()
                 self._grad_buffers[bucket.key].data[start:end].copy_(bucket.shard_out)
         self._reset_buckets()
 
@@ -309,18 +335,20 @@ class DistributedDataParallel(_DDPBase):
 
     def _allreduce_unbuffered(self) -> None:
         dp_size = self.dp_size
-        buckets: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+        buckets: Dict = {}
         for param in self._params():
             if param.grad is not None:
-                buckets.setdefault(param.grad.dtype, []).append(param)
+                buckets.setdefault((param.grad.dtype, self._is_expert(param)), []).append(param)
                 param.main_grad = param.grad
         if dp_size == 1:
             return
-        for params in buckets.values():
+        for (_dtype, expert), params in buckets.items():
             grads = [p.grad.data for p in params]
             coalesced = _flatten_dense_tensors(grads)
             coalesced /= dp_size
-            dist.all_reduce(coalesced, group=self.dp_group)
+            group = self.expert_dp_group if expert else self.dp_group
+            if _group_size(group) > 1:
+                dist.all_reduce(coalesced, group=group)
             for buf, synced in zip(grads, _unflatten_dense_tensors(coalesced, grads)):
                 buf.copy_(synced)
 
@@ -335,9 +363,11 @@ class DistributedDataParallel(_DDPBase):
             return
         async_op = self.overlap_param_gather if async_op is None else async_op
         for bucket in reversed(self.buckets):
+            if bucket.group_size == 1:
+                continue
             buffer = self._param_buffers[bucket.key]
-            start, end = bucket.shard_range(self.dp_rank, self.dp_size)
-            handle = _all_gather_into(buffer[bucket.start:bucket.end], buffer[start:end].clone(), self.dp_group,
+            start, end = bucket.shard_range()
+            handle = _all_gather_into(buffer[bucket.start:bucket.end], buffer[start:end].clone(), bucket.group,
                                       async_op)
             bucket.param_handle = handle if async_op else None
         self._param_sync_pending = bool(async_op)
@@ -395,11 +425,10 @@ class DistributedDataParallel(_DDPBase):
 
     def broadcast_params(self) -> None:
         """Make every data-parallel rank start from dp-rank 0's weights."""
-        if _group_size(self.dp_group) == 1:
-            return
-        src = dist.get_global_rank(self.dp_group, 0)
         for param in self.module.parameters():
-            dist.broadcast(param.data, src=src, group=self.dp_group)
+            group = self.expert_dp_group if self._is_expert(param) else self.dp_group
+            if _group_size(group) > 1:
+                dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
 
 class TorchDistributedDataParallel(_DDPBase):

@@ -1,0 +1,27 @@
+"""Training backends: the one seam between the training loop and the engine that runs a step.
+
+`TrainingBackend` is what megatron/training.py's loop calls: set up (model, optimizer, LR schedule), load, train step,
+evaluate, save, loss scale and parameter norm. `MegatronBackend` (megatron/backend/megatron.py) is Megatron's own path
+(our DDP/distributed optimizer, its pipeline schedules, megatron/checkpointing.py); `DeepSpeedBackend`
+(megatron/backend/deepspeed.py) runs the DeepSpeed engine (ZeRO, DeepSpeed's pipeline engine with the family's pipe
+model, DeepSpeed checkpoints) through the glue in megatron/ds/. `backend_for(args)` picks one from --deepspeed; the
+loop itself never asks which.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron.backend.base import StepResult, TrainingBackend
+
+__all__ = ["StepResult", "TrainingBackend", "backend_for"]
+
+
+def backend_for(args: argparse.Namespace) -> TrainingBackend:
+    """DeepSpeed's engine under --deepspeed, else Megatron's own path (DeepSpeed is imported only when chosen)."""
+    if getattr(args, "deepspeed", False):
+        from megatron.backend.deepspeed import DeepSpeedBackend
+
+        return DeepSpeedBackend()
+    from megatron.backend.megatron import MegatronBackend
+
+    return MegatronBackend()

@@ -1,0 +1,86 @@
+"""The DeepSpeed training backend: DeepSpeed's engine (ZeRO, its pipeline engine) behind the TrainingBackend seam.
+
+Under ``--pipeline-model-parallel-size > 1`` (without --no-pipeline-parallel) the engine is DeepSpeed's
+PipelineEngine, and the module it runs is the model family's pipe model from `PIPE_MODELS` (GPT: `GPTModelPipe`, as
+Megatron-DeepSpeed's pretrain_gpt.py builds it); a family without one keeps its entry script's model provider, which
+refuses in one line. The steps, evaluation, checkpoints, loss scale and parameter norm are megatron/ds/engine.py's.
+DeepSpeed itself is imported only when an engine is built.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from megatron import global_vars
+from megatron.arguments import core_transformer_config_from_args
+from megatron.backend.base import StepResult, TrainingBackend
+from megatron.core import parallel_state as ps
+from megatron.ds import engine as ds_engine
+from megatron.training_state import TrainingState
+
+
+def gpt_model_pipe(args: argparse.Namespace, state: ps.ParallelState) -> torch.nn.Module:
+    """GPTModelPipe for pretrain_gpt.py's flags (the GPT/Llama/BLOOM family's DeepSpeed pipeline model)."""
+    from megatron.model.gpt_model_pipe import GPTModelPipe
+
+    if state.global_rank == 0:
+        print(" > building GPT model ...", flush=True)
+    return GPTModelPipe(core_transformer_config_from_args(args), state,
+                        fp16_lm_cross_entropy=bool(getattr(args, "fp16_lm_cross_entropy", False)),
+                        carry_attention_mask=bool(args.reset_attention_mask))
+
+
+# model family (args.model_family, default "gpt") -> its pipe model for DeepSpeed's pipeline engine
+PIPE_MODELS: dict[str, Callable[[argparse.Namespace, ps.ParallelState], torch.nn.Module]] = {"gpt": gpt_model_pipe}
+
+
+def uses_pipeline_engine(args: argparse.Namespace) -> bool:
+    """DeepSpeed's pipeline engine runs the model: --pipeline-model-parallel-size > 1, no --no-pipeline-parallel."""
+    return args.pipeline_model_parallel_size > 1 and not getattr(args, "no_pipeline_parallel", False)
+
+
+class DeepSpeedBackend(TrainingBackend):
+    """--deepspeed (see the module docstring)."""
+
+    name = "deepspeed"
+
+    def setup(self, model_provider: Callable, model_type: Any, args: argparse.Namespace,
+              state: ps.ParallelState) -> tuple[list, Any, Any]:
+        pipe = PIPE_MODELS.get(getattr(args, "model_family", "gpt")) if uses_pipeline_engine(args) else None
+        if pipe is not None:
+            def model_provider(pre_process: bool = True, post_process: bool = True) -> torch.nn.Module:
+                return pipe(args, state)
+        return ds_engine.setup_deepspeed_model_and_optimizer(model_provider, model_type, args, state)
+
+    def load(self, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+             train_state: Optional[TrainingState]) -> int:
+        timers = global_vars.get_timers()
+        timers("load-checkpoint", log_level=0).start(barrier=True)
+        iteration = ds_engine.load_deepspeed_checkpoint(model, optimizer, opt_param_scheduler, args, train_state)
+        timers("load-checkpoint").stop(barrier=True)
+        timers.log(["load-checkpoint"])
+        return iteration
+
+    def train_step(self, forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
+                   optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+                   state: ps.ParallelState) -> StepResult:
+        return ds_engine.deepspeed_train_step(forward_step_func, data_iterator, model, optimizer,
+                                              opt_param_scheduler, args, state)
+
+    def evaluate(self, forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
+                 process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
+                 verbose: bool, count_valid_samples: bool, counts: Any) -> tuple[dict, Any]:
+        return ds_engine.deepspeed_evaluate(forward_step_func, data_iterator, model, args, state, verbose,
+                                            count_valid_samples, counts), None
+
+    def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+             train_loss: Optional[float], train_state: Optional[TrainingState]) -> None:
+        ds_engine.save_deepspeed_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, train_state)
+
+    def loss_scale(self, model: list, optimizer: Any) -> float:
+        return ds_engine.deepspeed_loss_scale(model)
+
+    def params_norm(self, model: list, state: ps.ParallelState) -> float:
+        return ds_engine.deepspeed_params_norm(model, state)

@@ -1,0 +1,175 @@
+"""Megatron's own training backend: our DDP / distributed optimizer, Megatron's pipeline schedules and checkpoints.
+
+`MegatronBackend` implements megatron.backend.TrainingBackend with get_model + get_megatron_optimizer, the
+forward/backward schedule of the pipeline size (1F1B, interleaved, or none), gradient finalisation, the
+--check-for-nan-in-loss-and-grad skip, megatron/checkpointing.py's save/load, the fp16 grad scaler's loss scale and
+calc_params_l2_norm.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from megatron import global_vars
+from megatron.backend.base import StepResult, TrainingBackend
+from megatron.checkpointing import last_loaded, load_checkpoint, save_checkpoint
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.errors import MegatronUserError
+from megatron.logging_utils import print_rank_0
+from megatron.model_setup import get_model, get_optimizer_param_scheduler
+from megatron.nan_guard import NonFiniteTrainingError, loaded_state_problem, loss_and_grads_finite
+from megatron.optimizer import get_megatron_optimizer
+from megatron.optimizer.optimizer_config import optimizer_config_from_args
+from megatron.training_state import TrainingState
+from megatron.utils import calc_params_l2_norm
+
+
+class PipelineScheduleError(MegatronUserError):
+    """The batch layout does not fit the pipeline schedule."""
+
+
+def check_pipeline_schedule(args: argparse.Namespace, num_microbatches: int) -> None:
+    """Megatron's start-up rule for the interleaved schedule: micro-batches divisible by the pipeline size."""
+    pp = args.pipeline_model_parallel_size
+    if pp > 1 and getattr(args, "virtual_pipeline_model_parallel_size", None) is not None \
+            and num_microbatches % pp != 0:
+        raise PipelineScheduleError(
+            f"the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage) needs the number of "
+            f"micro-batches ({num_microbatches} = --global-batch-size / (--micro-batch-size x data-parallel "
+            f"size)) to be divisible by --pipeline-model-parallel-size ({pp}); change --global-batch-size or "
+            f"--micro-batch-size")
+
+
+def _schedule(args: argparse.Namespace) -> Callable[..., list]:
+    check_pipeline_schedule(args, global_vars.get_num_microbatches())
+    return get_forward_backward_func(args.pipeline_model_parallel_size,
+                                     getattr(args, "virtual_pipeline_model_parallel_size", None))
+
+
+class MegatronBackend(TrainingBackend):
+    """Megatron's own path (see the module docstring)."""
+
+    name = "megatron"
+
+    def setup(self, model_provider: Callable, model_type: Any, args: argparse.Namespace,
+              state: ps.ParallelState) -> tuple[list, Any, Any]:
+        model = get_model(model_provider, model_type, args, state)
+        optimizer = get_megatron_optimizer(model, optimizer_config_from_args(args), state)
+        return model, optimizer, get_optimizer_param_scheduler(optimizer, args)
+
+    def load(self, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+             train_state: Optional[TrainingState]) -> int:
+        timers = global_vars.get_timers()
+        timers("load-checkpoint", log_level=0).start(barrier=True)
+        iteration = load_checkpoint(model, optimizer, opt_param_scheduler, args, train_state=train_state)
+        timers("load-checkpoint").stop(barrier=True)
+        timers.log(["load-checkpoint"])
+        loaded = last_loaded()
+        problem = loaded_state_problem(model, optimizer) if loaded is not None else None
+        if problem is not None:
+            raise NonFiniteTrainingError(f"the checkpoint loaded from --load ({loaded.folder}) holds non-finite "
+                                         f"{problem}: training cannot continue from it (a lower --lr will not help); "
+                                         "resume from an earlier checkpoint (edit latest_checkpointed_iteration.txt) "
+                                         "or start without --load")
+        return iteration
+
+    def train_step(self, forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
+                   optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+                   state: ps.ParallelState) -> StepResult:
+        timers = global_vars.get_timers()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+
+        forward_backward_func = _schedule(args)
+        timers("forward-backward", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
+        losses_reduced = forward_backward_func(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=global_vars.get_num_microbatches(), forward_only=False,
+            grad_scale_func=optimizer.scale_loss, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+            decoder_seq_length=getattr(args, "decoder_seq_length", None), parallel_state=state,
+        )
+        timers("forward-backward").stop()
+
+        timers("grads-all-reduce", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
+        finalize_model_grads(model, state, sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+        timers("grads-all-reduce").stop()
+
+        # --check-for-nan-in-loss-and-grad: a non-finite loss or grad norm skips the step on every rank (nan_guard).
+        finite = True
+        if getattr(args, "check_for_nan_in_loss_and_grad", True):
+            finite, _ = loss_and_grads_finite(losses_reduced, model, check_grads=not args.fp16)
+        timers("optimizer", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
+        if finite:
+            update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+        else:
+            update_successful, grad_norm, num_zeros_in_grad = False, float("nan"), None
+        timers("optimizer").stop()
+
+        if update_successful:
+            increment = global_vars.get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
+            opt_param_scheduler.step(increment=increment)
+            skipped_iter = 0
+        else:
+            skipped_iter = 1
+
+        if state.is_pipeline_last_stage(ignore_virtual=True) and losses_reduced:
+            loss_reduced = {}
+            for key in losses_reduced[0]:
+                values = [float(x[key]) for x in losses_reduced]
+                loss_reduced[key] = sum(values) / len(values)
+            return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
+        return {}, skipped_iter, grad_norm, num_zeros_in_grad
+
+    def evaluate(self, forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
+                 process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
+                 verbose: bool, count_valid_samples: bool, counts: Any) -> tuple[dict, Any]:
+        for chunk in model:
+            chunk.eval()
+        total: dict[str, float] = {}
+        forward_backward_func = _schedule(args)
+        num_mb = global_vars.get_num_microbatches()
+        with torch.no_grad():
+            for it in range(args.eval_iters):
+                if verbose:
+                    print_rank_0(f"Evaluating iter {it + 1}/{args.eval_iters}")
+                loss_dicts = forward_backward_func(
+                    forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                    num_microbatches=num_mb, forward_only=True, seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size, parallel_state=state,
+                    decoder_seq_length=getattr(args, "decoder_seq_length", None))
+                if state.is_pipeline_last_stage(ignore_virtual=True):
+                    for d in loss_dicts:
+                        for key, value in d.items():
+                            total[key] = total.get(key, 0.0) + float(value)
+                if count_valid_samples:
+                    counts.consumed_valid_samples += args.micro_batch_size * args.data_parallel_size * num_mb
+            collected = None
+            if process_non_loss_data_func is not None:  # every stage takes part in the pipelined forward
+                collected = forward_backward_func(
+                    forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                    num_microbatches=num_mb, forward_only=True, collect_non_loss_data=True, seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size, parallel_state=state,
+                    decoder_seq_length=getattr(args, "decoder_seq_length", None))
+        for chunk in model:
+            chunk.train()
+        for key in total:
+            total[key] /= args.eval_iters * num_mb
+        return total, collected
+
+    def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+             train_loss: Optional[float], train_state: Optional[TrainingState]) -> None:
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, train_loss=train_loss,
+                        train_state=train_state)
+
+    def loss_scale(self, model: list, optimizer: Any) -> float:
+        return float(optimizer.get_loss_scale().item())
+
+    def params_norm(self, model: list, state: ps.ParallelState) -> float:
+        for chunk in model:  # --overlap-param-gather: params must be complete
+            getattr(chunk, "finish_param_sync", lambda: None)()
+        return calc_params_l2_norm(model, state.mp_group, state.tp_rank)

@@ -1,0 +1,39 @@
+"""Collectives of the expert-parallel token dispatch (megatron/model/moe.py), differentiable where tokens flow.
+
+`all_to_all(x, out_splits, in_splits, group)`: rows of `x` split by `in_splits` go to the ranks of `group` in order;
+the result holds `out_splits[r]` rows from rank r. Backward is the reverse all-to-all of the gradient.
+`exchange_counts(counts, group)`: per-(destination rank, local expert) token counts [ep, L] -> the counts each source
+rank sends to this rank's experts [ep, L] (no gradient).
+"""
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch
+import torch.distributed as dist
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: List[int], in_splits: List[int], group: Any) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], group: Any) -> torch.Tensor:
+    """Variable-size all-to-all of the rows of `x` over `group` (autograd: the reverse all-to-all)."""
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+
+
+def exchange_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
+    """counts [ep, L] (tokens this rank sends to rank r's local expert l) -> [ep, L] (tokens rank s sends to mine)."""
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out

@@ -1,0 +1,109 @@
+"""Expert parallelism end to end: the tiny Mixtral-style MoE GPT of tests/training/test_moe_training.py (4 experts,
+top-2, z-loss, gated shared expert, MoE and dense layers mixed) trains the serial run's 20-step curve (lm loss and
+load_balancing_loss within 1e-5 relative) with its experts sharded over 2 ranks: EP2 (allgather dispatcher),
+EP2 + TP2 + SP (alltoall), EP2 x DP2 with the distributed optimizer and capacity dropping (allgather), EP2 x PP2 with
+capacity dropping (alltoall). Resuming EP2 and EP2 x DP2 (distributed optimizer) at iteration 10 reproduces 11..20
+exactly; the logged grad norms equal the serial run's (each expert counted once); checkpoints use Megatron-LM's per-rank folders with the expert rank (mp_rank_TT[_PPP]_EEE).
+tools/checkpoint/convert.py reshapes EP2 -> EP1 (a serial run continues the curve) and EP1 -> EP2 (an EP2 run under
+--use-checkpoint-args continues it), optimizer state included. Three process launches (2, 1 and 4 ranks)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.training._moe_ep_workers import run_steps
+from tests.training.test_moe_training import CAPACITY, ITERS, TP2, _curve, _same
+from tests.training.test_moe_training import _argv as _moe_argv
+
+pytestmark = pytest.mark.slow
+
+EP2 = ["--expert-model-parallel-size", "2"]
+ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+HALF = ITERS // 2
+CLIP = 0.6  # below the tiny model's grad norms after a few steps: clipping (and so the norm) shapes the curves
+
+
+def _argv(data: dict, *extra: str) -> list[str]:
+    return _moe_argv(data, *extra, "--clip-grad", str(CLIP))
+NORM = re.compile(r" iteration +(\d+)/ *\d+ \|.*? grad norm: ([0-9.]+) \|")
+
+
+def _norms_match(result: dict, ref: dict, what: str) -> None:
+    """The logged grad norms (3 decimals) equal the serial run's: each expert counted once over the EP ranks."""
+    mine, theirs = ({int(i): float(v) for i, v in NORM.findall(r["stdout"])} for r in (result, ref))
+    assert sorted(mine) == list(range(1, ITERS + 1)), f"{what}: grad norms {sorted(mine)}"
+    assert max(theirs.values()) > CLIP, f"--clip-grad {CLIP} should clip some steps"
+    for it, norm in mine.items():
+        assert abs(norm - theirs[it]) <= 2e-3, f"{what}: grad norm {norm} at iteration {it}, serial {theirs[it]}"
+
+
+def _exact(curve: dict, ref: dict, what: str) -> None:
+    assert sorted(curve) == list(range(HALF + 1, ITERS + 1)), f"{what}: iterations {sorted(curve)}"
+    for it in curve:
+        assert curve[it] == ref[it], (what, it, curve[it], ref[it])
+
+
+def test_expert_parallel_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: Path) -> None:
+    def save(name: str) -> list[str]:
+        return ["--save", str(tmp_path / name), "--save-interval", str(HALF)]
+
+    # 2 ranks: EP2 (allgather), saving at 10; resumed at 10; converted EP2 -> EP1 and EP1 -> EP2 (with optimizer
+    # state), the latter resumed under --use-checkpoint-args (which restores --expert-model-parallel-size 2)
+    ep2 = [*EP2, *save("ep2")]
+
+    def convert(src: str, dst: str, ep: int) -> tuple:
+        return ("convert", ["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir",
+                            str(tmp_path / src), "--save-dir", str(tmp_path / dst),
+                            "--target-expert-parallel-size", str(ep)])
+
+    res = run_distributed(run_steps, 2, args=([
+        ("train", _argv(gpt_data, *ep2)),
+        ("tracker", str(tmp_path / "ep2"), HALF),
+        ("train", _argv(gpt_data, *EP2, "--load", str(tmp_path / "ep2"))),
+        convert("ep2", "ep1", 1),
+        convert("ep1", "ep2-again", 2),
+        ("train", _argv(gpt_data, *ALLTOALL, "--load", str(tmp_path / "ep2-again"), "--no-load-rng",
+                        "--use-checkpoint-args")),
+    ],))[-1]
+    iter_dir = tmp_path / "ep2" / f"iter_{HALF:07d}"
+    assert sorted(p.name for p in iter_dir.iterdir() if p.name.startswith("mp_rank")) == \
+        ["mp_rank_00_000", "mp_rank_00_001"]  # Megatron-LM's folder per expert rank
+    assert (tmp_path / "ep1" / f"iter_{HALF:07d}" / "mp_rank_00" / "distrib_optim.pt").is_file()
+    assert (tmp_path / "ep2-again" / f"iter_{HALF:07d}" / "mp_rank_00_001" / "distrib_optim.pt").is_file()
+
+    serial_runs = run_distributed(run_steps, 1, args=(
+        [("train", _argv(gpt_data)), ("train", _argv(gpt_data, *CAPACITY)),
+         ("train", _argv(gpt_data, "--load", str(tmp_path / "ep1"), "--no-load-rng"))],))[0]
+    serial, capacity, from_ep1 = (_curve(r, what) for r, what in zip(serial_runs, (
+        "serial", "capacity", "EP2 -> EP1 converted")))
+    _norms_match(res[0], serial_runs[0], "EP2")
+    assert serial != capacity  # tokens were dropped
+    full = _curve(res[0], "ep2")
+    _same(full, serial, "EP2", z_loss=False)
+    _exact(_curve(res[2], "ep2 resumed"), full, "EP2 resumed")
+    second_half = range(HALF + 1, ITERS + 1)
+    _same(from_ep1, serial, "serial run from EP2 -> EP1 converted", iters=second_half, z_loss=False)
+    _same(_curve(res[5], "EP1 -> EP2"), serial, "EP2 run from EP1 -> EP2 converted", iters=second_half,
+          z_loss=False)
+
+    # 4 ranks: EP2 + TP2 + SP, EP2 x DP2 + distributed optimizer (saving at 10, resumed), EP2 x PP2
+    distopt = [*EP2, "--use-distributed-optimizer", *CAPACITY]
+    res = run_distributed(run_steps, 4, args=([
+        ("train", _argv(gpt_data, *EP2, *TP2, *ALLTOALL)),
+        ("train", _argv(gpt_data, *distopt, *save("distopt"))),
+        ("tracker", str(tmp_path / "distopt"), HALF),
+        ("train", _argv(gpt_data, *distopt, "--load", str(tmp_path / "distopt"))),
+        ("train", _argv(gpt_data, *EP2, "--pipeline-model-parallel-size", "2", *CAPACITY, *ALLTOALL)),
+    ],))[-1]
+    _same(_curve(res[0], "ep2-tp2-sp"), serial, "EP2 + TP2 + SP", z_loss=False)
+    _norms_match(res[0], serial_runs[0], "EP2 + TP2 + SP")
+    _norms_match(res[1], serial_runs[1], "EP2 x DP2 distributed optimizer")
+    _norms_match(res[4], serial_runs[1], "EP2 x PP2")
+    full = _curve(res[1], "ep2-dp2-distopt")
+    _same(full, capacity, "EP2 x DP2 distributed optimizer", z_loss=False)
+    _exact(_curve(res[3], "ep2-dp2-distopt resumed"), full, "EP2 x DP2 distributed optimizer resumed")
+    _same(_curve(res[4], "ep2-pp2"), capacity, "EP2 x PP2", z_loss=False)
+    assert (tmp_path / "distopt" / f"iter_{HALF:07d}" / "mp_rank_00_001" / "distrib_optim.pt").is_file()
