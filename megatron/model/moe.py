@@ -233,8 +233,42 @@ class GroupedExperts(MegatronModule):
         Without capacity padding the experts are split into contiguous runs (`expert_buckets`), each a batched GEMM
         over groups padded to the run's largest, instead of one over all groups padded to the overall largest: the
         same numbers per row, less padding when the routing is unbalanced."""
-        e = self.num_experts
         n = tokens.shape[0]
+        buckets, flat, offset = self.layout(expert_of_row, slot_of_row, slots)
+        with torch.no_grad():
+            inverse = torch.full((offset,), n, dtype=torch.long)
+            inverse[flat] = torch.arange(n)
+            padded = offset > n
+        grouped = moe_permute.dispatch(tokens, inverse, flat.view(-1, 1), padded, False)  # [offset, h]
+        weights = probs.new_zeros(offset).index_copy(0, flat, probs)
+        out = self.compute(grouped, weights, buckets)
+        return moe_permute.combine(out, flat.view(-1, 1), inverse, False, padded)
+
+    def forward_tokens(self, x: torch.Tensor, probs: torch.Tensor, token_of_row: torch.Tensor,
+                       expert_of_row: torch.Tensor, slot_of_row: torch.Tensor, slots: int,
+                       probs_on_input: bool = False) -> torch.Tensor:
+        """`forward` on the rows x[token_of_row] with the outputs summed back per token ([T, h]), each token read
+        into its padded slots and summed back from them in one gather (no [rows, h] copy in between); the same
+        numbers as `forward` between `moe_permute.dispatch` / `combine` over token_of_row."""
+        num_tokens, n = x.shape[0], token_of_row.numel()
+        buckets, flat, offset = self.layout(expert_of_row, slot_of_row, slots)
+        with torch.no_grad():
+            rows_of_token, uneven = moe_permute.inverse_table(token_of_row, num_tokens)  # [T, K] rows, n = none
+            slots_of_token = torch.cat((flat, flat.new_full((1,), offset)))[rows_of_token]  # offset = none
+            token_of_slot = torch.full((offset,), num_tokens, dtype=torch.long)  # num_tokens = padding
+            token_of_slot[flat] = token_of_row
+        grouped = moe_permute.dispatch(x, token_of_slot, slots_of_token, offset > n, uneven)  # [offset, h]
+        weights = probs.new_zeros(offset).index_copy(0, flat, probs)
+        if probs_on_input:  # Megatron's --moe-apply-probs-on-input: the rows scaled before the experts
+            grouped = grouped * weights.unsqueeze(-1).to(grouped.dtype)
+            weights = weights.new_zeros(offset).index_fill_(0, flat, 1.0)
+        out = self.compute(grouped, weights, buckets)
+        return moe_permute.combine(out, slots_of_token, token_of_slot, uneven, offset > n)
+
+    def layout(self, expert_of_row: torch.Tensor, slot_of_row: torch.Tensor,
+               slots: int) -> tuple[list, torch.Tensor, int]:
+        """(runs of experts, each row's place in the padded groups, number of padded rows)."""
+        e = self.num_experts
         with torch.no_grad():
             counts = torch.bincount(expert_of_row, minlength=e).tolist()
             buckets = ([(0, e, slots)] if slots > max(counts, default=0) else expert_buckets(counts))
@@ -243,14 +277,7 @@ class GroupedExperts(MegatronModule):
             for first, num, size in buckets:
                 base[first:first + num] = offset + size * torch.arange(num)
                 offset += num * size
-            flat = base[expert_of_row] + slot_of_row  # row i's place in the padded groups
-            inverse = torch.full((offset,), n, dtype=torch.long)
-            inverse[flat] = torch.arange(n)
-            padded = offset > n
-        grouped = moe_permute.dispatch(tokens, inverse, flat.view(-1, 1), padded, False)  # [offset, h]
-        weights = probs.new_zeros(offset).index_copy(0, flat, probs)
-        out = self.compute(grouped, weights, buckets)
-        return moe_permute.combine(out, flat.view(-1, 1), inverse, False, padded)
+            return buckets, base[expert_of_row] + slot_of_row, offset
 
     def compute(self, grouped: torch.Tensor, weights: torch.Tensor, buckets: list) -> torch.Tensor:
         """The expert MLPs on padded groups [rows, h] laid out run by run (`buckets`), outputs times `weights`."""
@@ -427,11 +454,6 @@ class MoELayer(MegatronModule):
         if slots == 0:
             return x * 0
         row_probs = probs.t()[expert_of_row, token_of_row]
-        with torch.no_grad():
-            rows_of_token, uneven = moe_permute.inverse_table(token_of_row, num_tokens)
-        tokens = moe_permute.dispatch(x, token_of_row, rows_of_token, False, uneven)
-        if cfg.moe_apply_probs_on_input:
-            tokens = tokens * row_probs.unsqueeze(-1).to(tokens.dtype)
-            row_probs = torch.ones_like(row_probs)
-        out = self.experts(tokens, row_probs, expert_of_row, slot_of_row, slots)
-        return moe_permute.combine(out, rows_of_token, token_of_row, uneven, False).to(x.dtype)
+        out = self.experts.forward_tokens(x, row_probs, token_of_row, expert_of_row, slot_of_row, slots,
+                                          cfg.moe_apply_probs_on_input)
+        return out.to(x.dtype)

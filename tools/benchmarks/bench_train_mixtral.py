@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -77,10 +78,12 @@ def build_megatron(hf_model):
     return model, megatron_train_step(model, gpt_forward_step(SEQ, MBS))
 
 
-def routing_dispatch_share(model, reps: int = 20) -> dict:
-    """Fastest of `reps` forward times of one MoE layer, of its router alone and of its expert MLPs alone (the batched
-    GEMMs and the activation on the already grouped rows, `GroupedExperts.compute`) on the same tokens (the fastest:
-    the least disturbed by other load); the rest is dispatch (permutation into padded expert groups and back)."""
+def routing_dispatch_share(model, reps: int = 30) -> dict:
+    """Process CPU time of one MoE layer's forward, of its router alone and of its expert MLPs alone (the batched GEMMs
+    and the activation on the already grouped rows, `GroupedExperts.compute`) on the same tokens, measured back to
+    back `reps` times; the share is the median over the reps of (layer - expert MLPs) / layer (pairs taken together
+    so that load changes between reps cancel). The rest is routing and dispatch (permutation into padded expert
+    groups and back)."""
     from megatron.model.moe import MoELayer
 
     layer = next(m for m in model.modules() if isinstance(m, MoELayer))
@@ -92,23 +95,26 @@ def routing_dispatch_share(model, reps: int = 20) -> dict:
         captured["args"] = args
         return compute(*args)
 
-    total, experts, router = [], [], []
+    total, experts, router, share, routing_share = [], [], [], [], []
     with torch.no_grad():
         layer.experts.compute = capture
         for _ in range(reps):
-            t = time.perf_counter()
+            t0 = time.process_time()
             layer(x)
-            total.append(time.perf_counter() - t)
-            t = time.perf_counter()
+            t1 = time.process_time()
             compute(*captured["args"])
-            experts.append(time.perf_counter() - t)
-            t = time.perf_counter()
+            t2 = time.process_time()
             layer.router(x.view(-1, HIDDEN), SEQ, MBS)
-            router.append(time.perf_counter() - t)
+            t3 = time.process_time()
+            total.append(t1 - t0)
+            experts.append(t2 - t1)
+            router.append(t3 - t2)
+            share.append((total[-1] - experts[-1]) / total[-1])
+            routing_share.append(router[-1] / total[-1])
         del layer.experts.compute
-    whole, gemms, routing = (min(v) for v in (total, experts, router))
-    return {"moe_layer_s": whole, "experts_s": gemms, "router_s": routing,
-            "routing_dispatch_share": (whole - gemms) / whole, "routing_share": routing / whole}
+    return {"moe_layer_s": statistics.median(total), "experts_s": statistics.median(experts),
+            "router_s": statistics.median(router), "routing_dispatch_share": statistics.median(share),
+            "routing_share": statistics.median(routing_share)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     results.update(routing_dispatch_share(ours))
     print(f"megatron-lite / HF tokens/s: {results['ratio']:.2f}x (process CPU time per step: "
           f"{results['cpu_ratio']:.2f}x)", flush=True)
-    print(f"MoE layer forward {results['moe_layer_s'] * 1e3:.1f} ms, expert GEMMs {results['experts_s'] * 1e3:.1f} "
+    print(f"MoE layer forward {results['moe_layer_s'] * 1e3:.1f} CPU ms, expert GEMMs {results['experts_s'] * 1e3:.1f} "
           f"ms: routing + dispatch share {100 * results['routing_dispatch_share']:.1f}% (routing alone "
           f"{100 * results['routing_share']:.1f}%)", flush=True)
     if a.json:
