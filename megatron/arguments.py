@@ -996,8 +996,6 @@ def _validate_misc(args: argparse.Namespace) -> None:
         _require(args.keep_last_n_checkpoints > 0,
                  f"--keep-last-n-checkpoints must be positive (got {args.keep_last_n_checkpoints})")
     if args.ckpt_format == "torch_dist" and args.save:
-        _require(bool(args.no_save_optim), "--ckpt-format torch_dist saves the model weights and the schedule, not "
-                 "the optimizer state yet: add --no-save-optim, or save with --ckpt-format torch (the default)")
         _require(not getattr(args, "deepspeed", False), "--ckpt-format torch_dist cannot be used with --deepspeed "
                  "(DeepSpeed writes its own checkpoints): drop one of the two flags")
     _require(args.max_skipped_iterations >= 0,
