@@ -6,25 +6,11 @@
 #         --tokenizer-type BertWordPieceLowerCase --split-sentences --workers 8
 # Without a GPU (and PRESET unset) the tiny preset is used, with one line saying so; the distributed scripts then
 # start CPU_PROCESSES (2) processes instead of 8.
-EXAMPLES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO_DIR="$(dirname "$EXAMPLES_DIR")"
-if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  HAS_GPU=1
-else
-  HAS_GPU=0
-  if [ -z "${PRESET:-}" ]; then
-    PRESET=tiny
-    echo "note: no GPU found: using PRESET=tiny (2 layers, hidden 128, runs on this CPU); set PRESET=345m for BERT-345M" >&2
-  fi
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+detect_gpu tiny "(2 layers, hidden 128, runs on this CPU); set PRESET=345m for BERT-345M"
 : "${PRESET:=345m}"
-PRESET_FILE="$EXAMPLES_DIR/presets/bert_${PRESET}.sh"
-if [ ! -f "$PRESET_FILE" ]; then
-  echo "unknown PRESET=$PRESET: use one of $(ls "$EXAMPLES_DIR/presets" | grep '^bert_' | sed 's/bert_//;s/\.sh//' | tr '\n' ' ')" >&2
-  exit 1
-fi
-# shellcheck source=/dev/null
-source "$PRESET_FILE"
+load_preset "$EXAMPLES_DIR/presets/bert_${PRESET}.sh" \
+  "$(ls "$EXAMPLES_DIR/presets" | grep '^bert_' | sed 's/bert_//;s/\.sh//' | tr '\n' ' ')"
 : "${DATA_PATH:=my-bert_text_sentence}"
 : "${VOCAB_FILE:=bert-vocab.txt}"
 : "${CHECKPOINT_PATH:=checkpoints/bert_${PRESET}}"
@@ -34,12 +20,8 @@ source "$PRESET_FILE"
 : "${LOG_INTERVAL:=100}"
 : "${SAVE_INTERVAL:=10000}"
 : "${EVAL_INTERVAL:=1000}"
-for f in "$VOCAB_FILE" "$DATA_PATH.bin" "$DATA_PATH.idx"; do
-  if [ ! -f "$f" ]; then
-    echo "missing $f: set DATA_PATH (prefix of tools/preprocess_data.py --split-sentences output) and VOCAB_FILE (bash examples/quickstart.sh bert makes quickstart_out/bert_data/python_docs_text_sentence and quickstart_out/bert_tokenizer/vocab.txt)" >&2
-    exit 1
-  fi
-done
+require_inputs -f "set DATA_PATH (prefix of tools/preprocess_data.py --split-sentences output) and VOCAB_FILE (bash examples/quickstart.sh bert makes quickstart_out/bert_data/python_docs_text_sentence and quickstart_out/bert_tokenizer/vocab.txt)" \
+  "$VOCAB_FILE" "$DATA_PATH.bin" "$DATA_PATH.idx"
 
 # Megatron's examples/pretrain_bert.sh settings (linear decay, 1% warmup).
 BERT_ARGS="$BERT_MODEL_ARGS \

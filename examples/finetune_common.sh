@@ -6,25 +6,11 @@
 #   DRY_RUN=1 (print the command instead of running it). The script's micro-batch is lowered to fit a small
 #   --train-data file (fit_micro_batch); a --micro-batch-size among the extra flags wins.
 # Without a GPU (and PRESET unset) the tiny preset is used and 2 CPU processes are started.
-EXAMPLES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO_DIR="$(dirname "$EXAMPLES_DIR")"
-if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  HAS_GPU=1
-else
-  HAS_GPU=0
-  if [ -z "${PRESET:-}" ]; then
-    PRESET=tiny
-    echo "note: no GPU found: using PRESET=tiny (2 layers, hidden 128); set PRESET=345m for BERT-345M" >&2
-  fi
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+detect_gpu tiny "(2 layers, hidden 128); set PRESET=345m for BERT-345M"
 : "${PRESET:=345m}"
-PRESET_FILE="$EXAMPLES_DIR/presets/bert_${PRESET}.sh"
-if [ ! -f "$PRESET_FILE" ]; then
-  echo "unknown PRESET=$PRESET: use one of $(ls "$EXAMPLES_DIR/presets" | grep '^bert_' | sed 's/bert_//;s/\.sh//' | tr '\n' ' ')" >&2
-  exit 1
-fi
-# shellcheck source=/dev/null
-source "$PRESET_FILE"
+load_preset "$EXAMPLES_DIR/presets/bert_${PRESET}.sh" \
+  "$(ls "$EXAMPLES_DIR/presets" | grep '^bert_' | sed 's/bert_//;s/\.sh//' | tr '\n' ' ')"
 : "${PRETRAINED_CHECKPOINT:=checkpoints/bert_${PRESET}}"
 : "${VOCAB_FILE:=bert-vocab.txt}"
 if [ "$HAS_GPU" = 1 ]; then

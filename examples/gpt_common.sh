@@ -4,27 +4,14 @@
 #   LOG_INTERVAL, SAVE_INTERVAL, EVAL_INTERVAL
 # Without a GPU (and PRESET unset) the tiny preset is used, with one line saying so; the distributed scripts then
 # start CPU_PROCESSES (2) processes instead of 8.
-EXAMPLES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO_DIR="$(dirname "$EXAMPLES_DIR")"
-if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  HAS_GPU=1
-else
-  HAS_GPU=0
-  if [ -z "${PRESET:-}" ]; then
-    PRESET=tiny
-    echo "note: no GPU found: using PRESET=tiny (4 layers, hidden 128, runs on this CPU); set PRESET=345m for the 345M model" >&2
-  elif [ "$PRESET" != tiny ]; then
-    echo "note: no GPU found: PRESET=$PRESET will run on the CPU (slowly, in fp32); PRESET=tiny trains in minutes" >&2
-  fi
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+detect_gpu tiny "(4 layers, hidden 128, runs on this CPU); set PRESET=345m for the 345M model"
+if [ "$HAS_GPU" = 0 ] && [ "$PRESET" != tiny ]; then
+  echo "note: no GPU found: PRESET=$PRESET will run on the CPU (slowly, in fp32); PRESET=tiny trains in minutes" >&2
 fi
 : "${PRESET:=345m}"
-PRESET_FILE="$EXAMPLES_DIR/presets/gpt_${PRESET}.sh"
-if [ ! -f "$PRESET_FILE" ]; then
-  echo "unknown PRESET=$PRESET: use one of $(cd "$EXAMPLES_DIR/presets" && ls gpt_*.sh | sed 's/gpt_//;s/\.sh//' | tr '\n' ' ')" >&2
-  exit 1
-fi
-# shellcheck source=/dev/null
-source "$PRESET_FILE"
+load_preset "$EXAMPLES_DIR/presets/gpt_${PRESET}.sh" \
+  "$(cd "$EXAMPLES_DIR/presets" && ls gpt_*.sh | sed 's/gpt_//;s/\.sh//' | tr '\n' ' ')"
 : "${DATA_PATH:=my-gpt2_text_document}"
 : "${VOCAB_FILE:=gpt2-vocab.json}"
 : "${MERGE_FILE:=gpt2-merges.txt}"
@@ -35,12 +22,8 @@ source "$PRESET_FILE"
 : "${LOG_INTERVAL:=100}"
 : "${SAVE_INTERVAL:=10000}"
 : "${EVAL_INTERVAL:=1000}"
-for f in "$VOCAB_FILE" "$MERGE_FILE" "$DATA_PATH.bin" "$DATA_PATH.idx"; do
-  if [ ! -f "$f" ]; then
-    echo "missing $f: set DATA_PATH (preprocessed prefix), VOCAB_FILE and MERGE_FILE (bash examples/quickstart.sh makes quickstart_out/data/python_docs_text_document and quickstart_out/tokenizer/{vocab.json,merges.txt})" >&2
-    exit 1
-  fi
-done
+require_inputs -f "set DATA_PATH (preprocessed prefix), VOCAB_FILE and MERGE_FILE (bash examples/quickstart.sh makes quickstart_out/data/python_docs_text_document and quickstart_out/tokenizer/{vocab.json,merges.txt})" \
+  "$VOCAB_FILE" "$MERGE_FILE" "$DATA_PATH.bin" "$DATA_PATH.idx"
 
 GPT_ARGS="$GPT_MODEL_ARGS \
   --micro-batch-size $MICRO_BATCH_SIZE --global-batch-size $GLOBAL_BATCH_SIZE \

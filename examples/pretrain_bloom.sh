@@ -12,26 +12,12 @@
 #   PRECISION_ARGS, NPROC, TP, PP, MASTER_PORT, CHECKPOINT_ACTIVATIONS=1 (full recompute, DeepSpeed's
 #   activation checkpointing), DRY_RUN=1 (print the command).
 set -euo pipefail
-EXAMPLES_DIR="$(cd "$(dirname "$0")" && pwd)"
-REPO_DIR="$(dirname "$EXAMPLES_DIR")"
-if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  HAS_GPU=1
-else
-  HAS_GPU=0
-  if [ -z "${PRESET:-}" ]; then
-    PRESET=bloom_tiny
-    echo "note: no GPU found: using PRESET=bloom_tiny (4 layers, hidden 96, runs on this CPU)" >&2
-  fi
-fi
+source "$(dirname "$0")/common.sh"
+detect_gpu bloom_tiny "(4 layers, hidden 96, runs on this CPU)"
 : "${PRESET:=bloom_560m}"
 PRESET_FILE="$EXAMPLES_DIR/presets/${PRESET}.sh"
 case "$PRESET" in bloom*) ;; *) PRESET_FILE=/nonexistent ;; esac
-if [ ! -f "$PRESET_FILE" ]; then
-  echo "unknown PRESET=$PRESET: use one of $(cd "$EXAMPLES_DIR/presets" && ls bloom*.sh | sed 's/\.sh//' | tr '\n' ' ')" >&2
-  exit 1
-fi
-# shellcheck source=/dev/null
-source "$PRESET_FILE"
+load_preset "$PRESET_FILE" "$(cd "$EXAMPLES_DIR/presets" && ls bloom*.sh | sed 's/\.sh//' | tr '\n' ' ')"
 : "${DATA_PATH:=my-bloom_text_document}"
 : "${TOKENIZER_NAME_OR_PATH:=bloom-tokenizer}"
 : "${CHECKPOINT_PATH:=checkpoints/${PRESET}}"
@@ -48,12 +34,8 @@ source "$PRESET_FILE"
 : "${CHECKPOINT_ACTIVATIONS:=0}"
 : "${DRY_RUN:=0}"
 if [ "$DRY_RUN" != 1 ]; then
-  for f in "$TOKENIZER_NAME_OR_PATH/tokenizer.json" "$DATA_PATH.bin" "$DATA_PATH.idx"; do
-    if [ ! -e "$f" ]; then
-      echo "missing $f: set DATA_PATH (prefix written by tools/preprocess_data.py) and TOKENIZER_NAME_OR_PATH (a folder with tokenizer.json)" >&2
-      exit 1
-    fi
-  done
+  require_inputs -e "set DATA_PATH (prefix written by tools/preprocess_data.py) and TOKENIZER_NAME_OR_PATH (a folder with tokenizer.json)" \
+    "$TOKENIZER_NAME_OR_PATH/tokenizer.json" "$DATA_PATH.bin" "$DATA_PATH.idx"
 fi
 if [ "$HAS_GPU" = 1 ]; then
   PRECISION_ARGS="${PRECISION_ARGS:---bf16}"

@@ -11,27 +11,13 @@
 # Other variables: CHECKPOINT_PATH, TENSORBOARD_DIR, TRAIN_ITERS, LR_DECAY_ITERS, LOG_INTERVAL, SAVE_INTERVAL,
 #   EVAL_INTERVAL, PRECISION_ARGS (default --bf16 on GPUs, fp32 on the CPU), NPROC, MASTER_PORT.
 set -euo pipefail
-EXAMPLES_DIR="$(cd "$(dirname "$0")" && pwd)"
-REPO_DIR="$(dirname "$EXAMPLES_DIR")"
-if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  HAS_GPU=1
-else
-  HAS_GPU=0
-  if [ -z "${PRESET:-}" ]; then
-    PRESET=llama_tiny
-    echo "note: no GPU found: using PRESET=llama_tiny (4 layers, hidden 128, runs on this CPU)" >&2
-  fi
-fi
+source "$(dirname "$0")/common.sh"
+detect_gpu llama_tiny "(4 layers, hidden 128, runs on this CPU)"
 : "${PRESET:=llama2_7b}"
 PRESET_FILE="$EXAMPLES_DIR/presets/${PRESET}.sh"
 case "$PRESET" in llama*|mistral*|mixtral*) ;; *) PRESET_FILE=/nonexistent ;; esac
-if [ ! -f "$PRESET_FILE" ]; then
-  echo "unknown PRESET=$PRESET: use one of $(cd "$EXAMPLES_DIR/presets" && ls llama*.sh mistral*.sh | sed 's/\.sh//' | tr '\n' ' ')" >&2
-  exit 1
-fi
 USER_LR_WARMUP_ITERS=${LR_WARMUP_ITERS:-}
-# shellcheck source=/dev/null
-source "$PRESET_FILE"
+load_preset "$PRESET_FILE" "$(cd "$EXAMPLES_DIR/presets" && ls llama*.sh mistral*.sh | sed 's/\.sh//' | tr '\n' ' ')"
 : "${DATA_PATH:=my-llama_text_document}"
 : "${TOKENIZER_TYPE:=Llama2Tokenizer}"
 : "${TOKENIZER_MODEL:=tokenizer.model}"
@@ -48,12 +34,8 @@ fi
 : "${EVAL_INTERVAL:=1000}"
 : "${NPROC:=1}"
 : "${MASTER_PORT:=6000}"
-for f in "$TOKENIZER_MODEL" "$DATA_PATH.bin" "$DATA_PATH.idx"; do
-  if [ ! -e "$f" ]; then
-    echo "missing $f: set DATA_PATH (prefix written by tools/preprocess_data.py) and TOKENIZER_MODEL (tokenizer.model, or a tokenizer.json folder with TOKENIZER_TYPE=HuggingFaceTokenizer)" >&2
-    exit 1
-  fi
-done
+require_inputs -e "set DATA_PATH (prefix written by tools/preprocess_data.py) and TOKENIZER_MODEL (tokenizer.model, or a tokenizer.json folder with TOKENIZER_TYPE=HuggingFaceTokenizer)" \
+  "$TOKENIZER_MODEL" "$DATA_PATH.bin" "$DATA_PATH.idx"
 
 TRAIN_ARGS="$LLAMA_MODEL_ARGS \
   --micro-batch-size $MICRO_BATCH_SIZE --global-batch-size $GLOBAL_BATCH_SIZE \

@@ -7,15 +7,9 @@
 # Presets: examples/presets/{mixtral_8x7b,mixtral_tiny}.sh; the other variables are those of pretrain_llama.sh.
 # The log line carries Megatron-LM's load_balancing_loss (and z_loss with --moe-z-loss-coeff).
 set -euo pipefail
-EXAMPLES_DIR="$(cd "$(dirname "$0")" && pwd)"
-if [ -z "${PRESET:-}" ]; then
-  if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    PRESET=mixtral_8x7b
-  else
-    PRESET=mixtral_tiny
-    echo "note: no GPU found: using PRESET=mixtral_tiny (4 layers, hidden 128, 8 experts, runs on this CPU)" >&2
-  fi
-fi
+source "$(dirname "$0")/common.sh"
+detect_gpu mixtral_tiny "(4 layers, hidden 128, 8 experts, runs on this CPU)"
+: "${PRESET:=mixtral_8x7b}"
 case "$PRESET" in
   mixtral*) ;;
   *) echo "unknown PRESET=$PRESET: use mixtral_8x7b or mixtral_tiny" >&2; exit 1 ;;

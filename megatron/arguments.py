@@ -996,8 +996,9 @@ def _validate_misc(args: argparse.Namespace) -> None:
         _require(args.keep_last_n_checkpoints > 0,
                  f"--keep-last-n-checkpoints must be positive (got {args.keep_last_n_checkpoints})")
     if args.ckpt_format == "torch_dist" and args.save:
-        _require(bool(args.no_save_optim), "--ckpt-format torch_dist saves the model weights and the schedule, not "
-                 "the optimizer state yet: add --no-save-optim, or save with --ckpt-format torch (the default)")
+        _require((getattr(args, "expert_model_parallel_size", 1) or 1) == 1, "--ckpt-format torch_dist is not "
+                 "written under expert parallelism yet (loading one at any EP works): save with --ckpt-format torch "
+                 "and convert with tools/checkpoint/convert.py --saver mcore")
         _require(not getattr(args, "deepspeed", False), "--ckpt-format torch_dist cannot be used with --deepspeed "
                  "(DeepSpeed writes its own checkpoints): drop one of the two flags")
     _require(args.max_skipped_iterations >= 0,
@@ -1102,3 +1103,6 @@ def _validate_context_parallel(args: argparse.Namespace, training_run: bool) -> 
                                          f"{args.attention_dropout}): context-parallel attention has no dropout")
     _require(args.position_embedding_type != "alibi",
              "--context-parallel-size does not support ALiBi (--position-embedding-type alibi): use rope or learned")
+    _require(getattr(args, "num_experts", None) is None,
+             "--context-parallel-size with --num-experts (MoE) is not implemented: the router's auxiliary losses are "
+             "not yet reduced over the context-parallel group; drop one of them")

@@ -9,8 +9,12 @@ Three layouts load with ``--load``:
     (megatron/checkpoint_conversion/torch_dist.py).
 The last two load at any TP/PP/DP layout of this run, whatever layout wrote them: every rank reads the full (TP=1)
 tensors (through the safe loader, and the manifest check when the folder has one), takes its pipeline stage's
-layers and its tensor-parallel slice. Their model weights load (``--finetune``, or ``--no-load-optim
---no-load-rng``); Megatron Core's optimizer and RNG state are not converted (a one-line error says so).
+layers and its tensor-parallel slice. A torch_dist folder's optimizer state in Megatron Core's model-space layout
+(megatron/checkpoint_conversion/torch_dist_optim.py: what ``--ckpt-format torch_dist`` writes here, and Megatron-LM
+with ``--dist-ckpt-optim-fully-reshardable``) is cut the same way into the run's optimizer, regular or distributed,
+with the LR schedule and consumed samples, so training resumes at any layout. The RNG state (ours only, kept per
+TP x PP rank in ``common.pt``) is restored at the layout that saved it and ignored at another one, as Megatron-LM
+does. Megatron Core ``torch`` files' optimizer state is not converted (``--no-load-optim``, one line says so).
 """
 from __future__ import annotations
 
@@ -78,9 +82,10 @@ def _is_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
-def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool
-              ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, torch.Tensor]]:
-    """(state besides the weights: args/iteration/..., architecture, our full flat TP=1 state dict)."""
+def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bool = False
+              ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
+    """(state besides the weights: args/iteration/..., architecture, our full flat TP=1 state dict, and with
+    `optimizer` the optimizer state {state key: full flat dict} of a torch_dist folder, else {})."""
     from megatron.checkpoint_conversion.interchange import ConversionError, state_dict_from_messages
 
     reason = integrity.verify(iter_dir)
@@ -88,9 +93,13 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool
         raise CheckpointFormatError(f"checkpoint {iter_dir} is damaged: {reason}; restore it")
     try:
         if fmt == TORCH_DIST:
-            from megatron.checkpoint_conversion.torch_dist import read_iteration
+            from megatron.checkpoint_conversion.torch_dist import read_iteration_state
 
-            return read_iteration(iter_dir, trust)
+            common, arch, flat, opt = read_iteration_state(iter_dir, trust)
+            return common, arch, flat, opt if optimizer else {}
+        if optimizer:
+            raise ConversionError(f"checkpoint {iter_dir} ({fmt}): Megatron Core's optimizer state in per-rank torch "
+                                  "files is not converted; pass --no-load-optim")
         from megatron.checkpoint_conversion.megatron_format import read_megatron
 
         iteration = None if os.path.basename(iter_dir) == "release" else int(os.path.basename(iter_dir)[5:])
@@ -102,26 +111,34 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool
 
         sd = safe_torch_load(first, map_location="cpu", trust=trust, mmap=True)
         common = {k: v for k, v in sd.items() if not k.startswith("model") and k not in ("optimizer", "rng_state")}
-        return common, dict(meta.architecture), flat
+        return common, dict(meta.architecture), flat, {}
     except ConversionError as exc:
         raise CheckpointFormatError(str(exc)) from None
 
 
-def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str) -> None:
+RNG_KEY = "rng_state_by_rank"  # ours, in common.pt: {"tp": T, "pp": P, "ranks": {(tp rank, pp rank): rng list}}
+
+
+def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimizer: bool = True) -> None:
     """--ckpt-format torch_dist on save: turn the per-rank files of `iter_dir` (just written, any layout) into one
-    torch_dist folder with Megatron Core names; common.pt keeps args, iteration, consumed samples and the LR
-    schedule (the optimizer state is refused at start-up: validate_args)."""
+    torch_dist folder with Megatron Core names; common.pt keeps args, iteration, consumed samples, the LR schedule
+    and each model-parallel rank's RNG state; with `optimizer` the optimizer state goes along (fully_reshardable)."""
     from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.megatron_format import read_megatron
+    from megatron.checkpoint_conversion.megatron_format import rank_files, read_megatron
     from megatron.checkpoint_conversion.torch_dist import write_torch_dist
     from megatron.safe_load import safe_torch_load
 
     try:
-        meta, messages = read_megatron(save_dir, iteration=iteration)
-        first = safe_torch_load(_rank0_file(iter_dir), map_location="cpu")
+        files = rank_files(iter_dir)
+        meta, messages = read_megatron(save_dir, iteration=iteration, optimizer=optimizer)
+        first = safe_torch_load(files[(0, 0)], map_location="cpu")
         keep = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens",
-                "opt_param_scheduler", "true_vocab_size", "padded_vocab_size")
-        write_torch_dist(meta, messages, iter_dir, {k: first[k] for k in keep if k in first})
+                "opt_param_scheduler", "true_vocab_size", "padded_vocab_size", "train_loss")
+        extra = {k: first[k] for k in keep if k in first}
+        if "rng_state" in first:
+            ranks = {tp_pp: safe_torch_load(path, map_location="cpu").get("rng_state") for tp_pp, path in files.items()}
+            extra[RNG_KEY] = {"tp": max(t for t, _ in files) + 1, "pp": max(p for _, p in files) + 1, "ranks": ranks}
+        write_torch_dist(meta, messages, iter_dir, extra)
     except ConversionError as exc:
         raise CheckpointFormatError(f"--ckpt-format torch_dist: {exc}") from None
 
@@ -129,7 +146,8 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str) -> None:
 def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], model: torch.nn.Module,
                num_layers: int, chunk: int, state: Any) -> Dict[str, torch.Tensor]:
     """This rank's part of a full flat state dict for one model chunk: its pipeline layers (renumbered), the
-    vocabulary re-padded to the model's rows, its tensor-parallel slice; only the names the chunk has."""
+    vocabulary re-padded to the model's rows, its experts (expert parallelism), its tensor-parallel slice; only the
+    names the chunk has."""
     from megatron.checkpoint_conversion.megatron_format import chunk_of_layer
     from megatron.checkpoint_conversion.vocab import repad_rows
     from megatron.model.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
@@ -150,27 +168,89 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
         if key in piece and key in own:
             piece[key] = repad_rows(piece[key], own[key].size(0) * state.tp_size)
     piece = {k: v for k, v in piece.items() if k in own}
+    if (getattr(state, "ep_size", 1) or 1) > 1:  # expert parallelism: this rank's experts (dim 0 of the stacks)
+        for key in [k for k in piece if k.endswith((".mlp.experts.weight1", ".mlp.experts.weight2"))]:
+            n = own[key].size(0)
+            piece[key] = piece[key][state.ep_rank * n:(state.ep_rank + 1) * n]
     if state.tp_size > 1:
         piece = split_tensor_parallel_state_dict(piece, state.tp_size, layouts=tensor_parallel_layouts(model))[
             state.tp_rank]
     return piece
 
 
+def _load_optimizer_state(optimizer: Any, models: List[Any], opt_full: Dict[str, Dict[str, torch.Tensor]],
+                          opt_common: Dict[str, Any], num_layers: int, state: Any) -> None:
+    """Cut the full optimizer state to this rank (as the weights) and load it into the run's optimizer."""
+    from megatron.checkpoint_conversion.torch_dist_optim import optimizer_sd, param_state
+    from megatron.model.module import unwrap_model
+    from megatron.optimizer.distrib_optimizer import param_state_to_regular_state
+
+    chunks = []
+    for i, chunk in enumerate(models):
+        model = unwrap_model(chunk)
+        own = model.state_dict()
+        pieces = {key: rank_piece(full, own, model, num_layers, i, state) for key, full in opt_full.items()}
+        entries = {}
+        for name, _ in model.named_parameters():
+            missing = [key for key, piece in pieces.items() if name not in piece]
+            if missing:
+                raise CheckpointFormatError(f"the checkpoint has no optimizer {missing[0]} for {name}; pass "
+                                            "--no-load-optim")
+            entries[name] = {key: piece[name].float() for key, piece in pieces.items()}
+        chunks.append(entries)
+    inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside ours
+    try:
+        body, common = param_state(chunks, opt_common), optimizer_sd(opt_common, inner.param_groups)
+        if hasattr(optimizer, "load_parameter_state"):
+            optimizer.load_state_dict(common)
+            optimizer.load_parameter_state(body)
+        else:
+            optimizer.load_state_dict(param_state_to_regular_state(body, common, models, optimizer))
+    except (ValueError, KeyError) as exc:
+        raise CheckpointFormatError(f"cannot load the optimizer state of the torch_dist checkpoint: {exc}") from None
+
+
+def saved_rng(common: Dict[str, Any], iter_dir: str, state: Any) -> Optional[List[Any]]:
+    """This rank's RNG state list from common.pt at the layout that saved it; None (with a note) at another one."""
+    saved = common.get(RNG_KEY)
+    if not isinstance(saved, dict):
+        raise CheckpointFormatError(f"checkpoint {iter_dir} has no RNG state this code reads; pass --no-load-rng")
+    if (saved.get("tp"), saved.get("pp")) != (state.tp_size, state.pp_size):
+        if _is_rank0():
+            print(f" (TP, PP) mismatch after resume ({(saved.get('tp'), saved.get('pp'))} vs "
+                  f"{(state.tp_size, state.pp_size)} from checkpoint): RNG state will be ignored", flush=True)
+        return None
+    return saved["ranks"][(state.tp_rank, state.pp_rank)]
+
+
 def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, iter_dir: str, fmt: str,
-                 release: bool, state: Any, train_state: Optional[TrainingState] = None) -> Tuple[int, Dict[str, Any]]:
-    """Load a Megatron Core checkpoint's weights into `models`; returns (iteration to continue from, common state).
-    The consumed samples go to `train_state` (a TrainingState), or onto ``args`` without one."""
+                 release: bool, state: Any, train_state: Optional[TrainingState] = None, optimizer: Any = None,
+                 opt_param_scheduler: Any = None) -> Tuple[int, Dict[str, Any], Optional[List[Any]]]:
+    """Load a Megatron Core checkpoint into `models` (and, resuming from a torch_dist folder, `optimizer` and
+    `opt_param_scheduler`); returns (iteration to continue from, common state, this rank's RNG state list to restore
+    or None). The consumed samples go to `train_state` (a TrainingState), or onto ``args`` without one."""
     from megatron.checkpoint_args import check_architecture
     from megatron.model.module import unwrap_model
 
     finetune = bool(getattr(args, "finetune", False))
-    if not (finetune or release) and not (getattr(args, "no_load_optim", False)
-                                          and getattr(args, "no_load_rng", False)):
+    resume = not (finetune or release)
+    load_optim = resume and optimizer is not None and not getattr(args, "no_load_optim", False)
+    load_rng = resume and not getattr(args, "no_load_rng", False)
+    if fmt != TORCH_DIST and (load_optim or load_rng):
         raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): its optimizer and RNG state are not converted; "
                                     "pass --finetune, or --no-load-optim --no-load-rng")
     trust = bool(getattr(args, "trust_checkpoint", False))
-    common, arch, full = read_full(iter_dir, load_dir, fmt, trust)
+    common, arch, full, opt_full = read_full(iter_dir, load_dir, fmt, trust, optimizer=load_optim)
     check_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, args, iter_dir)
+    opt_common = None
+    if load_optim:
+        from megatron.checkpoint_conversion.interchange import ConversionError
+        from megatron.checkpoint_conversion.torch_dist_optim import optimizer_common
+
+        try:
+            opt_common = optimizer_common(common, opt_full, f"checkpoint {iter_dir}")
+        except ConversionError as exc:
+            raise CheckpointFormatError(str(exc)) from None
     for i, chunk in enumerate(models):
         model = unwrap_model(chunk)
         own = model.state_dict()
@@ -180,13 +260,23 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
             raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}) has no {missing[0]} for this model; check "
                                         "--num-layers, --untie-embeddings-and-output-weights and the model flags")
         model.load_state_dict(piece, strict=False)
-    if finetune or release:
-        return 0, common
+    if not resume:
+        if optimizer is not None and hasattr(optimizer, "reload_model_params"):
+            optimizer.reload_model_params()
+        return 0, common, None
+    if opt_common is not None:
+        _load_optimizer_state(optimizer, models, opt_full, opt_common, int(arch["num_layers"]), state)
+        if opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
+            opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()  # fp32 main params follow the loaded weights
+    rng = saved_rng(common, iter_dir, state) if load_rng else None
     ckpt_args = common.get("args")
     run = train_state if train_state is not None else TrainingState()
-    names = ("consumed_train_samples", "consumed_valid_samples")
+    names = tuple(k for k in ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens",
+                              "consumed_valid_tokens") if k in common or k.endswith("samples"))
     for key in names:
         setattr(run, key, int(common.get(key, getattr(ckpt_args, key, 0)) or 0))
     if train_state is None:
         run.write_counters(args, names)
-    return int(common.get("iteration", getattr(ckpt_args, "iteration", 0)) or 0), common
+    return int(common.get("iteration", getattr(ckpt_args, "iteration", 0)) or 0), common, rng

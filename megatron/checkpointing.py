@@ -323,7 +323,8 @@ def save_checkpoint(
         if _is_rank0():  # the per-rank files just written become one torch_dist folder (any layout loads it)
             from megatron.checkpoint_formats import rewrite_as_torch_dist
 
-            rewrite_as_torch_dist(save_dir, iteration, iter_dir)
+            rewrite_as_torch_dist(save_dir, iteration, iter_dir,
+                                  optimizer=optimizer is not None and not getattr(args, "no_save_optim", False))
         _barrier()
     if _is_rank0():  # the manifest is written last of the iteration, then the tracker moves
         integrity.write_manifest(iter_dir)
@@ -528,9 +529,11 @@ def _iteration_dir(load_dir: str, iteration: int, release: bool) -> str:
 
 def _load_other_format(models: list, args: argparse.Namespace, load_dir: str, iteration: int, release: bool,
                        state: ps.ParallelState, trust: bool,
-                       train_state: Optional[TrainingState] = None) -> Optional[int]:
-    """Megatron Core layouts (per-rank files with Core names, torch_dist): load their weights at this run's layout
-    (megatron/checkpoint_formats.py) and return the iteration; None for our own layout."""
+                       train_state: Optional[TrainingState] = None, optimizer: Any = None,
+                       opt_param_scheduler: Any = None) -> Optional[int]:
+    """Megatron Core layouts (per-rank files with Core names, torch_dist): load their weights (and a torch_dist
+    folder's training state) at this run's layout (megatron/checkpoint_formats.py) and return the iteration; None for
+    our own layout."""
     from megatron.checkpoint_formats import TORCH, check_format_flags, detect_format, load_foreign
 
     iter_dir = _iteration_dir(load_dir, iteration, release)
@@ -538,7 +541,10 @@ def _load_other_format(models: list, args: argparse.Namespace, load_dir: str, it
     check_format_flags(fmt, args, iter_dir)
     if fmt == TORCH:
         return None
-    iteration, _ = load_foreign(models, args, load_dir, iter_dir, fmt, release, state, train_state)
+    iteration, _, rng = load_foreign(models, args, load_dir, iter_dir, fmt, release, state, train_state, optimizer,
+                                     opt_param_scheduler)
+    if rng is not None:
+        set_rng_state(rng, state)
     _barrier()
     _print0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
     return iteration
@@ -596,7 +602,8 @@ def load_checkpoint(
         return 0
     iteration, release = read_metadata(tracker)
     trust = bool(getattr(args, "trust_checkpoint", False))
-    foreign = _load_other_format(models, args, load_dir, iteration, release, state, trust, train_state)
+    foreign = _load_other_format(models, args, load_dir, iteration, release, state, trust, train_state, optimizer,
+                                 opt_param_scheduler)
     if foreign is not None:
         return foreign
     iteration, checkpoint_name, sd = _select_checkpoint(load_dir, iteration, release, trust,

@@ -205,8 +205,7 @@ def set_random_seed(seed: int, data_parallel_random_init: bool = False) -> None:
 
     if seed is None or seed <= 0:
         raise ValueError(f"--seed must be a positive integer (got {seed})")
-    state = (parallel_state.get_parallel_state() if parallel_state.model_parallel_is_initialized()
-             else parallel_state.ParallelState.single())
+    state = parallel_state.current_parallel_state()
     seed = seed + 100 * state.pp_rank
     if data_parallel_random_init:
         seed = seed + 10 * state.dp_rank

@@ -10,21 +10,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from megatron.core.rank_print import print_rank_0 as _print_rank_0
 from megatron.errors import MegatronUserError
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 
-def _print_rank_0(message: str) -> None:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-            return
-    except ImportError:  # pragma: no cover - torch is always present in training
-        pass
-    print(message, flush=True)
 
 
 class SchedulerMismatchError(MegatronUserError, ValueError):

@@ -20,26 +20,17 @@ from typing import Any, Optional
 
 import torch
 
+from megatron.core.rank_print import is_last_rank, print_rank_0, print_rank_last  # noqa: F401  (re-exported)
+
 ADVANCED = "advanced iterations"
 SKIPPED = "skipped iterations"
 NAN = "nan iterations"
 
 
-def is_last_rank() -> bool:
-    if not torch.distributed.is_initialized():
-        return True
-    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
 
-def print_rank_last(message: str) -> None:
-    """Print on the last global rank (where the loss lives with pipelining), like Megatron."""
-    if is_last_rank():
-        print(message, flush=True)
 
 
-def print_rank_0(message: str) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(message, flush=True)
 
 
 def accumulate_losses(
@@ -230,8 +221,7 @@ def report_memory(name: str, data_parallel_rank: Optional[int] = None) -> Option
     if data_parallel_rank is None:
         from megatron.core import parallel_state
 
-        data_parallel_rank = (parallel_state.get_parallel_state().dp_rank
-                              if parallel_state.model_parallel_is_initialized() else 0)
+        data_parallel_rank = parallel_state.current_parallel_state().dp_rank
     if data_parallel_rank != 0:
         return None
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -66,6 +66,7 @@ from megatron.nan_guard import (
 )
 from megatron.progress import ProgressNotes
 from megatron.required_flags import TRAINING_RUN
+from megatron.run_settings import LoopSettings
 from megatron.theoretical_memory_usage import report_theoretical_memory
 from megatron.training_state import TrainingState
 
@@ -292,13 +293,6 @@ def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_it
 
 
 # ----------------------------------------------------------------------------------------------- exit handling
-def _loss_scale_floor(args: argparse.Namespace) -> Optional[float]:
-    """fp16: the loss scale at which an overflow skip can no longer back off (counts toward the skip limit)."""
-    if not args.fp16:
-        return None
-    return float(args.loss_scale) if args.loss_scale else float(getattr(args, "min_loss_scale", 1.0))
-
-
 def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
           guard: Optional[SkipCounter] = None, train_loss: Optional[float] = None,
           train_state: Optional[TrainingState] = None) -> None:
@@ -320,18 +314,18 @@ def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
         guard.checkpoint(iteration, args.save)
 
 
-def new_skip_counter(args: argparse.Namespace, iteration: int) -> SkipCounter:
+def new_skip_counter(loop: LoopSettings, iteration: int) -> SkipCounter:
     """--max-skipped-iterations, knowing the checkpoint the run started from at `iteration` (named when it diverges
     at once)."""
-    loaded = last_loaded() if args.load else None
-    return SkipCounter(getattr(args, "max_skipped_iterations", 10),
-                       loaded=(iteration, f"iteration {loaded.iteration} in {args.load}")
+    loaded = last_loaded() if loop.load else None
+    return SkipCounter(loop.max_skipped_iterations,
+                       loaded=(iteration, f"iteration {loaded.iteration} in {loop.load}")
                        if loaded is not None else None)
 
 
-def _duration_exceeded(args: argparse.Namespace) -> tuple[bool, float]:
+def _duration_exceeded(loop: LoopSettings) -> tuple[bool, float]:
     minutes = (time.time() - _TRAIN_START_TIME) / 60.0
-    flag = torch.tensor([int(minutes > args.exit_duration_in_mins)], dtype=torch.int32)
+    flag = torch.tensor([int(minutes > loop.exit_duration_in_mins)], dtype=torch.int32)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item()), minutes
@@ -341,9 +335,9 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
           train_data_iterator: Optional[Iterator], valid_data_iterator: Optional[Iterator],
           process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
           history: Optional[dict] = None, skip_counter: Optional[SkipCounter] = None,
-          train_state: Optional[TrainingState] = None) -> tuple[int, bool]:
-    """The training loop over `train_state` (the run state; default: read from ``args``). Returns (last iteration,
-    exited_early) — early exits have already saved.
+          train_state: Optional[TrainingState] = None, loop: Optional[LoopSettings] = None) -> tuple[int, bool]:
+    """The training loop over `train_state` (the run state; default: read from ``args``) with the `loop` settings
+    (default: built from ``args``). Returns (last iteration, exited_early) — early exits have already saved.
 
     `history` (pretrain's result) receives ``train_losses[iteration]`` (this rank's reduced losses: the last
     pipeline stage's ranks hold them) and ``valid_losses[iteration]`` of the evaluations during training.
@@ -353,16 +347,17 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         chunk.train()
     total_loss_dict: dict = {}
     run = train_state if train_state is not None else TrainingState.from_args(args)
+    loop = loop if loop is not None else LoopSettings.from_args(args)
     backend = backend_for(args)
     iteration = run.iteration
-    sigterm = global_vars.get_signal_handler() if getattr(args, "exit_signal_handler", False) else None
+    sigterm = global_vars.get_signal_handler() if loop.exit_signal_handler else None
     timers("interval-time", log_level=0).start(barrier=True)
     print_datetime("before the start of training step")
     report_memory_flag = True
     if skip_counter is None:
-        skip_counter = new_skip_counter(args, iteration)
-    notes = ProgressNotes(iteration, args.train_iters, args.log_interval, print_rank_last)
-    loaded = last_loaded() if args.load else None
+        skip_counter = new_skip_counter(loop, iteration)
+    notes = ProgressNotes(iteration, loop.train_iters, args.log_interval, print_rank_last)
+    loaded = last_loaded() if loop.load else None
     watch = None
     if loaded is not None and not loaded.verified:  # an unverified checkpoint: its first losses must look sane
         watch = FirstLossWatch(loaded.folder, iteration + 1, loaded.train_loss, run.padded_vocab_size)
@@ -370,13 +365,13 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     def save() -> None:
         _save(iteration, model, optimizer, opt_param_scheduler, args, skip_counter, skip_counter.last_loss, run)
 
-    while iteration < args.train_iters:
+    while iteration < loop.train_iters:
         global_vars.update_num_microbatches(run.consumed_train_samples)
         run.curr_iteration = iteration
         peer_failure.note_phase(f"training iteration {iteration + 1}")  # named if a peer is lost (one line)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, args, state, iteration)
-        if getattr(args, "empty_unused_memory_level", 0) >= 1 and torch.cuda.is_available():
+        if loop.empty_unused_memory_level >= 1 and torch.cuda.is_available():
             torch.cuda.empty_cache()  # Megatron's --empty-unused-memory-level (memory only; same numbers)
         iteration += 1
         run.iteration = iteration
@@ -387,7 +382,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         run.consumed_train_tokens += new_samples * args.seq_length
 
         loss_scale = backend.loss_scale(model, optimizer)
-        params_norm = backend.params_norm(model, state) if getattr(args, "log_params_norm", False) else None
+        params_norm = backend.params_norm(model, state) if loop.log_params_norm else None
         report_memory_flag = training_log(
             loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], iteration, loss_scale,
             report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros, args, run)
@@ -397,12 +392,12 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         run.nan_iterations += int(nonfinite)
         if watch is not None:
             watch.check(iteration, loss_dict)
-        skip_counter.update(iteration, bool(skipped_iter), nonfinite, loss_scale, _loss_scale_floor(args))
+        skip_counter.update(iteration, bool(skipped_iter), nonfinite, loss_scale, loop.loss_scale_floor)
         notes.after_iteration(iteration)
         if loss_dict and not nonfinite:
             skip_counter.last_loss = sum(float(v) for v in loss_dict.values())  # recorded in the checkpoints
 
-        if args.eval_interval and iteration % args.eval_interval == 0 and run.do_valid:
+        if loop.eval_interval and iteration % loop.eval_interval == 0 and run.do_valid:
             losses = evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator,
                                                 model, iteration, process_non_loss_data_func, args, state,
                                                 train_state=run)
@@ -411,22 +406,22 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
 
         saved = False
         if sigterm is not None and any(sigterm.signals_received()):
-            if args.save:
+            if loop.save:
                 save()
             print_datetime("exiting program after receiving SIGTERM.")
             return iteration, True
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
+        if loop.save and loop.save_interval and iteration % loop.save_interval == 0:
             save()
             saved = True
-        if getattr(args, "exit_duration_in_mins", None):
-            done, minutes = _duration_exceeded(args)
+        if loop.exit_duration_in_mins:
+            done, minutes = _duration_exceeded(loop)
             if done:
-                if args.save and not saved:
+                if loop.save and not saved:
                     save()
                 print_datetime(f"exiting program after {minutes} minutes")
                 return iteration, True
-        if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0:
-            if args.save and not saved:
+        if loop.exit_interval and iteration % loop.exit_interval == 0:
+            if loop.save and not saved:
                 save()
             print_datetime(f"exiting program at iteration {iteration}")
             return iteration, True
@@ -489,18 +484,19 @@ def pretrain(
     result: dict = {"iteration": run.iteration, "train_losses": {}, "valid_losses": {}, "val_loss": None,
                     "test_loss": None}
     iteration = run.iteration
-    if run.do_train and args.train_iters > 0 and not getattr(args, "skip_train", False):
+    loop = LoopSettings.from_args(args)  # after the set-up: --train-samples has become --train-iters
+    if run.do_train and loop.train_iters > 0 and not loop.skip_train:
         print_rank_0("training ...")
-        skip_counter = new_skip_counter(args, iteration)
+        skip_counter = new_skip_counter(loop, iteration)
         iteration, exited = train(forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it,
                                   process_non_loss_data_func, args, state, history=result, skip_counter=skip_counter,
-                                  train_state=run)
+                                  train_state=run, loop=loop)
         result["iteration"] = iteration
         print_datetime("after training is done")
         if exited:
             _flush_writer()
             return result
-        if args.save and iteration != 0 and iteration % args.save_interval != 0:
+        if loop.save and iteration != 0 and iteration % loop.save_interval != 0:
             _save(iteration, model, optimizer, opt_param_scheduler, args, skip_counter,
                   skip_counter.last_loss, run)
     else:

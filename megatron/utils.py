@@ -10,6 +10,9 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron.core.rank_print import is_last_rank, print_rank_0, print_rank_last  # noqa: F401  (Megatron's path)
+from megatron.core.utils import unwrap_model as _core_unwrap
+
 _CURRENT = object()  # sentinel: "use the current parallel state's group"
 
 
@@ -18,27 +21,12 @@ _CURRENT = object()  # sentinel: "use the current parallel state's group"
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _rank_world() -> Tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
-def print_rank_0(message: Any) -> None:
-    """Print on global rank 0 only (everywhere when torch.distributed is not initialised)."""
-    if _rank_world()[0] == 0:
-        print(message, flush=True)
 
 
-def is_last_rank() -> bool:
-    rank, world = _rank_world()
-    return rank == world - 1
 
 
-def print_rank_last(message: Any) -> None:
-    """Print on the last global rank (the one holding the loss under pipeline parallelism)."""
-    if is_last_rank():
-        print(message, flush=True)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -102,11 +90,9 @@ def get_ltor_masks_and_position_ids(
 
 
 def _current_state():
-    from megatron.core import parallel_state
+    from megatron.core.parallel_state import current_parallel_state
 
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_parallel_state()
-    return parallel_state.ParallelState.single()
+    return current_parallel_state()
 
 
 def _group_size(group: Any) -> int:
@@ -214,15 +200,10 @@ def _default_wrapper_classes() -> Tuple[type, ...]:
 
 
 def unwrap_model(model: Any, module_instances: Optional[Iterable[type]] = None) -> Any:
-    """Strip DDP / Float16Module wrappers (anything with `.module` of the given classes); keeps list-ness."""
+    """Megatron's `megatron.utils.unwrap_model`: megatron.core.utils.unwrap_model with Megatron's default wrapper
+    classes (DDP, Float16Module, ...) when `module_instances` is not given; keeps list-ness."""
     instances = tuple(module_instances) if module_instances is not None else _default_wrapper_classes()
-    return_list = isinstance(model, list)
-    unwrapped = []
-    for chunk in _model_chunks(model):
-        while isinstance(chunk, instances):
-            chunk = chunk.module
-        unwrapped.append(chunk)
-    return unwrapped if return_list else unwrapped[0]
+    return _core_unwrap(model, instances) if instances else model
 
 
 def get_parameters_in_billions(model: Any, mp_group: Any = _CURRENT) -> float:

@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: the shipped test data (tests/fixtures/), the optional full data set, the repo root."""
+"""Shared pytest fixtures (the shipped test data in tests/fixtures/, the optional full data set, the repo root) and the
+quick lane: tests that start processes are marked `slow` automatically (tests/_slow_marks.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,6 +7,9 @@ from pathlib import Path
 import pytest
 
 from tests import fixtures as fixture_set
+from tests._slow_marks import ProcessGuard, auto_mark_slow
+
+pytest_plugins = ["pytester"]  # tests/unit/test_slow_marks.py runs an inner pytest
 
 REPO_ROOT = fixture_set.REPO_ROOT
 SHARED_DATA = fixture_set.FIXTURES  # kept for old imports: the data every test uses ships in the repository
@@ -33,3 +37,44 @@ def wide_data() -> Path:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+_GUARD = ProcessGuard()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _GUARD.install()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _GUARD.uninstall()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test that starts processes is `slow` (read from its code; tests/_slow_marks.py): the quick lane is
+    `pytest -m "not slow"`."""
+    auto_mark_slow(items)
+
+
+def _refuse_unmarked_launches(item: pytest.Item, phase: str) -> None:
+    started = _GUARD.end()
+    if started:
+        pytest.fail(f"{item.nodeid} started {len(started)} process(es) in {phase} ({started[0]}) but is not marked "
+                    "slow: add @pytest.mark.slow (the quick lane `pytest -m 'not slow'` runs no processes)",
+                    pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    _GUARD.begin(item)
+    result = yield
+    _refuse_unmarked_launches(item, "setup")
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    _GUARD.begin(item)
+    result = yield
+    _refuse_unmarked_launches(item, "the test")
+    return result

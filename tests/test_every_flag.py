@@ -215,6 +215,7 @@ def test_zero_shot_tasks_refuse_finetuning_flags(monkeypatch):
         check_task_flags(args)  # ... and refused with one line by the zero-shot tasks
 
 
+@pytest.mark.slow  # starts the entry script
 def test_entry_script_refuses_with_one_line_and_exit_code_1(tmp_path):
     import subprocess
 

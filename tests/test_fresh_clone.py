@@ -8,8 +8,8 @@ plus fast fixture and tokenizer tests.
 
 The virtualenv is truly fresh (no --system-site-packages): pip installs everything into it from the locally available
 wheels (the machine's pip find-links, which hold the CPU torch wheel as in CI, and pip's cache) and the package
-registry. The clone is of the committed HEAD. The whole quick lane (`-m "not slow"`, about 25 minutes on 2 cores: every
-test but this one) is not run here: CI runs it once, outside a venv. Slow by nature (a full install): several
+registry. The clone is of the committed HEAD. The whole suite is not run here: `.ci/run` runs it once per CI run, inside a
+virtualenv made the same way (`python -m venv .venv`). Slow by nature (a full install): several
 minutes on 2 cores.
 """
 from __future__ import annotations
@@ -44,6 +44,12 @@ def test_readme_first_block_is_the_two_commands() -> None:
     assert readme_commands() == ["bash examples/quickstart.sh", "bash tests/run.sh"]
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     assert re.search(r"^bash tests/run\.sh$", ci, flags=re.M)  # CI runs exactly the README's test command
+    # ... inside a virtualenv made as the README says, before anything is installed
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "`python -m venv .venv && . .venv/bin/activate`" in readme
+    lines = [line.strip() for line in ci.splitlines()]
+    assert lines.index("python -m venv .venv") < lines.index(". .venv/bin/activate") < min(
+        i for i, line in enumerate(lines) if "pip install" in line) < lines.index("bash tests/run.sh")
 
 
 @pytest.mark.slow

@@ -137,7 +137,7 @@ def convert(args: argparse.Namespace) -> Dict[str, Any]:
     from megatron.safe_load import guarded_torch_load
 
     _check_args(args)
-    args.keep_training_state = not getattr(args, "no_save_optim", False) and args.saver == "megatron"
+    args.keep_training_state = not getattr(args, "no_save_optim", False) and args.saver in ("megatron", "mcore")
     save = os.path.abspath(args.save_dir)
     remove_stale_conversions(save)
     tmp = os.path.join(os.path.dirname(save), f".{os.path.basename(save)}.converting.{os.getpid()}")

@@ -462,7 +462,8 @@ def megatron_meta(reader: MegatronCheckpointReader, true_vocab_size: Optional[in
         consumed_valid_samples=int(src.get("consumed_valid_samples", 0) or 0),
         make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128) or 128),
         tokenizer=tok, source=reader.load_dir,
-        extra={"tp": reader.tp, "pp": reader.pp, "vp": reader.vp, "ep": reader.ep, "consumed_tokens": tokens,
+        extra={"tp": reader.tp, "pp": reader.pp, "vp": reader.vp, "ep": getattr(reader, "ep", 1),  # DeepSpeed: 1
+               "consumed_tokens": tokens,
                "opt_param_scheduler": sd.get("opt_param_scheduler", sd.get("lr_scheduler")),
                "unverified_source": None if getattr(reader, "verified", True) else reader.iter_dir})
 

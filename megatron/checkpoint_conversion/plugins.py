@@ -190,7 +190,8 @@ class McoreLoader:
         iter_dir, _ = find_iteration_dir(args.load_dir, getattr(args, "iteration", None))
         if is_torch_dist(iter_dir):
             print(f" detected checkpoint format torch_dist in {iter_dir}", flush=True)
-            return read_torch_dist(args.load_dir, trust=_trust(args), iteration=getattr(args, "iteration", None))
+            return read_torch_dist(args.load_dir, trust=_trust(args), iteration=getattr(args, "iteration", None),
+                                   optimizer=bool(getattr(args, "keep_training_state", False)))
         return read_megatron(args.load_dir, true_vocab_size=args.true_vocab_size, model_type="GPT",
                              trust=_trust(args), iteration=getattr(args, "iteration", None))
 

@@ -33,7 +33,14 @@ from megatron.checkpoint_conversion.interchange import (
     messages_from_state_dict,
     state_dict_from_messages,
 )
-from megatron.model.mcore_names import core_layer_suffix_to_ours, core_to_ours, our_layer_suffix_to_core
+from megatron.model.mcore_names import (
+    OUR_EXPERTS,
+    core_layer_suffix_to_ours,
+    core_to_ours,
+    experts_to_core,
+    experts_to_ours,
+    our_layer_suffix_to_core,
+)
 
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
@@ -41,6 +48,10 @@ DCP_METADATA = ".metadata"
 _LAYERS = "language_model.encoder.layers."
 _DCP = "torch.distributed.checkpoint."
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_MOE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.shared_experts.linear_fc1",
+                "mlp.shared_experts.linear_fc2")
+# MoE experts: [layers, E, out, in] under Megatron Core's SequentialMLP torch_dist name
+_CORE_EXPERTS = {f"mlp.experts.experts.linear_fc{w}.weight": ours for w, ours in OUR_EXPERTS.items()}
 _ALLOWED_MODULES = (_DCP + "metadata", _DCP + "planner", _DCP + "filesystem")
 _ALLOWED_NAMES = (("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
                   ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"))  # the writer's checkpoint_id
@@ -148,6 +159,10 @@ def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Te
             suffix = key[len("decoder.layers."):]
             if suffix.endswith("_extra_state"):
                 continue
+            if suffix in _CORE_EXPERTS:
+                for i in range(t.size(0)):
+                    flat[f"{_LAYERS}{i}.{_CORE_EXPERTS[suffix]}"] = experts_to_ours(t[i])
+                continue
             ours = core_layer_suffix_to_ours(suffix, key)
             for i in range(t.size(0)):
                 flat[f"{_LAYERS}{i}.{ours}"] = t[i].clone()
@@ -170,9 +185,14 @@ def ours_to_core_stacked(flat: Dict[str, torch.Tensor], num_layers: int) -> Dict
         else:
             rest[key] = t
     out = ours_to_core(rest)
+    core_experts = {ours: core for core, ours in _CORE_EXPERTS.items()}
     for suffix, tensors in per_suffix.items():
         if any(t is None for t in tensors):
-            raise ConversionError(f"layer tensor {suffix} is missing for some of the {num_layers} layers")
+            raise ConversionError(f"layer tensor {suffix} is missing for some of the {num_layers} layers (torch_dist "
+                                  "stacks layers: every layer must have it; MoE needs --moe-layer-freq 1)")
+        if suffix in core_experts:
+            out["decoder.layers." + core_experts[suffix]] = torch.stack([experts_to_core(t) for t in tensors])
+            continue
         out["decoder.layers." + our_layer_suffix_to_core(suffix, fused_norms=True)] = torch.stack(tensors)
     return out
 
@@ -195,26 +215,38 @@ def _architecture(common: Dict[str, Any], tensors: Dict[str, torch.Tensor], path
     return arch
 
 
-def read_iteration(iter_dir: str, trust: bool = False) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
-    """(common state, architecture, our full flat TP=1 state dict) of one torch_dist iteration folder."""
+def read_iteration_state(iter_dir: str, trust: bool = False
+                         ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any], Dict[str, Dict[str, Any]]]:
+    """(common state, architecture, our full flat TP=1 state dict, {optimizer state key: our full flat dict}) of one
+    torch_dist iteration folder (the last empty without model-space optimizer state: torch_dist_optim.py)."""
+    from megatron.checkpoint_conversion.torch_dist_optim import split_optimizer_tensors
+
     common = read_common(iter_dir, trust)
-    tensors = read_tensors(iter_dir)
+    tensors, opt = split_optimizer_tensors(read_tensors(iter_dir))
     if "embedding.word_embeddings.weight" not in tensors:
         raise ConversionError(f"torch_dist checkpoint {iter_dir} has no embedding.word_embeddings.weight: not a GPT "
                               "model checkpoint")
     arch = _architecture(common, tensors, os.path.join(iter_dir, COMMON))
-    return common, arch, core_stacked_to_ours(tensors)
+    return common, arch, core_stacked_to_ours(tensors), {k: core_stacked_to_ours(v) for k, v in opt.items()}
 
 
-def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int] = None
+def read_iteration(iter_dir: str, trust: bool = False) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
+    """(common state, architecture, our full flat TP=1 state dict) of one torch_dist iteration folder."""
+    common, arch, flat, _ = read_iteration_state(iter_dir, trust)
+    return common, arch, flat
+
+
+def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int] = None, optimizer: bool = False
                     ) -> Tuple[ModelMeta, Iterator[Message]]:
-    """Loader: (meta, message stream) of a torch_dist checkpoint (the tracker's iteration, or `iteration`)."""
+    """Loader: (meta, message stream) of a torch_dist checkpoint (the tracker's iteration, or `iteration`); with
+    `optimizer` the messages carry its model-space optimizer state (torch_dist_optim.py) when it has one."""
     from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, verified_source
+    from megatron.checkpoint_conversion.torch_dist_optim import optimizer_common
 
     iter_dir, it = find_iteration_dir(load_dir, iteration)
     # checked against its manifest as --load does (the newest intact iteration; an explicit one must verify)
     iter_dir, it, verified = verified_source(load_dir, iter_dir, it, explicit=iteration is not None)
-    common, arch, flat = read_iteration(iter_dir, trust)
+    common, arch, flat, opt = read_iteration_state(iter_dir, trust)
     args = common.get("args")
     tok: Dict[str, Any] = {}
     for key in ("vocab_file", "merge_file", "tokenizer_model"):
@@ -224,29 +256,65 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
         tok["type"] = args.tokenizer_type
     meta = ModelMeta(model_type="GPT", architecture=arch, iteration=None if it is None else int(common.get(
         "iteration", it)), checkpoint_args=args, true_vocab_size=getattr(args, "true_vocab_size", None),
-        consumed_train_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
-        consumed_valid_samples=int(getattr(args, "consumed_valid_samples", 0) or 0),
+        consumed_train_samples=int(common.get("consumed_train_samples", getattr(args, "consumed_train_samples", 0))
+                                   or 0),
+        consumed_valid_samples=int(common.get("consumed_valid_samples", getattr(args, "consumed_valid_samples", 0))
+                                   or 0),
         make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128) or 128),
         tokenizer=tok, source=iter_dir, extra={"unverified_source": None if verified else iter_dir})
-    return meta, messages_from_state_dict(flat, arch["num_layers"])
+    messages = messages_from_state_dict(flat, arch["num_layers"])
+    if not optimizer or meta.iteration is None or not (opt or common.get("optimizer")):
+        return meta, messages
+    try:
+        meta.extra["optimizer"] = optimizer_common(common, opt, iter_dir)
+    except ConversionError as exc:
+        print(f"note: {exc}: its optimizer state is not converted; writing the weights only", flush=True)
+        return meta, messages
+    meta.extra["opt_param_scheduler"] = common.get("opt_param_scheduler")
+    meta.extra["source_padded_vocab_size"] = arch["padded_vocab_size"]
+    return meta, _with_optimizer(messages, {k: messages_from_state_dict(v, arch["num_layers"]) for k, v in opt.items()})
+
+
+def _with_optimizer(messages: Iterator[Message], per_key: Dict[str, Iterator[Message]]) -> Iterator[Message]:
+    """The model messages with their training state (`Message.optimizer`) from one message stream per state key."""
+    for msg in messages:
+        parts = {k: next(stream) for k, stream in per_key.items()}
+        msg.optimizer = {name: {k: part.tensors[name] for k, part in parts.items()} for name in msg.tensors
+                         if all(name in part.tensors for part in parts.values())}
+        yield msg
 
 
 def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str,
                      extra_common: Optional[Dict[str, Any]] = None) -> None:
-    """Write one torch_dist iteration folder from a message stream (into a temporary folder, renamed at the end)."""
+    """Write one torch_dist iteration folder from a message stream (into a temporary folder, renamed at the end).
+    Messages with training state (`Message.optimizer`, `meta.extra["optimizer"]`) add the optimizer state in Megatron
+    Core's fully_reshardable layout (torch_dist_optim.py)."""
     import torch.distributed.checkpoint as dcp
 
     from megatron.atomic_io import atomic_torch_save, atomic_write_text
+    from megatron.checkpoint_conversion.torch_dist_optim import PARAM, common_entry, state_tensors
 
-    flat = state_dict_from_messages(messages)
-    tensors = {k: v.detach().contiguous().clone() for k, v in
-               ours_to_core_stacked(flat, meta.architecture["num_layers"]).items()}
-    state: Dict[str, Any] = dict(tensors)
+    msgs = list(messages)
     num_layers = int(meta.architecture["num_layers"])
-    for linear in _LINEARS:  # Megatron Core's per-layer ShardedObjects (empty extra state), so its loader finds them
-        for i in range(num_layers):
+    flat = state_dict_from_messages(iter(msgs))
+    tensors = {k: v.detach().contiguous().clone() for k, v in ours_to_core_stacked(flat, num_layers).items()}
+    state: Dict[str, Any] = dict(tensors)
+    opt_common = meta.extra.get("optimizer")
+    if opt_common and any(m.optimizer for m in msgs):
+        for key in [PARAM, *opt_common.get("state_keys", [])]:
+            per_key = state_dict_from_messages(Message(m.name, {n: e[key] for n, e in m.optimizer.items()})
+                                               for m in msgs)
+            state.update(state_tensors({key: ours_to_core_stacked(per_key, num_layers)}))
+    experts = int(meta.architecture.get("num_moe_experts") or 0)
+    for linear in _MOE_LINEARS if experts else _LINEARS:  # Megatron Core's per-layer ShardedObjects (empty extra
+        for i in range(num_layers):                       # state), so its loader finds them
             # DCP's default planner torch.saves the value: Megatron Core's ShardedObject payload, a list of data
             state[f"decoder.layers.{linear}._extra_state/shard_{i}_{num_layers}"] = [None]
+    for w in ("1", "2") if experts else ():  # per (layer, expert)
+        for i in range(num_layers):
+            for e in range(experts):
+                state[f"decoder.layers.mlp.experts.experts.linear_fc{w}._extra_state/shard_{i}.{e}_{num_layers}."
+                      f"{experts}"] = [None]
     tmp = iter_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -254,6 +322,10 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     args = meta.checkpoint_args if meta.checkpoint_args is not None else args_namespace(meta)
     common = {"args": args, "checkpoint_version": 3.0, "iteration": meta.iteration or 0,
               "architecture": dict(meta.architecture), **(extra_common or {})}
+    if opt_common and any(m.optimizer for m in msgs):
+        common["optimizer"] = common_entry(opt_common)
+        if meta.extra.get("opt_param_scheduler") is not None:
+            common.setdefault("opt_param_scheduler", meta.extra["opt_param_scheduler"])
     atomic_torch_save(common, os.path.join(tmp, COMMON))
     atomic_write_text(os.path.join(tmp, METADATA_JSON), json.dumps(
         {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",

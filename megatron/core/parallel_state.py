@@ -341,6 +341,14 @@ def get_parallel_state() -> ParallelState:
     return _STATE
 
 
+def current_parallel_state(state: Optional[ParallelState] = None) -> ParallelState:
+    """`state` when given, else the installed state, else `ParallelState.single()` (one process, no groups): the one
+    fallback that library code uses when a caller may or may not have initialised model parallelism."""
+    if state is not None:
+        return state
+    return _STATE if _STATE is not None else ParallelState.single()
+
+
 def destroy_model_parallel() -> None:
     """Forget the current state (the process groups die with the default group)."""
     global _STATE

@@ -72,12 +72,14 @@ def get_attr_wrapped_model(model: Any, attr: str, allow_none: bool = True) -> An
 
 
 def unwrap_model(model: Any, module_instances: tuple = ()) -> Any:
-    """Strip wrappers (anything with `.module`, or only `module_instances` when given) from a model or list."""
+    """Strip wrappers (DDP, Float16Module, DeepSpeed's engine: anything whose `.module` is a torch module; only
+    `module_instances` when given) from a model or a list of model chunks (keeps list-ness). The project's one
+    unwrapping helper: megatron.utils.unwrap_model and megatron.model.unwrap_model are this function."""
     return_list = isinstance(model, list)
-    models = model if return_list else [model]
     out = []
-    for m in models:
-        while hasattr(m, "module") and (not module_instances or isinstance(m, module_instances)):
+    for m in (model if return_list else [model]):
+        while isinstance(getattr(m, "module", None), torch.nn.Module) and (
+                not module_instances or isinstance(m, module_instances)):
             m = m.module
         out.append(m)
     return out if return_list else out[0]

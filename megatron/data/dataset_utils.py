@@ -9,18 +9,18 @@ as Megatron's, so samples match token for token.
 from __future__ import annotations
 
 import bisect
-import contextlib
-import fcntl
 import hashlib
 import math
 import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
+from megatron.core.rank_print import is_rank_0, print_rank_0  # noqa: F401  (re-exported: Megatron's import path)
+from megatron.data.file_lock import file_lock
 from megatron.errors import MegatronUserError
 
 NumSamples = Union[int, Sequence[int]]
@@ -35,15 +35,8 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def is_rank_0() -> bool:
-    dist = _dist()
-    return dist is None or dist.get_rank() == 0
 
 
-def print_rank_0(message: str) -> None:
-    """Print on global rank 0 only (or always, without torch.distributed)."""
-    if is_rank_0():
-        print(message, flush=True)
 
 
 def is_group_leader(group: Any = None) -> bool:
@@ -200,25 +193,6 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock on `path` (created if needed); a no-op where the filesystem has no flock support.
-
-    Without the lock, concurrent builders still produce correct files (the contents are deterministic and every
-    file is renamed into place atomically); the lock only avoids doing the work twice.
-    """
-    with open(path, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:
-            yield
-            return
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from megatron.data.dataset_utils import file_lock
+from megatron.data.file_lock import file_lock
 
 MODULE_NAME = "megatron.data.helpers_cpp"
 _SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "helpers.cpp"

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from megatron.data.indexed_dataset import (
+from megatron.data.index_format import (
     _COPY_CHUNK,
     _LEGACY_MAGIC,
     _MMAP_MAGIC,

@@ -154,6 +154,9 @@ def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: An
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
               f"{state.pp_rank}): {n_params}", flush=True)
 
+    for param in model.parameters():  # Megatron's expert mark reads as DeepSpeed's own MoE mark (which needs a
+        if getattr(param, "allreduce", True) is False:  # group_name); expert parallelism is refused under
+            del param.allreduce  # DeepSpeed, so the experts are ordinary data-parallel params here
     optimizer = _build_torch_optimizer(model, args)
     pipe = type(model).__name__ == "GPTModelPipe" or _is_pipeline_module(model)
     engine, ds_optimizer, _, _ = deepspeed.initialize(

@@ -20,9 +20,7 @@ class MegatronMPU:
 
     @property
     def state(self) -> ps.ParallelState:
-        if self._state is not None:
-            return self._state
-        return ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
+        return ps.current_parallel_state(self._state)
 
     # model parallel (Megatron-DeepSpeed: rank/size are tensor-parallel, the group spans tensor x pipeline)
     def get_model_parallel_group(self) -> Any:

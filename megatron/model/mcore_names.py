@@ -6,11 +6,19 @@ halves per rank) by other names: ``embedding.word_embeddings.weight``, ``decoder
 keeps ``input_layernorm``/``pre_mlp_layernorm``; the Transformer Engine spec folds them into the next linear
 (``linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``, ``_bias`` likewise), which is also how
 ``torch_dist`` checkpoints name them. ``_extra_state`` entries (Transformer Engine's FP8 metadata) carry no weights and
-are dropped. A per-rank file is renamed tensor by tensor; parts we do not model (MoE routers and experts, QK norms)
-are one line naming the key.
+are dropped. A per-rank file is renamed tensor by tensor; parts we do not model (QK norms, MoE expert biases) are one
+line naming the key.
+
+Mixture of experts (megatron/model/moe.py): ``mlp.router.weight`` and the shared expert (``mlp.shared_experts.
+linear_fc1/linear_fc2/gate_weight``) are renamed; Megatron Core keeps one matrix per expert, output-major
+(``mlp.experts.local_experts.E.linear_fc1.weight`` [F, h] with the local spec's SequentialMLP, or Transformer Engine's
+grouped ``mlp.experts.linear_fc1.weightE``), which ours stacks input-major (``mlp.experts.weight1`` [E, h, F], ``weight2``
+[E, F, h]): `core_to_ours` stacks and transposes them, `ours_to_core` splits them back (local spelling). In
+``torch_dist`` they are ``mlp.experts.experts.linear_fc1.weight`` [layers, E, F, h] (torch_dist.py).
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, Iterable, Mapping
 
 from megatron.errors import MegatronUserError
@@ -30,7 +38,14 @@ LAYER_SUFFIXES = (
     ("self_attention.linear_proj.", "self_attention.dense."),
     ("mlp.linear_fc1.", "mlp.dense_h_to_4h."),
     ("mlp.linear_fc2.", "mlp.dense_4h_to_h."),
+    ("mlp.router.weight", "mlp.router.weight"),
+    ("mlp.shared_experts.linear_fc1.", "mlp.shared_experts.dense_h_to_4h."),
+    ("mlp.shared_experts.linear_fc2.", "mlp.shared_experts.dense_4h_to_h."),
+    ("mlp.shared_experts.gate_weight", "mlp.shared_experts.gate_weight"),
 )
+# one expert's matrix: Core's per-expert names (local SequentialMLP / Transformer Engine grouped) -> our stacked name
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.linear_fc([12])\.weight|linear_fc([12])\.weight(\d+))$")
+OUR_EXPERTS = {"1": "mlp.experts.weight1", "2": "mlp.experts.weight2"}
 # (Core prefix outside the layers, ours)
 TOP_PREFIXES = (
     ("embedding.", _LM + "embedding."),
@@ -65,11 +80,17 @@ def core_layer_suffix_to_ours(suffix: str, key: str) -> str:
 def core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
     """A flat Core state dict (one rank's, or a full one) -> our flat names; `_extra_state` entries dropped."""
     out: Dict[str, Any] = {}
+    experts: Dict[str, Dict[int, Any]] = {}
     for key, value in flat.items():
         if _skipped(key):
             continue
         if key.startswith("decoder.layers."):
             index, _, suffix = key[len("decoder.layers."):].partition(".")
+            m = _EXPERT_RE.match(suffix)
+            if m:
+                expert, which = int(m.group(1) or m.group(4)), m.group(2) or m.group(3)
+                experts.setdefault(f"{_LAYERS}{index}.{OUR_EXPERTS[which]}", {})[expert] = value
+                continue
             out[f"{_LAYERS}{index}.{core_layer_suffix_to_ours(suffix, key)}"] = value
             continue
         for core, ours in TOP_PREFIXES:
@@ -79,7 +100,26 @@ def core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
         else:
             raise UnsupportedCoreCheckpoint(f"Megatron Core tensor {key} is not part of a GPT model we know; this "
                                             "checkpoint cannot be loaded here")
+    for name, per_expert in experts.items():
+        if sorted(per_expert) != list(range(len(per_expert))):
+            raise UnsupportedCoreCheckpoint(f"Megatron Core experts of {name} are {sorted(per_expert)}, not 0..E-1: "
+                                            "expert-parallel files are not merged here; convert with --loader mcore "
+                                            "from a torch_dist checkpoint")
+        out[name] = experts_to_ours([per_expert[e] for e in range(len(per_expert))])
     return out
+
+
+def experts_to_ours(matrices: Any) -> Any:
+    """Core's per-expert output-major matrices (a list, or a tensor [E, out, in]) -> ours [E, in, out]."""
+    import torch
+
+    stacked = matrices if isinstance(matrices, torch.Tensor) else torch.stack(list(matrices))
+    return stacked.transpose(1, 2).contiguous()
+
+
+def experts_to_core(stacked: Any) -> Any:
+    """Ours [E, in, out] -> Core's [E, out, in] (one output-major matrix per expert)."""
+    return stacked.transpose(1, 2).contiguous()
 
 
 def our_layer_suffix_to_core(suffix: str, fused_norms: bool) -> str:
@@ -99,6 +139,11 @@ def ours_to_core(flat: Mapping[str, Any], fused_norms: bool = False) -> Dict[str
     for key, value in flat.items():
         if key.startswith(_LAYERS):
             index, _, suffix = key[len(_LAYERS):].partition(".")
+            which = {v: k for k, v in OUR_EXPERTS.items()}.get(suffix)
+            if which is not None:
+                for e, matrix in enumerate(experts_to_core(value)):
+                    out[f"decoder.layers.{index}.mlp.experts.local_experts.{e}.linear_fc{which}.weight"] = matrix
+                continue
             out[f"decoder.layers.{index}.{our_layer_suffix_to_core(suffix, fused_norms)}"] = value
             continue
         for core, ours in TOP_PREFIXES:

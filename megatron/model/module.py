@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
+from megatron.core.utils import unwrap_model  # noqa: F401  (Megatron's megatron.model.unwrap_model)
 
 
 def _is_pp_multi(pp_state: Optional[Any]) -> bool:
@@ -71,11 +72,6 @@ class MegatronModule(torch.nn.Module):
                 torch.distributed.all_reduce(self.shared_embedding_or_output_weight().data, group=group)
 
 
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Strip DDP / Float16Module style wrappers (anything exposing `.module`) down to the MegatronModule."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
 
 
 def param_is_not_shared(param: torch.Tensor) -> bool:

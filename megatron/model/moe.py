@@ -2,8 +2,9 @@
 
 Flow of `MoELayer.forward(hidden [s, b, h])`:
   shared expert (optional, every token)  +  router -> (probs, routing map) -> permute tokens by expert ->
-  experts as one batched GEMM per projection over groups padded to the largest (or to the capacity) ->
-  unpermute (index_add back to token order; routing weights are applied to the activation, as Megatron-LM does).
+  experts as batched GEMMs over groups padded to their run's largest (`expert_buckets`; or to the capacity) ->
+  unpermute (sum back to token order; routing weights are applied to the activation, as Megatron-LM does).
+  The permutations are gathers forward and backward (megatron/model/moe_permute.py), equal to index_select/index_add.
 Under tensor parallelism (which needs sequence parallelism, as in Megatron-LM) the tokens of the TP group are
 all-gathered before the experts, every rank computes its slice of each expert's inner dimension, and the result is
 reduce-scattered back to the sequence split (Megatron-LM's allgather dispatcher with expert-TP = TP).
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from megatron.core import expert_parallel, moe_aux, tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
+from megatron.model import moe_permute
 from megatron.model.mlp import ParallelMLP, activation_for
 from megatron.model.module import MegatronModule
 from megatron.model.utils import group_rank, group_size
@@ -225,15 +227,96 @@ class GroupedExperts(MegatronModule):
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, expert_of_row: torch.Tensor,
                 slot_of_row: torch.Tensor, slots: int) -> torch.Tensor:
-        """tokens [N, h] grouped by expert, probs [N]; row i goes to slot `slot_of_row[i]` of its expert's group."""
-        e, h = self.num_experts, tokens.shape[-1]
-        flat = expert_of_row * slots + slot_of_row
-        grouped = tokens.new_zeros(e * slots, h).index_copy(0, flat, tokens).view(e, slots, h)
-        weights = probs.new_zeros(e * slots).index_copy(0, flat, probs).view(e, slots, 1)
-        inner = self.activation_func(torch.bmm(grouped, self.weight1))  # swiglu: [gate | up] halves
-        inner = (inner * weights).to(tokens.dtype)
-        out = torch.bmm(inner, self.weight2)
-        return out.view(e * slots, h).index_select(0, flat)
+        """tokens [N, h] grouped by expert, probs [N]; row i is slot `slot_of_row[i]` of its expert's group. `slots`
+        is the group size to pad to (the largest group, or the capacity with --moe-pad-expert-input-to-capacity).
+
+        Without capacity padding the experts are split into contiguous runs (`expert_buckets`), each a batched GEMM
+        over groups padded to the run's largest, instead of one over all groups padded to the overall largest: the
+        same numbers per row, less padding when the routing is unbalanced."""
+        n = tokens.shape[0]
+        buckets, flat, offset = self.layout(expert_of_row, slot_of_row, slots)
+        with torch.no_grad():
+            inverse = torch.full((offset,), n, dtype=torch.long)
+            inverse[flat] = torch.arange(n)
+            padded = offset > n
+        grouped = moe_permute.dispatch(tokens, inverse, flat.view(-1, 1), padded, False)  # [offset, h]
+        weights = probs.new_zeros(offset).index_copy(0, flat, probs)
+        out = self.compute(grouped, weights, buckets)
+        return moe_permute.combine(out, flat.view(-1, 1), inverse, False, padded)
+
+    def forward_tokens(self, x: torch.Tensor, probs: torch.Tensor, token_of_row: torch.Tensor,
+                       expert_of_row: torch.Tensor, slot_of_row: torch.Tensor, slots: int,
+                       probs_on_input: bool = False) -> torch.Tensor:
+        """`forward` on the rows x[token_of_row] with the outputs summed back per token ([T, h]), each token read
+        into its padded slots and summed back from them in one gather (no [rows, h] copy in between); the same
+        numbers as `forward` between `moe_permute.dispatch` / `combine` over token_of_row."""
+        num_tokens, n = x.shape[0], token_of_row.numel()
+        buckets, flat, offset = self.layout(expert_of_row, slot_of_row, slots)
+        with torch.no_grad():
+            rows_of_token, uneven = moe_permute.inverse_table(token_of_row, num_tokens)  # [T, K] rows, n = none
+            slots_of_token = torch.cat((flat, flat.new_full((1,), offset)))[rows_of_token]  # offset = none
+            token_of_slot = torch.full((offset,), num_tokens, dtype=torch.long)  # num_tokens = padding
+            token_of_slot[flat] = token_of_row
+        grouped = moe_permute.dispatch(x, token_of_slot, slots_of_token, offset > n, uneven)  # [offset, h]
+        weights = probs.new_zeros(offset).index_copy(0, flat, probs)
+        if probs_on_input:  # Megatron's --moe-apply-probs-on-input: the rows scaled before the experts
+            grouped = grouped * weights.unsqueeze(-1).to(grouped.dtype)
+            weights = weights.new_zeros(offset).index_fill_(0, flat, 1.0)
+        out = self.compute(grouped, weights, buckets)
+        return moe_permute.combine(out, slots_of_token, token_of_slot, uneven, offset > n)
+
+    def layout(self, expert_of_row: torch.Tensor, slot_of_row: torch.Tensor,
+               slots: int) -> tuple[list, torch.Tensor, int]:
+        """(runs of experts, each row's place in the padded groups, number of padded rows)."""
+        e = self.num_experts
+        with torch.no_grad():
+            counts = torch.bincount(expert_of_row, minlength=e).tolist()
+            buckets = ([(0, e, slots)] if slots > max(counts, default=0) else expert_buckets(counts))
+            base = torch.empty(e, dtype=torch.long)
+            offset = 0
+            for first, num, size in buckets:
+                base[first:first + num] = offset + size * torch.arange(num)
+                offset += num * size
+            return buckets, base[expert_of_row] + slot_of_row, offset
+
+    def compute(self, grouped: torch.Tensor, weights: torch.Tensor, buckets: list) -> torch.Tensor:
+        """The expert MLPs on padded groups [rows, h] laid out run by run (`buckets`), outputs times `weights`."""
+        h = grouped.shape[-1]
+        sizes = [num * size for _, num, size in buckets]
+        if len(buckets) > 1:
+            parts = zip(grouped.split(sizes), weights.split(sizes), self.weight1.split([b[1] for b in buckets]),
+                        self.weight2.split([b[1] for b in buckets]), buckets)
+        else:
+            parts = [(grouped, weights, self.weight1, self.weight2, buckets[0])]
+        outs = []
+        for rows, w, w1, w2, (_, num, size) in parts:
+            inner = self.activation_func(torch.bmm(rows.view(num, size, h), w1))  # swiglu: [gate | up] halves
+            inner = (inner * w.view(num, size, 1)).to(grouped.dtype)
+            outs.append(torch.bmm(inner, w2).view(num * size, h))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def expert_buckets(counts: list[int], run_rows: int = 16, split_rows: int = 128) -> list[tuple[int, int, int]]:
+    """Contiguous runs of experts (first, number, rows each) covering all experts that minimise the padded rows:
+    the sum over runs of number x the run's largest count, plus `run_rows` per run (one more GEMM call); one run
+    unless splitting saves more than `split_rows` (the weight gradients are then concatenated from the runs')."""
+    e = len(counts)
+    best, cut = [0] + [None] * e, [0] * (e + 1)
+    for j in range(1, e + 1):
+        largest = 0
+        for i in range(j - 1, -1, -1):
+            largest = max(largest, counts[i])
+            cost = best[i] + (j - i) * largest + run_rows
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    if best[e] + split_rows >= e * max(counts, default=0) + run_rows:
+        return [(0, e, max(counts, default=0))]
+    runs, j = [], e
+    while j > 0:
+        i = cut[j]
+        runs.append((i, j - i, max(counts[i:j])))
+        j = i
+    return runs[::-1]
 
 
 class SharedExpertMLP(ParallelMLP):
@@ -329,7 +412,9 @@ class MoELayer(MegatronModule):
         expert_of_row, token_of_row = mask.nonzero(as_tuple=True)
         counts = mask.sum(dim=1).view(ep, n_local)  # rows for rank r's local expert l
         row_probs = probs.t()[expert_of_row, token_of_row]
-        tokens = x.index_select(0, token_of_row)
+        with torch.no_grad():
+            rows_of_token, uneven = moe_permute.inverse_table(token_of_row, x.shape[0])
+        tokens = moe_permute.dispatch(x, token_of_row, rows_of_token, False, uneven)  # gathers both ways
         if self.config.moe_apply_probs_on_input:
             tokens = tokens * row_probs.unsqueeze(-1).to(tokens.dtype)
             row_probs = torch.ones_like(row_probs)
@@ -351,7 +436,7 @@ class MoELayer(MegatronModule):
             slot_of_recv[order] = torch.arange(order.numel()) - starts[expert_of_recv[order]]
             out = self.experts(tokens, row_probs, expert_of_recv, slot_of_recv, slots)
         out = expert_parallel.all_to_all(out, send_splits, recv_splits, self.ep_group)
-        return torch.zeros_like(x, dtype=out.dtype).index_add(0, token_of_row, out).to(x.dtype)
+        return moe_permute.combine(out, rows_of_token, token_of_row, uneven, False).to(x.dtype)
 
     def _route_and_compute(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
         """Permute tokens by expert, run the batched experts, unpermute (weighted sum) to token order."""
@@ -371,9 +456,6 @@ class MoELayer(MegatronModule):
         if slots == 0:
             return x * 0
         row_probs = probs.t()[expert_of_row, token_of_row]
-        tokens = x.index_select(0, token_of_row)
-        if cfg.moe_apply_probs_on_input:
-            tokens = tokens * row_probs.unsqueeze(-1).to(tokens.dtype)
-            row_probs = torch.ones_like(row_probs)
-        out = self.experts(tokens, row_probs, expert_of_row, slot_of_row, slots)
-        return torch.zeros_like(x, dtype=out.dtype).index_add(0, token_of_row, out).to(x.dtype)
+        out = self.experts.forward_tokens(x, row_probs, token_of_row, expert_of_row, slot_of_row, slots,
+                                          cfg.moe_apply_probs_on_input)
+        return out.to(x.dtype)

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.utils import unwrap_model as _unwrap
 from megatron.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32
 from megatron.optimizer.grad_scaler import MegatronGradScaler
 from megatron.optimizer.optimizer import _PARALLEL_ATTRS, MixedPrecisionOptimizer, StepResult, _timer
@@ -41,10 +42,6 @@ def _active(group) -> bool:
     return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while isinstance(getattr(module, "module", None), torch.nn.Module):
-        module = module.module
-    return module
 
 
 class _ShardEntry:

@@ -24,6 +24,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.pipelined import tensor_shape_for
 from megatron.core.tensor_parallel.mappings import all_gather_along_dim, group_size
+from megatron.core.utils import unwrap_model as _unwrapped
 from megatron.model.gpt_model import GPTModel
 from megatron.model.inference_params import InferenceParams
 from megatron.text_generation.sampling import check_sampling_args, sample
@@ -38,10 +39,6 @@ class GenerationOutput:
     logprobs: Optional[torch.Tensor]
 
 
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
 
 
 def _tp_group(tp_group: Any, state: Any) -> Any:
@@ -89,8 +86,7 @@ def _step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, m
 
 def _pp_state(state: Any) -> Any:
     """The parallel state when pipeline parallelism is on (pp_size > 1), else None."""
-    if state is None and ps.model_parallel_is_initialized():
-        state = ps.get_parallel_state()
+    state = ps.current_parallel_state(state)
     return state if state is not None and getattr(state, "pp_size", 1) > 1 else None
 
 

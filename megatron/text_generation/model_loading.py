@@ -18,9 +18,7 @@ class InferenceLoadError(MegatronUserError, ValueError):
 
 
 def _state(state: Optional[ps.ParallelState]) -> ps.ParallelState:
-    if state is not None:
-        return state
-    return ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
+    return ps.current_parallel_state(state)
 
 
 def require_checkpoint(load_dir: str) -> None:

@@ -264,13 +264,22 @@ def test_data_loader(corpus, tmp_path):
     first = batches[0]["text"]
     assert first.dtype == torch.int64 and first.shape == (2, 9)
     np.testing.assert_array_equal(first[0].numpy(), train[6]["text"])
-    with_workers = list(build_pretraining_data_loader(train, 4, 2, 1, 2, num_workers=1))
-    assert all(torch.equal(a["text"], b["text"]) for a, b in zip(batches, with_workers))
     cyclic = build_pretraining_data_loader(train, 0, 2, 0, 1, num_workers=0, dataloader_type="cyclic")
     assert next(iter(cyclic))["text"].shape == (2, 9)
     assert build_pretraining_data_loader(None, 0, 2, 0, 1, 0) is None
     with pytest.raises(ValueError, match="--dataloader-type"):
         build_pretraining_data_loader(train, 0, 2, 0, 1, 0, dataloader_type="bogus")
+
+
+@pytest.mark.slow  # a DataLoader worker is a process
+def test_data_loader_worker_gives_the_same_batches(corpus, tmp_path):
+    prefix, _ = corpus
+    train = build_train_valid_test_datasets([prefix], "mmap", "1", [30, 0, 0], 8, 1, True,
+                                            data_cache_path=str(tmp_path / "c"))[0]
+    batches = list(build_pretraining_data_loader(train, 4, 2, 1, 2, num_workers=0))
+    with_workers = list(build_pretraining_data_loader(train, 4, 2, 1, 2, num_workers=1))
+    assert len(with_workers) == len(batches) > 0
+    assert all(torch.equal(a["text"], b["text"]) for a, b in zip(batches, with_workers))
 
 
 def _build_on_ranks(rank: int, world_size: int, prefix: str, cache: str, cache_unsync: str) -> dict:

@@ -160,6 +160,7 @@ def test_builder_accepts_torch_tensors_and_rejects_overflow(tmp_path):
     assert ds.doc_idx.tolist() == [0, 3, 3]
 
 
+@pytest.mark.slow  # DataLoader worker processes
 def test_pickle_and_dataloader_workers(tmp_path):
     _build_mmap(tmp_path / "d", [[np.arange(4), np.arange(3)], [np.arange(2)]])
     ds = ids.make_dataset(str(tmp_path / "d"), "mmap")

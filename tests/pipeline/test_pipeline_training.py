@@ -58,17 +58,37 @@ def _grad_norms(stdout: str) -> dict:
     return {int(m.group(1)): float(m.group(2)) for m in GRAD_NORM_RE.finditer(stdout)}
 
 
-@pytest.mark.parametrize("layout", [
-    pytest.param((2, ["--pipeline-model-parallel-size", "2"]), id="pp2"),
-    pytest.param((4, ["--pipeline-model-parallel-size", "4"]), id="pp4"),
-    pytest.param((4, ["--pipeline-model-parallel-size", "2", "--DDP-impl", "local"]), id="pp2-dp2"),
-    pytest.param((4, ["--pipeline-model-parallel-size", "2", "--DDP-impl", "torch"]), id="pp2-dp2-torch-ddp"),
-    pytest.param((4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
-                      "--sequence-parallel", "--recompute-activations"]), id="tp2-pp2-sp-recompute"),
-])
-def test_pipelined_layout_matches_serial(layout, serial: dict, gpt_data: dict) -> None:
-    world_size, extra = layout
-    results = _run(world_size, _argv(gpt_data, *extra))
+LAYOUTS = {
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "pp4": (4, ["--pipeline-model-parallel-size", "4"]),
+    "pp2-dp2": (4, ["--pipeline-model-parallel-size", "2", "--DDP-impl", "local"]),
+    "pp2-dp2-torch-ddp": (4, ["--pipeline-model-parallel-size", "2", "--DDP-impl", "torch"]),
+    "tp2-pp2-sp-recompute": (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                 "--sequence-parallel", "--recompute-activations"]),
+}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(gpt_data: dict) -> dict:
+    """Every layout of LAYOUTS run once: one launch per world size, the runs one after another in one process group
+    (tests/training/_llama.run_many), each starting from the serial model's initial weights."""
+    from tests.training._llama import run_many
+
+    out = {}
+    for world_size in sorted({w for w, _ in LAYOUTS.values()}):
+        names = [name for name, (w, _) in LAYOUTS.items() if w == world_size]
+        results = run_distributed(run_many, world_size, args=([("stage", _argv(gpt_data, *LAYOUTS[n][1]))
+                                                               for n in names],))
+        for i, name in enumerate(names):
+            out[name] = [per_rank[i] for per_rank in results]
+            assert all(r["error"] is None for r in out[name]), (name, [r["error"] for r in out[name]])
+    return out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_pipelined_layout_matches_serial(name: str, serial: dict, layout_runs: dict) -> None:
+    extra = LAYOUTS[name][1]
+    results = layout_runs[name]
     # Megatron prints the log line on the last rank (last pipeline stage); other ranks print no loss.
     _assert_close(parse_losses(results[-1]["stdout"]), serial, f"{extra} vs serial")
     assert parse_losses(results[0]["stdout"])["train"] == {}

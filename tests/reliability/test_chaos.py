@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 from megatron import checkpoint_integrity as integrity
+from tests.log_lines import iteration_lines, iteration_values
 from tests.reliability.helpers import REPO, train_argv
 
 ITERS = 12
-LOSS_RE = re.compile(r" iteration +(\d+)/ *\d+ \|.* lm loss: ([0-9.E+-]+) \|")
 LOAD_RE = re.compile(r" loading checkpoint from \S+ at iteration (\d+)")
 MODEL, MANIFEST, TRACKER = "model_optim_rng.pt", "manifest.json", "latest_checkpointed_iteration.txt"
 # Each run is killed at its first matching point, so progress is slow and every stage of a save is hit: the first
@@ -48,7 +48,7 @@ def test_sigkill_anywhere_resumes_exactly(tiny_data: dict, tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "r.json").read_text())
 
-    reference = {int(i): loss for i, loss in LOSS_RE.findall(results[0]["stdout"])}
+    reference = iteration_values(results[0]["stdout"], as_text=True)
     assert sorted(reference) == list(range(1, ITERS + 1)) and results[0]["signal"] == 0
     resumed_from = []
     for res in results[1:]:
@@ -63,10 +63,10 @@ def test_sigkill_anywhere_resumes_exactly(tiny_data: dict, tmp_path: Path) -> No
         else:
             assert loads == [res["expected_resume"]], (res["fault"], res["expected_resume"], out[-2000:])
             resumed_from.append(loads[0])
-        for it, loss in LOSS_RE.findall(out):  # every step any run printed equals the uninterrupted run's
+        for it, loss in iteration_lines(out, as_text=True):  # every step any run printed equals the uninterrupted run's
             assert loss == reference[int(it)], (res["fault"], it, loss, reference[int(it)])
     final = results[-1]
-    assert sorted(int(i) for i, _ in LOSS_RE.findall(final["stdout"]))[-1] == ITERS
+    assert sorted(i for i, _ in iteration_lines(final["stdout"]))[-1] == ITERS
     assert final["temps"] == [], final["temps"]
     root = Path(chaos)
     assert (root / TRACKER).read_text().strip() == str(ITERS)

@@ -6,20 +6,18 @@ without a manifest still load (with a note), and --keep-last-n-checkpoints delet
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
 import pytest
 
 from megatron import checkpoint_integrity as integrity
+from tests.log_lines import iteration_values
 from tests.reliability.helpers import assert_one_line_error, run, train_argv
-
-LOSS_RE = re.compile(r" iteration +(\d+)/ *\d+ \|.* lm loss: ([0-9.E+-]+) \|")
 
 
 def _losses(stdout: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(2) for m in LOSS_RE.finditer(stdout)}
+    return iteration_values(stdout, as_text=True)
 
 
 def _damage(path: Path, kind: str) -> None:

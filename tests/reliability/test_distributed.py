@@ -4,14 +4,12 @@ loss is skipped on both ranks and stops both with the same one-line error."""
 from __future__ import annotations
 
 import functools
-import re
 from pathlib import Path
 
 from tests.dist_utils import run_distributed
+from tests.log_lines import iteration_lines, iteration_values
 from tests.reliability._dist_workers import flip_a_bit, run_sequence
 from tests.reliability.helpers import train_argv
-
-LOSS_RE = re.compile(r" iteration +(\d+)/ *\d+ \|.* lm loss: ([0-9.E+-]+|nan) \|")
 
 
 def test_tp2_fallback_and_nan_stop_agree_on_both_ranks(tiny_data: dict, tmp_path: Path) -> None:
@@ -29,9 +27,9 @@ def test_tp2_fallback_and_nan_stop_agree_on_both_ranks(tiny_data: dict, tmp_path
     skipped = [line for line in resumed[0]["stdout"].splitlines() if "skipped damaged checkpoint" in line]
     assert len(skipped) == 1 and "iteration(s) 4 (mp_rank_01/model_optim_rng.pt has checksum" in skipped[0]
     assert "loading iteration 2" in skipped[0]
-    original = dict(LOSS_RE.findall(first[1]["stdout"]))
-    again = dict(LOSS_RE.findall(resumed[1]["stdout"]))
-    assert sorted(again) == ["3", "4"] and all(again[i] == original[i] for i in again)
+    original = iteration_values(first[1]["stdout"], as_text=True)
+    again = iteration_values(resumed[1]["stdout"], as_text=True)
+    assert sorted(again) == [3, 4] and all(again[i] == original[i] for i in again)
     for rank in (0, 1):
         assert nan[rank]["error"] is not None and "stopped at iteration 3: 2 consecutive" in nan[rank]["error"]
-    assert [loss for _, loss in LOSS_RE.findall(nan[1]["stdout"])][1:] == ["nan", "nan"]
+    assert [loss for _, loss in iteration_lines(nan[1]["stdout"], as_text=True)][1:] == ["nan", "nan"]

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from megatron import checkpoint_integrity as integrity
 from tests.interpreter import path_with_this_python
+from tests.log_lines import iteration_values
 from tests.reliability.helpers import REPO
 
 SCRIPT = REPO / "examples" / "slurm" / "pretrain_gpt_requeue.slurm"
-LOSS_RE = re.compile(r" iteration +(\d+)/ *\d+ \|.* lm loss: ([0-9.E+-]+) \|")
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
         "--lr-warmup-fraction", "0", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
@@ -38,7 +38,7 @@ def _env(tiny_data: dict, tmp_path: Path, ckpt: str) -> dict:
 
 
 def _losses(text: str) -> dict[int, str]:
-    return {int(i): loss for i, loss in LOSS_RE.findall(text)}
+    return iteration_values(text, as_text=True)
 
 
 def test_usr1_saves_requeues_and_resumes_exactly(tiny_data: dict, tmp_path: Path) -> None:

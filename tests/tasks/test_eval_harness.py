@@ -200,6 +200,7 @@ def _metrics(results: dict) -> dict:
     return out
 
 
+@pytest.mark.slow  # lm-eval starts `git` processes
 def test_simple_evaluate_equals_lm_eval_hf_backend(setup):
     from lm_eval.models.huggingface import HFLM
 
@@ -250,6 +251,7 @@ def _dist_body(rank: int, world_size: int, argv: list[str]) -> dict:
     return _metrics(_run_main(argv))
 
 
+@pytest.mark.slow  # lm-eval starts `git` processes
 def test_entry_point_writes_lm_eval_json(setup, shared_data):
     """evaluate.py on the TP1 checkpoint; --bf16 --eval_fp32 must evaluate in fp32 (the in-process numbers), and
     --intermed_results (one task at a time) must give the same merged JSON."""
@@ -285,6 +287,7 @@ def test_parallel_layouts_equal_single_process(setup, shared_data, layout):
             assert metrics[key] == pytest.approx(value, rel=1e-5), (layout, key)
 
 
+@pytest.mark.slow  # starts the entry script
 def test_help_missing_lm_eval_and_unknown_task(setup, shared_data, repo_root, monkeypatch):
     import subprocess
     import sys

@@ -48,6 +48,7 @@ def save_hf_tool_checkpoint(flat: dict, directory: Path, margs: types.SimpleName
     return directory
 
 
+@pytest.mark.slow  # the HF tool's checkpoint runs in processes
 def test_hf_tool_checkpoint_evaluates_to_hf_perplexity(shared_data, tmp_path):
     flat = H.random_state_dict(seed=3)
     ckpt = save_hf_tool_checkpoint(flat, tmp_path / "hf_tool", _hf_tool_args())

@@ -29,6 +29,7 @@ def _run(argv: list) -> dict:
         destroy_megatron()
 
 
+@pytest.mark.slow  # evaluation processes
 def test_wikitext_and_lambada_of_bloom_equal_hf(shared_data, tmp_path):
     torch.manual_seed(0)
     hf = transformers.BloomForCausalLM(transformers.BloomConfig(

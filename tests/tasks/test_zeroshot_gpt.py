@@ -146,6 +146,7 @@ def test_window_dataset_scores_every_target_once():
         assert sorted(scored) == list(range(1, 100)), (seq, stride)
 
 
+@pytest.mark.slow  # evaluation processes
 def test_wikitext_and_lambada_equal_hf(setup, shared_data, hf_tok):
     wiki = _run_in_process(_argv(setup, shared_data, "WIKITEXT103", setup["wiki"],
                                  extra=("--overlapping-eval", str(STRIDE))))

@@ -234,6 +234,7 @@ def test_tp2_server_equals_tp1(served, shared_data):
 
 
 # ----------------------------------------------------------------------------------------------- lm-eval client
+@pytest.mark.slow  # lm-eval starts `git` processes
 def test_lm_eval_local_completions_equals_in_process_adapter(served, shared_data, tmp_path, monkeypatch):
     """lm-eval's `local-completions` model pointed at the server scores the local tasks like the in-process adapter.
 
@@ -353,6 +354,7 @@ def readme_lm_eval_model_args() -> str:
     return re.search(r"--model_args (\S+)", command).group(1)
 
 
+@pytest.mark.slow  # lm-eval starts `git` processes
 def test_lm_eval_client_with_the_readmes_model_args(served, shared_data, tmp_path, monkeypatch):
     """lm-eval's own client, built from exactly the README's model_args (server address and tokenizer folder
     swapped for this test's), scores a local task against the server: no "model must be a string" 400."""

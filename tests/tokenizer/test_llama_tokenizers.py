@@ -66,6 +66,7 @@ def _llama2(model_dir: Path, **kw):
                                                  tokenizer_model=str(model_dir / "tokenizer.model"), **kw))
 
 
+@pytest.mark.slow  # a whole-file sweep (tens of CPU seconds): CI runs it, the quick lane does not
 def test_llama2_tokenizer_matches_hf_on_every_line(llama_sp_dir, lines):
     import sentencepiece
     from transformers import LlamaTokenizer
@@ -121,6 +122,7 @@ def test_llama2_tokenizer_refusals(llama_sp_dir, shared_data, tmp_path):
     assert args.padded_vocab_size == 2048
 
 
+@pytest.mark.slow  # a whole-file sweep (tens of CPU seconds): CI runs it, the quick lane does not
 def test_huggingface_tokenizer_matches_tokenizers_on_every_line(hf_json_dir, lines):
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer

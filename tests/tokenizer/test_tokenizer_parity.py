@@ -77,6 +77,7 @@ def test_gpt2_bpe_matches_hf_on_every_line(shared_data, lines, folder, vocab, me
     assert tok.eod == tok.vocab["<|endoftext|>"] == (50256 if folder == "gpt2-bpe" else 4999)
 
 
+@pytest.mark.slow  # a whole-file sweep (tens of CPU seconds): CI runs it, the quick lane does not
 def test_bert_matches_hf_on_every_line(shared_data, lines):
     for kind, fname, lower in (("BertWordPieceLowerCase", "bert-base-uncased-vocab.txt", True),
                                ("BertWordPieceCase", "bert-base-cased-vocab.txt", False)):

@@ -6,8 +6,12 @@ writes its logits on fixed tokens, saves it as `torch` (per-rank files with Core
 `--ckpt-format torch`) and `torch_dist` (dist_checkpointing.save) at TP1, then rebuilds it at TP2 and PP2 (weights
 loaded by dist_checkpointing from the TP1 folder) and saves both formats there too. When `ours/<family>` holds a
 torch_dist checkpoint written by our code, it is loaded with dist_checkpointing.load into Core models at TP1 and TP2
-and their logits are written. Inputs and outputs: the folder it runs in (see job.json). The test prepends
-tests/mcore_oracle.py's ORACLE_CPU_PRELUDE (the CPU stand-ins).
+and their logits are written. Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
+with its distributed optimizer (Adam, DP2) takes 6 steps on the batches of `batches.pt`, saving a torch_dist
+checkpoint with the optimizer state (fully_reshardable) after step 3; its per-step losses are the run that never
+stopped. When `ours_train` names our torch_dist save (with optimizer state) of a run on the same batches, it is
+loaded into that model and optimizer and steps 4-6 are taken again. Inputs and outputs: the folder it runs in (see
+job.json). The test prepends tests/mcore_oracle.py's ORACLE_CPU_PRELUDE (the CPU stand-ins).
 """
 import argparse
 import json
@@ -37,6 +41,15 @@ FAMILIES = {
                             num_query_groups=2, position_embedding_type="rope", rotary_base=10000,
                             untie_embeddings_and_output_weights=True, ffn_hidden_size=64)),
 }
+# a Mixtral-like MoE (the Llama family's layers with 4 experts, top-2, a gated shared expert), local spec's
+# SequentialMLP; saved at TP1 and PP2 only (Megatron Core's MoE with TP needs sequence parallelism)
+_MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=40,
+            moe_shared_expert_gate=True, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0)
+FAMILIES["moe"] = dict(config={**FAMILIES["llama"]["config"], **_MOE}, model=FAMILIES["llama"]["model"],
+                       args={**FAMILIES["llama"]["args"], "num_experts": 4, "moe_router_topk": 2,
+                             "moe_ffn_hidden_size": 48, "moe_shared_expert_intermediate_size": 40,
+                             "moe_shared_expert_gate": True},
+                       spec=dict(num_experts=4, moe_grouped_gemm=False), layouts=(("pp2", (1, 2)),))
 
 
 def megatron_lm_args(family: str, tp: int, pp: int) -> argparse.Namespace:
@@ -58,7 +71,7 @@ def build(family: str, parallel_output: bool = False) -> GPTModel:
                             pipeline_dtype=torch.float32, tensor_model_parallel_size=mps.get_tensor_model_parallel_world_size(),
                             pipeline_model_parallel_size=mps.get_pipeline_model_parallel_world_size(),
                             **spec["config"])
-    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(**spec.get("spec", {})), vocab_size=VOCAB,
                     max_sequence_length=SEQ, pre_process=mps.is_pipeline_first_stage(),
                     post_process=mps.is_pipeline_last_stage(), parallel_output=parallel_output, **spec["model"])
 
@@ -118,7 +131,130 @@ def logits_of(model: GPTModel):
         return model(*tokens()).detach()
 
 
+SAVE_AT, LR = 3, 1e-3
+OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}  # Megatron-LM's --dist-ckpt-optim-fully-reshardable
+
+
+def training_cpu_stand_ins() -> None:
+    """Megatron Core's DDP and distributed optimizer allocate on 'cuda' and accept only `torch.cuda.*Tensor` types:
+    both pointed at the CPU (applied for the training part only, after the checkpoint round trips)."""
+    import functools
+
+    def on_cpu(fn):
+        @functools.wraps(fn)
+        def wrapped(*a, **k):
+            if k.get("device") is not None and "cuda" in str(k["device"]):
+                k["device"] = "cpu"
+            return fn(*a, **k)
+        return wrapped
+
+    for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like", "ones_like"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    torch.cuda.current_stream = lambda *a, **k: None
+    torch.cuda.is_available = lambda: False
+    original = torch.Tensor.type
+
+    def tensor_type(self, *a, **k):
+        if a or k:
+            return original(self, *a, **k)
+        name = original(self)
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = tensor_type
+
+    # Without apex / Transformer Engine Megatron Core steps torch's AdamW, which keeps a per-parameter "step" tensor.
+    # Its fully_reshardable reader (written for FusedAdam) restores the step from the param groups as one tensor
+    # shared by every parameter (AdamW would then count it once per parameter per step) and also tries to copy a
+    # "step" entry the format does not store: each parameter gets its own copy, and that copy is the value.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def own_step(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        if "step" in state and "step" not in tensors:
+            state["step"] = state["step"].detach().clone()
+            tensors = {**tensors, "step": state["step"]}
+        return set_states(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = own_step
+
+
+def trainer():
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    model = build("gpt", parallel_output=True)
+    randomize(model)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.01, clip_grad=1.0,
+                                                 use_distributed_optimizer=True), [ddp])
+    return model, ddp, opt
+
+
+def train_step(ddp, opt, batch) -> float:
+    """One step on this data-parallel rank's half of the batch; the loss averaged over the data-parallel ranks."""
+    dp, r = mps.get_data_parallel_world_size(), mps.get_data_parallel_rank()
+    ids = batch[2 * r:2 * r + 2]
+    tokens, labels = ids[:, :-1], ids[:, 1:]
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    pos = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    loss = ddp(tokens, pos, mask, labels=labels).mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    opt.step()
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    return float(loss) / dp
+
+
+def train(job: dict) -> None:
+    training_cpu_stand_ins()
+    mps.initialize_model_parallel(1, 1)
+    data = torch.load("batches.pt")
+    model, ddp, opt = trainer()
+    losses = []
+    for step in range(len(data)):
+        losses.append(train_step(ddp, opt, data[step]))
+        if step + 1 == SAVE_AT:
+            root = os.path.join("out", "train")
+            iter_dir = os.path.join(root, f"iter_{SAVE_AT:07d}")
+            if dist.get_rank() == 0:
+                os.makedirs(iter_dir, exist_ok=True)
+            dist.barrier()
+            msd = model.sharded_state_dict()
+            dist_checkpointing.save({"model": msd, "optimizer": opt.sharded_state_dict(msd, metadata=OPT_META),
+                                     "args": megatron_lm_args("gpt", 1, 1), "checkpoint_version": 3.0,
+                                     "iteration": SAVE_AT}, iter_dir)
+            if dist.get_rank() == 0:
+                with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+                    f.write(str(SAVE_AT))
+    result = {"losses": losses}
+    if job.get("ours_train"):
+        model, ddp, opt = trainer()
+        for inner in opt.chained_optimizers:  # torch's AdamW has no state before a step (Megatron Core's own helper)
+            inner._init_optimizer_states_with_dummy_values()
+        msd = model.sharded_state_dict()
+        loaded = dist_checkpointing.load({"model": msd, "optimizer": opt.sharded_state_dict(
+            msd, is_loading=True, metadata=OPT_META)}, job["ours_train"])
+        model.load_state_dict(loaded["model"])
+        opt.load_state_dict(loaded["optimizer"])
+        result["ours_resumed"] = [train_step(ddp, opt, data[step]) for step in range(SAVE_AT, len(data))]
+    if dist.get_rank() == 0:
+        torch.save(result, os.path.join("out", "train_losses.pt"))
+    mps.destroy_model_parallel()
+
+
 def main() -> None:
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    # without Transformer Engine the router's GEMM helper never gets defined (Megatron Core 0.16.1 tests its name)
+    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
     job = json.load(open("job.json"))
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -140,7 +276,7 @@ def main() -> None:
             if rank == 0:
                 torch.save(logits_of(fresh), os.path.join(out, "ours_logits_tp1.pt"))
         mps.destroy_model_parallel()
-        for name, (tp, pp) in (("tp2", (2, 1)), ("pp2", (1, 2))):
+        for name, (tp, pp) in FAMILIES[family].get("layouts", (("tp2", (2, 1)), ("pp2", (1, 2)))):
             mps.initialize_model_parallel(tp, pp)
             model = build(family)
             load_dist(model, source)
@@ -153,6 +289,8 @@ def main() -> None:
                 if rank == 0:
                     torch.save(logits, os.path.join(out, "ours_logits_tp2.pt"))
             mps.destroy_model_parallel()
+    if job.get("train"):
+        train(job)
     dist.barrier()
     dist.destroy_process_group()
 

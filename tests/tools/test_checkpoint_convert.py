@@ -405,6 +405,7 @@ def _tp2_load_worker(rank: int, world_size: int, folder: str, rows: int) -> list
         destroy_model_parallel()
 
 
+@pytest.mark.slow  # a real TP=2 run
 def test_converted_tp2_checkpoint_loads_in_a_real_tp2_run(tmp_path):
     """2 gloo processes: a TP=2 model built from the config loads the converted checkpoint with
     megatron.checkpointing.load_checkpoint (this rank's mp_rank_0X file) and gives the TP=1 source's logits."""

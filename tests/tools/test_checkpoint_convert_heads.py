@@ -156,6 +156,7 @@ def _t5_tp2_worker(rank: int, world_size: int, folder: str, rows: int) -> list:
         destroy_model_parallel()
 
 
+@pytest.mark.slow  # TP=2 processes
 def test_t5_tensor_parallel_reshape(tmp_path):
     """T5 (unequal encoder/decoder depths): TP1 -> TP2 -> TP1 is bitwise with the padding rows kept; TP2 with
     --true-vocab-size re-pads the word embeddings and lm_head.bias, and a real TP=2 run (2 gloo processes,

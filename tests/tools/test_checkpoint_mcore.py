@@ -1,10 +1,14 @@
 """Checkpoints of today's Megatron-LM against megatron-core 0.16.1 itself (tests/mcore_oracle.py).
 
-One oracle run (2 gloo processes, tests/tools/mcore_oracle_checkpoints.py) builds a tiny GPT and a tiny Llama in
-Megatron Core (local layer spec), saves per-rank `torch` files (Core names) and `torch_dist` folders at TP1, TP2 and
-PP2, and loads our torch_dist output into its own models. Here: every one of them loads with `--load` into our model
+One oracle run (2 gloo processes, tests/tools/mcore_oracle_checkpoints.py) builds a tiny GPT, a tiny Llama and a tiny
+Mixtral-like MoE (4 experts, top-2, gated shared expert) in Megatron Core (local layer spec), saves per-rank `torch`
+files (Core names) and `torch_dist` folders at TP1, TP2 and PP2 (MoE: TP1 and PP2), and loads our torch_dist output into its own models. Here: every one of them loads with `--load` into our model
 at another layout and gives Megatron Core's logits (<= 1e-5); ours saved as torch_dist gives the same logits in
 Megatron Core; convert.py reads both (`--loader mcore`); damaged or missing shards are one line naming the file.
+Training state: Megatron Core's GPT with its DDP and distributed optimizer (DP2) trains 6 steps and saves a torch_dist
+checkpoint with the optimizer state after step 3; ours loads it (another layout: one process, the regular optimizer)
+and steps 4-6 give Megatron Core's losses (1e-5); ours trained on the same batches and saved with
+`--ckpt-format torch_dist` (optimizer state included) resumes in Megatron Core with our losses.
 """
 from __future__ import annotations
 
@@ -28,6 +32,14 @@ FLAGS = {"gpt": ["--no-bias-gelu-fusion"],
          "llama": ["--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64", "--disable-bias-linear",
                    "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type", "rope",
                    "--untie-embeddings-and-output-weights"]}
+FLAGS["moe"] = [*FLAGS["llama"], "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
+                "--moe-shared-expert-intermediate-size", "40", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "0"]
+# what the oracle saved per family (MoE: TP1 and PP2 only) and the layouts at which it loaded ours
+SAVED = {"gpt": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
+         "llama": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
+         "moe": ("torch_tp1", "torch_pp2", "dist_tp1", "dist_pp2")}
+OURS_IN_CORE = {"gpt": ("ours_logits_tp1.pt", "ours_logits_tp2.pt"), "llama": ("ours_logits_tp1.pt",
+                "ours_logits_tp2.pt"), "moe": ("ours_logits_tp1.pt",)}
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -63,13 +75,49 @@ def load_logits(family: str, load: Path, *extra: str) -> torch.Tensor:
         return model(*tokens())
 
 
+TRAIN_STEPS, SAVE_AT = 6, 3
+
+
+def train_steps(model, optimizer, batches) -> list:
+    """Our steps on full batches [4, SEQ + 1] (Megatron Core's DP2 run averages two halves: the same mean loss)."""
+    pos = torch.arange(SEQ).unsqueeze(0).expand(4, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    losses = []
+    for ids in batches:
+        optimizer.zero_grad()
+        loss = model(ids[:, :-1], pos, mask, labels=ids[:, 1:]).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
+def our_optimizer(model):
+    from megatron.optimizer import get_megatron_optimizer
+    from megatron.optimizer.optimizer_config import OptimizerConfig
+
+    return get_megatron_optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0))
+
+
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory) -> Path:
-    """The oracle's checkpoints and logits; it also loads ours (saved here first with --ckpt-format torch_dist)."""
+    """The oracle's checkpoints and logits; it also loads ours (saved here first with --ckpt-format torch_dist), and
+    our training checkpoint (3 steps on the oracle's batches, saved with the optimizer state; steps 4-6 recorded)."""
     from megatron.checkpointing import save_checkpoint
 
     root = tmp_path_factory.mktemp("mcore")
-    job = {"families": ["gpt", "llama"], "ours": {}}
+    batches = torch.randint(0, VOCAB, (TRAIN_STEPS, 4, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    torch.save(batches, root / "batches.pt")
+    save = root / "ours_train"
+    args = run_args("gpt", root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format", "torch_dist")
+    torch.manual_seed(3)
+    model = our_model(args)
+    optimizer = our_optimizer(model)
+    train_steps(model, optimizer, batches[:SAVE_AT])
+    save_checkpoint(SAVE_AT, [model], optimizer, None, args)
+    torch.save(train_steps(model, optimizer, batches[SAVE_AT:]), root / "ours_train_losses.pt")
+    job = {"families": ["gpt", "llama", "moe"], "ours": {}, "train": True,
+           "ours_train": str(save / f"iter_{SAVE_AT:07d}")}
     for family in job["families"]:
         save = root / "ours" / family
         args = run_args(family, root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format", "torch_dist", "--no-save-optim",
@@ -89,19 +137,19 @@ def oracle(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "moe"])
 def test_core_checkpoints_load_at_tp1_with_core_logits(oracle, family):
     ref = torch.load(oracle / "out" / family / "logits.pt")
-    for name in ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"):
+    for name in SAVED[family]:
         got = load_logits(family, oracle / "out" / family / name)
         torch.testing.assert_close(got, ref, **TOL, msg=f"{family} {name}")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "moe"])
 def test_ours_as_torch_dist_gives_the_same_logits_in_megatron_core(oracle, family):
     ours = torch.load(oracle / f"ours_{family}_logits.pt")
-    for name in ("ours_logits_tp1.pt", "ours_logits_tp2.pt"):
+    for name in OURS_IN_CORE[family]:
         torch.testing.assert_close(torch.load(oracle / "out" / family / name), ours, **TOL, msg=name)
 
 
@@ -154,9 +202,23 @@ def test_format_flags_and_damaged_shards_are_one_line(oracle, tmp_path):
     with pytest.raises(CheckpointFormatError, match="pass --auto-detect-ckpt-format") as info:
         load_checkpoint([our_model(args)], None, None, args)
     assert "\n" not in str(info.value)
-    args = run_args("gpt", src)  # without --finetune: the optimizer state is not converted
-    with pytest.raises(CheckpointFormatError, match="--no-load-optim --no-load-rng"):
+    args = run_args("gpt", src)  # resuming: Megatron Core's RNG state is not read, and this folder has no optimizer
+    with pytest.raises(CheckpointFormatError, match="has no RNG state this code reads; pass --no-load-rng"):
         load_checkpoint([our_model(args)], None, None, args)
+    args = run_args("gpt", src, "--no-load-rng")
+    model = our_model(args)
+    with pytest.raises(CheckpointFormatError, match="holds no optimizer state: pass --no-load-optim") as info:
+        load_checkpoint([model], our_optimizer(model), None, args)
+    assert "\n" not in str(info.value)
+    bucket = tmp_path / "bucket"  # Megatron-LM's default optimizer layout (dp_reshardable): one line naming the flag
+    shutil.copytree(oracle / "out" / "train", bucket)
+    common = torch.load(bucket / "iter_0000003" / "common.pt", weights_only=False)
+    common["optimizer"]["param_state_sharding_type"] = "dp_reshardable"
+    torch.save(common, bucket / "iter_0000003" / "common.pt")
+    args = run_args("gpt", bucket, "--no-load-rng")
+    model = our_model(args)
+    with pytest.raises(CheckpointFormatError, match="dp_reshardable layout .* --dist-ckpt-optim-fully-reshardable"):
+        load_checkpoint([model], our_optimizer(model), None, args)
     for damage in ("missing", "truncated", "flipped"):
         bad = tmp_path / damage
         shutil.copytree(src, bad)
@@ -237,12 +299,121 @@ def test_core_checkpoints_load_at_our_tp2_and_pp2(oracle):
             assert torch.equal(value, expected[source]), (stage, key)
 
 
+@pytest.mark.slow
+def test_megatron_core_distributed_optimizer_checkpoint_continues_its_curve_in_ours(oracle):
+    """Megatron Core's DP2 distributed-optimizer torch_dist checkpoint (step 3), resumed here in one process with the
+    regular optimizer: steps 4-6 give the losses of Megatron Core's run that never stopped."""
+    from megatron.checkpointing import load_checkpoint
+
+    core = torch.load(oracle / "out" / "train_losses.pt")
+    args = run_args("gpt", oracle / "out" / "train", "--no-load-rng")
+    model = our_model(args)
+    optimizer = our_optimizer(model)
+    assert load_checkpoint([model], optimizer, None, args) == SAVE_AT
+    ours = train_steps(model, optimizer, torch.load(oracle / "batches.pt")[SAVE_AT:])
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(core["losses"][SAVE_AT:]), rtol=1e-5, atol=0)
+    # convert.py carries the same state: --loader mcore -> ours (TP1, distrib_optim.pt) -> --saver mcore -> --load
+    from megatron.checkpoint_conversion.driver import main as convert
+
+    ours_dir, back = oracle.parent / f"{oracle.name}_conv_ours", oracle.parent / f"{oracle.name}_conv_back"
+    convert(["--model-type", "GPT", "--loader", "mcore", "--saver", "megatron", "--load-dir",
+             str(oracle / "out" / "train"), "--save-dir", str(ours_dir)])
+    assert (ours_dir / f"iter_{SAVE_AT:07d}" / "mp_rank_00" / "distrib_optim.pt").is_file()
+    convert(["--model-type", "GPT", "--loader", "megatron", "--saver", "mcore", "--load-dir", str(ours_dir),
+             "--save-dir", str(back)])
+    args = run_args("gpt", back, "--no-load-rng")
+    model = our_model(args)
+    optimizer = our_optimizer(model)
+    assert load_checkpoint([model], optimizer, None, args) == SAVE_AT
+    again = train_steps(model, optimizer, torch.load(oracle / "batches.pt")[SAVE_AT:])
+    torch.testing.assert_close(torch.tensor(again), torch.tensor(core["losses"][SAVE_AT:]), rtol=1e-5, atol=0)
+    # without the optimizer state the continuation differs: the check above is not vacuous
+    fresh = our_model(run_args("gpt", oracle / "out" / "train", "--finetune"))
+    load_checkpoint([fresh], None, None, run_args("gpt", oracle / "out" / "train", "--finetune"))
+    other = train_steps(fresh, our_optimizer(fresh), torch.load(oracle / "batches.pt")[SAVE_AT:])
+    assert abs(other[-1] - core["losses"][-1]) > 1e-3
+
+
+@pytest.mark.slow
+def test_ours_torch_dist_optimizer_state_resumes_in_megatron_core(oracle):
+    """Ours saved with --ckpt-format torch_dist (optimizer state included), loaded by Megatron Core's
+    dist_checkpointing into its DDP + distributed optimizer (DP2): its steps 4-6 give our losses."""
+    ours = torch.load(oracle / "ours_train_losses.pt")
+    core = torch.load(oracle / "out" / "train_losses.pt")["ours_resumed"]
+    torch.testing.assert_close(torch.tensor(core), torch.tensor(ours), rtol=1e-5, atol=0)
+
+
 def test_torch_dist_save_flags_refused_in_one_line(tmp_path):
     from megatron.errors import ArgumentError
 
-    for extra, needle in (((), "add --no-save-optim"), (("--no-save-optim", "--deepspeed"), "--deepspeed")):
-        with pytest.raises(ArgumentError, match=needle) as info:
-            run_args("gpt", tmp_path, "--save", str(tmp_path), "--save-interval", "1", "--ckpt-format", "torch_dist",
-                     *extra)
-        assert "\n" not in str(info.value)
+    save = ["--save", str(tmp_path), "--save-interval", "1", "--ckpt-format", "torch_dist"]
+    with pytest.raises(ArgumentError, match="--deepspeed") as info:
+        run_args("gpt", tmp_path, *save, "--deepspeed")
+    assert "\n" not in str(info.value)
+    args = parse_args(args=[*BASE, *FLAGS["moe"], *save, "--expert-model-parallel-size", "2"])
+    args.rank, args.world_size = 1, 2
+    with pytest.raises(ArgumentError, match="under expert parallelism") as info:
+        validate_args(args, {})
+    assert "\n" not in str(info.value)
+    assert run_args("gpt", tmp_path, "--save", str(tmp_path), "--ckpt-format", "torch_dist").ckpt_format == \
+        "torch_dist"  # the optimizer state is saved too (no --no-save-optim needed)
     assert run_args("gpt", tmp_path).ckpt_format == "torch"  # ours stays the default
+
+
+def test_moe_expert_names_both_spellings_round_trip():
+    """Core's per-expert local names and Transformer Engine's grouped names give the same stacked tensors of ours;
+    ours written back (local spelling) reads again unchanged; a gap in the experts is one line."""
+    from megatron.model.mcore_names import UnsupportedCoreCheckpoint, core_to_ours, ours_to_core
+
+    g = torch.Generator().manual_seed(0)
+    fc1 = [torch.randn(12, 8, generator=g) for _ in range(3)]  # [F x2 (gate; up), h] per expert
+    fc2 = [torch.randn(8, 6, generator=g) for _ in range(3)]
+    router = torch.randn(3, 8, generator=g)
+    local = {"decoder.layers.1.mlp.router.weight": router}
+    grouped = dict(local)
+    for e in range(3):
+        local[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"] = fc1[e]
+        local[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc2.weight"] = fc2[e]
+        grouped[f"decoder.layers.1.mlp.experts.linear_fc1.weight{e}"] = fc1[e]
+        grouped[f"decoder.layers.1.mlp.experts.linear_fc2.weight{e}"] = fc2[e]
+    ours = core_to_ours(local)
+    prefix = "language_model.encoder.layers.1.mlp."
+    assert torch.equal(ours[prefix + "experts.weight1"], torch.stack(fc1).transpose(1, 2))  # [E, h, F x2]
+    assert torch.equal(ours[prefix + "experts.weight2"], torch.stack(fc2).transpose(1, 2))  # [E, F, h]
+    assert torch.equal(ours[prefix + "router.weight"], router)
+    for key, value in core_to_ours(grouped).items():
+        assert torch.equal(value, ours[key]), key
+    back = ours_to_core(ours)
+    assert sorted(back) == sorted(local) and all(torch.equal(back[k], local[k]) for k in local)
+    del local["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"]
+    with pytest.raises(UnsupportedCoreCheckpoint, match=r"experts of .*weight2 are \[0, 2\]") as info:
+        core_to_ours(local)
+    assert "\n" not in str(info.value)
+
+
+def _load_moe_at_ep2(rank: int, world_size: int, load: str) -> torch.Tensor:
+    """Our MoE at DP2 x EP2 (2 experts per rank) loaded from `load`; this rank's logits on the oracle's tokens."""
+    from megatron.checkpointing import load_checkpoint
+    from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+
+    state = initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    try:
+        args = run_args("moe", Path(load), "--finetune", "--expert-model-parallel-size", "2")
+        model = our_model(args, state)
+        load_checkpoint([model], None, None, args)
+        assert model.state_dict()["language_model.encoder.layers.0.mlp.experts.weight1"].size(0) == 2
+        with torch.no_grad():
+            return model(*tokens())
+    finally:
+        destroy_model_parallel()
+
+
+@pytest.mark.slow
+def test_core_moe_torch_dist_loads_at_our_expert_parallel_ep2(oracle):
+    """Megatron Core's MoE torch_dist folder (all 4 experts stacked) at our EP2: each rank takes its 2 experts and
+    both give Core's logits."""
+    from tests.dist_utils import run_distributed
+
+    ref = torch.load(oracle / "out" / "moe" / "logits.pt")
+    for logits in run_distributed(_load_moe_at_ep2, world_size=2, args=(str(oracle / "out" / "moe" / "dist_tp1"),)):
+        torch.testing.assert_close(logits, ref, **TOL)

@@ -87,6 +87,7 @@ def test_document_level_matches_tokenizer(tmp_path, tiny, tiny_tok, small_tasks)
         assert ds[i].tolist() == tiny_tok.tokenize(text) + [4999]
 
 
+@pytest.mark.slow  # preprocess_data.py's worker pool
 def test_workers_and_many_cores_identical(tmp_path, tiny, small_tasks):
     src = _head(tiny["owt"], tmp_path / "in.jsonl", 150)
     outs = []
@@ -144,6 +145,7 @@ def test_legacy_impls(tmp_path, tiny, tiny_tok, impl):
     assert len(ds) == 5 and list(ds[0]) == tiny_tok.tokenize(first) + [4999]
 
 
+@pytest.mark.slow  # preprocess_data.py's worker pool
 def test_gz_and_glob_inputs(tmp_path, tiny, small_tasks):
     lines = tiny["owt"].read_text(encoding="utf-8").splitlines(keepends=True)[:40]
     (tmp_path / "shard_0.jsonl").write_text("".join(lines[:25]), encoding="utf-8")
@@ -175,6 +177,7 @@ def test_json_that_only_python_json_accepts(tmp_path, tiny, tiny_tok):
     assert MMapIndexedDataset(str(tmp_path / "nan_text_document"))[0].tolist() == tiny_tok.tokenize("Hello there.")
 
 
+@pytest.mark.slow  # preprocess_data.py's worker pool
 @pytest.mark.parametrize("tool", ["run", "run_partitioned"])
 @pytest.mark.parametrize("case", sorted(BAD_LINES))
 def test_bad_lines(tmp_path, tiny, capsys, case, tool):
@@ -248,6 +251,7 @@ def test_other_tokenizers_and_flag_errors(tmp_path, shared_data, capsys):
     assert not os.path.exists(tmp_path / "g_text_document.bin")
 
 
+@pytest.mark.slow  # preprocess_data.py's worker pool
 def test_bert_fast_path_output_is_byte_identical_to_reference(tmp_path, shared_data, monkeypatch):
     """--split-sentences with BertWordPieceLowerCase: the fast Punkt engine + WordPiece fast path + numpy packing write
     the same .bin/.idx bytes as NLTK's Punkt + the tokenizers engine + per-sentence lists (the reference path)."""

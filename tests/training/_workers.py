@@ -4,12 +4,10 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 import signal
 from typing import Any, Optional
 
-LOSS_RE = re.compile(r" iteration +(\d+)/ *\d+ \|.* lm loss: ([0-9.E+-]+) \|")
-VAL_RE = re.compile(r" validation loss at (.+?) \| lm loss value: ([0-9.E+-]+) \| lm loss PPL: ([0-9.E+-]+) \|")
+from tests.log_lines import parse_losses  # noqa: F401  (re-exported: the tests' old import path)
 
 
 def tiny_gpt_argv(data: dict, *extra: str, iters: int = 20) -> list[str]:
@@ -24,13 +22,6 @@ def tiny_gpt_argv(data: dict, *extra: str, iters: int = 20) -> list[str]:
         "--split", "98,2,0", "--log-interval", "1", "--eval-interval", "10", "--eval-iters", "2",
         "--num-workers", "0", "--seed", "1234", *extra,
     ]
-
-
-def parse_losses(text: str) -> dict[str, Any]:
-    """{'train': {iteration: loss}, 'val': [(prefix, loss)]} from the printed log lines."""
-    train = {int(m.group(1)): float(m.group(2)) for m in LOSS_RE.finditer(text)}
-    val = [(m.group(1), float(m.group(2))) for m in VAL_RE.finditer(text)]
-    return {"train": train, "val": val}
 
 
 def curve_from_result(result: dict) -> dict[str, Any]:

@@ -7,6 +7,7 @@
   onto ``args`` for callers that keep their run state there.
 - tools/check_same_behaviour.py masks timings only, and reports a changed loss, log line or tensor.
 - megatron/training.py never mentions DeepSpeed; both backends implement every method of the seam.
+- LoopSettings (megatron/run_settings.py) reads the loop's flags once, with Megatron's defaults for absent ones.
 """
 from __future__ import annotations
 
@@ -116,3 +117,17 @@ def test_the_loop_has_no_deepspeed_branches_and_both_backends_implement_the_seam
     for cls in (MegatronBackend, DeepSpeedBackend):
         assert not cls.__abstractmethods__, cls
     assert set(PIPE_MODELS) == {"gpt"}  # BERT/T5 keep their entry scripts' one-line refusals under DeepSpeed PP
+
+
+def test_loop_settings_read_the_flags_with_megatron_defaults() -> None:
+    from megatron.run_settings import LoopSettings
+
+    minimal = argparse.Namespace(train_iters=8, eval_interval=4, save=None, save_interval=None, load=None, fp16=False,
+                                 loss_scale=None)
+    loop = LoopSettings.from_args(minimal)  # a namespace without the optional flags gets Megatron's defaults
+    assert (loop.exit_interval, loop.exit_duration_in_mins, loop.exit_signal_handler, loop.max_skipped_iterations,
+            loop.loss_scale_floor) == (None, None, False, 10, None)
+    fp16 = LoopSettings.from_args(argparse.Namespace(**{**vars(minimal), "fp16": True, "min_loss_scale": 2.0}))
+    assert fp16.loss_scale_floor == 2.0
+    fixed = LoopSettings.from_args(argparse.Namespace(**{**vars(minimal), "fp16": True, "loss_scale": 128.0}))
+    assert fixed.loss_scale_floor == 128.0

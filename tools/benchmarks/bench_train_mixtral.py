@@ -5,12 +5,14 @@ routing, RMSNorm, RoPE, untied output layer, no biases, seq 512, micro batch 2, 
 router loss in either, AdamW lr 1e-4 wd 0.01, grad clipping 1.0), the same initial weights (HF's, written as
 safetensors and read by our HF loader, so the first losses agree), the same random token batches, the two steps
 interleaved in one process (both see the same machine load): warm-up steps, then timed steps (median). Prints
-tokens/s of each and the ratio (HF computes its experts in a Python loop over experts; ours runs one batched GEMM
-per projection over tokens grouped by expert), the ratio of process CPU time per step, and the share of one MoE
-layer's forward time spent outside the expert GEMMs (routing: gate, top-k, softmax; dispatch: permutation,
-grouping, unpermutation).
+tokens/s of each and the ratio, the ratio of process CPU time per step, and the share of one MoE layer's forward
+time spent outside the expert MLPs (routing: gate, top-k, softmax; dispatch: permutation into padded expert groups
+and back). HF's experts: transformers 5 defaults to its `grouped_mm` implementation (torch's grouped GEMM over
+tokens sorted by expert; on CPU with torch >= 2.9), `--hf-experts eager` selects its Python loop over experts.
+Ours: batched GEMMs over tokens grouped by expert, in runs of experts padded to the run's largest group.
 
-    python tools/benchmarks/bench_train_mixtral.py [--steps 5] [--warmup 2] [--threads N] [--json out.json]
+    python tools/benchmarks/bench_train_mixtral.py [--steps 5] [--warmup 2] [--threads N] [--hf-experts eager]
+        [--json out.json]
 """
 from __future__ import annotations
 
@@ -43,15 +45,16 @@ def _batches(n: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g) for _ in range(n)]
 
 
-def build_hf():
-    """MixtralForCausalLM (SDPA attention) + torch.optim.AdamW in a plain loop."""
+def build_hf(experts: str | None = None):
+    """MixtralForCausalLM (SDPA attention; experts as transformers chooses, or `experts`) + torch.optim.AdamW."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(1234)
     cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                         num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=SEQ,
                         num_local_experts=EXPERTS, num_experts_per_tok=TOPK, rms_norm_eps=1e-5, rope_theta=1e6,
-                        tie_word_embeddings=False, attention_dropout=0.0, attn_implementation="sdpa")
+                        tie_word_embeddings=False, attention_dropout=0.0, attn_implementation="sdpa",
+                        **({"experts_implementation": experts} if experts else {}))
     model = MixtralForCausalLM(cfg).float()
     model.train()
     return model, hf_train_step(model)
@@ -75,45 +78,60 @@ def build_megatron(hf_model):
     return model, megatron_train_step(model, gpt_forward_step(SEQ, MBS))
 
 
-def routing_dispatch_share(model, reps: int = 5) -> dict:
-    """Median forward time of one MoE layer and of its expert GEMMs alone on the same routed tokens."""
+def routing_dispatch_share(model, reps: int = 30) -> dict:
+    """Process CPU time of one MoE layer's forward, of its router alone and of its expert MLPs alone (the batched GEMMs
+    and the activation on the already grouped rows, `GroupedExperts.compute`) on the same tokens, measured back to
+    back `reps` times; the share is the median over the reps of (layer - expert MLPs) / layer (pairs taken together
+    so that load changes between reps cancel). The rest is routing and dispatch (permutation into padded expert
+    groups and back)."""
     from megatron.model.moe import MoELayer
 
     layer = next(m for m in model.modules() if isinstance(m, MoELayer))
     x = torch.randn(SEQ, MBS, HIDDEN)
     captured = {}
-    experts_forward = layer.experts.forward
+    compute = layer.experts.compute
 
     def capture(*args):
         captured["args"] = args
-        return experts_forward(*args)
+        return compute(*args)
 
-    total, experts = [], []
+    total, experts, router, share, routing_share = [], [], [], [], []
     with torch.no_grad():
-        layer.experts.forward = capture
+        layer.experts.compute = capture
         for _ in range(reps):
-            t = time.perf_counter()
+            t0 = time.process_time()
             layer(x)
-            total.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            experts_forward(*captured["args"])
-            experts.append(time.perf_counter() - t)
-        del layer.experts.forward
-    whole, gemms = statistics.median(total), statistics.median(experts)
-    return {"moe_layer_s": whole, "experts_s": gemms, "routing_dispatch_share": (whole - gemms) / whole}
+            t1 = time.process_time()
+            compute(*captured["args"])
+            t2 = time.process_time()
+            layer.router(x.view(-1, HIDDEN), SEQ, MBS)
+            t3 = time.process_time()
+            total.append(t1 - t0)
+            experts.append(t2 - t1)
+            router.append(t3 - t2)
+            share.append((total[-1] - experts[-1]) / total[-1])
+            routing_share.append(router[-1] / total[-1])
+        del layer.experts.compute
+    return {"moe_layer_s": statistics.median(total), "experts_s": statistics.median(experts),
+            "router_s": statistics.median(router), "routing_dispatch_share": statistics.median(share),
+            "routing_share": statistics.median(routing_share)}
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
+    p.add_argument("--hf-experts", default=None, choices=["eager", "grouped_mm", "batched_mm"],
+                   help="HF's experts implementation (default: transformers' choice, grouped_mm in transformers 5)")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     tokens = MBS * SEQ
-    hf_model, hf_step = build_hf()
+    hf_model, hf_step = build_hf(a.hf_experts)
     ours, our_step = build_megatron(hf_model)
     runs = run_interleaved({"megatron": our_step, "hf": hf_step}, _batches(a.warmup + a.steps), a.warmup)
-    results = {"threads": torch.get_num_threads(), "tokens_per_step": tokens}
+    results = {"threads": torch.get_num_threads(), "tokens_per_step": tokens,
+               "hf_experts": getattr(hf_model.config, "_experts_implementation", None)}
+    print(f"HF experts implementation: {results['hf_experts']}", flush=True)
     for name, model in (("megatron", ours), ("hf", hf_model)):
         r = runs[name]
         results[name] = {"params": sum(q.numel() for q in model.parameters()), "step_s": r["step_s"],
@@ -127,8 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     results.update(routing_dispatch_share(ours))
     print(f"megatron-lite / HF tokens/s: {results['ratio']:.2f}x (process CPU time per step: "
           f"{results['cpu_ratio']:.2f}x)", flush=True)
-    print(f"MoE layer forward {results['moe_layer_s'] * 1e3:.1f} ms, expert GEMMs {results['experts_s'] * 1e3:.1f} "
-          f"ms: routing + dispatch share {100 * results['routing_dispatch_share']:.1f}%", flush=True)
+    print(f"MoE layer forward {results['moe_layer_s'] * 1e3:.1f} CPU ms, expert GEMMs {results['experts_s'] * 1e3:.1f} "
+          f"ms: routing + dispatch share {100 * results['routing_dispatch_share']:.1f}% (routing alone "
+          f"{100 * results['routing_share']:.1f}%)", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -22,18 +22,14 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megatron.core.utils import unwrap_model as _unwrap
+
 
 def _grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     main_grad = getattr(param, "main_grad", None)
     return main_grad if main_grad is not None else param.grad
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    seen = 0
-    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module) and seen < 8:
-        module = module.module
-        seen += 1
-    return module
 
 
 def _active(group) -> bool:

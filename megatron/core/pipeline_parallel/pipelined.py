@@ -26,12 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megatron.core import moe_aux
 from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while isinstance(getattr(module, "module", None), torch.nn.Module):
-        module = module.module
-    return module
+from megatron.core.utils import unwrap_model as _unwrap
 
 
 def _chunks(model: Union[torch.nn.Module, Sequence[torch.nn.Module]]) -> list:

@@ -1,0 +1,76 @@
+"""`--ckpt-format torch_dist` with the optimizer state (issue 26): a run saved as one torch_dist folder (Megatron Core
+names, layers stacked, the distributed optimizer's state in Megatron Core's fully_reshardable layout) resumes at
+another layout and continues the curve of the run that never stopped (pretrain_gpt, fp32, gloo CPU, the tiny GPT
+of tests/training/_workers.py; losses from pretrain()'s return value, 1e-5 relative).
+
+A: TP1 x DP2, distributed optimizer, 12 iterations, saves torch_dist at 6 and 12 (the run that never stopped).
+B: A's iteration 6 at TP1 x PP2 with the distributed optimizer (another layout: the RNG state is ignored, as
+   Megatron-LM does); C: at A's layout with the regular optimizer (the RNG state restored, no --no-load-rng).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.training._workers import curve_from_result, run_pretrain, tiny_gpt_argv
+
+REL = 1e-5
+ITERS, SAVE = 12, 6
+
+
+def _run(argv: list[str]) -> dict:
+    """The last rank's result (it is on the last pipeline stage), with every rank's output."""
+    results = run_distributed(run_pretrain, 2, args=(argv,))
+    assert all(r["error"] is None for r in results), [r["error"] for r in results]
+    return dict(results[-1], stdout="".join(r["stdout"] for r in results))
+
+
+def _at(ckpt: Path, iteration: int, tmp_path: Path) -> Path:
+    out = tmp_path / f"{ckpt.name}_at{iteration}"
+    out.mkdir()
+    (out / f"iter_{iteration:07d}").symlink_to(ckpt / f"iter_{iteration:07d}")
+    (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return out
+
+
+def _assert_continues(resumed: dict, original: dict, what: str) -> None:
+    ca, cb = curve_from_result(original["result"]), curve_from_result(resumed["result"])
+    assert sorted(cb["train"]) == list(range(SAVE + 1, ITERS + 1)), what
+    for it in range(SAVE + 1, ITERS + 1):
+        assert math.isclose(cb["train"][it], ca["train"][it], rel_tol=REL), \
+            f"{what}: iteration {it}: {cb['train'][it]} vs {ca['train'][it]}"
+    ref_val = dict(ca["val"])
+    assert cb["val"] and all(math.isclose(loss, ref_val[p], rel_tol=REL) for p, loss in cb["val"]), what
+
+
+@pytest.mark.slow
+def test_torch_dist_with_distributed_optimizer_resumes_on_other_layouts(gpt_data: dict, tmp_path: Path) -> None:
+    from megatron.checkpoint_conversion.torch_dist import read_common, read_dcp_metadata
+
+    ckpt = tmp_path / "a"
+    a = _run(tiny_gpt_argv(gpt_data, "--use-distributed-optimizer", "--ckpt-format", "torch_dist", "--save",
+                           str(ckpt), "--save-interval", str(SAVE), iters=ITERS))
+    folder = ckpt / f"iter_{SAVE:07d}"
+    assert not any(folder.glob("mp_rank_*"))
+    assert json.loads((folder / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    names = read_dcp_metadata(str(folder)).state_dict_metadata
+    for key in ("param", "exp_avg", "exp_avg_sq"):  # Megatron Core's fully_reshardable names, layers stacked
+        assert names[f"optimizer.state.{key}.decoder.layers.self_attention.linear_qkv.weight"].size[0] == 2
+        assert f"optimizer.state.{key}.embedding.word_embeddings.weight" in names
+    common = read_common(str(folder))
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    assert {g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]} == {float(SAVE)}
+    assert common["opt_param_scheduler"]["num_steps"] == 8 * SAVE and common["consumed_train_samples"] == 8 * SAVE
+
+    load = _at(ckpt, SAVE, tmp_path)
+    b = _run(tiny_gpt_argv(gpt_data, "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
+                           "--load", str(load), "--auto-detect-ckpt-format", iters=ITERS))
+    assert "RNG state will be ignored" in b["stdout"]
+    _assert_continues(b, a, "torch_dist TP1xDP2 distopt -> TP1xPP2 distopt")
+    c = _run(tiny_gpt_argv(gpt_data, "--load", str(load), "--ckpt-format", "torch_dist", iters=ITERS))
+    _assert_continues(c, a, "torch_dist TP1xDP2 distopt -> TP1xDP2 regular optimizer")
+
