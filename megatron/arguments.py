@@ -996,6 +996,9 @@ def _validate_misc(args: argparse.Namespace) -> None:
         _require(args.keep_last_n_checkpoints > 0,
                  f"--keep-last-n-checkpoints must be positive (got {args.keep_last_n_checkpoints})")
     if args.ckpt_format == "torch_dist" and args.save:
+        _require((getattr(args, "expert_model_parallel_size", 1) or 1) == 1, "--ckpt-format torch_dist is not "
+                 "written under expert parallelism yet (loading one at any EP works): save with --ckpt-format torch "
+                 "and convert with tools/checkpoint/convert.py --saver mcore")
         _require(not getattr(args, "deepspeed", False), "--ckpt-format torch_dist cannot be used with --deepspeed "
                  "(DeepSpeed writes its own checkpoints): drop one of the two flags")
     _require(args.max_skipped_iterations >= 0,

@@ -146,7 +146,8 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
 def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], model: torch.nn.Module,
                num_layers: int, chunk: int, state: Any) -> Dict[str, torch.Tensor]:
     """This rank's part of a full flat state dict for one model chunk: its pipeline layers (renumbered), the
-    vocabulary re-padded to the model's rows, its tensor-parallel slice; only the names the chunk has."""
+    vocabulary re-padded to the model's rows, its experts (expert parallelism), its tensor-parallel slice; only the
+    names the chunk has."""
     from megatron.checkpoint_conversion.megatron_format import chunk_of_layer
     from megatron.checkpoint_conversion.vocab import repad_rows
     from megatron.model.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
@@ -167,6 +168,10 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
         if key in piece and key in own:
             piece[key] = repad_rows(piece[key], own[key].size(0) * state.tp_size)
     piece = {k: v for k, v in piece.items() if k in own}
+    if (getattr(state, "ep_size", 1) or 1) > 1:  # expert parallelism: this rank's experts (dim 0 of the stacks)
+        for key in [k for k in piece if k.endswith((".mlp.experts.weight1", ".mlp.experts.weight2"))]:
+            n = own[key].size(0)
+            piece[key] = piece[key][state.ep_rank * n:(state.ep_rank + 1) * n]
     if state.tp_size > 1:
         piece = split_tensor_parallel_state_dict(piece, state.tp_size, layouts=tensor_parallel_layouts(model))[
             state.tp_rank]

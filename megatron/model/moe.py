@@ -412,7 +412,9 @@ class MoELayer(MegatronModule):
         expert_of_row, token_of_row = mask.nonzero(as_tuple=True)
         counts = mask.sum(dim=1).view(ep, n_local)  # rows for rank r's local expert l
         row_probs = probs.t()[expert_of_row, token_of_row]
-        tokens = x.index_select(0, token_of_row)
+        with torch.no_grad():
+            rows_of_token, uneven = moe_permute.inverse_table(token_of_row, x.shape[0])
+        tokens = moe_permute.dispatch(x, token_of_row, rows_of_token, False, uneven)  # gathers both ways
         if self.config.moe_apply_probs_on_input:
             tokens = tokens * row_probs.unsqueeze(-1).to(tokens.dtype)
             row_probs = torch.ones_like(row_probs)
@@ -434,7 +436,7 @@ class MoELayer(MegatronModule):
             slot_of_recv[order] = torch.arange(order.numel()) - starts[expert_of_recv[order]]
             out = self.experts(tokens, row_probs, expert_of_recv, slot_of_recv, slots)
         out = expert_parallel.all_to_all(out, send_splits, recv_splits, self.ep_group)
-        return torch.zeros_like(x, dtype=out.dtype).index_add(0, token_of_row, out).to(x.dtype)
+        return moe_permute.combine(out, rows_of_token, token_of_row, uneven, False).to(x.dtype)
 
     def _route_and_compute(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
         """Permute tokens by expert, run the batched experts, unpermute (weighted sum) to token order."""

@@ -137,17 +137,32 @@ def clip_grad_norm_fp32(
 
 
 def count_zeros_fp32(parameters: Tensors, model_parallel_group=None, tp_rank: int = 0,
-                     data_parallel_group=None, device: Optional[torch.device] = None) -> int:
+                     data_parallel_group=None, device: Optional[torch.device] = None,
+                     expert_parallel_group=None, expert_data_parallel_group=None) -> int:
     """Number of exactly-zero gradient entries over the whole model (each param counted once); grads sharded over
-    `data_parallel_group` (distributed optimizer) are summed over it too."""
+    `data_parallel_group` (distributed optimizer) are summed over it too. With `expert_parallel_group` (expert
+    parallelism) the expert params' zeros are summed over it (and over `expert_data_parallel_group` when sharded)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
-    grads = grads_for_norm(parameters, tp_rank)
     if device is None:
         device = parameters[0].device if parameters else torch.device("cpu")
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    for g in grads:
-        total += g.numel() - torch.count_nonzero(g)
-    _reduce(total, dist.ReduceOp.SUM, model_parallel_group, data_parallel_group)
+
+    def zeros(grads: List[torch.Tensor]) -> torch.Tensor:
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        for g in grads:
+            total += g.numel() - torch.count_nonzero(g)
+        return total
+
+    if expert_parallel_group is None:
+        total = zeros(grads_for_norm(parameters, tp_rank))
+        _reduce(total, dist.ReduceOp.SUM, model_parallel_group, data_parallel_group)
+        return int(total.item())
+    total = zeros(grads_for_norm(parameters, tp_rank, expert=False))
+    if _active(data_parallel_group):
+        dist.all_reduce(total, group=data_parallel_group)
+    experts = zeros(grads_for_norm(parameters, tp_rank, expert=True))
+    _reduce(experts, dist.ReduceOp.SUM, expert_parallel_group, expert_data_parallel_group)
+    total += experts
+    _reduce(total, dist.ReduceOp.SUM, model_parallel_group, None)
     return int(total.item())

@@ -159,7 +159,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def count_zeros(self) -> int:
         return count_zeros_fp32(self.get_parameters(), self.model_parallel_group, self.tp_rank,
-                                data_parallel_group=self.data_parallel_group, device=self._device)
+                                data_parallel_group=self.data_parallel_group, device=self._device,
+                                expert_parallel_group=self.expert_parallel_group,
+                                expert_data_parallel_group=self.expert_data_parallel_group)
 
     # ------------------------------------------------------------------ step
     def finish_param_sync(self) -> None:

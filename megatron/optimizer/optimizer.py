@@ -122,7 +122,8 @@ class MegatronOptimizer:
         )
 
     def count_zeros(self) -> int:
-        return count_zeros_fp32(self.get_parameters(), self.model_parallel_group, self.tp_rank)
+        return count_zeros_fp32(self.get_parameters(), self.model_parallel_group, self.tp_rank,
+                                expert_parallel_group=self.expert_parallel_group)
 
     def _clip_count_and_step(self, timers: Optional[Callable]) -> Tuple[Optional[float], Optional[int]]:
         """The shared tail of every step: clip the gradients (--clip-grad), count zeros if asked, inner step."""

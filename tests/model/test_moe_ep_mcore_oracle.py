@@ -103,7 +103,8 @@ torch.save(res, f"out{rank}.pt")
 
 def test_expert_parallel_layer_equals_megatron_core_alltoall(tmp_path):
     g = torch.Generator().manual_seed(11)
-    w = {"router": torch.randn(EXPERTS, H, generator=g) * 0.3, "w1": torch.randn(EXPERTS, H, 2 * FFN, generator=g) * 0.1,
+    w = {"router": torch.randn(EXPERTS, H, generator=g) * 0.3,
+         "w1": torch.randn(EXPERTS, H, 2 * FFN, generator=g) * 0.1,
          "w2": torch.randn(EXPERTS, FFN, H, generator=g) * 0.1,
          "xs": [torch.randn(16, 2, H, generator=g) for _ in range(2)],
          "gs": [torch.randn(16, 2, H, generator=g) for _ in range(2)]}

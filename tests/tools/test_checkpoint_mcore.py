@@ -346,9 +346,14 @@ def test_ours_torch_dist_optimizer_state_resumes_in_megatron_core(oracle):
 def test_torch_dist_save_flags_refused_in_one_line(tmp_path):
     from megatron.errors import ArgumentError
 
+    save = ["--save", str(tmp_path), "--save-interval", "1", "--ckpt-format", "torch_dist"]
     with pytest.raises(ArgumentError, match="--deepspeed") as info:
-        run_args("gpt", tmp_path, "--save", str(tmp_path), "--save-interval", "1", "--ckpt-format", "torch_dist",
-                 "--deepspeed")
+        run_args("gpt", tmp_path, *save, "--deepspeed")
+    assert "\n" not in str(info.value)
+    args = parse_args(args=[*BASE, *FLAGS["moe"], *save, "--expert-model-parallel-size", "2"])
+    args.rank, args.world_size = 1, 2
+    with pytest.raises(ArgumentError, match="under expert parallelism") as info:
+        validate_args(args, {})
     assert "\n" not in str(info.value)
     assert run_args("gpt", tmp_path, "--save", str(tmp_path), "--ckpt-format", "torch_dist").ckpt_format == \
         "torch_dist"  # the optimizer state is saved too (no --no-save-optim needed)
@@ -384,3 +389,31 @@ def test_moe_expert_names_both_spellings_round_trip():
     with pytest.raises(UnsupportedCoreCheckpoint, match=r"experts of .*weight2 are \[0, 2\]") as info:
         core_to_ours(local)
     assert "\n" not in str(info.value)
+
+
+def _load_moe_at_ep2(rank: int, world_size: int, load: str) -> torch.Tensor:
+    """Our MoE at DP2 x EP2 (2 experts per rank) loaded from `load`; this rank's logits on the oracle's tokens."""
+    from megatron.checkpointing import load_checkpoint
+    from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+
+    state = initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    try:
+        args = run_args("moe", Path(load), "--finetune", "--expert-model-parallel-size", "2")
+        model = our_model(args, state)
+        load_checkpoint([model], None, None, args)
+        assert model.state_dict()["language_model.encoder.layers.0.mlp.experts.weight1"].size(0) == 2
+        with torch.no_grad():
+            return model(*tokens())
+    finally:
+        destroy_model_parallel()
+
+
+@pytest.mark.slow
+def test_core_moe_torch_dist_loads_at_our_expert_parallel_ep2(oracle):
+    """Megatron Core's MoE torch_dist folder (all 4 experts stacked) at our EP2: each rank takes its 2 experts and
+    both give Core's logits."""
+    from tests.dist_utils import run_distributed
+
+    ref = torch.load(oracle / "out" / "moe" / "logits.pt")
+    for logits in run_distributed(_load_moe_at_ep2, world_size=2, args=(str(oracle / "out" / "moe" / "dist_tp1"),)):
+        torch.testing.assert_close(logits, ref, **TOL)

@@ -1,11 +1,14 @@
 """Expert parallelism end to end: the tiny Mixtral-style MoE GPT of tests/training/test_moe_training.py (4 experts,
 top-2, z-loss, gated shared expert, MoE and dense layers mixed) trains the serial run's 20-step curve (lm loss and
 load_balancing_loss within 1e-5 relative) with its experts sharded over 2 ranks: EP2 (allgather dispatcher),
-EP2 + TP2 + SP (alltoall), EP2 x DP2 with the distributed optimizer and capacity dropping (allgather), EP2 x PP2 with
-capacity dropping (alltoall). Resuming EP2 and EP2 x DP2 (distributed optimizer) at iteration 10 reproduces 11..20
-exactly; the logged grad norms equal the serial run's (each expert counted once); checkpoints use Megatron-LM's per-rank folders with the expert rank (mp_rank_TT[_PPP]_EEE).
-tools/checkpoint/convert.py reshapes EP2 -> EP1 (a serial run continues the curve) and EP1 -> EP2 (an EP2 run under
---use-checkpoint-args continues it), optimizer state included. Three process launches (2, 1 and 4 ranks)."""
+EP2 + TP2 + SP (alltoall), EP2 x DP2 with the distributed optimizer and capacity dropping (allgather; the grad
+reduction overlapped with backward in several buckets, the expert ones over the expert-data-parallel group),
+EP2 x PP2 with capacity dropping (alltoall). Clipping is active and the logged grad norms and zero counts equal the
+serial run's (each expert counted once). Resuming EP2 and EP2 x DP2 (distributed optimizer) at iteration 10
+reproduces 11..20 exactly; checkpoints use Megatron-LM's per-rank folders with the expert rank
+(mp_rank_TT[_PPP]_EEE). tools/checkpoint/convert.py reshapes EP2 -> EP1 (a serial run continues the curve) and
+EP1 -> EP2 (an EP2 run under --use-checkpoint-args continues it), optimizer state included. Three process launches
+(2, 1 and 4 ranks)."""
 from __future__ import annotations
 
 import re
@@ -27,13 +30,18 @@ CLIP = 0.6  # below the tiny model's grad norms after a few steps: clipping (and
 
 
 def _argv(data: dict, *extra: str) -> list[str]:
-    return _moe_argv(data, *extra, "--clip-grad", str(CLIP))
-NORM = re.compile(r" iteration +(\d+)/ *\d+ \|.*? grad norm: ([0-9.]+) \|")
+    return _moe_argv(data, *extra, "--clip-grad", str(CLIP), "--log-num-zeros-in-grad")
+
+
+NORM = re.compile(r" iteration +(\d+)/ *\d+ \|.*? grad norm: ([0-9.]+) \| num zeros: ([0-9.]+) \|")
 
 
 def _norms_match(result: dict, ref: dict, what: str) -> None:
-    """The logged grad norms (3 decimals) equal the serial run's: each expert counted once over the EP ranks."""
-    mine, theirs = ({int(i): float(v) for i, v in NORM.findall(r["stdout"])} for r in (result, ref))
+    """The logged grad norms (3 decimals) and zero counts equal the serial run's: each expert counted once over the
+    EP ranks."""
+    mine, theirs = ({int(i): float(v) for i, v, _ in NORM.findall(r["stdout"])} for r in (result, ref))
+    zeros, zeros_ref = ({int(i): float(z) for i, _, z in NORM.findall(r["stdout"])} for r in (result, ref))
+    assert zeros == zeros_ref, f"{what}: zero counts {zeros} vs serial {zeros_ref}"
     assert sorted(mine) == list(range(1, ITERS + 1)), f"{what}: grad norms {sorted(mine)}"
     assert max(theirs.values()) > CLIP, f"--clip-grad {CLIP} should clip some steps"
     for it, norm in mine.items():
@@ -90,7 +98,7 @@ def test_expert_parallel_layouts_match_serial_and_resume(gpt_data: dict, tmp_pat
           z_loss=False)
 
     # 4 ranks: EP2 + TP2 + SP, EP2 x DP2 + distributed optimizer (saving at 10, resumed), EP2 x PP2
-    distopt = [*EP2, "--use-distributed-optimizer", *CAPACITY]
+    distopt = [*EP2, "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "20000", *CAPACITY]
     res = run_distributed(run_steps, 4, args=([
         ("train", _argv(gpt_data, *EP2, *TP2, *ALLTOALL)),
         ("train", _argv(gpt_data, *distopt, *save("distopt"))),
