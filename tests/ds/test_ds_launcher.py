@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.dist_utils import free_port
-from tests.training._workers import LOSS_RE
+from tests.log_lines import iteration_values
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -82,7 +82,7 @@ def test_issue_command_runs_under_deepspeed_launcher(shared_data: Path, tmp_path
     if not torch.cuda.is_available():
         assert re.search(r"notice: fp16 .*fp32", proc.stdout), proc.stdout[:3000]
     # 100 samples at the ramp's starting global batch of 2 = 50 iterations, logged every 10.
-    losses = {int(m.group(1)): float(m.group(2)) for m in LOSS_RE.finditer(proc.stdout)}
+    losses = iteration_values(proc.stdout)
     assert sorted(losses) == [10, 20, 30, 40, 50], proc.stdout[-3000:]
     assert all(math.isfinite(v) for v in losses.values()) and losses[50] < losses[10]
     assert " iteration       50/      50 | consumed samples:          100 |" in proc.stdout
