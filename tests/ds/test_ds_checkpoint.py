@@ -7,7 +7,6 @@ the ZeRO-1 checkpoint (weights only: iteration and consumed samples start again 
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -15,16 +14,16 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.ds._workers import run_pretrain_ds, tiny_gpt_argv, write_ds_config
+from tests.log_lines import iteration_values, validation_values
 
-LOSS_STR_RE = re.compile(r" iteration +(\d+)/ *\d+ \| consumed samples: +(\d+) \|.* lm loss: ([0-9.E+-]+) \|.*"
-                         r"grad norm: ([0-9.]+) \|")
-VAL_STR_RE = re.compile(r" validation loss at (iteration \d+) \| lm loss value: ([0-9.E+-]+) \|")
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
 def _log(stdout: str) -> dict:
-    train = {int(m.group(1)): m.group(2, 3, 4) for m in LOSS_STR_RE.finditer(stdout)}
-    return {"train": train, "val": VAL_STR_RE.findall(stdout)}
+    cols = [iteration_values(stdout, key, as_text=True) for key in ("consumed samples", "lm loss", "grad norm")]
+    train = {it: tuple(col[it] for col in cols) for it in cols[1] if all(it in col for col in cols)}
+    val = [(where, v) for where, v in validation_values(stdout, as_text=True) if where.startswith("iteration ")]
+    return {"train": train, "val": val}
 
 
 def _runs(rank: int, world_size: int, runs: list[list[str]]) -> list[dict]:

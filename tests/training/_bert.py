@@ -14,19 +14,16 @@ import io
 import json
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
+from tests.log_lines import iteration_values, validation_values
+
 ITERS = 20
 REL = 1e-5
 NUM_DOCS = 60
-LOSS_RE = re.compile(r" iteration +(\d+)/ *\d+ \|.* lm loss: ([0-9.E+-]+) \| sop loss: ([0-9.E+-]+) \|"
-                     r".*grad norm: ([0-9.]+) \|")
-VAL_RE = re.compile(r" validation loss at (.+?) \| lm loss value: ([0-9.E+-]+) \| lm loss PPL: [0-9.E+-]+ \| "
-                    r"sop loss value: ([0-9.E+-]+) \| sop loss PPL: [0-9.E+-]+ \|")
 _SERIAL: dict = {}
 
 
@@ -78,12 +75,11 @@ def bert_argv(data: dict, *extra: str, iters: int = ITERS, layers: int = 2) -> l
 
 def parse_curve(text: str) -> dict:
     """{'train': {it: (lm, sop)}, 'grad_norm': {it: norm}, 'val': [(prefix, lm, sop)]} from the printed log."""
-    train, norms = {}, {}
-    for m in LOSS_RE.finditer(text):
-        train[int(m.group(1))] = (float(m.group(2)), float(m.group(3)))
-        norms[int(m.group(1))] = float(m.group(4))
-    val = [(m.group(1), float(m.group(2)), float(m.group(3))) for m in VAL_RE.finditer(text)]
-    return {"train": train, "grad_norm": norms, "val": val}
+    lm, sop, norm = (iteration_values(text, key) for key in ("lm loss", "sop loss", "grad norm"))
+    both = [it for it in lm if it in sop and it in norm]
+    val = [(where, a, b) for (where, a), (_, b) in zip(validation_values(text, "lm loss value"),
+                                                        validation_values(text, "sop loss value"))]
+    return {"train": {it: (lm[it], sop[it]) for it in both}, "grad_norm": {it: norm[it] for it in both}, "val": val}
 
 
 def _serial_bert(args: Any, state: Any) -> torch.nn.Module:

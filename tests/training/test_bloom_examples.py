@@ -4,12 +4,13 @@ tokenizer.json folder."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.log_lines import iteration_lines
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 REPO = EXAMPLES.parent
@@ -85,7 +86,7 @@ def test_pretrain_bloom_sh_runs_tiny_under_deepspeed(shared_data: Path, tmp_path
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert " iteration        2/       2 |" in proc.stdout
-    losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", proc.stdout)]
+    losses = [loss for _, loss in iteration_lines(proc.stdout)]
     assert len(losses) >= 2 and all(7.5 < x < 9.5 for x in losses[:2])  # ~ln(5120) at initialisation
     config = (tmp_path / "ckpt" / "ds_config.json").read_text()
     assert '"stage": 1' in config and '"train_batch_size": 4' in config

@@ -3,7 +3,6 @@ tiny preset on data preprocessed with the Llama2Tokenizer."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.interpreter import path_with_this_python
+from tests.log_lines import iteration_lines
 from tests.tokenizer.llama_files import train_llama_sentencepiece
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -83,7 +83,7 @@ def test_pretrain_llama_sh_runs_tiny(shared_data: Path, tmp_path: Path) -> None:
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert " iteration        2/       2 |" in proc.stdout
-    losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", proc.stdout)]
+    losses = [loss for _, loss in iteration_lines(proc.stdout)]
     assert len(losses) >= 2 and all(7.0 < x < 8.5 for x in losses[:2])  # ~ln(2048) at initialisation
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
 

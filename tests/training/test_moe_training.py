@@ -8,7 +8,6 @@ impossible layouts are one-line errors."""
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from megatron.arguments import ArgumentError, parse_args, validate_args
 from tests.dist_utils import run_distributed
 from tests.ds._workers import write_ds_config
+from tests.log_lines import iteration_values
 from tests.training._llama import run_many
 from tests.training._workers import tiny_gpt_argv
 
@@ -27,8 +27,6 @@ MOE = ["--hidden-size", "32", "--seq-length", "32", "--max-position-embeddings",
        "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
        "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-layer-freq", "[1,0]",
        "--micro-batch-size", "2", "--eval-interval", "10"]
-LINE = re.compile(r" iteration +(\d+)/ *\d+ \|.* lm loss: ([0-9.E+-]+) \| load_balancing_loss: ([0-9.E+-]+) \|"
-                  r" z_loss: ([0-9.E+-]+) \|")
 CAPACITY = ["--moe-expert-capacity-factor", "1.0"]  # top-2 with dropping (capacity per micro-batch)
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 # Under TP+SP Megatron-LM's router sees each rank's sequence slice (so capacity would be per slice): TP runs dropless.
@@ -46,7 +44,8 @@ def _argv(data: dict, *extra: str) -> list[str]:
 
 def _curve(result: dict, what: str) -> dict:
     assert result["error"] is None, f"{what}: {result['error']}"
-    return {int(m.group(1)): tuple(float(x) for x in m.groups()[1:]) for m in LINE.finditer(result["stdout"])}
+    lm, lbl, z = (iteration_values(result["stdout"], key) for key in ("lm loss", "load_balancing_loss", "z_loss"))
+    return {it: (lm[it], lbl[it], z[it]) for it in lm if it in lbl and it in z}
 
 
 def _same(curve: dict, ref: dict, what: str, iters=range(1, ITERS + 1), z_loss: bool = True) -> None:

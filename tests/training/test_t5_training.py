@@ -13,7 +13,6 @@ import contextlib
 import io
 import math
 import os
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -22,12 +21,11 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.ds._workers import write_ds_config
+from tests.log_lines import iteration_values, validation_values
 from tests.training._bert import session_bert_data
 
 ITERS = 20
 REL = 1e-5
-LOSS_RE = re.compile(r" iteration +(\d+)/ *\d+ \|.* lm loss: ([0-9.E+-]+) \|.*grad norm: ([0-9.]+) \|")
-VAL_RE = re.compile(r" validation loss at (.+?) \| lm loss value: ([0-9.E+-]+) \|")
 
 
 def t5_argv(data: dict, *extra: str, iters: int = ITERS) -> list[str]:
@@ -44,10 +42,9 @@ def t5_argv(data: dict, *extra: str, iters: int = ITERS) -> list[str]:
 
 
 def parse_curve(text: str) -> dict:
-    train = {int(m.group(1)): float(m.group(2)) for m in LOSS_RE.finditer(text)}
-    norms = {int(m.group(1)): float(m.group(3)) for m in LOSS_RE.finditer(text)}
-    val = [(m.group(1), float(m.group(2))) for m in VAL_RE.finditer(text)]
-    return {"train": train, "grad_norm": norms, "val": val}
+    lm, norms = iteration_values(text), iteration_values(text, "grad norm")
+    train = {it: loss for it, loss in lm.items() if it in norms}
+    return {"train": train, "grad_norm": {it: norms[it] for it in train}, "val": validation_values(text)}
 
 
 def run_t5(rank: int, world_size: int, argv: list[str], resume_from: Optional[tuple[str, int]] = None) -> dict:
