@@ -146,10 +146,6 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     if ep > 1 and (getattr(args, "context_parallel_size", 1) or 1) > 1:
         raise ArgumentError("--expert-model-parallel-size > 1 with --context-parallel-size > 1 is not implemented; "
                             "use one of them")
-    if ep > 1 and getattr(args, "ckpt_format", "torch") == "torch_dist":
-        raise ArgumentError("--ckpt-format torch_dist with --expert-model-parallel-size > 1 is not implemented; save "
-                            "with --ckpt-format torch (per-rank mp_rank_TT[_PPP]_EEE folders) and convert with "
-                            "tools/checkpoint/convert.py")
     world = getattr(args, "world_size", 1) or 1
     dp = world // max(1, tp * args.pipeline_model_parallel_size)
     if ep < 1 or dp % ep:
