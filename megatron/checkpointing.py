@@ -75,8 +75,8 @@ def reshard_hint(load_dir: str) -> str:
     if load_dir.endswith(".pt"):  # .../iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt -> the --load directory
         load_dir = os.path.dirname(os.path.dirname(os.path.dirname(load_dir)))
     return (f"reshard it: python tools/checkpoint/convert.py --model-type GPT --load-dir {load_dir} --save-dir NEW "
-            "--target-tensor-parallel-size N --target-pipeline-parallel-size M (MoE: --target-expert-parallel-size E), "
-            "then --load NEW --no-load-rng")
+            "--target-tensor-parallel-size N --target-pipeline-parallel-size M, then --load NEW --no-load-rng "
+            "(MoE: add --target-expert-parallel-size E to the convert.py command)")
 
 
 def _print0(msg: str) -> None:
