@@ -64,6 +64,14 @@ def _inputs(batch: int = 2, seq: int = 11):
     return ids, pos, torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
 
 
+def convert(*argv: str) -> None:
+    """tools/checkpoint/convert.py for a GPT-type model, in this process."""
+    from megatron.checkpoint_conversion.driver import convert as run
+    from megatron.checkpoint_conversion.driver import parse_args
+
+    run(parse_args(["--model-type", "GPT", *argv]))
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_and_greedy_generation_equal_hf(family, tmp_path):
     hf = _hf(family, tmp_path / "hf")
@@ -103,13 +111,7 @@ def test_hf_to_megatron_to_hf_round_trip_is_bitwise(family, tmp_path):
 def test_convert_cli_hf_to_megatron_tp2_pp3_and_back_is_bitwise(tmp_path):
     """tools/checkpoint/convert.py's driver: Qwen2-MoE (shared expert, a dense layer) -> Megatron TP=2 x PP=3
     -> HF."""
-    from megatron.checkpoint_conversion.driver import convert as run
-    from megatron.checkpoint_conversion.driver import parse_args
-
     _hf("qwen2moe_shared_dense_layer", tmp_path / "hf", seed=5)
-
-    def convert(*argv: str) -> None:
-        run(parse_args(["--model-type", "GPT", *argv]))
 
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", str(tmp_path / "hf"), "--save-dir",
             str(tmp_path / "meg"), "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "3")
@@ -127,13 +129,7 @@ def test_convert_cli_hf_to_megatron_tp2_pp3_and_back_is_bitwise(tmp_path):
 def test_convert_cli_hf_mixtral_to_megatron_ep2_tp2_and_back_is_bitwise(tmp_path):
     """HF Mixtral -> Megatron with its experts over 2 expert ranks (x TP=2: Megatron-LM's mp_rank_TT_EEE folders,
     each holding 2 of the 4 experts) -> HF, bitwise."""
-    from megatron.checkpoint_conversion.driver import convert as run
-    from megatron.checkpoint_conversion.driver import parse_args
-
     _hf("mixtral_top2", tmp_path / "hf", seed=6)
-
-    def convert(*argv: str) -> None:
-        run(parse_args(["--model-type", "GPT", *argv]))
 
     convert("--loader", "hf", "--saver", "megatron", "--load-dir", str(tmp_path / "hf"), "--save-dir",
             str(tmp_path / "meg"), "--target-tensor-parallel-size", "2", "--target-expert-parallel-size", "2")

@@ -5,6 +5,7 @@ import contextlib
 import io
 import os
 import signal
+from pathlib import Path
 from typing import Any, Optional
 
 from tests.log_lines import parse_losses  # noqa: F401  (re-exported: the tests' old import path)
@@ -22,6 +23,15 @@ def tiny_gpt_argv(data: dict, *extra: str, iters: int = 20) -> list[str]:
         "--split", "98,2,0", "--log-interval", "1", "--eval-interval", "10", "--eval-iters", "2",
         "--num-workers", "0", "--seed", "1234", *extra,
     ]
+
+
+def checkpoint_at(ckpt: Path, iteration: int, tmp_path: Path) -> Path:
+    """A --load folder holding only `iteration` of `ckpt` (which saved later ones too)."""
+    out = tmp_path / f"{ckpt.name}_at{iteration}"
+    out.mkdir()
+    (out / f"iter_{iteration:07d}").symlink_to(ckpt / f"iter_{iteration:07d}")
+    (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return out
 
 
 def curve_from_result(result: dict) -> dict[str, Any]:

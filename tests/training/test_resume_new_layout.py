@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.training._workers import checkpoint_at as _at
 from tests.training._workers import parse_losses, run_pretrain, tiny_gpt_argv
 
 REL = 1e-5
@@ -34,15 +35,6 @@ def _run(world_size: int, argv: list[str]) -> str:
 
 def _steps(stdout: str) -> dict:
     return {int(m.group(1)): (int(m.group(2)), m.group(3)) for m in STEP_RE.finditer(stdout)}
-
-
-def _at(ckpt: Path, iteration: int, tmp_path: Path) -> Path:
-    """A --load folder holding only `iteration` of `ckpt` (which saved later ones too)."""
-    out = tmp_path / f"{ckpt.name}_at{iteration}"
-    out.mkdir()
-    (out / f"iter_{iteration:07d}").symlink_to(ckpt / f"iter_{iteration:07d}")
-    (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    return out
 
 
 def _convert(src: Path, dst: Path, *extra: str) -> dict:

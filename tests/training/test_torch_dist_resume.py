@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import run_distributed
+from tests.training._workers import checkpoint_at as _at
 from tests.training._workers import curve_from_result, run_pretrain, tiny_gpt_argv
 
 REL = 1e-5
@@ -27,14 +28,6 @@ def _run(argv: list[str]) -> dict:
     results = run_distributed(run_pretrain, 2, args=(argv,))
     assert all(r["error"] is None for r in results), [r["error"] for r in results]
     return dict(results[-1], stdout="".join(r["stdout"] for r in results))
-
-
-def _at(ckpt: Path, iteration: int, tmp_path: Path) -> Path:
-    out = tmp_path / f"{ckpt.name}_at{iteration}"
-    out.mkdir()
-    (out / f"iter_{iteration:07d}").symlink_to(ckpt / f"iter_{iteration:07d}")
-    (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    return out
 
 
 def _assert_continues(resumed: dict, original: dict, what: str) -> None:
