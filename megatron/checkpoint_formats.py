@@ -125,12 +125,13 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
     torch_dist folder with Megatron Core names; common.pt keeps args, iteration, consumed samples, the LR schedule
     and each model-parallel rank's RNG state; with `optimizer` the optimizer state goes along (fully_reshardable)."""
     from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.megatron_format import rank_files, read_megatron
+    from megatron.checkpoint_conversion.megatron_format import expert_rank_files, rank_files, read_megatron
     from megatron.checkpoint_conversion.torch_dist import write_torch_dist
     from megatron.safe_load import safe_torch_load
 
     try:
-        files = rank_files(iter_dir)
+        ep, expert_files = expert_rank_files(iter_dir)  # expert parallelism: read_megatron merges the experts
+        files = {(t, p): path for (t, p, e), path in expert_files.items() if e == 0} if ep > 1 else rank_files(iter_dir)
         meta, messages = read_megatron(save_dir, iteration=iteration, optimizer=optimizer)
         first = safe_torch_load(files[(0, 0)], map_location="cpu")
         keep = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens",
