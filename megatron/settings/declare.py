@@ -64,7 +64,8 @@ class Spec:
 
 
 def setting(*flags: str, help: str, default: Any = None, action: Optional[str] = None, type: Any = None,
-            choices: Any = None, nargs: Optional[str] = None, also: Tuple[Tuple[str, ...], Dict[str, Any]] = (),
+            choices: Any = None, nargs: Optional[str] = None, required: Optional[bool] = None,
+            also: Tuple[Tuple[Tuple[str, ...], Dict[str, Any]], ...] = (),
             config: Union[bool, str, ConfigField, Tuple[Union[str, ConfigField], ...]] = (), arch: Optional[int] = None,
             feeds: Tuple[str, ...] = (), read_by: Optional[str] = None, variant: Optional[str] = None,
             refused: Optional[str] = None, families: Tuple[str, ...] = (),
@@ -82,8 +83,8 @@ def setting(*flags: str, help: str, default: Any = None, action: Optional[str] =
     fields = tuple(ConfigField(c) if isinstance(c, str) else c for c in (config or ()))
     if arch is not None:
         fields = (dataclasses.replace(fields[0], arch=arch),) + fields[1:]
-    kwargs = {k: v for k, v in (("action", action), ("type", type), ("choices", choices), ("nargs", nargs))
-              if v is not None}
+    kwargs = {k: v for k, v in (("action", action), ("type", type), ("choices", choices), ("nargs", nargs),
+                                ("required", required)) if v is not None}
     spec = Spec(flags=tuple(flags), help=help, parser_kwargs=kwargs, also=tuple(also), config=fields,
                 feeds=tuple(feeds), read_by=read_by, variant=variant, refused=refused, families=tuple(families),
                 restore_if_unset=restore_if_unset)
