@@ -95,7 +95,7 @@ def layer_layouts(meta: ModelMeta) -> Dict[str, TensorParallelLayout]:
             _LAYOUT_CACHE[key] = layouts
         else:
             from megatron.core.tensor_parallel.layout import get_tp_layout
-            from megatron.model.bert_model import BertModel
+            from megatron.models.bert.model import BertModel
 
             with torch.device("meta"):
                 model = BertModel(config, num_tokentypes=bert["num_tokentypes"],
