@@ -6,6 +6,7 @@ are same-result variants; the rest are refused at start-up with one line (their 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from megatron.errors import ArgumentError
 
