@@ -206,7 +206,7 @@ RUNTIME_SETTINGS: Dict[str, str] = {
     "max_gen_toks": "tasks/eval_harness/evaluate.py",
     # mixture of experts (megatron/moe_arguments.py checks them)
     "moe_per_layer_logging": "megatron/training.py",
-    "expert_tensor_parallel_size": "megatron/moe_arguments.py",  # must equal TP (checked there)
+    "expert_tensor_parallel_size": "megatron/moe_arguments.py",  # expert grid; refusals checked there
 }
 
 # In Megatron these only choose a kernel or a communication pattern; the numbers are the same. We have one variant.

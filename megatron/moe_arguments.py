@@ -140,19 +140,19 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     ep, tp = args.expert_model_parallel_size, args.tensor_model_parallel_size
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp  # Megatron-LM's default
-    if args.expert_tensor_parallel_size != tp:
-        raise ArgumentError(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} is not implemented: "
-                            f"the experts use --tensor-model-parallel-size ({tp}); drop the flag or set it to {tp}")
+    etp = args.expert_tensor_parallel_size
+    if etp != tp:
+        _check_expert_tensor_parallel(args, tp, etp, ep)
     if ep > 1 and (getattr(args, "context_parallel_size", 1) or 1) > 1:
         raise ArgumentError("--expert-model-parallel-size > 1 with --context-parallel-size > 1 is not implemented; "
                             "use one of them")
     world = getattr(args, "world_size", 1) or 1
     dp = world // max(1, tp * args.pipeline_model_parallel_size)
-    if ep < 1 or dp % ep:
+    if etp == tp and (ep < 1 or dp % ep):
         raise ArgumentError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp} = world "
                             f"size {world} / (TP x PP)); launch a multiple of "
                             f"{tp * args.pipeline_model_parallel_size * max(ep, 1)} processes")
-    if ep > 1 and getattr(args, "deepspeed", False):
+    if (ep > 1 or etp != tp) and getattr(args, "deepspeed", False):
         raise ArgumentError("--expert-model-parallel-size > 1 with --deepspeed is not implemented (DeepSpeed's engine "
                             "reduces every grad over its data-parallel group); train without --deepspeed, whose "
                             "local DDP and distributed optimizer reduce expert grads over the expert-data-parallel "
@@ -165,3 +165,24 @@ def validate_moe_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--num-experts with --deepspeed runs on DeepSpeed's data-parallel engine (ZeRO-1/2/3), "
                             "not its pipeline engine: drop --pipeline-model-parallel-size or train without "
                             "--deepspeed (our 1F1B schedules run MoE under PP)")
+
+
+def _check_expert_tensor_parallel(args: Any, tp: int, etp: int, ep: int) -> None:
+    """--expert-tensor-parallel-size different from TP (Megatron-LM core's expert grid): what is implemented."""
+    world, pp = getattr(args, "world_size", 1) or 1, args.pipeline_model_parallel_size
+    if etp < 1 or world % (etp * ep * pp):
+        raise ArgumentError(f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size ({ep}) x "
+                            f"--pipeline-model-parallel-size ({pp}) must divide the world size ({world})")
+    if args.moe_ffn_hidden_size % etp:
+        raise ArgumentError(f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be divisible by "
+                            f"--expert-tensor-parallel-size ({etp})")
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        raise ArgumentError("--expert-tensor-parallel-size different from --tensor-model-parallel-size with "
+                            "--context-parallel-size > 1 is not implemented")
+    if getattr(args, "ckpt_format", "torch") == "torch_dist":
+        raise ArgumentError("--expert-tensor-parallel-size different from --tensor-model-parallel-size with "
+                            "--ckpt-format torch_dist is not implemented; use --ckpt-format torch")
+    if etp > 1 and (getattr(args, "save", None) or getattr(args, "load", None)):
+        raise ArgumentError(f"--expert-tensor-parallel-size {etp} (> 1, != TP {tp}) cannot be saved or loaded: "
+                            f"Megatron-LM's per-rank folders mp_rank_TT[_PPP]_EEE cannot tell its expert-TP shards "
+                            f"apart; drop --save/--load or use --expert-tensor-parallel-size 1 or {tp}")

@@ -79,7 +79,7 @@ def load_logits(family: str, load: Path, *extra: str) -> torch.Tensor:
 
 
 def our_bert(args):
-    from megatron.model.bert_model import BertModel
+    from megatron.models.bert.model import BertModel
 
     return BertModel(core_transformer_config_from_args(args), num_tokentypes=2, add_binary_head=True,
                      parallel_output=False)
