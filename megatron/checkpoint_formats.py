@@ -145,6 +145,9 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
         raise CheckpointFormatError(f"--ckpt-format torch_dist: {exc}") from None
 
 
+_EXPERT_STACKS = (".mlp.experts.weight1", ".mlp.experts.weight2")
+
+
 def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], model: torch.nn.Module,
                num_layers: int, chunk: int, state: Any) -> Dict[str, torch.Tensor]:
     """This rank's part of a full flat state dict for one model chunk: its pipeline layers (renumbered), the
@@ -171,13 +174,19 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
             piece[key] = repad_rows(piece[key], own[key].size(0) * state.tp_size)
     piece = {k: v for k, v in piece.items() if k in own}
     if (getattr(state, "ep_size", 1) or 1) > 1:  # expert parallelism: this rank's experts (dim 0 of the stacks)
-        for key in [k for k in piece if k.endswith((".mlp.experts.weight1", ".mlp.experts.weight2"))]:
+        for key in [k for k in piece if k.endswith(_EXPERT_STACKS)]:
             n = own[key].size(0)
             piece[key] = piece[key][state.ep_rank * n:(state.ep_rank + 1) * n]
+    experts = {}
+    if getattr(state, "expert_tp_differs", False):  # --expert-tensor-parallel-size != TP: experts split over it
+        experts = {k: piece.pop(k) for k in [k for k in piece if k.endswith(_EXPERT_STACKS)]}
+        if state.etp_size > 1:
+            experts = split_tensor_parallel_state_dict(experts, state.etp_size,
+                                                       layouts=tensor_parallel_layouts(model))[state.etp_rank]
     if state.tp_size > 1:
         piece = split_tensor_parallel_state_dict(piece, state.tp_size, layouts=tensor_parallel_layouts(model))[
             state.tp_rank]
-    return piece
+    return {**piece, **experts}
 
 
 def _load_optimizer_state(optimizer: Any, models: List[Any], opt_full: Dict[str, Dict[str, torch.Tensor]],
