@@ -168,6 +168,7 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
         timeout=peer_failure.distributed_timeout(args.distributed_timeout_minutes),  # bounds every group's wait
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
         context_parallel_size=getattr(args, "context_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
     )
     if args.rank == 0:
         print(f"> initialized tensor model parallel with size {state.tp_size}", flush=True)

@@ -55,7 +55,7 @@ def _wrap_chunk(model: torch.nn.Module, args: argparse.Namespace, state: ps.Para
         from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 
         if args.DDP_impl == "torch":
-            if state.ep_size > 1:
+            if state.expert_groups:
                 raise ValueError("--DDP-impl torch cannot reduce expert grads over the expert-data-parallel group; "
                                  "use --DDP-impl local with --expert-model-parallel-size > 1")
             model = TorchDistributedDataParallel(model, dp_group=state.dp_cp_group)  # DP x CP: gradients
@@ -68,7 +68,7 @@ def _wrap_chunk(model: torch.nn.Module, args: argparse.Namespace, state: ps.Para
                 use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
                 overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
                 bucket_size=getattr(args, "ddp_bucket_size", None),
-                expert_dp_group=state.edp_group if state.ep_size > 1 else None,
+                expert_dp_group=state.edp_group if state.expert_groups else None,
             )
             if getattr(args, "data_parallel_random_init", False):
                 model.broadcast_params()  # start every data-parallel replica from DP rank 0's weights

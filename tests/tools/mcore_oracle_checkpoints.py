@@ -6,10 +6,13 @@ writes its logits on fixed tokens, saves it as `torch` (per-rank files with Core
 `--ckpt-format torch`) and `torch_dist` (dist_checkpointing.save) at TP1, then rebuilds it at TP2 and PP2 (weights
 loaded by dist_checkpointing from the TP1 folder) and saves both formats there too. When `ours/<family>` holds a
 torch_dist checkpoint written by our code, it is loaded with dist_checkpointing.load into Core models at TP1 and TP2
-and their logits are written. Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
-with its distributed optimizer (Adam, DP2) takes 6 steps on the batches of `batches.pt`, saving a torch_dist
-checkpoint with the optimizer state (fully_reshardable) after step 3; its per-step losses are the run that never
-stopped. When `ours_train` names our torch_dist save (with optimizer state) of a run on the same batches, it is
+and their logits are written. A tiny BERT (Core's BertModel, local spec, tied head, binary head; `bert`) is saved
+the same way at TP1 and TP2, and ours loaded into it. Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
+with its distributed optimizer (Adam, DP2) takes 6 steps on the batches of `batches.pt`, saving torch_dist
+checkpoints with the optimizer state (fully_reshardable in `train`, Megatron-LM's default dp_reshardable in
+`train_dp`) and Megatron-LM's RNG state after step 3; its per-step losses are the run that never stopped. One
+optimizer state (random Adam moments) of the GPT at TP2 and PP2 and of the Llama at TP2 is saved in both layouts
+(`layouts/`). When `ours_train` names our torch_dist save (with optimizer state) of a run on the same batches, it is
 loaded into that model and optimizer and steps 4-6 are taken again. Inputs and outputs: the folder it runs in (see
 job.json). The test prepends tests/mcore_oracle.py's ORACLE_CPU_PRELUDE (the CPU stand-ins).
 """
@@ -58,6 +61,7 @@ def megatron_lm_args(family: str, tp: int, pp: int) -> argparse.Namespace:
                               max_position_embeddings=SEQ, seq_length=SEQ, padded_vocab_size=VOCAB,
                               make_vocab_size_divisible_by=128, norm_epsilon=1e-5, bias_activation_fusion=False,
                               openai_gelu=False, squared_relu=False, add_qkv_bias=False, rotary_percent=1.0,
+                              transformer_impl="local",
                               apply_layernorm_1p=False, tensor_model_parallel_size=tp,
                               pipeline_model_parallel_size=pp, iteration=ITER, consumed_train_samples=80,
                               consumed_valid_samples=0, tokenizer_type="NullTokenizer",
@@ -131,6 +135,80 @@ def logits_of(model: GPTModel):
         return model(*tokens()).detach()
 
 
+def build_bert():
+    """Megatron Core's BertModel (local layer spec; tied LM head, 2 token types, binary head and pooler)."""
+    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+    from megatron.core.models.bert.bert_model import BertModel
+
+    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                            pipeline_dtype=torch.float32,
+                            tensor_model_parallel_size=mps.get_tensor_model_parallel_world_size())
+    return BertModel(config=cfg, num_tokentypes=2, transformer_layer_spec=bert_layer_local_spec, vocab_size=VOCAB,
+                     max_sequence_length=SEQ, add_binary_head=True, parallel_output=False,
+                     share_embeddings_and_output_weights=True)
+
+
+def bert_inputs():
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, 11:] = 0  # padding
+    types = torch.zeros_like(ids)
+    types[:, 8:] = 1
+    return ids, mask, types
+
+
+def bert_logits(model):
+    ids, mask, types = bert_inputs()
+    with torch.no_grad():
+        return model(ids, mask, tokentype_ids=types)
+
+
+def bert_run(ours) -> None:
+    """BERT: logits (LM and binary head) of random weights at TP1; `torch` and `torch_dist` saved at TP1 and TP2;
+    our torch_dist save (`ours`, when given) loaded at TP1 and TP2, its logits written."""
+    out = os.path.join("out", "bert")
+    args = {**vars(megatron_lm_args("gpt", 1, 1)), "bert_binary_head": True, "num_tokentypes": 2}
+    mps.initialize_model_parallel(1, 1)
+    model = build_bert()
+    randomize(model)
+    logits = bert_logits(model)
+    if dist.get_rank() == 0:
+        os.makedirs(out, exist_ok=True)
+        torch.save(logits, os.path.join(out, "logits.pt"))
+    for tp in (1, 2):
+        if tp == 2:
+            mps.initialize_model_parallel(2, 1)
+            model = build_bert()
+            load_dist(model, os.path.join(out, "dist_tp1", f"iter_{ITER:07d}"))
+        ns = argparse.Namespace(**{**args, "tensor_model_parallel_size": tp})
+        if mps.get_data_parallel_rank() == 0:
+            path = os.path.join(out, f"torch_tp{tp}", f"iter_{ITER:07d}",
+                                f"mp_rank_{mps.get_tensor_model_parallel_rank():02d}", "model_optim_rng.pt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save({"model": model.state_dict_for_save_checkpoint(), "args": ns, "checkpoint_version": 3.0,
+                        "iteration": ITER}, path)
+        iter_dir = os.path.join(out, f"dist_tp{tp}", f"iter_{ITER:07d}")
+        if dist.get_rank() == 0:
+            os.makedirs(iter_dir, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": ns, "checkpoint_version": 3.0,
+                                 "iteration": ITER}, iter_dir)
+        if dist.get_rank() == 0:
+            for name in (f"torch_tp{tp}", f"dist_tp{tp}"):
+                with open(os.path.join(out, name, "latest_checkpointed_iteration.txt"), "w") as f:
+                    f.write(str(ITER))
+        if ours:
+            fresh = build_bert()
+            load_dist(fresh, ours)
+            logits = bert_logits(fresh)
+            if dist.get_rank() == 0:
+                torch.save(logits, os.path.join(out, f"ours_logits_tp{tp}.pt"))
+        dist.barrier()
+        mps.destroy_model_parallel()
+
+
 SAVE_AT, LR = 3, 1e-3
 OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}  # Megatron-LM's --dist-ckpt-optim-fully-reshardable
 
@@ -181,12 +259,12 @@ def training_cpu_stand_ins() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = own_step
 
 
-def trainer():
+def trainer(family: str = "gpt"):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    model = build("gpt", parallel_output=True)
+    model = build(family, parallel_output=True)
     randomize(model)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
@@ -213,6 +291,30 @@ def train_step(ddp, opt, batch) -> float:
     return float(loss) / dp
 
 
+RNG_SEEDS = (41, 42, 43)  # python, numpy, torch generators just before the save
+
+
+def megatron_lm_rng():
+    """The RNG state as Megatron-LM 0.16's training/checkpointing.py saves it with torch_dist (megatron-core has no
+    training loop): a ShardedObject 'rng_state' over (PP, TP), each the list of one RNG dict; the CUDA generator
+    states (16-byte Philox states on a GPU) stood in for by tensors of that shape."""
+    import random
+
+    import numpy as np
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    random.seed(RNG_SEEDS[0])
+    np.random.seed(RNG_SEEDS[1])
+    torch.manual_seed(RNG_SEEDS[2])
+    philox = torch.arange(16, dtype=torch.uint8)
+    rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": philox,
+            "rng_tracker_states": {"model-parallel-rng": philox + 1}}]
+    pp, tp = mps.get_pipeline_model_parallel_world_size(), mps.get_tensor_model_parallel_world_size()
+    return ShardedObject("rng_state", rng, (pp, tp), (mps.get_pipeline_model_parallel_rank(),
+                         mps.get_tensor_model_parallel_rank()), replica_id=mps.get_data_parallel_rank())
+
+
 def train(job: dict) -> None:
     training_cpu_stand_ins()
     mps.initialize_model_parallel(1, 1)
@@ -222,18 +324,18 @@ def train(job: dict) -> None:
     for step in range(len(data)):
         losses.append(train_step(ddp, opt, data[step]))
         if step + 1 == SAVE_AT:
-            root = os.path.join("out", "train")
-            iter_dir = os.path.join(root, f"iter_{SAVE_AT:07d}")
-            if dist.get_rank() == 0:
-                os.makedirs(iter_dir, exist_ok=True)
-            dist.barrier()
-            msd = model.sharded_state_dict()
-            dist_checkpointing.save({"model": msd, "optimizer": opt.sharded_state_dict(msd, metadata=OPT_META),
-                                     "args": megatron_lm_args("gpt", 1, 1), "checkpoint_version": 3.0,
-                                     "iteration": SAVE_AT}, iter_dir)
-            if dist.get_rank() == 0:
-                with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
-                    f.write(str(SAVE_AT))
+            for root, meta in ((os.path.join("out", "train"), OPT_META), (os.path.join("out", "train_dp"), {})):
+                iter_dir = os.path.join(root, f"iter_{SAVE_AT:07d}")  # the second: Megatron-LM's default layout
+                if dist.get_rank() == 0:
+                    os.makedirs(iter_dir, exist_ok=True)
+                dist.barrier()
+                msd = model.sharded_state_dict()
+                dist_checkpointing.save({"model": msd, "optimizer": opt.sharded_state_dict(msd, metadata={
+                    "distrib_optim_sharding_type": "dp_reshardable", **meta}), "args": megatron_lm_args("gpt", 1, 1),
+                    "checkpoint_version": 3.0, "iteration": SAVE_AT, "rng_state": megatron_lm_rng()}, iter_dir)
+                if dist.get_rank() == 0:
+                    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+                        f.write(str(SAVE_AT))
     result = {"losses": losses}
     if job.get("ours_train"):
         model, ddp, opt = trainer()
@@ -248,6 +350,28 @@ def train(job: dict) -> None:
     if dist.get_rank() == 0:
         torch.save(result, os.path.join("out", "train_losses.pt"))
     mps.destroy_model_parallel()
+    for family, name, (tp, pp) in (("gpt", "tp2", (2, 1)), ("gpt", "pp2", (1, 2)), ("llama", "tp2", (2, 1))):
+        # one distributed-optimizer state (random Adam moments) saved in both layouts, at TP2 / PP2 (tied embeddings
+        # in a bucket of their own on both stages)
+        mps.initialize_model_parallel(tp, pp)
+        model, ddp, opt = trainer(family)
+        torch.manual_seed(1 + mps.get_tensor_model_parallel_rank() + 10 * mps.get_pipeline_model_parallel_rank())
+        for inner in opt.chained_optimizers:
+            inner._init_optimizer_states_with_dummy_values()
+            for state in inner.optimizer.state.values():
+                for key, value in state.items():
+                    if key != "step" and torch.is_tensor(value):
+                        value.copy_(torch.rand_like(value) if key == "exp_avg_sq" else torch.randn_like(value))
+        for kind in ("dp_reshardable", "fully_reshardable"):
+            iter_dir = os.path.join("out", "layouts", f"{family}_{name}_{kind}", f"iter_{SAVE_AT:07d}")
+            if dist.get_rank() == 0:
+                os.makedirs(iter_dir, exist_ok=True)
+            dist.barrier()
+            msd = model.sharded_state_dict()
+            dist_checkpointing.save({"model": msd, "optimizer": opt.sharded_state_dict(msd, metadata={
+                "distrib_optim_sharding_type": kind}), "args": megatron_lm_args(family, tp, pp),
+                "checkpoint_version": 3.0, "iteration": SAVE_AT}, iter_dir)
+        mps.destroy_model_parallel()
 
 
 def main() -> None:
@@ -289,6 +413,8 @@ def main() -> None:
                 if rank == 0:
                     torch.save(logits, os.path.join(out, "ours_logits_tp2.pt"))
             mps.destroy_model_parallel()
+    if job.get("bert"):
+        bert_run(job.get("ours", {}).get("bert"))
     if job.get("train"):
         train(job)
     dist.barrier()
