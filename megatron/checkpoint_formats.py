@@ -27,7 +27,7 @@ import torch
 
 from megatron import checkpoint_integrity as integrity
 from megatron.errors import MegatronUserError
-from megatron.training_state import TrainingState
+from megatron.training_state import TOTALS, TrainingState
 
 TORCH, CORE_TORCH, TORCH_DIST = "torch", "torch (Megatron Core names)", "torch_dist"
 _LAYERS = "language_model.encoder.layers."
@@ -135,7 +135,7 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
         meta, messages = read_megatron(save_dir, iteration=iteration, optimizer=optimizer)
         first = safe_torch_load(files[(0, 0)], map_location="cpu")
         keep = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens",
-                "opt_param_scheduler", "true_vocab_size", "padded_vocab_size", "train_loss")
+                "opt_param_scheduler", "true_vocab_size", "padded_vocab_size", "train_loss", *TOTALS)
         extra = {k: first[k] for k in keep if k in first}
         if "rng_state" in first:
             ranks = {tp_pp: safe_torch_load(path, map_location="cpu").get("rng_state") for tp_pp, path in files.items()}
@@ -297,6 +297,8 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
                               "consumed_valid_tokens") if k in common or k.endswith("samples"))
     for key in names:
         setattr(run, key, int(common.get(key, getattr(ckpt_args, key, 0)) or 0))
+    for key in TOTALS:  # the run's skipped/non-finite totals (ours; absent: 0)
+        setattr(run, key, int(common.get(key, 0)))
     if train_state is None:
         run.write_counters(args, names)
     return int(common.get("iteration", getattr(ckpt_args, "iteration", 0)) or 0), common, rng

@@ -115,13 +115,14 @@ def _serial_init(provider: Callable) -> Callable:
 
 
 def run_bert(rank: int, world_size: int, argv: list[str], resume_from: Optional[tuple[str, int]] = None) -> dict:
-    """pretrain_bert.main(argv) in this process (serial-init weights), stdout captured; errors come back as text.
+    """pretrain_bert.py's pretrain() in this process (tests/harness.py; serial-init weights), stdout captured;
+    errors come back as text.
 
     `resume_from` = (save dir, iteration): point its tracker file at that iteration first (a run that stopped there).
     """
-    import pretrain_bert
     from megatron.errors import MegatronUserError
     from tests.ds._workers import _reset_megatron, ds_env
+    from tests.harness import entry_providers, pretrain_run
 
     ds_env(rank, world_size)
     if resume_from is not None:
@@ -129,16 +130,14 @@ def run_bert(rank: int, world_size: int, argv: list[str], resume_from: Optional[
             Path(resume_from[0], "latest_checkpointed_iteration.txt").write_text(str(resume_from[1]))
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-    base = pretrain_bert.model_provider
-    pretrain_bert.model_provider = _serial_init(base)
+    provider = _serial_init(entry_providers("pretrain_bert").model_provider)
     buf, error, result = io.StringIO(), None, None
     with contextlib.redirect_stdout(buf):
         try:
-            result = pretrain_bert.main(argv)
+            result = pretrain_run(argv, "pretrain_bert", model_provider=provider)
         except (MegatronUserError, RuntimeError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         finally:
-            pretrain_bert.model_provider = base
             _reset_megatron()
     return {"stdout": buf.getvalue(), "result": result, "error": error}
 
