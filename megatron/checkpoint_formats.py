@@ -83,7 +83,7 @@ def _is_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
-def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bool = False
+def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bool = False, model_type: str = "GPT"
               ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
     """(state besides the weights: args/iteration/..., architecture, our full flat TP=1 state dict, and with
     `optimizer` the optimizer state {state key: full flat dict} of a torch_dist folder, else {})."""
@@ -104,7 +104,7 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bo
         from megatron.checkpoint_conversion.megatron_format import read_megatron
 
         iteration = None if os.path.basename(iter_dir) == "release" else int(os.path.basename(iter_dir)[5:])
-        meta, messages = read_megatron(load_dir, trust=trust, iteration=iteration)
+        meta, messages = read_megatron(load_dir, trust=trust, iteration=iteration, model_type=model_type)
         flat = state_dict_from_messages(messages)
         # read_megatron cuts nothing without a true vocabulary size: the rows are the writer's padded ones
         first = _rank0_file(iter_dir)
@@ -132,8 +132,11 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
     try:
         ep, expert_files = expert_rank_files(iter_dir)  # expert parallelism: read_megatron merges the experts
         files = {(t, p): path for (t, p, e), path in expert_files.items() if e == 0} if ep > 1 else rank_files(iter_dir)
-        meta, messages = read_megatron(save_dir, iteration=iteration, optimizer=optimizer)
         first = safe_torch_load(files[(0, 0)], map_location="cpu")
+        last = first if len(files) == 1 else safe_torch_load(files[(0, max(p for _, p in files))], map_location="cpu")
+        bert = any(k in ("lm_head", "binary_head") for k in last.get("model") or {})
+        meta, messages = read_megatron(save_dir, iteration=iteration, optimizer=optimizer,
+                                       model_type="BERT" if bert else "GPT")
         keep = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens",
                 "opt_param_scheduler", "true_vocab_size", "padded_vocab_size", "train_loss", *TOTALS)
         extra = {k: first[k] for k in keep if k in first}
@@ -260,7 +263,11 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
         raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): its optimizer and RNG state are not converted; "
                                     "pass --finetune, or --no-load-optim --no-load-rng")
     trust = bool(getattr(args, "trust_checkpoint", False))
-    common, arch, full, opt_full = read_full(iter_dir, load_dir, fmt, trust, optimizer=load_optim)
+    from megatron.models.bert.model import BertModel
+
+    model_type = "BERT" if isinstance(unwrap_model(models[0]), BertModel) else "GPT"
+    common, arch, full, opt_full = read_full(iter_dir, load_dir, fmt, trust, optimizer=load_optim,
+                                             model_type=model_type)
     check_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, args, iter_dir)
     opt_common = None
     if load_optim:
