@@ -35,7 +35,7 @@ from megatron.model.transformer import (
 moved.install()  # megatron.model.bert_model & co. keep importing (the family modules under megatron/models/)
 
 # Family classes re-exported here, imported on first use (the family modules import this package's shared parts).
-_FAMILY_NAMES = {"BertModel": "megatron.models.bert.model"}
+_FAMILY_NAMES = {"BertModel": "megatron.models.bert.model", "T5Model": "megatron.models.t5.model"}
 
 
 def __getattr__(name: str) -> Any:
@@ -70,6 +70,7 @@ __all__ = [
     "Pooler",
     "RMSNorm",
     "RotaryEmbedding",
+    "T5Model",
     "TransformerLanguageModel",
     "TransformerLayerSpec",
     "bert_layer_spec",

@@ -14,6 +14,7 @@ MOVED_MODULES = {
     "megatron.model.bert_model": "megatron.models.bert.model",
     "megatron.model.classification": "megatron.models.bert.classification",
     "megatron.model.multiple_choice": "megatron.models.bert.multiple_choice",
+    "megatron.model.t5_model": "megatron.models.t5.model",
 }
 
 
