@@ -45,14 +45,15 @@ FAMILIES = {
                             untie_embeddings_and_output_weights=True, ffn_hidden_size=64)),
 }
 # a Mixtral-like MoE (the Llama family's layers with 4 experts, top-2, a gated shared expert), local spec's
-# SequentialMLP; saved at TP1 and PP2 only (Megatron Core's MoE with TP needs sequence parallelism)
+# SequentialMLP; saved at TP1, PP2 and EP2 (Megatron Core's MoE with TP needs sequence parallelism)
 _MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=40,
             moe_shared_expert_gate=True, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0)
 FAMILIES["moe"] = dict(config={**FAMILIES["llama"]["config"], **_MOE}, model=FAMILIES["llama"]["model"],
                        args={**FAMILIES["llama"]["args"], "num_experts": 4, "moe_router_topk": 2,
                              "moe_ffn_hidden_size": 48, "moe_shared_expert_intermediate_size": 40,
                              "moe_shared_expert_gate": True},
-                       spec=dict(num_experts=4, moe_grouped_gemm=False), layouts=(("pp2", (1, 2)),))
+                       spec=dict(num_experts=4, moe_grouped_gemm=False),
+                       layouts=(("pp2", (1, 2)), ("ep2", (1, 1, 2))))  # (TP, PP[, EP])
 
 
 def megatron_lm_args(family: str, tp: int, pp: int) -> argparse.Namespace:
@@ -74,6 +75,7 @@ def build(family: str, parallel_output: bool = False) -> GPTModel:
                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                             pipeline_dtype=torch.float32, tensor_model_parallel_size=mps.get_tensor_model_parallel_world_size(),
                             pipeline_model_parallel_size=mps.get_pipeline_model_parallel_world_size(),
+                            expert_model_parallel_size=mps.get_expert_model_parallel_world_size(),
                             **spec["config"])
     return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(**spec.get("spec", {})), vocab_size=VOCAB,
                     max_sequence_length=SEQ, pre_process=mps.is_pipeline_first_stage(),
@@ -97,14 +99,20 @@ def randomize(model: GPTModel) -> None:
 
 
 def save_torch(model: GPTModel, root: str, family: str) -> None:
+    """Megatron-LM's --ckpt-format torch: mp_rank_TT[_PPP][_EEE] (the expert rank under expert parallelism), written
+    by (expert-)data-parallel rank 0."""
     tp, pp = mps.get_tensor_model_parallel_world_size(), mps.get_pipeline_model_parallel_world_size()
-    if mps.get_data_parallel_rank() == 0:
+    ep = mps.get_expert_model_parallel_world_size()
+    if (mps.get_expert_data_parallel_rank() if ep > 1 else mps.get_data_parallel_rank()) == 0:
         t, p = mps.get_tensor_model_parallel_rank(), mps.get_pipeline_model_parallel_rank()
-        sub = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+        sub = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (
+            f"_{mps.get_expert_model_parallel_rank():03d}" if ep > 1 else "")
         path = os.path.join(root, f"iter_{ITER:07d}", sub, "model_optim_rng.pt")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"model": model.state_dict_for_save_checkpoint(), "args": megatron_lm_args(family, tp, pp),
-                    "checkpoint_version": 3.0, "iteration": ITER}, path)
+        args = megatron_lm_args(family, tp, pp)
+        args.expert_model_parallel_size = ep
+        torch.save({"model": model.state_dict_for_save_checkpoint(), "args": args, "checkpoint_version": 3.0,
+                    "iteration": ITER}, path)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -400,8 +408,8 @@ def main() -> None:
             if rank == 0:
                 torch.save(logits_of(fresh), os.path.join(out, "ours_logits_tp1.pt"))
         mps.destroy_model_parallel()
-        for name, (tp, pp) in FAMILIES[family].get("layouts", (("tp2", (2, 1)), ("pp2", (1, 2)))):
-            mps.initialize_model_parallel(tp, pp)
+        for name, (tp, pp, *ep) in FAMILIES[family].get("layouts", (("tp2", (2, 1)), ("pp2", (1, 2)))):
+            mps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep[0] if ep else 1)
             model = build(family)
             load_dist(model, source)
             save_torch(model, os.path.join(out, f"torch_{name}"), family)

@@ -2,7 +2,7 @@
 
 One oracle run (2 gloo processes, tests/tools/mcore_oracle_checkpoints.py) builds a tiny GPT, a tiny Llama and a tiny
 Mixtral-like MoE (4 experts, top-2, gated shared expert) in Megatron Core (local layer spec), saves per-rank `torch`
-files (Core names) and `torch_dist` folders at TP1, TP2 and PP2 (MoE: TP1 and PP2), and loads our torch_dist output into its own models. Here: every one of them loads with `--load` into our model
+files (Core names) and `torch_dist` folders at TP1, TP2 and PP2 (MoE: TP1, PP2 and EP2), and loads our torch_dist output into its own models. Here: every one of them loads with `--load` into our model
 at another layout and gives Megatron Core's logits (<= 1e-5); ours saved as torch_dist gives the same logits in
 Megatron Core; convert.py reads both (`--loader mcore`); damaged or missing shards are one line naming the file.
 Training state: Megatron Core's GPT with its DDP and distributed optimizer (DP2) trains 6 steps and saves a torch_dist
@@ -37,10 +37,10 @@ FLAGS = {"gpt": ["--no-bias-gelu-fusion"],
 FLAGS["bert"] = ["--no-bias-gelu-fusion"]
 FLAGS["moe"] = [*FLAGS["llama"], "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
                 "--moe-shared-expert-intermediate-size", "40", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "0"]
-# what the oracle saved per family (MoE: TP1 and PP2 only) and the layouts at which it loaded ours
+# what the oracle saved per family (MoE: TP1, PP2 and EP2) and the layouts at which it loaded ours
 SAVED = {"gpt": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
          "llama": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
-         "moe": ("torch_tp1", "torch_pp2", "dist_tp1", "dist_pp2")}
+         "moe": ("torch_tp1", "torch_pp2", "torch_ep2", "dist_tp1", "dist_pp2", "dist_ep2")}
 OURS_IN_CORE = {"gpt": ("ours_logits_tp1.pt", "ours_logits_tp2.pt"), "llama": ("ours_logits_tp1.pt",
                 "ours_logits_tp2.pt"), "moe": ("ours_logits_tp1.pt",)}
 TOL = dict(rtol=1e-5, atol=1e-5)
