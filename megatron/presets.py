@@ -295,6 +295,21 @@ _PRESETS = (
         example=False,
     ),
     Preset(
+        "bert_test", "bert",
+        about=("The tests' tiny BERT (the BERT curves and finetuning chain): 2 layers, hidden 64, 4 heads, seq 64.",),
+        model_args=("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+                    "--max-position-embeddings 64",),
+        example=False,
+    ),
+    Preset(
+        "t5_test", "t5",
+        about=("The tests' tiny T5 (the T5 curves): 2 encoder + 1 decoder layers, hidden 64, 4 heads, encoder 64 / "
+               "decoder 32 tokens.",),
+        model_args=("--num-layers 2 --decoder-num-layers 1 --hidden-size 64 --num-attention-heads 4 "
+                    "--encoder-seq-length 64 --decoder-seq-length 32 --max-position-embeddings 64",),
+        example=False,
+    ),
+    Preset(
         "gpt_micro_test", "gpt",
         about=("The reliability tests' smallest GPT: 2 layers, hidden 32, 4 heads, seq 32.",),
         model_args=("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "

@@ -228,7 +228,7 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
         if writer is not None and getattr(args, "log_timers_to_tensorboard", False):
             writer.add_scalar("iteration-time", per_iter, iteration)
         if getattr(args, "model_family", "gpt") == "t5":  # encoder-decoder: two sequence lengths
-            from megatron.model.t5_model import t5_num_floating_point_operations
+            from megatron.models.t5.model import t5_num_floating_point_operations
 
             flops = t5_num_floating_point_operations(core_transformer_config_from_args(args), batch_size,
                                                      args.encoder_seq_length, args.decoder_seq_length)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron.presets import get_preset
 from tests.log_lines import iteration_values, validation_values
 
 ITERS = 20
@@ -62,8 +63,7 @@ def session_bert_data(shared_data: Path, tmp_path_factory: Any) -> dict:
 
 def bert_argv(data: dict, *extra: str, iters: int = ITERS, layers: int = 2) -> list[str]:
     return [
-        "--num-layers", str(layers), "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--max-position-embeddings", "64",
+        *get_preset("bert_test").argv(), *(["--num-layers", str(layers)] if layers != 2 else []),
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters),
         "--lr", "2e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
         "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -87,7 +87,7 @@ def _serial_bert(args: Any, state: Any) -> torch.nn.Module:
     from megatron.arguments import core_transformer_config_from_args
     from megatron.core.tensor_parallel import get_rng_tracker
     from megatron.core.tensor_parallel.random import model_parallel_manual_seed
-    from megatron.model.bert_model import BertModel
+    from megatron.models.bert.model import BertModel
 
     config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=1)
     tracker_states = get_rng_tracker().get_states()

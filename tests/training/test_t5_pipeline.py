@@ -34,7 +34,7 @@ def _serial_t5(args: Any, state: Any) -> torch.nn.Module:
     from megatron.arguments import core_transformer_config_from_args
     from megatron.core.tensor_parallel import get_rng_tracker
     from megatron.core.tensor_parallel.random import model_parallel_manual_seed
-    from megatron.model.t5_model import T5Model
+    from megatron.models.t5.model import T5Model
 
     config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=1)
     tracker_states = get_rng_tracker().get_states()

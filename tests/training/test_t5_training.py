@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 
+from megatron.presets import get_preset
 from tests.dist_utils import run_distributed
 from tests.ds._workers import write_ds_config
 from tests.log_lines import iteration_values, validation_values
@@ -30,8 +31,7 @@ REL = 1e-5
 
 def t5_argv(data: dict, *extra: str, iters: int = ITERS) -> list[str]:
     return [
-        "--num-layers", "2", "--decoder-num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--encoder-seq-length", "64", "--decoder-seq-length", "32", "--max-position-embeddings", "64",
+        *get_preset("t5_test").argv(),
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters),
         "--lr", "2e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
         "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
