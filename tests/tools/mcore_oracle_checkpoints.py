@@ -24,12 +24,12 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, ITER = 2, 32, 4, 128, 16, 10
 FAMILIES = {
@@ -352,9 +352,8 @@ def training_cpu_stand_ins() -> None:
 
 
 def trainer(family: str = "gpt"):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     model = build(family, parallel_output=True)
     randomize(model)
@@ -393,6 +392,7 @@ def megatron_lm_rng():
     import random
 
     import numpy as np
+
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     random.seed(RNG_SEEDS[0])
