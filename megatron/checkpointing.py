@@ -300,6 +300,7 @@ def save_checkpoint(
             "true_vocab_size": getattr(args, "true_vocab_size", None),
             "padded_vocab_size": run.padded_vocab_size,
             "architecture": architecture_from_args(args),
+            **run.checkpoint_totals(),
         }
         if train_loss is not None:
             state_dict["train_loss"] = float(train_loss)

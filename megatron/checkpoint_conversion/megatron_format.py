@@ -95,7 +95,7 @@ def layer_layouts(meta: ModelMeta) -> Dict[str, TensorParallelLayout]:
             _LAYOUT_CACHE[key] = layouts
         else:
             from megatron.core.tensor_parallel.layout import get_tp_layout
-            from megatron.model.bert_model import BertModel
+            from megatron.models.bert.model import BertModel
 
             with torch.device("meta"):
                 model = BertModel(config, num_tokentypes=bert["num_tokentypes"],
@@ -333,7 +333,7 @@ class MegatronCheckpointReader:
         self.opt_common: Dict[str, Any] = {}
 
     def _open(self) -> None:
-        from megatron.model.gpt_model import flatten_checkpoint_state_dict
+        from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
 
         # expert parallelism: {(tp, pp, vp): [flat state dict of each expert rank]}, {(tp, pp): [optimizer entries]}
         self.expert_chunks: Dict[Tuple[int, int, int], List[Dict[str, Any]]] = {}

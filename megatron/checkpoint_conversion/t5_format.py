@@ -1,4 +1,4 @@
-"""T5 checkpoints (megatron/model/t5_model.py's layout, Megatron's T5Model keys) as a Megatron loader and saver:
+"""T5 checkpoints (megatron/models/t5/model.py's layout, Megatron's T5Model keys) as a Megatron loader and saver:
 tensor-parallel reshape with the vocabulary re-padded for the target TP, one part at a time.
 
 Message stream of a T5 model (full TP=1 tensors; keys relative to the part, as GPT's stream)::
@@ -69,7 +69,7 @@ def t5_layer_counts(meta: ModelMeta) -> Tuple[int, int]:
 def t5_layouts(meta: ModelMeta) -> Dict[str, TensorParallelLayout]:
     """{flat parameter name of the TP=1 T5Model: its TP layout}, declared by the model built on the meta device."""
     from megatron.core.tensor_parallel.layout import get_tp_layout
-    from megatron.model.t5_model import T5Model
+    from megatron.models.t5.model import T5Model
 
     enc, dec = t5_layer_counts(meta)
     config = dataclasses.replace(meta.config(padded_vocab_size=meta.architecture["padded_vocab_size"]),
@@ -101,10 +101,10 @@ class T5CheckpointReader(MegatronCheckpointReader):
 
 
 def read_t5(load_dir: str, *, true_vocab_size: Optional[int] = None, trust: bool = False,
-            optimizer: bool = False) -> Tuple[ModelMeta, Iterator[Message]]:
-    """Loader: (meta, message stream) of a Megatron T5 checkpoint; with `optimizer`, the messages also carry the
-    training state when the checkpoint has one (optimizer_state.py)."""
-    reader = T5CheckpointReader(load_dir, trust)
+            optimizer: bool = False, iteration: Optional[int] = None) -> Tuple[ModelMeta, Iterator[Message]]:
+    """Loader: (meta, message stream) of a Megatron T5 checkpoint (the tracker's iteration, or `iteration`); with
+    `optimizer`, the messages also carry the training state when the checkpoint has one (optimizer_state.py)."""
+    reader = T5CheckpointReader(load_dir, trust, iteration)
     meta = megatron_meta(reader, true_vocab_size, "T5")
     args = meta.checkpoint_args
     last = reader.chunks[(0, reader.pp - 1, 0)]
@@ -186,6 +186,25 @@ def _stream(reader: T5CheckpointReader, meta: ModelMeta) -> Iterator[Message]:
         yield Message(f"{part} final norm", {key: merged(end, k) for key, k in names.items()}, opt(end, names))
     yield Message("lm head", {"bias": merged(reader.pp - 1, LM_HEAD_BIAS)[rows]},
                   opt(reader.pp - 1, {"bias": LM_HEAD_BIAS}, cut=("bias",)))
+
+
+def t5_state_dict_from_messages(messages: Iterator[Message]) -> Dict[str, torch.Tensor]:
+    """A T5 message stream -> the full TP=1 flat state dict of megatron/models/t5/model.py."""
+    out: Dict[str, torch.Tensor] = {}
+    for msg in messages:
+        part, _, what = msg.name.partition(" ")
+        if msg.name == EMBEDDINGS:
+            prefix = f"{LM}embedding."
+        elif part in ("encoder", "decoder") and what.startswith("layer "):
+            prefix = f"{_stack(part)}layers.{int(what[len('layer '):])}."
+        elif part in ("encoder", "decoder") and what == "final norm":
+            prefix = _stack(part)
+        elif msg.name == "lm head":
+            prefix = "lm_head."
+        else:
+            raise ConversionError(f"unknown T5 message {msg.name!r}")
+        out.update({prefix + k: v for k, v in msg.tensors.items()})
+    return out
 
 
 class T5Writer(MegatronWriter):

@@ -86,7 +86,7 @@ def configure_activation_checkpointing(args: argparse.Namespace, state: ps.Paral
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
     from megatron.core.tensor_parallel import random as tp_random
-    from megatron.model.gpt_model_pipe import ensure_deepspeed_comm
+    from megatron.models.gpt.model_pipe import ensure_deepspeed_comm
 
     ensure_deepspeed_comm()  # configure() calls deepspeed.comm before deepspeed.initialize would set it up
     deepspeed.checkpointing.configure(
@@ -343,6 +343,7 @@ def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_p
         "architecture": architecture_from_args(args),
         "checkpoint_version": CHECKPOINT_VERSION,
         **{k: counters[k] for k in ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens")},
+        **run.checkpoint_totals(),
     }
     if not getattr(args, "no_save_rng", False):
         client_state["rng_state"] = get_rng_state()  # gathered over data-parallel ranks: every rank calls

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron.arguments import ArgumentError, parse_args, validate_args
+from megatron.presets import get_preset
 from tests.dist_utils import run_distributed
 from tests.ds._workers import write_ds_config
 from tests.log_lines import iteration_values
@@ -108,8 +109,7 @@ def test_moe_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: Path) -> 
     _same(_curve(tp1, "TP2+SP -> TP1 converted"), serial, "TP2+SP -> TP1 converted", iters=range(half + 1, ITERS + 1))
 
 
-BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer",
+BASE = [*get_preset("gpt_micro_test").argv(), "--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "100", "--num-experts", "4", "--disable-bias-linear"]
 
 
