@@ -25,6 +25,10 @@ class SavedRunArgs:
     consumed_valid_tokens: int = 0
     expert_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: Optional[int] = None
+    pipeline_model_parallel_split_rank: Optional[int] = None  # T5: the first decoder stage
+    encoder_num_layers: Optional[int] = None
+    decoder_num_layers: Optional[int] = None
     num_layers: Optional[int] = None
     hidden_size: Optional[int] = None
     num_attention_heads: Optional[int] = None
@@ -47,6 +51,10 @@ class SavedRunArgs:
             consumed_valid_tokens=getattr(args, "consumed_valid_tokens", 0),
             expert_model_parallel_size=int(getattr(args, "expert_model_parallel_size", 1) or 1),
             pipeline_model_parallel_size=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
+            tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", None),
+            pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None),
+            encoder_num_layers=getattr(args, "encoder_num_layers", None),
+            decoder_num_layers=getattr(args, "decoder_num_layers", None),
             num_layers=getattr(args, "num_layers", None),
             hidden_size=getattr(args, "hidden_size", None),
             num_attention_heads=getattr(args, "num_attention_heads", None),
