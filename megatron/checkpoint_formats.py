@@ -12,9 +12,10 @@ tensors (through the safe loader, and the manifest check when the folder has one
 layers and its tensor-parallel slice. A torch_dist folder's optimizer state in Megatron Core's model-space layout
 (megatron/checkpoint_conversion/torch_dist_optim.py: what ``--ckpt-format torch_dist`` writes here, and Megatron-LM
 with ``--dist-ckpt-optim-fully-reshardable``) is cut the same way into the run's optimizer, regular or distributed,
-with the LR schedule and consumed samples, so training resumes at any layout. The RNG state (ours only, kept per
-TP x PP rank in ``common.pt``) is restored at the layout that saved it and ignored at another one, as Megatron-LM
-does. Megatron Core ``torch`` files' optimizer state is not converted (``--no-load-optim``, one line says so).
+with the LR schedule and consumed samples, so training resumes at any layout; Megatron-LM's default ``dp_reshardable``
+layout is first rebuilt in model space (torch_dist_buckets.py). The RNG state (ours, kept per TP x PP rank in
+``common.pt``, or Megatron-LM's ``rng_state`` ShardedObjects) is restored at the layout that saved it and ignored at
+another one, as Megatron-LM does. Megatron Core ``torch`` files' optimizer state is not converted (``--no-load-optim``, one line says so).
 """
 from __future__ import annotations
 
@@ -127,12 +128,13 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
     torch_dist folder with Megatron Core names; common.pt keeps args, iteration, consumed samples, the LR schedule
     and each model-parallel rank's RNG state; with `optimizer` the optimizer state goes along (fully_reshardable)."""
     from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.megatron_format import rank_files, read_megatron
+    from megatron.checkpoint_conversion.megatron_format import expert_rank_files, rank_files, read_megatron
     from megatron.checkpoint_conversion.torch_dist import write_torch_dist
     from megatron.safe_load import safe_torch_load
 
     try:
-        files = rank_files(iter_dir)
+        ep, expert_files = expert_rank_files(iter_dir)  # expert parallelism: read_megatron merges the experts
+        files = {(t, p): path for (t, p, e), path in expert_files.items() if e == 0} if ep > 1 else rank_files(iter_dir)
         meta, messages = read_megatron(save_dir, iteration=iteration, optimizer=optimizer)
         first = safe_torch_load(files[(0, 0)], map_location="cpu")
         keep = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens",
@@ -213,9 +215,18 @@ def _load_optimizer_state(optimizer: Any, models: List[Any], opt_full: Dict[str,
         raise CheckpointFormatError(f"cannot load the optimizer state of the torch_dist checkpoint: {exc}") from None
 
 
-def saved_rng(common: Dict[str, Any], iter_dir: str, state: Any) -> Optional[List[Any]]:
-    """This rank's RNG state list from common.pt at the layout that saved it; None (with a note) at another one."""
+def saved_rng(common: Dict[str, Any], iter_dir: str, state: Any, trust: bool = False) -> Optional[List[Any]]:
+    """This rank's RNG state list (from common.pt, or Megatron-LM's ``rng_state`` in a torch_dist folder) at the layout
+    that saved it; None (with a note) at another one."""
     saved = common.get(RNG_KEY)
+    if not isinstance(saved, dict) and os.path.isfile(os.path.join(iter_dir, ".metadata")):
+        from megatron.checkpoint_conversion.interchange import ConversionError
+        from megatron.checkpoint_conversion.torch_dist import read_core_rng
+
+        try:
+            saved = read_core_rng(iter_dir, trust)  # Megatron-LM's own
+        except ConversionError as exc:
+            raise CheckpointFormatError(str(exc)) from None
     if not isinstance(saved, dict):
         raise CheckpointFormatError(f"checkpoint {iter_dir} has no RNG state this code reads; pass --no-load-rng")
     if (saved.get("tp"), saved.get("pp")) != (state.tp_size, state.pp_size):
@@ -274,7 +285,7 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp32 main params follow the loaded weights
-    rng = saved_rng(common, iter_dir, state) if load_rng else None
+    rng = saved_rng(common, iter_dir, state, trust) if load_rng else None
     ckpt_args = common.get("args")
     run = train_state if train_state is not None else TrainingState()
     names = tuple(k for k in ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens",

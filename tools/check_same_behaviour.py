@@ -194,7 +194,7 @@ def _train(kind: str, data: dict, work: str, load: Optional[str], save: str) -> 
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONHASHSEED": "0",
            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(29700 + RUNS.index(kind)), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
+           "MASTER_PORT": str(int(os.environ.get("CHECK_SAME_BEHAVIOUR_PORT", "29700")) + RUNS.index(kind)), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *argv], cwd=work, env=env,
                           capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:

@@ -33,6 +33,7 @@ from megatron.checkpoint_conversion.interchange import (
     messages_from_state_dict,
     state_dict_from_messages,
 )
+from megatron.errors import MegatronUserError
 from megatron.model.mcore_names import (
     OUR_EXPERTS,
     core_layer_suffix_to_ours,
@@ -106,8 +107,9 @@ def read_common(iter_dir: str, trust: bool = False) -> Dict[str, Any]:
     return sd
 
 
-def read_tensors(iter_dir: str) -> Dict[str, torch.Tensor]:
-    """{Core name: global tensor} of every tensor in the folder (byte entries skipped, never unpickled)."""
+def read_tensors(iter_dir: str, prefix: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """{Core name: global tensor} of every tensor in the folder (byte entries skipped, never unpickled); with `prefix`
+    only those whose names start with it, without it none of Megatron Core's bucket-space optimizer buffers."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     md = read_dcp_metadata(iter_dir)
@@ -125,7 +127,8 @@ def read_tensors(iter_dir: str) -> Dict[str, torch.Tensor]:
     handles: Dict[str, Any] = {}
     try:
         for key, item in md.state_dict_metadata.items():
-            if not isinstance(item, TensorStorageMetadata):
+            if not isinstance(item, TensorStorageMetadata) or (
+                    not key.startswith(prefix) if prefix else key.startswith("optimizer.distributed.")):
                 continue
             full = torch.empty(item.size, dtype=item.properties.dtype)
             for index, chunk in enumerate(item.chunks):
@@ -149,6 +152,59 @@ def read_tensors(iter_dir: str) -> Dict[str, torch.Tensor]:
         for f in handles.values():
             f.close()
     return out
+
+
+def read_objects(iter_dir: str, prefix: str, trust: bool = False, shards: bool = False) -> Dict[str, Any]:
+    """{name (``/shard_...`` cut off unless `shards`): value} of the folder's non-tensor entries (Megatron Core's
+    ShardedObjects) whose names start with `prefix`, each through the safe loader (weights-only + allow-list)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from megatron.safe_load import safe_torch_load
+
+    md = read_dcp_metadata(iter_dir)
+    out: Dict[str, Any] = {}
+    for index, info in md.storage_data.items():
+        key = index.fqn
+        if not key.startswith(prefix) or not isinstance(md.state_dict_metadata.get(key), BytesStorageMetadata):
+            continue
+        path = os.path.join(iter_dir, info.relative_path)
+        try:
+            with open(path, "rb") as f:
+                f.seek(info.offset)
+                data = io.BytesIO(f.read(info.length))
+            data.name = f"{path} ({key})"
+            value = safe_torch_load(data, map_location="cpu", trust=trust)
+        except FileNotFoundError:
+            raise ConversionError(f"missing shard {path} of the torch_dist checkpoint {iter_dir}; restore it") from None
+        except MegatronUserError as exc:  # a damaged byte range, or a class off the allow-list (named)
+            raise ConversionError(str(exc)) from None
+        # a ShardedObject's payload is a one-element list
+        out[key if shards else key.split("/shard_")[0]] = value[0] if isinstance(value, list) and len(value) == 1 \
+            else value
+    return out
+
+
+def read_core_rng(iter_dir: str, trust: bool = False) -> Optional[Dict[str, Any]]:
+    """Megatron-LM's RNG state in a torch_dist folder (ShardedObjects ``rng_state/shard_{pp}.{tp}[.{dp}]_{PP}.{TP}
+    [.{DP}]``, each the list of RNG dicts its --ckpt-format torch files hold) as ``{"tp", "pp", "ranks": {(tp rank, pp
+    rank): list}}`` (with the DP axis, written under expert parallelism, one entry per DP rank); None without one."""
+    found = read_objects(iter_dir, "rng_state/", trust, shards=True)
+    if not found:
+        return None
+    ranks: Dict[Tuple[int, int], Any] = {}
+    shape: Tuple[int, ...] = ()
+    for key, value in found.items():
+        offsets, _, sizes = key.split("/shard_", 1)[1].partition("_")
+        at, shape = tuple(int(x) for x in offsets.split(".")), tuple(int(x) for x in sizes.split("."))
+        if len(at) == 2:
+            ranks[(at[1], at[0])] = value
+        else:
+            ranks.setdefault((at[1], at[0]), {})[at[2]] = value[0] if isinstance(value, list) else value
+    ranks = {k: [v[d] for d in sorted(v)] if isinstance(v, dict) else v for k, v in ranks.items()}
+    if len(ranks) != shape[0] * shape[1]:
+        raise ConversionError(f"{iter_dir}: its RNG state covers {len(ranks)} of {shape[0]} x {shape[1]} "
+                              "model-parallel ranks; restore the checkpoint or pass --no-load-rng")
+    return {"tp": shape[1], "pp": shape[0], "ranks": ranks}
 
 
 def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -220,7 +276,8 @@ def read_iteration_state(iter_dir: str, trust: bool = False
                          ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any], Dict[str, Dict[str, Any]]]:
     """(common state, architecture, our full flat TP=1 state dict, {optimizer state key: our full flat dict}) of one
     torch_dist iteration folder (the last empty without model-space optimizer state: torch_dist_optim.py)."""
-    from megatron.checkpoint_conversion.torch_dist_optim import split_optimizer_tensors
+    from megatron.checkpoint_conversion.torch_dist_buckets import BUCKETS, UNREADABLE, bucket_state
+    from megatron.checkpoint_conversion.torch_dist_optim import sharding_type, split_optimizer_tensors
 
     common = read_common(iter_dir, trust)
     tensors, opt = split_optimizer_tensors(read_tensors(iter_dir))
@@ -228,7 +285,18 @@ def read_iteration_state(iter_dir: str, trust: bool = False
         raise ConversionError(f"torch_dist checkpoint {iter_dir} has no embedding.word_embeddings.weight: not a GPT "
                               "model checkpoint")
     arch = _architecture(common, tensors, os.path.join(iter_dir, COMMON))
-    return common, arch, core_stacked_to_ours(tensors), {k: core_stacked_to_ours(v) for k, v in opt.items()}
+    flat = core_stacked_to_ours(tensors)
+    opt_flat = {k: core_stacked_to_ours(v) for k, v in opt.items()}
+    if sharding_type(common) == BUCKETS:  # Megatron-LM's default layout: rebuilt in model space when asked for
+        common = dict(common, optimizer=dict(common["optimizer"]))
+        try:
+            groups, opt_flat = bucket_state(read_tensors(iter_dir, "optimizer.distributed."),
+                                            read_objects(iter_dir, "optimizer.distributed."), flat, arch,
+                                            common.get("args"), iter_dir)
+            common["optimizer"].update(groups)
+        except ConversionError as exc:
+            common["optimizer"][UNREADABLE] = str(exc)
+    return common, arch, flat, opt_flat
 
 
 def read_iteration(iter_dir: str, trust: bool = False) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:

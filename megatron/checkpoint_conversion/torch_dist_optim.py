@@ -8,9 +8,10 @@ state in one of several layouts, named in ``common.pt`` under ``optimizer.param_
   ``optimizer.state.<key>.<model tensor name>`` with key ``param`` (the fp32 main param), ``exp_avg``, ``exp_avg_sq``;
   ``fully_sharded_model_space`` (older) is the same with ``fp32_param`` for the main param. Both reshard to any
   TP/PP/DP layout; this module reads both and writes ``fully_reshardable``.
-* ``dp_reshardable`` (Megatron-LM 0.16's default) and ``dp_zero_gather_scatter``: flat buffers in the bucket order of
-  Megatron Core's own gradient buffers, meaningful only to Megatron-LM at the same TP/PP layout; refused in one line
-  naming the flag that writes the reshardable layout.
+* ``dp_reshardable`` (Megatron-LM 0.16's default): flat buffers in the bucket order of Megatron Core's own gradient
+  buffers (Megatron-LM reads them back at the same TP/PP layout only); torch_dist_buckets.py rebuilds that order and
+  turns them into the model-space state above, so they too resume at any layout here.
+* ``dp_zero_gather_scatter`` (deprecated): refused in one line naming the flag that writes the reshardable layout.
 
 The non-tensor part sits in ``common.pt``: ``optimizer = {"optimizer": {"param_groups": [hyperparameters, "step"]},
 "grad_scaler"?: ..., "param_state_sharding_type": ...}`` (Megatron Core keeps the Adam step count in each param group),
@@ -59,11 +60,15 @@ def optimizer_common(common: Dict[str, Any], state: Dict[str, Dict[str, torch.Te
     """The layout-independent part of a torch_dist folder's optimizer state, as the checkpoint converters carry it
     (``param_groups`` without params, ``grad_scaler``, ``step``, ``state_keys``); one-line errors when the folder has
     no optimizer state we can read."""
+    from megatron.checkpoint_conversion.torch_dist_buckets import BUCKETS, describe
+
     kind = sharding_type(common)
-    if kind is not None and kind not in MODEL_SPACE:
-        raise ConversionError(f"{where}: its distributed optimizer state is in Megatron Core's {kind} layout (flat "
-                              "buffers in Megatron-LM's own bucket order), which only Megatron-LM at the same TP/PP "
-                              "reads; save it with --dist-ckpt-optim-fully-reshardable, or load with --no-load-optim")
+    if kind == BUCKETS and describe(common):
+        raise ConversionError(describe(common))
+    if kind is not None and kind not in (*MODEL_SPACE, BUCKETS):
+        raise ConversionError(f"{where}: its distributed optimizer state is in Megatron Core's {kind} layout, which "
+                              "this code does not read; save it with --dist-ckpt-optim-fully-reshardable, or load "
+                              "with --no-load-optim")
     if not state or kind is None:
         raise ConversionError(f"{where} holds no optimizer state: pass --no-load-optim (or --finetune)")
     if PARAM not in state:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron.model.alibi import AlibiBias, alibi_slopes
-from megatron.model.hf_bloom import hf_bloom_config_kwargs, megatron_to_hf_bloom_state_dict
+from megatron.models.gpt.hf_bloom import hf_bloom_config_kwargs, megatron_to_hf_bloom_state_dict
 from megatron.text_generation import generate
 from tests.dist_utils import run_distributed
 from tests.model.hf_bloom_helpers import FAMILIES, VOCAB, causal_inputs, hf_model, megatron_twin
@@ -51,7 +51,7 @@ def test_logits_equal_hf(family, sdpa):
 
 
 def test_loss_and_grads_equal_hf():
-    from megatron.model.hf_bloom import hf_bloom_to_megatron_state_dict
+    from megatron.models.gpt.hf_bloom import hf_bloom_to_megatron_state_dict
 
     hf = hf_model("bloom_12_heads")
     model = megatron_twin(hf).train()
@@ -134,8 +134,8 @@ def _tp2_worker(rank: int, world_size: int, refs: dict) -> list:
     from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.model import GPTModel
-    from megatron.model.hf_bloom import hf_bloom_to_megatron_state_dict, megatron_config_from_hf_bloom
     from megatron.model.tp_shards import split_tensor_parallel_state_dict
+    from megatron.models.gpt.hf_bloom import hf_bloom_to_megatron_state_dict, megatron_config_from_hf_bloom
 
     done = []
     for family, ref in refs.items():

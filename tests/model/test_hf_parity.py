@@ -1,10 +1,10 @@
-"""Parity with Hugging Face GPT-2: the same weights (mapped by megatron.model.hf_conversion) give the same logits."""
+"""Parity with Hugging Face GPT-2: the same weights (mapped by megatron.models.gpt.hf) give the same logits."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron.model.hf_conversion import (
+from megatron.models.gpt.hf import (
     hf_gpt2_config_kwargs,
     hf_to_megatron_gpt_state_dict,
     megatron_gpt_to_hf_state_dict,

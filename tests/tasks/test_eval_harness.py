@@ -1,7 +1,7 @@
 """lm-evaluation-harness adapter (tasks/eval_harness) against Hugging Face on the same weights, and under TP/DP/PP.
 
 The model is the zero-shot tests' tiny GPT (5,000-token vocabulary padded to 5,120). The Hugging Face reference is
-GPT2LMHeadModel built from the same weights with megatron/model/hf_conversion.py and cut to the real 5,000 rows, so
+GPT2LMHeadModel built from the same weights with megatron/models/gpt/hf.py and cut to the real 5,000 rows, so
 its softmax runs over the real vocabulary, as ours must. Only the shipped local tasks are used (no downloads).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron.model import GPTModel
-from megatron.model.hf_conversion import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
+from megatron.models.gpt.hf import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from tests.dist_utils import run_distributed
 from tests.tasks import helpers as H

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron.model.hf_bloom import hf_bloom_to_megatron_state_dict, megatron_config_from_hf_bloom
+from megatron.models.gpt.hf_bloom import hf_bloom_to_megatron_state_dict, megatron_config_from_hf_bloom
 from tasks.zeroshot_gpt.detokenizer import wikitext_detokenizer
 from tests.tasks import helpers as H
 

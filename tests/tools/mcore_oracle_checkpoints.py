@@ -7,9 +7,11 @@ writes its logits on fixed tokens, saves it as `torch` (per-rank files with Core
 loaded by dist_checkpointing from the TP1 folder) and saves both formats there too. When `ours/<family>` holds a
 torch_dist checkpoint written by our code, it is loaded with dist_checkpointing.load into Core models at TP1 and TP2
 and their logits are written. Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
-with its distributed optimizer (Adam, DP2) takes 6 steps on the batches of `batches.pt`, saving a torch_dist
-checkpoint with the optimizer state (fully_reshardable) after step 3; its per-step losses are the run that never
-stopped. When `ours_train` names our torch_dist save (with optimizer state) of a run on the same batches, it is
+with its distributed optimizer (Adam, DP2) takes 6 steps on the batches of `batches.pt`, saving torch_dist
+checkpoints with the optimizer state (fully_reshardable in `train`, Megatron-LM's default dp_reshardable in
+`train_dp`) and Megatron-LM's RNG state after step 3; its per-step losses are the run that never stopped. One
+optimizer state (random Adam moments) of the GPT at TP2 and PP2 and of the Llama at TP2 is saved in both layouts
+(`layouts/`). When `ours_train` names our torch_dist save (with optimizer state) of a run on the same batches, it is
 loaded into that model and optimizer and steps 4-6 are taken again. Inputs and outputs: the folder it runs in (see
 job.json). The test prepends tests/mcore_oracle.py's ORACLE_CPU_PRELUDE (the CPU stand-ins).
 """
@@ -58,6 +60,7 @@ def megatron_lm_args(family: str, tp: int, pp: int) -> argparse.Namespace:
                               max_position_embeddings=SEQ, seq_length=SEQ, padded_vocab_size=VOCAB,
                               make_vocab_size_divisible_by=128, norm_epsilon=1e-5, bias_activation_fusion=False,
                               openai_gelu=False, squared_relu=False, add_qkv_bias=False, rotary_percent=1.0,
+                              transformer_impl="local",
                               apply_layernorm_1p=False, tensor_model_parallel_size=tp,
                               pipeline_model_parallel_size=pp, iteration=ITER, consumed_train_samples=80,
                               consumed_valid_samples=0, tokenizer_type="NullTokenizer",
@@ -181,12 +184,12 @@ def training_cpu_stand_ins() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = own_step
 
 
-def trainer():
+def trainer(family: str = "gpt"):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    model = build("gpt", parallel_output=True)
+    model = build(family, parallel_output=True)
     randomize(model)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
@@ -213,6 +216,30 @@ def train_step(ddp, opt, batch) -> float:
     return float(loss) / dp
 
 
+RNG_SEEDS = (41, 42, 43)  # python, numpy, torch generators just before the save
+
+
+def megatron_lm_rng():
+    """The RNG state as Megatron-LM 0.16's training/checkpointing.py saves it with torch_dist (megatron-core has no
+    training loop): a ShardedObject 'rng_state' over (PP, TP), each the list of one RNG dict; the CUDA generator
+    states (16-byte Philox states on a GPU) stood in for by tensors of that shape."""
+    import random
+
+    import numpy as np
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    random.seed(RNG_SEEDS[0])
+    np.random.seed(RNG_SEEDS[1])
+    torch.manual_seed(RNG_SEEDS[2])
+    philox = torch.arange(16, dtype=torch.uint8)
+    rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": philox,
+            "rng_tracker_states": {"model-parallel-rng": philox + 1}}]
+    pp, tp = mps.get_pipeline_model_parallel_world_size(), mps.get_tensor_model_parallel_world_size()
+    return ShardedObject("rng_state", rng, (pp, tp), (mps.get_pipeline_model_parallel_rank(),
+                         mps.get_tensor_model_parallel_rank()), replica_id=mps.get_data_parallel_rank())
+
+
 def train(job: dict) -> None:
     training_cpu_stand_ins()
     mps.initialize_model_parallel(1, 1)
@@ -222,18 +249,18 @@ def train(job: dict) -> None:
     for step in range(len(data)):
         losses.append(train_step(ddp, opt, data[step]))
         if step + 1 == SAVE_AT:
-            root = os.path.join("out", "train")
-            iter_dir = os.path.join(root, f"iter_{SAVE_AT:07d}")
-            if dist.get_rank() == 0:
-                os.makedirs(iter_dir, exist_ok=True)
-            dist.barrier()
-            msd = model.sharded_state_dict()
-            dist_checkpointing.save({"model": msd, "optimizer": opt.sharded_state_dict(msd, metadata=OPT_META),
-                                     "args": megatron_lm_args("gpt", 1, 1), "checkpoint_version": 3.0,
-                                     "iteration": SAVE_AT}, iter_dir)
-            if dist.get_rank() == 0:
-                with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
-                    f.write(str(SAVE_AT))
+            for root, meta in ((os.path.join("out", "train"), OPT_META), (os.path.join("out", "train_dp"), {})):
+                iter_dir = os.path.join(root, f"iter_{SAVE_AT:07d}")  # the second: Megatron-LM's default layout
+                if dist.get_rank() == 0:
+                    os.makedirs(iter_dir, exist_ok=True)
+                dist.barrier()
+                msd = model.sharded_state_dict()
+                dist_checkpointing.save({"model": msd, "optimizer": opt.sharded_state_dict(msd, metadata={
+                    "distrib_optim_sharding_type": "dp_reshardable", **meta}), "args": megatron_lm_args("gpt", 1, 1),
+                    "checkpoint_version": 3.0, "iteration": SAVE_AT, "rng_state": megatron_lm_rng()}, iter_dir)
+                if dist.get_rank() == 0:
+                    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+                        f.write(str(SAVE_AT))
     result = {"losses": losses}
     if job.get("ours_train"):
         model, ddp, opt = trainer()
@@ -248,6 +275,28 @@ def train(job: dict) -> None:
     if dist.get_rank() == 0:
         torch.save(result, os.path.join("out", "train_losses.pt"))
     mps.destroy_model_parallel()
+    for family, name, (tp, pp) in (("gpt", "tp2", (2, 1)), ("gpt", "pp2", (1, 2)), ("llama", "tp2", (2, 1))):
+        # one distributed-optimizer state (random Adam moments) saved in both layouts, at TP2 / PP2 (tied embeddings
+        # in a bucket of their own on both stages)
+        mps.initialize_model_parallel(tp, pp)
+        model, ddp, opt = trainer(family)
+        torch.manual_seed(1 + mps.get_tensor_model_parallel_rank() + 10 * mps.get_pipeline_model_parallel_rank())
+        for inner in opt.chained_optimizers:
+            inner._init_optimizer_states_with_dummy_values()
+            for state in inner.optimizer.state.values():
+                for key, value in state.items():
+                    if key != "step" and torch.is_tensor(value):
+                        value.copy_(torch.rand_like(value) if key == "exp_avg_sq" else torch.randn_like(value))
+        for kind in ("dp_reshardable", "fully_reshardable"):
+            iter_dir = os.path.join("out", "layouts", f"{family}_{name}_{kind}", f"iter_{SAVE_AT:07d}")
+            if dist.get_rank() == 0:
+                os.makedirs(iter_dir, exist_ok=True)
+            dist.barrier()
+            msd = model.sharded_state_dict()
+            dist_checkpointing.save({"model": msd, "optimizer": opt.sharded_state_dict(msd, metadata={
+                "distrib_optim_sharding_type": kind}), "args": megatron_lm_args(family, tp, pp),
+                "checkpoint_version": 3.0, "iteration": SAVE_AT}, iter_dir)
+        mps.destroy_model_parallel()
 
 
 def main() -> None:

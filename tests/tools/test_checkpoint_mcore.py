@@ -6,8 +6,10 @@ files (Core names) and `torch_dist` folders at TP1, TP2 and PP2 (MoE: TP1 and PP
 at another layout and gives Megatron Core's logits (<= 1e-5); ours saved as torch_dist gives the same logits in
 Megatron Core; convert.py reads both (`--loader mcore`); damaged or missing shards are one line naming the file.
 Training state: Megatron Core's GPT with its DDP and distributed optimizer (DP2) trains 6 steps and saves a torch_dist
-checkpoint with the optimizer state after step 3; ours loads it (another layout: one process, the regular optimizer)
-and steps 4-6 give Megatron Core's losses (1e-5); ours trained on the same batches and saved with
+checkpoint with the optimizer state (its fully_reshardable and its default dp_reshardable layout) and Megatron-LM's
+RNG state after step 3; ours loads it (another layout: one process, the regular optimizer, no --no-load-rng) and
+steps 4-6 give Megatron Core's losses (1e-5); dp_reshardable states saved at TP2/PP2 read as the fully_reshardable
+ones; ours trained on the same batches and saved with
 `--ckpt-format torch_dist` (optimizer state included) resumes in Megatron Core with our losses.
 """
 from __future__ import annotations
@@ -210,15 +212,22 @@ def test_format_flags_and_damaged_shards_are_one_line(oracle, tmp_path):
     with pytest.raises(CheckpointFormatError, match="holds no optimizer state: pass --no-load-optim") as info:
         load_checkpoint([model], our_optimizer(model), None, args)
     assert "\n" not in str(info.value)
-    bucket = tmp_path / "bucket"  # Megatron-LM's default optimizer layout (dp_reshardable): one line naming the flag
-    shutil.copytree(oracle / "out" / "train", bucket)
-    common = torch.load(bucket / "iter_0000003" / "common.pt", weights_only=False)
-    common["optimizer"]["param_state_sharding_type"] = "dp_reshardable"
-    torch.save(common, bucket / "iter_0000003" / "common.pt")
-    args = run_args("gpt", bucket, "--no-load-rng")
-    model = our_model(args)
-    with pytest.raises(CheckpointFormatError, match="dp_reshardable layout .* --dist-ckpt-optim-fully-reshardable"):
-        load_checkpoint([model], our_optimizer(model), None, args)
+    for source, field, value, match in (  # layouts and records not read: one line naming the flag
+            ("train", "param_state_sharding_type", "dp_zero_gather_scatter", "dp_zero_gather_scatter layout"),
+            ("train_dp", "tensor_model_parallel_size", 2, r"groups \[0\] .* TP x PP = 2 x 1")):
+        bucket = tmp_path / field
+        shutil.copytree(oracle / "out" / source, bucket)
+        common = torch.load(bucket / "iter_0000003" / "common.pt", weights_only=False)
+        if field in common["optimizer"]:
+            common["optimizer"][field] = value
+        else:
+            setattr(common["args"], field, value)
+        torch.save(common, bucket / "iter_0000003" / "common.pt")
+        args = run_args("gpt", bucket, "--no-load-rng")
+        model = our_model(args)
+        with pytest.raises(CheckpointFormatError, match=f"{match}.*--dist-ckpt-optim-fully-reshardable") as info:
+            load_checkpoint([model], our_optimizer(model), None, args)
+        assert "\n" not in str(info.value)
     for damage in ("missing", "truncated", "flipped"):
         bad = tmp_path / damage
         shutil.copytree(src, bad)
@@ -301,17 +310,28 @@ def test_core_checkpoints_load_at_our_tp2_and_pp2(oracle):
 
 @pytest.mark.slow
 def test_megatron_core_distributed_optimizer_checkpoint_continues_its_curve_in_ours(oracle):
-    """Megatron Core's DP2 distributed-optimizer torch_dist checkpoint (step 3), resumed here in one process with the
-    regular optimizer: steps 4-6 give the losses of Megatron Core's run that never stopped."""
+    """Megatron Core's DP2 distributed-optimizer torch_dist checkpoint (step 3; its fully_reshardable layout and its
+    default dp_reshardable one, with Megatron-LM's RNG state), resumed here in one process with the regular optimizer
+    and no extra flag: the python/numpy/torch generators continue from the saved states, and steps 4-6 give the
+    losses of Megatron Core's run that never stopped."""
     from megatron.checkpointing import load_checkpoint
 
     core = torch.load(oracle / "out" / "train_losses.pt")
-    args = run_args("gpt", oracle / "out" / "train", "--no-load-rng")
-    model = our_model(args)
-    optimizer = our_optimizer(model)
-    assert load_checkpoint([model], optimizer, None, args) == SAVE_AT
-    ours = train_steps(model, optimizer, torch.load(oracle / "batches.pt")[SAVE_AT:])
-    torch.testing.assert_close(torch.tensor(ours), torch.tensor(core["losses"][SAVE_AT:]), rtol=1e-5, atol=0)
+    import random
+
+    import numpy as np
+
+    for folder in ("train", "train_dp"):  # --dist-ckpt-optim-fully-reshardable, and Megatron-LM's default layout
+        args = run_args("gpt", oracle / "out" / folder)  # no --no-load-rng: Megatron-LM's RNG state is restored
+        model = our_model(args)
+        optimizer = our_optimizer(model)
+        assert load_checkpoint([model], optimizer, None, args) == SAVE_AT
+        draws = (random.random(), float(np.random.random_sample()), float(torch.rand(())))
+        random.seed(41), np.random.seed(42), torch.manual_seed(43)  # the oracle's seeds just before its save
+        assert draws == (random.random(), float(np.random.random_sample()), float(torch.rand(()))), folder
+        ours = train_steps(model, optimizer, torch.load(oracle / "batches.pt")[SAVE_AT:])
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(core["losses"][SAVE_AT:]), rtol=1e-5, atol=0,
+                                   msg=folder)
     # convert.py carries the same state: --loader mcore -> ours (TP1, distrib_optim.pt) -> --saver mcore -> --load
     from megatron.checkpoint_conversion.driver import main as convert
 
@@ -335,6 +355,26 @@ def test_megatron_core_distributed_optimizer_checkpoint_continues_its_curve_in_o
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["gpt_tp2", "gpt_pp2", "llama_tp2"])
+def test_core_default_optimizer_layout_reads_as_its_reshardable_one(oracle, layout):
+    """One Megatron Core distributed-optimizer state (random Adam moments) saved at TP2 or PP2 (tied embeddings split
+    over the stages) in its default dp_reshardable layout (bucket buffers) and in fully_reshardable: read here, the
+    two give the same model-space tensors, bit for bit."""
+    from megatron.checkpoint_conversion.torch_dist import read_iteration_state
+    from megatron.checkpoint_conversion.torch_dist_optim import optimizer_common
+
+    root = oracle / "out" / "layouts"
+    common, _, _, buckets = read_iteration_state(str(root / f"{layout}_dp_reshardable" / "iter_0000003"))
+    _, _, _, model_space = read_iteration_state(str(root / f"{layout}_fully_reshardable" / "iter_0000003"))
+    assert sorted(buckets) == sorted(model_space) == ["exp_avg", "exp_avg_sq", "param"]
+    for key, tensors in model_space.items():
+        assert sorted(buckets[key]) == sorted(tensors), key
+        for name, value in tensors.items():
+            assert torch.equal(buckets[key][name], value), (key, name)
+    assert optimizer_common(common, buckets, layout)["state_keys"] == ["exp_avg", "exp_avg_sq"]
+
+
+@pytest.mark.slow
 def test_ours_torch_dist_optimizer_state_resumes_in_megatron_core(oracle):
     """Ours saved with --ckpt-format torch_dist (optimizer state included), loaded by Megatron Core's
     dist_checkpointing into its DDP + distributed optimizer (DP2): its steps 4-6 give our losses."""
@@ -352,9 +392,7 @@ def test_torch_dist_save_flags_refused_in_one_line(tmp_path):
     assert "\n" not in str(info.value)
     args = parse_args(args=[*BASE, *FLAGS["moe"], *save, "--expert-model-parallel-size", "2"])
     args.rank, args.world_size = 1, 2
-    with pytest.raises(ArgumentError, match="under expert parallelism") as info:
-        validate_args(args, {})
-    assert "\n" not in str(info.value)
+    validate_args(args, {})  # written under expert parallelism (tests/training/test_torch_dist_resume.py)
     assert run_args("gpt", tmp_path, "--save", str(tmp_path), "--ckpt-format", "torch_dist").ckpt_format == \
         "torch_dist"  # the optimizer state is saved too (no --no-save-optim needed)
     assert run_args("gpt", tmp_path).ckpt_format == "torch"  # ours stays the default

@@ -116,7 +116,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 @pytest.mark.parametrize("flags, named", [
     (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size"),
     (["--expert-model-parallel-size", "4"], "--expert-model-parallel-size"),
-    (["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist", "--save", "ckpt"], "torch_dist"),
+    (["--moe-layer-freq", "[1,0]", "--ckpt-format", "torch_dist", "--save", "ckpt"], "--moe-layer-freq 1"),
     (["--expert-model-parallel-size", "2", "--deepspeed", "--deepspeed_config", str(EXAMPLES / "ds_config_gpt.json"),
       "--micro-batch-size", "1", "--global-batch-size", "16", "--fp16"], "--deepspeed"),
     (["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias"),

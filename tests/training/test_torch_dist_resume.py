@@ -6,6 +6,7 @@ of tests/training/_workers.py; losses from pretrain()'s return value, 1e-5 relat
 A: TP1 x DP2, distributed optimizer, 12 iterations, saves torch_dist at 6 and 12 (the run that never stopped).
 B: A's iteration 6 at TP1 x PP2 with the distributed optimizer (another layout: the RNG state is ignored, as
    Megatron-LM does); C: at A's layout with the regular optimizer (the RNG state restored, no --no-load-rng).
+Under expert parallelism: a tiny all-MoE model at EP2 saves torch_dist and resumes at EP2 and at EP1 x DP2.
 """
 from __future__ import annotations
 
@@ -67,3 +68,36 @@ def test_torch_dist_with_distributed_optimizer_resumes_on_other_layouts(gpt_data
     c = _run(tiny_gpt_argv(gpt_data, "--load", str(load), "--ckpt-format", "torch_dist", iters=ITERS))
     _assert_continues(c, a, "torch_dist TP1xDP2 distopt -> TP1xDP2 regular optimizer")
 
+
+
+@pytest.mark.slow
+def test_torch_dist_saved_under_expert_parallelism_resumes_at_ep2_and_ep1(gpt_data: dict, tmp_path: Path) -> None:
+    """The tiny MoE of tests/training/test_moe_training.py (every layer MoE) at EP2 with the distributed optimizer
+    saves torch_dist (all experts stacked in one folder, their optimizer state with them); resumed at EP2 (distributed
+    optimizer) and at DP2 without EP (regular optimizer) it continues the curve (lm loss and load-balancing loss,
+    1e-5). One 2-rank launch."""
+    from tests.training._moe_ep_workers import run_steps
+    from tests.training.test_moe_training import MOE, _curve, _same
+
+    def argv(*extra: str) -> list[str]:
+        return tiny_gpt_argv(gpt_data, *MOE, "--moe-layer-freq", "1", *extra, iters=ITERS)
+
+    ckpt = tmp_path / "ep2"
+    ep2 = ["--expert-model-parallel-size", "2"]
+    res = run_distributed(run_steps, 2, args=([
+        ("train", argv(*ep2, "--use-distributed-optimizer", "--ckpt-format", "torch_dist", "--save", str(ckpt),
+                       "--save-interval", str(SAVE))),
+        ("tracker", str(ckpt), SAVE),
+        ("train", argv(*ep2, "--use-distributed-optimizer", "--load", str(ckpt), "--ckpt-format", "torch_dist")),
+        ("train", argv("--load", str(ckpt), "--ckpt-format", "torch_dist")),
+    ],))[-1]
+    folder = ckpt / f"iter_{SAVE:07d}"
+    assert not any(folder.glob("mp_rank_*")) and (folder / ".metadata").is_file()
+    from megatron.checkpoint_conversion.torch_dist import read_dcp_metadata
+
+    names = read_dcp_metadata(str(folder)).state_dict_metadata
+    assert names["decoder.layers.mlp.experts.experts.linear_fc1.weight"].size[:2] == (2, 4)  # [layers, experts]
+    assert "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight" in names
+    full = _curve(res[0], "EP2 saving torch_dist")
+    for result, what in ((res[2], "resumed at EP2"), (res[3], "resumed at EP1 x DP2")):
+        _same(_curve(result, what), full, what, iters=range(SAVE + 1, ITERS + 1), z_loss=False)

@@ -209,7 +209,7 @@ def generation_bench(quick: bool) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from megatron.model import GPTModel
-    from megatron.model.hf_conversion import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
+    from megatron.models.gpt.hf import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
     from megatron.text_generation import generate
 
     config = _config(min(4, LAYERS) if quick else LAYERS)

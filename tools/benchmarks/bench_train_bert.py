@@ -2,7 +2,7 @@
 
 Same model in both (6 layers, hidden 384, 6 heads, ffn 1536, seq 512, micro batch 4, BERT vocab 30,522 padded to
 Megatron's 30,592 in both, erf GeLU, binary head, fp32, no dropout, AdamW lr 1e-4 wd 0.01, clipping 1.0), the same
-initial weights (ours, converted with megatron.model.bert_hf, so the first losses agree), the same BERT-shaped
+initial weights (ours, converted with megatron.models.bert.hf, so the first losses agree), the same BERT-shaped
 batches (padded sequences of 448-512 tokens, 15% masked positions, token types, sentence-order labels), measured in
 the same process with the two steps interleaved (both see the same machine load): warm-up steps, then timed steps
 (median). Loss = masked-LM loss over the masked positions + sentence-order loss in both. Prints tokens/s of each
@@ -99,7 +99,7 @@ def build_hf(model, config):
     """MegatronBertForPreTraining with the same weights + torch.optim.AdamW in a plain loop."""
     from transformers import MegatronBertConfig, MegatronBertForPreTraining
 
-    from megatron.model.bert_hf import hf_megatron_bert_config_kwargs, megatron_bert_to_hf_state_dict
+    from megatron.models.bert.hf import hf_megatron_bert_config_kwargs, megatron_bert_to_hf_state_dict
 
     hf = MegatronBertForPreTraining(MegatronBertConfig(**hf_megatron_bert_config_kwargs(config))).float()
     hf.load_state_dict(megatron_bert_to_hf_state_dict(model.state_dict_for_save_checkpoint(), config))

@@ -2,7 +2,7 @@
 
 Same model in both (6 layers, hidden 384, 6 heads (ALiBi, not a power of two), 4h tanh-GeLU MLP with biases,
 LayerNorm after the word embeddings, tied output layer, seq 512, micro batch 4, vocab 32000, fp32, no dropout, AdamW
-lr 1e-4 wd 0.01, grad clipping 1.0), the same initial weights (HF's, converted with megatron.model.hf_bloom, so the
+lr 1e-4 wd 0.01, grad clipping 1.0), the same initial weights (HF's, converted with megatron.models.gpt.hf_bloom, so the
 first losses agree), the same
 random token batches, measured in the same process with the two frameworks' steps interleaved (both see the same
 machine load): a few warm-up steps, then timed steps (median). Prints tokens/s of each, the ratio, and the MFU of
@@ -68,7 +68,7 @@ def build_megatron(hf_model):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.model import GPTModel
-    from megatron.model.hf_bloom import hf_bloom_to_megatron_state_dict, megatron_config_from_hf_bloom
+    from megatron.models.gpt.hf_bloom import hf_bloom_to_megatron_state_dict, megatron_config_from_hf_bloom
 
     model_parallel_manual_seed(1234, 0)
     config = megatron_config_from_hf_bloom(hf_model.config, max_position_embeddings=SEQ)

@@ -85,7 +85,7 @@ def megatron_to_hf_bloom_state_dict(state_dict: Mapping[str, Any], config: Trans
 def hf_bloom_to_megatron_state_dict(hf_state_dict: Mapping[str, Any], config: TransformerConfig) -> dict:
     """`BloomForCausalLM` (or `BloomModel`) dict -> flat names of our GPT (TP=1); the vocabulary is padded to
     `config.padded_vocab_size` with zero rows."""
-    from megatron.model.hf_conversion import _pad_rows
+    from megatron.models.gpt.hf import _pad_rows
 
     check_bloom(config)
     sd = dict(hf_state_dict)

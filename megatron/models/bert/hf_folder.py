@@ -2,7 +2,7 @@
 ``MegatronBertForMultipleChoice`` of tasks/' Classification / MultipleChoice) as a conversion loader and saver for
 ``--model-type BERT``.
 
-The tensor mapping is megatron.model.bert_hf's (separate query/key/value, ``encoder.ln`` final norm, LM-head
+The tensor mapping is megatron.models.bert.hf's (separate query/key/value, ``encoder.ln`` final norm, LM-head
 transform, tied decoder + bias, ``seq_relationship`` = binary head). BERT models are small, so the whole model is
 mapped at once. HF has one ``hidden_act`` for the MLP and the LM head: erf "gelu" is ``--no-bias-gelu-fusion``,
 "gelu_new" is ``--openai-gelu``; a Megatron model whose MLP uses the fused (tanh) bias-GeLU has no HF equivalent
@@ -11,8 +11,9 @@ and is refused with one line.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
+from megatron.checkpoint_conversion.hf_decoder import copy_tokenizer
 from megatron.checkpoint_conversion.interchange import (
     ConversionError,
     Message,
@@ -22,6 +23,7 @@ from megatron.checkpoint_conversion.interchange import (
     state_dict_from_messages,
 )
 from megatron.core.transformer_config import TransformerConfig
+from megatron.models.hf_adapter import HFAdapter
 
 ARCHITECTURE = "MegatronBertForPreTraining"
 # finetuned heads (tasks/): HF class -> Megatron head key; HF's ``classifier`` is the head, on HF's pooler + dropout
@@ -36,7 +38,7 @@ def _task_to_hf(flat: Dict[str, Any], config: TransformerConfig, head: str) -> D
     MultipleChoice}: the BERT body as the pretraining mapping (pooler and token types included), ``classifier``."""
     import torch
 
-    from megatron.model.bert_hf import megatron_bert_to_hf_state_dict
+    from megatron.models.bert.hf import megatron_bert_to_hf_state_dict
 
     h = config.hidden_size
     stand_in = {"lm_head.dense.weight": torch.zeros(h, h), "lm_head.dense.bias": torch.zeros(h),
@@ -53,7 +55,7 @@ def _task_from_hf(hf_sd: Dict[str, Any], config: TransformerConfig, head: str) -
     """Inverse of `_task_to_hf`."""
     import torch
 
-    from megatron.model.bert_hf import hf_to_megatron_bert_state_dict
+    from megatron.models.bert.hf import hf_to_megatron_bert_state_dict
 
     stand_in = {k: torch.zeros(1) for k in (
         "cls.predictions.transform.dense.weight", "cls.predictions.transform.dense.bias",
@@ -78,7 +80,7 @@ def megatron_config_from_hf_bert(cfg: Dict[str, Any]) -> TransformerConfig:
 
 
 def read_hf_bert(load_dir: str, cfg: Dict[str, Any], tensors: Any) -> Tuple[ModelMeta, Iterator[Message]]:
-    from megatron.model.bert_hf import hf_to_megatron_bert_state_dict
+    from megatron.models.bert.hf import hf_to_megatron_bert_state_dict
 
     config = megatron_config_from_hf_bert(cfg)
     hf_sd = {k: tensors.get(k) for k in tensors.keys()}
@@ -102,7 +104,7 @@ def write_hf_bert(meta: ModelMeta, messages: Iterator[Message], save_dir: str, w
                   checking: bool = True) -> Dict[str, Any]:
     import transformers
 
-    from megatron.model.bert_hf import hf_megatron_bert_config_kwargs, megatron_bert_to_hf_state_dict
+    from megatron.models.bert.hf import hf_megatron_bert_config_kwargs, megatron_bert_to_hf_state_dict
 
     flat = state_dict_from_messages(messages)
     heads = [h for h in TASK_ARCHITECTURES.values() if h + ".weight" in flat]
@@ -144,3 +146,21 @@ def write_hf_bert(meta: ModelMeta, messages: Iterator[Message], save_dir: str, w
 def bert_config_or_none(cfg: Dict[str, Any]) -> Optional[str]:
     archs = cfg.get("architectures") or []
     return archs[0] if archs and archs[0] in ARCHITECTURES else None
+
+
+def _read(load_dir: str, cfg: Dict[str, Any], open_tensors: Callable[[], Any], *, model_type: str, true_vocab_size: Optional[int],
+          tokenizer: Dict[str, Any]) -> Tuple[ModelMeta, Iterator[Message]]:
+    meta, stream = read_hf_bert(load_dir, cfg, open_tensors())
+    meta.tokenizer = tokenizer
+    return meta, stream
+
+
+def _write(meta: ModelMeta, messages: Iterator[Message], save_dir: str, writer: Any, *,
+           hf_architecture: Optional[str], checking: bool) -> Dict[str, Any]:
+    summary = write_hf_bert(meta, messages, save_dir, writer, checking)
+    summary["tokenizer_files"] = copy_tokenizer(meta, save_dir)
+    return summary
+
+
+BERT = HFAdapter(name="bert", model_type="BERT", architectures=ARCHITECTURES, read=_read, write=_write,
+                 description="MegatronBert (LayerNorm, biases, learned positions)")

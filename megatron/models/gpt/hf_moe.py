@@ -7,7 +7,7 @@
 ``mlp.shared_expert.*`` (a SwiGLU MLP: ``mlp.shared_experts.dense_h_to_4h`` = [gate; up], ``dense_4h_to_h``) and
 ``mlp.shared_expert_gate.weight`` [1, h] = ``mlp.shared_experts.gate_weight``; routing is softmax then top-k
 (--moe-router-pre-softmax), renormalised only with ``norm_topk_prob``; ``decoder_sparse_step`` / ``mlp_only_layers``
-give --moe-layer-freq as a list; the QKV has a bias. Attention and norms map as for Llama (hf_conversion.py).
+give --moe-layer-freq as a list; the QKV has a bias. Attention and norms map as for Llama (hf.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Mapping
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.hf_conversion import megatron_config_from_hf_llama
+from megatron.models.gpt.hf import megatron_config_from_hf_llama
 
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 ROUTER, W1, W2 = "mlp.router.weight", "mlp.experts.weight1", "mlp.experts.weight2"

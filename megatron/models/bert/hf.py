@@ -16,8 +16,8 @@ import torch
 
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.gpt_model import flatten_checkpoint_state_dict
-from megatron.model.hf_conversion import qkv_hf_to_megatron, qkv_megatron_to_hf
 from megatron.model.mlp import activation_for
+from megatron.models.gpt.hf import qkv_hf_to_megatron, qkv_megatron_to_hf
 
 _LM = "language_model."
 _EMB = _LM + "embedding."

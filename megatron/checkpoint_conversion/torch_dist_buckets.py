@@ -1,0 +1,185 @@
+"""Megatron-LM's default distributed-optimizer layout in `torch_dist` folders (``dp_reshardable``), read into model
+space.
+
+Megatron Core 0.16 (``DistributedOptimizer.sharded_state_dict`` without ``--dist-ckpt-optim-fully-reshardable``)
+stores, per tensor x pipeline rank (``dp_group_idx = pp_rank * TP + tp_rank``), each bucket of its gradient buffer
+as one flat tensor per state key: ``optimizer.distributed.dp_group_idx_I.gbuf_idx_G.dtype_(...).bucket_idx_B.KEY``
+(KEY ``param``: the fp32 main params, ``exp_avg``, ``exp_avg_sq``) of the bucket's unpadded length, and beside them
+ShardedObjects ``...dp_group_idx_I.optimizer`` (the param groups, with the step count) and
+``...per_bucket_numel_unpadded``. Which parameter sits where is not recorded: it is Megatron Core's buffer layout,
+rebuilt here from the model (its parameters of that TP x PP rank in module order, walked in reverse, each start
+padded to 64 elements; a bucket ends where the recorded unpadded length says, and tied embeddings split across
+pipeline stages sit in a bucket of their own) and checked against ``per_bucket_numel_unpadded``. Each parameter's
+slice is cut out, shaped like its TP shard and merged over TP and PP into one full tensor: the optimizer state then
+loads at any TP/PP/DP layout here, while Megatron Core itself reads this layout back only at the TP/PP that wrote it
+(any DP size). Dense GPT / Llama-family models with one gradient buffer; MoE, virtual or uneven pipelines are one
+line naming ``--dist-ckpt-optim-fully-reshardable``.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from megatron.checkpoint_conversion.interchange import ConversionError, ModelMeta
+
+BUCKETS = "dp_reshardable"
+UNREADABLE = "unreadable"  # common["optimizer"][UNREADABLE]: why the bucket state could not be read (raised on use)
+_PREFIX = "optimizer.distributed.dp_group_idx_"
+_BUCKET_RE = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_.+\.bucket_idx_(\d+)"
+                        r"\.(\w+)$")
+_LM = "language_model."
+_WORD = _LM + "embedding.word_embeddings.weight"
+_HEAD_COPY = "word_embeddings.weight"  # the last stage's copy of tied embeddings
+_FIX = "save with --dist-ckpt-optim-fully-reshardable, or load with --no-load-optim"
+# a layer's parameters in Megatron Core's module order (our names): local spec, and Transformer Engine's (the norms
+# inside linear_qkv / linear_fc1, registered before their linear's weight; linear_proj comes first in SelfAttention)
+_NORM1 = ("input_layernorm.weight", "input_layernorm.bias")
+_PROJ = ("self_attention.dense.weight", "self_attention.dense.bias")
+_REST = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
+         "post_attention_layernorm.weight", "post_attention_layernorm.bias", "mlp.dense_h_to_4h.weight",
+         "mlp.dense_h_to_4h.bias", "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias")
+LAYER_ORDER = {"local": _NORM1 + _PROJ + _REST, "transformer_engine": _PROJ + _NORM1 + _REST}
+
+
+def _stage_order(names: List[str], layers: range, transformer_impl: str, first: bool, last: bool) -> List[str]:
+    """Our names of one pipeline stage's parameters in Megatron Core's `named_parameters` order."""
+    present = set(names)
+    order = [_WORD, _LM + "embedding.position_embeddings.weight"] if first else []
+    for i in layers:
+        order += [f"{_LM}encoder.layers.{i}.{suffix}" for suffix in LAYER_ORDER[transformer_impl]]
+    if last:
+        order += [_LM + "encoder.final_layernorm.weight", _LM + "encoder.final_layernorm.bias",
+                  _LM + "output_layer.weight", _HEAD_COPY]
+    order = [n for n in order if n in present]
+    extra = sorted(present - set(order))
+    if extra:
+        raise ConversionError(f"{extra[0]} has no place in Megatron Core's buffer layout as rebuilt here")
+    return order
+
+
+def _offsets(order: List[Tuple[str, int, bool]], recorded: List[int]) -> Tuple[Dict[str, Tuple[int, int]], List[int]]:
+    """{name: (bucket, start in the bucket)} of parameters (name, numel, own bucket) laid out as Megatron Core's
+    _ParamAndGradBuffer does (reverse order, starts padded to 64), buckets cut at the recorded unpadded lengths; and
+    the unpadded lengths this layout gives."""
+    where: Dict[str, Tuple[int, int]] = {}
+    lengths: List[int] = []
+    cursor, used = 0, False
+    for name, numel, own in reversed(order):
+        start = -(-cursor // 64) * 64
+        if own and used:
+            lengths.append(start)
+            start, used = 0, False
+        bucket = len(lengths)
+        where[name] = (bucket, start)
+        cursor, used = start + numel, True
+        if own or (bucket < len(recorded) and cursor >= recorded[bucket]):
+            lengths.append(cursor)
+            cursor, used = 0, False
+    if used:
+        lengths.append(cursor)
+    return where, lengths
+
+
+def bucket_state(tensors: Dict[str, torch.Tensor], objects: Dict[str, Any], flat: Dict[str, torch.Tensor],
+                 arch: Dict[str, Any], args: Any, where: str) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+    """({"optimizer": param groups, "grad_scaler"?}, {state key: our full flat dict}) of a dp_reshardable folder,
+    from its bucket tensors and ShardedObjects (read_tensors / read_objects with the ``optimizer.distributed.``
+    prefix) and the full model `flat` (ours, TP=1) that gives every parameter's shape."""
+    from megatron.checkpoint_conversion.megatron_format import layer_layouts
+    from megatron.model.tp_shards import merge_tensor_parallel_state_dicts, split_tensor_parallel_state_dict
+
+    what = f"{where}: its distributed optimizer state (Megatron Core's {BUCKETS} layout)"
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    for flag, value in (("--num-experts", getattr(args, "num_experts", None)),
+                        ("--num-layers-per-virtual-pipeline-stage",
+                         getattr(args, "num_layers_per_virtual_pipeline_stage", None)),
+                        ("--decoder-first-pipeline-num-layers", getattr(args, "decoder_first_pipeline_num_layers", None)),
+                        ("--decoder-last-pipeline-num-layers", getattr(args, "decoder_last_pipeline_num_layers", None))):
+        if value:
+            raise ConversionError(f"{what} is not read for a run with {flag}; {_FIX}")
+    buckets: Dict[Tuple[int, int, int], Dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _BUCKET_RE.match(key)
+        if m:
+            buckets.setdefault(tuple(int(g) for g in m.groups()[:3]), {})[m.group(4)] = t
+    groups = sorted({g for g, _, _ in buckets})
+    if groups != list(range(tp * pp)) or any(gbuf for _, gbuf, _ in buckets):
+        raise ConversionError(f"{what} holds buffers of model-parallel groups {groups} and gradient buffers "
+                              f"{sorted({b for _, b, _ in buckets})}, not one buffer for each of the TP x PP = "
+                              f"{tp} x {pp} ranks its args name; {_FIX}")
+    keys = sorted(next(iter(buckets.values())))
+    if "param" not in keys:
+        raise ConversionError(f"{what} has no fp32 main params (bucket 'param' tensors); {_FIX}")
+    num_layers = int(arch["num_layers"])
+    if num_layers % pp:
+        raise ConversionError(f"{what}: {num_layers} layers do not split into {pp} pipeline stages")
+    impl = getattr(args, "transformer_impl", None) or "transformer_engine"  # Megatron-LM's default
+    if impl not in LAYER_ORDER:
+        raise ConversionError(f"{what}: unknown --transformer-impl {impl}; {_FIX}")
+    layouts = layer_layouts(ModelMeta(model_type="GPT", architecture=arch))
+    tied = _LM + "output_layer.weight" not in flat
+    per_key_stages: Dict[str, Dict[str, torch.Tensor]] = {k: {} for k in keys}
+    per = num_layers // pp
+    for p in range(pp):
+        layers = range(p * per, (p + 1) * per)
+        first, last = p == 0, p == pp - 1
+        piece = {}
+        for name, value in flat.items():
+            index = name[len(_LM + "encoder.layers."):].split(".")[0] if name.startswith(_LM + "encoder.layers.") \
+                else None
+            if index is not None and int(index) not in layers:
+                continue
+            if index is None and not ((first and ".embedding." in name) or (last and ".embedding." not in name)):
+                continue
+            piece[name] = value
+        if last and tied and pp > 1:
+            piece[_HEAD_COPY] = flat[_WORD]
+        shards = split_tensor_parallel_state_dict(piece, tp, layouts={**layouts, _HEAD_COPY: layouts[_WORD]})
+        order = _stage_order(list(piece), layers, impl, first, last)
+        local: Dict[str, List[Dict[str, torch.Tensor]]] = {k: [] for k in keys}
+        for t in range(tp):
+            index = p * tp + t
+            recorded = objects.get(f"{_PREFIX}{index}.per_bucket_numel_unpadded")
+            try:
+                (recorded,) = [list(v) for v in recorded[0].values()]
+            except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+                raise ConversionError(f"{what} has no readable per_bucket_numel_unpadded for model-parallel group "
+                                      f"{index}; {_FIX}") from None
+            shared = tied and pp > 1
+            params = [(n, shards[t][n].numel(), shared and n in (_WORD, _HEAD_COPY)) for n in order]
+            offsets, lengths = _offsets(params, recorded)
+            if lengths != recorded:
+                raise ConversionError(f"{what}: the buckets of model-parallel group {index} hold {recorded} elements "
+                                      f"but this model laid out as Megatron Core does gives {lengths} (another "
+                                      f"model or --transformer-impl?); {_FIX}")
+            for key in keys:
+                cut = {}
+                for n in order:
+                    bucket, start = offsets[n]
+                    flat_bucket = buckets.get((index, 0, bucket), {}).get(key)
+                    if flat_bucket is None or flat_bucket.numel() != recorded[bucket]:
+                        raise ConversionError(f"{what} lacks bucket {bucket} {key} of model-parallel group {index} "
+                                              "(or its length differs); restore the checkpoint or pass --no-load-optim")
+                    shape = shards[t][n].shape
+                    cut[n] = flat_bucket[start:start + shards[t][n].numel()].reshape(shape).float()
+                local[key].append(cut)
+        for key in keys:
+            merged = merge_tensor_parallel_state_dicts(local[key], layouts={**layouts, _HEAD_COPY: layouts[_WORD]})
+            merged.pop(_HEAD_COPY, None)  # the same state as the first stage's (their gradients are summed)
+            per_key_stages[key].update(merged)
+    saved = objects.get(f"{_PREFIX}0.optimizer")
+    if not isinstance(saved, dict) or "param_groups" not in saved:
+        raise ConversionError(f"{what} has no param groups (ShardedObject {_PREFIX}0.optimizer); {_FIX}")
+    extra: Dict[str, Any] = {"optimizer": {"param_groups": saved["param_groups"]}}
+    if objects.get(f"{_PREFIX}0.grad_scaler") is not None:
+        extra["grad_scaler"] = objects[f"{_PREFIX}0.grad_scaler"]
+    return extra, per_key_stages
+
+
+def describe(common: Dict[str, Any]) -> Optional[str]:
+    """Why a dp_reshardable folder's optimizer state could not be read (None when it could, or another layout)."""
+    opt = common.get("optimizer")
+    return opt.get(UNREADABLE) if isinstance(opt, dict) else None

@@ -1,0 +1,39 @@
+"""The Hugging Face adapter registry (megatron/models/registry.py): every architecture name has exactly one adapter,
+the saver picks the family from the stored architecture, and the refusals name what would be accepted."""
+from __future__ import annotations
+
+import pytest
+
+from megatron.checkpoint_conversion import hf_format
+from megatron.checkpoint_conversion.interchange import ConversionError, ModelMeta
+from megatron.models import registry
+
+
+def test_each_architecture_has_one_adapter_and_the_loader_lists_them_all():
+    names = registry.supported_architectures()
+    assert len(names) == len(set(names))
+    assert hf_format.SUPPORTED == names
+    expect = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama",
+              "Qwen2MoeForCausalLM": "llama", "BloomForCausalLM": "bloom", "MegatronBertForPreTraining": "bert",
+              "MegatronBertForMultipleChoice": "bert"}
+    assert {n: registry.adapter_for_architecture(n).name for n in expect} == expect
+    assert registry.adapter_for_architecture("T5ForConditionalGeneration") is None
+    assert registry.model_types() == ("GPT", "BERT")
+
+
+GPT2 = {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm"}
+LLAMA = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope"}
+BLOOM = {"position_embedding_type": "alibi", "embed_layernorm": True, "normalization": "LayerNorm"}
+
+
+@pytest.mark.parametrize("model_type,architecture,family", [
+    ("GPT", GPT2, "gpt2"), ("GPT", LLAMA, "llama"), ("GPT", BLOOM, "bloom"), ("BERT", GPT2, "bert")])
+def test_the_saver_picks_the_family_from_the_architecture(model_type, architecture, family):
+    assert hf_format.hf_adapter_for(ModelMeta(model_type, architecture)).name == family
+
+
+def test_the_saver_refuses_with_one_line_naming_the_accepted_families():
+    with pytest.raises(ConversionError, match=r"neither GPT-2 \(.*\) nor Llama-family \(.*\) nor BLOOM \(.*\)$"):
+        hf_format.hf_adapter_for(ModelMeta("GPT", {**GPT2, "position_embedding_type": "rope"}))
+    with pytest.raises(ConversionError, match="^--saver hf converts GPT and BERT models, not T5$"):
+        hf_format.hf_adapter_for(ModelMeta("T5", GPT2))
