@@ -393,7 +393,7 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
         def select_tag(latest_tag: str) -> str:  # the tag megatron/ds/engine.py will load
             try:
                 return integrity.select_deepspeed_tag(load_dir, latest_tag,
-                                                      cfg.fallback, _first_reason, _print0)
+                                                      not cfg.no_checkpoint_fallback, _first_reason, _print0)
             except ValueError as exc:
                 raise CheckpointError(f"--use-checkpoint-args: {exc}") from None
 
@@ -419,7 +419,7 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
         return next((n for n in names if os.path.isdir(os.path.dirname(n))), names[0])
 
     # The iteration load_checkpoint will load: the tracker's, or the newest intact one below it (integrity fallback).
-    _, name, sd = _select_checkpoint(load_dir, iteration, release, trust, cfg.fallback, rank0_file)
+    _, name, sd = _select_checkpoint(load_dir, iteration, release, trust, not cfg.no_checkpoint_fallback, rank0_file)
     if sd.get("args") is None and not sd.get("architecture"):
         raise CheckpointError(f"--use-checkpoint-args: {name} holds no args")
     use_checkpoint_args(args, sd)
@@ -608,7 +608,7 @@ def load_checkpoint(
     if foreign is not None:
         return foreign
     iteration, checkpoint_name, sd = _select_checkpoint(load_dir, iteration, release, trust,
-                                                        cfg.fallback)
+                                                        not cfg.no_checkpoint_fallback)
     _print0(f" loading checkpoint from {load_dir} at iteration {iteration}")
     finetune = cfg.finetune
     global _LAST_LOADED

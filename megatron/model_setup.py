@@ -56,7 +56,7 @@ def _wrap_chunk(model: torch.nn.Module, wrap: ModelWrapSettings, state: ps.Paral
     if wrap_with_ddp:
         from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 
-        if wrap.ddp_impl == "torch":
+        if wrap.DDP_impl == "torch":
             if state.ep_size > 1:
                 raise ValueError("--DDP-impl torch cannot reduce expert grads over the expert-data-parallel group; "
                                  "use --DDP-impl local with --expert-model-parallel-size > 1")

@@ -97,7 +97,7 @@ def configure_activation_checkpointing(args: argparse.Namespace, state: ps.Paral
     deepspeed.checkpointing.configure(
         get_mpu(state),
         partition_activations=ds.partition_activations,
-        contiguous_checkpointing=ds.contiguous_checkpointing,
+        contiguous_checkpointing=ds.contigious_checkpointing,
         num_checkpoints=args.num_layers,
         checkpoint_in_cpu=ds.checkpoint_in_cpu,
         synchronize=ds.synchronize_each_layer,
@@ -149,7 +149,7 @@ def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: An
     args.model_type = model_type
     _skip_inference_only_cpu_op()
     ds = DeepSpeedSettings.from_args(args)
-    if ds.activation_checkpointing:
+    if ds.deepspeed_activation_checkpointing:
         configure_activation_checkpointing(args, state, ds)
     model = model_provider(pre_process=True, post_process=True)
     model.model_type = model_type
@@ -405,7 +405,7 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
 
     try:  # the newest global_stepN whose files match their manifest
         latest_tag = integrity.read_pointer_file(latest)
-        tag = integrity.select_deepspeed_tag(load_dir, latest_tag, cfg.fallback, _first_reason, print_rank_0)
+        tag = integrity.select_deepspeed_tag(load_dir, latest_tag, not cfg.no_checkpoint_fallback, _first_reason, print_rank_0)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     from megatron.ds.weights import expected_layout, load_other_layout_into_engine, tag_layout_or_none

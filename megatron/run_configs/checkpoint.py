@@ -39,11 +39,6 @@ class CheckpointSettings:
     qkv_heads_per_rank: Optional[int] = None
     qkv_head_dim: Optional[int] = None
 
-    @property
-    def fallback(self) -> bool:
-        """Fall back to the newest intact older checkpoint when the chosen one fails its integrity check."""
-        return not self.no_checkpoint_fallback
-
     def parallel_size(self, attr: str) -> Optional[int]:
         return dict(self.parallel_sizes).get(attr)
 

@@ -12,9 +12,9 @@ class DeepSpeedSettings:
 
     enabled: bool = False
     config_dict: Optional[dict[str, Any]] = None  # set by megatron/ds/config.py during validate_args
-    activation_checkpointing: bool = False
+    deepspeed_activation_checkpointing: bool = False
     partition_activations: bool = False
-    contiguous_checkpointing: bool = False  # --contigious-checkpointing (DeepSpeed's spelling)
+    contigious_checkpointing: bool = False  # Megatron-DeepSpeed's spelling of the flag
     checkpoint_in_cpu: bool = False
     synchronize_each_layer: bool = False
     profile_backward: bool = False
@@ -28,9 +28,9 @@ class DeepSpeedSettings:
         return cls(
             enabled=bool(getattr(args, "deepspeed", False)),
             config_dict=getattr(args, "deepspeed_config_dict", None),
-            activation_checkpointing=bool(getattr(args, "deepspeed_activation_checkpointing", False)),
+            deepspeed_activation_checkpointing=bool(getattr(args, "deepspeed_activation_checkpointing", False)),
             partition_activations=bool(getattr(args, "partition_activations", False)),
-            contiguous_checkpointing=bool(getattr(args, "contigious_checkpointing", False)),
+            contigious_checkpointing=bool(getattr(args, "contigious_checkpointing", False)),
             checkpoint_in_cpu=bool(getattr(args, "checkpoint_in_cpu", False)),
             synchronize_each_layer=bool(getattr(args, "synchronize_each_layer", False)),
             profile_backward=bool(getattr(args, "profile_backward", False)),

@@ -14,7 +14,7 @@ class ModelWrapSettings:
     distributed_backend: Optional[str] = None
     fp16: bool = False
     bf16: bool = False
-    ddp_impl: str = "local"
+    DDP_impl: str = "local"  # noqa: N815 (Megatron's flag name)
     accumulate_allreduce_grads_in_fp32: bool = False
     use_contiguous_buffers_in_local_ddp: bool = True
     overlap_grad_reduce: bool = False
@@ -28,7 +28,7 @@ class ModelWrapSettings:
         return cls(
             virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
             distributed_backend=getattr(args, "distributed_backend", None),
-            fp16=bool(args.fp16), bf16=bool(args.bf16), ddp_impl=args.DDP_impl,
+            fp16=bool(args.fp16), bf16=bool(args.bf16), DDP_impl=args.DDP_impl,
             accumulate_allreduce_grads_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
             use_contiguous_buffers_in_local_ddp=bool(getattr(args, "use_contiguous_buffers_in_local_ddp", True)),
             overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),

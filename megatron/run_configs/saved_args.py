@@ -27,6 +27,11 @@ class SavedRunArgs:
     pipeline_model_parallel_size: int = 1
     tensor_model_parallel_size: Optional[int] = None
     pipeline_model_parallel_split_rank: Optional[int] = None  # T5: the first decoder stage
+    num_experts: Optional[int] = None
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    transformer_impl: Optional[str] = None
     encoder_num_layers: Optional[int] = None
     decoder_num_layers: Optional[int] = None
     num_layers: Optional[int] = None
@@ -53,6 +58,11 @@ class SavedRunArgs:
             pipeline_model_parallel_size=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
             tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", None),
             pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None),
+            num_experts=getattr(args, "num_experts", None),
+            num_layers_per_virtual_pipeline_stage=getattr(args, "num_layers_per_virtual_pipeline_stage", None),
+            decoder_first_pipeline_num_layers=getattr(args, "decoder_first_pipeline_num_layers", None),
+            decoder_last_pipeline_num_layers=getattr(args, "decoder_last_pipeline_num_layers", None),
+            transformer_impl=getattr(args, "transformer_impl", None),
             encoder_num_layers=getattr(args, "encoder_num_layers", None),
             decoder_num_layers=getattr(args, "decoder_num_layers", None),
             num_layers=getattr(args, "num_layers", None),
