@@ -27,7 +27,7 @@ from megatron.arguments import core_transformer_config_from_args  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.errors import ArgumentError, exit_on_user_error  # noqa: E402
 from megatron.model import ModelType  # noqa: E402
-from megatron.model.bert_model import BertModel  # noqa: E402
+from megatron.models.bert.model import BertModel  # noqa: E402
 from megatron.training import pretrain  # noqa: E402
 from megatron.utils import average_losses_across_data_parallel_group  # noqa: E402
 
@@ -122,9 +122,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: list[int]) ->
     )
 
 
+MODEL_TYPE = ModelType.encoder_or_decoder
+ARGS_DEFAULTS = {"tokenizer_type": "BertWordPieceLowerCase", "model_family": "bert"}
+
+
 def main(argv: Optional[list[str]] = None) -> Optional[dict]:
-    return pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-                    args_defaults={"tokenizer_type": "BertWordPieceLowerCase", "model_family": "bert"}, argv=argv)
+    return pretrain(train_valid_test_datasets_provider, model_provider, MODEL_TYPE, forward_step,
+                    args_defaults=ARGS_DEFAULTS, argv=argv)
 
 
 if __name__ == "__main__":

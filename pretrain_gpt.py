@@ -125,9 +125,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: list[int]) ->
     )
 
 
+MODEL_TYPE = ModelType.encoder_or_decoder
+ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+
+
 def main(argv: Optional[list[str]] = None) -> Optional[dict]:
-    return pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, argv=argv)
+    return pretrain(train_valid_test_datasets_provider, model_provider, MODEL_TYPE, forward_step,
+                    args_defaults=ARGS_DEFAULTS, argv=argv)
 
 
 if __name__ == "__main__":

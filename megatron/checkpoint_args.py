@@ -16,57 +16,27 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 from megatron.arguments import build_parser
 from megatron.config_flags import CONFIG_FIELDS
 from megatron.errors import MegatronUserError
+from megatron.settings import architecture_fields, filled_if_unset, flag_hints, restore_rules
 
 
 class ArchitectureMismatchError(MegatronUserError, RuntimeError):
     """The checkpoint's architecture differs from this run's flags (one line: field, both values, the flag)."""
 
 
-# TransformerConfig fields that change the weights' shapes or what the forward pass computes with given weights;
-# the kinds first (a different kind also changes derived sizes, e.g. --swiglu the FFN width: name the cause).
-ARCHITECTURE_FIELDS: Tuple[str, ...] = (
-    "normalization", "layernorm_epsilon", "apply_layernorm_1p", "apply_residual_connection_post_layernorm",
-    "openai_gelu", "squared_relu", "swiglu", "glu_activation", "embed_layernorm", "add_bias_linear", "add_qkv_bias",
-    "bias_gelu_fusion",
-    "position_embedding_type", "rotary_base", "rotary_percent", "group_query_attention", "num_query_groups",
-    "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
-    "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
-    "share_embeddings_and_output_weights",
-    "num_layers", "encoder_num_layers", "decoder_num_layers", "hidden_size", "num_attention_heads",
-    "ffn_hidden_size", "kv_channels", "max_position_embeddings", "padded_vocab_size",
-    # mixture of experts (the router's loss coefficients are training settings, not architecture)
-    "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
-    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
-    "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
-    "moe_router_dtype", "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-    "moe_apply_probs_on_input",
-)
+# TransformerConfig fields that change the weights' shapes or what the forward pass computes with given weights, in
+# the record's order (each declaration's `arch` position, megatron/settings/: the order fixes the checkpoint's bytes);
+# the kinds first (a different kind also changes derived sizes, e.g. --swiglu the FFN width: name the cause). The
+# router's loss coefficients are training settings, not architecture.
+ARCHITECTURE_FIELDS: Tuple[str, ...] = architecture_fields()
 
 # Restored by --use-checkpoint-args only when the flag is left at its default (Megatron's rule for these).
-FILLED_IF_UNSET: Tuple[str, ...] = ("seq_length", "tokenizer_type", "make_vocab_size_divisible_by",
-                                     "expert_model_parallel_size", "expert_tensor_parallel_size",
-                                     "moe_token_dispatcher_type")
+FILLED_IF_UNSET: Tuple[str, ...] = filled_if_unset()
 
 # The flag(s) to pass for a field, where it is not simply --field-name.
-_FLAG_OF_FIELD: Dict[str, str] = {
-    "padded_vocab_size": "the same vocab file and --make-vocab-size-divisible-by",
-    "share_embeddings_and_output_weights": "--untie-embeddings-and-output-weights (or not)",
-    "add_bias_linear": "--disable-bias-linear (or not)",
-    "bias_gelu_fusion": "--no-bias-gelu-fusion (or not)",
-    "layernorm_epsilon": "--norm-epsilon",
-    "num_query_groups": "--group-query-attention --num-query-groups",
-    "num_moe_experts": "--num-experts",
-}
+_FLAG_OF_FIELD: Dict[str, str] = flag_hints()
 
 # field -> [(parser destination, value of that destination for a saved field value)] for --use-checkpoint-args.
-_RESTORE: Dict[str, List[Tuple[str, Callable[[Any], Any]]]] = {
-    "share_embeddings_and_output_weights": [("untie_embeddings_and_output_weights", lambda v: not v)],
-    "position_embedding_type": [("position_embedding_type", lambda v: v),
-                                ("use_rotary_position_embeddings", lambda v: v == "rope"),
-                                ("add_position_embedding", lambda v: v == "learned_absolute")],
-    "bias_gelu_fusion": [("bias_gelu_fusion", lambda v: v), ("onnx_safe", lambda v: None)],
-    "num_moe_experts": [("num_experts", lambda v: v)],
-}
+_RESTORE: Dict[str, List[Tuple[str, Callable[[Any], Any]]]] = restore_rules()
 
 
 def _plain(value: Any) -> Any:

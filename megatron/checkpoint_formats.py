@@ -28,7 +28,7 @@ import torch
 from megatron import checkpoint_integrity as integrity
 from megatron.errors import MegatronUserError
 from megatron.run_configs.checkpoint import CheckpointSettings
-from megatron.training_state import TrainingState
+from megatron.training_state import TOTALS, TrainingState
 
 TORCH, CORE_TORCH, TORCH_DIST = "torch", "torch (Megatron Core names)", "torch_dist"
 _LAYERS = "language_model.encoder.layers."
@@ -86,7 +86,7 @@ def _is_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
-def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bool = False
+def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bool = False, model_type: str = "GPT"
               ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
     """(state besides the weights: args/iteration/..., architecture, our full flat TP=1 state dict, and with
     `optimizer` the optimizer state {state key: full flat dict} of a torch_dist folder, else {})."""
@@ -107,7 +107,7 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bo
         from megatron.checkpoint_conversion.megatron_format import read_megatron
 
         iteration = None if os.path.basename(iter_dir) == "release" else int(os.path.basename(iter_dir)[5:])
-        meta, messages = read_megatron(load_dir, trust=trust, iteration=iteration)
+        meta, messages = read_megatron(load_dir, trust=trust, iteration=iteration, model_type=model_type)
         flat = state_dict_from_messages(messages)
         # read_megatron cuts nothing without a true vocabulary size: the rows are the writer's padded ones
         first = _rank0_file(iter_dir)
@@ -135,10 +135,13 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
     try:
         ep, expert_files = expert_rank_files(iter_dir)  # expert parallelism: read_megatron merges the experts
         files = {(t, p): path for (t, p, e), path in expert_files.items() if e == 0} if ep > 1 else rank_files(iter_dir)
-        meta, messages = read_megatron(save_dir, iteration=iteration, optimizer=optimizer)
         first = safe_torch_load(files[(0, 0)], map_location="cpu")
+        last = first if len(files) == 1 else safe_torch_load(files[(0, max(p for _, p in files))], map_location="cpu")
+        bert = any(k in ("lm_head", "binary_head") for k in last.get("model") or {})
+        meta, messages = read_megatron(save_dir, iteration=iteration, optimizer=optimizer,
+                                       model_type="BERT" if bert else "GPT")
         keep = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens",
-                "opt_param_scheduler", "true_vocab_size", "padded_vocab_size", "train_loss")
+                "opt_param_scheduler", "true_vocab_size", "padded_vocab_size", "train_loss", *TOTALS)
         extra = {k: first[k] for k in keep if k in first}
         if "rng_state" in first:
             ranks = {tp_pp: safe_torch_load(path, map_location="cpu").get("rng_state") for tp_pp, path in files.items()}
@@ -146,6 +149,9 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
         write_torch_dist(meta, messages, iter_dir, extra)
     except ConversionError as exc:
         raise CheckpointFormatError(f"--ckpt-format torch_dist: {exc}") from None
+
+
+_EXPERT_STACKS = (".mlp.experts.weight1", ".mlp.experts.weight2")
 
 
 def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], model: torch.nn.Module,
@@ -174,13 +180,19 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
             piece[key] = repad_rows(piece[key], own[key].size(0) * state.tp_size)
     piece = {k: v for k, v in piece.items() if k in own}
     if (getattr(state, "ep_size", 1) or 1) > 1:  # expert parallelism: this rank's experts (dim 0 of the stacks)
-        for key in [k for k in piece if k.endswith((".mlp.experts.weight1", ".mlp.experts.weight2"))]:
+        for key in [k for k in piece if k.endswith(_EXPERT_STACKS)]:
             n = own[key].size(0)
             piece[key] = piece[key][state.ep_rank * n:(state.ep_rank + 1) * n]
+    experts = {}
+    if getattr(state, "expert_tp_differs", False):  # --expert-tensor-parallel-size != TP: experts split over it
+        experts = {k: piece.pop(k) for k in [k for k in piece if k.endswith(_EXPERT_STACKS)]}
+        if state.etp_size > 1:
+            experts = split_tensor_parallel_state_dict(experts, state.etp_size,
+                                                       layouts=tensor_parallel_layouts(model))[state.etp_rank]
     if state.tp_size > 1:
         piece = split_tensor_parallel_state_dict(piece, state.tp_size, layouts=tensor_parallel_layouts(model))[
             state.tp_rank]
-    return piece
+    return {**piece, **experts}
 
 
 def _load_optimizer_state(optimizer: Any, models: List[Any], opt_full: Dict[str, Dict[str, torch.Tensor]],
@@ -255,7 +267,11 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
         raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): its optimizer and RNG state are not converted; "
                                     "pass --finetune, or --no-load-optim --no-load-rng")
     trust = cfg.trust_checkpoint
-    common, arch, full, opt_full = read_full(iter_dir, load_dir, fmt, trust, optimizer=load_optim)
+    from megatron.models.bert.model import BertModel
+
+    model_type = "BERT" if isinstance(unwrap_model(models[0]), BertModel) else "GPT"
+    common, arch, full, opt_full = read_full(iter_dir, load_dir, fmt, trust, optimizer=load_optim,
+                                             model_type=model_type)
     check_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, args, iter_dir)
     opt_common = None
     if load_optim:
@@ -292,6 +308,8 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
                               "consumed_valid_tokens") if k in common or k.endswith("samples"))
     for key in names:
         setattr(run, key, int(common.get(key, getattr(ckpt_args, key, 0)) or 0))
+    for key in TOTALS:  # the run's skipped/non-finite totals (ours; absent: 0)
+        setattr(run, key, int(common.get(key, 0)))
     if train_state is None:
         run.write_counters(args, names)
     return int(common.get("iteration", getattr(ckpt_args, "iteration", 0)) or 0), common, rng

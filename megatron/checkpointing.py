@@ -283,8 +283,11 @@ def save_checkpoint(
     param_state = None
     if optimizer is not None and hasattr(optimizer, "get_parameter_state") and not cfg.no_save_optim:
         param_state = optimizer.get_parameter_state()  # collective over the data-parallel group
-    if (state.edp_rank if state.ep_size > 1 else state.dp_rank) == 0 and state.cp_rank == 0:  # one writer per
-        # model-parallel (and expert) rank: context-parallel ranks hold the same weights
+    writer = state.writes_checkpoint
+    if writer is None:  # a state built by hand: Megatron-LM's rule
+        writer = (state.edp_rank if state.ep_size > 1 else state.dp_rank) == 0
+    if writer and state.cp_rank == 0:  # one writer per model-parallel (and expert) rank folder
+        # (parallel_state.checkpoint_writer); context-parallel ranks hold the same weights
         run = train_state if train_state is not None else TrainingState.from_args(args)
         state_dict: dict[str, Any] = {
             "args": _args_to_save(args) if train_state is None else train_state.megatron_args(args),
@@ -294,6 +297,7 @@ def save_checkpoint(
             "true_vocab_size": cfg.true_vocab_size,
             "padded_vocab_size": run.padded_vocab_size,
             "architecture": architecture_from_args(args),
+            **run.checkpoint_totals(),
         }
         if train_loss is not None:
             state_dict["train_loss"] = float(train_loss)

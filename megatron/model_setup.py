@@ -57,7 +57,7 @@ def _wrap_chunk(model: torch.nn.Module, wrap: ModelWrapSettings, state: ps.Paral
         from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 
         if wrap.DDP_impl == "torch":
-            if state.ep_size > 1:
+            if state.expert_groups:
                 raise ValueError("--DDP-impl torch cannot reduce expert grads over the expert-data-parallel group; "
                                  "use --DDP-impl local with --expert-model-parallel-size > 1")
             model = TorchDistributedDataParallel(model, dp_group=state.dp_cp_group)  # DP x CP: gradients
@@ -70,7 +70,7 @@ def _wrap_chunk(model: torch.nn.Module, wrap: ModelWrapSettings, state: ps.Paral
                 use_distributed_optimizer=wrap.use_distributed_optimizer,
                 overlap_param_gather=wrap.overlap_param_gather,
                 bucket_size=wrap.ddp_bucket_size,
-                expert_dp_group=state.edp_group if state.ep_size > 1 else None,
+                expert_dp_group=state.edp_group if state.expert_groups else None,
             )
             if wrap.data_parallel_random_init:
                 model.broadcast_params()  # start every data-parallel replica from DP rank 0's weights

@@ -230,7 +230,7 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
         if writer is not None and show.log_timers_to_tensorboard:
             writer.add_scalar("iteration-time", per_iter, iteration)
         if show.model_family == "t5":  # encoder-decoder: two sequence lengths
-            from megatron.model.t5_model import t5_num_floating_point_operations
+            from megatron.models.t5.model import t5_num_floating_point_operations
 
             flops = t5_num_floating_point_operations(core_transformer_config_from_args(args), batch_size,
                                                      args.encoder_seq_length, args.decoder_seq_length)
@@ -440,12 +440,16 @@ def pretrain(
     extra_args_provider: Optional[Callable] = None,
     args_defaults: Optional[dict] = None,
     argv: Optional[list[str]] = None,
+    history: Optional[dict] = None,
 ) -> Optional[dict]:
     """Megatron's ``pretrain``. Returns the numbers the log lines print, for tests and callers to compare:
 
     ``{"iteration", "train_losses": {iteration: {"lm loss": ...}}, "valid_losses": {iteration: {...}},
-    "val_loss", "test_loss"}`` (the end-of-training evaluations, None where not run). Losses are the values
-    reduced over data-parallel ranks; only the last pipeline stage's ranks have them (empty dicts elsewhere).
+    "val_loss", "test_loss", "skipped_iterations", "nan_iterations"}`` (the end-of-training evaluations, None where
+    not run; the run's totals of skipped and non-finite iterations, continued from the checkpoint it resumed). Losses
+    are the values reduced over data-parallel ranks; only the last pipeline stage's ranks have them (empty dicts
+    elsewhere). `history`: the dict to fill and return (filled as the run goes, so a caller can read the losses of a
+    run that dies).
     """
     global _TRAIN_START_TIME
     args = initialize_megatron(extra_args_provider=extra_args_provider,
@@ -483,8 +487,10 @@ def pretrain(
     print_rank_0("done with setup ...")
     timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
 
-    result: dict = {"iteration": run.iteration, "train_losses": {}, "valid_losses": {}, "val_loss": None,
-                    "test_loss": None}
+    result: dict = history if history is not None else {}
+    result.update({"iteration": run.iteration, "train_losses": {}, "valid_losses": {}, "val_loss": None,
+                   "test_loss": None, "skipped_iterations": run.skipped_iterations,
+                   "nan_iterations": run.nan_iterations})
     iteration = run.iteration
     loop = LoopSettings.from_args(args)  # after the set-up: --train-samples has become --train-iters
     if run.do_train and loop.train_iters > 0 and not loop.skip_train:
@@ -493,7 +499,8 @@ def pretrain(
         iteration, exited = train(forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it,
                                   process_non_loss_data_func, args, state, history=result, skip_counter=skip_counter,
                                   train_state=run, loop=loop)
-        result["iteration"] = iteration
+        result.update(iteration=iteration, skipped_iterations=run.skipped_iterations,
+                      nan_iterations=run.nan_iterations)
         print_datetime("after training is done")
         if exited:
             _flush_writer()

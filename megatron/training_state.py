@@ -8,6 +8,9 @@ Checkpoints keep Megatron's format: the state is saved as Megatron's top-level k
 ``consumed_train_samples``, ...) and inside the saved ``args`` namespace, which `megatron_args` derives from the flags
 and the state in the key order Megatron-LM's loop leaves behind (so Megatron's tools, and our older checkpoints, read
 the same bytes). `restore_counters` fills the state from a checkpoint's keys, or from its ``args`` for old ones.
+The run's skipped and non-finite totals are saved as two top-level keys of our own (``skipped_iterations``,
+``nan_iterations``) only when non-zero (`checkpoint_totals`): a healthy run's checkpoint keeps exactly Megatron's
+keys and bytes, and a missing key reads as 0, so exact resume continues the totals.
 
 Callers that still keep run state on ``args`` (the finetuning loop, tools, tests) use `from_args`/`write_counters`:
 this module is the one place that maps between the two.
@@ -22,6 +25,7 @@ import torch
 
 # Megatron's names, in the order its loop adds them to ``args`` after model set-up (see `megatron_args`).
 COUNTERS = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens")
+TOTALS = ("skipped_iterations", "nan_iterations")  # our top-level checkpoint keys (written when non-zero)
 _ADDED_AFTER_MODEL = ("consumed_valid_tokens", "iteration", "do_train", "do_valid", "do_test", "curr_iteration")
 
 
@@ -60,10 +64,12 @@ class TrainingState:
     def restore_counters(self, saved: Mapping[str, Any], ckpt_args: Optional[argparse.Namespace],
                          names: tuple[str, ...] = COUNTERS) -> None:
         """The consumed samples/tokens `names` from a checkpoint: its top-level keys, else its saved ``args`` (old
-        checkpoints)."""
+        checkpoints); the skipped/non-finite totals from its top-level keys (absent: 0)."""
         src = saved if "consumed_train_samples" in saved else vars(ckpt_args or argparse.Namespace())
         for name in names:
             setattr(self, name, int(src.get(name, 0)))
+        for name in TOTALS:
+            setattr(self, name, int(saved.get(name, 0)))
 
     def checkpoint_counters(self) -> dict[str, int]:
         """Megatron's top-level checkpoint keys for the consumed samples and tokens."""
@@ -71,6 +77,10 @@ class TrainingState:
                 "consumed_valid_samples": int(self.consumed_valid_samples),
                 "consumed_train_tokens": int(self.consumed_train_tokens),
                 "consumed_valid_tokens": int(self.consumed_valid_tokens or 0)}
+
+    def checkpoint_totals(self) -> dict[str, int]:
+        """The run's skipped/non-finite totals as top-level checkpoint keys: only the non-zero ones (see above)."""
+        return {name: int(getattr(self, name)) for name in TOTALS if getattr(self, name)}
 
     def megatron_args(self, args: argparse.Namespace) -> argparse.Namespace:
         """The ``args`` a checkpoint stores: the flags (without callables) with this state under Megatron's names,

@@ -8,7 +8,8 @@ the --eval-interval loss evaluation and checkpoint saves are training.py's. What
   * --load resumes exactly: epoch and batch from the iteration, the sampler order replayed, the RNG restored;
   * a checkpoint at each epoch end (and every --save-interval), then the accuracy lines (tasks/eval_utils.py);
   * --epochs 0 evaluates only and writes the predictions (Megatron crashes there).
-Loss: cross entropy of the logits, logged under ``lm loss`` as Megatron does.
+Loss: cross entropy of the logits, logged under ``lm loss`` as Megatron does. The run state (iteration, epoch,
+consumed samples) is a `FinetuneState` (tasks/finetune_state.py), never written onto the parsed flags.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from megatron.training import (
 )
 from megatron.utils import average_losses_across_data_parallel_group, print_rank_0
 from tasks.eval_utils import batch_tensors, evaluate_datasets
+from tasks.finetune_state import FinetuneState
 
 
 @dataclasses.dataclass
@@ -171,11 +173,12 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
 
     if epochs == 0:  # evaluation only: --load gives the weights; no optimizer, schedule or RNG to restore
         args.no_load_optim, args.no_load_rng = True, True
+    run = FinetuneState(padded_vocab_size=getattr(args, "padded_vocab_size", None))
     model, optimizer, scheduler = setup_model_and_optimizer(task.model_provider, ModelType.encoder_or_decoder,
-                                                            args, state)
-    if args.iteration == 0 and args.pretrained_checkpoint:
+                                                            args, state, run)
+    if run.iteration == 0 and args.pretrained_checkpoint:
         _load_pretrained(model, optimizer, args)
-    result: dict = {"train_losses": {}, "valid_losses": {}, "accuracy": {}, "iteration": args.iteration}
+    result: dict = {"train_losses": {}, "valid_losses": {}, "accuracy": {}, "iteration": run.iteration}
 
     if epochs == 0:
         result["accuracy"][-1] = evaluate_datasets(valid_sets, model, args, state, -1, eval_batch,
@@ -195,12 +198,12 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
         if valid_it is None:
             print_rank_0(f" > no --eval-interval validation loss: {len(concat)} validation example(s) give no full "
                          f"batch of {eval_batch} per data-parallel rank (the accuracy is still computed)")
-    args.do_valid = valid_it is not None
+    run.do_valid = valid_it is not None
 
     timers = global_vars.get_timers()
     for chunk in model:
         chunk.train()
-    iteration = args.iteration
+    iteration = run.iteration
     start_epoch, start_batch = divmod(iteration, iters_per_epoch)
     total_loss_dict: dict = {}
     report_memory_flag = True
@@ -208,6 +211,7 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
     timers("interval-time", log_level=0).start(barrier=True)
     print_datetime("before the start of training step")
     for epoch in range(start_epoch, epochs):
+        run.epoch = epoch
         print_rank_0(f"working on epoch {epoch} ...")
         loader.sampler.set_epoch(args.seed + epoch)
         rng = local_rng_state()
@@ -216,32 +220,29 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
         for index, batch in enumerate(batches):
             if epoch == start_epoch and index < start_batch:
                 continue  # resume: these batches were trained before the checkpoint
+            # (the iteration of the previous step, 0 for a run's first: what Megatron's loop left on args)
             loss_dict, skipped, grad_norm, num_zeros = train_step(forward_step, iter([batch]), model, optimizer,
-                                                                  scheduler, args, state)
-            iteration += 1
-            args.iteration = args.curr_iteration = iteration
+                                                                  scheduler, args, state, run.curr_iteration or 0)
+            iteration = run.step(args.global_batch_size, args.seq_length)
             result["train_losses"][iteration] = {k: float(v) for k, v in loss_dict.items()}
-            args.consumed_train_samples += args.global_batch_size
-            args.consumed_train_tokens = getattr(args, "consumed_train_tokens", 0) + \
-                args.global_batch_size * args.seq_length
             report_memory_flag = training_log(loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"],
                                               iteration, float(optimizer.get_loss_scale().item()),
-                                              report_memory_flag, skipped, grad_norm, None, num_zeros, args)
+                                              report_memory_flag, skipped, grad_norm, None, num_zeros, args, run)
             if valid_it is not None and iteration % args.eval_interval == 0:
                 valid = evaluate_and_print_results(f"iteration {iteration}", forward_step, valid_it, model,
-                                                   iteration, None, args, state)
+                                                   iteration, None, args, state, train_state=run)
                 result["valid_losses"][iteration] = {k: float(v) for k, v in valid.items()}
             saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
             if saved:
-                _save(iteration, model, optimizer, scheduler, args)
+                _save(iteration, model, optimizer, scheduler, args, train_state=run)
             if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0:
                 if args.save and not saved:
-                    _save(iteration, model, optimizer, scheduler, args)
+                    _save(iteration, model, optimizer, scheduler, args, train_state=run)
                 print_datetime(f"exiting program at iteration {iteration}")
                 result["iteration"] = iteration
                 return result
         if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-            _save(iteration, model, optimizer, scheduler, args)  # the end of every epoch
+            _save(iteration, model, optimizer, scheduler, args, train_state=run)  # the end of every epoch
         result["accuracy"][epoch] = evaluate_datasets(valid_sets, model, args, state, epoch, eval_batch)
     result["iteration"] = iteration
     return result

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from megatron.presets import get_preset
+
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "tests" / "fixtures"
 VOCAB, MERGES = str(FIX / "gpt2-bpe" / "gpt2-vocab.json"), str(FIX / "gpt2-bpe" / "gpt2-merges.txt")
 BERT_VOCAB = str(FIX / "bert-wordpiece" / "bert-base-uncased-vocab.txt")
 SPM = str(FIX / "t5-sentencepiece" / "spiece.model")
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--max-position-embeddings", "32", "--micro-batch-size", "2"]
+MODEL = [*get_preset("gpt_micro_test").argv(), "--micro-batch-size", "2"]
 TRAIN = [*MODEL, "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "2", "--eval-iters", "0"]
 MISSING = "/nonexistent/missing-file"
 

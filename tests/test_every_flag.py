@@ -87,9 +87,10 @@ def test_every_destination_of_every_entry_script_is_accounted_for(entry_parsers)
             flag = (action.option_strings or [action.dest])[0]
             problems.append(
                 f"{script}: {flag} (dest {action.dest!r}) is neither a config field source nor a known setting. "
-                f"Read it, then add `\"{action.dest}\": \"<file that reads it>\",` to RUNTIME_SETTINGS in "
-                "megatron/flag_registry.py (architecture flag: a CONFIG_FIELDS line in megatron/config_flags.py; "
-                "not implemented: a REFUSED line there, so start-up refuses it)")
+                "Read it, then say where in its declaration (megatron/settings/): setting(..., "
+                "read_by=\"<file that reads it>\"), or config=... for an architecture flag, or refused=\"<why>\" "
+                "so that start-up refuses it; a flag an entry script adds itself: "
+                f"`\"{action.dest}\": \"<file that reads it>\",` in _ENTRY_SCRIPT_SETTINGS of megatron/flag_registry.py")
     assert not problems, "\n".join(problems)
 
 
@@ -111,7 +112,7 @@ def test_runtime_settings_name_a_file_that_reads_them(entry_parsers):
 def test_config_table_names_only_real_destinations(entry_parsers):
     all_dests = {a.dest for p in entry_parsers.values() for a in p._actions}
     stale = sorted(set(config_mapped_dests()) - all_dests)
-    assert not stale, f"megatron/config_flags.py CONFIG_FIELDS names destinations no parser has: {stale}"
+    assert not stale, f"config fields (megatron/settings/ config=/feeds=) name destinations no parser has: {stale}"
 
 
 def test_refused_and_family_defaults_are_the_parser_defaults(entry_parsers):
@@ -126,8 +127,8 @@ def test_refused_and_family_defaults_are_the_parser_defaults(entry_parsers):
 def test_config_table_covers_every_transformer_config_field():
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     unmapped = fields - set(CONFIG_FIELDS) - NOT_FROM_FLAGS
-    assert not unmapped, (f"TransformerConfig fields no flag feeds: {sorted(unmapped)}; add a line per field to "
-                          "CONFIG_FIELDS in megatron/config_flags.py")
+    assert not unmapped, (f"TransformerConfig fields no flag feeds: {sorted(unmapped)}; declare each on the setting "
+                          "that feeds it (megatron/settings/: setting(..., config=...))")
     # The contract's architecture fields all exist (--no-initialization is TransformerConfig.perform_initialization).
     assert not set(CONFIG_FIELDS) - fields
     assert not set(dests_without_config_field(TransformerConfig))

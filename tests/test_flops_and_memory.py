@@ -154,7 +154,7 @@ def test_bert_flops_and_parameter_count_equal_the_model(binary: bool) -> None:
 
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.flops import bert_num_floating_point_operations
-    from megatron.model.bert_model import BertModel
+    from megatron.models.bert.model import BertModel
 
     model_parallel_manual_seed(1234, 0)
     config = TransformerConfig(**BERT)  # attention dropout > 0: the explicit softmax path the counter sees
@@ -219,7 +219,7 @@ def test_bert_head_activation_terms_equal_what_autograd_saves() -> None:
     """The estimate's LM head (logits input + dense, GeLU and LayerNorm inputs: 4·e·s·b·h) and pooler + binary head
     (2·e·b·h) terms equal the non-parameter [.., h] tensors autograd saves in the real BertModel's heads (fp32)."""
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.model.bert_model import BertModel
+    from megatron.models.bert.model import BertModel
 
     model_parallel_manual_seed(1234, 0)
     model = BertModel(TransformerConfig(**{**BERT, "attention_dropout": 0.0}), num_tokentypes=2, add_binary_head=True)

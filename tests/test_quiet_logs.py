@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron.presets import get_preset
+
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "tests" / "fixtures" / "gpt2-bpe"
-ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "2",
+ARGV = [*get_preset("gpt_micro_test").argv(), "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "2",
         "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(FIX / "gpt2-vocab.json"), "--merge-file",
         str(FIX / "gpt2-merges.txt"), "--data-path", "/nonexistent/prefix"]  # stops after start-up, one line
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.presets import get_preset
 from tests.dist_utils import free_port
 from tests.interpreter import path_with_this_python
 
@@ -40,8 +41,7 @@ def test_mnli_script_fits_the_micro_batch_to_a_small_file(gpus: str, expected: s
 @pytest.mark.slow
 def test_user_error_under_torchrun_is_one_line(tmp_path: Path) -> None:
     argv = ["--task", "MNLI", "--train-data", str(MNLI / "train.tsv"), "--valid-data", str(MNLI / "dev_matched.tsv"),
-            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-            "--max-position-embeddings", "32", "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file",
+            *get_preset("gpt_micro_test").argv(), "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file",
             str(FIX / "bert-wordpiece" / "bert-base-uncased-vocab.txt"), "--epochs", "1", "--micro-batch-size", "8",
             "--lr", "1e-4", "--distributed-backend", "gloo"]
     launch = [sys.executable, "-m", "megatron.quiet_torchrun", "--nproc_per_node", "2", "--master_port"]

@@ -96,7 +96,7 @@ def layer_layouts(meta: ModelMeta) -> Dict[str, TensorParallelLayout]:
             _LAYOUT_CACHE[key] = layouts
         else:
             from megatron.core.tensor_parallel.layout import get_tp_layout
-            from megatron.model.bert_model import BertModel
+            from megatron.models.bert.model import BertModel
 
             with torch.device("meta"):
                 model = BertModel(config, num_tokentypes=bert["num_tokentypes"],
@@ -210,6 +210,12 @@ def expert_rank_files(iter_dir: str) -> Tuple[int, Dict[Tuple[int, int, int], st
     saved = SavedRunArgs.from_args(_load(os.path.join(iter_dir, next(iter(found)), "model_optim_rng.pt"),
                                          False).get("args"))
     ep = saved.expert_model_parallel_size
+    etp = saved.expert_tensor_parallel_size
+    saved_tp = 1 if saved.tensor_model_parallel_size is None else saved.tensor_model_parallel_size
+    if etp is not None and etp != saved_tp:
+        raise ConversionError(f"{iter_dir}: saved with --expert-tensor-parallel-size {etp} != --tensor-model-parallel-"
+                              f"size {saved_tp}; converting that layout is not implemented (train on with the same "
+                              f"layout, or save from a run with the two sizes equal)")
     if ep == 1:
         return 1, {}
     staged = saved.pipeline_model_parallel_size > 1

@@ -1,4 +1,4 @@
-"""T5 checkpoints (megatron/model/t5_model.py's layout, Megatron's T5Model keys) as a Megatron loader and saver:
+"""T5 checkpoints (megatron/models/t5/model.py's layout, Megatron's T5Model keys) as a Megatron loader and saver:
 tensor-parallel reshape with the vocabulary re-padded for the target TP, one part at a time.
 
 Message stream of a T5 model (full TP=1 tensors; keys relative to the part, as GPT's stream)::
@@ -70,7 +70,7 @@ def t5_layer_counts(meta: ModelMeta) -> Tuple[int, int]:
 def t5_layouts(meta: ModelMeta) -> Dict[str, TensorParallelLayout]:
     """{flat parameter name of the TP=1 T5Model: its TP layout}, declared by the model built on the meta device."""
     from megatron.core.tensor_parallel.layout import get_tp_layout
-    from megatron.model.t5_model import T5Model
+    from megatron.models.t5.model import T5Model
 
     enc, dec = t5_layer_counts(meta)
     config = dataclasses.replace(meta.config(padded_vocab_size=meta.architecture["padded_vocab_size"]),

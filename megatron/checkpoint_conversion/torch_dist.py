@@ -1,4 +1,5 @@
-"""Megatron-LM's ``--ckpt-format torch_dist`` folders, read and written (GPT and Llama-family models).
+"""Megatron-LM's ``--ckpt-format torch_dist`` folders, read and written (GPT, Llama-family, MoE and BERT models;
+BERT's layers are stacked under ``encoder.layers.``).
 
 An iteration folder holds a `torch.distributed.checkpoint` save: ``.metadata`` (the tensors' global shapes and where
 each chunk lives), ``__R_K.distcp`` data files, ``common.pt`` (the non-tensor state: ``args``, ``iteration``,
@@ -212,6 +213,11 @@ def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Te
     flat: Dict[str, torch.Tensor] = {}
     rest: Dict[str, torch.Tensor] = {}
     for key, t in tensors.items():
+        if key.startswith("encoder.layers."):  # BERT: per-layer Core names, renamed with the rest (mcore_names.py)
+            suffix = key[len("encoder.layers."):]
+            if not suffix.endswith("_extra_state"):
+                rest.update({f"encoder.layers.{i}.{suffix}": t[i].clone() for i in range(t.size(0))})
+            continue
         if key.startswith("decoder.layers."):
             suffix = key[len("decoder.layers."):]
             if suffix.endswith("_extra_state"):
@@ -231,8 +237,9 @@ def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Te
 
 def ours_to_core_stacked(flat: Dict[str, torch.Tensor], num_layers: int) -> Dict[str, torch.Tensor]:
     """Our full flat TP=1 state dict -> torch_dist's tensors (layers stacked; norms in Transformer Engine's names)."""
-    from megatron.model.mcore_names import ours_to_core
+    from megatron.model.mcore_names import is_our_bert, ours_to_core
 
+    stack = "encoder.layers." if is_our_bert(flat) else "decoder.layers."
     per_suffix: Dict[str, list] = {}
     rest: Dict[str, torch.Tensor] = {}
     for key, t in flat.items():
@@ -248,9 +255,9 @@ def ours_to_core_stacked(flat: Dict[str, torch.Tensor], num_layers: int) -> Dict
             raise ConversionError(f"layer tensor {suffix} is missing for some of the {num_layers} layers (torch_dist "
                                   "stacks layers: every layer must have it; MoE needs --moe-layer-freq 1)")
         if suffix in core_experts:
-            out["decoder.layers." + core_experts[suffix]] = torch.stack([experts_to_core(t) for t in tensors])
+            out[stack + core_experts[suffix]] = torch.stack([experts_to_core(t) for t in tensors])
             continue
-        out["decoder.layers." + our_layer_suffix_to_core(suffix, fused_norms=True)] = torch.stack(tensors)
+        out[stack + our_layer_suffix_to_core(suffix, fused_norms=True)] = torch.stack(tensors)
     return out
 
 
@@ -368,10 +375,13 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
                                                for m in msgs)
             state.update(state_tensors({key: ours_to_core_stacked(per_key, num_layers)}))
     experts = int(meta.architecture.get("num_moe_experts") or 0)
+    stack = "encoder.layers." if meta.model_type == "BERT" else "decoder.layers."
     for linear in _MOE_LINEARS if experts else _LINEARS:  # Megatron Core's per-layer ShardedObjects (empty extra
         for i in range(num_layers):                       # state), so its loader finds them
             # DCP's default planner torch.saves the value: Megatron Core's ShardedObject payload, a list of data
-            state[f"decoder.layers.{linear}._extra_state/shard_{i}_{num_layers}"] = [None]
+            state[f"{stack}{linear}._extra_state/shard_{i}_{num_layers}"] = [None]
+    if meta.model_type == "BERT":  # its LM head's output layer (the bias; the weight tied)
+        state["output_layer._extra_state/shard_0_1"] = [None]
     for w in ("1", "2") if experts else ():  # per (layer, expert)
         for i in range(num_layers):
             for e in range(experts):

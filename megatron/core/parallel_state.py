@@ -14,9 +14,12 @@ state for entry scripts (`get_parallel_state()`), together with Megatron-style m
 (`get_tensor_model_parallel_group()`, `get_data_parallel_rank()`, ...).  A group of None means "no communication";
 `ParallelState.single()` describes one process without torch.distributed.
 
-Expert parallelism (Megatron-LM core's layout with expert-tensor-parallel size = TP): the EP ranks of a rank are
-`ep` consecutive data-parallel ranks of its (TP rank, PP stage); the expert-data-parallel group holds the ranks with
-the same expert rank (data-parallel rank modulo `ep`), so dp_rank = edp_rank * ep + ep_rank and edp = dp / ep.
+Expert parallelism (Megatron-LM core's expert grid, order tp-ep-dp-pp): within a pipeline stage the ranks are
+numbered again as ``stage_rank = edp_rank * (etp * ep) + ep_rank * etp + etp_rank`` with etp the expert-tensor-parallel
+size (--expert-tensor-parallel-size, default TP) and edp = (TP x DP) / (etp x ep). The experts' linear layers are
+split over the expert-tensor-parallel group, the experts over the expert-model-parallel group, and expert grads are
+reduced over the expert-data-parallel group. With etp = TP this is: the EP ranks of a rank are `ep` consecutive
+data-parallel ranks of its (TP rank, PP stage), dp_rank = edp_rank * ep + ep_rank and edp = dp / ep.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ Group = Any  # torch.distributed.ProcessGroup or None
 
 
 def _build_rank_groups(world_size: int, tp: int, pp: int,
-                       split_rank: Optional[int] = None, cp: int = 1, ep: int = 1) -> Dict[str, List[List[int]]]:
+                       split_rank: Optional[int] = None, cp: int = 1, ep: int = 1,
+                       etp: Optional[int] = None) -> Dict[str, List[List[int]]]:
     """Pure rank layout: the rank lists of every TP/DP/PP/model-parallel/embedding group (no processes needed).
 
     With a pipeline split rank R (encoder-and-decoder models, Megatron 23.06's --pipeline-model-parallel-split-rank)
@@ -73,11 +77,33 @@ def _build_rank_groups(world_size: int, tp: int, pp: int,
     if split_rank is not None and pp > 1:
         emb_groups = [sorted({g[0], g[split_rank], g[-1]}) for g in pp_groups]
         pos_groups = [[g[0], g[split_rank]] for g in pp_groups]
-    if ep < 1 or dp % ep:
+    etp = tp if etp is None else etp
+    if etp == tp and (ep < 1 or dp % ep):
         raise ValueError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp} = world size "
                          f"{world_size} / (TP {tp} x PP {pp})); launch a multiple of {tp * pp * ep} processes")
-    ep_groups = [g[i:i + ep] for g in dp_groups for i in range(0, dp, ep)]
-    edp_groups = [g[e::ep] for g in dp_groups for e in range(ep)]
+    if etp < 1 or ep < 1 or (tp * dp) % (etp * ep):
+        raise ValueError(f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size ({ep}) must divide "
+                         f"the ranks of a pipeline stage ({tp * dp} = TP {tp} x DP {dp}); launch a multiple of "
+                         f"{etp * ep * pp} processes")
+    if etp != tp and cp > 1:
+        raise ValueError("--expert-tensor-parallel-size different from --tensor-model-parallel-size with "
+                         "--context-parallel-size > 1 is not implemented")
+    edp = tp * dp // (etp * ep)
+
+    def expert_rank(p: int, d: int, e: int, t: int) -> int:  # Megatron-LM core's expert grid (tp-ep-dp-pp)
+        return p * stage + d * etp * ep + e * etp + t
+
+    if etp == tp:  # the same grid, from the data-parallel groups (which skip the context-parallel ranks)
+        ep_groups = [g[i:i + ep] for g in dp_groups for i in range(0, dp, ep)]
+        edp_groups = [g[e::ep] for g in dp_groups for e in range(ep)]
+        etp_groups = tp_groups
+    else:
+        ep_groups = [[expert_rank(p, d, e, t) for e in range(ep)] for p in range(pp) for d in range(edp)
+                     for t in range(etp)]
+        edp_groups = [[expert_rank(p, d, e, t) for d in range(edp)] for p in range(pp) for e in range(ep)
+                      for t in range(etp)]
+        etp_groups = [[expert_rank(p, d, e, t) for t in range(etp)] for p in range(pp) for d in range(edp)
+                      for e in range(ep)]
     return {
         "tp": tp_groups,
         "cp": cp_groups,
@@ -89,7 +115,27 @@ def _build_rank_groups(world_size: int, tp: int, pp: int,
         "position_embedding": pos_groups,
         "ep": ep_groups,
         "edp": edp_groups,
+        "etp": etp_groups,
     }
+
+
+def expert_coordinates(global_rank: int, world_size: int, tp: int, pp: int, ep: int, etp: int) -> Dict[str, int]:
+    """(etp_rank, ep_rank, edp_rank) of `global_rank` in Megatron-LM core's expert grid (no context parallelism)."""
+    stage_rank = global_rank % (world_size // pp)
+    return {"etp_rank": stage_rank % etp, "ep_rank": (stage_rank // etp) % ep, "edp_rank": stage_rank // (etp * ep)}
+
+
+def checkpoint_writer(global_rank: int, world_size: int, tp: int, pp: int, ep: int, etp: int) -> bool:
+    """Whether this rank writes its folder mp_rank_TT[_PPP][_EEE]: the lowest rank of its stage with its (TP rank,
+    expert rank). That is expert-data-parallel rank 0 (Megatron-LM's rule) when etp = TP or every (TP rank, expert
+    rank) has its own such rank; with etp = 1 < TP also the TP ranks Megatron-LM's rule would leave unwritten."""
+    stage = world_size // pp
+    local = global_rank % stage
+
+    def key(r: int) -> tuple:
+        return r % tp, (r // etp) % ep
+
+    return all(key(r) != key(local) for r in range(local))
 
 
 def rank_coordinates(global_rank: int, world_size: int, tp: int, pp: int, cp: int = 1) -> Dict[str, int]:
@@ -140,6 +186,12 @@ class ParallelState:
     cp_rank: int = 0
     cp_size: int = 1
     cp_ranks: List[int] = field(default_factory=lambda: [0])
+    # expert tensor parallelism (--expert-tensor-parallel-size): the group the experts' linear layers are split over;
+    # a size of None means the TP group's (Megatron-LM's default)
+    etp_group: Group = None
+    etp_rank: Optional[int] = None
+    etp_size: Optional[int] = None
+    writes_checkpoint: Optional[bool] = None  # this rank writes its checkpoint folder (see checkpoint_writer)
     dp_cp_group_: Group = None
     dp_cp_ranks: List[int] = field(default_factory=lambda: [0])
 
@@ -148,6 +200,17 @@ class ParallelState:
         """The data-parallel group including the context-parallel ranks (gradient reduction, distributed
         optimizer); the plain data-parallel group without context parallelism."""
         return self.dp_group if self.cp_size == 1 else self.dp_cp_group_
+
+    @property
+    def expert_tp_differs(self) -> bool:
+        """Whether the experts are split over an expert-tensor-parallel group other than the TP group."""
+        return self.etp_size is not None and self.etp_size != self.tp_size
+
+    @property
+    def expert_groups(self) -> bool:
+        """Whether expert params have groups of their own (EP > 1 or expert-TP != TP): their grads are reduced over
+        `edp_group`, and counted in the grad norm over `ep_group` (and `etp_group`)."""
+        return self.ep_size > 1 or self.expert_tp_differs
 
     @property
     def dp_cp_size(self) -> int:
@@ -247,6 +310,7 @@ def initialize_model_parallel(
     timeout: Optional[timedelta] = None,
     expert_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
 ) -> ParallelState:
     """Create all groups (collective: every rank calls it) and make the result the current state.
 
@@ -263,9 +327,11 @@ def initialize_model_parallel(
     tp, pp, cp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size), int(context_parallel_size)
     split = pipeline_model_parallel_split_rank if pp > 1 else None
     ep = int(expert_model_parallel_size)
+    etp = tp if expert_tensor_parallel_size is None else int(expert_tensor_parallel_size)
     if ep > 1 and cp > 1:
         raise ValueError("--expert-model-parallel-size > 1 with --context-parallel-size > 1 is not implemented")
-    layout = _build_rank_groups(world_size, tp, pp, split, cp, ep)
+    layout = _build_rank_groups(world_size, tp, pp, split, cp, ep, etp)
+    expert_groups = ep > 1 or etp != tp
     if virtual_pipeline_model_parallel_size is not None:
         if pp <= 1:
             raise ValueError(
@@ -277,7 +343,7 @@ def initialize_model_parallel(
     mine: Dict[str, Any] = {}
     my_ranks: Dict[str, List[int]] = {}
     kinds = ("tp", "dp", "pp", "mp", "embedding", "position_embedding") + (("cp", "dp_cp") if cp > 1 else ()) + \
-        (("ep", "edp") if ep > 1 else ())
+        (("ep", "edp", "etp") if expert_groups else ())
     for kind in kinds:
         for ranks in layout[kind]:
             group = dist.new_group(ranks, backend=backend, timeout=timeout)  # every rank creates every group, same order
@@ -315,11 +381,15 @@ def initialize_model_parallel(
         dp_cp_group_=mine.get("dp_cp"),
         dp_cp_ranks=my_ranks.get("dp_cp", my_ranks["dp"]),
     )
-    if ep > 1:
-        dp_size = world_size // (tp * pp)
-        state.ep_group, state.edp_group = mine["ep"], mine["edp"]
-        state.ep_size, state.ep_rank = ep, coords["dp_rank"] % ep
-        state.edp_size, state.edp_rank = dp_size // ep, coords["dp_rank"] // ep
+    state.etp_group, state.etp_size, state.etp_rank = state.tp_group, tp, state.tp_rank
+    if expert_groups:
+        expert = expert_coordinates(rank, world_size, tp, pp, ep, etp)
+        state.ep_group, state.edp_group, state.etp_group = mine["ep"], mine["edp"], mine["etp"]
+        state.ep_size, state.ep_rank = ep, expert["ep_rank"]
+        state.edp_size, state.edp_rank = world_size // (pp * ep * etp), expert["edp_rank"]
+        state.etp_size, state.etp_rank = etp, expert["etp_rank"]
+    state.writes_checkpoint = checkpoint_writer(rank, world_size, tp, pp, ep, etp) if expert_groups else \
+        coords["dp_rank"] == 0
     _STATE = state
     return state
 
@@ -496,14 +566,28 @@ def get_expert_model_parallel_rank() -> int:
 def get_expert_data_parallel_group() -> Group:
     """The expert-data-parallel group (the data-parallel group itself without expert parallelism)."""
     state = get_parallel_state()
-    return state.edp_group if state.ep_size > 1 else state.dp_group
+    return state.edp_group if state.expert_groups else state.dp_group
 
 
 def get_expert_data_parallel_world_size() -> int:
     state = get_parallel_state() if _STATE is not None else ParallelState.single()
-    return state.edp_size if state.ep_size > 1 else state.dp_size
+    return state.edp_size if state.expert_groups else state.dp_size
 
 
 def get_expert_data_parallel_rank() -> int:
     state = get_parallel_state() if _STATE is not None else ParallelState.single()
-    return state.edp_rank if state.ep_size > 1 else state.dp_rank
+    return state.edp_rank if state.expert_groups else state.dp_rank
+
+
+def get_expert_tensor_parallel_group() -> Group:
+    return get_parallel_state().etp_group
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    state = current_parallel_state()
+    return state.etp_size if state.etp_size is not None else state.tp_size
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    state = current_parallel_state()
+    return state.etp_rank if state.etp_rank is not None else state.tp_rank

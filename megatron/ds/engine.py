@@ -352,6 +352,7 @@ def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_p
         "architecture": architecture_from_args(args),
         "checkpoint_version": CHECKPOINT_VERSION,
         **{k: counters[k] for k in ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens")},
+        **run.checkpoint_totals(),
     }
     if not cfg.no_save_rng:
         client_state["rng_state"] = get_rng_state()  # gathered over data-parallel ranks: every rank calls

@@ -4,8 +4,11 @@ same blocks). Layers are composed from a layer spec (layer_specs.py) and the Tra
 Parameter names follow Megatron's GPT checkpoints (language_model.embedding.word_embeddings.weight,
 language_model.encoder.layers.{i}.self_attention.query_key_value.weight, ...).
 """
+import importlib
+from typing import Any
+
+from megatron.model import moved
 from megatron.model.attention import CoreAttention, ParallelAttention
-from megatron.model.bert_model import BertModel
 from megatron.model.enums import AttnMaskType, AttnType, LayerType, ModelType
 from megatron.model.fused_layer_norm import LayerNorm, MixedFusedLayerNorm
 from megatron.model.fused_softmax import FusedScaleMaskSoftmax
@@ -29,6 +32,22 @@ from megatron.model.transformer import (
     ParallelTransformerLayer,
 )
 
+moved.install()  # megatron.model.bert_model & co. keep importing (the family modules under megatron/models/)
+
+# Family classes re-exported here, imported on first use (the family modules import this package's shared parts).
+_FAMILY_NAMES = {"BertModel": "megatron.models.bert.model", "T5Model": "megatron.models.t5.model"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FAMILY_NAMES:
+        return getattr(importlib.import_module(_FAMILY_NAMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted([*globals(), *_FAMILY_NAMES])
+
+
 __all__ = [
     "AttnMaskType",
     "AttnType",
@@ -51,6 +70,7 @@ __all__ = [
     "Pooler",
     "RMSNorm",
     "RotaryEmbedding",
+    "T5Model",
     "TransformerLanguageModel",
     "TransformerLayerSpec",
     "bert_layer_spec",

@@ -19,7 +19,7 @@ from megatron.core.transformer_config import TransformerConfig
 from megatron.model.attention import ParallelAttention
 from megatron.model.enums import AttnMaskType, AttnType
 from megatron.model.mlp import ParallelMLP
-from megatron.model.moe import MoELayer
+from megatron.model.moe import SAME_AS_TP, MoELayer
 from megatron.model.norms import build_norm
 
 Builder = Callable[[TransformerConfig, int, Optional[Any]], torch.nn.Module]
@@ -59,10 +59,22 @@ def expert_group(config: TransformerConfig) -> Optional[Any]:
     return state.ep_group
 
 
+def expert_tensor_group() -> Any:
+    """The expert-tensor-parallel group of the current parallel state when it is not the dense TP group
+    (--expert-tensor-parallel-size), else MoELayer's default (the TP group)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return SAME_AS_TP
+    state = parallel_state.get_parallel_state()
+    return state.etp_group if state.expert_tp_differs else SAME_AS_TP
+
+
 def moe_mlp_builder(config: TransformerConfig, layer_number: int, tp_group: Optional[Any]) -> torch.nn.Module:
     """The MoE MLP on the layers --moe-layer-freq marks, the dense MLP on the others."""
     if config.moe_layer_pattern[layer_number - 1]:
-        return MoELayer(config, layer_number, tp_group, expert_group(config), config.moe_token_dispatcher_type)
+        return MoELayer(config, layer_number, tp_group, expert_group(config), config.moe_token_dispatcher_type,
+                        etp_group=expert_tensor_group())
     return ParallelMLP(config, tp_group)
 
 

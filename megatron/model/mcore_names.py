@@ -1,4 +1,4 @@
-"""Megatron Core parameter names <-> ours (Megatron-LM 23.06's), for GPT and Llama-family models.
+"""Megatron Core parameter names <-> ours (Megatron-LM 23.06's), for GPT, Llama-family and BERT models.
 
 Megatron Core calls the same tensors (same shapes, same tensor-parallel split, same fused-QKV row order and SwiGLU
 halves per rank) by other names: ``embedding.word_embeddings.weight``, ``decoder.layers.N.self_attention.linear_qkv``,
@@ -53,6 +53,26 @@ TOP_PREFIXES = (
     ("output_layer.", _LM + "output_layer."),
 )
 
+# BERT (Megatron Core's BertModel): its TransformerBlock is ``encoder`` (the layers as GPT's), the LM head's norm is
+# ``layer_norm``, the head's bias ``output_layer.bias`` (its weight tied to the word embeddings; a last pipeline
+# stage's copy ``output_layer.weight``), and ``pooler``/``binary_head`` sit at the top
+BERT_PREFIXES = (
+    ("embedding.", _LM + "embedding."),
+    ("encoder.final_layernorm.", _LM + "encoder.final_layernorm."),
+    ("lm_head.layer_norm.", "lm_head.layernorm."),
+    ("lm_head.dense.", "lm_head.dense."),
+    ("output_layer.bias", "lm_head.bias"),
+    ("output_layer.weight", "word_embeddings.weight"),
+    ("pooler.dense.", _LM + "pooler.dense."),
+    ("binary_head.", "binary_head."),
+)
+_BERT_KEYS = ("encoder.", "lm_head.", "pooler.", "binary_head.")
+
+
+def is_core_bert(keys: Iterable[str]) -> bool:
+    """Whether Core-named keys are a BertModel's (its ``encoder.*``, heads and pooler)."""
+    return any(k.startswith(_BERT_KEYS) for k in keys)
+
 
 class UnsupportedCoreCheckpoint(MegatronUserError, ValueError):
     """A Megatron Core checkpoint holding a part this code does not model (one line naming the key)."""
@@ -60,7 +80,8 @@ class UnsupportedCoreCheckpoint(MegatronUserError, ValueError):
 
 def has_core_names(keys: Iterable[str]) -> bool:
     """Whether a flat state dict uses Megatron Core's names (``embedding.``, ``decoder.``, ``output_layer.``)."""
-    return any(k.startswith(("embedding.", "decoder.", "output_layer.")) for k in keys)
+    return any(k.startswith(("embedding.", "decoder.", "output_layer.", "encoder.layers.", "encoder.final_layernorm."))
+               for k in keys)
 
 
 def _skipped(key: str) -> bool:
@@ -81,11 +102,13 @@ def core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
     """A flat Core state dict (one rank's, or a full one) -> our flat names; `_extra_state` entries dropped."""
     out: Dict[str, Any] = {}
     experts: Dict[str, Dict[int, Any]] = {}
+    bert = is_core_bert(flat)
+    layers, tops = ("encoder.layers.", BERT_PREFIXES) if bert else ("decoder.layers.", TOP_PREFIXES)
     for key, value in flat.items():
         if _skipped(key):
             continue
-        if key.startswith("decoder.layers."):
-            index, _, suffix = key[len("decoder.layers."):].partition(".")
+        if key.startswith(layers):
+            index, _, suffix = key[len(layers):].partition(".")
             m = _EXPERT_RE.match(suffix)
             if m:
                 expert, which = int(m.group(1) or m.group(4)), m.group(2) or m.group(3)
@@ -93,13 +116,13 @@ def core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
                 continue
             out[f"{_LAYERS}{index}.{core_layer_suffix_to_ours(suffix, key)}"] = value
             continue
-        for core, ours in TOP_PREFIXES:
+        for core, ours in tops:
             if key.startswith(core):
                 out[ours + key[len(core):]] = value
                 break
         else:
-            raise UnsupportedCoreCheckpoint(f"Megatron Core tensor {key} is not part of a GPT model we know; this "
-                                            "checkpoint cannot be loaded here")
+            raise UnsupportedCoreCheckpoint(f"Megatron Core tensor {key} is not part of a {'BERT' if bert else 'GPT'} "
+                                            "model we know; this checkpoint cannot be loaded here")
     for name, per_expert in experts.items():
         if sorted(per_expert) != list(range(len(per_expert))):
             raise UnsupportedCoreCheckpoint(f"Megatron Core experts of {name} are {sorted(per_expert)}, not 0..E-1: "
@@ -133,9 +156,17 @@ def our_layer_suffix_to_core(suffix: str, fused_norms: bool) -> str:
     raise UnsupportedCoreCheckpoint(f"our layer tensor {suffix} has no Megatron Core name")
 
 
+def is_our_bert(keys: Iterable[str]) -> bool:
+    """Whether our flat names are a BERT model's (its LM head or binary head)."""
+    return any(k.startswith(("lm_head.", "binary_head.")) for k in keys)
+
+
 def ours_to_core(flat: Mapping[str, Any], fused_norms: bool = False) -> Dict[str, Any]:
-    """Our flat names -> Core's (the local layer spec's spelling; `fused_norms`: Transformer Engine's)."""
+    """Our flat names -> Core's (the local layer spec's spelling; `fused_norms`: Transformer Engine's); BERT's
+    (lm_head / binary_head present) as Core's BertModel names them."""
     out: Dict[str, Any] = {}
+    bert = is_our_bert(flat)
+    layers, tops = ("encoder.layers.", BERT_PREFIXES) if bert else ("decoder.layers.", TOP_PREFIXES)
     for key, value in flat.items():
         if key.startswith(_LAYERS):
             index, _, suffix = key[len(_LAYERS):].partition(".")
@@ -144,9 +175,9 @@ def ours_to_core(flat: Mapping[str, Any], fused_norms: bool = False) -> Dict[str
                 for e, matrix in enumerate(experts_to_core(value)):
                     out[f"decoder.layers.{index}.mlp.experts.local_experts.{e}.linear_fc{which}.weight"] = matrix
                 continue
-            out[f"decoder.layers.{index}.{our_layer_suffix_to_core(suffix, fused_norms)}"] = value
+            out[f"{layers}{index}.{our_layer_suffix_to_core(suffix, fused_norms)}"] = value
             continue
-        for core, ours in TOP_PREFIXES:
+        for core, ours in tops:
             if key.startswith(ours):
                 out[core + key[len(ours):]] = value
                 break

@@ -8,6 +8,10 @@ Flow of `MoELayer.forward(hidden [s, b, h])`:
 Under tensor parallelism (which needs sequence parallelism, as in Megatron-LM) the tokens of the TP group are
 all-gathered before the experts, every rank computes its slice of each expert's inner dimension, and the result is
 reduce-scattered back to the sequence split (Megatron-LM's allgather dispatcher with expert-TP = TP).
+With --expert-tensor-parallel-size different from TP (`etp_group`, Megatron-LM core's expert-tensor-parallel group)
+the experts' inner dimension is split over `etp_group` instead, and the tokens are gathered / reduce-scattered over
+it (ETP = 1 under TP = 2: each rank runs whole experts on its own sequence slice); router, aux losses and the shared
+expert stay on the dense TP group.
 
 Expert parallelism (`ep_group` of size EP, expert-TP = TP): each rank holds experts [ep_rank * L, (ep_rank + 1) * L)
 with L = num_experts / EP. The tokens (after the TP gather) reach them by either dispatcher:
@@ -45,6 +49,7 @@ from megatron.model.module import MegatronModule
 from megatron.model.utils import group_rank, group_size
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+SAME_AS_TP = "tp"  # MoELayer's default expert-tensor-parallel group: the dense TP group (Megatron-LM's default)
 
 
 def capacity_of(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:
@@ -191,7 +196,9 @@ class GroupedExperts(MegatronModule):
     """All experts of the layer as stacked weights, computed with one batched matmul per projection."""
 
     def __init__(self, config: TransformerConfig, tp_group: Optional[Any] = None,
-                 ep_group: Optional[Any] = None) -> None:
+                 ep_group: Optional[Any] = None, expert_tp_differs: bool = False) -> None:
+        """`tp_group`: the group the experts' inner dimension is split over (the expert-tensor-parallel group;
+        `expert_tp_differs` when it is not the dense TP group)."""
         super().__init__(config=config)
         ep, ep_rank = group_size(ep_group), group_rank(ep_group)
         if config.num_moe_experts % ep:
@@ -202,7 +209,8 @@ class GroupedExperts(MegatronModule):
         tp, rank = group_size(tp_group), group_rank(tp_group)
         ffn = config.moe_ffn_hidden_size
         if ffn % tp:
-            raise ValueError(f"--moe-ffn-hidden-size ({ffn}) must be divisible by --tensor-model-parallel-size ({tp})")
+            flag = "expert-tensor-parallel-size" if expert_tp_differs else "tensor-model-parallel-size"
+            raise ValueError(f"--moe-ffn-hidden-size ({ffn}) must be divisible by --{flag} ({tp})")
         self.gated = config.gated_linear_unit
         self.activation_name, self.activation_func = activation_for(config)
         blocks = 2 if self.gated else 1
@@ -220,7 +228,7 @@ class GroupedExperts(MegatronModule):
         self.weight2 = torch.nn.Parameter(w2.transpose(1, 2).contiguous().to(config.params_dtype))
         for param, dim, nblocks, what in ((self.weight1, 2, blocks, "[gate | up] per rank" if self.gated else ""),
                                           (self.weight2, 1, 1, "")):
-            tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)
+            tensor_parallel.set_tensor_model_parallel_attributes(param, tp > 1 or not expert_tp_differs, dim, 1)
             tensor_parallel.set_tp_layout(param, tensor_parallel.TensorParallelLayout(dim=dim, blocks=nblocks,
                                                                                       structure=what))
             param.allreduce = False  # an expert parameter (Megatron's mark): reduced over expert-data-parallel
@@ -349,7 +357,7 @@ class MoELayer(MegatronModule):
 
     def __init__(self, config: TransformerConfig, layer_number: Optional[int] = None,
                  tp_group: Optional[Any] = None, ep_group: Optional[Any] = None,
-                 dispatcher: str = "allgather") -> None:
+                 dispatcher: str = "allgather", etp_group: Any = SAME_AS_TP) -> None:
         super().__init__(config=config)
         if dispatcher not in ("allgather", "alltoall"):
             raise ValueError(f"--moe-token-dispatcher-type {dispatcher} is not implemented; use allgather or alltoall")
@@ -360,20 +368,22 @@ class MoELayer(MegatronModule):
         self.router = TopKRouter(config, layer_number, tp_group)
         self.ep_group, self.dispatcher = ep_group, dispatcher
         self.ep_size, self.ep_rank = group_size(ep_group), group_rank(ep_group)
-        self.experts = GroupedExperts(config, tp_group, ep_group)
+        differs = not (isinstance(etp_group, str) and etp_group == SAME_AS_TP)
+        self.etp_group = etp_group if differs else tp_group  # experts split / tokens gathered over it
+        self.experts = GroupedExperts(config, self.etp_group, ep_group, expert_tp_differs=differs)
         self.shared_experts = (SharedExpertMLP(config, tp_group)
                                if config.moe_shared_expert_intermediate_size else None)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens of the whole TP group (sequence parallel): all-gather forward, reduce-scatter backward."""
-        return tensor_parallel.gather_from_sequence_parallel_region(x, self.tp_group)
+        """Tokens of the whole expert-TP group (sequence parallel): all-gather forward, reduce-scatter backward."""
+        return tensor_parallel.gather_from_sequence_parallel_region(x, self.etp_group)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
         shape = hidden_states.shape
         seq_length, bsz, h = shape
         x = hidden_states.reshape(-1, h)
         probs, routing_map = self.router(x, seq_length, bsz)
-        if group_size(self.tp_group) > 1:
+        if group_size(self.etp_group) > 1:
             x, probs = self._gather(x), self._gather(probs)
             with torch.no_grad():
                 routing_map = self._gather(routing_map.to(torch.int8)).bool()
@@ -383,8 +393,8 @@ class MoELayer(MegatronModule):
             out = self._alltoall(x, probs, routing_map)
         else:
             out = self._allgather(x, probs, routing_map)
-        if group_size(self.tp_group) > 1:
-            out = tensor_parallel.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+        if group_size(self.etp_group) > 1:
+            out = tensor_parallel.reduce_scatter_to_sequence_parallel_region(out, self.etp_group)
         out = out.view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)[0]

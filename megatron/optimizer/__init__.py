@@ -141,6 +141,9 @@ def get_megatron_optimizer(
     else:
         optimizer = FP32Optimizer(inner, config.clip_grad, config.log_num_zeros_in_grad, mp_group, tp_rank)
     state = _expert_state(parallel_state)
-    if state is not None and state.ep_size > 1:  # expert grads differ between expert-parallel ranks
+    if state is not None and getattr(state, "expert_groups", state.ep_size > 1):  # expert grads differ between
+        # expert-parallel (and expert-tensor-parallel) ranks
         optimizer.expert_parallel_group, optimizer.expert_data_parallel_group = state.ep_group, state.edp_group
+        if getattr(state, "expert_tp_differs", False):  # --expert-tensor-parallel-size: experts split over their own group
+            optimizer.expert_tensor_parallel_group = state.etp_group
     return optimizer

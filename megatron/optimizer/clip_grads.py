@@ -6,7 +6,9 @@ pipeline stage) not at all. Partial sums are all-reduced over the model-parallel
 distributed optimizer (each data-parallel rank holds a shard of the grads) first over the data-parallel group.
 Under expert parallelism the expert params (``allreduce is False``) differ between expert-parallel ranks: their
 partial sum is first reduced over the expert-data-parallel group (distributed optimizer) and the expert-parallel
-group, then joins the dense one, so each expert counts once (Megatron-LM core's rule).
+group, then joins the dense one, so each expert counts once (Megatron-LM core's rule). With an expert-tensor-parallel
+group other than TP (--expert-tensor-parallel-size) the expert partial sum is also reduced over that group, so it
+holds the whole stage's, and joins the dense sum on TP rank 0 only; expert params then count on every rank.
 """
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ def grads_for_norm(params: Iterable[torch.Tensor], tp_rank: int = 0,
     return [
         p.grad
         for p in params
-        if p.grad is not None and param_is_not_shared(p) and param_is_not_tp_duplicate(p, tp_rank)
-        and (expert is None or is_expert_param(p) == expert)
+        if p.grad is not None and param_is_not_shared(p)
+        and ((expert and is_expert_param(p)) or (not expert and param_is_not_tp_duplicate(p, tp_rank)
+                                                 and (expert is None or not is_expert_param(p))))
     ]
 
 
@@ -56,6 +59,16 @@ def _reduce(total: torch.Tensor, op, model_parallel_group, data_parallel_group) 
     for group in (data_parallel_group, model_parallel_group):
         if _active(group):
             dist.all_reduce(total, op=op, group=group)
+
+
+def _whole_stage(experts: torch.Tensor, op, expert_tensor_parallel_group, tp_rank: int) -> torch.Tensor:
+    """With an expert-tensor-parallel group other than TP: the experts' partial sum of the whole pipeline stage,
+    kept on TP rank 0 only (the model-parallel reduction then adds it once per stage)."""
+    if expert_tensor_parallel_group is None:
+        return experts
+    if _active(expert_tensor_parallel_group):
+        dist.all_reduce(experts, op=op, group=expert_tensor_parallel_group)
+    return experts if tp_rank == 0 else torch.zeros_like(experts)
 
 
 def _local_total(grads: List[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -72,7 +85,7 @@ def _local_total(grads: List[torch.Tensor], norm_type: float, device: torch.devi
 def get_grad_norm_fp32(
     grads: Tensors, model_parallel_group=None, norm_type: float = 2.0, device: Optional[torch.device] = None,
     data_parallel_group=None, expert_grads: Optional[List[torch.Tensor]] = None, expert_parallel_group=None,
-    expert_data_parallel_group=None,
+    expert_data_parallel_group=None, expert_tensor_parallel_group=None, tp_rank: int = 0,
 ) -> float:
     """Norm of `grads` (already filtered) over all model-parallel ranks (and data-parallel ranks when the grads are
     sharded over them). `device` holds the reduction buffer when this rank has no grads to count (it must suit the
@@ -92,6 +105,7 @@ def get_grad_norm_fp32(
                 dist.all_reduce(total, op=op, group=group)
         experts = _local_total([g.detach() for g in expert_grads], norm_type, device)
         _reduce(experts, op, expert_parallel_group, expert_data_parallel_group)
+        experts = _whole_stage(experts, op, expert_tensor_parallel_group, tp_rank)
         total = torch.maximum(total, experts) if norm_type == math.inf else total + experts
         data_parallel_group = None
     _reduce(total, op, model_parallel_group, data_parallel_group)
@@ -111,6 +125,8 @@ def clip_grad_norm_fp32(
     expert_grads: Optional[List[torch.Tensor]] = None,
     expert_parallel_group=None,
     expert_data_parallel_group=None,
+    expert_tensor_parallel_group=None,
+    tp_rank: int = 0,
 ) -> float:
     """Scale the grads of `parameters` in place so their global norm is <= max_norm; return the norm before clipping.
 
@@ -129,7 +145,8 @@ def clip_grad_norm_fp32(
     if device is None:
         device = parameters[0].device if parameters else None
     total_norm = get_grad_norm_fp32(grads_for_norm, model_parallel_group, norm_type, device, data_parallel_group,
-                                    expert_grads, expert_parallel_group, expert_data_parallel_group)
+                                    expert_grads, expert_parallel_group, expert_data_parallel_group,
+                                    expert_tensor_parallel_group, tp_rank)
     clip_coeff = float(max_norm) / (total_norm + 1.0e-6)
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(grads, clip_coeff)
@@ -138,7 +155,8 @@ def clip_grad_norm_fp32(
 
 def count_zeros_fp32(parameters: Tensors, model_parallel_group=None, tp_rank: int = 0,
                      data_parallel_group=None, device: Optional[torch.device] = None,
-                     expert_parallel_group=None, expert_data_parallel_group=None) -> int:
+                     expert_parallel_group=None, expert_data_parallel_group=None,
+                     expert_tensor_parallel_group=None) -> int:
     """Number of exactly-zero gradient entries over the whole model (each param counted once); grads sharded over
     `data_parallel_group` (distributed optimizer) are summed over it too. With `expert_parallel_group` (expert
     parallelism) the expert params' zeros are summed over it (and over `expert_data_parallel_group` when sharded)."""
@@ -163,6 +181,6 @@ def count_zeros_fp32(parameters: Tensors, model_parallel_group=None, tp_rank: in
         dist.all_reduce(total, group=data_parallel_group)
     experts = zeros(grads_for_norm(parameters, tp_rank, expert=True))
     _reduce(experts, dist.ReduceOp.SUM, expert_parallel_group, expert_data_parallel_group)
-    total += experts
+    total += _whole_stage(experts, dist.ReduceOp.SUM, expert_tensor_parallel_group, tp_rank)
     _reduce(total, dist.ReduceOp.SUM, model_parallel_group, None)
     return int(total.item())

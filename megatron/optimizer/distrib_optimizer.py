@@ -161,7 +161,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return count_zeros_fp32(self.get_parameters(), self.model_parallel_group, self.tp_rank,
                                 data_parallel_group=self.data_parallel_group, device=self._device,
                                 expert_parallel_group=self.expert_parallel_group,
-                                expert_data_parallel_group=self.expert_data_parallel_group)
+                                expert_data_parallel_group=self.expert_data_parallel_group,
+                                expert_tensor_parallel_group=self.expert_tensor_parallel_group)
 
     # ------------------------------------------------------------------ step
     def finish_param_sync(self) -> None:
@@ -270,8 +271,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             chunks.append(out)
         writers = self.expert_data_parallel_group if self.expert_parallel_group is not None else \
             self.data_parallel_group
-        if (dist.get_rank(writers) if _active(writers) else 0) != 0:
-            return None
+        if getattr(self, "expert_tensor_parallel_group", None) is None and \
+                (dist.get_rank(writers) if _active(writers) else 0) != 0:  # (expert-TP != TP: every rank has it all;
+            return None  # the checkpoint's writers are parallel_state.checkpoint_writer's)
         dp_size = dist.get_world_size(self.data_parallel_group) if _active(self.data_parallel_group) else 1
         return {"format": PARAM_STATE_FORMAT, "step": step, "state_keys": keys, "chunks": chunks,
                 "saved_data_parallel_size": dp_size}

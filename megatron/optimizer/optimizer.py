@@ -96,6 +96,7 @@ class MegatronOptimizer:
         # expert parallelism (set by get_megatron_optimizer): expert grads differ between expert-parallel ranks
         self.expert_parallel_group = None
         self.expert_data_parallel_group = None
+        self.expert_tensor_parallel_group = None  # --expert-tensor-parallel-size != TP: the experts' split group
 
     def _expert_norm_kwargs(self, params: List[torch.Tensor], sharded: bool = False) -> dict:
         """grads_for_norm / expert_grads / groups for clip_grad_norm_fp32 (all grads together without EP)."""
@@ -104,7 +105,8 @@ class MegatronOptimizer:
         return {"grads_for_norm": grads_for_norm(params, self.tp_rank, expert=False),
                 "expert_grads": grads_for_norm(params, self.tp_rank, expert=True),
                 "expert_parallel_group": self.expert_parallel_group,
-                "expert_data_parallel_group": self.expert_data_parallel_group if sharded else None}
+                "expert_data_parallel_group": self.expert_data_parallel_group if sharded else None,
+                "expert_tensor_parallel_group": self.expert_tensor_parallel_group, "tp_rank": self.tp_rank}
 
     def get_parameters(self) -> List[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -123,7 +125,8 @@ class MegatronOptimizer:
 
     def count_zeros(self) -> int:
         return count_zeros_fp32(self.get_parameters(), self.model_parallel_group, self.tp_rank,
-                                expert_parallel_group=self.expert_parallel_group)
+                                expert_parallel_group=self.expert_parallel_group,
+                                expert_tensor_parallel_group=self.expert_tensor_parallel_group)
 
     def _clip_count_and_step(self, timers: Optional[Callable]) -> Tuple[Optional[float], Optional[int]]:
         """The shared tail of every step: clip the gradients (--clip-grad), count zeros if asked, inner step."""

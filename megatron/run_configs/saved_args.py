@@ -26,6 +26,7 @@ class SavedRunArgs:
     expert_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     tensor_model_parallel_size: Optional[int] = None
+    expert_tensor_parallel_size: Optional[int] = None
     pipeline_model_parallel_split_rank: Optional[int] = None  # T5: the first decoder stage
     num_experts: Optional[int] = None
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
@@ -57,6 +58,7 @@ class SavedRunArgs:
             expert_model_parallel_size=int(getattr(args, "expert_model_parallel_size", 1) or 1),
             pipeline_model_parallel_size=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
             tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", None),
+            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
             pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None),
             num_experts=getattr(args, "num_experts", None),
             num_layers_per_virtual_pipeline_stage=getattr(args, "num_layers_per_virtual_pipeline_stage", None),

@@ -10,7 +10,7 @@ from megatron import global_vars
 from megatron.arguments import core_transformer_config_from_args
 from megatron.atomic_io import atomic_write_text
 from megatron.core import parallel_state as ps
-from megatron.model.classification import Classification
+from megatron.models.bert.classification import Classification
 from megatron.utils import print_rank_0
 from tasks.finetune_utils import FinetuneTask
 from tasks.glue import mnli, qqp

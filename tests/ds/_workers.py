@@ -13,7 +13,7 @@ import contextlib
 import io
 import json
 import os
-from typing import Any
+from typing import Any, Callable, Optional
 
 from tests.training._workers import parse_losses, tiny_gpt_argv  # noqa: F401  (re-exported for DS tests)
 
@@ -31,18 +31,19 @@ def ds_env(rank: int, world_size: int) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def run_pretrain_ds(rank: int, world_size: int, argv: list[str]) -> dict:
-    """pretrain_gpt.main(argv) with DeepSpeed's env and stdout captured: {'stdout', 'result', 'error'}."""
+def run_pretrain_ds(rank: int, world_size: int, argv: list[str], model_provider: Optional[Callable] = None) -> dict:
+    """pretrain_gpt.py's pretrain() (tests/harness.py; optionally with another `model_provider`) with DeepSpeed's env
+    and stdout captured: {'stdout', 'result', 'error'}."""
     ds_env(rank, world_size)
-    import pretrain_gpt
     from megatron.errors import MegatronUserError
+    from tests.harness import pretrain_run
 
     buf = io.StringIO()
     error = None
     result = None
     with contextlib.redirect_stdout(buf):
         try:
-            result = pretrain_gpt.main(argv)
+            result = pretrain_run(argv, model_provider=model_provider)
         except (MegatronUserError, RuntimeError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         except SystemExit as exc:

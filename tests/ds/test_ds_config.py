@@ -16,14 +16,14 @@ import torch
 from megatron.arguments import ArgumentError, build_parser, validate_args
 from megatron.ds.config import resolve_deepspeed_config
 from megatron.errors import MegatronUserError
+from megatron.presets import get_preset
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _args(tmp_path: Path, *extra: str, config: dict | None = None, world_size: int = 2,
           validate: bool = True, cuda: bool = False, monkeypatch: pytest.MonkeyPatch | None = None):
-    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-            "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "16",
+    argv = [*get_preset("gpt_test").argv(), "--micro-batch-size", "2", "--global-batch-size", "16",
             "--train-iters", "10", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
             "--deepspeed", *extra]
     if config is not None:

@@ -97,7 +97,7 @@ def test_alibi_sdpa_equals_explicit_path_and_layer_scaling():
 
 
 def test_alibi_refused_for_bert_one_line():
-    from megatron.model.bert_model import BertModel
+    from megatron.models.bert.model import BertModel
 
     with pytest.raises(ValueError, match="alibi"):
         BertModel(tiny_config(position_embedding_type="alibi"))

@@ -11,7 +11,7 @@ import pytest
 from megatron.core.parallel_state import ParallelState, _build_rank_groups
 from megatron.core.pipeline_parallel.pipelined import get_tensor_shapes
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.t5_model import PP_INTERLEAVED_T5, PP_SPLIT_MISSING, T5Model, t5_stage_roles
+from megatron.models.t5.model import PP_INTERLEAVED_T5, PP_SPLIT_MISSING, T5Model, t5_stage_roles
 
 
 def config(pp: int, enc: int = 4, dec: int = 2, **kw) -> TransformerConfig:

@@ -71,7 +71,7 @@ def serial_init_provider(provider: Callable) -> Callable:
 def run_pretrain_serial_init(rank: int, world_size: int, argv: list[str], sigterm_at_call: Optional[int] = None
                              ) -> dict:
     """run_pretrain with the serial-init model provider."""
-    import pretrain_gpt
+    from tests.harness import entry_providers
 
-    pretrain_gpt.model_provider = serial_init_provider(pretrain_gpt.model_provider)
-    return run_pretrain(rank, world_size, argv, sigterm_at_call)
+    return run_pretrain(rank, world_size, argv, sigterm_at_call,
+                        model_provider=serial_init_provider(entry_providers("pretrain_gpt").model_provider))

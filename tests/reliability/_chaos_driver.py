@@ -1,7 +1,7 @@
 """Crash-test driver: ``python -m tests.reliability._chaos_driver plan.json result.json``.
 
 Imports pretrain_gpt once (no torch compute in this process, one OpenMP thread, so forking is safe) and then, for each
-run of the plan in order, forks a child that runs ``pretrain_gpt.main(argv)`` with ``MEGATRON_FAULT_INJECT`` set to the
+run of the plan in order, forks a child that runs its pretrain() (tests/harness.py) with ``MEGATRON_FAULT_INJECT`` set to the
 run's fault spec (the child SIGKILLs itself there; ``forward-step`` points fire at every forward step). Before each run
 it records which iteration a correct loader must resume from (the newest iteration at or below the tracker whose
 files match their manifest); after it, the run's exit status, stdout and the temp files left in the save folder.
@@ -32,20 +32,19 @@ def _child(argv: list[str], fault: str | None, out_path: str) -> None:
     os.dup2(fd, 2)
     if fault:
         os.environ["MEGATRON_FAULT_INJECT"] = fault
-    import pretrain_gpt
     from megatron.atomic_io import fault_point
     from megatron.errors import MegatronUserError
+    from tests.harness import entry_providers, pretrain_run
 
-    original = pretrain_gpt.forward_step
+    original = entry_providers("pretrain_gpt").forward_step
 
     def forward_step(data_iterator, model):
         fault_point("forward-step")
         return original(data_iterator, model)
 
-    pretrain_gpt.forward_step = forward_step
     code = 0
     try:
-        pretrain_gpt.main(argv)
+        pretrain_run(argv, forward_step=forward_step)
     except MegatronUserError as exc:
         print(f"error: {exc}", flush=True)
         code = 1
@@ -55,7 +54,8 @@ def _child(argv: list[str], fault: str | None, out_path: str) -> None:
 
 def main() -> None:
     plan = json.load(open(sys.argv[1]))
-    import pretrain_gpt  # noqa: F401  (imported once, before forking)
+    import tests.harness  # noqa: F401  (imported once, before forking)
+    tests.harness.entry_providers("pretrain_gpt")
     from megatron.atomic_io import is_temp_file
 
     results = []

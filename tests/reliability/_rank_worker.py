@@ -1,6 +1,6 @@
 """One rank of the dead-rank tests: ``python -m tests.reliability._rank_worker OUT_DIR pretrain_gpt flags...``.
 
-Runs pretrain_gpt.main as the entry script does (exit_on_user_error: one `error:` line), started directly with
+Runs pretrain_gpt.py's pretrain() (tests/harness.py) as the entry script does (exit_on_user_error: one `error:` line), started directly with
 RANK/WORLD_SIZE/MASTER_* in the environment (as srun or each node's torchrun starts a worker) or by torchrun.
 ``REL_FAULT="<rank> <point> <n> <action>"`` makes that rank act at the n-th matching point of the first attempt
 (TORCHELASTIC_RESTART_COUNT unset or 0): points ``train-forward`` and ``eval-forward`` (the forward step in training
@@ -24,26 +24,19 @@ def main() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     fault = os.environ.get("REL_FAULT", "").split()
     armed = bool(fault) and int(fault[0]) == rank and attempt == 0
-    import megatron.training
-    import pretrain_gpt
     from megatron.errors import exit_on_user_error
+    from tests.harness import entry_providers, pretrain_run
 
-    history: dict = {}
-    original_train = megatron.training.train
-
-    def train(*args, **kwargs):  # keep pretrain's result dict, to report the losses so far when the fault fires
-        history.update(result=kwargs.get("history"))
-        return original_train(*args, **kwargs)
-
-    megatron.training.train = train
+    history: dict = {}  # pretrain's result, filled as the run goes: the losses so far when the fault fires
+    forward_step = None
 
     def fire() -> None:
         with open(os.path.join(out_dir, "fault.json"), "w") as f:
-            json.dump({"rank": rank, "time": time.time(), "result": history.get("result")}, f)
+            json.dump({"rank": rank, "time": time.time(), "result": history}, f)
         os.kill(os.getpid(), {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}[fault[3]])
 
     if armed and fault[1] in ("train-forward", "eval-forward"):
-        original, hits = pretrain_gpt.forward_step, {"n": 0}
+        original, hits = entry_providers("pretrain_gpt").forward_step, {"n": 0}
 
         def forward_step(data_iterator, model):
             if (fault[1] == "train-forward") == model.training:
@@ -52,7 +45,6 @@ def main() -> None:
                     fire()
             return original(data_iterator, model)
 
-        pretrain_gpt.forward_step = forward_step
     elif armed:  # a point of the atomic writer (its module-level calls look fault_point up at call time)
         from megatron import atomic_io
 
@@ -67,7 +59,7 @@ def main() -> None:
 
         atomic_io.fault_point = fault_point
         os.environ[atomic_io.FAULT_LOG_ENV] = os.devnull  # makes the writer stop at `mid-write` with half the bytes
-    result = exit_on_user_error(pretrain_gpt.main, argv)
+    result = exit_on_user_error(pretrain_run, argv, forward_step=forward_step, history=history)
     with open(os.path.join(out_dir, f"rank{rank}.attempt{attempt}.json"), "w") as f:
         json.dump(result, f)
 

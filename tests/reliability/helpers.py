@@ -11,9 +11,10 @@ from typing import Optional
 
 import numpy as np
 
+from megatron.presets import get_preset
+
 REPO = Path(__file__).resolve().parents[2]
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--max-position-embeddings", "32"]
+MODEL = get_preset("gpt_micro_test").argv()  # 2 layers, hidden 32, 4 heads, seq 32
 
 
 def build_corpus(shared_data: Path, out_dir: Path, num_docs: int = 30) -> dict:

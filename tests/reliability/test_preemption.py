@@ -11,13 +11,13 @@ import subprocess
 from pathlib import Path
 
 from megatron import checkpoint_integrity as integrity
+from megatron.presets import get_preset
 from tests.interpreter import path_with_this_python
 from tests.log_lines import iteration_values
 from tests.reliability.helpers import REPO
 
 SCRIPT = REPO / "examples" / "slurm" / "pretrain_gpt_requeue.slurm"
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
+TINY = [*get_preset("gpt_micro_test").argv(), "--micro-batch-size", "2", "--global-batch-size", "2",
         "--lr-warmup-fraction", "0", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
         "--hidden-dropout", "0", "--attention-dropout", "0"]
 ITERS = 12

@@ -30,8 +30,8 @@ def _serial_model(args: Any, state: Any, num_classes: int) -> torch.nn.Module:
     from megatron.arguments import core_transformer_config_from_args
     from megatron.core.tensor_parallel import get_rng_tracker
     from megatron.core.tensor_parallel.random import model_parallel_manual_seed
-    from megatron.model.classification import Classification
-    from megatron.model.multiple_choice import MultipleChoice
+    from megatron.models.bert.classification import Classification
+    from megatron.models.bert.multiple_choice import MultipleChoice
 
     config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=1)
     tracker = get_rng_tracker().get_states()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.presets import get_preset
 from tests.dist_utils import free_port, run_distributed
 from tests.interpreter import path_with_this_python
 from tests.tasks._finetune import ok, run_many
@@ -22,8 +23,7 @@ from tests.training._bert import bert_argv, session_bert_data
 
 
 def _model(vocab: str, *extra: str) -> list[str]:  # bert_argv's architecture (hidden 64, seq 64, erf GeLU)
-    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-            "--max-position-embeddings", "64", "--vocab-file", vocab, "--micro-batch-size", "2", "--lr", "1e-3",
+    return [*get_preset("bert_test").argv(), "--vocab-file", vocab, "--micro-batch-size", "2", "--lr", "1e-3",
             "--log-interval", "1", "--distributed-backend", "gloo", "--no-bias-gelu-fusion", "--seed", "1234",
             "--eval-interval", "1000", "--eval-iters", "1", *extra]
 

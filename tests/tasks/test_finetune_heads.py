@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.model.bert_model import BertModel
-from megatron.model.classification import Classification
-from megatron.model.multiple_choice import MultipleChoice
+from megatron.models.bert.classification import Classification
 from megatron.models.bert.hf import hf_megatron_bert_config_kwargs, megatron_bert_to_hf_state_dict
+from megatron.models.bert.model import BertModel
+from megatron.models.bert.multiple_choice import MultipleChoice
 from tests.model.test_bert_model import VOCAB, bert_config
 
 TOL = 1e-5

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--max-position-embeddings", "32"]
+from megatron.presets import get_preset
+
+MODEL = get_preset("gpt_micro_test").argv()
 PROMPTS = ["The quick brown fox", "Hello", "In 1999 the company said that"]
 
 

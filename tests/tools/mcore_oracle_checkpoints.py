@@ -6,7 +6,8 @@ writes its logits on fixed tokens, saves it as `torch` (per-rank files with Core
 `--ckpt-format torch`) and `torch_dist` (dist_checkpointing.save) at TP1, then rebuilds it at TP2 and PP2 (weights
 loaded by dist_checkpointing from the TP1 folder) and saves both formats there too. When `ours/<family>` holds a
 torch_dist checkpoint written by our code, it is loaded with dist_checkpointing.load into Core models at TP1 and TP2
-and their logits are written. Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
+and their logits are written. A tiny BERT (Core's BertModel, local spec, tied head, binary head; `bert`) is saved
+the same way at TP1 and TP2, and ours loaded into it. Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
 with its distributed optimizer (Adam, DP2) takes 6 steps on the batches of `batches.pt`, saving torch_dist
 checkpoints with the optimizer state (fully_reshardable in `train`, Megatron-LM's default dp_reshardable in
 `train_dp`) and Megatron-LM's RNG state after step 3; its per-step losses are the run that never stopped. One
@@ -44,14 +45,15 @@ FAMILIES = {
                             untie_embeddings_and_output_weights=True, ffn_hidden_size=64)),
 }
 # a Mixtral-like MoE (the Llama family's layers with 4 experts, top-2, a gated shared expert), local spec's
-# SequentialMLP; saved at TP1 and PP2 only (Megatron Core's MoE with TP needs sequence parallelism)
+# SequentialMLP; saved at TP1, PP2 and EP2 (Megatron Core's MoE with TP needs sequence parallelism)
 _MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=40,
             moe_shared_expert_gate=True, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0)
 FAMILIES["moe"] = dict(config={**FAMILIES["llama"]["config"], **_MOE}, model=FAMILIES["llama"]["model"],
                        args={**FAMILIES["llama"]["args"], "num_experts": 4, "moe_router_topk": 2,
                              "moe_ffn_hidden_size": 48, "moe_shared_expert_intermediate_size": 40,
                              "moe_shared_expert_gate": True},
-                       spec=dict(num_experts=4, moe_grouped_gemm=False), layouts=(("pp2", (1, 2)),))
+                       spec=dict(num_experts=4, moe_grouped_gemm=False),
+                       layouts=(("pp2", (1, 2)), ("ep2", (1, 1, 2))))  # (TP, PP[, EP])
 
 
 def megatron_lm_args(family: str, tp: int, pp: int) -> argparse.Namespace:
@@ -73,6 +75,7 @@ def build(family: str, parallel_output: bool = False) -> GPTModel:
                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                             pipeline_dtype=torch.float32, tensor_model_parallel_size=mps.get_tensor_model_parallel_world_size(),
                             pipeline_model_parallel_size=mps.get_pipeline_model_parallel_world_size(),
+                            expert_model_parallel_size=mps.get_expert_model_parallel_world_size(),
                             **spec["config"])
     return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(**spec.get("spec", {})), vocab_size=VOCAB,
                     max_sequence_length=SEQ, pre_process=mps.is_pipeline_first_stage(),
@@ -96,14 +99,20 @@ def randomize(model: GPTModel) -> None:
 
 
 def save_torch(model: GPTModel, root: str, family: str) -> None:
+    """Megatron-LM's --ckpt-format torch: mp_rank_TT[_PPP][_EEE] (the expert rank under expert parallelism), written
+    by (expert-)data-parallel rank 0."""
     tp, pp = mps.get_tensor_model_parallel_world_size(), mps.get_pipeline_model_parallel_world_size()
-    if mps.get_data_parallel_rank() == 0:
+    ep = mps.get_expert_model_parallel_world_size()
+    if (mps.get_expert_data_parallel_rank() if ep > 1 else mps.get_data_parallel_rank()) == 0:
         t, p = mps.get_tensor_model_parallel_rank(), mps.get_pipeline_model_parallel_rank()
-        sub = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+        sub = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (
+            f"_{mps.get_expert_model_parallel_rank():03d}" if ep > 1 else "")
         path = os.path.join(root, f"iter_{ITER:07d}", sub, "model_optim_rng.pt")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"model": model.state_dict_for_save_checkpoint(), "args": megatron_lm_args(family, tp, pp),
-                    "checkpoint_version": 3.0, "iteration": ITER}, path)
+        args = megatron_lm_args(family, tp, pp)
+        args.expert_model_parallel_size = ep
+        torch.save({"model": model.state_dict_for_save_checkpoint(), "args": args, "checkpoint_version": 3.0,
+                    "iteration": ITER}, path)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -132,6 +141,80 @@ def load_dist(model: GPTModel, iter_dir: str) -> None:
 def logits_of(model: GPTModel):
     with torch.no_grad():
         return model(*tokens()).detach()
+
+
+def build_bert():
+    """Megatron Core's BertModel (local layer spec; tied LM head, 2 token types, binary head and pooler)."""
+    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+    from megatron.core.models.bert.bert_model import BertModel
+
+    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                            pipeline_dtype=torch.float32,
+                            tensor_model_parallel_size=mps.get_tensor_model_parallel_world_size())
+    return BertModel(config=cfg, num_tokentypes=2, transformer_layer_spec=bert_layer_local_spec, vocab_size=VOCAB,
+                     max_sequence_length=SEQ, add_binary_head=True, parallel_output=False,
+                     share_embeddings_and_output_weights=True)
+
+
+def bert_inputs():
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, 11:] = 0  # padding
+    types = torch.zeros_like(ids)
+    types[:, 8:] = 1
+    return ids, mask, types
+
+
+def bert_logits(model):
+    ids, mask, types = bert_inputs()
+    with torch.no_grad():
+        return model(ids, mask, tokentype_ids=types)
+
+
+def bert_run(ours) -> None:
+    """BERT: logits (LM and binary head) of random weights at TP1; `torch` and `torch_dist` saved at TP1 and TP2;
+    our torch_dist save (`ours`, when given) loaded at TP1 and TP2, its logits written."""
+    out = os.path.join("out", "bert")
+    args = {**vars(megatron_lm_args("gpt", 1, 1)), "bert_binary_head": True, "num_tokentypes": 2}
+    mps.initialize_model_parallel(1, 1)
+    model = build_bert()
+    randomize(model)
+    logits = bert_logits(model)
+    if dist.get_rank() == 0:
+        os.makedirs(out, exist_ok=True)
+        torch.save(logits, os.path.join(out, "logits.pt"))
+    for tp in (1, 2):
+        if tp == 2:
+            mps.initialize_model_parallel(2, 1)
+            model = build_bert()
+            load_dist(model, os.path.join(out, "dist_tp1", f"iter_{ITER:07d}"))
+        ns = argparse.Namespace(**{**args, "tensor_model_parallel_size": tp})
+        if mps.get_data_parallel_rank() == 0:
+            path = os.path.join(out, f"torch_tp{tp}", f"iter_{ITER:07d}",
+                                f"mp_rank_{mps.get_tensor_model_parallel_rank():02d}", "model_optim_rng.pt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save({"model": model.state_dict_for_save_checkpoint(), "args": ns, "checkpoint_version": 3.0,
+                        "iteration": ITER}, path)
+        iter_dir = os.path.join(out, f"dist_tp{tp}", f"iter_{ITER:07d}")
+        if dist.get_rank() == 0:
+            os.makedirs(iter_dir, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": ns, "checkpoint_version": 3.0,
+                                 "iteration": ITER}, iter_dir)
+        if dist.get_rank() == 0:
+            for name in (f"torch_tp{tp}", f"dist_tp{tp}"):
+                with open(os.path.join(out, name, "latest_checkpointed_iteration.txt"), "w") as f:
+                    f.write(str(ITER))
+        if ours:
+            fresh = build_bert()
+            load_dist(fresh, ours)
+            logits = bert_logits(fresh)
+            if dist.get_rank() == 0:
+                torch.save(logits, os.path.join(out, f"ours_logits_tp{tp}.pt"))
+        dist.barrier()
+        mps.destroy_model_parallel()
 
 
 SAVE_AT, LR = 3, 1e-3
@@ -325,8 +408,8 @@ def main() -> None:
             if rank == 0:
                 torch.save(logits_of(fresh), os.path.join(out, "ours_logits_tp1.pt"))
         mps.destroy_model_parallel()
-        for name, (tp, pp) in FAMILIES[family].get("layouts", (("tp2", (2, 1)), ("pp2", (1, 2)))):
-            mps.initialize_model_parallel(tp, pp)
+        for name, (tp, pp, *ep) in FAMILIES[family].get("layouts", (("tp2", (2, 1)), ("pp2", (1, 2)))):
+            mps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep[0] if ep else 1)
             model = build(family)
             load_dist(model, source)
             save_torch(model, os.path.join(out, f"torch_{name}"), family)
@@ -338,6 +421,8 @@ def main() -> None:
                 if rank == 0:
                     torch.save(logits, os.path.join(out, "ours_logits_tp2.pt"))
             mps.destroy_model_parallel()
+    if job.get("bert"):
+        bert_run(job.get("ours", {}).get("bert"))
     if job.get("train"):
         train(job)
     dist.barrier()

@@ -342,7 +342,7 @@ def test_bert_megatron_reshape(tmp_path):
     from megatron.checkpoint_conversion.interchange import ModelMeta, architecture_of, messages_from_state_dict
     from megatron.checkpoint_conversion.megatron_format import write_megatron
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.model.bert_model import BertModel
+    from megatron.models.bert.model import BertModel
 
     cfg = config("gpt2")
 

@@ -22,8 +22,8 @@ HEADS = {"classification": "classification_head", "multichoice": "multichoice_he
 
 
 def _task_model(kind: str, cfg, state=None):
-    from megatron.model.classification import Classification
-    from megatron.model.multiple_choice import MultipleChoice
+    from megatron.models.bert.classification import Classification
+    from megatron.models.bert.multiple_choice import MultipleChoice
 
     model_parallel_manual_seed(5)
     model = (Classification(cfg, num_classes=3) if kind == "classification" else MultipleChoice(cfg)).eval()
@@ -109,7 +109,7 @@ def _t5_config(padded: int = 64, **kw):
 
 
 def _t5(cfg, state=None, pp_state=None, seed: int = 7):
-    from megatron.model.t5_model import T5Model
+    from megatron.models.t5.model import T5Model
 
     model_parallel_manual_seed(seed, getattr(pp_state, "tp_rank", 0))
     model = T5Model(cfg, pp_state=pp_state, parallel_output=False).eval()
@@ -236,7 +236,7 @@ def test_t5_pipeline_reshape(tmp_path):
     assert sorted(files) == [(0, p) for p in range(4)]
     assert all(f["args"].pipeline_model_parallel_split_rank == 1 for f in files.values())
     stage_cfg = dataclasses.replace(cfg, pipeline_model_parallel_size=4)
-    from megatron.model.t5_model import T5Model
+    from megatron.models.t5.model import T5Model
 
     for p in range(4):
         st = ParallelState(pp_size=4, pp_rank=p, pipeline_split_rank=1, pp_ranks=list(range(4)))

@@ -27,7 +27,7 @@ def _convert(src, dst, *extra):
 
 
 def _bert(cfg, **kw):
-    from megatron.model.bert_model import BertModel
+    from megatron.models.bert.model import BertModel
 
     return BertModel(cfg, num_tokentypes=2, add_binary_head=True, **kw)
 

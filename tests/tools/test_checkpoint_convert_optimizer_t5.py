@@ -43,7 +43,7 @@ def _trained_t5(folder):
     from megatron.checkpointing import save_checkpoint
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.learning_rates import OptimizerParamScheduler
-    from megatron.model.t5_model import T5Model
+    from megatron.models.t5.model import T5Model
     from megatron.optimizer import get_megatron_optimizer, optimizer_config_from_args
 
     args = build_parser().parse_args(FLAGS)
@@ -119,7 +119,7 @@ def test_t5_regular_optimizer_order_matches_real_stage_models(pp, split):
     from megatron.core.parallel_state import ParallelState
     from megatron.core.transformer_config import TransformerConfig
     from megatron.model.gpt_model import flatten_checkpoint_state_dict
-    from megatron.model.t5_model import T5Model
+    from megatron.models.t5.model import T5Model
     from megatron.optimizer.param_groups import get_param_groups
 
     cfg = TransformerConfig(num_layers=3, encoder_num_layers=3, decoder_num_layers=3, hidden_size=32,

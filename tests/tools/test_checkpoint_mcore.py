@@ -2,7 +2,7 @@
 
 One oracle run (2 gloo processes, tests/tools/mcore_oracle_checkpoints.py) builds a tiny GPT, a tiny Llama and a tiny
 Mixtral-like MoE (4 experts, top-2, gated shared expert) in Megatron Core (local layer spec), saves per-rank `torch`
-files (Core names) and `torch_dist` folders at TP1, TP2 and PP2 (MoE: TP1 and PP2), and loads our torch_dist output into its own models. Here: every one of them loads with `--load` into our model
+files (Core names) and `torch_dist` folders at TP1, TP2 and PP2 (MoE: TP1, PP2 and EP2), and loads our torch_dist output into its own models. Here: every one of them loads with `--load` into our model
 at another layout and gives Megatron Core's logits (<= 1e-5); ours saved as torch_dist gives the same logits in
 Megatron Core; convert.py reads both (`--loader mcore`); damaged or missing shards are one line naming the file.
 Training state: Megatron Core's GPT with its DDP and distributed optimizer (DP2) trains 6 steps and saves a torch_dist
@@ -34,12 +34,13 @@ FLAGS = {"gpt": ["--no-bias-gelu-fusion"],
          "llama": ["--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64", "--disable-bias-linear",
                    "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type", "rope",
                    "--untie-embeddings-and-output-weights"]}
+FLAGS["bert"] = ["--no-bias-gelu-fusion"]
 FLAGS["moe"] = [*FLAGS["llama"], "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
                 "--moe-shared-expert-intermediate-size", "40", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "0"]
-# what the oracle saved per family (MoE: TP1 and PP2 only) and the layouts at which it loaded ours
+# what the oracle saved per family (MoE: TP1, PP2 and EP2) and the layouts at which it loaded ours
 SAVED = {"gpt": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
          "llama": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
-         "moe": ("torch_tp1", "torch_pp2", "dist_tp1", "dist_pp2")}
+         "moe": ("torch_tp1", "torch_pp2", "torch_ep2", "dist_tp1", "dist_pp2", "dist_ep2")}
 OURS_IN_CORE = {"gpt": ("ours_logits_tp1.pt", "ours_logits_tp2.pt"), "llama": ("ours_logits_tp1.pt",
                 "ours_logits_tp2.pt"), "moe": ("ours_logits_tp1.pt",)}
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -75,6 +76,25 @@ def load_logits(family: str, load: Path, *extra: str) -> torch.Tensor:
     assert load_checkpoint([model], None, None, args) == 0
     with torch.no_grad():
         return model(*tokens())
+
+
+def our_bert(args):
+    from megatron.models.bert.model import BertModel
+
+    return BertModel(core_transformer_config_from_args(args), num_tokentypes=2, add_binary_head=True,
+                     parallel_output=False)
+
+
+def bert_logits(model) -> tuple:
+    """(LM logits, binary-head logits) on the oracle's BERT inputs (a padded sequence, two token types)."""
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, 11:] = 0
+    types = torch.zeros_like(ids)
+    types[:, 8:] = 1
+    with torch.no_grad():
+        return model(ids, mask, tokentype_ids=types)
 
 
 TRAIN_STEPS, SAVE_AT = 6, 3
@@ -118,8 +138,15 @@ def oracle(tmp_path_factory) -> Path:
     train_steps(model, optimizer, batches[:SAVE_AT])
     save_checkpoint(SAVE_AT, [model], optimizer, None, args)
     torch.save(train_steps(model, optimizer, batches[SAVE_AT:]), root / "ours_train_losses.pt")
-    job = {"families": ["gpt", "llama", "moe"], "ours": {}, "train": True,
+    job = {"families": ["gpt", "llama", "moe"], "ours": {}, "train": True, "bert": True,
            "ours_train": str(save / f"iter_{SAVE_AT:07d}")}
+    args = run_args("bert", root / "none", "--save", str(root / "ours" / "bert"), "--save-interval", "1",
+                    "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng")
+    torch.manual_seed(11)
+    bert = our_bert(args)
+    torch.save(bert_logits(bert), root / "ours_bert_logits.pt")
+    save_checkpoint(3, [bert], None, None, args)
+    job["ours"]["bert"] = str(root / "ours" / "bert" / "iter_0000003")
     for family in job["families"]:
         save = root / "ours" / family
         args = run_args(family, root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format", "torch_dist", "--no-save-optim",
@@ -153,6 +180,27 @@ def test_ours_as_torch_dist_gives_the_same_logits_in_megatron_core(oracle, famil
     ours = torch.load(oracle / f"ours_{family}_logits.pt")
     for name in OURS_IN_CORE[family]:
         torch.testing.assert_close(torch.load(oracle / "out" / family / name), ours, **TOL, msg=name)
+
+
+@pytest.mark.slow
+def test_core_bert_checkpoints_both_ways(oracle):
+    """Megatron Core's BertModel saved as `torch` (per-rank files, Core names) and `torch_dist` at TP1 and TP2 loads
+    into our BERT (--load, any layout) with Core's LM and binary-head logits; ours saved with --ckpt-format
+    torch_dist gives our logits in Core's BertModel at TP1 and TP2 (<= 1e-5)."""
+    from megatron.checkpointing import load_checkpoint
+
+    bert = oracle / "out" / "bert"
+    ref = torch.load(bert / "logits.pt")
+    for name in ("torch_tp1", "torch_tp2", "dist_tp1", "dist_tp2"):
+        args = run_args("bert", bert / name, "--finetune")
+        model = our_bert(args)
+        assert load_checkpoint([model], None, None, args) == 0
+        for got, want, what in zip(bert_logits(model), ref, ("lm", "binary")):
+            torch.testing.assert_close(got, want, **TOL, msg=f"{name} {what}")
+    ours = torch.load(oracle / "ours_bert_logits.pt")
+    for tp in (1, 2):
+        for got, want in zip(torch.load(bert / f"ours_logits_tp{tp}.pt"), ours):
+            torch.testing.assert_close(got, want, **TOL, msg=f"ours in Core at TP{tp}")
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron.presets import get_preset
 from tests.log_lines import iteration_values, validation_values
 
 ITERS = 20
@@ -62,8 +63,7 @@ def session_bert_data(shared_data: Path, tmp_path_factory: Any) -> dict:
 
 def bert_argv(data: dict, *extra: str, iters: int = ITERS, layers: int = 2) -> list[str]:
     return [
-        "--num-layers", str(layers), "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--max-position-embeddings", "64",
+        *get_preset("bert_test").argv(), *(["--num-layers", str(layers)] if layers != 2 else []),
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters),
         "--lr", "2e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
         "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -87,7 +87,7 @@ def _serial_bert(args: Any, state: Any) -> torch.nn.Module:
     from megatron.arguments import core_transformer_config_from_args
     from megatron.core.tensor_parallel import get_rng_tracker
     from megatron.core.tensor_parallel.random import model_parallel_manual_seed
-    from megatron.model.bert_model import BertModel
+    from megatron.models.bert.model import BertModel
 
     config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=1)
     tracker_states = get_rng_tracker().get_states()
@@ -115,13 +115,14 @@ def _serial_init(provider: Callable) -> Callable:
 
 
 def run_bert(rank: int, world_size: int, argv: list[str], resume_from: Optional[tuple[str, int]] = None) -> dict:
-    """pretrain_bert.main(argv) in this process (serial-init weights), stdout captured; errors come back as text.
+    """pretrain_bert.py's pretrain() in this process (tests/harness.py; serial-init weights), stdout captured;
+    errors come back as text.
 
     `resume_from` = (save dir, iteration): point its tracker file at that iteration first (a run that stopped there).
     """
-    import pretrain_bert
     from megatron.errors import MegatronUserError
     from tests.ds._workers import _reset_megatron, ds_env
+    from tests.harness import entry_providers, pretrain_run
 
     ds_env(rank, world_size)
     if resume_from is not None:
@@ -129,16 +130,14 @@ def run_bert(rank: int, world_size: int, argv: list[str], resume_from: Optional[
             Path(resume_from[0], "latest_checkpointed_iteration.txt").write_text(str(resume_from[1]))
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-    base = pretrain_bert.model_provider
-    pretrain_bert.model_provider = _serial_init(base)
+    provider = _serial_init(entry_providers("pretrain_bert").model_provider)
     buf, error, result = io.StringIO(), None, None
     with contextlib.redirect_stdout(buf):
         try:
-            result = pretrain_bert.main(argv)
+            result = pretrain_run(argv, "pretrain_bert", model_provider=provider)
         except (MegatronUserError, RuntimeError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         finally:
-            pretrain_bert.model_provider = base
             _reset_megatron()
     return {"stdout": buf.getvalue(), "result": result, "error": error}
 

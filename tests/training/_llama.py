@@ -38,20 +38,19 @@ def curve_of(result: dict, what: str) -> dict:
 
 def run_many(rank: int, world_size: int, runs: list[tuple[str, list[str]]]) -> list[dict]:
     """Several pretrain_gpt runs in one process group; `init` 'stage' or 'pipe' picks the serial-init wrapper."""
-    import pretrain_gpt
     from tests.ds._pipe_workers import serial_init_pipe_models
     from tests.ds._workers import run_pretrain_ds
+    from tests.harness import entry_providers
     from tests.pipeline._workers import serial_init_provider
 
-    base = pretrain_gpt.model_provider
+    base = entry_providers("pretrain_gpt").model_provider
     out = []
     for init, argv in runs:
         # 'stage': the entry script's provider copies the serial weights; 'pipe': the DeepSpeed backend's
         # GPTModelPipe does (under DeepSpeed's pipeline engine the backend, not model_provider, builds the model).
-        pretrain_gpt.model_provider = serial_init_provider(base) if init == "stage" else base
+        provider = serial_init_provider(base) if init == "stage" else None
         with serial_init_pipe_models() if init == "pipe" else contextlib.nullcontext():
-            out.append(run_pretrain_ds(rank, world_size, argv))
-    pretrain_gpt.model_provider = base
+            out.append(run_pretrain_ds(rank, world_size, argv, model_provider=provider))
     return out
 
 

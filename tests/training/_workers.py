@@ -6,16 +6,16 @@ import io
 import os
 import signal
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from megatron.presets import get_preset
 from tests.log_lines import parse_losses  # noqa: F401  (re-exported: the tests' old import path)
 
 
 def tiny_gpt_argv(data: dict, *extra: str, iters: int = 20) -> list[str]:
-    """The tiny GPT of the golden curves: 2 layers, hidden 64, 4 heads, seq 64, fp32, no dropout."""
+    """The tiny GPT of the golden curves (preset gpt_test: 2 layers, hidden 64, 4 heads, seq 64), fp32, no dropout."""
     return [
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--max-position-embeddings", "64",
+        *get_preset("gpt_test").argv(),
         "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", str(iters),
         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
         "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -43,13 +43,16 @@ def curve_from_result(result: dict) -> dict[str, Any]:
     return {"train": train, "val": val}
 
 
-def run_pretrain(rank: int, world_size: int, argv: list[str], sigterm_at_call: Optional[int] = None) -> dict:
-    """pretrain_gpt.main(argv) with stdout captured; optionally SIGTERM this process at a forward-step call."""
-    import pretrain_gpt
+def run_pretrain(rank: int, world_size: int, argv: list[str], sigterm_at_call: Optional[int] = None,
+                 model_provider: Optional[Callable] = None) -> dict:
+    """pretrain_gpt.py's pretrain() (tests/harness.py) with stdout captured; optionally SIGTERM this process at a
+    forward-step call, or with another `model_provider`."""
+    from tests.harness import entry_providers, pretrain_run
 
+    forward_step = None
     if sigterm_at_call is not None and rank == 0:
         calls = {"n": 0}
-        original = pretrain_gpt.forward_step
+        original = entry_providers("pretrain_gpt").forward_step
 
         def forward_step(data_iterator, model):
             calls["n"] += 1
@@ -57,12 +60,11 @@ def run_pretrain(rank: int, world_size: int, argv: list[str], sigterm_at_call: O
                 os.kill(os.getpid(), signal.SIGTERM)
             return original(data_iterator, model)
 
-        pretrain_gpt.forward_step = forward_step
     buf = io.StringIO()
     error = None
     with contextlib.redirect_stdout(buf):
         try:
-            result = pretrain_gpt.main(argv)
+            result = pretrain_run(argv, model_provider=model_provider, forward_step=forward_step)
         except (RuntimeError, ValueError) as exc:  # surfaced to the test as a one-line message
             result, error = None, f"{type(exc).__name__}: {exc}"
     return {"stdout": buf.getvalue(), "result": result, "error": error}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.presets import get_preset
 from tests.interpreter import path_with_this_python
 from tests.training._bert import session_bert_data
 
@@ -16,8 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 SCRIPTS = ["pretrain_bert.sh", "pretrain_bert_distributed.sh", "pretrain_bert_distributed_with_mp.sh",
            "pretrain_bert_deepspeed.sh", "bert_common.sh", "quickstart_bert.sh", "slurm/pretrain_bert.slurm"]
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--max-position-embeddings", "64", "--train-iters", "2", "--lr-warmup-fraction", "0", "--log-interval", "1",
+TINY = [*get_preset("bert_test").argv(), "--train-iters", "2", "--lr-warmup-fraction", "0", "--log-interval", "1",
         "--eval-iters", "1", "--num-workers", "0", "--global-batch-size", "4"]
 
 

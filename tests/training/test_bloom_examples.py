@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.presets import get_preset
 from tests.log_lines import iteration_lines
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -17,9 +18,8 @@ REPO = EXAMPLES.parent
 
 
 def _preset_args(name: str) -> list:
-    out = subprocess.run(["bash", "-c", f'source "{EXAMPLES}/presets/{name}.sh"; echo $BLOOM_MODEL_ARGS'],
-                         capture_output=True, text=True, check=True, env={"PATH": os.environ["PATH"]})
-    return out.stdout.split()
+    """The preset's model flags (megatron/presets.py; examples/presets/NAME.sh is written from it)."""
+    return get_preset(name).argv()
 
 
 def _validated(name: str, *extra: str, world_size: int = 1):

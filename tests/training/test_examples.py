@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.presets import get_preset
 from tests.interpreter import path_with_this_python
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -31,8 +32,7 @@ def test_pretrain_gpt_sh_runs_tiny(gpt_data: dict, tmp_path: Path) -> None:
     env = dict(os.environ, PRESET="345m", DATA_PATH=gpt_data["prefix"], VOCAB_FILE=gpt_data["vocab"],
                MERGE_FILE=gpt_data["merges"], CHECKPOINT_PATH=str(tmp_path / "ckpt"), PATH=os.environ["PATH"])
     env["PATH"] = path_with_this_python(env["PATH"])  # `python` is this interpreter
-    tiny = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-            "--max-position-embeddings", "64", "--train-iters", "2", "--lr-warmup-fraction", "0",
+    tiny = [*get_preset("gpt_test").argv(), "--train-iters", "2", "--lr-warmup-fraction", "0",
             "--log-interval", "1", "--eval-iters", "1", "--num-workers", "0", "--global-batch-size", "4"]
     proc = subprocess.run(["bash", str(EXAMPLES / "pretrain_gpt.sh"), *tiny], env=env, capture_output=True,
                           text=True, timeout=300)

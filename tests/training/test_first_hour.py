@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron.presets import get_preset
 from tests.interpreter import path_with_this_python
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--max-position-embeddings", "32"]
+MODEL = get_preset("gpt_micro_test").argv()
 
 
 def _run(*argv: str, cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:

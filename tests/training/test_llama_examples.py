@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.presets import get_preset
 from tests.interpreter import path_with_this_python
 from tests.log_lines import iteration_lines
 from tests.tokenizer.llama_files import train_llama_sentencepiece
@@ -22,10 +23,8 @@ PRESETS = {"llama2_7b": (32, 4096, 32, 11008, None, 10000, 4096),
 
 
 def _preset_args(name: str) -> list:
-    """The preset's LLAMA_MODEL_ARGS as bash expands them."""
-    out = subprocess.run(["bash", "-c", f'source "{EXAMPLES}/presets/{name}.sh"; echo $LLAMA_MODEL_ARGS'],
-                         capture_output=True, text=True, check=True, env={"PATH": os.environ["PATH"]})
-    return out.stdout.split()
+    """The preset's model flags (megatron/presets.py; examples/presets/NAME.sh is written from it)."""
+    return get_preset(name).argv()
 
 
 def test_pretrain_llama_is_valid_bash() -> None:

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.presets import get_preset
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _preset_args(name: str) -> list:
-    out = subprocess.run(["bash", "-c", f'source "{EXAMPLES}/presets/{name}.sh"; echo $LLAMA_MODEL_ARGS'],
-                         capture_output=True, text=True, check=True, env={"PATH": os.environ["PATH"]})
-    return out.stdout.split()
+    """The preset's model flags (megatron/presets.py; examples/presets/NAME.sh is written from it)."""
+    return get_preset(name).argv()
 
 
 def _args(name: str, vocab: int = 32000):

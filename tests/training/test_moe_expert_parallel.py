@@ -7,10 +7,15 @@ EP2 x PP2 with capacity dropping (alltoall). Clipping is active and the logged g
 serial run's (each expert counted once). Resuming EP2 and EP2 x DP2 (distributed optimizer) at iteration 10
 reproduces 11..20 exactly; checkpoints use Megatron-LM's per-rank folders with the expert rank
 (mp_rank_TT[_PPP]_EEE). tools/checkpoint/convert.py reshapes EP2 -> EP1 (a serial run continues the curve) and
-EP1 -> EP2 (an EP2 run under --use-checkpoint-args continues it), optimizer state included. Three process launches
-(2, 1 and 4 ranks)."""
+EP1 -> EP2 (an EP2 run under --use-checkpoint-args continues it), optimizer state included.
+--expert-tensor-parallel-size different from TP (Megatron-LM core's expert grid): TP2 + SP with ETP1 x EP2 and the
+distributed optimizer (experts whole on each rank, reduced over the TP ranks' expert-data-parallel group; saved in
+Megatron-LM's folders mp_rank_00_000 / mp_rank_01_001, resumed exactly) and TP1 with ETP2 x EP2 (alltoall) give the
+serial curve and grad norms. Interleaved PP3 (2 virtual stages) x EP2 gives the serial curve of a 6-layer model;
+bf16 x EP2 x DP2 trains close to the fp32 serial curve. Four process launches (2, 1, 4 and 6 ranks)."""
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -25,6 +30,9 @@ pytestmark = pytest.mark.slow
 
 EP2 = ["--expert-model-parallel-size", "2"]
 ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+# interleaved PP (Megatron 23.06: PP > 2) x EP2: 6 layers, 2 virtual stages of 1 layer, 3 micro-batches per replica
+INTERLEAVED = ["--num-layers", "6", "--moe-layer-freq", "[1,0,1,0,1,0]", "--global-batch-size", "12",
+               "--train-iters", "6"]
 HALF = ITERS // 2
 CLIP = 0.6  # below the tiny model's grad norms after a few steps: clipping (and so the norm) shapes the curves
 
@@ -84,7 +92,8 @@ def test_expert_parallel_layouts_match_serial_and_resume(gpt_data: dict, tmp_pat
 
     serial_runs = run_distributed(run_steps, 1, args=(
         [("train", _argv(gpt_data)), ("train", _argv(gpt_data, *CAPACITY)),
-         ("train", _argv(gpt_data, "--load", str(tmp_path / "ep1"), "--no-load-rng"))],))[0]
+         ("train", _argv(gpt_data, "--load", str(tmp_path / "ep1"), "--no-load-rng")),
+         ("train", _argv(gpt_data, *INTERLEAVED))],))[0]
     serial, capacity, from_ep1 = (_curve(r, what) for r, what in zip(serial_runs, (
         "serial", "capacity", "EP2 -> EP1 converted")))
     _norms_match(res[0], serial_runs[0], "EP2")
@@ -97,14 +106,22 @@ def test_expert_parallel_layouts_match_serial_and_resume(gpt_data: dict, tmp_pat
     _same(_curve(res[5], "EP1 -> EP2"), serial, "EP2 run from EP1 -> EP2 converted", iters=second_half,
           z_loss=False)
 
-    # 4 ranks: EP2 + TP2 + SP, EP2 x DP2 + distributed optimizer (saving at 10, resumed), EP2 x PP2
+    # 4 ranks: EP2 + TP2 + SP, EP2 x DP2 + distributed optimizer (saving at 10, resumed), EP2 x PP2; expert-TP != TP
+    # (TP2 + ETP1 x EP2 with the distributed optimizer, saving at 10 and resumed; TP1 + ETP2 x EP2); interleaved
+    # bf16 x EP2 x DP2
     distopt = [*EP2, "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "20000", *CAPACITY]
+    etp1 = [*EP2, *TP2, "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"]
     res = run_distributed(run_steps, 4, args=([
         ("train", _argv(gpt_data, *EP2, *TP2, *ALLTOALL)),
         ("train", _argv(gpt_data, *distopt, *save("distopt"))),
         ("tracker", str(tmp_path / "distopt"), HALF),
         ("train", _argv(gpt_data, *distopt, "--load", str(tmp_path / "distopt"))),
         ("train", _argv(gpt_data, *EP2, "--pipeline-model-parallel-size", "2", *CAPACITY, *ALLTOALL)),
+        ("train", _argv(gpt_data, *etp1, *save("etp1"))),
+        ("tracker", str(tmp_path / "etp1"), HALF),
+        ("train", _argv(gpt_data, *etp1, "--load", str(tmp_path / "etp1"))),
+        ("train", _argv(gpt_data, *EP2, "--expert-tensor-parallel-size", "2", *ALLTOALL)),
+        ("train", _argv(gpt_data, *EP2, "--bf16")),
     ],))[-1]
     _same(_curve(res[0], "ep2-tp2-sp"), serial, "EP2 + TP2 + SP", z_loss=False)
     _norms_match(res[0], serial_runs[0], "EP2 + TP2 + SP")
@@ -115,3 +132,30 @@ def test_expert_parallel_layouts_match_serial_and_resume(gpt_data: dict, tmp_pat
     _exact(_curve(res[3], "ep2-dp2-distopt resumed"), full, "EP2 x DP2 distributed optimizer resumed")
     _same(_curve(res[4], "ep2-pp2"), capacity, "EP2 x PP2", z_loss=False)
     assert (tmp_path / "distopt" / f"iter_{HALF:07d}" / "mp_rank_00_001" / "distrib_optim.pt").is_file()
+    # expert-TP != TP: the serial curve and grad norms; Megatron-LM's folders (TP rank, expert rank) of the writers
+    full = _curve(res[5], "tp2-etp1-ep2")
+    _same(full, serial, "TP2 + ETP1 x EP2 distributed optimizer", z_loss=False)
+    _norms_match(res[5], serial_runs[0], "TP2 + ETP1 x EP2")
+    _exact(_curve(res[7], "tp2-etp1-ep2 resumed"), full, "TP2 + ETP1 x EP2 resumed")
+    assert sorted(p.name for p in (tmp_path / "etp1" / f"iter_{HALF:07d}").iterdir() if p.name.startswith("mp_")) \
+        == ["mp_rank_00_000", "mp_rank_01_001"]
+    from megatron.checkpoint_conversion.driver import main as convert
+    from megatron.checkpoint_conversion.interchange import ConversionError
+
+    with pytest.raises(ConversionError, match="--expert-tensor-parallel-size 1 != --tensor-model-parallel-size 2"):
+        convert(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir",
+                 str(tmp_path / "etp1"), "--save-dir", str(tmp_path / "etp1-tp1"), "--target-tensor-parallel-size", "1"])
+    _same(_curve(res[8], "tp1-etp2-ep2"), serial, "TP1 + ETP2 x EP2 (alltoall)", z_loss=False)
+    _norms_match(res[8], serial_runs[0], "TP1 + ETP2 x EP2")
+    bf16, fp32 = _curve(res[9], "bf16 x ep2"), serial
+    assert sorted(bf16) == list(range(1, ITERS + 1))
+    for it in bf16:  # bf16 rounding, not a different computation: within 1% of the fp32 serial curve
+        assert math.isclose(bf16[it][0], fp32[it][0], rel_tol=1e-2), ("bf16 lm loss", it, bf16[it], fp32[it])
+        assert math.isclose(bf16[it][1], fp32[it][1], rel_tol=1e-2), ("bf16 load balancing", it, bf16[it], fp32[it])
+
+    # 6 ranks: interleaved PP3 (2 virtual stages) x EP2
+    (res,) = run_distributed(run_steps, 6, args=([
+        ("train", _argv(gpt_data, *EP2, *INTERLEAVED, "--pipeline-model-parallel-size", "3",
+                        "--num-layers-per-virtual-pipeline-stage", "1", *ALLTOALL))],))[-1:]
+    _same(_curve(res[0], "interleaved pp3 x ep2"), _curve(serial_runs[3], "serial 6 layers"), "interleaved PP3 x EP2",
+          iters=range(1, 7), z_loss=False)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron.arguments import ArgumentError, parse_args, validate_args
+from megatron.presets import get_preset
 from tests.dist_utils import run_distributed
 from tests.ds._workers import write_ds_config
 from tests.log_lines import iteration_values
@@ -108,13 +109,13 @@ def test_moe_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: Path) -> 
     _same(_curve(tp1, "TP2+SP -> TP1 converted"), serial, "TP2+SP -> TP1 converted", iters=range(half + 1, ITERS + 1))
 
 
-BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer",
+BASE = [*get_preset("gpt_micro_test").argv(), "--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "100", "--num-experts", "4", "--disable-bias-linear"]
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size"),
+    (["--expert-tensor-parallel-size", "2", "--save", "ckpt"], "--expert-tensor-parallel-size"),  # != TP, > 1
+    (["--expert-tensor-parallel-size", "4"], "--expert-tensor-parallel-size"),  # world size 2
     (["--expert-model-parallel-size", "4"], "--expert-model-parallel-size"),
     (["--moe-layer-freq", "[1,0]", "--ckpt-format", "torch_dist", "--save", "ckpt"], "--moe-layer-freq 1"),
     (["--expert-model-parallel-size", "2", "--deepspeed", "--deepspeed_config", str(EXAMPLES / "ds_config_gpt.json"),

@@ -34,7 +34,7 @@ def _serial_t5(args: Any, state: Any) -> torch.nn.Module:
     from megatron.arguments import core_transformer_config_from_args
     from megatron.core.tensor_parallel import get_rng_tracker
     from megatron.core.tensor_parallel.random import model_parallel_manual_seed
-    from megatron.model.t5_model import T5Model
+    from megatron.models.t5.model import T5Model
 
     config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=1)
     tracker_states = get_rng_tracker().get_states()
@@ -78,15 +78,11 @@ def _serial_init(provider: Callable) -> Callable:
 
 def run_many(rank: int, world_size: int, runs: list) -> list[dict]:
     """pretrain_t5 runs one after another, every model starting from the serial weights."""
-    import pretrain_t5
+    from tests.harness import entry_providers
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    base = pretrain_t5.model_provider
-    pretrain_t5.model_provider = _serial_init(base)
-    try:
-        return [run_t5(rank, world_size, argv, resume) for argv, resume in runs]
-    finally:
-        pretrain_t5.model_provider = base
+    provider = _serial_init(entry_providers("pretrain_t5").model_provider)
+    return [run_t5(rank, world_size, argv, resume, model_provider=provider) for argv, resume in runs]
 
 
 def argv(data: dict, *extra: str, iters: int = ITERS) -> list[str]:

@@ -14,11 +14,12 @@ import io
 import math
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
 
+from megatron.presets import get_preset
 from tests.dist_utils import run_distributed
 from tests.ds._workers import write_ds_config
 from tests.log_lines import iteration_values, validation_values
@@ -30,8 +31,7 @@ REL = 1e-5
 
 def t5_argv(data: dict, *extra: str, iters: int = ITERS) -> list[str]:
     return [
-        "--num-layers", "2", "--decoder-num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--encoder-seq-length", "64", "--decoder-seq-length", "32", "--max-position-embeddings", "64",
+        *get_preset("t5_test").argv(),
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters),
         "--lr", "2e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
         "--weight-decay", "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -47,11 +47,13 @@ def parse_curve(text: str) -> dict:
     return {"train": train, "grad_norm": {it: norms[it] for it in train}, "val": validation_values(text)}
 
 
-def run_t5(rank: int, world_size: int, argv: list[str], resume_from: Optional[tuple[str, int]] = None) -> dict:
-    """pretrain_t5.main(argv) in this process, stdout captured; user errors come back as text."""
-    import pretrain_t5
+def run_t5(rank: int, world_size: int, argv: list[str], resume_from: Optional[tuple[str, int]] = None,
+           model_provider: Optional[Callable] = None) -> dict:
+    """pretrain_t5.py's pretrain() in this process (tests/harness.py; optionally with another `model_provider`),
+    stdout captured; user errors come back as text."""
     from megatron.errors import MegatronUserError
     from tests.ds._workers import _reset_megatron, ds_env
+    from tests.harness import pretrain_run
 
     ds_env(rank, world_size)
     if resume_from is not None:
@@ -62,7 +64,7 @@ def run_t5(rank: int, world_size: int, argv: list[str], resume_from: Optional[tu
     buf, error, result = io.StringIO(), None, None
     with contextlib.redirect_stdout(buf):
         try:
-            result = pretrain_t5.main(argv)
+            result = pretrain_run(argv, "pretrain_t5", model_provider=model_provider)
         except (MegatronUserError, RuntimeError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         finally:

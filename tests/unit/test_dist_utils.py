@@ -1,3 +1,5 @@
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -12,3 +14,17 @@ def _allreduce(rank, world_size):
 
 def test_run_distributed_allreduce():
     assert run_distributed(_allreduce, 2) == [3.0, 3.0]
+
+
+def _environment_and_cwd(rank, world_size):
+    return os.environ.get("DIST_UTILS_PROBE"), os.getcwd(), torch.get_num_threads()
+
+
+def test_workers_see_the_parent_environment_and_working_directory_of_the_launch(monkeypatch, tmp_path):
+    """The workers are forks of a server started once (tests/dist_utils.py): they still get the environment and the
+    working directory the parent has when it launches them, as spawned interpreters would."""
+    monkeypatch.setenv("DIST_UTILS_PROBE", "first")
+    run_distributed(_allreduce, 2)  # the fork server may start here, with DIST_UTILS_PROBE=first
+    monkeypatch.setenv("DIST_UTILS_PROBE", "second")
+    monkeypatch.chdir(tmp_path)
+    assert run_distributed(_environment_and_cwd, 2, threads=2) == [("second", str(tmp_path), 2)] * 2

@@ -22,9 +22,11 @@ from typing import Dict, Iterator, List, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+from megatron.presets import get_preset  # noqa: E402
 
-PRESETS = {  # GPT-3-style presets (examples/presets): layers, hidden, heads, sequence
-    "1.3b": (24, 2048, 16, 2048),
+_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
+PRESETS = {  # GPT-3-style shapes: layers, hidden, heads, sequence ("1.3b": megatron/presets.py's gpt_1.3b)
+    "1.3b": tuple(int(get_preset("gpt_1.3b").value(flag)) for flag in _FLAGS),
     "350m": (24, 1024, 16, 2048),
     "tiny": (4, 256, 8, 512),
 }

@@ -31,8 +31,12 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from megatron.presets import get_preset  # noqa: E402
 
-LAYERS, HIDDEN, HEADS, SEQ, VOCAB = 24, 2048, 16, 2048, 50304
+_GPT = get_preset("gpt_1.3b")  # megatron/presets.py
+LAYERS, HIDDEN, HEADS, SEQ = (int(_GPT.value(f)) for f in ("--num-layers", "--hidden-size", "--num-attention-heads",
+                                                           "--seq-length"))
+VOCAB = 50304
 DEV = "cuda"
 SMOKE = dict(LAYERS=2, HIDDEN=64, HEADS=4, SEQ=64, VOCAB=512, DEV="cpu")
 

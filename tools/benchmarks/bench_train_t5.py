@@ -1,6 +1,6 @@
 """Benchmark one T5 training step and compare its MFU with a GPT step of comparable size, measured in the same run.
 
-T5 (Megatron's T5Model, megatron/model/t5_model.py): 6 encoder + 6 decoder layers, hidden 384, 6 heads, ffn 1536,
+T5 (Megatron's T5Model, megatron/models/t5/model.py): 6 encoder + 6 decoder layers, hidden 384, 6 heads, ffn 1536,
 encoder 512 / decoder 128 tokens, micro batch 4, BERT vocab 30,522 + 100 extra ids padded to 30,720, fp32, no
 dropout, Megatron's fp32 AdamW (lr 1e-4, wd 0.01, clipping 1.0), pretrain_t5's loss (per-token LM loss averaged over
 the target tokens); batches shaped like T5Dataset's (padded encoder inputs of 448-512 tokens, decoder inputs of
@@ -55,7 +55,7 @@ def gpt_config():
 
 
 def t5_flops() -> float:
-    from megatron.model.t5_model import t5_num_floating_point_operations
+    from megatron.models.t5.model import t5_num_floating_point_operations
 
     return t5_num_floating_point_operations(t5_config(), MBS, ENC_SEQ, DEC_SEQ)
 
@@ -95,7 +95,7 @@ def build_t5():
     """T5Model + Megatron's fp32 optimizer + pretrain_t5's forward step and loss."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.model.t5_model import T5Model
+    from megatron.models.t5.model import T5Model
 
     model_parallel_manual_seed(1234, 0)
     torch.manual_seed(1234)

@@ -262,10 +262,11 @@ class DistributedDataParallel(_DDPBase):
 
     def _launch_grad_reduction(self, bucket: _Bucket, async_op: bool) -> None:
         bucket.launched = True
-        if self.dp_size == 1:
-            return
+        if bucket.group_size == 1 and self.dp_size == 1:  # (an expert bucket's group may be larger than DP's
+            return  # under --expert-tensor-parallel-size < TP)
         data = self._grad_buffers[bucket.key].data[bucket.start:bucket.end]
-        data /= self.dp_size  # expert buckets too: Megatron scales every grad by 1 / data-parallel size
+        if self.dp_size > 1:
+            data /= self.dp_size  # expert buckets too: Megatron scales every grad by 1 / data-parallel size
         if bucket.group_size == 1:
             return
         if self.use_distributed_optimizer:
@@ -340,13 +341,14 @@ class DistributedDataParallel(_DDPBase):
             if param.grad is not None:
                 buckets.setdefault((param.grad.dtype, self._is_expert(param)), []).append(param)
                 param.main_grad = param.grad
-        if dp_size == 1:
-            return
         for (_dtype, expert), params in buckets.items():
+            group = self.expert_dp_group if expert else self.dp_group
+            if dp_size == 1 and _group_size(group) == 1:
+                continue
             grads = [p.grad.data for p in params]
             coalesced = _flatten_dense_tensors(grads)
-            coalesced /= dp_size
-            group = self.expert_dp_group if expert else self.dp_group
+            if dp_size > 1:
+                coalesced /= dp_size
             if _group_size(group) > 1:
                 dist.all_reduce(coalesced, group=group)
             for buf, synced in zip(grads, _unflatten_dense_tensors(coalesced, grads)):
@@ -359,7 +361,7 @@ class DistributedDataParallel(_DDPBase):
         if not self.use_distributed_optimizer:
             return
         self.finish_param_sync()
-        if self.dp_size == 1:
+        if self.dp_size == 1 and _group_size(self.expert_dp_group) == 1:
             return
         async_op = self.overlap_param_gather if async_op is None else async_op
         for bucket in reversed(self.buckets):

@@ -14,13 +14,13 @@ from typing import Any, Mapping, Optional
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.bert_model import bert_extended_attention_mask, bert_position_ids
 from megatron.model.enums import AttnMaskType
 from megatron.model.gpt_model import LANGUAGE_MODEL_KEY, flatten_checkpoint_state_dict
 from megatron.model.language_model import TransformerLanguageModel
 from megatron.model.layer_specs import bert_layer_spec
 from megatron.model.module import MegatronModule
 from megatron.model.utils import get_linear_layer
+from megatron.models.bert.model import bert_extended_attention_mask, bert_position_ids
 
 CLASSIFICATION_HEAD_KEY = "classification_head"
 

@@ -7,8 +7,8 @@ from typing import Any, Optional
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.classification import BertTaskModel
 from megatron.model.utils import get_linear_layer
+from megatron.models.bert.classification import BertTaskModel
 
 MULTICHOICE_HEAD_KEY = "multichoice_head"
 

@@ -1,0 +1,127 @@
+"""Every core setting, declared once: the settings groups in ``--help`` order and the tables derived from them.
+
+Each group is a dataclass of `setting(...)` fields (megatron/settings/declare.py says what a declaration holds).
+`add_core_groups` / `add_last_groups` build the parser from them; `config_fields` is `config_flags.CONFIG_FIELDS`,
+`architecture_fields` is `checkpoint_args.ARCHITECTURE_FIELDS` (in the record's declared order, which fixes the
+checkpoint's bytes), and `runtime_settings` / `same_result_variants` / `refused` / `family_only` are the core part of
+the tables in `megatron.flag_registry`. To add a flag: one `setting(...)` line in the group it belongs to.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+from megatron.settings.checkpointing import CheckpointingSettings
+from megatron.settings.data import DataSettings
+from megatron.settings.declare import ConfigField, Getter, Spec, add_group, from_args, settings_of
+from megatron.settings.deepspeed import DeepSpeedSettings
+from megatron.settings.logs import InferenceSettings, LoggingSettings
+from megatron.settings.model import NetworkSizeSettings
+from megatron.settings.moe import MoESettings
+from megatron.settings.optimizer import LearningRateSettings, RegularizationSettings
+from megatron.settings.parallel import DistributedSettings, MixedPrecisionSettings
+from megatron.settings.training import InitializationSettings, TrainingSettings, ValidationSettings
+
+__all__ = ["CORE_GROUPS", "LAST_GROUPS", "ConfigField", "add_core_groups", "add_last_groups", "all_settings",
+           "architecture_fields", "config_fields", "family_only", "filled_if_unset", "flag_hints", "from_args",
+           "refused", "restore_rules", "runtime_settings", "same_result_variants"]
+
+# Megatron's groups, in its parser's order (the entry script's own groups follow, then LAST_GROUPS).
+CORE_GROUPS: Tuple[type, ...] = (
+    NetworkSizeSettings, RegularizationSettings, TrainingSettings, InitializationSettings, LearningRateSettings,
+    CheckpointingSettings, MixedPrecisionSettings, DistributedSettings, ValidationSettings, DataSettings,
+    LoggingSettings, InferenceSettings, MoESettings,
+)
+# Added last, leaving out the flags a provider already added (deepspeed.add_config_arguments).
+LAST_GROUPS: Tuple[type, ...] = (DeepSpeedSettings,)
+
+
+def add_core_groups(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    for group in CORE_GROUPS:
+        parser = add_group(parser, group)
+    return parser
+
+
+def add_last_groups(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    for group in LAST_GROUPS:
+        parser = add_group(parser, group, skip_existing=True)
+    return parser
+
+
+def all_settings() -> Iterator[Tuple[str, Any, Spec]]:
+    """(destination, default, spec) of every declared setting, in parser order."""
+    for group in CORE_GROUPS + LAST_GROUPS:
+        yield from settings_of(group)
+
+
+def _copy(dest: str) -> Getter:
+    return lambda args: getattr(args, dest)
+
+
+def config_fields() -> Dict[str, Tuple[Tuple[str, ...], Getter]]:
+    """TransformerConfig field -> (the destinations it is computed from, how): `config_flags.CONFIG_FIELDS`."""
+    sources: Dict[str, List[str]] = {}
+    getters: Dict[str, Getter] = {}
+    for dest, _default, spec in all_settings():
+        for field in spec.config:
+            name = field.name or dest
+            if name in getters:
+                raise ValueError(f"config field {name!r} is declared by two settings")
+            getters[name] = field.compute or _copy(dest)
+            sources.setdefault(name, []).insert(0, dest)
+        for name in spec.feeds:
+            sources.setdefault(name, []).append(dest)
+    missing = set(sources) - set(getters)
+    if missing:
+        raise ValueError(f"settings feed config fields no setting declares: {sorted(missing)}")
+    return {name: (tuple(sources[name]), getter) for name, getter in getters.items()}
+
+
+def _config_items() -> Iterator[Tuple[str, ConfigField]]:
+    for dest, _default, spec in all_settings():
+        for field in spec.config:
+            yield field.name or dest, field
+
+
+def architecture_fields() -> Tuple[str, ...]:
+    """The config fields in the checkpoint's ``architecture`` record, in their declared order (0, 1, ...)."""
+    placed = sorted((field.arch, name) for name, field in _config_items() if field.arch is not None)
+    positions = [pos for pos, _ in placed]
+    if positions != list(range(len(placed))):
+        raise ValueError(f"architecture record positions must be 0..{len(placed) - 1} once each: {positions}")
+    return tuple(name for _, name in placed)
+
+
+def flag_hints() -> Dict[str, str]:
+    """Architecture field -> what to pass for it, where that is not simply --field-name."""
+    return {name: field.hint for name, field in _config_items() if field.hint is not None}
+
+
+def restore_rules() -> Dict[str, List[Tuple[str, Callable[[Any], Any]]]]:
+    """Field -> [(destination, its value for a saved field value)] for --use-checkpoint-args, where not the field."""
+    return {name: list(field.restore) for name, field in _config_items() if field.restore is not None}
+
+
+def filled_if_unset() -> Tuple[str, ...]:
+    """Destinations --use-checkpoint-args restores only when the flag is left at its default."""
+    return tuple(dest for dest, _default, spec in all_settings() if spec.restore_if_unset)
+
+
+def runtime_settings() -> Dict[str, str]:
+    """Destination -> the file that reads it."""
+    return {dest: spec.read_by for dest, _default, spec in all_settings() if spec.read_by is not None}
+
+
+def same_result_variants() -> Dict[str, str]:
+    """Destination -> why any value gives the same numbers here."""
+    return {dest: spec.variant for dest, _default, spec in all_settings() if spec.variant is not None}
+
+
+def refused() -> Dict[str, Tuple[Any, str]]:
+    """Destination -> (default, why another value is refused)."""
+    return {dest: (default, spec.refused) for dest, default, spec in all_settings() if spec.refused is not None}
+
+
+def family_only() -> Dict[str, Tuple[Tuple[str, ...], Any]]:
+    """Destination -> (the model families that read it, default)."""
+    return {dest: (spec.families, default) for dest, default, spec in all_settings() if spec.families}

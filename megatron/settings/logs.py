@@ -1,0 +1,59 @@
+"""Logging, timing and tensorboard settings, and the core inference settings."""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from megatron.settings.declare import setting
+
+
+@dataclasses.dataclass
+class LoggingSettings:
+    """--help group "logging"."""
+
+    TITLE: ClassVar[str] = "logging"
+    log_params_norm: bool = setting("--log-params-norm", default=False, help="Log the L2 norm of the parameters.",
+        read_by="megatron/training.py")
+    log_num_zeros_in_grad: bool = setting("--log-num-zeros-in-grad", default=False,
+        help="Log the number of zeros in the gradient.", read_by="megatron/optimizer/__init__.py")
+    timing_log_level: int = setting("--timing-log-level", default=0, choices=range(0, 3),
+        help="0: iteration time only; 1: coarse timers; 2: every timer.", read_by="megatron/global_vars.py")
+    barrier_with_L1_time: bool = setting("--no-barrier-with-level-1-timing", default=True,
+        help="Do not barrier before level-1 timers (times then include load imbalance).",
+        read_by="megatron/backend/megatron.py")
+    timing_log_option: str = setting("--timing-log-option", default="minmax", choices=["max", "minmax", "all"],
+        help="How timers are reported across ranks.", read_by="megatron/global_vars.py")
+    tensorboard_log_interval: int = setting("--tensorboard-log-interval", default=1,
+        help="Tensorboard logging interval.", read_by="megatron/training.py")
+    tensorboard_queue_size: int = setting("--tensorboard-queue-size", default=1000,
+        help="Tensorboard events queued before a flush to disk.", read_by="megatron/global_vars.py")
+    log_timers_to_tensorboard: bool = setting("--log-timers-to-tensorboard", default=False,
+        help="Write timers to tensorboard.", read_by="megatron/training.py")
+    log_batch_size_to_tensorboard: bool = setting("--log-batch-size-to-tensorboard", default=False,
+        help="Write batch size to tensorboard.", read_by="megatron/logging_utils.py")
+    log_learning_rate_to_tensorboard: bool = setting("--no-log-learnig-rate-to-tensorboard",
+        "--no-log-learning-rate-to-tensorboard", default=True, help="Do not write the learning rate to tensorboard.",
+        read_by="megatron/logging_utils.py")
+    log_loss_scale_to_tensorboard: bool = setting("--no-log-loss-scale-to-tensorboard", default=True,
+        help="Do not write the loss scale to tensorboard.", read_by="megatron/logging_utils.py")
+    log_validation_ppl_to_tensorboard: bool = setting("--log-validation-ppl-to-tensorboard", default=False,
+        help="Write validation perplexity to tensorboard.", read_by="megatron/logging_utils.py")
+    log_memory_to_tensorboard: bool = setting("--log-memory-to-tensorboard", default=False,
+        help="Write memory use to tensorboard.", read_by="megatron/logging_utils.py")
+    log_world_size_to_tensorboard: bool = setting("--log-world-size-to-tensorboard", default=False,
+        help="Write world size to tensorboard.", read_by="megatron/logging_utils.py")
+    log_optimizer_states_to_tensorboard: bool = setting("--log-optimizer-states-to-tensorboard", default=False,
+        help="Write optimizer state statistics to tensorboard.", refused="is not implemented")
+
+
+@dataclasses.dataclass
+class InferenceSettings:
+    """--help group "inference"."""
+
+    TITLE: ClassVar[str] = "inference"
+    inference_batch_times_seqlen_threshold: int = setting("--inference-batch-times-seqlen-threshold", default=512,
+        help="Pipeline the forward pass during inference above this batch * seq-length.",
+        variant="generation sends the whole batch through the pipeline stages at once; micro-batching it gives "
+                "the same tokens")
+    max_tokens_to_oom: int = setting("--max-tokens-to-oom", default=12000,
+        help="Refuse generation above this many tokens.", read_by="tools/run_text_generation_server.py")

@@ -1,0 +1,129 @@
+"""Model-shape settings (--help group "network size"): layers, widths, attention, positions, norms, activations.
+
+Most are `TransformerConfig` fields and part of the checkpoint's architecture record (megatron/settings/declare.py).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, ClassVar, Optional
+
+from megatron.enums import position_embedding_name
+from megatron.settings.declare import ConfigField, setting
+
+
+# How the config fields that are not plain copies of one setting are computed (from validated args: validate_args
+# has folded --use-rotary-position-embeddings / --no-position-embedding into --position-embedding-type and filled
+# --num-query-groups and the padded vocabulary).
+def _position_embedding_type(args: argparse.Namespace) -> Any:
+    return position_embedding_name(args.position_embedding_type)  # a Megatron-DeepSpeed checkpoint's args: an enum
+
+
+def _num_query_groups(args: argparse.Namespace) -> Any:
+    return args.num_query_groups if args.group_query_attention else None
+
+
+def _padded_vocab_size(args: argparse.Namespace) -> Any:
+    return getattr(args, "padded_vocab_size", None) or 0
+
+
+def _share_embeddings_and_output_weights(args: argparse.Namespace) -> Any:
+    return not args.untie_embeddings_and_output_weights
+
+
+# --use-checkpoint-args: the destinations a saved field value sets.
+_RESTORE_POSITION_EMBEDDING_TYPE = (("position_embedding_type", lambda v: v),
+                                    ("use_rotary_position_embeddings", lambda v: v == "rope"),
+                                    ("add_position_embedding", lambda v: v == "learned_absolute"))
+_RESTORE_SHARE_EMBEDDINGS_AND_OUTPUT_WEIGHTS = (("untie_embeddings_and_output_weights", lambda v: not v),)
+
+
+@dataclasses.dataclass
+class NetworkSizeSettings:
+    """--help group "network size"."""
+
+    TITLE: ClassVar[str] = "network size"
+    num_layers: Optional[int] = setting("--num-layers", help="Number of transformer layers.", config=True, arch=24)
+    encoder_num_layers: Optional[int] = setting("--encoder-num-layers", help="Number of encoder layers (T5).",
+        config=True, arch=25)
+    decoder_num_layers: Optional[int] = setting("--decoder-num-layers", help="Number of decoder layers (T5).",
+        config=True, arch=26, families=("t5",))
+    hidden_size: Optional[int] = setting("--hidden-size", help="Transformer hidden size.", config=True, arch=27)
+    ffn_hidden_size: Optional[int] = setting("--ffn-hidden-size", help="MLP hidden size (default 4 * hidden-size).",
+        config=True, arch=29)
+    num_attention_heads: Optional[int] = setting("--num-attention-heads", help="Number of attention heads.",
+        config=True, arch=28)
+    kv_channels: Optional[int] = setting("--kv-channels",
+        help="Projection size per head (default hidden-size // num-attention-heads).", config=True, arch=30)
+    max_position_embeddings: Optional[int] = setting("--max-position-embeddings",
+        help="Largest sequence length supported.", config=True, arch=31)
+    position_embedding_type: str = setting("--position-embedding-type", default="learned_absolute",
+        choices=["learned_absolute", "rope", "alibi", "none", "absolute", "rotary"],
+        help="Position embedding: learned absolute (GPT-2), rotary (Llama), ALiBi linear biases (BLOOM), or none; "
+             "Megatron-DeepSpeed's names absolute/rotary are accepted.",
+        config=ConfigField(compute=_position_embedding_type, arch=12, restore=_RESTORE_POSITION_EMBEDDING_TYPE))
+    use_rotary_position_embeddings: bool = setting("--use-rotary-position-embeddings", default=False,
+        help="Megatron-LM 23.06 spelling of --position-embedding-type rope.", feeds=("position_embedding_type",))
+    add_position_embedding: bool = setting("--no-position-embedding", default=True,
+        help="No learned absolute position embedding (with rope: the rotary embedding only).",
+        feeds=("position_embedding_type",))
+    rotary_percent: float = setting("--rotary-percent", default=1.0,
+        help="Fraction of each head's channels that RoPE rotates (0 < p <= 1).", config=True, arch=14)
+    rotary_base: float = setting("--rotary-base", default=10000.0,
+        help="RoPE base (theta): 10000 for Llama-2, 1e6 for Mistral v0.3, 500000 for Llama-3.", config=True, arch=13)
+    rotary_seq_len_interpolation_factor: Optional[float] = setting("--rotary-seq-len-interpolation-factor",
+        help="Linear position interpolation: RoPE rotates position p as p / factor (HF rope_type linear; Megatron-LM "
+             "parses an int, any positive number is accepted here).", config=True, arch=17)
+    use_rope_scaling: bool = setting("--use-rope-scaling", default=False,
+        help="Llama-3.1 RoPE frequency scaling (HF rope_type llama3), as Megatron-LM.", config=True, arch=18)
+    rope_scaling_factor: float = setting("--rope-scaling-factor", default=8.0,
+        help="Llama-3.1 scaling factor with --use-rope-scaling (8 for Llama-3.1, 32 for Llama-3.2).", config=True,
+        arch=19)
+    rope_scaling_low_freq_factor: float = setting("--rope-scaling-low-freq-factor", default=1.0,
+        help="Llama-3.1 low_freq_factor with --use-rope-scaling (Megatron-LM hard-codes 1).", config=True, arch=20)
+    rope_scaling_high_freq_factor: float = setting("--rope-scaling-high-freq-factor", default=4.0,
+        help="Llama-3.1 high_freq_factor with --use-rope-scaling (Megatron-LM hard-codes 4).", config=True, arch=21)
+    rope_scaling_original_max_position_embeddings: int = setting("--rope-scaling-original-max-position-embeddings",
+        default=8192, help="Llama-3.1 original context length with --use-rope-scaling (Megatron-LM hard-codes 8192).",
+        config=True, arch=22)
+    normalization: str = setting("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
+        help="Normalization layer: LayerNorm (GPT-2/BERT) or RMSNorm (Llama).", config=True, arch=0)
+    group_query_attention: bool = setting("--group-query-attention", default=False,
+        help="Grouped-query attention: --num-query-groups K/V heads shared by the query heads.", config=True, arch=15,
+        feeds=("num_query_groups",))
+    num_query_groups: Optional[int] = setting("--num-query-groups",
+        help="Number of K/V head groups with --group-query-attention (default 1: multi-query).",
+        config=ConfigField(compute=_num_query_groups, arch=16, hint="--group-query-attention --num-query-groups"))
+    add_bias_linear: bool = setting("--disable-bias-linear", default=True,
+        help="No biases in the linear layers (QKV, attention output, MLP).", config=ConfigField(arch=9,
+        hint="--disable-bias-linear (or not)"))
+    add_qkv_bias: bool = setting("--add-qkv-bias", default=False,
+        help="Keep the QKV bias even with --disable-bias-linear (Qwen-style).", config=True, arch=10)
+    make_vocab_size_divisible_by: int = setting("--make-vocab-size-divisible-by", default=128,
+        help="Pad the vocab so its size is divisible by this value (times TP size).",
+        config=ConfigField("padded_vocab_size", compute=_padded_vocab_size, arch=32,
+        hint="the same vocab file and --make-vocab-size-divisible-by"), restore_if_unset=True)
+    layernorm_epsilon: float = setting("--layernorm-epsilon", "--norm-epsilon", default=1e-05,
+        help="Epsilon of the LayerNorm/RMSNorm layers.", config=ConfigField(arch=1, hint="--norm-epsilon"))
+    apply_layernorm_1p: bool = setting("--apply-layernorm-1p", default=False,
+        help="LayerNorm with (1 + weight) (zero-centered).", config=True, arch=2)
+    apply_residual_connection_post_layernorm: bool = setting("--apply-residual-connection-post-layernorm",
+        default=False, help="Residual connection after the layer norm (original BERT).", config=True, arch=3)
+    openai_gelu: bool = setting("--openai-gelu", default=False, help="OpenAI's tanh GeLU approximation.", config=True,
+        arch=4)
+    squared_relu: bool = setting("--squared-relu", default=False, help="Squared ReLU activation instead of GeLU.",
+        config=True, arch=5)
+    swiglu: bool = setting("--swiglu", default=False, help="SwiGLU activation instead of GeLU.", config=True, arch=6)
+    glu_activation: Optional[str] = setting("--glu-activation", choices=["geglu", "liglu", "reglu", "swiglu"],
+        help="Megatron-DeepSpeed's GLU activations: x1 * act(x2) over the two halves of a 2 * ffn first projection "
+             "(act = GeLU, identity, ReLU, SiLU).", config=True, arch=7)
+    embed_layernorm: bool = setting("--embed-layernorm", default=False,
+        help="LayerNorm right after the word embeddings (BLOOM; Megatron-DeepSpeed's flag).", config=True, arch=8)
+    onnx_safe: Optional[bool] = setting("--onnx-safe", type=bool, help="Workarounds for known ONNX exporter problems.",
+        feeds=("bias_gelu_fusion",))
+    bert_binary_head: bool = setting("--bert-no-binary-head", default=True,
+        help="Disable BERT's binary (next-sentence) head.", families=("bert",))
+    untie_embeddings_and_output_weights: bool = setting("--untie-embeddings-and-output-weights", default=False,
+        help="Separate input embedding and output layer weights.",
+        config=ConfigField("share_embeddings_and_output_weights", compute=_share_embeddings_and_output_weights, arch=23,
+        hint="--untie-embeddings-and-output-weights (or not)", restore=_RESTORE_SHARE_EMBEDDINGS_AND_OUTPUT_WEIGHTS))

@@ -1,0 +1,135 @@
+"""Training-loop settings: batch and schedule, recomputation, fusions, initialization, validation."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, ClassVar, List, Optional
+
+import torch
+
+from megatron.settings.declare import ConfigField, extra_flag, setting
+
+
+def _bias_gelu_fusion(args: argparse.Namespace) -> Any:
+    return args.bias_gelu_fusion and not args.onnx_safe  # Megatron's --onnx-safe MLP: erf GeLU, no fused bias-GeLU
+
+
+_RESTORE_BIAS_GELU_FUSION = (("bias_gelu_fusion", lambda v: v), ("onnx_safe", lambda v: None))
+
+
+def _init_method(args: argparse.Namespace) -> Any:
+    return torch.nn.init.xavier_uniform_ if args.init_method_xavier_uniform else None
+
+
+@dataclasses.dataclass
+class TrainingSettings:
+    """--help group "training"."""
+
+    TITLE: ClassVar[str] = "training"
+    micro_batch_size: Optional[int] = setting("--micro-batch-size", help="Batch size per model instance (local).",
+        read_by="megatron/training.py")
+    batch_size: Optional[int] = setting("--batch-size", help="Deprecated: use --micro-batch-size.",
+        read_by="megatron/arguments.py")
+    global_batch_size: Optional[int] = setting("--global-batch-size",
+        help="Training batch size across all data-parallel ranks (default micro-batch-size * DP).",
+        read_by="megatron/microbatches.py")
+    rampup_batch_size: Optional[List[str]] = setting("--rampup-batch-size", nargs="*",
+        help="Batch-size ramp-up: <start batch size> <increment> <ramp-up samples>.", read_by="megatron/global_vars.py")
+    checkpoint_activations: bool = setting("--checkpoint-activations", default=False,
+        help="Megatron-DeepSpeed: full activation recomputation (uniform method).", feeds=("recompute_granularity",))
+    recompute_activations: bool = setting("--recompute-activations", default=False,
+        help="Selective activation recomputation (attention core only).", feeds=("recompute_granularity",))
+    recompute_granularity: Optional[str] = setting("--recompute-granularity", choices=["full", "selective"],
+        help="Activation recomputation granularity.", config=True)
+    distribute_saved_activations: bool = setting("--distribute-saved-activations", default=False,
+        help="Shard recomputation checkpoints across the tensor-parallel group.", config=True)
+    recompute_method: Optional[str] = setting("--recompute-method", choices=["uniform", "block"],
+        help="Full recomputation: 'uniform' chunks or the first N layers per stage ('block').", config=True)
+    recompute_num_layers: int = setting("--recompute-num-layers", default=1, help="Layers per recomputation unit.",
+        config=True)
+    checkpoint_num_layers: Optional[int] = setting("--checkpoint-num-layers",
+        help="Megatron-DeepSpeed alias of --recompute-num-layers.", feeds=("recompute_num_layers",))
+    train_iters: Optional[int] = setting("--train-iters", help="Total training iterations.",
+        read_by="megatron/training.py")
+    train_samples: Optional[int] = setting("--train-samples", help="Total training samples.",
+        read_by="megatron/training.py")
+    log_interval: int = setting("--log-interval", default=100, help="Report loss and timing every N iterations.",
+        read_by="megatron/training.py")
+    log_args: bool = setting("--log-args", default=False,
+        help="Print Megatron's full argument dump on a terminal too (a redirected log always has it; on a terminal "
+             "one summary line is printed instead).", read_by="megatron/arguments.py")
+    exit_interval: Optional[int] = setting("--exit-interval", help="Exit when iteration %% N == 0.",
+        read_by="megatron/training.py")
+    exit_duration_in_mins: Optional[int] = setting("--exit-duration-in-mins", help="Exit after this many minutes.",
+        read_by="megatron/training.py")
+    exit_signal_handler: bool = setting("--exit-signal-handler", default=False, help="Save and exit on SIGTERM.",
+        read_by="megatron/training.py")
+    check_for_nan_in_loss_and_grad: bool = setting("--check-for-nan-in-loss-and-grad", default=True,
+        action="store_true",
+        also=(extra_flag("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                         help="Do not check the loss and grad norm for nan/inf before the optimizer step."),),
+        help="Skip (and count) an iteration whose loss or grad norm is not finite (default on).",
+        read_by="megatron/backend/megatron.py")
+    max_skipped_iterations: int = setting("--max-skipped-iterations", default=10,
+        help="Stop with an error after this many consecutive skipped non-finite iterations (0: never).",
+        read_by="megatron/training.py")
+    tensorboard_dir: Optional[str] = setting("--tensorboard-dir", help="Tensorboard log directory.",
+        read_by="megatron/global_vars.py")
+    masked_softmax_fusion: bool = setting("--no-masked-softmax-fusion", default=True,
+        help="Do not fuse scaling, masking and softmax.", config=True)
+    bias_gelu_fusion: bool = setting("--no-bias-gelu-fusion", default=True, help="Do not fuse bias add and GeLU.",
+        config=ConfigField(compute=_bias_gelu_fusion, arch=11, hint="--no-bias-gelu-fusion (or not)",
+        restore=_RESTORE_BIAS_GELU_FUSION))
+    bias_swiglu_fusion: bool = setting("--no-bias-swiglu-fusion", default=True,
+        help="Do not fuse bias add and SwiGLU (the Triton kernel on CUDA).", config=True)
+    bias_dropout_fusion: bool = setting("--no-bias-dropout-fusion", default=True,
+        help="Do not fuse bias add, dropout and residual add.", config=True)
+    use_flash_attn: bool = setting("--use-flash-attn", default=False, help="FlashAttention (CUDA only).", config=True)
+    optimizer: str = setting("--optimizer", default="adam", choices=["adam", "sgd"], help="Optimizer.",
+        read_by="megatron/optimizer/__init__.py")
+    dataloader_type: Optional[str] = setting("--dataloader-type", choices=["single", "cyclic"],
+        help="Data sampler ('single' by default).", read_by="megatron/training.py")
+    async_tensor_model_parallel_allreduce: bool = setting("--no-async-tensor-model-parallel-allreduce", default=True,
+        help="Do not overlap the tensor-parallel all-reduce with the weight-gradient computation.", config=True)
+    no_persist_layer_norm: bool = setting("--no-persist-layer-norm", default=False,
+        help="Do not use persistent layer-norm kernels.",
+        variant="picks apex's non-persistent LayerNorm kernel; this build's LayerNorm is torch's, or on CUDA the "
+                "Triton one (megatron/fused_kernels/norms.py) for every hidden size")
+    sequence_parallel: bool = setting("--sequence-parallel", default=False,
+        help="Megatron sequence parallelism (needs TP > 1).", config=True)
+    gradient_accumulation_fusion: bool = setting("--no-gradient-accumulation-fusion", default=True,
+        help="Do not fuse weight-gradient accumulation (needs a CUDA extension).", config=True)
+    deterministic_mode: bool = setting("--deterministic-mode", default=False, help="Choose deterministic algorithms.",
+        config=True)
+    empty_unused_memory_level: int = setting("--empty-unused-memory-level", default=0, choices=[0, 1, 2],
+        help="Call torch.cuda.empty_cache() each iteration (0 off, 1 moderate, 2 aggressive).",
+        read_by="megatron/training.py")
+    skip_train: bool = setting("--skip-train", default=False, help="Skip training; only evaluate.",
+        read_by="megatron/training.py")
+
+
+@dataclasses.dataclass
+class InitializationSettings:
+    """--help group "initialization"."""
+
+    TITLE: ClassVar[str] = "initialization"
+    seed: int = setting("--seed", default=1234, help="Random seed (python, numpy, torch).",
+        read_by="megatron/initialize.py")
+    data_parallel_random_init: bool = setting("--data-parallel-random-init", default=False,
+        help="Different initial weights on each data-parallel rank.", read_by="megatron/initialize.py")
+    init_method_std: float = setting("--init-method-std", default=0.02, help="Std of the normal weight initialiser.",
+        config=True)
+    init_method_xavier_uniform: bool = setting("--init-method-xavier-uniform", default=False,
+        help="Xavier uniform initialisation.", config=(ConfigField("init_method", compute=_init_method),
+        ConfigField("output_layer_init_method", compute=_init_method)))
+
+
+@dataclasses.dataclass
+class ValidationSettings:
+    """--help group "validation"."""
+
+    TITLE: ClassVar[str] = "validation"
+    eval_iters: int = setting("--eval-iters", default=100, help="Iterations per validation/test evaluation.",
+        read_by="megatron/training.py")
+    eval_interval: int = setting("--eval-interval", default=1000, help="Iterations between validation runs.",
+        read_by="megatron/training.py")

@@ -1,0 +1,45 @@
+"""Megatron's import paths that users' scripts use keep working after the move into family folders
+(megatron/models/<family>/): each old name gives the very object defined at its new place."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+# (old module, name, module where it is defined now)
+PATHS = [
+    ("megatron.model", "GPTModel", "megatron.model.gpt_model"),
+    ("megatron.model.gpt_model", "GPTModel", "megatron.model.gpt_model"),
+    ("megatron.model.gpt_model_pipe", "GPTModelPipe", "megatron.model.gpt_model_pipe"),
+    ("megatron.model", "BertModel", "megatron.models.bert.model"),
+    ("megatron.model.bert_model", "BertModel", "megatron.models.bert.model"),
+    ("megatron.model.bert_model", "bert_extended_attention_mask", "megatron.models.bert.model"),
+    ("megatron.model.classification", "Classification", "megatron.models.bert.classification"),
+    ("megatron.model.multiple_choice", "MultipleChoice", "megatron.models.bert.multiple_choice"),
+    ("megatron.model", "T5Model", "megatron.models.t5.model"),
+    ("megatron.model.t5_model", "T5Model", "megatron.models.t5.model"),
+    ("megatron.model.t5_model", "t5_stage_roles", "megatron.models.t5.model"),
+    ("megatron.model", "ParallelTransformer", "megatron.model.transformer"),
+    ("megatron.model.transformer", "ParallelTransformer", "megatron.model.transformer"),
+    ("megatron.model.transformer", "ParallelTransformerLayer", "megatron.model.transformer"),
+    ("megatron.model", "Float16Module", "megatron.model.module"),
+    ("megatron.checkpointing", "save_checkpoint", "megatron.checkpointing"),
+    ("megatron.checkpointing", "load_checkpoint", "megatron.checkpointing"),
+]
+
+
+@pytest.mark.parametrize("old,name,new", PATHS, ids=[f"{o}.{n}" for o, n, _ in PATHS])
+def test_old_path_gives_the_same_object(old, name, new):
+    assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name)
+
+
+def test_a_moved_module_is_the_same_module_under_both_names():
+    from megatron.model import moved
+
+    for old, new in moved.MOVED_MODULES.items():
+        module = importlib.import_module(old)
+        assert module is importlib.import_module(new)
+        assert module.__spec__.name == new  # the alias does not rename the module
+    from megatron.model import bert_model  # `from package import submodule` finds it too
+    assert bert_model is importlib.import_module("megatron.models.bert.model")
+    assert "BertModel" in dir(importlib.import_module("megatron.model"))

@@ -1,0 +1,103 @@
+"""Each setting is declared once (megatron/settings/): the declaration count of tools/count_setting_declarations.py,
+the declared types against the defaults, the architecture record's order (checkpoint bytes), and typed settings
+built from parsed flags."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import typing
+from pathlib import Path
+from typing import Any, Union
+
+from megatron.arguments import build_parser, parse_args
+from megatron.checkpoint_args import ARCHITECTURE_FIELDS
+from megatron.settings import CORE_GROUPS, LAST_GROUPS, from_args
+from megatron.settings.model import NetworkSizeSettings
+from megatron.settings.moe import MoESettings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _counter() -> Any:
+    spec = importlib.util.spec_from_file_location("count_setting_declarations",
+                                                  REPO / "tools" / "count_setting_declarations.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_core_flag_is_declared_once_as_a_setting():
+    places = _counter().count(REPO)
+    core = {action.dest for action in build_parser()._actions} - {"help"}
+    twice = {dest: sorted(places.get(dest, ())) for dest in core if len(places.get(dest, ())) != 1}
+    assert not twice, f"core settings not declared exactly once: {twice}"
+    assert all(next(iter(places[dest])).endswith(": setting") for dest in core)
+
+
+def test_the_counter_sees_a_second_declaration(tmp_path):
+    (tmp_path / "megatron" / "settings").mkdir(parents=True)
+    (tmp_path / "megatron" / "settings" / "g.py").write_text(
+        'class G:\n    swiglu: bool = setting("--swiglu", help="x", default=False)\n')
+    (tmp_path / "megatron" / "registry.py").write_text('RUNTIME_SETTINGS = {"swiglu": "a.py", "seed": "b.py"}\n'
+                                                      'ARCHITECTURE_FIELDS = ("swiglu",)\n')
+    (tmp_path / "megatron" / "arguments.py").write_text('p.add_argument("--seed", type=int)\n'
+                                                        'p.add_argument("--no-x", dest="x_on")\n')
+    counter = _counter()
+    places = counter.count(tmp_path)
+    assert {dest: len(p) for dest, p in places.items()} == {"swiglu": 3, "seed": 2, "x_on": 1}
+    assert counter.summary(places) == (3, {1: 1, 2: 1, 3: 1})
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Union:
+        return any(_conforms(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, list) and all(_conforms(v, args[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def test_each_default_has_the_declared_type():
+    wrong = []
+    for group in CORE_GROUPS + LAST_GROUPS:
+        hints = typing.get_type_hints(group)
+        for field in dataclasses.fields(group):
+            if not _conforms(field.default, hints[field.name]):
+                wrong.append(f"{group.__name__}.{field.name}: {field.default!r} is not {hints[field.name]}")
+    assert not wrong, wrong
+
+
+def test_the_architecture_record_keeps_its_order():
+    # The order of the checkpoint's `architecture` record (hence its bytes): the `arch` positions of the declarations
+    # must give exactly this sequence; a new architecture field takes the next position.
+    assert ARCHITECTURE_FIELDS[:34] == (
+        "normalization", "layernorm_epsilon", "apply_layernorm_1p", "apply_residual_connection_post_layernorm",
+        "openai_gelu", "squared_relu", "swiglu", "glu_activation", "embed_layernorm", "add_bias_linear",
+        "add_qkv_bias", "bias_gelu_fusion", "position_embedding_type", "rotary_base", "rotary_percent",
+        "group_query_attention", "num_query_groups", "rotary_seq_len_interpolation_factor", "use_rope_scaling",
+        "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+        "rope_scaling_original_max_position_embeddings", "share_embeddings_and_output_weights", "num_layers",
+        "encoder_num_layers", "decoder_num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+        "kv_channels", "max_position_embeddings", "padded_vocab_size", "num_moe_experts")
+    assert ARCHITECTURE_FIELDS[34:] == (
+        "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+        "moe_shared_expert_gate", "moe_router_pre_softmax", "moe_router_score_function",
+        "moe_router_topk_scaling_factor", "moe_router_load_balancing_type", "moe_router_dtype",
+        "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+        "moe_apply_probs_on_input")
+
+
+def test_typed_settings_from_parsed_flags():
+    args = parse_args(args=["--num-layers", "3", "--hidden-size", "64", "--swiglu", "--disable-bias-linear",
+                            "--norm-epsilon", "1e-6", "--num-experts", "4", "--moe-layer-freq", "[1,0,1]"])
+    model = from_args(NetworkSizeSettings, args)
+    assert (model.num_layers, model.hidden_size, model.swiglu, model.add_bias_linear) == (3, 64, True, False)
+    assert model.layernorm_epsilon == 1e-6 and model.normalization == "LayerNorm"
+    moe = from_args(MoESettings, args)
+    assert (moe.num_experts, moe.moe_layer_freq, moe.moe_router_topk) == (4, [1, 0, 1], 2)
