@@ -156,6 +156,8 @@ def check_architecture(saved: Mapping[str, Any], args: argparse.Namespace, path:
         if name not in saved or name not in current or name in _ACTIVATION_FLAGS:
             continue  # the activation flags are compared as what they compute together
         have, want = current[name], saved[name]
+        if name in ("encoder_num_layers", "decoder_num_layers"):  # None: --num-layers (Megatron's default)
+            have, want = have or current.get("num_layers"), want or saved.get("num_layers")
         if want is None and name != "num_query_groups":
             continue  # unknown in the checkpoint: never blocks a load
         if name == "padded_vocab_size" and not (have and want):

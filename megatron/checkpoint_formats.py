@@ -86,10 +86,37 @@ def _is_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
-def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bool = False, model_type: str = "GPT"
+def _read_core_torch_t5(iter_dir: str, trust: bool, layouts: Dict[str, Any]
+                        ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, torch.Tensor]]:
+    """Megatron Core T5Model's per-rank torch files (one pipeline stage, any TP) -> (common state, architecture, our
+    full flat TP=1 state dict); `layouts`: our T5's tensor-parallel layouts by name."""
+    from megatron.checkpoint_args import saved_architecture
+    from megatron.checkpoint_conversion.interchange import ConversionError
+    from megatron.checkpoint_conversion.megatron_format import rank_files
+    from megatron.model.mcore_names import core_to_ours
+    from megatron.model.tp_shards import merge_tensor_parallel_state_dicts
+    from megatron.safe_load import safe_torch_load
+
+    files = rank_files(iter_dir)
+    if any(p for _, p in files):
+        raise ConversionError(f"checkpoint {iter_dir}: Megatron Core T5 torch files of a pipeline are not read here; "
+                              "save it from Megatron-LM with --ckpt-format torch_dist, or with "
+                              "--pipeline-model-parallel-size 1")
+    sds = [safe_torch_load(files[(t, 0)], map_location="cpu", trust=trust, mmap=True) for t in range(len(files))]
+    shards = [core_to_ours(sd["model"]) for sd in sds]
+    flat = merge_tensor_parallel_state_dicts(shards, layouts=layouts)
+    common = {k: v for k, v in sds[0].items() if not k.startswith("model") and k not in ("optimizer", "rng_state")}
+    arch = saved_architecture(common.get("architecture"), common.get("args"))
+    arch["padded_vocab_size"] = int(flat["language_model.embedding.word_embeddings.weight"].size(0))
+    return common, arch, flat
+
+
+def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bool = False, model_type: str = "GPT",
+              layouts: Optional[Dict[str, Any]] = None
               ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
     """(state besides the weights: args/iteration/..., architecture, our full flat TP=1 state dict, and with
-    `optimizer` the optimizer state {state key: full flat dict} of a torch_dist folder, else {})."""
+    `optimizer` the optimizer state {state key: full flat dict} of a torch_dist folder, else {}); a T5 model's
+    per-rank files need our model's TP `layouts`."""
     from megatron.checkpoint_conversion.interchange import ConversionError, state_dict_from_messages
 
     reason = integrity.verify(iter_dir)
@@ -104,6 +131,8 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bo
         if optimizer:
             raise ConversionError(f"checkpoint {iter_dir} ({fmt}): Megatron Core's optimizer state in per-rank torch "
                                   "files is not converted; pass --no-load-optim")
+        if model_type == "T5":
+            return (*_read_core_torch_t5(iter_dir, trust, layouts or {}), {})
         from megatron.checkpoint_conversion.megatron_format import read_megatron
 
         iteration = None if os.path.basename(iter_dir) == "release" else int(os.path.basename(iter_dir)[5:])
@@ -138,8 +167,15 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
         first = safe_torch_load(files[(0, 0)], map_location="cpu")
         last = first if len(files) == 1 else safe_torch_load(files[(0, max(p for _, p in files))], map_location="cpu")
         bert = any(k in ("lm_head", "binary_head") for k in last.get("model") or {})
-        meta, messages = read_megatron(save_dir, iteration=iteration, optimizer=optimizer,
-                                       model_type="BERT" if bert else "GPT")
+        if "decoder" in ((last.get("model") or {}).get("language_model") or {}):  # T5 (weights only)
+            from megatron.checkpoint_conversion.t5_format import read_t5
+
+            if optimizer:
+                raise ConversionError("T5 is written without its optimizer state: add --no-save-optim")
+            meta, messages = read_t5(save_dir, iteration=iteration)
+        else:
+            meta, messages = read_megatron(save_dir, iteration=iteration, optimizer=optimizer,
+                                           model_type="BERT" if bert else "GPT")
         keep = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens",
                 "opt_param_scheduler", "true_vocab_size", "padded_vocab_size", "train_loss", *TOTALS)
         extra = {k: first[k] for k in keep if k in first}
@@ -175,7 +211,7 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
             piece[key] = value
     if "word_embeddings.weight" in own and _WORD in full:  # the head's copy of tied embeddings (last stage)
         piece["word_embeddings.weight"] = full[_WORD]
-    for key in (_WORD, _OUT, "word_embeddings.weight"):
+    for key in (_WORD, _OUT, "word_embeddings.weight", "lm_head.bias"):
         if key in piece and key in own:
             piece[key] = repad_rows(piece[key], own[key].size(0) * state.tp_size)
     piece = {k: v for k, v in piece.items() if k in own}
@@ -267,11 +303,19 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
         raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): its optimizer and RNG state are not converted; "
                                     "pass --finetune, or --no-load-optim --no-load-rng")
     trust = cfg.trust_checkpoint
+    from megatron.model.tp_shards import tensor_parallel_layouts
     from megatron.models.bert.model import BertModel
+    from megatron.models.t5.model import T5Model
 
-    model_type = "BERT" if isinstance(unwrap_model(models[0]), BertModel) else "GPT"
+    first = unwrap_model(models[0])
+    model_type = "BERT" if isinstance(first, BertModel) else "T5" if isinstance(first, T5Model) else "GPT"
+    if model_type == "T5" and (state.pp_size > 1 or load_optim):
+        raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): a Megatron Core T5 checkpoint loads at "
+                                    "--pipeline-model-parallel-size 1 and without its optimizer state (pass "
+                                    "--finetune or --no-load-optim); convert it for a pipeline")
+    layouts = tensor_parallel_layouts(first) if model_type == "T5" else None
     common, arch, full, opt_full = read_full(iter_dir, load_dir, fmt, trust, optimizer=load_optim,
-                                             model_type=model_type)
+                                             model_type=model_type, layouts=layouts)
     check_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, args, iter_dir)
     opt_common = None
     if load_optim:

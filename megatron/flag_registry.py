@@ -10,10 +10,9 @@
     (`FAMILY_ONLY`: dest -> (families, default)).
 `refuse_unimplemented(args)` (called by validate_args) raises one line naming the first refused flag that is set.
 
-The core flags' entries are derived from their declarations (megatron/settings/: `setting(..., read_by=...)`,
-``variant=``, ``refused=``, ``families=``, ``config=``). Adding a core flag: one `setting(...)` line there, read it.
-A flag an entry script adds itself (its extra_args_provider): one line in `_ENTRY_SCRIPT_SETTINGS` below.
-tests/test_every_flag.py names the line to add.
+The tables are derived from the settings' declarations (megatron/settings/: `setting(..., read_by=...)`,
+``variant=``, ``refused=``, ``families=``, ``config=``), the entry scripts' own groups included. Adding a flag: one
+`setting(...)` line in its group there, and read it. tests/test_every_flag.py names what is missing.
 """
 from __future__ import annotations
 
@@ -23,55 +22,16 @@ from typing import Any, Dict, Iterable, Mapping, Tuple
 from megatron.errors import ArgumentError
 from megatron.settings import family_only, refused, runtime_settings, same_result_variants
 
-# The core flags' entries come from their declarations (megatron/settings/); the entries below are the settings an
-# entry script adds itself (its extra_args_provider) and the two set from the launcher's environment.
-_ENTRY_SCRIPT_SETTINGS: Dict[str, str] = {
+# Destinations that no `setting(...)` declares: the two parse_args sets from the launcher's environment (and a flag
+# an entry script adds with a plain add_argument: declare it in megatron/settings/ instead).
+_NOT_DECLARED: Dict[str, str] = {
     "world_size": "megatron/arguments.py",
     "rank": "megatron/arguments.py",
-    # inference (tools/generate_samples_gpt.py, tools/run_text_generation_server.py)
-    "temperature": "tools/generate_samples_gpt.py",
-    "greedy": "tools/generate_samples_gpt.py",
-    "top_p": "tools/generate_samples_gpt.py",
-    "top_k": "tools/generate_samples_gpt.py",
-    "out_seq_length": "tools/generate_samples_gpt.py",
-    "sample_input_file": "tools/generate_samples_gpt.py",
-    "sample_output_file": "tools/generate_samples_gpt.py",
-    "num_samples": "tools/generate_samples_gpt.py",
-    "recompute": "tools/generate_samples_gpt.py",
-    "host": "tools/run_text_generation_server.py",
-    "port": "tools/run_text_generation_server.py",
-    "max_tokens_to_generate": "tools/run_text_generation_server.py",
-    "max_prompts": "tools/run_text_generation_server.py",
-    "max_request_bytes": "tools/run_text_generation_server.py",
-    "request_timeout": "tools/run_text_generation_server.py",
-    "allow_random_weights": "tools/run_text_generation_server.py",
-    # tasks/main.py
-    "task": "tasks/main.py",
-    "valid_data": "tasks/zeroshot_gpt/evaluate.py",
-    "overlapping_eval": "tasks/zeroshot_gpt/evaluate.py",
-    "strict_lambada": "tasks/zeroshot_gpt/evaluate.py",
-    # finetuning (tasks/main.py --task MNLI|QQP|RACE; the zero-shot tasks refuse them in tasks/main.py)
-    "epochs": "tasks/finetune_utils.py",
-    "pretrained_checkpoint": "tasks/finetune_utils.py",
-    "train_data": "tasks/finetune_utils.py",
-    "keep_last": "tasks/finetune_utils.py",
-    # tasks/eval_harness/evaluate.py (lm-eval harness)
-    "task_list": "tasks/eval_harness/evaluate.py",
-    "results_path": "tasks/eval_harness/evaluate.py",
-    "include_path": "tasks/eval_harness/evaluate.py",
-    "num_fewshot": "tasks/eval_harness/evaluate.py",
-    "limit": "tasks/eval_harness/evaluate.py",
-    "bootstrap_iters": "tasks/eval_harness/evaluate.py",
-    "adaptive_seq_len": "tasks/eval_harness/evaluate.py",
-    "eval_fp32": "tasks/eval_harness/evaluate.py",
-    "intermed_results": "tasks/eval_harness/evaluate.py",
-    "micro_bs_multiplier": "tasks/eval_harness/evaluate.py",
-    "max_gen_toks": "tasks/eval_harness/evaluate.py",
 }
 
 # dest -> the file (repository-relative) that reads it. Settings checked and then folded into others by
 # validate_args (aliases, deprecated spellings that are refused there) name megatron/arguments.py.
-RUNTIME_SETTINGS: Dict[str, str] = {**runtime_settings(), **_ENTRY_SCRIPT_SETTINGS}
+RUNTIME_SETTINGS: Dict[str, str] = {**runtime_settings(), **_NOT_DECLARED}
 
 # In Megatron these only choose a kernel or a communication pattern; the numbers are the same. We have one variant.
 SAME_RESULT_VARIANTS: Dict[str, str] = same_result_variants()

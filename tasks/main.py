@@ -23,31 +23,22 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megatron.errors import exit_on_user_error  # noqa: E402
 from megatron.initialize import initialize_megatron  # noqa: E402
+from megatron.settings import TasksSettings, add_group, flags_of  # noqa: E402
 
 
 def get_tasks_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron's 'tasks' flag group."""
-    g = parser.add_argument_group(title="tasks")
-    g.add_argument("--task", type=str, required=True, help="Task name: WIKITEXT103, LAMBADA, MNLI, QQP or RACE.")
-    g.add_argument("--epochs", type=int, default=None, help="Finetuning epochs (finetuning tasks).")
-    g.add_argument("--pretrained-checkpoint", type=str, default=None, help="Pretrained checkpoint for finetuning.")
-    g.add_argument("--keep-last", action="store_true", help="Keep the last batch (maybe incomplete) in the loader.")
-    g.add_argument("--train-data", nargs="+", default=None, help="Training data files (finetuning tasks).")
-    g.add_argument("--valid-data", nargs="*", default=None, help="Validation data file(s).")
-    g.add_argument("--overlapping-eval", type=int, default=32,
-                   help="Sliding-window stride for WIKITEXT103: only the last N tokens of each window are scored.")
-    g.add_argument("--strict-lambada", action="store_true",
-                   help="LAMBADA: tokenize the last word on its own and require all its tokens to be predicted.")
-    return parser
+    """The tasks' own flags (declared in megatron/settings/tasks.py)."""
+    return add_group(parser, TasksSettings)
 
 
 FINETUNE_TASKS = ("MNLI", "QQP", "RACE")
-FINETUNE_FLAGS = {"epochs": None, "pretrained_checkpoint": None, "train_data": None, "keep_last": False}
+FINETUNE_FLAGS = {name: TasksSettings.__dataclass_fields__[name].default  # (their declared defaults)
+                  for name in ("epochs", "pretrained_checkpoint", "train_data", "keep_last")}
 
 
 def _task_from_argv(argv: Optional[list[str]]) -> Optional[str]:
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--task", type=str, default=None)
+    pre.add_argument(*flags_of(TasksSettings, "task"), default=None)
     return pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].task
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from typing import Any, Callable, Sequence
@@ -41,6 +42,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    for fd, stream in ((1, "out"), (2, "err")):  # a fork server's stdout/stderr are those it started with
+        log = os.open(os.path.join(out_dir, f"rank{rank}.{stream}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, fd)
+        os.close(log)
     torch.set_num_threads(threads)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
@@ -60,26 +65,41 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
 
 def _start_method() -> str:
     """'forkserver' with torch imported once in the server: each worker is a fork of a fresh interpreter that already
-    imported torch (~1.5 CPU s saved per worker against 'spawn', which imports it again in every worker). The worker
+    imported torch (~2 CPU s saved per worker against 'spawn', which imports it again in every worker). The worker
     still starts from a clean interpreter (the server never ran torch code) and gets the parent's current environment
-    and working directory. RUN_DISTRIBUTED_START=spawn chooses spawn."""
+    and working directory; its stdout/stderr go to files that the parent prints afterwards (the server's are those of
+    the test that started it). RUN_DISTRIBUTED_START=spawn chooses spawn."""
     method = os.environ.get("RUN_DISTRIBUTED_START", "forkserver")
     if method == "forkserver":
         mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed"])
     return method
 
 
+def _replay_output(out_dir: str, world_size: int) -> None:
+    """What each rank printed, onto this process's stdout/stderr (where the test's output capture sees it)."""
+    for rank in range(world_size):
+        for name, stream in (("out", sys.stdout), ("err", sys.stderr)):
+            path = os.path.join(out_dir, f"rank{rank}.{name}")
+            text = open(path, errors="replace").read() if os.path.exists(path) else ""
+            if text:
+                stream.write(f"--- rank {rank} std{name} ---\n{text}")
+                stream.flush()
+
+
 def run_distributed(fn: Callable, world_size: int, args: Sequence = (), threads: int = 1) -> list[Any]:
     """Start `world_size` gloo processes running `fn(rank, world_size, *args)`; return their results by rank."""
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _worker,
-            args=(world_size, port, fn, tuple(args), out_dir, threads, dict(os.environ)),
-            nprocs=world_size,
-            join=True,
-            start_method=_start_method(),
-        )
+        try:
+            mp.start_processes(
+                _worker,
+                args=(world_size, port, fn, tuple(args), out_dir, threads, dict(os.environ)),
+                nprocs=world_size,
+                join=True,
+                start_method=_start_method(),
+            )
+        finally:
+            _replay_output(out_dir, world_size)
         results = []
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.pt")

@@ -89,8 +89,8 @@ def test_every_destination_of_every_entry_script_is_accounted_for(entry_parsers)
                 f"{script}: {flag} (dest {action.dest!r}) is neither a config field source nor a known setting. "
                 "Read it, then say where in its declaration (megatron/settings/): setting(..., "
                 "read_by=\"<file that reads it>\"), or config=... for an architecture flag, or refused=\"<why>\" "
-                "so that start-up refuses it; a flag an entry script adds itself: "
-                f"`\"{action.dest}\": \"<file that reads it>\",` in _ENTRY_SCRIPT_SETTINGS of megatron/flag_registry.py")
+                "so that start-up refuses it (an entry script's own flag too: declare its group in megatron/settings/ "
+                "and add it with add_group)")
     assert not problems, "\n".join(problems)
 
 

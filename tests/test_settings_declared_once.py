@@ -11,7 +11,7 @@ from typing import Any, Union
 
 from megatron.arguments import build_parser, parse_args
 from megatron.checkpoint_args import ARCHITECTURE_FIELDS
-from megatron.settings import CORE_GROUPS, LAST_GROUPS, from_args
+from megatron.settings import CORE_GROUPS, ENTRY_GROUPS, LAST_GROUPS, all_settings, from_args
 from megatron.settings.model import NetworkSizeSettings
 from megatron.settings.moe import MoESettings
 
@@ -26,12 +26,14 @@ def _counter() -> Any:
     return module
 
 
-def test_every_core_flag_is_declared_once_as_a_setting():
+def test_every_setting_is_declared_once():
     places = _counter().count(REPO)
+    twice = {dest: sorted(p) for dest, p in places.items() if len(p) != 1}
+    assert not twice, ("settings declared in more than one place (declare a flag once, as a setting(...) field in "
+                       f"megatron/settings/; an entry script adds its group with add_group): {twice}")
     core = {action.dest for action in build_parser()._actions} - {"help"}
-    twice = {dest: sorted(places.get(dest, ())) for dest in core if len(places.get(dest, ())) != 1}
-    assert not twice, f"core settings not declared exactly once: {twice}"
-    assert all(next(iter(places[dest])).endswith(": setting") for dest in core)
+    declared = {dest for dest, _default, _spec in all_settings()}
+    assert core <= declared and all(next(iter(places[dest])).endswith(": setting") for dest in declared)
 
 
 def test_the_counter_sees_a_second_declaration(tmp_path):
@@ -65,7 +67,7 @@ def _conforms(value: Any, hint: Any) -> bool:
 
 def test_each_default_has_the_declared_type():
     wrong = []
-    for group in CORE_GROUPS + LAST_GROUPS:
+    for group in CORE_GROUPS + LAST_GROUPS + ENTRY_GROUPS:
         hints = typing.get_type_hints(group)
         for field in dataclasses.fields(group):
             if not _conforms(field.default, hints[field.name]):

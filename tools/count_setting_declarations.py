@@ -11,8 +11,8 @@ are not counted. Each of these places counts once per setting:
 * its ``setting(...)`` declaration (megatron/settings/);
 * each hand-written table that names it: ``CONFIG_FIELDS`` (every source destination of an entry),
   ``ARCHITECTURE_FIELDS``, ``FILLED_IF_UNSET``, ``_FLAG_OF_FIELD``, ``_RESTORE`` (config-field names, mapped to the
-  destination that feeds them), ``RUNTIME_SETTINGS``, ``_ENTRY_SCRIPT_SETTINGS``, ``SAME_RESULT_VARIANTS``,
-  ``REFUSED``, ``FAMILY_ONLY``. A table computed from the declarations is not a literal and is not counted.
+  destination that feeds them), ``RUNTIME_SETTINGS``, ``_ENTRY_SCRIPT_SETTINGS``, ``_NOT_DECLARED``,
+  ``SAME_RESULT_VARIANTS``, ``REFUSED``, ``FAMILY_ONLY``. A table computed from the declarations is not a literal and is not counted.
 
 Usage: ``python tools/count_setting_declarations.py [--list] [ROOT]`` prints the number of settings, how many are
 declared 1, 2, 3, ... times, and (``--list``) each setting declared more than once with its places.
@@ -29,8 +29,8 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 SCANNED = ("megatron", "tasks", "tools")
 FIELD_TABLES = ("ARCHITECTURE_FIELDS", "_FLAG_OF_FIELD", "_RESTORE")  # keyed by config-field name
-DEST_TABLES = ("FILLED_IF_UNSET", "RUNTIME_SETTINGS", "_ENTRY_SCRIPT_SETTINGS", "SAME_RESULT_VARIANTS", "REFUSED",
-               "FAMILY_ONLY")
+DEST_TABLES = ("FILLED_IF_UNSET", "RUNTIME_SETTINGS", "_ENTRY_SCRIPT_SETTINGS", "_NOT_DECLARED", "SAME_RESULT_VARIANTS",
+               "REFUSED", "FAMILY_ONLY")
 _WORDS = ("add_argument", "setting(", "CONFIG_FIELDS") + FIELD_TABLES + DEST_TABLES  # a file without any: skipped
 
 

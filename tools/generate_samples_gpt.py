@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron import global_vars  # noqa: E402
 from megatron.errors import MegatronUserError, exit_on_user_error  # noqa: E402
 from megatron.initialize import initialize_megatron  # noqa: E402
+from megatron.settings import TextGenerationSettings, add_group  # noqa: E402
 
 
 class GenerateSamplesError(MegatronUserError, ValueError):
@@ -25,20 +26,8 @@ class GenerateSamplesError(MegatronUserError, ValueError):
 
 
 def add_text_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group(title="text generation")
-    g.add_argument("--temperature", type=float, default=1.0,
-                   help="Sampling temperature; 0 means greedy decoding (as the REST server).")
-    g.add_argument("--greedy", action="store_true", default=False, help="Greedy decoding (same as --top_k 1).")
-    g.add_argument("--top_p", type=float, default=0.0, help="Top-p (nucleus) sampling; 0 = off.")
-    g.add_argument("--top_k", type=int, default=0, help="Top-k sampling; 0 = off.")
-    g.add_argument("--out-seq-length", type=int, default=1024, help="Tokens to generate (capped by --seq-length).")
-    g.add_argument("--sample-input-file", type=str, default=None, help="Prompts, one per line.")
-    g.add_argument("--sample-output-file", "--genfile", dest="sample_output_file", type=str, default=None,
-                   help="JSON-lines output (default: <input>.out, or stdout for unconditional samples).")
-    g.add_argument("--num-samples", type=int, default=0, help="Unconditional samples (when no input file).")
-    g.add_argument("--recompute", action="store_true",
-                   help="Recompute the whole prefix each step instead of using the KV cache.")
-    return parser
+    """The sampling flags (declared in megatron/settings/generation.py)."""
+    return add_group(parser, TextGenerationSettings)
 
 
 def _read_prompts(path: str) -> list[str]:

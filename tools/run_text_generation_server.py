@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 import torch.distributed as dist  # noqa: E402
 
 from megatron.errors import MegatronUserError, exit_on_user_error  # noqa: E402
+from megatron.settings import TextGenerationServerSettings, add_group  # noqa: E402
 
 
 class ServerArgsError(MegatronUserError, ValueError):
@@ -28,18 +29,8 @@ class ServerArgsError(MegatronUserError, ValueError):
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group(title="text generation server")
-    g.add_argument("--host", type=str, default="127.0.0.1", help="Address to bind (0.0.0.0: all interfaces).")
-    g.add_argument("--port", type=int, default=5000, help="TCP port (0: any free port).")
-    g.add_argument("--max-tokens-to-generate", type=int, default=None,
-                   help="Largest tokens_to_generate a request may ask for (default: the context length).")
-    g.add_argument("--max-prompts", type=int, default=128, help="Most prompts in one request.")
-    g.add_argument("--max-request-bytes", type=int, default=1 << 20, help="Largest request body (else HTTP 413).")
-    g.add_argument("--request-timeout", type=float, default=300.0,
-                   help="Seconds a request may wait for its turn (else HTTP 503) and a client may stall mid-request.")
-    g.add_argument("--allow-random-weights", action="store_true",
-                   help="Serve without --load (an untrained, randomly initialised model); refused otherwise.")
-    return parser
+    """The server's flags (declared in megatron/settings/generation.py)."""
+    return add_group(parser, TextGenerationServerSettings)
 
 
 def check_server_args(args: argparse.Namespace) -> None:

@@ -24,7 +24,7 @@ from megatron.training_state import TrainingState
 
 def gpt_model_pipe(args: argparse.Namespace, state: ps.ParallelState) -> torch.nn.Module:
     """GPTModelPipe for pretrain_gpt.py's flags (the GPT/Llama/BLOOM family's DeepSpeed pipeline model)."""
-    from megatron.model.gpt_model_pipe import GPTModelPipe
+    from megatron.models.gpt.model_pipe import GPTModelPipe
 
     if state.global_rank == 0:
         print(" > building GPT model ...", flush=True)

@@ -153,7 +153,7 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
     """A DeepSpeed tag folder with MegatronCheckpointReader's interface (pp = vp = 1: one chunk per tensor rank)."""
 
     def __init__(self, tag_dir: str, trust: bool = False) -> None:  # noqa: D107 - no super().__init__: other files
-        from megatron.model.gpt_model import flatten_checkpoint_state_dict
+        from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
 
         self.load_dir = self.iter_dir = tag_dir
         self.trust = trust
@@ -198,7 +198,7 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
                 self.files[(t, 0)] = os.path.join(tag_dir, files[(0, t)])
                 self.rng_states[t] = (self.first if t == 0 else _load(self.files[(t, 0)], trust)).get("rng_state")
         else:
-            from megatron.model.gpt_model_pipe import megatron_state_dict_from_pipe_layers
+            from megatron.models.gpt.model_pipe import megatron_state_dict_from_pipe_layers
 
             tps = sorted({t for _, t in files})
             indices = {idx for idx, _ in files}
@@ -320,8 +320,8 @@ def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str,
         sign_output,
         write_megatron,
     )
-    from megatron.model.gpt_model import flatten_checkpoint_state_dict
-    from megatron.model.gpt_model_pipe import pipe_layers_from_megatron_state_dict
+    from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
+    from megatron.models.gpt.model_pipe import pipe_layers_from_megatron_state_dict
 
     if meta.model_type != "GPT":
         raise ConversionError(f"--saver deepspeed writes GPT checkpoints (--model-type {meta.model_type} is not "

@@ -336,7 +336,7 @@ class MegatronCheckpointReader:
         self.opt_common: Dict[str, Any] = {}
 
     def _open(self) -> None:
-        from megatron.model.gpt_model import flatten_checkpoint_state_dict
+        from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
 
         # expert parallelism: {(tp, pp, vp): [flat state dict of each expert rank]}, {(tp, pp): [optimizer entries]}
         self.expert_chunks: Dict[Tuple[int, int, int], List[Dict[str, Any]]] = {}

@@ -102,10 +102,10 @@ class T5CheckpointReader(MegatronCheckpointReader):
 
 
 def read_t5(load_dir: str, *, true_vocab_size: Optional[int] = None, trust: bool = False,
-            optimizer: bool = False) -> Tuple[ModelMeta, Iterator[Message]]:
-    """Loader: (meta, message stream) of a Megatron T5 checkpoint; with `optimizer`, the messages also carry the
-    training state when the checkpoint has one (optimizer_state.py)."""
-    reader = T5CheckpointReader(load_dir, trust)
+            optimizer: bool = False, iteration: Optional[int] = None) -> Tuple[ModelMeta, Iterator[Message]]:
+    """Loader: (meta, message stream) of a Megatron T5 checkpoint (the tracker's iteration, or `iteration`); with
+    `optimizer`, the messages also carry the training state when the checkpoint has one (optimizer_state.py)."""
+    reader = T5CheckpointReader(load_dir, trust, iteration)
     meta = megatron_meta(reader, true_vocab_size, "T5")
     saved = SavedRunArgs.from_args(meta.checkpoint_args)
     last = reader.chunks[(0, reader.pp - 1, 0)]
@@ -187,6 +187,25 @@ def _stream(reader: T5CheckpointReader, meta: ModelMeta) -> Iterator[Message]:
         yield Message(f"{part} final norm", {key: merged(end, k) for key, k in names.items()}, opt(end, names))
     yield Message("lm head", {"bias": merged(reader.pp - 1, LM_HEAD_BIAS)[rows]},
                   opt(reader.pp - 1, {"bias": LM_HEAD_BIAS}, cut=("bias",)))
+
+
+def t5_state_dict_from_messages(messages: Iterator[Message]) -> Dict[str, torch.Tensor]:
+    """A T5 message stream -> the full TP=1 flat state dict of megatron/models/t5/model.py."""
+    out: Dict[str, torch.Tensor] = {}
+    for msg in messages:
+        part, _, what = msg.name.partition(" ")
+        if msg.name == EMBEDDINGS:
+            prefix = f"{LM}embedding."
+        elif part in ("encoder", "decoder") and what.startswith("layer "):
+            prefix = f"{_stack(part)}layers.{int(what[len('layer '):])}."
+        elif part in ("encoder", "decoder") and what == "final norm":
+            prefix = _stack(part)
+        elif msg.name == "lm head":
+            prefix = "lm_head."
+        else:
+            raise ConversionError(f"unknown T5 message {msg.name!r}")
+        out.update({prefix + k: v for k, v in msg.tensors.items()})
+    return out
 
 
 class T5Writer(MegatronWriter):

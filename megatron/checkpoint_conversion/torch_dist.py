@@ -1,5 +1,5 @@
-"""Megatron-LM's ``--ckpt-format torch_dist`` folders, read and written (GPT, Llama-family, MoE and BERT models;
-BERT's layers are stacked under ``encoder.layers.``).
+"""Megatron-LM's ``--ckpt-format torch_dist`` folders, read and written (GPT, Llama-family, MoE, BERT and T5 models;
+BERT's layers are stacked under ``encoder.layers.``, T5's under ``encoder.layers.`` and ``decoder.layers.``).
 
 An iteration folder holds a `torch.distributed.checkpoint` save: ``.metadata`` (the tensors' global shapes and where
 each chunk lives), ``__R_K.distcp`` data files, ``common.pt`` (the non-tensor state: ``args``, ``iteration``,
@@ -53,6 +53,7 @@ _DCP = "torch.distributed.checkpoint."
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 _MOE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.shared_experts.linear_fc1",
                 "mlp.shared_experts.linear_fc2")
+_CROSS_LINEARS = ("cross_attention.linear_q", "cross_attention.linear_kv", "cross_attention.linear_proj")
 # MoE experts: [layers, E, out, in] under Megatron Core's SequentialMLP torch_dist name
 _CORE_EXPERTS = {f"mlp.experts.experts.linear_fc{w}.weight": ours for w, ours in OUR_EXPERTS.items()}
 _ALLOWED_MODULES = (_DCP + "metadata", _DCP + "planner", _DCP + "filesystem")
@@ -210,9 +211,17 @@ def read_core_rng(iter_dir: str, trust: bool = False) -> Optional[Dict[str, Any]
 
 def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """torch_dist's stacked Core tensors -> our full flat TP=1 state dict (one entry per layer)."""
+    from megatron.model.mcore_names import is_core_t5
+
     flat: Dict[str, torch.Tensor] = {}
     rest: Dict[str, torch.Tensor] = {}
+    t5 = is_core_t5(tensors)
     for key, t in tensors.items():
+        if t5 and key.startswith(("encoder.layers.", "decoder.layers.")):  # both stacks, renamed by mcore_names
+            stack, _, suffix = key.partition("layers.")
+            if not suffix.endswith("_extra_state"):
+                rest.update({f"{stack}layers.{i}.{suffix}": t[i].clone() for i in range(t.size(0))})
+            continue
         if key.startswith("encoder.layers."):  # BERT: per-layer Core names, renamed with the rest (mcore_names.py)
             suffix = key[len("encoder.layers."):]
             if not suffix.endswith("_extra_state"):
@@ -237,8 +246,10 @@ def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Te
 
 def ours_to_core_stacked(flat: Dict[str, torch.Tensor], num_layers: int) -> Dict[str, torch.Tensor]:
     """Our full flat TP=1 state dict -> torch_dist's tensors (layers stacked; norms in Transformer Engine's names)."""
-    from megatron.model.mcore_names import is_our_bert, ours_to_core
+    from megatron.model.mcore_names import is_our_bert, is_our_t5, ours_to_core
 
+    if is_our_t5(flat):
+        return _t5_stacked(flat)
     stack = "encoder.layers." if is_our_bert(flat) else "decoder.layers."
     per_suffix: Dict[str, list] = {}
     rest: Dict[str, torch.Tensor] = {}
@@ -258,6 +269,26 @@ def ours_to_core_stacked(flat: Dict[str, torch.Tensor], num_layers: int) -> Dict
             out[stack + core_experts[suffix]] = torch.stack([experts_to_core(t) for t in tensors])
             continue
         out[stack + our_layer_suffix_to_core(suffix, fused_norms=True)] = torch.stack(tensors)
+    return out
+
+
+def _t5_stacked(flat: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Our full flat T5 state dict -> torch_dist's tensors (each stack's layers stacked on a leading axis)."""
+    from megatron.model.mcore_names import ours_to_core
+
+    per: Dict[str, Dict[int, torch.Tensor]] = {}
+    out: Dict[str, torch.Tensor] = {}
+    for key, t in ours_to_core(flat, fused_norms=True).items():
+        stack, _, rest = key.partition("layers.")
+        if stack in ("encoder.", "decoder.") and rest:
+            index, _, suffix = rest.partition(".")
+            per.setdefault(f"{stack}layers.{suffix}", {})[int(index)] = t
+        else:
+            out[key] = t
+    for key, layers in per.items():
+        if sorted(layers) != list(range(len(layers))):
+            raise ConversionError(f"T5 layer tensor {key} is missing for some layers (torch_dist stacks layers)")
+        out[key] = torch.stack([layers[i] for i in range(len(layers))])
     return out
 
 
@@ -323,6 +354,9 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
     # checked against its manifest as --load does (the newest intact iteration; an explicit one must verify)
     iter_dir, it, verified = verified_source(load_dir, iter_dir, it, explicit=iteration is not None)
     common, arch, flat, opt = read_iteration_state(iter_dir, trust)
+    if any(k.startswith("language_model.decoder.") for k in flat):
+        raise ConversionError(f"{iter_dir} holds a T5 model (Megatron Core's T5Model): convert.py reads GPT / "
+                              "Llama-family torch_dist folders; load it with --load into a T5 run instead")
     args = common.get("args")
     saved = SavedRunArgs.from_args(args)
     meta = ModelMeta(model_type="GPT", architecture=arch, iteration=None if it is None else int(common.get(
@@ -365,7 +399,13 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
 
     msgs = list(messages)
     num_layers = int(meta.architecture["num_layers"])
-    flat = state_dict_from_messages(iter(msgs))
+    t5 = meta.model_type == "T5"
+    if t5:
+        from megatron.checkpoint_conversion.t5_format import t5_state_dict_from_messages
+
+        flat = t5_state_dict_from_messages(iter(msgs))
+    else:
+        flat = state_dict_from_messages(iter(msgs))
     tensors = {k: v.detach().contiguous().clone() for k, v in ours_to_core_stacked(flat, num_layers).items()}
     state: Dict[str, Any] = dict(tensors)
     opt_common = meta.extra.get("optimizer")
@@ -376,12 +416,18 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
             state.update(state_tensors({key: ours_to_core_stacked(per_key, num_layers)}))
     experts = int(meta.architecture.get("num_moe_experts") or 0)
     stack = "encoder.layers." if meta.model_type == "BERT" else "decoder.layers."
-    for linear in _MOE_LINEARS if experts else _LINEARS:  # Megatron Core's per-layer ShardedObjects (empty extra
-        for i in range(num_layers):                       # state), so its loader finds them
-            # DCP's default planner torch.saves the value: Megatron Core's ShardedObject payload, a list of data
-            state[f"{stack}{linear}._extra_state/shard_{i}_{num_layers}"] = [None]
-    if meta.model_type == "BERT":  # its LM head's output layer (the bias; the weight tied)
-        state["output_layer._extra_state/shard_0_1"] = [None]
+    stacks = [(stack, _MOE_LINEARS if experts else _LINEARS, num_layers)]
+    if t5:  # both stacks; the decoder's cross-attention linears too
+        enc, dec = meta.extra["t5"]["encoder_num_layers"], meta.extra["t5"]["decoder_num_layers"]
+        stacks = [("encoder.layers.", _LINEARS, enc), ("decoder.layers.", _LINEARS + _CROSS_LINEARS, dec)]
+    for prefix, linears, count in stacks:  # Megatron Core's per-layer ShardedObjects (empty extra state), so its
+        for linear in linears:             # loader finds them
+            for i in range(count):
+                # DCP's default planner torch.saves the value: Megatron Core's ShardedObject payload, a list of data
+                state[f"{prefix}{linear}._extra_state/shard_{i}_{count}"] = [None]
+    if meta.model_type in ("BERT", "T5"):  # the LM head's output layer (the bias; the weight tied), T5's twice
+        for name in ("output_layer", "lm_head.output_layer") if t5 else ("output_layer",):
+            state[f"{name}._extra_state/shard_0_1"] = [None]
     for w in ("1", "2") if experts else ():  # per (layer, expert)
         for i in range(num_layers):
             for e in range(experts):

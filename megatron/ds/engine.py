@@ -90,7 +90,7 @@ def configure_activation_checkpointing(args: argparse.Namespace, state: ps.Paral
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
     from megatron.core.tensor_parallel import random as tp_random
-    from megatron.model.gpt_model_pipe import ensure_deepspeed_comm
+    from megatron.models.gpt.model_pipe import ensure_deepspeed_comm
 
     ds = settings if settings is not None else DeepSpeedSettings.from_args(args)
     ensure_deepspeed_comm()  # configure() calls deepspeed.comm before deepspeed.initialize would set it up

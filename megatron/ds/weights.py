@@ -41,7 +41,7 @@ def is_megatron_checkpoint(load_dir: str) -> bool:
 
 
 def _is_pipe(module: Any) -> bool:
-    from megatron.model.gpt_model_pipe import is_gpt_model_pipe
+    from megatron.models.gpt.model_pipe import is_gpt_model_pipe
 
     return is_gpt_model_pipe(module)
 
@@ -54,7 +54,7 @@ def engine_parameters(engine: Any) -> tuple[Dict[str, List[torch.nn.Parameter]],
         for name, param in module.named_parameters():
             out.setdefault(name, []).append(param)
         return out, []
-    from megatron.model.gpt_model_pipe import TIED_KEY, pipe_layer_specs_names
+    from megatron.models.gpt.model_pipe import TIED_KEY, pipe_layer_specs_names
 
     tied = bool(module.share_embeddings_and_output_weights)
     names = pipe_layer_specs_names(module.config.num_layers, tied=tied)

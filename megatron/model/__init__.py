@@ -1,5 +1,6 @@
-"""Megatron models built from megatron.core tensor-parallel layers (GPT and the Llama family; BERT/T5 reuse the
-same blocks). Layers are composed from a layer spec (layer_specs.py) and the TransformerConfig.
+"""The parts every model family shares, built from megatron.core tensor-parallel layers: attention, MLP, MoE, norms,
+rotary, embeddings and stacks, layer specs (layer_specs.py) composed with the TransformerConfig. The families' models
+live in megatron/models/<family>/; GPTModel, BertModel, T5Model stay importable from here (Megatron's paths).
 
 Parameter names follow Megatron's GPT checkpoints (language_model.embedding.word_embeddings.weight,
 language_model.encoder.layers.{i}.self_attention.query_key_value.weight, ...).
@@ -9,10 +10,10 @@ from typing import Any
 
 from megatron.model import moved
 from megatron.model.attention import CoreAttention, ParallelAttention
+from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
 from megatron.model.enums import AttnMaskType, AttnType, LayerType, ModelType
 from megatron.model.fused_layer_norm import LayerNorm, MixedFusedLayerNorm
 from megatron.model.fused_softmax import FusedScaleMaskSoftmax
-from megatron.model.gpt_model import GPTModel, flatten_checkpoint_state_dict, post_language_model_processing
 from megatron.model.inference_params import InferenceParams
 from megatron.model.language_model import Embedding, Pooler, TransformerLanguageModel, parallel_lm_logits
 from megatron.model.layer_specs import TransformerLayerSpec, bert_layer_spec, gpt_layer_spec, transformer_layer_spec
@@ -35,7 +36,9 @@ from megatron.model.transformer import (
 moved.install()  # megatron.model.bert_model & co. keep importing (the family modules under megatron/models/)
 
 # Family classes re-exported here, imported on first use (the family modules import this package's shared parts).
-_FAMILY_NAMES = {"BertModel": "megatron.models.bert.model", "T5Model": "megatron.models.t5.model"}
+_FAMILY_NAMES = {"BertModel": "megatron.models.bert.model", "T5Model": "megatron.models.t5.model",
+                 "GPTModel": "megatron.models.gpt.model",
+                 "post_language_model_processing": "megatron.models.gpt.model"}
 
 
 def __getattr__(name: str) -> Any:

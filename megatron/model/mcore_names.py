@@ -1,4 +1,4 @@
-"""Megatron Core parameter names <-> ours (Megatron-LM 23.06's), for GPT, Llama-family and BERT models.
+"""Megatron Core parameter names <-> ours (Megatron-LM 23.06's), for GPT, Llama-family, BERT and T5 models.
 
 Megatron Core calls the same tensors (same shapes, same tensor-parallel split, same fused-QKV row order and SwiGLU
 halves per rank) by other names: ``embedding.word_embeddings.weight``, ``decoder.layers.N.self_attention.linear_qkv``,
@@ -74,6 +74,104 @@ def is_core_bert(keys: Iterable[str]) -> bool:
     return any(k.startswith(_BERT_KEYS) for k in keys)
 
 
+# T5 (Megatron Core's T5Model): ``encoder.layers.N`` and ``decoder.layers.N`` (each a TransformerBlock with its
+# ``final_layernorm``); a decoder layer's ``pre_cross_attn_layernorm`` and ``cross_attention.linear_q / linear_kv /
+# linear_proj`` are our ``post_attention_layernorm`` and ``inter_attention.query / key_value / dense`` (same shapes,
+# the key/value rows interleaved per head as ours), its ``pre_mlp_layernorm`` our ``post_inter_attention_layernorm``.
+# The head's bias is ``lm_head.output_layer.bias``, also listed as ``output_layer.bias`` (the same module under a
+# second name, as ``position_embeddings.weight`` is the embedding's): read once, written under both names (as Core's
+# own state dicts hold them).
+T5_PREFIXES = (
+    ("embedding.", _LM + "embedding."),
+    ("encoder.final_layernorm.", _LM + "encoder.final_layernorm."),
+    ("decoder.final_layernorm.", _LM + "decoder.final_layernorm."),
+    ("lm_head.output_layer.bias", "lm_head.bias"),
+    ("lm_head.output_layer.weight", "word_embeddings.weight"),  # a last pipeline stage's copy of the tied weights
+)
+T5_ALIASES = ("position_embeddings.", "output_layer.")  # second names of embedding.position_embeddings, lm_head's
+_T5_DECODER = _LM + "decoder.layers."
+_CROSS = (("pre_cross_attn_layernorm.", "post_attention_layernorm."), ("cross_attention.linear_q.",
+          "inter_attention.query."), ("cross_attention.linear_kv.", "inter_attention.key_value."),
+          ("cross_attention.linear_proj.", "inter_attention.dense."))
+
+
+def is_core_t5(keys: Iterable[str]) -> bool:
+    """Whether Core-named keys are a T5Model's (cross-attention in its decoder layers, or its LM head)."""
+    return any(".cross_attention." in k or k.startswith("lm_head.output_layer.") for k in keys)
+
+
+def is_our_t5(keys: Iterable[str]) -> bool:
+    """Whether our flat names are a T5 model's (a decoder stack)."""
+    return any(k.startswith(_LM + "decoder.") for k in keys)
+
+
+def t5_decoder_suffix_to_ours(suffix: str, key: str) -> str:
+    """A Core T5 decoder layer's layer-relative name -> ours."""
+    for core, ours in _CROSS:
+        if suffix.startswith(core):
+            return ours + suffix[len(core):]
+    ours = core_layer_suffix_to_ours(suffix, key)
+    return "post_inter_attention_layernorm." + ours.partition(".")[2] if ours.startswith(
+        "post_attention_layernorm.") else ours
+
+
+def t5_decoder_suffix_to_core(suffix: str, fused_norms: bool) -> str:
+    """Our T5 decoder layer's layer-relative name -> Core's (the MLP's norm folded into linear_fc1 with
+    `fused_norms`; the cross-attention's norm is never folded)."""
+    for core, ours in _CROSS:
+        if suffix.startswith(ours):
+            return core + suffix[len(ours):]
+    if suffix.startswith("post_inter_attention_layernorm."):
+        suffix = "post_attention_layernorm." + suffix.partition(".")[2]
+    return our_layer_suffix_to_core(suffix, fused_norms)
+
+
+def _t5_core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for key, value in flat.items():
+        if _skipped(key) or key.startswith(T5_ALIASES):
+            continue
+        for stack, ours_stack, rename in (("encoder.layers.", _LAYERS, core_layer_suffix_to_ours),
+                                          ("decoder.layers.", _T5_DECODER, t5_decoder_suffix_to_ours)):
+            if key.startswith(stack):
+                index, _, suffix = key[len(stack):].partition(".")
+                out[f"{ours_stack}{index}.{rename(suffix, key)}"] = value
+                break
+        else:
+            for core, ours in T5_PREFIXES:
+                if key.startswith(core):
+                    out[ours + key[len(core):]] = value
+                    break
+            else:
+                raise UnsupportedCoreCheckpoint(f"Megatron Core tensor {key} is not part of a T5 model we know; this "
+                                                "checkpoint cannot be loaded here")
+    return out
+
+
+def t5_ours_to_core(flat: Mapping[str, Any], fused_norms: bool = False) -> Dict[str, Any]:
+    """Our T5 flat names -> Core's T5Model names (the head's bias under both of its names)."""
+    out: Dict[str, Any] = {}
+    for key, value in flat.items():
+        if key.startswith(_LAYERS):
+            index, _, suffix = key[len(_LAYERS):].partition(".")
+            out[f"encoder.layers.{index}.{our_layer_suffix_to_core(suffix, fused_norms)}"] = value
+        elif key.startswith(_T5_DECODER):
+            index, _, suffix = key[len(_T5_DECODER):].partition(".")
+            out[f"decoder.layers.{index}.{t5_decoder_suffix_to_core(suffix, fused_norms)}"] = value
+        else:
+            for core, ours in T5_PREFIXES:
+                if key.startswith(ours):
+                    out[core + key[len(ours):]] = value
+                    break
+            else:
+                raise UnsupportedCoreCheckpoint(f"our T5 tensor {key} has no Megatron Core name")
+    for name, alias in (("lm_head.output_layer.bias", "output_layer.bias"),
+                        ("embedding.position_embeddings.weight", "position_embeddings.weight")):
+        if name in out:
+            out[alias] = out[name]
+    return out
+
+
 class UnsupportedCoreCheckpoint(MegatronUserError, ValueError):
     """A Megatron Core checkpoint holding a part this code does not model (one line naming the key)."""
 
@@ -100,6 +198,8 @@ def core_layer_suffix_to_ours(suffix: str, key: str) -> str:
 
 def core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
     """A flat Core state dict (one rank's, or a full one) -> our flat names; `_extra_state` entries dropped."""
+    if is_core_t5(flat):
+        return _t5_core_to_ours(flat)
     out: Dict[str, Any] = {}
     experts: Dict[str, Dict[int, Any]] = {}
     bert = is_core_bert(flat)
@@ -163,7 +263,9 @@ def is_our_bert(keys: Iterable[str]) -> bool:
 
 def ours_to_core(flat: Mapping[str, Any], fused_norms: bool = False) -> Dict[str, Any]:
     """Our flat names -> Core's (the local layer spec's spelling; `fused_norms`: Transformer Engine's); BERT's
-    (lm_head / binary_head present) as Core's BertModel names them."""
+    (lm_head / binary_head present) as Core's BertModel names them, T5's (a decoder stack) as its T5Model does."""
+    if is_our_t5(flat):
+        return t5_ours_to_core(flat, fused_norms)
     out: Dict[str, Any] = {}
     bert = is_our_bert(flat)
     layers, tops = ("encoder.layers.", BERT_PREFIXES) if bert else ("decoder.layers.", TOP_PREFIXES)

@@ -11,6 +11,8 @@ from types import ModuleType
 from typing import Any, Optional, Sequence
 
 MOVED_MODULES = {
+    "megatron.model.gpt_model": "megatron.models.gpt.model",
+    "megatron.model.gpt_model_pipe": "megatron.models.gpt.model_pipe",
     "megatron.model.bert_model": "megatron.models.bert.model",
     "megatron.model.classification": "megatron.models.bert.classification",
     "megatron.model.multiple_choice": "megatron.models.bert.multiple_choice",

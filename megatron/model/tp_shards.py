@@ -43,7 +43,7 @@ _DIM1_SUFFIXES = (
 def tensor_parallel_layouts(source: Union[torch.nn.Module, TransformerConfig]) -> dict[str, TensorParallelLayout]:
     """{flat parameter name: layout} of a model, or of the TP=1 GPT model a config describes (built on meta)."""
     if isinstance(source, TransformerConfig):
-        from megatron.model.gpt_model import GPTModel
+        from megatron.models.gpt.model import GPTModel
 
         cfg = dataclasses.replace(source, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                   virtual_pipeline_model_parallel_size=None, sequence_parallel=False,

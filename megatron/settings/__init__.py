@@ -3,8 +3,8 @@
 Each group is a dataclass of `setting(...)` fields (megatron/settings/declare.py says what a declaration holds).
 `add_core_groups` / `add_last_groups` build the parser from them; `config_fields` is `config_flags.CONFIG_FIELDS`,
 `architecture_fields` is `checkpoint_args.ARCHITECTURE_FIELDS` (in the record's declared order, which fixes the
-checkpoint's bytes), and `runtime_settings` / `same_result_variants` / `refused` / `family_only` are the core part of
-the tables in `megatron.flag_registry`. To add a flag: one `setting(...)` line in the group it belongs to.
+checkpoint's bytes), and `runtime_settings` / `same_result_variants` / `refused` / `family_only` are the tables in
+`megatron.flag_registry`. The groups entry scripts add themselves (`ENTRY_GROUPS`) are declared here too. To add a flag: one `setting(...)` line in the group it belongs to.
 """
 from __future__ import annotations
 
@@ -13,16 +13,20 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 from megatron.settings.checkpointing import CheckpointingSettings
 from megatron.settings.data import DataSettings
-from megatron.settings.declare import ConfigField, Getter, Spec, add_group, from_args, settings_of
+from megatron.settings.declare import ConfigField, Getter, Spec, add_group, flags_of, from_args, settings_of
 from megatron.settings.deepspeed import DeepSpeedSettings
+from megatron.settings.generation import TextGenerationServerSettings, TextGenerationSettings
 from megatron.settings.logs import InferenceSettings, LoggingSettings
 from megatron.settings.model import NetworkSizeSettings
 from megatron.settings.moe import MoESettings
 from megatron.settings.optimizer import LearningRateSettings, RegularizationSettings
 from megatron.settings.parallel import DistributedSettings, MixedPrecisionSettings
+from megatron.settings.tasks import EvalHarnessSettings, TasksSettings
 from megatron.settings.training import InitializationSettings, TrainingSettings, ValidationSettings
 
-__all__ = ["CORE_GROUPS", "LAST_GROUPS", "ConfigField", "add_core_groups", "add_last_groups", "all_settings",
+__all__ = ["CORE_GROUPS", "ENTRY_GROUPS", "LAST_GROUPS", "ConfigField", "EvalHarnessSettings", "TasksSettings",
+           "TextGenerationServerSettings", "TextGenerationSettings", "add_core_groups", "add_group", "add_last_groups",
+           "all_settings", "flags_of",
            "architecture_fields", "config_fields", "family_only", "filled_if_unset", "flag_hints", "from_args",
            "refused", "restore_rules", "runtime_settings", "same_result_variants"]
 
@@ -34,6 +38,10 @@ CORE_GROUPS: Tuple[type, ...] = (
 )
 # Added last, leaving out the flags a provider already added (deepspeed.add_config_arguments).
 LAST_GROUPS: Tuple[type, ...] = (DeepSpeedSettings,)
+# The groups entry scripts add themselves (their extra_args_provider calls add_group): tasks/main.py,
+# tasks/eval_harness/evaluate.py, tools/generate_samples_gpt.py, tools/run_text_generation_server.py.
+ENTRY_GROUPS: Tuple[type, ...] = (TasksSettings, EvalHarnessSettings, TextGenerationSettings,
+                                  TextGenerationServerSettings)
 
 
 def add_core_groups(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -49,8 +57,8 @@ def add_last_groups(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def all_settings() -> Iterator[Tuple[str, Any, Spec]]:
-    """(destination, default, spec) of every declared setting, in parser order."""
-    for group in CORE_GROUPS + LAST_GROUPS:
+    """(destination, default, spec) of every declared setting: the core ones in parser order, then the entry scripts'."""
+    for group in CORE_GROUPS + LAST_GROUPS + ENTRY_GROUPS:
         yield from settings_of(group)
 
 

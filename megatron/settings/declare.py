@@ -100,6 +100,11 @@ def spec_of(field: dataclasses.Field) -> Spec:
     return field.metadata[_META]
 
 
+def flags_of(group: type, name: str) -> Tuple[str, ...]:
+    """The option strings of setting `name` of a group (for a pre-parser that looks for one flag)."""
+    return next(spec_of(f).flags for f in dataclasses.fields(group) if f.name == name)
+
+
 def settings_of(group: type) -> Iterator[Tuple[str, Any, Spec]]:
     """(name, default, spec) of each setting of a group, in declaration (--help) order."""
     for field in dataclasses.fields(group):

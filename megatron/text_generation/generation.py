@@ -25,8 +25,8 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.pipelined import tensor_shape_for
 from megatron.core.tensor_parallel.mappings import all_gather_along_dim, group_size
 from megatron.core.utils import unwrap_model as _unwrapped
-from megatron.model.gpt_model import GPTModel
 from megatron.model.inference_params import InferenceParams
+from megatron.models.gpt.model import GPTModel
 from megatron.text_generation.sampling import check_sampling_args, sample
 
 

@@ -20,6 +20,7 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir, os.path.pardir)))
 
 from megatron.errors import MegatronUserError, exit_on_user_error  # noqa: E402
+from megatron.settings import EvalHarnessSettings, add_group  # noqa: E402
 from tasks.eval_harness import require_lm_eval  # noqa: E402
 
 RESULT_KEYS = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better",
@@ -30,34 +31,10 @@ class EvalHarnessArgsError(MegatronUserError, ValueError):
     """Bad evaluation-harness flags (unknown task, bad limit, ...)."""
 
 
-def _limit(value: str) -> float:
-    number = float(value)
-    return int(number) if number.is_integer() and number >= 1 else number
-
-
 def get_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The bigscience fork's evaluation flags (underscore names, as there) plus --include_path/--num_fewshot/--limit."""
-    g = parser.add_argument_group(title="evaluation harness")
-    g.add_argument("--task_list", type=str, required=True, help="Comma-separated lm-eval task or group names.")
-    g.add_argument("--results_path", type=str, default="./results.json", help="Where rank 0 writes the results JSON.")
-    g.add_argument("--include_path", type=str, default=None,
-                   help="Folder of extra lm-eval task YAMLs (e.g. tasks/eval_harness/local_tasks for offline use).")
-    g.add_argument("--num_fewshot", type=int, default=None, help="Few-shot examples per prompt (default: the task's).")
-    g.add_argument("--limit", type=_limit, default=None,
-                   help="Only the first N documents of each task (a fraction < 1: that share of them).")
-    g.add_argument("--bootstrap_iters", type=int, default=100000,
-                   help="Bootstrap resamples for the standard errors (0: none).")
-    g.add_argument("--adaptive_seq_len", action="store_true",
-                   help="Pad each batch to its longest request instead of to --seq-length (faster, same numbers).")
-    g.add_argument("--eval_fp32", action="store_true",
-                   help="Evaluate in fp32 even when the flags say --fp16/--bf16 (the weights are upcast on load).")
-    g.add_argument("--intermed_results", action="store_true",
-                   help="Evaluate the tasks one by one, printing and writing the results after each.")
-    g.add_argument("--micro_bs_multiplier", type=int, default=1,
-                   help="Requests per forward pass = --micro-batch-size x this.")
-    g.add_argument("--max_gen_toks", type=int, default=256,
-                   help="Default most new tokens of generate_until requests that do not set max_gen_toks.")
-    return parser
+    """The bigscience fork's evaluation flags (underscore names, as there) plus --include_path/--num_fewshot/--limit
+    (declared in megatron/settings/tasks.py)."""
+    return add_group(parser, EvalHarnessSettings)
 
 
 def check_eval_args(args: argparse.Namespace) -> list[str]:

@@ -23,7 +23,7 @@ def serial_init_pipe_provider(provider: Callable) -> Callable:
     GPTModelPipe it returns gets the serial model's initial weights."""
 
     def model_provider(args: Any, state: Any) -> Any:
-        from megatron.model.gpt_model_pipe import is_gpt_model_pipe
+        from megatron.models.gpt.model_pipe import is_gpt_model_pipe
 
         full = serial_gpt(args, state)
         model = provider(args, state)
@@ -61,7 +61,7 @@ def pipe_forward_worker(rank: int, world_size: int) -> dict:
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.core.transformer_config import TransformerConfig
     from megatron.model import GPTModel
-    from megatron.model.gpt_model_pipe import (
+    from megatron.models.gpt.model_pipe import (
         GPTModelPipe,
         megatron_state_dict_from_pipe_layers,
         pipe_layer_specs_names,

@@ -53,7 +53,10 @@ def test_pipe_forward_matches_gpt_model_and_mapping_round_trips() -> None:
 def test_mapping_rejects_wrong_layer_count() -> None:
     import torch
 
-    from megatron.model.gpt_model_pipe import megatron_state_dict_from_pipe_layers, pipe_layers_from_megatron_state_dict
+    from megatron.models.gpt.model_pipe import (
+        megatron_state_dict_from_pipe_layers,
+        pipe_layers_from_megatron_state_dict,
+    )
 
     sd = {"language_model.embedding.word_embeddings.weight": torch.zeros(2, 2),
           "language_model.encoder.layers.0.input_layernorm.weight": torch.zeros(2),
@@ -144,7 +147,7 @@ def test_zero2_with_pipeline_refused_at_startup(gpt_data: dict, tmp_path: Path) 
 def test_unsupported_pipe_configs_fail_with_one_line() -> None:
     from megatron.core.parallel_state import ParallelState
     from megatron.core.transformer_config import TransformerConfig
-    from megatron.model.gpt_model_pipe import PipeConfigError, _check_supported
+    from megatron.models.gpt.model_pipe import PipeConfigError, _check_supported
 
     state = ParallelState(pp_size=2, tp_size=2)
     sp = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=2,

@@ -9,7 +9,6 @@ import torch
 
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.gpt_model import flatten_checkpoint_state_dict
 from megatron.models.bert.hf import (
     hf_megatron_bert_activation,
     hf_megatron_bert_config_kwargs,
@@ -17,6 +16,7 @@ from megatron.models.bert.hf import (
     megatron_bert_to_hf_state_dict,
 )
 from megatron.models.bert.model import BertModel, bert_extended_attention_mask
+from megatron.models.gpt.model import flatten_checkpoint_state_dict
 from tests.dist_utils import run_distributed
 
 VOCAB, SEQ, TOL = 64, 12, 1e-5

@@ -37,3 +37,18 @@ def test_the_saver_refuses_with_one_line_naming_the_accepted_families():
         hf_format.hf_adapter_for(ModelMeta("GPT", {**GPT2, "position_embedding_type": "rope"}))
     with pytest.raises(ConversionError, match="^--saver hf converts GPT and BERT models, not T5$"):
         hf_format.hf_adapter_for(ModelMeta("T5", GPT2))
+
+
+def test_the_shared_hf_code_names_no_family():
+    """Adding a family stays 'one module in its folder + one registry line': the shared HF folder code holds no
+    architecture name and no model-type branch."""
+    from pathlib import Path
+
+    from megatron.checkpoint_conversion import hf_decoder
+
+    for module in (hf_format, hf_decoder):
+        text = Path(module.__file__).read_text(encoding="utf-8")
+        assert "model_type ==" not in text, module.__name__
+        assert [n for n in registry.supported_architectures() if n in text] == [], module.__name__
+    for adapter in registry.ADAPTERS:
+        assert adapter.accepts.__module__.startswith("megatron.models."), adapter.name

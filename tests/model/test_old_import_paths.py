@@ -8,9 +8,12 @@ import pytest
 
 # (old module, name, module where it is defined now)
 PATHS = [
-    ("megatron.model", "GPTModel", "megatron.model.gpt_model"),
-    ("megatron.model.gpt_model", "GPTModel", "megatron.model.gpt_model"),
-    ("megatron.model.gpt_model_pipe", "GPTModelPipe", "megatron.model.gpt_model_pipe"),
+    ("megatron.model", "GPTModel", "megatron.models.gpt.model"),
+    ("megatron.model.gpt_model", "GPTModel", "megatron.models.gpt.model"),
+    ("megatron.model.gpt_model", "flatten_checkpoint_state_dict", "megatron.model.checkpoint_keys"),
+    ("megatron.model", "flatten_checkpoint_state_dict", "megatron.model.checkpoint_keys"),
+    ("megatron.model", "post_language_model_processing", "megatron.models.gpt.model"),
+    ("megatron.model.gpt_model_pipe", "GPTModelPipe", "megatron.models.gpt.model_pipe"),
     ("megatron.model", "BertModel", "megatron.models.bert.model"),
     ("megatron.model.bert_model", "BertModel", "megatron.models.bert.model"),
     ("megatron.model.bert_model", "bert_extended_attention_mask", "megatron.models.bert.model"),

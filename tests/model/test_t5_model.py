@@ -13,7 +13,7 @@ from torch import nn
 
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.gpt_model import flatten_checkpoint_state_dict
+from megatron.models.gpt.model import flatten_checkpoint_state_dict
 from megatron.models.t5.model import PP_SPLIT_MISSING, T5Model, t5_num_floating_point_operations
 
 VOCAB, ENC, DEC, H, HEADS, TOL = 64, 12, 8, 32, 4, 1e-5

@@ -49,7 +49,7 @@ def _damaged_copy(two_saves: Path, tmp_path: Path) -> Path:
 
 
 def _weights(ckpt_file: Path) -> dict:
-    from megatron.model.gpt_model import flatten_checkpoint_state_dict
+    from megatron.models.gpt.model import flatten_checkpoint_state_dict
 
     return flatten_checkpoint_state_dict(torch.load(ckpt_file, map_location="cpu", weights_only=False)["model"])
 

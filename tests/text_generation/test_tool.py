@@ -99,8 +99,8 @@ def test_tool_under_torchrun_with_tp2(checkpoint, repo_root):
     on the merged TP=1 weights in this process."""
     from megatron.arguments import core_transformer_config_from_args
     from megatron.model import GPTModel
-    from megatron.model.gpt_model import flatten_checkpoint_state_dict
     from megatron.model.tp_shards import merge_tensor_parallel_state_dicts
+    from megatron.models.gpt.model import flatten_checkpoint_state_dict
     from megatron.text_generation import generate
     from tests.dist_utils import free_port
 

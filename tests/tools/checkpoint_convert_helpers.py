@@ -14,8 +14,8 @@ from megatron.checkpoint_conversion.megatron_format import write_megatron
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model import GPTModel
-from megatron.model.gpt_model import flatten_checkpoint_state_dict
 from megatron.model.tp_shards import merge_tensor_parallel_state_dicts
+from megatron.models.gpt.model import flatten_checkpoint_state_dict
 from megatron.safe_load import safe_torch_load
 
 TRUE_VOCAB = 61

@@ -7,7 +7,8 @@ writes its logits on fixed tokens, saves it as `torch` (per-rank files with Core
 loaded by dist_checkpointing from the TP1 folder) and saves both formats there too. When `ours/<family>` holds a
 torch_dist checkpoint written by our code, it is loaded with dist_checkpointing.load into Core models at TP1 and TP2
 and their logits are written. A tiny BERT (Core's BertModel, local spec, tied head, binary head; `bert`) is saved
-the same way at TP1 and TP2, and ours loaded into it. Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
+the same way at TP1 and TP2, and ours loaded into it; so is a tiny T5 (Core's T5Model, local specs, tied
+head; `t5`). Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
 with its distributed optimizer (Adam, DP2) takes 6 steps on the batches of `batches.pt`, saving torch_dist
 checkpoints with the optimizer state (fully_reshardable in `train`, Megatron-LM's default dp_reshardable in
 `train_dp`) and Megatron-LM's RNG state after step 3; its per-step losses are the run that never stopped. One
@@ -23,12 +24,12 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, ITER = 2, 32, 4, 128, 16, 10
 FAMILIES = {
@@ -217,6 +218,89 @@ def bert_run(ours) -> None:
         mps.destroy_model_parallel()
 
 
+DSEQ = 12  # T5's decoder tokens
+
+
+def build_t5():
+    """Megatron Core's T5Model (local layer specs; the blocks' final norms LayerNorm, as LNImpl without Transformer
+    Engine; tied head with its bias)."""
+    from megatron.core.models.T5 import t5_spec
+    from megatron.core.models.T5.t5_model import T5Model
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                            pipeline_dtype=torch.float32,
+                            tensor_model_parallel_size=mps.get_tensor_model_parallel_world_size())
+    enc = TransformerBlockSubmodules([t5_spec.encoder_model_with_local_spec()] * LAYERS, layer_norm=t5_spec.LNImpl)
+    dec = TransformerBlockSubmodules([t5_spec.decoder_model_with_local_spec()] * LAYERS, layer_norm=t5_spec.LNImpl)
+    return T5Model(config=cfg, encoder_config=cfg, transformer_encoder_layer_spec=enc,
+                   transformer_decoder_layer_spec=dec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                   share_embeddings_and_output_weights=True, parallel_output=False)
+
+
+def t5_inputs():
+    """Encoder and decoder tokens and the [b, s_q, s_k] masks (1 = attend; sample 1's encoder padded after 11)."""
+    g = torch.Generator().manual_seed(13)
+    enc, dec = torch.randint(0, VOCAB, (2, SEQ), generator=g), torch.randint(0, VOCAB, (2, DSEQ), generator=g)
+    keys = torch.ones(2, SEQ)
+    keys[1, 11:] = 0
+    enc_mask = keys[:, None, :].expand(2, SEQ, SEQ).clone()
+    dec_mask = torch.tril(torch.ones(DSEQ, DSEQ)).expand(2, DSEQ, DSEQ).clone()
+    return enc, dec, enc_mask, dec_mask, keys[:, None, :].expand(2, DSEQ, SEQ).clone()
+
+
+def t5_logits(model):
+    enc, dec, *masks = t5_inputs()
+    with torch.no_grad():  # Megatron Core's masks: bool [b, 1, s_q, s_k], True = masked
+        return model(enc, dec, *[m.unsqueeze(1) < 0.5 for m in masks])
+
+
+def t5_run(ours) -> None:
+    """T5: logits of random weights at TP1; `torch` and `torch_dist` saved at TP1 and TP2; our torch_dist save
+    (`ours`, when given) loaded at TP1 and TP2, its logits written."""
+    out = os.path.join("out", "t5")
+    args = {**vars(megatron_lm_args("gpt", 1, 1)), "encoder_num_layers": LAYERS, "decoder_num_layers": LAYERS,
+            "encoder_seq_length": SEQ, "decoder_seq_length": DSEQ}
+    mps.initialize_model_parallel(1, 1)
+    model = build_t5()
+    randomize(model)
+    logits = t5_logits(model)
+    if dist.get_rank() == 0:
+        os.makedirs(out, exist_ok=True)
+        torch.save(logits, os.path.join(out, "logits.pt"))
+    for tp in (1, 2):
+        if tp == 2:
+            mps.initialize_model_parallel(2, 1)
+            model = build_t5()
+            load_dist(model, os.path.join(out, "dist_tp1", f"iter_{ITER:07d}"))
+        ns = argparse.Namespace(**{**args, "tensor_model_parallel_size": tp})
+        if mps.get_data_parallel_rank() == 0:
+            path = os.path.join(out, f"torch_tp{tp}", f"iter_{ITER:07d}",
+                                f"mp_rank_{mps.get_tensor_model_parallel_rank():02d}", "model_optim_rng.pt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save({"model": model.state_dict_for_save_checkpoint(), "args": ns, "checkpoint_version": 3.0,
+                        "iteration": ITER}, path)
+        iter_dir = os.path.join(out, f"dist_tp{tp}", f"iter_{ITER:07d}")
+        if dist.get_rank() == 0:
+            os.makedirs(iter_dir, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": ns, "checkpoint_version": 3.0,
+                                 "iteration": ITER}, iter_dir)
+        if dist.get_rank() == 0:
+            for name in (f"torch_tp{tp}", f"dist_tp{tp}"):
+                with open(os.path.join(out, name, "latest_checkpointed_iteration.txt"), "w") as f:
+                    f.write(str(ITER))
+        if ours:
+            fresh = build_t5()
+            load_dist(fresh, ours)
+            logits = t5_logits(fresh)
+            if dist.get_rank() == 0:
+                torch.save(logits, os.path.join(out, f"ours_logits_tp{tp}.pt"))
+        dist.barrier()
+        mps.destroy_model_parallel()
+
+
 SAVE_AT, LR = 3, 1e-3
 OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}  # Megatron-LM's --dist-ckpt-optim-fully-reshardable
 
@@ -268,9 +352,8 @@ def training_cpu_stand_ins() -> None:
 
 
 def trainer(family: str = "gpt"):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     model = build(family, parallel_output=True)
     randomize(model)
@@ -309,6 +392,7 @@ def megatron_lm_rng():
     import random
 
     import numpy as np
+
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     random.seed(RNG_SEEDS[0])
@@ -423,6 +507,8 @@ def main() -> None:
             mps.destroy_model_parallel()
     if job.get("bert"):
         bert_run(job.get("ours", {}).get("bert"))
+    if job.get("t5"):
+        t5_run(job.get("ours", {}).get("t5"))
     if job.get("train"):
         train(job)
     dist.barrier()

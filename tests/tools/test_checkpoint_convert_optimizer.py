@@ -81,7 +81,7 @@ def test_optimizer_state_round_trip_is_bitwise(tmp_path, precision):
         for key, value in entry.items():
             assert torch.equal(got[name][key], value), (name, key)
     weights = model.state_dict()
-    from megatron.model.gpt_model import flatten_checkpoint_state_dict
+    from megatron.models.gpt.model import flatten_checkpoint_state_dict
 
     for name, value in flatten_checkpoint_state_dict(sd["model"]).items():  # padding rows as trained, not re-padded
         if not name.endswith("_extra_state"):
@@ -130,7 +130,7 @@ def test_regular_optimizer_order_matches_real_stage_models(family):
     from megatron.checkpoint_conversion.megatron_format import layer_layouts
     from megatron.checkpoint_conversion.optimizer_state import regular_param_order
     from megatron.model import GPTModel
-    from megatron.model.gpt_model import flatten_checkpoint_state_dict
+    from megatron.models.gpt.model import flatten_checkpoint_state_dict
     from megatron.optimizer.param_groups import get_param_groups
     from tests.tools.checkpoint_convert_helpers import config, meta_for
 

@@ -64,7 +64,7 @@ def _trained_bert(folder):
 
 
 def test_bert_optimizer_state_round_trip_is_bitwise(tmp_path):
-    from megatron.model.gpt_model import flatten_checkpoint_state_dict
+    from megatron.models.gpt.model import flatten_checkpoint_state_dict
     from megatron.optimizer.distrib_optimizer import regular_state_to_param_state
 
     model, optimizer, sched = _trained_bert(tmp_path / "src")
@@ -115,7 +115,7 @@ def test_bert_regular_optimizer_order_matches_real_stage_models(pp, vp):
     from megatron.checkpoint_conversion.interchange import ModelMeta, architecture_of
     from megatron.checkpoint_conversion.megatron_format import layer_layouts
     from megatron.checkpoint_conversion.optimizer_state import regular_param_order
-    from megatron.model.gpt_model import flatten_checkpoint_state_dict
+    from megatron.models.gpt.model import flatten_checkpoint_state_dict
     from megatron.optimizer.param_groups import get_param_groups
     from tests.tools.checkpoint_convert_helpers import config
 

@@ -66,7 +66,7 @@ def _trained_t5(folder):
 
 
 def test_t5_optimizer_state_round_trip_is_bitwise(tmp_path):
-    from megatron.model.gpt_model import flatten_checkpoint_state_dict
+    from megatron.models.gpt.model import flatten_checkpoint_state_dict
     from megatron.optimizer.distrib_optimizer import regular_state_to_param_state
 
     model, optimizer, sched = _trained_t5(tmp_path / "src")
@@ -118,7 +118,7 @@ def test_t5_regular_optimizer_order_matches_real_stage_models(pp, split):
     from megatron.checkpoint_conversion.t5_format import t5_layouts
     from megatron.core.parallel_state import ParallelState
     from megatron.core.transformer_config import TransformerConfig
-    from megatron.model.gpt_model import flatten_checkpoint_state_dict
+    from megatron.models.gpt.model import flatten_checkpoint_state_dict
     from megatron.models.t5.model import T5Model
     from megatron.optimizer.param_groups import get_param_groups
 

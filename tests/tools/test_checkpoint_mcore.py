@@ -35,6 +35,7 @@ FLAGS = {"gpt": ["--no-bias-gelu-fusion"],
                    "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type", "rope",
                    "--untie-embeddings-and-output-weights"]}
 FLAGS["bert"] = ["--no-bias-gelu-fusion"]
+FLAGS["t5"] = ["--no-bias-gelu-fusion"]
 FLAGS["moe"] = [*FLAGS["llama"], "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
                 "--moe-shared-expert-intermediate-size", "40", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "0"]
 # what the oracle saved per family (MoE: TP1, PP2 and EP2) and the layouts at which it loaded ours
@@ -97,6 +98,25 @@ def bert_logits(model) -> tuple:
         return model(ids, mask, tokentype_ids=types)
 
 
+def our_t5(args):
+    from megatron.models.t5.model import T5Model
+
+    return T5Model(core_transformer_config_from_args(args), parallel_output=False)
+
+
+def t5_logits(model) -> torch.Tensor:
+    """Logits on the oracle's T5 inputs (sample 1's encoder padded after 11 tokens; 12 decoder tokens)."""
+    dseq = 12
+    g = torch.Generator().manual_seed(13)
+    enc, dec = torch.randint(0, VOCAB, (2, SEQ), generator=g), torch.randint(0, VOCAB, (2, dseq), generator=g)
+    keys = torch.ones(2, SEQ)
+    keys[1, 11:] = 0
+    masks = (keys[:, None, :].expand(2, SEQ, SEQ), torch.tril(torch.ones(dseq, dseq)).expand(2, dseq, dseq),
+             keys[:, None, :].expand(2, dseq, SEQ))
+    with torch.no_grad():
+        return model(enc, dec, *masks)
+
+
 TRAIN_STEPS, SAVE_AT = 6, 3
 
 
@@ -138,7 +158,7 @@ def oracle(tmp_path_factory) -> Path:
     train_steps(model, optimizer, batches[:SAVE_AT])
     save_checkpoint(SAVE_AT, [model], optimizer, None, args)
     torch.save(train_steps(model, optimizer, batches[SAVE_AT:]), root / "ours_train_losses.pt")
-    job = {"families": ["gpt", "llama", "moe"], "ours": {}, "train": True, "bert": True,
+    job = {"families": ["gpt", "llama", "moe"], "ours": {}, "train": True, "bert": True, "t5": True,
            "ours_train": str(save / f"iter_{SAVE_AT:07d}")}
     args = run_args("bert", root / "none", "--save", str(root / "ours" / "bert"), "--save-interval", "1",
                     "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng")
@@ -147,6 +167,16 @@ def oracle(tmp_path_factory) -> Path:
     torch.save(bert_logits(bert), root / "ours_bert_logits.pt")
     save_checkpoint(3, [bert], None, None, args)
     job["ours"]["bert"] = str(root / "ours" / "bert" / "iter_0000003")
+    args = run_args("t5", root / "none", "--save", str(root / "ours" / "t5"), "--save-interval", "1",
+                    "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng")
+    torch.manual_seed(12)
+    t5 = our_t5(args)
+    with torch.no_grad():
+        for p in t5.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    torch.save(t5_logits(t5), root / "ours_t5_logits.pt")
+    save_checkpoint(3, [t5], None, None, args)
+    job["ours"]["t5"] = str(root / "ours" / "t5" / "iter_0000003")
     for family in job["families"]:
         save = root / "ours" / family
         args = run_args(family, root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format", "torch_dist", "--no-save-optim",
@@ -201,6 +231,47 @@ def test_core_bert_checkpoints_both_ways(oracle):
     for tp in (1, 2):
         for got, want in zip(torch.load(bert / f"ours_logits_tp{tp}.pt"), ours):
             torch.testing.assert_close(got, want, **TOL, msg=f"ours in Core at TP{tp}")
+
+
+@pytest.mark.slow
+def test_core_t5_checkpoints_both_ways(oracle):
+    """Megatron Core's T5Model (local specs: encoder, decoder with cross-attention, tied head with its bias) saved as
+    `torch` (per-rank files, Core names) and `torch_dist` at TP1 and TP2 loads into our T5 (--load, one process)
+    with Core's logits; ours saved with --ckpt-format torch_dist gives our logits in Core's T5Model at TP1 and TP2
+    (<= 1e-5)."""
+    from megatron.checkpointing import load_checkpoint
+
+    t5 = oracle / "out" / "t5"
+    ref = torch.load(t5 / "logits.pt")
+    for name in ("torch_tp1", "torch_tp2", "dist_tp1", "dist_tp2"):
+        args = run_args("t5", t5 / name, "--finetune")
+        model = our_t5(args)
+        assert load_checkpoint([model], None, None, args) == 0
+        torch.testing.assert_close(t5_logits(model), ref, **TOL, msg=name)
+    ours = torch.load(oracle / "ours_t5_logits.pt")
+    for tp in (1, 2):
+        torch.testing.assert_close(torch.load(t5 / f"ours_logits_tp{tp}.pt"), ours, **TOL, msg=f"ours in Core TP{tp}")
+    from megatron.checkpoint_conversion.interchange import ConversionError
+    from megatron.checkpoint_conversion.torch_dist import read_torch_dist
+
+    with pytest.raises(ConversionError, match="holds a T5 model"):  # convert.py's mcore loader is GPT-only
+        read_torch_dist(str(t5 / "dist_tp1"))
+
+
+def test_t5_torch_dist_save_needs_no_save_optim():
+    """pretrain_t5.py refuses --ckpt-format torch_dist with optimizer state at start-up, in one line."""
+    import argparse
+
+    from megatron.errors import ArgumentError
+    from pretrain_t5 import check_t5_args
+
+    args = argparse.Namespace(pipeline_model_parallel_size=1, pipeline_model_parallel_split_rank=None,
+                              decoder_seq_length=8, tensor_model_parallel_size=1, sequence_parallel=False,
+                              vocab_extra_ids=100, ckpt_format="torch_dist", save="/tmp/x", no_save_optim=False)
+    with pytest.raises(ArgumentError, match="--no-save-optim"):
+        check_t5_args(args)
+    args.no_save_optim = True
+    check_t5_args(args)
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
+from megatron.model.checkpoint_keys import LANGUAGE_MODEL_KEY, flatten_checkpoint_state_dict
 from megatron.model.enums import AttnMaskType
-from megatron.model.gpt_model import LANGUAGE_MODEL_KEY, flatten_checkpoint_state_dict
 from megatron.model.language_model import TransformerLanguageModel
 from megatron.model.layer_specs import bert_layer_spec
 from megatron.model.module import MegatronModule

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.gpt_model import flatten_checkpoint_state_dict
+from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
 from megatron.model.mlp import activation_for
 from megatron.models.gpt.hf import qkv_hf_to_megatron, qkv_megatron_to_hf
 

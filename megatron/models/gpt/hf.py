@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.gpt_model import flatten_checkpoint_state_dict
+from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
 from megatron.model.mlp import activation_for
 
 _LM = "language_model."

@@ -24,29 +24,39 @@ SHARED_FC1, SHARED_FC2 = "mlp.shared_experts.dense_h_to_4h.weight", "mlp.shared_
 SHARED_GATE = "mlp.shared_experts.gate_weight"
 
 
+def _mixtral_fields(hf_config: Any) -> Dict[str, Any]:
+    return dict(num_moe_experts=hf_config.num_local_experts, moe_router_topk=hf_config.num_experts_per_tok,
+                moe_ffn_hidden_size=hf_config.intermediate_size)
+
+
+def _qwen2_moe_fields(hf_config: Any) -> Dict[str, Any]:
+    layers = hf_config.num_hidden_layers
+    only_dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    pattern = [int(i not in only_dense and (i + 1) % step == 0) for i in range(layers)]
+    moe = dict(num_moe_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
+               moe_ffn_hidden_size=hf_config.moe_intermediate_size, moe_layer_freq=pattern,
+               moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", False),
+               add_qkv_bias=bool(getattr(hf_config, "qkv_bias", True)))
+    shared = getattr(hf_config, "shared_expert_intermediate_size", 0) or 0
+    if shared:
+        moe.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    return moe
+
+
+# HF config.model_type -> the MoE fields of its config (on top of the Llama ones)
+MOE_FIELDS: Dict[str, Callable[[Any], Dict[str, Any]]] = {"mixtral": _mixtral_fields,
+                                                          "qwen2_moe": _qwen2_moe_fields}
+
+
 def megatron_config_from_hf_moe(hf_config: Any, **overrides: Any) -> TransformerConfig:
     """A TransformerConfig for a HF MixtralConfig / Qwen2MoeConfig (dropouts 0; `overrides` win)."""
     model_type = getattr(hf_config, "model_type", "")
     if getattr(hf_config, "router_jitter_noise", 0.0):
         raise ValueError("router_jitter_noise > 0 (input jitter) is not supported")
-    if model_type == "mixtral":
-        moe = dict(num_moe_experts=hf_config.num_local_experts, moe_router_topk=hf_config.num_experts_per_tok,
-                   moe_ffn_hidden_size=hf_config.intermediate_size)
-    elif model_type == "qwen2_moe":
-        layers = hf_config.num_hidden_layers
-        only_dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
-        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
-        pattern = [int(i not in only_dense and (i + 1) % step == 0) for i in range(layers)]
-        moe = dict(num_moe_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
-                   moe_ffn_hidden_size=hf_config.moe_intermediate_size, moe_layer_freq=pattern,
-                   moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", False),
-                   add_qkv_bias=bool(getattr(hf_config, "qkv_bias", True)))
-        shared = getattr(hf_config, "shared_expert_intermediate_size", 0) or 0
-        if shared:
-            moe.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
-    else:
-        raise ValueError(f"model_type {model_type!r} is not a supported MoE family (mixtral, qwen2_moe)")
-    return megatron_config_from_hf_llama(hf_config, **{**moe, **overrides})
+    if model_type not in MOE_FIELDS:
+        raise ValueError(f"model_type {model_type!r} is not a supported MoE family ({', '.join(MOE_FIELDS)})")
+    return megatron_config_from_hf_llama(hf_config, **{**MOE_FIELDS[model_type](hf_config), **overrides})
 
 
 def hf_moe_arch(config: TransformerConfig) -> str:

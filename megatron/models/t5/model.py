@@ -28,8 +28,12 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
+from megatron.model.checkpoint_keys import (
+    LANGUAGE_MODEL_KEY,
+    WORD_EMBEDDINGS_FOR_HEAD_KEY,
+    flatten_checkpoint_state_dict,
+)
 from megatron.model.enums import AttnMaskType
-from megatron.model.gpt_model import LANGUAGE_MODEL_KEY, WORD_EMBEDDINGS_FOR_HEAD_KEY, flatten_checkpoint_state_dict
 from megatron.model.language_model import TiedLMHeadWithBias, TransformerLanguageModel, sequential_position_ids
 from megatron.model.layer_specs import t5_decoder_layer_spec, t5_encoder_layer_spec
 from megatron.model.module import MegatronModule

@@ -38,8 +38,8 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
 from megatron.errors import MegatronUserError
+from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
 from megatron.model.enums import AttnMaskType
-from megatron.model.gpt_model import flatten_checkpoint_state_dict
 from megatron.model.language_model import Embedding, parallel_lm_logits
 from megatron.model.layer_specs import gpt_layer_spec
 from megatron.model.norms import build_norm

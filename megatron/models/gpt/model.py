@@ -7,16 +7,17 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
+from megatron.model.checkpoint_keys import (  # noqa: F401 - Megatron's names, also importable from here
+    LANGUAGE_MODEL_KEY,
+    OUTPUT_COPY,
+    WORD_EMBEDDINGS_FOR_HEAD_KEY,
+    flatten_checkpoint_state_dict,
+)
 from megatron.model.enums import AttnMaskType
 from megatron.model.language_model import TransformerLanguageModel, parallel_lm_logits
 from megatron.model.layer_specs import gpt_layer_spec
-from megatron.model.mcore_names import core_to_ours, has_core_names
 from megatron.model.module import MegatronModule
 from megatron.model.utils import group_size
-
-WORD_EMBEDDINGS_FOR_HEAD_KEY = "word_embeddings_for_head"
-OUTPUT_COPY = "language_model.output_layer.weight"
-LANGUAGE_MODEL_KEY = "language_model"
 
 
 def post_language_model_processing(
@@ -40,29 +41,6 @@ def post_language_model_processing(
     else:
         loss = tensor_parallel.vocab_parallel_cross_entropy(output.float(), labels, tp_group)
     return loss.transpose(0, 1).contiguous()
-
-
-def flatten_checkpoint_state_dict(state_dict: Mapping[str, Any]) -> dict:
-    """Megatron's nested checkpoint dict -> flat module names (also accepts an already flat dict)."""
-    flat: dict = {}
-
-    def walk(prefix: str, node: Mapping[str, Any]) -> None:
-        for key, value in node.items():
-            if key == WORD_EMBEDDINGS_FOR_HEAD_KEY and not prefix:
-                key = "word_embeddings"
-            if key == "transformer" and prefix == LANGUAGE_MODEL_KEY + ".":
-                key = "encoder"  # Megatron checkpoints before the encoder/decoder split
-            name = f"{prefix}{key}"
-            if isinstance(value, Mapping):
-                walk(name + ".", value)
-            else:
-                flat[name] = value
-
-    walk("", state_dict)
-    if has_core_names(flat):  # Megatron Core's names (its per-rank `torch` checkpoints)
-        return core_to_ours(flat)
-    # older checkpoints call self-attention "attention"
-    return {k.replace(".attention.", ".self_attention."): v for k, v in flat.items()}
 
 
 class GPTModel(MegatronModule):
