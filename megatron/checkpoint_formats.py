@@ -27,6 +27,7 @@ import torch
 
 from megatron import checkpoint_integrity as integrity
 from megatron.errors import MegatronUserError
+from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.training_state import TOTALS, TrainingState
 
 TORCH, CORE_TORCH, TORCH_DIST = "torch", "torch (Megatron Core names)", "torch_dist"
@@ -67,12 +68,14 @@ def detect_format(iter_dir: str, trust: bool = False) -> str:
     return CORE_TORCH if isinstance(model, dict) and has_core_names(model) else TORCH
 
 
-def check_format_flags(fmt: str, args: argparse.Namespace, iter_dir: str) -> None:
+def check_format_flags(fmt: str, args: Optional[argparse.Namespace], iter_dir: str,
+                       settings: Optional[CheckpointSettings] = None) -> None:
     """Megatron-LM's rule: a folder in another format than --ckpt-format loads only with --auto-detect-ckpt-format;
-    says in one line which layout it found."""
-    wanted = getattr(args, "ckpt_format", TORCH) or TORCH
+    says in one line which layout it found. `settings` default: built from ``args``."""
+    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
+    wanted = cfg.ckpt_format
     found = TORCH_DIST if fmt == TORCH_DIST else TORCH
-    if found != wanted and not getattr(args, "auto_detect_ckpt_format", False):
+    if found != wanted and not cfg.auto_detect_ckpt_format:
         raise CheckpointFormatError(f"checkpoint {iter_dir} is in the {found} format but --ckpt-format is {wanted}: "
                                     f"pass --auto-detect-ckpt-format (or --ckpt-format {found})")
     if fmt != TORCH and _is_rank0():
@@ -284,21 +287,22 @@ def saved_rng(common: Dict[str, Any], iter_dir: str, state: Any, trust: bool = F
 
 def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, iter_dir: str, fmt: str,
                  release: bool, state: Any, train_state: Optional[TrainingState] = None, optimizer: Any = None,
-                 opt_param_scheduler: Any = None) -> Tuple[int, Dict[str, Any], Optional[List[Any]]]:
+                 opt_param_scheduler: Any = None, settings: Optional[CheckpointSettings] = None
+                 ) -> Tuple[int, Dict[str, Any], Optional[List[Any]]]:
     """Load a Megatron Core checkpoint into `models` (and, resuming from a torch_dist folder, `optimizer` and
     `opt_param_scheduler`); returns (iteration to continue from, common state, this rank's RNG state list to restore
     or None). The consumed samples go to `train_state` (a TrainingState), or onto ``args`` without one."""
     from megatron.checkpoint_args import check_architecture
     from megatron.model.module import unwrap_model
 
-    finetune = bool(getattr(args, "finetune", False))
-    resume = not (finetune or release)
-    load_optim = resume and optimizer is not None and not getattr(args, "no_load_optim", False)
-    load_rng = resume and not getattr(args, "no_load_rng", False)
+    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
+    resume = not (cfg.finetune or release)
+    load_optim = resume and optimizer is not None and not cfg.no_load_optim
+    load_rng = resume and not cfg.no_load_rng
     if fmt != TORCH_DIST and (load_optim or load_rng):
         raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): its optimizer and RNG state are not converted; "
                                     "pass --finetune, or --no-load-optim --no-load-rng")
-    trust = bool(getattr(args, "trust_checkpoint", False))
+    trust = cfg.trust_checkpoint
     from megatron.model.tp_shards import tensor_parallel_layouts
     from megatron.models.bert.model import BertModel
     from megatron.models.t5.model import T5Model

@@ -22,7 +22,8 @@ the full fp32 params and optimizer state per parameter; on load every data-paral
 slice, so a run can resume at another data-parallel size, and a regular checkpoint loads into the distributed
 optimizer (and the other way round) by converting the full state.
 
-All functions take ``args`` (the parsed Megatron flags) explicitly instead of reading global state.
+Functions take the run's `CheckpointSettings` (megatron/run_configs/checkpoint.py) or build it from ``args`` (the
+parsed Megatron flags, also the record saved in each file) explicitly instead of reading global state.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.errors import MegatronUserError
 from megatron.model.module import unwrap_model
+from megatron.run_configs.checkpoint import PARALLEL_SIZE_FLAGS, CheckpointSettings
 from megatron.safe_load import CheckpointFileError, safe_torch_load
 from megatron.training_state import TrainingState
 
@@ -63,11 +65,7 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
 # Parallel-layout flags that must agree between the checkpoint and this run (the architecture is checked by
 # megatron/checkpoint_args.py).
-_PARALLEL_ARGS = (
-    ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
-    ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
-    ("--expert-model-parallel-size", "expert_model_parallel_size"),
-)
+_PARALLEL_ARGS = PARALLEL_SIZE_FLAGS
 
 
 def reshard_hint(load_dir: str) -> str:
@@ -142,21 +140,18 @@ def model_file_name(checkpoint_name: str) -> str:
     return alt if not os.path.isfile(checkpoint_name) and os.path.isfile(alt) else checkpoint_name
 
 
-def _qkv_in_current_order(model_sd: dict, sd: dict, args: argparse.Namespace) -> dict:
+def _qkv_in_current_order(model_sd: dict, sd: dict, cfg: CheckpointSettings) -> dict:
     """Megatron's fix_query_key_value_ordering: checkpoint_version 0 / 1.0 QKV rows -> today's [heads, 3, d]."""
     version = float(sd.get("checkpoint_version", 0) or 0)
-    if version >= 2.0 or getattr(args, "group_query_attention", False) or not getattr(args, "num_attention_heads",
-                                                                                      None):
+    if version >= 2.0 or cfg.qkv_heads_per_rank is None:
         return model_sd
     from megatron.checkpoint_conversion.qkv_versions import fix_state_dict_qkv, has_qkv
 
     if not has_qkv(model_sd):
         return model_sd
 
-    heads = args.num_attention_heads // (getattr(args, "tensor_model_parallel_size", 1) or 1)
-    head_dim = getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
     _print0(f" reordering the query_key_value rows of a checkpoint_version {version} checkpoint")
-    return fix_state_dict_qkv(model_sd, version, heads, head_dim)
+    return fix_state_dict_qkv(model_sd, version, cfg.qkv_heads_per_rank, cfg.qkv_head_dim)
 
 
 def read_metadata(tracker_filename: str) -> tuple[int, bool]:
@@ -262,12 +257,15 @@ def save_checkpoint(
     save_dir: Optional[str] = None,
     train_loss: Optional[float] = None,
     train_state: Optional[TrainingState] = None,
+    settings: Optional[CheckpointSettings] = None,
 ) -> str:
     """Write the checkpoint of ``iteration`` into ``save_dir`` (default ``args.save``); returns this rank's file.
     `train_loss` (the last finite training loss, summed over its terms) is recorded for the check after loading.
     `train_state`: the loop's run state (saved as Megatron's keys and inside ``args``); without it, the run state
-    is read from ``args`` under Megatron's names."""
-    save_dir = save_dir or args.save
+    is read from ``args`` under Megatron's names. ``args`` is also the record saved as Megatron's ``args`` and
+    ``architecture``; `settings` (default: built from ``args``) says what to save and where."""
+    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
+    save_dir = save_dir or cfg.save
     if not save_dir:
         raise CheckpointError("save_checkpoint called without a directory: pass --save DIR")
     state = _state()
@@ -278,13 +276,12 @@ def save_checkpoint(
         integrity.prepare_save(save_dir, iter_dir, _print0)
     _barrier()
 
-    rng_state = None if getattr(args, "no_save_rng", False) else get_rng_state(state)
+    rng_state = None if cfg.no_save_rng else get_rng_state(state)
     checkpoint_name = get_checkpoint_name(save_dir, iteration)
     for chunk in models:  # --overlap-param-gather: the params' all-gather may still be in flight
         getattr(chunk, "finish_param_sync", lambda: None)()
     param_state = None
-    if optimizer is not None and hasattr(optimizer, "get_parameter_state") and not getattr(args, "no_save_optim",
-                                                                                            False):
+    if optimizer is not None and hasattr(optimizer, "get_parameter_state") and not cfg.no_save_optim:
         param_state = optimizer.get_parameter_state()  # collective over the data-parallel group
     writer = state.writes_checkpoint
     if writer is None:  # a state built by hand: Megatron-LM's rule
@@ -297,7 +294,7 @@ def save_checkpoint(
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
             **run.checkpoint_counters(),
-            "true_vocab_size": getattr(args, "true_vocab_size", None),
+            "true_vocab_size": cfg.true_vocab_size,
             "padded_vocab_size": run.padded_vocab_size,
             "architecture": architecture_from_args(args),
             **run.checkpoint_totals(),
@@ -309,7 +306,7 @@ def save_checkpoint(
         else:
             for i, chunk in enumerate(models):
                 state_dict[f"model{i}"] = _model_state_dict(chunk)
-        if not getattr(args, "no_save_optim", False):
+        if not cfg.no_save_optim:
             if optimizer is not None:
                 state_dict["optimizer"] = optimizer.state_dict()
             if opt_param_scheduler is not None:
@@ -323,17 +320,17 @@ def save_checkpoint(
             _atomic_save(param_state, get_distributed_optimizer_checkpoint_name(checkpoint_name))
 
     _barrier()
-    if getattr(args, "ckpt_format", "torch") == "torch_dist":
+    if cfg.ckpt_format == "torch_dist":
         if _is_rank0():  # the per-rank files just written become one torch_dist folder (any layout loads it)
             from megatron.checkpoint_formats import rewrite_as_torch_dist
 
             rewrite_as_torch_dist(save_dir, iteration, iter_dir,
-                                  optimizer=optimizer is not None and not getattr(args, "no_save_optim", False))
+                                  optimizer=optimizer is not None and not cfg.no_save_optim)
         _barrier()
     if _is_rank0():  # the manifest is written last of the iteration, then the tracker moves
         integrity.write_manifest(iter_dir)
         _atomic_write_text(get_checkpoint_tracker_filename(save_dir), str(iteration))
-        integrity.prune_after_save(save_dir, iteration, getattr(args, "keep_last_n_checkpoints", None), _print0)
+        integrity.prune_after_save(save_dir, iteration, cfg.keep_last_n_checkpoints, _print0)
     _barrier()
     _print0(f"  successfully saved checkpoint at iteration {iteration:7d} to {save_dir}")
     return checkpoint_name
@@ -372,12 +369,13 @@ def _check_layout(load_dir: str, iteration: int, release: bool, checkpoint_name:
 
 
 def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Namespace, path: str,
-                          architecture: Optional[dict] = None) -> None:
+                          architecture: Optional[dict] = None, settings: Optional[CheckpointSettings] = None) -> None:
     """One-line error when the checkpoint's parallel layout or architecture (stored ``architecture``, else computed
-    from its saved args) differs from this run."""
+    from its saved args) differs from this run (``args``; its parallel sizes from `settings` when given)."""
+    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
     for flag, attr in _PARALLEL_ARGS:
         saved = getattr(checkpoint_args, attr, None)
-        current = getattr(args, attr, None)
+        current = cfg.parallel_size(attr)
         if saved is None or current is None or saved == current:
             continue
         raise CheckpointError(
@@ -390,7 +388,8 @@ def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Na
 def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") -> argparse.Namespace:
     """--use-checkpoint-args: restore the whole architecture saved in the checkpoint that load_checkpoint will load
     (the tracker's iteration, or the newest intact one below it) into ``args``."""
-    load_dir = getattr(args, load_arg, None)
+    cfg = CheckpointSettings.from_args(args, load_arg)
+    load_dir = cfg.load
     if not load_dir:
         raise CheckpointError("--use-checkpoint-args needs --load DIR")
     tracker = get_checkpoint_tracker_filename(load_dir)
@@ -398,8 +397,7 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
         def select_tag(latest_tag: str) -> str:  # the tag megatron/ds/engine.py will load
             try:
                 return integrity.select_deepspeed_tag(load_dir, latest_tag,
-                                                      not getattr(args, "no_checkpoint_fallback", False),
-                                                      _first_reason, _print0)
+                                                      not cfg.no_checkpoint_fallback, _first_reason, _print0)
             except ValueError as exc:
                 raise CheckpointError(f"--use-checkpoint-args: {exc}") from None
 
@@ -407,11 +405,11 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
         name = deepspeed_state_file(load_dir, select_tag)
         if name is None:
             raise CheckpointError(f"--use-checkpoint-args: no {TRACKER_FILENAME} (or DeepSpeed 'latest') in {load_dir}")
-        use_checkpoint_args(args, load_state_dict_file(name, trust=bool(getattr(args, "trust_checkpoint", False))))
+        use_checkpoint_args(args, load_state_dict_file(name, trust=cfg.trust_checkpoint))
         return args
     iteration, release = read_metadata(tracker)
     iter_dir = _iteration_dir(load_dir, iteration, release)
-    trust = bool(getattr(args, "trust_checkpoint", False))
+    trust = cfg.trust_checkpoint
     from megatron.checkpoint_conversion.torch_dist import is_torch_dist, read_common
 
     if is_torch_dist(iter_dir):  # Megatron-LM's args live in common.pt
@@ -425,8 +423,7 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
         return next((n for n in names if os.path.isdir(os.path.dirname(n))), names[0])
 
     # The iteration load_checkpoint will load: the tracker's, or the newest intact one below it (integrity fallback).
-    _, name, sd = _select_checkpoint(load_dir, iteration, release, bool(getattr(args, "trust_checkpoint", False)),
-                                     not getattr(args, "no_checkpoint_fallback", False), rank0_file)
+    _, name, sd = _select_checkpoint(load_dir, iteration, release, trust, not cfg.no_checkpoint_fallback, rank0_file)
     if sd.get("args") is None and not sd.get("architecture"):
         raise CheckpointError(f"--use-checkpoint-args: {name} holds no args")
     use_checkpoint_args(args, sd)
@@ -531,8 +528,8 @@ def _iteration_dir(load_dir: str, iteration: int, release: bool) -> str:
     return os.path.join(load_dir, "release" if release else f"iter_{iteration:07d}")
 
 
-def _load_other_format(models: list, args: argparse.Namespace, load_dir: str, iteration: int, release: bool,
-                       state: ps.ParallelState, trust: bool,
+def _load_other_format(models: list, args: argparse.Namespace, cfg: CheckpointSettings, iteration: int,
+                       release: bool, state: ps.ParallelState,
                        train_state: Optional[TrainingState] = None, optimizer: Any = None,
                        opt_param_scheduler: Any = None) -> Optional[int]:
     """Megatron Core layouts (per-rank files with Core names, torch_dist): load their weights (and a torch_dist
@@ -540,13 +537,14 @@ def _load_other_format(models: list, args: argparse.Namespace, load_dir: str, it
     our own layout."""
     from megatron.checkpoint_formats import TORCH, check_format_flags, detect_format, load_foreign
 
+    load_dir = cfg.load
     iter_dir = _iteration_dir(load_dir, iteration, release)
-    fmt = detect_format(iter_dir, trust) if os.path.isdir(iter_dir) else TORCH
-    check_format_flags(fmt, args, iter_dir)
+    fmt = detect_format(iter_dir, cfg.trust_checkpoint) if os.path.isdir(iter_dir) else TORCH
+    check_format_flags(fmt, args, iter_dir, cfg)
     if fmt == TORCH:
         return None
     iteration, _, rng = load_foreign(models, args, load_dir, iter_dir, fmt, release, state, train_state, optimizer,
-                                     opt_param_scheduler)
+                                     opt_param_scheduler, cfg)
     if rng is not None:
         set_rng_state(rng, state)
     _barrier()
@@ -584,36 +582,39 @@ def load_checkpoint(
     load_arg: str = "load",
     strict: bool = True,
     train_state: Optional[TrainingState] = None,
+    settings: Optional[CheckpointSettings] = None,
 ) -> int:
-    """Load the latest checkpoint under ``getattr(args, load_arg)``; returns the iteration to continue from.
+    """Load the latest checkpoint under the folder flag ``load_arg`` (--load); returns the iteration to continue from.
 
     Honours --finetune (model only, iteration 0), --no-load-optim, --no-load-rng and ``release`` checkpoints,
     restores consumed train/valid samples into `train_state` (without one: into ``args``, Megatron's names). No
-    tracker file → start from scratch (0).
+    tracker file → start from scratch (0). `settings` (default: built from ``args`` and ``load_arg``) says what to
+    load; ``args`` is this run's record the checkpoint's is checked against.
     """
     forget_last_loaded()
-    load_dir = getattr(args, load_arg, None)
+    cfg = settings if settings is not None else CheckpointSettings.from_args(args, load_arg)
+    load_dir = cfg.load
     if not load_dir:
         return 0
     state = _state()
     models = _as_list(model)
     tracker = get_checkpoint_tracker_filename(load_dir)
     if not os.path.isfile(tracker):
-        if getattr(args, "exit_on_missing_checkpoint", False):
+        if cfg.exit_on_missing_checkpoint:
             raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint ({tracker}) in --load {load_dir}")
         _print0(f" no checkpoint in {load_dir} yet ({os.path.basename(tracker)} not found): will not load any "
                 "checkpoints and will start from random")
         return 0
     iteration, release = read_metadata(tracker)
-    trust = bool(getattr(args, "trust_checkpoint", False))
-    foreign = _load_other_format(models, args, load_dir, iteration, release, state, trust, train_state, optimizer,
+    trust = cfg.trust_checkpoint
+    foreign = _load_other_format(models, args, cfg, iteration, release, state, train_state, optimizer,
                                  opt_param_scheduler)
     if foreign is not None:
         return foreign
     iteration, checkpoint_name, sd = _select_checkpoint(load_dir, iteration, release, trust,
-                                                        not getattr(args, "no_checkpoint_fallback", False))
+                                                        not cfg.no_checkpoint_fallback)
     _print0(f" loading checkpoint from {load_dir} at iteration {iteration}")
-    finetune = bool(getattr(args, "finetune", False))
+    finetune = cfg.finetune
     global _LAST_LOADED
     _LAST_LOADED = LoadedCheckpoint(folder=os.path.dirname(os.path.dirname(checkpoint_name)), iteration=iteration,
                                     verified=integrity.verify(os.path.dirname(os.path.dirname(checkpoint_name)), [])
@@ -622,7 +623,7 @@ def load_checkpoint(
 
     ckpt_args = sd.get("args")
     if ckpt_args is not None or sd.get("architecture"):
-        check_checkpoint_args(ckpt_args, args, checkpoint_name, sd.get("architecture"))
+        check_checkpoint_args(ckpt_args, args, checkpoint_name, sd.get("architecture"), cfg)
     loaded_iteration = iteration
     if finetune or release:
         iteration = 0
@@ -640,7 +641,7 @@ def load_checkpoint(
             raise CheckpointError(f"checkpoint {checkpoint_name} has no '{key}' entry (saved with a different "
                                "--virtual-pipeline-model-parallel-size?)")
         try:
-            unwrap_model(chunk).load_state_dict(_qkv_in_current_order(sd[key], sd, args), strict=strict)
+            unwrap_model(chunk).load_state_dict(_qkv_in_current_order(sd[key], sd, cfg), strict=strict)
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()
             detail = " ".join(line.strip() for line in first[1:3]) if len(first) > 1 else first[0]
@@ -651,7 +652,7 @@ def load_checkpoint(
 
     # Optimizer and LR scheduler.
     loaded_optim = False
-    if not release and not finetune and not getattr(args, "no_load_optim", False):
+    if not release and not finetune and not cfg.no_load_optim:
         if optimizer is not None:
             if "optimizer" not in sd:
                 raise CheckpointError(f"checkpoint {checkpoint_name} has no optimizer state; pass --no-load-optim")
@@ -665,7 +666,7 @@ def load_checkpoint(
         optimizer.reload_model_params()  # fp32 main params must follow the loaded fp16/bf16 weights
 
     # RNG.
-    if not release and not finetune and not getattr(args, "no_load_rng", False):
+    if not release and not finetune and not cfg.no_load_rng:
         if "rng_state" not in sd:
             raise CheckpointError(f"checkpoint {checkpoint_name} has no rng_state; pass --no-load-rng")
         set_rng_state(sd["rng_state"], state)

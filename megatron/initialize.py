@@ -23,6 +23,7 @@ from megatron.global_vars import get_args, set_global_variables, unset_global_va
 
 # Launcher detection lives in megatron/launcher.py (a leaf: megatron.arguments reads it while parsing); re-exported.
 from megatron.launcher import DEFAULT_MASTER_PORT, LauncherEnv, detect_launcher_env, parse_slurm_nodelist  # noqa: F401
+from megatron.run_configs.parallel import ParallelSizes
 
 _OWNS_PROCESS_GROUP = False
 _ATEXIT_REGISTERED = False
@@ -160,15 +161,16 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
     if parallel_state.model_parallel_is_initialized():
         _print0("model parallel is already initialized")
         return
+    sizes = ParallelSizes.from_args(args)
     state = parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,
         args.virtual_pipeline_model_parallel_size,
-        pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None),
+        pipeline_model_parallel_split_rank=sizes.pipeline_model_parallel_split_rank,
         timeout=peer_failure.distributed_timeout(args.distributed_timeout_minutes),  # bounds every group's wait
-        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
-        context_parallel_size=getattr(args, "context_parallel_size", 1),
-        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
+        expert_model_parallel_size=sizes.expert_model_parallel_size,
+        context_parallel_size=sizes.context_parallel_size,
+        expert_tensor_parallel_size=sizes.expert_tensor_parallel_size,
     )
     if args.rank == 0:
         print(f"> initialized tensor model parallel with size {state.tp_size}", flush=True)

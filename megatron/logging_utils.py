@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from megatron.core.rank_print import is_last_rank, print_rank_0, print_rank_last  # noqa: F401  (re-exported)
+from megatron.run_configs.log_settings import LogSettings
 
 ADVANCED = "advanced iterations"
 SKIPPED = "skipped iterations"
@@ -114,20 +115,21 @@ def write_train_scalars(
     """Per-iteration TensorBoard scalars (every --tensorboard-log-interval), Megatron-LM tag names; the "vs samples"
     axis is `consumed_samples` (default: ``args.consumed_train_samples``)."""
     samples = int(args.consumed_train_samples if consumed_samples is None else consumed_samples)
+    show = LogSettings.from_args(args)
 
     def both(tag: str, value: float) -> None:
         writer.add_scalar(tag, value, iteration)
         writer.add_scalar(f"{tag} vs samples", value, samples)
 
-    if getattr(args, "log_learning_rate_to_tensorboard", True):
+    if show.log_learning_rate_to_tensorboard:
         both("learning-rate", learning_rate)
-    if getattr(args, "log_batch_size_to_tensorboard", False):
+    if show.log_batch_size_to_tensorboard:
         both("batch-size", batch_size)
     for key, value in loss_dict.items():
         both(key, float(value))
-    if getattr(args, "log_loss_scale_to_tensorboard", True):
+    if show.log_loss_scale_to_tensorboard:
         both("loss-scale", loss_scale)
-    if getattr(args, "log_world_size_to_tensorboard", False):
+    if show.log_world_size_to_tensorboard:
         both("world-size", args.world_size)
     if grad_norm is not None:
         both("grad-norm", grad_norm)
@@ -135,7 +137,7 @@ def write_train_scalars(
         both("num-zeros", num_zeros_in_grad)
     if params_norm is not None:
         both("params-norm", params_norm)
-    if getattr(args, "log_memory_to_tensorboard", False) and torch.cuda.is_available():
+    if show.log_memory_to_tensorboard and torch.cuda.is_available():
         both("mem-reserved-bytes", torch.cuda.memory_reserved())
         both("mem-allocated-bytes", torch.cuda.memory_allocated())
 
@@ -167,7 +169,7 @@ def log_validation(
         for key, value in losses.items():
             writer.add_scalar(f"{key} validation", value, iteration)
             writer.add_scalar(f"{key} validation vs samples", value, samples)
-            if getattr(args, "log_validation_ppl_to_tensorboard", False):
+            if LogSettings.from_args(args).log_validation_ppl_to_tensorboard:
                 writer.add_scalar(f"{key} validation ppl", ppls[key], iteration)
                 writer.add_scalar(f"{key} validation ppl vs samples", ppls[key], samples)
     length = len(line) + 1

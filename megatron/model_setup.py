@@ -16,13 +16,15 @@ from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_p
 from megatron.learning_rates import OptimizerParamScheduler
 from megatron.logging_utils import print_rank_0
 from megatron.model.module import Float16Module
+from megatron.run_configs.model_wrap import ModelWrapSettings
 
 
 def get_model(model_provider_func: Callable, model_type: Any, args: argparse.Namespace,
               state: ps.ParallelState, wrap_with_ddp: bool = True) -> list[torch.nn.Module]:
     """Build this rank's model chunks (one per virtual pipeline stage), cast for fp16/bf16, wrap each in DDP."""
     args.model_type = model_type
-    vp_size = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    wrap = ModelWrapSettings.from_args(args)
+    vp_size = wrap.virtual_pipeline_model_parallel_size
     chunks = []
     if state.pp_size > 1 and vp_size is not None:
         for vp_rank in range(vp_size):
@@ -42,19 +44,19 @@ def get_model(model_provider_func: Callable, model_type: Any, args: argparse.Nam
     if state.dp_rank == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
               f"{state.pp_rank}): {n_params}", flush=True)
-    return [_wrap_chunk(chunk, args, state, wrap_with_ddp) for chunk in chunks]
+    return [_wrap_chunk(chunk, wrap, state, wrap_with_ddp) for chunk in chunks]
 
 
-def _wrap_chunk(model: torch.nn.Module, args: argparse.Namespace, state: ps.ParallelState,
+def _wrap_chunk(model: torch.nn.Module, wrap: ModelWrapSettings, state: ps.ParallelState,
                 wrap_with_ddp: bool) -> torch.nn.Module:
-    if torch.cuda.is_available() and getattr(args, "distributed_backend", None) != "gloo":
+    if torch.cuda.is_available() and wrap.distributed_backend != "gloo":
         model.cuda(torch.cuda.current_device())
-    if args.fp16 or args.bf16:
-        model = Float16Module(model, torch.half if args.fp16 else torch.bfloat16)
+    if wrap.fp16 or wrap.bf16:
+        model = Float16Module(model, torch.half if wrap.fp16 else torch.bfloat16)
     if wrap_with_ddp:
         from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 
-        if args.DDP_impl == "torch":
+        if wrap.DDP_impl == "torch":
             if state.expert_groups:
                 raise ValueError("--DDP-impl torch cannot reduce expert grads over the expert-data-parallel group; "
                                  "use --DDP-impl local with --expert-model-parallel-size > 1")
@@ -62,15 +64,15 @@ def _wrap_chunk(model: torch.nn.Module, args: argparse.Namespace, state: ps.Para
         else:
             model = DistributedDataParallel(
                 model, dp_group=state.dp_cp_group,  # context-parallel ranks hold parts of the same gradient
-                accumulate_allreduce_grads_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
-                use_contiguous_buffers=bool(getattr(args, "use_contiguous_buffers_in_local_ddp", True)),
-                overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
-                use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-                overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
-                bucket_size=getattr(args, "ddp_bucket_size", None),
+                accumulate_allreduce_grads_in_fp32=wrap.accumulate_allreduce_grads_in_fp32,
+                use_contiguous_buffers=wrap.use_contiguous_buffers_in_local_ddp,
+                overlap_grad_reduce=wrap.overlap_grad_reduce,
+                use_distributed_optimizer=wrap.use_distributed_optimizer,
+                overlap_param_gather=wrap.overlap_param_gather,
+                bucket_size=wrap.ddp_bucket_size,
                 expert_dp_group=state.edp_group if state.expert_groups else None,
             )
-            if getattr(args, "data_parallel_random_init", False):
+            if wrap.data_parallel_random_init:
                 model.broadcast_params()  # start every data-parallel replica from DP rank 0's weights
     return model
 
@@ -101,7 +103,7 @@ def get_optimizer_param_scheduler(optimizer: Any, args: argparse.Namespace) -> O
     warmup, decay, wd_incr = _scheduler_steps(args)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=getattr(args, "lr_warmup_init", 0.0) or 0.0,
+        init_lr=getattr(args, "lr_warmup_init", 0.0) or 0.0,  # not a flag: a script may set it
         max_lr=args.lr if args.lr is not None else 0.0,  # no --lr: only with --skip-train (never stepped)
         min_lr=args.min_lr,
         lr_warmup_steps=warmup,

@@ -40,6 +40,7 @@ from typing import Optional
 
 from megatron.config_flags import config_kwargs_from_args
 from megatron.core.transformer_config import TransformerConfig
+from megatron.run_configs.memory import MemorySettings
 
 MB = 1024.0 * 1024.0
 
@@ -82,10 +83,11 @@ def _bert_extra_parameters(args: argparse.Namespace, config: TransformerConfig) 
     LM head: dense h x h + bias and LayerNorm (replicated), vocab-parallel bias V; with the binary head also two
     token-type embeddings, the pooler h x h + bias and the binary head h x 2 + bias (replicated). Counted with the
     embedding layers (they sit next to the tied output layer)."""
-    if getattr(args, "model_family", "gpt") != "bert":
+    opts = MemorySettings.from_args(args)
+    if opts.model_family != "bert":
         return 0, 0, 0
     h = config.hidden_size
-    binary = bool(getattr(args, "bert_binary_head", True))
+    binary = opts.bert_binary_head
     head_repl = h * h + h + 2 * h  # the LM head's LayerNorm has a bias whatever --normalization says
     if binary:
         head_repl += h * h + h + 2 * h + 2
@@ -126,16 +128,17 @@ def count_parameters(args: argparse.Namespace) -> ParameterCounts:
 
 def bytes_per_parameter(args: argparse.Namespace) -> float:
     """Weight + gradient + optimizer bytes per parameter on one rank (Megatron-LM README's table)."""
+    opts = MemorySettings.from_args(args)
     mixed = bool(args.fp16 or args.bf16)
-    fp32_grads = bool(args.bf16 or getattr(args, "accumulate_allreduce_grads_in_fp32", False))
-    state = 4 if getattr(args, "optimizer", "adam") == "sgd" else 8
+    fp32_grads = bool(args.bf16 or opts.accumulate_allreduce_grads_in_fp32)
+    state = 4 if opts.optimizer == "sgd" else 8
     if not mixed:
         replicated, sharded = 4 + 4, state
     elif fp32_grads:
         replicated, sharded = 2 + 4, 4 + state
     else:
         replicated, sharded = 2 + 2, 4 + 4 + state
-    if getattr(args, "use_distributed_optimizer", False):
+    if opts.use_distributed_optimizer:
         return replicated + sharded / args.data_parallel_size
     return float(replicated + sharded)
 
@@ -147,7 +150,7 @@ def compute_weight_and_optimizer_memory(args: argparse.Namespace) -> float:
 
 def _layer_activation_bytes(args: argparse.Namespace, e: int, selective: bool) -> float:
     config = model_config(args)
-    cp = getattr(args, "context_parallel_size", 1) or 1
+    cp = MemorySettings.from_args(args).context_parallel_size
     s, b, h = args.seq_length // cp, args.micro_batch_size, config.hidden_size
     f = config.ffn_hidden_size
     if config.gated_linear_unit:
@@ -166,13 +169,14 @@ def _layer_activation_bytes(args: argparse.Namespace, e: int, selective: bool) -
 
 def compute_activation_memory(args: argparse.Namespace, num_microbatches: Optional[int] = None) -> Optional[float]:
     """Activation bytes on the first pipeline stage (see the module docstring); None where it does not apply."""
-    if getattr(args, "distribute_saved_activations", False):
+    opts = MemorySettings.from_args(args)
+    if opts.distribute_saved_activations:
         return None  # checkpointed inputs split over TP without SP: not modelled
-    s, b, h = args.seq_length // (getattr(args, "context_parallel_size", 1) or 1), args.micro_batch_size, args.hidden_size
+    s, b, h = args.seq_length // opts.context_parallel_size, args.micro_batch_size, args.hidden_size
     t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     t_sp = t if args.sequence_parallel else 1
     e = 2 if (args.fp16 or args.bf16) else 4
-    granularity = getattr(args, "recompute_granularity", None)
+    granularity = opts.recompute_granularity
     layer = _layer_activation_bytes(args, e, selective=granularity == "selective")
     layers = args.num_layers // p
     recompute_peak = 0.0
@@ -190,12 +194,12 @@ def compute_activation_memory(args: argparse.Namespace, num_microbatches: Option
     else:
         per_microbatch = layers * layer
     per_microbatch += 8 * s * b * 2 + s * b * h / t_sp  # token ids and positions (int64), embedding dropout mask
-    bert = getattr(args, "model_family", "gpt") == "bert"
-    binary = bert and bool(getattr(args, "bert_binary_head", True))
+    bert = opts.model_family == "bert"
+    binary = bert and opts.bert_binary_head
     if bert:  # int64 padding mask, bool [b, 1, s, s] attention mask, int64 token types with the binary head
         per_microbatch += 8 * s * b + s * s * b + (8 * s * b if binary else 0)
     in_flight = float(p)
-    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    vp = opts.virtual_pipeline_model_parallel_size
     if p > 1 and vp is not None:
         in_flight *= 1 + (p - 1) / (p * vp)
     elif p > 1 and num_microbatches is not None:

@@ -66,6 +66,7 @@ from megatron.nan_guard import (
 )
 from megatron.progress import ProgressNotes
 from megatron.required_flags import TRAINING_RUN
+from megatron.run_configs.log_settings import LogSettings
 from megatron.run_settings import LoopSettings
 from megatron.theoretical_memory_usage import report_theoretical_memory
 from megatron.training_state import TrainingState
@@ -215,7 +216,8 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
     timers_to_log = ["forward-backward", "forward-compute", "backward-compute", "batch-generator",
                      "grads-all-reduce", "optimizer"]
     # Timers gather over all ranks: every rank calls write(), only the writer's rank writes.
-    if getattr(args, "log_timers_to_tensorboard", False) and iteration % args.tensorboard_log_interval == 0:
+    show = LogSettings.from_args(args)
+    if show.log_timers_to_tensorboard and iteration % args.tensorboard_log_interval == 0:
         timers.write(timers_to_log, writer, iteration, normalizer=1.0)
     if writer is not None and iteration % args.tensorboard_log_interval == 0:
         write_train_scalars(writer, args, iteration, loss_dict, learning_rate, batch_size, loss_scale, grad_norm,
@@ -225,14 +227,14 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
         elapsed = timers("interval-time").elapsed(barrier=True)
         total_iters = total_loss_dict[ADVANCED] + total_loss_dict[SKIPPED]
         per_iter = elapsed / max(1, total_iters)
-        if writer is not None and getattr(args, "log_timers_to_tensorboard", False):
+        if writer is not None and show.log_timers_to_tensorboard:
             writer.add_scalar("iteration-time", per_iter, iteration)
-        if getattr(args, "model_family", "gpt") == "t5":  # encoder-decoder: two sequence lengths
+        if show.model_family == "t5":  # encoder-decoder: two sequence lengths
             from megatron.models.t5.model import t5_num_floating_point_operations
 
             flops = t5_num_floating_point_operations(core_transformer_config_from_args(args), batch_size,
                                                      args.encoder_seq_length, args.decoder_seq_length)
-        elif getattr(args, "model_family", "gpt") == "bert":  # + LM head dense, pooler and binary head
+        elif show.model_family == "bert":  # + LM head dense, pooler and binary head
             from megatron.flops import bert_num_floating_point_operations
 
             flops = bert_num_floating_point_operations(core_transformer_config_from_args(args), batch_size,

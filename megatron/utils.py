@@ -12,6 +12,7 @@ import torch
 
 from megatron.core.rank_print import is_last_rank, print_rank_0, print_rank_last  # noqa: F401  (Megatron's path)
 from megatron.core.utils import unwrap_model as _core_unwrap
+from megatron.run_configs.throughput import ThroughputSettings
 
 _CURRENT = object()  # sentinel: "use the current parallel state's group"
 
@@ -221,15 +222,18 @@ def get_model_flops_per_iteration(args: argparse.Namespace, batch_size: Optional
     F = 24·k·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)), k = 4 with full activation recomputation (96·…), else 3 (72·…).
     B defaults to the global batch size (micro x num micro-batches x DP).
     """
+    return model_flops_per_iteration(ThroughputSettings.from_args(args), batch_size)
+
+
+def model_flops_per_iteration(run: ThroughputSettings, batch_size: Optional[int] = None) -> float:
+    """get_model_flops_per_iteration on typed settings."""
     if batch_size is None:
-        batch_size = getattr(args, "global_batch_size", None)
+        batch_size = run.global_batch_size
         if batch_size is None:
-            batch_size = args.micro_batch_size * args.data_parallel_size
-    seq = getattr(args, "actual_seq_length", None) or args.seq_length
-    h, layers, vocab = args.hidden_size, args.num_layers, args.padded_vocab_size
-    recompute_full = (getattr(args, "checkpoint_activations", False)
-                      or getattr(args, "recompute_granularity", None) == "full")
-    factor = 4 if recompute_full else 3
+            batch_size = run.micro_batch_size * run.data_parallel_size
+    seq = run.seq_length
+    h, layers, vocab = run.hidden_size, run.num_layers, run.padded_vocab_size
+    factor = 4 if run.recompute_full else 3
     return (24.0 * factor * batch_size * seq * layers * h * h) * (
         1.0 + seq / (6.0 * h) + vocab / (16.0 * layers * h)
     )
@@ -245,16 +249,17 @@ def throughput_calculator(
     """
     if total_iterations <= 0 or iteration_time <= 0:
         raise ValueError("throughput_calculator needs positive iteration_time and total_iterations")
+    run = ThroughputSettings.from_args(args)
     if batch_size is None:
         try:
             from megatron.global_vars import get_num_microbatches
 
-            batch_size = args.micro_batch_size * get_num_microbatches() * args.data_parallel_size
+            batch_size = run.micro_batch_size * get_num_microbatches() * run.data_parallel_size
         except RuntimeError:
-            batch_size = getattr(args, "global_batch_size", None) or args.micro_batch_size * args.data_parallel_size
+            batch_size = run.global_batch_size or run.micro_batch_size * run.data_parallel_size
     params_b = None if model is None else get_parameters_in_billions(model)
     per_iter = iteration_time / total_iterations
     samples_per_second = batch_size / per_iter
-    flops = get_model_flops_per_iteration(args, batch_size)
-    tflops = flops / (per_iter * getattr(args, "world_size", 1) * 1e12)
+    flops = model_flops_per_iteration(run, batch_size)
+    tflops = flops / (per_iter * run.world_size * 1e12)
     return samples_per_second, tflops, params_b

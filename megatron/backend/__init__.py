@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 
 from megatron.backend.base import StepResult, TrainingBackend
+from megatron.run_configs.deepspeed import DeepSpeedSettings
 
 __all__ = ["StepResult", "TrainingBackend", "backend_for"]
 
 
 def backend_for(args: argparse.Namespace) -> TrainingBackend:
     """DeepSpeed's engine under --deepspeed, else Megatron's own path (DeepSpeed is imported only when chosen)."""
-    if getattr(args, "deepspeed", False):
+    if DeepSpeedSettings.from_args(args).enabled:
         from megatron.backend.deepspeed import DeepSpeedBackend
 
         return DeepSpeedBackend()

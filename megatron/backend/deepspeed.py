@@ -18,6 +18,7 @@ from megatron.arguments import core_transformer_config_from_args
 from megatron.backend.base import StepResult, TrainingBackend
 from megatron.core import parallel_state as ps
 from megatron.ds import engine as ds_engine
+from megatron.run_configs.deepspeed import DeepSpeedSettings
 from megatron.training_state import TrainingState
 
 
@@ -28,7 +29,7 @@ def gpt_model_pipe(args: argparse.Namespace, state: ps.ParallelState) -> torch.n
     if state.global_rank == 0:
         print(" > building GPT model ...", flush=True)
     return GPTModelPipe(core_transformer_config_from_args(args), state,
-                        fp16_lm_cross_entropy=bool(getattr(args, "fp16_lm_cross_entropy", False)),
+                        fp16_lm_cross_entropy=DeepSpeedSettings.from_args(args).fp16_lm_cross_entropy,
                         carry_attention_mask=bool(args.reset_attention_mask))
 
 
@@ -38,7 +39,7 @@ PIPE_MODELS: dict[str, Callable[[argparse.Namespace, ps.ParallelState], torch.nn
 
 def uses_pipeline_engine(args: argparse.Namespace) -> bool:
     """DeepSpeed's pipeline engine runs the model: --pipeline-model-parallel-size > 1, no --no-pipeline-parallel."""
-    return args.pipeline_model_parallel_size > 1 and not getattr(args, "no_pipeline_parallel", False)
+    return args.pipeline_model_parallel_size > 1 and not DeepSpeedSettings.from_args(args).no_pipeline_parallel
 
 
 class DeepSpeedBackend(TrainingBackend):
@@ -48,7 +49,7 @@ class DeepSpeedBackend(TrainingBackend):
 
     def setup(self, model_provider: Callable, model_type: Any, args: argparse.Namespace,
               state: ps.ParallelState) -> tuple[list, Any, Any]:
-        pipe = PIPE_MODELS.get(getattr(args, "model_family", "gpt")) if uses_pipeline_engine(args) else None
+        pipe = PIPE_MODELS.get(DeepSpeedSettings.from_args(args).model_family) if uses_pipeline_engine(args) else None
         if pipe is not None:
             def model_provider(pre_process: bool = True, post_process: bool = True) -> torch.nn.Module:
                 return pipe(args, state)

@@ -24,6 +24,7 @@ from megatron.model_setup import get_model, get_optimizer_param_scheduler
 from megatron.nan_guard import NonFiniteTrainingError, loaded_state_problem, loss_and_grads_finite
 from megatron.optimizer import get_megatron_optimizer
 from megatron.optimizer.optimizer_config import optimizer_config_from_args
+from megatron.run_configs.step import StepSettings
 from megatron.training_state import TrainingState
 from megatron.utils import calc_params_l2_norm
 
@@ -32,10 +33,12 @@ class PipelineScheduleError(MegatronUserError):
     """The batch layout does not fit the pipeline schedule."""
 
 
-def check_pipeline_schedule(args: argparse.Namespace, num_microbatches: int) -> None:
+def check_pipeline_schedule(args: Optional[argparse.Namespace], num_microbatches: int,
+                            settings: Optional[StepSettings] = None) -> None:
     """Megatron's start-up rule for the interleaved schedule: micro-batches divisible by the pipeline size."""
-    pp = args.pipeline_model_parallel_size
-    if pp > 1 and getattr(args, "virtual_pipeline_model_parallel_size", None) is not None \
+    step = settings if settings is not None else StepSettings.from_args(args)
+    pp = step.pipeline_model_parallel_size
+    if pp > 1 and step.virtual_pipeline_model_parallel_size is not None \
             and num_microbatches % pp != 0:
         raise PipelineScheduleError(
             f"the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage) needs the number of "
@@ -44,10 +47,9 @@ def check_pipeline_schedule(args: argparse.Namespace, num_microbatches: int) -> 
             f"--micro-batch-size")
 
 
-def _schedule(args: argparse.Namespace) -> Callable[..., list]:
-    check_pipeline_schedule(args, global_vars.get_num_microbatches())
-    return get_forward_backward_func(args.pipeline_model_parallel_size,
-                                     getattr(args, "virtual_pipeline_model_parallel_size", None))
+def _schedule(step: StepSettings) -> Callable[..., list]:
+    check_pipeline_schedule(None, global_vars.get_num_microbatches(), step)
+    return get_forward_backward_func(step.pipeline_model_parallel_size, step.virtual_pipeline_model_parallel_size)
 
 
 class MegatronBackend(TrainingBackend):
@@ -85,25 +87,26 @@ class MegatronBackend(TrainingBackend):
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
 
-        forward_backward_func = _schedule(args)
-        timers("forward-backward", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
+        step = StepSettings.from_args(args)
+        forward_backward_func = _schedule(step)
+        timers("forward-backward", log_level=1).start(barrier=step.barrier_with_L1_time)
         losses_reduced = forward_backward_func(
             forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
             num_microbatches=global_vars.get_num_microbatches(), forward_only=False,
             grad_scale_func=optimizer.scale_loss, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-            decoder_seq_length=getattr(args, "decoder_seq_length", None), parallel_state=state,
+            decoder_seq_length=step.decoder_seq_length, parallel_state=state,
         )
         timers("forward-backward").stop()
 
-        timers("grads-all-reduce", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
-        finalize_model_grads(model, state, sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+        timers("grads-all-reduce", log_level=1).start(barrier=step.barrier_with_L1_time)
+        finalize_model_grads(model, state, sequence_parallel=step.sequence_parallel)
         timers("grads-all-reduce").stop()
 
         # --check-for-nan-in-loss-and-grad: a non-finite loss or grad norm skips the step on every rank (nan_guard).
         finite = True
-        if getattr(args, "check_for_nan_in_loss_and_grad", True):
+        if step.check_for_nan_in_loss_and_grad:
             finite, _ = loss_and_grads_finite(losses_reduced, model, check_grads=not args.fp16)
-        timers("optimizer", log_level=1).start(barrier=bool(getattr(args, "barrier_with_L1_time", True)))
+        timers("optimizer", log_level=1).start(barrier=step.barrier_with_L1_time)
         if finite:
             update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
         else:
@@ -131,7 +134,8 @@ class MegatronBackend(TrainingBackend):
         for chunk in model:
             chunk.eval()
         total: dict[str, float] = {}
-        forward_backward_func = _schedule(args)
+        step = StepSettings.from_args(args)
+        forward_backward_func = _schedule(step)
         num_mb = global_vars.get_num_microbatches()
         with torch.no_grad():
             for it in range(args.eval_iters):
@@ -141,7 +145,7 @@ class MegatronBackend(TrainingBackend):
                     forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                     num_microbatches=num_mb, forward_only=True, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, parallel_state=state,
-                    decoder_seq_length=getattr(args, "decoder_seq_length", None))
+                    decoder_seq_length=step.decoder_seq_length)
                 if state.is_pipeline_last_stage(ignore_virtual=True):
                     for d in loss_dicts:
                         for key, value in d.items():
@@ -154,7 +158,7 @@ class MegatronBackend(TrainingBackend):
                     forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                     num_microbatches=num_mb, forward_only=True, collect_non_loss_data=True, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, parallel_state=state,
-                    decoder_seq_length=getattr(args, "decoder_seq_length", None))
+                    decoder_seq_length=step.decoder_seq_length)
         for chunk in model:
             chunk.train()
         for key in total:

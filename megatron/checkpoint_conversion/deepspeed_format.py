@@ -38,6 +38,7 @@ from megatron.checkpoint_conversion.megatron_format import (
     megatron_meta,
 )
 from megatron.core.tensor_parallel.layout import TensorParallelLayout
+from megatron.run_configs.saved_args import SavedRunArgs
 
 LATEST = "latest"
 MP_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -202,7 +203,7 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
             tps = sorted({t for _, t in files})
             indices = {idx for idx, _ in files}
             self.bigscience = 0 not in indices and 1 in indices
-            num_layers = self.architecture.get("num_layers") or getattr(args, "num_layers", None)
+            num_layers = self.architecture.get("num_layers") or SavedRunArgs.from_args(args).num_layers
             if num_layers is None:  # no client state: count the files (final norm = last file)
                 num_layers = max(indices) - (4 if self.bigscience else 1)
             for t in tps:
@@ -218,7 +219,7 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
         if tps != list(range(len(tps))):
             raise ConversionError(f"{tag_dir}: tensor ranks {tps} are not 0..{len(tps) - 1}; a file is missing")
         self.tp = len(tps)
-        saved_tp = int(getattr(args, "tensor_model_parallel_size", self.tp) or self.tp)
+        saved_tp = int(SavedRunArgs.from_args(args).tensor_model_parallel_size or self.tp)
         if saved_tp != self.tp:
             raise ConversionError(f"{tag_dir} holds {self.tp} tensor-parallel shards but its args say "
                                   f"--tensor-model-parallel-size {saved_tp}; the checkpoint is incomplete")

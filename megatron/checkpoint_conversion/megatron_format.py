@@ -38,6 +38,7 @@ from megatron.checkpoint_conversion.interchange import (
 from megatron.checkpoint_conversion.qkv_versions import fix_qkv_ordering
 from megatron.checkpoint_conversion.vocab import repad_rows, target_rows
 from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayout
+from megatron.run_configs.saved_args import SavedRunArgs
 from megatron.safe_load import CheckpointFileError, UnsafeCheckpointError, safe_torch_load
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -206,16 +207,18 @@ def expert_rank_files(iter_dir: str) -> Tuple[int, Dict[Tuple[int, int, int], st
     found = {d: m for d, m in found.items() if m and os.path.isfile(os.path.join(iter_dir, d, "model_optim_rng.pt"))}
     if not found:
         return 1, {}
-    args = _load(os.path.join(iter_dir, next(iter(found)), "model_optim_rng.pt"), False).get("args")
-    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
-    etp, saved_tp = getattr(args, "expert_tensor_parallel_size", None), getattr(args, "tensor_model_parallel_size", 1)
+    saved = SavedRunArgs.from_args(_load(os.path.join(iter_dir, next(iter(found)), "model_optim_rng.pt"),
+                                         False).get("args"))
+    ep = saved.expert_model_parallel_size
+    etp = saved.expert_tensor_parallel_size
+    saved_tp = 1 if saved.tensor_model_parallel_size is None else saved.tensor_model_parallel_size
     if etp is not None and etp != saved_tp:
         raise ConversionError(f"{iter_dir}: saved with --expert-tensor-parallel-size {etp} != --tensor-model-parallel-"
                               f"size {saved_tp}; converting that layout is not implemented (train on with the same "
                               f"layout, or save from a run with the two sizes equal)")
     if ep == 1:
         return 1, {}
-    staged = int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1
+    staged = saved.pipeline_model_parallel_size > 1
     files: Dict[Tuple[int, int, int], str] = {}
     for d, m in found.items():
         nums = [int(g) for g in m.groups() if g is not None]
@@ -287,10 +290,10 @@ def _architecture_from(sd: Dict[str, Any], path: str) -> Dict[str, Any]:
     from megatron.checkpoint_args import saved_architecture
 
     arch = saved_architecture(sd.get("architecture"), sd.get("args"))
-    args = sd.get("args")
+    saved = SavedRunArgs.from_args(sd.get("args"))
     for key in ("num_layers", "hidden_size", "num_attention_heads"):
-        if key not in arch and getattr(args, key, None) is not None:
-            arch[key] = getattr(args, key)
+        if key not in arch and getattr(saved, key) is not None:
+            arch[key] = getattr(saved, key)
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if arch.get(k) is None]
     if missing:
         raise ConversionError(f"{path} stores neither 'architecture' nor args with {', '.join(missing)}: "
@@ -449,23 +452,18 @@ class MegatronCheckpointReader:
 
 def megatron_meta(reader: MegatronCheckpointReader, true_vocab_size: Optional[int], model_type: str) -> ModelMeta:
     sd, args = reader.first, reader.first.get("args")
-    tok: Dict[str, Any] = {}
-    if args is not None:
-        for key in ("vocab_file", "merge_file", "tokenizer_model"):
-            if getattr(args, key, None):
-                tok[key] = getattr(args, key)
-        if getattr(args, "tokenizer_type", None):
-            tok["type"] = args.tokenizer_type
-    true_vocab = true_vocab_size or sd.get("true_vocab_size") or getattr(args, "true_vocab_size", None)
+    saved = SavedRunArgs.from_args(args)
+    tok: Dict[str, Any] = saved.tokenizer_dict()
+    true_vocab = true_vocab_size or sd.get("true_vocab_size") or saved.true_vocab_size
     src = sd if "consumed_train_samples" in sd else vars(args) if args is not None else {}
-    tokens = tuple(int((sd[k] if sd.get(k) is not None else getattr(args, k, 0)) or 0)
+    tokens = tuple(int((sd[k] if sd.get(k) is not None else getattr(saved, k)) or 0)
                    for k in ("consumed_train_tokens", "consumed_valid_tokens"))
     return ModelMeta(
         model_type=model_type, architecture=dict(reader.architecture), true_vocab_size=true_vocab,
         iteration=None if reader.iteration is None else int(sd.get("iteration", reader.iteration)),
         checkpoint_args=args, consumed_train_samples=int(src.get("consumed_train_samples", 0) or 0),
         consumed_valid_samples=int(src.get("consumed_valid_samples", 0) or 0),
-        make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128) or 128),
+        make_vocab_size_divisible_by=saved.make_vocab_size_divisible_by,
         tokenizer=tok, source=reader.load_dir,
         extra={"tp": reader.tp, "pp": reader.pp, "vp": reader.vp, "ep": getattr(reader, "ep", 1),  # DeepSpeed: 1
                "consumed_tokens": tokens,

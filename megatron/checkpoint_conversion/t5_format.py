@@ -43,6 +43,7 @@ from megatron.checkpoint_conversion.megatron_format import (
 )
 from megatron.checkpoint_conversion.vocab import repad_rows, target_rows
 from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayout
+from megatron.run_configs.saved_args import SavedRunArgs
 
 EMBEDDINGS = "embeddings"
 LM_HEAD_BIAS = "lm_head.bias"
@@ -106,12 +107,12 @@ def read_t5(load_dir: str, *, true_vocab_size: Optional[int] = None, trust: bool
     `optimizer`, the messages also carry the training state when the checkpoint has one (optimizer_state.py)."""
     reader = T5CheckpointReader(load_dir, trust, iteration)
     meta = megatron_meta(reader, true_vocab_size, "T5")
-    args = meta.checkpoint_args
+    saved = SavedRunArgs.from_args(meta.checkpoint_args)
     last = reader.chunks[(0, reader.pp - 1, 0)]
     if not any(k.startswith(_stack("decoder")) for k in last) or LM_HEAD_BIAS not in last:
         raise ConversionError(f"{load_dir} holds no T5 decoder / lm_head.bias: not a T5 checkpoint (pass the "
                               "--model-type it was trained as)")
-    split = getattr(args, "pipeline_model_parallel_split_rank", None) if reader.pp > 1 else 1
+    split = saved.pipeline_model_parallel_split_rank if reader.pp > 1 else 1
     if split is None or not 0 < split < reader.pp + (reader.pp == 1):
         raise ConversionError(f"{reader.files[(0, 0)]}: a T5 checkpoint with {reader.pp} pipeline stages needs "
                               f"args.pipeline_model_parallel_split_rank in 1..{reader.pp - 1} (got {split})")
@@ -124,7 +125,7 @@ def read_t5(load_dir: str, *, true_vocab_size: Optional[int] = None, trust: bool
     enc, dec = per["encoder"].pop() * len(enc_stages), per["decoder"].pop() * len(dec_stages)
     meta.extra["split_rank"] = split if reader.pp > 1 else None
     for field, have in (("encoder_num_layers", enc), ("decoder_num_layers", dec)):
-        said = meta.architecture.get(field) or getattr(args, field, None)
+        said = meta.architecture.get(field) or getattr(saved, field)
         if said not in (None, have):
             raise ConversionError(f"{reader.files[(0, 0)]} holds {have} {field.split('_')[0]} layers but its args "
                                   f"say {field}={said}: mismatched shards")

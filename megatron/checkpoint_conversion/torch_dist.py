@@ -43,6 +43,7 @@ from megatron.model.mcore_names import (
     experts_to_ours,
     our_layer_suffix_to_core,
 )
+from megatron.run_configs.saved_args import SavedRunArgs
 
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
@@ -357,20 +358,13 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
         raise ConversionError(f"{iter_dir} holds a T5 model (Megatron Core's T5Model): convert.py reads GPT / "
                               "Llama-family torch_dist folders; load it with --load into a T5 run instead")
     args = common.get("args")
-    tok: Dict[str, Any] = {}
-    for key in ("vocab_file", "merge_file", "tokenizer_model"):
-        if getattr(args, key, None):
-            tok[key] = getattr(args, key)
-    if getattr(args, "tokenizer_type", None):
-        tok["type"] = args.tokenizer_type
+    saved = SavedRunArgs.from_args(args)
     meta = ModelMeta(model_type="GPT", architecture=arch, iteration=None if it is None else int(common.get(
-        "iteration", it)), checkpoint_args=args, true_vocab_size=getattr(args, "true_vocab_size", None),
-        consumed_train_samples=int(common.get("consumed_train_samples", getattr(args, "consumed_train_samples", 0))
-                                   or 0),
-        consumed_valid_samples=int(common.get("consumed_valid_samples", getattr(args, "consumed_valid_samples", 0))
-                                   or 0),
-        make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128) or 128),
-        tokenizer=tok, source=iter_dir, extra={"unverified_source": None if verified else iter_dir})
+        "iteration", it)), checkpoint_args=args, true_vocab_size=saved.true_vocab_size,
+        consumed_train_samples=int(common.get("consumed_train_samples", saved.consumed_train_samples) or 0),
+        consumed_valid_samples=int(common.get("consumed_valid_samples", saved.consumed_valid_samples) or 0),
+        make_vocab_size_divisible_by=saved.make_vocab_size_divisible_by,
+        tokenizer=saved.tokenizer_dict(), source=iter_dir, extra={"unverified_source": None if verified else iter_dir})
     messages = messages_from_state_dict(flat, arch["num_layers"])
     if not optimizer or meta.iteration is None or not (opt or common.get("optimizer")):
         return meta, messages

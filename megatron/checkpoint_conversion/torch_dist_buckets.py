@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron.checkpoint_conversion.interchange import ConversionError, ModelMeta
+from megatron.run_configs.saved_args import SavedRunArgs
 
 BUCKETS = "dp_reshardable"
 UNREADABLE = "unreadable"  # common["optimizer"][UNREADABLE]: why the bucket state could not be read (raised on use)
@@ -91,13 +92,13 @@ def bucket_state(tensors: Dict[str, torch.Tensor], objects: Dict[str, Any], flat
     from megatron.model.tp_shards import merge_tensor_parallel_state_dicts, split_tensor_parallel_state_dict
 
     what = f"{where}: its distributed optimizer state (Megatron Core's {BUCKETS} layout)"
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    for flag, value in (("--num-experts", getattr(args, "num_experts", None)),
-                        ("--num-layers-per-virtual-pipeline-stage",
-                         getattr(args, "num_layers_per_virtual_pipeline_stage", None)),
-                        ("--decoder-first-pipeline-num-layers", getattr(args, "decoder_first_pipeline_num_layers", None)),
-                        ("--decoder-last-pipeline-num-layers", getattr(args, "decoder_last_pipeline_num_layers", None))):
+    saved = SavedRunArgs.from_args(args)
+    tp = int(saved.tensor_model_parallel_size or 1)
+    pp = saved.pipeline_model_parallel_size
+    for flag, value in (("--num-experts", saved.num_experts),
+                        ("--num-layers-per-virtual-pipeline-stage", saved.num_layers_per_virtual_pipeline_stage),
+                        ("--decoder-first-pipeline-num-layers", saved.decoder_first_pipeline_num_layers),
+                        ("--decoder-last-pipeline-num-layers", saved.decoder_last_pipeline_num_layers)):
         if value:
             raise ConversionError(f"{what} is not read for a run with {flag}; {_FIX}")
     buckets: Dict[Tuple[int, int, int], Dict[str, torch.Tensor]] = {}
@@ -116,7 +117,7 @@ def bucket_state(tensors: Dict[str, torch.Tensor], objects: Dict[str, Any], flat
     num_layers = int(arch["num_layers"])
     if num_layers % pp:
         raise ConversionError(f"{what}: {num_layers} layers do not split into {pp} pipeline stages")
-    impl = getattr(args, "transformer_impl", None) or "transformer_engine"  # Megatron-LM's default
+    impl = saved.transformer_impl or "transformer_engine"  # Megatron-LM's default
     if impl not in LAYER_ORDER:
         raise ConversionError(f"{what}: unknown --transformer-impl {impl}; {_FIX}")
     layouts = layer_layouts(ModelMeta(model_type="GPT", architecture=arch))

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import numpy as np
 
 from megatron.errors import MegatronUserError
+from megatron.run_configs.data_files import DATA_PATH_FLAGS, DataFileSettings
 
 _CHUNK_TOKENS = 32 << 20
 
@@ -30,9 +31,9 @@ class DataCheckError(MegatronUserError, ValueError):
 def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(flag, prefix) for every dataset prefix of the run (blend weights dropped)."""
     out = []
-    for flag, attr in (("--data-path", "data_path"), ("--train-data-path", "train_data_path"),
-                       ("--valid-data-path", "valid_data_path"), ("--test-data-path", "test_data_path")):
-        for entry in getattr(args, attr, None) or []:
+    data = DataFileSettings.from_args(args)
+    for flag, attr in DATA_PATH_FLAGS:
+        for entry in data.entries(attr):
             try:
                 float(entry)
                 continue  # a blend weight
@@ -117,7 +118,7 @@ def check_data_files(args: argparse.Namespace) -> None:
 def _check_data_files(args: argparse.Namespace) -> None:
     from megatron.data.indexed_dataset import MMapIndexedDataset, infer_dataset_impl
 
-    vocab = getattr(args, "padded_vocab_size", None)
+    vocab = DataFileSettings.from_args(args).padded_vocab_size
     for flag, prefix in data_prefixes(args):
         if infer_dataset_impl(prefix) != "mmap":
             continue  # legacy formats: checked by their readers
@@ -137,16 +138,17 @@ def _check_data_files(args: argparse.Namespace) -> None:
 
 def check_train_split(args: argparse.Namespace, train_ds: Any) -> None:
     """A training run needs training samples: one line naming --split or --data-path otherwise."""
-    if getattr(args, "skip_train", False) or not (args.train_iters or getattr(args, "train_samples", None)):
+    data = DataFileSettings.from_args(args)
+    if data.skip_train or not (data.train_iters or data.train_samples):
         return
     if train_ds is not None and len(train_ds) > 0:
         return
-    length = f"--train-iters {args.train_iters}" if args.train_iters else f"--train-samples {args.train_samples}"
-    split = str(getattr(args, "split", "") or "")
+    length = f"--train-iters {data.train_iters}" if data.train_iters else f"--train-samples {data.train_samples}"
+    split = data.split
     parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
-    if getattr(args, "data_path", None) and parts and float(parts[0]) == 0.0:
+    if data.entries("data_path") and parts and float(parts[0]) == 0.0:
         raise DataCheckError(f"--split {split} gives the training split 0% of the data but {length} asks for "
                              "training; give the first --split entry a share, or pass --skip-train to only evaluate")
-    flag = "--train-data-path" if getattr(args, "train_data_path", None) else "--data-path"
+    flag = "--train-data-path" if data.entries("train_data_path") else "--data-path"
     raise DataCheckError(f"{flag} gives no training samples but {length} asks for training: the training data is "
                          "empty or too small for one sample of --seq-length; check the data, or pass --skip-train")

@@ -38,6 +38,9 @@ from megatron.ds.engine_kind import is_pipe_engine
 from megatron.ds.mpu import get_mpu
 from megatron.logging_utils import print_rank_0
 from megatron.model_setup import get_optimizer_param_scheduler
+from megatron.run_configs.checkpoint import CheckpointSettings
+from megatron.run_configs.deepspeed import DeepSpeedSettings
+from megatron.run_configs.step import StepSettings
 from megatron.training_state import TrainingState
 
 
@@ -61,7 +64,7 @@ def _build_torch_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> 
 
 
 def _engine_config(args: argparse.Namespace) -> dict:
-    config = dict(getattr(args, "deepspeed_config_dict", None) or {})
+    config = dict(DeepSpeedSettings.from_args(args).config_dict or {})
     if not config:
         from megatron.ds.config import resolve_deepspeed_config
 
@@ -75,7 +78,8 @@ def _engine_config(args: argparse.Namespace) -> dict:
     return config
 
 
-def configure_activation_checkpointing(args: argparse.Namespace, state: ps.ParallelState) -> None:
+def configure_activation_checkpointing(args: argparse.Namespace, state: ps.ParallelState,
+                                       settings: Optional[DeepSpeedSettings] = None) -> None:
     """--deepspeed-activation-checkpointing: configure DeepSpeed's checkpointing and route our recompute to it.
 
     DeepSpeed's CheckpointFunction saves/restores the CPU and accelerator RNG and the states of
@@ -88,15 +92,16 @@ def configure_activation_checkpointing(args: argparse.Namespace, state: ps.Paral
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.models.gpt.model_pipe import ensure_deepspeed_comm
 
+    ds = settings if settings is not None else DeepSpeedSettings.from_args(args)
     ensure_deepspeed_comm()  # configure() calls deepspeed.comm before deepspeed.initialize would set it up
     deepspeed.checkpointing.configure(
         get_mpu(state),
-        partition_activations=bool(getattr(args, "partition_activations", False)),
-        contiguous_checkpointing=bool(getattr(args, "contigious_checkpointing", False)),
+        partition_activations=ds.partition_activations,
+        contiguous_checkpointing=ds.contigious_checkpointing,
         num_checkpoints=args.num_layers,
-        checkpoint_in_cpu=bool(getattr(args, "checkpoint_in_cpu", False)),
-        synchronize=bool(getattr(args, "synchronize_each_layer", False)),
-        profile=bool(getattr(args, "profile_backward", False)),
+        checkpoint_in_cpu=ds.checkpoint_in_cpu,
+        synchronize=ds.synchronize_each_layer,
+        profile=ds.profile_backward,
     )
     ds_ckpt._CUDA_RNG_STATE_TRACKER = tp_random.get_rng_tracker()
     tp_random.set_checkpoint_function(_deepspeed_checkpoint)
@@ -143,8 +148,9 @@ def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: An
 
     args.model_type = model_type
     _skip_inference_only_cpu_op()
-    if getattr(args, "deepspeed_activation_checkpointing", False):
-        configure_activation_checkpointing(args, state)
+    ds = DeepSpeedSettings.from_args(args)
+    if ds.deepspeed_activation_checkpointing:
+        configure_activation_checkpointing(args, state, ds)
     model = model_provider(pre_process=True, post_process=True)
     model.model_type = model_type
     for param in model.parameters():
@@ -218,7 +224,7 @@ def deepspeed_train_step(forward_step_func: Callable, data_iterator: Optional[It
         return loss_dict, skipped, grad_norm, num_zeros
 
     timers = global_vars.get_timers()
-    barrier = bool(getattr(args, "barrier_with_L1_time", True))
+    barrier = StepSettings.from_args(args).barrier_with_L1_time
     losses = []
     # MoE router losses get the main loss's backward scale (engine.backward divides by the accumulation steps).
     moe_aux.set_aux_loss_scale(deepspeed_loss_scale(model) / num_mb)
@@ -327,14 +333,17 @@ def checkpoint_tag(iteration: int) -> str:
 
 
 def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
-                              args: argparse.Namespace, train_state: Optional[TrainingState] = None) -> None:
-    """engine.save_checkpoint(args.save, tag=global_step{N}) with Megatron's state in client_state (collective);
-    the run state comes from `train_state` (without one: from ``args``)."""
+                              args: argparse.Namespace, train_state: Optional[TrainingState] = None,
+                              settings: Optional[CheckpointSettings] = None) -> None:
+    """engine.save_checkpoint(<save>, tag=global_step{N}) with Megatron's state in client_state (collective);
+    the run state comes from `train_state` (without one: from ``args``); `settings` default: from ``args``."""
     del optimizer  # saved by the engine
     engine = model[0]
-    if not args.save:
+    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
+    save_dir = cfg.save
+    if not save_dir:
         raise CheckpointError("saving a DeepSpeed checkpoint needs --save DIR")
-    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
+    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir}")
     run = train_state if train_state is not None else TrainingState.from_args(args)
     counters = run.checkpoint_counters()
     client_state: dict[str, Any] = {
@@ -345,58 +354,59 @@ def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_p
         **{k: counters[k] for k in ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens")},
         **run.checkpoint_totals(),
     }
-    if not getattr(args, "no_save_rng", False):
+    if not cfg.no_save_rng:
         client_state["rng_state"] = get_rng_state()  # gathered over data-parallel ranks: every rank calls
-    if opt_param_scheduler is not None and not getattr(args, "no_save_optim", False):
+    if opt_param_scheduler is not None and not cfg.no_save_optim:
         client_state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     from megatron import checkpoint_integrity as integrity
 
-    tag_dir = integrity.iteration_dir(args.save, iteration, "deepspeed")
-    if args.rank == 0:  # crashed writes' temp files go; a rewritten tag must not verify until its manifest exists
-        integrity.prepare_save(args.save, tag_dir, print_rank_0)
+    tag_dir = integrity.iteration_dir(save_dir, iteration, "deepspeed")
+    if cfg.rank == 0:  # crashed writes' temp files go; a rewritten tag must not verify until its manifest exists
+        integrity.prepare_save(save_dir, tag_dir, print_rank_0)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    engine.save_checkpoint(args.save, tag=checkpoint_tag(iteration), client_state=client_state)
+    engine.save_checkpoint(save_dir, tag=checkpoint_tag(iteration), client_state=client_state)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    if args.rank == 0:  # manifest last; DeepSpeed already moved `latest` (an unverified tag loads with a note)
+    if cfg.rank == 0:  # manifest last; DeepSpeed already moved `latest` (an unverified tag loads with a note)
         integrity.write_manifest(tag_dir)
-        integrity.prune_after_save(args.save, iteration, getattr(args, "keep_last_n_checkpoints", None),
-                                   print_rank_0, layout="deepspeed")
+        integrity.prune_after_save(save_dir, iteration, cfg.keep_last_n_checkpoints, print_rank_0,
+                                   layout="deepspeed")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
+    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {save_dir}")
 
 
 def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: Any,
-                              args: argparse.Namespace, train_state: Optional[TrainingState] = None) -> int:
+                              args: argparse.Namespace, train_state: Optional[TrainingState] = None,
+                              settings: Optional[CheckpointSettings] = None) -> int:
     """Resume from ``<load>/latest`` (DeepSpeed layout); returns the iteration (0 with --finetune or none found).
-    The consumed samples go to `train_state` (without one: onto ``args``)."""
+    The consumed samples go to `train_state` (without one: onto ``args``); `settings` default: from ``args``."""
     del optimizer  # restored by the engine
     engine = model[0]
-    load_dir = args.load
+    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
+    load_dir = cfg.load
     latest = os.path.join(load_dir, "latest")
     if not os.path.isfile(latest):
-        if getattr(args, "exit_on_missing_checkpoint", False):
+        if cfg.exit_on_missing_checkpoint:
             raise CheckpointError(f"--exit-on-missing-checkpoint: no DeepSpeed checkpoint ({latest}) in --load "
                                   f"{load_dir}")
         from megatron.ds.weights import is_megatron_checkpoint, load_megatron_checkpoint_into_engine
 
         if is_megatron_checkpoint(load_dir):  # --finetune (or --no-load-optim --no-load-rng): weights only
-            return load_megatron_checkpoint_into_engine(engine, args, ps.get_parallel_state(), train_state)
+            return load_megatron_checkpoint_into_engine(engine, args, ps.get_parallel_state(), train_state, cfg)
         print_rank_0(f" no DeepSpeed checkpoint in {load_dir} yet ({os.path.basename(latest)} not found): will not "
                      "load any checkpoints and will start from random")
         return 0
-    finetune = bool(getattr(args, "finetune", False))
-    load_optim = not finetune and not getattr(args, "no_load_optim", False)
+    finetune = cfg.finetune
+    load_optim = not finetune and not cfg.no_load_optim
     from megatron import checkpoint_integrity as integrity
     from megatron.checkpointing import _first_reason
     from megatron.safe_load import guarded_torch_load
 
     try:  # the newest global_stepN whose files match their manifest
         latest_tag = integrity.read_pointer_file(latest)
-        tag = integrity.select_deepspeed_tag(load_dir, latest_tag, not getattr(args, "no_checkpoint_fallback", False),
-                                             _first_reason, print_rank_0)
+        tag = integrity.select_deepspeed_tag(load_dir, latest_tag, not cfg.no_checkpoint_fallback, _first_reason, print_rank_0)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     from megatron.ds.weights import expected_layout, load_other_layout_into_engine, tag_layout_or_none
@@ -409,9 +419,9 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
             raise CheckpointError(f"{tag_dir} was written by a {layout} engine and this run uses a "
                                   f"{expected_layout(engine)} one: its optimizer state does not load here; pass "
                                   "--no-load-optim (and --no-load-rng), or --finetune, to start from its weights")
-        path, client_state = load_other_layout_into_engine(engine, tag_dir, args, ps.get_parallel_state())
+        path, client_state = load_other_layout_into_engine(engine, tag_dir, args, ps.get_parallel_state(), cfg)
     else:
-        with guarded_torch_load(trust=bool(getattr(args, "trust_checkpoint", False))):  # DeepSpeed's torch.load
+        with guarded_torch_load(trust=cfg.trust_checkpoint):  # DeepSpeed's torch.load
             path, client_state = engine.load_checkpoint(
                 load_dir, tag=tag, load_optimizer_states=load_optim, load_lr_scheduler_states=False,
                 load_module_only=finetune)
@@ -426,7 +436,7 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
         saved = saved_architecture(client_state.get("architecture"), ckpt_args)
         check_architecture({k: v for k, v in saved.items() if k != "padded_vocab_size"}, args, path)
     elif ckpt_args is not None or client_state.get("architecture"):
-        check_checkpoint_args(ckpt_args, args, path, client_state.get("architecture"))
+        check_checkpoint_args(ckpt_args, args, path, client_state.get("architecture"), cfg)
     loaded_iteration = int(client_state.get("iteration", 0))
     if finetune:
         iteration = 0
@@ -439,7 +449,7 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
             run.write_counters(args, names)
     if load_optim and opt_param_scheduler is not None and "opt_param_scheduler" in client_state:
         opt_param_scheduler.load_state_dict(client_state["opt_param_scheduler"])
-    if not finetune and not getattr(args, "no_load_rng", False):
+    if not finetune and not cfg.no_load_rng:
         if "rng_state" not in client_state:
             raise CheckpointError(f"checkpoint {path} has no rng_state; pass --no-load-rng")
         set_rng_state(client_state["rng_state"])

@@ -25,12 +25,14 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from megatron.run_configs.deepspeed import DeepSpeedSettings
+
 _PREPARED_ATTR = "_megatron_pipe_prepared"
 
 
 def _carry_attention_mask(engine: Any, args: argparse.Namespace) -> bool:
     module = getattr(engine, "module", None)
-    return bool(getattr(module, "carry_attention_mask", getattr(args, "reset_attention_mask", False)))
+    return bool(getattr(module, "carry_attention_mask", DeepSpeedSettings.from_args(args).reset_attention_mask))
 
 
 def prepare_pipe_engine(engine: Any, args: argparse.Namespace, state: Any) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from megatron.checkpointing import CheckpointError
 from megatron.logging_utils import print_rank_0
+from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.training_state import TrainingState
 
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -157,7 +158,8 @@ def _true_vocab(meta_true: Optional[int]) -> Optional[int]:
 
 
 def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, state: Any,
-                                         train_state: Optional[TrainingState] = None) -> int:
+                                         train_state: Optional[TrainingState] = None,
+                                         settings: Optional[CheckpointSettings] = None) -> int:
     """--deepspeed --load <Megatron checkpoint> with --finetune (iteration 0) or --no-load-optim --no-load-rng
     (the checkpoint's iteration and consumed samples, into `train_state`, or onto ``args`` without one);
     returns the iteration to continue from."""
@@ -168,22 +170,23 @@ def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, 
     from megatron.checkpointing import _first_reason
     from megatron.model import GPTModel
 
-    load_dir = args.load
-    finetune = bool(getattr(args, "finetune", False))
+    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
+    load_dir = cfg.load
+    finetune = cfg.finetune
     if not (isinstance(engine.module, GPTModel) or _is_pipe(engine.module)):
         raise CheckpointError(f"--deepspeed --load of a Megatron checkpoint ({load_dir}) loads GPT models only, not "
                               f"{type(engine.module).__name__}: train without --deepspeed to start from it")
-    if not finetune and not (getattr(args, "no_load_optim", False) and getattr(args, "no_load_rng", False)):
+    if not finetune and not (cfg.no_load_optim and cfg.no_load_rng):
         raise CheckpointError(f"--load {load_dir} holds a Megatron checkpoint (no DeepSpeed optimizer or RNG state): "
                               "add --finetune to start from its weights, or --no-load-optim --no-load-rng to continue "
                               "its iteration count")
     try:
         iter_dir, _ = find_iteration_dir(load_dir)
-        reason = integrity.verify(iter_dir) if int(getattr(args, "rank", 0) or 0) == 0 else None
+        reason = integrity.verify(iter_dir) if cfg.rank == 0 else None
         reason = _first_reason(None if reason == integrity.NO_MANIFEST else reason)
         if reason is not None:
             raise CheckpointError(f"checkpoint {iter_dir} is damaged: {reason}; restore it")
-        meta, messages = read_megatron(load_dir, model_type="GPT", trust=bool(getattr(args, "trust_checkpoint", False)),
+        meta, messages = read_megatron(load_dir, model_type="GPT", trust=cfg.trust_checkpoint,
                                        verify=False)  # verified above, collectively
         release = meta.iteration is None
         print_rank_0(f" loading checkpoint from {load_dir} at iteration {0 if release else meta.iteration} "
@@ -217,8 +220,8 @@ def expected_layout(engine: Any) -> str:
     return "zero3" if getattr(engine, "zero_optimization_stage", lambda: 0)() == 3 else "module"
 
 
-def load_other_layout_into_engine(engine: Any, tag_dir: str, args: argparse.Namespace, state: Any
-                                  ) -> tuple[str, dict]:
+def load_other_layout_into_engine(engine: Any, tag_dir: str, args: argparse.Namespace, state: Any,
+                                  settings: Optional[CheckpointSettings] = None) -> tuple[str, dict]:
     """A DeepSpeed tag of another layout than the engine's: its weights through the stream; (path, client state)."""
     from megatron.checkpoint_args import check_architecture
     from megatron.checkpoint_conversion.deepspeed_format import DeepSpeedCheckpointReader
@@ -228,7 +231,8 @@ def load_other_layout_into_engine(engine: Any, tag_dir: str, args: argparse.Name
     from megatron.core.tensor_parallel.layout import TensorParallelLayout
 
     try:
-        reader = DeepSpeedCheckpointReader(tag_dir, trust=bool(getattr(args, "trust_checkpoint", False)))
+        trust = (settings if settings is not None else CheckpointSettings.from_args(args)).trust_checkpoint
+        reader = DeepSpeedCheckpointReader(tag_dir, trust=trust)
         check_architecture({k: v for k, v in reader.architecture.items() if k != "padded_vocab_size"}, args, tag_dir)
         meta = megatron_meta(reader, None, "GPT")
         meta.architecture["padded_vocab_size"] = reader.merged(0, 0, _WORD, TensorParallelLayout(dim=0)).size(0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Optional
 
 import torch
@@ -11,6 +12,7 @@ from megatron.checkpointing import load_checkpoint
 from megatron.core import parallel_state as ps
 from megatron.errors import MegatronUserError
 from megatron.model import GPTModel, ModelType
+from megatron.run_configs.checkpoint import CheckpointSettings
 
 
 class InferenceLoadError(MegatronUserError, ValueError):
@@ -61,15 +63,12 @@ def load_model_for_inference(args: argparse.Namespace, state: Optional[ps.Parall
         return GPTModel(config, tp_group=state.tp_group, pp_state=state, parallel_output=parallel_output,
                         pre_process=pre_process, post_process=post_process)
 
-    if getattr(args, "load", None):
-        require_checkpoint(args.load)  # before building the model: a wrong --load must not serve random weights
+    ckpt = CheckpointSettings.from_args(args)
+    if ckpt.load:
+        require_checkpoint(ckpt.load)  # before building the model: a wrong --load must not serve random weights
     model = get_model(provider, ModelType.encoder_or_decoder, args, state, wrap_with_ddp=False)[0]
-    if getattr(args, "load", None):
-        saved = (getattr(args, "no_load_optim", False), getattr(args, "no_load_rng", False))
-        args.no_load_optim, args.no_load_rng = True, True
-        try:
-            load_checkpoint([model], None, None, args)
-        finally:
-            args.no_load_optim, args.no_load_rng = saved
+    if ckpt.load:  # weights only
+        load_checkpoint([model], None, None, args,
+                        settings=dataclasses.replace(ckpt, no_load_optim=True, no_load_rng=True))
     model.eval()
     return model

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron.errors import ArgumentError
+from megatron.run_configs.tokenizer import TokenizerSettings
 from megatron.tokenizer.abstract import AbstractTokenizer
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
@@ -26,53 +27,62 @@ def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: 
 
 def _vocab_size_with_padding(orig_vocab_size: int, args: Any) -> int:
     """Megatron's name and signature: pads with args.make_vocab_size_divisible_by * tp and logs on rank 0."""
-    return vocab_size_with_padding(orig_vocab_size, getattr(args, "make_vocab_size_divisible_by", 128) or 1,
-                                   getattr(args, "tensor_model_parallel_size", 1) or 1,
-                                   log=(getattr(args, "rank", 0) or 0) == 0)
+    return padded_vocab_size(orig_vocab_size, TokenizerSettings.from_args(args))
 
 
-def _make(args: Any) -> AbstractTokenizer:
-    kind = getattr(args, "tokenizer_type", None)
-    extra = int(getattr(args, "vocab_extra_ids", 0) or 0)
+def padded_vocab_size(orig_vocab_size: int, settings: TokenizerSettings) -> int:
+    """The vocabulary padded to make_vocab_size_divisible_by * tp (logged on rank 0)."""
+    return vocab_size_with_padding(orig_vocab_size, settings.make_vocab_size_divisible_by,
+                                   settings.tensor_model_parallel_size, log=settings.rank == 0)
+
+
+def make_tokenizer(cfg: TokenizerSettings) -> AbstractTokenizer:
+    """The tokenizer named by ``cfg.tokenizer_type`` (no vocabulary padding, no log line)."""
+    kind = cfg.tokenizer_type
+    extra = cfg.vocab_extra_ids
     if kind == "GPT2BPETokenizer":
         from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 
-        return GPT2BPETokenizer(getattr(args, "vocab_file", None), getattr(args, "merge_file", None))
+        return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
     if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
 
-        return BertWordPieceTokenizer(getattr(args, "vocab_file", None), lower_case=kind.endswith("LowerCase"),
-                                      vocab_extra_ids=extra)
+        return BertWordPieceTokenizer(cfg.vocab_file, lower_case=kind.endswith("LowerCase"), vocab_extra_ids=extra)
     if kind == "SentencePieceTokenizer":
         from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 
-        return SentencePieceTokenizer(getattr(args, "tokenizer_model", None), vocab_extra_ids=extra)
+        return SentencePieceTokenizer(cfg.tokenizer_model, vocab_extra_ids=extra)
     if kind == "Llama2Tokenizer":
         from megatron.tokenizer.llama2_tokenizer import Llama2Tokenizer
 
-        return Llama2Tokenizer(getattr(args, "tokenizer_model", None), vocab_extra_ids=extra)
+        return Llama2Tokenizer(cfg.tokenizer_model, vocab_extra_ids=extra)
     if kind == "PretrainedFromHF":
         from megatron.tokenizer.hf_tokenizer import PretrainedFromHFTokenizer
 
-        return PretrainedFromHFTokenizer(getattr(args, "tokenizer_name_or_path", None), vocab_extra_ids=extra)
+        return PretrainedFromHFTokenizer(cfg.tokenizer_name_or_path, vocab_extra_ids=extra)
     if kind == "HuggingFaceTokenizer":
         from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer
 
-        return HuggingFaceTokenizer(getattr(args, "tokenizer_model", None), vocab_extra_ids=extra)
+        return HuggingFaceTokenizer(cfg.tokenizer_model, vocab_extra_ids=extra)
     if kind == "NullTokenizer":
         from megatron.tokenizer.null_tokenizer import NullTokenizer
 
-        if getattr(args, "vocab_size", None) is None:
+        if cfg.vocab_size is None:
             raise ArgumentError("NullTokenizer needs --vocab-size")
-        return NullTokenizer(args.vocab_size)
+        return NullTokenizer(cfg.vocab_size)
     raise ArgumentError(f"--tokenizer-type {kind!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
+def build_tokenizer_from(cfg: TokenizerSettings) -> tuple[AbstractTokenizer, int]:
+    """The tokenizer and the padded vocabulary size (prints on rank 0, as Megatron's build_tokenizer)."""
+    if cfg.rank == 0:
+        print(f"> building {cfg.tokenizer_type} tokenizer ...", flush=True)
+    tokenizer = make_tokenizer(cfg)
+    return tokenizer, padded_vocab_size(tokenizer.vocab_size, cfg)
+
+
 def build_tokenizer(args: Any) -> AbstractTokenizer:
-    """Build the tokenizer named by args.tokenizer_type and set args.padded_vocab_size (prints on rank 0)."""
-    rank = getattr(args, "rank", 0) or 0
-    if rank == 0:
-        print(f"> building {args.tokenizer_type} tokenizer ...", flush=True)
-    tokenizer = _make(args)
-    args.padded_vocab_size = _vocab_size_with_padding(tokenizer.vocab_size, args)
+    """Megatron's API: build the tokenizer named by args.tokenizer_type and set args.padded_vocab_size (prints on
+    rank 0)."""
+    tokenizer, args.padded_vocab_size = build_tokenizer_from(TokenizerSettings.from_args(args))
     return tokenizer
