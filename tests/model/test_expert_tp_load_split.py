@@ -11,7 +11,6 @@ from megatron.model.tp_shards import split_tensor_parallel_state_dict, tensor_pa
 from tests.model.helpers import build_gpt, tiny_config
 
 
-
 def test_experts_split_over_the_expert_tensor_parallel_group() -> None:
     config = tiny_config(num_moe_experts=4, moe_router_topk=2, add_bias_linear=False, ffn_hidden_size=48,
                          swiglu=True)
