@@ -4,4 +4,8 @@ Importing this package is cheap on purpose (no torch import here): `tools/prepro
 `megatron.tokenizer` and `megatron.data.indexed_dataset` only.
 """
 
+from megatron import moved
+
 __version__ = "0.1.0"
+
+moved.install()  # Megatron's import paths of moved modules (megatron.checkpoint.checkpointing, megatron.model.bert_model, ...)

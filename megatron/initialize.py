@@ -74,7 +74,7 @@ def initialize_megatron(
     if getattr(parsed, "use_checkpoint_args", False) or (args_defaults or {}).get("use_checkpoint_args", False):
         if not parsed.load:
             raise ValueError("--use-checkpoint-args needs --load <checkpoint directory>")
-        from megatron.checkpointing import load_args_from_checkpoint
+        from megatron.checkpoint.checkpointing import load_args_from_checkpoint
 
         load_args_from_checkpoint(parsed)
     validate_args(parsed, args_defaults or {})

@@ -27,7 +27,7 @@ from megatron import global_vars, peer_failure
 from megatron.arguments import core_transformer_config_from_args
 from megatron.backend import backend_for
 from megatron.backend.megatron import PipelineScheduleError, check_pipeline_schedule  # noqa: F401  (Megatron's names)
-from megatron.checkpointing import (
+from megatron.checkpoint.checkpointing import (
     forget_last_loaded,
     last_loaded,
     local_rng_state,

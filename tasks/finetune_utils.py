@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron import global_vars
-from megatron.checkpointing import (
+from megatron.checkpoint.checkpointing import (
     get_checkpoint_tracker_filename,
     load_checkpoint,
     local_rng_state,

@@ -15,10 +15,10 @@ NEEDLE = "getattr(args"
 ADAPTER = ("megatron/run_settings.py", "megatron/run_configs/")
 
 # The flag layer, not capped here: declaring, parsing, validating and recording flags is its job (arguments.py,
-# config_flags.py, checkpoint_args.py, flag_registry.py, moe_arguments.py, cli_parser.py hold the settings'
+# config_flags.py, checkpoint/args.py, flag_registry.py, moe_arguments.py, cli_parser.py hold the settings'
 # declarations; required_flags.py refuses missing flags at start-up; ds/config.py reconciles the DeepSpeed JSON with
 # the flags inside validate_args and writes the result onto args); global_vars.py holds args.
-FLAG_LAYER = ("megatron/settings/", "megatron/arguments.py", "megatron/config_flags.py", "megatron/checkpoint_args.py",
+FLAG_LAYER = ("megatron/settings/", "megatron/arguments.py", "megatron/config_flags.py", "megatron/checkpoint/args.py",
               "megatron/flag_registry.py", "megatron/moe_arguments.py", "megatron/cli_parser.py",
               "megatron/required_flags.py", "megatron/ds/config.py", "megatron/global_vars.py")
 # megatron/settings/ is the settings' one declaration (groups of flags; their from_args reads the namespace).

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from megatron.arguments import build_parser, parse_args
-from megatron.checkpoint_args import ARCHITECTURE_FIELDS
+from megatron.checkpoint.args import ARCHITECTURE_FIELDS
 from megatron.settings import CORE_GROUPS, ENTRY_GROUPS, LAST_GROUPS, all_settings, from_args
 from megatron.settings.model import NetworkSizeSettings
 from megatron.settings.moe import MoESettings

@@ -80,7 +80,7 @@ def resolve_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
             hint = " (it is a Megatron checkpoint: use --loader megatron)" if os.path.isfile(
                 os.path.join(load_dir, "latest_checkpointed_iteration.txt")) else ""
             raise ConversionError(f"--load-dir {load_dir} is not a DeepSpeed checkpoint: no '{LATEST}' file{hint}")
-        from megatron.checkpoint_integrity import read_pointer_file
+        from megatron.checkpoint.integrity import read_pointer_file
 
         try:
             tag = read_pointer_file(latest)
@@ -313,7 +313,7 @@ def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str,
     import dataclasses
     import shutil
 
-    from megatron.atomic_io import atomic_torch_save, atomic_write_text
+    from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
     from megatron.checkpoint_conversion.megatron_format import (
         find_iteration_dir,
         rank_files,

@@ -134,7 +134,7 @@ def _alive(pid: int) -> bool:
 
 def convert(args: argparse.Namespace) -> Dict[str, Any]:
     """Run one conversion; returns the saver's summary plus the model flags."""
-    from megatron.safe_load import guarded_torch_load
+    from megatron.checkpoint.safe_load import guarded_torch_load
 
     _check_args(args)
     args.keep_training_state = not getattr(args, "no_save_optim", False) and args.saver in ("megatron", "mcore")
@@ -154,7 +154,7 @@ def convert(args: argparse.Namespace) -> Dict[str, Any]:
         os.replace(tmp, save)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        from megatron.atomic_io import DiskFullError, _disk_full
+        from megatron.checkpoint.atomic_io import DiskFullError, _disk_full
 
         if isinstance(exc, DiskFullError) or isinstance(exc, (OSError, RuntimeError)) and \
                 _disk_full(exc, os.path.dirname(save)):

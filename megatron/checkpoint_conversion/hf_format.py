@@ -65,7 +65,7 @@ class _LazyTensors:
                     raise ConversionError(f"{path} is not a readable safetensors file ({detail}): it is truncated or "
                                           "damaged; download or copy it again") from None
             else:
-                from megatron.safe_load import safe_torch_load
+                from megatron.checkpoint.safe_load import safe_torch_load
 
                 handle = safe_torch_load(path, map_location="cpu", trust=self.trust, mmap=True)
             self._open = (name, handle)

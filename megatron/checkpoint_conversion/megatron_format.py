@@ -23,7 +23,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.atomic_io import atomic_torch_save, atomic_write_text
+from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
+from megatron.checkpoint.safe_load import CheckpointFileError, UnsafeCheckpointError, safe_torch_load
 from megatron.checkpoint_conversion.interchange import (
     EMBEDDINGS,
     FINAL_NORM,
@@ -39,7 +40,6 @@ from megatron.checkpoint_conversion.qkv_versions import fix_qkv_ordering
 from megatron.checkpoint_conversion.vocab import repad_rows, target_rows
 from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayout
 from megatron.run_configs.saved_args import SavedRunArgs
-from megatron.safe_load import CheckpointFileError, UnsafeCheckpointError, safe_torch_load
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
@@ -134,7 +134,7 @@ def find_iteration_dir(load_dir: str, iteration: Optional[int] = None) -> Tuple[
         elif os.path.isfile(os.path.join(load_dir, "config.json")):
             hint = " (it looks like a Hugging Face model: use --loader hf)"
         raise ConversionError(f"--load-dir {load_dir} is not a Megatron checkpoint: no {TRACKER}{hint}")
-    from megatron.checkpoint_integrity import read_pointer_file
+    from megatron.checkpoint.integrity import read_pointer_file
 
     try:
         text = read_pointer_file(tracker)
@@ -155,7 +155,7 @@ def verified_source(load_dir: str, iter_dir: str, iteration: Optional[int], expl
     intact iteration at or below the named one (one WARNING line naming what was skipped); an explicitly named
     (--iteration) or ``release`` folder that does not verify is a one-line ConversionError. `verified` is False for a
     folder without a manifest (older saves): it is read with a note, and what is written from it is not signed."""
-    from megatron import checkpoint_integrity as integrity
+    from megatron.checkpoint import integrity
 
     reason = integrity.verify(iter_dir)
     if reason is None or reason == integrity.NO_MANIFEST:
@@ -185,7 +185,7 @@ def _note_unverified(iter_dir: str, reason: Optional[str]) -> bool:
 
 def sign_output(iter_dir: str, meta: ModelMeta) -> None:
     """Write the output's manifest, unless the source was read unverified (never sign what was not verified)."""
-    from megatron import checkpoint_integrity
+    from megatron.checkpoint import integrity as checkpoint_integrity
 
     if meta.extra.get("unverified_source"):
         checkpoint_integrity.remove_manifest(iter_dir)
@@ -287,7 +287,7 @@ def _load(path: str, trust: bool) -> Dict[str, Any]:
 
 
 def _architecture_from(sd: Dict[str, Any], path: str) -> Dict[str, Any]:
-    from megatron.checkpoint_args import saved_architecture
+    from megatron.checkpoint.args import saved_architecture
 
     arch = saved_architecture(sd.get("architecture"), sd.get("args"))
     saved = SavedRunArgs.from_args(sd.get("args"))

@@ -14,7 +14,7 @@ The megatron loader merges these over TP ranks with each parameter's own TP layo
 sends them with the weights (`Message.optimizer`); the megatron saver splits them for the target layout and writes
 them in the distributed optimizer's data-parallel-independent form (``distrib_optim.pt`` per TP x PP rank, the
 common part in ``model_optim_rng.pt``), which ``--load`` reads with ``--use-distributed-optimizer`` at any DP size and
-converts for the regular optimizer (megatron/checkpointing.py).
+converts for the regular optimizer (megatron/checkpoint/checkpointing.py).
 
 Vocabulary padding: with the training state the padded rows of the word embedding / output layer are kept exactly
 as trained, weights and moments. They are not inert: their logits take part in the softmax, so they get gradients

@@ -206,7 +206,7 @@ class McoreSaver:
     @staticmethod
     def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
                         save_dir: str) -> Dict[str, Any]:
-        from megatron.atomic_io import atomic_write_text
+        from megatron.checkpoint.atomic_io import atomic_write_text
         from megatron.checkpoint_conversion.megatron_format import sign_output
         from megatron.checkpoint_conversion.torch_dist import write_torch_dist
 

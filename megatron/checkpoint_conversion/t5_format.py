@@ -271,7 +271,7 @@ class T5Writer(MegatronWriter):
         if extra is not None:
             raise ConversionError(f'unexpected message "{extra.name}" after the T5 lm head (is --model-type right?)')
         files = self._write_files()
-        from megatron.atomic_io import atomic_write_text
+        from megatron.checkpoint.atomic_io import atomic_write_text
         from megatron.checkpoint_conversion.megatron_format import sign_output
 
         sign_output(os.path.join(self.save_dir, self.iter_name), self.meta)

@@ -98,7 +98,7 @@ def read_dcp_metadata(iter_dir: str) -> Any:
 
 def read_common(iter_dir: str, trust: bool = False) -> Dict[str, Any]:
     """common.pt through the safe loader (weights-only + allow-list)."""
-    from megatron.safe_load import safe_torch_load
+    from megatron.checkpoint.safe_load import safe_torch_load
 
     path = os.path.join(iter_dir, COMMON)
     if not os.path.isfile(path):
@@ -161,7 +161,7 @@ def read_objects(iter_dir: str, prefix: str, trust: bool = False, shards: bool =
     ShardedObjects) whose names start with `prefix`, each through the safe loader (weights-only + allow-list)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from megatron.safe_load import safe_torch_load
+    from megatron.checkpoint.safe_load import safe_torch_load
 
     md = read_dcp_metadata(iter_dir)
     out: Dict[str, Any] = {}
@@ -293,7 +293,7 @@ def _t5_stacked(flat: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 
 
 def _architecture(common: Dict[str, Any], tensors: Dict[str, torch.Tensor], path: str) -> Dict[str, Any]:
-    from megatron.checkpoint_args import saved_architecture
+    from megatron.checkpoint.args import saved_architecture
 
     arch = saved_architecture(common.get("architecture"), common.get("args"))
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if not arch.get(k)]
@@ -394,7 +394,7 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     Core's fully_reshardable layout (torch_dist_optim.py)."""
     import torch.distributed.checkpoint as dcp
 
-    from megatron.atomic_io import atomic_torch_save, atomic_write_text
+    from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
     from megatron.checkpoint_conversion.torch_dist_optim import PARAM, common_entry, state_tensors
 
     msgs = list(messages)

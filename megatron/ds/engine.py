@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from megatron import global_vars
-from megatron.checkpoint_args import architecture_from_args
-from megatron.checkpointing import (
+from megatron.checkpoint.args import architecture_from_args
+from megatron.checkpoint.checkpointing import (
     CHECKPOINT_VERSION,
     CheckpointError,
     _args_to_save,
@@ -358,7 +358,7 @@ def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_p
         client_state["rng_state"] = get_rng_state()  # gathered over data-parallel ranks: every rank calls
     if opt_param_scheduler is not None and not cfg.no_save_optim:
         client_state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-    from megatron import checkpoint_integrity as integrity
+    from megatron.checkpoint import integrity
 
     tag_dir = integrity.iteration_dir(save_dir, iteration, "deepspeed")
     if cfg.rank == 0:  # crashed writes' temp files go; a rewritten tag must not verify until its manifest exists
@@ -400,9 +400,9 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
         return 0
     finetune = cfg.finetune
     load_optim = not finetune and not cfg.no_load_optim
-    from megatron import checkpoint_integrity as integrity
-    from megatron.checkpointing import _first_reason
-    from megatron.safe_load import guarded_torch_load
+    from megatron.checkpoint import integrity
+    from megatron.checkpoint.checkpointing import _first_reason
+    from megatron.checkpoint.safe_load import guarded_torch_load
 
     try:  # the newest global_stepN whose files match their manifest
         latest_tag = integrity.read_pointer_file(latest)
@@ -431,7 +431,7 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
     client_state = client_state or {}
     ckpt_args = client_state.get("args")
     if streamed:  # another TP/PP layout is fine here: the architecture must match
-        from megatron.checkpoint_args import check_architecture, saved_architecture
+        from megatron.checkpoint.args import check_architecture, saved_architecture
 
         saved = saved_architecture(client_state.get("architecture"), ckpt_args)
         check_architecture({k: v for k, v in saved.items() if k != "padded_vocab_size"}, args, path)

@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from megatron.checkpointing import CheckpointError
+from megatron.checkpoint.checkpointing import CheckpointError
 from megatron.logging_utils import print_rank_0
 from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.training_state import TrainingState
@@ -163,11 +163,11 @@ def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, 
     """--deepspeed --load <Megatron checkpoint> with --finetune (iteration 0) or --no-load-optim --no-load-rng
     (the checkpoint's iteration and consumed samples, into `train_state`, or onto ``args`` without one);
     returns the iteration to continue from."""
-    from megatron import checkpoint_integrity as integrity
-    from megatron.checkpoint_args import check_architecture
+    from megatron.checkpoint import integrity
+    from megatron.checkpoint.args import check_architecture
+    from megatron.checkpoint.checkpointing import _first_reason
     from megatron.checkpoint_conversion.interchange import ConversionError
     from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, read_megatron
-    from megatron.checkpointing import _first_reason
     from megatron.model import GPTModel
 
     cfg = settings if settings is not None else CheckpointSettings.from_args(args)
@@ -223,7 +223,7 @@ def expected_layout(engine: Any) -> str:
 def load_other_layout_into_engine(engine: Any, tag_dir: str, args: argparse.Namespace, state: Any,
                                   settings: Optional[CheckpointSettings] = None) -> tuple[str, dict]:
     """A DeepSpeed tag of another layout than the engine's: its weights through the stream; (path, client state)."""
-    from megatron.checkpoint_args import check_architecture
+    from megatron.checkpoint.args import check_architecture
     from megatron.checkpoint_conversion.deepspeed_format import DeepSpeedCheckpointReader
     from megatron.checkpoint_conversion.interchange import ConversionError
     from megatron.checkpoint_conversion.megatron_format import WORD as _WORD

@@ -8,7 +8,6 @@ language_model.encoder.layers.{i}.self_attention.query_key_value.weight, ...).
 import importlib
 from typing import Any
 
-from megatron.model import moved
 from megatron.model.attention import CoreAttention, ParallelAttention
 from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
 from megatron.model.enums import AttnMaskType, AttnType, LayerType, ModelType
@@ -32,8 +31,6 @@ from megatron.model.transformer import (
     ParallelTransformer,
     ParallelTransformerLayer,
 )
-
-moved.install()  # megatron.model.bert_model & co. keep importing (the family modules under megatron/models/)
 
 # Family classes re-exported here, imported on first use (the family modules import this package's shared parts).
 _FAMILY_NAMES = {"BertModel": "megatron.models.bert.model", "T5Model": "megatron.models.t5.model",

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from megatron.arguments import core_transformer_config_from_args
-from megatron.checkpointing import load_checkpoint
+from megatron.checkpoint.checkpointing import load_checkpoint
 from megatron.core import parallel_state as ps
 from megatron.errors import MegatronUserError
 from megatron.model import GPTModel, ModelType
@@ -28,7 +28,7 @@ def require_checkpoint(load_dir: str) -> None:
     """
     import os
 
-    from megatron.checkpointing import TRACKER_FILENAME
+    from megatron.checkpoint.checkpointing import TRACKER_FILENAME
 
     if not os.path.isdir(load_dir):
         raise InferenceLoadError(f"--load {load_dir}: no such directory; point --load at a folder written by --save "

@@ -115,7 +115,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     import torch
 
     from megatron import global_vars
-    from megatron.atomic_io import atomic_write_text
+    from megatron.checkpoint.atomic_io import atomic_write_text
     from megatron.core import parallel_state as ps
     from megatron.text_generation.model_loading import load_model_for_inference
     from megatron.utils import print_rank_0

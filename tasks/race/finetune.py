@@ -8,7 +8,7 @@ from typing import Any
 
 from megatron import global_vars
 from megatron.arguments import core_transformer_config_from_args
-from megatron.atomic_io import atomic_write_text
+from megatron.checkpoint.atomic_io import atomic_write_text
 from megatron.core import parallel_state as ps
 from megatron.models.bert.multiple_choice import MultipleChoice
 from megatron.utils import print_rank_0

@@ -58,7 +58,7 @@ def _save_ds_checkpoints(rank: int, world_size: int, shared: str, out_root: str,
 
     import pretrain_gpt
     from megatron import global_vars
-    from megatron.checkpointing import CHECKPOINT_VERSION, _args_to_save, get_rng_state
+    from megatron.checkpoint.checkpointing import CHECKPOINT_VERSION, _args_to_save, get_rng_state
     from megatron.initialize import destroy_megatron, initialize_megatron
     from megatron.text_generation import generate
 

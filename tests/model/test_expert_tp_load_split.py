@@ -1,11 +1,11 @@
 """A Megatron Core / torch_dist checkpoint loaded under --expert-tensor-parallel-size != TP
-(megatron/checkpoint_formats.rank_piece): the dense weights get this rank's TP slice, the experts this rank's
+(megatron/checkpoint/formats.rank_piece): the dense weights get this rank's TP slice, the experts this rank's
 expert-TP slice (whole experts with expert-TP 1 under TP 2; the TP slice when expert-TP = TP). No processes."""
 from __future__ import annotations
 
 import torch
 
-from megatron.checkpoint_formats import rank_piece
+from megatron.checkpoint.formats import rank_piece
 from megatron.core.parallel_state import ParallelState
 from megatron.model.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
 from tests.model.helpers import build_gpt, tiny_config

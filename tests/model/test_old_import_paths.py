@@ -1,5 +1,6 @@
-"""Megatron's import paths that users' scripts use keep working after the move into family folders
-(megatron/models/<family>/): each old name gives the very object defined at its new place."""
+"""Megatron's import paths that users' scripts use keep working after the moves into family folders
+(megatron/models/<family>/) and into the checkpoint package (megatron/checkpoint/): each old name gives the very object
+defined at its new place, so monkeypatching the old name patches what the code calls."""
 from __future__ import annotations
 
 import importlib
@@ -26,8 +27,16 @@ PATHS = [
     ("megatron.model.transformer", "ParallelTransformer", "megatron.model.transformer"),
     ("megatron.model.transformer", "ParallelTransformerLayer", "megatron.model.transformer"),
     ("megatron.model", "Float16Module", "megatron.model.module"),
-    ("megatron.checkpointing", "save_checkpoint", "megatron.checkpointing"),
-    ("megatron.checkpointing", "load_checkpoint", "megatron.checkpointing"),
+    ("megatron.checkpointing", "save_checkpoint", "megatron.checkpoint.checkpointing"),
+    ("megatron.checkpointing", "load_checkpoint", "megatron.checkpoint.checkpointing"),
+    ("megatron.checkpointing", "CheckpointError", "megatron.checkpoint.checkpointing"),
+    ("megatron.checkpoint_args", "check_architecture", "megatron.checkpoint.args"),
+    ("megatron.checkpoint_args", "ArchitectureMismatchError", "megatron.checkpoint.args"),
+    ("megatron.checkpoint_formats", "CheckpointFormatError", "megatron.checkpoint.formats"),
+    ("megatron.checkpoint_integrity", "write_manifest", "megatron.checkpoint.integrity"),
+    ("megatron.safe_load", "safe_torch_load", "megatron.checkpoint.safe_load"),
+    ("megatron.safe_load", "UnsafeCheckpointError", "megatron.checkpoint.safe_load"),
+    ("megatron.atomic_io", "DiskFullError", "megatron.checkpoint.atomic_io"),
 ]
 
 
@@ -37,7 +46,7 @@ def test_old_path_gives_the_same_object(old, name, new):
 
 
 def test_a_moved_module_is_the_same_module_under_both_names():
-    from megatron.model import moved
+    from megatron import moved
 
     for old, new in moved.MOVED_MODULES.items():
         module = importlib.import_module(old)
@@ -46,3 +55,19 @@ def test_a_moved_module_is_the_same_module_under_both_names():
     from megatron.model import bert_model  # `from package import submodule` finds it too
     assert bert_model is importlib.import_module("megatron.models.bert.model")
     assert "BertModel" in dir(importlib.import_module("megatron.model"))
+    from megatron import checkpoint_integrity, checkpointing, safe_load  # the checkpoint package's old names too
+    assert checkpointing is importlib.import_module("megatron.checkpoint.checkpointing")
+    assert checkpoint_integrity is importlib.import_module("megatron.checkpoint.integrity")
+    assert safe_load is importlib.import_module("megatron.checkpoint.safe_load")
+    from megatron.model import moved as old_moved
+    assert old_moved is moved
+
+
+def test_monkeypatching_an_old_checkpoint_path_patches_the_code_that_calls_it(monkeypatch, tmp_path):
+    """A user's script that patches megatron.checkpointing's names changes what the checkpoint package does."""
+    import megatron.checkpointing as old
+    from megatron.checkpoint import checkpointing
+
+    monkeypatch.setattr("megatron.checkpointing.get_checkpoint_tracker_filename", lambda path: "patched")
+    assert checkpointing.get_checkpoint_tracker_filename(str(tmp_path)) == "patched"
+    assert old.get_checkpoint_tracker_filename is checkpointing.get_checkpoint_tracker_filename

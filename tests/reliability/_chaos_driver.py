@@ -14,7 +14,7 @@ import sys
 
 
 def _expected_resume(save: str) -> int | None:
-    from megatron import checkpoint_integrity as integrity
+    from megatron.checkpoint import integrity
 
     tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
     if not os.path.isfile(tracker):
@@ -32,7 +32,7 @@ def _child(argv: list[str], fault: str | None, out_path: str) -> None:
     os.dup2(fd, 2)
     if fault:
         os.environ["MEGATRON_FAULT_INJECT"] = fault
-    from megatron.atomic_io import fault_point
+    from megatron.checkpoint.atomic_io import fault_point
     from megatron.errors import MegatronUserError
     from tests.harness import entry_providers, pretrain_run
 
@@ -56,7 +56,7 @@ def main() -> None:
     plan = json.load(open(sys.argv[1]))
     import tests.harness  # noqa: F401  (imported once, before forking)
     tests.harness.entry_providers("pretrain_gpt")
-    from megatron.atomic_io import is_temp_file
+    from megatron.checkpoint.atomic_io import is_temp_file
 
     results = []
     for i, entry in enumerate(plan["runs"]):

@@ -4,7 +4,7 @@ Runs pretrain_gpt.py's pretrain() (tests/harness.py) as the entry script does (e
 RANK/WORLD_SIZE/MASTER_* in the environment (as srun or each node's torchrun starts a worker) or by torchrun.
 ``REL_FAULT="<rank> <point> <n> <action>"`` makes that rank act at the n-th matching point of the first attempt
 (TORCHELASTIC_RESTART_COUNT unset or 0): points ``train-forward`` and ``eval-forward`` (the forward step in training
-and in evaluation mode), or any megatron/atomic_io.py fault point such as ``mid-write:model_optim_rng.pt``; actions
+and in evaluation mode), or any megatron/checkpoint/atomic_io.py fault point such as ``mid-write:model_optim_rng.pt``; actions
 ``kill`` (SIGKILL), ``term`` (SIGTERM, SLURM's preemption signal), ``stop`` (SIGSTOP: a hung rank). Just before
 acting it writes OUT_DIR/fault.json with the time and pretrain's numbers so far. A run that returns writes its result
 (pretrain's numbers) to OUT_DIR/rank<R>.attempt<A>.json.
@@ -46,7 +46,7 @@ def main() -> None:
             return original(data_iterator, model)
 
     elif armed:  # a point of the atomic writer (its module-level calls look fault_point up at call time)
-        from megatron import atomic_io
+        from megatron.checkpoint import atomic_io
 
         original_point, hits = atomic_io.fault_point, {"n": 0}
 

@@ -4,7 +4,7 @@ the model file, the manifest and the tracker (half the bytes on disk), before an
 must pick the newest verified checkpoint and reproduce the uninterrupted run's losses exactly (same log strings); the
 final run completes, every kept iteration verifies and no temporary file remains.
 
-The kills come from the env-controlled fault-injection hook of megatron/atomic_io.py (no sleeps, no timing); the runs
+The kills come from the env-controlled fault-injection hook of megatron/checkpoint/atomic_io.py (no sleeps, no timing); the runs
 are forked from one pre-imported driver process (tests/reliability/_chaos_driver.py) to keep the test fast."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron import checkpoint_integrity as integrity
+from megatron.checkpoint import integrity
 from tests.log_lines import iteration_lines, iteration_values
 from tests.reliability.helpers import REPO, train_argv
 

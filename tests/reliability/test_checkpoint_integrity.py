@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron import checkpoint_integrity as integrity
+from megatron.checkpoint import integrity
 from tests.log_lines import iteration_values
 from tests.reliability.helpers import assert_one_line_error, run, train_argv
 

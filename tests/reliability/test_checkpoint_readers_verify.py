@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron import checkpoint_integrity as integrity
+from megatron.checkpoint import integrity
 from megatron.checkpoint_conversion import driver
 from megatron.checkpoint_conversion.interchange import ConversionError
 from megatron.errors import MegatronUserError

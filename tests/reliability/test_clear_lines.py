@@ -46,8 +46,8 @@ def test_truncated_samples_mapping_npy_is_rebuilt(tmp_path: Path, capsys: pytest
 
 
 def test_non_utf8_tracker_file_is_one_line(tmp_path: Path) -> None:
+    from megatron.checkpoint.checkpointing import read_metadata
     from megatron.checkpoint_conversion.megatron_format import find_iteration_dir
-    from megatron.checkpointing import read_metadata
     from megatron.errors import MegatronUserError
 
     tracker = tmp_path / "latest_checkpointed_iteration.txt"
@@ -82,7 +82,7 @@ def test_truncated_safetensors_in_convert_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_full_disk_during_save_is_one_line_and_keeps_the_last_checkpoint(tiny_data: dict, tmp_path: Path) -> None:
-    from megatron.atomic_io import FAULT_ENV
+    from megatron.checkpoint.atomic_io import FAULT_ENV
     from tests.reliability.helpers import assert_one_line_error, run, train_argv
 
     proc = run("pretrain_gpt.py", *train_argv(tiny_data, "--save", "ckpt", "--save-interval", "2", iters=4),
@@ -96,7 +96,7 @@ def test_full_disk_during_save_is_one_line_and_keeps_the_last_checkpoint(tiny_da
 
 def test_full_disk_during_convert_is_one_line_and_publishes_nothing(tiny_ckpt: Path, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron import atomic_io
+    from megatron.checkpoint import atomic_io
     from megatron.checkpoint_conversion import driver
     from megatron.errors import MegatronUserError
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import pytest
 
-from megatron import checkpoint_integrity as integrity
+from megatron.checkpoint import integrity
 from megatron.initialize import find_free_port
 from tests.reliability.helpers import REPO, train_argv
 

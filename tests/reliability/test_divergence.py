@@ -70,7 +70,7 @@ def test_diverging_run_saves_nothing_in_the_streak_and_names_the_checkpoint_befo
 @pytest.mark.slow
 def test_checkpoint_with_non_finite_values_is_refused_at_load(good_run: Path, tiny_data: dict,
                                                               tmp_path: Path) -> None:
-    from megatron import checkpoint_integrity as integrity
+    from megatron.checkpoint import integrity
 
     ckpt = _copy(good_run, tmp_path)
     _edit_optimizer_state(ckpt / STATE, lambda entry: entry["exp_avg"].view(-1)[0].fill_(float("inf")))

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.checkpoint.safe_load import safe_torch_load
 from megatron.nan_guard import NonFiniteTrainingError, SkipCounter
-from megatron.safe_load import safe_torch_load
 from tests.reliability.helpers import assert_one_line_error, run, train_argv
 
 LINE_RE = re.compile(r" iteration +(\d+)/ *\d+ \|.*")

@@ -10,7 +10,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from megatron import checkpoint_integrity as integrity
+from megatron.checkpoint import integrity
 from megatron.presets import get_preset
 from tests.interpreter import path_with_this_python
 from tests.log_lines import iteration_values

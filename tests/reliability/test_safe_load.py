@@ -11,8 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.checkpoint_integrity import write_manifest
-from megatron.safe_load import CheckpointFileError, UnsafeCheckpointError, guarded_torch_load, safe_torch_load
+from megatron.checkpoint.integrity import write_manifest
+from megatron.checkpoint.safe_load import (
+    CheckpointFileError,
+    UnsafeCheckpointError,
+    guarded_torch_load,
+    safe_torch_load,
+)
 from tests.reliability.helpers import MODEL, assert_one_line_error, run, train_argv
 
 

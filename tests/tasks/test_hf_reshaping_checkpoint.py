@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.checkpoint_args import ArchitectureMismatchError, check_architecture, saved_architecture
+from megatron.checkpoint.args import ArchitectureMismatchError, check_architecture, saved_architecture
 from tests.tasks import helpers as H
 from tests.tasks.test_zeroshot_gpt import _run_in_process, hf_wikitext
 
@@ -95,7 +95,7 @@ def test_every_advised_flag_parses():
     import re
 
     from megatron.arguments import build_parser
-    from megatron.checkpoint_args import _ACTIVATION_FIX, ARCHITECTURE_FIELDS, _fix
+    from megatron.checkpoint.args import _ACTIVATION_FIX, ARCHITECTURE_FIELDS, _fix
 
     options = {opt for action in build_parser()._actions for opt in action.option_strings}
     advice = [_fix(name, value) for name in ARCHITECTURE_FIELDS for value in (True, False, 3, "rope")]

@@ -9,6 +9,7 @@ from typing import Dict
 
 import torch
 
+from megatron.checkpoint.safe_load import safe_torch_load
 from megatron.checkpoint_conversion.interchange import ModelMeta, architecture_of, messages_from_state_dict
 from megatron.checkpoint_conversion.megatron_format import write_megatron
 from megatron.core.tensor_parallel import model_parallel_manual_seed
@@ -16,7 +17,6 @@ from megatron.core.transformer_config import TransformerConfig
 from megatron.model import GPTModel
 from megatron.model.tp_shards import merge_tensor_parallel_state_dicts
 from megatron.models.gpt.model import flatten_checkpoint_state_dict
-from megatron.safe_load import safe_torch_load
 
 TRUE_VOCAB = 61
 DIVISIBLE = 4  # make-vocab-size-divisible-by: 61 -> 64 at TP1/TP2/TP4, different padding rows per TP

@@ -79,7 +79,7 @@ def test_hf_to_megatron_logits_and_tokenizer(tmp_path, family):
 
 
 def test_greedy_generation_of_converted_llama_equals_hf_generate(tmp_path):
-    from megatron.checkpointing import load_checkpoint
+    from megatron.checkpoint.checkpointing import load_checkpoint
     from megatron.text_generation import generate
 
     hf = _hf_llama("llama_gqa", seed=1)
@@ -210,15 +210,15 @@ def test_merge_mp_partitions(tmp_path):
 @pytest.mark.parametrize("family", ["llama_gqa", "qwen2_qkv_bias"])
 def test_printed_flags_build_the_checkpoint_architecture(tmp_path, family):
     """The flags the tool prints pass Megatron's argument validation and agree with the converted checkpoint's
-    architecture under the loader's own check (megatron.checkpoint_args.check_architecture)."""
+    architecture under the loader's own check (megatron.checkpoint.args.check_architecture)."""
     import shlex
 
     from megatron.arguments import build_parser, validate_args
-    from megatron.checkpoint_args import check_architecture
+    from megatron.checkpoint.args import check_architecture
 
     _hf_llama(family).save_pretrained(tmp_path / "hf")
     flags = _convert(tmp_path / "hf", tmp_path / "meg", "--loader", "hf")["flags"]
-    from megatron.checkpoint_args import ArchitectureMismatchError
+    from megatron.checkpoint.args import ArchitectureMismatchError
 
     saved = load_files(str(tmp_path / "meg"))[(0, 0)]["architecture"]
     for extra in ([], ["--rotary-base", "10000"]):  # the check is not vacuous: a different flag is caught

@@ -70,7 +70,7 @@ def our_model(args, state=None, **kw) -> GPTModel:
 
 def load_logits(family: str, load: Path, *extra: str) -> torch.Tensor:
     """Our TP1 model loaded from `load` (single process), its logits on the oracle's tokens."""
-    from megatron.checkpointing import load_checkpoint
+    from megatron.checkpoint.checkpointing import load_checkpoint
 
     args = run_args(family, load, "--finetune", *extra)
     model = our_model(args)
@@ -145,7 +145,7 @@ def our_optimizer(model):
 def oracle(tmp_path_factory) -> Path:
     """The oracle's checkpoints and logits; it also loads ours (saved here first with --ckpt-format torch_dist), and
     our training checkpoint (3 steps on the oracle's batches, saved with the optimizer state; steps 4-6 recorded)."""
-    from megatron.checkpointing import save_checkpoint
+    from megatron.checkpoint.checkpointing import save_checkpoint
 
     root = tmp_path_factory.mktemp("mcore")
     batches = torch.randint(0, VOCAB, (TRAIN_STEPS, 4, SEQ + 1), generator=torch.Generator().manual_seed(5))
@@ -217,7 +217,7 @@ def test_core_bert_checkpoints_both_ways(oracle):
     """Megatron Core's BertModel saved as `torch` (per-rank files, Core names) and `torch_dist` at TP1 and TP2 loads
     into our BERT (--load, any layout) with Core's LM and binary-head logits; ours saved with --ckpt-format
     torch_dist gives our logits in Core's BertModel at TP1 and TP2 (<= 1e-5)."""
-    from megatron.checkpointing import load_checkpoint
+    from megatron.checkpoint.checkpointing import load_checkpoint
 
     bert = oracle / "out" / "bert"
     ref = torch.load(bert / "logits.pt")
@@ -239,7 +239,7 @@ def test_core_t5_checkpoints_both_ways(oracle):
     `torch` (per-rank files, Core names) and `torch_dist` at TP1 and TP2 loads into our T5 (--load, one process)
     with Core's logits; ours saved with --ckpt-format torch_dist gives our logits in Core's T5Model at TP1 and TP2
     (<= 1e-5)."""
-    from megatron.checkpointing import load_checkpoint
+    from megatron.checkpoint.checkpointing import load_checkpoint
 
     t5 = oracle / "out" / "t5"
     ref = torch.load(t5 / "logits.pt")
@@ -295,7 +295,7 @@ def test_convert_loader_and_saver_mcore(oracle, tmp_path):
 
 @pytest.mark.slow
 def test_use_checkpoint_args_from_common_pt(oracle):
-    from megatron.checkpointing import load_args_from_checkpoint, load_checkpoint
+    from megatron.checkpoint.checkpointing import load_args_from_checkpoint, load_checkpoint
 
     load = oracle / "out" / "llama" / "dist_pp2"
     args = parse_args(args=["--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
@@ -314,8 +314,8 @@ def test_use_checkpoint_args_from_common_pt(oracle):
 
 @pytest.mark.slow
 def test_format_flags_and_damaged_shards_are_one_line(oracle, tmp_path):
-    from megatron.checkpoint_formats import CheckpointFormatError
-    from megatron.checkpointing import load_checkpoint
+    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.checkpoint.formats import CheckpointFormatError
 
     src = oracle / "out" / "gpt" / "dist_tp2"
     args = run_args("gpt", src, "--finetune")
@@ -378,7 +378,7 @@ def test_format_flags_and_damaged_shards_are_one_line(oracle, tmp_path):
 
 def _load_parallel(rank: int, world_size: int, jobs: list) -> list:
     """Each (checkpoint, tp, pp) loaded into our GPT at that layout: this rank's weights (and logits at PP1)."""
-    from megatron.checkpointing import load_checkpoint
+    from megatron.checkpoint.checkpointing import load_checkpoint
     from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron.core.tensor_parallel import model_parallel_manual_seed
 
@@ -404,7 +404,7 @@ def _load_parallel(rank: int, world_size: int, jobs: list) -> list:
 
 @pytest.mark.slow
 def test_core_checkpoints_load_at_our_tp2_and_pp2(oracle):
-    from megatron.checkpointing import load_checkpoint
+    from megatron.checkpoint.checkpointing import load_checkpoint
     from tests.dist_utils import run_distributed
 
     gpt = oracle / "out" / "gpt"
@@ -433,7 +433,7 @@ def test_megatron_core_distributed_optimizer_checkpoint_continues_its_curve_in_o
     default dp_reshardable one, with Megatron-LM's RNG state), resumed here in one process with the regular optimizer
     and no extra flag: the python/numpy/torch generators continue from the saved states, and steps 4-6 give the
     losses of Megatron Core's run that never stopped."""
-    from megatron.checkpointing import load_checkpoint
+    from megatron.checkpoint.checkpointing import load_checkpoint
 
     core = torch.load(oracle / "out" / "train_losses.pt")
     import random
@@ -550,7 +550,7 @@ def test_moe_expert_names_both_spellings_round_trip():
 
 def _load_moe_at_ep2(rank: int, world_size: int, load: str) -> torch.Tensor:
     """Our MoE at DP2 x EP2 (2 experts per rank) loaded from `load`; this rank's logits on the oracle's tokens."""
-    from megatron.checkpointing import load_checkpoint
+    from megatron.checkpoint.checkpointing import load_checkpoint
     from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 
     state = initialize_model_parallel(1, 1, expert_model_parallel_size=2)

@@ -1,4 +1,4 @@
-"""Unit tests of megatron/checkpointing.py in one process: layout, atomic tracker, finetune/no-load flags,
+"""Unit tests of megatron/checkpoint/checkpointing.py in one process: layout, atomic tracker, finetune/no-load flags,
 release checkpoints and the one-line mismatch errors."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron import checkpointing as ck
+from megatron.checkpoint import checkpointing as ck
 
 
 class _Net(torch.nn.Module):
@@ -198,7 +198,7 @@ def test_iteration_newer_than_the_tracker_is_ignored_with_a_line(tmp_path: Path,
 
 
 def test_use_checkpoint_args_follows_the_deepspeed_fallback(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from megatron import checkpoint_integrity as integrity
+    from megatron.checkpoint import integrity
 
     for step, hidden in ((5, 4), (10, 8), (15, 16)):  # DeepSpeed's layout with Megatron's client state
         tag_dir = tmp_path / f"global_step{step}"

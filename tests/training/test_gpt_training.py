@@ -99,7 +99,7 @@ def test_checkpoint_layout_and_keys(serial: dict) -> None:
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
     path = ckpt / "iter_0000020" / "mp_rank_00" / "model_optim_rng.pt"
     assert sorted(os.listdir(ckpt / "iter_0000020" / "mp_rank_00")) == ["model_optim_rng.pt"]  # no temp files left
-    from megatron.safe_load import allowed_globals
+    from megatron.checkpoint.safe_load import allowed_globals
 
     with torch.serialization.safe_globals(allowed_globals()):  # no fallback to full unpickling needed
         sd = torch.load(path, weights_only=True)

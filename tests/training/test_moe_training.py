@@ -150,7 +150,7 @@ def test_moe_needs_no_bias_and_sequence_parallel_with_tp():
 def test_checkpoint_architecture_holds_and_restores_the_moe_settings():
     """The checkpoint's architecture records the MoE layout; --use-checkpoint-args restores it; a run whose MoE
     flags differ is stopped with one line naming the field."""
-    from megatron.checkpoint_args import (
+    from megatron.checkpoint.args import (
         ArchitectureMismatchError,
         architecture_from_args,
         check_architecture,

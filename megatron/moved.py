@@ -1,6 +1,7 @@
-"""Megatron's import paths of the modules that moved into family folders (megatron/models/<family>/): importing
-``megatron.model.bert_model`` gives the very module ``megatron.models.bert.model`` (same objects, so monkeypatching
-either name patches both). Installed by megatron/model/__init__.py; nothing else to keep in sync."""
+"""Megatron's import paths of the modules that moved: the model families (megatron/models/<family>/) and the checkpoint
+code (megatron/checkpoint/). Importing ``megatron.model.bert_model`` gives the very module ``megatron.models.bert.model``,
+``megatron.checkpointing`` the very module ``megatron.checkpoint.checkpointing`` (same objects, so monkeypatching either
+name patches both; no file stays at the old path). Installed by megatron/__init__.py; nothing else to keep in sync."""
 from __future__ import annotations
 
 import importlib
@@ -17,6 +18,13 @@ MOVED_MODULES = {
     "megatron.model.classification": "megatron.models.bert.classification",
     "megatron.model.multiple_choice": "megatron.models.bert.multiple_choice",
     "megatron.model.t5_model": "megatron.models.t5.model",
+    "megatron.model.moved": "megatron.moved",
+    "megatron.checkpointing": "megatron.checkpoint.checkpointing",
+    "megatron.checkpoint_args": "megatron.checkpoint.args",
+    "megatron.checkpoint_formats": "megatron.checkpoint.formats",
+    "megatron.checkpoint_integrity": "megatron.checkpoint.integrity",
+    "megatron.safe_load": "megatron.checkpoint.safe_load",
+    "megatron.atomic_io": "megatron.checkpoint.atomic_io",
 }
 
 

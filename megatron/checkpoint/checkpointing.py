@@ -37,22 +37,22 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from megatron import checkpoint_integrity as integrity
-from megatron.atomic_io import atomic_torch_save as _atomic_save
-from megatron.atomic_io import atomic_write_text as _atomic_write_text
-from megatron.checkpoint_args import (
+from megatron.checkpoint import integrity
+from megatron.checkpoint.args import (
     architecture_from_args,
     check_architecture,
     deepspeed_state_file,
     saved_architecture,
     use_checkpoint_args,
 )
+from megatron.checkpoint.atomic_io import atomic_torch_save as _atomic_save
+from megatron.checkpoint.atomic_io import atomic_write_text as _atomic_write_text
+from megatron.checkpoint.safe_load import CheckpointFileError, safe_torch_load
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.errors import MegatronUserError
 from megatron.model.module import unwrap_model
 from megatron.run_configs.checkpoint import PARALLEL_SIZE_FLAGS, CheckpointSettings
-from megatron.safe_load import CheckpointFileError, safe_torch_load
 from megatron.training_state import TrainingState
 
 
@@ -64,7 +64,7 @@ CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
 # Parallel-layout flags that must agree between the checkpoint and this run (the architecture is checked by
-# megatron/checkpoint_args.py).
+# megatron/checkpoint/args.py).
 _PARALLEL_ARGS = PARALLEL_SIZE_FLAGS
 
 
@@ -322,7 +322,7 @@ def save_checkpoint(
     _barrier()
     if cfg.ckpt_format == "torch_dist":
         if _is_rank0():  # the per-rank files just written become one torch_dist folder (any layout loads it)
-            from megatron.checkpoint_formats import rewrite_as_torch_dist
+            from megatron.checkpoint.formats import rewrite_as_torch_dist
 
             rewrite_as_torch_dist(save_dir, iteration, iter_dir,
                                   optimizer=optimizer is not None and not cfg.no_save_optim)
@@ -338,7 +338,7 @@ def save_checkpoint(
 
 # ----------------------------------------------------------------------------------------------- load
 def load_state_dict_file(path: str, trust: bool = False) -> dict[str, Any]:
-    """torch.load through megatron.safe_load: weights-only plus the checkpoint allow-list, unless ``trust``
+    """torch.load through megatron.checkpoint.safe_load: weights-only plus the checkpoint allow-list, unless ``trust``
     (--trust-checkpoint / MEGATRON_TRUST_CHECKPOINT=1); anything else is a one-line UnsafeCheckpointError."""
     return safe_torch_load(path, map_location="cpu", trust=trust)
 
@@ -533,9 +533,9 @@ def _load_other_format(models: list, args: argparse.Namespace, cfg: CheckpointSe
                        train_state: Optional[TrainingState] = None, optimizer: Any = None,
                        opt_param_scheduler: Any = None) -> Optional[int]:
     """Megatron Core layouts (per-rank files with Core names, torch_dist): load their weights (and a torch_dist
-    folder's training state) at this run's layout (megatron/checkpoint_formats.py) and return the iteration; None for
+    folder's training state) at this run's layout (megatron/checkpoint/formats.py) and return the iteration; None for
     our own layout."""
-    from megatron.checkpoint_formats import TORCH, check_format_flags, detect_format, load_foreign
+    from megatron.checkpoint.formats import TORCH, check_format_flags, detect_format, load_foreign
 
     load_dir = cfg.load
     iter_dir = _iteration_dir(load_dir, iteration, release)

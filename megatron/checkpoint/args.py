@@ -221,7 +221,7 @@ def deepspeed_state_file(load_dir: str, select_tag: Optional[Callable[[str], str
     latest = os.path.join(load_dir, "latest")
     if not os.path.isfile(latest):
         return None
-    from megatron.checkpoint_integrity import read_pointer_file
+    from megatron.checkpoint.integrity import read_pointer_file
 
     try:
         tag = read_pointer_file(latest)

@@ -2,7 +2,7 @@
 
 Three layouts load with ``--load``:
   * ``torch`` (ours): per-rank ``mp_rank_XX[_YYY]/model_optim_rng.pt`` with Megatron-LM 23.06's names; loaded by
-    megatron/checkpointing.py at the layout that wrote it;
+    megatron/checkpoint/checkpointing.py at the layout that wrote it;
   * ``torch`` with Megatron Core names (Megatron-LM's ``--ckpt-format torch`` since Megatron Core): the same files,
     other parameter names (megatron/model/mcore_names.py);
   * ``torch_dist`` (Megatron-LM's default): one `torch.distributed.checkpoint` folder of global tensors
@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron import checkpoint_integrity as integrity
+from megatron.checkpoint import integrity
 from megatron.errors import MegatronUserError
 from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.training_state import TOTALS, TrainingState
@@ -51,9 +51,9 @@ def _rank0_file(iter_dir: str) -> Optional[str]:
 
 def detect_format(iter_dir: str, trust: bool = False) -> str:
     """TORCH, CORE_TORCH or TORCH_DIST for one iteration folder (TORCH when it cannot tell: ours reports that)."""
+    from megatron.checkpoint.safe_load import safe_torch_load
     from megatron.checkpoint_conversion.torch_dist import is_torch_dist
     from megatron.model.mcore_names import has_core_names
-    from megatron.safe_load import safe_torch_load
 
     if is_torch_dist(iter_dir):
         return TORCH_DIST
@@ -90,12 +90,12 @@ def _read_core_torch_t5(iter_dir: str, trust: bool, layouts: Dict[str, Any]
                         ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, torch.Tensor]]:
     """Megatron Core T5Model's per-rank torch files (one pipeline stage, any TP) -> (common state, architecture, our
     full flat TP=1 state dict); `layouts`: our T5's tensor-parallel layouts by name."""
-    from megatron.checkpoint_args import saved_architecture
+    from megatron.checkpoint.args import saved_architecture
+    from megatron.checkpoint.safe_load import safe_torch_load
     from megatron.checkpoint_conversion.interchange import ConversionError
     from megatron.checkpoint_conversion.megatron_format import rank_files
     from megatron.model.mcore_names import core_to_ours
     from megatron.model.tp_shards import merge_tensor_parallel_state_dicts
-    from megatron.safe_load import safe_torch_load
 
     files = rank_files(iter_dir)
     if any(p for _, p in files):
@@ -140,7 +140,7 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bo
         flat = state_dict_from_messages(messages)
         # read_megatron cuts nothing without a true vocabulary size: the rows are the writer's padded ones
         first = _rank0_file(iter_dir)
-        from megatron.safe_load import safe_torch_load
+        from megatron.checkpoint.safe_load import safe_torch_load
 
         sd = safe_torch_load(first, map_location="cpu", trust=trust, mmap=True)
         common = {k: v for k, v in sd.items() if not k.startswith("model") and k not in ("optimizer", "rng_state")}
@@ -156,10 +156,10 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
     """--ckpt-format torch_dist on save: turn the per-rank files of `iter_dir` (just written, any layout) into one
     torch_dist folder with Megatron Core names; common.pt keeps args, iteration, consumed samples, the LR schedule
     and each model-parallel rank's RNG state; with `optimizer` the optimizer state goes along (fully_reshardable)."""
+    from megatron.checkpoint.safe_load import safe_torch_load
     from megatron.checkpoint_conversion.interchange import ConversionError
     from megatron.checkpoint_conversion.megatron_format import expert_rank_files, rank_files, read_megatron
     from megatron.checkpoint_conversion.torch_dist import write_torch_dist
-    from megatron.safe_load import safe_torch_load
 
     try:
         ep, expert_files = expert_rank_files(iter_dir)  # expert parallelism: read_megatron merges the experts
@@ -292,7 +292,7 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
     """Load a Megatron Core checkpoint into `models` (and, resuming from a torch_dist folder, `optimizer` and
     `opt_param_scheduler`); returns (iteration to continue from, common state, this rank's RNG state list to restore
     or None). The consumed samples go to `train_state` (a TrainingState), or onto ``args`` without one."""
-    from megatron.checkpoint_args import check_architecture
+    from megatron.checkpoint.args import check_architecture
     from megatron.model.module import unwrap_model
 
     cfg = settings if settings is not None else CheckpointSettings.from_args(args)
