@@ -18,6 +18,9 @@ from megatron.arguments import core_transformer_config_from_args
 from megatron.backend.base import StepResult, TrainingBackend
 from megatron.core import parallel_state as ps
 from megatron.ds import engine as ds_engine
+from megatron.model_setup import get_optimizer_param_scheduler
+from megatron.optimizer.optimizer_config import optimizer_config_from_args
+from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.run_configs.deepspeed import DeepSpeedSettings
 from megatron.training_state import TrainingState
 
@@ -49,17 +52,22 @@ class DeepSpeedBackend(TrainingBackend):
 
     def setup(self, model_provider: Callable, model_type: Any, args: argparse.Namespace,
               state: ps.ParallelState) -> tuple[list, Any, Any]:
-        pipe = PIPE_MODELS.get(DeepSpeedSettings.from_args(args).model_family) if uses_pipeline_engine(args) else None
+        settings = DeepSpeedSettings.from_args(args)
+        pipe = PIPE_MODELS.get(settings.model_family) if uses_pipeline_engine(args) else None
         if pipe is not None:
             def model_provider(pre_process: bool = True, post_process: bool = True) -> torch.nn.Module:
                 return pipe(args, state)
-        return ds_engine.setup_deepspeed_model_and_optimizer(model_provider, model_type, args, state)
+        args.model_type = model_type  # recorded in the checkpoint's args, as Megatron's get_model does
+        return ds_engine.setup_deepspeed_model_and_optimizer(
+            model_provider, model_type, settings, optimizer_config_from_args(args), state,
+            lambda optimizer: get_optimizer_param_scheduler(optimizer, args))
 
     def load(self, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
              train_state: Optional[TrainingState]) -> int:
         timers = global_vars.get_timers()
         timers("load-checkpoint", log_level=0).start(barrier=True)
-        iteration = ds_engine.load_deepspeed_checkpoint(model, optimizer, opt_param_scheduler, args, train_state)
+        iteration = ds_engine.load_deepspeed_checkpoint(model, optimizer, opt_param_scheduler, args, train_state,
+                                                        CheckpointSettings.from_args(args))
         timers("load-checkpoint").stop(barrier=True)
         timers.log(["load-checkpoint"])
         return iteration
@@ -68,17 +76,18 @@ class DeepSpeedBackend(TrainingBackend):
                    optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
                    state: ps.ParallelState) -> StepResult:
         return ds_engine.deepspeed_train_step(forward_step_func, data_iterator, model, optimizer,
-                                              opt_param_scheduler, args, state)
+                                              opt_param_scheduler, DeepSpeedSettings.from_args(args), state)
 
     def evaluate(self, forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
                  process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
                  verbose: bool, count_valid_samples: bool, counts: Any) -> tuple[dict, Any]:
-        return ds_engine.deepspeed_evaluate(forward_step_func, data_iterator, model, args, state, verbose,
-                                            count_valid_samples, counts), None
+        return ds_engine.deepspeed_evaluate(forward_step_func, data_iterator, model, DeepSpeedSettings.from_args(args),
+                                            state, counts, verbose, count_valid_samples), None
 
     def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
              train_loss: Optional[float], train_state: Optional[TrainingState]) -> None:
-        ds_engine.save_deepspeed_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, train_state)
+        ds_engine.save_deepspeed_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, train_state,
+                                            CheckpointSettings.from_args(args))
 
     def loss_scale(self, model: list, optimizer: Any) -> float:
         return ds_engine.deepspeed_loss_scale(model)

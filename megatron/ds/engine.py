@@ -37,15 +37,14 @@ from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_p
 from megatron.ds.engine_kind import is_pipe_engine
 from megatron.ds.mpu import get_mpu
 from megatron.logging_utils import print_rank_0
-from megatron.model_setup import get_optimizer_param_scheduler
+from megatron.optimizer.optimizer_config import OptimizerConfig
 from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.run_configs.deepspeed import DeepSpeedSettings
-from megatron.run_configs.step import StepSettings
 from megatron.training_state import TrainingState
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def _build_torch_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+def _build_torch_optimizer(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.Optimizer:
     """Megatron's parameter groups (wd_mult/lr_mult) in a torch AdamW (decoupled weight decay) or SGD."""
     from megatron.optimizer import get_param_groups
 
@@ -53,23 +52,22 @@ def _build_torch_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> 
     if not groups:
         raise ValueError("--deepspeed: the model has no trainable parameters")
     for group in groups:
-        group["lr"] = args.lr * group["lr_mult"]
-        group["weight_decay"] = args.weight_decay * group["wd_mult"]
-    if args.optimizer == "adam":
-        return torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay,
-                                 betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=args.lr, weight_decay=args.weight_decay, momentum=args.sgd_momentum)
-    raise ValueError(f"--optimizer {args.optimizer!r} is not supported; use 'adam' or 'sgd'")
+        group["lr"] = opt.lr * group["lr_mult"]
+        group["weight_decay"] = opt.weight_decay * group["wd_mult"]
+    if opt.optimizer == "adam":
+        return torch.optim.AdamW(groups, lr=opt.lr, weight_decay=opt.weight_decay,
+                                 betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
+    if opt.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=opt.lr, weight_decay=opt.weight_decay, momentum=opt.sgd_momentum)
+    raise ValueError(f"--optimizer {opt.optimizer!r} is not supported; use 'adam' or 'sgd'")
 
 
-def _engine_config(args: argparse.Namespace) -> dict:
-    config = dict(DeepSpeedSettings.from_args(args).config_dict or {})
-    if not config:
-        from megatron.ds.config import resolve_deepspeed_config
-
-        config = resolve_deepspeed_config(args)
-    config = dict(config)
+def _engine_config(settings: DeepSpeedSettings) -> dict:
+    """The reconciled config (megatron.ds.config, in the settings) with our optimizer's and log's additions."""
+    if not settings.config_dict:
+        raise ValueError("--deepspeed: no reconciled DeepSpeed config in the settings (validate_args reconciles "
+                         "--deepspeed_config with the flags: megatron.ds.config)")
+    config = dict(settings.config_dict)
     if "optimizer" not in config:
         # Our torch optimizer goes to ZeRO (DeepSpeed only "tests" its own) and may be combined with offload.
         config.setdefault("zero_allow_untested_optimizer", True)
@@ -78,8 +76,7 @@ def _engine_config(args: argparse.Namespace) -> dict:
     return config
 
 
-def configure_activation_checkpointing(args: argparse.Namespace, state: ps.ParallelState,
-                                       settings: Optional[DeepSpeedSettings] = None) -> None:
+def configure_activation_checkpointing(settings: DeepSpeedSettings, state: ps.ParallelState) -> None:
     """--deepspeed-activation-checkpointing: configure DeepSpeed's checkpointing and route our recompute to it.
 
     DeepSpeed's CheckpointFunction saves/restores the CPU and accelerator RNG and the states of
@@ -92,13 +89,13 @@ def configure_activation_checkpointing(args: argparse.Namespace, state: ps.Paral
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.models.gpt.model_pipe import ensure_deepspeed_comm
 
-    ds = settings if settings is not None else DeepSpeedSettings.from_args(args)
+    ds = settings
     ensure_deepspeed_comm()  # configure() calls deepspeed.comm before deepspeed.initialize would set it up
     deepspeed.checkpointing.configure(
         get_mpu(state),
         partition_activations=ds.partition_activations,
         contiguous_checkpointing=ds.contigious_checkpointing,
-        num_checkpoints=args.num_layers,
+        num_checkpoints=ds.num_layers,
         checkpoint_in_cpu=ds.checkpoint_in_cpu,
         synchronize=ds.synchronize_each_layer,
         profile=ds.profile_backward,
@@ -140,17 +137,17 @@ def _skip_inference_only_cpu_op() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: Any, args: argparse.Namespace,
-                                        state: ps.ParallelState) -> tuple[list, Any, Any]:
-    """([engine], engine's optimizer, OptimizerParamScheduler); `model_provider` builds the module the engine
-    wraps (the DeepSpeed backend passes the family's pipe model under DeepSpeed's pipeline engine)."""
+def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: Any, settings: DeepSpeedSettings,
+                                        optimizer_config: OptimizerConfig, state: ps.ParallelState,
+                                        make_scheduler: Callable[[Any], Any]) -> tuple[list, Any, Any]:
+    """([engine], engine's optimizer, the LR/WD scheduler `make_scheduler` builds over the engine's optimizer);
+    `model_provider` builds the module the engine wraps (the DeepSpeed backend passes the family's pipe model under
+    DeepSpeed's pipeline engine)."""
     import deepspeed
 
-    args.model_type = model_type
     _skip_inference_only_cpu_op()
-    ds = DeepSpeedSettings.from_args(args)
-    if ds.deepspeed_activation_checkpointing:
-        configure_activation_checkpointing(args, state, ds)
+    if settings.deepspeed_activation_checkpointing:
+        configure_activation_checkpointing(settings, state)
     model = model_provider(pre_process=True, post_process=True)
     model.model_type = model_type
     for param in model.parameters():
@@ -163,14 +160,14 @@ def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: An
     for param in model.parameters():  # Megatron's expert mark reads as DeepSpeed's own MoE mark (which needs a
         if getattr(param, "allreduce", True) is False:  # group_name); expert parallelism is refused under
             del param.allreduce  # DeepSpeed, so the experts are ordinary data-parallel params here
-    optimizer = _build_torch_optimizer(model, args)
+    optimizer = _build_torch_optimizer(model, optimizer_config)
     pipe = type(model).__name__ == "GPTModelPipe" or _is_pipeline_module(model)
     engine, ds_optimizer, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=_engine_config(args),
+        model=model, optimizer=optimizer, config=_engine_config(settings),
         mpu=None if pipe else get_mpu(state), dist_init_required=False,
     )
     # The scheduler drives the engine optimizer's groups (ZeRO keeps our group dicts, flattening their params).
-    opt_param_scheduler = get_optimizer_param_scheduler(ds_optimizer, args)
+    opt_param_scheduler = make_scheduler(ds_optimizer)
     return [engine], ds_optimizer, opt_param_scheduler
 
 
@@ -183,11 +180,11 @@ def _is_pipeline_module(model: Any) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- steps
-def _sync_batch_size(engine: Any, args: argparse.Namespace) -> int:
+def _sync_batch_size(engine: Any, settings: DeepSpeedSettings) -> int:
     """Follow --rampup-batch-size: the engine's gradient accumulation = Megatron's number of micro-batches."""
     num_mb = global_vars.get_num_microbatches()
     if engine.gradient_accumulation_steps() != num_mb:
-        engine.set_train_batch_size(num_mb * args.micro_batch_size * args.data_parallel_size)
+        engine.set_train_batch_size(num_mb * settings.micro_batch_size * settings.data_parallel_size)
     return num_mb
 
 
@@ -209,22 +206,22 @@ def _grad_norm(engine: Any) -> Optional[float]:
 
 
 def deepspeed_train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list, optimizer: Any,
-                         opt_param_scheduler: Any, args: argparse.Namespace, state: ps.ParallelState
+                         opt_param_scheduler: Any, settings: DeepSpeedSettings, state: ps.ParallelState
                          ) -> tuple[dict, int, Optional[float], Optional[int]]:
     """One iteration through the engine: (loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)."""
     engine = model[0]
-    num_mb = _sync_batch_size(engine, args)
-    increment = num_mb * args.micro_batch_size * args.data_parallel_size
+    num_mb = _sync_batch_size(engine, settings)
+    increment = num_mb * settings.micro_batch_size * settings.data_parallel_size
     if is_pipe_engine(engine):
         from megatron.ds.pipe import pipe_train_step
 
-        loss_dict, skipped, grad_norm, num_zeros = pipe_train_step(engine, data_iterator, args, state)
+        loss_dict, skipped, grad_norm, num_zeros = pipe_train_step(engine, data_iterator, settings, state)
         if not skipped:
             opt_param_scheduler.step(increment=increment)
         return loss_dict, skipped, grad_norm, num_zeros
 
     timers = global_vars.get_timers()
-    barrier = StepSettings.from_args(args).barrier_with_L1_time
+    barrier = settings.barrier_with_L1_time
     losses = []
     # MoE router losses get the main loss's backward scale (engine.backward divides by the accumulation steps).
     moe_aux.set_aux_loss_scale(deepspeed_loss_scale(model) / num_mb)
@@ -263,12 +260,12 @@ def _plain_grad_norm(engine: Any, state: ps.ParallelState) -> float:
 
 
 def deepspeed_forward_only(forward_step_func: Callable, data_iterator: Optional[Iterator], engine: Any,
-                           num_microbatches: int, args: argparse.Namespace, state: ps.ParallelState) -> list[dict]:
+                           num_microbatches: int, settings: DeepSpeedSettings, state: ps.ParallelState) -> list[dict]:
     """Loss dicts of `num_microbatches` forward passes (no grad)."""
     if is_pipe_engine(engine):
         from megatron.ds.pipe import pipe_eval_step
 
-        return [pipe_eval_step(engine, data_iterator, args, state)]
+        return [pipe_eval_step(engine, data_iterator, settings, state)]
     out = []
     with torch.no_grad():
         for _ in range(num_microbatches):
@@ -279,25 +276,25 @@ def deepspeed_forward_only(forward_step_func: Callable, data_iterator: Optional[
 
 
 def deepspeed_evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
-                       args: argparse.Namespace, state: ps.ParallelState, verbose: bool = False,
-                       count_valid_samples: bool = True, counts: Any = None) -> dict:
+                       settings: DeepSpeedSettings, state: ps.ParallelState, counts: Any, verbose: bool = False,
+                       count_valid_samples: bool = True) -> dict:
     """training.evaluate for engines: average losses over --eval-iters batches; validation samples are counted in
-    `counts` (a TrainingState; default ``args``)."""
+    `counts` (the run state: ``consumed_valid_samples``)."""
     engine = model[0]
     engine.eval()
     num_mb = global_vars.get_num_microbatches()
     total: dict[str, float] = {}
     count = 0
-    for it in range(args.eval_iters):
+    for it in range(settings.eval_iters):
         if verbose:
-            print_rank_0(f"Evaluating iter {it + 1}/{args.eval_iters}")
-        dicts = deepspeed_forward_only(forward_step_func, data_iterator, engine, num_mb, args, state)
+            print_rank_0(f"Evaluating iter {it + 1}/{settings.eval_iters}")
+        dicts = deepspeed_forward_only(forward_step_func, data_iterator, engine, num_mb, settings, state)
         for d in dicts:
             for key, value in d.items():
                 total[key] = total.get(key, 0.0) + float(value)
         count += len(dicts)
         if count_valid_samples:
-            (args if counts is None else counts).consumed_valid_samples += args.micro_batch_size * args.data_parallel_size * num_mb
+            counts.consumed_valid_samples += settings.micro_batch_size * settings.data_parallel_size * num_mb
     engine.train()
     return {k: v / max(1, count) for k, v in total.items()}
 
@@ -333,13 +330,14 @@ def checkpoint_tag(iteration: int) -> str:
 
 
 def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
-                              args: argparse.Namespace, train_state: Optional[TrainingState] = None,
-                              settings: Optional[CheckpointSettings] = None) -> None:
+                              args: argparse.Namespace, train_state: Optional[TrainingState],
+                              settings: CheckpointSettings) -> None:
     """engine.save_checkpoint(<save>, tag=global_step{N}) with Megatron's state in client_state (collective);
-    the run state comes from `train_state` (without one: from ``args``); `settings` default: from ``args``."""
+    the run state comes from `train_state` (without one: from ``args``, which also give the checkpoint's Megatron
+    ``args`` and ``architecture`` records)."""
     del optimizer  # saved by the engine
     engine = model[0]
-    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
+    cfg = settings
     save_dir = cfg.save
     if not save_dir:
         raise CheckpointError("saving a DeepSpeed checkpoint needs --save DIR")
@@ -378,13 +376,14 @@ def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_p
 
 
 def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: Any,
-                              args: argparse.Namespace, train_state: Optional[TrainingState] = None,
-                              settings: Optional[CheckpointSettings] = None) -> int:
+                              args: argparse.Namespace, train_state: Optional[TrainingState],
+                              settings: CheckpointSettings) -> int:
     """Resume from ``<load>/latest`` (DeepSpeed layout); returns the iteration (0 with --finetune or none found).
-    The consumed samples go to `train_state` (without one: onto ``args``); `settings` default: from ``args``."""
+    The consumed samples go to `train_state` (without one: onto ``args``, the flags the checkpoint is checked
+    against)."""
     del optimizer  # restored by the engine
     engine = model[0]
-    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
+    cfg = settings
     load_dir = cfg.load
     latest = os.path.join(load_dir, "latest")
     if not os.path.isfile(latest):

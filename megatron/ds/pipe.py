@@ -19,7 +19,6 @@ logged. With ZeRO-1 or fp16/bf16 DeepSpeed's optimizer wrappers clip (they count
 """
 from __future__ import annotations
 
-import argparse
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -30,19 +29,19 @@ from megatron.run_configs.deepspeed import DeepSpeedSettings
 _PREPARED_ATTR = "_megatron_pipe_prepared"
 
 
-def _carry_attention_mask(engine: Any, args: argparse.Namespace) -> bool:
+def _carry_attention_mask(engine: Any, settings: DeepSpeedSettings) -> bool:
     module = getattr(engine, "module", None)
-    return bool(getattr(module, "carry_attention_mask", DeepSpeedSettings.from_args(args).reset_attention_mask))
+    return bool(getattr(module, "carry_attention_mask", settings.reset_attention_mask))
 
 
-def prepare_pipe_engine(engine: Any, args: argparse.Namespace, state: Any) -> None:
+def prepare_pipe_engine(engine: Any, settings: DeepSpeedSettings, state: Any) -> None:
     """One-time set-up of a PipelineEngine for GPTModelPipe (idempotent; called by the steps too)."""
     if getattr(engine, _PREPARED_ATTR, False):
         return
     # DeepSpeed's p2p sends activations with an in-place broadcast on tensors that require grad; autograd then
     # warns once at backward that broadcast_ has no autograd kernel (harmless: the send is not part of the math).
     warnings.filterwarnings("ignore", message=r"c10d::broadcast_: an autograd kernel was not registered")
-    if _carry_attention_mask(engine, args):
+    if _carry_attention_mask(engine, settings):
         engine.set_has_attention_mask(True)  # the mask is the last tensor crossing stages: sent as fp16, no grad
     if (engine.gradient_clipping() > 0.0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
             and not engine.zero_optimization()):
@@ -63,12 +62,12 @@ def _fp32_clip(engine: Any, state: Any):
     return clip_fp32_gradients
 
 
-def pipe_micro_batches(data_iterator: Optional[Iterator], args: argparse.Namespace, eod_token: int,
+def pipe_micro_batches(data_iterator: Optional[Iterator], settings: DeepSpeedSettings, eod_token: int,
                        first_stage: bool, last_stage: bool, carry_attention_mask: bool = False) -> Iterator[tuple]:
     """Our micro-batches ({"text": [b, s+1]}) as the engine's ((tokens, position_ids[, mask]), (labels, loss_mask))."""
     from megatron.utils import get_ltor_masks_and_position_ids
 
-    plain = not (args.reset_position_ids or args.reset_attention_mask or args.eod_mask_loss)
+    plain = not (settings.reset_position_ids or settings.reset_attention_mask or settings.eod_mask_loss)
     while True:
         if data_iterator is None:
             raise RuntimeError("the first and last pipeline stages need a training data iterator (none was built)")
@@ -81,7 +80,7 @@ def pipe_micro_batches(data_iterator: Optional[Iterator], args: argparse.Namespa
             loss_mask = torch.ones(tokens.shape, dtype=torch.float)
         else:
             mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-                tokens, eod_token, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss)
+                tokens, eod_token, settings.reset_position_ids, settings.reset_attention_mask, settings.eod_mask_loss)
         inputs = labels = None
         if first_stage:
             inputs = (tokens, position_ids, mask) if carry_attention_mask else (tokens, position_ids)
@@ -96,11 +95,12 @@ def _eod_token() -> int:
     return global_vars.get_tokenizer().eod
 
 
-def _batches(engine: Any, data_iterator: Optional[Iterator], args: argparse.Namespace) -> Optional[Iterator]:
+def _batches(engine: Any, data_iterator: Optional[Iterator], settings: DeepSpeedSettings) -> Optional[Iterator]:
     first, last = engine.is_first_stage(), engine.is_last_stage()
     if not (first or last):
         return None  # middle stages only receive activations
-    return pipe_micro_batches(data_iterator, args, _eod_token(), first, last, _carry_attention_mask(engine, args))
+    return pipe_micro_batches(data_iterator, settings, _eod_token(), first, last,
+                              _carry_attention_mask(engine, settings))
 
 
 def _as_float(value: Any) -> Optional[float]:
@@ -109,7 +109,7 @@ def _as_float(value: Any) -> Optional[float]:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
-def pipe_train_step(engine: Any, data_iterator: Optional[Iterator], args: argparse.Namespace, state: Any
+def pipe_train_step(engine: Any, data_iterator: Optional[Iterator], settings: DeepSpeedSettings, state: Any
                     ) -> tuple[dict, int, Optional[float], Optional[int]]:
     """One iteration through ``engine.train_batch``: (loss dict, skipped, grad norm, num zeros in grad).
 
@@ -117,18 +117,18 @@ def pipe_train_step(engine: Any, data_iterator: Optional[Iterator], args: argpar
     every rank (the engine broadcasts it over the pipeline). `skipped` is 1 when the fp16 loss scaler skipped the
     update (overflow).
     """
-    prepare_pipe_engine(engine, args, state)
+    prepare_pipe_engine(engine, settings, state)
     engine._global_grad_norm = None
-    loss = engine.train_batch(data_iter=_batches(engine, data_iterator, args))
+    loss = engine.train_batch(data_iter=_batches(engine, data_iterator, settings))
     skipped = 0 if engine.was_step_applied() else 1
     return {"lm loss": _as_float(loss)}, skipped, _as_float(engine.get_global_grad_norm()), None
 
 
-def pipe_eval_step(engine: Any, data_iterator: Optional[Iterator], args: argparse.Namespace, state: Any) -> dict:
+def pipe_eval_step(engine: Any, data_iterator: Optional[Iterator], settings: DeepSpeedSettings, state: Any) -> dict:
     """Forward-only pass over one batch (``engine.eval_batch``): {"lm loss": mean over its micro-batches and DP}."""
     from megatron import global_vars
 
-    prepare_pipe_engine(engine, args, state)
-    loss = engine.eval_batch(_batches(engine, data_iterator, args),
+    prepare_pipe_engine(engine, settings, state)
+    loss = engine.eval_batch(_batches(engine, data_iterator, settings),
                              num_micro_batches=global_vars.get_num_microbatches())
     return {"lm loss": _as_float(loss)}

@@ -80,7 +80,7 @@ def _vocab_rows(value: torch.Tensor, name: str, rows: int, true_vocab: Optional[
     return repad_rows(value[:true_vocab], rows)
 
 
-def load_stream_into_engine(engine: Any, messages: Iterator[Any], args: argparse.Namespace, state: Any,
+def load_stream_into_engine(engine: Any, messages: Iterator[Any], padded_vocab_size: int, state: Any,
                             source: str, true_vocab_size: Optional[int] = None) -> int:
     """Copy the interchange stream's tensors into this rank's engine parameters; returns how many were set.
 
@@ -92,7 +92,7 @@ def load_stream_into_engine(engine: Any, messages: Iterator[Any], args: argparse
 
     targets, other_stages = engine_parameters(engine)
     zero3 = getattr(engine, "zero_optimization_stage", lambda: 0)() == 3
-    rows = int(args.padded_vocab_size)
+    rows = int(padded_vocab_size)
     filled: set = set()
     unknown: List[str] = []
     for msg in messages:
@@ -158,11 +158,10 @@ def _true_vocab(meta_true: Optional[int]) -> Optional[int]:
 
 
 def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, state: Any,
-                                         train_state: Optional[TrainingState] = None,
-                                         settings: Optional[CheckpointSettings] = None) -> int:
+                                         train_state: Optional[TrainingState], settings: CheckpointSettings) -> int:
     """--deepspeed --load <Megatron checkpoint> with --finetune (iteration 0) or --no-load-optim --no-load-rng
     (the checkpoint's iteration and consumed samples, into `train_state`, or onto ``args`` without one);
-    returns the iteration to continue from."""
+    returns the iteration to continue from. ``args``: the run's flags the checkpoint's architecture must match."""
     from megatron.checkpoint import integrity
     from megatron.checkpoint.args import check_architecture
     from megatron.checkpoint.checkpointing import _first_reason
@@ -170,7 +169,7 @@ def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, 
     from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, read_megatron
     from megatron.model import GPTModel
 
-    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
+    cfg = settings
     load_dir = cfg.load
     finetune = cfg.finetune
     if not (isinstance(engine.module, GPTModel) or _is_pipe(engine.module)):
@@ -193,7 +192,8 @@ def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, 
                      f"(Megatron checkpoint, TP={meta.extra.get('tp')} PP={meta.extra.get('pp')}, into the "
                      "DeepSpeed engine)")
         check_architecture({k: v for k, v in meta.architecture.items() if k != "padded_vocab_size"}, args, iter_dir)
-        load_stream_into_engine(engine, messages, args, state, iter_dir, _true_vocab(meta.true_vocab_size))
+        load_stream_into_engine(engine, messages, args.padded_vocab_size, state, iter_dir,
+                                _true_vocab(meta.true_vocab_size))
     except ConversionError as exc:
         raise CheckpointError(str(exc).replace("--load-dir", "--load")) from None
     if finetune or release:
@@ -221,8 +221,9 @@ def expected_layout(engine: Any) -> str:
 
 
 def load_other_layout_into_engine(engine: Any, tag_dir: str, args: argparse.Namespace, state: Any,
-                                  settings: Optional[CheckpointSettings] = None) -> tuple[str, dict]:
-    """A DeepSpeed tag of another layout than the engine's: its weights through the stream; (path, client state)."""
+                                  settings: CheckpointSettings) -> tuple[str, dict]:
+    """A DeepSpeed tag of another layout than the engine's: its weights through the stream; (path, client state).
+    ``args``: the run's flags the checkpoint's architecture must match."""
     from megatron.checkpoint.args import check_architecture
     from megatron.checkpoint_conversion.deepspeed_format import DeepSpeedCheckpointReader
     from megatron.checkpoint_conversion.interchange import ConversionError
@@ -231,14 +232,14 @@ def load_other_layout_into_engine(engine: Any, tag_dir: str, args: argparse.Name
     from megatron.core.tensor_parallel.layout import TensorParallelLayout
 
     try:
-        trust = (settings if settings is not None else CheckpointSettings.from_args(args)).trust_checkpoint
-        reader = DeepSpeedCheckpointReader(tag_dir, trust=trust)
+        reader = DeepSpeedCheckpointReader(tag_dir, trust=settings.trust_checkpoint)
         check_architecture({k: v for k, v in reader.architecture.items() if k != "padded_vocab_size"}, args, tag_dir)
         meta = megatron_meta(reader, None, "GPT")
         meta.architecture["padded_vocab_size"] = reader.merged(0, 0, _WORD, TensorParallelLayout(dim=0)).size(0)
         print_rank_0(f" loading the weights of {tag_dir} ({reader.layout} layout, TP={reader.tp}) into the "
                      f"{expected_layout(engine)} engine")
-        load_stream_into_engine(engine, _stream(reader, meta), args, state, tag_dir, _true_vocab(None))
+        load_stream_into_engine(engine, _stream(reader, meta), args.padded_vocab_size, state, tag_dir,
+                                _true_vocab(None))
     except ConversionError as exc:
         raise CheckpointError(str(exc)) from None
     return tag_dir, dict(reader.first)
