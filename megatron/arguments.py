@@ -272,9 +272,9 @@ def _validate_deepspeed(args: argparse.Namespace) -> None:
             _require(not getattr(args, attr, None), f"{flag} needs --deepspeed")
         args.zero_stage = None
         return
-    from megatron.ds.config import resolve_deepspeed_config
+    from megatron.ds.config import reconcile_deepspeed_config
 
-    resolve_deepspeed_config(args)
+    reconcile_deepspeed_config(args).apply_to(args)  # the config, ZeRO stage, --clip-grad, --fp16/--bf16 settled
     if args.deepspeed_activation_checkpointing and not (args.checkpoint_activations
                                                        or args.recompute_granularity == "full"):
         _print0(args, "notice: --deepspeed-activation-checkpointing takes effect with --checkpoint-activations "

@@ -3,7 +3,9 @@
 `resolve_deepspeed_config(args)` is called from `megatron.arguments.validate_args` under ``--deepspeed``, after the
 parallel layout and batch sizes are known and before the precision flags are checked. It returns the dict that
 `deepspeed.initialize(config=...)` gets and stores it in ``args.deepspeed_config_dict``; ``args.zero_stage`` is the
-ZeRO stage in effect. Rules (each violation is a one-line `ArgumentError` naming both sides and the fix):
+ZeRO stage in effect. `reconcile_deepspeed_config(args)` does the work without touching ``args``: it returns a
+`ReconciledDeepSpeedConfig` (the config, the ZeRO stage, --clip-grad, --fp16/--bf16 as the config makes them), and
+its `apply_to` is the one place that writes them onto the namespace. Rules (each violation is a one-line `ArgumentError` naming both sides and the fix):
 
 - batch: the flags set it. ``train_micro_batch_size_per_gpu`` = --micro-batch-size, ``train_batch_size`` =
   --global-batch-size, ``gradient_accumulation_steps`` = global / (micro x data-parallel size) are written into the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -178,18 +181,21 @@ def _reconcile_zero(config: dict, args: argparse.Namespace, where: str) -> int:
     return stage
 
 
-def _reconcile_clip(config: dict, args: argparse.Namespace, where: str) -> None:
+def _reconcile_clip(config: dict, args: argparse.Namespace, where: str) -> Any:
+    """Fills ``gradient_clipping``; returns --clip-grad as the run uses it (the config's value over the default)."""
     cfg_clip = config.get("gradient_clipping")
     if cfg_clip is None or cfg_clip == "auto":
         config["gradient_clipping"] = float(args.clip_grad or 0.0)
-        return
+        return args.clip_grad
     cfg_clip = float(cfg_clip)
-    if args.clip_grad != cfg_clip:
-        if args.clip_grad not in (None, _CLIP_GRAD_DEFAULT):
-            raise _error(f"--clip-grad {args.clip_grad} disagrees with gradient_clipping={cfg_clip} in {where}; "
+    clip_grad = args.clip_grad
+    if clip_grad != cfg_clip:
+        if clip_grad not in (None, _CLIP_GRAD_DEFAULT):
+            raise _error(f"--clip-grad {clip_grad} disagrees with gradient_clipping={cfg_clip} in {where}; "
                          "drop one of them or make them equal")
-        args.clip_grad = cfg_clip
+        clip_grad = cfg_clip
     config["gradient_clipping"] = cfg_clip
+    return clip_grad
 
 
 def _enabled(section: Any) -> bool:
@@ -212,7 +218,9 @@ def _fp16_section_from_args(args: argparse.Namespace) -> dict:
     }
 
 
-def _reconcile_precision(config: dict, args: argparse.Namespace, where: str, cuda_available: bool) -> None:
+def _reconcile_precision(config: dict, args: argparse.Namespace, where: str, cuda_available: bool
+                         ) -> tuple[bool, bool]:
+    """Fills the fp16/bf16 sections; returns (--fp16, --bf16) as the run uses them."""
     if "bfloat16" in config and "bf16" not in config:  # DeepSpeed's older spelling
         config["bf16"] = config.pop("bfloat16")
     cfg_fp16, cfg_bf16 = _enabled(config.get("fp16")), _enabled(config.get("bf16"))
@@ -235,11 +243,38 @@ def _reconcile_precision(config: dict, args: argparse.Namespace, where: str, cud
         config["bf16"] = {"enabled": True}
     if not fp16 and "fp16" in config and not _enabled(config["fp16"]):
         config.pop("fp16")
-    args.fp16, args.bf16 = fp16, bf16
+    return fp16, bf16
+
+
+@dataclasses.dataclass(frozen=True)
+class ReconciledDeepSpeedConfig:
+    """The DeepSpeed config reconciled with the flags, and the flag values the reconciliation settles."""
+
+    config: dict  # what deepspeed.initialize(config=...) gets (``args.deepspeed_config_dict``)
+    zero_stage: int
+    clip_grad: Any  # --clip-grad (the config's gradient_clipping when the flag kept its default)
+    fp16: bool  # False on a machine without CUDA (fp32 instead), True when the config enables fp16
+    bf16: bool
+
+    def apply_to(self, args: argparse.Namespace) -> None:
+        """Write the settled values onto the namespace (validate_args, at start-up: the flag layer's one write)."""
+        args.clip_grad = self.clip_grad
+        args.fp16, args.bf16 = self.fp16, self.bf16
+        args.zero_stage = self.zero_stage
+        args.deepspeed_config_dict = self.config
 
 
 def resolve_deepspeed_config(args: argparse.Namespace, cuda_available: Optional[bool] = None) -> dict:
-    """The DeepSpeed config for this run, reconciled with the flags; sets args.zero_stage/deepspeed_config_dict."""
+    """The DeepSpeed config for this run, reconciled with the flags; sets args.zero_stage/deepspeed_config_dict
+    (and --clip-grad, --fp16/--bf16 as the config settles them)."""
+    resolved = reconcile_deepspeed_config(args, cuda_available)
+    resolved.apply_to(args)
+    return resolved.config
+
+
+def reconcile_deepspeed_config(args: argparse.Namespace, cuda_available: Optional[bool] = None
+                               ) -> ReconciledDeepSpeedConfig:
+    """The DeepSpeed config reconciled with the flags (see the module docstring); reads ``args``, never writes it."""
     source = getattr(args, "deepspeed_config", None)
     if source is None:
         source = getattr(args, "deepscale_config", None)
@@ -269,9 +304,6 @@ def resolve_deepspeed_config(args: argparse.Namespace, cuda_available: Optional[
         raise _error(f"ZeRO stage {stage} cannot be used with --pipeline-model-parallel-size {pp}: DeepSpeed's "
                      "pipeline engine supports only ZeRO stage 0/1; use --zero-stage 1 (or stage 1 in the config) "
                      "or --pipeline-model-parallel-size 1")
-    _reconcile_clip(config, args, where)
-    _reconcile_precision(config, args, where, cuda_available)
-
-    args.zero_stage = stage
-    args.deepspeed_config_dict = config
-    return config
+    clip_grad = _reconcile_clip(config, args, where)
+    fp16, bf16 = _reconcile_precision(config, args, where, cuda_available)
+    return ReconciledDeepSpeedConfig(config=config, zero_stage=stage, clip_grad=clip_grad, fp16=fp16, bf16=bf16)

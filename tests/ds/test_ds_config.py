@@ -209,3 +209,20 @@ def test_provider_with_deepspeeds_own_flags() -> None:
 
     args = build_parser(provider).parse_args(["--deepspeed", "--deepspeed_config", "x.json", "--zero-stage", "2"])
     assert args.deepspeed and args.deepspeed_config == "x.json" and args.zero_stage == 2
+
+
+def test_reconcile_reads_args_and_apply_to_writes_the_settled_values(tmp_path: Path) -> None:
+    """reconcile_deepspeed_config leaves the namespace alone; its record's apply_to is the one write (config, ZeRO
+    stage, --clip-grad from the config, --fp16 off without CUDA)."""
+    from megatron.ds.config import reconcile_deepspeed_config
+
+    args = _args(tmp_path, validate=False)
+    args.deepspeed_config = {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5, "fp16": {"enabled": True}}
+    args.data_parallel_size = 2
+    before = dict(vars(args))
+    resolved = reconcile_deepspeed_config(args, cuda_available=False)
+    assert vars(args) == before
+    assert (resolved.zero_stage, resolved.clip_grad, resolved.fp16, resolved.bf16) == (2, 0.5, False, False)
+    resolved.apply_to(args)
+    assert (args.zero_stage, args.clip_grad, args.fp16, args.bf16) == (2, 0.5, False, False)
+    assert args.deepspeed_config_dict is resolved.config and "fp16" not in resolved.config
