@@ -104,12 +104,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: list[int]) ->
     """GPT datasets from --data-path (or separate --train/valid/test-data-path) with Megatron's split."""
     from megatron.data.data_checks import check_data_files
     from megatron.data.gpt_dataset import build_train_valid_test_datasets
+    from megatron.run_configs.data_files import DataFileSettings
 
     args = global_vars.get_args()
     if not (args.data_path or args.train_data_path):
         raise ValueError("pretrain_gpt.py needs --data-path PREFIX (the output prefix of tools/preprocess_data.py, "
                          "e.g. my-gpt2_text_document) or --train-data-path/--valid-data-path/--test-data-path")
-    check_data_files(args)  # empty files and token ids outside the vocabulary: one line, before any index build
+    check_data_files(DataFileSettings.from_args(args))  # empty files and token ids outside the vocabulary: one line, before any index build
     return build_train_valid_test_datasets(
         data_prefix=args.data_path,
         data_impl=args.data_impl,

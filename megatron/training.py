@@ -66,6 +66,7 @@ from megatron.nan_guard import (
 )
 from megatron.progress import ProgressNotes
 from megatron.required_flags import TRAINING_RUN
+from megatron.run_configs.data_files import DataFileSettings
 from megatron.run_configs.log_settings import LogSettings
 from megatron.run_settings import LoopSettings
 from megatron.theoretical_memory_usage import report_theoretical_memory
@@ -133,7 +134,7 @@ def build_train_valid_test_data_iterators(
     print_rank_0("> finished creating datasets ...")
     from megatron.data.data_checks import check_train_split
 
-    check_train_split(args, train_ds)  # an empty training split with --train-iters > 0 is an error, not success
+    check_train_split(DataFileSettings.from_args(args), train_ds)  # an empty training split with --train-iters > 0 is an error, not success
 
     def loader(ds: Any, consumed: int) -> Any:
         if ds is None:
@@ -220,7 +221,7 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
     if show.log_timers_to_tensorboard and iteration % args.tensorboard_log_interval == 0:
         timers.write(timers_to_log, writer, iteration, normalizer=1.0)
     if writer is not None and iteration % args.tensorboard_log_interval == 0:
-        write_train_scalars(writer, args, iteration, loss_dict, learning_rate, batch_size, loss_scale, grad_norm,
+        write_train_scalars(writer, show, iteration, loss_dict, learning_rate, batch_size, loss_scale, grad_norm,
                             num_zeros_in_grad, params_norm, consumed_samples=run.consumed_train_samples)
 
     if iteration % args.log_interval == 0:
@@ -287,8 +288,8 @@ def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_it
     writer = global_vars.get_tensorboard_writer()
     losses, collected = evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, args, state,
                                  verbose, count_valid_samples, train_state)
-    log_validation(prefix, losses, writer, args, iteration, consumed_samples=None if train_state is None else
-                   train_state.consumed_train_samples)
+    log_validation(prefix, losses, writer, LogSettings.from_args(args), iteration, consumed_samples=(
+        args.consumed_train_samples if train_state is None else train_state.consumed_train_samples))
     if process_non_loss_data_func is not None and writer is not None and collected is not None:
         process_non_loss_data_func(collected, iteration, writer)
     return losses
@@ -467,7 +468,7 @@ def pretrain(
 
     from megatron.data.data_checks import check_data_prefixes
 
-    check_data_prefixes(args)  # a mistyped --data-path: one line before the model is built
+    check_data_prefixes(DataFileSettings.from_args(args))  # a mistyped --data-path: one line before the model is built
     timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, args, state, run)
     timers("model-and-optimizer-setup").stop()

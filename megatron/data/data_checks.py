@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from typing import Any, Optional
@@ -28,10 +27,9 @@ class DataCheckError(MegatronUserError, ValueError):
     """The training data cannot give a meaningful run with these flags."""
 
 
-def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
+def data_prefixes(data: DataFileSettings) -> list[tuple[str, str]]:
     """(flag, prefix) for every dataset prefix of the run (blend weights dropped)."""
     out = []
-    data = DataFileSettings.from_args(args)
     for flag, attr in DATA_PATH_FLAGS:
         for entry in data.entries(attr):
             try:
@@ -42,11 +40,11 @@ def data_prefixes(args: argparse.Namespace) -> list[tuple[str, str]]:
     return out
 
 
-def check_data_prefixes(args: argparse.Namespace) -> None:
+def check_data_prefixes(data: DataFileSettings) -> None:
     """One-line DataCheckError naming the flag when a data prefix has no .bin/.idx pair or an unknown index header."""
     from megatron.data.indexed_dataset import IndexedDatasetError, data_file_path, index_file_path, infer_dataset_impl
 
-    for flag, prefix in data_prefixes(args):
+    for flag, prefix in data_prefixes(data):
         missing = [p for p in (index_file_path(prefix), data_file_path(prefix)) if not os.path.isfile(p)]
         if missing:
             hint = next((f"pass the prefix without '{ext}' ({prefix[:-len(ext)]})" for ext in (".bin", ".idx")
@@ -94,7 +92,7 @@ def max_token_id(prefix: str) -> Optional[int]:
     return best
 
 
-def check_data_files(args: argparse.Namespace) -> None:
+def check_data_files(data: DataFileSettings) -> None:
     """One-line DataCheckError for an empty data file or token ids >= the padded vocabulary size. Global rank 0 reads
     the data and tells the others (one broadcast), so a node does not scan the same files once per GPU."""
     import sys
@@ -104,7 +102,7 @@ def check_data_files(args: argparse.Namespace) -> None:
     message = None
     if not distributed or dist.get_rank() == 0:
         try:
-            _check_data_files(args)
+            _check_data_files(data)
         except DataCheckError as exc:
             message = str(exc)
     if distributed:
@@ -115,11 +113,11 @@ def check_data_files(args: argparse.Namespace) -> None:
         raise DataCheckError(message)
 
 
-def _check_data_files(args: argparse.Namespace) -> None:
+def _check_data_files(data: DataFileSettings) -> None:
     from megatron.data.indexed_dataset import MMapIndexedDataset, infer_dataset_impl
 
-    vocab = DataFileSettings.from_args(args).padded_vocab_size
-    for flag, prefix in data_prefixes(args):
+    vocab = data.padded_vocab_size
+    for flag, prefix in data_prefixes(data):
         if infer_dataset_impl(prefix) != "mmap":
             continue  # legacy formats: checked by their readers
         ds = MMapIndexedDataset(prefix, skip_warmup=True)
@@ -136,9 +134,9 @@ def _check_data_files(args: argparse.Namespace) -> None:
                 "data was tokenized with another tokenizer; use its --vocab-file/--tokenizer-model or re-preprocess")
 
 
-def check_train_split(args: argparse.Namespace, train_ds: Any) -> None:
-    """A training run needs training samples: one line naming --split or --data-path otherwise."""
-    data = DataFileSettings.from_args(args)
+def check_train_split(data: DataFileSettings, train_ds: Any) -> None:
+    """A training run needs training samples: one line naming --split or --data-path otherwise (`data`: built after
+    the model set-up, which turns --train-samples into --train-iters)."""
     if data.skip_train or not (data.train_iters or data.train_samples):
         return
     if train_ds is not None and len(train_ds) > 0:
