@@ -101,7 +101,7 @@ def format_training_log_line(
 
 def write_train_scalars(
     writer: Any,
-    args: Any,
+    show: LogSettings,
     iteration: int,
     loss_dict: dict[str, float],
     learning_rate: float,
@@ -110,12 +110,11 @@ def write_train_scalars(
     grad_norm: Optional[float],
     num_zeros_in_grad: Optional[float],
     params_norm: Optional[float],
-    consumed_samples: Optional[int] = None,
+    consumed_samples: int,
 ) -> None:
     """Per-iteration TensorBoard scalars (every --tensorboard-log-interval), Megatron-LM tag names; the "vs samples"
-    axis is `consumed_samples` (default: ``args.consumed_train_samples``)."""
-    samples = int(args.consumed_train_samples if consumed_samples is None else consumed_samples)
-    show = LogSettings.from_args(args)
+    axis is `consumed_samples` (the run's consumed training samples)."""
+    samples = int(consumed_samples)
 
     def both(tag: str, value: float) -> None:
         writer.add_scalar(tag, value, iteration)
@@ -130,7 +129,7 @@ def write_train_scalars(
     if show.log_loss_scale_to_tensorboard:
         both("loss-scale", loss_scale)
     if show.log_world_size_to_tensorboard:
-        both("world-size", args.world_size)
+        both("world-size", show.world_size)
     if grad_norm is not None:
         both("grad-norm", grad_norm)
     if num_zeros_in_grad is not None:
@@ -158,18 +157,17 @@ def format_validation_line(prefix: str, losses: dict[str, float]) -> tuple[str, 
 
 
 def log_validation(
-    prefix: str, losses: dict[str, float], writer: Any, args: Any, iteration: int,
-    consumed_samples: Optional[int] = None,
+    prefix: str, losses: dict[str, float], writer: Any, show: LogSettings, iteration: int, consumed_samples: int,
 ) -> str:
     """Print the framed validation line on the last rank and write the validation scalars ("vs samples":
-    `consumed_samples`, default ``args.consumed_train_samples``)."""
+    `consumed_samples`, the run's consumed training samples)."""
     line, ppls = format_validation_line(prefix, losses)
     if writer is not None:
-        samples = int(args.consumed_train_samples if consumed_samples is None else consumed_samples)
+        samples = int(consumed_samples)
         for key, value in losses.items():
             writer.add_scalar(f"{key} validation", value, iteration)
             writer.add_scalar(f"{key} validation vs samples", value, samples)
-            if LogSettings.from_args(args).log_validation_ppl_to_tensorboard:
+            if show.log_validation_ppl_to_tensorboard:
                 writer.add_scalar(f"{key} validation ppl", ppls[key], iteration)
                 writer.add_scalar(f"{key} validation ppl vs samples", ppls[key], samples)
     length = len(line) + 1

@@ -7,7 +7,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class LogSettings:
-    """The --log-*-to-tensorboard switches (Megatron's defaults for absent ones) and the model family."""
+    """The --log-*-to-tensorboard switches (Megatron's defaults for absent ones), the model family and the world size
+    (the "world-size" scalar)."""
 
     log_learning_rate_to_tensorboard: bool = True
     log_batch_size_to_tensorboard: bool = False
@@ -17,6 +18,7 @@ class LogSettings:
     log_validation_ppl_to_tensorboard: bool = False
     log_timers_to_tensorboard: bool = False
     model_family: str = "gpt"
+    world_size: int = 1
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LogSettings:
@@ -29,4 +31,5 @@ class LogSettings:
             log_validation_ppl_to_tensorboard=bool(getattr(args, "log_validation_ppl_to_tensorboard", False)),
             log_timers_to_tensorboard=bool(getattr(args, "log_timers_to_tensorboard", False)),
             model_family=getattr(args, "model_family", "gpt"),
+            world_size=getattr(args, "world_size", 1),
         )
