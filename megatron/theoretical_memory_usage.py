@@ -77,13 +77,12 @@ def _layer_parameters(config: TransformerConfig) -> tuple[int, int]:
     return split, replicated
 
 
-def _bert_extra_parameters(args: argparse.Namespace, config: TransformerConfig) -> tuple[int, int, int]:
+def _bert_extra_parameters(opts: MemorySettings, config: TransformerConfig) -> tuple[int, int, int]:
     """BERT's (token-type embeddings, TP-split head, replicated head) parameters; zeros for other families.
 
     LM head: dense h x h + bias and LayerNorm (replicated), vocab-parallel bias V; with the binary head also two
     token-type embeddings, the pooler h x h + bias and the binary head h x 2 + bias (replicated). Counted with the
     embedding layers (they sit next to the tied output layer)."""
-    opts = MemorySettings.from_args(args)
     if opts.model_family != "bert":
         return 0, 0, 0
     h = config.hidden_size
@@ -91,22 +90,31 @@ def _bert_extra_parameters(args: argparse.Namespace, config: TransformerConfig) 
     head_repl = h * h + h + 2 * h  # the LM head's LayerNorm has a bias whatever --normalization says
     if binary:
         head_repl += h * h + h + 2 * h + 2
-    return (2 * h if binary else 0), args.padded_vocab_size, head_repl
+    return (2 * h if binary else 0), opts.padded_vocab_size, head_repl
+
+
+def _settings(args: argparse.Namespace) -> tuple[MemorySettings, TransformerConfig]:
+    """The typed inputs of the estimate from the flags (the Megatron-named functions below take ``args``)."""
+    return MemorySettings.from_args(args), model_config(args)
 
 
 def count_parameters(args: argparse.Namespace) -> ParameterCounts:
     """Exact parameter counts of this code base's GPT for `args` (see the module docstring)."""
-    config = model_config(args)
+    return parameter_counts(*_settings(args))
+
+
+def parameter_counts(opts: MemorySettings, config: TransformerConfig) -> ParameterCounts:
+    """count_parameters on typed settings."""
     h, layers = config.hidden_size, config.num_layers
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    vocab = args.padded_vocab_size
+    tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
+    vocab = opts.padded_vocab_size
     split, replicated = _layer_parameters(config)
     word = vocab * h
     position = config.max_position_embeddings * h if config.position_embedding_type == "learned_absolute" else 0
     untied = not config.share_embeddings_and_output_weights
     final_ln = _norm_parameters(config)
     transformer = layers * (split + replicated) + final_ln
-    tokentype, head_split, head_repl = _bert_extra_parameters(args, config)
+    tokentype, head_split, head_repl = _bert_extra_parameters(opts, config)
     position += tokentype  # replicated on the first stage, like the position table
     position += 2 * h if config.embed_layernorm else 0  # --embed-layernorm: LayerNorm weight and bias, first stage
     embedding = word + position + (word if untied else 0) + head_split + head_repl
@@ -128,9 +136,13 @@ def count_parameters(args: argparse.Namespace) -> ParameterCounts:
 
 def bytes_per_parameter(args: argparse.Namespace) -> float:
     """Weight + gradient + optimizer bytes per parameter on one rank (Megatron-LM README's table)."""
-    opts = MemorySettings.from_args(args)
-    mixed = bool(args.fp16 or args.bf16)
-    fp32_grads = bool(args.bf16 or opts.accumulate_allreduce_grads_in_fp32)
+    return parameter_bytes(MemorySettings.from_args(args))
+
+
+def parameter_bytes(opts: MemorySettings) -> float:
+    """bytes_per_parameter on typed settings."""
+    mixed = bool(opts.fp16 or opts.bf16)
+    fp32_grads = bool(opts.bf16 or opts.accumulate_allreduce_grads_in_fp32)
     state = 4 if opts.optimizer == "sgd" else 8
     if not mixed:
         replicated, sharded = 4 + 4, state
@@ -139,26 +151,26 @@ def bytes_per_parameter(args: argparse.Namespace) -> float:
     else:
         replicated, sharded = 2 + 2, 4 + 4 + state
     if opts.use_distributed_optimizer:
-        return replicated + sharded / args.data_parallel_size
+        return replicated + sharded / opts.data_parallel_size
     return float(replicated + sharded)
 
 
 def compute_weight_and_optimizer_memory(args: argparse.Namespace) -> float:
     """Bytes of weights, gradients and optimizer state on the most loaded rank."""
-    return count_parameters(args).most_loaded_shard * bytes_per_parameter(args)
+    opts, config = _settings(args)
+    return parameter_counts(opts, config).most_loaded_shard * parameter_bytes(opts)
 
 
-def _layer_activation_bytes(args: argparse.Namespace, e: int, selective: bool) -> float:
-    config = model_config(args)
-    cp = MemorySettings.from_args(args).context_parallel_size
-    s, b, h = args.seq_length // cp, args.micro_batch_size, config.hidden_size
+def _layer_activation_bytes(opts: MemorySettings, config: TransformerConfig, e: int, selective: bool) -> float:
+    cp = opts.context_parallel_size
+    s, b, h = opts.seq_length // cp, opts.micro_batch_size, config.hidden_size
     f = config.ffn_hidden_size
     if config.gated_linear_unit:
         f = 2 * f  # two first-projection outputs kept (gate and value)
-    a, t = config.num_attention_heads, args.tensor_model_parallel_size
+    a, t = config.num_attention_heads, opts.tensor_model_parallel_size
     q = config.kv_channels * a
     k = config.kv_channels * (config.num_query_groups or a)
-    t_sp = t if args.sequence_parallel else 1
+    t_sp = t if opts.sequence_parallel else 1
     total = s * b * h * (4 * e + 2) / t_sp + e * s * b * (2 * q + 2 * k) / t + 2 * e * s * b * f / t
     if cp > 1:
         total += 8 * a * s * b / t  # ring attention keeps its fp32 softmax statistics, not the scores
@@ -169,21 +181,26 @@ def _layer_activation_bytes(args: argparse.Namespace, e: int, selective: bool) -
 
 def compute_activation_memory(args: argparse.Namespace, num_microbatches: Optional[int] = None) -> Optional[float]:
     """Activation bytes on the first pipeline stage (see the module docstring); None where it does not apply."""
-    opts = MemorySettings.from_args(args)
+    return activation_memory(*_settings(args), num_microbatches)
+
+
+def activation_memory(opts: MemorySettings, config: TransformerConfig,
+                      num_microbatches: Optional[int] = None) -> Optional[float]:
+    """compute_activation_memory on typed settings."""
     if opts.distribute_saved_activations:
         return None  # checkpointed inputs split over TP without SP: not modelled
-    s, b, h = args.seq_length // opts.context_parallel_size, args.micro_batch_size, args.hidden_size
-    t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    t_sp = t if args.sequence_parallel else 1
-    e = 2 if (args.fp16 or args.bf16) else 4
+    s, b, h = opts.seq_length // opts.context_parallel_size, opts.micro_batch_size, opts.hidden_size
+    t, p = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
+    t_sp = t if opts.sequence_parallel else 1
+    e = 2 if (opts.fp16 or opts.bf16) else 4
     granularity = opts.recompute_granularity
-    layer = _layer_activation_bytes(args, e, selective=granularity == "selective")
-    layers = args.num_layers // p
+    layer = _layer_activation_bytes(opts, config, e, selective=granularity == "selective")
+    layers = opts.num_layers // p
     recompute_peak = 0.0
     if granularity == "full":
-        n = args.recompute_num_layers or 1
+        n = opts.recompute_num_layers or 1
         checkpoint_input = e * s * b * h / t_sp
-        if args.recompute_method == "block":
+        if opts.recompute_method == "block":
             n = min(n, layers)
             per_microbatch = n * checkpoint_input + (layers - n) * layer
             # The first n layers are recomputed after the later layers' activations are freed.
@@ -206,7 +223,7 @@ def compute_activation_memory(args: argparse.Namespace, num_microbatches: Option
         in_flight = float(min(p, num_microbatches))
     total = per_microbatch * in_flight + recompute_peak
     if p == 1:
-        total += e * s * b * h + 4 * s * b * args.padded_vocab_size / t  # output layer input, fp32 logits
+        total += e * s * b * h + 4 * s * b * opts.padded_vocab_size / t  # output layer input, fp32 logits
         if bert:  # LM head dense, GeLU and LayerNorm inputs; pooler dense input, tanh output, fp32 SOP logits
             total += 3 * e * s * b * h / t_sp + ((2 * e * b * h + 4 * 2 * b) if binary else 0)
     return total
@@ -215,9 +232,15 @@ def compute_activation_memory(args: argparse.Namespace, num_microbatches: Option
 def report_theoretical_memory(args: argparse.Namespace, num_microbatches: Optional[int] = None,
                               verbose: bool = True) -> str:
     """Print (and return) Megatron's start-up lines: parameter counts and the memory footprint in MB."""
-    counts = count_parameters(args)
-    weight_and_optimizer = counts.most_loaded_shard * bytes_per_parameter(args) / MB
-    activation = compute_activation_memory(args, num_microbatches)
+    return memory_report(*_settings(args), num_microbatches, verbose)
+
+
+def memory_report(opts: MemorySettings, config: TransformerConfig, num_microbatches: Optional[int] = None,
+                  verbose: bool = True) -> str:
+    """report_theoretical_memory on typed settings."""
+    counts = parameter_counts(opts, config)
+    weight_and_optimizer = counts.most_loaded_shard * parameter_bytes(opts) / MB
+    activation = activation_memory(opts, config, num_microbatches)
     lines = []
     if verbose:
         lines += [
@@ -228,7 +251,7 @@ def report_theoretical_memory(args: argparse.Namespace, num_microbatches: Option
             f"Total number of parameters in billions: {counts.total / 1e9:.4f} ({counts.total})",
             f"Number of parameters in most loaded shard in billions: {counts.most_loaded_shard / 1e9:.4f} "
             f"({counts.most_loaded_shard})",
-            f"Bytes per parameter (weights, grads, optimizer state): {bytes_per_parameter(args):g}",
+            f"Bytes per parameter (weights, grads, optimizer state): {parameter_bytes(opts):g}",
         ]
     if activation is None:
         lines.append(f"Theoretical memory footprints: weight and optimizer={weight_and_optimizer:.2f} MB, "
