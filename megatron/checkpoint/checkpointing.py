@@ -145,7 +145,7 @@ def _qkv_in_current_order(model_sd: dict, sd: dict, cfg: CheckpointSettings) -> 
     version = float(sd.get("checkpoint_version", 0) or 0)
     if version >= 2.0 or cfg.qkv_heads_per_rank is None:
         return model_sd
-    from megatron.checkpoint_conversion.qkv_versions import fix_state_dict_qkv, has_qkv
+    from megatron.checkpoint.conversion.qkv_versions import fix_state_dict_qkv, has_qkv
 
     if not has_qkv(model_sd):
         return model_sd
@@ -410,7 +410,7 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
     iteration, release = read_metadata(tracker)
     iter_dir = _iteration_dir(load_dir, iteration, release)
     trust = cfg.trust_checkpoint
-    from megatron.checkpoint_conversion.torch_dist import is_torch_dist, read_common
+    from megatron.checkpoint.conversion.torch_dist import is_torch_dist, read_common
 
     if is_torch_dist(iter_dir):  # Megatron-LM's args live in common.pt
         use_checkpoint_args(args, read_common(iter_dir, trust))

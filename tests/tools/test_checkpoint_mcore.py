@@ -251,8 +251,8 @@ def test_core_t5_checkpoints_both_ways(oracle):
     ours = torch.load(oracle / "ours_t5_logits.pt")
     for tp in (1, 2):
         torch.testing.assert_close(torch.load(t5 / f"ours_logits_tp{tp}.pt"), ours, **TOL, msg=f"ours in Core TP{tp}")
-    from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.torch_dist import read_torch_dist
+    from megatron.checkpoint.conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.torch_dist import read_torch_dist
 
     with pytest.raises(ConversionError, match="holds a T5 model"):  # convert.py's mcore loader is GPT-only
         read_torch_dist(str(t5 / "dist_tp1"))
@@ -276,7 +276,7 @@ def test_t5_torch_dist_save_needs_no_save_optim():
 
 @pytest.mark.slow
 def test_convert_loader_and_saver_mcore(oracle, tmp_path):
-    from megatron.checkpoint_conversion.driver import main as convert
+    from megatron.checkpoint.conversion.driver import main as convert
 
     for family, name in (("gpt", "torch_pp2"), ("llama", "dist_tp2")):
         ref = torch.load(oracle / "out" / family / "logits.pt")
@@ -452,7 +452,7 @@ def test_megatron_core_distributed_optimizer_checkpoint_continues_its_curve_in_o
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(core["losses"][SAVE_AT:]), rtol=1e-5, atol=0,
                                    msg=folder)
     # convert.py carries the same state: --loader mcore -> ours (TP1, distrib_optim.pt) -> --saver mcore -> --load
-    from megatron.checkpoint_conversion.driver import main as convert
+    from megatron.checkpoint.conversion.driver import main as convert
 
     ours_dir, back = oracle.parent / f"{oracle.name}_conv_ours", oracle.parent / f"{oracle.name}_conv_back"
     convert(["--model-type", "GPT", "--loader", "mcore", "--saver", "megatron", "--load-dir",
@@ -479,8 +479,8 @@ def test_core_default_optimizer_layout_reads_as_its_reshardable_one(oracle, layo
     """One Megatron Core distributed-optimizer state (random Adam moments) saved at TP2 or PP2 (tied embeddings split
     over the stages) in its default dp_reshardable layout (bucket buffers) and in fully_reshardable: read here, the
     two give the same model-space tensors, bit for bit."""
-    from megatron.checkpoint_conversion.torch_dist import read_iteration_state
-    from megatron.checkpoint_conversion.torch_dist_optim import optimizer_common
+    from megatron.checkpoint.conversion.torch_dist import read_iteration_state
+    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
 
     root = oracle / "out" / "layouts"
     common, _, _, buckets = read_iteration_state(str(root / f"{layout}_dp_reshardable" / "iter_0000003"))
