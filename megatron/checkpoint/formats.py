@@ -32,6 +32,7 @@ from megatron.training_state import TOTALS, TrainingState
 
 TORCH, CORE_TORCH, TORCH_DIST = "torch", "torch (Megatron Core names)", "torch_dist"
 _LAYERS = "language_model.encoder.layers."
+_T5_DEC = "language_model.decoder.layers."
 _WORD = "language_model.embedding.word_embeddings.weight"
 _OUT = "language_model.output_layer.weight"
 
@@ -99,9 +100,9 @@ def _read_core_torch_t5(iter_dir: str, trust: bool, layouts: Dict[str, Any]
 
     files = rank_files(iter_dir)
     if any(p for _, p in files):
-        raise ConversionError(f"checkpoint {iter_dir}: Megatron Core T5 torch files of a pipeline are not read here; "
-                              "save it from Megatron-LM with --ckpt-format torch_dist, or with "
-                              "--pipeline-model-parallel-size 1")
+        raise ConversionError(f"checkpoint {iter_dir}: Megatron Core T5 torch files of a pipeline (Megatron-LM <= "
+                              "0.13's --encoder-pipeline-model-parallel-size) are not read here; save it from "
+                              "Megatron-LM with --ckpt-format torch_dist, or with --pipeline-model-parallel-size 1")
     sds = [safe_torch_load(files[(t, 0)], map_location="cpu", trust=trust, mmap=True) for t in range(len(files))]
     shards = [core_to_ours(sd["model"]) for sd in sds]
     flat = merge_tensor_parallel_state_dicts(shards, layouts=layouts)
@@ -204,8 +205,16 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
 
     vp = state.virtual_pp_size or 1
     piece: Dict[str, torch.Tensor] = {}
+    t5 = _t5_stages(full, state) if state.pp_size > 1 and any(k.startswith(_T5_DEC) for k in full) else None
     for key, value in full.items():
-        if key.startswith(_LAYERS):
+        if t5 is not None and key.startswith((_LAYERS, _T5_DEC)):  # T5: each stack over its own stages
+            stack = _LAYERS if key.startswith(_LAYERS) else _T5_DEC
+            index, _, suffix = key[len(stack):].partition(".")
+            first, per = t5[stack]
+            stage, local = divmod(int(index), per)
+            if first + stage == state.pp_rank:
+                piece[f"{stack}{local}.{suffix}"] = value
+        elif key.startswith(_LAYERS):
             index, _, suffix = key[len(_LAYERS):].partition(".")
             p, v, local = chunk_of_layer(int(index), num_layers, state.pp_size, vp)
             if (p, v) == (state.pp_rank, chunk):
@@ -232,6 +241,25 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
         piece = split_tensor_parallel_state_dict(piece, state.tp_size, layouts=tensor_parallel_layouts(model))[
             state.tp_rank]
     return {**piece, **experts}
+
+
+def _t5_stages(full: Dict[str, torch.Tensor], state: Any) -> Dict[str, Tuple[int, int]]:
+    """{layer prefix: (first stage, layers per stage)} of a T5 model's encoder and decoder stacks under Megatron
+    23.06's split rank R (encoder layers over stages 0..R-1, decoder layers over R..P-1, numbered from 0 per stage)."""
+    split, pp = state.pipeline_split_rank, state.pp_size
+    if split is None or not 0 < split < pp:
+        raise CheckpointFormatError(f"a T5 pipeline of {pp} stages needs --pipeline-model-parallel-split-rank in "
+                                    f"1..{pp - 1}")
+    out = {}
+    for stack, first, stages in ((_LAYERS, 0, split), (_T5_DEC, split, pp - split)):
+        count = len({k[len(stack):].partition(".")[0] for k in full if k.startswith(stack)})
+        if count % stages:
+            what = "encoder" if stack == _LAYERS else "decoder"
+            raise CheckpointFormatError(f"the checkpoint's {count} {what} layers do not split evenly over {stages} "
+                                        f"{what} pipeline stage(s): choose --pipeline-model-parallel-split-rank to "
+                                        "match")
+        out[stack] = (first, count // stages)
+    return out
 
 
 def _load_optimizer_state(optimizer: Any, models: List[Any], opt_full: Dict[str, Dict[str, torch.Tensor]],
@@ -288,6 +316,20 @@ def saved_rng(common: Dict[str, Any], iter_dir: str, state: Any, trust: bool = F
     return saved["ranks"][(state.tp_rank, state.pp_rank)]
 
 
+def _full_t5_layouts(model: Any) -> Dict[str, Any]:
+    """The TP layouts by name of the whole (TP=1, unpipelined) T5 model of `model`'s config, built on the meta device
+    (a pipeline stage has only its own layers, but a per-rank file's merge needs every one)."""
+    import dataclasses
+
+    from megatron.model.tp_shards import tensor_parallel_layouts
+    from megatron.models.t5.model import T5Model
+
+    config = dataclasses.replace(model.config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                 sequence_parallel=False)
+    with torch.device("meta"):
+        return tensor_parallel_layouts(T5Model(config))
+
+
 def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, iter_dir: str, fmt: str,
                  release: bool, state: Any, train_state: Optional[TrainingState] = None, optimizer: Any = None,
                  opt_param_scheduler: Any = None, settings: Optional[CheckpointSettings] = None
@@ -306,17 +348,15 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
         raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): its optimizer and RNG state are not converted; "
                                     "pass --finetune, or --no-load-optim --no-load-rng")
     trust = cfg.trust_checkpoint
-    from megatron.model.tp_shards import tensor_parallel_layouts
     from megatron.models.bert.model import BertModel
     from megatron.models.t5.model import T5Model
 
     first = unwrap_model(models[0])
     model_type = "BERT" if isinstance(first, BertModel) else "T5" if isinstance(first, T5Model) else "GPT"
-    if model_type == "T5" and (state.pp_size > 1 or load_optim):
-        raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): a Megatron Core T5 checkpoint loads at "
-                                    "--pipeline-model-parallel-size 1 and without its optimizer state (pass "
-                                    "--finetune or --no-load-optim); convert it for a pipeline")
-    layouts = tensor_parallel_layouts(first) if model_type == "T5" else None
+    if model_type == "T5" and load_optim:
+        raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): a Megatron Core T5 checkpoint loads without its "
+                                    "optimizer state (pass --finetune or --no-load-optim)")
+    layouts = _full_t5_layouts(first) if model_type == "T5" else None
     common, arch, full, opt_full = read_full(iter_dir, load_dir, fmt, trust, optimizer=load_optim,
                                              model_type=model_type, layouts=layouts)
     check_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, args, iter_dir)

@@ -8,7 +8,7 @@ loaded by dist_checkpointing from the TP1 folder) and saves both formats there t
 torch_dist checkpoint written by our code, it is loaded with dist_checkpointing.load into Core models at TP1 and TP2
 and their logits are written. A tiny BERT (Core's BertModel, local spec, tied head, binary head; `bert`) is saved
 the same way at TP1 and TP2, and ours loaded into it; so is a tiny T5 (Core's T5Model, local specs, tied
-head; `t5`). Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
+head; `t5`; ours also as saved by our PP2 run). Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
 with its distributed optimizer (Adam, DP2) takes 6 steps on the batches of `batches.pt`, saving torch_dist
 checkpoints with the optimizer state (fully_reshardable in `train`, Megatron-LM's default dp_reshardable in
 `train_dp`) and Megatron-LM's RNG state after step 3; its per-step losses are the run that never stopped. One
@@ -257,9 +257,9 @@ def t5_logits(model):
         return model(enc, dec, *[m.unsqueeze(1) < 0.5 for m in masks])
 
 
-def t5_run(ours) -> None:
+def t5_run(ours, ours_pp2=None) -> None:
     """T5: logits of random weights at TP1; `torch` and `torch_dist` saved at TP1 and TP2; our torch_dist save
-    (`ours`, when given) loaded at TP1 and TP2, its logits written."""
+    (`ours`, when given) loaded at TP1 and TP2, its logits written; so is our save at PP2 (`ours_pp2`) at TP1."""
     out = os.path.join("out", "t5")
     args = {**vars(megatron_lm_args("gpt", 1, 1)), "encoder_num_layers": LAYERS, "decoder_num_layers": LAYERS,
             "encoder_seq_length": SEQ, "decoder_seq_length": DSEQ}
@@ -298,6 +298,12 @@ def t5_run(ours) -> None:
             logits = t5_logits(fresh)
             if dist.get_rank() == 0:
                 torch.save(logits, os.path.join(out, f"ours_logits_tp{tp}.pt"))
+        if ours_pp2 and tp == 1:
+            fresh = build_t5()
+            load_dist(fresh, ours_pp2)
+            logits = t5_logits(fresh)
+            if dist.get_rank() == 0:
+                torch.save(logits, os.path.join(out, "ours_pp2_logits_tp1.pt"))
         dist.barrier()
         mps.destroy_model_parallel()
 
@@ -541,7 +547,7 @@ def main() -> None:
     if job.get("bert"):
         bert_run(job.get("ours", {}).get("bert"))
     if job.get("t5"):
-        t5_run(job.get("ours", {}).get("t5"))
+        t5_run(job.get("ours", {}).get("t5"), job.get("ours", {}).get("t5_pp2"))
     if job.get("train"):
         train(job)
     dist.barrier()
