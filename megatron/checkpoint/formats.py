@@ -13,15 +13,14 @@ layers and its tensor-parallel slice. A torch_dist folder's optimizer state in M
 (megatron/checkpoint/conversion/torch_dist_optim.py: what ``--ckpt-format torch_dist`` writes here, and Megatron-LM
 with ``--dist-ckpt-optim-fully-reshardable``) is cut the same way into the run's optimizer, regular or distributed,
 with the LR schedule and consumed samples, so training resumes at any layout; Megatron-LM's default ``dp_reshardable``
-layout is first rebuilt in model space (torch_dist_buckets.py). The RNG state (ours, kept per TP x PP rank in
-``common.pt``, or Megatron-LM's ``rng_state`` ShardedObjects) is restored at the layout that saved it and ignored at
-another one, as Megatron-LM does. Megatron Core ``torch`` files' optimizer state is not converted (``--no-load-optim``, one line says so).
+layout is first rebuilt in model space (torch_dist_buckets.py). The RNG state (Megatron-LM's ``rng_state``
+ShardedObjects, which ``--ckpt-format torch_dist`` writes too, or the per TP x PP rank entry of ``common.pt`` older
+saves of ours hold) is restored at the layout that saved it and ignored at another one, as Megatron-LM does. Megatron Core ``torch`` files' optimizer state is not converted (``--no-load-optim``, one line says so).
 """
 from __future__ import annotations
 
-import argparse
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -32,6 +31,7 @@ from megatron.training_state import TOTALS, TrainingState
 
 TORCH, CORE_TORCH, TORCH_DIST = "torch", "torch (Megatron Core names)", "torch_dist"
 _LAYERS = "language_model.encoder.layers."
+_T5_DEC = "language_model.decoder.layers."
 _WORD = "language_model.embedding.word_embeddings.weight"
 _OUT = "language_model.output_layer.weight"
 
@@ -68,11 +68,9 @@ def detect_format(iter_dir: str, trust: bool = False) -> str:
     return CORE_TORCH if isinstance(model, dict) and has_core_names(model) else TORCH
 
 
-def check_format_flags(fmt: str, args: Optional[argparse.Namespace], iter_dir: str,
-                       settings: Optional[CheckpointSettings] = None) -> None:
+def check_format_flags(fmt: str, cfg: CheckpointSettings, iter_dir: str) -> None:
     """Megatron-LM's rule: a folder in another format than --ckpt-format loads only with --auto-detect-ckpt-format;
-    says in one line which layout it found. `settings` default: built from ``args``."""
-    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
+    says in one line which layout it found."""
     wanted = cfg.ckpt_format
     found = TORCH_DIST if fmt == TORCH_DIST else TORCH
     if found != wanted and not cfg.auto_detect_ckpt_format:
@@ -99,9 +97,9 @@ def _read_core_torch_t5(iter_dir: str, trust: bool, layouts: Dict[str, Any]
 
     files = rank_files(iter_dir)
     if any(p for _, p in files):
-        raise ConversionError(f"checkpoint {iter_dir}: Megatron Core T5 torch files of a pipeline are not read here; "
-                              "save it from Megatron-LM with --ckpt-format torch_dist, or with "
-                              "--pipeline-model-parallel-size 1")
+        raise ConversionError(f"checkpoint {iter_dir}: Megatron Core T5 torch files of a pipeline (Megatron-LM <= "
+                              "0.13's --encoder-pipeline-model-parallel-size) are not read here; save it from "
+                              "Megatron-LM with --ckpt-format torch_dist, or with --pipeline-model-parallel-size 1")
     sds = [safe_torch_load(files[(t, 0)], map_location="cpu", trust=trust, mmap=True) for t in range(len(files))]
     shards = [core_to_ours(sd["model"]) for sd in sds]
     flat = merge_tensor_parallel_state_dicts(shards, layouts=layouts)
@@ -149,13 +147,15 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bo
         raise CheckpointFormatError(str(exc)) from None
 
 
-RNG_KEY = "rng_state_by_rank"  # ours, in common.pt: {"tp": T, "pp": P, "ranks": {(tp rank, pp rank): rng list}}
+# ours until today's saves wrote Megatron-LM's rng_state ShardedObjects, in common.pt (still read):
+RNG_KEY = "rng_state_by_rank"  # {"tp": T, "pp": P, "ranks": {(tp rank, pp rank): rng list}}
 
 
 def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimizer: bool = True) -> None:
     """--ckpt-format torch_dist on save: turn the per-rank files of `iter_dir` (just written, any layout) into one
-    torch_dist folder with Megatron Core names; common.pt keeps args, iteration, consumed samples, the LR schedule
-    and each model-parallel rank's RNG state; with `optimizer` the optimizer state goes along (fully_reshardable)."""
+    torch_dist folder with Megatron Core names; common.pt keeps args, iteration, consumed samples and the LR schedule,
+    each model-parallel rank's RNG state becomes Megatron-LM's ``rng_state`` ShardedObject; with `optimizer` the
+    optimizer state goes along (fully_reshardable)."""
     from megatron.checkpoint.conversion.interchange import ConversionError
     from megatron.checkpoint.conversion.megatron_format import expert_rank_files, rank_files, read_megatron
     from megatron.checkpoint.conversion.torch_dist import write_torch_dist
@@ -179,10 +179,11 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
         keep = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens",
                 "opt_param_scheduler", "true_vocab_size", "padded_vocab_size", "train_loss", *TOTALS)
         extra = {k: first[k] for k in keep if k in first}
-        if "rng_state" in first:
+        rng = None
+        if "rng_state" in first:  # Megatron-LM's rng_state ShardedObjects (older saves: RNG_KEY in common.pt)
             ranks = {tp_pp: safe_torch_load(path, map_location="cpu").get("rng_state") for tp_pp, path in files.items()}
-            extra[RNG_KEY] = {"tp": max(t for t, _ in files) + 1, "pp": max(p for _, p in files) + 1, "ranks": ranks}
-        write_torch_dist(meta, messages, iter_dir, extra)
+            rng = {"tp": max(t for t, _ in files) + 1, "pp": max(p for _, p in files) + 1, "ranks": ranks}
+        write_torch_dist(meta, messages, iter_dir, extra, rng=rng, rng_dp_axis=ep > 1)
     except ConversionError as exc:
         raise CheckpointFormatError(f"--ckpt-format torch_dist: {exc}") from None
 
@@ -201,8 +202,16 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
 
     vp = state.virtual_pp_size or 1
     piece: Dict[str, torch.Tensor] = {}
+    t5 = _t5_stages(full, state) if state.pp_size > 1 and any(k.startswith(_T5_DEC) for k in full) else None
     for key, value in full.items():
-        if key.startswith(_LAYERS):
+        if t5 is not None and key.startswith((_LAYERS, _T5_DEC)):  # T5: each stack over its own stages
+            stack = _LAYERS if key.startswith(_LAYERS) else _T5_DEC
+            index, _, suffix = key[len(stack):].partition(".")
+            first, per = t5[stack]
+            stage, local = divmod(int(index), per)
+            if first + stage == state.pp_rank:
+                piece[f"{stack}{local}.{suffix}"] = value
+        elif key.startswith(_LAYERS):
             index, _, suffix = key[len(_LAYERS):].partition(".")
             p, v, local = chunk_of_layer(int(index), num_layers, state.pp_size, vp)
             if (p, v) == (state.pp_rank, chunk):
@@ -229,6 +238,25 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
         piece = split_tensor_parallel_state_dict(piece, state.tp_size, layouts=tensor_parallel_layouts(model))[
             state.tp_rank]
     return {**piece, **experts}
+
+
+def _t5_stages(full: Dict[str, torch.Tensor], state: Any) -> Dict[str, Tuple[int, int]]:
+    """{layer prefix: (first stage, layers per stage)} of a T5 model's encoder and decoder stacks under Megatron
+    23.06's split rank R (encoder layers over stages 0..R-1, decoder layers over R..P-1, numbered from 0 per stage)."""
+    split, pp = state.pipeline_split_rank, state.pp_size
+    if split is None or not 0 < split < pp:
+        raise CheckpointFormatError(f"a T5 pipeline of {pp} stages needs --pipeline-model-parallel-split-rank in "
+                                    f"1..{pp - 1}")
+    out = {}
+    for stack, first, stages in ((_LAYERS, 0, split), (_T5_DEC, split, pp - split)):
+        count = len({k[len(stack):].partition(".")[0] for k in full if k.startswith(stack)})
+        if count % stages:
+            what = "encoder" if stack == _LAYERS else "decoder"
+            raise CheckpointFormatError(f"the checkpoint's {count} {what} layers do not split evenly over {stages} "
+                                        f"{what} pipeline stage(s): choose --pipeline-model-parallel-split-rank to "
+                                        "match")
+        out[stack] = (first, count // stages)
+    return out
 
 
 def _load_optimizer_state(optimizer: Any, models: List[Any], opt_full: Dict[str, Dict[str, torch.Tensor]],
@@ -285,17 +313,32 @@ def saved_rng(common: Dict[str, Any], iter_dir: str, state: Any, trust: bool = F
     return saved["ranks"][(state.tp_rank, state.pp_rank)]
 
 
-def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, iter_dir: str, fmt: str,
-                 release: bool, state: Any, train_state: Optional[TrainingState] = None, optimizer: Any = None,
-                 opt_param_scheduler: Any = None, settings: Optional[CheckpointSettings] = None
+def _full_t5_layouts(model: Any) -> Dict[str, Any]:
+    """The TP layouts by name of the whole (TP=1, unpipelined) T5 model of `model`'s config, built on the meta device
+    (a pipeline stage has only its own layers, but a per-rank file's merge needs every one)."""
+    import dataclasses
+
+    from megatron.model.tp_shards import tensor_parallel_layouts
+    from megatron.models.t5.model import T5Model
+
+    config = dataclasses.replace(model.config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                 sequence_parallel=False)
+    with torch.device("meta"):
+        return tensor_parallel_layouts(T5Model(config))
+
+
+def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mapping[str, Any], load_dir: str,
+                 iter_dir: str, fmt: str, release: bool, state: Any, run: TrainingState, optimizer: Any = None,
+                 opt_param_scheduler: Any = None,
+                 on_restored: Optional[Callable[[TrainingState, Tuple[str, ...]], None]] = None
                  ) -> Tuple[int, Dict[str, Any], Optional[List[Any]]]:
     """Load a Megatron Core checkpoint into `models` (and, resuming from a torch_dist folder, `optimizer` and
     `opt_param_scheduler`); returns (iteration to continue from, common state, this rank's RNG state list to restore
-    or None). The consumed samples go to `train_state` (a TrainingState), or onto ``args`` without one."""
-    from megatron.checkpoint.args import check_architecture
+    or None). The checkpoint's architecture is checked against `architecture` (this run's); the consumed samples go
+    to `run` (then ``on_restored(run, names)``)."""
+    from megatron.checkpoint.args import compare_architecture
     from megatron.model.module import unwrap_model
 
-    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
     resume = not (cfg.finetune or release)
     load_optim = resume and optimizer is not None and not cfg.no_load_optim
     load_rng = resume and not cfg.no_load_rng
@@ -303,20 +346,18 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
         raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): its optimizer and RNG state are not converted; "
                                     "pass --finetune, or --no-load-optim --no-load-rng")
     trust = cfg.trust_checkpoint
-    from megatron.model.tp_shards import tensor_parallel_layouts
     from megatron.models.bert.model import BertModel
     from megatron.models.t5.model import T5Model
 
     first = unwrap_model(models[0])
     model_type = "BERT" if isinstance(first, BertModel) else "T5" if isinstance(first, T5Model) else "GPT"
-    if model_type == "T5" and (state.pp_size > 1 or load_optim):
-        raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): a Megatron Core T5 checkpoint loads at "
-                                    "--pipeline-model-parallel-size 1 and without its optimizer state (pass "
-                                    "--finetune or --no-load-optim); convert it for a pipeline")
-    layouts = tensor_parallel_layouts(first) if model_type == "T5" else None
+    if model_type == "T5" and load_optim:
+        raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): a Megatron Core T5 checkpoint loads without its "
+                                    "optimizer state (pass --finetune or --no-load-optim)")
+    layouts = _full_t5_layouts(first) if model_type == "T5" else None
     common, arch, full, opt_full = read_full(iter_dir, load_dir, fmt, trust, optimizer=load_optim,
                                              model_type=model_type, layouts=layouts)
-    check_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, args, iter_dir)
+    compare_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, architecture, iter_dir)
     opt_common = None
     if load_optim:
         from megatron.checkpoint.conversion.interchange import ConversionError
@@ -347,13 +388,12 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
         optimizer.reload_model_params()  # fp32 main params follow the loaded weights
     rng = saved_rng(common, iter_dir, state, trust) if load_rng else None
     ckpt_args = common.get("args")
-    run = train_state if train_state is not None else TrainingState()
     names = tuple(k for k in ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens",
                               "consumed_valid_tokens") if k in common or k.endswith("samples"))
     for key in names:
         setattr(run, key, int(common.get(key, getattr(ckpt_args, key, 0)) or 0))
     for key in TOTALS:  # the run's skipped/non-finite totals (ours; absent: 0)
         setattr(run, key, int(common.get(key, 0)))
-    if train_state is None:
-        run.write_counters(args, names)
+    if on_restored is not None:
+        on_restored(run, names)
     return int(common.get("iteration", getattr(ckpt_args, "iteration", 0)) or 0), common, rng
