@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
 from megatron import global_vars
-from megatron.checkpoint.args import architecture_from_args
 from megatron.checkpoint.checkpointing import (
     CHECKPOINT_VERSION,
     CheckpointError,
-    _args_to_save,
-    check_checkpoint_args,
+    check_checkpoint_layout,
     get_rng_state,
     set_rng_state,
 )
@@ -38,6 +36,7 @@ from megatron.ds.engine_kind import is_pipe_engine
 from megatron.ds.mpu import get_mpu
 from megatron.logging_utils import print_rank_0
 from megatron.optimizer.optimizer_config import OptimizerConfig
+from megatron.run_configs.batch import BatchSettings
 from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.run_configs.deepspeed import DeepSpeedSettings
 from megatron.training_state import TrainingState
@@ -180,11 +179,11 @@ def _is_pipeline_module(model: Any) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- steps
-def _sync_batch_size(engine: Any, settings: DeepSpeedSettings) -> int:
+def _sync_batch_size(engine: Any, batch: BatchSettings) -> int:
     """Follow --rampup-batch-size: the engine's gradient accumulation = Megatron's number of micro-batches."""
     num_mb = global_vars.get_num_microbatches()
     if engine.gradient_accumulation_steps() != num_mb:
-        engine.set_train_batch_size(num_mb * settings.micro_batch_size * settings.data_parallel_size)
+        engine.set_train_batch_size(num_mb * batch.micro_batch_size * batch.data_parallel_size)
     return num_mb
 
 
@@ -206,12 +205,12 @@ def _grad_norm(engine: Any) -> Optional[float]:
 
 
 def deepspeed_train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list, optimizer: Any,
-                         opt_param_scheduler: Any, settings: DeepSpeedSettings, state: ps.ParallelState
-                         ) -> tuple[dict, int, Optional[float], Optional[int]]:
+                         opt_param_scheduler: Any, settings: DeepSpeedSettings, batch: BatchSettings,
+                         state: ps.ParallelState) -> tuple[dict, int, Optional[float], Optional[int]]:
     """One iteration through the engine: (loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)."""
     engine = model[0]
-    num_mb = _sync_batch_size(engine, settings)
-    increment = num_mb * settings.micro_batch_size * settings.data_parallel_size
+    num_mb = _sync_batch_size(engine, batch)
+    increment = num_mb * batch.micro_batch_size * batch.data_parallel_size
     if is_pipe_engine(engine):
         from megatron.ds.pipe import pipe_train_step
 
@@ -276,8 +275,8 @@ def deepspeed_forward_only(forward_step_func: Callable, data_iterator: Optional[
 
 
 def deepspeed_evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
-                       settings: DeepSpeedSettings, state: ps.ParallelState, counts: Any, verbose: bool = False,
-                       count_valid_samples: bool = True) -> dict:
+                       settings: DeepSpeedSettings, batch: BatchSettings, state: ps.ParallelState, counts: Any,
+                       verbose: bool = False, count_valid_samples: bool = True) -> dict:
     """training.evaluate for engines: average losses over --eval-iters batches; validation samples are counted in
     `counts` (the run state: ``consumed_valid_samples``)."""
     engine = model[0]
@@ -285,16 +284,16 @@ def deepspeed_evaluate(forward_step_func: Callable, data_iterator: Optional[Iter
     num_mb = global_vars.get_num_microbatches()
     total: dict[str, float] = {}
     count = 0
-    for it in range(settings.eval_iters):
+    for it in range(batch.eval_iters):
         if verbose:
-            print_rank_0(f"Evaluating iter {it + 1}/{settings.eval_iters}")
+            print_rank_0(f"Evaluating iter {it + 1}/{batch.eval_iters}")
         dicts = deepspeed_forward_only(forward_step_func, data_iterator, engine, num_mb, settings, state)
         for d in dicts:
             for key, value in d.items():
                 total[key] = total.get(key, 0.0) + float(value)
         count += len(dicts)
         if count_valid_samples:
-            counts.consumed_valid_samples += settings.micro_batch_size * settings.data_parallel_size * num_mb
+            counts.consumed_valid_samples += batch.micro_batch_size * batch.data_parallel_size * num_mb
     engine.train()
     return {k: v / max(1, count) for k, v in total.items()}
 
@@ -330,24 +329,21 @@ def checkpoint_tag(iteration: int) -> str:
 
 
 def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
-                              args: argparse.Namespace, train_state: Optional[TrainingState],
-                              settings: CheckpointSettings) -> None:
-    """engine.save_checkpoint(<save>, tag=global_step{N}) with Megatron's state in client_state (collective);
-    the run state comes from `train_state` (without one: from ``args``, which also give the checkpoint's Megatron
-    ``args`` and ``architecture`` records)."""
+                              cfg: CheckpointSettings, architecture: Mapping[str, Any],
+                              saved_args: argparse.Namespace, run: TrainingState) -> None:
+    """engine.save_checkpoint(<save>, tag=global_step{N}) with Megatron's state in client_state (collective):
+    `saved_args` as Megatron's ``args``, `architecture` as ours, `run`'s counters under Megatron's keys."""
     del optimizer  # saved by the engine
     engine = model[0]
-    cfg = settings
     save_dir = cfg.save
     if not save_dir:
         raise CheckpointError("saving a DeepSpeed checkpoint needs --save DIR")
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir}")
-    run = train_state if train_state is not None else TrainingState.from_args(args)
     counters = run.checkpoint_counters()
     client_state: dict[str, Any] = {
         "iteration": iteration,
-        "args": _args_to_save(args) if train_state is None else train_state.megatron_args(args),
-        "architecture": architecture_from_args(args),
+        "args": saved_args,
+        "architecture": dict(architecture),
         "checkpoint_version": CHECKPOINT_VERSION,
         **{k: counters[k] for k in ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens")},
         **run.checkpoint_totals(),
@@ -375,15 +371,13 @@ def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_p
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {save_dir}")
 
 
-def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: Any,
-                              args: argparse.Namespace, train_state: Optional[TrainingState],
-                              settings: CheckpointSettings) -> int:
+def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: Any, cfg: CheckpointSettings,
+                              architecture: Mapping[str, Any], train_state: TrainingState) -> int:
     """Resume from ``<load>/latest`` (DeepSpeed layout); returns the iteration (0 with --finetune or none found).
-    The consumed samples go to `train_state` (without one: onto ``args``, the flags the checkpoint is checked
-    against)."""
+    The checkpoint must match this run's parallel sizes (`cfg`) and `architecture`; the consumed samples go to
+    `train_state` (its padded vocabulary size is the one weights from another layout are padded to)."""
     del optimizer  # restored by the engine
     engine = model[0]
-    cfg = settings
     load_dir = cfg.load
     latest = os.path.join(load_dir, "latest")
     if not os.path.isfile(latest):
@@ -393,7 +387,8 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
         from megatron.ds.weights import is_megatron_checkpoint, load_megatron_checkpoint_into_engine
 
         if is_megatron_checkpoint(load_dir):  # --finetune (or --no-load-optim --no-load-rng): weights only
-            return load_megatron_checkpoint_into_engine(engine, args, ps.get_parallel_state(), train_state, cfg)
+            return load_megatron_checkpoint_into_engine(engine, architecture, ps.get_parallel_state(), train_state,
+                                                        cfg)
         print_rank_0(f" no DeepSpeed checkpoint in {load_dir} yet ({os.path.basename(latest)} not found): will not "
                      "load any checkpoints and will start from random")
         return 0
@@ -418,7 +413,8 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
             raise CheckpointError(f"{tag_dir} was written by a {layout} engine and this run uses a "
                                   f"{expected_layout(engine)} one: its optimizer state does not load here; pass "
                                   "--no-load-optim (and --no-load-rng), or --finetune, to start from its weights")
-        path, client_state = load_other_layout_into_engine(engine, tag_dir, args, ps.get_parallel_state(), cfg)
+        path, client_state = load_other_layout_into_engine(engine, tag_dir, architecture,
+                                                           train_state.padded_vocab_size, ps.get_parallel_state(), cfg)
     else:
         with guarded_torch_load(trust=cfg.trust_checkpoint):  # DeepSpeed's torch.load
             path, client_state = engine.load_checkpoint(
@@ -430,22 +426,19 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
     client_state = client_state or {}
     ckpt_args = client_state.get("args")
     if streamed:  # another TP/PP layout is fine here: the architecture must match
-        from megatron.checkpoint.args import check_architecture, saved_architecture
+        from megatron.checkpoint.args import compare_architecture, saved_architecture
 
         saved = saved_architecture(client_state.get("architecture"), ckpt_args)
-        check_architecture({k: v for k, v in saved.items() if k != "padded_vocab_size"}, args, path)
+        compare_architecture({k: v for k, v in saved.items() if k != "padded_vocab_size"}, architecture, path)
     elif ckpt_args is not None or client_state.get("architecture"):
-        check_checkpoint_args(ckpt_args, args, path, client_state.get("architecture"), cfg)
+        check_checkpoint_layout(ckpt_args, cfg, architecture, path, client_state.get("architecture"))
     loaded_iteration = int(client_state.get("iteration", 0))
     if finetune:
         iteration = 0
     else:
         iteration = loaded_iteration
-        run = train_state if train_state is not None else TrainingState()
         names = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens")
-        run.restore_counters(client_state, ckpt_args, names)
-        if train_state is None:
-            run.write_counters(args, names)
+        train_state.restore_counters(client_state, ckpt_args, names)
     if load_optim and opt_param_scheduler is not None and "opt_param_scheduler" in client_state:
         opt_param_scheduler.load_state_dict(client_state["opt_param_scheduler"])
     if not finetune and not cfg.no_load_rng:

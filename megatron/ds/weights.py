@@ -7,7 +7,7 @@ Used by megatron.ds.engine when ``--load`` holds
 - a DeepSpeed checkpoint whose files are not the ones this engine reads (the ``--to-deepspeed`` / ``--saver
   deepspeed`` output or a ZeRO-1/2 checkpoint under ZeRO-3, a pipeline checkpoint under the non-pipeline engine, ...).
 
-The checkpoint is read as the conversion tools' interchange stream (megatron.checkpoint_conversion: one layer at a
+The checkpoint is read as the conversion tools' interchange stream (megatron.checkpoint.conversion: one layer at a
 time, full TP=1 tensors, QKV order fixed) and each tensor is split for this rank with the parameter's own TP layout
 and copied into the engine's module: the GPTModel under ZeRO 0-3 (under ZeRO-3 inside
 ``deepspeed.zero.GatheredParameters(..., modifier_rank=0)`` one message at a time, so the partitions are rewritten)
@@ -17,10 +17,9 @@ fp32 master copies follow the loaded weights (``refresh_fp32_params`` of ZeRO-1/
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import torch
 
@@ -70,7 +69,7 @@ def engine_parameters(engine: Any) -> tuple[Dict[str, List[torch.nn.Parameter]],
 
 
 def _vocab_rows(value: torch.Tensor, name: str, rows: int, true_vocab: Optional[int], source: str) -> torch.Tensor:
-    from megatron.checkpoint_conversion.vocab import repad_rows
+    from megatron.checkpoint.conversion.vocab import repad_rows
 
     if value.size(0) == rows:
         return value
@@ -87,7 +86,7 @@ def load_stream_into_engine(engine: Any, messages: Iterator[Any], padded_vocab_s
     Collective over the data-parallel group under ZeRO-3. Every parameter of the module must be set exactly by the
     stream and every tensor of the stream must have a parameter on some stage (one-line CheckpointError otherwise).
     """
-    from megatron.checkpoint_conversion.interchange import state_dict_from_messages
+    from megatron.checkpoint.conversion.interchange import state_dict_from_messages
     from megatron.core.tensor_parallel.layout import get_tp_layout
 
     targets, other_stages = engine_parameters(engine)
@@ -157,16 +156,16 @@ def _true_vocab(meta_true: Optional[int]) -> Optional[int]:
         return None
 
 
-def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, state: Any,
-                                         train_state: Optional[TrainingState], settings: CheckpointSettings) -> int:
+def load_megatron_checkpoint_into_engine(engine: Any, architecture: Mapping[str, Any], state: Any,
+                                         train_state: TrainingState, settings: CheckpointSettings) -> int:
     """--deepspeed --load <Megatron checkpoint> with --finetune (iteration 0) or --no-load-optim --no-load-rng
-    (the checkpoint's iteration and consumed samples, into `train_state`, or onto ``args`` without one);
-    returns the iteration to continue from. ``args``: the run's flags the checkpoint's architecture must match."""
+    (the checkpoint's iteration and consumed samples, into `train_state`); returns the iteration to continue from.
+    The checkpoint must have this run's `architecture`; its vocabulary rows are padded to `train_state`'s size."""
     from megatron.checkpoint import integrity
-    from megatron.checkpoint.args import check_architecture
+    from megatron.checkpoint.args import compare_architecture
     from megatron.checkpoint.checkpointing import _first_reason
-    from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, read_megatron
+    from megatron.checkpoint.conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, read_megatron
     from megatron.model import GPTModel
 
     cfg = settings
@@ -191,8 +190,9 @@ def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, 
         print_rank_0(f" loading checkpoint from {load_dir} at iteration {0 if release else meta.iteration} "
                      f"(Megatron checkpoint, TP={meta.extra.get('tp')} PP={meta.extra.get('pp')}, into the "
                      "DeepSpeed engine)")
-        check_architecture({k: v for k, v in meta.architecture.items() if k != "padded_vocab_size"}, args, iter_dir)
-        load_stream_into_engine(engine, messages, args.padded_vocab_size, state, iter_dir,
+        compare_architecture({k: v for k, v in meta.architecture.items() if k != "padded_vocab_size"}, architecture,
+                             iter_dir)
+        load_stream_into_engine(engine, messages, train_state.padded_vocab_size, state, iter_dir,
                                 _true_vocab(meta.true_vocab_size))
     except ConversionError as exc:
         raise CheckpointError(str(exc).replace("--load-dir", "--load")) from None
@@ -200,9 +200,8 @@ def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, 
         iteration = 0
     else:
         iteration = int(meta.iteration)
-        target = train_state if train_state is not None else args
-        target.consumed_train_samples = int(meta.consumed_train_samples)
-        target.consumed_valid_samples = int(meta.consumed_valid_samples)
+        train_state.consumed_train_samples = int(meta.consumed_train_samples)
+        train_state.consumed_valid_samples = int(meta.consumed_valid_samples)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     loaded = 0 if release else int(meta.iteration)
@@ -220,25 +219,27 @@ def expected_layout(engine: Any) -> str:
     return "zero3" if getattr(engine, "zero_optimization_stage", lambda: 0)() == 3 else "module"
 
 
-def load_other_layout_into_engine(engine: Any, tag_dir: str, args: argparse.Namespace, state: Any,
-                                  settings: CheckpointSettings) -> tuple[str, dict]:
-    """A DeepSpeed tag of another layout than the engine's: its weights through the stream; (path, client state).
-    ``args``: the run's flags the checkpoint's architecture must match."""
-    from megatron.checkpoint.args import check_architecture
-    from megatron.checkpoint_conversion.deepspeed_format import DeepSpeedCheckpointReader
-    from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.megatron_format import WORD as _WORD
-    from megatron.checkpoint_conversion.megatron_format import _stream, megatron_meta
+def load_other_layout_into_engine(engine: Any, tag_dir: str, architecture: Mapping[str, Any],
+                                  padded_vocab_size: int, state: Any, settings: CheckpointSettings
+                                  ) -> tuple[str, dict]:
+    """A DeepSpeed tag of another layout than the engine's: its weights through the stream (vocabulary rows padded
+    to `padded_vocab_size`); (path, client state). The tag must have this run's `architecture`."""
+    from megatron.checkpoint.args import compare_architecture
+    from megatron.checkpoint.conversion.deepspeed_format import DeepSpeedCheckpointReader
+    from megatron.checkpoint.conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.megatron_format import WORD as _WORD
+    from megatron.checkpoint.conversion.megatron_format import _stream, megatron_meta
     from megatron.core.tensor_parallel.layout import TensorParallelLayout
 
     try:
         reader = DeepSpeedCheckpointReader(tag_dir, trust=settings.trust_checkpoint)
-        check_architecture({k: v for k, v in reader.architecture.items() if k != "padded_vocab_size"}, args, tag_dir)
+        compare_architecture({k: v for k, v in reader.architecture.items() if k != "padded_vocab_size"}, architecture,
+                             tag_dir)
         meta = megatron_meta(reader, None, "GPT")
         meta.architecture["padded_vocab_size"] = reader.merged(0, 0, _WORD, TensorParallelLayout(dim=0)).size(0)
         print_rank_0(f" loading the weights of {tag_dir} ({reader.layout} layout, TP={reader.tp}) into the "
                      f"{expected_layout(engine)} engine")
-        load_stream_into_engine(engine, _stream(reader, meta), args.padded_vocab_size, state, tag_dir,
+        load_stream_into_engine(engine, _stream(reader, meta), padded_vocab_size, state, tag_dir,
                                 _true_vocab(None))
     except ConversionError as exc:
         raise CheckpointError(str(exc)) from None
@@ -247,8 +248,8 @@ def load_other_layout_into_engine(engine: Any, tag_dir: str, args: argparse.Name
 
 def tag_layout_or_none(tag_dir: str) -> Optional[str]:
     """'pipe' / 'module' / 'zero3' for a DeepSpeed tag folder, None when it is none of them (DeepSpeed explains)."""
-    from megatron.checkpoint_conversion.deepspeed_format import tag_layout
-    from megatron.checkpoint_conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.deepspeed_format import tag_layout
+    from megatron.checkpoint.conversion.interchange import ConversionError
 
     if not os.path.isdir(tag_dir):
         return None

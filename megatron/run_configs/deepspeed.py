@@ -8,8 +8,8 @@ from typing import Any, Optional
 
 @dataclasses.dataclass(frozen=True)
 class DeepSpeedSettings:
-    """The resolved DeepSpeed config, DeepSpeed activation checkpointing, the pipeline-engine choice, and what the
-    engine's steps read: the batch shape, the pipe batches' mask flags and the timers' barrier."""
+    """The resolved DeepSpeed config, DeepSpeed activation checkpointing (and the layers it counts), the
+    pipeline-engine choice, the pipe batches' mask flags and the steps' timer barrier (the batch shape: BatchSettings)."""
 
     enabled: bool = False
     config_dict: Optional[dict[str, Any]] = None  # set by megatron/ds/config.py during validate_args
@@ -26,9 +26,6 @@ class DeepSpeedSettings:
     reset_position_ids: bool = False
     eod_mask_loss: bool = False
     num_layers: Optional[int] = None
-    micro_batch_size: int = 1
-    data_parallel_size: int = 1
-    eval_iters: int = 0
     barrier_with_L1_time: bool = True  # noqa: N815 (Megatron's flag name)
 
     @classmethod
@@ -49,8 +46,5 @@ class DeepSpeedSettings:
             reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
             eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
             num_layers=getattr(args, "num_layers", None),
-            micro_batch_size=getattr(args, "micro_batch_size", 1),
-            data_parallel_size=getattr(args, "data_parallel_size", 1),
-            eval_iters=getattr(args, "eval_iters", 0),
             barrier_with_L1_time=bool(getattr(args, "barrier_with_L1_time", True)),
         )
