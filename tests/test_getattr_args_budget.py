@@ -24,7 +24,6 @@ FLAG_LAYER = ("megatron/settings/", "megatron/arguments.py", "megatron/settings/
 # megatron/settings/ is the settings' one declaration (groups of flags; their from_args reads the namespace).
 # Library modules: the occurrences left when the typed configs landed (a file may go down, never up; others: 0).
 LIBRARY = {
-    "megatron/checkpoint/conversion/plugins.py": 15,  # the conversion plugins' own CLI namespaces
     "megatron/training.py": 1,  # pretrain()'s entry side: padded_vocab_size (the run records: RunConfigs)
     "megatron/data/preprocessing.py": 3,  # tools/preprocess_data.py's own namespace
     "megatron/optimizer/optimizer_config.py": 2,  # optimizer_config_from_args: the optimizer's typed config builder

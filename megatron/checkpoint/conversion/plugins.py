@@ -6,6 +6,10 @@ into `save_dir`, a fresh folder the driver renames to --save-dir on success). Bu
 and deepspeed (deepspeed_format.py; tools/checkpoint/loader_deepspeed.py / saver_deepspeed.py re-export them). Any
 other NAME is imported as the module ``loader_NAME`` / ``saver_NAME``,
 falling back to ``NAME`` (Megatron-LM's rule), so third-party plugins (and BERT/T5 adapters) plug in unchanged.
+
+The built-ins keep that protocol (the namespace) at their edge and read it once, as a `ConversionOptions`
+(megatron/run_configs/conversion.py): ``load_checkpoint(args)`` is ``load(options)``, ``save_checkpoint(..., args,
+...)`` is ``save(..., options, ...)``.
 """
 from __future__ import annotations
 
@@ -16,10 +20,32 @@ import shutil
 from typing import Any, Dict, Iterator, Tuple
 
 from megatron.checkpoint.conversion.interchange import ConversionError, Message, ModelMeta
+from megatron.run_configs.conversion import ConversionOptions
 
 
-def _trust(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "trust_checkpoint", False))
+class _BuiltinLoader:
+    """The loader protocol over the typed ``load(options)`` of a built-in."""
+
+    @classmethod
+    def load_checkpoint(cls, args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
+        return cls.load(ConversionOptions.from_args(args))
+
+    @staticmethod
+    def load(opts: ConversionOptions) -> Tuple[ModelMeta, Iterator[Message]]:
+        raise NotImplementedError
+
+
+class _BuiltinSaver:
+    """The saver protocol over the typed ``save(meta, messages, options, save_dir)`` of a built-in."""
+
+    @classmethod
+    def save_checkpoint(cls, meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
+                        save_dir: str) -> Dict[str, Any]:
+        return cls.save(meta, messages, ConversionOptions.from_args(args), save_dir)
+
+    @staticmethod
+    def save(meta: ModelMeta, messages: Iterator[Message], opts: ConversionOptions, save_dir: str) -> Dict[str, Any]:
+        raise NotImplementedError
 
 
 def copy_tokenizer_files(meta: ModelMeta, out_dir: str, final_dir: str) -> None:
@@ -38,7 +64,7 @@ def copy_tokenizer_files(meta: ModelMeta, out_dir: str, final_dir: str) -> None:
     meta.tokenizer["files"] = []
 
 
-class MegatronLoader:
+class MegatronLoader(_BuiltinLoader):
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("Megatron loader")
@@ -47,36 +73,36 @@ class MegatronLoader:
                                 "latest_checkpointed_iteration.txt")
 
     @staticmethod
-    def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
+    def load(opts: ConversionOptions) -> Tuple[ModelMeta, Iterator[Message]]:
         from megatron.checkpoint.conversion.megatron_format import read_megatron
 
-        if args.model_type == "T5":  # encoder-decoder: its own stream (t5_format.py)
+        if opts.model_type == "T5":  # encoder-decoder: its own stream (t5_format.py)
             from megatron.checkpoint.conversion.t5_format import read_t5
 
-            if getattr(args, "iteration", None) is not None:
+            if opts.iteration is not None:
                 raise ConversionError("--iteration is not supported for --model-type T5: point the tracker file "
                                       "at it")
-            return read_t5(args.load_dir, true_vocab_size=args.true_vocab_size, trust=_trust(args),
-                           optimizer=bool(getattr(args, "keep_training_state", False)))
-        return read_megatron(args.load_dir, true_vocab_size=args.true_vocab_size, model_type=args.model_type,
-                             trust=_trust(args), optimizer=bool(getattr(args, "keep_training_state", False)),
-                             iteration=getattr(args, "iteration", None))
+            return read_t5(opts.load_dir, true_vocab_size=opts.true_vocab_size, trust=opts.trust_checkpoint,
+                           optimizer=opts.keep_training_state)
+        return read_megatron(opts.load_dir, true_vocab_size=opts.true_vocab_size, model_type=opts.model_type,
+                             trust=opts.trust_checkpoint, optimizer=opts.keep_training_state,
+                             iteration=opts.iteration)
 
 
-class HFLoader:
+class HFLoader(_BuiltinLoader):
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         pass
 
     @staticmethod
-    def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
+    def load(opts: ConversionOptions) -> Tuple[ModelMeta, Iterator[Message]]:
         from megatron.checkpoint.conversion.hf_format import read_hf
 
-        return read_hf(args.load_dir, true_vocab_size=args.true_vocab_size, model_type=args.model_type,
-                       trust=_trust(args))
+        return read_hf(opts.load_dir, true_vocab_size=opts.true_vocab_size, model_type=opts.model_type,
+                       trust=opts.trust_checkpoint)
 
 
-class MegatronSaver:
+class MegatronSaver(_BuiltinSaver):
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--target-pipeline-model-parallel-split-rank", type=int, default=None,
@@ -86,20 +112,19 @@ class MegatronSaver:
                             help="Expert-parallel size of the output (MoE models; default: the input's)")
 
     @staticmethod
-    def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
-                        save_dir: str) -> Dict[str, Any]:
+    def save(meta: ModelMeta, messages: Iterator[Message], opts: ConversionOptions, save_dir: str) -> Dict[str, Any]:
         from megatron.checkpoint.conversion.megatron_format import write_megatron
 
-        tp = args.target_tensor_parallel_size or meta.extra.get("tp") or 1
-        pp = args.target_pipeline_parallel_size or meta.extra.get("pp") or 1
-        vp_layers = args.target_num_layers_per_virtual_pipeline_stage
-        ep = getattr(args, "target_expert_parallel_size", None) or meta.extra.get("ep") or 1
+        tp = opts.target_tensor_parallel_size or meta.extra.get("tp") or 1
+        pp = opts.target_pipeline_parallel_size or meta.extra.get("pp") or 1
+        vp_layers = opts.target_num_layers_per_virtual_pipeline_stage
+        ep = opts.target_expert_parallel_size or meta.extra.get("ep") or 1
         if ep < 1:
             raise ConversionError(f"--target-expert-parallel-size must be positive, got {ep}")
         if ep > 1 and meta.model_type == "T5":
             raise ConversionError("--target-expert-parallel-size applies to GPT MoE models, not T5")
-        copy_tokenizer_files(meta, save_dir, os.path.abspath(args.save_dir))
-        meta.extra["target_split_rank"] = getattr(args, "target_pipeline_model_parallel_split_rank", None)
+        copy_tokenizer_files(meta, save_dir, os.path.abspath(opts.save_dir))
+        meta.extra["target_split_rank"] = opts.target_pipeline_model_parallel_split_rank
         if meta.model_type == "T5":
             from megatron.checkpoint.conversion.t5_format import write_t5
 
@@ -109,7 +134,7 @@ class MegatronSaver:
         return {"files": files, "tp": tp, "pp": pp, "vp_layers": vp_layers, "ep": ep}
 
 
-class HFSaver:
+class HFSaver(_BuiltinSaver):
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("Hugging Face saver")
@@ -121,20 +146,18 @@ class HFSaver:
                                 "Llama-family models, Qwen2ForCausalLM with --add-qkv-bias)")
 
     @staticmethod
-    def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
-                        save_dir: str) -> Dict[str, Any]:
+    def save(meta: ModelMeta, messages: Iterator[Message], opts: ConversionOptions, save_dir: str) -> Dict[str, Any]:
         from megatron.checkpoint.conversion.hf_format import write_hf
 
-        for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
-                     "target_num_layers_per_virtual_pipeline_stage"):
-            if getattr(args, flag, None) not in (None, 1):
+        for flag, value in opts.sharding_targets():
+            if value not in (None, 1):
                 raise ConversionError(f"--{flag.replace('_', '-')} does not apply to --saver hf (HF models are "
                                       "not sharded by tensor/pipeline rank)")
-        return write_hf(meta, messages, save_dir, max_shard_size=args.max_shard_size,
-                        hf_architecture=args.hf_architecture, checking=args.checking)
+        return write_hf(meta, messages, save_dir, max_shard_size=opts.max_shard_size,
+                        hf_architecture=opts.hf_architecture, checking=opts.checking)
 
 
-class DeepSpeedLoader:
+class DeepSpeedLoader(_BuiltinLoader):
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("DeepSpeed loader")
@@ -142,15 +165,15 @@ class DeepSpeedLoader:
                            help="Read global_step{N} instead of the tag named by 'latest'")
 
     @staticmethod
-    def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
+    def load(opts: ConversionOptions) -> Tuple[ModelMeta, Iterator[Message]]:
         from megatron.checkpoint.conversion.deepspeed_format import read_deepspeed
 
-        return read_deepspeed(args.load_dir, iteration=getattr(args, "iteration", None),
-                              true_vocab_size=args.true_vocab_size, model_type=args.model_type, trust=_trust(args),
-                              optimizer=bool(getattr(args, "keep_training_state", False)))
+        return read_deepspeed(opts.load_dir, iteration=opts.iteration, true_vocab_size=opts.true_vocab_size,
+                              model_type=opts.model_type, trust=opts.trust_checkpoint,
+                              optimizer=opts.keep_training_state)
 
 
-class DeepSpeedSaver:
+class DeepSpeedSaver(_BuiltinSaver):
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("DeepSpeed saver")
@@ -160,43 +183,41 @@ class DeepSpeedSaver:
                                 "from layer_03, final norm layer_{L+4})")
 
     @staticmethod
-    def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
-                        save_dir: str) -> Dict[str, Any]:
+    def save(meta: ModelMeta, messages: Iterator[Message], opts: ConversionOptions, save_dir: str) -> Dict[str, Any]:
         from megatron.checkpoint.conversion.deepspeed_format import write_deepspeed
 
-        if args.target_num_layers_per_virtual_pipeline_stage:
+        if opts.target_num_layers_per_virtual_pipeline_stage:
             raise ConversionError("--saver deepspeed has no virtual pipeline chunks; drop "
                                   "--target-num-layers-per-virtual-pipeline-stage")
-        tp = args.target_tensor_parallel_size or meta.extra.get("tp") or 1
-        pp = args.target_pipeline_parallel_size or meta.extra.get("pp") or 1
-        result = write_deepspeed(meta, messages, save_dir, tp, pp,
-                                 bigscience=bool(getattr(args, "bigscience_layout", False)))
+        tp = opts.target_tensor_parallel_size or meta.extra.get("tp") or 1
+        pp = opts.target_pipeline_parallel_size or meta.extra.get("pp") or 1
+        result = write_deepspeed(meta, messages, save_dir, tp, pp, bigscience=opts.bigscience_layout)
         return {"files": result["files"], "tp": tp, "pp": pp, "vp_layers": None}
 
 
-class McoreLoader:
+class McoreLoader(_BuiltinLoader):
     """Megatron Core checkpoints: per-rank `torch` files with Core names (any TP/PP) or a `torch_dist` folder."""
 
     add_arguments = MegatronLoader.add_arguments
 
     @staticmethod
-    def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
+    def load(opts: ConversionOptions) -> Tuple[ModelMeta, Iterator[Message]]:
         from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, read_megatron
         from megatron.checkpoint.conversion.torch_dist import is_torch_dist, read_torch_dist
 
-        if args.model_type != "GPT":
+        if opts.model_type != "GPT":
             raise ConversionError(f"--loader mcore reads GPT / Llama-family checkpoints, not --model-type "
-                                  f"{args.model_type}")
-        iter_dir, _ = find_iteration_dir(args.load_dir, getattr(args, "iteration", None))
+                                  f"{opts.model_type}")
+        iter_dir, _ = find_iteration_dir(opts.load_dir, opts.iteration)
         if is_torch_dist(iter_dir):
             print(f" detected checkpoint format torch_dist in {iter_dir}", flush=True)
-            return read_torch_dist(args.load_dir, trust=_trust(args), iteration=getattr(args, "iteration", None),
-                                   optimizer=bool(getattr(args, "keep_training_state", False)))
-        return read_megatron(args.load_dir, true_vocab_size=args.true_vocab_size, model_type="GPT",
-                             trust=_trust(args), iteration=getattr(args, "iteration", None))
+            return read_torch_dist(opts.load_dir, trust=opts.trust_checkpoint, iteration=opts.iteration,
+                                   optimizer=opts.keep_training_state)
+        return read_megatron(opts.load_dir, true_vocab_size=opts.true_vocab_size, model_type="GPT",
+                             trust=opts.trust_checkpoint, iteration=opts.iteration)
 
 
-class McoreSaver:
+class McoreSaver(_BuiltinSaver):
     """A `torch_dist` folder (Megatron-LM's default format; Megatron Core loads it at any layout)."""
 
     @staticmethod
@@ -204,8 +225,7 @@ class McoreSaver:
         pass
 
     @staticmethod
-    def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
-                        save_dir: str) -> Dict[str, Any]:
+    def save(meta: ModelMeta, messages: Iterator[Message], opts: ConversionOptions, save_dir: str) -> Dict[str, Any]:
         from megatron.checkpoint.atomic_io import atomic_write_text
         from megatron.checkpoint.conversion.megatron_format import sign_output
         from megatron.checkpoint.conversion.torch_dist import write_torch_dist
@@ -217,7 +237,7 @@ class McoreSaver:
         sign_output(os.path.join(save_dir, name), meta)  # its manifest, unless the source was read unverified
         atomic_write_text(os.path.join(save_dir, "latest_checkpointed_iteration.txt"),
                           "release" if meta.iteration is None else str(meta.iteration))
-        copy_tokenizer_files(meta, save_dir, os.path.abspath(args.save_dir))
+        copy_tokenizer_files(meta, save_dir, os.path.abspath(opts.save_dir))
         return {"files": [os.path.join(save_dir, name)], "tp": 1, "pp": 1, "vp_layers": None}
 
 
