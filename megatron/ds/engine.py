@@ -375,7 +375,7 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
                               architecture: Mapping[str, Any], train_state: TrainingState) -> int:
     """Resume from ``<load>/latest`` (DeepSpeed layout); returns the iteration (0 with --finetune or none found).
     The checkpoint must match this run's parallel sizes (`cfg`) and `architecture`; the consumed samples go to
-    `train_state` (its padded vocabulary size is the one weights from another layout are padded to)."""
+    `train_state` (weights from another layout are padded to the architecture's ``padded_vocab_size``)."""
     del optimizer  # restored by the engine
     engine = model[0]
     load_dir = cfg.load
@@ -414,7 +414,8 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
                                   f"{expected_layout(engine)} one: its optimizer state does not load here; pass "
                                   "--no-load-optim (and --no-load-rng), or --finetune, to start from its weights")
         path, client_state = load_other_layout_into_engine(engine, tag_dir, architecture,
-                                                           train_state.padded_vocab_size, ps.get_parallel_state(), cfg)
+                                                           architecture["padded_vocab_size"], ps.get_parallel_state(),
+                                                           cfg)
     else:
         with guarded_torch_load(trust=cfg.trust_checkpoint):  # DeepSpeed's torch.load
             path, client_state = engine.load_checkpoint(

@@ -160,7 +160,8 @@ def load_megatron_checkpoint_into_engine(engine: Any, architecture: Mapping[str,
                                          train_state: TrainingState, settings: CheckpointSettings) -> int:
     """--deepspeed --load <Megatron checkpoint> with --finetune (iteration 0) or --no-load-optim --no-load-rng
     (the checkpoint's iteration and consumed samples, into `train_state`); returns the iteration to continue from.
-    The checkpoint must have this run's `architecture`; its vocabulary rows are padded to `train_state`'s size."""
+    The checkpoint must have this run's `architecture`; its vocabulary rows are padded to the run's size (the
+    architecture's ``padded_vocab_size``)."""
     from megatron.checkpoint import integrity
     from megatron.checkpoint.args import compare_architecture
     from megatron.checkpoint.checkpointing import _first_reason
@@ -192,7 +193,7 @@ def load_megatron_checkpoint_into_engine(engine: Any, architecture: Mapping[str,
                      "DeepSpeed engine)")
         compare_architecture({k: v for k, v in meta.architecture.items() if k != "padded_vocab_size"}, architecture,
                              iter_dir)
-        load_stream_into_engine(engine, messages, train_state.padded_vocab_size, state, iter_dir,
+        load_stream_into_engine(engine, messages, architecture["padded_vocab_size"], state, iter_dir,
                                 _true_vocab(meta.true_vocab_size))
     except ConversionError as exc:
         raise CheckpointError(str(exc).replace("--load-dir", "--load")) from None
