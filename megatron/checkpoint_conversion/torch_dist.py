@@ -328,10 +328,13 @@ def _architecture(common: Dict[str, Any], tensors: Dict[str, torch.Tensor], path
     if missing:
         raise ConversionError(f"{path} records neither 'architecture' nor args with {', '.join(missing)}: "
                               "not a checkpoint this tool can describe")
+    from megatron.model.mcore_names import is_core_t5
+
     qkv = tensors.get("decoder.layers.self_attention.linear_qkv.weight")
-    if qkv is not None and qkv.size(0) != arch["num_layers"]:
-        raise ConversionError(f"{path}: the tensors stack {qkv.size(0)} layers but the args say num_layers="
-                              f"{arch['num_layers']}: mismatched files")
+    field = "decoder_num_layers" if is_core_t5(tensors) and arch.get("decoder_num_layers") else "num_layers"
+    if qkv is not None and qkv.size(0) != arch[field]:
+        raise ConversionError(f"{path}: the tensors stack {qkv.size(0)} layers but the args say {field}="
+                              f"{arch[field]}: mismatched files")
     if "output_layer.weight" in tensors:
         arch["share_embeddings_and_output_weights"] = False
     arch["padded_vocab_size"] = int(tensors["embedding.word_embeddings.weight"].size(0))
@@ -432,18 +435,16 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     num_layers = int(meta.architecture["num_layers"])
     t5 = meta.model_type == "T5"
     if t5:
-        from megatron.checkpoint_conversion.t5_format import t5_state_dict_from_messages
-
-        flat = t5_state_dict_from_messages(iter(msgs))
+        from megatron.checkpoint_conversion.t5_format import t5_state_dict_from_messages as from_messages
     else:
-        flat = state_dict_from_messages(iter(msgs))
+        from_messages = state_dict_from_messages
+    flat = from_messages(iter(msgs))
     tensors = {k: v.detach().contiguous().clone() for k, v in ours_to_core_stacked(flat, num_layers).items()}
     state: Dict[str, Any] = dict(tensors)
     opt_common = meta.extra.get("optimizer")
     if opt_common and any(m.optimizer for m in msgs):
         for key in [PARAM, *opt_common.get("state_keys", [])]:
-            per_key = state_dict_from_messages(Message(m.name, {n: e[key] for n, e in m.optimizer.items()})
-                                               for m in msgs)
+            per_key = from_messages(Message(m.name, {n: e[key] for n, e in m.optimizer.items()}) for m in msgs)
             state.update(state_tensors({key: ours_to_core_stacked(per_key, num_layers)}))
     experts = int(meta.architecture.get("num_moe_experts") or 0)
     stack = "encoder.layers." if meta.model_type == "BERT" else "decoder.layers."

@@ -87,7 +87,7 @@ def our_bert(args):
                      parallel_output=False)
 
 
-def bert_logits(model) -> tuple:
+def bert_logits(model, grad: bool = False) -> tuple:
     """(LM logits, binary-head logits) on the oracle's BERT inputs (a padded sequence, two token types)."""
     g = torch.Generator().manual_seed(9)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
@@ -95,7 +95,7 @@ def bert_logits(model) -> tuple:
     mask[1, 11:] = 0
     types = torch.zeros_like(ids)
     types[:, 8:] = 1
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         return model(ids, mask, tokentype_ids=types)
 
 
@@ -105,7 +105,7 @@ def our_t5(args):
     return T5Model(core_transformer_config_from_args(args), parallel_output=False)
 
 
-def t5_logits(model) -> torch.Tensor:
+def t5_logits(model, grad: bool = False) -> torch.Tensor:
     """Logits on the oracle's T5 inputs (sample 1's encoder padded after 11 tokens; 12 decoder tokens)."""
     dseq = 12
     g = torch.Generator().manual_seed(13)
@@ -114,8 +114,17 @@ def t5_logits(model) -> torch.Tensor:
     keys[1, 11:] = 0
     masks = (keys[:, None, :].expand(2, SEQ, SEQ), torch.tril(torch.ones(dseq, dseq)).expand(2, dseq, dseq),
              keys[:, None, :].expand(2, dseq, SEQ))
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         return model(enc, dec, *masks)
+
+
+def _one_step(model, loss) -> object:
+    """Our optimizer after one step on `loss()` (every parameter gets Adam moments)."""
+    optimizer = our_optimizer(model)
+    optimizer.zero_grad()
+    loss().backward()
+    optimizer.step()
+    return optimizer
 
 
 def _t5_pp2_resave(rank: int, world_size: int, load: str, save: str) -> None:
@@ -223,21 +232,23 @@ def oracle(tmp_path_factory) -> Path:
     job = {"families": ["gpt", "llama", "moe"], "ours": {}, "train": True, "bert": True, "t5": True,
            "ours_train": str(save / f"iter_{SAVE_AT:07d}")}
     args = run_args("bert", root / "none", "--save", str(root / "ours" / "bert"), "--save-interval", "1",
-                    "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng")
+                    "--ckpt-format", "torch_dist", "--no-save-rng")
     torch.manual_seed(11)
     bert = our_bert(args)
+    optimizer = _one_step(bert, lambda: sum(x.pow(2).mean() for x in bert_logits(bert, grad=True)))
     torch.save(bert_logits(bert), root / "ours_bert_logits.pt")
-    save_checkpoint(3, [bert], None, None, args)
+    save_checkpoint(3, [bert], optimizer, None, args)  # with the optimizer state (Core reads it: ours_optim_tp2)
     job["ours"]["bert"] = str(root / "ours" / "bert" / "iter_0000003")
     args = run_args("t5", root / "none", "--save", str(root / "ours" / "t5"), "--save-interval", "1",
-                    "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng")
+                    "--ckpt-format", "torch_dist", "--no-save-rng")
     torch.manual_seed(12)
     t5 = our_t5(args)
     with torch.no_grad():
         for p in t5.parameters():
             p.add_(0.1 * torch.randn_like(p))
+    optimizer = _one_step(t5, lambda: t5_logits(t5, grad=True).pow(2).mean())
     torch.save(t5_logits(t5), root / "ours_t5_logits.pt")
-    save_checkpoint(3, [t5], None, None, args)
+    save_checkpoint(3, [t5], optimizer, None, args)
     job["ours"]["t5"] = str(root / "ours" / "t5" / "iter_0000003")
     from tests.dist_utils import run_distributed  # that folder loaded by our T5 at PP2 and saved there as torch_dist
 
@@ -300,6 +311,34 @@ def test_core_bert_checkpoints_both_ways(oracle):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_ours_bert_t5_optimizer_state_goes_through_megatron_core(oracle, family):
+    """Our BERT (T5) saved with --ckpt-format torch_dist after one step, its optimizer state in the fully_reshardable
+    layout, loads into Megatron Core's DDP + distributed optimizer at TP2, which saves it again in that layout and in
+    its default dp_reshardable one: read here, every parameter's fp32 main param and Adam moments are ours bit for
+    bit, and the step count with them."""
+    from megatron.checkpoint_conversion.interchange import ConversionError
+    from megatron.checkpoint_conversion.torch_dist import read_iteration_state
+    from megatron.checkpoint_conversion.torch_dist_optim import optimizer_common
+
+    common, _, _, ours = read_iteration_state(str(oracle / "ours" / family / "iter_0000003"))
+    assert sorted(ours) == ["exp_avg", "exp_avg_sq", "param"] and optimizer_common(common, ours, family)["step"] == 1
+    for kind in ("fully_reshardable", "dp_reshardable"):
+        folder = oracle / "out" / family / f"ours_optim_tp2_{kind}" / f"iter_{SAVE_AT:07d}"
+        common, _, _, core = read_iteration_state(str(folder))
+        if kind == "dp_reshardable":
+            with pytest.raises(ConversionError, match="--dist-ckpt-optim-fully-reshardable"):
+                optimizer_common(common, core, kind)
+            continue
+        assert optimizer_common(common, core, kind)["step"] == 1
+        assert sorted(core) == sorted(ours)
+        for key, tensors in ours.items():
+            assert sorted(core[key]) == sorted(tensors), (kind, key, set(core[key]) ^ set(tensors))
+            for name, value in tensors.items():
+                assert torch.equal(core[key][name], value), (kind, key, name)
+
+
+@pytest.mark.slow
 def test_core_t5_checkpoints_both_ways(oracle):
     """Megatron Core's T5Model (local specs: encoder, decoder with cross-attention, tied head with its bias) saved as
     `torch` (per-rank files, Core names) and `torch_dist` at TP1 and TP2 loads into our T5 (--load, one process)
@@ -337,22 +376,6 @@ def test_core_t5_checkpoints_both_ways(oracle):
 
     with pytest.raises(ConversionError, match="holds a T5 model"):  # convert.py's mcore loader is GPT-only
         read_torch_dist(str(t5 / "dist_tp1"))
-
-
-def test_t5_torch_dist_save_needs_no_save_optim():
-    """pretrain_t5.py refuses --ckpt-format torch_dist with optimizer state at start-up, in one line."""
-    import argparse
-
-    from megatron.errors import ArgumentError
-    from pretrain_t5 import check_t5_args
-
-    args = argparse.Namespace(pipeline_model_parallel_size=1, pipeline_model_parallel_split_rank=None,
-                              decoder_seq_length=8, tensor_model_parallel_size=1, sequence_parallel=False,
-                              vocab_extra_ids=100, ckpt_format="torch_dist", save="/tmp/x", no_save_optim=False)
-    with pytest.raises(ArgumentError, match="--no-save-optim"):
-        check_t5_args(args)
-    args.no_save_optim = True
-    check_t5_args(args)
 
 
 @pytest.mark.slow
