@@ -6,7 +6,7 @@ overwrite each other). Here every rank all-gathers its experts' weights, fp32 ma
 the expert-TP group before the folder's writer (parallel_state.checkpoint_writer) saves them, so each folder holds its
 expert rank's experts whole, exactly as a run with expert-TP 1 writes them (Megatron-LM loads it with
 --expert-tensor-parallel-size 1); on loading each rank takes its expert-TP slice again. With T = 1 < TP nothing moves:
-the experts are whole on every rank already. megatron/checkpoint_conversion/megatron_format.py reads such checkpoints
+the experts are whole on every rank already. megatron/checkpoint/conversion/megatron_format.py reads such checkpoints
 (experts_stored_whole) for tools/checkpoint/convert.py and --ckpt-format torch_dist.
 """
 from __future__ import annotations
