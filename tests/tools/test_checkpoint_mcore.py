@@ -153,9 +153,12 @@ def t5_pipeline_logits(load: Path, pp: int, split: int) -> torch.Tensor:
     last stage's logits."""
     import dataclasses
 
+    from megatron.checkpoint.args import architecture_from_args
     from megatron.checkpoint.formats import detect_format, load_foreign
     from megatron.core.parallel_state import ParallelState
     from megatron.models.t5.model import T5Model
+    from megatron.run_configs.checkpoint import CheckpointSettings
+    from megatron.training_state import TrainingState
 
     args = run_args("t5", load, "--finetune")
     config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=pp)
@@ -164,7 +167,8 @@ def t5_pipeline_logits(load: Path, pp: int, split: int) -> torch.Tensor:
     for rank in range(pp):
         state = ParallelState(pp_size=pp, pp_rank=rank, pipeline_split_rank=split, pp_ranks=list(range(pp)))
         stage = T5Model(config, pp_state=state, parallel_output=False)
-        load_foreign([stage], args, str(load), str(iter_dir), detect_format(str(iter_dir)), False, state)
+        load_foreign([stage], CheckpointSettings.from_args(args), architecture_from_args(args), str(load),
+                     str(iter_dir), detect_format(str(iter_dir)), False, state, TrainingState())
         if rank:
             stage.set_input_tensor(out)
         out = t5_logits(stage)
@@ -317,9 +321,9 @@ def test_ours_bert_t5_optimizer_state_goes_through_megatron_core(oracle, family)
     layout, loads into Megatron Core's DDP + distributed optimizer at TP2, which saves it again in that layout and in
     its default dp_reshardable one: read here, every parameter's fp32 main param and Adam moments are ours bit for
     bit, and the step count with them."""
-    from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.torch_dist import read_iteration_state
-    from megatron.checkpoint_conversion.torch_dist_optim import optimizer_common
+    from megatron.checkpoint.conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.torch_dist import read_iteration_state
+    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
 
     common, _, _, ours = read_iteration_state(str(oracle / "ours" / family / "iter_0000003"))
     assert sorted(ours) == ["exp_avg", "exp_avg_sq", "param"] and optimizer_common(common, ours, family)["step"] == 1
@@ -371,8 +375,8 @@ def test_core_t5_checkpoints_both_ways(oracle):
         saved[name] = model.state_dict()
     assert sorted(saved["t5"]) == sorted(saved["t5_pp2"])
     assert all(torch.equal(v, saved["t5_pp2"][k]) for k, v in saved["t5"].items())
-    from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.torch_dist import read_torch_dist
+    from megatron.checkpoint.conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.torch_dist import read_torch_dist
 
     with pytest.raises(ConversionError, match="holds a T5 model"):  # convert.py's mcore loader is GPT-only
         read_torch_dist(str(t5 / "dist_tp1"))
@@ -380,7 +384,7 @@ def test_core_t5_checkpoints_both_ways(oracle):
 
 @pytest.mark.slow
 def test_convert_loader_and_saver_mcore(oracle, tmp_path):
-    from megatron.checkpoint_conversion.driver import main as convert
+    from megatron.checkpoint.conversion.driver import main as convert
 
     for family, name in (("gpt", "torch_pp2"), ("llama", "dist_tp2")):
         ref = torch.load(oracle / "out" / family / "logits.pt")
@@ -556,7 +560,7 @@ def test_megatron_core_distributed_optimizer_checkpoint_continues_its_curve_in_o
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(core["losses"][SAVE_AT:]), rtol=1e-5, atol=0,
                                    msg=folder)
     # convert.py carries the same state: --loader mcore -> ours (TP1, distrib_optim.pt) -> --saver mcore -> --load
-    from megatron.checkpoint_conversion.driver import main as convert
+    from megatron.checkpoint.conversion.driver import main as convert
 
     ours_dir, back = oracle.parent / f"{oracle.name}_conv_ours", oracle.parent / f"{oracle.name}_conv_back"
     convert(["--model-type", "GPT", "--loader", "mcore", "--saver", "megatron", "--load-dir",
@@ -583,8 +587,8 @@ def test_core_default_optimizer_layout_reads_as_its_reshardable_one(oracle, layo
     """One Megatron Core distributed-optimizer state (random Adam moments) saved at TP2 or PP2 (tied embeddings split
     over the stages) in its default dp_reshardable layout (bucket buffers) and in fully_reshardable: read here, the
     two give the same model-space tensors, bit for bit."""
-    from megatron.checkpoint_conversion.torch_dist import read_iteration_state
-    from megatron.checkpoint_conversion.torch_dist_optim import optimizer_common
+    from megatron.checkpoint.conversion.torch_dist import read_iteration_state
+    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
 
     root = oracle / "out" / "layouts"
     common, _, _, buckets = read_iteration_state(str(root / f"{layout}_dp_reshardable" / "iter_0000003"))

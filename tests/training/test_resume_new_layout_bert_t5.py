@@ -60,7 +60,7 @@ def _steps(stdout: str) -> dict:
 
 
 def test_bert_resume_tp2_regular_to_tp1_dp2_distributed(bert_data: dict, tmp_path: Path) -> None:
-    from megatron.checkpoint_conversion.driver import main
+    from megatron.checkpoint.conversion.driver import main
 
     ckpt = tmp_path / "a"
     a, a_out = _run(bert_argv(bert_data, "--tensor-model-parallel-size", "2", "--save", str(ckpt),
@@ -85,7 +85,7 @@ def test_bert_resume_tp2_regular_to_tp1_dp2_distributed(bert_data: dict, tmp_pat
 
 
 def test_t5_resume_tp2_regular_to_tp1_dp2_distributed(bert_data: dict, tmp_path: Path) -> None:
-    from megatron.checkpoint_conversion.driver import main
+    from megatron.checkpoint.conversion.driver import main
     from tests.training.test_t5_training import t5_argv
 
     ckpt = tmp_path / "t5"
@@ -120,7 +120,7 @@ def _bert_t5_runs(rank: int, world_size: int, runs: list) -> list[dict]:
 
 @pytest.mark.slow
 def test_bert_and_t5_torch_dist_optimizer_state_resumes_at_tp2(bert_data: dict, tmp_path: Path) -> None:
-    from megatron.checkpoint_conversion.torch_dist import read_common, read_dcp_metadata
+    from megatron.checkpoint.conversion.torch_dist import read_common, read_dcp_metadata
     from tests.training import test_t5_training as t5
     from tests.training.test_t5_training import t5_argv
 

@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint_conversion.interchange import (
+from megatron.checkpoint.conversion.interchange import (
     ConversionError,
     Message,
     ModelMeta,
@@ -345,8 +345,8 @@ def read_iteration_state(iter_dir: str, trust: bool = False
                          ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any], Dict[str, Dict[str, Any]]]:
     """(common state, architecture, our full flat TP=1 state dict, {optimizer state key: our full flat dict}) of one
     torch_dist iteration folder (the last empty without model-space optimizer state: torch_dist_optim.py)."""
-    from megatron.checkpoint_conversion.torch_dist_buckets import BUCKETS, UNREADABLE, bucket_state
-    from megatron.checkpoint_conversion.torch_dist_optim import sharding_type, split_optimizer_tensors
+    from megatron.checkpoint.conversion.torch_dist_buckets import BUCKETS, UNREADABLE, bucket_state
+    from megatron.checkpoint.conversion.torch_dist_optim import sharding_type, split_optimizer_tensors
 
     common = read_common(iter_dir, trust)
     tensors, opt = split_optimizer_tensors(read_tensors(iter_dir))
@@ -378,8 +378,8 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
                     ) -> Tuple[ModelMeta, Iterator[Message]]:
     """Loader: (meta, message stream) of a torch_dist checkpoint (the tracker's iteration, or `iteration`); with
     `optimizer` the messages carry its model-space optimizer state (torch_dist_optim.py) when it has one."""
-    from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, verified_source
-    from megatron.checkpoint_conversion.torch_dist_optim import optimizer_common
+    from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, verified_source
+    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
 
     iter_dir, it = find_iteration_dir(load_dir, iteration)
     # checked against its manifest as --load does (the newest intact iteration; an explicit one must verify)
@@ -429,13 +429,13 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
-    from megatron.checkpoint_conversion.torch_dist_optim import PARAM, common_entry, state_tensors
+    from megatron.checkpoint.conversion.torch_dist_optim import PARAM, common_entry, state_tensors
 
     msgs = list(messages)
     num_layers = int(meta.architecture["num_layers"])
     t5 = meta.model_type == "T5"
     if t5:
-        from megatron.checkpoint_conversion.t5_format import t5_state_dict_from_messages as from_messages
+        from megatron.checkpoint.conversion.t5_format import t5_state_dict_from_messages as from_messages
     else:
         from_messages = state_dict_from_messages
     flat = from_messages(iter(msgs))
