@@ -299,12 +299,11 @@ def test_core_t5_checkpoints_both_ways(oracle):
     ours = torch.load(oracle / "ours_t5_logits.pt")
     for tp in (1, 2):
         torch.testing.assert_close(torch.load(t5 / f"ours_logits_tp{tp}.pt"), ours, **TOL, msg=f"ours in Core TP{tp}")
-    # under pipeline parallelism: Core's per-rank files (TP2) and torch_dist folder in our PP2 (split 1) and PP4
-    # (split 2: one layer a stage, the last stage's copy of the tied embeddings) give Core's logits; ours saved at
+    # under pipeline parallelism: Core's torch_dist folder in our PP2 (split 1) and its per-rank files (TP2) in our
+    # PP4 (split 2: one layer a stage, the last stage's copy of the tied embeddings) give Core's logits; ours saved at
     # PP2 as torch_dist gives our logits in Core's T5Model (Megatron-LM 0.16 runs T5 without a pipeline only)
-    for name in ("torch_tp2", "dist_tp1"):
-        for pp, split in ((2, 1), (4, 2)):
-            torch.testing.assert_close(t5_pipeline_logits(t5 / name, pp, split), ref, **TOL, msg=f"{name} PP{pp}")
+    for name, pp, split in (("dist_tp1", 2, 1), ("torch_tp2", 4, 2)):
+        torch.testing.assert_close(t5_pipeline_logits(t5 / name, pp, split), ref, **TOL, msg=f"{name} PP{pp}")
     torch.testing.assert_close(torch.load(t5 / "ours_pp2_logits_tp1.pt"), ours, **TOL, msg="ours PP2 in Core")
     saved = {}
     for name in ("t5", "t5_pp2"):  # the PP2 save holds the very tensors of the PP1 one
