@@ -13,9 +13,9 @@ layers and its tensor-parallel slice. A torch_dist folder's optimizer state in M
 (megatron/checkpoint_conversion/torch_dist_optim.py: what ``--ckpt-format torch_dist`` writes here, and Megatron-LM
 with ``--dist-ckpt-optim-fully-reshardable``) is cut the same way into the run's optimizer, regular or distributed,
 with the LR schedule and consumed samples, so training resumes at any layout; Megatron-LM's default ``dp_reshardable``
-layout is first rebuilt in model space (torch_dist_buckets.py). The RNG state (ours, kept per TP x PP rank in
-``common.pt``, or Megatron-LM's ``rng_state`` ShardedObjects) is restored at the layout that saved it and ignored at
-another one, as Megatron-LM does. Megatron Core ``torch`` files' optimizer state is not converted (``--no-load-optim``, one line says so).
+layout is first rebuilt in model space (torch_dist_buckets.py). The RNG state (Megatron-LM's ``rng_state``
+ShardedObjects, which ``--ckpt-format torch_dist`` writes too, or the per TP x PP rank entry of ``common.pt`` older
+saves of ours hold) is restored at the layout that saved it and ignored at another one, as Megatron-LM does. Megatron Core ``torch`` files' optimizer state is not converted (``--no-load-optim``, one line says so).
 """
 from __future__ import annotations
 
@@ -150,13 +150,15 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bo
         raise CheckpointFormatError(str(exc)) from None
 
 
-RNG_KEY = "rng_state_by_rank"  # ours, in common.pt: {"tp": T, "pp": P, "ranks": {(tp rank, pp rank): rng list}}
+# ours until today's saves wrote Megatron-LM's rng_state ShardedObjects, in common.pt (still read):
+RNG_KEY = "rng_state_by_rank"  # {"tp": T, "pp": P, "ranks": {(tp rank, pp rank): rng list}}
 
 
 def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimizer: bool = True) -> None:
     """--ckpt-format torch_dist on save: turn the per-rank files of `iter_dir` (just written, any layout) into one
-    torch_dist folder with Megatron Core names; common.pt keeps args, iteration, consumed samples, the LR schedule
-    and each model-parallel rank's RNG state; with `optimizer` the optimizer state goes along (fully_reshardable)."""
+    torch_dist folder with Megatron Core names; common.pt keeps args, iteration, consumed samples and the LR schedule,
+    each model-parallel rank's RNG state becomes Megatron-LM's ``rng_state`` ShardedObject; with `optimizer` the
+    optimizer state goes along (fully_reshardable)."""
     from megatron.checkpoint.safe_load import safe_torch_load
     from megatron.checkpoint_conversion.interchange import ConversionError
     from megatron.checkpoint_conversion.megatron_format import expert_rank_files, rank_files, read_megatron
@@ -180,10 +182,11 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
         keep = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens",
                 "opt_param_scheduler", "true_vocab_size", "padded_vocab_size", "train_loss", *TOTALS)
         extra = {k: first[k] for k in keep if k in first}
-        if "rng_state" in first:
+        rng = None
+        if "rng_state" in first:  # Megatron-LM's rng_state ShardedObjects (older saves: RNG_KEY in common.pt)
             ranks = {tp_pp: safe_torch_load(path, map_location="cpu").get("rng_state") for tp_pp, path in files.items()}
-            extra[RNG_KEY] = {"tp": max(t for t, _ in files) + 1, "pp": max(p for _, p in files) + 1, "ranks": ranks}
-        write_torch_dist(meta, messages, iter_dir, extra)
+            rng = {"tp": max(t for t, _ in files) + 1, "pp": max(p for _, p in files) + 1, "ranks": ranks}
+        write_torch_dist(meta, messages, iter_dir, extra, rng=rng, rng_dp_axis=ep > 1)
     except ConversionError as exc:
         raise CheckpointFormatError(f"--ckpt-format torch_dist: {exc}") from None
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from megatron.arguments import core_transformer_config_from_args, parse_args, validate_args
+from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.model import GPTModel
 from tests.mcore_oracle import ORACLE_CPU_PRELUDE, run_oracle
 
@@ -185,6 +186,22 @@ def our_optimizer(model):
     return get_megatron_optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0))
 
 
+def _draws_and_tracker() -> dict:
+    """One draw of the python, numpy and torch generators and the RNG tracker's streams (the generators left as
+    they were)."""
+    import random
+
+    import numpy as np
+
+    from megatron.core.tensor_parallel import get_rng_tracker
+
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    out = {"draws": (random.random(), float(np.random.random_sample()), float(torch.rand(()))),
+           "tracker": get_rng_tracker().get_states()}
+    random.setstate(saved[0]), np.random.set_state(saved[1]), torch.set_rng_state(saved[2])
+    return out
+
+
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory) -> Path:
     """The oracle's checkpoints and logits; it also loads ours (saved here first with --ckpt-format torch_dist), and
@@ -196,11 +213,12 @@ def oracle(tmp_path_factory) -> Path:
     torch.save(batches, root / "batches.pt")
     save = root / "ours_train"
     args = run_args("gpt", root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format", "torch_dist")
-    torch.manual_seed(3)
+    model_parallel_manual_seed(3, 0)  # the default generator and the RNG tracker's stream
     model = our_model(args)
     optimizer = our_optimizer(model)
     train_steps(model, optimizer, batches[:SAVE_AT])
     save_checkpoint(SAVE_AT, [model], optimizer, None, args)
+    torch.save(_draws_and_tracker(), root / "ours_rng.pt")  # what the saved RNG state gives
     torch.save(train_steps(model, optimizer, batches[SAVE_AT:]), root / "ours_train_losses.pt")
     job = {"families": ["gpt", "llama", "moe"], "ours": {}, "train": True, "bert": True, "t5": True,
            "ours_train": str(save / f"iter_{SAVE_AT:07d}")}
@@ -602,11 +620,47 @@ def test_core_default_optimizer_layout_reads_as_its_reshardable_one(oracle, layo
 
 @pytest.mark.slow
 def test_ours_torch_dist_optimizer_state_resumes_in_megatron_core(oracle):
-    """Ours saved with --ckpt-format torch_dist (optimizer state included), loaded by Megatron Core's
-    dist_checkpointing into its DDP + distributed optimizer (DP2): its steps 4-6 give our losses."""
+    """Ours saved with --ckpt-format torch_dist (optimizer and RNG state included), loaded by Megatron Core's
+    dist_checkpointing into its DDP + distributed optimizer (DP2) with Megatron-LM's `rng_state` ShardedObject as
+    the template (as its load_checkpoint without --no-load-rng): its steps 4-6 give our losses, and the RNG state it
+    restores (python, numpy, torch generators, the tracker's stream through convert_cuda_rng_state) is ours at the
+    save."""
     ours = torch.load(oracle / "ours_train_losses.pt")
-    core = torch.load(oracle / "out" / "train_losses.pt")["ours_resumed"]
-    torch.testing.assert_close(torch.tensor(core), torch.tensor(ours), rtol=1e-5, atol=0)
+    result = torch.load(oracle / "out" / "train_losses.pt", weights_only=False)
+    torch.testing.assert_close(torch.tensor(result["ours_resumed"]), torch.tensor(ours), rtol=1e-5, atol=0)
+    saved, core = torch.load(oracle / "ours_rng.pt", weights_only=False), result["ours_rng"]
+    assert core["draws"] == saved["draws"] and core["cuda_rng_state"] is None  # a CPU run has no CUDA generator
+    assert sorted(core["tracker"]) == sorted(saved["tracker"]) == ["model-parallel-rng"]
+    for name, state in saved["tracker"].items():  # Megatron Core's tracker: one generator-state tensor per stream
+        assert torch.equal(core["tracker"][name], state["cpu"]), name
+
+
+@pytest.mark.slow
+def test_our_older_torch_dist_rng_entry_is_still_read(oracle, tmp_path):
+    """Our torch_dist folders of before today kept the RNG state in common.pt (``rng_state_by_rank``): such a folder
+    resumes with that state (it is read before the ShardedObjects), with the optimizer state and no extra flag."""
+    import random
+
+    import numpy as np
+
+    from megatron.checkpoint.checkpointing import load_checkpoint, local_rng_state, restore_local_rng_state
+    from megatron.checkpoint.formats import RNG_KEY
+
+    old = tmp_path / "old"
+    shutil.copytree(oracle / "ours_train", old)
+    path = old / f"iter_{SAVE_AT:07d}" / "common.pt"
+    (old / f"iter_{SAVE_AT:07d}" / "manifest.json").unlink(missing_ok=True)  # signed before this edit
+    common = torch.load(path, weights_only=False)
+    saved = local_rng_state()
+    random.seed(51), np.random.seed(52), torch.manual_seed(53)
+    common[RNG_KEY] = {"tp": 1, "pp": 1, "ranks": {(0, 0): [local_rng_state()]}}
+    want = _draws_and_tracker()["draws"]
+    restore_local_rng_state(saved)
+    torch.save(common, path)
+    args = run_args("gpt", old)
+    model = our_model(args)
+    assert load_checkpoint([model], our_optimizer(model), None, args) == SAVE_AT
+    assert _draws_and_tracker()["draws"] == want
 
 
 def test_torch_dist_save_flags_refused_in_one_line(tmp_path):
