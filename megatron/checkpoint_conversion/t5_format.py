@@ -241,6 +241,7 @@ class T5Writer(MegatronWriter):
                                       f"--target-pipeline-model-parallel-split-rank in 1..{pp - 1} (stages before it "
                                       "run the encoder, the rest the decoder)")
         self.pp, self.split_rank = pp, split_rank if pp > 1 else None
+        meta.extra["written_split_rank"] = self.split_rank  # for the model flags convert.py prints
         self.stages = _stages(pp, self.split_rank)
         for part, count in zip(("encoder", "decoder"), t5_layer_counts(meta)):
             stage_of(0, count, *self.stages[part], f"--target-pipeline-parallel-size {pp} ({part})")

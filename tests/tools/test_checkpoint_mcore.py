@@ -395,8 +395,10 @@ def test_convert_loader_and_saver_mcore_bert_t5(oracle, tmp_path, family):
         ours = tmp_path / f"{name}_ours"
         pp2 = ["--target-pipeline-parallel-size", "2", "--target-pipeline-model-parallel-split-rank", "1"] \
             if family == "t5" and name == "torch_tp2" else []
-        convert(["--model-type", model_type, "--loader", "mcore", "--saver", "megatron", "--load-dir",
-                 str(core / name), "--save-dir", str(ours), "--target-tensor-parallel-size", "1", *pp2])
+        summary = convert(["--model-type", model_type, "--loader", "mcore", "--saver", "megatron", "--load-dir",
+                           str(core / name), "--save-dir", str(ours), "--target-tensor-parallel-size", "1", *pp2])
+        assert ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-split-rank 1" in summary["flags"]) == \
+            bool(pp2)
         first = first or ours
         if not pp2:  # (ours at PP2: checked below, through the round trip)
             torch.testing.assert_close(logits(_loaded(family, ours)), ref, **TOL, msg=f"{family} {name} -> ours")
