@@ -149,7 +149,11 @@ def _check_activation(saved: Mapping[str, Any], current: Mapping[str, Any], path
 
 def check_architecture(saved: Mapping[str, Any], args: argparse.Namespace, path: str) -> None:
     """One line naming the first field where the checkpoint and this run's flags differ, with both values."""
-    current = architecture_from_args(args)
+    compare_architecture(saved, architecture_from_args(args), path)
+
+
+def compare_architecture(saved: Mapping[str, Any], current: Mapping[str, Any], path: str) -> None:
+    """`check_architecture` against this run's architecture record (`architecture_from_args`, computed once)."""
     for name in ARCHITECTURE_FIELDS:
         if name == ARCHITECTURE_FIELDS[0]:
             _check_activation(saved, current, path)

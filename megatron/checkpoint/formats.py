@@ -19,9 +19,8 @@ saves of ours hold) is restored at the layout that saved it and ignored at anoth
 """
 from __future__ import annotations
 
-import argparse
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -69,11 +68,9 @@ def detect_format(iter_dir: str, trust: bool = False) -> str:
     return CORE_TORCH if isinstance(model, dict) and has_core_names(model) else TORCH
 
 
-def check_format_flags(fmt: str, args: Optional[argparse.Namespace], iter_dir: str,
-                       settings: Optional[CheckpointSettings] = None) -> None:
+def check_format_flags(fmt: str, cfg: CheckpointSettings, iter_dir: str) -> None:
     """Megatron-LM's rule: a folder in another format than --ckpt-format loads only with --auto-detect-ckpt-format;
-    says in one line which layout it found. `settings` default: built from ``args``."""
-    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
+    says in one line which layout it found."""
     wanted = cfg.ckpt_format
     found = TORCH_DIST if fmt == TORCH_DIST else TORCH
     if found != wanted and not cfg.auto_detect_ckpt_format:
@@ -330,17 +327,18 @@ def _full_t5_layouts(model: Any) -> Dict[str, Any]:
         return tensor_parallel_layouts(T5Model(config))
 
 
-def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, iter_dir: str, fmt: str,
-                 release: bool, state: Any, train_state: Optional[TrainingState] = None, optimizer: Any = None,
-                 opt_param_scheduler: Any = None, settings: Optional[CheckpointSettings] = None
+def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mapping[str, Any], load_dir: str,
+                 iter_dir: str, fmt: str, release: bool, state: Any, run: TrainingState, optimizer: Any = None,
+                 opt_param_scheduler: Any = None,
+                 on_restored: Optional[Callable[[TrainingState, Tuple[str, ...]], None]] = None
                  ) -> Tuple[int, Dict[str, Any], Optional[List[Any]]]:
     """Load a Megatron Core checkpoint into `models` (and, resuming from a torch_dist folder, `optimizer` and
     `opt_param_scheduler`); returns (iteration to continue from, common state, this rank's RNG state list to restore
-    or None). The consumed samples go to `train_state` (a TrainingState), or onto ``args`` without one."""
-    from megatron.checkpoint.args import check_architecture
+    or None). The checkpoint's architecture is checked against `architecture` (this run's); the consumed samples go
+    to `run` (then ``on_restored(run, names)``)."""
+    from megatron.checkpoint.args import compare_architecture
     from megatron.model.module import unwrap_model
 
-    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
     resume = not (cfg.finetune or release)
     load_optim = resume and optimizer is not None and not cfg.no_load_optim
     load_rng = resume and not cfg.no_load_rng
@@ -359,7 +357,7 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
     layouts = _full_t5_layouts(first) if model_type == "T5" else None
     common, arch, full, opt_full = read_full(iter_dir, load_dir, fmt, trust, optimizer=load_optim,
                                              model_type=model_type, layouts=layouts)
-    check_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, args, iter_dir)
+    compare_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, architecture, iter_dir)
     opt_common = None
     if load_optim:
         from megatron.checkpoint_conversion.interchange import ConversionError
@@ -390,13 +388,12 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
         optimizer.reload_model_params()  # fp32 main params follow the loaded weights
     rng = saved_rng(common, iter_dir, state, trust) if load_rng else None
     ckpt_args = common.get("args")
-    run = train_state if train_state is not None else TrainingState()
     names = tuple(k for k in ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens",
                               "consumed_valid_tokens") if k in common or k.endswith("samples"))
     for key in names:
         setattr(run, key, int(common.get(key, getattr(ckpt_args, key, 0)) or 0))
     for key in TOTALS:  # the run's skipped/non-finite totals (ours; absent: 0)
         setattr(run, key, int(common.get(key, 0)))
-    if train_state is None:
-        run.write_counters(args, names)
+    if on_restored is not None:
+        on_restored(run, names)
     return int(common.get("iteration", getattr(ckpt_args, "iteration", 0)) or 0), common, rng

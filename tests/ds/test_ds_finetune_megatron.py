@@ -73,6 +73,7 @@ def _weights_vs_megatron(rank: int, world_size: int, argv: list[str], ref_load: 
     from megatron.core import parallel_state as ps
     from megatron.initialize import initialize_megatron
     from megatron.model.enums import ModelType
+    from megatron.run_configs.bundle import RunConfigs
     from megatron.training import setup_model_and_optimizer
     from tests.ds._workers import _reset_megatron, ds_env
 
@@ -80,7 +81,8 @@ def _weights_vs_megatron(rank: int, world_size: int, argv: list[str], ref_load: 
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             args = initialize_megatron(args=argv, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-            model, _, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder, args,
+            model, _, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder,
+                                                    RunConfigs.from_args(args),
                                                     ps.get_parallel_state())
             ref = pretrain_gpt.model_provider()
             args.load = ref_load

@@ -144,9 +144,12 @@ def t5_pipeline_logits(load: Path, pp: int, split: int) -> torch.Tensor:
     last stage's logits."""
     import dataclasses
 
+    from megatron.checkpoint.args import architecture_from_args
     from megatron.checkpoint.formats import detect_format, load_foreign
     from megatron.core.parallel_state import ParallelState
     from megatron.models.t5.model import T5Model
+    from megatron.run_configs.checkpoint import CheckpointSettings
+    from megatron.training_state import TrainingState
 
     args = run_args("t5", load, "--finetune")
     config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=pp)
@@ -155,7 +158,8 @@ def t5_pipeline_logits(load: Path, pp: int, split: int) -> torch.Tensor:
     for rank in range(pp):
         state = ParallelState(pp_size=pp, pp_rank=rank, pipeline_split_rank=split, pp_ranks=list(range(pp)))
         stage = T5Model(config, pp_state=state, parallel_output=False)
-        load_foreign([stage], args, str(load), str(iter_dir), detect_format(str(iter_dir)), False, state)
+        load_foreign([stage], CheckpointSettings.from_args(args), architecture_from_args(args), str(load),
+                     str(iter_dir), detect_format(str(iter_dir)), False, state, TrainingState())
         if rank:
             stage.set_input_tensor(out)
         out = t5_logits(stage)

@@ -105,11 +105,15 @@ def test_the_loop_has_no_deepspeed_branches_and_both_backends_implement_the_seam
     from megatron import training
     from megatron.backend import TrainingBackend, backend_for
     from megatron.backend.megatron import MegatronBackend
+    from megatron.run_configs.deepspeed import DeepSpeedSettings
 
     code = inspect.getsource(training).split('"""', 2)[2]  # below the module docstring
     assert "deepspeed" not in code.lower()
-    assert type(backend_for(argparse.Namespace())) is MegatronBackend
-    assert type(backend_for(argparse.Namespace(deepspeed=True))).__name__ == "DeepSpeedBackend"
+    def configs(**flags: bool) -> argparse.Namespace:  # backend_for reads only the bundle's DeepSpeed record
+        return argparse.Namespace(deepspeed=DeepSpeedSettings.from_args(argparse.Namespace(**flags)))
+
+    assert type(backend_for(configs())) is MegatronBackend
+    assert type(backend_for(configs(deepspeed=True))).__name__ == "DeepSpeedBackend"
     methods = {"setup", "load", "train_step", "evaluate", "save", "loss_scale", "params_norm"}
     assert methods <= TrainingBackend.__abstractmethods__
     from megatron.backend.deepspeed import PIPE_MODELS, DeepSpeedBackend
