@@ -63,10 +63,10 @@ from megatron.nan_guard import (
     params_finite,
 )
 from megatron.progress import ProgressNotes
-from megatron.required_flags import TRAINING_RUN
 from megatron.run_configs.bundle import RunConfigs
 from megatron.run_configs.moe_losses import MoELossSettings
-from megatron.run_settings import LoopSettings
+from megatron.run_configs.run_settings import LoopSettings
+from megatron.settings.required_flags import TRAINING_RUN
 from megatron.theoretical_memory_usage import report_theoretical_memory
 from megatron.training_state import TrainingState
 

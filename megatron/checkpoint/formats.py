@@ -6,11 +6,11 @@ Three layouts load with ``--load``:
   * ``torch`` with Megatron Core names (Megatron-LM's ``--ckpt-format torch`` since Megatron Core): the same files,
     other parameter names (megatron/model/mcore_names.py);
   * ``torch_dist`` (Megatron-LM's default): one `torch.distributed.checkpoint` folder of global tensors
-    (megatron/checkpoint_conversion/torch_dist.py).
+    (megatron/checkpoint/conversion/torch_dist.py).
 The last two load at any TP/PP/DP layout of this run, whatever layout wrote them: every rank reads the full (TP=1)
 tensors (through the safe loader, and the manifest check when the folder has one), takes its pipeline stage's
 layers and its tensor-parallel slice. A torch_dist folder's optimizer state in Megatron Core's model-space layout
-(megatron/checkpoint_conversion/torch_dist_optim.py: what ``--ckpt-format torch_dist`` writes here, and Megatron-LM
+(megatron/checkpoint/conversion/torch_dist_optim.py: what ``--ckpt-format torch_dist`` writes here, and Megatron-LM
 with ``--dist-ckpt-optim-fully-reshardable``) is cut the same way into the run's optimizer, regular or distributed,
 with the LR schedule and consumed samples, so training resumes at any layout; Megatron-LM's default ``dp_reshardable``
 layout is first rebuilt in model space (torch_dist_buckets.py). The RNG state (Megatron-LM's ``rng_state``
@@ -51,8 +51,8 @@ def _rank0_file(iter_dir: str) -> Optional[str]:
 
 def detect_format(iter_dir: str, trust: bool = False) -> str:
     """TORCH, CORE_TORCH or TORCH_DIST for one iteration folder (TORCH when it cannot tell: ours reports that)."""
+    from megatron.checkpoint.conversion.torch_dist import is_torch_dist
     from megatron.checkpoint.safe_load import safe_torch_load
-    from megatron.checkpoint_conversion.torch_dist import is_torch_dist
     from megatron.model.mcore_names import has_core_names
 
     if is_torch_dist(iter_dir):
@@ -89,9 +89,9 @@ def _read_core_torch_t5(iter_dir: str, trust: bool, layouts: Dict[str, Any]
     """Megatron Core T5Model's per-rank torch files (one pipeline stage, any TP) -> (common state, architecture, our
     full flat TP=1 state dict); `layouts`: our T5's tensor-parallel layouts by name."""
     from megatron.checkpoint.args import saved_architecture
+    from megatron.checkpoint.conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.megatron_format import rank_files
     from megatron.checkpoint.safe_load import safe_torch_load
-    from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.megatron_format import rank_files
     from megatron.model.mcore_names import core_to_ours
     from megatron.model.tp_shards import merge_tensor_parallel_state_dicts
 
@@ -115,14 +115,14 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bo
     """(state besides the weights: args/iteration/..., architecture, our full flat TP=1 state dict, and with
     `optimizer` the optimizer state {state key: full flat dict} of a torch_dist folder, else {}); a T5 model's
     per-rank files need our model's TP `layouts`."""
-    from megatron.checkpoint_conversion.interchange import ConversionError, state_dict_from_messages
+    from megatron.checkpoint.conversion.interchange import ConversionError, state_dict_from_messages
 
     reason = integrity.verify(iter_dir)
     if reason is not None and reason != integrity.NO_MANIFEST:
         raise CheckpointFormatError(f"checkpoint {iter_dir} is damaged: {reason}; restore it")
     try:
         if fmt == TORCH_DIST:
-            from megatron.checkpoint_conversion.torch_dist import read_iteration_state
+            from megatron.checkpoint.conversion.torch_dist import read_iteration_state
 
             common, arch, flat, opt = read_iteration_state(iter_dir, trust)
             return common, arch, flat, opt if optimizer else {}
@@ -131,7 +131,7 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bo
                                   "files is not converted; pass --no-load-optim")
         if model_type == "T5":
             return (*_read_core_torch_t5(iter_dir, trust, layouts or {}), {})
-        from megatron.checkpoint_conversion.megatron_format import read_megatron
+        from megatron.checkpoint.conversion.megatron_format import read_megatron
 
         iteration = None if os.path.basename(iter_dir) == "release" else int(os.path.basename(iter_dir)[5:])
         meta, messages = read_megatron(load_dir, trust=trust, iteration=iteration, model_type=model_type)
@@ -156,19 +156,24 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
     torch_dist folder with Megatron Core names; common.pt keeps args, iteration, consumed samples and the LR schedule,
     each model-parallel rank's RNG state becomes Megatron-LM's ``rng_state`` ShardedObject; with `optimizer` the
     optimizer state goes along (fully_reshardable)."""
+    from megatron.checkpoint.conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.megatron_format import (
+        dense_rank_files,
+        expert_rank_files,
+        rank_files,
+        read_megatron,
+    )
+    from megatron.checkpoint.conversion.torch_dist import write_torch_dist
     from megatron.checkpoint.safe_load import safe_torch_load
-    from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.megatron_format import expert_rank_files, rank_files, read_megatron
-    from megatron.checkpoint_conversion.torch_dist import write_torch_dist
 
     try:
         ep, expert_files = expert_rank_files(iter_dir)  # expert parallelism: read_megatron merges the experts
-        files = {(t, p): path for (t, p, e), path in expert_files.items() if e == 0} if ep > 1 else rank_files(iter_dir)
+        files = dense_rank_files(expert_files) if ep > 1 else rank_files(iter_dir)
         first = safe_torch_load(files[(0, 0)], map_location="cpu")
         last = first if len(files) == 1 else safe_torch_load(files[(0, max(p for _, p in files))], map_location="cpu")
         bert = any(k in ("lm_head", "binary_head") for k in last.get("model") or {})
         if "decoder" in ((last.get("model") or {}).get("language_model") or {}):  # T5 (weights only)
-            from megatron.checkpoint_conversion.t5_format import read_t5
+            from megatron.checkpoint.conversion.t5_format import read_t5
 
             if optimizer:
                 raise ConversionError("T5 is written without its optimizer state: add --no-save-optim")
@@ -196,8 +201,8 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
     """This rank's part of a full flat state dict for one model chunk: its pipeline layers (renumbered), the
     vocabulary re-padded to the model's rows, its experts (expert parallelism), its tensor-parallel slice; only the
     names the chunk has."""
-    from megatron.checkpoint_conversion.megatron_format import chunk_of_layer
-    from megatron.checkpoint_conversion.vocab import repad_rows
+    from megatron.checkpoint.conversion.megatron_format import chunk_of_layer
+    from megatron.checkpoint.conversion.vocab import repad_rows
     from megatron.model.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
 
     vp = state.virtual_pp_size or 1
@@ -262,7 +267,7 @@ def _t5_stages(full: Dict[str, torch.Tensor], state: Any) -> Dict[str, Tuple[int
 def _load_optimizer_state(optimizer: Any, models: List[Any], opt_full: Dict[str, Dict[str, torch.Tensor]],
                           opt_common: Dict[str, Any], num_layers: int, state: Any) -> None:
     """Cut the full optimizer state to this rank (as the weights) and load it into the run's optimizer."""
-    from megatron.checkpoint_conversion.torch_dist_optim import optimizer_sd, param_state
+    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_sd, param_state
     from megatron.model.module import unwrap_model
     from megatron.optimizer.distrib_optimizer import param_state_to_regular_state
 
@@ -296,8 +301,8 @@ def saved_rng(common: Dict[str, Any], iter_dir: str, state: Any, trust: bool = F
     that saved it; None (with a note) at another one."""
     saved = common.get(RNG_KEY)
     if not isinstance(saved, dict) and os.path.isfile(os.path.join(iter_dir, ".metadata")):
-        from megatron.checkpoint_conversion.interchange import ConversionError
-        from megatron.checkpoint_conversion.torch_dist import read_core_rng
+        from megatron.checkpoint.conversion.interchange import ConversionError
+        from megatron.checkpoint.conversion.torch_dist import read_core_rng
 
         try:
             saved = read_core_rng(iter_dir, trust)  # Megatron-LM's own
@@ -360,8 +365,8 @@ def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mappi
     compare_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, architecture, iter_dir)
     opt_common = None
     if load_optim:
-        from megatron.checkpoint_conversion.interchange import ConversionError
-        from megatron.checkpoint_conversion.torch_dist_optim import optimizer_common
+        from megatron.checkpoint.conversion.interchange import ConversionError
+        from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
 
         try:
             opt_common = optimizer_common(common, opt_full, f"checkpoint {iter_dir}")

@@ -24,8 +24,8 @@ from megatron.run_configs.log_settings import LogSettings
 from megatron.run_configs.memory import MemorySettings
 from megatron.run_configs.model_wrap import ModelWrapSettings
 from megatron.run_configs.moe_losses import MoELossSettings
+from megatron.run_configs.run_settings import LoopSettings
 from megatron.run_configs.step import StepSettings
-from megatron.run_settings import LoopSettings
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,7 +49,7 @@ def _convert(ckpt: str, tp2: str, ds: str) -> None:
     sys.path.insert(0, str(REPO / "tools" / "checkpoint"))  # the DeepSpeed plugins, as when convert.py runs
     import convert_deepspeed_checkpoint as ds_tool
 
-    from megatron.checkpoint_conversion.driver import main as convert_main
+    from megatron.checkpoint.conversion.driver import main as convert_main
 
     with contextlib.redirect_stdout(io.StringIO()):
         convert_main(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir", ckpt,
@@ -119,7 +119,7 @@ def _hf_to_megatron(folder: Path, kind: str, vocab_size: int) -> list[str]:
     import torch
     import transformers
 
-    from megatron.checkpoint_conversion.driver import main as convert_main
+    from megatron.checkpoint.conversion.driver import main as convert_main
 
     torch.manual_seed(11)
     if kind == "gpt2":

@@ -355,7 +355,7 @@ def test_t5_torch_dist_save_needs_no_save_optim():
 
 @pytest.mark.slow
 def test_convert_loader_and_saver_mcore(oracle, tmp_path):
-    from megatron.checkpoint_conversion.driver import main as convert
+    from megatron.checkpoint.conversion.driver import main as convert
 
     for family, name in (("gpt", "torch_pp2"), ("llama", "dist_tp2")):
         ref = torch.load(oracle / "out" / family / "logits.pt")
@@ -389,7 +389,7 @@ def test_convert_loader_and_saver_mcore_bert_t5(oracle, tmp_path, family):
     files (TP2) into ours (T5's at PP2, split 1) with Core's logits; that -> --saver mcore -> ours gives the
     tensors of the first conversion bit for bit, and the torch_dist folder it wrote loads with --load to Core's
     logits (1e-5)."""
-    from megatron.checkpoint_conversion.driver import main as convert
+    from megatron.checkpoint.conversion.driver import main as convert
 
     model_type, logits = ("BERT", bert_logits) if family == "bert" else ("T5", t5_logits)
     core = oracle / "out" / family
@@ -415,7 +415,7 @@ def test_convert_loader_and_saver_mcore_bert_t5(oracle, tmp_path, family):
              "--save-dir", str(again)])
     one, two = _loaded(family, first).state_dict(), _loaded(family, again).state_dict()
     assert sorted(one) == sorted(two) and all(torch.equal(v, two[k]) for k, v in one.items())
-    from megatron.checkpoint_conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.interchange import ConversionError
 
     wrong = "T5" if family == "bert" else "BERT"
     with pytest.raises(ConversionError, match=f"holds a {model_type} .*--model-type {model_type}") as info:
@@ -583,7 +583,7 @@ def test_megatron_core_distributed_optimizer_checkpoint_continues_its_curve_in_o
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(core["losses"][SAVE_AT:]), rtol=1e-5, atol=0,
                                    msg=folder)
     # convert.py carries the same state: --loader mcore -> ours (TP1, distrib_optim.pt) -> --saver mcore -> --load
-    from megatron.checkpoint_conversion.driver import main as convert
+    from megatron.checkpoint.conversion.driver import main as convert
 
     ours_dir, back = oracle.parent / f"{oracle.name}_conv_ours", oracle.parent / f"{oracle.name}_conv_back"
     convert(["--model-type", "GPT", "--loader", "mcore", "--saver", "megatron", "--load-dir",
@@ -610,8 +610,8 @@ def test_core_default_optimizer_layout_reads_as_its_reshardable_one(oracle, layo
     """One Megatron Core distributed-optimizer state (random Adam moments) saved at TP2 or PP2 (tied embeddings split
     over the stages) in its default dp_reshardable layout (bucket buffers) and in fully_reshardable: read here, the
     two give the same model-space tensors, bit for bit."""
-    from megatron.checkpoint_conversion.torch_dist import read_iteration_state
-    from megatron.checkpoint_conversion.torch_dist_optim import optimizer_common
+    from megatron.checkpoint.conversion.torch_dist import read_iteration_state
+    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
 
     root = oracle / "out" / "layouts"
     common, _, _, buckets = read_iteration_state(str(root / f"{layout}_dp_reshardable" / "iter_0000003"))

@@ -7,7 +7,7 @@
   onto ``args`` for callers that keep their run state there.
 - tools/check_same_behaviour.py masks timings only, and reports a changed loss, log line or tensor.
 - megatron/training.py never mentions DeepSpeed; both backends implement every method of the seam.
-- LoopSettings (megatron/run_settings.py) reads the loop's flags once, with Megatron's defaults for absent ones.
+- LoopSettings (megatron/run_configs/run_settings.py) reads the loop's flags once, with Megatron's defaults for absent ones.
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def test_the_loop_has_no_deepspeed_branches_and_both_backends_implement_the_seam
 
 
 def test_loop_settings_read_the_flags_with_megatron_defaults() -> None:
-    from megatron.run_settings import LoopSettings
+    from megatron.run_configs.run_settings import LoopSettings
 
     minimal = argparse.Namespace(train_iters=8, eval_interval=4, save=None, save_interval=None, load=None, fp16=False,
                                  loss_scale=None)

@@ -25,7 +25,7 @@ split as our non-DeepSpeed pipeline. The process topology is DeepSpeed's ``PipeM
 axes (pipe, data, model) put TP fastest, then DP, then PP: the layout of megatron.core.parallel_state.
 
 The module also provides the layer-file <-> Megatron state-dict mapping used by the DeepSpeed checkpoint conversion
-(megatron/checkpoint_conversion/deepspeed_format.py; `pipe_layer_specs_names`, `megatron_state_dict_from_pipe_layers`, `pipe_layers_from_megatron_state_dict`).
+(megatron/checkpoint/conversion/deepspeed_format.py; `pipe_layer_specs_names`, `megatron_state_dict_from_pipe_layers`, `pipe_layers_from_megatron_state_dict`).
 DeepSpeed is imported only when a `GPTModelPipe` is built; the mapping functions never import it.
 """
 from __future__ import annotations
@@ -41,9 +41,9 @@ from megatron.errors import MegatronUserError
 from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
 from megatron.model.enums import AttnMaskType
 from megatron.model.language_model import Embedding, lm_cross_entropy, parallel_lm_logits
-from megatron.model.layer_specs import gpt_layer_spec
 from megatron.model.norms import build_norm
 from megatron.model.transformer import ParallelTransformerLayer
+from megatron.models.gpt.layer_spec import gpt_layer_spec
 
 EMBEDDING_PREFIX = "language_model.embedding."
 LAYER_PREFIX = "language_model.encoder.layers.{}."

@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint_conversion.interchange import (
+from megatron.checkpoint.conversion.interchange import (
     ConversionError,
     Message,
     ModelMeta,
@@ -343,8 +343,8 @@ def read_iteration_state(iter_dir: str, trust: bool = False
                          ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any], Dict[str, Dict[str, Any]]]:
     """(common state, architecture, our full flat TP=1 state dict, {optimizer state key: our full flat dict}) of one
     torch_dist iteration folder (the last empty without model-space optimizer state: torch_dist_optim.py)."""
-    from megatron.checkpoint_conversion.torch_dist_buckets import BUCKETS, UNREADABLE, bucket_state
-    from megatron.checkpoint_conversion.torch_dist_optim import sharding_type, split_optimizer_tensors
+    from megatron.checkpoint.conversion.torch_dist_buckets import BUCKETS, UNREADABLE, bucket_state
+    from megatron.checkpoint.conversion.torch_dist_optim import sharding_type, split_optimizer_tensors
 
     common = read_common(iter_dir, trust)
     tensors, opt = split_optimizer_tensors(read_tensors(iter_dir))
@@ -384,8 +384,8 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
     """Loader: (meta, message stream) of a torch_dist checkpoint of a `model_type` model (the tracker's iteration, or
     `iteration`); with `optimizer` the messages carry its model-space optimizer state (torch_dist_optim.py) when it
     has one (GPT and BERT; a T5 folder gives its weights)."""
-    from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, verified_source
-    from megatron.checkpoint_conversion.torch_dist_optim import optimizer_common
+    from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, verified_source
+    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
 
     iter_dir, it = find_iteration_dir(load_dir, iteration)
     # checked against its manifest as --load does (the newest intact iteration; an explicit one must verify)
@@ -411,7 +411,7 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
                        if k.startswith(f"language_model.{s}.layers.")}) for s in ("encoder", "decoder")]
         meta.extra["t5"] = {"encoder_num_layers": counts[0], "decoder_num_layers": counts[1]}
         meta.extra["split_rank"] = None
-        from megatron.checkpoint_conversion.t5_format import t5_messages_from_state_dict
+        from megatron.checkpoint.conversion.t5_format import t5_messages_from_state_dict
 
         if optimizer and meta.iteration is not None and (opt or common.get("optimizer")):
             print(f"note: {iter_dir}: a T5 model's optimizer state is not converted; writing the weights only",
@@ -450,13 +450,13 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
-    from megatron.checkpoint_conversion.torch_dist_optim import PARAM, common_entry, state_tensors
+    from megatron.checkpoint.conversion.torch_dist_optim import PARAM, common_entry, state_tensors
 
     msgs = list(messages)
     num_layers = int(meta.architecture["num_layers"])
     t5 = meta.model_type == "T5"
     if t5:
-        from megatron.checkpoint_conversion.t5_format import t5_state_dict_from_messages
+        from megatron.checkpoint.conversion.t5_format import t5_state_dict_from_messages
 
         flat = t5_state_dict_from_messages(iter(msgs))
     else:
