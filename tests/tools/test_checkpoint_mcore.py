@@ -337,6 +337,22 @@ def test_core_t5_checkpoints_both_ways(oracle):
     assert all(torch.equal(v, saved["t5_pp2"][k]) for k, v in saved["t5"].items())
 
 
+def test_t5_pipeline_piece_refusals_are_one_line():
+    """Cutting a full T5 state dict for a pipeline stage without a split rank, or with a stack that does not divide
+    over its stages, is one line naming the flag."""
+    from megatron.checkpoint.formats import CheckpointFormatError, rank_piece
+    from megatron.core.parallel_state import ParallelState
+
+    full = {f"language_model.{stack}.layers.{i}.mlp.dense_4h_to_h.bias": torch.zeros(2)
+            for stack in ("encoder", "decoder") for i in range(3)}
+    for split, match in ((None, r"needs --pipeline-model-parallel-split-rank in 1\.\.2"),
+                         (1, "3 decoder layers do not split evenly over 2 decoder pipeline stage")):
+        state = ParallelState(pp_size=3, pp_rank=0, pipeline_split_rank=split, pp_ranks=[0, 1, 2])
+        with pytest.raises(CheckpointFormatError, match=match) as info:
+            rank_piece(full, {}, None, 3, 0, state)
+        assert "\n" not in str(info.value)
+
+
 def test_t5_torch_dist_save_needs_no_save_optim():
     """pretrain_t5.py refuses --ckpt-format torch_dist with optimizer state at start-up, in one line."""
     import argparse
