@@ -4,8 +4,8 @@ Megatron-LM's folders ``mp_rank_TT[_PPP][_EEE]`` name the dense TP rank and the 
 so ranks holding different expert-TP shards of the same experts map to one folder (Megatron-LM's legacy writers then
 overwrite each other). Here every rank all-gathers its experts' weights, fp32 main params and optimizer moments over
 the expert-TP group before the folder's writer (parallel_state.checkpoint_writer) saves them, so each folder holds its
-expert rank's experts whole, exactly as a run with expert-TP 1 writes them (Megatron-LM loads it with
---expert-tensor-parallel-size 1); on loading each rank takes its expert-TP slice again. With T = 1 < TP nothing moves:
+expert rank's experts whole, as a run with expert-TP 1 writes them (Megatron-LM itself has no per-rank layout for
+expert-TP shards: it supports them in torch_dist only); on loading each rank takes its expert-TP slice again. With T = 1 < TP nothing moves:
 the experts are whole on every rank already. megatron/checkpoint/conversion/megatron_format.py reads such checkpoints
 (experts_stored_whole) for tools/checkpoint/convert.py and --ckpt-format torch_dist.
 """

@@ -77,8 +77,9 @@ def test_torch_dist_saved_under_expert_parallelism_resumes_at_ep2_and_ep1(gpt_da
     """The tiny MoE of tests/training/test_moe_training.py (every layer MoE) at EP2 with the distributed optimizer
     saves torch_dist (all experts stacked in one folder, their optimizer state with them); resumed at EP2 (distributed
     optimizer) and at DP2 without EP (regular optimizer) it continues the curve (lm loss and load-balancing loss,
-    1e-5); so does expert-TP 2 under TP 1 (regular optimizer), which saves torch_dist at 12 the same weights and
-    optimizer moments as the EP2 run. One 2-rank launch."""
+    1e-5); so does expert-TP 2 under TP 1 (distributed optimizer), which saves torch_dist at 12 the same weights and
+    optimizer moments as the EP2 run (its experts and their distributed-optimizer state gathered whole over the
+    expert-TP group). One 2-rank launch."""
     from tests.training._moe_ep_workers import run_steps
     from tests.training.test_moe_training import MOE, _curve, _same
 
@@ -93,8 +94,8 @@ def test_torch_dist_saved_under_expert_parallelism_resumes_at_ep2_and_ep1(gpt_da
         ("tracker", str(ckpt), SAVE),
         ("train", argv(*ep2, "--use-distributed-optimizer", "--load", str(ckpt), "--ckpt-format", "torch_dist")),
         ("train", argv("--load", str(ckpt), "--ckpt-format", "torch_dist")),
-        ("train", argv("--expert-tensor-parallel-size", "2", "--load", str(ckpt), "--ckpt-format", "torch_dist",
-                       "--save", str(etp2), "--save-interval", str(SAVE))),
+        ("train", argv("--expert-tensor-parallel-size", "2", "--use-distributed-optimizer", "--load", str(ckpt),
+                       "--ckpt-format", "torch_dist", "--save", str(etp2), "--save-interval", str(SAVE))),
     ],))[-1]
     folder = ckpt / f"iter_{SAVE:07d}"
     assert not any(folder.glob("mp_rank_*")) and (folder / ".metadata").is_file()
