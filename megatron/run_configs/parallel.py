@@ -5,6 +5,8 @@ import argparse
 import dataclasses
 from typing import Optional
 
+from megatron.run_configs.declared import fill_from_args
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelSizes:
@@ -17,9 +19,4 @@ class ParallelSizes:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ParallelSizes:
-        return cls(
-            pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None),
-            expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
-            context_parallel_size=getattr(args, "context_parallel_size", 1),
-            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
-        )
+        return fill_from_args(cls, args)
