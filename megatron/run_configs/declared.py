@@ -9,8 +9,10 @@ there. A record's ``from_args`` passes only its derived fields by hand::
 
 Values are normalised by the field's annotation, as the hand-written records did: a ``bool`` field gets ``bool(v)``
 (Megatron's store_true flags default to None), and None in a field whose annotation does not allow None takes the
-default. A field without a default in the record is required: a namespace without it raises AttributeError.
-tests/test_run_configs_declared.py checks that every record's defaults are the declared ones.
+default. Where the declared default is None and the field cannot hold None (``micro_batch_size: int = 1``; a flag
+Megatron requires, or a value start-up computes) the record's own default says what an absent value means. A field
+without a default in the record is required: a namespace without it raises AttributeError.
+tests/test_run_configs_declared.py checks that every record's other defaults are the declared ones.
 """
 from __future__ import annotations
 
@@ -71,6 +73,14 @@ def normalise(hint: Any, value: Any, default: Any) -> Any:
     return value
 
 
+def record_default(hint: Any, declared: Any, field: dataclasses.Field) -> Any:
+    """What an absent value means for a record field: the declared default, unless that is None and the field is
+    neither a bool nor able to hold None (then the record's default, if it has one)."""
+    if declared is None and hint is not bool and not _allows_none(hint) and field.default is not dataclasses.MISSING:
+        return field.default
+    return declared
+
+
 def fill_from_args(cls: type[R], args: Optional[argparse.Namespace], **by_hand: Any) -> R:
     """A `cls` record whose fields in `by_hand` are given and whose others come from `args` (see the module doc).
 
@@ -85,7 +95,8 @@ def fill_from_args(cls: type[R], args: Optional[argparse.Namespace], **by_hand: 
             continue
         if name not in defaults:
             raise TypeError(f"{cls.__name__}.{name} is not a declared setting: pass it to fill_from_args by hand")
+        default = record_default(hints[name], defaults[name], field)
         required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
-        value = getattr(args, name) if required else getattr(args, name, defaults[name])
-        values[name] = normalise(hints[name], value, defaults[name])
+        value = getattr(args, name) if required else getattr(args, name, default)
+        values[name] = normalise(hints[name], value, default)
     return cls(**values)

@@ -139,8 +139,8 @@ def test_expert_parallel_layouts_match_serial_and_resume(gpt_data: dict, tmp_pat
     _exact(_curve(res[7], "tp2-etp1-ep2 resumed"), full, "TP2 + ETP1 x EP2 resumed")
     assert sorted(p.name for p in (tmp_path / "etp1" / f"iter_{HALF:07d}").iterdir() if p.name.startswith("mp_")) \
         == ["mp_rank_00_000", "mp_rank_01_001"]
-    from megatron.checkpoint_conversion.driver import main as convert
-    from megatron.checkpoint_conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.driver import main as convert
+    from megatron.checkpoint.conversion.interchange import ConversionError
 
     with pytest.raises(ConversionError, match="--expert-tensor-parallel-size 1 != --tensor-model-parallel-size 2"):
         convert(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir",

@@ -43,7 +43,7 @@ def _assert_continues(resumed: dict, original: dict, what: str) -> None:
 
 @pytest.mark.slow
 def test_torch_dist_with_distributed_optimizer_resumes_on_other_layouts(gpt_data: dict, tmp_path: Path) -> None:
-    from megatron.checkpoint_conversion.torch_dist import read_common, read_dcp_metadata
+    from megatron.checkpoint.conversion.torch_dist import read_common, read_dcp_metadata
 
     ckpt = tmp_path / "a"
     a = _run(tiny_gpt_argv(gpt_data, "--use-distributed-optimizer", "--ckpt-format", "torch_dist", "--save",
@@ -93,7 +93,7 @@ def test_torch_dist_saved_under_expert_parallelism_resumes_at_ep2_and_ep1(gpt_da
     ],))[-1]
     folder = ckpt / f"iter_{SAVE:07d}"
     assert not any(folder.glob("mp_rank_*")) and (folder / ".metadata").is_file()
-    from megatron.checkpoint_conversion.torch_dist import read_dcp_metadata
+    from megatron.checkpoint.conversion.torch_dist import read_dcp_metadata
 
     names = read_dcp_metadata(str(folder)).state_dict_metadata
     assert names["decoder.layers.mlp.experts.experts.linear_fc1.weight"].size[:2] == (2, 4)  # [layers, experts]

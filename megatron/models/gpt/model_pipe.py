@@ -25,7 +25,7 @@ split as our non-DeepSpeed pipeline. The process topology is DeepSpeed's ``PipeM
 axes (pipe, data, model) put TP fastest, then DP, then PP: the layout of megatron.core.parallel_state.
 
 The module also provides the layer-file <-> Megatron state-dict mapping used by the DeepSpeed checkpoint conversion
-(megatron/checkpoint_conversion/deepspeed_format.py; `pipe_layer_specs_names`, `megatron_state_dict_from_pipe_layers`, `pipe_layers_from_megatron_state_dict`).
+(megatron/checkpoint/conversion/deepspeed_format.py; `pipe_layer_specs_names`, `megatron_state_dict_from_pipe_layers`, `pipe_layers_from_megatron_state_dict`).
 DeepSpeed is imported only when a `GPTModelPipe` is built; the mapping functions never import it.
 """
 from __future__ import annotations

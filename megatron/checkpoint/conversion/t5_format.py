@@ -30,8 +30,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint_conversion.interchange import ConversionError, Message, ModelMeta, expect
-from megatron.checkpoint_conversion.megatron_format import (
+from megatron.checkpoint.conversion.interchange import ConversionError, Message, ModelMeta, expect
+from megatron.checkpoint.conversion.megatron_format import (
     LM,
     POS,
     TRACKER,
@@ -41,7 +41,7 @@ from megatron.checkpoint_conversion.megatron_format import (
     attach_optimizer_state,
     megatron_meta,
 )
-from megatron.checkpoint_conversion.vocab import repad_rows, target_rows
+from megatron.checkpoint.conversion.vocab import repad_rows, target_rows
 from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayout
 from megatron.run_configs.saved_args import SavedRunArgs
 
@@ -272,7 +272,7 @@ class T5Writer(MegatronWriter):
             raise ConversionError(f'unexpected message "{extra.name}" after the T5 lm head (is --model-type right?)')
         files = self._write_files()
         from megatron.checkpoint.atomic_io import atomic_write_text
-        from megatron.checkpoint_conversion.megatron_format import sign_output
+        from megatron.checkpoint.conversion.megatron_format import sign_output
 
         sign_output(os.path.join(self.save_dir, self.iter_name), self.meta)
         atomic_write_text(os.path.join(self.save_dir, TRACKER),

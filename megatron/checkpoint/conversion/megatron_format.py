@@ -24,8 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
-from megatron.checkpoint.safe_load import CheckpointFileError, UnsafeCheckpointError, safe_torch_load
-from megatron.checkpoint_conversion.interchange import (
+from megatron.checkpoint.conversion.interchange import (
     EMBEDDINGS,
     FINAL_NORM,
     OUTPUT_LAYER,
@@ -36,8 +35,9 @@ from megatron.checkpoint_conversion.interchange import (
     expect,
     layer_message,
 )
-from megatron.checkpoint_conversion.qkv_versions import fix_qkv_ordering
-from megatron.checkpoint_conversion.vocab import repad_rows, target_rows
+from megatron.checkpoint.conversion.qkv_versions import fix_qkv_ordering
+from megatron.checkpoint.conversion.vocab import repad_rows, target_rows
+from megatron.checkpoint.safe_load import CheckpointFileError, UnsafeCheckpointError, safe_torch_load
 from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayout
 from megatron.run_configs.saved_args import SavedRunArgs
 
@@ -381,7 +381,7 @@ class MegatronCheckpointReader:
 
     def open_optimizer(self, meta: ModelMeta) -> None:
         """Read every rank's optimizer state into per-parameter entries (nothing when the checkpoint has none)."""
-        from megatron.checkpoint_conversion import optimizer_state as ostate
+        from megatron.checkpoint.conversion import optimizer_state as ostate
 
         expert_optim = getattr(self, "expert_optim", None) or {k: [o] for k, o in self.optim_entries.items()}
         if not all(ostate.has_training_state(e) for per in expert_optim.values() for e in per):
@@ -474,7 +474,7 @@ def megatron_meta(reader: MegatronCheckpointReader, true_vocab_size: Optional[in
 def attach_optimizer_state(reader: Any, meta: ModelMeta, padded: int) -> None:
     """Open the reader's training state (optimizer_state.py) and announce it in `meta`; an optimizer state in a layout
     we do not know is a note, and the weights convert alone."""
-    from megatron.checkpoint_conversion.optimizer_state import ForeignOptimizerState
+    from megatron.checkpoint.conversion.optimizer_state import ForeignOptimizerState
 
     try:
         reader.open_optimizer(meta)
@@ -801,7 +801,7 @@ class MegatronWriter:
                 body = {f"model{v}": nest(parts[v]) for v in range(self.vp)}
             path = self._chunk_file(t, p, e)
             if self.with_optimizer:
-                from megatron.checkpoint_conversion.optimizer_state import distributed_files
+                from megatron.checkpoint.conversion.optimizer_state import distributed_files
 
                 common = self.meta.extra["optimizer"]
                 take_opt = self.opt_parts.pop if last else self.opt_parts.__getitem__
@@ -824,7 +824,7 @@ class MegatronWriter:
 
     def _file_dict(self, body: Dict[str, Any]) -> Dict[str, Any]:
         meta = self.meta
-        from megatron.checkpoint_conversion.interchange import architecture_of
+        from megatron.checkpoint.conversion.interchange import architecture_of
 
         arch = architecture_of(meta.config(padded_vocab_size=self.padded))
         sd: Dict[str, Any] = {

@@ -17,7 +17,7 @@ Message stream of a GPT-family model, in order (Megatron-LM's tools/checkpoint n
 The word embedding / output layer carry ``meta.true_vocab_size`` rows when the loader knows the tokenizer's size
 (padding dropped; savers re-pad as Megatron does), else the source's padded rows. With the training state
 (``Message.optimizer``, ``meta.extra["optimizer"]``: step count, param-group hyperparameters, grad scaler) the padded
-rows are kept as trained, since they take part in the softmax (megatron/checkpoint_conversion/optimizer_state.py).
+rows are kept as trained, since they take part in the softmax (megatron/checkpoint/conversion/optimizer_state.py).
 """
 from __future__ import annotations
 
