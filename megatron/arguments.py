@@ -14,15 +14,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.cli_parser import FlagParser
-from megatron.config_flags import config_kwargs_from_args, dests_without_config_field
 from megatron.core.transformer_config import TransformerConfig, rope_scaling_problem
 from megatron.errors import ArgumentError
-from megatron.flag_registry import refuse_unimplemented
 from megatron.launcher import detect_launcher_env
-from megatron.moe_arguments import validate_moe_args
-from megatron.required_flags import TRAINING_RUN, check_required_flags
 from megatron.settings import add_core_groups, add_last_groups
+from megatron.settings.cli_parser import FlagParser
+from megatron.settings.config_flags import config_kwargs_from_args, dests_without_config_field
+from megatron.settings.flag_registry import refuse_unimplemented
+from megatron.settings.moe_checks import validate_moe_args
+from megatron.settings.required_flags import TRAINING_RUN, check_required_flags
 
 # Flags each tokenizer type needs (checked by validate_args before anything is built).
 _TOKENIZER_REQUIRED_FLAGS = {
@@ -141,7 +141,7 @@ def _core_flags() -> Dict[str, Tuple[str, Any]]:
 
 
 def _refuse_unimplemented(args: argparse.Namespace) -> None:
-    """Flags that parse but are not implemented: one line naming the flag (megatron/flag_registry.py)."""
+    """Flags that parse but are not implemented: one line naming the flag (megatron/settings/flag_registry.py)."""
     refuse_unimplemented(args, _core_flags(), dests_without_config_field(TransformerConfig))
 
 

@@ -21,9 +21,17 @@ from megatron.run_configs.model_wrap import ModelWrapSettings
 
 def get_model(model_provider_func: Callable, model_type: Any, args: argparse.Namespace,
               state: ps.ParallelState, wrap_with_ddp: bool = True) -> list[torch.nn.Module]:
-    """Build this rank's model chunks (one per virtual pipeline stage), cast for fp16/bf16, wrap each in DDP."""
+    """Megatron's ``get_model``: `build_model` with the wrapping settings from ``args`` (which records
+    ``model_type``, as Megatron's does)."""
     args.model_type = model_type
-    wrap = ModelWrapSettings.from_args(args)
+    return build_model(model_provider_func, model_type, ModelWrapSettings.from_args(args), state, args,
+                       wrap_with_ddp)
+
+
+def build_model(model_provider_func: Callable, model_type: Any, wrap: ModelWrapSettings, state: ps.ParallelState,
+                kernels: Any, wrap_with_ddp: bool = True) -> list[torch.nn.Module]:
+    """Build this rank's model chunks (one per virtual pipeline stage), cast for fp16/bf16, wrap each in DDP.
+    `kernels`: the model's config (or flags) the fused-kernels start-up line describes."""
     vp_size = wrap.virtual_pipeline_model_parallel_size
     chunks = []
     if state.pp_size > 1 and vp_size is not None:
@@ -40,7 +48,7 @@ def get_model(model_provider_func: Callable, model_type: Any, args: argparse.Nam
         for param in chunk.parameters():
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     n_params = sum(p.nelement() for chunk in chunks for p in chunk.parameters())
-    print_rank_0(fused_kernels.describe(args))
+    print_rank_0(fused_kernels.describe(kernels))
     if state.dp_rank == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
               f"{state.pp_rank}): {n_params}", flush=True)

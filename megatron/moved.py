@@ -1,5 +1,6 @@
-"""Megatron's import paths of the modules that moved: the model families (megatron/models/<family>/) and the checkpoint
-code (megatron/checkpoint/). Importing ``megatron.model.bert_model`` gives the very module ``megatron.models.bert.model``,
+"""Megatron's import paths of the modules that moved: the model families (megatron/models/<family>/), the checkpoint
+code and its conversion library (megatron/checkpoint/, megatron/checkpoint/conversion/) and the flag layer
+(megatron/settings/). Importing ``megatron.model.bert_model`` gives the very module ``megatron.models.bert.model``,
 ``megatron.checkpointing`` the very module ``megatron.checkpoint.checkpointing`` (same objects, so monkeypatching either
 name patches both; no file stays at the old path). Installed by megatron/__init__.py; nothing else to keep in sync."""
 from __future__ import annotations
@@ -25,7 +26,27 @@ MOVED_MODULES = {
     "megatron.checkpoint_integrity": "megatron.checkpoint.integrity",
     "megatron.safe_load": "megatron.checkpoint.safe_load",
     "megatron.atomic_io": "megatron.checkpoint.atomic_io",
+    "megatron.cli_parser": "megatron.settings.cli_parser",
+    "megatron.config_flags": "megatron.settings.config_flags",
+    "megatron.flag_registry": "megatron.settings.flag_registry",
+    "megatron.required_flags": "megatron.settings.required_flags",
+    "megatron.moe_arguments": "megatron.settings.moe_checks",
+    "megatron.run_settings": "megatron.run_configs.run_settings",
 }
+# Whole packages that moved: every module under the old prefix is the module under the new one.
+MOVED_PACKAGES = {
+    "megatron.checkpoint_conversion": "megatron.checkpoint.conversion",
+}
+
+
+def new_name(fullname: str) -> Optional[str]:
+    """The module an old import path now names, or None when it did not move."""
+    if fullname in MOVED_MODULES:
+        return MOVED_MODULES[fullname]
+    for old, new in MOVED_PACKAGES.items():
+        if fullname == old or fullname.startswith(old + "."):
+            return new + fullname[len(old):]
+    return None
 
 
 class _Alias(importlib.abc.Loader):
@@ -45,11 +66,14 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder):
     """Finds the old names of MOVED_MODULES as aliases of the new modules."""
 
     def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Any = None) -> Any:
-        if fullname not in MOVED_MODULES:
+        target = new_name(fullname)
+        if target is None:
             return None
-        return importlib.util.spec_from_loader(fullname, _Alias(MOVED_MODULES[fullname]))
+        return importlib.util.spec_from_loader(fullname, _Alias(target))
 
 
 def install() -> None:
+    # First on the path: a submodule of a moved package would otherwise be found again through the package's
+    # __path__ and loaded a second time under its old name.
     if not any(isinstance(f, MovedModuleFinder) for f in sys.meta_path):
-        sys.meta_path.append(MovedModuleFinder())
+        sys.meta_path.insert(0, MovedModuleFinder())

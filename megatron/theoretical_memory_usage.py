@@ -3,7 +3,7 @@
 Numbers are for the most loaded rank (the first pipeline stage, which also holds the embeddings):
 
 * parameters are counted exactly for this code base's GPT from its `TransformerConfig` (built from the flags by
-  megatron/config_flags.py; BERT adds token types, its LM head, pooler and binary head): query groups (QKV rows (n + 2g)·d), SwiGLU's doubled first projection, biases or
+  megatron/settings/config_flags.py; BERT adds token types, its LM head, pooler and binary head): query groups (QKV rows (n + 2g)·d), SwiGLU's doubled first projection, biases or
   none (--disable-bias-linear, --add-qkv-bias), LayerNorm (weight and bias) or RMSNorm (weight), learned position
   embeddings only with --position-embedding-type learned_absolute, tied or untied output layer (no bias);
   tensor-parallel split weights count 1/TP, replicated ones (norms, row-parallel biases, position embeddings) in
@@ -38,9 +38,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.config_flags import config_kwargs_from_args
 from megatron.core.transformer_config import TransformerConfig
 from megatron.run_configs.memory import MemorySettings
+from megatron.settings.config_flags import config_kwargs_from_args
 
 MB = 1024.0 * 1024.0
 
@@ -56,7 +56,7 @@ class ParameterCounts:
 
 
 def model_config(args: argparse.Namespace) -> TransformerConfig:
-    """The model's `TransformerConfig`, from the flags through megatron/config_flags.py (as the model is built)."""
+    """The model's `TransformerConfig`, from the flags through megatron/settings/config_flags.py (as the model is built)."""
     return TransformerConfig(**config_kwargs_from_args(TransformerConfig, args))
 
 

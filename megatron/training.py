@@ -14,7 +14,6 @@ Entry scripts may pass ``argv`` (a list of flag strings) instead of reading ``sy
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -24,7 +23,6 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from megatron import global_vars, peer_failure
-from megatron.arguments import core_transformer_config_from_args
 from megatron.backend import backend_for
 from megatron.backend.megatron import PipelineScheduleError, check_pipeline_schedule  # noqa: F401  (Megatron's names)
 from megatron.checkpoint.checkpointing import (
@@ -65,9 +63,10 @@ from megatron.nan_guard import (
     params_finite,
 )
 from megatron.progress import ProgressNotes
-from megatron.required_flags import TRAINING_RUN
-from megatron.run_configs.log_settings import LogSettings
-from megatron.run_settings import LoopSettings
+from megatron.run_configs.bundle import RunConfigs
+from megatron.run_configs.moe_losses import MoELossSettings
+from megatron.run_configs.run_settings import LoopSettings
+from megatron.settings.required_flags import TRAINING_RUN
 from megatron.theoretical_memory_usage import report_theoretical_memory
 from megatron.training_state import TrainingState
 
@@ -82,19 +81,23 @@ def print_datetime(message: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- model + optimizer
-def setup_model_and_optimizer(model_provider_func: Callable, model_type: Any, args: argparse.Namespace,
+def setup_model_and_optimizer(model_provider_func: Callable, model_type: Any, configs: RunConfigs,
                               state: ps.ParallelState, train_state: Optional[TrainingState] = None
                               ) -> tuple[list, Any, Any]:
     """Model, optimizer and LR schedule from the backend; loads --load. The iteration and consumed samples go to
-    `train_state` (without one, onto ``args`` under Megatron's names: the finetuning loop keeps its run state there)."""
+    `train_state` (without one, onto the flags under Megatron's names)."""
     forget_last_loaded()
-    backend = backend_for(args)
-    model, optimizer, opt_param_scheduler = backend.setup(model_provider_func, model_type, args, state)
-    iteration = backend.load(model, optimizer, opt_param_scheduler, args, train_state) if args.load is not None else 0
+    configs.flags.model_type = model_type  # Megatron records it in args (saved in every checkpoint)
+    backend = backend_for(configs)
+    model, optimizer, opt_param_scheduler = backend.setup(model_provider_func, model_type, configs, state)
+    run = train_state if train_state is not None else TrainingState()
+    iteration = backend.load(model, optimizer, opt_param_scheduler, configs, run) \
+        if configs.checkpoint.load is not None else 0
+    run.iteration = iteration
     if train_state is None:
-        args.iteration = iteration
-    else:
-        train_state.iteration = iteration
+        configs.flags.iteration = iteration
+        if iteration:
+            run.write_counters(configs.flags)
     return model, optimizer, opt_param_scheduler
 
 
@@ -105,24 +108,24 @@ def _cyclic_iter(loader: Any) -> Iterator:
 
 
 def build_train_valid_test_data_iterators(
-    dataset_provider: Callable, args: argparse.Namespace, state: ps.ParallelState, train_state: TrainingState
+    dataset_provider: Callable, configs: RunConfigs, state: ps.ParallelState, train_state: TrainingState
 ) -> tuple[Optional[Iterator], Optional[Iterator], Optional[Iterator]]:
     """Build the datasets (every rank) and the pretraining loaders at the resume point (consumed samples); sets
     `train_state`'s do_train/do_valid/do_test."""
     from megatron.data.data_samplers import build_pretraining_data_loader
 
-    run = train_state
+    run, batch, loop = train_state, configs.batch, configs.loop
     print_rank_0("> building train, validation, and test datasets ...")
     if run.iteration > 0 and run.consumed_train_samples == 0:
-        if args.train_samples is not None:
+        if batch.train_samples is not None:
             raise RuntimeError("checkpoint has no consumed_train_samples; cannot resume with --train-samples")
-        run.consumed_train_samples = run.iteration * args.global_batch_size
-    if run.iteration > 0 and run.consumed_valid_samples == 0 and args.train_samples is None:
-        run.consumed_valid_samples = (run.iteration // args.eval_interval) * args.eval_iters * \
-            args.global_batch_size
-    train_samples = args.train_samples if args.train_samples else args.train_iters * args.global_batch_size
-    eval_iters = (args.train_iters // args.eval_interval + 1) * args.eval_iters
-    num_samples = [train_samples, eval_iters * args.global_batch_size, args.eval_iters * args.global_batch_size]
+        run.consumed_train_samples = run.iteration * batch.global_batch_size
+    if run.iteration > 0 and run.consumed_valid_samples == 0 and batch.train_samples is None:
+        run.consumed_valid_samples = (run.iteration // loop.eval_interval) * batch.eval_iters * \
+            batch.global_batch_size
+    train_samples = batch.train_samples if batch.train_samples else loop.train_iters * batch.global_batch_size
+    eval_iters = (loop.train_iters // loop.eval_interval + 1) * batch.eval_iters
+    num_samples = [train_samples, eval_iters * batch.global_batch_size, batch.eval_iters * batch.global_batch_size]
     print_rank_0(" > datasets target sizes (minimum size):")
     print_rank_0(f"    train:      {num_samples[0]}")
     print_rank_0(f"    validation: {num_samples[1]}")
@@ -133,63 +136,61 @@ def build_train_valid_test_data_iterators(
     print_rank_0("> finished creating datasets ...")
     from megatron.data.data_checks import check_train_split
 
-    check_train_split(args, train_ds)  # an empty training split with --train-iters > 0 is an error, not success
+    check_train_split(configs.flags, train_ds)  # an empty training split with --train-iters > 0 is an error
 
     def loader(ds: Any, consumed: int) -> Any:
         if ds is None:
             return None
-        return build_pretraining_data_loader(ds, consumed, args.micro_batch_size, state.dp_rank, state.dp_size,
-                                             args.num_workers, args.dataloader_type)
+        return build_pretraining_data_loader(ds, consumed, batch.micro_batch_size, state.dp_rank, state.dp_size,
+                                             batch.num_workers, batch.dataloader_type)
 
     train_dl = loader(train_ds, run.consumed_train_samples)
     valid_dl = loader(valid_ds, run.consumed_valid_samples)
     test_dl = loader(test_ds, 0)
-    run.do_train = train_dl is not None and args.train_iters > 0
-    run.do_valid = valid_dl is not None and args.eval_iters > 0
-    run.do_test = test_dl is not None and args.eval_iters > 0
+    run.do_train = train_dl is not None and loop.train_iters > 0
+    run.do_valid = valid_dl is not None and batch.eval_iters > 0
+    run.do_test = test_dl is not None and batch.eval_iters > 0
 
     def make_iter(dl: Any) -> Optional[Iterator]:
         if dl is None:
             return None
-        return iter(dl) if args.dataloader_type == "single" else iter(_cyclic_iter(dl))
+        return iter(dl) if batch.dataloader_type == "single" else iter(_cyclic_iter(dl))
 
     return make_iter(train_dl), make_iter(valid_dl), make_iter(test_dl)
 
 
 # ----------------------------------------------------------------------------------------------- steps
 def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list, optimizer: Any,
-               opt_param_scheduler: Any, args: argparse.Namespace, state: ps.ParallelState,
-               iteration: Optional[int] = None) -> tuple[dict, int, Optional[float], Optional[int]]:
-    """One iteration through the backend (`iteration`: the one being trained, default ``args.curr_iteration``),
-    with the MoE router losses of the step added to the losses."""
-    if iteration is None:
-        iteration = getattr(args, "curr_iteration", 0)
-    loss_dict, skipped_iter, grad_norm, num_zeros = backend_for(args).train_step(
-        forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, args, state)
-    moe_losses = moe_aux_losses(args, state, iteration)  # collective: every rank
+               opt_param_scheduler: Any, configs: RunConfigs, state: ps.ParallelState,
+               iteration: int) -> tuple[dict, int, Optional[float], Optional[int]]:
+    """One iteration through the backend (`iteration`: the one being trained), with the MoE router losses of the
+    step added to the losses."""
+    loss_dict, skipped_iter, grad_norm, num_zeros = backend_for(configs).train_step(
+        forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, configs, state)
+    moe_losses = moe_aux_losses(configs.moe, state, iteration)  # collective: every rank
     if loss_dict:
         loss_dict.update(moe_losses)
     return loss_dict, skipped_iter, grad_norm, num_zeros
 
 
-def moe_aux_losses(args: argparse.Namespace, state: ps.ParallelState, iteration: int) -> dict:
+def moe_aux_losses(moe: MoELossSettings, state: ps.ParallelState, iteration: int) -> dict:
     """This iteration's MoE router losses as Megatron-LM logs them (`load_balancing_loss`, `z_loss`: mean over the
     micro-batches and MoE layers); with --moe-per-layer-logging also TensorBoard's moe/<name>_layer_<i>."""
-    if getattr(args, "num_experts", None) is None:
+    if moe.num_experts is None:
         return {}
     names, groups = [], {}
-    if args.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and args.moe_aux_loss_coeff:
-        name = "load_balancing_loss" if args.moe_router_load_balancing_type == "aux_loss" else \
+    if moe.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and moe.moe_aux_loss_coeff:
+        name = "load_balancing_loss" if moe.moe_router_load_balancing_type == "aux_loss" else \
             "seq_load_balancing_loss"
         names.append(name)
         groups[name] = state.tp_group
-    if args.moe_z_loss_coeff is not None:
+    if moe.moe_z_loss_coeff is not None:
         names.append("z_loss")
-    freq = args.moe_layer_freq
-    num_moe = sum(freq) if isinstance(freq, list) else len(range(0, args.num_layers, freq))
-    values = moe_aux.reduce_aux_losses(names, args.num_layers, num_moe, 1.0 / global_vars.get_num_microbatches(),
+    freq = moe.moe_layer_freq
+    num_moe = sum(freq) if isinstance(freq, list) else len(range(0, moe.num_layers, freq))
+    values = moe_aux.reduce_aux_losses(names, moe.num_layers, num_moe, 1.0 / global_vars.get_num_microbatches(),
                                        pp_group=state.pp_group, dp_group=state.dp_group, reduce_groups=groups,
-                                       per_layer=bool(args.moe_per_layer_logging))
+                                       per_layer=bool(moe.moe_per_layer_logging))
     per_layer = {k: values.pop(k) for k in list(values) if k.startswith("moe/")}
     writer = global_vars.get_tensorboard_writer()
     if writer is not None and per_layer:
@@ -200,30 +201,30 @@ def moe_aux_losses(args: argparse.Namespace, state: ps.ParallelState, iteration:
 
 def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, iteration: int, loss_scale: float,
                  report_memory_flag: bool, skipped_iter: int, grad_norm: Optional[float],
-                 params_norm: Optional[float], num_zeros_in_grad: Optional[int], args: argparse.Namespace,
-                 train_state: Optional[TrainingState] = None) -> bool:
+                 params_norm: Optional[float], num_zeros_in_grad: Optional[int], configs: RunConfigs,
+                 train_state: TrainingState) -> bool:
     """Accumulate losses, write TensorBoard scalars and print the log line every --log-interval (consumed samples
-    from `train_state`; without one, from ``args``)."""
-    run = train_state if train_state is not None else TrainingState.from_args(args)
+    from `train_state`)."""
+    run, batch = train_state, configs.batch
     timers = global_vars.get_timers()
     writer = global_vars.get_tensorboard_writer()
     accumulate_losses(loss_dict, total_loss_dict, skipped_iter)
     if skipped_iter and grad_norm is not None and not math.isfinite(grad_norm) and \
             all(math.isfinite(float(v)) for v in loss_dict.values()):
         total_loss_dict[NAN] += 1  # skipped for a non-finite grad norm (the loss itself was finite)
-    batch_size = args.micro_batch_size * args.data_parallel_size * global_vars.get_num_microbatches()
+    batch_size = batch.micro_batch_size * batch.data_parallel_size * global_vars.get_num_microbatches()
 
     timers_to_log = ["forward-backward", "forward-compute", "backward-compute", "batch-generator",
                      "grads-all-reduce", "optimizer"]
     # Timers gather over all ranks: every rank calls write(), only the writer's rank writes.
-    show = LogSettings.from_args(args)
-    if show.log_timers_to_tensorboard and iteration % args.tensorboard_log_interval == 0:
+    show = configs.log
+    if show.log_timers_to_tensorboard and iteration % batch.tensorboard_log_interval == 0:
         timers.write(timers_to_log, writer, iteration, normalizer=1.0)
-    if writer is not None and iteration % args.tensorboard_log_interval == 0:
-        write_train_scalars(writer, args, iteration, loss_dict, learning_rate, batch_size, loss_scale, grad_norm,
+    if writer is not None and iteration % batch.tensorboard_log_interval == 0:
+        write_train_scalars(writer, configs.flags, iteration, loss_dict, learning_rate, batch_size, loss_scale, grad_norm,
                             num_zeros_in_grad, params_norm, consumed_samples=run.consumed_train_samples)
 
-    if iteration % args.log_interval == 0:
+    if iteration % batch.log_interval == 0:
         elapsed = timers("interval-time").elapsed(barrier=True)
         total_iters = total_loss_dict[ADVANCED] + total_loss_dict[SKIPPED]
         per_iter = elapsed / max(1, total_iters)
@@ -232,28 +233,27 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
         if show.model_family == "t5":  # encoder-decoder: two sequence lengths
             from megatron.models.t5.model import t5_num_floating_point_operations
 
-            flops = t5_num_floating_point_operations(core_transformer_config_from_args(args), batch_size,
-                                                     args.encoder_seq_length, args.decoder_seq_length)
+            flops = t5_num_floating_point_operations(configs.transformer, batch_size,
+                                                     batch.encoder_seq_length, batch.decoder_seq_length)
         elif show.model_family == "bert":  # + LM head dense, pooler and binary head
             from megatron.flops import bert_num_floating_point_operations
 
-            flops = bert_num_floating_point_operations(core_transformer_config_from_args(args), batch_size,
-                                                       args.seq_length, bool(args.bert_binary_head))
+            flops = bert_num_floating_point_operations(configs.transformer, batch_size,
+                                                       batch.seq_length, batch.bert_binary_head)
         else:
-            flops = num_floating_point_operations(core_transformer_config_from_args(args), batch_size,
-                                                  args.seq_length)
+            flops = num_floating_point_operations(configs.transformer, batch_size, batch.seq_length)
         losses = {k: v / float(max(1, total_loss_dict[ADVANCED])) for k, v in total_loss_dict.items()
                   if k not in (ADVANCED, SKIPPED, NAN)}
         if total_loss_dict[ADVANCED] == 0 and total_loss_dict[NAN] > 0:  # print `nan`, do not hide the loss
             losses = {k: float("nan") for k in [*losses, *loss_dict]}
         line = format_training_log_line(
-            iteration=iteration, train_iters=args.train_iters, consumed_samples=int(run.consumed_train_samples),
+            iteration=iteration, train_iters=configs.loop.train_iters, consumed_samples=int(run.consumed_train_samples),
             consumed_tokens=int(run.consumed_train_tokens), elapsed_per_iter=per_iter,
             learning_rate=learning_rate, batch_size=batch_size, losses=losses, loss_scale=loss_scale,
             grad_norm=grad_norm, num_zeros_in_grad=num_zeros_in_grad, params_norm=params_norm,
             skipped=total_loss_dict[SKIPPED], nans=total_loss_dict[NAN],
             samples_per_sec=batch_size / per_iter if per_iter > 0 else 0.0,
-            tflops=flops / (per_iter * args.world_size * 1e12) if per_iter > 0 else 0.0,
+            tflops=flops / (per_iter * batch.world_size * 1e12) if per_iter > 0 else 0.0,
         )
         print_rank_last(line)
         for key in list(total_loss_dict):
@@ -263,31 +263,32 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
         if report_memory_flag and skipped_iter == 0:
             report_memory(f"(after {iteration} iterations)")
             report_memory_flag = False
-        timers.log(timers_to_log, normalizer=args.log_interval)
+        timers.log(timers_to_log, normalizer=batch.log_interval)
     return report_memory_flag
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
 def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
-             process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
+             process_non_loss_data_func: Optional[Callable], configs: RunConfigs, state: ps.ParallelState,
              verbose: bool = False, count_valid_samples: bool = True,
              train_state: Optional[TrainingState] = None) -> tuple[dict, Any]:
     """Average the losses over --eval-iters batches (forward only); counts the validation samples in
-    `train_state` (without one, in ``args``)."""
-    run: Any = train_state if train_state is not None else args
+    `train_state` (without one, on the flags)."""
+    run: Any = train_state if train_state is not None else configs.flags
     peer_failure.note_phase(f"evaluation at iteration {getattr(run, 'iteration', 0)}")
-    return backend_for(args).evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, args,
-                                      state, verbose, count_valid_samples, run)
+    return backend_for(configs).evaluate(forward_step_func, data_iterator, model,
+                                                   process_non_loss_data_func, configs, state, verbose,
+                                                   count_valid_samples, run)
 
 
 def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_iterator: Optional[Iterator],
                                model: list, iteration: int, process_non_loss_data_func: Optional[Callable],
-                               args: argparse.Namespace, state: ps.ParallelState, verbose: bool = False,
+                               configs: RunConfigs, state: ps.ParallelState, verbose: bool = False,
                                count_valid_samples: bool = True, train_state: Optional[TrainingState] = None) -> dict:
     writer = global_vars.get_tensorboard_writer()
-    losses, collected = evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, args, state,
+    losses, collected = evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, configs, state,
                                  verbose, count_valid_samples, train_state)
-    log_validation(prefix, losses, writer, args, iteration, consumed_samples=None if train_state is None else
+    log_validation(prefix, losses, writer, configs.flags, iteration, consumed_samples=None if train_state is None else
                    train_state.consumed_train_samples)
     if process_non_loss_data_func is not None and writer is not None and collected is not None:
         process_non_loss_data_func(collected, iteration, writer)
@@ -295,7 +296,7 @@ def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_it
 
 
 # ----------------------------------------------------------------------------------------------- exit handling
-def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
           guard: Optional[SkipCounter] = None, train_loss: Optional[float] = None,
           train_state: Optional[TrainingState] = None) -> None:
     """Save a checkpoint, except during a non-finite streak (`guard`): those weights are the ones that diverged."""
@@ -309,11 +310,12 @@ def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
     peer_failure.note_phase(f"the checkpoint save of iteration {iteration}")
     timers = global_vars.get_timers()
     timers("save-checkpoint", log_level=0).start(barrier=True)
-    backend_for(args).save(iteration, model, optimizer, opt_param_scheduler, args, train_loss, train_state)
+    backend_for(configs).save(iteration, model, optimizer, opt_param_scheduler, configs, train_loss,
+                                        train_state)
     timers("save-checkpoint").stop(barrier=True)
     timers.log(["save-checkpoint"])
     if guard is not None:
-        guard.checkpoint(iteration, args.save)
+        guard.checkpoint(iteration, configs.checkpoint.save)
 
 
 def new_skip_counter(loop: LoopSettings, iteration: int) -> SkipCounter:
@@ -335,11 +337,11 @@ def _duration_exceeded(loop: LoopSettings) -> tuple[bool, float]:
 
 def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_scheduler: Any,
           train_data_iterator: Optional[Iterator], valid_data_iterator: Optional[Iterator],
-          process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
-          history: Optional[dict] = None, skip_counter: Optional[SkipCounter] = None,
-          train_state: Optional[TrainingState] = None, loop: Optional[LoopSettings] = None) -> tuple[int, bool]:
-    """The training loop over `train_state` (the run state; default: read from ``args``) with the `loop` settings
-    (default: built from ``args``). Returns (last iteration, exited_early) — early exits have already saved.
+          process_non_loss_data_func: Optional[Callable], configs: RunConfigs, state: ps.ParallelState,
+          train_state: TrainingState, history: Optional[dict] = None,
+          skip_counter: Optional[SkipCounter] = None) -> tuple[int, bool]:
+    """The training loop over `train_state` (the run state) with the run's records `configs`. Returns (last
+    iteration, exited_early) — early exits have already saved.
 
     `history` (pretrain's result) receives ``train_losses[iteration]`` (this rank's reduced losses: the last
     pipeline stage's ranks hold them) and ``valid_losses[iteration]`` of the evaluations during training.
@@ -348,9 +350,8 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     for chunk in model:
         chunk.train()
     total_loss_dict: dict = {}
-    run = train_state if train_state is not None else TrainingState.from_args(args)
-    loop = loop if loop is not None else LoopSettings.from_args(args)
-    backend = backend_for(args)
+    run, loop, batch = train_state, configs.loop, configs.batch
+    backend = backend_for(configs)
     iteration = run.iteration
     sigterm = global_vars.get_signal_handler() if loop.exit_signal_handler else None
     timers("interval-time", log_level=0).start(barrier=True)
@@ -358,36 +359,36 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     report_memory_flag = True
     if skip_counter is None:
         skip_counter = new_skip_counter(loop, iteration)
-    notes = ProgressNotes(iteration, loop.train_iters, args.log_interval, print_rank_last)
+    notes = ProgressNotes(iteration, loop.train_iters, batch.log_interval, print_rank_last)
     loaded = last_loaded() if loop.load else None
     watch = None
     if loaded is not None and not loaded.verified:  # an unverified checkpoint: its first losses must look sane
         watch = FirstLossWatch(loaded.folder, iteration + 1, loaded.train_loss, run.padded_vocab_size)
 
     def save() -> None:
-        _save(iteration, model, optimizer, opt_param_scheduler, args, skip_counter, skip_counter.last_loss, run)
+        _save(iteration, model, optimizer, opt_param_scheduler, configs, skip_counter, skip_counter.last_loss, run)
 
     while iteration < loop.train_iters:
         global_vars.update_num_microbatches(run.consumed_train_samples)
         run.curr_iteration = iteration
         peer_failure.note_phase(f"training iteration {iteration + 1}")  # named if a peer is lost (one line)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, args, state, iteration)
+            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, configs, state, iteration)
         if loop.empty_unused_memory_level >= 1 and torch.cuda.is_available():
             torch.cuda.empty_cache()  # Megatron's --empty-unused-memory-level (memory only; same numbers)
         iteration += 1
         run.iteration = iteration
         if history is not None:
             history.setdefault("train_losses", {})[iteration] = {k: float(v) for k, v in loss_dict.items()}
-        new_samples = args.data_parallel_size * args.micro_batch_size * global_vars.get_num_microbatches()
+        new_samples = batch.data_parallel_size * batch.micro_batch_size * global_vars.get_num_microbatches()
         run.consumed_train_samples += new_samples
-        run.consumed_train_tokens += new_samples * args.seq_length
+        run.consumed_train_tokens += new_samples * batch.seq_length
 
         loss_scale = backend.loss_scale(model, optimizer)
         params_norm = backend.params_norm(model, state) if loop.log_params_norm else None
         report_memory_flag = training_log(
             loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], iteration, loss_scale,
-            report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros, args, run)
+            report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros, configs, run)
         nonfinite = (grad_norm is not None and not math.isfinite(grad_norm)) or \
             any(not math.isfinite(float(v)) for v in loss_dict.values())
         run.skipped_iterations += int(bool(skipped_iter))
@@ -401,7 +402,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
 
         if loop.eval_interval and iteration % loop.eval_interval == 0 and run.do_valid:
             losses = evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator,
-                                                model, iteration, process_non_loss_data_func, args, state,
+                                                model, iteration, process_non_loss_data_func, configs, state,
                                                 train_state=run)
             if history is not None:
                 history.setdefault("valid_losses", {})[iteration] = losses
@@ -462,25 +463,28 @@ def pretrain(
     print_datetime("after megatron is initialized")
     state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
     run = TrainingState(padded_vocab_size=getattr(args, "padded_vocab_size", None))
-    check_pipeline_schedule(args, global_vars.get_num_microbatches())
+    configs = RunConfigs.from_args(args)  # the run's typed records, built once and passed down
+    check_pipeline_schedule(configs.step, global_vars.get_num_microbatches())
     timers = global_vars.get_timers()
 
     from megatron.data.data_checks import check_data_prefixes
 
     check_data_prefixes(args)  # a mistyped --data-path: one line before the model is built
     timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
-    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, args, state, run)
+    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, configs, state,
+                                                                      run)
+    configs = configs.with_run_length()  # the LR schedule's set-up turned --train-samples into --train-iters
     timers("model-and-optimizer-setup").stop()
     print_datetime("after model, optimizer, and learning rate scheduler are built")
     if args.rank == 0 and getattr(model_type, "name", "") == "encoder_or_decoder":  # GPT-shaped models
-        report_theoretical_memory(args, num_microbatches=global_vars.get_num_microbatches())
+        report_theoretical_memory(configs.flags, num_microbatches=global_vars.get_num_microbatches())
 
     timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
     # Creating DataLoader iterators draws from the global torch RNG; keep the (possibly just restored) RNG state
     # untouched so that resuming from a checkpoint replays exactly the same dropout masks.
     rng = local_rng_state()
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(
-        train_valid_test_dataset_provider, args, state, run)
+        train_valid_test_dataset_provider, configs, state, run)
     restore_local_rng_state(rng)
     timers("train/valid/test-data-iterators-setup").stop()
     print_datetime("after dataloaders are built")
@@ -492,13 +496,13 @@ def pretrain(
                    "test_loss": None, "skipped_iterations": run.skipped_iterations,
                    "nan_iterations": run.nan_iterations})
     iteration = run.iteration
-    loop = LoopSettings.from_args(args)  # after the set-up: --train-samples has become --train-iters
+    loop = configs.loop
     if run.do_train and loop.train_iters > 0 and not loop.skip_train:
         print_rank_0("training ...")
         skip_counter = new_skip_counter(loop, iteration)
         iteration, exited = train(forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it,
-                                  process_non_loss_data_func, args, state, history=result, skip_counter=skip_counter,
-                                  train_state=run, loop=loop)
+                                  process_non_loss_data_func, configs, state, run, history=result,
+                                  skip_counter=skip_counter)
         result.update(iteration=iteration, skipped_iterations=run.skipped_iterations,
                       nan_iterations=run.nan_iterations)
         print_datetime("after training is done")
@@ -506,7 +510,7 @@ def pretrain(
             _flush_writer()
             return result
         if loop.save and iteration != 0 and iteration % loop.save_interval != 0:
-            _save(iteration, model, optimizer, opt_param_scheduler, args, skip_counter,
+            _save(iteration, model, optimizer, opt_param_scheduler, configs, skip_counter,
                   skip_counter.last_loss, run)
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
@@ -514,11 +518,11 @@ def pretrain(
     if run.do_valid:
         result["val_loss"] = evaluate_and_print_results(
             "the end of training for val data", forward_step_func, valid_it, model, iteration,
-            process_non_loss_data_func, args, state, verbose=False, train_state=run)
+            process_non_loss_data_func, configs, state, verbose=False, train_state=run)
     if run.do_test:
         result["test_loss"] = evaluate_and_print_results(
             "the end of training for test data", forward_step_func, test_it, model, iteration,
-            process_non_loss_data_func, args, state, verbose=True, count_valid_samples=False, train_state=run)
+            process_non_loss_data_func, configs, state, verbose=True, count_valid_samples=False, train_state=run)
     _flush_writer()
     return result
 

@@ -32,6 +32,7 @@ from megatron.checkpoint.checkpointing import (
 from megatron.core import parallel_state as ps
 from megatron.errors import ArgumentError
 from megatron.model import ModelType
+from megatron.run_configs.bundle import RunConfigs
 from megatron.training import (
     _save,
     evaluate_and_print_results,
@@ -174,8 +175,9 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
     if epochs == 0:  # evaluation only: --load gives the weights; no optimizer, schedule or RNG to restore
         args.no_load_optim, args.no_load_rng = True, True
     run = FinetuneState(padded_vocab_size=getattr(args, "padded_vocab_size", None))
+    configs = RunConfigs.from_args(args)  # the run's records, after the batch sizes above became sequences
     model, optimizer, scheduler = setup_model_and_optimizer(task.model_provider, ModelType.encoder_or_decoder,
-                                                            args, state, run)
+                                                            configs, state, run)
     if run.iteration == 0 and args.pretrained_checkpoint:
         _load_pretrained(model, optimizer, args)
     result: dict = {"train_losses": {}, "valid_losses": {}, "accuracy": {}, "iteration": run.iteration}
@@ -222,27 +224,27 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
                 continue  # resume: these batches were trained before the checkpoint
             # (the iteration of the previous step, 0 for a run's first: what Megatron's loop left on args)
             loss_dict, skipped, grad_norm, num_zeros = train_step(forward_step, iter([batch]), model, optimizer,
-                                                                  scheduler, args, state, run.curr_iteration or 0)
+                                                                  scheduler, configs, state, run.curr_iteration or 0)
             iteration = run.step(args.global_batch_size, args.seq_length)
             result["train_losses"][iteration] = {k: float(v) for k, v in loss_dict.items()}
             report_memory_flag = training_log(loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"],
                                               iteration, float(optimizer.get_loss_scale().item()),
-                                              report_memory_flag, skipped, grad_norm, None, num_zeros, args, run)
+                                              report_memory_flag, skipped, grad_norm, None, num_zeros, configs, run)
             if valid_it is not None and iteration % args.eval_interval == 0:
                 valid = evaluate_and_print_results(f"iteration {iteration}", forward_step, valid_it, model,
-                                                   iteration, None, args, state, train_state=run)
+                                                   iteration, None, configs, state, train_state=run)
                 result["valid_losses"][iteration] = {k: float(v) for k, v in valid.items()}
             saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
             if saved:
-                _save(iteration, model, optimizer, scheduler, args, train_state=run)
+                _save(iteration, model, optimizer, scheduler, configs, train_state=run)
             if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0:
                 if args.save and not saved:
-                    _save(iteration, model, optimizer, scheduler, args, train_state=run)
+                    _save(iteration, model, optimizer, scheduler, configs, train_state=run)
                 print_datetime(f"exiting program at iteration {iteration}")
                 result["iteration"] = iteration
                 return result
         if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-            _save(iteration, model, optimizer, scheduler, args, train_state=run)  # the end of every epoch
+            _save(iteration, model, optimizer, scheduler, configs, train_state=run)  # the end of every epoch
         result["accuracy"][epoch] = evaluate_datasets(valid_sets, model, args, state, epoch, eval_batch)
     result["iteration"] = iteration
     return result

@@ -254,7 +254,7 @@ def test_mistyped_flag_is_one_line_with_the_closest_names(capsys):
 
 
 def test_save_needs_save_interval_only_when_pretraining():
-    from megatron.required_flags import TRAINING_RUN
+    from megatron.settings.required_flags import TRAINING_RUN
 
     with pytest.raises(ArgumentError, match="--save needs --save-interval"):
         validate_args(_args("--save ckpt --data-path x", 1, base=BASE), {TRAINING_RUN: True})

@@ -19,9 +19,9 @@ import pytest
 import megatron.arguments as arguments_module
 import megatron.initialize as initialize_module
 from megatron.arguments import ArgumentError, build_parser, core_transformer_config_from_args, parse_args, validate_args
-from megatron.config_flags import CONFIG_FIELDS, config_mapped_dests, dests_without_config_field
 from megatron.core.transformer_config import TransformerConfig
-from megatron.flag_registry import (
+from megatron.settings.config_flags import CONFIG_FIELDS, config_mapped_dests, dests_without_config_field
+from megatron.settings.flag_registry import (
     DERIVED_ATTRIBUTES,
     FAMILY_ONLY,
     REFUSED,

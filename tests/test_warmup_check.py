@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron.arguments import ArgumentError, build_parser, validate_args
-from megatron.required_flags import TRAINING_RUN
+from megatron.settings.required_flags import TRAINING_RUN
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
         "--micro-batch-size 2 --global-batch-size 16 --lr 1e-3 --data-path x --vocab-file v --merge-file m").split()

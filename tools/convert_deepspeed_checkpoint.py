@@ -1,6 +1,6 @@
 """Convert a DeepSpeed checkpoint of pretrain_gpt.py --deepspeed into Megatron's layout (and back, weights only).
 
-A thin command line over tools/checkpoint/convert.py's driver (megatron/checkpoint_conversion/driver.py) with the
+A thin command line over tools/checkpoint/convert.py's driver (megatron/checkpoint/conversion/driver.py) with the
 built-in DeepSpeed loader/saver (deepspeed_format.py), which read and write one layer / one tensor rank at a time:
 
     python tools/convert_deepspeed_checkpoint.py --input-folder ds_ckpt --output-folder megatron_ckpt \
@@ -31,9 +31,9 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.checkpoint_conversion.interchange import ConversionError  # noqa: E402
-from megatron.cli_parser import FlagParser  # noqa: E402
+from megatron.checkpoint.conversion.interchange import ConversionError  # noqa: E402
 from megatron.errors import MegatronUserError, exit_on_user_error  # noqa: E402
+from megatron.settings.cli_parser import FlagParser  # noqa: E402
 
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 DS_LATEST = "latest"
@@ -132,7 +132,7 @@ def get_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     """Run one conversion; returns {'iteration', 'tp', 'pp', 'files'} plus 'layout' and 'rng' (DeepSpeed →
     Megatron) or 'tag' (--to-deepspeed)."""
-    from megatron.checkpoint_conversion import driver
+    from megatron.checkpoint.conversion import driver
 
     args = get_parser().parse_args(argv)
     for flag, value in (("--target-tp", args.target_tp), ("--target-pp", args.target_pp),

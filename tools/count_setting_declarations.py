@@ -6,7 +6,7 @@ or tools/ that calls initialize_megatron or pretrain under ``__main__``, as test
 the separate command-line programs under tools/ (converters, benchmarks, preprocessing) have their own flags and
 are not counted. Each of these places counts once per setting:
 
-* megatron/arguments.py, megatron/moe_arguments.py or an entry script whose ``add_argument(...)`` calls add it (the
+* megatron/arguments.py, megatron/settings/moe_checks.py or an entry script whose ``add_argument(...)`` calls add it (the
   --no- form of a flag in the same file is the same place);
 * its ``setting(...)`` declaration (megatron/settings/);
 * each hand-written table that names it: ``CONFIG_FIELDS`` (every source destination of an entry),
@@ -42,7 +42,7 @@ def _files(root: Path) -> Iterator[Path]:
 
 def _parser_file(rel: str, text: str) -> bool:
     """A file whose add_argument calls add flags to Megatron's parser (see the module docstring)."""
-    if rel in ("megatron/arguments.py", "megatron/moe_arguments.py"):
+    if rel in ("megatron/arguments.py", "megatron/settings/moe_checks.py"):
         return True
     return not rel.startswith("megatron/") and bool(re.search(r"\b(initialize_megatron|pretrain)\(", text)) and \
         '__name__ == "__main__"' in text

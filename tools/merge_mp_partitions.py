@@ -4,7 +4,7 @@
         [--target-pipeline-model-parallel-size 2] --load CK --save OUT [model flags]
 
 The bigscience / Megatron-LM v2 interface, a thin wrapper over tools/checkpoint/convert.py's code
-(megatron/checkpoint_conversion): unlike the original it also reads PP > 1 (and virtual-pipeline) inputs. The
+(megatron/checkpoint/conversion): unlike the original it also reads PP > 1 (and virtual-pipeline) inputs. The
 architecture comes from the checkpoint; model flags given here must agree with it (one-line error otherwise).
 BERT and the finetuned classification (MNLI, QQP) and multiple-choice (RACE) checkpoints of tasks/main.py merge too.
 """
@@ -17,9 +17,9 @@ from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.checkpoint_conversion.interchange import ConversionError  # noqa: E402
-from megatron.cli_parser import FlagParser  # noqa: E402
+from megatron.checkpoint.conversion.interchange import ConversionError  # noqa: E402
 from megatron.errors import exit_on_user_error  # noqa: E402
+from megatron.settings.cli_parser import FlagParser  # noqa: E402
 
 # model flags accepted for compatibility: (flag, architecture field) - checked against the checkpoint
 _CHECKED = (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
@@ -53,8 +53,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = get_parser().parse_args(argv)
     # RACE (multiple choice), MNLI and QQP (classification) are finetuned BERT checkpoints (tasks/)
     model_type = "GPT" if args.model_type == "GPT" else "BERT"
-    from megatron.checkpoint_conversion.driver import convert, parse_args
-    from megatron.checkpoint_conversion.megatron_format import MegatronCheckpointReader
+    from megatron.checkpoint.conversion.driver import convert, parse_args
+    from megatron.checkpoint.conversion.megatron_format import MegatronCheckpointReader
 
     reader = MegatronCheckpointReader(args.load, args.trust_checkpoint)
     if reader.tp != args.tensor_model_parallel_size:

@@ -16,8 +16,8 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.cli_parser import FlagParser  # noqa: E402
 from megatron.data import indexed_dataset  # noqa: E402
+from megatron.settings.cli_parser import FlagParser  # noqa: E402
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:

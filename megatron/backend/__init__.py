@@ -4,22 +4,25 @@
 evaluate, save, loss scale and parameter norm. `MegatronBackend` (megatron/backend/megatron.py) is Megatron's own path
 (our DDP/distributed optimizer, its pipeline schedules, megatron/checkpoint/checkpointing.py); `DeepSpeedBackend`
 (megatron/backend/deepspeed.py) runs the DeepSpeed engine (ZeRO, DeepSpeed's pipeline engine with the family's pipe
-model, DeepSpeed checkpoints) through the glue in megatron/ds/. `backend_for(args)` picks one from --deepspeed; the
+model, DeepSpeed checkpoints) through the glue in megatron/ds/. `backend_for(configs)` picks one from --deepspeed; the
 loop itself never asks which.
 """
 from __future__ import annotations
 
-import argparse
+from typing import TYPE_CHECKING
 
 from megatron.backend.base import StepResult, TrainingBackend
-from megatron.run_configs.deepspeed import DeepSpeedSettings
+
+if TYPE_CHECKING:
+    from megatron.run_configs.bundle import RunConfigs
 
 __all__ = ["StepResult", "TrainingBackend", "backend_for"]
 
 
-def backend_for(args: argparse.Namespace) -> TrainingBackend:
-    """DeepSpeed's engine under --deepspeed, else Megatron's own path (DeepSpeed is imported only when chosen)."""
-    if DeepSpeedSettings.from_args(args).enabled:
+def backend_for(configs: RunConfigs) -> TrainingBackend:
+    """DeepSpeed's engine under --deepspeed (``configs.deepspeed``), else Megatron's own path (DeepSpeed is imported
+    only when chosen)."""
+    if configs.deepspeed.enabled:
         from megatron.backend.deepspeed import DeepSpeedBackend
 
         return DeepSpeedBackend()

@@ -8,38 +8,39 @@ DeepSpeed itself is imported only when an engine is built.
 """
 from __future__ import annotations
 
-import argparse
-from typing import Any, Callable, Iterator, Optional
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
 from megatron import global_vars
-from megatron.arguments import core_transformer_config_from_args
 from megatron.backend.base import StepResult, TrainingBackend
 from megatron.core import parallel_state as ps
 from megatron.ds import engine as ds_engine
-from megatron.run_configs.deepspeed import DeepSpeedSettings
 from megatron.training_state import TrainingState
 
+if TYPE_CHECKING:
+    from megatron.run_configs.bundle import RunConfigs
 
-def gpt_model_pipe(args: argparse.Namespace, state: ps.ParallelState) -> torch.nn.Module:
+
+def gpt_model_pipe(configs: RunConfigs, state: ps.ParallelState) -> torch.nn.Module:
     """GPTModelPipe for pretrain_gpt.py's flags (the GPT/Llama/BLOOM family's DeepSpeed pipeline model)."""
     from megatron.models.gpt.model_pipe import GPTModelPipe
 
     if state.global_rank == 0:
         print(" > building GPT model ...", flush=True)
-    return GPTModelPipe(core_transformer_config_from_args(args), state,
-                        fp16_lm_cross_entropy=DeepSpeedSettings.from_args(args).fp16_lm_cross_entropy,
-                        carry_attention_mask=bool(args.reset_attention_mask))
+    return GPTModelPipe(dataclasses.replace(configs.transformer), state,  # its own copy of the model's config
+                        fp16_lm_cross_entropy=configs.deepspeed.fp16_lm_cross_entropy,
+                        carry_attention_mask=configs.deepspeed.reset_attention_mask)
 
 
-# model family (args.model_family, default "gpt") -> its pipe model for DeepSpeed's pipeline engine
-PIPE_MODELS: dict[str, Callable[[argparse.Namespace, ps.ParallelState], torch.nn.Module]] = {"gpt": gpt_model_pipe}
+# model family (--model-family, default "gpt") -> its pipe model for DeepSpeed's pipeline engine
+PIPE_MODELS: dict[str, Callable[[RunConfigs, ps.ParallelState], torch.nn.Module]] = {"gpt": gpt_model_pipe}
 
 
-def uses_pipeline_engine(args: argparse.Namespace) -> bool:
+def uses_pipeline_engine(configs: RunConfigs) -> bool:
     """DeepSpeed's pipeline engine runs the model: --pipeline-model-parallel-size > 1, no --no-pipeline-parallel."""
-    return args.pipeline_model_parallel_size > 1 and not DeepSpeedSettings.from_args(args).no_pipeline_parallel
+    return configs.step.pipeline_model_parallel_size > 1 and not configs.deepspeed.no_pipeline_parallel
 
 
 class DeepSpeedBackend(TrainingBackend):
@@ -47,38 +48,41 @@ class DeepSpeedBackend(TrainingBackend):
 
     name = "deepspeed"
 
-    def setup(self, model_provider: Callable, model_type: Any, args: argparse.Namespace,
+    # (the engine glue in megatron/ds/engine.py still takes the flags: ``configs.flags``)
+    def setup(self, model_provider: Callable, model_type: Any, configs: RunConfigs,
               state: ps.ParallelState) -> tuple[list, Any, Any]:
-        pipe = PIPE_MODELS.get(DeepSpeedSettings.from_args(args).model_family) if uses_pipeline_engine(args) else None
+        pipe = PIPE_MODELS.get(configs.deepspeed.model_family) if uses_pipeline_engine(configs) else None
         if pipe is not None:
             def model_provider(pre_process: bool = True, post_process: bool = True) -> torch.nn.Module:
-                return pipe(args, state)
-        return ds_engine.setup_deepspeed_model_and_optimizer(model_provider, model_type, args, state)
+                return pipe(configs, state)
+        return ds_engine.setup_deepspeed_model_and_optimizer(model_provider, model_type, configs.flags, state)
 
-    def load(self, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
-             train_state: Optional[TrainingState]) -> int:
+    def load(self, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
+             train_state: TrainingState) -> int:
         timers = global_vars.get_timers()
         timers("load-checkpoint", log_level=0).start(barrier=True)
-        iteration = ds_engine.load_deepspeed_checkpoint(model, optimizer, opt_param_scheduler, args, train_state)
+        iteration = ds_engine.load_deepspeed_checkpoint(model, optimizer, opt_param_scheduler, configs.flags,
+                                                        train_state, configs.checkpoint)
         timers("load-checkpoint").stop(barrier=True)
         timers.log(["load-checkpoint"])
         return iteration
 
     def train_step(self, forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
-                   optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+                   optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
                    state: ps.ParallelState) -> StepResult:
         return ds_engine.deepspeed_train_step(forward_step_func, data_iterator, model, optimizer,
-                                              opt_param_scheduler, args, state)
+                                              opt_param_scheduler, configs.flags, state)
 
     def evaluate(self, forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
-                 process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
+                 process_non_loss_data_func: Optional[Callable], configs: RunConfigs, state: ps.ParallelState,
                  verbose: bool, count_valid_samples: bool, counts: Any) -> tuple[dict, Any]:
-        return ds_engine.deepspeed_evaluate(forward_step_func, data_iterator, model, args, state, verbose,
+        return ds_engine.deepspeed_evaluate(forward_step_func, data_iterator, model, configs.flags, state, verbose,
                                             count_valid_samples, counts), None
 
-    def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+    def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
              train_loss: Optional[float], train_state: Optional[TrainingState]) -> None:
-        ds_engine.save_deepspeed_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, train_state)
+        ds_engine.save_deepspeed_checkpoint(iteration, model, optimizer, opt_param_scheduler, configs.flags,
+                                            train_state, configs.checkpoint)
 
     def loss_scale(self, model: list, optimizer: Any) -> float:
         return ds_engine.deepspeed_loss_scale(model)

@@ -7,36 +7,35 @@ calc_params_l2_norm.
 """
 from __future__ import annotations
 
-import argparse
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
 from megatron import global_vars
 from megatron.backend.base import StepResult, TrainingBackend
-from megatron.checkpoint.checkpointing import last_loaded, load_checkpoint, save_checkpoint
+from megatron.checkpoint.checkpointing import last_loaded, read_checkpoint, save_checkpoint, save_run_checkpoint
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.errors import MegatronUserError
 from megatron.logging_utils import print_rank_0
-from megatron.model_setup import get_model, get_optimizer_param_scheduler
+from megatron.model_setup import build_model, get_optimizer_param_scheduler
 from megatron.nan_guard import NonFiniteTrainingError, loaded_state_problem, loss_and_grads_finite
 from megatron.optimizer import get_megatron_optimizer
-from megatron.optimizer.optimizer_config import optimizer_config_from_args
 from megatron.run_configs.step import StepSettings
 from megatron.training_state import TrainingState
 from megatron.utils import calc_params_l2_norm
+
+if TYPE_CHECKING:
+    from megatron.run_configs.bundle import RunConfigs
 
 
 class PipelineScheduleError(MegatronUserError):
     """The batch layout does not fit the pipeline schedule."""
 
 
-def check_pipeline_schedule(args: Optional[argparse.Namespace], num_microbatches: int,
-                            settings: Optional[StepSettings] = None) -> None:
+def check_pipeline_schedule(step: StepSettings, num_microbatches: int) -> None:
     """Megatron's start-up rule for the interleaved schedule: micro-batches divisible by the pipeline size."""
-    step = settings if settings is not None else StepSettings.from_args(args)
     pp = step.pipeline_model_parallel_size
     if pp > 1 and step.virtual_pipeline_model_parallel_size is not None \
             and num_microbatches % pp != 0:
@@ -48,7 +47,7 @@ def check_pipeline_schedule(args: Optional[argparse.Namespace], num_microbatches
 
 
 def _schedule(step: StepSettings) -> Callable[..., list]:
-    check_pipeline_schedule(None, global_vars.get_num_microbatches(), step)
+    check_pipeline_schedule(step, global_vars.get_num_microbatches())
     return get_forward_backward_func(step.pipeline_model_parallel_size, step.virtual_pipeline_model_parallel_size)
 
 
@@ -57,17 +56,19 @@ class MegatronBackend(TrainingBackend):
 
     name = "megatron"
 
-    def setup(self, model_provider: Callable, model_type: Any, args: argparse.Namespace,
+    def setup(self, model_provider: Callable, model_type: Any, configs: RunConfigs,
               state: ps.ParallelState) -> tuple[list, Any, Any]:
-        model = get_model(model_provider, model_type, args, state)
-        optimizer = get_megatron_optimizer(model, optimizer_config_from_args(args), state)
-        return model, optimizer, get_optimizer_param_scheduler(optimizer, args)
+        model = build_model(model_provider, model_type, configs.model_wrap, state, configs.transformer)
+        optimizer = get_megatron_optimizer(model, configs.optimizer, state)
+        # the LR schedule's builder still reads the flags (it resolves --train-samples into --train-iters on them)
+        return model, optimizer, get_optimizer_param_scheduler(optimizer, configs.flags)
 
-    def load(self, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
-             train_state: Optional[TrainingState]) -> int:
+    def load(self, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
+             train_state: TrainingState) -> int:
         timers = global_vars.get_timers()
         timers("load-checkpoint", log_level=0).start(barrier=True)
-        iteration = load_checkpoint(model, optimizer, opt_param_scheduler, args, train_state=train_state)
+        iteration = read_checkpoint(model, optimizer, opt_param_scheduler, configs.checkpoint, configs.architecture,
+                                    train_state)
         timers("load-checkpoint").stop(barrier=True)
         timers.log(["load-checkpoint"])
         loaded = last_loaded()
@@ -80,20 +81,20 @@ class MegatronBackend(TrainingBackend):
         return iteration
 
     def train_step(self, forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
-                   optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+                   optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
                    state: ps.ParallelState) -> StepResult:
         timers = global_vars.get_timers()
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
 
-        step = StepSettings.from_args(args)
+        step, batch = configs.step, configs.batch
         forward_backward_func = _schedule(step)
         timers("forward-backward", log_level=1).start(barrier=step.barrier_with_L1_time)
         losses_reduced = forward_backward_func(
             forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
             num_microbatches=global_vars.get_num_microbatches(), forward_only=False,
-            grad_scale_func=optimizer.scale_loss, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+            grad_scale_func=optimizer.scale_loss, seq_length=batch.seq_length, micro_batch_size=batch.micro_batch_size,
             decoder_seq_length=step.decoder_seq_length, parallel_state=state,
         )
         timers("forward-backward").stop()
@@ -105,7 +106,7 @@ class MegatronBackend(TrainingBackend):
         # --check-for-nan-in-loss-and-grad: a non-finite loss or grad norm skips the step on every rank (nan_guard).
         finite = True
         if step.check_for_nan_in_loss_and_grad:
-            finite, _ = loss_and_grads_finite(losses_reduced, model, check_grads=not args.fp16)
+            finite, _ = loss_and_grads_finite(losses_reduced, model, check_grads=not configs.model_wrap.fp16)
         timers("optimizer", log_level=1).start(barrier=step.barrier_with_L1_time)
         if finite:
             update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
@@ -114,7 +115,7 @@ class MegatronBackend(TrainingBackend):
         timers("optimizer").stop()
 
         if update_successful:
-            increment = global_vars.get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
+            increment = global_vars.get_num_microbatches() * batch.micro_batch_size * batch.data_parallel_size
             opt_param_scheduler.step(increment=increment)
             skipped_iter = 0
         else:
@@ -129,46 +130,49 @@ class MegatronBackend(TrainingBackend):
         return {}, skipped_iter, grad_norm, num_zeros_in_grad
 
     def evaluate(self, forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
-                 process_non_loss_data_func: Optional[Callable], args: argparse.Namespace, state: ps.ParallelState,
+                 process_non_loss_data_func: Optional[Callable], configs: RunConfigs, state: ps.ParallelState,
                  verbose: bool, count_valid_samples: bool, counts: Any) -> tuple[dict, Any]:
         for chunk in model:
             chunk.eval()
         total: dict[str, float] = {}
-        step = StepSettings.from_args(args)
+        step, batch = configs.step, configs.batch
         forward_backward_func = _schedule(step)
         num_mb = global_vars.get_num_microbatches()
         with torch.no_grad():
-            for it in range(args.eval_iters):
+            for it in range(batch.eval_iters):
                 if verbose:
-                    print_rank_0(f"Evaluating iter {it + 1}/{args.eval_iters}")
+                    print_rank_0(f"Evaluating iter {it + 1}/{batch.eval_iters}")
                 loss_dicts = forward_backward_func(
                     forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                    num_microbatches=num_mb, forward_only=True, seq_length=args.seq_length,
-                    micro_batch_size=args.micro_batch_size, parallel_state=state,
+                    num_microbatches=num_mb, forward_only=True, seq_length=batch.seq_length,
+                    micro_batch_size=batch.micro_batch_size, parallel_state=state,
                     decoder_seq_length=step.decoder_seq_length)
                 if state.is_pipeline_last_stage(ignore_virtual=True):
                     for d in loss_dicts:
                         for key, value in d.items():
                             total[key] = total.get(key, 0.0) + float(value)
                 if count_valid_samples:
-                    counts.consumed_valid_samples += args.micro_batch_size * args.data_parallel_size * num_mb
+                    counts.consumed_valid_samples += batch.micro_batch_size * batch.data_parallel_size * num_mb
             collected = None
             if process_non_loss_data_func is not None:  # every stage takes part in the pipelined forward
                 collected = forward_backward_func(
                     forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                    num_microbatches=num_mb, forward_only=True, collect_non_loss_data=True, seq_length=args.seq_length,
-                    micro_batch_size=args.micro_batch_size, parallel_state=state,
+                    num_microbatches=num_mb, forward_only=True, collect_non_loss_data=True, seq_length=batch.seq_length,
+                    micro_batch_size=batch.micro_batch_size, parallel_state=state,
                     decoder_seq_length=step.decoder_seq_length)
         for chunk in model:
             chunk.train()
         for key in total:
-            total[key] /= args.eval_iters * num_mb
+            total[key] /= batch.eval_iters * num_mb
         return total, collected
 
-    def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+    def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
              train_loss: Optional[float], train_state: Optional[TrainingState]) -> None:
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, train_loss=train_loss,
-                        train_state=train_state)
+        if train_state is None:  # a caller that keeps its run state on the flags
+            save_checkpoint(iteration, model, optimizer, opt_param_scheduler, configs.flags, train_loss=train_loss,
+                            settings=configs.checkpoint)
+        else:
+            save_run_checkpoint(iteration, model, optimizer, opt_param_scheduler, configs, train_state, train_loss)
 
     def loss_scale(self, model: list, optimizer: Any) -> float:
         return float(optimizer.get_loss_scale().item())

@@ -2,7 +2,7 @@
 
 Every checkpoint holds ``architecture``: the `TransformerConfig` fields that decide the weights' shapes or the forward
 computation (`ARCHITECTURE_FIELDS`), computed from the flags through the same table the model config is built from
-(megatron/config_flags.py). Loading compares it with this run's flags and stops with one line naming the field and
+(megatron/settings/config_flags.py). Loading compares it with this run's flags and stops with one line naming the field and
 both values; ``--use-checkpoint-args`` restores all of it (plus the sequence length and tokenizer settings when
 their flags are not given). Checkpoints written before ``architecture`` existed fall back to the ``args`` namespace
 saved in them (fields that namespace lacks are neither checked nor restored).
@@ -14,9 +14,9 @@ import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from megatron.arguments import build_parser
-from megatron.config_flags import CONFIG_FIELDS
 from megatron.errors import MegatronUserError
 from megatron.settings import architecture_fields, filled_if_unset, flag_hints, restore_rules
+from megatron.settings.config_flags import CONFIG_FIELDS
 
 
 class ArchitectureMismatchError(MegatronUserError, RuntimeError):
@@ -149,7 +149,11 @@ def _check_activation(saved: Mapping[str, Any], current: Mapping[str, Any], path
 
 def check_architecture(saved: Mapping[str, Any], args: argparse.Namespace, path: str) -> None:
     """One line naming the first field where the checkpoint and this run's flags differ, with both values."""
-    current = architecture_from_args(args)
+    compare_architecture(saved, architecture_from_args(args), path)
+
+
+def compare_architecture(saved: Mapping[str, Any], current: Mapping[str, Any], path: str) -> None:
+    """`check_architecture` against this run's architecture record (`architecture_from_args`, computed once)."""
     for name in ARCHITECTURE_FIELDS:
         if name == ARCHITECTURE_FIELDS[0]:
             _check_activation(saved, current, path)

@@ -32,15 +32,15 @@ import dataclasses
 import os
 import random
 import sys
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
 
-from megatron.checkpoint import integrity
+from megatron.checkpoint import expert_shards, integrity
 from megatron.checkpoint.args import (
     architecture_from_args,
-    check_architecture,
+    compare_architecture,
     deepspeed_state_file,
     saved_architecture,
     use_checkpoint_args,
@@ -53,7 +53,10 @@ from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.errors import MegatronUserError
 from megatron.model.module import unwrap_model
 from megatron.run_configs.checkpoint import PARALLEL_SIZE_FLAGS, CheckpointSettings
-from megatron.training_state import TrainingState
+from megatron.training_state import COUNTERS, TrainingState
+
+if TYPE_CHECKING:
+    from megatron.run_configs.bundle import RunConfigs
 
 
 class CheckpointError(MegatronUserError, RuntimeError):
@@ -145,7 +148,7 @@ def _qkv_in_current_order(model_sd: dict, sd: dict, cfg: CheckpointSettings) -> 
     version = float(sd.get("checkpoint_version", 0) or 0)
     if version >= 2.0 or cfg.qkv_heads_per_rank is None:
         return model_sd
-    from megatron.checkpoint_conversion.qkv_versions import fix_state_dict_qkv, has_qkv
+    from megatron.checkpoint.conversion.qkv_versions import fix_state_dict_qkv, has_qkv
 
     if not has_qkv(model_sd):
         return model_sd
@@ -253,18 +256,51 @@ def save_checkpoint(
     model: Any,
     optimizer: Any,
     opt_param_scheduler: Any,
-    args: argparse.Namespace,
+    args: Optional[argparse.Namespace] = None,
     save_dir: Optional[str] = None,
     train_loss: Optional[float] = None,
     train_state: Optional[TrainingState] = None,
     settings: Optional[CheckpointSettings] = None,
 ) -> str:
-    """Write the checkpoint of ``iteration`` into ``save_dir`` (default ``args.save``); returns this rank's file.
-    `train_loss` (the last finite training loss, summed over its terms) is recorded for the check after loading.
-    `train_state`: the loop's run state (saved as Megatron's keys and inside ``args``); without it, the run state
-    is read from ``args`` under Megatron's names. ``args`` is also the record saved as Megatron's ``args`` and
-    ``architecture``; `settings` (default: built from ``args``) says what to save and where."""
+    """Megatron's ``save_checkpoint(iteration, model, optimizer, opt_param_scheduler)``: `write_checkpoint` with the
+    records built from ``args`` (default: the global flags). `train_state`: the run state (saved as Megatron's keys and
+    inside ``args``); without it, the run state is read from ``args`` under Megatron's names. `settings` (default:
+    built from ``args``) says what to save and where."""
+    if args is None:
+        from megatron.global_vars import get_args
+
+        args = get_args()
+    run = train_state if train_state is not None else TrainingState.from_args(args)
+    saved_args = _args_to_save(args) if train_state is None else train_state.megatron_args(args)
     cfg = settings if settings is not None else CheckpointSettings.from_args(args)
+    return write_checkpoint(iteration, model, optimizer, opt_param_scheduler, cfg, architecture_from_args(args),
+                            saved_args, run, save_dir=save_dir, train_loss=train_loss)
+
+
+def save_run_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
+                        train_state: TrainingState, train_loss: Optional[float] = None) -> str:
+    """The training loop's save: the run's records and state (Megatron's ``args`` derived from the flags and the
+    state, `TrainingState.megatron_args`)."""
+    return write_checkpoint(iteration, model, optimizer, opt_param_scheduler, configs.checkpoint,
+                            configs.architecture, train_state.megatron_args(configs.flags), train_state,
+                            train_loss=train_loss)
+
+
+def write_checkpoint(
+    iteration: int,
+    model: Any,
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    cfg: CheckpointSettings,
+    architecture: Mapping[str, Any],
+    saved_args: argparse.Namespace,
+    run: TrainingState,
+    save_dir: Optional[str] = None,
+    train_loss: Optional[float] = None,
+) -> str:
+    """Write the checkpoint of ``iteration`` into ``save_dir`` (default ``cfg.save``); returns this rank's file.
+    `train_loss` (the last finite training loss, summed over its terms) is recorded for the check after loading.
+    `saved_args` is stored as Megatron's ``args``, `architecture` as ours, `run`'s counters as Megatron's keys."""
     save_dir = save_dir or cfg.save
     if not save_dir:
         raise CheckpointError("save_checkpoint called without a directory: pass --save DIR")
@@ -283,32 +319,40 @@ def save_checkpoint(
     param_state = None
     if optimizer is not None and hasattr(optimizer, "get_parameter_state") and not cfg.no_save_optim:
         param_state = optimizer.get_parameter_state()  # collective over the data-parallel group
+    model_sds = optim_sd = None
+    if expert_shards.active(state):  # expert-TP > 1 != TP: the experts are saved whole (collective over expert-TP)
+        whole = expert_shards.gather(state)
+        model_sds = [expert_shards.model_state(_model_state_dict(chunk), models, whole) for chunk in models]
+        if param_state is not None:
+            param_state = expert_shards.param_state(param_state, whole, models)
+        elif optimizer is not None and not cfg.no_save_optim:
+            optim_sd = expert_shards.regular_optimizer_state(optimizer.state_dict(), models, whole)
     writer = state.writes_checkpoint
     if writer is None:  # a state built by hand: Megatron-LM's rule
         writer = (state.edp_rank if state.ep_size > 1 else state.dp_rank) == 0
     if writer and state.cp_rank == 0:  # one writer per model-parallel (and expert) rank folder
         # (parallel_state.checkpoint_writer); context-parallel ranks hold the same weights
-        run = train_state if train_state is not None else TrainingState.from_args(args)
         state_dict: dict[str, Any] = {
-            "args": _args_to_save(args) if train_state is None else train_state.megatron_args(args),
+            "args": saved_args,
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
             **run.checkpoint_counters(),
             "true_vocab_size": cfg.true_vocab_size,
             "padded_vocab_size": run.padded_vocab_size,
-            "architecture": architecture_from_args(args),
+            "architecture": dict(architecture),
             **run.checkpoint_totals(),
         }
         if train_loss is not None:
             state_dict["train_loss"] = float(train_loss)
+        model_sds = model_sds or [_model_state_dict(chunk) for chunk in models]
         if len(models) == 1:
-            state_dict["model"] = _model_state_dict(models[0])
+            state_dict["model"] = model_sds[0]
         else:
-            for i, chunk in enumerate(models):
-                state_dict[f"model{i}"] = _model_state_dict(chunk)
+            for i, chunk_sd in enumerate(model_sds):
+                state_dict[f"model{i}"] = chunk_sd
         if not cfg.no_save_optim:
             if optimizer is not None:
-                state_dict["optimizer"] = optimizer.state_dict()
+                state_dict["optimizer"] = optim_sd if optim_sd is not None else optimizer.state_dict()
             if opt_param_scheduler is not None:
                 sched = opt_param_scheduler.state_dict()
                 state_dict["opt_param_scheduler"] = sched
@@ -373,16 +417,22 @@ def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Na
     """One-line error when the checkpoint's parallel layout or architecture (stored ``architecture``, else computed
     from its saved args) differs from this run (``args``; its parallel sizes from `settings` when given)."""
     cfg = settings if settings is not None else CheckpointSettings.from_args(args)
+    check_checkpoint_layout(checkpoint_args, cfg, architecture_from_args(args), path, architecture)
+
+
+def check_checkpoint_layout(checkpoint_args: Optional[argparse.Namespace], cfg: CheckpointSettings,
+                            current: Mapping[str, Any], path: str, architecture: Optional[dict] = None) -> None:
+    """`check_checkpoint_args` on records: this run's parallel sizes (`cfg`) and architecture (`current`)."""
     for flag, attr in _PARALLEL_ARGS:
         saved = getattr(checkpoint_args, attr, None)
-        current = cfg.parallel_size(attr)
-        if saved is None or current is None or saved == current:
+        current_size = cfg.parallel_size(attr)
+        if saved is None or current_size is None or saved == current_size:
             continue
         raise CheckpointError(
-            f"checkpoint {path} has {attr}={saved} but this run has {attr}={current}: "
+            f"checkpoint {path} has {attr}={saved} but this run has {attr}={current_size}: "
             f"set {flag} {saved} or {reshard_hint(path)}, or start without --load"
         )
-    check_architecture(saved_architecture(architecture, checkpoint_args), args, path)
+    compare_architecture(saved_architecture(architecture, checkpoint_args), current, path)
 
 
 def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") -> argparse.Namespace:
@@ -410,7 +460,7 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
     iteration, release = read_metadata(tracker)
     iter_dir = _iteration_dir(load_dir, iteration, release)
     trust = cfg.trust_checkpoint
-    from megatron.checkpoint_conversion.torch_dist import is_torch_dist, read_common
+    from megatron.checkpoint.conversion.torch_dist import is_torch_dist, read_common
 
     if is_torch_dist(iter_dir):  # Megatron-LM's args live in common.pt
         use_checkpoint_args(args, read_common(iter_dir, trust))
@@ -430,9 +480,11 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
     return args
 
 
-def _load_optimizer(optimizer: Any, optim_sd: dict, models: list, checkpoint_name: str, trust: bool = False) -> None:
+def _load_optimizer(optimizer: Any, optim_sd: dict, models: list, checkpoint_name: str, trust: bool = False,
+                    experts_whole: bool = False) -> None:
     """Load the optimizer state; converts between the distributed optimizer's layout (``distrib_optim.pt``) and the
-    regular one in either direction (the saved state is complete per parameter)."""
+    regular one in either direction (the saved state is complete per parameter). `experts_whole`: the checkpoint
+    holds the experts whole and this rank takes its expert-TP slice (megatron/checkpoint/expert_shards.py)."""
     from megatron.optimizer.distrib_optimizer import param_state_to_regular_state, regular_state_to_param_state
 
     saved_distributed = isinstance(optim_sd, dict) and bool(optim_sd.get("distributed_optimizer", False))
@@ -444,6 +496,10 @@ def _load_optimizer(optimizer: Any, optim_sd: dict, models: list, checkpoint_nam
             raise CheckpointError(f"checkpoint {checkpoint_name} was saved with --use-distributed-optimizer but "
                                   f"{path} is missing; restore it or pass --no-load-optim")
         param_state = load_state_dict_file(path, trust)
+        if experts_whole:
+            param_state = expert_shards.param_state(param_state, expert_shards.take_slice(_state()), models)
+    elif experts_whole:
+        optim_sd = expert_shards.regular_optimizer_state(optim_sd, models, expert_shards.take_slice(_state()))
     try:
         if is_distributed:
             optimizer.load_state_dict(optim_sd)
@@ -528,10 +584,10 @@ def _iteration_dir(load_dir: str, iteration: int, release: bool) -> str:
     return os.path.join(load_dir, "release" if release else f"iter_{iteration:07d}")
 
 
-def _load_other_format(models: list, args: argparse.Namespace, cfg: CheckpointSettings, iteration: int,
-                       release: bool, state: ps.ParallelState,
-                       train_state: Optional[TrainingState] = None, optimizer: Any = None,
-                       opt_param_scheduler: Any = None) -> Optional[int]:
+def _load_other_format(models: list, cfg: CheckpointSettings, architecture: Mapping[str, Any], iteration: int,
+                       release: bool, state: ps.ParallelState, run: TrainingState, optimizer: Any = None,
+                       opt_param_scheduler: Any = None,
+                       on_restored: Optional[Callable[[TrainingState, tuple], None]] = None) -> Optional[int]:
     """Megatron Core layouts (per-rank files with Core names, torch_dist): load their weights (and a torch_dist
     folder's training state) at this run's layout (megatron/checkpoint/formats.py) and return the iteration; None for
     our own layout."""
@@ -540,11 +596,11 @@ def _load_other_format(models: list, args: argparse.Namespace, cfg: CheckpointSe
     load_dir = cfg.load
     iter_dir = _iteration_dir(load_dir, iteration, release)
     fmt = detect_format(iter_dir, cfg.trust_checkpoint) if os.path.isdir(iter_dir) else TORCH
-    check_format_flags(fmt, args, iter_dir, cfg)
+    check_format_flags(fmt, cfg, iter_dir)
     if fmt == TORCH:
         return None
-    iteration, _, rng = load_foreign(models, args, load_dir, iter_dir, fmt, release, state, train_state, optimizer,
-                                     opt_param_scheduler, cfg)
+    iteration, _, rng = load_foreign(models, cfg, architecture, load_dir, iter_dir, fmt, release, state, run,
+                                     optimizer, opt_param_scheduler, on_restored)
     if rng is not None:
         set_rng_state(rng, state)
     _barrier()
@@ -578,21 +634,47 @@ def load_checkpoint(
     model: Any,
     optimizer: Any,
     opt_param_scheduler: Any,
-    args: argparse.Namespace,
+    args: Optional[argparse.Namespace] = None,
     load_arg: str = "load",
     strict: bool = True,
     train_state: Optional[TrainingState] = None,
     settings: Optional[CheckpointSettings] = None,
 ) -> int:
-    """Load the latest checkpoint under the folder flag ``load_arg`` (--load); returns the iteration to continue from.
+    """Megatron's ``load_checkpoint(model, optimizer, opt_param_scheduler, load_arg='load', strict=True)``:
+    `read_checkpoint` with the records built from ``args`` (default: the global flags) and ``load_arg``.
+
+    The consumed train/valid samples go to `train_state`; without one, onto ``args`` (Megatron's names). `settings`
+    (default: built from ``args`` and ``load_arg``) says what to load."""
+    if args is None:
+        from megatron.global_vars import get_args
+
+        args = get_args()
+    cfg = settings if settings is not None else CheckpointSettings.from_args(args, load_arg)
+    run = train_state if train_state is not None else TrainingState()
+    on_restored = None if train_state is not None else \
+        (lambda restored, names: restored.write_counters(args, names))
+    return read_checkpoint(model, optimizer, opt_param_scheduler, cfg, architecture_from_args(args), run,
+                           strict=strict, on_restored=on_restored)
+
+
+def read_checkpoint(
+    model: Any,
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    cfg: CheckpointSettings,
+    architecture: Mapping[str, Any],
+    run: TrainingState,
+    strict: bool = True,
+    on_restored: Optional[Callable[[TrainingState, tuple], None]] = None,
+) -> int:
+    """Load the latest checkpoint under ``cfg.load``; returns the iteration to continue from.
 
     Honours --finetune (model only, iteration 0), --no-load-optim, --no-load-rng and ``release`` checkpoints,
-    restores consumed train/valid samples into `train_state` (without one: into ``args``, Megatron's names). No
-    tracker file → start from scratch (0). `settings` (default: built from ``args`` and ``load_arg``) says what to
-    load; ``args`` is this run's record the checkpoint's is checked against.
+    restores the consumed train/valid samples into `run` (then calls ``on_restored(run, names)``). No tracker file
+    → start from scratch (0). The checkpoint's layout and architecture are checked against `cfg` and `architecture`
+    (this run's).
     """
     forget_last_loaded()
-    cfg = settings if settings is not None else CheckpointSettings.from_args(args, load_arg)
     load_dir = cfg.load
     if not load_dir:
         return 0
@@ -607,8 +689,8 @@ def load_checkpoint(
         return 0
     iteration, release = read_metadata(tracker)
     trust = cfg.trust_checkpoint
-    foreign = _load_other_format(models, args, cfg, iteration, release, state, train_state, optimizer,
-                                 opt_param_scheduler)
+    foreign = _load_other_format(models, cfg, architecture, iteration, release, state, run, optimizer,
+                                 opt_param_scheduler, on_restored)
     if foreign is not None:
         return foreign
     iteration, checkpoint_name, sd = _select_checkpoint(load_dir, iteration, release, trust,
@@ -623,25 +705,32 @@ def load_checkpoint(
 
     ckpt_args = sd.get("args")
     if ckpt_args is not None or sd.get("architecture"):
-        check_checkpoint_args(ckpt_args, args, checkpoint_name, sd.get("architecture"), cfg)
+        check_checkpoint_layout(ckpt_args, cfg, architecture, checkpoint_name, sd.get("architecture"))
     loaded_iteration = iteration
     if finetune or release:
         iteration = 0
     else:
         iteration = int(sd.get("iteration", sd.get("total_iters", 0)))
-        run = train_state if train_state is not None else TrainingState()
         run.restore_counters(sd, ckpt_args)
-        if train_state is None:
-            run.write_counters(args)
+        if on_restored is not None:
+            on_restored(run, COUNTERS)
 
-    # Model weights.
+    # Model weights (expert-TP > 1 != TP: the checkpoint's experts are whole, this rank takes its slice).
+    experts_whole = expert_shards.active(state)
+    if experts_whole and ckpt_args is not None and not expert_shards.saved_whole(ckpt_args):
+        raise CheckpointError(f"checkpoint {checkpoint_name} holds its experts split over its TP ranks, this run "
+                              f"splits them over --expert-tensor-parallel-size {state.etp_size}: "
+                              f"{reshard_hint(load_dir)}, then load it with the expert-TP size it was converted to")
     for i, chunk in enumerate(models):
         key = "model" if len(models) == 1 else f"model{i}"
         if key not in sd:
             raise CheckpointError(f"checkpoint {checkpoint_name} has no '{key}' entry (saved with a different "
                                "--virtual-pipeline-model-parallel-size?)")
+        model_sd = sd[key]
+        if experts_whole:
+            model_sd = expert_shards.model_state(model_sd, models, expert_shards.take_slice(state))
         try:
-            unwrap_model(chunk).load_state_dict(_qkv_in_current_order(sd[key], sd, cfg), strict=strict)
+            unwrap_model(chunk).load_state_dict(_qkv_in_current_order(model_sd, sd, cfg), strict=strict)
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()
             detail = " ".join(line.strip() for line in first[1:3]) if len(first) > 1 else first[0]
@@ -656,7 +745,7 @@ def load_checkpoint(
         if optimizer is not None:
             if "optimizer" not in sd:
                 raise CheckpointError(f"checkpoint {checkpoint_name} has no optimizer state; pass --no-load-optim")
-            _load_optimizer(optimizer, sd["optimizer"], models, checkpoint_name, trust)
+            _load_optimizer(optimizer, sd["optimizer"], models, checkpoint_name, trust, experts_whole)
             loaded_optim = True
         if opt_param_scheduler is not None:
             sched = sd.get("opt_param_scheduler", sd.get("lr_scheduler"))

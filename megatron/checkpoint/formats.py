@@ -6,22 +6,21 @@ Three layouts load with ``--load``:
   * ``torch`` with Megatron Core names (Megatron-LM's ``--ckpt-format torch`` since Megatron Core): the same files,
     other parameter names (megatron/model/mcore_names.py);
   * ``torch_dist`` (Megatron-LM's default): one `torch.distributed.checkpoint` folder of global tensors
-    (megatron/checkpoint_conversion/torch_dist.py).
+    (megatron/checkpoint/conversion/torch_dist.py).
 The last two load at any TP/PP/DP layout of this run, whatever layout wrote them: every rank reads the full (TP=1)
 tensors (through the safe loader, and the manifest check when the folder has one), takes its pipeline stage's
 layers and its tensor-parallel slice. A torch_dist folder's optimizer state in Megatron Core's model-space layout
-(megatron/checkpoint_conversion/torch_dist_optim.py: what ``--ckpt-format torch_dist`` writes here, and Megatron-LM
+(megatron/checkpoint/conversion/torch_dist_optim.py: what ``--ckpt-format torch_dist`` writes here, and Megatron-LM
 with ``--dist-ckpt-optim-fully-reshardable``) is cut the same way into the run's optimizer, regular or distributed,
 with the LR schedule and consumed samples, so training resumes at any layout; Megatron-LM's default ``dp_reshardable``
-layout is first rebuilt in model space (torch_dist_buckets.py). The RNG state (ours, kept per TP x PP rank in
-``common.pt``, or Megatron-LM's ``rng_state`` ShardedObjects) is restored at the layout that saved it and ignored at
-another one, as Megatron-LM does. Megatron Core ``torch`` files' optimizer state is not converted (``--no-load-optim``, one line says so).
+layout is first rebuilt in model space (torch_dist_buckets.py). The RNG state (Megatron-LM's ``rng_state``
+ShardedObjects, which ``--ckpt-format torch_dist`` writes too, or the per TP x PP rank entry of ``common.pt`` older
+saves of ours hold) is restored at the layout that saved it and ignored at another one, as Megatron-LM does. Megatron Core ``torch`` files' optimizer state is not converted (``--no-load-optim``, one line says so).
 """
 from __future__ import annotations
 
-import argparse
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -32,6 +31,7 @@ from megatron.training_state import TOTALS, TrainingState
 
 TORCH, CORE_TORCH, TORCH_DIST = "torch", "torch (Megatron Core names)", "torch_dist"
 _LAYERS = "language_model.encoder.layers."
+_T5_DEC = "language_model.decoder.layers."
 _WORD = "language_model.embedding.word_embeddings.weight"
 _OUT = "language_model.output_layer.weight"
 
@@ -51,8 +51,8 @@ def _rank0_file(iter_dir: str) -> Optional[str]:
 
 def detect_format(iter_dir: str, trust: bool = False) -> str:
     """TORCH, CORE_TORCH or TORCH_DIST for one iteration folder (TORCH when it cannot tell: ours reports that)."""
+    from megatron.checkpoint.conversion.torch_dist import is_torch_dist
     from megatron.checkpoint.safe_load import safe_torch_load
-    from megatron.checkpoint_conversion.torch_dist import is_torch_dist
     from megatron.model.mcore_names import has_core_names
 
     if is_torch_dist(iter_dir):
@@ -68,11 +68,9 @@ def detect_format(iter_dir: str, trust: bool = False) -> str:
     return CORE_TORCH if isinstance(model, dict) and has_core_names(model) else TORCH
 
 
-def check_format_flags(fmt: str, args: Optional[argparse.Namespace], iter_dir: str,
-                       settings: Optional[CheckpointSettings] = None) -> None:
+def check_format_flags(fmt: str, cfg: CheckpointSettings, iter_dir: str) -> None:
     """Megatron-LM's rule: a folder in another format than --ckpt-format loads only with --auto-detect-ckpt-format;
-    says in one line which layout it found. `settings` default: built from ``args``."""
-    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
+    says in one line which layout it found."""
     wanted = cfg.ckpt_format
     found = TORCH_DIST if fmt == TORCH_DIST else TORCH
     if found != wanted and not cfg.auto_detect_ckpt_format:
@@ -91,17 +89,17 @@ def _read_core_torch_t5(iter_dir: str, trust: bool, layouts: Dict[str, Any]
     """Megatron Core T5Model's per-rank torch files (one pipeline stage, any TP) -> (common state, architecture, our
     full flat TP=1 state dict); `layouts`: our T5's tensor-parallel layouts by name."""
     from megatron.checkpoint.args import saved_architecture
+    from megatron.checkpoint.conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.megatron_format import rank_files
     from megatron.checkpoint.safe_load import safe_torch_load
-    from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.megatron_format import rank_files
     from megatron.model.mcore_names import core_to_ours
     from megatron.model.tp_shards import merge_tensor_parallel_state_dicts
 
     files = rank_files(iter_dir)
     if any(p for _, p in files):
-        raise ConversionError(f"checkpoint {iter_dir}: Megatron Core T5 torch files of a pipeline are not read here; "
-                              "save it from Megatron-LM with --ckpt-format torch_dist, or with "
-                              "--pipeline-model-parallel-size 1")
+        raise ConversionError(f"checkpoint {iter_dir}: Megatron Core T5 torch files of a pipeline (Megatron-LM <= "
+                              "0.13's --encoder-pipeline-model-parallel-size) are not read here; save it from "
+                              "Megatron-LM with --ckpt-format torch_dist, or with --pipeline-model-parallel-size 1")
     sds = [safe_torch_load(files[(t, 0)], map_location="cpu", trust=trust, mmap=True) for t in range(len(files))]
     shards = [core_to_ours(sd["model"]) for sd in sds]
     flat = merge_tensor_parallel_state_dicts(shards, layouts=layouts)
@@ -117,14 +115,14 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bo
     """(state besides the weights: args/iteration/..., architecture, our full flat TP=1 state dict, and with
     `optimizer` the optimizer state {state key: full flat dict} of a torch_dist folder, else {}); a T5 model's
     per-rank files need our model's TP `layouts`."""
-    from megatron.checkpoint_conversion.interchange import ConversionError, state_dict_from_messages
+    from megatron.checkpoint.conversion.interchange import ConversionError, state_dict_from_messages
 
     reason = integrity.verify(iter_dir)
     if reason is not None and reason != integrity.NO_MANIFEST:
         raise CheckpointFormatError(f"checkpoint {iter_dir} is damaged: {reason}; restore it")
     try:
         if fmt == TORCH_DIST:
-            from megatron.checkpoint_conversion.torch_dist import read_iteration_state
+            from megatron.checkpoint.conversion.torch_dist import read_iteration_state
 
             common, arch, flat, opt = read_iteration_state(iter_dir, trust)
             return common, arch, flat, opt if optimizer else {}
@@ -133,7 +131,7 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bo
                                   "files is not converted; pass --no-load-optim")
         if model_type == "T5":
             return (*_read_core_torch_t5(iter_dir, trust, layouts or {}), {})
-        from megatron.checkpoint_conversion.megatron_format import read_megatron
+        from megatron.checkpoint.conversion.megatron_format import read_megatron
 
         iteration = None if os.path.basename(iter_dir) == "release" else int(os.path.basename(iter_dir)[5:])
         meta, messages = read_megatron(load_dir, trust=trust, iteration=iteration, model_type=model_type)
@@ -149,26 +147,33 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bo
         raise CheckpointFormatError(str(exc)) from None
 
 
-RNG_KEY = "rng_state_by_rank"  # ours, in common.pt: {"tp": T, "pp": P, "ranks": {(tp rank, pp rank): rng list}}
+# ours until today's saves wrote Megatron-LM's rng_state ShardedObjects, in common.pt (still read):
+RNG_KEY = "rng_state_by_rank"  # {"tp": T, "pp": P, "ranks": {(tp rank, pp rank): rng list}}
 
 
 def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimizer: bool = True) -> None:
     """--ckpt-format torch_dist on save: turn the per-rank files of `iter_dir` (just written, any layout) into one
-    torch_dist folder with Megatron Core names; common.pt keeps args, iteration, consumed samples, the LR schedule
-    and each model-parallel rank's RNG state; with `optimizer` the optimizer state goes along (fully_reshardable)."""
+    torch_dist folder with Megatron Core names; common.pt keeps args, iteration, consumed samples and the LR schedule,
+    each model-parallel rank's RNG state becomes Megatron-LM's ``rng_state`` ShardedObject; with `optimizer` the
+    optimizer state goes along (fully_reshardable)."""
+    from megatron.checkpoint.conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.megatron_format import (
+        dense_rank_files,
+        expert_rank_files,
+        rank_files,
+        read_megatron,
+    )
+    from megatron.checkpoint.conversion.torch_dist import write_torch_dist
     from megatron.checkpoint.safe_load import safe_torch_load
-    from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.megatron_format import expert_rank_files, rank_files, read_megatron
-    from megatron.checkpoint_conversion.torch_dist import write_torch_dist
 
     try:
         ep, expert_files = expert_rank_files(iter_dir)  # expert parallelism: read_megatron merges the experts
-        files = {(t, p): path for (t, p, e), path in expert_files.items() if e == 0} if ep > 1 else rank_files(iter_dir)
+        files = dense_rank_files(expert_files) if ep > 1 else rank_files(iter_dir)
         first = safe_torch_load(files[(0, 0)], map_location="cpu")
         last = first if len(files) == 1 else safe_torch_load(files[(0, max(p for _, p in files))], map_location="cpu")
         bert = any(k in ("lm_head", "binary_head") for k in last.get("model") or {})
         if "decoder" in ((last.get("model") or {}).get("language_model") or {}):  # T5 (weights only)
-            from megatron.checkpoint_conversion.t5_format import read_t5
+            from megatron.checkpoint.conversion.t5_format import read_t5
 
             if optimizer:
                 raise ConversionError("T5 is written without its optimizer state: add --no-save-optim")
@@ -179,10 +184,11 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
         keep = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens",
                 "opt_param_scheduler", "true_vocab_size", "padded_vocab_size", "train_loss", *TOTALS)
         extra = {k: first[k] for k in keep if k in first}
-        if "rng_state" in first:
+        rng = None
+        if "rng_state" in first:  # Megatron-LM's rng_state ShardedObjects (older saves: RNG_KEY in common.pt)
             ranks = {tp_pp: safe_torch_load(path, map_location="cpu").get("rng_state") for tp_pp, path in files.items()}
-            extra[RNG_KEY] = {"tp": max(t for t, _ in files) + 1, "pp": max(p for _, p in files) + 1, "ranks": ranks}
-        write_torch_dist(meta, messages, iter_dir, extra)
+            rng = {"tp": max(t for t, _ in files) + 1, "pp": max(p for _, p in files) + 1, "ranks": ranks}
+        write_torch_dist(meta, messages, iter_dir, extra, rng=rng, rng_dp_axis=ep > 1)
     except ConversionError as exc:
         raise CheckpointFormatError(f"--ckpt-format torch_dist: {exc}") from None
 
@@ -195,14 +201,22 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
     """This rank's part of a full flat state dict for one model chunk: its pipeline layers (renumbered), the
     vocabulary re-padded to the model's rows, its experts (expert parallelism), its tensor-parallel slice; only the
     names the chunk has."""
-    from megatron.checkpoint_conversion.megatron_format import chunk_of_layer
-    from megatron.checkpoint_conversion.vocab import repad_rows
+    from megatron.checkpoint.conversion.megatron_format import chunk_of_layer
+    from megatron.checkpoint.conversion.vocab import repad_rows
     from megatron.model.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
 
     vp = state.virtual_pp_size or 1
     piece: Dict[str, torch.Tensor] = {}
+    t5 = _t5_stages(full, state) if state.pp_size > 1 and any(k.startswith(_T5_DEC) for k in full) else None
     for key, value in full.items():
-        if key.startswith(_LAYERS):
+        if t5 is not None and key.startswith((_LAYERS, _T5_DEC)):  # T5: each stack over its own stages
+            stack = _LAYERS if key.startswith(_LAYERS) else _T5_DEC
+            index, _, suffix = key[len(stack):].partition(".")
+            first, per = t5[stack]
+            stage, local = divmod(int(index), per)
+            if first + stage == state.pp_rank:
+                piece[f"{stack}{local}.{suffix}"] = value
+        elif key.startswith(_LAYERS):
             index, _, suffix = key[len(_LAYERS):].partition(".")
             p, v, local = chunk_of_layer(int(index), num_layers, state.pp_size, vp)
             if (p, v) == (state.pp_rank, chunk):
@@ -231,10 +245,29 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
     return {**piece, **experts}
 
 
+def _t5_stages(full: Dict[str, torch.Tensor], state: Any) -> Dict[str, Tuple[int, int]]:
+    """{layer prefix: (first stage, layers per stage)} of a T5 model's encoder and decoder stacks under Megatron
+    23.06's split rank R (encoder layers over stages 0..R-1, decoder layers over R..P-1, numbered from 0 per stage)."""
+    split, pp = state.pipeline_split_rank, state.pp_size
+    if split is None or not 0 < split < pp:
+        raise CheckpointFormatError(f"a T5 pipeline of {pp} stages needs --pipeline-model-parallel-split-rank in "
+                                    f"1..{pp - 1}")
+    out = {}
+    for stack, first, stages in ((_LAYERS, 0, split), (_T5_DEC, split, pp - split)):
+        count = len({k[len(stack):].partition(".")[0] for k in full if k.startswith(stack)})
+        if count % stages:
+            what = "encoder" if stack == _LAYERS else "decoder"
+            raise CheckpointFormatError(f"the checkpoint's {count} {what} layers do not split evenly over {stages} "
+                                        f"{what} pipeline stage(s): choose --pipeline-model-parallel-split-rank to "
+                                        "match")
+        out[stack] = (first, count // stages)
+    return out
+
+
 def _load_optimizer_state(optimizer: Any, models: List[Any], opt_full: Dict[str, Dict[str, torch.Tensor]],
                           opt_common: Dict[str, Any], num_layers: int, state: Any) -> None:
     """Cut the full optimizer state to this rank (as the weights) and load it into the run's optimizer."""
-    from megatron.checkpoint_conversion.torch_dist_optim import optimizer_sd, param_state
+    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_sd, param_state
     from megatron.model.module import unwrap_model
     from megatron.optimizer.distrib_optimizer import param_state_to_regular_state
 
@@ -268,8 +301,8 @@ def saved_rng(common: Dict[str, Any], iter_dir: str, state: Any, trust: bool = F
     that saved it; None (with a note) at another one."""
     saved = common.get(RNG_KEY)
     if not isinstance(saved, dict) and os.path.isfile(os.path.join(iter_dir, ".metadata")):
-        from megatron.checkpoint_conversion.interchange import ConversionError
-        from megatron.checkpoint_conversion.torch_dist import read_core_rng
+        from megatron.checkpoint.conversion.interchange import ConversionError
+        from megatron.checkpoint.conversion.torch_dist import read_core_rng
 
         try:
             saved = read_core_rng(iter_dir, trust)  # Megatron-LM's own
@@ -285,17 +318,32 @@ def saved_rng(common: Dict[str, Any], iter_dir: str, state: Any, trust: bool = F
     return saved["ranks"][(state.tp_rank, state.pp_rank)]
 
 
-def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, iter_dir: str, fmt: str,
-                 release: bool, state: Any, train_state: Optional[TrainingState] = None, optimizer: Any = None,
-                 opt_param_scheduler: Any = None, settings: Optional[CheckpointSettings] = None
+def _full_t5_layouts(model: Any) -> Dict[str, Any]:
+    """The TP layouts by name of the whole (TP=1, unpipelined) T5 model of `model`'s config, built on the meta device
+    (a pipeline stage has only its own layers, but a per-rank file's merge needs every one)."""
+    import dataclasses
+
+    from megatron.model.tp_shards import tensor_parallel_layouts
+    from megatron.models.t5.model import T5Model
+
+    config = dataclasses.replace(model.config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                 sequence_parallel=False)
+    with torch.device("meta"):
+        return tensor_parallel_layouts(T5Model(config))
+
+
+def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mapping[str, Any], load_dir: str,
+                 iter_dir: str, fmt: str, release: bool, state: Any, run: TrainingState, optimizer: Any = None,
+                 opt_param_scheduler: Any = None,
+                 on_restored: Optional[Callable[[TrainingState, Tuple[str, ...]], None]] = None
                  ) -> Tuple[int, Dict[str, Any], Optional[List[Any]]]:
     """Load a Megatron Core checkpoint into `models` (and, resuming from a torch_dist folder, `optimizer` and
     `opt_param_scheduler`); returns (iteration to continue from, common state, this rank's RNG state list to restore
-    or None). The consumed samples go to `train_state` (a TrainingState), or onto ``args`` without one."""
-    from megatron.checkpoint.args import check_architecture
+    or None). The checkpoint's architecture is checked against `architecture` (this run's); the consumed samples go
+    to `run` (then ``on_restored(run, names)``)."""
+    from megatron.checkpoint.args import compare_architecture
     from megatron.model.module import unwrap_model
 
-    cfg = settings if settings is not None else CheckpointSettings.from_args(args)
     resume = not (cfg.finetune or release)
     load_optim = resume and optimizer is not None and not cfg.no_load_optim
     load_rng = resume and not cfg.no_load_rng
@@ -303,24 +351,22 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
         raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): its optimizer and RNG state are not converted; "
                                     "pass --finetune, or --no-load-optim --no-load-rng")
     trust = cfg.trust_checkpoint
-    from megatron.model.tp_shards import tensor_parallel_layouts
     from megatron.models.bert.model import BertModel
     from megatron.models.t5.model import T5Model
 
     first = unwrap_model(models[0])
     model_type = "BERT" if isinstance(first, BertModel) else "T5" if isinstance(first, T5Model) else "GPT"
-    if model_type == "T5" and (state.pp_size > 1 or load_optim):
-        raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): a Megatron Core T5 checkpoint loads at "
-                                    "--pipeline-model-parallel-size 1 and without its optimizer state (pass "
-                                    "--finetune or --no-load-optim); convert it for a pipeline")
-    layouts = tensor_parallel_layouts(first) if model_type == "T5" else None
+    if model_type == "T5" and load_optim:
+        raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): a Megatron Core T5 checkpoint loads without its "
+                                    "optimizer state (pass --finetune or --no-load-optim)")
+    layouts = _full_t5_layouts(first) if model_type == "T5" else None
     common, arch, full, opt_full = read_full(iter_dir, load_dir, fmt, trust, optimizer=load_optim,
                                              model_type=model_type, layouts=layouts)
-    check_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, args, iter_dir)
+    compare_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, architecture, iter_dir)
     opt_common = None
     if load_optim:
-        from megatron.checkpoint_conversion.interchange import ConversionError
-        from megatron.checkpoint_conversion.torch_dist_optim import optimizer_common
+        from megatron.checkpoint.conversion.interchange import ConversionError
+        from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
 
         try:
             opt_common = optimizer_common(common, opt_full, f"checkpoint {iter_dir}")
@@ -347,13 +393,12 @@ def load_foreign(models: List[Any], args: argparse.Namespace, load_dir: str, ite
         optimizer.reload_model_params()  # fp32 main params follow the loaded weights
     rng = saved_rng(common, iter_dir, state, trust) if load_rng else None
     ckpt_args = common.get("args")
-    run = train_state if train_state is not None else TrainingState()
     names = tuple(k for k in ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens",
                               "consumed_valid_tokens") if k in common or k.endswith("samples"))
     for key in names:
         setattr(run, key, int(common.get(key, getattr(ckpt_args, key, 0)) or 0))
     for key in TOTALS:  # the run's skipped/non-finite totals (ours; absent: 0)
         setattr(run, key, int(common.get(key, 0)))
-    if train_state is None:
-        run.write_counters(args, names)
+    if on_restored is not None:
+        on_restored(run, names)
     return int(common.get("iteration", getattr(ckpt_args, "iteration", 0)) or 0), common, rng

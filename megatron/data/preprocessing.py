@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 
 import numpy as np
 
-from megatron.cli_parser import FlagParser
+from megatron.settings.cli_parser import FlagParser
 
 try:
     import orjson as _orjson

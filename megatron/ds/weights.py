@@ -7,7 +7,7 @@ Used by megatron.ds.engine when ``--load`` holds
 - a DeepSpeed checkpoint whose files are not the ones this engine reads (the ``--to-deepspeed`` / ``--saver
   deepspeed`` output or a ZeRO-1/2 checkpoint under ZeRO-3, a pipeline checkpoint under the non-pipeline engine, ...).
 
-The checkpoint is read as the conversion tools' interchange stream (megatron.checkpoint_conversion: one layer at a
+The checkpoint is read as the conversion tools' interchange stream (megatron.checkpoint.conversion: one layer at a
 time, full TP=1 tensors, QKV order fixed) and each tensor is split for this rank with the parameter's own TP layout
 and copied into the engine's module: the GPTModel under ZeRO 0-3 (under ZeRO-3 inside
 ``deepspeed.zero.GatheredParameters(..., modifier_rank=0)`` one message at a time, so the partitions are rewritten)
@@ -70,7 +70,7 @@ def engine_parameters(engine: Any) -> tuple[Dict[str, List[torch.nn.Parameter]],
 
 
 def _vocab_rows(value: torch.Tensor, name: str, rows: int, true_vocab: Optional[int], source: str) -> torch.Tensor:
-    from megatron.checkpoint_conversion.vocab import repad_rows
+    from megatron.checkpoint.conversion.vocab import repad_rows
 
     if value.size(0) == rows:
         return value
@@ -87,7 +87,7 @@ def load_stream_into_engine(engine: Any, messages: Iterator[Any], args: argparse
     Collective over the data-parallel group under ZeRO-3. Every parameter of the module must be set exactly by the
     stream and every tensor of the stream must have a parameter on some stage (one-line CheckpointError otherwise).
     """
-    from megatron.checkpoint_conversion.interchange import state_dict_from_messages
+    from megatron.checkpoint.conversion.interchange import state_dict_from_messages
     from megatron.core.tensor_parallel.layout import get_tp_layout
 
     targets, other_stages = engine_parameters(engine)
@@ -166,8 +166,8 @@ def load_megatron_checkpoint_into_engine(engine: Any, args: argparse.Namespace, 
     from megatron.checkpoint import integrity
     from megatron.checkpoint.args import check_architecture
     from megatron.checkpoint.checkpointing import _first_reason
-    from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, read_megatron
+    from megatron.checkpoint.conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, read_megatron
     from megatron.model import GPTModel
 
     cfg = settings if settings is not None else CheckpointSettings.from_args(args)
@@ -224,10 +224,10 @@ def load_other_layout_into_engine(engine: Any, tag_dir: str, args: argparse.Name
                                   settings: Optional[CheckpointSettings] = None) -> tuple[str, dict]:
     """A DeepSpeed tag of another layout than the engine's: its weights through the stream; (path, client state)."""
     from megatron.checkpoint.args import check_architecture
-    from megatron.checkpoint_conversion.deepspeed_format import DeepSpeedCheckpointReader
-    from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.megatron_format import WORD as _WORD
-    from megatron.checkpoint_conversion.megatron_format import _stream, megatron_meta
+    from megatron.checkpoint.conversion.deepspeed_format import DeepSpeedCheckpointReader
+    from megatron.checkpoint.conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.megatron_format import WORD as _WORD
+    from megatron.checkpoint.conversion.megatron_format import _stream, megatron_meta
     from megatron.core.tensor_parallel.layout import TensorParallelLayout
 
     try:
@@ -246,8 +246,8 @@ def load_other_layout_into_engine(engine: Any, tag_dir: str, args: argparse.Name
 
 def tag_layout_or_none(tag_dir: str) -> Optional[str]:
     """'pipe' / 'module' / 'zero3' for a DeepSpeed tag folder, None when it is none of them (DeepSpeed explains)."""
-    from megatron.checkpoint_conversion.deepspeed_format import tag_layout
-    from megatron.checkpoint_conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.deepspeed_format import tag_layout
+    from megatron.checkpoint.conversion.interchange import ConversionError
 
     if not os.path.isdir(tag_dir):
         return None

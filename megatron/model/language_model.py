@@ -38,6 +38,20 @@ def parallel_lm_logits(
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits, tp_group)
 
 
+def lm_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_group: Optional[Any] = None,
+                     fp16_lm_cross_entropy: bool = False) -> torch.Tensor:
+    """Per-token loss [b, s] of vocab-parallel logits [s, b, v/tp] against labels [b, s] (in fp32 unless
+    --fp16-lm-cross-entropy, which needs fp16 logits): the one loss GPT, BERT, T5 and the GPT pipe share."""
+    labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
+    if fp16_lm_cross_entropy:
+        if logits.dtype != torch.half:
+            raise ValueError("--fp16-lm-cross-entropy needs fp16 logits (use it together with --fp16)")
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group)
+    else:
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels, tp_group)
+    return loss.transpose(0, 1).contiguous()
+
+
 def sequential_position_ids(token_ids: torch.Tensor) -> torch.Tensor:
     """0..s-1 for every row of [b, s] (BERT's and T5's position ids)."""
     s = token_ids.size(1)

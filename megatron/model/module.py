@@ -8,10 +8,11 @@ import torch
 
 from megatron.core.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model  # noqa: F401  (Megatron's megatron.model.unwrap_model)
+from megatron.model.utils import pp_size_of
 
 
 def _is_pp_multi(pp_state: Optional[Any]) -> bool:
-    return pp_state is not None and getattr(pp_state, "pp_size", 1) > 1
+    return pp_size_of(pp_state) > 1
 
 
 class MegatronModule(torch.nn.Module):

@@ -26,7 +26,7 @@ from megatron.model.layer_specs import TransformerLayerSpec, transformer_layer_s
 from megatron.model.mlp import ParallelMLP  # noqa: F401  (re-exported: Megatron's name lives in transformer.py)
 from megatron.model.module import MegatronModule
 from megatron.model.norms import build_norm
-from megatron.model.utils import group_size
+from megatron.model.utils import group_size, pp_size_of
 
 
 def bias_dropout_add(
@@ -104,7 +104,7 @@ def layers_on_this_stage(config: TransformerConfig, pp_state: Optional[Any],
     --pipeline-model-parallel-split-rank R: the encoder's layers spread evenly over stages 0..R-1, the decoder's
     over R..P-1 (layer numbers restart at 1 in each stack).
     """
-    pp_size = getattr(pp_state, "pp_size", 1) if pp_state is not None else 1
+    pp_size = pp_size_of(pp_state)
     pp_rank = getattr(pp_state, "pp_rank", 0) if pp_state is not None else 0
     if split_stack is not None and pp_size > 1:
         split = getattr(pp_state, "pipeline_split_rank", None)

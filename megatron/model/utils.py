@@ -19,6 +19,9 @@ __all__ = [
     "erf_gelu",
     "group_size",
     "group_rank",
+    "resolve_tp_group",
+    "pp_size_of",
+    "check_model_layout",
 ]
 
 
@@ -34,6 +37,42 @@ def group_rank(group: Optional[object]) -> int:
     if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return 0
     return torch.distributed.get_rank(group=group)
+
+
+def resolve_tp_group(tp_group: Optional[object], pp_state: Optional[object]) -> Optional[object]:
+    """The tensor-parallel group a model builds with: `tp_group` when given, else `pp_state`'s (None: one rank)."""
+    if tp_group is None and pp_state is not None:
+        return getattr(pp_state, "tp_group", None)
+    return tp_group
+
+
+def pp_size_of(pp_state: Optional[object]) -> int:
+    """Pipeline stages of `pp_state` (a ParallelState or anything with `pp_size`); 1 when there is none."""
+    return getattr(pp_state, "pp_size", 1) if pp_state is not None else 1
+
+
+def check_model_layout(model: str, config: object, tp_group: Optional[object], pp_state: Optional[object], *,
+                       check_pp: bool = True) -> int:
+    """Refuse a model whose config disagrees with its groups (one line naming the fix); returns the TP size.
+
+    Checks that the padded vocabulary is set and divides over TP ranks, that `tp_group` has
+    config.tensor_model_parallel_size ranks and (with `check_pp`) that `pp_state` has
+    config.pipeline_model_parallel_size stages."""
+    if config.padded_vocab_size <= 0:
+        raise ValueError("TransformerConfig.padded_vocab_size is not set: build the tokenizer first "
+                         "(it sets args.padded_vocab_size) or pass padded_vocab_size")
+    tp = group_size(tp_group)
+    if tp != config.tensor_model_parallel_size:
+        raise ValueError(f"{model}: config.tensor_model_parallel_size={config.tensor_model_parallel_size} but the "
+                         f"tp_group has {tp} ranks; pass tp_group=parallel_state.tp_group (or pp_state=parallel_state)")
+    pp = pp_size_of(pp_state)
+    if check_pp and pp != config.pipeline_model_parallel_size:
+        raise ValueError(f"{model}: config.pipeline_model_parallel_size={config.pipeline_model_parallel_size} but "
+                         f"pp_state has pp_size={pp}; pass pp_state=parallel_state")
+    if config.padded_vocab_size % tp:
+        raise ValueError(f"padded vocab size {config.padded_vocab_size} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}; pad it with --make-vocab-size-divisible-by")
+    return tp
 
 
 def attention_mask_func(attention_scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """SavedRunArgs: what the checkpoint readers take from the ``args`` a checkpoint was saved with.
 
 A checkpoint's ``args`` may come from any Megatron version (or be missing): every field is read here with the
-default an absent one means, so the readers in megatron/checkpoint_conversion/ never probe the namespace themselves.
+default an absent one means, so the readers in megatron/checkpoint/conversion/ never probe the namespace themselves.
 """
 from __future__ import annotations
 

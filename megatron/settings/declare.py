@@ -15,7 +15,7 @@ rule asks (tests/test_every_flag.py):
   (other entry points refuse it).
 
 Derived from these declarations: the parser (`add_group`), `config_flags.CONFIG_FIELDS`,
-`checkpoint.args.ARCHITECTURE_FIELDS` and the tables of `megatron.flag_registry`.
+`checkpoint.args.ARCHITECTURE_FIELDS` and the tables of `megatron.settings.flag_registry`.
 """
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ class MoESettings:
         help="Degree of expert model parallelism.", config=True, restore_if_unset=True)
     expert_tensor_parallel_size: Optional[int] = setting("--expert-tensor-parallel-size",
         help="Tensor parallelism inside the experts (default: --tensor-model-parallel-size).",
-        read_by="megatron/moe_arguments.py", restore_if_unset=True)
+        read_by="megatron/settings/moe_checks.py", restore_if_unset=True)
     num_experts: Optional[int] = setting("--num-experts", help="Experts per MoE layer (None: no MoE).",
         config=ConfigField("num_moe_experts", arch=33, hint="--num-experts", restore=_RESTORE_NUM_MOE_EXPERTS))
     moe_layer_freq: Union[int, List[int]] = setting("--moe-layer-freq", default=1, type=moe_freq_type,

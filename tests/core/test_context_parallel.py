@@ -136,7 +136,7 @@ def test_rank_layout_is_megatrons_tp_cp_dp_pp_order() -> None:
 
 def _validate(extra: str, world_size: int = 2, training: bool = True):
     from megatron.arguments import parse_args, validate_args
-    from megatron.required_flags import TRAINING_RUN
+    from megatron.settings.required_flags import TRAINING_RUN
 
     base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 64 "
             "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --attention-dropout 0 --data-path p "

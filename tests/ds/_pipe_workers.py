@@ -22,11 +22,11 @@ def serial_init_pipe_provider(provider: Callable) -> Callable:
     """Wrap the DeepSpeed backend's GPT pipe model builder (megatron.backend.deepspeed.PIPE_MODELS["gpt"]): the
     GPTModelPipe it returns gets the serial model's initial weights."""
 
-    def model_provider(args: Any, state: Any) -> Any:
+    def model_provider(configs: Any, state: Any) -> Any:
         from megatron.models.gpt.model_pipe import is_gpt_model_pipe
 
-        full = serial_gpt(args, state)
-        model = provider(args, state)
+        full = serial_gpt(configs.flags, state)
+        model = provider(configs, state)
         if not is_gpt_model_pipe(model):
             raise AssertionError("expected the DeepSpeed backend to build a GPTModelPipe")
         model.load_megatron_state_dict(full.state_dict())

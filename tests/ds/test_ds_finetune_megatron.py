@@ -49,7 +49,7 @@ def _convert(ckpt: str, tp2: str, ds: str) -> None:
     sys.path.insert(0, str(REPO / "tools" / "checkpoint"))  # the DeepSpeed plugins, as when convert.py runs
     import convert_deepspeed_checkpoint as ds_tool
 
-    from megatron.checkpoint_conversion.driver import main as convert_main
+    from megatron.checkpoint.conversion.driver import main as convert_main
 
     with contextlib.redirect_stdout(io.StringIO()):
         convert_main(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir", ckpt,
@@ -73,6 +73,7 @@ def _weights_vs_megatron(rank: int, world_size: int, argv: list[str], ref_load: 
     from megatron.core import parallel_state as ps
     from megatron.initialize import initialize_megatron
     from megatron.model.enums import ModelType
+    from megatron.run_configs.bundle import RunConfigs
     from megatron.training import setup_model_and_optimizer
     from tests.ds._workers import _reset_megatron, ds_env
 
@@ -80,7 +81,8 @@ def _weights_vs_megatron(rank: int, world_size: int, argv: list[str], ref_load: 
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             args = initialize_megatron(args=argv, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-            model, _, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder, args,
+            model, _, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder,
+                                                    RunConfigs.from_args(args),
                                                     ps.get_parallel_state())
             ref = pretrain_gpt.model_provider()
             args.load = ref_load
@@ -117,7 +119,7 @@ def _hf_to_megatron(folder: Path, kind: str, vocab_size: int) -> list[str]:
     import torch
     import transformers
 
-    from megatron.checkpoint_conversion.driver import main as convert_main
+    from megatron.checkpoint.conversion.driver import main as convert_main
 
     torch.manual_seed(11)
     if kind == "gpt2":

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.checkpoint_conversion.hf_format import read_hf, write_hf
-from megatron.checkpoint_conversion.interchange import messages_from_state_dict, state_dict_from_messages
+from megatron.checkpoint.conversion.hf_format import read_hf, write_hf
+from megatron.checkpoint.conversion.interchange import messages_from_state_dict, state_dict_from_messages
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.model import GPTModel
 from megatron.text_generation import generate
@@ -66,8 +66,8 @@ def _inputs(batch: int = 2, seq: int = 11):
 
 def convert(*argv: str) -> None:
     """tools/checkpoint/convert.py for a GPT-type model, in this process."""
-    from megatron.checkpoint_conversion.driver import convert as run
-    from megatron.checkpoint_conversion.driver import parse_args
+    from megatron.checkpoint.conversion.driver import convert as run
+    from megatron.checkpoint.conversion.driver import parse_args
 
     run(parse_args(["--model-type", "GPT", *argv]))
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.checkpoint_conversion import hf_format
-from megatron.checkpoint_conversion.interchange import ConversionError, ModelMeta
+from megatron.checkpoint.conversion import hf_format
+from megatron.checkpoint.conversion.interchange import ConversionError, ModelMeta
 from megatron.models import registry
 
 
@@ -44,7 +44,7 @@ def test_the_shared_hf_code_names_no_family():
     architecture name and no model-type branch."""
     from pathlib import Path
 
-    from megatron.checkpoint_conversion import hf_decoder
+    from megatron.checkpoint.conversion import hf_decoder
 
     for module in (hf_format, hf_decoder):
         text = Path(module.__file__).read_text(encoding="utf-8")

@@ -37,6 +37,11 @@ PATHS = [
     ("megatron.safe_load", "safe_torch_load", "megatron.checkpoint.safe_load"),
     ("megatron.safe_load", "UnsafeCheckpointError", "megatron.checkpoint.safe_load"),
     ("megatron.atomic_io", "DiskFullError", "megatron.checkpoint.atomic_io"),
+    ("megatron.flag_registry", "refuse_unimplemented", "megatron.settings.flag_registry"),
+    ("megatron.config_flags", "CONFIG_FIELDS", "megatron.settings.config_flags"),
+    ("megatron.required_flags", "check_required_flags", "megatron.settings.required_flags"),
+    ("megatron.moe_arguments", "validate_moe_args", "megatron.settings.moe_checks"),
+    ("megatron.cli_parser", "FlagParser", "megatron.settings.cli_parser"),
 ]
 
 
@@ -61,6 +66,21 @@ def test_a_moved_module_is_the_same_module_under_both_names():
     assert safe_load is importlib.import_module("megatron.checkpoint.safe_load")
     from megatron.model import moved as old_moved
     assert old_moved is moved
+
+
+def test_a_moved_package_keeps_every_submodule_under_its_old_prefix():
+    """megatron.checkpoint_conversion moved whole to megatron.checkpoint.conversion: each submodule, however it is
+    imported, is the one module object (never loaded twice through the package's __path__)."""
+    import megatron.checkpoint.conversion.plugins as new_plugins
+    import megatron.checkpoint_conversion.plugins as old_plugins
+    from megatron.checkpoint_conversion import hf_format
+
+    assert old_plugins is new_plugins
+    assert hf_format is importlib.import_module("megatron.checkpoint.conversion.hf_format")
+    assert importlib.import_module("megatron.checkpoint_conversion") is importlib.import_module(
+        "megatron.checkpoint.conversion")
+    assert importlib.import_module("megatron.checkpoint_conversion.torch_dist").__name__ == (
+        "megatron.checkpoint.conversion.torch_dist")
 
 
 def test_monkeypatching_an_old_checkpoint_path_patches_the_code_that_calls_it(monkeypatch, tmp_path):

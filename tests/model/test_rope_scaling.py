@@ -137,8 +137,8 @@ def test_conversion_keeps_the_scaling_both_ways(tmp_path, rope_scaling):
     from megatron.arguments import build_parser
     from megatron.checkpoint.args import check_architecture
     from megatron.checkpoint.checkpointing import load_state_dict_file
-    from megatron.checkpoint_conversion.driver import convert
-    from megatron.checkpoint_conversion.driver import parse_args as convert_args
+    from megatron.checkpoint.conversion.driver import convert
+    from megatron.checkpoint.conversion.driver import parse_args as convert_args
 
     hf = hf_model("llama_gqa", seed=2, rope_scaling=rope_scaling)
     hf.save_pretrained(tmp_path / "hf")

@@ -136,13 +136,12 @@ def test_tp2_pp2_matches_serial_and_resumes_exactly(serial: dict, gpt_data: dict
 
 
 def test_interleaving_needs_microbatches_divisible_by_pp() -> None:
-    from argparse import Namespace
-
     from megatron.errors import MegatronUserError
+    from megatron.run_configs.step import StepSettings
     from megatron.training import check_pipeline_schedule
 
-    args = Namespace(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
-    check_pipeline_schedule(args, 8)
+    step = StepSettings(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
+    check_pipeline_schedule(step, 8)
     with pytest.raises(MegatronUserError, match=r"micro-batches \(6 = .*divisible by --pipeline-model-parallel-size"):
-        check_pipeline_schedule(args, 6)
-    check_pipeline_schedule(Namespace(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=None), 6)
+        check_pipeline_schedule(step, 6)
+    check_pipeline_schedule(StepSettings(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=None), 6)

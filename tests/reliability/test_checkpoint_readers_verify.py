@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from megatron.checkpoint import integrity
-from megatron.checkpoint_conversion import driver
-from megatron.checkpoint_conversion.interchange import ConversionError
+from megatron.checkpoint.conversion import driver
+from megatron.checkpoint.conversion.interchange import ConversionError
 from megatron.errors import MegatronUserError
 from tests.reliability.helpers import MODEL, assert_one_line_error, run, train_argv
 

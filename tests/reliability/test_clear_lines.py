@@ -47,7 +47,7 @@ def test_truncated_samples_mapping_npy_is_rebuilt(tmp_path: Path, capsys: pytest
 
 def test_non_utf8_tracker_file_is_one_line(tmp_path: Path) -> None:
     from megatron.checkpoint.checkpointing import read_metadata
-    from megatron.checkpoint_conversion.megatron_format import find_iteration_dir
+    from megatron.checkpoint.conversion.megatron_format import find_iteration_dir
     from megatron.errors import MegatronUserError
 
     tracker = tmp_path / "latest_checkpointed_iteration.txt"
@@ -57,7 +57,7 @@ def test_non_utf8_tracker_file_is_one_line(tmp_path: Path) -> None:
             read()
         assert "\n" not in str(exc.value) and f"{tracker} is not text (byte 0xff at offset 0" in str(exc.value)
     (tmp_path / "latest").write_bytes(b"global_step\x80")
-    from megatron.checkpoint_conversion.deepspeed_format import resolve_tag_dir
+    from megatron.checkpoint.conversion.deepspeed_format import resolve_tag_dir
 
     with pytest.raises(MegatronUserError, match="latest is not text .byte 0x80 at offset 11"):
         resolve_tag_dir(str(tmp_path))
@@ -66,8 +66,8 @@ def test_non_utf8_tracker_file_is_one_line(tmp_path: Path) -> None:
 def test_truncated_safetensors_in_convert_is_named(tmp_path: Path) -> None:
     import transformers
 
-    from megatron.checkpoint_conversion import driver
-    from megatron.checkpoint_conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion import driver
+    from megatron.checkpoint.conversion.interchange import ConversionError
 
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(str(tmp_path / "hf"))
@@ -97,7 +97,7 @@ def test_full_disk_during_save_is_one_line_and_keeps_the_last_checkpoint(tiny_da
 def test_full_disk_during_convert_is_one_line_and_publishes_nothing(tiny_ckpt: Path, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron.checkpoint import atomic_io
-    from megatron.checkpoint_conversion import driver
+    from megatron.checkpoint.conversion import driver
     from megatron.errors import MegatronUserError
 
     monkeypatch.setenv(atomic_io.FAULT_ENV, "mid-write:model_optim_rng.pt@1!enospc")
@@ -114,7 +114,7 @@ def test_stale_converting_folder_is_removed_on_the_next_run(tiny_ckpt: Path, tmp
     import subprocess
     import sys
 
-    from megatron.checkpoint_conversion import driver
+    from megatron.checkpoint.conversion import driver
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f".out.converting.{int(gone.stdout)}"  # left by a conversion that was SIGKILLed

@@ -80,7 +80,7 @@ def test_server_without_load_refuses_random_weights(tiny_data: dict, tmp_path) -
 def test_allow_random_weights_is_registered() -> None:
     import argparse
 
-    from megatron.flag_registry import RUNTIME_SETTINGS
+    from megatron.settings.flag_registry import RUNTIME_SETTINGS
     from tools.run_text_generation_server import add_server_args, check_server_args
 
     args = add_server_args(argparse.ArgumentParser()).parse_args(["--allow-random-weights"])

@@ -9,9 +9,9 @@ from typing import Dict
 
 import torch
 
+from megatron.checkpoint.conversion.interchange import ModelMeta, architecture_of, messages_from_state_dict
+from megatron.checkpoint.conversion.megatron_format import write_megatron
 from megatron.checkpoint.safe_load import safe_torch_load
-from megatron.checkpoint_conversion.interchange import ModelMeta, architecture_of, messages_from_state_dict
-from megatron.checkpoint_conversion.megatron_format import write_megatron
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model import GPTModel

@@ -8,13 +8,14 @@ loaded by dist_checkpointing from the TP1 folder) and saves both formats there t
 torch_dist checkpoint written by our code, it is loaded with dist_checkpointing.load into Core models at TP1 and TP2
 and their logits are written. A tiny BERT (Core's BertModel, local spec, tied head, binary head; `bert`) is saved
 the same way at TP1 and TP2, and ours loaded into it; so is a tiny T5 (Core's T5Model, local specs, tied
-head; `t5`). Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
+head; `t5`; ours also as saved by our PP2 run). Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
 with its distributed optimizer (Adam, DP2) takes 6 steps on the batches of `batches.pt`, saving torch_dist
 checkpoints with the optimizer state (fully_reshardable in `train`, Megatron-LM's default dp_reshardable in
 `train_dp`) and Megatron-LM's RNG state after step 3; its per-step losses are the run that never stopped. One
 optimizer state (random Adam moments) of the GPT at TP2 and PP2 and of the Llama at TP2 is saved in both layouts
 (`layouts/`). When `ours_train` names our torch_dist save (with optimizer state) of a run on the same batches, it is
-loaded into that model and optimizer and steps 4-6 are taken again. Inputs and outputs: the folder it runs in (see
+loaded into that model and optimizer (and its RNG state restored as Megatron-LM's load_checkpoint does) and steps
+4-6 are taken again. Inputs and outputs: the folder it runs in (see
 job.json). The test prepends tests/mcore_oracle.py's ORACLE_CPU_PRELUDE (the CPU stand-ins).
 """
 import argparse
@@ -256,9 +257,9 @@ def t5_logits(model):
         return model(enc, dec, *[m.unsqueeze(1) < 0.5 for m in masks])
 
 
-def t5_run(ours) -> None:
+def t5_run(ours, ours_pp2=None) -> None:
     """T5: logits of random weights at TP1; `torch` and `torch_dist` saved at TP1 and TP2; our torch_dist save
-    (`ours`, when given) loaded at TP1 and TP2, its logits written."""
+    (`ours`, when given) loaded at TP1 and TP2, its logits written; so is our save at PP2 (`ours_pp2`) at TP1."""
     out = os.path.join("out", "t5")
     args = {**vars(megatron_lm_args("gpt", 1, 1)), "encoder_num_layers": LAYERS, "decoder_num_layers": LAYERS,
             "encoder_seq_length": SEQ, "decoder_seq_length": DSEQ}
@@ -297,6 +298,12 @@ def t5_run(ours) -> None:
             logits = t5_logits(fresh)
             if dist.get_rank() == 0:
                 torch.save(logits, os.path.join(out, f"ours_logits_tp{tp}.pt"))
+        if ours_pp2 and tp == 1:
+            fresh = build_t5()
+            load_dist(fresh, ours_pp2)
+            logits = t5_logits(fresh)
+            if dist.get_rank() == 0:
+                torch.save(logits, os.path.join(out, "ours_pp2_logits_tp1.pt"))
         dist.barrier()
         mps.destroy_model_parallel()
 
@@ -385,19 +392,21 @@ def train_step(ddp, opt, batch) -> float:
 RNG_SEEDS = (41, 42, 43)  # python, numpy, torch generators just before the save
 
 
-def megatron_lm_rng():
-    """The RNG state as Megatron-LM 0.16's training/checkpointing.py saves it with torch_dist (megatron-core has no
-    training loop): a ShardedObject 'rng_state' over (PP, TP), each the list of one RNG dict; the CUDA generator
-    states (16-byte Philox states on a GPU) stood in for by tensors of that shape."""
+def megatron_lm_rng(seed: bool = True):
+    """The RNG state as Megatron-LM 0.16's training/checkpointing.py get_rng_state builds it with torch_dist, to save
+    or (as the template its load_checkpoint passes to dist_checkpointing.load) to load (megatron-core has no training
+    loop): a ShardedObject 'rng_state' over (PP, TP), each the list of one RNG dict; the CUDA generator states
+    (16-byte Philox states on a GPU) stood in for by tensors of that shape. `seed`: the generators seeded first."""
     import random
 
     import numpy as np
 
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    random.seed(RNG_SEEDS[0])
-    np.random.seed(RNG_SEEDS[1])
-    torch.manual_seed(RNG_SEEDS[2])
+    if seed:
+        random.seed(RNG_SEEDS[0])
+        np.random.seed(RNG_SEEDS[1])
+        torch.manual_seed(RNG_SEEDS[2])
     philox = torch.arange(16, dtype=torch.uint8)
     rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": philox,
@@ -405,6 +414,35 @@ def megatron_lm_rng():
     pp, tp = mps.get_pipeline_model_parallel_world_size(), mps.get_tensor_model_parallel_world_size()
     return ShardedObject("rng_state", rng, (pp, tp), (mps.get_pipeline_model_parallel_rank(),
                          mps.get_tensor_model_parallel_rank()), replica_id=mps.get_data_parallel_rank())
+
+
+def restore_megatron_lm_rng(loaded: dict) -> dict:
+    """What Megatron-LM 0.16's load_checkpoint does with a torch_dist checkpoint's RNG state (it loads it only when
+    the saved TP x PP equals the run's and the saving run did not pass --no-save-rng): entry 0 of the rank's list
+    (no --data-parallel-random-init) into the python, numpy and torch generators and, through
+    convert_cuda_rng_state, the RNG tracker (an empty tracker state is its error). The CUDA generator is skipped:
+    there is none here (a CPU run records None). Returns draws of each generator and the tracker states."""
+    import random
+
+    import numpy as np
+
+    from megatron.core import tensor_parallel
+
+    args = loaded["args"]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (
+        mps.get_tensor_model_parallel_world_size(), mps.get_pipeline_model_parallel_world_size())
+    assert not getattr(args, "no_save_rng", False)
+    rng = loaded["rng_state"][0]
+    random.setstate(rng["random_rng_state"])
+    np.random.set_state(rng["np_rng_state"])
+    torch.set_rng_state(rng["torch_rng_state"])
+    if not rng["rng_tracker_states"]:
+        raise KeyError("rng_tracker_states")
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.set_states({k: tensor_parallel.convert_cuda_rng_state(v, to_graphable=False)
+                        for k, v in rng["rng_tracker_states"].items()})
+    return {"draws": (random.random(), float(np.random.random_sample()), float(torch.rand(()))),
+            "tracker": dict(tracker.get_states()), "cuda_rng_state": rng["cuda_rng_state"]}
 
 
 def train(job: dict) -> None:
@@ -435,9 +473,10 @@ def train(job: dict) -> None:
             inner._init_optimizer_states_with_dummy_values()
         msd = model.sharded_state_dict()
         loaded = dist_checkpointing.load({"model": msd, "optimizer": opt.sharded_state_dict(
-            msd, is_loading=True, metadata=OPT_META)}, job["ours_train"])
+            msd, is_loading=True, metadata=OPT_META), "rng_state": megatron_lm_rng(seed=False)}, job["ours_train"])
         model.load_state_dict(loaded["model"])
         opt.load_state_dict(loaded["optimizer"])
+        result["ours_rng"] = restore_megatron_lm_rng(loaded)
         result["ours_resumed"] = [train_step(ddp, opt, data[step]) for step in range(SAVE_AT, len(data))]
     if dist.get_rank() == 0:
         torch.save(result, os.path.join("out", "train_losses.pt"))
@@ -508,7 +547,7 @@ def main() -> None:
     if job.get("bert"):
         bert_run(job.get("ours", {}).get("bert"))
     if job.get("t5"):
-        t5_run(job.get("ours", {}).get("t5"))
+        t5_run(job.get("ours", {}).get("t5"), job.get("ours", {}).get("t5_pp2"))
     if job.get("train"):
         train(job)
     dist.barrier()

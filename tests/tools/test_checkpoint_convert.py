@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.checkpoint.conversion.driver import convert, parse_args
+from megatron.checkpoint.conversion.interchange import ConversionError, state_dict_from_messages
+from megatron.checkpoint.conversion.megatron_format import read_megatron
 from megatron.checkpoint.integrity import write_manifest
-from megatron.checkpoint_conversion.driver import convert, parse_args
-from megatron.checkpoint_conversion.interchange import ConversionError, state_dict_from_messages
-from megatron.checkpoint_conversion.megatron_format import read_megatron
 from tests.tools.checkpoint_convert_helpers import (
     DIVISIBLE,
     TRUE_VOCAB,
@@ -339,8 +339,8 @@ def test_checkpoint_written_by_save_checkpoint_converts(tmp_path):
 def test_bert_megatron_reshape(tmp_path):
     """BERT (token types, pooler, LM head with its vocab-parallel bias, binary head): TP2xPP2 -> TP1 is bitwise with
     the padding kept; TP1 -> TP4 with --true-vocab-size re-pads the LM-head bias too and gives the same scores."""
-    from megatron.checkpoint_conversion.interchange import ModelMeta, architecture_of, messages_from_state_dict
-    from megatron.checkpoint_conversion.megatron_format import write_megatron
+    from megatron.checkpoint.conversion.interchange import ModelMeta, architecture_of, messages_from_state_dict
+    from megatron.checkpoint.conversion.megatron_format import write_megatron
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.models.bert.model import BertModel
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.checkpoint.conversion.driver import convert, parse_args
 from megatron.checkpoint.safe_load import safe_torch_load
-from megatron.checkpoint_conversion.driver import convert, parse_args
 from tests.tools.checkpoint_convert_helpers import TRUE_VOCAB, build, config, merge_independently, save_source
 
 transformers = pytest.importorskip("transformers")

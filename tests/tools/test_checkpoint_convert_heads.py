@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.checkpoint_conversion.driver import convert, parse_args
-from megatron.checkpoint_conversion.interchange import (
+from megatron.checkpoint.conversion.driver import convert, parse_args
+from megatron.checkpoint.conversion.interchange import (
     ConversionError,
     Message,
     ModelMeta,
     architecture_of,
     messages_from_state_dict,
 )
-from megatron.checkpoint_conversion.megatron_format import write_megatron
+from megatron.checkpoint.conversion.megatron_format import write_megatron
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from tests.tools.checkpoint_convert_helpers import DIVISIBLE, TRUE_VOCAB, config, load_files
 
@@ -161,7 +161,7 @@ def test_t5_tensor_parallel_reshape(tmp_path):
     """T5 (unequal encoder/decoder depths): TP1 -> TP2 -> TP1 is bitwise with the padding rows kept; TP2 with
     --true-vocab-size re-pads the word embeddings and lm_head.bias, and a real TP=2 run (2 gloo processes,
     megatron.checkpoint.checkpointing.load_checkpoint) gives the source's logits (1e-5); bad pipeline targets are one line."""
-    from megatron.checkpoint_conversion.t5_format import T5Writer, read_t5
+    from megatron.checkpoint.conversion.t5_format import T5Writer, read_t5
     from tests.dist_utils import run_distributed
 
     cfg = _t5_config()
@@ -219,7 +219,7 @@ def test_t5_pipeline_reshape(tmp_path):
     ref = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     meta = ModelMeta("T5", architecture_of(cfg), iteration=5, make_vocab_size_divisible_by=DIVISIBLE,
                      extra={"t5": {"encoder_num_layers": 2, "decoder_num_layers": 3}})
-    from megatron.checkpoint_conversion.t5_format import T5Writer, read_t5
+    from megatron.checkpoint.conversion.t5_format import T5Writer, read_t5
 
     T5Writer(meta, str(tmp_path / "src"), 1, 1, None).write(read_t5_stream(ref))
     t5 = ["--model-type", "T5"]

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.checkpoint_conversion.driver import convert, parse_args
-from megatron.checkpoint_conversion.interchange import ConversionError
+from megatron.checkpoint.conversion.driver import convert, parse_args
+from megatron.checkpoint.conversion.interchange import ConversionError
 from tests.tools.checkpoint_convert_helpers import (
     TRUE_VOCAB,
     build,
@@ -234,8 +234,8 @@ def test_printed_flags_build_the_checkpoint_architecture(tmp_path, family):
 
 
 def test_hf_saver_refuses_unmapped_tensors_unless_no_checking(tmp_path):
-    from megatron.checkpoint_conversion.hf_format import write_hf
-    from megatron.checkpoint_conversion.interchange import messages_from_state_dict
+    from megatron.checkpoint.conversion.hf_format import write_hf
+    from megatron.checkpoint.conversion.interchange import messages_from_state_dict
     from tests.tools.checkpoint_convert_helpers import meta_for
 
     cfg = config("llama")
@@ -251,8 +251,8 @@ def test_hf_saver_refuses_unmapped_tensors_unless_no_checking(tmp_path):
 def test_bert_megatron_hf_both_ways(tmp_path, act):
     """Megatron BERT (TP2xPP2) -> MegatronBertForPreTraining: HF's prediction and sentence-order logits equal ours
     (1e-5); HF -> Megatron -> HF is bitwise; a vocab.txt is copied and named in the printed flags."""
-    from megatron.checkpoint_conversion.interchange import ModelMeta, architecture_of, messages_from_state_dict
-    from megatron.checkpoint_conversion.megatron_format import write_megatron
+    from megatron.checkpoint.conversion.interchange import ModelMeta, architecture_of, messages_from_state_dict
+    from megatron.checkpoint.conversion.megatron_format import write_megatron
     from tests.model.test_bert_model import bert_batch, bert_config, build_bert
 
     cfg = bert_config(openai_gelu=act == "openai-gelu")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.checkpoint_conversion.driver import convert, parse_args
+from megatron.checkpoint.conversion.driver import convert, parse_args
 from tests.tools.checkpoint_convert_helpers import TRUE_VOCAB, build, inputs, load_files
 
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "8", "--ffn-hidden-size", "24",
@@ -105,7 +105,7 @@ def test_no_save_optim_writes_weights_only(tmp_path):
 
 
 def test_missing_distrib_optim_is_one_line(tmp_path):
-    from megatron.checkpoint_conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.interchange import ConversionError
 
     _trained_checkpoint(tmp_path / "src", "fp32")
     _convert(tmp_path / "src", tmp_path / "tp2", "--target-tensor-parallel-size", "2")
@@ -127,8 +127,8 @@ def test_regular_optimizer_order_matches_real_stage_models(family):
     import dataclasses
     import types
 
-    from megatron.checkpoint_conversion.megatron_format import layer_layouts
-    from megatron.checkpoint_conversion.optimizer_state import regular_param_order
+    from megatron.checkpoint.conversion.megatron_format import layer_layouts
+    from megatron.checkpoint.conversion.optimizer_state import regular_param_order
     from megatron.model import GPTModel
     from megatron.models.gpt.model import flatten_checkpoint_state_dict
     from megatron.optimizer.param_groups import get_param_groups

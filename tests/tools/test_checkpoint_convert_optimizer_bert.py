@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.checkpoint_conversion.driver import convert, parse_args
+from megatron.checkpoint.conversion.driver import convert, parse_args
 from tests.tools.checkpoint_convert_helpers import TRUE_VOCAB, load_files
 
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -112,9 +112,9 @@ def test_bert_regular_optimizer_order_matches_real_stage_models(pp, vp):
     import dataclasses
     import types
 
-    from megatron.checkpoint_conversion.interchange import ModelMeta, architecture_of
-    from megatron.checkpoint_conversion.megatron_format import layer_layouts
-    from megatron.checkpoint_conversion.optimizer_state import regular_param_order
+    from megatron.checkpoint.conversion.interchange import ModelMeta, architecture_of
+    from megatron.checkpoint.conversion.megatron_format import layer_layouts
+    from megatron.checkpoint.conversion.optimizer_state import regular_param_order
     from megatron.models.gpt.model import flatten_checkpoint_state_dict
     from megatron.optimizer.param_groups import get_param_groups
     from tests.tools.checkpoint_convert_helpers import config

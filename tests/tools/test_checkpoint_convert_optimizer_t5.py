@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.checkpoint_conversion.driver import convert, parse_args
+from megatron.checkpoint.conversion.driver import convert, parse_args
 from tests.tools.checkpoint_convert_helpers import TRUE_VOCAB, load_files
 
 FLAGS = ["--num-layers", "2", "--encoder-num-layers", "2", "--decoder-num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
@@ -113,9 +113,9 @@ def test_t5_regular_optimizer_order_matches_real_stage_models(pp, split):
     """The regular optimizer's parameter order derived from a T5 rank file's names equals get_param_groups over the
     real T5Model of each pipeline stage (encoder stages, the decoder's first stage with its embeddings' copy, the last
     stage with the head's copy of the word embeddings before lm_head)."""
-    from megatron.checkpoint_conversion.interchange import ModelMeta, architecture_of
-    from megatron.checkpoint_conversion.optimizer_state import regular_param_order
-    from megatron.checkpoint_conversion.t5_format import t5_layouts
+    from megatron.checkpoint.conversion.interchange import ModelMeta, architecture_of
+    from megatron.checkpoint.conversion.optimizer_state import regular_param_order
+    from megatron.checkpoint.conversion.t5_format import t5_layouts
     from megatron.core.parallel_state import ParallelState
     from megatron.core.transformer_config import TransformerConfig
     from megatron.models.gpt.model import flatten_checkpoint_state_dict

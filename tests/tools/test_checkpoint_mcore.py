@@ -4,7 +4,7 @@ One oracle run (2 gloo processes, tests/tools/mcore_oracle_checkpoints.py) build
 Mixtral-like MoE (4 experts, top-2, gated shared expert) in Megatron Core (local layer spec), saves per-rank `torch`
 files (Core names) and `torch_dist` folders at TP1, TP2 and PP2 (MoE: TP1, PP2 and EP2), and loads our torch_dist output into its own models. Here: every one of them loads with `--load` into our model
 at another layout and gives Megatron Core's logits (<= 1e-5); ours saved as torch_dist gives the same logits in
-Megatron Core; convert.py reads both (`--loader mcore`); damaged or missing shards are one line naming the file.
+Megatron Core; BERT and T5 too (T5 also into our pipeline stages, and saved from our PP2 run); convert.py reads both (`--loader mcore`; BERT and T5 too, and `--saver mcore` writes them); damaged or missing shards are one line naming the file.
 Training state: Megatron Core's GPT with its DDP and distributed optimizer (DP2) trains 6 steps and saves a torch_dist
 checkpoint with the optimizer state (its fully_reshardable and its default dp_reshardable layout) and Megatron-LM's
 RNG state after step 3; ours loads it (another layout: one process, the regular optimizer, no --no-load-rng) and
@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from megatron.arguments import core_transformer_config_from_args, parse_args, validate_args
+from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.model import GPTModel
 from tests.mcore_oracle import ORACLE_CPU_PRELUDE, run_oracle
 
@@ -58,7 +59,7 @@ def tokens():
 def run_args(family: str, load: Path, *extra: str):
     args = parse_args(args=[*BASE, *FLAGS[family], "--load", str(load), *extra])
     args.rank = 1  # quiet argument dump
-    validate_args(args, {})
+    validate_args(args, {"model_family": family} if family == "t5" else {})  # T5 flags: pretrain_t5.py's defaults
     args.padded_vocab_size = VOCAB
     return args
 
@@ -117,6 +118,54 @@ def t5_logits(model) -> torch.Tensor:
         return model(enc, dec, *masks)
 
 
+def _t5_pp2_resave(rank: int, world_size: int, load: str, save: str) -> None:
+    """Our T5 at PP2 (--pipeline-model-parallel-split-rank 1: the encoder on stage 0, the decoder on stage 1) loads
+    `load` (a torch_dist folder) and saves with --ckpt-format torch_dist into `save`."""
+    from megatron.checkpoint.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from megatron.models.t5.model import T5Model
+
+    state = initialize_model_parallel(1, 2, pipeline_model_parallel_split_rank=1)
+    try:
+        args = run_args("t5", Path(load), "--finetune", "--pipeline-model-parallel-size", "2",
+                        "--pipeline-model-parallel-split-rank", "1", "--save", save, "--save-interval", "1",
+                        "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng")
+        model = T5Model(core_transformer_config_from_args(args), pp_state=state, parallel_output=False)
+        assert load_checkpoint([model], None, None, args) == 0
+        save_checkpoint(3, [model], None, None, args)
+    finally:
+        destroy_model_parallel()
+
+
+def t5_pipeline_logits(load: Path, pp: int, split: int) -> torch.Tensor:
+    """Our T5 as `pp` pipeline stages split at `split` (ParallelState records in one process), each stage loaded
+    from `load` by --load's code for Megatron Core layouts (formats.load_foreign) and run as the schedule runs them
+    (an encoder stage's output into the next stage, [decoder hidden states, encoder output] after the split): the
+    last stage's logits."""
+    import dataclasses
+
+    from megatron.checkpoint.args import architecture_from_args
+    from megatron.checkpoint.formats import detect_format, load_foreign
+    from megatron.core.parallel_state import ParallelState
+    from megatron.models.t5.model import T5Model
+    from megatron.run_configs.checkpoint import CheckpointSettings
+    from megatron.training_state import TrainingState
+
+    args = run_args("t5", load, "--finetune")
+    config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=pp)
+    iter_dir = next(load.glob("iter_*"))
+    out = None
+    for rank in range(pp):
+        state = ParallelState(pp_size=pp, pp_rank=rank, pipeline_split_rank=split, pp_ranks=list(range(pp)))
+        stage = T5Model(config, pp_state=state, parallel_output=False)
+        load_foreign([stage], CheckpointSettings.from_args(args), architecture_from_args(args), str(load),
+                     str(iter_dir), detect_format(str(iter_dir)), False, state, TrainingState())
+        if rank:
+            stage.set_input_tensor(out)
+        out = t5_logits(stage)
+    return out
+
+
 TRAIN_STEPS, SAVE_AT = 6, 3
 
 
@@ -141,6 +190,22 @@ def our_optimizer(model):
     return get_megatron_optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0))
 
 
+def _draws_and_tracker() -> dict:
+    """One draw of the python, numpy and torch generators and the RNG tracker's streams (the generators left as
+    they were)."""
+    import random
+
+    import numpy as np
+
+    from megatron.core.tensor_parallel import get_rng_tracker
+
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    out = {"draws": (random.random(), float(np.random.random_sample()), float(torch.rand(()))),
+           "tracker": get_rng_tracker().get_states()}
+    random.setstate(saved[0]), np.random.set_state(saved[1]), torch.set_rng_state(saved[2])
+    return out
+
+
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory) -> Path:
     """The oracle's checkpoints and logits; it also loads ours (saved here first with --ckpt-format torch_dist), and
@@ -152,11 +217,12 @@ def oracle(tmp_path_factory) -> Path:
     torch.save(batches, root / "batches.pt")
     save = root / "ours_train"
     args = run_args("gpt", root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format", "torch_dist")
-    torch.manual_seed(3)
+    model_parallel_manual_seed(3, 0)  # the default generator and the RNG tracker's stream
     model = our_model(args)
     optimizer = our_optimizer(model)
     train_steps(model, optimizer, batches[:SAVE_AT])
     save_checkpoint(SAVE_AT, [model], optimizer, None, args)
+    torch.save(_draws_and_tracker(), root / "ours_rng.pt")  # what the saved RNG state gives
     torch.save(train_steps(model, optimizer, batches[SAVE_AT:]), root / "ours_train_losses.pt")
     job = {"families": ["gpt", "llama", "moe"], "ours": {}, "train": True, "bert": True, "t5": True,
            "ours_train": str(save / f"iter_{SAVE_AT:07d}")}
@@ -177,6 +243,10 @@ def oracle(tmp_path_factory) -> Path:
     torch.save(t5_logits(t5), root / "ours_t5_logits.pt")
     save_checkpoint(3, [t5], None, None, args)
     job["ours"]["t5"] = str(root / "ours" / "t5" / "iter_0000003")
+    from tests.dist_utils import run_distributed  # that folder loaded by our T5 at PP2 and saved there as torch_dist
+
+    run_distributed(_t5_pp2_resave, world_size=2, args=(str(root / "ours" / "t5"), str(root / "ours" / "t5_pp2")))
+    job["ours"]["t5_pp2"] = str(root / "ours" / "t5_pp2" / "iter_0000003")
     for family in job["families"]:
         save = root / "ours" / family
         args = run_args(family, root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format", "torch_dist", "--no-save-optim",
@@ -237,8 +307,8 @@ def test_core_bert_checkpoints_both_ways(oracle):
 def test_core_t5_checkpoints_both_ways(oracle):
     """Megatron Core's T5Model (local specs: encoder, decoder with cross-attention, tied head with its bias) saved as
     `torch` (per-rank files, Core names) and `torch_dist` at TP1 and TP2 loads into our T5 (--load, one process)
-    with Core's logits; ours saved with --ckpt-format torch_dist gives our logits in Core's T5Model at TP1 and TP2
-    (<= 1e-5)."""
+    with Core's logits, and into our T5 pipeline (PP2 split 1, PP4 split 2); ours saved with --ckpt-format torch_dist
+    gives our logits in Core's T5Model at TP1 and TP2, and so does ours saved by a PP2 run (<= 1e-5)."""
     from megatron.checkpoint.checkpointing import load_checkpoint
 
     t5 = oracle / "out" / "t5"
@@ -251,11 +321,36 @@ def test_core_t5_checkpoints_both_ways(oracle):
     ours = torch.load(oracle / "ours_t5_logits.pt")
     for tp in (1, 2):
         torch.testing.assert_close(torch.load(t5 / f"ours_logits_tp{tp}.pt"), ours, **TOL, msg=f"ours in Core TP{tp}")
-    from megatron.checkpoint_conversion.interchange import ConversionError
-    from megatron.checkpoint_conversion.torch_dist import read_torch_dist
+    # under pipeline parallelism: Core's torch_dist folder in our PP2 (split 1) and its per-rank files (TP2) in our
+    # PP4 (split 2: one layer a stage, the last stage's copy of the tied embeddings) give Core's logits; ours saved at
+    # PP2 as torch_dist gives our logits in Core's T5Model (Megatron-LM 0.16 runs T5 without a pipeline only)
+    for name, pp, split in (("dist_tp1", 2, 1), ("torch_tp2", 4, 2)):
+        torch.testing.assert_close(t5_pipeline_logits(t5 / name, pp, split), ref, **TOL, msg=f"{name} PP{pp}")
+    torch.testing.assert_close(torch.load(t5 / "ours_pp2_logits_tp1.pt"), ours, **TOL, msg="ours PP2 in Core")
+    saved = {}
+    for name in ("t5", "t5_pp2"):  # the PP2 save holds the very tensors of the PP1 one
+        args = run_args("t5", oracle / "ours" / name, "--finetune")
+        model = our_t5(args)
+        load_checkpoint([model], None, None, args)
+        saved[name] = model.state_dict()
+    assert sorted(saved["t5"]) == sorted(saved["t5_pp2"])
+    assert all(torch.equal(v, saved["t5_pp2"][k]) for k, v in saved["t5"].items())
 
-    with pytest.raises(ConversionError, match="holds a T5 model"):  # convert.py's mcore loader is GPT-only
-        read_torch_dist(str(t5 / "dist_tp1"))
+
+def test_t5_pipeline_piece_refusals_are_one_line():
+    """Cutting a full T5 state dict for a pipeline stage without a split rank, or with a stack that does not divide
+    over its stages, is one line naming the flag."""
+    from megatron.checkpoint.formats import CheckpointFormatError, rank_piece
+    from megatron.core.parallel_state import ParallelState
+
+    full = {f"language_model.{stack}.layers.{i}.mlp.dense_4h_to_h.bias": torch.zeros(2)
+            for stack in ("encoder", "decoder") for i in range(3)}
+    for split, match in ((None, r"needs --pipeline-model-parallel-split-rank in 1\.\.2"),
+                         (1, "3 decoder layers do not split evenly over 2 decoder pipeline stage")):
+        state = ParallelState(pp_size=3, pp_rank=0, pipeline_split_rank=split, pp_ranks=[0, 1, 2])
+        with pytest.raises(CheckpointFormatError, match=match) as info:
+            rank_piece(full, {}, None, 3, 0, state)
+        assert "\n" not in str(info.value)
 
 
 def test_t5_torch_dist_save_needs_no_save_optim():
@@ -276,7 +371,7 @@ def test_t5_torch_dist_save_needs_no_save_optim():
 
 @pytest.mark.slow
 def test_convert_loader_and_saver_mcore(oracle, tmp_path):
-    from megatron.checkpoint_conversion.driver import main as convert
+    from megatron.checkpoint.conversion.driver import main as convert
 
     for family, name in (("gpt", "torch_pp2"), ("llama", "dist_tp2")):
         ref = torch.load(oracle / "out" / family / "logits.pt")
@@ -291,6 +386,58 @@ def test_convert_loader_and_saver_mcore(oracle, tmp_path):
         assert summary["flags"].endswith("--auto-detect-ckpt-format")
         assert json.loads((back / "iter_0000010" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
         torch.testing.assert_close(load_logits(family, back), ref, **TOL, msg=f"{family} -> mcore")
+
+
+def _loaded(family: str, load: Path) -> torch.nn.Module:
+    """Our BERT or T5 (TP1, one process) loaded from `load` with --finetune."""
+    from megatron.checkpoint.checkpointing import load_checkpoint
+
+    args = run_args(family, load, "--finetune")
+    model = our_bert(args) if family == "bert" else our_t5(args)
+    load_checkpoint([model], None, None, args)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_convert_loader_and_saver_mcore_bert_t5(oracle, tmp_path, family):
+    """convert.py --loader mcore reads Megatron Core's BERT / T5 `torch_dist` folder (TP2 / TP1) and per-rank `torch`
+    files (TP2) into ours (T5's at PP2, split 1) with Core's logits; that -> --saver mcore -> ours gives the
+    tensors of the first conversion bit for bit, and the torch_dist folder it wrote loads with --load to Core's
+    logits (1e-5)."""
+    from megatron.checkpoint.conversion.driver import main as convert
+
+    model_type, logits = ("BERT", bert_logits) if family == "bert" else ("T5", t5_logits)
+    core = oracle / "out" / family
+    ref = torch.load(core / "logits.pt")
+    first = None
+    for name in ("dist_tp2" if family == "bert" else "dist_tp1", "torch_tp2"):
+        ours = tmp_path / f"{name}_ours"
+        pp2 = ["--target-pipeline-parallel-size", "2", "--target-pipeline-model-parallel-split-rank", "1"] \
+            if family == "t5" and name == "torch_tp2" else []
+        summary = convert(["--model-type", model_type, "--loader", "mcore", "--saver", "megatron", "--load-dir",
+                           str(core / name), "--save-dir", str(ours), "--target-tensor-parallel-size", "1", *pp2])
+        assert ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-split-rank 1" in summary["flags"]) == \
+            bool(pp2)
+        first = first or ours
+        if not pp2:  # (ours at PP2: checked below, through the round trip)
+            torch.testing.assert_close(logits(_loaded(family, ours)), ref, **TOL, msg=f"{family} {name} -> ours")
+    back, again = tmp_path / "back", tmp_path / "again"
+    convert(["--model-type", model_type, "--loader", "megatron", "--saver", "mcore", "--load-dir", str(ours),
+             "--save-dir", str(back), "--no-save-optim"])
+    assert json.loads((back / "iter_0000010" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    torch.testing.assert_close(logits(_loaded(family, back)), ref, **TOL, msg=f"{family} -> mcore")
+    convert(["--model-type", model_type, "--loader", "mcore", "--saver", "megatron", "--load-dir", str(back),
+             "--save-dir", str(again)])
+    one, two = _loaded(family, first).state_dict(), _loaded(family, again).state_dict()
+    assert sorted(one) == sorted(two) and all(torch.equal(v, two[k]) for k, v in one.items())
+    from megatron.checkpoint.conversion.interchange import ConversionError
+
+    wrong = "T5" if family == "bert" else "BERT"
+    with pytest.raises(ConversionError, match=f"holds a {model_type} .*--model-type {model_type}") as info:
+        convert(["--model-type", wrong, "--loader", "mcore", "--saver", "megatron", "--load-dir",
+                 str(core / "dist_tp1"), "--save-dir", str(tmp_path / "wrong")])
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.slow
@@ -452,7 +599,7 @@ def test_megatron_core_distributed_optimizer_checkpoint_continues_its_curve_in_o
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(core["losses"][SAVE_AT:]), rtol=1e-5, atol=0,
                                    msg=folder)
     # convert.py carries the same state: --loader mcore -> ours (TP1, distrib_optim.pt) -> --saver mcore -> --load
-    from megatron.checkpoint_conversion.driver import main as convert
+    from megatron.checkpoint.conversion.driver import main as convert
 
     ours_dir, back = oracle.parent / f"{oracle.name}_conv_ours", oracle.parent / f"{oracle.name}_conv_back"
     convert(["--model-type", "GPT", "--loader", "mcore", "--saver", "megatron", "--load-dir",
@@ -479,8 +626,8 @@ def test_core_default_optimizer_layout_reads_as_its_reshardable_one(oracle, layo
     """One Megatron Core distributed-optimizer state (random Adam moments) saved at TP2 or PP2 (tied embeddings split
     over the stages) in its default dp_reshardable layout (bucket buffers) and in fully_reshardable: read here, the
     two give the same model-space tensors, bit for bit."""
-    from megatron.checkpoint_conversion.torch_dist import read_iteration_state
-    from megatron.checkpoint_conversion.torch_dist_optim import optimizer_common
+    from megatron.checkpoint.conversion.torch_dist import read_iteration_state
+    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
 
     root = oracle / "out" / "layouts"
     common, _, _, buckets = read_iteration_state(str(root / f"{layout}_dp_reshardable" / "iter_0000003"))
@@ -495,11 +642,47 @@ def test_core_default_optimizer_layout_reads_as_its_reshardable_one(oracle, layo
 
 @pytest.mark.slow
 def test_ours_torch_dist_optimizer_state_resumes_in_megatron_core(oracle):
-    """Ours saved with --ckpt-format torch_dist (optimizer state included), loaded by Megatron Core's
-    dist_checkpointing into its DDP + distributed optimizer (DP2): its steps 4-6 give our losses."""
+    """Ours saved with --ckpt-format torch_dist (optimizer and RNG state included), loaded by Megatron Core's
+    dist_checkpointing into its DDP + distributed optimizer (DP2) with Megatron-LM's `rng_state` ShardedObject as
+    the template (as its load_checkpoint without --no-load-rng): its steps 4-6 give our losses, and the RNG state it
+    restores (python, numpy, torch generators, the tracker's stream through convert_cuda_rng_state) is ours at the
+    save."""
     ours = torch.load(oracle / "ours_train_losses.pt")
-    core = torch.load(oracle / "out" / "train_losses.pt")["ours_resumed"]
-    torch.testing.assert_close(torch.tensor(core), torch.tensor(ours), rtol=1e-5, atol=0)
+    result = torch.load(oracle / "out" / "train_losses.pt", weights_only=False)
+    torch.testing.assert_close(torch.tensor(result["ours_resumed"]), torch.tensor(ours), rtol=1e-5, atol=0)
+    saved, core = torch.load(oracle / "ours_rng.pt", weights_only=False), result["ours_rng"]
+    assert core["draws"] == saved["draws"] and core["cuda_rng_state"] is None  # a CPU run has no CUDA generator
+    assert sorted(core["tracker"]) == sorted(saved["tracker"]) == ["model-parallel-rng"]
+    for name, state in saved["tracker"].items():  # Megatron Core's tracker: one generator-state tensor per stream
+        assert torch.equal(core["tracker"][name], state["cpu"]), name
+
+
+@pytest.mark.slow
+def test_our_older_torch_dist_rng_entry_is_still_read(oracle, tmp_path):
+    """Our torch_dist folders of before today kept the RNG state in common.pt (``rng_state_by_rank``): such a folder
+    resumes with that state (it is read before the ShardedObjects), with the optimizer state and no extra flag."""
+    import random
+
+    import numpy as np
+
+    from megatron.checkpoint.checkpointing import load_checkpoint, local_rng_state, restore_local_rng_state
+    from megatron.checkpoint.formats import RNG_KEY
+
+    old = tmp_path / "old"
+    shutil.copytree(oracle / "ours_train", old)
+    path = old / f"iter_{SAVE_AT:07d}" / "common.pt"
+    (old / f"iter_{SAVE_AT:07d}" / "manifest.json").unlink(missing_ok=True)  # signed before this edit
+    common = torch.load(path, weights_only=False)
+    saved = local_rng_state()
+    random.seed(51), np.random.seed(52), torch.manual_seed(53)
+    common[RNG_KEY] = {"tp": 1, "pp": 1, "ranks": {(0, 0): [local_rng_state()]}}
+    want = _draws_and_tracker()["draws"]
+    restore_local_rng_state(saved)
+    torch.save(common, path)
+    args = run_args("gpt", old)
+    model = our_model(args)
+    assert load_checkpoint([model], our_optimizer(model), None, args) == SAVE_AT
+    assert _draws_and_tracker()["draws"] == want
 
 
 def test_torch_dist_save_flags_refused_in_one_line(tmp_path):

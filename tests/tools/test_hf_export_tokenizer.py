@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron.checkpoint_conversion.driver import convert, parse_args
-from megatron.checkpoint_conversion.interchange import messages_from_state_dict
-from megatron.checkpoint_conversion.megatron_format import write_megatron
+from megatron.checkpoint.conversion.driver import convert, parse_args
+from megatron.checkpoint.conversion.interchange import messages_from_state_dict
+from megatron.checkpoint.conversion.megatron_format import write_megatron
 from tests.tools.checkpoint_convert_helpers import build, config, meta_for
 
 transformers = pytest.importorskip("transformers")

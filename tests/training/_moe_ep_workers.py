@@ -22,7 +22,7 @@ def run_steps(rank: int, world_size: int, steps: list[tuple]) -> list[Any]:
             if step[0] == "tracker":
                 (Path(step[1]) / "latest_checkpointed_iteration.txt").write_text(str(step[2]))
             else:
-                from megatron.checkpoint_conversion.driver import main as convert
+                from megatron.checkpoint.conversion.driver import main as convert
 
                 convert(step[1])
         dist.barrier()

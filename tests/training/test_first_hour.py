@@ -120,7 +120,7 @@ def test_readme_deepspeed_command_passes_startup_as_written() -> None:
     """The documented DeepSpeed command (docs/gpt.md's pretraining flags + docs/deepspeed.md's line) passes argument
     validation with examples/ds_config_gpt.json: the flags set the batch, and they equal the config's."""
     from megatron.arguments import build_parser, validate_args
-    from megatron.required_flags import TRAINING_RUN
+    from megatron.settings.required_flags import TRAINING_RUN
 
     pages = [REPO / "README.md", REPO / "docs" / "gpt.md", REPO / "docs" / "deepspeed.md"]
     readme = "".join(page.read_text(encoding="utf-8") for page in pages)

@@ -38,7 +38,7 @@ def _steps(stdout: str) -> dict:
 
 
 def _convert(src: Path, dst: Path, *extra: str) -> dict:
-    from megatron.checkpoint_conversion.driver import main
+    from megatron.checkpoint.conversion.driver import main
 
     return main(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir", str(src),
                  "--save-dir", str(dst), *extra])
@@ -107,7 +107,7 @@ def test_deepspeed_zero1_to_megatron_tp2(gpt_data: dict, tmp_path: Path) -> None
                                     str(tmp_path / "tp2"), "--no-load-rng"))
     _assert_continues(resumed, original, 11, "DeepSpeed ZeRO-1 DP2 -> Megatron TP2")
 
-    from megatron.checkpoint_conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.interchange import ConversionError
 
     (tmp_path / "ds" / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     # A signed folder fails its manifest check first; an unsigned one the loader's own rank-file check: both one line

@@ -56,7 +56,7 @@ def _steps(stdout: str) -> dict:
 
 
 def test_bert_resume_tp2_regular_to_tp1_dp2_distributed(bert_data: dict, tmp_path: Path) -> None:
-    from megatron.checkpoint_conversion.driver import main
+    from megatron.checkpoint.conversion.driver import main
 
     ckpt = tmp_path / "a"
     a, a_out = _run(bert_argv(bert_data, "--tensor-model-parallel-size", "2", "--save", str(ckpt),
@@ -81,7 +81,7 @@ def test_bert_resume_tp2_regular_to_tp1_dp2_distributed(bert_data: dict, tmp_pat
 
 
 def test_t5_resume_tp2_regular_to_tp1_dp2_distributed(bert_data: dict, tmp_path: Path) -> None:
-    from megatron.checkpoint_conversion.driver import main
+    from megatron.checkpoint.conversion.driver import main
     from tests.training.test_t5_training import t5_argv
 
     ckpt = tmp_path / "t5"

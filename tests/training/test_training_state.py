@@ -7,7 +7,7 @@
   onto ``args`` for callers that keep their run state there.
 - tools/check_same_behaviour.py masks timings only, and reports a changed loss, log line or tensor.
 - megatron/training.py never mentions DeepSpeed; both backends implement every method of the seam.
-- LoopSettings (megatron/run_settings.py) reads the loop's flags once, with Megatron's defaults for absent ones.
+- LoopSettings (megatron/run_configs/run_settings.py) reads the loop's flags once, with Megatron's defaults for absent ones.
 """
 from __future__ import annotations
 
@@ -105,11 +105,15 @@ def test_the_loop_has_no_deepspeed_branches_and_both_backends_implement_the_seam
     from megatron import training
     from megatron.backend import TrainingBackend, backend_for
     from megatron.backend.megatron import MegatronBackend
+    from megatron.run_configs.deepspeed import DeepSpeedSettings
 
     code = inspect.getsource(training).split('"""', 2)[2]  # below the module docstring
     assert "deepspeed" not in code.lower()
-    assert type(backend_for(argparse.Namespace())) is MegatronBackend
-    assert type(backend_for(argparse.Namespace(deepspeed=True))).__name__ == "DeepSpeedBackend"
+    def configs(**flags: bool) -> argparse.Namespace:  # backend_for reads only the bundle's DeepSpeed record
+        return argparse.Namespace(deepspeed=DeepSpeedSettings.from_args(argparse.Namespace(**flags)))
+
+    assert type(backend_for(configs())) is MegatronBackend
+    assert type(backend_for(configs(deepspeed=True))).__name__ == "DeepSpeedBackend"
     methods = {"setup", "load", "train_step", "evaluate", "save", "loss_scale", "params_norm"}
     assert methods <= TrainingBackend.__abstractmethods__
     from megatron.backend.deepspeed import PIPE_MODELS, DeepSpeedBackend
@@ -120,7 +124,7 @@ def test_the_loop_has_no_deepspeed_branches_and_both_backends_implement_the_seam
 
 
 def test_loop_settings_read_the_flags_with_megatron_defaults() -> None:
-    from megatron.run_settings import LoopSettings
+    from megatron.run_configs.run_settings import LoopSettings
 
     minimal = argparse.Namespace(train_iters=8, eval_interval=4, save=None, save_interval=None, load=None, fp16=False,
                                  loss_scale=None)

@@ -36,7 +36,7 @@ TRUE_VOCAB = 50257
 def _random_stream(num_layers: int, hidden: int, seq: int) -> Iterator:
     import torch
 
-    from megatron.checkpoint_conversion.interchange import EMBEDDINGS, FINAL_NORM, Message, layer_message
+    from megatron.checkpoint.conversion.interchange import EMBEDDINGS, FINAL_NORM, Message, layer_message
 
     g = torch.Generator().manual_seed(0)
 
@@ -59,8 +59,8 @@ def _random_stream(num_layers: int, hidden: int, seq: int) -> Iterator:
 
 
 def make_source(folder: str, preset: str) -> int:
-    from megatron.checkpoint_conversion.interchange import ModelMeta
-    from megatron.checkpoint_conversion.megatron_format import write_megatron
+    from megatron.checkpoint.conversion.interchange import ModelMeta
+    from megatron.checkpoint.conversion.megatron_format import write_megatron
 
     layers, hidden, heads, seq = PRESETS[preset]
     arch = dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=4 * hidden,

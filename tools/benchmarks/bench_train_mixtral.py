@@ -62,8 +62,8 @@ def build_hf(experts: str | None = None):
 
 def build_megatron(hf_model):
     """GPTModel with MoE layers and the HF model's weights (through the HF safetensors loader)."""
-    from megatron.checkpoint_conversion.hf_format import read_hf
-    from megatron.checkpoint_conversion.interchange import state_dict_from_messages
+    from megatron.checkpoint.conversion.hf_format import read_hf
+    from megatron.checkpoint.conversion.interchange import state_dict_from_messages
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.model import GPTModel
 

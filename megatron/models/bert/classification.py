@@ -17,9 +17,9 @@ from megatron.core.transformer_config import TransformerConfig
 from megatron.model.checkpoint_keys import LANGUAGE_MODEL_KEY, flatten_checkpoint_state_dict
 from megatron.model.enums import AttnMaskType
 from megatron.model.language_model import TransformerLanguageModel
-from megatron.model.layer_specs import bert_layer_spec
 from megatron.model.module import MegatronModule
-from megatron.model.utils import get_linear_layer
+from megatron.model.utils import get_linear_layer, resolve_tp_group
+from megatron.models.bert.layer_spec import bert_layer_spec
 from megatron.models.bert.model import bert_extended_attention_mask, bert_position_ids
 
 CLASSIFICATION_HEAD_KEY = "classification_head"
@@ -38,8 +38,7 @@ class BertTaskModel(MegatronModule):
     def __init__(self, config: TransformerConfig, *, tp_group: Optional[Any] = None, pp_state: Optional[Any] = None,
                  num_tokentypes: int = 2, pre_process: bool = True, post_process: bool = True) -> None:
         super().__init__(config=config, share_embeddings_and_output_weights=False)
-        if tp_group is None and pp_state is not None:
-            tp_group = getattr(pp_state, "tp_group", None)
+        tp_group = resolve_tp_group(tp_group, pp_state)
         self.pre_process = pre_process
         self.post_process = post_process
         self.language_model = TransformerLanguageModel(

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
-from megatron.checkpoint_conversion.hf_decoder import copy_tokenizer
-from megatron.checkpoint_conversion.interchange import (
+from megatron.checkpoint.conversion.hf_decoder import copy_tokenizer
+from megatron.checkpoint.conversion.interchange import (
     ConversionError,
     Message,
     ModelMeta,

@@ -16,7 +16,6 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.checkpoint_keys import (
     LANGUAGE_MODEL_KEY,
@@ -25,10 +24,15 @@ from megatron.model.checkpoint_keys import (
 )
 from megatron.model.enums import AttnMaskType
 from megatron.model.fused_layer_norm import MixedFusedLayerNorm
-from megatron.model.language_model import TiedLMHeadWithBias, TransformerLanguageModel, sequential_position_ids
-from megatron.model.layer_specs import bert_layer_spec
+from megatron.model.language_model import (
+    TiedLMHeadWithBias,
+    TransformerLanguageModel,
+    lm_cross_entropy,
+    sequential_position_ids,
+)
 from megatron.model.module import MegatronModule
-from megatron.model.utils import get_linear_layer, group_size, openai_gelu
+from megatron.model.utils import check_model_layout, get_linear_layer, openai_gelu, resolve_tp_group
+from megatron.models.bert.layer_spec import bert_layer_spec
 
 LM_HEAD_KEY = "lm_head"
 BINARY_HEAD_KEY = "binary_head"
@@ -62,19 +66,7 @@ class BertLMHead(TiedLMHeadWithBias):
 
 
 def _check_layout(config: TransformerConfig, tp_group: Optional[Any], pp_state: Optional[Any]) -> None:
-    if config.padded_vocab_size <= 0:
-        raise ValueError("TransformerConfig.padded_vocab_size is not set: build the tokenizer first")
-    tp = group_size(tp_group)
-    if tp != config.tensor_model_parallel_size:
-        raise ValueError(f"BertModel: config.tensor_model_parallel_size={config.tensor_model_parallel_size} but the "
-                         f"tp_group has {tp} ranks; pass pp_state=parallel_state")
-    pp = getattr(pp_state, "pp_size", 1) if pp_state is not None else 1
-    if pp != config.pipeline_model_parallel_size:
-        raise ValueError(f"BertModel: config.pipeline_model_parallel_size={config.pipeline_model_parallel_size} but "
-                         f"pp_state has pp_size={pp}; pass pp_state=parallel_state")
-    if config.padded_vocab_size % tp:
-        raise ValueError(f"padded vocab size {config.padded_vocab_size} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}; pad it with --make-vocab-size-divisible-by")
+    check_model_layout("BertModel", config, tp_group, pp_state)
     if not config.share_embeddings_and_output_weights:
         raise ValueError("BERT ties its output layer to the word embeddings: drop "
                          "--untie-embeddings-and-output-weights")
@@ -102,8 +94,7 @@ class BertModel(MegatronModule):
         fp16_lm_cross_entropy: bool = False,
     ) -> None:
         super().__init__(config=config, share_embeddings_and_output_weights=True)
-        if tp_group is None and pp_state is not None:
-            tp_group = getattr(pp_state, "tp_group", None)
+        tp_group = resolve_tp_group(tp_group, pp_state)
         _check_layout(config, tp_group, pp_state)
         self.tp_group = tp_group
         self.pre_process = pre_process
@@ -145,14 +136,8 @@ class BertModel(MegatronModule):
         binary_logits = self.binary_head(pooled) if self.binary_head is not None else None
         if lm_labels is None:
             return logits.transpose(0, 1).contiguous(), binary_logits
-        labels = lm_labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
-        if self.fp16_lm_cross_entropy:
-            if logits.dtype != torch.half:
-                raise ValueError("--fp16-lm-cross-entropy needs fp16 logits (use it together with --fp16)")
-            loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, self.tp_group)
-        else:
-            loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)
-        return loss.transpose(0, 1).contiguous(), binary_logits
+        loss = lm_cross_entropy(logits, lm_labels, self.tp_group, self.fp16_lm_cross_entropy)
+        return loss, binary_logits
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
         """Megatron's nested layout (see the module docstring)."""

@@ -10,7 +10,7 @@
   hf_bloom.py).
 
 The per-tensor mappings are those of hf.py / hf_moe.py / hf_bloom.py, applied one layer at a time while the shared
-walk of megatron/checkpoint_conversion/hf_decoder.py reads or writes the folder.
+walk of megatron/checkpoint/conversion/hf_decoder.py reads or writes the folder.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 
-from megatron.checkpoint_conversion.hf_decoder import (
+from megatron.checkpoint.conversion.hf_decoder import (
     AddTensor,
     Checked,
     DecoderMapping,
@@ -27,7 +27,7 @@ from megatron.checkpoint_conversion.hf_decoder import (
     read_decoder,
     write_decoder,
 )
-from megatron.checkpoint_conversion.interchange import (
+from megatron.checkpoint.conversion.interchange import (
     EMBEDDINGS,
     FINAL_NORM,
     OUTPUT_LAYER,

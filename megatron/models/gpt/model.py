@@ -5,7 +5,6 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.checkpoint_keys import (  # noqa: F401 - Megatron's names, also importable from here
     LANGUAGE_MODEL_KEY,
@@ -14,10 +13,10 @@ from megatron.model.checkpoint_keys import (  # noqa: F401 - Megatron's names, a
     flatten_checkpoint_state_dict,
 )
 from megatron.model.enums import AttnMaskType
-from megatron.model.language_model import TransformerLanguageModel, parallel_lm_logits
-from megatron.model.layer_specs import gpt_layer_spec
+from megatron.model.language_model import TransformerLanguageModel, lm_cross_entropy, parallel_lm_logits
 from megatron.model.module import MegatronModule
-from megatron.model.utils import group_size
+from megatron.model.utils import check_model_layout, resolve_tp_group
+from megatron.models.gpt.layer_spec import gpt_layer_spec
 
 
 def post_language_model_processing(
@@ -33,14 +32,7 @@ def post_language_model_processing(
     output = parallel_lm_logits(lm_output, logit_weights, parallel_output, tp_group, sequence_parallel=sequence_parallel)
     if labels is None:
         return output.transpose(0, 1).contiguous()
-    labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
-    if fp16_lm_cross_entropy:
-        if output.dtype != torch.half:
-            raise ValueError("--fp16-lm-cross-entropy needs fp16 logits (use it together with --fp16)")
-        loss = tensor_parallel.vocab_parallel_cross_entropy(output, labels, tp_group)
-    else:
-        loss = tensor_parallel.vocab_parallel_cross_entropy(output.float(), labels, tp_group)
-    return loss.transpose(0, 1).contiguous()
+    return lm_cross_entropy(output, labels, tp_group, fp16_lm_cross_entropy)
 
 
 class GPTModel(MegatronModule):
@@ -59,30 +51,8 @@ class GPTModel(MegatronModule):
         fp16_lm_cross_entropy: bool = False,
     ) -> None:
         super().__init__(config=config, share_embeddings_and_output_weights=config.share_embeddings_and_output_weights)
-        if tp_group is None and pp_state is not None:
-            tp_group = getattr(pp_state, "tp_group", None)
-        if config.padded_vocab_size <= 0:
-            raise ValueError(
-                "TransformerConfig.padded_vocab_size is not set: build the tokenizer first "
-                "(it sets args.padded_vocab_size) or pass padded_vocab_size"
-            )
-        tp_size = group_size(tp_group)
-        if tp_size != config.tensor_model_parallel_size:
-            raise ValueError(
-                f"GPTModel: config.tensor_model_parallel_size={config.tensor_model_parallel_size} but the tp_group "
-                f"has {tp_size} ranks; pass tp_group=parallel_state.tp_group (or pp_state=parallel_state)"
-            )
-        pp_size = getattr(pp_state, "pp_size", 1) if pp_state is not None else 1
-        if pp_size != config.pipeline_model_parallel_size:
-            raise ValueError(
-                f"GPTModel: config.pipeline_model_parallel_size={config.pipeline_model_parallel_size} but pp_state "
-                f"has pp_size={pp_size}; pass pp_state=parallel_state"
-            )
-        if config.padded_vocab_size % tp_size != 0:
-            raise ValueError(
-                f"padded vocab size {config.padded_vocab_size} is not divisible by --tensor-model-parallel-size "
-                f"{tp_size}; pad it with --make-vocab-size-divisible-by"
-            )
+        tp_group = resolve_tp_group(tp_group, pp_state)
+        check_model_layout("GPTModel", config, tp_group, pp_state)
         self.tp_group = tp_group
         self.pp_state = pp_state
         self.parallel_output = parallel_output

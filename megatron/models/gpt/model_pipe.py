@@ -25,7 +25,7 @@ split as our non-DeepSpeed pipeline. The process topology is DeepSpeed's ``PipeM
 axes (pipe, data, model) put TP fastest, then DP, then PP: the layout of megatron.core.parallel_state.
 
 The module also provides the layer-file <-> Megatron state-dict mapping used by the DeepSpeed checkpoint conversion
-(megatron/checkpoint_conversion/deepspeed_format.py; `pipe_layer_specs_names`, `megatron_state_dict_from_pipe_layers`, `pipe_layers_from_megatron_state_dict`).
+(megatron/checkpoint/conversion/deepspeed_format.py; `pipe_layer_specs_names`, `megatron_state_dict_from_pipe_layers`, `pipe_layers_from_megatron_state_dict`).
 DeepSpeed is imported only when a `GPTModelPipe` is built; the mapping functions never import it.
 """
 from __future__ import annotations
@@ -40,10 +40,10 @@ from megatron.core.transformer_config import TransformerConfig
 from megatron.errors import MegatronUserError
 from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
 from megatron.model.enums import AttnMaskType
-from megatron.model.language_model import Embedding, parallel_lm_logits
-from megatron.model.layer_specs import gpt_layer_spec
+from megatron.model.language_model import Embedding, lm_cross_entropy, parallel_lm_logits
 from megatron.model.norms import build_norm
 from megatron.model.transformer import ParallelTransformerLayer
+from megatron.models.gpt.layer_spec import gpt_layer_spec
 
 EMBEDDING_PREFIX = "language_model.embedding."
 LAYER_PREFIX = "language_model.encoder.layers.{}."
@@ -147,14 +147,7 @@ class GPTLossPipe:
 
     def __call__(self, logits: torch.Tensor, labels_and_mask: Any) -> torch.Tensor:
         labels, loss_mask = labels_and_mask
-        labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
-        if self.fp16_lm_cross_entropy:
-            if logits.dtype != torch.half:
-                raise ValueError("--fp16-lm-cross-entropy needs fp16 logits (use it together with --fp16)")
-            losses = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, self.tp_group)
-        else:
-            losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)
-        losses = losses.transpose(0, 1).contiguous().float()
+        losses = lm_cross_entropy(logits, labels, self.tp_group, self.fp16_lm_cross_entropy).float()
         loss_mask = loss_mask.view(-1).float()
         return torch.sum(losses.view(-1) * loss_mask) / loss_mask.sum()
 

@@ -26,7 +26,6 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model.checkpoint_keys import (
     LANGUAGE_MODEL_KEY,
@@ -34,10 +33,15 @@ from megatron.model.checkpoint_keys import (
     flatten_checkpoint_state_dict,
 )
 from megatron.model.enums import AttnMaskType
-from megatron.model.language_model import TiedLMHeadWithBias, TransformerLanguageModel, sequential_position_ids
-from megatron.model.layer_specs import t5_decoder_layer_spec, t5_encoder_layer_spec
+from megatron.model.language_model import (
+    TiedLMHeadWithBias,
+    TransformerLanguageModel,
+    lm_cross_entropy,
+    sequential_position_ids,
+)
 from megatron.model.module import MegatronModule
-from megatron.model.utils import group_size
+from megatron.model.utils import check_model_layout, pp_size_of, resolve_tp_group
+from megatron.models.t5.layer_spec import t5_decoder_layer_spec, t5_encoder_layer_spec
 
 LM_HEAD_KEY = "lm_head"
 PP_SPLIT_MISSING = ("T5 with --pipeline-model-parallel-size > 1 needs --pipeline-model-parallel-split-rank R "
@@ -50,7 +54,7 @@ def t5_stage_roles(pp_state: Optional[Any]) -> tuple[bool, bool, bool, bool]:
     """(pre_process, post_process, add_encoder, add_decoder) of this pipeline stage under the split rank R
     (Megatron 23.06's get_model for encoder-and-decoder models): stages 0 and R embed, stages R-1 and P-1 end a stack,
     stages < R hold encoder layers and stages >= R decoder layers."""
-    pp = getattr(pp_state, "pp_size", 1) if pp_state is not None else 1
+    pp = pp_size_of(pp_state)
     if pp == 1:
         return True, True, True, True
     if getattr(pp_state, "virtual_pp_size", None) is not None:
@@ -77,21 +81,13 @@ def _with_layers(config: TransformerConfig, layers: Optional[int]) -> Transforme
 
 
 def _check_layout(config: TransformerConfig, tp_group: Optional[Any], pp_state: Optional[Any]) -> None:
-    if config.padded_vocab_size <= 0:
-        raise ValueError("TransformerConfig.padded_vocab_size is not set: build the tokenizer first")
-    tp = group_size(tp_group)
-    if tp != config.tensor_model_parallel_size:
-        raise ValueError(f"T5Model: config.tensor_model_parallel_size={config.tensor_model_parallel_size} but the "
-                         f"tp_group has {tp} ranks; pass pp_state=parallel_state")
-    pp = getattr(pp_state, "pp_size", 1) if pp_state is not None else 1
+    check_model_layout("T5Model", config, tp_group, pp_state, check_pp=False)
+    pp = pp_size_of(pp_state)
     if config.pipeline_model_parallel_size > 1 and pp == 1:  # no pipeline groups, so no split rank either
         raise ValueError(PP_SPLIT_MISSING)
     if pp > 1 and pp != config.pipeline_model_parallel_size:
         raise ValueError(f"T5Model: config.pipeline_model_parallel_size={config.pipeline_model_parallel_size} but "
                          f"pp_state has {pp} stages")
-    if config.padded_vocab_size % tp:
-        raise ValueError(f"padded vocab size {config.padded_vocab_size} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}; pad it with --make-vocab-size-divisible-by")
     if not config.share_embeddings_and_output_weights:
         raise ValueError("T5 ties its output layer to the word embeddings: drop --untie-embeddings-and-output-weights")
     if config.position_embedding_type != "learned_absolute":
@@ -144,10 +140,9 @@ class T5Model(MegatronModule):
         fp16_lm_cross_entropy: bool = False,
     ) -> None:
         super().__init__(config=config, share_embeddings_and_output_weights=True)
-        if tp_group is None and pp_state is not None:
-            tp_group = getattr(pp_state, "tp_group", None)
+        tp_group = resolve_tp_group(tp_group, pp_state)
         _check_layout(config, tp_group, pp_state)
-        pipelined = pp_state is not None and getattr(pp_state, "pp_size", 1) > 1
+        pipelined = pp_size_of(pp_state) > 1
         add_encoder = add_decoder = True
         if pipelined:
             pre_process, post_process, add_encoder, add_decoder = t5_stage_roles(pp_state)
@@ -241,14 +236,7 @@ class T5Model(MegatronModule):
         logits = self.lm_head(decoder_output, self.shared_embedding_or_output_weight())
         if lm_labels is None:
             return logits.transpose(0, 1).contiguous()
-        labels = lm_labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
-        if self.fp16_lm_cross_entropy:
-            if logits.dtype != torch.half:
-                raise ValueError("--fp16-lm-cross-entropy needs fp16 logits (use it together with --fp16)")
-            loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, self.tp_group)
-        else:
-            loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)
-        return loss.transpose(0, 1).contiguous()
+        return lm_cross_entropy(logits, lm_labels, self.tp_group, self.fp16_lm_cross_entropy)
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
         """Megatron's nested layout (see the module docstring)."""

@@ -1,7 +1,7 @@
 """`tools/checkpoint/convert.py`: Megatron-LM's command line (--model-type, --loader, --saver, --load-dir,
 --save-dir, --target-*-parallel-size, --true-vocab-size | --vocab-file, --megatron-path) over the plugins. A
 training checkpoint converted megatron -> megatron keeps its optimizer state unless --no-save-optim (resume on another
-layout: megatron/checkpoint_conversion/optimizer_state.py).
+layout: megatron/checkpoint/conversion/optimizer_state.py).
 
 The output is written into a temporary sibling folder and renamed to --save-dir only when everything succeeded, so a
 failure leaves nothing under the target name. The model flags for the converted checkpoint are printed at the end.
@@ -14,9 +14,9 @@ import shutil
 import sys
 from typing import Any, Dict, List, Optional
 
-from megatron.checkpoint_conversion.interchange import MODEL_TYPES, SUPPORTED_MODEL_TYPES, ConversionError, model_flags
-from megatron.checkpoint_conversion.plugins import resolve_plugin
-from megatron.cli_parser import FlagParser
+from megatron.checkpoint.conversion.interchange import MODEL_TYPES, SUPPORTED_MODEL_TYPES, ConversionError, model_flags
+from megatron.checkpoint.conversion.plugins import resolve_plugin
+from megatron.settings.cli_parser import FlagParser
 
 
 def base_parser() -> argparse.ArgumentParser:
@@ -92,7 +92,7 @@ def _check_args(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise ConversionError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     if args.vocab_file:
-        from megatron.checkpoint_conversion.vocab import true_vocab_size_from_file
+        from megatron.checkpoint.conversion.vocab import true_vocab_size_from_file
 
         args.true_vocab_size = true_vocab_size_from_file(args.vocab_file)
     load, save = os.path.abspath(args.load_dir), os.path.abspath(args.save_dir)

@@ -1,7 +1,7 @@
 """Every command-line destination that is not a model-config field: where it is read, or why it is refused.
 
 "Nothing accepted is ignored": each parser destination of each entry script is exactly one of
-  * a source of a `TransformerConfig` field (megatron/config_flags.py, `CONFIG_FIELDS`);
+  * a source of a `TransformerConfig` field (megatron/settings/config_flags.py, `CONFIG_FIELDS`);
   * a run-time setting (`RUNTIME_SETTINGS`: dest -> the file that reads it; the every-flag test checks that the
     file mentions it);
   * a setting that only picks a kernel or communication variant in Megatron and gives the same numbers

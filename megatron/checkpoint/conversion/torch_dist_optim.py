@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint_conversion.interchange import ConversionError
+from megatron.checkpoint.conversion.interchange import ConversionError
 
 PREFIX = "optimizer.state."
 SHARDING_TYPE = "fully_reshardable"
@@ -60,7 +60,7 @@ def optimizer_common(common: Dict[str, Any], state: Dict[str, Dict[str, torch.Te
     """The layout-independent part of a torch_dist folder's optimizer state, as the checkpoint converters carry it
     (``param_groups`` without params, ``grad_scaler``, ``step``, ``state_keys``); one-line errors when the folder has
     no optimizer state we can read."""
-    from megatron.checkpoint_conversion.torch_dist_buckets import BUCKETS, describe
+    from megatron.checkpoint.conversion.torch_dist_buckets import BUCKETS, describe
 
     kind = sharding_type(common)
     if kind == BUCKETS and describe(common):

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint_conversion.interchange import ConversionError, ModelMeta
+from megatron.checkpoint.conversion.interchange import ConversionError, ModelMeta
 from megatron.run_configs.saved_args import SavedRunArgs
 
 BUCKETS = "dp_reshardable"
@@ -88,7 +88,7 @@ def bucket_state(tensors: Dict[str, torch.Tensor], objects: Dict[str, Any], flat
     """({"optimizer": param groups, "grad_scaler"?}, {state key: our full flat dict}) of a dp_reshardable folder,
     from its bucket tensors and ShardedObjects (read_tensors / read_objects with the ``optimizer.distributed.``
     prefix) and the full model `flat` (ours, TP=1) that gives every parameter's shape."""
-    from megatron.checkpoint_conversion.megatron_format import layer_layouts
+    from megatron.checkpoint.conversion.megatron_format import layer_layouts
     from megatron.model.tp_shards import merge_tensor_parallel_state_dicts, split_tensor_parallel_state_dict
 
     what = f"{where}: its distributed optimizer state (Megatron Core's {BUCKETS} layout)"

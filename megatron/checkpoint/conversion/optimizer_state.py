@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from megatron.checkpoint_conversion.interchange import ConversionError
+from megatron.checkpoint.conversion.interchange import ConversionError
 
 PARAM = "param"
 _LAYER_RE = re.compile(r"^language_model\.(encoder|decoder)\.layers\.(\d+)\.(.+)$")
@@ -190,7 +190,7 @@ def common_part(optim_sd: Dict[str, Any]) -> Dict[str, Any]:
 
 def resize_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """Vocabulary rows of a weight or moment for the target padding (see the module docstring)."""
-    from megatron.checkpoint_conversion.vocab import repad_rows
+    from megatron.checkpoint.conversion.vocab import repad_rows
 
     return repad_rows(t, rows)
 

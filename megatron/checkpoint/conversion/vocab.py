@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from megatron.checkpoint_conversion.interchange import ConversionError
+from megatron.checkpoint.conversion.interchange import ConversionError
 from megatron.tokenizer.tokenizer import vocab_size_with_padding
 
 

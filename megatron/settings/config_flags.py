@@ -2,7 +2,7 @@
 
 `CONFIG_FIELDS` (field -> (the parser destinations it is computed from, how)) is derived from the settings'
 declarations (megatron/settings/: `setting(..., config=...)`); nothing is copied "because the name happens to
-match". `megatron.flag_registry` lists the other destinations (run-time settings read by training, data,
+match". `megatron.settings.flag_registry` lists the other destinations (run-time settings read by training, data,
 checkpointing, ...) and the flags that are refused; tests/test_every_flag.py checks that every destination of every
 entry script is in one of the two places.
 

@@ -15,8 +15,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint_conversion.hf_decoder import TOKENIZER_FILES
-from megatron.checkpoint_conversion.interchange import ConversionError, Message, ModelMeta
+from megatron.checkpoint.conversion.hf_decoder import TOKENIZER_FILES
+from megatron.checkpoint.conversion.interchange import ConversionError, Message, ModelMeta
 from megatron.models import registry
 
 SUPPORTED = registry.supported_architectures()

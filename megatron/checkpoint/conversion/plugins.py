@@ -15,7 +15,7 @@ import os
 import shutil
 from typing import Any, Dict, Iterator, Tuple
 
-from megatron.checkpoint_conversion.interchange import ConversionError, Message, ModelMeta
+from megatron.checkpoint.conversion.interchange import ConversionError, Message, ModelMeta
 
 
 def _trust(args: argparse.Namespace) -> bool:
@@ -48,10 +48,10 @@ class MegatronLoader:
 
     @staticmethod
     def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
-        from megatron.checkpoint_conversion.megatron_format import read_megatron
+        from megatron.checkpoint.conversion.megatron_format import read_megatron
 
         if args.model_type == "T5":  # encoder-decoder: its own stream (t5_format.py)
-            from megatron.checkpoint_conversion.t5_format import read_t5
+            from megatron.checkpoint.conversion.t5_format import read_t5
 
             if getattr(args, "iteration", None) is not None:
                 raise ConversionError("--iteration is not supported for --model-type T5: point the tracker file "
@@ -70,7 +70,7 @@ class HFLoader:
 
     @staticmethod
     def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
-        from megatron.checkpoint_conversion.hf_format import read_hf
+        from megatron.checkpoint.conversion.hf_format import read_hf
 
         return read_hf(args.load_dir, true_vocab_size=args.true_vocab_size, model_type=args.model_type,
                        trust=_trust(args))
@@ -88,7 +88,7 @@ class MegatronSaver:
     @staticmethod
     def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
                         save_dir: str) -> Dict[str, Any]:
-        from megatron.checkpoint_conversion.megatron_format import write_megatron
+        from megatron.checkpoint.conversion.megatron_format import write_megatron
 
         tp = args.target_tensor_parallel_size or meta.extra.get("tp") or 1
         pp = args.target_pipeline_parallel_size or meta.extra.get("pp") or 1
@@ -101,7 +101,7 @@ class MegatronSaver:
         copy_tokenizer_files(meta, save_dir, os.path.abspath(args.save_dir))
         meta.extra["target_split_rank"] = getattr(args, "target_pipeline_model_parallel_split_rank", None)
         if meta.model_type == "T5":
-            from megatron.checkpoint_conversion.t5_format import write_t5
+            from megatron.checkpoint.conversion.t5_format import write_t5
 
             files = write_t5(meta, messages, save_dir, tp, pp, vp_layers)
         else:
@@ -123,7 +123,7 @@ class HFSaver:
     @staticmethod
     def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
                         save_dir: str) -> Dict[str, Any]:
-        from megatron.checkpoint_conversion.hf_format import write_hf
+        from megatron.checkpoint.conversion.hf_format import write_hf
 
         for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
                      "target_num_layers_per_virtual_pipeline_stage"):
@@ -143,7 +143,7 @@ class DeepSpeedLoader:
 
     @staticmethod
     def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
-        from megatron.checkpoint_conversion.deepspeed_format import read_deepspeed
+        from megatron.checkpoint.conversion.deepspeed_format import read_deepspeed
 
         return read_deepspeed(args.load_dir, iteration=getattr(args, "iteration", None),
                               true_vocab_size=args.true_vocab_size, model_type=args.model_type, trust=_trust(args),
@@ -162,7 +162,7 @@ class DeepSpeedSaver:
     @staticmethod
     def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
                         save_dir: str) -> Dict[str, Any]:
-        from megatron.checkpoint_conversion.deepspeed_format import write_deepspeed
+        from megatron.checkpoint.conversion.deepspeed_format import write_deepspeed
 
         if args.target_num_layers_per_virtual_pipeline_stage:
             raise ConversionError("--saver deepspeed has no virtual pipeline chunks; drop "
@@ -175,29 +175,31 @@ class DeepSpeedSaver:
 
 
 class McoreLoader:
-    """Megatron Core checkpoints: per-rank `torch` files with Core names (any TP/PP) or a `torch_dist` folder."""
+    """Megatron Core checkpoints (GPT / Llama-family / MoE, BERT, T5): per-rank `torch` files with Core names (any
+    TP/PP; T5: one pipeline stage) or a `torch_dist` folder."""
 
     add_arguments = MegatronLoader.add_arguments
 
     @staticmethod
     def load_checkpoint(args: argparse.Namespace) -> Tuple[ModelMeta, Iterator[Message]]:
-        from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, read_megatron
-        from megatron.checkpoint_conversion.torch_dist import is_torch_dist, read_torch_dist
+        from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, read_megatron
+        from megatron.checkpoint.conversion.torch_dist import is_torch_dist, read_torch_dist
 
-        if args.model_type != "GPT":
-            raise ConversionError(f"--loader mcore reads GPT / Llama-family checkpoints, not --model-type "
-                                  f"{args.model_type}")
         iter_dir, _ = find_iteration_dir(args.load_dir, getattr(args, "iteration", None))
         if is_torch_dist(iter_dir):
             print(f" detected checkpoint format torch_dist in {iter_dir}", flush=True)
             return read_torch_dist(args.load_dir, trust=_trust(args), iteration=getattr(args, "iteration", None),
-                                   optimizer=bool(getattr(args, "keep_training_state", False)))
-        return read_megatron(args.load_dir, true_vocab_size=args.true_vocab_size, model_type="GPT",
+                                   optimizer=bool(getattr(args, "keep_training_state", False)),
+                                   model_type=args.model_type)
+        if args.model_type == "T5":  # T5's own stream; Core's names are read as ours (mcore_names.py)
+            return MegatronLoader.load_checkpoint(argparse.Namespace(**{**vars(args), "keep_training_state": False}))
+        return read_megatron(args.load_dir, true_vocab_size=args.true_vocab_size, model_type=args.model_type,
                              trust=_trust(args), iteration=getattr(args, "iteration", None))
 
 
 class McoreSaver:
-    """A `torch_dist` folder (Megatron-LM's default format; Megatron Core loads it at any layout)."""
+    """A `torch_dist` folder (Megatron-LM's default format; Megatron Core loads it at any layout) of a GPT /
+    Llama-family / MoE, BERT or T5 model (T5: weights only)."""
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -207,11 +209,11 @@ class McoreSaver:
     def save_checkpoint(meta: ModelMeta, messages: Iterator[Message], args: argparse.Namespace,
                         save_dir: str) -> Dict[str, Any]:
         from megatron.checkpoint.atomic_io import atomic_write_text
-        from megatron.checkpoint_conversion.megatron_format import sign_output
-        from megatron.checkpoint_conversion.torch_dist import write_torch_dist
+        from megatron.checkpoint.conversion.megatron_format import sign_output
+        from megatron.checkpoint.conversion.torch_dist import write_torch_dist
 
-        if meta.model_type != "GPT":
-            raise ConversionError(f"--saver mcore writes GPT / Llama-family models, not --model-type {meta.model_type}")
+        if meta.model_type == "T5" and meta.extra.get("optimizer"):
+            raise ConversionError("--saver mcore writes T5 models without their optimizer state: add --no-save-optim")
         name = "release" if meta.iteration is None else f"iter_{meta.iteration:07d}"
         write_torch_dist(meta, messages, os.path.join(save_dir, name))
         sign_output(os.path.join(save_dir, name), meta)  # its manifest, unless the source was read unverified

@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint_conversion.interchange import (
+from megatron.checkpoint.conversion.interchange import (
     ConversionError,
     Message,
     ModelMeta,
@@ -209,6 +209,34 @@ def read_core_rng(iter_dir: str, trust: bool = False) -> Optional[Dict[str, Any]
     return {"tp": shape[1], "pp": shape[0], "ranks": ranks}
 
 
+def core_rng_objects(rng: Dict[str, Any], dp_axis: bool = False) -> Dict[str, Any]:
+    """Megatron-LM 0.16's RNG ShardedObjects (training/checkpointing.py get_rng_state with torch_dist) of
+    ``{"tp", "pp", "ranks": {(tp rank, pp rank): RNG list}}`` (each rank's list of RNG dicts, one per data-parallel
+    rank, as its torch file holds it): ``rng_state/shard_{pp}.{tp}_{PP}.{TP}`` holding that list, or with `dp_axis`
+    (written under expert parallelism) ``rng_state/shard_{pp}.{tp}.{dp}_{PP}.{TP}.{DP}`` holding one DP rank's
+    ``[dict]``; each value the ShardedObject payload ``[data]``. The tracker's streams are written as Megatron Core
+    keeps them, one generator-state tensor per name (the CUDA one when the run had CUDA)."""
+    tp, pp = int(rng["tp"]), int(rng["pp"])
+    out: Dict[str, Any] = {}
+    for (t, p), states in rng["ranks"].items():
+        states = [_core_rng_dict(s) for s in (states if isinstance(states, list) else [states])]
+        if dp_axis:
+            for d, one in enumerate(states):
+                out[f"rng_state/shard_{p}.{t}.{d}_{pp}.{tp}.{len(states)}"] = [[one]]
+        else:
+            out[f"rng_state/shard_{p}.{t}_{pp}.{tp}"] = [states]
+    return out
+
+
+def _core_rng_dict(state: Dict[str, Any]) -> Dict[str, Any]:
+    """One RNG dict with its tracker streams as Megatron Core's tracker holds them (a tensor per name; ours keeps
+    {"cpu", "cuda"} and reads either form)."""
+    streams = state.get("rng_tracker_states") or {}
+    core = {name: (s.get("cuda") if s.get("cuda") is not None else s.get("cpu")) if isinstance(s, dict) else s
+            for name, s in streams.items()}
+    return {**state, "rng_tracker_states": core}
+
+
 def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """torch_dist's stacked Core tensors -> our full flat TP=1 state dict (one entry per layer)."""
     from megatron.model.mcore_names import is_core_t5
@@ -301,7 +329,8 @@ def _architecture(common: Dict[str, Any], tensors: Dict[str, torch.Tensor], path
         raise ConversionError(f"{path} records neither 'architecture' nor args with {', '.join(missing)}: "
                               "not a checkpoint this tool can describe")
     qkv = tensors.get("decoder.layers.self_attention.linear_qkv.weight")
-    if qkv is not None and qkv.size(0) != arch["num_layers"]:
+    if qkv is not None and "decoder.layers.cross_attention.linear_q.weight" not in tensors and \
+            qkv.size(0) != arch["num_layers"]:  # (a T5 decoder's count is its own)
         raise ConversionError(f"{path}: the tensors stack {qkv.size(0)} layers but the args say num_layers="
                               f"{arch['num_layers']}: mismatched files")
     if "output_layer.weight" in tensors:
@@ -314,8 +343,8 @@ def read_iteration_state(iter_dir: str, trust: bool = False
                          ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any], Dict[str, Dict[str, Any]]]:
     """(common state, architecture, our full flat TP=1 state dict, {optimizer state key: our full flat dict}) of one
     torch_dist iteration folder (the last empty without model-space optimizer state: torch_dist_optim.py)."""
-    from megatron.checkpoint_conversion.torch_dist_buckets import BUCKETS, UNREADABLE, bucket_state
-    from megatron.checkpoint_conversion.torch_dist_optim import sharding_type, split_optimizer_tensors
+    from megatron.checkpoint.conversion.torch_dist_buckets import BUCKETS, UNREADABLE, bucket_state
+    from megatron.checkpoint.conversion.torch_dist_optim import sharding_type, split_optimizer_tensors
 
     common = read_common(iter_dir, trust)
     tensors, opt = split_optimizer_tensors(read_tensors(iter_dir))
@@ -343,28 +372,51 @@ def read_iteration(iter_dir: str, trust: bool = False) -> Tuple[Dict[str, Any], 
     return common, arch, flat
 
 
-def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int] = None, optimizer: bool = False
-                    ) -> Tuple[ModelMeta, Iterator[Message]]:
-    """Loader: (meta, message stream) of a torch_dist checkpoint (the tracker's iteration, or `iteration`); with
-    `optimizer` the messages carry its model-space optimizer state (torch_dist_optim.py) when it has one."""
-    from megatron.checkpoint_conversion.megatron_format import find_iteration_dir, verified_source
-    from megatron.checkpoint_conversion.torch_dist_optim import optimizer_common
+def model_type_of(flat: Dict[str, Any]) -> str:
+    """GPT, BERT or T5: the model type of our full flat state dict (a decoder stack: T5; BERT's heads: BERT)."""
+    if any(k.startswith("language_model.decoder.") for k in flat):
+        return "T5"
+    return "BERT" if any(k.startswith(("lm_head.", "binary_head.")) for k in flat) else "GPT"
+
+
+def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int] = None, optimizer: bool = False,
+                    model_type: str = "GPT") -> Tuple[ModelMeta, Iterator[Message]]:
+    """Loader: (meta, message stream) of a torch_dist checkpoint of a `model_type` model (the tracker's iteration, or
+    `iteration`); with `optimizer` the messages carry its model-space optimizer state (torch_dist_optim.py) when it
+    has one (GPT and BERT; a T5 folder gives its weights)."""
+    from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, verified_source
+    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
 
     iter_dir, it = find_iteration_dir(load_dir, iteration)
     # checked against its manifest as --load does (the newest intact iteration; an explicit one must verify)
     iter_dir, it, verified = verified_source(load_dir, iter_dir, it, explicit=iteration is not None)
     common, arch, flat, opt = read_iteration_state(iter_dir, trust)
-    if any(k.startswith("language_model.decoder.") for k in flat):
-        raise ConversionError(f"{iter_dir} holds a T5 model (Megatron Core's T5Model): convert.py reads GPT / "
-                              "Llama-family torch_dist folders; load it with --load into a T5 run instead")
+    found = model_type_of(flat)
+    if found != model_type:
+        raise ConversionError(f"{iter_dir} holds a {found} model (Megatron Core names): pass --model-type {found}")
     args = common.get("args")
     saved = SavedRunArgs.from_args(args)
-    meta = ModelMeta(model_type="GPT", architecture=arch, iteration=None if it is None else int(common.get(
+    meta = ModelMeta(model_type=model_type, architecture=arch, iteration=None if it is None else int(common.get(
         "iteration", it)), checkpoint_args=args, true_vocab_size=saved.true_vocab_size,
         consumed_train_samples=int(common.get("consumed_train_samples", saved.consumed_train_samples) or 0),
         consumed_valid_samples=int(common.get("consumed_valid_samples", saved.consumed_valid_samples) or 0),
         make_vocab_size_divisible_by=saved.make_vocab_size_divisible_by,
         tokenizer=saved.tokenizer_dict(), source=iter_dir, extra={"unverified_source": None if verified else iter_dir})
+    if model_type == "BERT":
+        tokentypes = flat.get("language_model.embedding.tokentype_embeddings.weight")
+        meta.extra["bert"] = {"num_tokentypes": 0 if tokentypes is None else int(tokentypes.size(0)),
+                              "add_binary_head": "binary_head.weight" in flat}
+    if model_type == "T5":  # each stack's layer count from its tensors
+        counts = [len({k[len(f"language_model.{s}.layers."):].split(".")[0] for k in flat
+                       if k.startswith(f"language_model.{s}.layers.")}) for s in ("encoder", "decoder")]
+        meta.extra["t5"] = {"encoder_num_layers": counts[0], "decoder_num_layers": counts[1]}
+        meta.extra["split_rank"] = None
+        from megatron.checkpoint.conversion.t5_format import t5_messages_from_state_dict
+
+        if optimizer and meta.iteration is not None and (opt or common.get("optimizer")):
+            print(f"note: {iter_dir}: a T5 model's optimizer state is not converted; writing the weights only",
+                  flush=True)
+        return meta, t5_messages_from_state_dict(flat, *counts)
     messages = messages_from_state_dict(flat, arch["num_layers"])
     if not optimizer or meta.iteration is None or not (opt or common.get("optimizer")):
         return meta, messages
@@ -388,20 +440,23 @@ def _with_optimizer(messages: Iterator[Message], per_key: Dict[str, Iterator[Mes
 
 
 def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str,
-                     extra_common: Optional[Dict[str, Any]] = None) -> None:
+                     extra_common: Optional[Dict[str, Any]] = None, rng: Optional[Dict[str, Any]] = None,
+                     rng_dp_axis: bool = False) -> None:
     """Write one torch_dist iteration folder from a message stream (into a temporary folder, renamed at the end).
     Messages with training state (`Message.optimizer`, `meta.extra["optimizer"]`) add the optimizer state in Megatron
-    Core's fully_reshardable layout (torch_dist_optim.py)."""
+    Core's fully_reshardable layout (torch_dist_optim.py); `rng` (``{"tp", "pp", "ranks"}``) adds Megatron-LM's
+    ``rng_state`` ShardedObjects (core_rng_objects)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
-    from megatron.checkpoint_conversion.torch_dist_optim import PARAM, common_entry, state_tensors
+    from megatron.checkpoint.conversion.torch_dist_optim import PARAM, common_entry, state_tensors
 
     msgs = list(messages)
     num_layers = int(meta.architecture["num_layers"])
     t5 = meta.model_type == "T5"
     if t5:
-        from megatron.checkpoint_conversion.t5_format import t5_state_dict_from_messages
+        from megatron.checkpoint.conversion.t5_format import t5_state_dict_from_messages
 
         flat = t5_state_dict_from_messages(iter(msgs))
     else:
@@ -433,10 +488,14 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
             for e in range(experts):
                 state[f"decoder.layers.mlp.experts.experts.linear_fc{w}._extra_state/shard_{i}.{e}_{num_layers}."
                       f"{experts}"] = [None]
+    if rng is not None:
+        state.update(core_rng_objects(rng, rng_dp_axis))
     tmp = iter_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+    # the keys are already flat: nested payloads (the RNG dicts) stay one pickled object each, as Megatron Core's
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True,
+             planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
     args = meta.checkpoint_args if meta.checkpoint_args is not None else args_namespace(meta)
     common = {"args": args, "checkpoint_version": 3.0, "iteration": meta.iteration or 0,
               "architecture": dict(meta.architecture), **(extra_common or {})}

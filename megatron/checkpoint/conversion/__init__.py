@@ -7,4 +7,4 @@ parameter names, one part of the model at a time (embeddings, each transformer l
 (`plugins.resolve_plugin`); the interchange form is the only thing they share, so a new family (BERT, T5) adds its
 messages and adapters without touching the others.
 """
-from megatron.checkpoint_conversion.interchange import ConversionError, Message, ModelMeta  # noqa: F401
+from megatron.checkpoint.conversion.interchange import ConversionError, Message, ModelMeta  # noqa: F401

@@ -28,8 +28,8 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint_conversion.interchange import ConversionError, Message, ModelMeta
-from megatron.checkpoint_conversion.megatron_format import (
+from megatron.checkpoint.conversion.interchange import ConversionError, Message, ModelMeta
+from megatron.checkpoint.conversion.megatron_format import (
     WORD,
     MegatronCheckpointReader,
     _architecture_from,
@@ -96,7 +96,7 @@ def resolve_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
 def verified_tag_dir(load_dir: str, iteration: Optional[int] = None) -> Tuple[str, bool]:
     """(tag folder, verified): resolve_tag_dir checked against its manifest as --load does (megatron_format's
     verified_source: the newest intact global_stepN at or below 'latest''s; an explicit one must verify)."""
-    from megatron.checkpoint_conversion.megatron_format import verified_source
+    from megatron.checkpoint.conversion.megatron_format import verified_source
 
     tag_dir = resolve_tag_dir(load_dir, iteration)
     m = re.fullmatch(r"global_step(\d+)", os.path.basename(os.path.normpath(tag_dir)))
@@ -259,7 +259,7 @@ def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab
     if reader.rng_states and all(r is not None for r in reader.rng_states.values()):
         meta.extra["rng_states"] = reader.rng_states  # kept by write_megatron when the layout is unchanged
     if optimizer and reader.layout == "module":
-        from megatron.checkpoint_conversion.optimizer_state import ForeignOptimizerState, attach_zero_state
+        from megatron.checkpoint.conversion.optimizer_state import ForeignOptimizerState, attach_zero_state
 
         try:
             attach_zero_state(reader, lambda path: _load(path, trust))
@@ -314,7 +314,7 @@ def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str,
     import shutil
 
     from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
-    from megatron.checkpoint_conversion.megatron_format import (
+    from megatron.checkpoint.conversion.megatron_format import (
         find_iteration_dir,
         rank_files,
         sign_output,

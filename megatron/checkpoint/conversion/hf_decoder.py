@@ -12,8 +12,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint_conversion.hf_tokenizer_export import export_tokenizer, write_generation_config
-from megatron.checkpoint_conversion.interchange import (
+from megatron.checkpoint.conversion.hf_tokenizer_export import export_tokenizer, write_generation_config
+from megatron.checkpoint.conversion.interchange import (
     EMBEDDINGS,
     FINAL_NORM,
     OUTPUT_LAYER,

@@ -1,0 +1,68 @@
+"""RunConfigs: one run's typed records together, built once from the parsed flags and passed down explicitly.
+
+`pretrain()` (megatron/training.py) builds one `RunConfigs` after start-up and hands it, with the `TrainingState`, to
+the loop, the training backends (megatron/backend/), the model set-up and the checkpoint code, which read the record
+they need (``configs.checkpoint``, ``configs.step``, ...) instead of ``args``. Megatron's public functions that take
+no records (``save_checkpoint(iteration, model, optimizer, opt_param_scheduler)``, ``load_checkpoint(...)``,
+``get_model(...)``) stay thin wrappers: they build the record they need from the flags and call the typed core.
+
+``flags`` is the parsed namespace itself, for what is the namespace by nature (the ``args`` record a checkpoint
+stores for Megatron's tools; ``model_type`` and ``iteration``, which Megatron records on it) and for the code not
+converted yet (the LR schedule builder, megatron/ds/engine.py, the data checks, the log writers, the memory
+estimate). Read a record, not ``flags``, where there is one: tests/test_run_configs_built_once.py caps the reads.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Mapping
+
+from megatron.run_configs.batch import BatchSettings
+from megatron.run_configs.checkpoint import CheckpointSettings
+from megatron.run_configs.deepspeed import DeepSpeedSettings
+from megatron.run_configs.log_settings import LogSettings
+from megatron.run_configs.memory import MemorySettings
+from megatron.run_configs.model_wrap import ModelWrapSettings
+from megatron.run_configs.moe_losses import MoELossSettings
+from megatron.run_configs.run_settings import LoopSettings
+from megatron.run_configs.step import StepSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfigs:
+    """The records of one run (see the module docstring)."""
+
+    checkpoint: CheckpointSettings
+    deepspeed: DeepSpeedSettings
+    step: StepSettings
+    model_wrap: ModelWrapSettings
+    log: LogSettings
+    memory: MemorySettings
+    loop: LoopSettings
+    batch: BatchSettings
+    moe: MoELossSettings
+    architecture: Mapping[str, Any]  # the checkpoint's ``architecture`` record of this run (checked on load)
+    transformer: Any  # the model's TransformerConfig (the FLOPs of the log line, the fused-kernels line)
+    optimizer: Any  # the OptimizerConfig (megatron/optimizer/optimizer_config.py)
+    flags: argparse.Namespace = dataclasses.field(repr=False, compare=False)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, load_arg: str = "load") -> RunConfigs:
+        """All records from validated flags (`load_arg`: the flag naming the folder checkpoints load from)."""
+        from megatron.arguments import core_transformer_config_from_args
+        from megatron.checkpoint.args import architecture_from_args
+        from megatron.optimizer.optimizer_config import optimizer_config_from_args
+
+        return cls(
+            checkpoint=CheckpointSettings.from_args(args, load_arg), deepspeed=DeepSpeedSettings.from_args(args),
+            step=StepSettings.from_args(args), model_wrap=ModelWrapSettings.from_args(args),
+            log=LogSettings.from_args(args), memory=MemorySettings.from_args(args), loop=LoopSettings.from_args(args),
+            batch=BatchSettings.from_args(args), moe=MoELossSettings.from_args(args),
+            architecture=architecture_from_args(args), transformer=core_transformer_config_from_args(args),
+            optimizer=optimizer_config_from_args(args), flags=args,
+        )
+
+    def with_run_length(self) -> RunConfigs:
+        """After the LR schedule's set-up, which turns --train-samples into --train-iters (Megatron's order): the
+        loop's length from the flags."""
+        return dataclasses.replace(self, loop=dataclasses.replace(self.loop, train_iters=self.flags.train_iters))

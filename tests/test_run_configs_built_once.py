@@ -1,0 +1,102 @@
+"""The run's typed records are built once, in pretrain(), and passed down (issue #23, "Settings and state").
+
+An AST scan of the training loop, the backends, the model set-up and the checkpoint code: no library function there
+builds a record from the flags (``X.from_args(args)``) except Megatron's public wrappers that take no records
+(`WRAPPERS`); no function takes a parameter named ``args`` except those wrappers and the flag-layer functions that
+read or write the namespace by design (`FLAG_SIDE`); pretrain() builds `RunConfigs` exactly once; the reads of the
+transitional ``configs.flags`` stay under their ceiling (a file may go down, never up). No processes.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+AREA = ("megatron/training.py", "megatron/model_setup.py", "megatron/backend/__init__.py", "megatron/backend/base.py",
+        "megatron/backend/megatron.py", "megatron/backend/deepspeed.py", "megatron/checkpoint/checkpointing.py",
+        "megatron/checkpoint/formats.py")
+# Megatron's public signatures users call with the flags (or none: the global flags); each builds the record it
+# needs and calls the typed core (write_checkpoint, read_checkpoint, check_checkpoint_layout, build_model).
+WRAPPERS = {("megatron/checkpoint/checkpointing.py", "save_checkpoint"),
+            ("megatron/checkpoint/checkpointing.py", "load_checkpoint"),
+            ("megatron/checkpoint/checkpointing.py", "check_checkpoint_args"),
+            ("megatron/model_setup.py", "get_model")}
+# The namespace's own side: pretrain() parses the flags and builds the records; --use-checkpoint-args writes the checkpoint's architecture
+# onto them before validation; the LR schedule's builder turns --train-samples into --train-iters on them (as
+# Megatron's does; also used by megatron/ds/engine.py); _args_to_save copies them for a checkpoint.
+FLAG_SIDE = {("megatron/training.py", "pretrain"),
+             ("megatron/checkpoint/checkpointing.py", "load_args_from_checkpoint"),
+             ("megatron/checkpoint/checkpointing.py", "_args_to_save"),
+             ("megatron/model_setup.py", "_scheduler_steps"),
+             ("megatron/model_setup.py", "get_optimizer_param_scheduler"),
+             ("megatron/model_setup.py", "update_train_iters")}
+# ``configs.flags`` reads left per file (code not converted yet: the DeepSpeed engine glue, the LR schedule, the data
+# checks, the log writers, the memory estimate; Megatron's ``args`` record in checkpoints).
+FLAGS_CEILING = {"megatron/training.py": 8, "megatron/backend/megatron.py": 2, "megatron/backend/deepspeed.py": 6,
+                 "megatron/checkpoint/checkpointing.py": 1}
+
+
+def _functions(rel: str) -> list[ast.FunctionDef]:
+    tree = ast.parse((ROOT / rel).read_text(encoding="utf-8"))
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _builds_from_args(fn: ast.FunctionDef) -> bool:
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "from_args"
+               and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id == "args" for n in ast.walk(fn))
+
+
+def test_library_functions_take_records_not_args() -> None:
+    builds, takes = [], []
+    for rel in AREA:
+        for fn in _functions(rel):
+            if (rel, fn.name) in WRAPPERS or (rel, fn.name) in FLAG_SIDE:
+                continue
+            if _builds_from_args(fn):
+                builds.append(f"{rel}:{fn.name}")
+            params = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+            if "args" in params:
+                takes.append(f"{rel}:{fn.name}")
+    assert not builds, f"build a record from args (take it from RunConfigs instead): {builds}"
+    assert not takes, f"take args (take RunConfigs or one record instead): {takes}"
+
+
+def test_pretrain_builds_the_records_once() -> None:
+    (pretrain,) = [fn for fn in _functions("megatron/training.py") if fn.name == "pretrain"]
+    builds = [n for n in ast.walk(pretrain) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+              and n.func.attr == "from_args"]
+    assert [(b.func.value.id, b.args[0].id) for b in builds] == [("RunConfigs", "args")]
+    for fn in _functions("megatron/training.py"):
+        if fn.name != "pretrain":
+            assert not [n for n in ast.walk(fn) if isinstance(n, ast.Attribute) and n.attr == "from_args"], fn.name
+
+
+def test_flags_reads_only_go_down() -> None:
+    found = {rel: (ROOT / rel).read_text(encoding="utf-8").count(".flags") for rel in AREA}
+    over = {rel: (n, FLAGS_CEILING.get(rel, 0)) for rel, n in found.items() if n > FLAGS_CEILING.get(rel, 0)}
+    assert not over, f"configs.flags reads above the ceiling (file: (now, ceiling)): {over}; read a record"
+
+
+def test_the_bundle_holds_the_records_the_flags_give() -> None:
+    import argparse
+
+    from megatron.arguments import parse_args, validate_args
+    from megatron.run_configs.bundle import RunConfigs
+    from megatron.run_configs.checkpoint import CheckpointSettings
+    from megatron.run_configs.step import StepSettings
+
+    args = validate_args(parse_args(None, False, [
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--train-samples", "64", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+        "--save", "/tmp/x", "--eval-iters", "3"]), {})
+    args.padded_vocab_size = 128
+    configs = RunConfigs.from_args(args)
+    assert configs.checkpoint == CheckpointSettings.from_args(args)
+    assert configs.step == StepSettings.from_args(args)
+    assert (configs.batch.global_batch_size, configs.batch.eval_iters, configs.loop.save) == (4, 3, "/tmp/x")
+    assert configs.architecture["hidden_size"] == 32 and configs.transformer.hidden_size == 32
+    assert configs.flags is args
+    args.train_iters = 16  # what the LR schedule's set-up does with --train-samples 64 / --global-batch-size 4
+    assert configs.with_run_length().loop.train_iters == 16 and configs.loop.train_iters is None
+    assert isinstance(configs.flags, argparse.Namespace)
