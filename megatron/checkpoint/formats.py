@@ -157,13 +157,18 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
     each model-parallel rank's RNG state becomes Megatron-LM's ``rng_state`` ShardedObject; with `optimizer` the
     optimizer state goes along (fully_reshardable)."""
     from megatron.checkpoint.conversion.interchange import ConversionError
-    from megatron.checkpoint.conversion.megatron_format import expert_rank_files, rank_files, read_megatron
+    from megatron.checkpoint.conversion.megatron_format import (
+        dense_rank_files,
+        expert_rank_files,
+        rank_files,
+        read_megatron,
+    )
     from megatron.checkpoint.conversion.torch_dist import write_torch_dist
     from megatron.checkpoint.safe_load import safe_torch_load
 
     try:
         ep, expert_files = expert_rank_files(iter_dir)  # expert parallelism: read_megatron merges the experts
-        files = {(t, p): path for (t, p, e), path in expert_files.items() if e == 0} if ep > 1 else rank_files(iter_dir)
+        files = dense_rank_files(expert_files) if ep > 1 else rank_files(iter_dir)
         first = safe_torch_load(files[(0, 0)], map_location="cpu")
         last = first if len(files) == 1 else safe_torch_load(files[(0, max(p for _, p in files))], map_location="cpu")
         bert = any(k in ("lm_head", "binary_head") for k in last.get("model") or {})

@@ -175,7 +175,8 @@ class DeepSpeedSaver:
 
 
 class McoreLoader:
-    """Megatron Core checkpoints: per-rank `torch` files with Core names (any TP/PP) or a `torch_dist` folder."""
+    """Megatron Core checkpoints (GPT / Llama-family / MoE, BERT, T5): per-rank `torch` files with Core names (any
+    TP/PP; T5: one pipeline stage) or a `torch_dist` folder."""
 
     add_arguments = MegatronLoader.add_arguments
 
@@ -184,20 +185,21 @@ class McoreLoader:
         from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, read_megatron
         from megatron.checkpoint.conversion.torch_dist import is_torch_dist, read_torch_dist
 
-        if args.model_type != "GPT":
-            raise ConversionError(f"--loader mcore reads GPT / Llama-family checkpoints, not --model-type "
-                                  f"{args.model_type}")
         iter_dir, _ = find_iteration_dir(args.load_dir, getattr(args, "iteration", None))
         if is_torch_dist(iter_dir):
             print(f" detected checkpoint format torch_dist in {iter_dir}", flush=True)
             return read_torch_dist(args.load_dir, trust=_trust(args), iteration=getattr(args, "iteration", None),
-                                   optimizer=bool(getattr(args, "keep_training_state", False)))
-        return read_megatron(args.load_dir, true_vocab_size=args.true_vocab_size, model_type="GPT",
+                                   optimizer=bool(getattr(args, "keep_training_state", False)),
+                                   model_type=args.model_type)
+        if args.model_type == "T5":  # T5's own stream; Core's names are read as ours (mcore_names.py)
+            return MegatronLoader.load_checkpoint(argparse.Namespace(**{**vars(args), "keep_training_state": False}))
+        return read_megatron(args.load_dir, true_vocab_size=args.true_vocab_size, model_type=args.model_type,
                              trust=_trust(args), iteration=getattr(args, "iteration", None))
 
 
 class McoreSaver:
-    """A `torch_dist` folder (Megatron-LM's default format; Megatron Core loads it at any layout)."""
+    """A `torch_dist` folder (Megatron-LM's default format; Megatron Core loads it at any layout) of a GPT /
+    Llama-family / MoE, BERT or T5 model (T5: weights only)."""
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,8 +212,8 @@ class McoreSaver:
         from megatron.checkpoint.conversion.megatron_format import sign_output
         from megatron.checkpoint.conversion.torch_dist import write_torch_dist
 
-        if meta.model_type != "GPT":
-            raise ConversionError(f"--saver mcore writes GPT / Llama-family models, not --model-type {meta.model_type}")
+        if meta.model_type == "T5" and meta.extra.get("optimizer"):
+            raise ConversionError("--saver mcore writes T5 models without their optimizer state: add --no-save-optim")
         name = "release" if meta.iteration is None else f"iter_{meta.iteration:07d}"
         write_torch_dist(meta, messages, os.path.join(save_dir, name))
         sign_output(os.path.join(save_dir, name), meta)  # its manifest, unless the source was read unverified
