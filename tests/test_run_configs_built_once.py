@@ -14,17 +14,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 AREA = ("megatron/training.py", "megatron/model_setup.py", "megatron/backend/__init__.py", "megatron/backend/base.py",
         "megatron/backend/megatron.py", "megatron/backend/deepspeed.py", "megatron/checkpoint/checkpointing.py",
-        "megatron/checkpoint/formats.py")
+        "megatron/checkpoint/formats.py", "megatron/initialize.py")
 # Megatron's public signatures users call with the flags (or none: the global flags); each builds the record it
 # needs and calls the typed core (write_checkpoint, read_checkpoint, check_checkpoint_layout, build_model).
 WRAPPERS = {("megatron/checkpoint/checkpointing.py", "save_checkpoint"),
             ("megatron/checkpoint/checkpointing.py", "load_checkpoint"),
             ("megatron/checkpoint/checkpointing.py", "check_checkpoint_args"),
             ("megatron/model_setup.py", "get_model")}
-# The namespace's own side: pretrain() parses the flags and builds the records; --use-checkpoint-args writes the checkpoint's architecture
+# The namespace's own side: pretrain() parses the flags and builds the records; start-up records the process's
+# rank, world size and backend on them (finish_mpu_init, Megatron's name, over typed _start_process_group and
+# _initialize_model_parallel); --use-checkpoint-args writes the checkpoint's architecture
 # onto them before validation; the LR schedule's builder turns --train-samples into --train-iters on them (as
 # Megatron's does; also used by megatron/ds/engine.py); _args_to_save copies them for a checkpoint.
 FLAG_SIDE = {("megatron/training.py", "pretrain"),
+             ("megatron/initialize.py", "initialize_megatron"),  # its args: Megatron's argv list
+             ("megatron/initialize.py", "finish_mpu_init"),
              ("megatron/checkpoint/checkpointing.py", "load_args_from_checkpoint"),
              ("megatron/checkpoint/checkpointing.py", "_args_to_save"),
              ("megatron/model_setup.py", "_scheduler_steps"),
@@ -32,7 +36,7 @@ FLAG_SIDE = {("megatron/training.py", "pretrain"),
              ("megatron/model_setup.py", "update_train_iters")}
 # ``configs.flags`` reads left per file (code not converted yet: the LR schedule; Megatron's ``args`` record in
 # checkpoints and the run state Megatron keeps on it).
-FLAGS_CEILING = {"megatron/training.py": 5, "megatron/backend/megatron.py": 2, "megatron/backend/deepspeed.py": 2,
+FLAGS_CEILING = {"megatron/training.py": 5, "megatron/backend/megatron.py": 1, "megatron/backend/deepspeed.py": 2,
                  "megatron/checkpoint/checkpointing.py": 1}
 
 

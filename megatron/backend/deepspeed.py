@@ -83,16 +83,10 @@ class DeepSpeedBackend(TrainingBackend):
                                             state, counts, verbose, count_valid_samples), None
 
     def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
-             train_loss: Optional[float], train_state: Optional[TrainingState]) -> None:
-        flags = configs.flags  # Megatron's ``args`` record of the checkpoint is the flags (with the run state)
-        if train_state is None:  # a caller that keeps its run state on the flags
-            from megatron.checkpoint.checkpointing import _args_to_save
-
-            saved_args, run = _args_to_save(flags), TrainingState.from_args(flags)
-        else:
-            saved_args, run = train_state.megatron_args(flags), train_state
+             train_loss: Optional[float], train_state: TrainingState) -> None:
         ds_engine.save_deepspeed_checkpoint(iteration, model, optimizer, opt_param_scheduler, configs.checkpoint,
-                                            configs.architecture, saved_args, run)
+                                            configs.architecture, train_state.megatron_args(configs.flags),
+                                            train_state)
 
     def loss_scale(self, model: list, optimizer: Any) -> float:
         return ds_engine.deepspeed_loss_scale(model)

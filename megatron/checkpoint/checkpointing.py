@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 import numpy as np
 import torch
 
-from megatron.checkpoint import integrity
+from megatron.checkpoint import expert_shards, integrity
 from megatron.checkpoint.args import (
     architecture_from_args,
     compare_architecture,
@@ -319,6 +319,14 @@ def write_checkpoint(
     param_state = None
     if optimizer is not None and hasattr(optimizer, "get_parameter_state") and not cfg.no_save_optim:
         param_state = optimizer.get_parameter_state()  # collective over the data-parallel group
+    model_sds = optim_sd = None
+    if expert_shards.active(state):  # expert-TP > 1 != TP: the experts are saved whole (collective over expert-TP)
+        whole = expert_shards.gather(state)
+        model_sds = [expert_shards.model_state(_model_state_dict(chunk), models, whole) for chunk in models]
+        if param_state is not None:
+            param_state = expert_shards.param_state(param_state, whole, models)
+        elif optimizer is not None and not cfg.no_save_optim:
+            optim_sd = expert_shards.regular_optimizer_state(optimizer.state_dict(), models, whole)
     writer = state.writes_checkpoint
     if writer is None:  # a state built by hand: Megatron-LM's rule
         writer = (state.edp_rank if state.ep_size > 1 else state.dp_rank) == 0
@@ -336,14 +344,15 @@ def write_checkpoint(
         }
         if train_loss is not None:
             state_dict["train_loss"] = float(train_loss)
+        model_sds = model_sds or [_model_state_dict(chunk) for chunk in models]
         if len(models) == 1:
-            state_dict["model"] = _model_state_dict(models[0])
+            state_dict["model"] = model_sds[0]
         else:
-            for i, chunk in enumerate(models):
-                state_dict[f"model{i}"] = _model_state_dict(chunk)
+            for i, chunk_sd in enumerate(model_sds):
+                state_dict[f"model{i}"] = chunk_sd
         if not cfg.no_save_optim:
             if optimizer is not None:
-                state_dict["optimizer"] = optimizer.state_dict()
+                state_dict["optimizer"] = optim_sd if optim_sd is not None else optimizer.state_dict()
             if opt_param_scheduler is not None:
                 sched = opt_param_scheduler.state_dict()
                 state_dict["opt_param_scheduler"] = sched
@@ -471,9 +480,11 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
     return args
 
 
-def _load_optimizer(optimizer: Any, optim_sd: dict, models: list, checkpoint_name: str, trust: bool = False) -> None:
+def _load_optimizer(optimizer: Any, optim_sd: dict, models: list, checkpoint_name: str, trust: bool = False,
+                    experts_whole: bool = False) -> None:
     """Load the optimizer state; converts between the distributed optimizer's layout (``distrib_optim.pt``) and the
-    regular one in either direction (the saved state is complete per parameter)."""
+    regular one in either direction (the saved state is complete per parameter). `experts_whole`: the checkpoint
+    holds the experts whole and this rank takes its expert-TP slice (megatron/checkpoint/expert_shards.py)."""
     from megatron.optimizer.distrib_optimizer import param_state_to_regular_state, regular_state_to_param_state
 
     saved_distributed = isinstance(optim_sd, dict) and bool(optim_sd.get("distributed_optimizer", False))
@@ -485,6 +496,10 @@ def _load_optimizer(optimizer: Any, optim_sd: dict, models: list, checkpoint_nam
             raise CheckpointError(f"checkpoint {checkpoint_name} was saved with --use-distributed-optimizer but "
                                   f"{path} is missing; restore it or pass --no-load-optim")
         param_state = load_state_dict_file(path, trust)
+        if experts_whole:
+            param_state = expert_shards.param_state(param_state, expert_shards.take_slice(_state()), models)
+    elif experts_whole:
+        optim_sd = expert_shards.regular_optimizer_state(optim_sd, models, expert_shards.take_slice(_state()))
     try:
         if is_distributed:
             optimizer.load_state_dict(optim_sd)
@@ -700,14 +715,22 @@ def read_checkpoint(
         if on_restored is not None:
             on_restored(run, COUNTERS)
 
-    # Model weights.
+    # Model weights (expert-TP > 1 != TP: the checkpoint's experts are whole, this rank takes its slice).
+    experts_whole = expert_shards.active(state)
+    if experts_whole and ckpt_args is not None and not expert_shards.saved_whole(ckpt_args):
+        raise CheckpointError(f"checkpoint {checkpoint_name} holds its experts split over its TP ranks, this run "
+                              f"splits them over --expert-tensor-parallel-size {state.etp_size}: "
+                              f"{reshard_hint(load_dir)}, then load it with the expert-TP size it was converted to")
     for i, chunk in enumerate(models):
         key = "model" if len(models) == 1 else f"model{i}"
         if key not in sd:
             raise CheckpointError(f"checkpoint {checkpoint_name} has no '{key}' entry (saved with a different "
                                "--virtual-pipeline-model-parallel-size?)")
+        model_sd = sd[key]
+        if experts_whole:
+            model_sd = expert_shards.model_state(model_sd, models, expert_shards.take_slice(state))
         try:
-            unwrap_model(chunk).load_state_dict(_qkv_in_current_order(sd[key], sd, cfg), strict=strict)
+            unwrap_model(chunk).load_state_dict(_qkv_in_current_order(model_sd, sd, cfg), strict=strict)
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()
             detail = " ".join(line.strip() for line in first[1:3]) if len(first) > 1 else first[0]
@@ -722,7 +745,7 @@ def read_checkpoint(
         if optimizer is not None:
             if "optimizer" not in sd:
                 raise CheckpointError(f"checkpoint {checkpoint_name} has no optimizer state; pass --no-load-optim")
-            _load_optimizer(optimizer, sd["optimizer"], models, checkpoint_name, trust)
+            _load_optimizer(optimizer, sd["optimizer"], models, checkpoint_name, trust, experts_whole)
             loaded_optim = True
         if opt_param_scheduler is not None:
             sched = sd.get("opt_param_scheduler", sd.get("lr_scheduler"))

@@ -15,7 +15,7 @@ from megatron.model.fused_layer_norm import LayerNorm, MixedFusedLayerNorm
 from megatron.model.fused_softmax import FusedScaleMaskSoftmax
 from megatron.model.inference_params import InferenceParams
 from megatron.model.language_model import Embedding, Pooler, TransformerLanguageModel, parallel_lm_logits
-from megatron.model.layer_specs import TransformerLayerSpec, bert_layer_spec, gpt_layer_spec, transformer_layer_spec
+from megatron.model.layer_specs import TransformerLayerSpec, transformer_layer_spec
 from megatron.model.module import (
     Float16Module,
     MegatronModule,
@@ -35,7 +35,8 @@ from megatron.model.transformer import (
 # Family classes re-exported here, imported on first use (the family modules import this package's shared parts).
 _FAMILY_NAMES = {"BertModel": "megatron.models.bert.model", "T5Model": "megatron.models.t5.model",
                  "GPTModel": "megatron.models.gpt.model",
-                 "post_language_model_processing": "megatron.models.gpt.model"}
+                 "post_language_model_processing": "megatron.models.gpt.model",
+                 "gpt_layer_spec": "megatron.models.gpt.layer_spec", "bert_layer_spec": "megatron.models.bert.layer_spec"}
 
 
 def __getattr__(name: str) -> Any:

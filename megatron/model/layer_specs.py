@@ -4,12 +4,12 @@ A `TransformerLayerSpec` names a builder for each part of a layer (input norm, s
 cross-attention with its norm, pre-MLP norm, MLP); every builder is called as ``builder(config, layer_number,
 tp_group)``. `ParallelTransformerLayer` builds itself from a spec (keeping Megatron's attribute and checkpoint names:
 ``input_layernorm``, ``self_attention``, ``post_attention_layernorm``, ``inter_attention``,
-``post_inter_attention_layernorm``, ``mlp``); GPTModel and DeepSpeed's GPTModelPipe use `gpt_layer_spec`.
-BERT and T5 add their own functions here. An MoE model's GPT spec holds `moe_mlp_builder` as its MLP part.
+``post_inter_attention_layernorm``, ``mlp``). The shared parts and `transformer_layer_spec` are here; each family's
+spec is one function in its folder (megatron/models/gpt/layer_spec.py, bert/, t5/). An MoE model's GPT spec holds
+`moe_mlp_builder` as its MLP part.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -103,27 +103,19 @@ def transformer_layer_spec(self_attn_mask_type: AttnMaskType = AttnMaskType.padd
     )
 
 
-def gpt_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:
-    """GPT / Llama-family decoder-only layer: causal self-attention and an MLP (norms and variants from config);
-    with --num-experts the MLP is the mixture of experts on the layers --moe-layer-freq selects."""
-    spec = transformer_layer_spec(AttnMaskType.causal, cross_attention=False)
-    if config is not None and config.num_moe_experts is not None:
-        spec = dataclasses.replace(spec, mlp=moe_mlp_builder)
-    return spec
+# The families' specs live in their folders (megatron/models/<family>/layer_spec.py); their old names here resolve
+# lazily (an import at module level would be a cycle: the family specs are built from this module's parts).
+_FAMILY_SPECS = {
+    "gpt_layer_spec": "megatron.models.gpt.layer_spec",
+    "bert_layer_spec": "megatron.models.bert.layer_spec",
+    "t5_encoder_layer_spec": "megatron.models.t5.layer_spec",
+    "t5_decoder_layer_spec": "megatron.models.t5.layer_spec",
+}
 
 
-def bert_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:
-    """BERT encoder layer: the same parts as GPT's with bidirectional (padding-masked) self-attention."""
-    del config
-    return transformer_layer_spec(AttnMaskType.padding, cross_attention=False)
+def __getattr__(name: str) -> Any:
+    if name in _FAMILY_SPECS:
+        import importlib
 
-
-def t5_encoder_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:
-    """T5 encoder layer: BERT's layer (bidirectional, padding-masked self-attention)."""
-    return bert_layer_spec(config)
-
-
-def t5_decoder_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:
-    """T5 decoder layer: causal self-attention, cross-attention (``inter_attention``) with its norm, then the MLP."""
-    del config
-    return transformer_layer_spec(AttnMaskType.causal, cross_attention=True)
+        return getattr(importlib.import_module(_FAMILY_SPECS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

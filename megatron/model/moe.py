@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from megatron.core import expert_parallel, moe_aux, tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model import moe_permute
+from megatron.model import moe_permute, moe_swiglu_experts
 from megatron.model.mlp import ParallelMLP, activation_for
 from megatron.model.module import MegatronModule
 from megatron.model.utils import group_rank, group_size
@@ -289,6 +289,9 @@ class GroupedExperts(MegatronModule):
 
     def compute(self, grouped: torch.Tensor, weights: torch.Tensor, buckets: list) -> torch.Tensor:
         """The expert MLPs on padded groups [rows, h] laid out run by run (`buckets`), outputs times `weights`."""
+        if self.activation_name == "swiglu" and moe_swiglu_experts.applies(grouped, weights, self.weight1,
+                                                                            self.weight2):
+            return moe_swiglu_experts.swiglu_experts(grouped, weights, self.weight1, self.weight2, buckets)
         h = grouped.shape[-1]
         sizes = [num * size for _, num, size in buckets]
         if len(buckets) > 1:

@@ -81,10 +81,3 @@ def _check_expert_tensor_parallel(args: Any, tp: int, etp: int, ep: int) -> None
     if (getattr(args, "context_parallel_size", 1) or 1) > 1:
         raise ArgumentError("--expert-tensor-parallel-size different from --tensor-model-parallel-size with "
                             "--context-parallel-size > 1 is not implemented")
-    if getattr(args, "ckpt_format", "torch") == "torch_dist":
-        raise ArgumentError("--expert-tensor-parallel-size different from --tensor-model-parallel-size with "
-                            "--ckpt-format torch_dist is not implemented; use --ckpt-format torch")
-    if etp > 1 and (getattr(args, "save", None) or getattr(args, "load", None)):
-        raise ArgumentError(f"--expert-tensor-parallel-size {etp} (> 1, != TP {tp}) cannot be saved or loaded: "
-                            f"Megatron-LM's per-rank folders mp_rank_TT[_PPP]_EEE cannot tell its expert-TP shards "
-                            f"apart; drop --save/--load or use --expert-tensor-parallel-size 1 or {tp}")

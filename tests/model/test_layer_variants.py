@@ -9,12 +9,13 @@ import torch.nn.functional as F
 from megatron.core.transformer_config import TransformerConfig
 from megatron.model import Float16Module
 from megatron.model.enums import AttnMaskType
-from megatron.model.layer_specs import TransformerLayerSpec, gpt_layer_spec, transformer_layer_spec
+from megatron.model.layer_specs import TransformerLayerSpec, transformer_layer_spec
 from megatron.model.mlp import ParallelMLP, activation_for
 from megatron.model.norms import RMSNorm, build_norm
 from megatron.model.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from megatron.model.transformer import ParallelTransformerLayer
 from megatron.model.utils import gelu_impl
+from megatron.models.gpt.layer_spec import gpt_layer_spec
 from megatron.models.gpt.model_pipe import FinalLayerNormPipe, ParallelTransformerLayerPipe
 from tests.model.helpers import batch, build_gpt, tiny_config
 

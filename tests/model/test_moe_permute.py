@@ -2,7 +2,8 @@
 
 Proof: dispatch/combine and their gradients equal index_select / index_add bitwise, with uneven rows per token
 (capacity drops) and padding rows; the expert runs cover every expert once, stay one run for balanced routing; a
-layer computed in many runs equals the one-run layer (outputs and every gradient) on skewed routing.
+layer computed in many runs equals the one-run layer (outputs and every gradient) on skewed routing; the SwiGLU
+experts' single autograd function (megatron/model/moe_swiglu_experts.py) equals the per-run autograd graph bitwise.
 """
 from __future__ import annotations
 
@@ -113,3 +114,33 @@ def test_forward_tokens_equals_forward_between_dispatch_and_combine():
         fused.backward(grad)
         plain.backward(grad)
         assert torch.equal(fused, plain) and torch.equal(xa.grad, xb.grad), extra
+
+
+def test_swiglu_experts_function_equals_autograd_path_bitwise(monkeypatch):
+    """The SwiGLU experts as one autograd function (gradients written into one buffer per input, no concatenation)
+    equal the per-run autograd graph bitwise: output and the gradients of rows, routing weights, W1 and W2, in one
+    run and in several, with the weights' gradient needed or not."""
+    from megatron.model import moe_swiglu_experts
+
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, num_moe_experts=5,
+                               moe_ffn_hidden_size=12, moe_router_topk=2, add_bias_linear=False, swiglu=True)
+    torch.manual_seed(2)
+    experts = moe.GroupedExperts(config)
+    g = torch.Generator().manual_seed(3)
+    for buckets in ([(0, 5, 7)], [(0, 1, 11), (1, 3, 4), (4, 1, 2)]):
+        rows = sum(num * size for _, num, size in buckets)
+        x, w, grad = torch.randn(rows, 16, generator=g), torch.rand(rows, generator=g), torch.randn(rows, 16, generator=g)
+        for weights_grad in (True, False):
+            results = []
+            for fused in (True, False):
+                if not fused:
+                    monkeypatch.setattr(moe_swiglu_experts, "applies", lambda *a: False)
+                experts.zero_grad(set_to_none=True)
+                xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_(weights_grad)
+                out = experts.compute(xi, wi, buckets)
+                assert ("SwiGLUExperts" in out.grad_fn.name()) == fused
+                out.backward(grad)
+                results.append([out, xi.grad, wi.grad, experts.weight1.grad, experts.weight2.grad])
+                monkeypatch.undo()
+            for a, b in zip(*results):
+                assert (a is None and b is None) or torch.equal(a, b), (buckets, weights_grad)

@@ -8,7 +8,8 @@ loaded by dist_checkpointing from the TP1 folder) and saves both formats there t
 torch_dist checkpoint written by our code, it is loaded with dist_checkpointing.load into Core models at TP1 and TP2
 and their logits are written. A tiny BERT (Core's BertModel, local spec, tied head, binary head; `bert`) is saved
 the same way at TP1 and TP2, and ours loaded into it; so is a tiny T5 (Core's T5Model, local specs, tied
-head; `t5`; ours also as saved by our PP2 run). Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
+head; `t5`; ours also as saved by our PP2 run); at TP2 both also load our save's optimizer state into Megatron Core's
+DDP and distributed optimizer and save it again in both its layouts (`ours_optim_tp2_<layout>`). Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
 with its distributed optimizer (Adam, DP2) takes 6 steps on the batches of `batches.pt`, saving torch_dist
 checkpoints with the optimizer state (fully_reshardable in `train`, Megatron-LM's default dp_reshardable in
 `train_dp`) and Megatron-LM's RNG state after step 3; its per-step losses are the run that never stopped. One
@@ -215,6 +216,8 @@ def bert_run(ours) -> None:
             logits = bert_logits(fresh)
             if dist.get_rank() == 0:
                 torch.save(logits, os.path.join(out, f"ours_logits_tp{tp}.pt"))
+            if tp == 2:
+                resave_optimizer(build_bert(), ours, os.path.join(out, "ours_optim_tp2"), ns)
         dist.barrier()
         mps.destroy_model_parallel()
 
@@ -298,6 +301,8 @@ def t5_run(ours, ours_pp2=None) -> None:
             logits = t5_logits(fresh)
             if dist.get_rank() == 0:
                 torch.save(logits, os.path.join(out, f"ours_logits_tp{tp}.pt"))
+            if tp == 2:
+                resave_optimizer(build_t5(), ours, os.path.join(out, "ours_optim_tp2"), ns)
         if ours_pp2 and tp == 1:
             fresh = build_t5()
             load_dist(fresh, ours_pp2)
@@ -312,10 +317,17 @@ SAVE_AT, LR = 3, 1e-3
 OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}  # Megatron-LM's --dist-ckpt-optim-fully-reshardable
 
 
+_STAND_INS = []
+
+
 def training_cpu_stand_ins() -> None:
     """Megatron Core's DDP and distributed optimizer allocate on 'cuda' and accept only `torch.cuda.*Tensor` types:
-    both pointed at the CPU (applied for the training part only, after the checkpoint round trips)."""
+    both pointed at the CPU (applied once, before the first use of either)."""
     import functools
+
+    if _STAND_INS:
+        return
+    _STAND_INS.append(True)
 
     def on_cpu(fn):
         @functools.wraps(fn)
@@ -356,6 +368,36 @@ def training_cpu_stand_ins() -> None:
         return set_states(self, model_param, tensors)
 
     DistributedOptimizer._set_main_param_and_optimizer_states = own_step
+
+
+def resave_optimizer(model, ours: str, root: str, args: argparse.Namespace) -> None:
+    """Our torch_dist save with its optimizer state (`ours`) loaded into `model` (this TP; the other ranks data
+    parallel) inside Megatron Core's DDP and distributed optimizer, then saved by Megatron Core in both its layouts
+    (`root`_fully_reshardable, `root`_dp_reshardable)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    training_cpu_stand_ins()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.01, clip_grad=1.0,
+                                                 use_distributed_optimizer=True), [ddp])
+    for inner in opt.chained_optimizers:  # torch's AdamW has no state before a step (Megatron Core's own helper)
+        inner._init_optimizer_states_with_dummy_values()
+    msd = model.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": msd, "optimizer": opt.sharded_state_dict(
+        msd, is_loading=True, metadata=OPT_META)}, ours)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    for kind in ("dp_reshardable", "fully_reshardable"):
+        iter_dir = os.path.join(f"{root}_{kind}", f"iter_{SAVE_AT:07d}")
+        if dist.get_rank() == 0:
+            os.makedirs(iter_dir, exist_ok=True)
+        dist.barrier()
+        msd = model.sharded_state_dict()
+        dist_checkpointing.save({"model": msd, "optimizer": opt.sharded_state_dict(msd, metadata={
+            "distrib_optim_sharding_type": kind}), "args": args, "checkpoint_version": 3.0, "iteration": SAVE_AT},
+            iter_dir)
 
 
 def trainer(family: str = "gpt"):

@@ -4,7 +4,7 @@ One oracle run (2 gloo processes, tests/tools/mcore_oracle_checkpoints.py) build
 Mixtral-like MoE (4 experts, top-2, gated shared expert) in Megatron Core (local layer spec), saves per-rank `torch`
 files (Core names) and `torch_dist` folders at TP1, TP2 and PP2 (MoE: TP1, PP2 and EP2), and loads our torch_dist output into its own models. Here: every one of them loads with `--load` into our model
 at another layout and gives Megatron Core's logits (<= 1e-5); ours saved as torch_dist gives the same logits in
-Megatron Core; BERT and T5 too (T5 also into our pipeline stages, and saved from our PP2 run); convert.py reads both (`--loader mcore`); damaged or missing shards are one line naming the file.
+Megatron Core; BERT and T5 too (T5 also into our pipeline stages, and saved from our PP2 run); convert.py reads both (`--loader mcore`; BERT and T5 too, and `--saver mcore` writes them); damaged or missing shards are one line naming the file.
 Training state: Megatron Core's GPT with its DDP and distributed optimizer (DP2) trains 6 steps and saves a torch_dist
 checkpoint with the optimizer state (its fully_reshardable and its default dp_reshardable layout) and Megatron-LM's
 RNG state after step 3; ours loads it (another layout: one process, the regular optimizer, no --no-load-rng) and
@@ -87,7 +87,7 @@ def our_bert(args):
                      parallel_output=False)
 
 
-def bert_logits(model) -> tuple:
+def bert_logits(model, grad: bool = False) -> tuple:
     """(LM logits, binary-head logits) on the oracle's BERT inputs (a padded sequence, two token types)."""
     g = torch.Generator().manual_seed(9)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
@@ -95,7 +95,7 @@ def bert_logits(model) -> tuple:
     mask[1, 11:] = 0
     types = torch.zeros_like(ids)
     types[:, 8:] = 1
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         return model(ids, mask, tokentype_ids=types)
 
 
@@ -105,7 +105,7 @@ def our_t5(args):
     return T5Model(core_transformer_config_from_args(args), parallel_output=False)
 
 
-def t5_logits(model) -> torch.Tensor:
+def t5_logits(model, grad: bool = False) -> torch.Tensor:
     """Logits on the oracle's T5 inputs (sample 1's encoder padded after 11 tokens; 12 decoder tokens)."""
     dseq = 12
     g = torch.Generator().manual_seed(13)
@@ -114,8 +114,17 @@ def t5_logits(model) -> torch.Tensor:
     keys[1, 11:] = 0
     masks = (keys[:, None, :].expand(2, SEQ, SEQ), torch.tril(torch.ones(dseq, dseq)).expand(2, dseq, dseq),
              keys[:, None, :].expand(2, dseq, SEQ))
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         return model(enc, dec, *masks)
+
+
+def _one_step(model, loss) -> object:
+    """Our optimizer after one step on `loss()` (every parameter gets Adam moments)."""
+    optimizer = our_optimizer(model)
+    optimizer.zero_grad()
+    loss().backward()
+    optimizer.step()
+    return optimizer
 
 
 def _t5_pp2_resave(rank: int, world_size: int, load: str, save: str) -> None:
@@ -227,21 +236,23 @@ def oracle(tmp_path_factory) -> Path:
     job = {"families": ["gpt", "llama", "moe"], "ours": {}, "train": True, "bert": True, "t5": True,
            "ours_train": str(save / f"iter_{SAVE_AT:07d}")}
     args = run_args("bert", root / "none", "--save", str(root / "ours" / "bert"), "--save-interval", "1",
-                    "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng")
+                    "--ckpt-format", "torch_dist", "--no-save-rng")
     torch.manual_seed(11)
     bert = our_bert(args)
+    optimizer = _one_step(bert, lambda: sum(x.pow(2).mean() for x in bert_logits(bert, grad=True)))
     torch.save(bert_logits(bert), root / "ours_bert_logits.pt")
-    save_checkpoint(3, [bert], None, None, args)
+    save_checkpoint(3, [bert], optimizer, None, args)  # with the optimizer state (Core reads it: ours_optim_tp2)
     job["ours"]["bert"] = str(root / "ours" / "bert" / "iter_0000003")
     args = run_args("t5", root / "none", "--save", str(root / "ours" / "t5"), "--save-interval", "1",
-                    "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng")
+                    "--ckpt-format", "torch_dist", "--no-save-rng")
     torch.manual_seed(12)
     t5 = our_t5(args)
     with torch.no_grad():
         for p in t5.parameters():
             p.add_(0.1 * torch.randn_like(p))
+    optimizer = _one_step(t5, lambda: t5_logits(t5, grad=True).pow(2).mean())
     torch.save(t5_logits(t5), root / "ours_t5_logits.pt")
-    save_checkpoint(3, [t5], None, None, args)
+    save_checkpoint(3, [t5], optimizer, None, args)
     job["ours"]["t5"] = str(root / "ours" / "t5" / "iter_0000003")
     from tests.dist_utils import run_distributed  # that folder loaded by our T5 at PP2 and saved there as torch_dist
 
@@ -304,6 +315,34 @@ def test_core_bert_checkpoints_both_ways(oracle):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_ours_bert_t5_optimizer_state_goes_through_megatron_core(oracle, family):
+    """Our BERT (T5) saved with --ckpt-format torch_dist after one step, its optimizer state in the fully_reshardable
+    layout, loads into Megatron Core's DDP + distributed optimizer at TP2, which saves it again in that layout and in
+    its default dp_reshardable one: read here, every parameter's fp32 main param and Adam moments are ours bit for
+    bit, and the step count with them."""
+    from megatron.checkpoint.conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.torch_dist import read_iteration_state
+    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
+
+    common, _, _, ours = read_iteration_state(str(oracle / "ours" / family / "iter_0000003"))
+    assert sorted(ours) == ["exp_avg", "exp_avg_sq", "param"] and optimizer_common(common, ours, family)["step"] == 1
+    for kind in ("fully_reshardable", "dp_reshardable"):
+        folder = oracle / "out" / family / f"ours_optim_tp2_{kind}" / f"iter_{SAVE_AT:07d}"
+        common, _, _, core = read_iteration_state(str(folder))
+        if kind == "dp_reshardable":
+            with pytest.raises(ConversionError, match="--dist-ckpt-optim-fully-reshardable"):
+                optimizer_common(common, core, kind)
+            continue
+        assert optimizer_common(common, core, kind)["step"] == 1
+        assert sorted(core) == sorted(ours)
+        for key, tensors in ours.items():
+            assert sorted(core[key]) == sorted(tensors), (kind, key, set(core[key]) ^ set(tensors))
+            for name, value in tensors.items():
+                assert torch.equal(core[key][name], value), (kind, key, name)
+
+
+@pytest.mark.slow
 def test_core_t5_checkpoints_both_ways(oracle):
     """Megatron Core's T5Model (local specs: encoder, decoder with cross-attention, tied head with its bias) saved as
     `torch` (per-rank files, Core names) and `torch_dist` at TP1 and TP2 loads into our T5 (--load, one process)
@@ -321,12 +360,11 @@ def test_core_t5_checkpoints_both_ways(oracle):
     ours = torch.load(oracle / "ours_t5_logits.pt")
     for tp in (1, 2):
         torch.testing.assert_close(torch.load(t5 / f"ours_logits_tp{tp}.pt"), ours, **TOL, msg=f"ours in Core TP{tp}")
-    # under pipeline parallelism: Core's per-rank files (TP2) and torch_dist folder in our PP2 (split 1) and PP4
-    # (split 2: one layer a stage, the last stage's copy of the tied embeddings) give Core's logits; ours saved at
+    # under pipeline parallelism: Core's torch_dist folder in our PP2 (split 1) and its per-rank files (TP2) in our
+    # PP4 (split 2: one layer a stage, the last stage's copy of the tied embeddings) give Core's logits; ours saved at
     # PP2 as torch_dist gives our logits in Core's T5Model (Megatron-LM 0.16 runs T5 without a pipeline only)
-    for name in ("torch_tp2", "dist_tp1"):
-        for pp, split in ((2, 1), (4, 2)):
-            torch.testing.assert_close(t5_pipeline_logits(t5 / name, pp, split), ref, **TOL, msg=f"{name} PP{pp}")
+    for name, pp, split in (("dist_tp1", 2, 1), ("torch_tp2", 4, 2)):
+        torch.testing.assert_close(t5_pipeline_logits(t5 / name, pp, split), ref, **TOL, msg=f"{name} PP{pp}")
     torch.testing.assert_close(torch.load(t5 / "ours_pp2_logits_tp1.pt"), ours, **TOL, msg="ours PP2 in Core")
     saved = {}
     for name in ("t5", "t5_pp2"):  # the PP2 save holds the very tensors of the PP1 one
@@ -336,27 +374,22 @@ def test_core_t5_checkpoints_both_ways(oracle):
         saved[name] = model.state_dict()
     assert sorted(saved["t5"]) == sorted(saved["t5_pp2"])
     assert all(torch.equal(v, saved["t5_pp2"][k]) for k, v in saved["t5"].items())
-    from megatron.checkpoint.conversion.interchange import ConversionError
-    from megatron.checkpoint.conversion.torch_dist import read_torch_dist
-
-    with pytest.raises(ConversionError, match="holds a T5 model"):  # convert.py's mcore loader is GPT-only
-        read_torch_dist(str(t5 / "dist_tp1"))
 
 
-def test_t5_torch_dist_save_needs_no_save_optim():
-    """pretrain_t5.py refuses --ckpt-format torch_dist with optimizer state at start-up, in one line."""
-    import argparse
+def test_t5_pipeline_piece_refusals_are_one_line():
+    """Cutting a full T5 state dict for a pipeline stage without a split rank, or with a stack that does not divide
+    over its stages, is one line naming the flag."""
+    from megatron.checkpoint.formats import CheckpointFormatError, rank_piece
+    from megatron.core.parallel_state import ParallelState
 
-    from megatron.errors import ArgumentError
-    from pretrain_t5 import check_t5_args
-
-    args = argparse.Namespace(pipeline_model_parallel_size=1, pipeline_model_parallel_split_rank=None,
-                              decoder_seq_length=8, tensor_model_parallel_size=1, sequence_parallel=False,
-                              vocab_extra_ids=100, ckpt_format="torch_dist", save="/tmp/x", no_save_optim=False)
-    with pytest.raises(ArgumentError, match="--no-save-optim"):
-        check_t5_args(args)
-    args.no_save_optim = True
-    check_t5_args(args)
+    full = {f"language_model.{stack}.layers.{i}.mlp.dense_4h_to_h.bias": torch.zeros(2)
+            for stack in ("encoder", "decoder") for i in range(3)}
+    for split, match in ((None, r"needs --pipeline-model-parallel-split-rank in 1\.\.2"),
+                         (1, "3 decoder layers do not split evenly over 2 decoder pipeline stage")):
+        state = ParallelState(pp_size=3, pp_rank=0, pipeline_split_rank=split, pp_ranks=[0, 1, 2])
+        with pytest.raises(CheckpointFormatError, match=match) as info:
+            rank_piece(full, {}, None, 3, 0, state)
+        assert "\n" not in str(info.value)
 
 
 @pytest.mark.slow
@@ -376,6 +409,58 @@ def test_convert_loader_and_saver_mcore(oracle, tmp_path):
         assert summary["flags"].endswith("--auto-detect-ckpt-format")
         assert json.loads((back / "iter_0000010" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
         torch.testing.assert_close(load_logits(family, back), ref, **TOL, msg=f"{family} -> mcore")
+
+
+def _loaded(family: str, load: Path) -> torch.nn.Module:
+    """Our BERT or T5 (TP1, one process) loaded from `load` with --finetune."""
+    from megatron.checkpoint.checkpointing import load_checkpoint
+
+    args = run_args(family, load, "--finetune")
+    model = our_bert(args) if family == "bert" else our_t5(args)
+    load_checkpoint([model], None, None, args)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_convert_loader_and_saver_mcore_bert_t5(oracle, tmp_path, family):
+    """convert.py --loader mcore reads Megatron Core's BERT / T5 `torch_dist` folder (TP2 / TP1) and per-rank `torch`
+    files (TP2) into ours (T5's at PP2, split 1) with Core's logits; that -> --saver mcore -> ours gives the
+    tensors of the first conversion bit for bit, and the torch_dist folder it wrote loads with --load to Core's
+    logits (1e-5)."""
+    from megatron.checkpoint.conversion.driver import main as convert
+
+    model_type, logits = ("BERT", bert_logits) if family == "bert" else ("T5", t5_logits)
+    core = oracle / "out" / family
+    ref = torch.load(core / "logits.pt")
+    first = None
+    for name in ("dist_tp2" if family == "bert" else "dist_tp1", "torch_tp2"):
+        ours = tmp_path / f"{name}_ours"
+        pp2 = ["--target-pipeline-parallel-size", "2", "--target-pipeline-model-parallel-split-rank", "1"] \
+            if family == "t5" and name == "torch_tp2" else []
+        summary = convert(["--model-type", model_type, "--loader", "mcore", "--saver", "megatron", "--load-dir",
+                           str(core / name), "--save-dir", str(ours), "--target-tensor-parallel-size", "1", *pp2])
+        assert ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-split-rank 1" in summary["flags"]) == \
+            bool(pp2)
+        first = first or ours
+        if not pp2:  # (ours at PP2: checked below, through the round trip)
+            torch.testing.assert_close(logits(_loaded(family, ours)), ref, **TOL, msg=f"{family} {name} -> ours")
+    back, again = tmp_path / "back", tmp_path / "again"
+    convert(["--model-type", model_type, "--loader", "megatron", "--saver", "mcore", "--load-dir", str(ours),
+             "--save-dir", str(back), "--no-save-optim"])
+    assert json.loads((back / "iter_0000010" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    torch.testing.assert_close(logits(_loaded(family, back)), ref, **TOL, msg=f"{family} -> mcore")
+    convert(["--model-type", model_type, "--loader", "mcore", "--saver", "megatron", "--load-dir", str(back),
+             "--save-dir", str(again)])
+    one, two = _loaded(family, first).state_dict(), _loaded(family, again).state_dict()
+    assert sorted(one) == sorted(two) and all(torch.equal(v, two[k]) for k, v in one.items())
+    from megatron.checkpoint.conversion.interchange import ConversionError
+
+    wrong = "T5" if family == "bert" else "BERT"
+    with pytest.raises(ConversionError, match=f"holds a {model_type} .*--model-type {model_type}") as info:
+        convert(["--model-type", wrong, "--loader", "mcore", "--saver", "megatron", "--load-dir",
+                 str(core / "dist_tp1"), "--save-dir", str(tmp_path / "wrong")])
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 
 from megatron.checkpoint.conversion.driver import parse_args
 from megatron.checkpoint.conversion.interchange import ConversionError, ModelMeta
-from megatron.checkpoint.conversion.plugins import DeepSpeedSaver, HFSaver, McoreLoader, MegatronLoader, MegatronSaver
+from megatron.checkpoint.conversion.plugins import DeepSpeedSaver, HFSaver, MegatronLoader, MegatronSaver
 from megatron.run_configs.conversion import ConversionOptions
 
 
@@ -45,7 +45,6 @@ def test_savers_refuse_in_one_line_through_the_protocol(tmp_path: Path, plugin: 
 
 @pytest.mark.parametrize("plugin, flags, message", [
     (MegatronLoader, {"model_type": "T5", "iteration": 3}, "--iteration is not supported for --model-type T5"),
-    (McoreLoader, {"model_type": "BERT"}, "--loader mcore reads GPT / Llama-family checkpoints, not --model-type BERT"),
 ])
 def test_loaders_refuse_in_one_line_through_the_protocol(tmp_path: Path, plugin: type, flags: dict,
                                                         message: str) -> None:

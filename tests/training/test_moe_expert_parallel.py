@@ -12,7 +12,9 @@ EP1 -> EP2 (an EP2 run under --use-checkpoint-args continues it), optimizer stat
 distributed optimizer (experts whole on each rank, reduced over the TP ranks' expert-data-parallel group; saved in
 Megatron-LM's folders mp_rank_00_000 / mp_rank_01_001, resumed exactly) and TP1 with ETP2 x EP2 (alltoall) give the
 serial curve and grad norms. Interleaved PP3 (2 virtual stages) x EP2 gives the serial curve of a 6-layer model;
-bf16 x EP2 x DP2 trains close to the fp32 serial curve. Four process launches (2, 1, 4 and 6 ranks)."""
+bf16 x EP2 x DP2 trains close to the fp32 serial curve; fp16 x EP2 (dynamic loss scale with overflows) skips the
+same steps as the serial fp16 run, at its loss scale / DP, with its curve and grad norms. Four process launches
+(2, 1, 4 and 6 ranks)."""
 from __future__ import annotations
 
 import math
@@ -20,8 +22,11 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
+from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
 from tests.dist_utils import run_distributed
+from tests.log_lines import iteration_values
 from tests.training._moe_ep_workers import run_steps
 from tests.training.test_moe_training import CAPACITY, ITERS, TP2, _curve, _same
 from tests.training.test_moe_training import _argv as _moe_argv
@@ -35,6 +40,12 @@ INTERLEAVED = ["--num-layers", "6", "--moe-layer-freq", "[1,0,1,0,1,0]", "--glob
                "--train-iters", "6"]
 HALF = ITERS // 2
 CLIP = 0.6  # below the tiny model's grad norms after a few steps: clipping (and so the norm) shapes the curves
+# fp16 with a dynamic loss scale that grows every 4 steps into overflows (skipped steps, hysteresis 2). Under EP2 each
+# rank is also a data-parallel rank: as in Megatron-LM its loss is divided by its own 2 micro-batches (the serial
+# run's by 4) and the grads averaged over DP after the backward, so its fp16 backward carries twice the serial values:
+# at half the serial run's loss scale it is the same scaled computation (the scale is a power of two).
+FP16 = ["--fp16", "--loss-scale-window", "4"]
+FP16_SCALE = 131072
 
 
 def _argv(data: dict, *extra: str) -> list[str]:
@@ -56,6 +67,21 @@ def _norms_match(result: dict, ref: dict, what: str) -> None:
         assert abs(norm - theirs[it]) <= 2e-3, f"{what}: grad norm {norm} at iteration {it}, serial {theirs[it]}"
 
 
+def _fp16_matches(result: dict, ref: dict) -> None:
+    """fp16 x EP2 at half the serial loss scale: the scale is half the serial's at every step, the same steps are
+    skipped (overflow found on every rank alike), grad norms equal (3 decimals), lm loss within fp16 rounding."""
+    assert result["error"] is None and ref["error"] is None, (result["error"], ref["error"])
+    scale, skipped, loss, norm = ([iteration_values(r["stdout"], key) for r in (result, ref)] for key in
+                                  ("loss scale", "number of skipped iterations", "lm loss", "grad norm"))
+    assert sorted(scale[1]) == list(range(1, ITERS + 1)), f"fp16 serial: iterations {sorted(scale[1])}"
+    assert {it: 2 * s for it, s in scale[0].items()} == scale[1], f"fp16 x EP2 loss scales {scale}"
+    assert skipped[0] == skipped[1] and 2 <= sum(skipped[1].values()) <= 8, f"fp16 skipped iterations {skipped}"
+    assert sorted(loss[0]) == sorted(loss[1]) == [it for it in skipped[1] if not skipped[1][it]]  # no loss if skipped
+    for it in loss[1]:
+        assert math.isclose(loss[0][it], loss[1][it], rel_tol=1e-4), ("fp16 x EP2 lm loss", it, loss)
+        assert abs(norm[0][it] - norm[1][it]) <= 2e-3, ("fp16 x EP2 grad norm", it, norm)
+
+
 def _exact(curve: dict, ref: dict, what: str) -> None:
     assert sorted(curve) == list(range(HALF + 1, ITERS + 1)), f"{what}: iterations {sorted(curve)}"
     for it in curve:
@@ -70,10 +96,10 @@ def test_expert_parallel_layouts_match_serial_and_resume(gpt_data: dict, tmp_pat
     # state), the latter resumed under --use-checkpoint-args (which restores --expert-model-parallel-size 2)
     ep2 = [*EP2, *save("ep2")]
 
-    def convert(src: str, dst: str, ep: int) -> tuple:
+    def convert(src: str, dst: str, ep: int, *extra: str) -> tuple:
         return ("convert", ["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir",
                             str(tmp_path / src), "--save-dir", str(tmp_path / dst),
-                            "--target-expert-parallel-size", str(ep)])
+                            "--target-expert-parallel-size", str(ep), *extra])
 
     res = run_distributed(run_steps, 2, args=([
         ("train", _argv(gpt_data, *ep2)),
@@ -83,6 +109,7 @@ def test_expert_parallel_layouts_match_serial_and_resume(gpt_data: dict, tmp_pat
         convert("ep1", "ep2-again", 2),
         ("train", _argv(gpt_data, *ALLTOALL, "--load", str(tmp_path / "ep2-again"), "--no-load-rng",
                         "--use-checkpoint-args")),
+        ("train", _argv(gpt_data, *EP2, *FP16, "--initial-loss-scale", str(FP16_SCALE // 2))),
     ],))[-1]
     iter_dir = tmp_path / "ep2" / f"iter_{HALF:07d}"
     assert sorted(p.name for p in iter_dir.iterdir() if p.name.startswith("mp_rank")) == \
@@ -93,7 +120,8 @@ def test_expert_parallel_layouts_match_serial_and_resume(gpt_data: dict, tmp_pat
     serial_runs = run_distributed(run_steps, 1, args=(
         [("train", _argv(gpt_data)), ("train", _argv(gpt_data, *CAPACITY)),
          ("train", _argv(gpt_data, "--load", str(tmp_path / "ep1"), "--no-load-rng")),
-         ("train", _argv(gpt_data, *INTERLEAVED))],))[0]
+         ("train", _argv(gpt_data, *INTERLEAVED)),
+         ("train", _argv(gpt_data, *FP16, "--initial-loss-scale", str(FP16_SCALE)))],))[0]
     serial, capacity, from_ep1 = (_curve(r, what) for r, what in zip(serial_runs, (
         "serial", "capacity", "EP2 -> EP1 converted")))
     _norms_match(res[0], serial_runs[0], "EP2")
@@ -105,12 +133,16 @@ def test_expert_parallel_layouts_match_serial_and_resume(gpt_data: dict, tmp_pat
     _same(from_ep1, serial, "serial run from EP2 -> EP1 converted", iters=second_half, z_loss=False)
     _same(_curve(res[5], "EP1 -> EP2"), serial, "EP2 run from EP1 -> EP2 converted", iters=second_half,
           z_loss=False)
+    _fp16_matches(res[6], serial_runs[4])
 
     # 4 ranks: EP2 + TP2 + SP, EP2 x DP2 + distributed optimizer (saving at 10, resumed), EP2 x PP2; expert-TP != TP
-    # (TP2 + ETP1 x EP2 with the distributed optimizer, saving at 10 and resumed; TP1 + ETP2 x EP2); interleaved
+    # (TP2 + ETP1 x EP2 with the distributed optimizer and TP1 + ETP2 x EP2 with the regular one, each saving at 10
+    # and resumed; converted to TP1 EP1 (run at DP4) and to TP2 ETP2 EP2, both continuing the serial curve);
     # bf16 x EP2 x DP2
     distopt = [*EP2, "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "20000", *CAPACITY]
     etp1 = [*EP2, *TP2, "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"]
+    etp2 = [*EP2, "--expert-tensor-parallel-size", "2", *ALLTOALL]
+    tp_to = ("--target-tensor-parallel-size", "--target-pipeline-parallel-size", "1")
     res = run_distributed(run_steps, 4, args=([
         ("train", _argv(gpt_data, *EP2, *TP2, *ALLTOALL)),
         ("train", _argv(gpt_data, *distopt, *save("distopt"))),
@@ -120,8 +152,14 @@ def test_expert_parallel_layouts_match_serial_and_resume(gpt_data: dict, tmp_pat
         ("train", _argv(gpt_data, *etp1, *save("etp1"))),
         ("tracker", str(tmp_path / "etp1"), HALF),
         ("train", _argv(gpt_data, *etp1, "--load", str(tmp_path / "etp1"))),
-        ("train", _argv(gpt_data, *EP2, "--expert-tensor-parallel-size", "2", *ALLTOALL)),
+        ("train", _argv(gpt_data, *etp2, *save("etp2"))),
         ("train", _argv(gpt_data, *EP2, "--bf16")),
+        ("tracker", str(tmp_path / "etp2"), HALF),
+        ("train", _argv(gpt_data, *etp2, "--load", str(tmp_path / "etp2"))),
+        convert("etp1", "etp1-tp1", 1, tp_to[0], "1", *tp_to[1:]),
+        convert("etp2", "etp2-tp2", 2, tp_to[0], "2", *tp_to[1:]),
+        ("train", _argv(gpt_data, "--load", str(tmp_path / "etp1-tp1"), "--no-load-rng")),
+        ("train", _argv(gpt_data, *EP2, *TP2, "--load", str(tmp_path / "etp2-tp2"), "--no-load-rng")),
     ],))[-1]
     _same(_curve(res[0], "ep2-tp2-sp"), serial, "EP2 + TP2 + SP", z_loss=False)
     _norms_match(res[0], serial_runs[0], "EP2 + TP2 + SP")
@@ -139,14 +177,22 @@ def test_expert_parallel_layouts_match_serial_and_resume(gpt_data: dict, tmp_pat
     _exact(_curve(res[7], "tp2-etp1-ep2 resumed"), full, "TP2 + ETP1 x EP2 resumed")
     assert sorted(p.name for p in (tmp_path / "etp1" / f"iter_{HALF:07d}").iterdir() if p.name.startswith("mp_")) \
         == ["mp_rank_00_000", "mp_rank_01_001"]
-    from megatron.checkpoint.conversion.driver import main as convert
-    from megatron.checkpoint.conversion.interchange import ConversionError
-
-    with pytest.raises(ConversionError, match="--expert-tensor-parallel-size 1 != --tensor-model-parallel-size 2"):
-        convert(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir",
-                 str(tmp_path / "etp1"), "--save-dir", str(tmp_path / "etp1-tp1"), "--target-tensor-parallel-size", "1"])
-    _same(_curve(res[8], "tp1-etp2-ep2"), serial, "TP1 + ETP2 x EP2 (alltoall)", z_loss=False)
+    full = _curve(res[8], "tp1-etp2-ep2")
+    _same(full, serial, "TP1 + ETP2 x EP2 (alltoall)", z_loss=False)
     _norms_match(res[8], serial_runs[0], "TP1 + ETP2 x EP2")
+    _exact(_curve(res[11], "tp1-etp2-ep2 resumed"), full, "TP1 + ETP2 x EP2 resumed")
+    # expert-TP 2 ranks 0/1 and 2/3 share the folders of expert ranks 0 and 1, which hold their experts whole
+    etp2_dir = tmp_path / "etp2" / f"iter_{HALF:07d}"
+    assert sorted(p.name for p in etp2_dir.iterdir() if p.name.startswith("mp_")) == ["mp_rank_00_000",
+                                                                                      "mp_rank_00_001"]
+    saved = torch.load(etp2_dir / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=False)
+    (w1,) = [v for k, v in flatten_checkpoint_state_dict(saved["model"]).items() if k.endswith("experts.weight1")]
+    assert w1.shape == (2, 32, 2 * 48)  # 2 local experts of 4, hidden 32, [gate | up] of ffn 48 (not 48 / 2 each)
+    moments = saved["optimizer"].get("optimizer", saved["optimizer"])["state"].values()
+    assert sum(m["exp_avg"].shape == w1.shape for m in moments) == 1  # the MoE layer's weight1 moments, whole too
+    for result, what in ((res[14], "TP2 + ETP1 x EP2 converted to TP1 EP1 (DP4)"),
+                         (res[15], "TP1 + ETP2 x EP2 converted to TP2 ETP2 x EP2")):
+        _same(_curve(result, what), serial, what, iters=second_half, z_loss=False)
     bf16, fp32 = _curve(res[9], "bf16 x ep2"), serial
     assert sorted(bf16) == list(range(1, ITERS + 1))
     for it in bf16:  # bf16 rounding, not a different computation: within 1% of the fp32 serial curve

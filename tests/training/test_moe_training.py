@@ -114,7 +114,6 @@ BASE = [*get_preset("gpt_micro_test").argv(), "--micro-batch-size", "2", "--toke
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--expert-tensor-parallel-size", "2", "--save", "ckpt"], "--expert-tensor-parallel-size"),  # != TP, > 1
     (["--expert-tensor-parallel-size", "4"], "--expert-tensor-parallel-size"),  # world size 2
     (["--expert-model-parallel-size", "4"], "--expert-model-parallel-size"),
     (["--moe-layer-freq", "[1,0]", "--ckpt-format", "torch_dist", "--save", "ckpt"], "--moe-layer-freq 1"),

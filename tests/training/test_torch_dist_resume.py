@@ -6,7 +6,8 @@ of tests/training/_workers.py; losses from pretrain()'s return value, 1e-5 relat
 A: TP1 x DP2, distributed optimizer, 12 iterations, saves torch_dist at 6 and 12 (the run that never stopped).
 B: A's iteration 6 at TP1 x PP2 with the distributed optimizer (another layout: the RNG state is ignored, as
    Megatron-LM does); C: at A's layout with the regular optimizer (the RNG state restored, no --no-load-rng).
-Under expert parallelism: a tiny all-MoE model at EP2 saves torch_dist and resumes at EP2 and at EP1 x DP2.
+Under expert parallelism: a tiny all-MoE model at EP2 saves torch_dist and resumes at EP2, at EP1 x DP2 and at
+expert-TP 2 under TP 1, which saves torch_dist again.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.dist_utils import run_distributed
 from tests.training._workers import checkpoint_at as _at
@@ -75,14 +77,16 @@ def test_torch_dist_saved_under_expert_parallelism_resumes_at_ep2_and_ep1(gpt_da
     """The tiny MoE of tests/training/test_moe_training.py (every layer MoE) at EP2 with the distributed optimizer
     saves torch_dist (all experts stacked in one folder, their optimizer state with them); resumed at EP2 (distributed
     optimizer) and at DP2 without EP (regular optimizer) it continues the curve (lm loss and load-balancing loss,
-    1e-5). One 2-rank launch."""
+    1e-5); so does expert-TP 2 under TP 1 (distributed optimizer), which saves torch_dist at 12 the same weights and
+    optimizer moments as the EP2 run (its experts and their distributed-optimizer state gathered whole over the
+    expert-TP group). One 2-rank launch."""
     from tests.training._moe_ep_workers import run_steps
     from tests.training.test_moe_training import MOE, _curve, _same
 
     def argv(*extra: str) -> list[str]:
         return tiny_gpt_argv(gpt_data, *MOE, "--moe-layer-freq", "1", *extra, iters=ITERS)
 
-    ckpt = tmp_path / "ep2"
+    ckpt, etp2 = tmp_path / "ep2", tmp_path / "etp2"
     ep2 = ["--expert-model-parallel-size", "2"]
     res = run_distributed(run_steps, 2, args=([
         ("train", argv(*ep2, "--use-distributed-optimizer", "--ckpt-format", "torch_dist", "--save", str(ckpt),
@@ -90,6 +94,8 @@ def test_torch_dist_saved_under_expert_parallelism_resumes_at_ep2_and_ep1(gpt_da
         ("tracker", str(ckpt), SAVE),
         ("train", argv(*ep2, "--use-distributed-optimizer", "--load", str(ckpt), "--ckpt-format", "torch_dist")),
         ("train", argv("--load", str(ckpt), "--ckpt-format", "torch_dist")),
+        ("train", argv("--expert-tensor-parallel-size", "2", "--use-distributed-optimizer", "--load", str(ckpt),
+                       "--ckpt-format", "torch_dist", "--save", str(etp2), "--save-interval", str(SAVE))),
     ],))[-1]
     folder = ckpt / f"iter_{SAVE:07d}"
     assert not any(folder.glob("mp_rank_*")) and (folder / ".metadata").is_file()
@@ -99,5 +105,19 @@ def test_torch_dist_saved_under_expert_parallelism_resumes_at_ep2_and_ep1(gpt_da
     assert names["decoder.layers.mlp.experts.experts.linear_fc1.weight"].size[:2] == (2, 4)  # [layers, experts]
     assert "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight" in names
     full = _curve(res[0], "EP2 saving torch_dist")
-    for result, what in ((res[2], "resumed at EP2"), (res[3], "resumed at EP1 x DP2")):
+    for result, what in ((res[2], "resumed at EP2"), (res[3], "resumed at EP1 x DP2"),
+                         (res[4], "resumed at expert-TP 2 (TP 1)")):
         _same(_curve(result, what), full, what, iters=range(SAVE + 1, ITERS + 1), z_loss=False)
+    # expert-TP 2 != TP 1 saves torch_dist too (its experts gathered whole): iteration 12 holds the weights and
+    # optimizer moments of the EP2 run's own iteration 12
+    from megatron.checkpoint_conversion.torch_dist import read_iteration_state
+
+    (_, _, ref, ref_opt), (_, _, mine, mine_opt) = (read_iteration_state(str(d / f"iter_{ITERS:07d}"), False)
+                                                    for d in (ckpt, etp2))
+    assert sorted(mine) == sorted(ref) and any(k.endswith("experts.weight1") for k in mine)
+    for key in mine:
+        assert torch.allclose(mine[key], ref[key], rtol=1e-4, atol=1e-6), key
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert sorted(mine_opt[key]) == sorted(ref_opt[key])
+        for name in mine_opt[key]:
+            assert torch.allclose(mine_opt[key][name], ref_opt[key][name], rtol=1e-3, atol=1e-8), (key, name)

@@ -168,6 +168,8 @@ def model_flags(meta: ModelMeta, tp: int = 1, pp: int = 1, vp_layers: Optional[i
         if getattr(meta.checkpoint_args, "vocab_extra_ids", None):
             flags.append(f"--vocab-extra-ids {meta.checkpoint_args.vocab_extra_ids}")
     flags.append(f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}")
+    if t5 and pp > 1 and meta.extra.get("written_split_rank"):  # T5's first decoder stage (t5_format.T5Writer)
+        flags.append(f"--pipeline-model-parallel-split-rank {meta.extra['written_split_rank']}")
     if vp_layers:
         flags.append(f"--num-layers-per-virtual-pipeline-stage {vp_layers}")
     tok = meta.tokenizer

@@ -197,25 +197,29 @@ _EXPERT_RANK_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
 EXPERT_PARAM_RE = re.compile(r"\.mlp\.experts\.weight[12]$")  # stacked experts: dim 0 is the (local) expert
 
 
+def experts_stored_whole(args: Any) -> bool:
+    """A checkpoint saved with --expert-tensor-parallel-size != TP holds each expert rank's experts whole (not split
+    like the dense weights of its folder): Megatron-LM's folders mp_rank_TT[_PPP][_EEE] name the dense TP rank, so
+    they cannot hold expert-TP shards; the experts are gathered over the expert-TP group on saving."""
+    saved = SavedRunArgs.from_args(args)
+    etp, tp = saved.expert_tensor_parallel_size, saved.tensor_model_parallel_size or 1
+    return etp is not None and etp != tp
+
+
 def expert_rank_files(iter_dir: str) -> Tuple[int, Dict[Tuple[int, int, int], str]]:
     """(EP size, {(tp, pp, expert rank): model_optim_rng.pt}) of a checkpoint saved with expert parallelism
     (Megatron-LM's mp_rank_TT[_PPP]_EEE folders); (1, {}) for any other checkpoint. The saved args tell whether
-    mp_rank_TT_NNN names a pipeline or an expert rank."""
+    mp_rank_TT_NNN names a pipeline or an expert rank. Saved with expert-TP != TP, only the (TP rank, expert rank)
+    pairs some rank holds have a folder: every TP rank and every expert rank must appear (experts_stored_whole)."""
     if not os.path.isdir(iter_dir):
         return 1, {}
     found = {d: _EXPERT_RANK_RE.match(d) for d in sorted(os.listdir(iter_dir))}
     found = {d: m for d, m in found.items() if m and os.path.isfile(os.path.join(iter_dir, d, "model_optim_rng.pt"))}
     if not found:
         return 1, {}
-    saved = SavedRunArgs.from_args(_load(os.path.join(iter_dir, next(iter(found)), "model_optim_rng.pt"),
-                                         False).get("args"))
+    args = _load(os.path.join(iter_dir, next(iter(found)), "model_optim_rng.pt"), False).get("args")
+    saved = SavedRunArgs.from_args(args)
     ep = saved.expert_model_parallel_size
-    etp = saved.expert_tensor_parallel_size
-    saved_tp = 1 if saved.tensor_model_parallel_size is None else saved.tensor_model_parallel_size
-    if etp is not None and etp != saved_tp:
-        raise ConversionError(f"{iter_dir}: saved with --expert-tensor-parallel-size {etp} != --tensor-model-parallel-"
-                              f"size {saved_tp}; converting that layout is not implemented (train on with the same "
-                              f"layout, or save from a run with the two sizes equal)")
     if ep == 1:
         return 1, {}
     staged = saved.pipeline_model_parallel_size > 1
@@ -228,11 +232,34 @@ def expert_rank_files(iter_dir: str) -> Tuple[int, Dict[Tuple[int, int, int], st
         t, p, e = (nums if staged else (nums[0], 0, nums[1]))
         files[(t, p, e)] = os.path.join(iter_dir, d, "model_optim_rng.pt")
     tp, pp = max(k[0] for k in files) + 1, max(k[1] for k in files) + 1
-    missing = [k for k in ((t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)) if k not in files]
+    if experts_stored_whole(args):  # each TP rank's dense weights and each expert rank's experts somewhere
+        need = [(t, p, None) for t in range(tp) for p in range(pp)] + \
+            [(None, p, e) for p in range(pp) for e in range(ep)]
+        missing = [(t, p, e) for t, p, e in need if not any(k[1] == p and t in (None, k[0]) and e in (None, k[2])
+                                                              for k in files)]
+    else:
+        missing = [k for k in ((t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)) if k not in files]
     if missing:
-        raise ConversionError(f"{iter_dir}: no folder for tensor rank {missing[0][0]}, pipeline rank "
-                              f"{missing[0][1]}, expert rank {missing[0][2]} (EP={ep}); the checkpoint is incomplete")
+        t, p, e = missing[0]
+        raise ConversionError(f"{iter_dir}: no folder for tensor rank {'any' if t is None else t}, pipeline rank "
+                              f"{p}, expert rank {'any' if e is None else e} (EP={ep}); the checkpoint is incomplete")
     return ep, files
+
+
+def dense_rank_files(files: Dict[Tuple[int, int, int], str]) -> Dict[Tuple[int, int], str]:
+    """{(tp, pp): the folder of the lowest expert rank with that TP rank} of expert_rank_files' folders."""
+    out: Dict[Tuple[int, int], str] = {}
+    for (t, p, _), path in sorted(files.items()):
+        out.setdefault((t, p), path)
+    return out
+
+
+def expert_source(files: Dict[Tuple[int, int, int], str], t: int, p: int, e: int) -> str:
+    """The folder holding expert rank e's experts for TP rank t: (t, p, e), else (saved with expert-TP != TP, the
+    experts whole) the one of the lowest TP rank holding expert rank e."""
+    if (t, p, e) in files:
+        return files[(t, p, e)]
+    return files[min(k for k in files if k[1] == p and k[2] == e)]
 
 
 def merge_experts(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -314,7 +341,7 @@ class MegatronCheckpointReader:
                                                                            iteration is not None)
         self.ep, self.expert_files = expert_rank_files(self.iter_dir)
         if self.ep > 1:  # expert parallelism: the experts of every rank's folders are merged on reading
-            self.files = {(t, p): path for (t, p, e), path in self.expert_files.items() if e == 0}
+            self.files = dense_rank_files(self.expert_files)
         else:
             self.files = rank_files(self.iter_dir)
         self.tp = max(t for t, _ in self.files) + 1
@@ -322,6 +349,7 @@ class MegatronCheckpointReader:
         self.trust = trust
         first = _load(self.files[(0, 0)], trust)
         self.first = first
+        self.experts_whole = experts_stored_whole(first.get("args"))  # saved with expert-TP != TP
         if not any(k == "model" or re.fullmatch(r"model\d+", k) for k in first):
             raise ConversionError(f"{self.files[(0, 0)]} has no 'model' entry: not a Megatron model checkpoint")
         self.vp = sum(1 for k in first if re.fullmatch(r"model\d+", k)) or 1
@@ -341,25 +369,39 @@ class MegatronCheckpointReader:
         # expert parallelism: {(tp, pp, vp): [flat state dict of each expert rank]}, {(tp, pp): [optimizer entries]}
         self.expert_chunks: Dict[Tuple[int, int, int], List[Dict[str, Any]]] = {}
         self.expert_optim: Dict[Tuple[int, int], List[Any]] = {}
+        self.expert_paths: Dict[Tuple[int, int], List[str]] = {}  # the folder of each expert rank's experts
+        self.own_chunks: Dict[Tuple[int, int, int], Dict[str, Any]] = {}  # (t, p)'s own file when not expert rank 0's
+
+        def flat_of(one: Dict[str, Any], key: str) -> Dict[str, Any]:
+            flat = flatten_checkpoint_state_dict(one[key])
+            if OUT in flat and WORD not in flat and self.architecture.get("share_embeddings_and_output_weights"):
+                flat[HEAD_COPY] = flat.pop(OUT)  # Megatron Core's name for the tied head copy (last stage)
+            return flat
+
         for (t, p), path in sorted(self.files.items()):
             sd = self.first if (t, p) == (0, 0) else _load(path, self.trust)
             self.optim_entries[(t, p)] = sd.get("optimizer")
             keys = ["model"] if self.vp == 1 else [f"model{v}" for v in range(self.vp)]
-            others = [_load(self.expert_files[(t, p, e)], self.trust) for e in range(1, self.ep)]
-            self.expert_optim[(t, p)] = [sd.get("optimizer")] + [o.get("optimizer") for o in others]
+            sources = [expert_source(self.expert_files, t, p, e) for e in range(self.ep)] if self.ep > 1 else [path]
+            opened = {path: sd}
+            for source in sources:
+                if source not in opened:
+                    opened[source] = _load(source, self.trust)
+            ones = [opened[source] for source in sources]
+            self.expert_paths[(t, p)] = sources
+            self.expert_optim[(t, p)] = [o.get("optimizer") for o in ones]
             for v, key in enumerate(keys):
-                if key not in sd:
-                    raise ConversionError(f"{path} has no '{key}' entry: its virtual pipeline chunks differ from "
-                                          f"{self.files[(0, 0)]} (mismatched shards)")
-                flats = []
-                for one in [sd, *others]:
-                    flat = flatten_checkpoint_state_dict(one[key])
-                    if OUT in flat and WORD not in flat and \
-                            self.architecture.get("share_embeddings_and_output_weights"):
-                        flat[HEAD_COPY] = flat.pop(OUT)  # Megatron Core's name for the tied head copy (last stage)
-                    flats.append(flat)
+                for one, where in ((sd, path), *zip(ones, sources)):
+                    if key not in one:
+                        raise ConversionError(f"{where} has no '{key}' entry: its virtual pipeline chunks differ from "
+                                              f"{self.files[(0, 0)]} (mismatched shards)")
+                flats = [flat_of(one, key) for one in ones]
                 self.expert_chunks[(t, p, v)] = flats
-                self.chunks[(t, p, v)] = merge_experts(flats) if self.ep > 1 else flats[0]
+                merged = merge_experts(flats) if self.ep > 1 else flats[0]
+                if sources[0] != path:  # expert-TP != TP: TP rank t's dense weights are in its own folder
+                    own = self.own_chunks[(t, p, v)] = flat_of(sd, key)
+                    merged = {k: merged[k] if EXPERT_PARAM_RE.search(k) else x for k, x in own.items()}
+                self.chunks[(t, p, v)] = merged
         for (t, p, v), flat in self.chunks.items():
             ref = self.chunks[(0, p, v)]
             if set(flat) != set(ref):
@@ -391,24 +433,29 @@ class MegatronCheckpointReader:
                                   "converted; pass --no-save-optim to convert the weights only")
         full_order = self.parameter_order(meta)
         self.opt, steps, keys = {}, set(), set()
+        def entries_of(optim_sd: Dict[str, Any], chunks: List[Dict[str, Any]], path: str) -> tuple:
+            if optim_sd.get("distributed_optimizer"):
+                dpath = os.path.join(os.path.dirname(path), "distrib_optim.pt")
+                if not os.path.isfile(dpath):
+                    raise ConversionError(f"missing rank file {dpath} (saved with --use-distributed-optimizer); "
+                                          "the checkpoint is incomplete (or pass --no-save-optim)")
+                return ostate.distributed_entries(_load(dpath, self.trust), chunks, dpath)
+            return ostate.regular_entries(optim_sd, chunks, full_order, path, ours="architecture" in self.first)
+
         for (t, p) in sorted(self.optim_entries):
             per_expert_rank = []
+            paths = getattr(self, "expert_paths", {}).get((t, p), [self.files[(t, p)]])
             for e, optim_sd in enumerate(expert_optim[(t, p)]):
                 chunks = [self.expert_chunks[(t, p, v)][e] if self.ep > 1 else self.chunks[(t, p, v)]
                           for v in range(self.vp)]
-                path = self.expert_files[(t, p, e)] if self.ep > 1 else self.files[(t, p)]
-                if optim_sd.get("distributed_optimizer"):
-                    dpath = os.path.join(os.path.dirname(path), "distrib_optim.pt")
-                    if not os.path.isfile(dpath):
-                        raise ConversionError(f"missing rank file {dpath} (saved with --use-distributed-optimizer); "
-                                              "the checkpoint is incomplete (or pass --no-save-optim)")
-                    entries, step, k = ostate.distributed_entries(_load(dpath, self.trust), chunks, dpath)
-                else:
-                    entries, step, k = ostate.regular_entries(optim_sd, chunks, full_order, path,
-                                                              ours="architecture" in self.first)
+                entries, step, k = entries_of(optim_sd, chunks, paths[e])
                 per_expert_rank.append(entries)
+            dense = per_expert_rank[0]
+            if paths[0] != self.files[(t, p)]:  # expert-TP != TP: TP rank t's dense state is in its own folder
+                dense, _, _ = entries_of(self.optim_entries[(t, p)], [self.own_chunks[(t, p, v)]
+                                                                       for v in range(self.vp)], self.files[(t, p)])
             for v in range(self.vp):
-                merged = dict(per_expert_rank[0][v])
+                merged = dict(dense[v])
                 for name in merged:
                     if EXPERT_PARAM_RE.search(name):
                         merged[name] = {k: torch.cat([r[v][name][k] for r in per_expert_rank], dim=0)
@@ -427,7 +474,7 @@ class MegatronCheckpointReader:
         if any(e is None for e in per_rank):
             raise ConversionError(f"{self.iter_dir}: no optimizer state for {name} on every tensor rank: mismatched "
                                   "shards (or pass --no-save-optim)")
-        if layout.replicated or self.tp == 1:
+        if layout.replicated or self.tp == 1 or (getattr(self, "experts_whole", False) and EXPERT_PARAM_RE.search(name)):
             return dict(per_rank[0])
         try:
             return {k: layout.merge([e[k] for e in per_rank], name) for k in per_rank[0]}
@@ -441,7 +488,8 @@ class MegatronCheckpointReader:
 
     def merged(self, p: int, v: int, name: str, layout: TensorParallelLayout) -> torch.Tensor:
         shards = [self.chunks[(t, p, v)][name] for t in range(self.tp)]
-        if layout.replicated or self.tp == 1:  # no copy: the memory-mapped tensor itself
+        if layout.replicated or self.tp == 1 or (getattr(self, "experts_whole", False) and EXPERT_PARAM_RE.search(name)):
+            # no copy: the memory-mapped tensor itself (saved with expert-TP != TP: whole experts in every folder)
             return shards[0]
         try:
             return layout.merge(shards, name)

@@ -14,6 +14,7 @@ The built-ins keep that protocol (the namespace) at their edge and read it once,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import shutil
@@ -196,7 +197,8 @@ class DeepSpeedSaver(_BuiltinSaver):
 
 
 class McoreLoader(_BuiltinLoader):
-    """Megatron Core checkpoints: per-rank `torch` files with Core names (any TP/PP) or a `torch_dist` folder."""
+    """Megatron Core checkpoints (GPT / Llama-family / MoE, BERT, T5): per-rank `torch` files with Core names (any
+    TP/PP; T5: one pipeline stage) or a `torch_dist` folder."""
 
     add_arguments = MegatronLoader.add_arguments
 
@@ -205,20 +207,20 @@ class McoreLoader(_BuiltinLoader):
         from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, read_megatron
         from megatron.checkpoint.conversion.torch_dist import is_torch_dist, read_torch_dist
 
-        if opts.model_type != "GPT":
-            raise ConversionError(f"--loader mcore reads GPT / Llama-family checkpoints, not --model-type "
-                                  f"{opts.model_type}")
         iter_dir, _ = find_iteration_dir(opts.load_dir, opts.iteration)
         if is_torch_dist(iter_dir):
             print(f" detected checkpoint format torch_dist in {iter_dir}", flush=True)
             return read_torch_dist(opts.load_dir, trust=opts.trust_checkpoint, iteration=opts.iteration,
-                                   optimizer=opts.keep_training_state)
-        return read_megatron(opts.load_dir, true_vocab_size=opts.true_vocab_size, model_type="GPT",
+                                   optimizer=opts.keep_training_state, model_type=opts.model_type)
+        if opts.model_type == "T5":  # T5's own stream; Core's names are read as ours (mcore_names.py)
+            return MegatronLoader.load(dataclasses.replace(opts, keep_training_state=False))
+        return read_megatron(opts.load_dir, true_vocab_size=opts.true_vocab_size, model_type=opts.model_type,
                              trust=opts.trust_checkpoint, iteration=opts.iteration)
 
 
 class McoreSaver(_BuiltinSaver):
-    """A `torch_dist` folder (Megatron-LM's default format; Megatron Core loads it at any layout)."""
+    """A `torch_dist` folder (Megatron-LM's default format; Megatron Core loads it at any layout) of a GPT /
+    Llama-family / MoE, BERT or T5 model (T5: weights only)."""
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -230,8 +232,8 @@ class McoreSaver(_BuiltinSaver):
         from megatron.checkpoint.conversion.megatron_format import sign_output
         from megatron.checkpoint.conversion.torch_dist import write_torch_dist
 
-        if meta.model_type != "GPT":
-            raise ConversionError(f"--saver mcore writes GPT / Llama-family models, not --model-type {meta.model_type}")
+        if meta.model_type == "T5" and meta.extra.get("optimizer"):
+            raise ConversionError("--saver mcore writes T5 models without their optimizer state: add --no-save-optim")
         name = "release" if meta.iteration is None else f"iter_{meta.iteration:07d}"
         write_torch_dist(meta, messages, os.path.join(save_dir, name))
         sign_output(os.path.join(save_dir, name), meta)  # its manifest, unless the source was read unverified

@@ -189,6 +189,22 @@ def _stream(reader: T5CheckpointReader, meta: ModelMeta) -> Iterator[Message]:
                   opt(reader.pp - 1, {"bias": LM_HEAD_BIAS}, cut=("bias",)))
 
 
+def t5_messages_from_state_dict(flat: Dict[str, torch.Tensor], encoder_layers: int,
+                                decoder_layers: int) -> Iterator[Message]:
+    """The T5 message stream of a full TP=1 flat state dict (megatron/models/t5/model.py's names); the inverse of
+    `t5_state_dict_from_messages`."""
+    def part(prefix: str) -> Dict[str, torch.Tensor]:
+        return {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+
+    yield Message(EMBEDDINGS, part(f"{LM}embedding."))
+    for stack, count in (("encoder", encoder_layers), ("decoder", decoder_layers)):
+        for i in range(count):
+            yield Message(f"{stack} layer {i}", part(f"{_stack(stack)}layers.{i}."))
+        yield Message(f"{stack} final norm", {k: v for k, v in part(_stack(stack)).items()
+                                              if k.startswith("final_layernorm.")})
+    yield Message("lm head", part("lm_head."))
+
+
 def t5_state_dict_from_messages(messages: Iterator[Message]) -> Dict[str, torch.Tensor]:
     """A T5 message stream -> the full TP=1 flat state dict of megatron/models/t5/model.py."""
     out: Dict[str, torch.Tensor] = {}
@@ -225,6 +241,7 @@ class T5Writer(MegatronWriter):
                                       f"--target-pipeline-model-parallel-split-rank in 1..{pp - 1} (stages before it "
                                       "run the encoder, the rest the decoder)")
         self.pp, self.split_rank = pp, split_rank if pp > 1 else None
+        meta.extra["written_split_rank"] = self.split_rank  # for the model flags convert.py prints
         self.stages = _stages(pp, self.split_rank)
         for part, count in zip(("encoder", "decoder"), t5_layer_counts(meta)):
             stage_of(0, count, *self.stages[part], f"--target-pipeline-parallel-size {pp} ({part})")

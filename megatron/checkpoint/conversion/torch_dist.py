@@ -328,10 +328,13 @@ def _architecture(common: Dict[str, Any], tensors: Dict[str, torch.Tensor], path
     if missing:
         raise ConversionError(f"{path} records neither 'architecture' nor args with {', '.join(missing)}: "
                               "not a checkpoint this tool can describe")
+    from megatron.model.mcore_names import is_core_t5
+
     qkv = tensors.get("decoder.layers.self_attention.linear_qkv.weight")
-    if qkv is not None and qkv.size(0) != arch["num_layers"]:
-        raise ConversionError(f"{path}: the tensors stack {qkv.size(0)} layers but the args say num_layers="
-                              f"{arch['num_layers']}: mismatched files")
+    field = "decoder_num_layers" if is_core_t5(tensors) and arch.get("decoder_num_layers") else "num_layers"
+    if qkv is not None and qkv.size(0) != arch[field]:
+        raise ConversionError(f"{path}: the tensors stack {qkv.size(0)} layers but the args say {field}="
+                              f"{arch[field]}: mismatched files")
     if "output_layer.weight" in tensors:
         arch["share_embeddings_and_output_weights"] = False
     arch["padded_vocab_size"] = int(tensors["embedding.word_embeddings.weight"].size(0))
@@ -371,10 +374,18 @@ def read_iteration(iter_dir: str, trust: bool = False) -> Tuple[Dict[str, Any], 
     return common, arch, flat
 
 
-def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int] = None, optimizer: bool = False
-                    ) -> Tuple[ModelMeta, Iterator[Message]]:
-    """Loader: (meta, message stream) of a torch_dist checkpoint (the tracker's iteration, or `iteration`); with
-    `optimizer` the messages carry its model-space optimizer state (torch_dist_optim.py) when it has one."""
+def model_type_of(flat: Dict[str, Any]) -> str:
+    """GPT, BERT or T5: the model type of our full flat state dict (a decoder stack: T5; BERT's heads: BERT)."""
+    if any(k.startswith("language_model.decoder.") for k in flat):
+        return "T5"
+    return "BERT" if any(k.startswith(("lm_head.", "binary_head.")) for k in flat) else "GPT"
+
+
+def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int] = None, optimizer: bool = False,
+                    model_type: str = "GPT") -> Tuple[ModelMeta, Iterator[Message]]:
+    """Loader: (meta, message stream) of a torch_dist checkpoint of a `model_type` model (the tracker's iteration, or
+    `iteration`); with `optimizer` the messages carry its model-space optimizer state (torch_dist_optim.py) when it
+    has one (GPT and BERT; a T5 folder gives its weights)."""
     from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, verified_source
     from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
 
@@ -382,17 +393,32 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
     # checked against its manifest as --load does (the newest intact iteration; an explicit one must verify)
     iter_dir, it, verified = verified_source(load_dir, iter_dir, it, explicit=iteration is not None)
     common, arch, flat, opt = read_iteration_state(iter_dir, trust)
-    if any(k.startswith("language_model.decoder.") for k in flat):
-        raise ConversionError(f"{iter_dir} holds a T5 model (Megatron Core's T5Model): convert.py reads GPT / "
-                              "Llama-family torch_dist folders; load it with --load into a T5 run instead")
+    found = model_type_of(flat)
+    if found != model_type:
+        raise ConversionError(f"{iter_dir} holds a {found} model (Megatron Core names): pass --model-type {found}")
     args = common.get("args")
     saved = SavedRunArgs.from_args(args)
-    meta = ModelMeta(model_type="GPT", architecture=arch, iteration=None if it is None else int(common.get(
+    meta = ModelMeta(model_type=model_type, architecture=arch, iteration=None if it is None else int(common.get(
         "iteration", it)), checkpoint_args=args, true_vocab_size=saved.true_vocab_size,
         consumed_train_samples=int(common.get("consumed_train_samples", saved.consumed_train_samples) or 0),
         consumed_valid_samples=int(common.get("consumed_valid_samples", saved.consumed_valid_samples) or 0),
         make_vocab_size_divisible_by=saved.make_vocab_size_divisible_by,
         tokenizer=saved.tokenizer_dict(), source=iter_dir, extra={"unverified_source": None if verified else iter_dir})
+    if model_type == "BERT":
+        tokentypes = flat.get("language_model.embedding.tokentype_embeddings.weight")
+        meta.extra["bert"] = {"num_tokentypes": 0 if tokentypes is None else int(tokentypes.size(0)),
+                              "add_binary_head": "binary_head.weight" in flat}
+    if model_type == "T5":  # each stack's layer count from its tensors
+        counts = [len({k[len(f"language_model.{s}.layers."):].split(".")[0] for k in flat
+                       if k.startswith(f"language_model.{s}.layers.")}) for s in ("encoder", "decoder")]
+        meta.extra["t5"] = {"encoder_num_layers": counts[0], "decoder_num_layers": counts[1]}
+        meta.extra["split_rank"] = None
+        from megatron.checkpoint.conversion.t5_format import t5_messages_from_state_dict
+
+        if optimizer and meta.iteration is not None and (opt or common.get("optimizer")):
+            print(f"note: {iter_dir}: a T5 model's optimizer state is not converted; writing the weights only",
+                  flush=True)
+        return meta, t5_messages_from_state_dict(flat, *counts)
     messages = messages_from_state_dict(flat, arch["num_layers"])
     if not optimizer or meta.iteration is None or not (opt or common.get("optimizer")):
         return meta, messages
@@ -432,18 +458,16 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     num_layers = int(meta.architecture["num_layers"])
     t5 = meta.model_type == "T5"
     if t5:
-        from megatron.checkpoint.conversion.t5_format import t5_state_dict_from_messages
-
-        flat = t5_state_dict_from_messages(iter(msgs))
+        from megatron.checkpoint.conversion.t5_format import t5_state_dict_from_messages as from_messages
     else:
-        flat = state_dict_from_messages(iter(msgs))
+        from_messages = state_dict_from_messages
+    flat = from_messages(iter(msgs))
     tensors = {k: v.detach().contiguous().clone() for k, v in ours_to_core_stacked(flat, num_layers).items()}
     state: Dict[str, Any] = dict(tensors)
     opt_common = meta.extra.get("optimizer")
     if opt_common and any(m.optimizer for m in msgs):
         for key in [PARAM, *opt_common.get("state_keys", [])]:
-            per_key = state_dict_from_messages(Message(m.name, {n: e[key] for n, e in m.optimizer.items()})
-                                               for m in msgs)
+            per_key = from_messages(Message(m.name, {n: e[key] for n, e in m.optimizer.items()}) for m in msgs)
             state.update(state_tensors({key: ours_to_core_stacked(per_key, num_layers)}))
     experts = int(meta.architecture.get("num_moe_experts") or 0)
     stack = "encoder.layers." if meta.model_type == "BERT" else "decoder.layers."

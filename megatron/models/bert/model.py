@@ -30,9 +30,9 @@ from megatron.model.language_model import (
     lm_cross_entropy,
     sequential_position_ids,
 )
-from megatron.model.layer_specs import bert_layer_spec
 from megatron.model.module import MegatronModule
 from megatron.model.utils import check_model_layout, get_linear_layer, openai_gelu, resolve_tp_group
+from megatron.models.bert.layer_spec import bert_layer_spec
 
 LM_HEAD_KEY = "lm_head"
 BINARY_HEAD_KEY = "binary_head"

@@ -14,9 +14,9 @@ from megatron.model.checkpoint_keys import (  # noqa: F401 - Megatron's names, a
 )
 from megatron.model.enums import AttnMaskType
 from megatron.model.language_model import TransformerLanguageModel, lm_cross_entropy, parallel_lm_logits
-from megatron.model.layer_specs import gpt_layer_spec
 from megatron.model.module import MegatronModule
 from megatron.model.utils import check_model_layout, resolve_tp_group
+from megatron.models.gpt.layer_spec import gpt_layer_spec
 
 
 def post_language_model_processing(

@@ -41,9 +41,9 @@ from megatron.errors import MegatronUserError
 from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
 from megatron.model.enums import AttnMaskType
 from megatron.model.language_model import Embedding, lm_cross_entropy, parallel_lm_logits
-from megatron.model.layer_specs import gpt_layer_spec
 from megatron.model.norms import build_norm
 from megatron.model.transformer import ParallelTransformerLayer
+from megatron.models.gpt.layer_spec import gpt_layer_spec
 
 EMBEDDING_PREFIX = "language_model.embedding."
 LAYER_PREFIX = "language_model.encoder.layers.{}."

@@ -39,9 +39,9 @@ from megatron.model.language_model import (
     lm_cross_entropy,
     sequential_position_ids,
 )
-from megatron.model.layer_specs import t5_decoder_layer_spec, t5_encoder_layer_spec
 from megatron.model.module import MegatronModule
 from megatron.model.utils import check_model_layout, pp_size_of, resolve_tp_group
+from megatron.models.t5.layer_spec import t5_decoder_layer_spec, t5_encoder_layer_spec
 
 LM_HEAD_KEY = "lm_head"
 PP_SPLIT_MISSING = ("T5 with --pipeline-model-parallel-size > 1 needs --pipeline-model-parallel-split-rank R "

@@ -1,0 +1,20 @@
+"""The T5 layer specs: the encoder's (BERT's layer) and the decoder's (with cross-attention)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.transformer_config import TransformerConfig
+from megatron.model.enums import AttnMaskType
+from megatron.model.layer_specs import TransformerLayerSpec, transformer_layer_spec
+from megatron.models.bert.layer_spec import bert_layer_spec
+
+
+def t5_encoder_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:
+    """T5 encoder layer: BERT's layer (bidirectional, padding-masked self-attention)."""
+    return bert_layer_spec(config)
+
+
+def t5_decoder_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:
+    """T5 decoder layer: causal self-attention, cross-attention (``inter_attention``) with its norm, then the MLP."""
+    del config
+    return transformer_layer_spec(AttnMaskType.causal, cross_attention=True)
