@@ -39,12 +39,13 @@ FLAGS["bert"] = ["--no-bias-gelu-fusion"]
 FLAGS["t5"] = ["--no-bias-gelu-fusion"]
 FLAGS["moe"] = [*FLAGS["llama"], "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
                 "--moe-shared-expert-intermediate-size", "40", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "0"]
+FLAGS["moe_mixed"] = [*FLAGS["moe"], "--moe-layer-freq", "[1,0]"]
 # what the oracle saved per family (MoE: TP1, PP2 and EP2) and the layouts at which it loaded ours
 SAVED = {"gpt": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
          "llama": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
          "moe": ("torch_tp1", "torch_pp2", "torch_ep2", "dist_tp1", "dist_pp2", "dist_ep2")}
 OURS_IN_CORE = {"gpt": ("ours_logits_tp1.pt", "ours_logits_tp2.pt"), "llama": ("ours_logits_tp1.pt",
-                "ours_logits_tp2.pt"), "moe": ("ours_logits_tp1.pt",)}
+                "ours_logits_tp2.pt"), "moe": ("ours_logits_tp1.pt",), "moe_mixed": ("ours_logits_tp1.pt",)}
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -258,7 +259,7 @@ def oracle(tmp_path_factory) -> Path:
 
     run_distributed(_t5_pp2_resave, world_size=2, args=(str(root / "ours" / "t5"), str(root / "ours" / "t5_pp2")))
     job["ours"]["t5_pp2"] = str(root / "ours" / "t5_pp2" / "iter_0000003")
-    for family in job["families"]:
+    for family in [*job["families"], "moe_mixed"]:  # the last saved by us only (MoE and dense layers mixed)
         save = root / "ours" / family
         args = run_args(family, root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format", "torch_dist", "--no-save-optim",
                         "--no-save-rng")
@@ -286,7 +287,7 @@ def test_core_checkpoints_load_at_tp1_with_core_logits(oracle, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt", "llama", "moe"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "moe", "moe_mixed"])
 def test_ours_as_torch_dist_gives_the_same_logits_in_megatron_core(oracle, family):
     ours = torch.load(oracle / f"ours_{family}_logits.pt")
     for name in OURS_IN_CORE[family]:
