@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 from typing import Optional
 
+from megatron.run_configs.declared import fill_from_args
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelSizes:
@@ -22,15 +24,7 @@ class ParallelSizes:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ParallelSizes:
-        return cls(
-            pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None),
-            expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
-            context_parallel_size=getattr(args, "context_parallel_size", 1),
-            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
-            tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
-            pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
-            virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
-        )
+        return fill_from_args(cls, args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +43,4 @@ class StartupSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StartupSettings:
-        return cls(
-            distributed_backend=getattr(args, "distributed_backend", None),
-            world_size=getattr(args, "world_size", 1),
-            local_rank=getattr(args, "local_rank", 0),
-            distributed_timeout_minutes=getattr(args, "distributed_timeout_minutes", 10),
-            deterministic_mode=bool(getattr(args, "deterministic_mode", False)),
-            seed=getattr(args, "seed", 1234),
-            data_parallel_random_init=bool(getattr(args, "data_parallel_random_init", False)),
-            seq_length=getattr(args, "seq_length", None),
-            cp_comm_type=getattr(args, "cp_comm_type", "p2p"),
-        )
+        return fill_from_args(cls, args)
