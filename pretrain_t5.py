@@ -62,9 +62,6 @@ def check_t5_args(args: Any) -> None:
         if getattr(args, "deepspeed", False):
             raise ArgumentError("T5 pipeline parallelism runs without DeepSpeed (its pipeline engine has no "
                                 "encoder-decoder split): drop --deepspeed or use --pipeline-model-parallel-size 1")
-    if getattr(args, "ckpt_format", "torch") == "torch_dist" and args.save and not args.no_save_optim:
-        raise ArgumentError("--ckpt-format torch_dist writes T5 weights only (Megatron Core names, no optimizer "
-                            "state): add --no-save-optim, or save with --ckpt-format torch")
     if args.decoder_seq_length is None:
         raise ArgumentError("pretrain_t5.py needs --decoder-seq-length (e.g. 128 with --encoder-seq-length 512)")
     tp = args.tensor_model_parallel_size

@@ -23,7 +23,7 @@ from megatron.global_vars import get_args, set_global_variables, unset_global_va
 
 # Launcher detection lives in megatron/launcher.py (a leaf: megatron.arguments reads it while parsing); re-exported.
 from megatron.launcher import DEFAULT_MASTER_PORT, LauncherEnv, detect_launcher_env, parse_slurm_nodelist  # noqa: F401
-from megatron.run_configs.parallel import ParallelSizes
+from megatron.run_configs.parallel import ParallelSizes, StartupSettings
 
 _OWNS_PROCESS_GROUP = False
 _ATEXIT_REGISTERED = False
@@ -91,42 +91,47 @@ def initialize_megatron(
 
 
 def finish_mpu_init(args: Optional[argparse.Namespace] = None) -> None:
-    """Second half of start-up: torch.distributed, model-parallel groups, seeds, deterministic mode, helpers."""
+    """Second half of start-up: torch.distributed, model-parallel groups, seeds, deterministic mode, helpers. The
+    flags side of start-up: the process's rank, world size, local rank and backend are recorded on ``args``."""
     args = get_args() if args is None else args
-    if args.deterministic_mode:  # before torch.distributed: NCCL reads NCCL_ALGO when it builds communicators
+    start = StartupSettings.from_args(args)
+    if start.deterministic_mode:  # before torch.distributed: NCCL reads NCCL_ALGO when it builds communicators
         set_deterministic_mode()
     from megatron.progress import fit_cpu_threads
 
     fit_cpu_threads()  # without OMP_NUM_THREADS: each local process gets its share of the cores
-    _initialize_distributed(args)
-    if args.deterministic_mode:
+    placed = _start_process_group(start)
+    for key, value in placed.items():
+        setattr(args, key, value)
+    _initialize_model_parallel(ParallelSizes.from_args(args), start, placed["rank"])
+    if start.deterministic_mode:
         _print0(f"> deterministic mode: torch deterministic algorithms on, cuDNN benchmark off, "
                 f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}, NCCL_ALGO={os.environ['NCCL_ALGO']}")
-    _print0(f"> setting random seeds to {args.seed} ...")
-    set_random_seed(args.seed, args.data_parallel_random_init)
+    _print0(f"> setting random seeds to {start.seed} ...")
+    set_random_seed(start.seed, start.data_parallel_random_init)
     _compile_dependencies()
 
 
-def _initialize_distributed(args: argparse.Namespace) -> None:
-    """Init torch.distributed (unless already up) and the model-parallel groups."""
+def _start_process_group(start: StartupSettings) -> Dict[str, Any]:
+    """Init torch.distributed (unless already up); returns what Megatron records on args (rank, world_size, and
+    local_rank when it started the group; distributed_backend), in Megatron's order."""
     global _OWNS_PROCESS_GROUP, _ATEXIT_REGISTERED
     import torch.distributed as dist
 
-    from megatron.core import parallel_state
-
     cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    placed: Dict[str, Any] = {}
     if dist.is_initialized():
         _print0("torch distributed is already initialized, skipping initialization ...")
-        args.rank = dist.get_rank()
-        args.world_size = dist.get_world_size()
-        peer_failure.register(args.rank)  # to name a dead rank later
-        if cuda and args.distributed_backend != "gloo":
-            torch.cuda.set_device(args.local_rank % torch.cuda.device_count())
+        placed.update(rank=dist.get_rank(), world_size=dist.get_world_size())
+        peer_failure.register(placed["rank"])  # to name a dead rank later
+        if cuda and start.distributed_backend != "gloo":
+            torch.cuda.set_device(start.local_rank % torch.cuda.device_count())
     else:
         env = detect_launcher_env(os.environ)
-        backend = resolve_backend(args.distributed_backend, cuda)
-        if env.world_size != args.world_size:
-            raise RuntimeError(f"world size changed between parse_args ({args.world_size}) and init ({env.world_size})")
+        backend = resolve_backend(start.distributed_backend, cuda)
+        if env.world_size != start.world_size:
+            raise RuntimeError(f"world size changed between parse_args ({start.world_size}) and init "
+                               f"({env.world_size})")
         if env.rank == 0:
             print("> initializing torch distributed ...", flush=True)
         if cuda:
@@ -139,7 +144,7 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
         os.environ.setdefault("WORLD_SIZE", str(env.world_size))
         os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
         init_method = f"tcp://{_format_host(env.master_addr)}:{port}"
-        timeout = peer_failure.distributed_timeout(args.distributed_timeout_minutes)
+        timeout = peer_failure.distributed_timeout(start.distributed_timeout_minutes)
         try:
             dist.init_process_group(backend=backend, world_size=env.world_size, rank=env.rank, timeout=timeout,
                                     **_rendezvous(init_method, env.master_addr, port, env.world_size, timeout))
@@ -155,30 +160,35 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
         if not _ATEXIT_REGISTERED:
             atexit.register(_destroy_process_group_at_exit)
             _ATEXIT_REGISTERED = True
-        args.rank, args.world_size, args.local_rank = env.rank, env.world_size, env.local_rank
-    args.distributed_backend = dist.get_backend()
+        placed.update(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank)
+    placed["distributed_backend"] = dist.get_backend()
+    return placed
+
+
+def _initialize_model_parallel(sizes: ParallelSizes, start: StartupSettings, rank: int) -> None:
+    """The model-parallel groups (unless already built); rank 0 prints their sizes."""
+    from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         _print0("model parallel is already initialized")
         return
-    sizes = ParallelSizes.from_args(args)
     state = parallel_state.initialize_model_parallel(
-        args.tensor_model_parallel_size,
-        args.pipeline_model_parallel_size,
-        args.virtual_pipeline_model_parallel_size,
+        sizes.tensor_model_parallel_size,
+        sizes.pipeline_model_parallel_size,
+        sizes.virtual_pipeline_model_parallel_size,
         pipeline_model_parallel_split_rank=sizes.pipeline_model_parallel_split_rank,
-        timeout=peer_failure.distributed_timeout(args.distributed_timeout_minutes),  # bounds every group's wait
+        timeout=peer_failure.distributed_timeout(start.distributed_timeout_minutes),  # bounds every group's wait
         expert_model_parallel_size=sizes.expert_model_parallel_size,
         context_parallel_size=sizes.context_parallel_size,
         expert_tensor_parallel_size=sizes.expert_tensor_parallel_size,
     )
-    if args.rank == 0:
+    if rank == 0:
         print(f"> initialized tensor model parallel with size {state.tp_size}", flush=True)
         print(f"> initialized pipeline model parallel with size {state.pp_size}", flush=True)
         if state.cp_size > 1:
             from megatron.core.context_parallel import describe_cp_layout
 
-            print(describe_cp_layout(args.seq_length, state.cp_size, args.cp_comm_type), flush=True)
+            print(describe_cp_layout(start.seq_length, state.cp_size, start.cp_comm_type), flush=True)
 
 
 def _rendezvous(init_method: str, addr: str, port: int, world_size: int, timeout: Any) -> Dict[str, Any]:

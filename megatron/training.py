@@ -82,22 +82,15 @@ def print_datetime(message: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- model + optimizer
 def setup_model_and_optimizer(model_provider_func: Callable, model_type: Any, configs: RunConfigs,
-                              state: ps.ParallelState, train_state: Optional[TrainingState] = None
-                              ) -> tuple[list, Any, Any]:
-    """Model, optimizer and LR schedule from the backend; loads --load. The iteration and consumed samples go to
-    `train_state` (without one, onto the flags under Megatron's names)."""
+                              state: ps.ParallelState, train_state: TrainingState) -> tuple[list, Any, Any]:
+    """Model, optimizer and LR schedule from the backend; loads --load (the iteration and consumed samples go to
+    `train_state`)."""
     forget_last_loaded()
     configs.flags.model_type = model_type  # Megatron records it in args (saved in every checkpoint)
     backend = backend_for(configs)
     model, optimizer, opt_param_scheduler = backend.setup(model_provider_func, model_type, configs, state)
-    run = train_state if train_state is not None else TrainingState()
-    iteration = backend.load(model, optimizer, opt_param_scheduler, configs, run) \
+    train_state.iteration = backend.load(model, optimizer, opt_param_scheduler, configs, train_state) \
         if configs.checkpoint.load is not None else 0
-    run.iteration = iteration
-    if train_state is None:
-        configs.flags.iteration = iteration
-        if iteration:
-            run.write_counters(configs.flags)
     return model, optimizer, opt_param_scheduler
 
 
@@ -273,9 +266,9 @@ def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], mod
              verbose: bool = False, count_valid_samples: bool = True,
              train_state: Optional[TrainingState] = None) -> tuple[dict, Any]:
     """Average the losses over --eval-iters batches (forward only); counts the validation samples in
-    `train_state` (without one, on the flags)."""
-    run: Any = train_state if train_state is not None else configs.flags
-    peer_failure.note_phase(f"evaluation at iteration {getattr(run, 'iteration', 0)}")
+    `train_state` (required when `count_valid_samples`)."""
+    run = train_state
+    peer_failure.note_phase(f"evaluation at iteration {run.iteration if run is not None else 0}")
     return backend_for(configs).evaluate(forward_step_func, data_iterator, model,
                                                    process_non_loss_data_func, configs, state, verbose,
                                                    count_valid_samples, run)
@@ -297,8 +290,7 @@ def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_it
 
 # ----------------------------------------------------------------------------------------------- exit handling
 def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
-          guard: Optional[SkipCounter] = None, train_loss: Optional[float] = None,
-          train_state: Optional[TrainingState] = None) -> None:
+          train_state: TrainingState, guard: Optional[SkipCounter] = None, train_loss: Optional[float] = None) -> None:
     """Save a checkpoint, except during a non-finite streak (`guard`): those weights are the ones that diverged."""
     if guard is not None and guard.in_streak:
         print_rank_0(f"not saving the checkpoint of iteration {iteration}: the run is in a non-finite streak since "
@@ -366,7 +358,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         watch = FirstLossWatch(loaded.folder, iteration + 1, loaded.train_loss, run.padded_vocab_size)
 
     def save() -> None:
-        _save(iteration, model, optimizer, opt_param_scheduler, configs, skip_counter, skip_counter.last_loss, run)
+        _save(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter, skip_counter.last_loss)
 
     while iteration < loop.train_iters:
         global_vars.update_num_microbatches(run.consumed_train_samples)
@@ -510,8 +502,8 @@ def pretrain(
             _flush_writer()
             return result
         if loop.save and iteration != 0 and iteration % loop.save_interval != 0:
-            _save(iteration, model, optimizer, opt_param_scheduler, configs, skip_counter,
-                  skip_counter.last_loss, run)
+            _save(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter,
+                  skip_counter.last_loss)
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
 

@@ -45,7 +45,7 @@ class TrainingBackend(abc.ABC):
 
     @abc.abstractmethod
     def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
-             train_loss: Optional[float], train_state: Optional[TrainingState]) -> None:
+             train_loss: Optional[float], train_state: TrainingState) -> None:
         """Write the checkpoint of `iteration` to --save (collective)."""
 
     @abc.abstractmethod

@@ -80,7 +80,7 @@ class DeepSpeedBackend(TrainingBackend):
                                             count_valid_samples, counts), None
 
     def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
-             train_loss: Optional[float], train_state: Optional[TrainingState]) -> None:
+             train_loss: Optional[float], train_state: TrainingState) -> None:
         ds_engine.save_deepspeed_checkpoint(iteration, model, optimizer, opt_param_scheduler, configs.flags,
                                             train_state, configs.checkpoint)
 

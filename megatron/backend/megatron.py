@@ -13,7 +13,7 @@ import torch
 
 from megatron import global_vars
 from megatron.backend.base import StepResult, TrainingBackend
-from megatron.checkpoint.checkpointing import last_loaded, read_checkpoint, save_checkpoint, save_run_checkpoint
+from megatron.checkpoint.checkpointing import last_loaded, read_checkpoint, save_run_checkpoint
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -167,12 +167,8 @@ class MegatronBackend(TrainingBackend):
         return total, collected
 
     def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
-             train_loss: Optional[float], train_state: Optional[TrainingState]) -> None:
-        if train_state is None:  # a caller that keeps its run state on the flags
-            save_checkpoint(iteration, model, optimizer, opt_param_scheduler, configs.flags, train_loss=train_loss,
-                            settings=configs.checkpoint)
-        else:
-            save_run_checkpoint(iteration, model, optimizer, opt_param_scheduler, configs, train_state, train_loss)
+             train_loss: Optional[float], train_state: TrainingState) -> None:
+        save_run_checkpoint(iteration, model, optimizer, opt_param_scheduler, configs, train_state, train_loss)
 
     def loss_scale(self, model: list, optimizer: Any) -> float:
         return float(optimizer.get_loss_scale().item())

@@ -172,12 +172,10 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
         first = safe_torch_load(files[(0, 0)], map_location="cpu")
         last = first if len(files) == 1 else safe_torch_load(files[(0, max(p for _, p in files))], map_location="cpu")
         bert = any(k in ("lm_head", "binary_head") for k in last.get("model") or {})
-        if "decoder" in ((last.get("model") or {}).get("language_model") or {}):  # T5 (weights only)
+        if "decoder" in ((last.get("model") or {}).get("language_model") or {}):  # T5
             from megatron.checkpoint.conversion.t5_format import read_t5
 
-            if optimizer:
-                raise ConversionError("T5 is written without its optimizer state: add --no-save-optim")
-            meta, messages = read_t5(save_dir, iteration=iteration)
+            meta, messages = read_t5(save_dir, iteration=iteration, optimizer=optimizer)
         else:
             meta, messages = read_megatron(save_dir, iteration=iteration, optimizer=optimizer,
                                            model_type="BERT" if bert else "GPT")
@@ -356,9 +354,6 @@ def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mappi
 
     first = unwrap_model(models[0])
     model_type = "BERT" if isinstance(first, BertModel) else "T5" if isinstance(first, T5Model) else "GPT"
-    if model_type == "T5" and load_optim:
-        raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): a Megatron Core T5 checkpoint loads without its "
-                                    "optimizer state (pass --finetune or --no-load-optim)")
     layouts = _full_t5_layouts(first) if model_type == "T5" else None
     common, arch, full, opt_full = read_full(iter_dir, load_dir, fmt, trust, optimizer=load_optim,
                                              model_type=model_type, layouts=layouts)

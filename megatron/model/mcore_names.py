@@ -126,8 +126,14 @@ def t5_decoder_suffix_to_core(suffix: str, fused_norms: bool) -> str:
     return our_layer_suffix_to_core(suffix, fused_norms)
 
 
+_T5_SECOND_NAMES = {"output_layer.bias": "lm_head.output_layer.bias",
+                    "position_embeddings.weight": "embedding.position_embeddings.weight"}
+
+
 def _t5_core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
+    # a second name stands for its tensor where the first is absent (Core's optimizer state keeps one of the two)
+    flat = {**{_T5_SECOND_NAMES[k]: v for k, v in flat.items() if k in _T5_SECOND_NAMES}, **flat}
     for key, value in flat.items():
         if _skipped(key) or key.startswith(T5_ALIASES):
             continue

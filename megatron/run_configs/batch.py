@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 from typing import Optional
 
+from megatron.run_configs.declared import fill_from_args
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchSettings:
@@ -28,19 +30,4 @@ class BatchSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BatchSettings:
-        return cls(
-            micro_batch_size=args.micro_batch_size,
-            global_batch_size=getattr(args, "global_batch_size", None),
-            data_parallel_size=getattr(args, "data_parallel_size", 1),
-            seq_length=getattr(args, "seq_length", None),
-            encoder_seq_length=getattr(args, "encoder_seq_length", None),
-            decoder_seq_length=getattr(args, "decoder_seq_length", None),
-            train_samples=getattr(args, "train_samples", None),
-            eval_iters=getattr(args, "eval_iters", 100),
-            num_workers=getattr(args, "num_workers", 2),
-            dataloader_type=getattr(args, "dataloader_type", None),
-            log_interval=getattr(args, "log_interval", 100),
-            tensorboard_log_interval=getattr(args, "tensorboard_log_interval", 1),
-            world_size=getattr(args, "world_size", 1),
-            bert_binary_head=bool(getattr(args, "bert_binary_head", True)),
-        )
+        return fill_from_args(cls, args)

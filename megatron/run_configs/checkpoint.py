@@ -5,6 +5,8 @@ import argparse
 import dataclasses
 from typing import Optional
 
+from megatron.run_configs.declared import fill_from_args, flag_value
+
 # The parallel sizes a checkpoint must match (flag, attribute); a different one is refused with a reshard hint.
 PARALLEL_SIZE_FLAGS = (
     ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
@@ -44,27 +46,14 @@ class CheckpointSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, load_arg: str = "load") -> CheckpointSettings:
-        heads = getattr(args, "num_attention_heads", None)
+        heads = flag_value(args, "num_attention_heads")
         qkv_heads = qkv_dim = None
-        if heads and not getattr(args, "group_query_attention", False):
-            qkv_heads = heads // (getattr(args, "tensor_model_parallel_size", 1) or 1)
-            qkv_dim = getattr(args, "kv_channels", None) or args.hidden_size // heads
-        return cls(
-            save=getattr(args, "save", None),
+        if heads and not flag_value(args, "group_query_attention"):
+            qkv_heads = heads // (flag_value(args, "tensor_model_parallel_size") or 1)
+            qkv_dim = flag_value(args, "kv_channels") or args.hidden_size // heads
+        return fill_from_args(
+            cls, args,
             load=getattr(args, load_arg, None),
-            no_save_optim=bool(getattr(args, "no_save_optim", False)),
-            no_save_rng=bool(getattr(args, "no_save_rng", False)),
-            no_load_optim=bool(getattr(args, "no_load_optim", False)),
-            no_load_rng=bool(getattr(args, "no_load_rng", False)),
-            finetune=bool(getattr(args, "finetune", False)),
-            ckpt_format=getattr(args, "ckpt_format", "torch") or "torch",
-            auto_detect_ckpt_format=bool(getattr(args, "auto_detect_ckpt_format", False)),
-            keep_last_n_checkpoints=getattr(args, "keep_last_n_checkpoints", None),
-            trust_checkpoint=bool(getattr(args, "trust_checkpoint", False)),
-            no_checkpoint_fallback=bool(getattr(args, "no_checkpoint_fallback", False)),
-            exit_on_missing_checkpoint=bool(getattr(args, "exit_on_missing_checkpoint", False)),
-            true_vocab_size=getattr(args, "true_vocab_size", None),
-            rank=int(getattr(args, "rank", 0) or 0),
             parallel_sizes=tuple((attr, getattr(args, attr, None)) for _, attr in PARALLEL_SIZE_FLAGS),
             qkv_heads_per_rank=qkv_heads,
             qkv_head_dim=qkv_dim,

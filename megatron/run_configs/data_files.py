@@ -5,6 +5,8 @@ import argparse
 import dataclasses
 from typing import Any, Optional
 
+from megatron.run_configs.declared import fill_from_args
+
 DATA_PATH_FLAGS = (("--data-path", "data_path"), ("--train-data-path", "train_data_path"),
                    ("--valid-data-path", "valid_data_path"), ("--test-data-path", "test_data_path"))
 
@@ -14,7 +16,7 @@ class DataFileSettings:
     """The data paths (flag, entries incl. blend weights), --split, the run length and the padded vocabulary."""
 
     data_paths: tuple[tuple[str, tuple[Any, ...]], ...] = ()
-    split: str = ""
+    split: str = "969, 30, 1"
     train_iters: Optional[int] = None
     train_samples: Optional[int] = None
     skip_train: bool = False
@@ -25,11 +27,7 @@ class DataFileSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DataFileSettings:
-        return cls(
+        return fill_from_args(
+            cls, args,
             data_paths=tuple((attr, tuple(getattr(args, attr, None) or ())) for _, attr in DATA_PATH_FLAGS),
-            split=str(getattr(args, "split", "") or ""),
-            train_iters=getattr(args, "train_iters", None),
-            train_samples=getattr(args, "train_samples", None),
-            skip_train=bool(getattr(args, "skip_train", False)),
-            padded_vocab_size=getattr(args, "padded_vocab_size", None),
         )

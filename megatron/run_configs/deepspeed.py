@@ -5,6 +5,8 @@ import argparse
 import dataclasses
 from typing import Any, Optional
 
+from megatron.run_configs.declared import fill_from_args, flag_value
+
 
 @dataclasses.dataclass(frozen=True)
 class DeepSpeedSettings:
@@ -25,17 +27,5 @@ class DeepSpeedSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DeepSpeedSettings:
-        return cls(
-            enabled=bool(getattr(args, "deepspeed", False)),
-            config_dict=getattr(args, "deepspeed_config_dict", None),
-            deepspeed_activation_checkpointing=bool(getattr(args, "deepspeed_activation_checkpointing", False)),
-            partition_activations=bool(getattr(args, "partition_activations", False)),
-            contigious_checkpointing=bool(getattr(args, "contigious_checkpointing", False)),
-            checkpoint_in_cpu=bool(getattr(args, "checkpoint_in_cpu", False)),
-            synchronize_each_layer=bool(getattr(args, "synchronize_each_layer", False)),
-            profile_backward=bool(getattr(args, "profile_backward", False)),
-            no_pipeline_parallel=bool(getattr(args, "no_pipeline_parallel", False)),
-            model_family=getattr(args, "model_family", "gpt"),
-            fp16_lm_cross_entropy=bool(getattr(args, "fp16_lm_cross_entropy", False)),
-            reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
-        )
+        return fill_from_args(cls, args, enabled=bool(flag_value(args, "deepspeed")),
+                              config_dict=getattr(args, "deepspeed_config_dict", None))

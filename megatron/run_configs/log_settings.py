@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from megatron.run_configs.declared import fill_from_args
+
 
 @dataclasses.dataclass(frozen=True)
 class LogSettings:
@@ -20,13 +22,4 @@ class LogSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LogSettings:
-        return cls(
-            log_learning_rate_to_tensorboard=bool(getattr(args, "log_learning_rate_to_tensorboard", True)),
-            log_batch_size_to_tensorboard=bool(getattr(args, "log_batch_size_to_tensorboard", False)),
-            log_loss_scale_to_tensorboard=bool(getattr(args, "log_loss_scale_to_tensorboard", True)),
-            log_world_size_to_tensorboard=bool(getattr(args, "log_world_size_to_tensorboard", False)),
-            log_memory_to_tensorboard=bool(getattr(args, "log_memory_to_tensorboard", False)),
-            log_validation_ppl_to_tensorboard=bool(getattr(args, "log_validation_ppl_to_tensorboard", False)),
-            log_timers_to_tensorboard=bool(getattr(args, "log_timers_to_tensorboard", False)),
-            model_family=getattr(args, "model_family", "gpt"),
-        )
+        return fill_from_args(cls, args)

@@ -5,6 +5,8 @@ import argparse
 import dataclasses
 from typing import Optional
 
+from megatron.run_configs.declared import fill_from_args
+
 
 @dataclasses.dataclass(frozen=True)
 class MemorySettings:
@@ -22,14 +24,4 @@ class MemorySettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MemorySettings:
-        return cls(
-            model_family=getattr(args, "model_family", "gpt"),
-            bert_binary_head=bool(getattr(args, "bert_binary_head", True)),
-            accumulate_allreduce_grads_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)),
-            optimizer=getattr(args, "optimizer", "adam"),
-            use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-            context_parallel_size=getattr(args, "context_parallel_size", 1) or 1,
-            distribute_saved_activations=bool(getattr(args, "distribute_saved_activations", False)),
-            recompute_granularity=getattr(args, "recompute_granularity", None),
-            virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
-        )
+        return fill_from_args(cls, args)

@@ -5,6 +5,8 @@ import argparse
 import dataclasses
 from typing import Any, Optional
 
+from megatron.run_configs.declared import fill_from_args
+
 
 @dataclasses.dataclass(frozen=True)
 class MoELossSettings:
@@ -20,12 +22,4 @@ class MoELossSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MoELossSettings:
-        return cls(
-            num_experts=getattr(args, "num_experts", None),
-            moe_router_load_balancing_type=getattr(args, "moe_router_load_balancing_type", "aux_loss"),
-            moe_aux_loss_coeff=getattr(args, "moe_aux_loss_coeff", 0.0),
-            moe_z_loss_coeff=getattr(args, "moe_z_loss_coeff", None),
-            moe_layer_freq=getattr(args, "moe_layer_freq", 1),
-            num_layers=getattr(args, "num_layers", 0) or 0,
-            moe_per_layer_logging=bool(getattr(args, "moe_per_layer_logging", False)),
-        )
+        return fill_from_args(cls, args)

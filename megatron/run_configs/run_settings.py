@@ -1,8 +1,8 @@
 """Run settings built once from the parsed flags: typed, read-only records that library code takes instead of ``args``.
 
-This is the adapter between Megatron's flat ``argparse`` namespace and typed settings: the only place that reads
-optional flags with their defaults (``getattr(args, name, default)``: a namespace from another entry script or an
-older checkpoint may lack them). Start with the training loop's settings (`LoopSettings`); more records (checkpointing,
+This is the adapter between Megatron's flat ``argparse`` namespace and typed settings, with megatron/run_configs/:
+the records' fields come from the flags with the declared defaults (run_configs/declared.py; a namespace from another
+entry script or an older checkpoint may lack them). Start with the training loop's settings (`LoopSettings`); more records (checkpointing,
 data, logging, parallelism) follow the same pattern.
 """
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from typing import Optional
+
+from megatron.run_configs.declared import fill_from_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,19 +37,7 @@ class LoopSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LoopSettings:
-        return cls(
-            train_iters=args.train_iters, eval_interval=args.eval_interval, save=args.save,
-            save_interval=args.save_interval, load=args.load,
-            exit_interval=getattr(args, "exit_interval", None),
-            exit_duration_in_mins=getattr(args, "exit_duration_in_mins", None),
-            exit_signal_handler=bool(getattr(args, "exit_signal_handler", False)),
-            skip_train=bool(getattr(args, "skip_train", False)),
-            empty_unused_memory_level=getattr(args, "empty_unused_memory_level", 0),
-            log_params_norm=bool(getattr(args, "log_params_norm", False)),
-            max_skipped_iterations=getattr(args, "max_skipped_iterations", 10),
-            fp16=bool(args.fp16), loss_scale=args.loss_scale,
-            min_loss_scale=getattr(args, "min_loss_scale", 1.0),
-        )
+        return fill_from_args(cls, args)  # every field is a flag: its value, or the declared default
 
     @property
     def loss_scale_floor(self) -> Optional[float]:

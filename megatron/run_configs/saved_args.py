@@ -9,7 +9,12 @@ import argparse
 import dataclasses
 from typing import Any, Optional
 
+from megatron.run_configs.declared import fill_from_args
+
 TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model")
+# Run counters (0 when absent) and other Megatron versions' fields no flag here declares (None when absent).
+COUNTERS = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens")
+OTHER_VERSIONS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "transformer_impl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,27 +52,11 @@ class SavedRunArgs:
         tok = [(key, getattr(args, key)) for key in TOKENIZER_FILES if getattr(args, key, None)]
         if getattr(args, "tokenizer_type", None):
             tok.append(("type", args.tokenizer_type))
-        return cls(
+        return fill_from_args(
+            cls, args,
             tokenizer=tuple(tok),
-            true_vocab_size=getattr(args, "true_vocab_size", None),
-            make_vocab_size_divisible_by=int(getattr(args, "make_vocab_size_divisible_by", 128) or 128),
-            consumed_train_samples=getattr(args, "consumed_train_samples", 0),
-            consumed_valid_samples=getattr(args, "consumed_valid_samples", 0),
-            consumed_train_tokens=getattr(args, "consumed_train_tokens", 0),
-            consumed_valid_tokens=getattr(args, "consumed_valid_tokens", 0),
-            expert_model_parallel_size=int(getattr(args, "expert_model_parallel_size", 1) or 1),
-            pipeline_model_parallel_size=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
+            # None: a checkpoint that does not say (the readers then take the layout from the files)
             tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", None),
-            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
-            pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None),
-            num_experts=getattr(args, "num_experts", None),
-            num_layers_per_virtual_pipeline_stage=getattr(args, "num_layers_per_virtual_pipeline_stage", None),
-            decoder_first_pipeline_num_layers=getattr(args, "decoder_first_pipeline_num_layers", None),
-            decoder_last_pipeline_num_layers=getattr(args, "decoder_last_pipeline_num_layers", None),
-            transformer_impl=getattr(args, "transformer_impl", None),
-            encoder_num_layers=getattr(args, "encoder_num_layers", None),
-            decoder_num_layers=getattr(args, "decoder_num_layers", None),
-            num_layers=getattr(args, "num_layers", None),
-            hidden_size=getattr(args, "hidden_size", None),
-            num_attention_heads=getattr(args, "num_attention_heads", None),
+            **{name: getattr(args, name, 0) for name in COUNTERS},
+            **{name: getattr(args, name, None) for name in OTHER_VERSIONS},
         )

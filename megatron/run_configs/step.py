@@ -5,6 +5,8 @@ import argparse
 import dataclasses
 from typing import Optional
 
+from megatron.run_configs.declared import fill_from_args
+
 
 @dataclasses.dataclass(frozen=True)
 class StepSettings:
@@ -19,11 +21,4 @@ class StepSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StepSettings:
-        return cls(
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
-            decoder_seq_length=getattr(args, "decoder_seq_length", None),
-            sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-            check_for_nan_in_loss_and_grad=bool(getattr(args, "check_for_nan_in_loss_and_grad", True)),
-            barrier_with_L1_time=bool(getattr(args, "barrier_with_L1_time", True)),
-        )
+        return fill_from_args(cls, args)

@@ -5,6 +5,8 @@ import argparse
 import dataclasses
 from typing import Optional
 
+from megatron.run_configs.declared import fill_from_args, flag_value
+
 
 @dataclasses.dataclass(frozen=True)
 class ThroughputSettings:
@@ -22,12 +24,9 @@ class ThroughputSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ThroughputSettings:
-        return cls(
-            micro_batch_size=args.micro_batch_size, data_parallel_size=args.data_parallel_size,
-            seq_length=getattr(args, "actual_seq_length", None) or args.seq_length,
-            hidden_size=args.hidden_size, num_layers=args.num_layers, padded_vocab_size=args.padded_vocab_size,
-            global_batch_size=getattr(args, "global_batch_size", None),
-            recompute_full=bool(getattr(args, "checkpoint_activations", False)
-                                or getattr(args, "recompute_granularity", None) == "full"),
-            world_size=getattr(args, "world_size", 1),
+        return fill_from_args(
+            cls, args,
+            seq_length=getattr(args, "actual_seq_length", None) or args.seq_length,  # Megatron-DeepSpeed's, no flag
+            recompute_full=bool(flag_value(args, "checkpoint_activations")
+                                or flag_value(args, "recompute_granularity") == "full"),
         )

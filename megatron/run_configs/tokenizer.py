@@ -5,6 +5,8 @@ import argparse
 import dataclasses
 from typing import Optional
 
+from megatron.run_configs.declared import fill_from_args, flag_value
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerSettings:
@@ -23,15 +25,6 @@ class TokenizerSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TokenizerSettings:
-        return cls(
-            tokenizer_type=getattr(args, "tokenizer_type", None),
-            vocab_file=getattr(args, "vocab_file", None),
-            merge_file=getattr(args, "merge_file", None),
-            tokenizer_model=getattr(args, "tokenizer_model", None),
-            tokenizer_name_or_path=getattr(args, "tokenizer_name_or_path", None),
-            vocab_extra_ids=int(getattr(args, "vocab_extra_ids", 0) or 0),
-            vocab_size=getattr(args, "vocab_size", None),
-            make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128) or 1,
-            tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
-            rank=getattr(args, "rank", 0) or 0,
-        )
+        # None (a converter's namespace) means no padding here, not the declared multiple
+        return fill_from_args(cls, args,
+                              make_vocab_size_divisible_by=flag_value(args, "make_vocab_size_divisible_by") or 1)

@@ -6,22 +6,11 @@ from typing import ClassVar, List, Optional
 
 from megatron.settings.declare import setting
 
-_FALLBACK_TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-    "SentencePieceTokenizer",
-    "PretrainedFromHF",
-    "NullTokenizer",
-)
-
 
 def _tokenizer_types() -> List[str]:
-    """The --tokenizer-type choices: whatever megatron.tokenizer supports (it imports without torch)."""
-    try:
-        from megatron.tokenizer.tokenizer import TOKENIZER_TYPES
-    except ImportError:
-        return list(_FALLBACK_TOKENIZER_TYPES)
+    """The --tokenizer-type choices: whatever megatron.tokenizer supports (megatron/tokenizer/types.py)."""
+    from megatron.tokenizer.types import TOKENIZER_TYPES
+
     return list(TOKENIZER_TYPES)
 
 

@@ -6,9 +6,7 @@ from typing import Any
 from megatron.errors import ArgumentError
 from megatron.run_configs.tokenizer import TokenizerSettings
 from megatron.tokenizer.abstract import AbstractTokenizer
-
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
-                   "Llama2Tokenizer", "PretrainedFromHF", "HuggingFaceTokenizer", "NullTokenizer")
+from megatron.tokenizer.types import TOKENIZER_TYPES
 
 
 def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128,

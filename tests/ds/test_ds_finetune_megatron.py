@@ -75,6 +75,7 @@ def _weights_vs_megatron(rank: int, world_size: int, argv: list[str], ref_load: 
     from megatron.model.enums import ModelType
     from megatron.run_configs.bundle import RunConfigs
     from megatron.training import setup_model_and_optimizer
+    from megatron.training_state import TrainingState
     from tests.ds._workers import _reset_megatron, ds_env
 
     ds_env(rank, world_size)
@@ -82,8 +83,8 @@ def _weights_vs_megatron(rank: int, world_size: int, argv: list[str], ref_load: 
         with contextlib.redirect_stdout(io.StringIO()):
             args = initialize_megatron(args=argv, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
             model, _, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder,
-                                                    RunConfigs.from_args(args),
-                                                    ps.get_parallel_state())
+                                                    RunConfigs.from_args(args), ps.get_parallel_state(),
+                                                    TrainingState())
             ref = pretrain_gpt.model_provider()
             args.load = ref_load
             load_checkpoint([ref], None, None, args)

@@ -84,6 +84,23 @@ def test_expert_shards_reach_exactly_the_experts_in_weights_and_fp16_optimizer_s
     assert all(torch.equal(a, b) for a, b in zip(mains, mains_back))
     per_param = regular_state_to_param_state(optim_sd, [model])
     saved_state = expert_shards.param_state(per_param, whole, [model])
+    state_back = expert_shards.param_state(saved_state, shard0, [model])["chunks"][0]
     for name, entry in per_param["chunks"][0].items():
         grown = saved_state["chunks"][0][name]["exp_avg"].numel() == 2 * entry["exp_avg"].numel()
         assert grown == (name in experts), name
+        assert all(torch.equal(state_back[name][k], entry[k]) for k in ("param", "exp_avg", "exp_avg_sq")), name
+
+
+def test_which_saved_layouts_hold_whole_experts() -> None:
+    """A checkpoint holds whole experts when saved with expert-TP != TP or with expert-TP = TP = 1; a run with
+    expert-TP > 1 != TP loads only those (others are refused with one line naming convert.py)."""
+    from argparse import Namespace
+
+    from megatron.checkpoint.conversion.megatron_format import experts_stored_whole
+    from megatron.checkpoint.expert_shards import saved_whole
+
+    for tp, etp, whole in ((1, None, True), (1, 1, True), (2, None, False), (2, 2, False), (2, 1, True),
+                           (1, 2, True), (2, 4, True)):
+        args = Namespace(tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp)
+        assert saved_whole(args) == whole, (tp, etp)
+        assert experts_stored_whole(args) == (etp is not None and etp != tp), (tp, etp)

@@ -6,9 +6,10 @@ writes its logits on fixed tokens, saves it as `torch` (per-rank files with Core
 `--ckpt-format torch`) and `torch_dist` (dist_checkpointing.save) at TP1, then rebuilds it at TP2 and PP2 (weights
 loaded by dist_checkpointing from the TP1 folder) and saves both formats there too. When `ours/<family>` holds a
 torch_dist checkpoint written by our code, it is loaded with dist_checkpointing.load into Core models at TP1 and TP2
-and their logits are written. A tiny BERT (Core's BertModel, local spec, tied head, binary head; `bert`) is saved
+and their logits are written (also `moe_mixed`: the MoE family with MoE and dense layers mixed, at TP1). A tiny BERT (Core's BertModel, local spec, tied head, binary head; `bert`) is saved
 the same way at TP1 and TP2, and ours loaded into it; so is a tiny T5 (Core's T5Model, local specs, tied
-head; `t5`; ours also as saved by our PP2 run). Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
+head; `t5`; ours also as saved by our PP2 run); at TP2 both also load our save's optimizer state into Megatron Core's
+DDP and distributed optimizer and save it again in both its layouts (`ours_optim_tp2_<layout>`). Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
 with its distributed optimizer (Adam, DP2) takes 6 steps on the batches of `batches.pt`, saving torch_dist
 checkpoints with the optimizer state (fully_reshardable in `train`, Megatron-LM's default dp_reshardable in
 `train_dp`) and Megatron-LM's RNG state after step 3; its per-step losses are the run that never stopped. One
@@ -98,6 +99,27 @@ def randomize(model: GPTModel) -> None:
         for name, p in model.named_parameters():
             norm = "layernorm" in name or "final_layernorm" in name
             p.copy_(1 + 0.2 * torch.randn_like(p) if norm and name.endswith("weight") else 0.2 * torch.randn_like(p))
+
+
+def mixed_run(ours: str) -> None:
+    """Our torch_dist save of the MoE family with MoE and dense layers mixed (moe_layer_freq [1, 0]: Megatron Core's
+    non-homogeneous layers, each under its own names) loaded into Core's model at TP1 (per-layer specs of
+    get_gpt_decoder_block_spec, local); its logits written to out/moe_mixed/ours_logits_tp1.pt."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    mps.initialize_model_parallel(1, 1)
+    spec = FAMILIES["moe"]
+    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                            pipeline_dtype=torch.float32, moe_layer_freq=[1, 0], **spec["config"])
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
+                     vocab_size=VOCAB, max_sequence_length=SEQ, parallel_output=False, **spec["model"])
+    load_dist(model, ours)
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.join("out", "moe_mixed"), exist_ok=True)
+        torch.save(logits_of(model), os.path.join("out", "moe_mixed", "ours_logits_tp1.pt"))
+    dist.barrier()
+    mps.destroy_model_parallel()
 
 
 def save_torch(model: GPTModel, root: str, family: str) -> None:
@@ -215,6 +237,8 @@ def bert_run(ours) -> None:
             logits = bert_logits(fresh)
             if dist.get_rank() == 0:
                 torch.save(logits, os.path.join(out, f"ours_logits_tp{tp}.pt"))
+            if tp == 2:
+                resave_optimizer(build_bert(), ours, os.path.join(out, "ours_optim_tp2"), ns)
         dist.barrier()
         mps.destroy_model_parallel()
 
@@ -298,6 +322,8 @@ def t5_run(ours, ours_pp2=None) -> None:
             logits = t5_logits(fresh)
             if dist.get_rank() == 0:
                 torch.save(logits, os.path.join(out, f"ours_logits_tp{tp}.pt"))
+            if tp == 2:
+                resave_optimizer(build_t5(), ours, os.path.join(out, "ours_optim_tp2"), ns)
         if ours_pp2 and tp == 1:
             fresh = build_t5()
             load_dist(fresh, ours_pp2)
@@ -312,10 +338,17 @@ SAVE_AT, LR = 3, 1e-3
 OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}  # Megatron-LM's --dist-ckpt-optim-fully-reshardable
 
 
+_STAND_INS = []
+
+
 def training_cpu_stand_ins() -> None:
     """Megatron Core's DDP and distributed optimizer allocate on 'cuda' and accept only `torch.cuda.*Tensor` types:
-    both pointed at the CPU (applied for the training part only, after the checkpoint round trips)."""
+    both pointed at the CPU (applied once, before the first use of either)."""
     import functools
+
+    if _STAND_INS:
+        return
+    _STAND_INS.append(True)
 
     def on_cpu(fn):
         @functools.wraps(fn)
@@ -356,6 +389,36 @@ def training_cpu_stand_ins() -> None:
         return set_states(self, model_param, tensors)
 
     DistributedOptimizer._set_main_param_and_optimizer_states = own_step
+
+
+def resave_optimizer(model, ours: str, root: str, args: argparse.Namespace) -> None:
+    """Our torch_dist save with its optimizer state (`ours`) loaded into `model` (this TP; the other ranks data
+    parallel) inside Megatron Core's DDP and distributed optimizer, then saved by Megatron Core in both its layouts
+    (`root`_fully_reshardable, `root`_dp_reshardable)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    training_cpu_stand_ins()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.01, clip_grad=1.0,
+                                                 use_distributed_optimizer=True), [ddp])
+    for inner in opt.chained_optimizers:  # torch's AdamW has no state before a step (Megatron Core's own helper)
+        inner._init_optimizer_states_with_dummy_values()
+    msd = model.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": msd, "optimizer": opt.sharded_state_dict(
+        msd, is_loading=True, metadata=OPT_META)}, ours)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    for kind in ("dp_reshardable", "fully_reshardable"):
+        iter_dir = os.path.join(f"{root}_{kind}", f"iter_{SAVE_AT:07d}")
+        if dist.get_rank() == 0:
+            os.makedirs(iter_dir, exist_ok=True)
+        dist.barrier()
+        msd = model.sharded_state_dict()
+        dist_checkpointing.save({"model": msd, "optimizer": opt.sharded_state_dict(msd, metadata={
+            "distrib_optim_sharding_type": kind}), "args": args, "checkpoint_version": 3.0, "iteration": SAVE_AT},
+            iter_dir)
 
 
 def trainer(family: str = "gpt"):
@@ -544,6 +607,8 @@ def main() -> None:
                 if rank == 0:
                     torch.save(logits, os.path.join(out, "ours_logits_tp2.pt"))
             mps.destroy_model_parallel()
+    if job.get("ours", {}).get("moe_mixed"):
+        mixed_run(job["ours"]["moe_mixed"])
     if job.get("bert"):
         bert_run(job.get("ours", {}).get("bert"))
     if job.get("t5"):

@@ -39,12 +39,13 @@ FLAGS["bert"] = ["--no-bias-gelu-fusion"]
 FLAGS["t5"] = ["--no-bias-gelu-fusion"]
 FLAGS["moe"] = [*FLAGS["llama"], "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
                 "--moe-shared-expert-intermediate-size", "40", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "0"]
+FLAGS["moe_mixed"] = [*FLAGS["moe"], "--moe-layer-freq", "[1,0]"]
 # what the oracle saved per family (MoE: TP1, PP2 and EP2) and the layouts at which it loaded ours
 SAVED = {"gpt": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
          "llama": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
          "moe": ("torch_tp1", "torch_pp2", "torch_ep2", "dist_tp1", "dist_pp2", "dist_ep2")}
 OURS_IN_CORE = {"gpt": ("ours_logits_tp1.pt", "ours_logits_tp2.pt"), "llama": ("ours_logits_tp1.pt",
-                "ours_logits_tp2.pt"), "moe": ("ours_logits_tp1.pt",)}
+                "ours_logits_tp2.pt"), "moe": ("ours_logits_tp1.pt",), "moe_mixed": ("ours_logits_tp1.pt",)}
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -87,7 +88,7 @@ def our_bert(args):
                      parallel_output=False)
 
 
-def bert_logits(model) -> tuple:
+def bert_logits(model, grad: bool = False) -> tuple:
     """(LM logits, binary-head logits) on the oracle's BERT inputs (a padded sequence, two token types)."""
     g = torch.Generator().manual_seed(9)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
@@ -95,7 +96,7 @@ def bert_logits(model) -> tuple:
     mask[1, 11:] = 0
     types = torch.zeros_like(ids)
     types[:, 8:] = 1
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         return model(ids, mask, tokentype_ids=types)
 
 
@@ -105,7 +106,7 @@ def our_t5(args):
     return T5Model(core_transformer_config_from_args(args), parallel_output=False)
 
 
-def t5_logits(model) -> torch.Tensor:
+def t5_logits(model, grad: bool = False) -> torch.Tensor:
     """Logits on the oracle's T5 inputs (sample 1's encoder padded after 11 tokens; 12 decoder tokens)."""
     dseq = 12
     g = torch.Generator().manual_seed(13)
@@ -114,8 +115,17 @@ def t5_logits(model) -> torch.Tensor:
     keys[1, 11:] = 0
     masks = (keys[:, None, :].expand(2, SEQ, SEQ), torch.tril(torch.ones(dseq, dseq)).expand(2, dseq, dseq),
              keys[:, None, :].expand(2, dseq, SEQ))
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         return model(enc, dec, *masks)
+
+
+def _one_step(model, loss) -> object:
+    """Our optimizer after one step on `loss()` (every parameter gets Adam moments)."""
+    optimizer = our_optimizer(model)
+    optimizer.zero_grad()
+    loss().backward()
+    optimizer.step()
+    return optimizer
 
 
 def _t5_pp2_resave(rank: int, world_size: int, load: str, save: str) -> None:
@@ -227,27 +237,29 @@ def oracle(tmp_path_factory) -> Path:
     job = {"families": ["gpt", "llama", "moe"], "ours": {}, "train": True, "bert": True, "t5": True,
            "ours_train": str(save / f"iter_{SAVE_AT:07d}")}
     args = run_args("bert", root / "none", "--save", str(root / "ours" / "bert"), "--save-interval", "1",
-                    "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng")
+                    "--ckpt-format", "torch_dist", "--no-save-rng")
     torch.manual_seed(11)
     bert = our_bert(args)
+    optimizer = _one_step(bert, lambda: sum(x.pow(2).mean() for x in bert_logits(bert, grad=True)))
     torch.save(bert_logits(bert), root / "ours_bert_logits.pt")
-    save_checkpoint(3, [bert], None, None, args)
+    save_checkpoint(3, [bert], optimizer, None, args)  # with the optimizer state (Core reads it: ours_optim_tp2)
     job["ours"]["bert"] = str(root / "ours" / "bert" / "iter_0000003")
     args = run_args("t5", root / "none", "--save", str(root / "ours" / "t5"), "--save-interval", "1",
-                    "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng")
+                    "--ckpt-format", "torch_dist", "--no-save-rng")
     torch.manual_seed(12)
     t5 = our_t5(args)
     with torch.no_grad():
         for p in t5.parameters():
             p.add_(0.1 * torch.randn_like(p))
+    optimizer = _one_step(t5, lambda: t5_logits(t5, grad=True).pow(2).mean())
     torch.save(t5_logits(t5), root / "ours_t5_logits.pt")
-    save_checkpoint(3, [t5], None, None, args)
+    save_checkpoint(3, [t5], optimizer, None, args)
     job["ours"]["t5"] = str(root / "ours" / "t5" / "iter_0000003")
     from tests.dist_utils import run_distributed  # that folder loaded by our T5 at PP2 and saved there as torch_dist
 
     run_distributed(_t5_pp2_resave, world_size=2, args=(str(root / "ours" / "t5"), str(root / "ours" / "t5_pp2")))
     job["ours"]["t5_pp2"] = str(root / "ours" / "t5_pp2" / "iter_0000003")
-    for family in job["families"]:
+    for family in [*job["families"], "moe_mixed"]:  # the last saved by us only (MoE and dense layers mixed)
         save = root / "ours" / family
         args = run_args(family, root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format", "torch_dist", "--no-save-optim",
                         "--no-save-rng")
@@ -275,7 +287,7 @@ def test_core_checkpoints_load_at_tp1_with_core_logits(oracle, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt", "llama", "moe"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "moe", "moe_mixed"])
 def test_ours_as_torch_dist_gives_the_same_logits_in_megatron_core(oracle, family):
     ours = torch.load(oracle / f"ours_{family}_logits.pt")
     for name in OURS_IN_CORE[family]:
@@ -301,6 +313,34 @@ def test_core_bert_checkpoints_both_ways(oracle):
     for tp in (1, 2):
         for got, want in zip(torch.load(bert / f"ours_logits_tp{tp}.pt"), ours):
             torch.testing.assert_close(got, want, **TOL, msg=f"ours in Core at TP{tp}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_ours_bert_t5_optimizer_state_goes_through_megatron_core(oracle, family):
+    """Our BERT (T5) saved with --ckpt-format torch_dist after one step, its optimizer state in the fully_reshardable
+    layout, loads into Megatron Core's DDP + distributed optimizer at TP2, which saves it again in that layout and in
+    its default dp_reshardable one: read here, every parameter's fp32 main param and Adam moments are ours bit for
+    bit, and the step count with them."""
+    from megatron.checkpoint.conversion.interchange import ConversionError
+    from megatron.checkpoint.conversion.torch_dist import read_iteration_state
+    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
+
+    common, _, _, ours = read_iteration_state(str(oracle / "ours" / family / "iter_0000003"))
+    assert sorted(ours) == ["exp_avg", "exp_avg_sq", "param"] and optimizer_common(common, ours, family)["step"] == 1
+    for kind in ("fully_reshardable", "dp_reshardable"):
+        folder = oracle / "out" / family / f"ours_optim_tp2_{kind}" / f"iter_{SAVE_AT:07d}"
+        common, _, _, core = read_iteration_state(str(folder))
+        if kind == "dp_reshardable":
+            with pytest.raises(ConversionError, match="--dist-ckpt-optim-fully-reshardable"):
+                optimizer_common(common, core, kind)
+            continue
+        assert optimizer_common(common, core, kind)["step"] == 1
+        assert sorted(core) == sorted(ours)
+        for key, tensors in ours.items():
+            assert sorted(core[key]) == sorted(tensors), (kind, key, set(core[key]) ^ set(tensors))
+            for name, value in tensors.items():
+                assert torch.equal(core[key][name], value), (kind, key, name)
 
 
 @pytest.mark.slow
@@ -351,22 +391,6 @@ def test_t5_pipeline_piece_refusals_are_one_line():
         with pytest.raises(CheckpointFormatError, match=match) as info:
             rank_piece(full, {}, None, 3, 0, state)
         assert "\n" not in str(info.value)
-
-
-def test_t5_torch_dist_save_needs_no_save_optim():
-    """pretrain_t5.py refuses --ckpt-format torch_dist with optimizer state at start-up, in one line."""
-    import argparse
-
-    from megatron.errors import ArgumentError
-    from pretrain_t5 import check_t5_args
-
-    args = argparse.Namespace(pipeline_model_parallel_size=1, pipeline_model_parallel_split_rank=None,
-                              decoder_seq_length=8, tensor_model_parallel_size=1, sequence_parallel=False,
-                              vocab_extra_ids=100, ckpt_format="torch_dist", save="/tmp/x", no_save_optim=False)
-    with pytest.raises(ArgumentError, match="--no-save-optim"):
-        check_t5_args(args)
-    args.no_save_optim = True
-    check_t5_args(args)
 
 
 @pytest.mark.slow

@@ -3,11 +3,15 @@ the tiny T5 of test_t5_training.py) trained at TP2 x DP1 with the regular optimi
 tools/checkpoint/convert.py --model-type BERT (T5) converts it with its optimizer state to TP1, and pretrain_bert
 (pretrain_t5) --load at DP2 with the distributed optimizer continues the run: the losses of iterations 7-12 (BERT: lm
 and sop) and the validation at 12 within 1e-5 relative, the same consumed samples and learning rates per iteration
-(fp32, gloo CPU; vocabularies padded to the same rows at TP 1 and 2: 1,024 for BERT, 1,152 for T5).
+(fp32, gloo CPU; vocabularies padded to the same rows at TP 1 and 2: 1,024 for BERT, 1,152 for T5). And through
+`--ckpt-format torch_dist` (issue 26): both trained at TP1 x DP2 with the distributed optimizer save iteration 6 as
+one torch_dist folder (Megatron Core names, the optimizer state in its fully_reshardable layout) and resume from it
+at TP2 with the regular optimizer, continuing the run likewise (one 2-process launch for the four runs).
 """
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 
@@ -102,3 +106,50 @@ def test_t5_resume_tp2_regular_to_tp1_dp2_distributed(bert_data: dict, tmp_path:
     ref_val = dict(a["val"])
     assert b["val"] and all(math.isclose(v, ref_val[p], rel_tol=REL) for p, v in b["val"]), (b["val"], a["val"])
     _assert_steps(b_out, a_out)
+
+
+def _bert_t5_runs(rank: int, world_size: int, runs: list) -> list[dict]:
+    """pretrain_bert / pretrain_t5 runs ("BERT" or "T5", argv, resume_from) one after another in one process group."""
+    from tests.training import test_t5_training as t5
+    from tests.training._bert import run_bert
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return [(run_bert if family == "BERT" else t5.run_t5)(rank, world_size, argv, resume)
+            for family, argv, resume in runs]
+
+
+@pytest.mark.slow
+def test_bert_and_t5_torch_dist_optimizer_state_resumes_at_tp2(bert_data: dict, tmp_path: Path) -> None:
+    from megatron.checkpoint.conversion.torch_dist import read_common, read_dcp_metadata
+    from tests.training import test_t5_training as t5
+    from tests.training.test_t5_training import t5_argv
+
+    save = ["--use-distributed-optimizer", "--ckpt-format", "torch_dist", "--save-interval", "6"]
+    resume = ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"]
+    runs = []
+    for family, argv in (("BERT", bert_argv), ("T5", t5_argv)):
+        ckpt = str(tmp_path / family)
+        runs += [(family, argv(bert_data, *save, "--save", ckpt, iters=ITERS), None),
+                 (family, argv(bert_data, *resume, "--load", ckpt, iters=ITERS), (ckpt, 6))]
+    results = run_distributed(_bert_t5_runs, 2, args=(runs,))[-1]
+    for family, (a, b), curve, key, layers in (  # the presets: BERT 2 layers, T5 2 encoder and 1 decoder layer
+            ("BERT", results[:2], curve_of, "encoder.layers.self_attention.linear_qkv.weight", 2),
+            ("T5", results[2:], t5.curve_of, "decoder.layers.cross_attention.linear_kv.weight", 1)):
+        folder = str(tmp_path / family / "iter_0000006")
+        names = read_dcp_metadata(folder).state_dict_metadata
+        for state in ("param", "exp_avg", "exp_avg_sq"):  # Megatron Core's names, layers stacked
+            assert names[f"optimizer.state.{state}.{key}"].size[0] == layers, (family, state)
+        common = read_common(folder)
+        assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable", family
+        assert {g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]} == {6.0}, family
+        ca, cb = curve(a, f"{family} TP1 x DP2"), curve(b, f"{family} resumed at TP2")
+        assert sorted(cb["train"]) == list(range(7, ITERS + 1)), family
+        for it in range(7, ITERS + 1):
+            pairs = zip(cb["train"][it], ca["train"][it]) if family == "BERT" else [(cb["train"][it], ca["train"][it])]
+            assert all(math.isclose(x, y, rel_tol=REL) for x, y in pairs), (family, it, cb["train"][it],
+                                                                             ca["train"][it])
+        ref_val = {p: v for p, *v in ca["val"]}
+        assert cb["val"] and all(p in ref_val for p, *_ in cb["val"]), family
+        for p, *v in cb["val"]:
+            assert all(math.isclose(x, y, rel_tol=REL) for x, y in zip(v, ref_val[p])), (family, p, v, ref_val[p])
+        _assert_steps(b["stdout"], a["stdout"])

@@ -12,8 +12,8 @@ padded to 64 elements; a bucket ends where the recorded unpadded length says, an
 pipeline stages sit in a bucket of their own) and checked against ``per_bucket_numel_unpadded``. Each parameter's
 slice is cut out, shaped like its TP shard and merged over TP and PP into one full tensor: the optimizer state then
 loads at any TP/PP/DP layout here, while Megatron Core itself reads this layout back only at the TP/PP that wrote it
-(any DP size). Dense GPT / Llama-family models with one gradient buffer; MoE, virtual or uneven pipelines are one
-line naming ``--dist-ckpt-optim-fully-reshardable``.
+(any DP size). Dense GPT / Llama-family models with one gradient buffer; MoE, BERT, T5, virtual or uneven pipelines
+are one line naming ``--dist-ckpt-optim-fully-reshardable``.
 """
 from __future__ import annotations
 
@@ -101,6 +101,8 @@ def bucket_state(tensors: Dict[str, torch.Tensor], objects: Dict[str, Any], flat
                         ("--decoder-last-pipeline-num-layers", saved.decoder_last_pipeline_num_layers)):
         if value:
             raise ConversionError(f"{what} is not read for a run with {flag}; {_FIX}")
+    if any(k.startswith(("lm_head.", "binary_head.", _LM + "decoder.")) for k in flat):
+        raise ConversionError(f"{what} is read for GPT / Llama-family models, not BERT or T5; {_FIX}")
     buckets: Dict[Tuple[int, int, int], Dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _BUCKET_RE.match(key)
