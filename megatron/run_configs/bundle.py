@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from megatron.run_configs.batch import BatchSettings
 from megatron.run_configs.checkpoint import CheckpointSettings
+from megatron.run_configs.data_files import DataFileSettings
 from megatron.run_configs.deepspeed import DeepSpeedSettings
 from megatron.run_configs.log_settings import LogSettings
 from megatron.run_configs.memory import MemorySettings
@@ -41,6 +42,7 @@ class RunConfigs:
     loop: LoopSettings
     batch: BatchSettings
     moe: MoELossSettings
+    data_files: DataFileSettings
     architecture: Mapping[str, Any]  # the checkpoint's ``architecture`` record of this run (checked on load)
     transformer: Any  # the model's TransformerConfig (the FLOPs of the log line, the fused-kernels line)
     optimizer: Any  # the OptimizerConfig (megatron/optimizer/optimizer_config.py)
@@ -58,11 +60,14 @@ class RunConfigs:
             step=StepSettings.from_args(args), model_wrap=ModelWrapSettings.from_args(args),
             log=LogSettings.from_args(args), memory=MemorySettings.from_args(args), loop=LoopSettings.from_args(args),
             batch=BatchSettings.from_args(args), moe=MoELossSettings.from_args(args),
+            data_files=DataFileSettings.from_args(args),
             architecture=architecture_from_args(args), transformer=core_transformer_config_from_args(args),
             optimizer=optimizer_config_from_args(args), flags=args,
         )
 
     def with_run_length(self) -> RunConfigs:
         """After the LR schedule's set-up, which turns --train-samples into --train-iters (Megatron's order): the
-        loop's length from the flags."""
-        return dataclasses.replace(self, loop=dataclasses.replace(self.loop, train_iters=self.flags.train_iters))
+        run's length from the flags."""
+        train_iters = self.flags.train_iters
+        return dataclasses.replace(self, loop=dataclasses.replace(self.loop, train_iters=train_iters),
+                                   data_files=dataclasses.replace(self.data_files, train_iters=train_iters))
