@@ -129,20 +129,22 @@ def _one_step(model, loss) -> object:
 
 
 def _t5_pp2_resave(rank: int, world_size: int, load: str, save: str) -> None:
-    """Our T5 at PP2 (--pipeline-model-parallel-split-rank 1: the encoder on stage 0, the decoder on stage 1) loads
-    `load` (a torch_dist folder) and saves with --ckpt-format torch_dist into `save`."""
+    """Our T5 at PP2 (--pipeline-model-parallel-split-rank 1: the encoder on stage 0, the decoder on stage 1) resumes
+    from `load` (a torch_dist folder, its optimizer state cut to the stages) and saves with --ckpt-format torch_dist
+    (optimizer state included) into `save`."""
     from megatron.checkpoint.checkpointing import load_checkpoint, save_checkpoint
     from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron.models.t5.model import T5Model
 
     state = initialize_model_parallel(1, 2, pipeline_model_parallel_split_rank=1)
     try:
-        args = run_args("t5", Path(load), "--finetune", "--pipeline-model-parallel-size", "2",
+        args = run_args("t5", Path(load), "--no-load-rng", "--pipeline-model-parallel-size", "2",
                         "--pipeline-model-parallel-split-rank", "1", "--save", save, "--save-interval", "1",
-                        "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng")
+                        "--ckpt-format", "torch_dist", "--no-save-rng")
         model = T5Model(core_transformer_config_from_args(args), pp_state=state, parallel_output=False)
-        assert load_checkpoint([model], None, None, args) == 0
-        save_checkpoint(3, [model], None, None, args)
+        optimizer = our_optimizer(model)
+        assert load_checkpoint([model], optimizer, None, args) == 3
+        save_checkpoint(3, [model], optimizer, None, args)
     finally:
         destroy_model_parallel()
 
@@ -321,7 +323,8 @@ def test_ours_bert_t5_optimizer_state_goes_through_megatron_core(oracle, family)
     """Our BERT (T5) saved with --ckpt-format torch_dist after one step, its optimizer state in the fully_reshardable
     layout, loads into Megatron Core's DDP + distributed optimizer at TP2, which saves it again in that layout and in
     its default dp_reshardable one (bucket buffers, rebuilt here in Core's BERT / T5 parameter order): read here,
-    every parameter's fp32 main param and Adam moments are ours bit for bit, and the step count with them."""
+    every parameter's fp32 main param and Adam moments are ours bit for bit, and the step count with them; so are
+    those of our T5 pipeline (PP2, split 1) resumed from our save and saved again."""
     from megatron.checkpoint.conversion.torch_dist import read_iteration_state
     from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
 
@@ -336,6 +339,12 @@ def test_ours_bert_t5_optimizer_state_goes_through_megatron_core(oracle, family)
             assert sorted(core[key]) == sorted(tensors), (kind, key, set(core[key]) ^ set(tensors))
             for name, value in tensors.items():
                 assert torch.equal(core[key][name], value), (kind, key, name)
+    if family == "t5":  # our T5 pipeline (PP2, split 1) resumed from it with its optimizer and saved again
+        _, _, _, again = read_iteration_state(str(oracle / "ours" / "t5_pp2" / "iter_0000003"))
+        assert sorted(again) == sorted(ours)
+        for key, tensors in ours.items():
+            assert sorted(again[key]) == sorted(tensors) and all(torch.equal(again[key][n], t)
+                                                                 for n, t in tensors.items()), key
 
 
 @pytest.mark.slow
