@@ -538,10 +538,6 @@ def _validate_misc(args: argparse.Namespace) -> None:
         _require(args.keep_last_n_checkpoints > 0,
                  f"--keep-last-n-checkpoints must be positive (got {args.keep_last_n_checkpoints})")
     if args.ckpt_format == "torch_dist" and args.save:
-        freq = getattr(args, "moe_layer_freq", 1)
-        _require(not getattr(args, "num_experts", None) or freq == 1 or (isinstance(freq, list) and all(freq)),
-                 "--ckpt-format torch_dist stacks layers, so it needs every layer MoE or none (--moe-layer-freq 1): "
-                 "save with --ckpt-format torch")
         _require(not getattr(args, "deepspeed", False), "--ckpt-format torch_dist cannot be used with --deepspeed "
                  "(DeepSpeed writes its own checkpoints): drop one of the two flags")
     _require(args.max_skipped_iterations >= 0,

@@ -129,7 +129,7 @@ def build_train_valid_test_data_iterators(
     print_rank_0("> finished creating datasets ...")
     from megatron.data.data_checks import check_train_split
 
-    check_train_split(configs.data, train_ds)  # an empty training split with --train-iters > 0 is an error
+    check_train_split(configs.data_files, train_ds)  # an empty training split with --train-iters > 0 is an error
 
     def loader(ds: Any, consumed: int) -> Any:
         if ds is None:
@@ -461,7 +461,7 @@ def pretrain(
 
     from megatron.data.data_checks import check_data_prefixes
 
-    check_data_prefixes(configs.data)  # a mistyped --data-path: one line before the model is built
+    check_data_prefixes(configs.data_files)  # a mistyped --data-path: one line before the model is built
     timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, configs, state,
                                                                       run)

@@ -42,7 +42,7 @@ class RunConfigs:
     loop: LoopSettings
     batch: BatchSettings
     moe: MoELossSettings
-    data: DataFileSettings
+    data_files: DataFileSettings
     architecture: Mapping[str, Any]  # the checkpoint's ``architecture`` record of this run (checked on load)
     transformer: Any  # the model's TransformerConfig (the FLOPs of the log line, the fused-kernels line)
     optimizer: Any  # the OptimizerConfig (megatron/optimizer/optimizer_config.py)
@@ -60,14 +60,14 @@ class RunConfigs:
             step=StepSettings.from_args(args), model_wrap=ModelWrapSettings.from_args(args),
             log=LogSettings.from_args(args), memory=MemorySettings.from_args(args), loop=LoopSettings.from_args(args),
             batch=BatchSettings.from_args(args), moe=MoELossSettings.from_args(args),
-            data=DataFileSettings.from_args(args),
+            data_files=DataFileSettings.from_args(args),
             architecture=architecture_from_args(args), transformer=core_transformer_config_from_args(args),
             optimizer=optimizer_config_from_args(args), flags=args,
         )
 
     def with_run_length(self) -> RunConfigs:
         """After the LR schedule's set-up, which turns --train-samples into --train-iters (Megatron's order): the
-        loop's (and the data checks') length from the flags."""
+        run's length from the flags."""
         train_iters = self.flags.train_iters
         return dataclasses.replace(self, loop=dataclasses.replace(self.loop, train_iters=train_iters),
-                                   data=dataclasses.replace(self.data, train_iters=train_iters))
+                                   data_files=dataclasses.replace(self.data_files, train_iters=train_iters))

@@ -6,7 +6,7 @@ writes its logits on fixed tokens, saves it as `torch` (per-rank files with Core
 `--ckpt-format torch`) and `torch_dist` (dist_checkpointing.save) at TP1, then rebuilds it at TP2 and PP2 (weights
 loaded by dist_checkpointing from the TP1 folder) and saves both formats there too. When `ours/<family>` holds a
 torch_dist checkpoint written by our code, it is loaded with dist_checkpointing.load into Core models at TP1 and TP2
-and their logits are written. A tiny BERT (Core's BertModel, local spec, tied head, binary head; `bert`) is saved
+and their logits are written (also `moe_mixed`: the MoE family with MoE and dense layers mixed, at TP1). A tiny BERT (Core's BertModel, local spec, tied head, binary head; `bert`) is saved
 the same way at TP1 and TP2, and ours loaded into it; so is a tiny T5 (Core's T5Model, local specs, tied
 head; `t5`; ours also as saved by our PP2 run); at TP2 both also load our save's optimizer state into Megatron Core's
 DDP and distributed optimizer and save it again in both its layouts (`ours_optim_tp2_<layout>`). Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
@@ -99,6 +99,27 @@ def randomize(model: GPTModel) -> None:
         for name, p in model.named_parameters():
             norm = "layernorm" in name or "final_layernorm" in name
             p.copy_(1 + 0.2 * torch.randn_like(p) if norm and name.endswith("weight") else 0.2 * torch.randn_like(p))
+
+
+def mixed_run(ours: str) -> None:
+    """Our torch_dist save of the MoE family with MoE and dense layers mixed (moe_layer_freq [1, 0]: Megatron Core's
+    non-homogeneous layers, each under its own names) loaded into Core's model at TP1 (per-layer specs of
+    get_gpt_decoder_block_spec, local); its logits written to out/moe_mixed/ours_logits_tp1.pt."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    mps.initialize_model_parallel(1, 1)
+    spec = FAMILIES["moe"]
+    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                            pipeline_dtype=torch.float32, moe_layer_freq=[1, 0], **spec["config"])
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
+                     vocab_size=VOCAB, max_sequence_length=SEQ, parallel_output=False, **spec["model"])
+    load_dist(model, ours)
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.join("out", "moe_mixed"), exist_ok=True)
+        torch.save(logits_of(model), os.path.join("out", "moe_mixed", "ours_logits_tp1.pt"))
+    dist.barrier()
+    mps.destroy_model_parallel()
 
 
 def save_torch(model: GPTModel, root: str, family: str) -> None:
@@ -586,6 +607,8 @@ def main() -> None:
                 if rank == 0:
                     torch.save(logits, os.path.join(out, "ours_logits_tp2.pt"))
             mps.destroy_model_parallel()
+    if job.get("ours", {}).get("moe_mixed"):
+        mixed_run(job["ours"]["moe_mixed"])
     if job.get("bert"):
         bert_run(job.get("ours", {}).get("bert"))
     if job.get("t5"):

@@ -39,12 +39,13 @@ FLAGS["bert"] = ["--no-bias-gelu-fusion"]
 FLAGS["t5"] = ["--no-bias-gelu-fusion"]
 FLAGS["moe"] = [*FLAGS["llama"], "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
                 "--moe-shared-expert-intermediate-size", "40", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "0"]
+FLAGS["moe_mixed"] = [*FLAGS["moe"], "--moe-layer-freq", "[1,0]"]
 # what the oracle saved per family (MoE: TP1, PP2 and EP2) and the layouts at which it loaded ours
 SAVED = {"gpt": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
          "llama": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
          "moe": ("torch_tp1", "torch_pp2", "torch_ep2", "dist_tp1", "dist_pp2", "dist_ep2")}
 OURS_IN_CORE = {"gpt": ("ours_logits_tp1.pt", "ours_logits_tp2.pt"), "llama": ("ours_logits_tp1.pt",
-                "ours_logits_tp2.pt"), "moe": ("ours_logits_tp1.pt",)}
+                "ours_logits_tp2.pt"), "moe": ("ours_logits_tp1.pt",), "moe_mixed": ("ours_logits_tp1.pt",)}
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -128,20 +129,22 @@ def _one_step(model, loss) -> object:
 
 
 def _t5_pp2_resave(rank: int, world_size: int, load: str, save: str) -> None:
-    """Our T5 at PP2 (--pipeline-model-parallel-split-rank 1: the encoder on stage 0, the decoder on stage 1) loads
-    `load` (a torch_dist folder) and saves with --ckpt-format torch_dist into `save`."""
+    """Our T5 at PP2 (--pipeline-model-parallel-split-rank 1: the encoder on stage 0, the decoder on stage 1) resumes
+    from `load` (a torch_dist folder, its optimizer state cut to the stages) and saves with --ckpt-format torch_dist
+    (optimizer state included) into `save`."""
     from megatron.checkpoint.checkpointing import load_checkpoint, save_checkpoint
     from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron.models.t5.model import T5Model
 
     state = initialize_model_parallel(1, 2, pipeline_model_parallel_split_rank=1)
     try:
-        args = run_args("t5", Path(load), "--finetune", "--pipeline-model-parallel-size", "2",
+        args = run_args("t5", Path(load), "--no-load-rng", "--pipeline-model-parallel-size", "2",
                         "--pipeline-model-parallel-split-rank", "1", "--save", save, "--save-interval", "1",
-                        "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng")
+                        "--ckpt-format", "torch_dist", "--no-save-rng")
         model = T5Model(core_transformer_config_from_args(args), pp_state=state, parallel_output=False)
-        assert load_checkpoint([model], None, None, args) == 0
-        save_checkpoint(3, [model], None, None, args)
+        optimizer = our_optimizer(model)
+        assert load_checkpoint([model], optimizer, None, args) == 3
+        save_checkpoint(3, [model], optimizer, None, args)
     finally:
         destroy_model_parallel()
 
@@ -258,7 +261,7 @@ def oracle(tmp_path_factory) -> Path:
 
     run_distributed(_t5_pp2_resave, world_size=2, args=(str(root / "ours" / "t5"), str(root / "ours" / "t5_pp2")))
     job["ours"]["t5_pp2"] = str(root / "ours" / "t5_pp2" / "iter_0000003")
-    for family in job["families"]:
+    for family in [*job["families"], "moe_mixed"]:  # the last saved by us only (MoE and dense layers mixed)
         save = root / "ours" / family
         args = run_args(family, root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format", "torch_dist", "--no-save-optim",
                         "--no-save-rng")
@@ -286,7 +289,7 @@ def test_core_checkpoints_load_at_tp1_with_core_logits(oracle, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt", "llama", "moe"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "moe", "moe_mixed"])
 def test_ours_as_torch_dist_gives_the_same_logits_in_megatron_core(oracle, family):
     ours = torch.load(oracle / f"ours_{family}_logits.pt")
     for name in OURS_IN_CORE[family]:
@@ -319,9 +322,9 @@ def test_core_bert_checkpoints_both_ways(oracle):
 def test_ours_bert_t5_optimizer_state_goes_through_megatron_core(oracle, family):
     """Our BERT (T5) saved with --ckpt-format torch_dist after one step, its optimizer state in the fully_reshardable
     layout, loads into Megatron Core's DDP + distributed optimizer at TP2, which saves it again in that layout and in
-    its default dp_reshardable one: read here, every parameter's fp32 main param and Adam moments are ours bit for
-    bit, and the step count with them."""
-    from megatron.checkpoint.conversion.interchange import ConversionError
+    its default dp_reshardable one (bucket buffers, rebuilt here in Core's BERT / T5 parameter order): read here,
+    every parameter's fp32 main param and Adam moments are ours bit for bit, and the step count with them; so are
+    those of our T5 pipeline (PP2, split 1) resumed from our save and saved again."""
     from megatron.checkpoint.conversion.torch_dist import read_iteration_state
     from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
 
@@ -330,16 +333,18 @@ def test_ours_bert_t5_optimizer_state_goes_through_megatron_core(oracle, family)
     for kind in ("fully_reshardable", "dp_reshardable"):
         folder = oracle / "out" / family / f"ours_optim_tp2_{kind}" / f"iter_{SAVE_AT:07d}"
         common, _, _, core = read_iteration_state(str(folder))
-        if kind == "dp_reshardable":
-            with pytest.raises(ConversionError, match="--dist-ckpt-optim-fully-reshardable"):
-                optimizer_common(common, core, kind)
-            continue
         assert optimizer_common(common, core, kind)["step"] == 1
         assert sorted(core) == sorted(ours)
         for key, tensors in ours.items():
             assert sorted(core[key]) == sorted(tensors), (kind, key, set(core[key]) ^ set(tensors))
             for name, value in tensors.items():
                 assert torch.equal(core[key][name], value), (kind, key, name)
+    if family == "t5":  # our T5 pipeline (PP2, split 1) resumed from it with its optimizer and saved again
+        _, _, _, again = read_iteration_state(str(oracle / "ours" / "t5_pp2" / "iter_0000003"))
+        assert sorted(again) == sorted(ours)
+        for key, tensors in ours.items():
+            assert sorted(again[key]) == sorted(tensors) and all(torch.equal(again[key][n], t)
+                                                                 for n, t in tensors.items()), key
 
 
 @pytest.mark.slow

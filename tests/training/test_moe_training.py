@@ -116,7 +116,6 @@ BASE = [*get_preset("gpt_micro_test").argv(), "--micro-batch-size", "2", "--toke
 @pytest.mark.parametrize("flags, named", [
     (["--expert-tensor-parallel-size", "4"], "--expert-tensor-parallel-size"),  # world size 2
     (["--expert-model-parallel-size", "4"], "--expert-model-parallel-size"),
-    (["--moe-layer-freq", "[1,0]", "--ckpt-format", "torch_dist", "--save", "ckpt"], "--moe-layer-freq 1"),
     (["--expert-model-parallel-size", "2", "--deepspeed", "--deepspeed_config", str(EXAMPLES / "ds_config_gpt.json"),
       "--micro-batch-size", "1", "--global-batch-size", "16", "--fp16"], "--deepspeed"),
     (["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias"),

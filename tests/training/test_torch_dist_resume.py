@@ -7,7 +7,8 @@ A: TP1 x DP2, distributed optimizer, 12 iterations, saves torch_dist at 6 and 12
 B: A's iteration 6 at TP1 x PP2 with the distributed optimizer (another layout: the RNG state is ignored, as
    Megatron-LM does); C: at A's layout with the regular optimizer (the RNG state restored, no --no-load-rng).
 Under expert parallelism: a tiny all-MoE model at EP2 saves torch_dist and resumes at EP2, at EP1 x DP2 and at
-expert-TP 2 under TP 1, which saves torch_dist again.
+expert-TP 2 under TP 1, which saves torch_dist again; a model mixing MoE and dense layers (--moe-layer-freq [1,0],
+each layer under its own names as Megatron Core's non-homogeneous layers) saves at EP2 and resumes at EP1 x DP2.
 """
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def test_torch_dist_saved_under_expert_parallelism_resumes_at_ep2_and_ep1(gpt_da
     def argv(*extra: str) -> list[str]:
         return tiny_gpt_argv(gpt_data, *MOE, "--moe-layer-freq", "1", *extra, iters=ITERS)
 
-    ckpt, etp2 = tmp_path / "ep2", tmp_path / "etp2"
+    ckpt, etp2, mixed = tmp_path / "ep2", tmp_path / "etp2", tmp_path / "mixed"
     ep2 = ["--expert-model-parallel-size", "2"]
     res = run_distributed(run_steps, 2, args=([
         ("train", argv(*ep2, "--use-distributed-optimizer", "--ckpt-format", "torch_dist", "--save", str(ckpt),
@@ -96,6 +97,11 @@ def test_torch_dist_saved_under_expert_parallelism_resumes_at_ep2_and_ep1(gpt_da
         ("train", argv("--load", str(ckpt), "--ckpt-format", "torch_dist")),
         ("train", argv("--expert-tensor-parallel-size", "2", "--use-distributed-optimizer", "--load", str(ckpt),
                        "--ckpt-format", "torch_dist", "--save", str(etp2), "--save-interval", str(SAVE))),
+        # MoE and dense layers mixed (--moe-layer-freq [1,0]): saved at EP2 (4 iterations), resumed at 2 at EP1 x DP2
+        ("train", tiny_gpt_argv(gpt_data, *MOE, *ep2, "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
+                                "--save", str(mixed), "--save-interval", "2", iters=4)),
+        ("tracker", str(mixed), 2),
+        ("train", tiny_gpt_argv(gpt_data, *MOE, "--load", str(mixed), "--ckpt-format", "torch_dist", iters=4)),
     ],))[-1]
     folder = ckpt / f"iter_{SAVE:07d}"
     assert not any(folder.glob("mp_rank_*")) and (folder / ".metadata").is_file()
@@ -108,6 +114,13 @@ def test_torch_dist_saved_under_expert_parallelism_resumes_at_ep2_and_ep1(gpt_da
     for result, what in ((res[2], "resumed at EP2"), (res[3], "resumed at EP1 x DP2"),
                          (res[4], "resumed at expert-TP 2 (TP 1)")):
         _same(_curve(result, what), full, what, iters=range(SAVE + 1, ITERS + 1), z_loss=False)
+    # mixed layers are not stacked: each layer under its own names, as Megatron Core's non-homogeneous layers
+    names = read_dcp_metadata(str(mixed / "iter_0000002")).state_dict_metadata
+    assert names["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"].size[0] == 4  # [experts, out, in]
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in names and "decoder.layers.0.mlp.linear_fc1.weight" not in names
+    assert "optimizer.state.exp_avg.decoder.layers.0.mlp.experts.experts.linear_fc2.weight" in names
+    _same(_curve(res[7], "mixed resumed at EP1 x DP2"), _curve(res[5], "mixed at EP2"), "mixed layers",
+          iters=range(3, 5), z_loss=False)
     # expert-TP 2 != TP 1 saves torch_dist too (its experts gathered whole): iteration 12 holds the weights and
     # optimizer moments of the EP2 run's own iteration 12
     from megatron.checkpoint_conversion.torch_dist import read_iteration_state

@@ -259,6 +259,11 @@ def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Te
             suffix = key[len("decoder.layers."):]
             if suffix.endswith("_extra_state"):
                 continue
+            index, _, own = suffix.partition(".")
+            if index.isdigit():  # Megatron Core's non-homogeneous layers (--moe-layer-freq other than 1): per layer
+                name = _CORE_EXPERTS.get(own) or core_layer_suffix_to_ours(own, key)
+                flat[f"{_LAYERS}{index}.{name}"] = experts_to_ours(t) if own in _CORE_EXPERTS else t
+                continue
             if suffix in _CORE_EXPERTS:
                 for i in range(t.size(0)):
                     flat[f"{_LAYERS}{i}.{_CORE_EXPERTS[suffix]}"] = experts_to_ours(t[i])
@@ -289,10 +294,18 @@ def ours_to_core_stacked(flat: Dict[str, torch.Tensor], num_layers: int) -> Dict
             rest[key] = t
     out = ours_to_core(rest)
     core_experts = {ours: core for core, ours in _CORE_EXPERTS.items()}
+    # layers of different kinds (MoE and dense: --moe-layer-freq other than 1) are not stacked: each layer under its
+    # own names, as Megatron Core's non-homogeneous layers (``decoder.layers.{i}.*``; experts [E, out, in])
+    mixed = stack == "decoder.layers." and any(t is None for ts in per_suffix.values() for t in ts)
     for suffix, tensors in per_suffix.items():
+        if mixed:
+            name = core_experts.get(suffix) or our_layer_suffix_to_core(suffix, fused_norms=True)
+            out.update({f"{stack}{i}.{name}": experts_to_core(t) if suffix in core_experts else t
+                        for i, t in enumerate(tensors) if t is not None})
+            continue
         if any(t is None for t in tensors):
             raise ConversionError(f"layer tensor {suffix} is missing for some of the {num_layers} layers (torch_dist "
-                                  "stacks layers: every layer must have it; MoE needs --moe-layer-freq 1)")
+                                  "stacks the layers of a model whose layers are alike: every layer must have it)")
         if suffix in core_experts:
             out[stack + core_experts[suffix]] = torch.stack([experts_to_core(t) for t in tensors])
             continue
@@ -471,7 +484,8 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
             state.update(state_tensors({key: ours_to_core_stacked(per_key, num_layers)}))
     experts = int(meta.architecture.get("num_moe_experts") or 0)
     stack = "encoder.layers." if meta.model_type == "BERT" else "decoder.layers."
-    stacks = [(stack, _MOE_LINEARS if experts else _LINEARS, num_layers)]
+    mixed = any(k.startswith("decoder.layers.") and k.split(".")[2].isdigit() for k in tensors)
+    stacks = [] if mixed else [(stack, _MOE_LINEARS if experts else _LINEARS, num_layers)]
     if t5:  # both stacks; the decoder's cross-attention linears too
         enc, dec = meta.extra["t5"]["encoder_num_layers"], meta.extra["t5"]["decoder_num_layers"]
         stacks = [("encoder.layers.", _LINEARS, enc), ("decoder.layers.", _LINEARS + _CROSS_LINEARS, dec)]
@@ -483,7 +497,14 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     if meta.model_type in ("BERT", "T5"):  # the LM head's output layer (the bias; the weight tied), T5's twice
         for name in ("output_layer", "lm_head.output_layer") if t5 else ("output_layer",):
             state[f"{name}._extra_state/shard_0_1"] = [None]
-    for w in ("1", "2") if experts else ():  # per (layer, expert)
+    for i in range(num_layers) if mixed else ():  # non-homogeneous layers: each layer's own objects
+        moe = f"decoder.layers.{i}.mlp.router.weight" in tensors
+        for linear in _MOE_LINEARS if moe else _LINEARS:
+            state[f"decoder.layers.{i}.{linear}._extra_state/shard_0_1"] = [None]
+        for w in ("1", "2") if moe else ():
+            for e in range(experts):
+                state[f"decoder.layers.{i}.mlp.experts.experts.linear_fc{w}._extra_state/shard_{e}_{experts}"] = [None]
+    for w in ("1", "2") if experts and not mixed else ():  # per (layer, expert)
         for i in range(num_layers):
             for e in range(experts):
                 state[f"decoder.layers.mlp.experts.experts.linear_fc{w}._extra_state/shard_{i}.{e}_{num_layers}."

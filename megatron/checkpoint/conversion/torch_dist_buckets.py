@@ -12,8 +12,9 @@ padded to 64 elements; a bucket ends where the recorded unpadded length says, an
 pipeline stages sit in a bucket of their own) and checked against ``per_bucket_numel_unpadded``. Each parameter's
 slice is cut out, shaped like its TP shard and merged over TP and PP into one full tensor: the optimizer state then
 loads at any TP/PP/DP layout here, while Megatron Core itself reads this layout back only at the TP/PP that wrote it
-(any DP size). Dense GPT / Llama-family models with one gradient buffer; MoE, BERT, T5, virtual or uneven pipelines
-are one line naming ``--dist-ckpt-optim-fully-reshardable``.
+(any DP size). Dense GPT / Llama-family models with one gradient buffer, and BERT and T5 without a pipeline (T5 with
+the local layer spec: its Transformer Engine order is not rebuilt); MoE, virtual or uneven pipelines are one line
+naming ``--dist-ckpt-optim-fully-reshardable``.
 """
 from __future__ import annotations
 
@@ -42,6 +43,16 @@ _REST = ("self_attention.query_key_value.weight", "self_attention.query_key_valu
          "post_attention_layernorm.weight", "post_attention_layernorm.bias", "mlp.dense_h_to_4h.weight",
          "mlp.dense_h_to_4h.bias", "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias")
 LAYER_ORDER = {"local": _NORM1 + _PROJ + _REST, "transformer_engine": _PROJ + _NORM1 + _REST}
+# BERT after its encoder, and a T5 decoder layer (local spec: the cross-attention's linear_proj before linear_q and
+# linear_kv, as its self-attention's), in Megatron Core's module order, our names
+_BERT_HEAD = ("encoder.final_layernorm.weight", "encoder.final_layernorm.bias", "lm_head.dense.weight",
+              "lm_head.dense.bias", "lm_head.layernorm.weight", "lm_head.layernorm.bias", "lm_head.bias",
+              "binary_head.weight", "binary_head.bias", "pooler.dense.weight", "pooler.dense.bias")
+_T5_DECODER = _NORM1 + _PROJ + _REST[:2] + (
+    "post_attention_layernorm.weight", "post_attention_layernorm.bias", "inter_attention.dense.weight",
+    "inter_attention.dense.bias", "inter_attention.query.weight", "inter_attention.query.bias",
+    "inter_attention.key_value.weight", "inter_attention.key_value.bias", "post_inter_attention_layernorm.weight",
+    "post_inter_attention_layernorm.bias") + _REST[4:]
 
 
 def _stage_order(names: List[str], layers: range, transformer_impl: str, first: bool, last: bool) -> List[str]:
@@ -58,6 +69,47 @@ def _stage_order(names: List[str], layers: range, transformer_impl: str, first: 
     if extra:
         raise ConversionError(f"{extra[0]} has no place in Megatron Core's buffer layout as rebuilt here")
     return order
+
+
+def _layer_count(names: List[str], stack: str) -> int:
+    return len({n[len(stack):].split(".")[0] for n in names if n.startswith(stack)})
+
+
+def _encoder_decoder_order(names: List[str], transformer_impl: str) -> List[str]:
+    """Our names of a BERT's or T5's parameters (one pipeline stage) in Megatron Core's `named_parameters` order."""
+    present = set(names)
+    order = [_WORD] + [_LM + f"embedding.{e}_embeddings.weight" for e in ("position", "tokentype")]
+    for i in range(_layer_count(names, _LM + "encoder.layers.")):
+        order += [f"{_LM}encoder.layers.{i}.{suffix}" for suffix in LAYER_ORDER[transformer_impl]]
+    if _LM + "decoder.layers.0.inter_attention.query.weight" in present:  # T5
+        order += [_LM + "encoder.final_layernorm.weight", _LM + "encoder.final_layernorm.bias"]
+        for i in range(_layer_count(names, _LM + "decoder.layers.")):
+            order += [f"{_LM}decoder.layers.{i}.{suffix}" for suffix in _T5_DECODER]
+        order += [_LM + "decoder.final_layernorm.weight", _LM + "decoder.final_layernorm.bias", "lm_head.bias"]
+    else:
+        order += [name if name.startswith(("lm_head.", "binary_head.")) else _LM + name for name in _BERT_HEAD]
+    order = [n for n in order if n in present]
+    extra = sorted(present - set(order))
+    if extra:
+        raise ConversionError(f"{extra[0]} has no place in Megatron Core's buffer layout as rebuilt here")
+    return order
+
+
+def _encoder_decoder_layouts(flat: Dict[str, torch.Tensor], arch: Dict[str, Any]) -> Dict[str, Any]:
+    """{our name: TP layout} of the BERT or T5 model `flat` is the state of (built on the meta device)."""
+    names = list(flat)
+    if any(n.startswith(_LM + "decoder.") for n in names):
+        from megatron.checkpoint.conversion.t5_format import t5_layouts
+
+        counts = {"encoder_num_layers": _layer_count(names, _LM + "encoder.layers."),
+                  "decoder_num_layers": _layer_count(names, _LM + "decoder.layers.")}
+        return t5_layouts(ModelMeta(model_type="T5", architecture=dict(arch, **counts), extra={"t5": counts}))
+    from megatron.checkpoint.conversion.megatron_format import layer_layouts
+
+    types = flat.get(_LM + "embedding.tokentype_embeddings.weight")
+    bert = {"num_tokentypes": 0 if types is None else int(types.size(0)),
+            "add_binary_head": "binary_head.weight" in flat}
+    return layer_layouts(ModelMeta(model_type="BERT", architecture=arch, extra={"bert": bert}))
 
 
 def _offsets(order: List[Tuple[str, int, bool]], recorded: List[int]) -> Tuple[Dict[str, Tuple[int, int]], List[int]]:
@@ -101,8 +153,9 @@ def bucket_state(tensors: Dict[str, torch.Tensor], objects: Dict[str, Any], flat
                         ("--decoder-last-pipeline-num-layers", saved.decoder_last_pipeline_num_layers)):
         if value:
             raise ConversionError(f"{what} is not read for a run with {flag}; {_FIX}")
-    if any(k.startswith(("lm_head.", "binary_head.", _LM + "decoder.")) for k in flat):
-        raise ConversionError(f"{what} is read for GPT / Llama-family models, not BERT or T5; {_FIX}")
+    enc_dec = any(k.startswith(("lm_head.", "binary_head.", _LM + "decoder.")) for k in flat)  # BERT or T5
+    if enc_dec and pp > 1:
+        raise ConversionError(f"{what} is read for BERT and T5 at pipeline-parallel size 1 only; {_FIX}")
     buckets: Dict[Tuple[int, int, int], Dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _BUCKET_RE.match(key)
@@ -122,7 +175,10 @@ def bucket_state(tensors: Dict[str, torch.Tensor], objects: Dict[str, Any], flat
     impl = saved.transformer_impl or "transformer_engine"  # Megatron-LM's default
     if impl not in LAYER_ORDER:
         raise ConversionError(f"{what}: unknown --transformer-impl {impl}; {_FIX}")
-    layouts = layer_layouts(ModelMeta(model_type="GPT", architecture=arch))
+    if enc_dec and impl != "local" and any(k.startswith(_LM + "decoder.") for k in flat):
+        raise ConversionError(f"{what} is read for T5 with --transformer-impl local only; {_FIX}")
+    layouts = _encoder_decoder_layouts(flat, arch) if enc_dec else \
+        layer_layouts(ModelMeta(model_type="GPT", architecture=arch))
     tied = _LM + "output_layer.weight" not in flat
     per_key_stages: Dict[str, Dict[str, torch.Tensor]] = {k: {} for k in keys}
     per = num_layers // pp
@@ -141,7 +197,8 @@ def bucket_state(tensors: Dict[str, torch.Tensor], objects: Dict[str, Any], flat
         if last and tied and pp > 1:
             piece[_HEAD_COPY] = flat[_WORD]
         shards = split_tensor_parallel_state_dict(piece, tp, layouts={**layouts, _HEAD_COPY: layouts[_WORD]})
-        order = _stage_order(list(piece), layers, impl, first, last)
+        order = _encoder_decoder_order(list(piece), impl) if enc_dec else \
+            _stage_order(list(piece), layers, impl, first, last)
         local: Dict[str, List[Dict[str, torch.Tensor]]] = {k: [] for k in keys}
         for t in range(tp):
             index = p * tp + t
