@@ -247,9 +247,16 @@ def throughput_calculator(
 
     `batch_size` defaults to the current global batch size (micro x num micro-batches x DP).
     """
+    return throughput(model, ThroughputSettings.from_args(args), iteration_time, total_iterations, batch_size)
+
+
+def throughput(
+    model: Any, run: ThroughputSettings, iteration_time: float, total_iterations: int,
+    batch_size: Optional[int] = None,
+) -> Tuple[float, float, Optional[float]]:
+    """throughput_calculator on typed settings."""
     if total_iterations <= 0 or iteration_time <= 0:
         raise ValueError("throughput_calculator needs positive iteration_time and total_iterations")
-    run = ThroughputSettings.from_args(args)
     if batch_size is None:
         try:
             from megatron.global_vars import get_num_microbatches
