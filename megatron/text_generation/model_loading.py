@@ -3,16 +3,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from megatron.arguments import core_transformer_config_from_args
-from megatron.checkpoint.checkpointing import load_checkpoint
+from megatron.checkpoint.args import architecture_from_args
+from megatron.checkpoint.checkpointing import read_checkpoint
 from megatron.core import parallel_state as ps
 from megatron.errors import MegatronUserError
 from megatron.model import GPTModel, ModelType
 from megatron.run_configs.checkpoint import CheckpointSettings
+from megatron.run_configs.declared import flag_value
+from megatron.run_configs.model_wrap import ModelWrapSettings
+from megatron.training_state import TrainingState
 
 
 class InferenceLoadError(MegatronUserError, ValueError):
@@ -43,32 +47,55 @@ def require_checkpoint(load_dir: str) -> None:
                              "folder written by --save (inference will not run with random weights)")
 
 
-def load_model_for_inference(args: argparse.Namespace, state: Optional[ps.ParallelState] = None,
-                             parallel_output: bool = False) -> torch.nn.Module:
-    """GPTModel for this rank (eval mode), weights from `args.load` when set; returns the (Float16-wrapped) module.
-
-    `args` are initialised Megatron args (initialize_megatron). parallel_output=False gives full-vocab logits on
-    every TP rank (what generation and evaluation want). Under pipeline parallelism this is the rank's stage
-    (one chunk; virtual stages are refused).
-    """
-    from megatron.model_setup import get_model
-
-    state = _state(state)
-    if getattr(args, "num_layers_per_virtual_pipeline_stage", None) or (state.virtual_pp_size or 1) > 1:
+def _refuse_virtual_stages(virtual_stages: Optional[int], state: ps.ParallelState) -> None:
+    if virtual_stages or (state.virtual_pp_size or 1) > 1:
         raise InferenceLoadError("inference does not support virtual pipeline stages; drop "
                                  "--num-layers-per-virtual-pipeline-stage (plain --pipeline-model-parallel-size works)")
-    config = core_transformer_config_from_args(args)
+
+
+def build_inference_model(config: Any, checkpoint: CheckpointSettings, wrap: ModelWrapSettings,
+                          architecture: Mapping[str, Any], state: Optional[ps.ParallelState] = None,
+                          parallel_output: bool = False, kernels: Any = None,
+                          on_restored: Optional[Callable[[TrainingState, tuple], None]] = None) -> torch.nn.Module:
+    """GPTModel for this rank (eval mode) from the model's TransformerConfig `config`, weights from
+    ``checkpoint.load`` when set (model only: no optimizer, no RNG state); returns the (Float16-wrapped) module.
+
+    `wrap`: how the chunk is built and cast; `architecture`: this run's architecture record (checked against the
+    checkpoint's); `kernels`: what the fused-kernels start-up line describes (default: `config`); `on_restored`:
+    called with the checkpoint's consumed samples (see `read_checkpoint`). parallel_output=False gives full-vocab
+    logits on every TP rank (what generation and evaluation want). Under pipeline parallelism this is the rank's
+    stage (one chunk; virtual stages are refused).
+    """
+    from megatron.model_setup import build_model
+
+    state = _state(state)
+    _refuse_virtual_stages(wrap.virtual_pipeline_model_parallel_size, state)
 
     def provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
         return GPTModel(config, tp_group=state.tp_group, pp_state=state, parallel_output=parallel_output,
                         pre_process=pre_process, post_process=post_process)
 
-    ckpt = CheckpointSettings.from_args(args)
-    if ckpt.load:
-        require_checkpoint(ckpt.load)  # before building the model: a wrong --load must not serve random weights
-    model = get_model(provider, ModelType.encoder_or_decoder, args, state, wrap_with_ddp=False)[0]
-    if ckpt.load:  # weights only
-        load_checkpoint([model], None, None, args,
-                        settings=dataclasses.replace(ckpt, no_load_optim=True, no_load_rng=True))
+    if checkpoint.load:
+        require_checkpoint(checkpoint.load)  # before building the model: a wrong --load must not serve random weights
+    model = build_model(provider, ModelType.encoder_or_decoder, wrap, state, config if kernels is None else kernels,
+                        wrap_with_ddp=False)[0]
+    if checkpoint.load:  # weights only
+        read_checkpoint([model], None, None, dataclasses.replace(checkpoint, no_load_optim=True, no_load_rng=True),
+                        architecture, TrainingState(), on_restored=on_restored)
     model.eval()
     return model
+
+
+def load_model_for_inference(args: argparse.Namespace, state: Optional[ps.ParallelState] = None,
+                             parallel_output: bool = False) -> torch.nn.Module:
+    """`build_inference_model` with the records built from initialised Megatron args (initialize_megatron), for
+    the entry scripts. Like Megatron's ``get_model``/``load_checkpoint`` it records ``model_type`` on ``args`` and
+    the checkpoint's consumed samples (Megatron's names); the fused-kernels line describes the flags."""
+    state = _state(state)
+    _refuse_virtual_stages(flag_value(args, "num_layers_per_virtual_pipeline_stage"), state)
+    config = core_transformer_config_from_args(args)
+    checkpoint = CheckpointSettings.from_args(args)
+    args.model_type = ModelType.encoder_or_decoder  # get_model records it, as Megatron's does
+    wrap = ModelWrapSettings.from_args(args)
+    return build_inference_model(config, checkpoint, wrap, architecture_from_args(args), state, parallel_output,
+                                 kernels=args, on_restored=lambda restored, names: restored.write_counters(args, names))
