@@ -426,13 +426,44 @@ def _loaded(family: str, load: Path) -> torch.nn.Module:
     return model
 
 
+def _optimizer_state_through_mcore(src: Path, model_type: str, tmp_path: Path) -> None:
+    """Our BERT / T5 torch_dist checkpoint with its optimizer state (one Adam step) converted --loader mcore
+    --saver mcore, and --saver megatron at TP2 (T5: PP2 split 1) then back with --saver mcore: each folder holds the
+    source's weights and model-space optimizer state (fp32 params, both moments) bit for bit, its step and param groups."""
+    from megatron.checkpoint.conversion.driver import main as convert
+    from megatron.checkpoint.conversion.torch_dist import read_iteration_state
+    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
+
+    def read(folder: Path) -> tuple:
+        common, _, weights, state = read_iteration_state(str(folder / "iter_0000003"))
+        return weights, state, optimizer_common(common, state, str(folder))
+
+    weights, state, opt_common = read(src)
+    assert sorted(state) == ["exp_avg", "exp_avg_sq", "param"] and opt_common["step"] == 1
+    assert all(sorted(part) == sorted(weights) for part in state.values())  # every parameter's state
+    split = ["--target-pipeline-parallel-size", "2", "--target-pipeline-model-parallel-split-rank", "1"] \
+        if model_type == "T5" else []
+    base = ["--model-type", model_type, "--loader", "mcore", "--load-dir", str(src)]
+    convert([*base, "--saver", "mcore", "--save-dir", str(tmp_path / "opt_mcore")])
+    convert([*base, "--saver", "megatron", "--save-dir", str(tmp_path / "opt_ours"), "--target-tensor-parallel-size",
+             "2", *split])
+    convert(["--model-type", model_type, "--loader", "megatron", "--saver", "mcore", "--load-dir",
+             str(tmp_path / "opt_ours"), "--save-dir", str(tmp_path / "opt_back")])
+    for name in ("opt_mcore", "opt_back"):
+        got_weights, got, got_common = read(tmp_path / name)
+        for want, have in [(weights, got_weights), *((state[k], got[k]) for k in state)]:
+            assert sorted(have) == sorted(want) and all(torch.equal(v, have[n]) for n, v in want.items()), name
+        assert sorted(got) == sorted(state) and got_common == opt_common, name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["bert", "t5"])
 def test_convert_loader_and_saver_mcore_bert_t5(oracle, tmp_path, family):
     """convert.py --loader mcore reads Megatron Core's BERT / T5 `torch_dist` folder (TP2 / TP1) and per-rank `torch`
     files (TP2) into ours (T5's at PP2, split 1) with Core's logits; that -> --saver mcore -> ours gives the
     tensors of the first conversion bit for bit, and the torch_dist folder it wrote loads with --load to Core's
-    logits (1e-5)."""
+    logits (1e-5). Training state: our BERT / T5 torch_dist checkpoint keeps its optimizer state bit for bit through
+    --loader mcore / --saver mcore (_optimizer_state_through_mcore)."""
     from megatron.checkpoint.conversion.driver import main as convert
 
     model_type, logits = ("BERT", bert_logits) if family == "bert" else ("T5", t5_logits)
@@ -459,6 +490,7 @@ def test_convert_loader_and_saver_mcore_bert_t5(oracle, tmp_path, family):
              "--save-dir", str(again)])
     one, two = _loaded(family, first).state_dict(), _loaded(family, again).state_dict()
     assert sorted(one) == sorted(two) and all(torch.equal(v, two[k]) for k, v in one.items())
+    _optimizer_state_through_mcore(oracle / "ours" / family, model_type, tmp_path)
     from megatron.checkpoint.conversion.interchange import ConversionError
 
     wrong = "T5" if family == "bert" else "BERT"

@@ -220,7 +220,7 @@ class McoreLoader(_BuiltinLoader):
 
 class McoreSaver(_BuiltinSaver):
     """A `torch_dist` folder (Megatron-LM's default format; Megatron Core loads it at any layout) of a GPT /
-    Llama-family / MoE, BERT or T5 model (T5: weights only)."""
+    Llama-family / MoE, BERT or T5 model (with its optimizer state unless --no-save-optim)."""
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -232,8 +232,6 @@ class McoreSaver(_BuiltinSaver):
         from megatron.checkpoint.conversion.megatron_format import sign_output
         from megatron.checkpoint.conversion.torch_dist import write_torch_dist
 
-        if meta.model_type == "T5" and meta.extra.get("optimizer"):
-            raise ConversionError("--saver mcore writes T5 models without their optimizer state: add --no-save-optim")
         name = "release" if meta.iteration is None else f"iter_{meta.iteration:07d}"
         write_torch_dist(meta, messages, os.path.join(save_dir, name))
         sign_output(os.path.join(save_dir, name), meta)  # its manifest, unless the source was read unverified

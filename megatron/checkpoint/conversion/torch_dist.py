@@ -398,7 +398,7 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
                     model_type: str = "GPT") -> Tuple[ModelMeta, Iterator[Message]]:
     """Loader: (meta, message stream) of a torch_dist checkpoint of a `model_type` model (the tracker's iteration, or
     `iteration`); with `optimizer` the messages carry its model-space optimizer state (torch_dist_optim.py) when it
-    has one (GPT and BERT; a T5 folder gives its weights)."""
+    has one (GPT, BERT and T5)."""
     from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, verified_source
     from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
 
@@ -428,11 +428,12 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
         meta.extra["split_rank"] = None
         from megatron.checkpoint.conversion.t5_format import t5_messages_from_state_dict
 
-        if optimizer and meta.iteration is not None and (opt or common.get("optimizer")):
-            print(f"note: {iter_dir}: a T5 model's optimizer state is not converted; writing the weights only",
-                  flush=True)
-        return meta, t5_messages_from_state_dict(flat, *counts)
-    messages = messages_from_state_dict(flat, arch["num_layers"])
+        def stream(state: Dict[str, Any]) -> Iterator[Message]:
+            return t5_messages_from_state_dict(state, *counts)
+    else:
+        def stream(state: Dict[str, Any]) -> Iterator[Message]:
+            return messages_from_state_dict(state, arch["num_layers"])
+    messages = stream(flat)
     if not optimizer or meta.iteration is None or not (opt or common.get("optimizer")):
         return meta, messages
     try:
@@ -442,7 +443,7 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
         return meta, messages
     meta.extra["opt_param_scheduler"] = common.get("opt_param_scheduler")
     meta.extra["source_padded_vocab_size"] = arch["padded_vocab_size"]
-    return meta, _with_optimizer(messages, {k: messages_from_state_dict(v, arch["num_layers"]) for k, v in opt.items()})
+    return meta, _with_optimizer(messages, {k: stream(v) for k, v in opt.items()})
 
 
 def _with_optimizer(messages: Iterator[Message], per_key: Dict[str, Iterator[Message]]) -> Iterator[Message]:
