@@ -48,7 +48,8 @@ from tasks.finetune_state import FinetuneState
 
 @dataclasses.dataclass
 class FinetuneTask:
-    """What a task provides: its datasets from paths, its model, and its submission-file writer."""
+    """What a task provides: its datasets from paths, its model (``model_provider(config, pre_process,
+    post_process)`` with the run's TransformerConfig, ``configs.transformer``), and its submission-file writer."""
     name: str
     build_dataset: Callable[[list[str]], Any]
     model_provider: Callable[..., torch.nn.Module]
@@ -176,7 +177,8 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
         args.no_load_optim, args.no_load_rng = True, True
     run = FinetuneState(padded_vocab_size=getattr(args, "padded_vocab_size", None))
     configs = RunConfigs.from_args(args)  # the run's records, after the batch sizes above became sequences
-    model, optimizer, scheduler = setup_model_and_optimizer(task.model_provider, ModelType.encoder_or_decoder,
+    model, optimizer, scheduler = setup_model_and_optimizer(partial(task.model_provider, configs.transformer),
+                                                            ModelType.encoder_or_decoder,
                                                             configs, state, run)
     if run.iteration == 0 and args.pretrained_checkpoint:
         _load_pretrained(model, optimizer, args)

@@ -7,9 +7,9 @@ import os
 from typing import Any
 
 from megatron import global_vars
-from megatron.arguments import core_transformer_config_from_args
 from megatron.checkpoint.atomic_io import atomic_write_text
 from megatron.core import parallel_state as ps
+from megatron.core.transformer_config import TransformerConfig
 from megatron.models.bert.classification import Classification
 from megatron.utils import print_rank_0
 from tasks.finetune_utils import FinetuneTask
@@ -24,10 +24,11 @@ def glue_task(name: str, args: argparse.Namespace) -> FinetuneTask:
     def build(paths: list[str]) -> Any:
         return module.build_dataset(paths, global_vars.get_tokenizer(), args.seq_length)
 
-    def model_provider(pre_process: bool = True, post_process: bool = True) -> Classification:
+    def model_provider(config: TransformerConfig, pre_process: bool = True,
+                       post_process: bool = True) -> Classification:
         state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
         print_rank_0(f" > building classification model for {name} ({module.NUM_CLASSES} classes) ...")
-        return Classification(core_transformer_config_from_args(args), module.NUM_CLASSES, pp_state=state,
+        return Classification(config, module.NUM_CLASSES, pp_state=state,
                               num_tokentypes=2, pre_process=pre_process, post_process=post_process)
 
     def write(out_dir: str, dataset: Any, preds: list) -> str:

@@ -25,15 +25,14 @@ def task_argv(vocab: str, *extra: str, hidden: int = HIDDEN) -> list[str]:
             "--make-vocab-size-divisible-by", "256", *extra]  # the same padded vocabulary at TP 1 and 2
 
 
-def _serial_model(args: Any, state: Any, num_classes: int) -> torch.nn.Module:
+def _serial_model(args: Any, config: Any, state: Any, num_classes: int) -> torch.nn.Module:
     """The full (unsplit) Classification, or MultipleChoice when num_classes is 0, built from the run's seed."""
-    from megatron.arguments import core_transformer_config_from_args
     from megatron.core.tensor_parallel import get_rng_tracker
     from megatron.core.tensor_parallel.random import model_parallel_manual_seed
     from megatron.models.bert.classification import Classification
     from megatron.models.bert.multiple_choice import MultipleChoice
 
-    config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=1)
+    config = dataclasses.replace(config, pipeline_model_parallel_size=1)
     tracker = get_rng_tracker().get_states()
     with torch.random.fork_rng(devices=[]):
         model_parallel_manual_seed(args.seed, state.tp_rank)
@@ -50,10 +49,10 @@ def _serial_init(task: Any, args: Any, num_classes: int) -> Any:
 
     provider = task.model_provider
 
-    def model_provider(pre_process: bool = True, post_process: bool = True) -> Any:
+    def model_provider(config: Any, pre_process: bool = True, post_process: bool = True) -> Any:
         state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
-        stage = provider(pre_process=pre_process, post_process=post_process)
-        _copy_stage_weights(_serial_model(args, state, num_classes), stage)
+        stage = provider(config, pre_process=pre_process, post_process=post_process)
+        _copy_stage_weights(_serial_model(args, config, state, num_classes), stage)
         return stage
 
     task.model_provider = model_provider
