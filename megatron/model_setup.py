@@ -17,6 +17,7 @@ from megatron.learning_rates import OptimizerParamScheduler
 from megatron.logging_utils import print_rank_0
 from megatron.model.module import Float16Module
 from megatron.run_configs.model_wrap import ModelWrapSettings
+from megatron.run_configs.schedule import ScheduleSettings
 
 
 def get_model(model_provider_func: Callable, model_type: Any, args: argparse.Namespace,
@@ -85,49 +86,68 @@ def _wrap_chunk(model: torch.nn.Module, wrap: ModelWrapSettings, state: ps.Paral
     return model
 
 
-def _scheduler_steps(args: argparse.Namespace) -> tuple[int, int, int]:
-    """(warmup, decay, wd increment) lengths in samples, converted from iterations like Megatron."""
-    if args.train_iters:
-        if args.lr_decay_iters is None:
-            args.lr_decay_iters = args.train_iters
-        decay = args.lr_decay_iters * args.global_batch_size
-        wd_incr = args.train_iters * args.global_batch_size
-        warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
-                  else args.lr_warmup_iters * args.global_batch_size)
-    elif args.train_samples:
-        update_train_iters(args)
-        if args.lr_decay_samples is None:
-            args.lr_decay_samples = args.train_samples
-        decay = args.lr_decay_samples
-        wd_incr = args.train_samples
-        warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
-                  else args.lr_warmup_samples)
+def scheduler_steps(schedule: ScheduleSettings) -> tuple[int, int, int]:
+    """(warmup, decay, wd increment) lengths in samples, converted from iterations like Megatron (--lr-decay-iters
+    defaults to --train-iters, --lr-decay-samples to --train-samples)."""
+    s = schedule
+    if s.train_iters:
+        decay = (s.lr_decay_iters if s.lr_decay_iters is not None else s.train_iters) * s.global_batch_size
+        wd_incr = s.train_iters * s.global_batch_size
+        warmup = (s.lr_warmup_fraction * decay if s.lr_warmup_fraction is not None
+                  else s.lr_warmup_iters * s.global_batch_size)
+    elif s.train_samples:
+        decay = s.lr_decay_samples if s.lr_decay_samples is not None else s.train_samples
+        wd_incr = s.train_samples
+        warmup = s.lr_warmup_fraction * decay if s.lr_warmup_fraction is not None else s.lr_warmup_samples
     else:
         raise ValueError("pass --train-iters or --train-samples")
     return int(warmup), int(decay), int(wd_incr)
 
 
-def get_optimizer_param_scheduler(optimizer: Any, args: argparse.Namespace) -> OptimizerParamScheduler:
-    warmup, decay, wd_incr = _scheduler_steps(args)
+def build_param_scheduler(optimizer: Any, schedule: ScheduleSettings) -> OptimizerParamScheduler:
+    """The learning-rate / weight-decay scheduler of `optimizer` from the run's `ScheduleSettings`."""
+    warmup, decay, wd_incr = scheduler_steps(schedule)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=getattr(args, "lr_warmup_init", 0.0) or 0.0,  # not a flag: a script may set it
-        max_lr=args.lr if args.lr is not None else 0.0,  # no --lr: only with --skip-train (never stepped)
-        min_lr=args.min_lr,
+        init_lr=schedule.lr_warmup_init,
+        max_lr=schedule.lr if schedule.lr is not None else 0.0,  # no --lr: only with --skip-train (never stepped)
+        min_lr=schedule.min_lr,
         lr_warmup_steps=warmup,
         lr_decay_steps=decay,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay,
+        lr_decay_style=schedule.lr_decay_style,
+        start_wd=schedule.start_weight_decay,
+        end_wd=schedule.end_weight_decay,
         wd_incr_steps=wd_incr,
-        wd_incr_style=args.weight_decay_incr_style,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wd_incr_style=schedule.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=schedule.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=schedule.override_opt_param_scheduler,
     )
 
 
+def record_run_length(args: argparse.Namespace) -> None:
+    """The flag layer's step of the schedule's set-up, where Megatron's builder takes it: the run's length and
+    decay span written onto ``args`` (saved with every checkpoint): --lr-decay-iters defaults to --train-iters;
+    with --train-samples, --train-iters is computed (`update_train_iters`) and --lr-decay-samples defaults to
+    --train-samples."""
+    if args.train_iters:
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+    elif args.train_samples:
+        update_train_iters(args)
+        if args.lr_decay_samples is None:
+            args.lr_decay_samples = args.train_samples
+
+
+def get_optimizer_param_scheduler(optimizer: Any, args: argparse.Namespace) -> OptimizerParamScheduler:
+    """Megatron's signature: `build_param_scheduler` from the flags' record; `record_run_length` on ``args``."""
+    schedule = ScheduleSettings.from_args(args)  # before --train-samples becomes --train-iters (Megatron's order)
+    record_run_length(args)
+    return build_param_scheduler(optimizer, schedule)
+
+
 def update_train_iters(args: argparse.Namespace) -> None:
-    """--train-samples → args.train_iters (accounting for batch-size ramp-up), as Megatron."""
+    """--train-samples → args.train_iters (accounting for batch-size ramp-up), as Megatron: a flag-layer step that
+    writes the run's length onto ``args`` at start-up (RunConfigs.with_run_length reads it back)."""
     if args.rampup_batch_size is None:
         args.train_iters = args.train_samples // args.global_batch_size
     else:

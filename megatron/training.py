@@ -51,7 +51,6 @@ from megatron.logging_utils import (
 # get_model and the scheduler setup live below training (megatron/model_setup.py, shared with megatron/ds/engine.py);
 # re-exported here under their Megatron names.
 from megatron.model_setup import (  # noqa: F401
-    _scheduler_steps,
     get_model,
     get_optimizer_param_scheduler,
     update_train_iters,

@@ -29,7 +29,6 @@ LIBRARY = {
     "megatron/optimizer/optimizer_config.py": 2,  # optimizer_config_from_args: the optimizer's typed config builder
     "megatron/checkpoint/conversion/driver.py": 2,  # tools/checkpoint/convert.py's namespace
     "megatron/training_state.py": 1,  # TrainingState.from_args: Megatron's names on args -> the run state
-    "megatron/model_setup.py": 1,  # lr_warmup_init: no flag, a script may set it
     "megatron/checkpoint/conversion/megatron_format.py": 1,  # the saver's namespace for the written checkpoint
 }
 LIBRARY_TOTAL = sum(LIBRARY.values())

@@ -31,7 +31,7 @@ FLAG_SIDE = {("megatron/training.py", "pretrain"),
              ("megatron/initialize.py", "finish_mpu_init"),
              ("megatron/checkpoint/checkpointing.py", "load_args_from_checkpoint"),
              ("megatron/checkpoint/checkpointing.py", "_args_to_save"),
-             ("megatron/model_setup.py", "_scheduler_steps"),
+             ("megatron/model_setup.py", "record_run_length"),
              ("megatron/model_setup.py", "get_optimizer_param_scheduler"),
              ("megatron/model_setup.py", "update_train_iters")}
 # ``configs.flags`` reads left per file (code not converted yet: the LR schedule; Megatron's ``args`` record in
@@ -129,3 +129,32 @@ def test_megatron_signatures_read_the_global_flags(tmp_path) -> None:
     finally:
         global_vars.set_args(None)
     assert torch.equal(other.weight, model.weight) and args.consumed_train_samples == 12
+
+
+def test_the_schedule_record_builds_megatrons_scheduler() -> None:
+    """The bundle's ScheduleSettings (the flags as parsed) give the scheduler get_optimizer_param_scheduler(args) gives
+    (decay/warm-up/wd-increment lengths in samples), and the flag-layer step writes the run's length onto args."""
+    import argparse
+
+    import torch
+
+    from megatron.model_setup import build_param_scheduler, get_optimizer_param_scheduler, record_run_length
+    from megatron.run_configs.bundle import RunConfigs
+
+    def sched(optimizer_args: argparse.Namespace, build) -> dict:
+        return build(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0), optimizer_args).state_dict()
+
+    for extra, steps, written in (
+            (("--train-samples", "64", "--lr-warmup-fraction", "0.25"), (16, 64, 64), {"train_iters": 16,
+                                                                                       "lr_decay_samples": 64}),
+            (("--train-iters", "8", "--lr-warmup-iters", "2", "--lr-decay-iters", "6"), (8, 24, 32),
+             {"train_iters": 8, "lr_decay_iters": 6}),
+            (("--train-iters", "8", "--lr-decay-style", "cosine"), (0, 32, 32), {"lr_decay_iters": 8})):
+        args = _flags(*extra, "--min-lr", "1e-4", "--weight-decay", "0.1")
+        configs = RunConfigs.from_args(args)
+        megatron = sched(argparse.Namespace(**vars(args)), get_optimizer_param_scheduler)
+        ours = sched(configs.schedule, build_param_scheduler)
+        assert ours == megatron
+        assert (ours["lr_warmup_steps"], ours["lr_decay_steps"], ours["wd_incr_steps"]) == steps
+        record_run_length(args)
+        assert {k: getattr(args, k) for k in written} == written

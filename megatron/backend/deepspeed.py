@@ -17,7 +17,7 @@ from megatron import global_vars
 from megatron.backend.base import StepResult, TrainingBackend
 from megatron.core import parallel_state as ps
 from megatron.ds import engine as ds_engine
-from megatron.model_setup import get_optimizer_param_scheduler
+from megatron.model_setup import build_param_scheduler, record_run_length
 from megatron.training_state import TrainingState
 
 if TYPE_CHECKING:
@@ -55,10 +55,13 @@ class DeepSpeedBackend(TrainingBackend):
         if pipe is not None:
             def model_provider(pre_process: bool = True, post_process: bool = True) -> torch.nn.Module:
                 return pipe(configs, state)
-        # the LR schedule's builder still reads the flags (it resolves --train-samples into --train-iters on them)
+
+        def scheduler(optimizer: Any) -> Any:
+            record_run_length(configs.flags)  # Megatron's builder writes the run's length onto args here
+            return build_param_scheduler(optimizer, configs.schedule)
+
         return ds_engine.setup_deepspeed_model_and_optimizer(
-            model_provider, model_type, configs.deepspeed, configs.optimizer, state,
-            lambda optimizer: get_optimizer_param_scheduler(optimizer, configs.flags))
+            model_provider, model_type, configs.deepspeed, configs.optimizer, state, scheduler)
 
     def load(self, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
              train_state: TrainingState) -> int:

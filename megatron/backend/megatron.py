@@ -19,7 +19,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.errors import MegatronUserError
 from megatron.logging_utils import print_rank_0
-from megatron.model_setup import build_model, get_optimizer_param_scheduler
+from megatron.model_setup import build_model, build_param_scheduler, record_run_length
 from megatron.nan_guard import NonFiniteTrainingError, loaded_state_problem, loss_and_grads_finite
 from megatron.optimizer import get_megatron_optimizer
 from megatron.run_configs.step import StepSettings
@@ -60,8 +60,8 @@ class MegatronBackend(TrainingBackend):
               state: ps.ParallelState) -> tuple[list, Any, Any]:
         model = build_model(model_provider, model_type, configs.model_wrap, state, configs.transformer)
         optimizer = get_megatron_optimizer(model, configs.optimizer, state)
-        # the LR schedule's builder still reads the flags (it resolves --train-samples into --train-iters on them)
-        return model, optimizer, get_optimizer_param_scheduler(optimizer, configs.flags)
+        record_run_length(configs.flags)  # Megatron's builder writes the run's length onto args here
+        return model, optimizer, build_param_scheduler(optimizer, configs.schedule)
 
     def load(self, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
              train_state: TrainingState) -> int:

@@ -8,7 +8,7 @@ no records (``save_checkpoint(iteration, model, optimizer, opt_param_scheduler)`
 
 ``flags`` is the parsed namespace itself, for what is the namespace by nature (the ``args`` record a checkpoint
 stores for Megatron's tools; ``model_type`` and ``iteration``, which Megatron records on it) and for the code not
-converted yet (the LR schedule builder). Read a record, not ``flags``, where there is one:
+converted yet. Read a record, not ``flags``, where there is one:
 tests/test_run_configs_built_once.py caps the reads.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from megatron.run_configs.memory import MemorySettings
 from megatron.run_configs.model_wrap import ModelWrapSettings
 from megatron.run_configs.moe_losses import MoELossSettings
 from megatron.run_configs.run_settings import LoopSettings
+from megatron.run_configs.schedule import ScheduleSettings
 from megatron.run_configs.step import StepSettings
 
 
@@ -43,6 +44,8 @@ class RunConfigs:
     batch: BatchSettings
     moe: MoELossSettings
     data_files: DataFileSettings
+    schedule: ScheduleSettings  # the LR / weight-decay schedule (the flags as parsed: before --train-samples
+    # becomes --train-iters, which `with_run_length` picks up)
     architecture: Mapping[str, Any]  # the checkpoint's ``architecture`` record of this run (checked on load)
     transformer: Any  # the model's TransformerConfig (the FLOPs of the log line, the fused-kernels line)
     optimizer: Any  # the OptimizerConfig (megatron/optimizer/optimizer_config.py)
@@ -60,7 +63,7 @@ class RunConfigs:
             step=StepSettings.from_args(args), model_wrap=ModelWrapSettings.from_args(args),
             log=LogSettings.from_args(args), memory=MemorySettings.from_args(args), loop=LoopSettings.from_args(args),
             batch=BatchSettings.from_args(args), moe=MoELossSettings.from_args(args),
-            data_files=DataFileSettings.from_args(args),
+            data_files=DataFileSettings.from_args(args), schedule=ScheduleSettings.from_args(args),
             architecture=architecture_from_args(args), transformer=core_transformer_config_from_args(args),
             optimizer=optimizer_config_from_args(args), flags=args,
         )
