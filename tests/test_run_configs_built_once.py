@@ -34,7 +34,7 @@ FLAG_SIDE = {("megatron/training.py", "pretrain"),
              ("megatron/model_setup.py", "record_run_length"),
              ("megatron/model_setup.py", "get_optimizer_param_scheduler"),
              ("megatron/model_setup.py", "update_train_iters")}
-# ``configs.flags`` reads left per file (code not converted yet: the LR schedule; Megatron's ``args`` record in
+# ``configs.flags`` reads left per file (record_run_length writing the run's length; Megatron's ``args`` record in
 # checkpoints and what Megatron records on it).
 FLAGS_CEILING = {"megatron/training.py": 2, "megatron/backend/megatron.py": 1, "megatron/backend/deepspeed.py": 2,
                  "megatron/checkpoint/checkpointing.py": 1}
