@@ -5,16 +5,16 @@ import argparse
 import dataclasses
 from typing import Any, ClassVar, Optional
 
-import torch
-
 from megatron.settings.declare import ConfigField, extra_flag, setting
 
 
 def _params_dtype(args: argparse.Namespace) -> Any:
+    import torch  # lazily: the flag layer is imported by the preprocessing tools, which never load torch
     return getattr(args, "params_dtype", torch.float)  # filled by validate_args from --fp16/--bf16
 
 
 def _use_cpu_initialization(args: argparse.Namespace) -> Any:
+    import torch  # lazily: the flag layer is imported by the preprocessing tools, which never load torch
     return bool(args.use_cpu_initialization) or not torch.cuda.is_available()
 
 

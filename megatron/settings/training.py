@@ -5,8 +5,6 @@ import argparse
 import dataclasses
 from typing import Any, ClassVar, List, Optional
 
-import torch
-
 from megatron.settings.declare import ConfigField, extra_flag, setting
 
 
@@ -18,6 +16,7 @@ _RESTORE_BIAS_GELU_FUSION = (("bias_gelu_fusion", lambda v: v), ("onnx_safe", la
 
 
 def _init_method(args: argparse.Namespace) -> Any:
+    import torch  # lazily: the flag layer is imported by the preprocessing tools, which never load torch
     return torch.nn.init.xavier_uniform_ if args.init_method_xavier_uniform else None
 
 
