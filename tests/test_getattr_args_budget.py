@@ -15,7 +15,7 @@ NEEDLE = "getattr(args"
 ADAPTER = ("megatron/run_configs/run_settings.py", "megatron/run_configs/")
 
 # The flag layer, not capped here: declaring, parsing, validating and recording flags is its job (arguments.py,
-# config_flags.py, checkpoint/args.py, flag_registry.py, moe_arguments.py, cli_parser.py hold the settings'
+# config_flags.py, checkpoint/args.py, flag_registry.py, moe_checks.py, cli_parser.py hold the settings'
 # declarations; required_flags.py refuses missing flags at start-up; ds/config.py reconciles the DeepSpeed JSON with
 # the flags inside validate_args and writes the result onto args); global_vars.py holds args.
 FLAG_LAYER = ("megatron/settings/", "megatron/arguments.py", "megatron/settings/config_flags.py", "megatron/checkpoint/args.py",

@@ -123,7 +123,7 @@ def test_torch_dist_saved_under_expert_parallelism_resumes_at_ep2_and_ep1(gpt_da
           iters=range(3, 5), z_loss=False)
     # expert-TP 2 != TP 1 saves torch_dist too (its experts gathered whole): iteration 12 holds the weights and
     # optimizer moments of the EP2 run's own iteration 12
-    from megatron.checkpoint_conversion.torch_dist import read_iteration_state
+    from megatron.checkpoint.conversion.torch_dist import read_iteration_state
 
     (_, _, ref, ref_opt), (_, _, mine, mine_opt) = (read_iteration_state(str(d / f"iter_{ITERS:07d}"), False)
                                                     for d in (ckpt, etp2))
