@@ -45,13 +45,19 @@ class _SwiGLU(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
         x, activated = ctx.saved_tensors
-        gate, up = torch.chunk(x, 2, dim=-1)
-        grad = torch.empty_like(x, memory_format=torch.contiguous_format)
-        grad_gate, grad_up = torch.chunk(grad, 2, dim=-1)
-        torch.mul(grad_output, up, out=grad_gate)
-        torch.ops.aten.silu_backward(grad_gate, gate, grad_input=grad_gate)
-        torch.mul(grad_output, activated, out=grad_up)
-        return grad
+        return swiglu_grad(grad_output, x, activated)
+
+
+def swiglu_grad(grad_output: torch.Tensor, x: torch.Tensor, activated: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``silu(gate) * up`` w.r.t. x = [gate | up], written into one [.., 2F] tensor (activated =
+    silu(gate), saved by the forward); shared by _SwiGLU and the MoE experts' fused function."""
+    gate, up = torch.chunk(x, 2, dim=-1)
+    grad = torch.empty_like(x, memory_format=torch.contiguous_format)
+    grad_gate, grad_up = torch.chunk(grad, 2, dim=-1)
+    torch.mul(grad_output, up, out=grad_gate)
+    torch.ops.aten.silu_backward(grad_gate, gate, grad_input=grad_gate)
+    torch.mul(grad_output, activated, out=grad_up)
+    return grad
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from megatron.model.mlp import swiglu_grad
+
 
 class _SwiGLUExperts(torch.autograd.Function):
     @staticmethod
@@ -66,12 +68,7 @@ class _SwiGLUExperts(torch.autograd.Function):
             if need_weights:
                 torch.sum(grad_inner * swiglu, dim=[2], keepdim=True, out=grad_weights[start:start + n].view(num, size, 1))
             grad_swiglu = grad_inner * wv
-            gate, up = torch.chunk(pre, 2, dim=-1)
-            grad_pre = torch.empty_like(pre, memory_format=torch.contiguous_format)
-            grad_gate, grad_up = torch.chunk(grad_pre, 2, dim=-1)
-            torch.mul(grad_swiglu, up, out=grad_gate)
-            torch.ops.aten.silu_backward(grad_gate, gate, grad_input=grad_gate)
-            torch.mul(grad_swiglu, activated, out=grad_up)
+            grad_pre = swiglu_grad(grad_swiglu, pre, activated)
             if need_w1:
                 rows = grouped[start:start + n].view(num, size, h)
                 torch.bmm(rows.transpose(1, 2), grad_pre, out=grad_w1[first:first + num])
