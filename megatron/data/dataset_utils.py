@@ -149,13 +149,18 @@ def index_cache_dirs(data_prefix: str, data_cache_path: Optional[str], *, for_se
     return dirs
 
 
-def first_writable_dir(dirs: Sequence[Path]) -> Path:
-    for d in dirs:
+def first_writable_dir(dirs: Sequence[Path], data_cache_path: Optional[str] = None) -> Path:
+    """The first of `dirs` this process can create and write into. When `data_cache_path` (--data-cache-path, the
+    first of `dirs`) is not usable, one note says where the caches go instead."""
+    for i, d in enumerate(dirs):
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError:
             continue
         if os.access(d, os.W_OK | os.X_OK):
+            if data_cache_path and i > 0:
+                print(f" > note: --data-cache-path {data_cache_path} is not a writable folder; the dataset index "
+                      f"cache goes to {d} instead", flush=True)
             return d
     raise RuntimeError(f"no writable directory for the dataset index cache (tried {', '.join(map(str, dirs))}); "
                        "pass --data-cache-path DIR with a directory you can write to")
@@ -291,7 +296,7 @@ def get_samples_mapping(indexed_dataset: Any, data_prefix: str, num_epochs: Opti
         return None
 
     def build() -> None:
-        out_dir = first_writable_dir([p.parent for p in write])
+        out_dir = first_writable_dir([p.parent for p in write], data_cache_path=data_cache_path)
         out = out_dir / Path(filename).name
         with file_lock(out_dir / f".{out.name}.lock"):
             if find(report=True) is not None:
