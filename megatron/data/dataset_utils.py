@@ -348,6 +348,24 @@ def check_sentence_pairs(doc_idx: np.ndarray, data_prefix: str, name: str) -> No
             "_text_sentence prefix), or pass --bert-no-binary-head")
 
 
+def check_no_empty_sentences(indexed_dataset: Any, data_prefix: str, name: str) -> None:
+    """BERT's segments are made of whole sentences: a zero-length sentence can leave segment A empty (Megatron's
+    bare `assert len_a > 0` at some sample). One line naming the file, the document and the fix, before any sample."""
+    doc_idx = np.asarray(indexed_dataset.doc_idx, dtype=np.int64)
+    if len(doc_idx) < 2:
+        return
+    sizes = np.asarray(indexed_dataset.sizes)[doc_idx[0]:doc_idx[-1]]
+    empty = np.flatnonzero(sizes == 0)
+    if len(empty) == 0:
+        return
+    sentence = int(doc_idx[0] + empty[0])
+    document = int(np.searchsorted(doc_idx, sentence, side="right") - 1)
+    raise DatasetError(f"--data-path {data_prefix} ({name} split): {len(empty)} sentence(s) hold no tokens, the first "
+                       f"in document {document} of the split (sentence {sentence} of {data_prefix}.bin); BERT samples "
+                       "need non-empty sentences: preprocess again with tools/preprocess_data.py --split-sentences "
+                       "(it drops empty sentences)")
+
+
 def tokenizer_special_ids(tokenizer: Any, names: Sequence[str], model: str) -> list[int]:
     """The tokenizer's special ids `names` (cls, sep, mask, pad, bos, eos), or a one-line error naming the flag."""
     ids = []
