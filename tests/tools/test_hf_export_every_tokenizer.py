@@ -98,3 +98,13 @@ def test_missing_tokenizer_files_are_refused_in_one_line(tmp_path: Path) -> None
     msg = str(info.value)
     assert f"--vocab-file {gone}, which is not here" in msg and "\n" not in msg
     assert not os.path.exists(tmp_path / "hf")  # nothing left under the target name
+
+
+def test_a_hub_tokenizer_not_in_the_cache_is_named_in_a_note(tmp_path: Path, capsys) -> None:
+    """A PretrainedFromHF run that named a hub tokenizer absent from the local cache: the weights are written and
+    one line says which tokenizer to add and how."""
+    out = _export(tmp_path, "bloom", dict(tokenizer_type="PretrainedFromHF",
+                                          tokenizer_name_or_path="no-such-org/no-such-tokenizer"), 61)
+    notes = [line for line in capsys.readouterr().out.splitlines() if "no-such-org/no-such-tokenizer" in line]
+    assert len(notes) == 1 and "not in the local Hugging Face cache" in notes[0], notes
+    assert "save_pretrained(<--save-dir>)" in notes[0] and (out / "model.safetensors").is_file()

@@ -21,7 +21,7 @@ import tempfile
 from typing import Any, Dict, List, Optional
 
 from megatron.checkpoint.conversion.interchange import ConversionError
-from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer, PretrainedFromHFTokenizer
+from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer, PretrainedFromHFTokenizer, TokenizerLoadError
 from megatron.tokenizer.llama2_tokenizer import Llama2Tokenizer
 from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 
@@ -141,11 +141,20 @@ def _export_wordpiece(tok_type: str, out: str, max_length: Optional[int]) -> Dic
     return {"files": ["tokenizer_config.json"], "bos_token_id": None, "eos_token_id": None}
 
 
-def _export_hf(tok_type: str, meta_tokenizer: Dict[str, Any], out: str) -> Dict[str, Any]:
-    """The training run's Hugging Face tokenizer (a folder, or a hub name in the local cache) saved into `out`."""
+def _export_hf(tok_type: str, meta_tokenizer: Dict[str, Any], out: str, log: Any) -> Dict[str, Any]:
+    """The training run's Hugging Face tokenizer (a folder, or a hub name in the local cache) saved into `out`; a
+    hub name that is not in the cache is a one-line note saying how to add its files."""
     cls = HuggingFaceTokenizer if tok_type == "HuggingFaceTokenizer" else PretrainedFromHFTokenizer
-    key = SOURCES[tok_type][0][0]
-    hf = cls(meta_tokenizer[key]).hf_tokenizer
+    key, flag = SOURCES[tok_type][0]
+    name = meta_tokenizer[key]
+    try:
+        hf = cls(name).hf_tokenizer
+    except TokenizerLoadError:
+        if os.path.isdir(name):
+            raise
+        log(f"note: no tokenizer files written: the training tokenizer ({flag} {name}) is not in the local Hugging "
+            f"Face cache; add them with AutoTokenizer.from_pretrained({name!r}).save_pretrained(<--save-dir>)")
+        return {"files": [], "bos_token_id": None, "eos_token_id": None}
     written = [os.path.basename(f) for f in hf.save_pretrained(out) if os.path.isfile(f)]
     return {"files": sorted(set(written)), "bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id}
 
@@ -161,7 +170,8 @@ def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, max_length: Optio
                           else v for k, v in meta_tokenizer.items()}
     if tok_type not in SOURCES:
         why = "NullTokenizer has none" if tok_type == "NullTokenizer" else "the checkpoint names no tokenizer"
-        log(f"note: no tokenizer files in {out} ({why}): AutoTokenizer cannot load it; add the tokenizer's files")
+        log(f"note: no tokenizer files written ({why}): AutoTokenizer cannot load --save-dir; add the tokenizer's "
+            "files there")
         return {"files": [], "bos_token_id": None, "eos_token_id": None}
     _check_sources(tok_type, meta_tokenizer)
     if tok_type == "GPT2BPETokenizer":
@@ -169,11 +179,11 @@ def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, max_length: Optio
     if tok_type.startswith("BertWordPiece"):
         return _export_wordpiece(tok_type, out, max_length)
     if tok_type in ("HuggingFaceTokenizer", "PretrainedFromHF"):
-        return _export_hf(tok_type, meta_tokenizer, out)
+        return _export_hf(tok_type, meta_tokenizer, out, log)
     model = meta_tokenizer["tokenizer_model"]
     if tok_type == "SentencePieceTokenizer":
         ours = SentencePieceTokenizer(model)
-        log(f"note: {out} has the SentencePieceTokenizer's tokenizer.model only: Hugging Face's classes for it do not "
+        log("note: --save-dir has the SentencePieceTokenizer's tokenizer.model only: Hugging Face's classes for it do not "
             "append Megatron's special tokens (<CLS>, <SEP>, <EOD>, <MASK>), so ids from AutoTokenizer may differ")
         return {"files": [], "bos_token_id": ours.bos, "eos_token_id": ours.eod}
     sp = _training_tokenizer(model).sp_model
