@@ -18,8 +18,10 @@ from tests.tools.checkpoint_convert_helpers import TRUE_VOCAB, build, config, me
 
 
 def _vocab_json(folder: Path, entries: int) -> Path:
+    """A GPT-2 style vocab.json of `entries` ids (the last one <|endoftext|>) with an (empty) merges.txt beside it."""
     path = folder / "vocab.json"
-    path.write_text(json.dumps({f"t{i}": i for i in range(entries)}))
+    path.write_text(json.dumps({**{f"t{i}": i for i in range(entries - 1)}, "<|endoftext|>": entries - 1}))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
     return path
 
 
@@ -53,7 +55,7 @@ def test_convert_refuses_and_writes_nothing(tmp_path: Path) -> None:
     cfg = config("gpt2")
     vocab = _vocab_json(tmp_path, 64)
     meta = dataclasses.replace(meta_for(cfg, true_vocab=None), checkpoint_args=argparse.Namespace(
-        tokenizer_type="GPT2BPETokenizer", vocab_file=str(vocab)))
+        tokenizer_type="GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(tmp_path / "merges.txt")))
     write_megatron(meta, messages_from_state_dict(build(cfg).state_dict(), cfg.num_layers), str(tmp_path / "src"),
                    1, 1, None)
     argv = ["--model-type", "GPT", "--loader", "megatron", "--saver", "hf", "--load-dir", str(tmp_path / "src"),
