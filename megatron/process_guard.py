@@ -30,7 +30,9 @@ def launched_by_torchrun(env: Optional[Mapping[str, str]] = None) -> bool:
 
 def exit_with_launcher_agent(env: Optional[Mapping[str, str]] = None) -> bool:
     """Under torchrun on Linux, have the kernel SIGKILL this process when its agent (the parent) dies; returns
-    whether that was armed. A process whose agent is already gone (re-parented to init) exits at once."""
+    whether that was armed. (An agent that died before this call is not detected here: a parent pid of 1 is also
+    torchrun as a container's first process. Such a worker fails at once anyway: the rendezvous store lives in the
+    agent.)"""
     if not sys.platform.startswith("linux") or not launched_by_torchrun(env):
         return False
     try:
@@ -39,9 +41,6 @@ def exit_with_launcher_agent(env: Optional[Mapping[str, str]] = None) -> bool:
             return False
     except (OSError, AttributeError):  # no prctl in this libc: nothing to arm
         return False
-    if os.getppid() == 1:  # the agent died before the prctl: its death signal will never come
-        print("error: the torchrun agent that started this process is gone; exiting", file=sys.stderr, flush=True)
-        os._exit(1)
     return True
 
 
