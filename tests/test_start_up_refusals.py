@@ -142,6 +142,8 @@ def test_unwritable_data_cache_path_says_where_the_cache_goes(tmp_path, capsys):
     assert chosen == tmp_path / "index-cache" and chosen.is_dir()
     assert capsys.readouterr().out.strip() == (f"> note: --data-cache-path {blocker} is not a writable folder; the "
                                                f"dataset index cache goes to {tmp_path / 'index-cache'} instead")
+    assert first_writable_dir([blocker, tmp_path / "index-cache"], str(blocker)) == chosen
+    assert capsys.readouterr().out == ""  # once per folder, not once per split
     assert first_writable_dir([Path(tmp_path / "ok")], str(tmp_path / "ok")) == tmp_path / "ok"
     assert capsys.readouterr().out == ""
 
