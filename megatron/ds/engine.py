@@ -41,6 +41,11 @@ from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.run_configs.deepspeed import DeepSpeedSettings
 from megatron.training_state import TrainingState
 
+# DeepSpeed picks the CPU accelerator on a machine without CUDA anyway, after logging a WARNING that it could not
+# detect one; naming its choice beforehand (unless DS_ACCELERATOR is set) keeps CPU runs free of that alarm.
+if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+    os.environ["DS_ACCELERATOR"] = "cpu"
+
 
 # ----------------------------------------------------------------------------------------------- helpers
 def _build_torch_optimizer(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.Optimizer:

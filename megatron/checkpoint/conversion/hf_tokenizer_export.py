@@ -57,7 +57,7 @@ def _fast_tokenizer_from_sentencepiece(model_file: str) -> Any:
     return backend
 
 
-def export_llama2_tokenizer(model_file: str, out: str, max_length: Optional[int], log: Any = print) -> List[str]:
+def export_llama2_tokenizer(model_file: str, out: str, log: Any = print) -> List[str]:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json for a Llama2Tokenizer model; returns
     the file names written."""
     from tokenizers import processors
@@ -74,7 +74,7 @@ def export_llama2_tokenizer(model_file: str, out: str, max_length: Optional[int]
     special = {k: piece(v) for k, v in (("bos_token", bos_id), ("eos_token", eos_id), ("unk_token", unk_id))
                if v >= 0}
     _write_tokenizer_config(out, {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_bos_token": True,
-                                  "add_eos_token": False, "clean_up_tokenization_spaces": False}, max_length)
+                                  "add_eos_token": False, "clean_up_tokenization_spaces": False})
     with open(os.path.join(out, "special_tokens_map.json"), "w") as f:
         json.dump(special, f, indent=2)
     differ = [p for p in PROBES if backend.encode(p).ids != ours.tokenize(p)]
@@ -85,9 +85,9 @@ def export_llama2_tokenizer(model_file: str, out: str, max_length: Optional[int]
     return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
 
-def _write_tokenizer_config(out: str, config: Dict[str, Any], max_length: Optional[int]) -> None:
-    if max_length:
-        config["model_max_length"] = int(max_length)
+def _write_tokenizer_config(out: str, config: Dict[str, Any]) -> None:
+    """tokenizer_config.json without model_max_length: the model's length is config.json's, and a tokenizer limit
+    only makes transformers warn on every longer text (lm-eval tokenizes whole documents, then windows them)."""
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -123,21 +123,21 @@ def _check_sources(tok_type: str, meta_tokenizer: Dict[str, Any]) -> None:
                               "the Hugging Face folder needs its files; put them at that path and convert again")
 
 
-def _export_gpt2(meta_tokenizer: Dict[str, Any], out: str, max_length: Optional[int]) -> Dict[str, Any]:
+def _export_gpt2(meta_tokenizer: Dict[str, Any], out: str) -> Dict[str, Any]:
     with open(meta_tokenizer["vocab_file"], encoding="utf-8") as f:
         eod = json.load(f).get("<|endoftext|>")
     _write_tokenizer_config(out, {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>",
                                   "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-                                  "add_prefix_space": False, "add_bos_token": False}, max_length)
+                                  "add_prefix_space": False, "add_bos_token": False})
     return {"files": ["tokenizer_config.json"], "bos_token_id": eod, "eos_token_id": eod}
 
 
-def _export_wordpiece(tok_type: str, out: str, max_length: Optional[int]) -> Dict[str, Any]:
+def _export_wordpiece(tok_type: str, out: str) -> Dict[str, Any]:
     """BertTokenizer over the copied vocab.txt, with the [BOS] / [EOS] Megatron appends after the vocabulary."""
     _write_tokenizer_config(out, {"tokenizer_class": "BertTokenizer", "do_lower_case": tok_type.endswith("LowerCase"),
                                   "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
                                   "cls_token": "[CLS]", "mask_token": "[MASK]",
-                                  "additional_special_tokens": ["[BOS]", "[EOS]"]}, max_length)
+                                  "additional_special_tokens": ["[BOS]", "[EOS]"]})
     return {"files": ["tokenizer_config.json"], "bos_token_id": None, "eos_token_id": None}
 
 
@@ -159,8 +159,7 @@ def _export_hf(tok_type: str, meta_tokenizer: Dict[str, Any], out: str, log: Any
     return {"files": sorted(set(written)), "bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id}
 
 
-def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, max_length: Optional[int],
-                     log: Any = print) -> Dict[str, Any]:
+def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, log: Any = print) -> Dict[str, Any]:
     """The tokenizer files AutoTokenizer needs beyond the copied originals (every --tokenizer-type but
     NullTokenizer), and the BOS/EOS ids for config.json / generation_config.json; a one-line ConversionError when
     the training tokenizer's files are missing."""
@@ -175,9 +174,9 @@ def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, max_length: Optio
         return {"files": [], "bos_token_id": None, "eos_token_id": None}
     _check_sources(tok_type, meta_tokenizer)
     if tok_type == "GPT2BPETokenizer":
-        return _export_gpt2(meta_tokenizer, out, max_length)
+        return _export_gpt2(meta_tokenizer, out)
     if tok_type.startswith("BertWordPiece"):
-        return _export_wordpiece(tok_type, out, max_length)
+        return _export_wordpiece(tok_type, out)
     if tok_type in ("HuggingFaceTokenizer", "PretrainedFromHF"):
         return _export_hf(tok_type, meta_tokenizer, out, log)
     model = meta_tokenizer["tokenizer_model"]
@@ -189,7 +188,7 @@ def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, max_length: Optio
     sp = _training_tokenizer(model).sp_model
     ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id()}
     try:
-        return {"files": export_llama2_tokenizer(model, out, max_length, log), **ids}
+        return {"files": export_llama2_tokenizer(model, out, log), **ids}
     except (ImportError, ValueError, RuntimeError, OSError) as exc:
         log(f"note: no tokenizer.json written (tokenizer.model is there): {str(exc).splitlines()[0][:200]}")
         return {"files": [], **ids}

@@ -22,6 +22,7 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -516,8 +517,10 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     # the keys are already flat: nested payloads (the RNG dicts) stay one pickled object each, as Megatron Core's
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True,
-             planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    with warnings.catch_warnings():  # the single-process save is the intent; torch warns about it anyway
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True,
+                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
     args = meta.checkpoint_args if meta.checkpoint_args is not None else args_namespace(meta)
     common = {"args": args, "checkpoint_version": 3.0, "iteration": meta.iteration or 0,
               "architecture": dict(meta.architecture), **(extra_common or {})}
