@@ -497,7 +497,7 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
     iter_dir = _iteration_dir(load_dir, iteration, release)
     trust = cfg.trust_checkpoint
     if os.path.isdir(iter_dir) and is_dist_folder(iter_dir):  # Megatron-LM's args live in common.pt
-        selected = _verified_foreign_folder(cfg, iteration, release)  # the folder load_checkpoint will load
+        selected = _verified_foreign_folder(cfg, iteration, release, check_flags=False)  # the one --load loads
         use_checkpoint_args(args, read_common(selected[1] if selected else iter_dir, trust))
         return args
 
@@ -645,20 +645,22 @@ def _load_other_format(models: list, cfg: CheckpointSettings, architecture: Mapp
     return iteration
 
 
-def _verified_foreign_folder(cfg: CheckpointSettings, iteration: int, release: bool
+def _verified_foreign_folder(cfg: CheckpointSettings, iteration: int, release: bool, check_flags: bool = True
                              ) -> Optional[tuple[str, str, bool]]:
     """(format, iteration folder, verified) to load for the tracker's `iteration`: a torch_dist folder (any folder
     holding Megatron-LM's metadata.json) is the newest one at or below it whose files all match its manifest (every
     rank reads it whole; skipped ones named in one line, --no-checkpoint-fallback: an error), then its metadata.json
     must be readable; a Megatron Core per-rank folder must verify as it is. A folder without a manifest loads with a
-    note, `verified` False. None (or format TORCH) for our own layout: `_select_checkpoint` verifies that."""
+    note, `verified` False. None (or format TORCH) for our own layout: `_select_checkpoint` verifies that.
+    `check_flags`: the folder's format must agree with --ckpt-format (`check_format_flags`)."""
     load_dir = cfg.load
     iter_dir = _iteration_dir(load_dir, iteration, release)
     if not os.path.isdir(iter_dir):
         return None
     if not is_dist_folder(iter_dir):
         fmt = detect_format(iter_dir, cfg.trust_checkpoint)
-        check_format_flags(fmt, cfg, iter_dir)
+        if check_flags:
+            check_format_flags(fmt, cfg, iter_dir)
         if fmt == TORCH:
             return None
         reason = integrity.verify(iter_dir)
@@ -668,7 +670,8 @@ def _verified_foreign_folder(cfg: CheckpointSettings, iteration: int, release: b
             _print0(f"note: {iter_dir} has no {integrity.MANIFEST_NAME} (saved before integrity checks); loaded "
                     "without verifying it")
         return fmt, iter_dir, reason is None
-    check_format_flags(TORCH_DIST, cfg, iter_dir)
+    if check_flags:
+        check_format_flags(TORCH_DIST, cfg, iter_dir)
     if release:  # nothing to fall back to
         reason = integrity.verify(iter_dir)
         verified = reason is None
