@@ -629,8 +629,8 @@ def _validate_context_parallel(args: argparse.Namespace, training_run: bool) -> 
     _require(not getattr(args, "deepspeed", False),
              "--context-parallel-size is not implemented with --deepspeed: drop one of them")
     seq, tp = args.seq_length, args.tensor_model_parallel_size
-    _require(seq % (2 * cp) == 0, f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size "
-                                  f"({2 * cp}): each context-parallel rank holds 2 of {2 * cp} equal chunks")
+    _require(seq % (2 * cp) == 0, f"--seq-length ({seq}) must be divisible by {2 * cp} (2 x --context-parallel-size "
+                                  f"{cp}): each context-parallel rank holds 2 of {2 * cp} equal chunks")
     if args.sequence_parallel:
         _require((seq // cp) % tp == 0, f"--sequence-parallel with --context-parallel-size {cp} needs the per-rank "
                                         f"sequence ({seq // cp}) divisible by --tensor-model-parallel-size ({tp})")
