@@ -21,7 +21,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.pipelined import tensor_shape_for
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.errors import MegatronUserError
-from megatron.text_generation.model_loading import load_model_for_inference
+from megatron.text_generation.model_loading import load_model_for_inference, refuse_random_weights
 from megatron.utils import get_ltor_masks_and_position_ids, print_rank_0
 from tasks.zeroshot_gpt.datasets import LMWindowDataset, build_lambada_dataset, build_wikitext_dataset
 
@@ -158,13 +158,12 @@ def main(args: Optional[argparse.Namespace] = None) -> dict[str, float]:
     if args.task not in TASK_METRICS:
         raise TaskError(f"--task {args.task} is not a zero-shot GPT task; use one of {', '.join(TASK_METRICS)}")
     eval_metric = TASK_METRICS[args.task]
+    refuse_random_weights(args.load, args.allow_random_weights, f"{args.task} evaluation")
     state = _state()
     tokenizer = global_vars.get_tokenizer()
     dataset = build_dataset(args.task, args, tokenizer)
     # vocab-parallel logits for the loss; full-vocab logits (gathered over TP) for the greedy accuracy
     model = load_model_for_inference(args, state, parallel_output=eval_metric == "loss")
-    if not args.load:
-        print_rank_0("WARNING: no --load given; evaluating randomly initialised weights")
     if isinstance(dataset, LMWindowDataset):
         print_rank_0(f" > {args.task}: {dataset.num_tokenized_tokens} tokens ({dataset.num_original_tokens} original "
                      f"words) in {len(dataset)} windows of {dataset.seq_len}, stride {dataset.overlapping_eval}")
