@@ -39,3 +39,9 @@ require_inputs() {
     fi
   done
 }
+
+# The torchrun of the example scripts: megatron.quiet_torchrun is torchrun, except that a user error (bad flag or file)
+# is its one line (no crash report), a SIGTERM waits for the workers' --exit-signal-handler save instead of killing
+# them after 30 s, and a busy --master_port is named. Pass --master_port only when MASTER_PORT is set: on one node
+# torchrun then picks a free port, so two runs at once do not collide.
+QUIET_TORCHRUN=(env "PYTHONPATH=$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" python -m megatron.quiet_torchrun)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from megatron.checkpoint.conversion.interchange import ConversionError
+from megatron.checkpoint.conversion.vocab import true_vocab_size_from_file
 from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer, PretrainedFromHFTokenizer, TokenizerLoadError
 from megatron.tokenizer.llama2_tokenizer import Llama2Tokenizer
 from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
@@ -192,3 +193,30 @@ def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, log: Any = print)
     except (ImportError, ValueError, RuntimeError, OSError) as exc:
         log(f"note: no tokenizer.json written (tokenizer.model is there): {str(exc).splitlines()[0][:200]}")
         return {"files": [], **ids}
+
+
+def _hf_tokenizer_json_size(path: str) -> Optional[int]:
+    """1 + the largest id of a `tokenizer.json` (its model's vocabulary and its added tokens)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+    ids += [t.get("id", -1) for t in data.get("added_tokens") or [] if isinstance(t, dict)]
+    ids = [i for i in ids if isinstance(i, int)]
+    return max(ids) + 1 if ids else None
+
+
+def tokenizer_vocab_size(meta_tokenizer: Dict[str, Any]) -> Optional[Tuple[int, str]]:
+    """(ids the tokenizer files copied into the export can produce, the file that says so); None when unknown."""
+    vocab_file, model = meta_tokenizer.get("vocab_file"), meta_tokenizer.get("tokenizer_model")
+    if vocab_file and os.path.isfile(vocab_file):
+        return true_vocab_size_from_file(vocab_file), vocab_file
+    if model and os.path.isdir(model) and os.path.isfile(os.path.join(model, "tokenizer.json")):
+        size = _hf_tokenizer_json_size(os.path.join(model, "tokenizer.json"))
+        return (size, os.path.join(model, "tokenizer.json")) if size else None
+    if meta_tokenizer.get("type") == "Llama2Tokenizer" and model and os.path.isfile(model):
+        return _training_tokenizer(model).vocab_size, model
+    return None

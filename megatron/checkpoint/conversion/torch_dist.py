@@ -74,6 +74,28 @@ def is_torch_dist(iter_dir: str) -> bool:
         return False
 
 
+def is_dist_folder(iter_dir: str) -> bool:
+    """Whether `iter_dir` holds Megatron-LM's distributed-checkpoint marker ``metadata.json`` (readable or not): a
+    torch_dist folder, or a damaged one (`check_torch_dist` says which)."""
+    return os.path.isfile(os.path.join(iter_dir, METADATA_JSON))
+
+
+def check_torch_dist(iter_dir: str) -> None:
+    """One-line ConversionError naming ``<iter_dir>/metadata.json`` when it is not the JSON object of a torch_dist
+    folder (truncated, invalid, or another ``sharded_backend``)."""
+    path = os.path.join(iter_dir, METADATA_JSON)
+    try:
+        with open(path, encoding="utf-8") as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
+        detail = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        raise ConversionError(f"{path} is damaged ({detail}): a torch_dist checkpoint's metadata.json holds "
+                              '{"sharded_backend": "torch_dist", ...}; restore the file (or the folder)') from None
+    if backend != "torch_dist":
+        raise ConversionError(f"{path} names sharded_backend {backend!r}: only torch_dist distributed checkpoints "
+                              "are read here; save it from Megatron-LM with --ckpt-format torch_dist")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds only torch.distributed.checkpoint's metadata records, torch.Size and dtypes."""
 
@@ -406,6 +428,7 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
     iter_dir, it = find_iteration_dir(load_dir, iteration)
     # checked against its manifest as --load does (the newest intact iteration; an explicit one must verify)
     iter_dir, it, verified = verified_source(load_dir, iter_dir, it, explicit=iteration is not None)
+    check_torch_dist(iter_dir)
     common, arch, flat, opt = read_iteration_state(iter_dir, trust)
     found = model_type_of(flat)
     if found != model_type:
