@@ -373,6 +373,30 @@ def test_hf_pytorch_model_bin_refused(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+def test_nltk_punkt_pickle_never_unpickled(tmp_path: Path, monkeypatch) -> None:
+    """--split-sentences with only NLTK's old pickled punkt data installed: the bundled parameters, the pickle never
+    read (nltk < 3.8.2's nltk.data.load unpickles it fully; stood in for here)."""
+    pytest.importorskip("nltk")
+    import nltk
+
+    from megatron.data.sentence_splitter import SentenceSplitter
+
+    marker = tmp_path / "PWNED"
+    (tmp_path / "tokenizers" / "punkt").mkdir(parents=True)
+    (tmp_path / "tokenizers" / "punkt" / "english.pickle").write_bytes(pickle.dumps(_Mkdir(str(marker))))
+    (tmp_path / "tokenizers" / "punkt_tab" / "english").mkdir(parents=True)  # punkt_tab present but incomplete
+    monkeypatch.setenv("NLTK_DATA", str(tmp_path))
+
+    def old_nltk_load(resource: str, *args, **kwargs):
+        with open(tmp_path / resource, "rb") as f:
+            return pickle.load(f)
+
+    monkeypatch.setattr(nltk.data, "load", old_nltk_load)
+    assert SentenceSplitter("english")("One sentence here. And another one.") == ["One sentence here.",
+                                                                                 "And another one."]
+    assert not marker.exists()
+
+
 # ------------------------------------------------------------------------------------- end to end: the entry points
 class _ViaFilesystemModule(pickle._Pickler):
     """Writes os.mkdir as ``torch.distributed.checkpoint.filesystem`` + ``os.mkdir``: how a crafted .metadata reaches
