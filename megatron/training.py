@@ -61,7 +61,7 @@ from megatron.nan_guard import (
     SkipCounter,
     params_finite,
 )
-from megatron.progress import ProgressNotes
+from megatron.progress import Heartbeat, ProgressNotes
 from megatron.run_configs.bundle import RunConfigs
 from megatron.run_configs.moe_losses import MoELossSettings
 from megatron.run_configs.run_settings import LoopSettings
@@ -70,6 +70,9 @@ from megatron.theoretical_memory_usage import memory_report
 from megatron.training_state import TrainingState
 
 _TRAIN_START_TIME = time.time()
+# A line every 30 s of wall time while pretrain() runs (started and stopped there), naming the phase: start-up, model
+# and checkpoint loading, dataset index building, training, evaluation, checkpoint saves.
+HEARTBEAT = Heartbeat()
 
 
 def print_datetime(message: str) -> None:
@@ -267,10 +270,11 @@ def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], mod
     """Average the losses over --eval-iters batches (forward only); counts the validation samples in
     `train_state` (required when `count_valid_samples`)."""
     run = train_state
-    peer_failure.note_phase(f"evaluation at iteration {run.iteration if run is not None else 0}")
-    return backend_for(configs).evaluate(forward_step_func, data_iterator, model,
-                                                   process_non_loss_data_func, configs, state, verbose,
-                                                   count_valid_samples, run)
+    what = f"evaluation at iteration {run.iteration if run is not None else 0}"
+    peer_failure.note_phase(what)
+    with HEARTBEAT.phase(what):
+        return backend_for(configs).evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func,
+                                             configs, state, verbose, count_valid_samples, run)
 
 
 def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_iterator: Optional[Iterator],
@@ -301,8 +305,8 @@ def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
     peer_failure.note_phase(f"the checkpoint save of iteration {iteration}")
     timers = global_vars.get_timers()
     timers("save-checkpoint", log_level=0).start(barrier=True)
-    backend_for(configs).save(iteration, model, optimizer, opt_param_scheduler, configs, train_loss,
-                                        train_state)
+    with HEARTBEAT.phase(f"saving the checkpoint of iteration {iteration}"):
+        backend_for(configs).save(iteration, model, optimizer, opt_param_scheduler, configs, train_loss, train_state)
     timers("save-checkpoint").stop(barrier=True)
     timers.log(["save-checkpoint"])
     if guard is not None:
@@ -350,7 +354,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     report_memory_flag = True
     if skip_counter is None:
         skip_counter = new_skip_counter(loop, iteration)
-    notes = ProgressNotes(iteration, loop.train_iters, batch.log_interval, print_rank_last)
+    notes = ProgressNotes(iteration, loop.train_iters, batch.log_interval, print_rank_last, heartbeat=HEARTBEAT)
     loaded = last_loaded() if loop.load else None
     watch = None
     if loaded is not None and not loaded.verified:  # an unverified checkpoint: its first losses must look sane
@@ -443,6 +447,20 @@ def pretrain(
     elsewhere). `history`: the dict to fill and return (filled as the run goes, so a caller can read the losses of a
     run that dies).
     """
+    HEARTBEAT.doing("starting up (the process group, compiling the dataset index helpers)")
+    HEARTBEAT.start()  # a line every 30 quiet seconds, whatever the phase (megatron/progress.py)
+    try:
+        return _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                         process_non_loss_data_func, extra_args_provider, args_defaults, argv, history)
+    finally:
+        HEARTBEAT.stop()
+
+
+def _pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable, model_type: Any,
+              forward_step_func: Callable, process_non_loss_data_func: Optional[Callable],
+              extra_args_provider: Optional[Callable], args_defaults: Optional[dict], argv: Optional[list[str]],
+              history: Optional[dict]) -> Optional[dict]:
+    """pretrain()'s body: start-up, model and optimizer, data, the loop, the final evaluations."""
     global _TRAIN_START_TIME
     args = initialize_megatron(extra_args_provider=extra_args_provider,
                                args_defaults={**(args_defaults or {}), TRAINING_RUN: True}, args=argv)
@@ -462,6 +480,7 @@ def pretrain(
 
     check_data_prefixes(configs.data_files)  # a mistyped --data-path: one line before the model is built
     timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
+    HEARTBEAT.doing("building the model and optimizer (and loading the checkpoint, with --load)")
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, configs, state,
                                                                       run)
     configs = configs.with_run_length()  # the LR schedule's set-up turned --train-samples into --train-iters
@@ -474,6 +493,7 @@ def pretrain(
     # Creating DataLoader iterators draws from the global torch RNG; keep the (possibly just restored) RNG state
     # untouched so that resuming from a checkpoint replays exactly the same dropout masks.
     rng = local_rng_state()
+    HEARTBEAT.doing("building the datasets (and their index files, on a first run)")
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(
         train_valid_test_dataset_provider, configs, state, run)
     restore_local_rng_state(rng)
