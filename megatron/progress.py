@@ -114,6 +114,16 @@ class Heartbeat:
             self._thread.start()
         return self
 
+    @contextmanager
+    def running(self, what: str) -> Iterator[None]:
+        """The thread runs for the block, starting with the phase `what`."""
+        self.doing(what)
+        self.start()
+        try:
+            yield
+        finally:
+            self.stop()
+
     def started(self) -> bool:
         """Whether the thread runs."""
         return self._thread is not None

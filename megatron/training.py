@@ -447,85 +447,83 @@ def pretrain(
     elsewhere). `history`: the dict to fill and return (filled as the run goes, so a caller can read the losses of a
     run that dies).
     """
-    HEARTBEAT.doing("starting up (the process group, compiling the dataset index helpers)")
-    HEARTBEAT.start()  # a line every 30 quiet seconds, whatever the phase (megatron/progress.py)
-    try:
-        return _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
-                         process_non_loss_data_func, extra_args_provider, args_defaults, argv, history)
-    finally:
-        HEARTBEAT.stop()
-
-
-def _pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable, model_type: Any,
-              forward_step_func: Callable, process_non_loss_data_func: Optional[Callable],
-              extra_args_provider: Optional[Callable], args_defaults: Optional[dict], argv: Optional[list[str]],
-              history: Optional[dict]) -> Optional[dict]:
-    """pretrain()'s body: start-up, model and optimizer, data, the loop, the final evaluations."""
     global _TRAIN_START_TIME
-    args = initialize_megatron(extra_args_provider=extra_args_provider,
-                               args_defaults={**(args_defaults or {}), TRAINING_RUN: True}, args=argv)
-    start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(start, op=torch.distributed.ReduceOp.MIN)
-    _TRAIN_START_TIME = float(start.item())
-    print_rank_0(f"time to initialize megatron (seconds): {time.time() - _TRAIN_START_TIME:.3f}")
-    print_datetime("after megatron is initialized")
-    state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
-    run = TrainingState(padded_vocab_size=getattr(args, "padded_vocab_size", None))
-    configs = RunConfigs.from_args(args)  # the run's typed records, built once and passed down
-    check_pipeline_schedule(configs.step, global_vars.get_num_microbatches())
-    timers = global_vars.get_timers()
+    with HEARTBEAT.running("starting up (the process group, compiling the dataset index helpers)"):
+        args = initialize_megatron(extra_args_provider=extra_args_provider,
+                                   args_defaults={**(args_defaults or {}), TRAINING_RUN: True}, args=argv)
+        start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(start, op=torch.distributed.ReduceOp.MIN)
+        _TRAIN_START_TIME = float(start.item())
+        print_rank_0(f"time to initialize megatron (seconds): {time.time() - _TRAIN_START_TIME:.3f}")
+        print_datetime("after megatron is initialized")
+        state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
+        run = TrainingState(padded_vocab_size=getattr(args, "padded_vocab_size", None))
+        configs = RunConfigs.from_args(args)  # the run's typed records, built once and passed down
+        check_pipeline_schedule(configs.step, global_vars.get_num_microbatches())
+        timers = global_vars.get_timers()
 
-    from megatron.data.data_checks import check_data_prefixes
+        from megatron.data.data_checks import check_data_prefixes
 
-    check_data_prefixes(configs.data_files)  # a mistyped --data-path: one line before the model is built
-    timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
-    HEARTBEAT.doing("building the model and optimizer (and loading the checkpoint, with --load)")
-    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, configs, state,
-                                                                      run)
-    configs = configs.with_run_length()  # the LR schedule's set-up turned --train-samples into --train-iters
-    timers("model-and-optimizer-setup").stop()
-    print_datetime("after model, optimizer, and learning rate scheduler are built")
-    if args.rank == 0 and getattr(model_type, "name", "") == "encoder_or_decoder":  # GPT-shaped models
-        memory_report(configs.memory, configs.transformer, num_microbatches=global_vars.get_num_microbatches())
+        check_data_prefixes(configs.data_files)  # a mistyped --data-path: one line before the model is built
+        timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
+        HEARTBEAT.doing("building the model and optimizer (and loading the checkpoint, with --load)")
+        model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, configs, state,
+                                                                          run)
+        configs = configs.with_run_length()  # the LR schedule's set-up turned --train-samples into --train-iters
+        timers("model-and-optimizer-setup").stop()
+        print_datetime("after model, optimizer, and learning rate scheduler are built")
+        if args.rank == 0 and getattr(model_type, "name", "") == "encoder_or_decoder":  # GPT-shaped models
+            memory_report(configs.memory, configs.transformer, num_microbatches=global_vars.get_num_microbatches())
 
-    timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
-    # Creating DataLoader iterators draws from the global torch RNG; keep the (possibly just restored) RNG state
-    # untouched so that resuming from a checkpoint replays exactly the same dropout masks.
-    rng = local_rng_state()
-    HEARTBEAT.doing("building the datasets (and their index files, on a first run)")
-    train_it, valid_it, test_it = build_train_valid_test_data_iterators(
-        train_valid_test_dataset_provider, configs, state, run)
-    restore_local_rng_state(rng)
-    timers("train/valid/test-data-iterators-setup").stop()
-    print_datetime("after dataloaders are built")
-    print_rank_0("done with setup ...")
-    timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
+        timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
+        # Creating DataLoader iterators draws from the global torch RNG; keep the (possibly just restored) RNG state
+        # untouched so that resuming from a checkpoint replays exactly the same dropout masks.
+        rng = local_rng_state()
+        HEARTBEAT.doing("building the datasets (and their index files, on a first run)")
+        train_it, valid_it, test_it = build_train_valid_test_data_iterators(
+            train_valid_test_dataset_provider, configs, state, run)
+        restore_local_rng_state(rng)
+        timers("train/valid/test-data-iterators-setup").stop()
+        print_datetime("after dataloaders are built")
+        print_rank_0("done with setup ...")
+        timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
 
-    result: dict = history if history is not None else {}
-    result.update({"iteration": run.iteration, "train_losses": {}, "valid_losses": {}, "val_loss": None,
-                   "test_loss": None, "skipped_iterations": run.skipped_iterations,
-                   "nan_iterations": run.nan_iterations})
-    iteration = run.iteration
-    loop = configs.loop
-    if run.do_train and loop.train_iters > 0 and not loop.skip_train:
-        print_rank_0("training ...")
-        skip_counter = new_skip_counter(loop, iteration)
-        iteration, exited = train(forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it,
-                                  process_non_loss_data_func, configs, state, run, history=result,
-                                  skip_counter=skip_counter)
-        result.update(iteration=iteration, skipped_iterations=run.skipped_iterations,
-                      nan_iterations=run.nan_iterations)
-        print_datetime("after training is done")
-        if exited:
-            _flush_writer()
-            return result
-        if loop.save and iteration != 0 and iteration % loop.save_interval != 0:
-            _save(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter,
-                  skip_counter.last_loss)
-    else:
-        print_rank_0("skipping training (--skip-train is on) ...")
+        result: dict = history if history is not None else {}
+        result.update({"iteration": run.iteration, "train_losses": {}, "valid_losses": {}, "val_loss": None,
+                       "test_loss": None, "skipped_iterations": run.skipped_iterations,
+                       "nan_iterations": run.nan_iterations})
+        iteration = run.iteration
+        loop = configs.loop
+        if run.do_train and loop.train_iters > 0 and not loop.skip_train:
+            print_rank_0("training ...")
+            skip_counter = new_skip_counter(loop, iteration)
+            iteration, exited = train(forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it,
+                                      process_non_loss_data_func, configs, state, run, history=result,
+                                      skip_counter=skip_counter)
+            result.update(iteration=iteration, skipped_iterations=run.skipped_iterations,
+                          nan_iterations=run.nan_iterations)
+            print_datetime("after training is done")
+            if exited:
+                _flush_writer()
+                return result
+            if loop.save and iteration != 0 and iteration % loop.save_interval != 0:
+                _save(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter,
+                      skip_counter.last_loss)
+        else:
+            print_rank_0("skipping training (--skip-train is on) ...")
 
+        _final_evaluations(result, forward_step_func, (valid_it, test_it), model, iteration,
+                           process_non_loss_data_func, configs, state, run)
+        _flush_writer()
+        return result
+
+
+def _final_evaluations(result: dict, forward_step_func: Callable, iterators: tuple, model: list, iteration: int,
+                       process_non_loss_data_func: Optional[Callable], configs: RunConfigs, state: ps.ParallelState,
+                       run: TrainingState) -> None:
+    """The end-of-training validation and test evaluations into `result` (`val_loss`, `test_loss`)."""
+    valid_it, test_it = iterators
     if run.do_valid:
         result["val_loss"] = evaluate_and_print_results(
             "the end of training for val data", forward_step_func, valid_it, model, iteration,
@@ -534,8 +532,6 @@ def _pretrain(train_valid_test_dataset_provider: Callable, model_provider: Calla
         result["test_loss"] = evaluate_and_print_results(
             "the end of training for test data", forward_step_func, test_it, model, iteration,
             process_non_loss_data_func, configs, state, verbose=True, count_valid_samples=False, train_state=run)
-    _flush_writer()
-    return result
 
 
 def _flush_writer() -> None:
