@@ -33,7 +33,6 @@ fit_run_length "$@"
 : "${TP:=1}"
 : "${PP:=1}"
 : "${ZERO_STAGE:=0}"
-: "${MASTER_PORT:=6000}"
 : "${CHECKPOINT_ACTIVATIONS:=0}"
 : "${DRY_RUN:=0}"
 if [ "$DRY_RUN" != 1 ]; then
@@ -89,7 +88,7 @@ if [ "$CHECKPOINT_ACTIVATIONS" = 1 ]; then
 fi
 
 if [ "$NPROC" -gt 1 ]; then
-  LAUNCH=(torchrun --nproc_per_node "$NPROC" --master_port "$MASTER_PORT")
+  LAUNCH=("${QUIET_TORCHRUN[@]}" --nproc_per_node "$NPROC" ${MASTER_PORT:+--master_port "$MASTER_PORT"})
 else
   LAUNCH=(python)
 fi

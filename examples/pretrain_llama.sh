@@ -31,7 +31,6 @@ fit_run_length "$@"
 : "${SAVE_INTERVAL:=10000}"
 : "${EVAL_INTERVAL:=1000}"
 : "${NPROC:=1}"
-: "${MASTER_PORT:=6000}"
 require_inputs -e "set DATA_PATH (prefix written by tools/preprocess_data.py) and TOKENIZER_MODEL (tokenizer.model, or a tokenizer.json folder with TOKENIZER_TYPE=HuggingFaceTokenizer)" \
   "$TOKENIZER_MODEL" "$DATA_PATH.bin" "$DATA_PATH.idx"
 
@@ -50,7 +49,7 @@ else
 fi
 
 if [ "$NPROC" -gt 1 ]; then
-  LAUNCH=(torchrun --nproc_per_node "$NPROC" --master_port "$MASTER_PORT")
+  LAUNCH=("${QUIET_TORCHRUN[@]}" --nproc_per_node "$NPROC" ${MASTER_PORT:+--master_port "$MASTER_PORT"})
 else
   LAUNCH=(python)
 fi

@@ -294,7 +294,8 @@ def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_it
 # ----------------------------------------------------------------------------------------------- exit handling
 def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
           train_state: TrainingState, guard: Optional[SkipCounter] = None, train_loss: Optional[float] = None) -> None:
-    """Save a checkpoint, except during a non-finite streak (`guard`): those weights are the ones that diverged."""
+    """Save a checkpoint, except during a non-finite streak (`guard`): those weights are the ones that diverged.
+    While the first losses after loading an unverified checkpoint are still being checked, the save is not signed."""
     if guard is not None and guard.in_streak:
         print_rank_0(f"not saving the checkpoint of iteration {iteration}: the run is in a non-finite streak since "
                      f"iteration {guard.streak_start} (the latest checkpoint stays the one written before it)")
@@ -302,24 +303,34 @@ def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
     if not params_finite(model):  # (a ZeRO-3 engine's partitioned parameters are not visible here: not checked)
         raise NonFiniteTrainingError(f"refusing to save the checkpoint of iteration {iteration}: the weights are not "
                                      "finite (the previous checkpoint is left as the latest); lower --lr")
+    sign = guard is None or guard.may_sign(iteration)
+    if not sign and guard is not None and guard.watch is not None:
+        print_rank_0(f"note: the checkpoint of iteration {iteration} is saved without manifest.json (not signed): "
+                     f"the run started from {guard.watch.checkpoint}, loaded unverified, and its losses are checked "
+                     f"up to iteration {guard.watch.last}; saves from then on are signed")
     peer_failure.note_phase(f"the checkpoint save of iteration {iteration}")
     timers = global_vars.get_timers()
     timers("save-checkpoint", log_level=0).start(barrier=True)
     with HEARTBEAT.phase(f"saving the checkpoint of iteration {iteration}"):
-        backend_for(configs).save(iteration, model, optimizer, opt_param_scheduler, configs, train_loss, train_state)
+        backend_for(configs).save(iteration, model, optimizer, opt_param_scheduler, configs, train_loss,
+                                  train_state, sign=sign)
     timers("save-checkpoint").stop(barrier=True)
     timers.log(["save-checkpoint"])
     if guard is not None:
         guard.checkpoint(iteration, configs.checkpoint.save)
 
 
-def new_skip_counter(loop: LoopSettings, iteration: int) -> SkipCounter:
+def new_skip_counter(loop: LoopSettings, iteration: int, vocab_size: Optional[int] = None) -> SkipCounter:
     """--max-skipped-iterations, knowing the checkpoint the run started from at `iteration` (named when it diverges
-    at once)."""
+    at once); after an unverified load (no manifest) with the watch on its first losses (`vocab_size`: the padded
+    vocabulary, the limit when the checkpoint recorded no loss)."""
     loaded = last_loaded() if loop.load else None
-    return SkipCounter(loop.max_skipped_iterations,
-                       loaded=(iteration, f"iteration {loaded.iteration} in {loop.load}")
-                       if loaded is not None else None)
+    counter = SkipCounter(loop.max_skipped_iterations,
+                          loaded=(iteration, f"iteration {loaded.iteration} in {loop.load}")
+                          if loaded is not None else None)
+    if loaded is not None and not loaded.verified:  # an unverified checkpoint: its first losses must look sane
+        counter.watch = FirstLossWatch(loaded.folder, iteration + 1, loaded.train_loss, vocab_size)
+    return counter
 
 
 def _duration_exceeded(loop: LoopSettings) -> tuple[bool, float]:
@@ -353,12 +364,9 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     print_datetime("before the start of training step")
     report_memory_flag = True
     if skip_counter is None:
-        skip_counter = new_skip_counter(loop, iteration)
+        skip_counter = new_skip_counter(loop, iteration, run.padded_vocab_size)
     notes = ProgressNotes(iteration, loop.train_iters, batch.log_interval, print_rank_last, heartbeat=HEARTBEAT)
-    loaded = last_loaded() if loop.load else None
-    watch = None
-    if loaded is not None and not loaded.verified:  # an unverified checkpoint: its first losses must look sane
-        watch = FirstLossWatch(loaded.folder, iteration + 1, loaded.train_loss, run.padded_vocab_size)
+    watch = skip_counter.watch
 
     def save() -> None:
         _save(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter, skip_counter.last_loss)
@@ -497,7 +505,7 @@ def pretrain(
         loop = configs.loop
         if run.do_train and loop.train_iters > 0 and not loop.skip_train:
             print_rank_0("training ...")
-            skip_counter = new_skip_counter(loop, iteration)
+            skip_counter = new_skip_counter(loop, iteration, run.padded_vocab_size)
             iteration, exited = train(forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it,
                                       process_non_loss_data_func, configs, state, run, history=result,
                                       skip_counter=skip_counter)
