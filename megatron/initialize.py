@@ -17,8 +17,9 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from megatron import peer_failure
+from megatron import peer_failure, process_guard
 from megatron.arguments import ArgumentError, parse_args, validate_args
+from megatron.core.expert_parallel import describe_ep_layout
 from megatron.global_vars import get_args, set_global_variables, unset_global_variables
 
 # Launcher detection lives in megatron/launcher.py (a leaf: megatron.arguments reads it while parsing); re-exported.
@@ -70,6 +71,7 @@ def initialize_megatron(
     CPU runs are always allowed here.
     """
     del allow_no_cuda
+    process_guard.exit_with_launcher_agent()  # under torchrun: die with the agent, never train unsupervised
     parsed = parse_args(extra_args_provider, ignore_unknown_args, args)
     if getattr(parsed, "use_checkpoint_args", False) or (args_defaults or {}).get("use_checkpoint_args", False):
         if not parsed.load:
@@ -189,6 +191,9 @@ def _initialize_model_parallel(sizes: ParallelSizes, start: StartupSettings, ran
             from megatron.core.context_parallel import describe_cp_layout
 
             print(describe_cp_layout(start.seq_length, state.cp_size, start.cp_comm_type), flush=True)
+        if start.num_experts and state.expert_groups:
+            print(describe_ep_layout(start.num_experts, state.ep_size, state.etp_size or state.tp_size,
+                                     state.edp_size), flush=True)
 
 
 def _rendezvous(init_method: str, addr: str, port: int, world_size: int, timeout: Any) -> Dict[str, Any]:
