@@ -24,6 +24,9 @@ load_preset "$PRESET_FILE" "$(cd "$EXAMPLES_DIR/presets" && ls bloom*.sh | sed '
 : "${TRAIN_ITERS:=500000}"
 : "${LR_DECAY_ITERS:=$TRAIN_ITERS}"
 : "${LOG_INTERVAL:=10}"
+# A run shorter than the preset's warmup (TRAIN_ITERS=20, or --train-iters 20) decays over its own length, warms up
+# over its first tenth and logs every quarter of it (common.sh: fit_run_length).
+fit_run_length "$@"
 : "${SAVE_INTERVAL:=1000}"
 : "${EVAL_INTERVAL:=1000}"
 : "${NPROC:=1}"

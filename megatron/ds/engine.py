@@ -42,6 +42,11 @@ from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.run_configs.deepspeed import DeepSpeedSettings
 from megatron.training_state import TrainingState
 
+# DeepSpeed picks the CPU accelerator on a machine without CUDA anyway, after logging a WARNING that it could not
+# detect one; naming its choice beforehand (unless DS_ACCELERATOR is set) keeps CPU runs free of that alarm.
+if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+    os.environ["DS_ACCELERATOR"] = "cpu"
+
 
 # ----------------------------------------------------------------------------------------------- helpers
 def _build_torch_optimizer(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.Optimizer:
@@ -344,9 +349,10 @@ def _engine_save(engine: Any, save_dir: str, tag_dir: str, iteration: int, clien
 
 def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
                               cfg: CheckpointSettings, architecture: Mapping[str, Any],
-                              saved_args: argparse.Namespace, run: TrainingState) -> None:
+                              saved_args: argparse.Namespace, run: TrainingState, sign: bool = True) -> None:
     """engine.save_checkpoint(<save>, tag=global_step{N}) with Megatron's state in client_state (collective):
-    `saved_args` as Megatron's ``args``, `architecture` as ours, `run`'s counters under Megatron's keys."""
+    `saved_args` as Megatron's ``args``, `architecture` as ours, `run`'s counters under Megatron's keys;
+    `sign=False`: no manifest.json (and no pruning, which needs a verified newest tag)."""
     del optimizer  # saved by the engine
     engine = model[0]
     save_dir = cfg.save
@@ -376,7 +382,7 @@ def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_p
     _engine_save(engine, save_dir, tag_dir, iteration, client_state)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    if cfg.rank == 0:  # manifest last; DeepSpeed already moved `latest` (an unverified tag loads with a note)
+    if cfg.rank == 0 and sign:  # manifest last; DeepSpeed already moved `latest` (an unverified tag loads with a note)
         integrity.write_manifest(tag_dir)
         integrity.prune_after_save(save_dir, iteration, cfg.keep_last_n_checkpoints, print_rank_0,
                                    layout="deepspeed")

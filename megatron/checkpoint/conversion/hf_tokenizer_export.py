@@ -7,8 +7,9 @@ save_pretrained from the training folder or the local HF cache. A Llama2Tokenize
 (the pieces and merges that transformers extracts from `tokenizer.model`) whose normalizer does what sentencepiece
 does (the dummy "▁" prefix always, spaces to "▁"; transformers' LlamaTokenizer class would re-install a Metaspace
 that skips the prefix before a leading space) and whose post-processor adds BOS as the training tokenizer does
-(`[bos] + ids`, no EOS). A SentencePieceTokenizer run gets its tokenizer.model copied and a one-line note (HF has no
-class appending Megatron's <CLS>/<SEP>/<EOD>/<MASK>). `tokenizer_config.json` names the generic fast tokenizer
+(`[bos] + ids`, no EOS). A SentencePieceTokenizer model becomes a `tokenizer.json` too (a unigram model, T5's, is
+rebuilt from its pieces, scores and normalisation) with no BOS/EOS added and Megatron's appended special tokens
+(<CLS>, <SEP>, <EOD>, <MASK>, ...) at Megatron's ids. `tokenizer_config.json` names the generic fast tokenizer
 class so that AutoTokenizer keeps that file as written. The ids are checked against the training tokenizer on probe
 texts; a difference is reported in one line, never hidden. A tokenizer whose files are gone is one ConversionError;
 a checkpoint without a tokenizer (or NullTokenizer) gets a one-line note.
@@ -58,7 +59,7 @@ def _fast_tokenizer_from_sentencepiece(model_file: str) -> Any:
     return backend
 
 
-def export_llama2_tokenizer(model_file: str, out: str, max_length: Optional[int], log: Any = print) -> List[str]:
+def export_llama2_tokenizer(model_file: str, out: str, log: Any = print) -> List[str]:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json for a Llama2Tokenizer model; returns
     the file names written."""
     from tokenizers import processors
@@ -75,7 +76,7 @@ def export_llama2_tokenizer(model_file: str, out: str, max_length: Optional[int]
     special = {k: piece(v) for k, v in (("bos_token", bos_id), ("eos_token", eos_id), ("unk_token", unk_id))
                if v >= 0}
     _write_tokenizer_config(out, {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_bos_token": True,
-                                  "add_eos_token": False, "clean_up_tokenization_spaces": False}, max_length)
+                                  "add_eos_token": False, "clean_up_tokenization_spaces": False})
     with open(os.path.join(out, "special_tokens_map.json"), "w") as f:
         json.dump(special, f, indent=2)
     differ = [p for p in PROBES if backend.encode(p).ids != ours.tokenize(p)]
@@ -86,9 +87,59 @@ def export_llama2_tokenizer(model_file: str, out: str, max_length: Optional[int]
     return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
 
-def _write_tokenizer_config(out: str, config: Dict[str, Any], max_length: Optional[int]) -> None:
-    if max_length:
-        config["model_max_length"] = int(max_length)
+def _unigram_from_sentencepiece(model_file: str) -> Optional[Any]:
+    """A unigram sentencepiece model (T5's) as a `tokenizers.Tokenizer` (None for another model type): its pieces and
+    scores, its precompiled normalisation, sentencepiece's whitespace handling (strip and collapse, the dummy "▁"
+    prefix, spaces to "▁") and pieces that never cross a "▁" boundary. Equal-score segmentations may break ties
+    differently (the probe note)."""
+    import sentencepiece.sentencepiece_model_pb2 as pb
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+
+    proto = pb.ModelProto()
+    with open(model_file, "rb") as f:
+        proto.ParseFromString(f.read())
+    spec, trainer = proto.normalizer_spec, proto.trainer_spec
+    if trainer.model_type != pb.TrainerSpec.UNIGRAM:
+        return None
+    backend = Tokenizer(models.Unigram([(p.piece, p.score) for p in proto.pieces], trainer.unk_id,
+                                       byte_fallback=trainer.byte_fallback))
+    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    if spec.remove_extra_whitespaces:
+        steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
+    steps += ([normalizers.Prepend("▁")] if spec.add_dummy_prefix else []) + [normalizers.Replace(" ", "▁")]
+    backend.normalizer = normalizers.Sequence(steps)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never",
+                                                     split=trainer.split_by_whitespace)
+    return backend
+
+
+def export_sentencepiece_tokenizer(model_file: str, out: str, log: Any = print) -> List[str]:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json for a SentencePieceTokenizer run: no
+    BOS/EOS added (Megatron's `tokenize` adds none), and the special tokens Megatron appends (<CLS>, <SEP>, <EOD>,
+    <MASK>, PAD/BOS/EOS when the model has none) at Megatron's ids; returns the file names written."""
+    from tokenizers import AddedToken
+
+    ours = SentencePieceTokenizer(model_file)
+    backend = _unigram_from_sentencepiece(model_file) or _fast_tokenizer_from_sentencepiece(model_file)
+    base = backend.get_vocab_size(with_added_tokens=False)
+    added = [ours.inv_vocab[i] for i in range(base, ours.vocab_size)]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in added])
+    backend.save(os.path.join(out, "tokenizer.json"))
+    special = {f"{k}_token": ours.inv_vocab[getattr(ours, k)] for k in ("bos", "eos", "pad", "cls", "sep", "mask")}
+    _write_tokenizer_config(out, {"tokenizer_class": "PreTrainedTokenizerFast", **special,
+                                  "clean_up_tokenization_spaces": False})
+    with open(os.path.join(out, "special_tokens_map.json"), "w") as f:
+        json.dump(special, f, indent=2)
+    differ = [p for p in PROBES if backend.encode(p).ids != ours.tokenize(p)]
+    if differ:
+        log(f"note: the exported tokenizer.json encodes {len(differ)} of {len(PROBES)} probe texts differently from "
+            f"the training tokenizer (e.g. {differ[0]!r})")
+    return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+
+
+def _write_tokenizer_config(out: str, config: Dict[str, Any]) -> None:
+    """tokenizer_config.json without model_max_length: the model's length is config.json's, and a tokenizer limit
+    only makes transformers warn on every longer text (lm-eval tokenizes whole documents, then windows them)."""
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -124,21 +175,21 @@ def _check_sources(tok_type: str, meta_tokenizer: Dict[str, Any]) -> None:
                               "the Hugging Face folder needs its files; put them at that path and convert again")
 
 
-def _export_gpt2(meta_tokenizer: Dict[str, Any], out: str, max_length: Optional[int]) -> Dict[str, Any]:
+def _export_gpt2(meta_tokenizer: Dict[str, Any], out: str) -> Dict[str, Any]:
     with open(meta_tokenizer["vocab_file"], encoding="utf-8") as f:
         eod = json.load(f).get("<|endoftext|>")
     _write_tokenizer_config(out, {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>",
                                   "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-                                  "add_prefix_space": False, "add_bos_token": False}, max_length)
+                                  "add_prefix_space": False, "add_bos_token": False})
     return {"files": ["tokenizer_config.json"], "bos_token_id": eod, "eos_token_id": eod}
 
 
-def _export_wordpiece(tok_type: str, out: str, max_length: Optional[int]) -> Dict[str, Any]:
+def _export_wordpiece(tok_type: str, out: str) -> Dict[str, Any]:
     """BertTokenizer over the copied vocab.txt, with the [BOS] / [EOS] Megatron appends after the vocabulary."""
     _write_tokenizer_config(out, {"tokenizer_class": "BertTokenizer", "do_lower_case": tok_type.endswith("LowerCase"),
                                   "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
                                   "cls_token": "[CLS]", "mask_token": "[MASK]",
-                                  "additional_special_tokens": ["[BOS]", "[EOS]"]}, max_length)
+                                  "additional_special_tokens": ["[BOS]", "[EOS]"]})
     return {"files": ["tokenizer_config.json"], "bos_token_id": None, "eos_token_id": None}
 
 
@@ -160,8 +211,7 @@ def _export_hf(tok_type: str, meta_tokenizer: Dict[str, Any], out: str, log: Any
     return {"files": sorted(set(written)), "bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id}
 
 
-def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, max_length: Optional[int],
-                     log: Any = print) -> Dict[str, Any]:
+def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, log: Any = print) -> Dict[str, Any]:
     """The tokenizer files AutoTokenizer needs beyond the copied originals (every --tokenizer-type but
     NullTokenizer), and the BOS/EOS ids for config.json / generation_config.json; a one-line ConversionError when
     the training tokenizer's files are missing."""
@@ -176,21 +226,22 @@ def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, max_length: Optio
         return {"files": [], "bos_token_id": None, "eos_token_id": None}
     _check_sources(tok_type, meta_tokenizer)
     if tok_type == "GPT2BPETokenizer":
-        return _export_gpt2(meta_tokenizer, out, max_length)
+        return _export_gpt2(meta_tokenizer, out)
     if tok_type.startswith("BertWordPiece"):
-        return _export_wordpiece(tok_type, out, max_length)
+        return _export_wordpiece(tok_type, out)
     if tok_type in ("HuggingFaceTokenizer", "PretrainedFromHF"):
         return _export_hf(tok_type, meta_tokenizer, out, log)
     model = meta_tokenizer["tokenizer_model"]
     if tok_type == "SentencePieceTokenizer":
         ours = SentencePieceTokenizer(model)
-        log("note: --save-dir has the SentencePieceTokenizer's tokenizer.model only: Hugging Face's classes for it do not "
-            "append Megatron's special tokens (<CLS>, <SEP>, <EOD>, <MASK>), so ids from AutoTokenizer may differ")
-        return {"files": [], "bos_token_id": ours.bos, "eos_token_id": ours.eod}
-    sp = _training_tokenizer(model).sp_model
-    ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id()}
+        ids = {"bos_token_id": ours.bos, "eos_token_id": ours.eod}
+        export = export_sentencepiece_tokenizer
+    else:
+        sp = _training_tokenizer(model).sp_model
+        ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id()}
+        export = export_llama2_tokenizer
     try:
-        return {"files": export_llama2_tokenizer(model, out, max_length, log), **ids}
+        return {"files": export(model, out, log), **ids}
     except (ImportError, ValueError, RuntimeError, OSError) as exc:
         log(f"note: no tokenizer.json written (tokenizer.model is there): {str(exc).splitlines()[0][:200]}")
         return {"files": [], **ids}
