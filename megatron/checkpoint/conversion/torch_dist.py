@@ -17,6 +17,8 @@ the result into its models at any layout.
 """
 from __future__ import annotations
 
+import copy
+import enum
 import io
 import json
 import os
@@ -34,6 +36,7 @@ from megatron.checkpoint.conversion.interchange import (
     messages_from_state_dict,
     state_dict_from_messages,
 )
+from megatron.core.enums import CORE_MODEL_TYPE
 from megatron.errors import MegatronUserError
 from megatron.model.mcore_names import (
     OUR_EXPERTS,
@@ -455,6 +458,18 @@ def _with_optimizer(messages: Iterator[Message], per_key: Dict[str, Iterator[Mes
         yield msg
 
 
+def core_args(args: Any) -> Any:
+    """`args` as Megatron-LM stores them in common.pt: ``model_type`` (our megatron.model.enums member, or any other
+    enum) becomes Megatron Core's ``megatron.core.enums.ModelType.encoder_or_decoder``, the class megatron-core's
+    weights-only loader allow-lists (a copy; `args` itself is left as it is)."""
+    model_type = getattr(args, "model_type", None)
+    if not isinstance(model_type, enum.Enum) or model_type is CORE_MODEL_TYPE:
+        return args
+    out = copy.copy(args)
+    out.model_type = CORE_MODEL_TYPE
+    return out
+
+
 def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str,
                      extra_common: Optional[Dict[str, Any]] = None, rng: Optional[Dict[str, Any]] = None,
                      rng_dp_axis: bool = False) -> None:
@@ -518,7 +533,7 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     # the keys are already flat: nested payloads (the RNG dicts) stay one pickled object each, as Megatron Core's
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True,
              planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
-    args = meta.checkpoint_args if meta.checkpoint_args is not None else args_namespace(meta)
+    args = core_args(meta.checkpoint_args if meta.checkpoint_args is not None else args_namespace(meta))
     common = {"args": args, "checkpoint_version": 3.0, "iteration": meta.iteration or 0,
               "architecture": dict(meta.architecture), **(extra_common or {})}
     if opt_common and any(m.optimizer for m in msgs):
