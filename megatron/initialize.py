@@ -19,6 +19,7 @@ import torch
 
 from megatron import peer_failure
 from megatron.arguments import ArgumentError, parse_args, validate_args
+from megatron.core.expert_parallel import describe_ep_layout
 from megatron.global_vars import get_args, set_global_variables, unset_global_variables
 
 # Launcher detection lives in megatron/launcher.py (a leaf: megatron.arguments reads it while parsing); re-exported.
@@ -189,6 +190,9 @@ def _initialize_model_parallel(sizes: ParallelSizes, start: StartupSettings, ran
             from megatron.core.context_parallel import describe_cp_layout
 
             print(describe_cp_layout(start.seq_length, state.cp_size, start.cp_comm_type), flush=True)
+        if start.num_experts and state.expert_groups:
+            print(describe_ep_layout(start.num_experts, state.ep_size, state.etp_size or state.tp_size,
+                                     state.edp_size), flush=True)
 
 
 def _rendezvous(init_method: str, addr: str, port: int, world_size: int, timeout: Any) -> Dict[str, Any]:

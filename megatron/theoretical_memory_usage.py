@@ -7,7 +7,9 @@ Numbers are for the most loaded rank (the first pipeline stage, which also holds
   none (--disable-bias-linear, --add-qkv-bias), LayerNorm (weight and bias) or RMSNorm (weight), learned position
   embeddings only with --position-embedding-type learned_absolute, tied or untied output layer (no bias);
   tensor-parallel split weights count 1/TP, replicated ones (norms, row-parallel biases, position embeddings) in
-  full;
+  full; MoE layers (--num-experts, --moe-layer-freq) hold a replicated router (num_experts x h), the routed experts
+  (split over expert-parallel x expert-tensor-parallel ranks) and a TP-split shared expert (its gate replicated);
+  the active count takes top-k experts per MoE layer, as Megatron-LM's estimate does;
 * bytes per parameter follow the distributed-optimizer table of the Megatron-LM README: replicated bytes (the
   model's params and grads) plus sharded bytes (fp32 main params/grads of mixed precision, optimizer state)
   divided by the data-parallel size under ``--use-distributed-optimizer``: fp32 16 vs 8 + 8/d; bf16 (or fp16
@@ -47,12 +49,28 @@ MB = 1024.0 * 1024.0
 
 @dataclass
 class ParameterCounts:
-    """Whole-model counts and the count on the most loaded (tensor, pipeline) rank."""
+    """Whole-model counts and the count on the most loaded (tensor, pipeline, expert) rank.
+
+    `active` is what one token passes through (Megatron-LM's "active parameters": the routed experts of a MoE layer
+    counted top-k times instead of num_experts times); it equals `total` without experts. `experts` is the routed
+    experts' share of `total` (sharded over expert-parallel x expert-tensor-parallel ranks)."""
 
     transformer_layers: int
     embedding_layers: int
     total: int
     most_loaded_shard: int
+    active: int = 0
+    experts: int = 0
+
+
+@dataclass(frozen=True)
+class LayerParameters:
+    """One transformer layer's parameters by how ranks hold them (whole layer, not divided by any parallel size)."""
+
+    split: int  # tensor-parallel split: QKV, projection, dense MLP or shared expert
+    replicated: int  # norms, row-parallel biases, MoE router and shared-expert gate
+    experts: int = 0  # routed experts: split over expert-parallel x expert-tensor-parallel ranks
+    active_experts: int = 0  # the top-k experts a token passes through
 
 
 def model_config(args: argparse.Namespace) -> TransformerConfig:
@@ -64,17 +82,32 @@ def _norm_parameters(config: TransformerConfig) -> int:
     return config.hidden_size * (1 if config.normalization == "RMSNorm" else 2)  # RMSNorm has no bias
 
 
-def _layer_parameters(config: TransformerConfig) -> tuple[int, int]:
-    """(tensor-parallel split, replicated) parameters of one transformer layer, whole layer (not divided by TP)."""
+def _mlp_weights(h: int, f: int, gated: bool) -> int:
+    """fc1 (doubled for a gated unit) and fc2 weights of an MLP of inner size f."""
+    return h * (2 * f if gated else f) + f * h
+
+
+def _layer_parameters(config: TransformerConfig, moe: bool = False) -> LayerParameters:
+    """One layer's parameters: attention, norms and a dense MLP or (`moe`) router + routed experts + shared expert
+    (MoE layers have no linear biases: --num-experts needs --disable-bias-linear)."""
     h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
+    gated = config.gated_linear_unit
     q = d * config.num_attention_heads
     qkv = q + 2 * d * (config.num_query_groups or config.num_attention_heads)
-    f_in = 2 * f if config.gated_linear_unit else f
     bias = int(config.add_bias_linear)
     qkv_bias = int(config.add_bias_linear or config.add_qkv_bias)
-    split = (h * qkv + qkv_bias * qkv) + q * h + (h * f_in + bias * f_in) + f * h  # qkv, dense w, fc1, fc2 w
-    replicated = 2 * _norm_parameters(config) + 2 * bias * h  # two norms, dense and fc2 biases
-    return split, replicated
+    attention = (h * qkv + qkv_bias * qkv) + q * h  # qkv, dense weight
+    if not moe:
+        f_in = 2 * f if gated else f
+        split = attention + _mlp_weights(h, f, gated) + bias * f_in  # fc1 bias is split, fc2's replicated
+        return LayerParameters(split, 2 * _norm_parameters(config) + 2 * bias * h)  # two norms, dense/fc2 biases
+    e, topk = config.num_moe_experts, config.moe_router_topk
+    expert = _mlp_weights(h, config.moe_ffn_hidden_size or f, gated)
+    shared = config.moe_shared_expert_intermediate_size or 0
+    gate = h if shared and config.moe_shared_expert_gate else 0
+    return LayerParameters(split=attention + _mlp_weights(h, shared, gated),
+                           replicated=2 * _norm_parameters(config) + bias * h + e * h + gate,
+                           experts=e * expert, active_experts=topk * expert)
 
 
 def _bert_extra_parameters(opts: MemorySettings, config: TransformerConfig) -> tuple[int, int, int]:
@@ -103,35 +136,44 @@ def count_parameters(args: argparse.Namespace) -> ParameterCounts:
     return parameter_counts(*_settings(args))
 
 
+def _stage_parameters(config: TransformerConfig, opts: MemorySettings, stage: int) -> int:
+    """Parameters one rank of pipeline stage `stage` holds of its transformer layers: split ones / TP, replicated
+    ones whole, routed experts / (EP x expert-TP)."""
+    tp = opts.tensor_model_parallel_size
+    etp = opts.expert_tensor_parallel_size or tp
+    ep = opts.expert_model_parallel_size
+    per_stage = config.num_layers // opts.pipeline_model_parallel_size
+    pattern = config.moe_layer_pattern
+    layers = [_layer_parameters(config, bool(pattern[i])) for i in range(stage * per_stage, (stage + 1) * per_stage)]
+    split = sum(x.split for x in layers)
+    return split // tp + sum(x.replicated for x in layers) + sum(x.experts for x in layers) // (ep * etp)
+
+
 def parameter_counts(opts: MemorySettings, config: TransformerConfig) -> ParameterCounts:
     """count_parameters on typed settings."""
-    h, layers = config.hidden_size, config.num_layers
+    h = config.hidden_size
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
     vocab = opts.padded_vocab_size
-    split, replicated = _layer_parameters(config)
+    layers = [_layer_parameters(config, bool(moe)) for moe in config.moe_layer_pattern]
     word = vocab * h
     position = config.max_position_embeddings * h if config.position_embedding_type == "learned_absolute" else 0
     untied = not config.share_embeddings_and_output_weights
     final_ln = _norm_parameters(config)
-    transformer = layers * (split + replicated) + final_ln
+    transformer = sum(x.split + x.replicated + x.experts for x in layers) + final_ln
+    experts = sum(x.experts for x in layers)
     tokentype, head_split, head_repl = _bert_extra_parameters(opts, config)
     position += tokentype  # replicated on the first stage, like the position table
     position += 2 * h if config.embed_layernorm else 0  # --embed-layernorm: LayerNorm weight and bias, first stage
     embedding = word + position + (word if untied else 0) + head_split + head_repl
 
-    per_stage = layers // pp
-    first_split = per_stage * split + word
-    first_repl = per_stage * replicated + position
-    last_split = per_stage * split + word  # tied: the last stage keeps its own copy of the word embeddings
-    last_split += head_split
-    last_repl = per_stage * replicated + final_ln + head_repl
+    first = _stage_parameters(config, opts, 0) + word // tp + position
+    last = _stage_parameters(config, opts, pp - 1) + (word + head_split) // tp + final_ln + head_repl  # tied: own copy
     if pp == 1:
-        first_split += (word if untied else 0) + head_split
-        first_repl += final_ln + head_repl
-        shard = first_split // tp + first_repl
+        shard = first + ((word if untied else 0) + head_split) // tp + final_ln + head_repl
     else:
-        shard = max(first_split // tp + first_repl, last_split // tp + last_repl)
-    return ParameterCounts(transformer, embedding, transformer + embedding, shard)
+        shard = max(first, last)
+    active = transformer + embedding - experts + sum(x.active_experts for x in layers)
+    return ParameterCounts(transformer, embedding, transformer + embedding, shard, active=active, experts=experts)
 
 
 def bytes_per_parameter(args: argparse.Namespace) -> float:
@@ -241,6 +283,7 @@ def memory_report(opts: MemorySettings, config: TransformerConfig, num_microbatc
     counts = parameter_counts(opts, config)
     weight_and_optimizer = counts.most_loaded_shard * parameter_bytes(opts) / MB
     activation = activation_memory(opts, config, num_microbatches)
+    etp = opts.expert_tensor_parallel_size or opts.tensor_model_parallel_size
     lines = []
     if verbose:
         lines += [
@@ -249,6 +292,11 @@ def memory_report(opts: MemorySettings, config: TransformerConfig, num_microbatc
             f"Number of parameters in embedding layers in billions: {counts.embedding_layers / 1e9:.4f} "
             f"({counts.embedding_layers})",
             f"Total number of parameters in billions: {counts.total / 1e9:.4f} ({counts.total})",
+            *([f"Number of parameters in routed experts in billions: {counts.experts / 1e9:.4f} ({counts.experts}), "
+               f"{counts.experts // (opts.expert_model_parallel_size * etp)} per rank over expert-parallel size "
+               f"{opts.expert_model_parallel_size} x expert-tensor-parallel size {etp}",
+               f"Total number of active parameters in billions: {counts.active / 1e9:.4f} ({counts.active}), "
+               f"top-{config.moe_router_topk} of {config.num_moe_experts} experts per token"] if counts.experts else []),
             f"Number of parameters in most loaded shard in billions: {counts.most_loaded_shard / 1e9:.4f} "
             f"({counts.most_loaded_shard})",
             f"Bytes per parameter (weights, grads, optimizer state): {parameter_bytes(opts):g}",

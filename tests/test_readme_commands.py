@@ -51,6 +51,18 @@ def test_every_readme_block_is_classified_and_names_existing_paths() -> None:
                     f"{page.name}: {path} is neither shipped nor made by the quick-start or an earlier block"
 
 
+def test_a_block_that_runs_lm_eval_installs_it_first() -> None:
+    """The quick-start does not install lm-eval: a README block calling `lm_eval` installs the pinned version of
+    requirements-dev.txt before it."""
+    pinned = next(line.split("#")[0].strip() for line in (REPO / "requirements-dev.txt").read_text().splitlines()
+                  if line.startswith("lm-eval"))
+    blocks = [b for b in bash_blocks(REPO / "README.md") if re.search(r"^lm_eval ", b, flags=re.M)]
+    assert blocks
+    for block in blocks:
+        install = block.find(f'pip install "{pinned}"')
+        assert 0 <= install < re.search(r"^lm_eval ", block, flags=re.M).start(), block[:80]
+
+
 @pytest.mark.slow
 def test_readme_short_blocks_run_as_written_after_the_quickstart(tmp_path: Path) -> None:
     root = tmp_path / "clone"

@@ -393,8 +393,28 @@ def _find_rank_dirs(iter_dir: str) -> list[str]:
     return sorted(d for d in os.listdir(iter_dir) if d.startswith("mp_rank_"))
 
 
+def _saved_sizes(iter_dir: str, rank_dirs: list[str]) -> tuple[int, int, int]:
+    """(TP, PP, EP) sizes a checkpoint was saved with, from its ``mp_rank_*`` folders; a three-part name
+    (``mp_rank_00_001``) is a pipeline or an expert rank, told apart by the saved args of its first rank's file."""
+    parts = [d.split("_")[2:] for d in rank_dirs]
+    sizes = [len({p[i] for p in parts if len(p) > i}) or 1 for i in range(3)]
+    if max(len(p) for p in parts) >= 3:  # mp_rank_TT_PPP_EEE
+        return sizes[0], sizes[1], sizes[2]
+    if max(len(p) for p in parts) < 2:
+        return sizes[0], 1, 1
+    try:
+        saved = safe_torch_load(model_file_name(os.path.join(iter_dir, rank_dirs[0], "model_optim_rng.pt")),
+                                mmap=True).get("args")
+    except (MegatronUserError, OSError, RuntimeError, AttributeError):
+        saved = None
+    if (getattr(saved, "expert_model_parallel_size", 1) or 1) > 1 and \
+            (getattr(saved, "pipeline_model_parallel_size", 1) or 1) == 1:
+        return sizes[0], 1, sizes[1]
+    return sizes[0], sizes[1], 1
+
+
 def _check_layout(load_dir: str, iteration: int, release: bool, checkpoint_name: str) -> None:
-    """Explain a missing rank file: usually a different TP/PP layout than this run's."""
+    """Explain a missing rank file: usually a different TP/PP/EP layout than this run's."""
     iter_dir = os.path.dirname(os.path.dirname(checkpoint_name))
     rank_dirs = _find_rank_dirs(iter_dir)
     if not rank_dirs:
@@ -402,13 +422,15 @@ def _check_layout(load_dir: str, iteration: int, release: bool, checkpoint_name:
             f"checkpoint {iter_dir} (named by {get_checkpoint_tracker_filename(load_dir)}) does not exist; "
             "fix the tracker file or --load"
         )
-    tps = {d.split("_")[2] for d in rank_dirs}
-    has_pp = any(len(d.split("_")) > 3 for d in rank_dirs)
-    pps = {d.split("_")[3] for d in rank_dirs} if has_pp else {"000"}
+    tp, pp, ep = _saved_sizes(iter_dir, rank_dirs)
+    state = _state()
+    saved = [("tensor-model-parallel-size", tp, state.tp_size), ("pipeline-model-parallel-size", pp, state.pp_size)]
+    if ep > 1 or state.ep_size > 1:
+        saved.append(("expert-model-parallel-size", ep, state.ep_size))
     raise CheckpointError(
-        f"checkpoint {iter_dir} was saved with --tensor-model-parallel-size {len(tps)} and "
-        f"--pipeline-model-parallel-size {len(pps)}, but this run uses {_state().tp_size} and {_state().pp_size} "
-        f"(no {os.path.relpath(checkpoint_name, load_dir)}); use the same sizes, or {reshard_hint(load_dir)}"
+        f"checkpoint {iter_dir} was saved with " + " and ".join(f"--{f} {s}" for f, s, _ in saved) +
+        ", but this run uses " + " and ".join(str(c) for _, _, c in saved) +
+        f" (no {os.path.relpath(checkpoint_name, load_dir)}); use the same sizes, or {reshard_hint(load_dir)}"
     )
 
 

@@ -4,6 +4,7 @@
 the result holds `out_splits[r]` rows from rank r. Backward is the reverse all-to-all of the gradient.
 `exchange_counts(counts, group)`: per-(destination rank, local expert) token counts [ep, L] -> the counts each source
 rank sends to this rank's experts [ep, L] (no gradient).
+`describe_ep_layout(...)`: the start-up line saying which experts each expert-parallel rank holds.
 """
 from __future__ import annotations
 
@@ -37,3 +38,14 @@ def exchange_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
     out = torch.empty_like(counts)
     dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out
+
+
+def describe_ep_layout(num_experts: int, ep_size: int, etp_size: int, edp_size: int) -> str:
+    """The one log line saying how each MoE layer's experts are split over the expert-parallel ranks."""
+    local = num_experts // ep_size
+    parts = "; ".join(f"rank {r}: experts {r * local}-{(r + 1) * local - 1}" if local > 1 else f"rank {r}: expert {r}"
+                      for r in range(min(ep_size, 4)))
+    more = "; ..." if ep_size > 4 else ""
+    return (f"> expert parallel: size {ep_size}, expert-tensor-parallel size {etp_size}, expert-data-parallel size "
+            f"{edp_size}; {num_experts} experts per MoE layer, {local} per rank ({parts}{more}); the rest of the "
+            "model is replicated over the expert-parallel ranks")

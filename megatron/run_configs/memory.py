@@ -35,6 +35,8 @@ class MemorySettings:
     distribute_saved_activations: bool = False
     recompute_granularity: Optional[str] = None
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None  # None: the tensor-parallel size (Megatron-LM's default)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MemorySettings:

@@ -29,7 +29,7 @@ class ParallelSizes:
 
 @dataclasses.dataclass(frozen=True)
 class StartupSettings:
-    """The process's start: backend, launcher sizes as parsed, group timeout, determinism, seeds, the CP layout line."""
+    """The process's start: backend, launcher sizes as parsed, group timeout, determinism, seeds, the CP and EP layout lines."""
 
     distributed_backend: Optional[str] = None
     world_size: int = 1
@@ -40,6 +40,7 @@ class StartupSettings:
     data_parallel_random_init: bool = False
     seq_length: Optional[int] = None
     cp_comm_type: str = "p2p"
+    num_experts: Optional[int] = None  # the EP layout line
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StartupSettings:

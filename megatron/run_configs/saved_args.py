@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from megatron.run_configs.declared import fill_from_args
 
-TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model")
+TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model", "tokenizer_name_or_path")
 # Run counters (0 when absent) and other Megatron versions' fields no flag here declares (None when absent).
 COUNTERS = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens")
 OTHER_VERSIONS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "transformer_impl")

@@ -114,6 +114,21 @@ def test_layout_mismatch_names_the_parallel_sizes(tmp_path: Path) -> None:
         ck.load_checkpoint([_Net()], None, None, _args(tmp_path))
 
 
+def test_layout_mismatch_names_the_expert_parallel_size(tmp_path: Path) -> None:
+    """An EP2 checkpoint (mp_rank_00_000 / mp_rank_00_001, args with expert_model_parallel_size 2) loaded by a
+    one-process run: the message names the expert-parallel size, not a pipeline size."""
+    _save(tmp_path, expert_model_parallel_size=2)
+    it = tmp_path / "iter_0000005"
+    os.rename(it / "mp_rank_00", it / "mp_rank_00_000")
+    os.makedirs(it / "mp_rank_00_001")
+    with pytest.raises(RuntimeError) as info:
+        ck.load_checkpoint([_Net()], None, None, _args(tmp_path))
+    msg = str(info.value)
+    assert "--tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1 and " \
+        "--expert-model-parallel-size 2, but this run uses 1 and 1 and 1" in msg
+    assert "\n" not in msg
+
+
 def test_bad_tracker_and_missing_iteration(tmp_path: Path) -> None:
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("abc")
     with pytest.raises(RuntimeError, match="must contain an iteration number"):

@@ -1,12 +1,17 @@
 """The tokenizer half of a Hugging Face export (`convert.py --saver hf`): a folder AutoTokenizer loads with the
-training tokenizer's ids, and generation_config.json with its BOS/EOS.
+training tokenizer's ids, and generation_config.json with its BOS/EOS, for every --tokenizer-type that has files.
 
-A Llama2Tokenizer model becomes a `tokenizer.json` (the pieces and merges that transformers extracts from
-`tokenizer.model`) whose normalizer does what sentencepiece does (the dummy "▁" prefix always, spaces to "▁";
-transformers' LlamaTokenizer class would re-install a Metaspace that skips the prefix before a leading space) and
-whose post-processor adds BOS as the training tokenizer does (`[bos] + ids`, no EOS). `tokenizer_config.json` names the generic fast tokenizer class so that
-AutoTokenizer keeps that file as written. The ids are checked against the training tokenizer on probe texts; a
-difference is reported in one line, never hidden.
+GPT2BPETokenizer and BertWordPiece* get a tokenizer_config.json naming their HF class next to the copied vocab
+(and merges); HuggingFaceTokenizer / PretrainedFromHF (`--tokenizer-name-or-path`, BLOOM's) are saved with
+save_pretrained from the training folder or the local HF cache. A Llama2Tokenizer model becomes a `tokenizer.json`
+(the pieces and merges that transformers extracts from `tokenizer.model`) whose normalizer does what sentencepiece
+does (the dummy "▁" prefix always, spaces to "▁"; transformers' LlamaTokenizer class would re-install a Metaspace
+that skips the prefix before a leading space) and whose post-processor adds BOS as the training tokenizer does
+(`[bos] + ids`, no EOS). A SentencePieceTokenizer run gets its tokenizer.model copied and a one-line note (HF has no
+class appending Megatron's <CLS>/<SEP>/<EOD>/<MASK>). `tokenizer_config.json` names the generic fast tokenizer
+class so that AutoTokenizer keeps that file as written. The ids are checked against the training tokenizer on probe
+texts; a difference is reported in one line, never hidden. A tokenizer whose files are gone is one ConversionError;
+a checkpoint without a tokenizer (or NullTokenizer) gets a one-line note.
 """
 from __future__ import annotations
 
@@ -15,13 +20,16 @@ import os
 import tempfile
 from typing import Any, Dict, List, Optional
 
+from megatron.checkpoint.conversion.interchange import ConversionError
+from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer, PretrainedFromHFTokenizer, TokenizerLoadError
+from megatron.tokenizer.llama2_tokenizer import Llama2Tokenizer
+from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+
 PROBES = ["Hello world", " leading space", "two  spaces and a\ttab\nnew line", "digits 12345, ünïcödé",
           "def f(x):\n    return x ** 2\n"]
 
 
 def _training_tokenizer(model_file: str) -> Any:
-    from megatron.tokenizer.llama2_tokenizer import Llama2Tokenizer
-
     return Llama2Tokenizer(model_file)
 
 
@@ -65,12 +73,8 @@ def export_llama2_tokenizer(model_file: str, out: str, max_length: Optional[int]
     backend.save(os.path.join(out, "tokenizer.json"))
     special = {k: piece(v) for k, v in (("bos_token", bos_id), ("eos_token", eos_id), ("unk_token", unk_id))
                if v >= 0}
-    config: Dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_bos_token": True,
-                              "add_eos_token": False, "clean_up_tokenization_spaces": False}
-    if max_length:
-        config["model_max_length"] = int(max_length)
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    _write_tokenizer_config(out, {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_bos_token": True,
+                                  "add_eos_token": False, "clean_up_tokenization_spaces": False}, max_length)
     with open(os.path.join(out, "special_tokens_map.json"), "w") as f:
         json.dump(special, f, indent=2)
     differ = [p for p in PROBES if backend.encode(p).ids != ours.tokenize(p)]
@@ -81,6 +85,13 @@ def export_llama2_tokenizer(model_file: str, out: str, max_length: Optional[int]
     return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
 
+def _write_tokenizer_config(out: str, config: Dict[str, Any], max_length: Optional[int]) -> None:
+    if max_length:
+        config["model_max_length"] = int(max_length)
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
 def write_generation_config(out: str, bos_id: Optional[int], eos_id: Optional[int]) -> List[str]:
     from transformers import GenerationConfig
 
@@ -88,21 +99,97 @@ def write_generation_config(out: str, bos_id: Optional[int], eos_id: Optional[in
     return ["generation_config.json"]
 
 
+# (--tokenizer-type, the keys of the checkpoint's tokenizer record naming its files, their flags)
+SOURCES = {"GPT2BPETokenizer": (("vocab_file", "--vocab-file"), ("merge_file", "--merge-file")),
+           "BertWordPieceLowerCase": (("vocab_file", "--vocab-file"),),
+           "BertWordPieceCase": (("vocab_file", "--vocab-file"),),
+           "SentencePieceTokenizer": (("tokenizer_model", "--tokenizer-model"),),
+           "Llama2Tokenizer": (("tokenizer_model", "--tokenizer-model"),),
+           "HuggingFaceTokenizer": (("tokenizer_model", "--tokenizer-model"),),
+           "PretrainedFromHF": (("tokenizer_name_or_path", "--tokenizer-name-or-path"),)}
+
+PATH_KEYS = ("vocab_file", "merge_file", "tokenizer_model", "tokenizer_name_or_path")
+
+
+def _check_sources(tok_type: str, meta_tokenizer: Dict[str, Any]) -> None:
+    """One line when the files the checkpoint's tokenizer was built from are not here."""
+    for key, flag in SOURCES[tok_type]:
+        path = meta_tokenizer.get(key)
+        hub_name = tok_type == "PretrainedFromHF" and path and not os.path.isabs(path) and not os.path.exists(path)
+        if path and (os.path.exists(path) or hub_name):
+            continue
+        where = f"{flag} {path}, which is not here" if path else f"no {flag}"
+        raise ConversionError(f"--saver hf: the checkpoint's tokenizer (--tokenizer-type {tok_type}) has {where}: "
+                              "the Hugging Face folder needs its files; put them at that path and convert again")
+
+
+def _export_gpt2(meta_tokenizer: Dict[str, Any], out: str, max_length: Optional[int]) -> Dict[str, Any]:
+    with open(meta_tokenizer["vocab_file"], encoding="utf-8") as f:
+        eod = json.load(f).get("<|endoftext|>")
+    _write_tokenizer_config(out, {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>",
+                                  "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+                                  "add_prefix_space": False, "add_bos_token": False}, max_length)
+    return {"files": ["tokenizer_config.json"], "bos_token_id": eod, "eos_token_id": eod}
+
+
+def _export_wordpiece(tok_type: str, out: str, max_length: Optional[int]) -> Dict[str, Any]:
+    """BertTokenizer over the copied vocab.txt, with the [BOS] / [EOS] Megatron appends after the vocabulary."""
+    _write_tokenizer_config(out, {"tokenizer_class": "BertTokenizer", "do_lower_case": tok_type.endswith("LowerCase"),
+                                  "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+                                  "cls_token": "[CLS]", "mask_token": "[MASK]",
+                                  "additional_special_tokens": ["[BOS]", "[EOS]"]}, max_length)
+    return {"files": ["tokenizer_config.json"], "bos_token_id": None, "eos_token_id": None}
+
+
+def _export_hf(tok_type: str, meta_tokenizer: Dict[str, Any], out: str, log: Any) -> Dict[str, Any]:
+    """The training run's Hugging Face tokenizer (a folder, or a hub name in the local cache) saved into `out`; a
+    hub name that is not in the cache is a one-line note saying how to add its files."""
+    cls = HuggingFaceTokenizer if tok_type == "HuggingFaceTokenizer" else PretrainedFromHFTokenizer
+    key, flag = SOURCES[tok_type][0]
+    name = meta_tokenizer[key]
+    try:
+        hf = cls(name).hf_tokenizer
+    except TokenizerLoadError:
+        if os.path.isdir(name):
+            raise
+        log(f"note: no tokenizer files written: the training tokenizer ({flag} {name}) is not in the local Hugging "
+            f"Face cache; add them with AutoTokenizer.from_pretrained({name!r}).save_pretrained(<--save-dir>)")
+        return {"files": [], "bos_token_id": None, "eos_token_id": None}
+    written = [os.path.basename(f) for f in hf.save_pretrained(out) if os.path.isfile(f)]
+    return {"files": sorted(set(written)), "bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id}
+
+
 def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, max_length: Optional[int],
                      log: Any = print) -> Dict[str, Any]:
-    """Tokenizer files beyond the copied originals, and the BOS/EOS ids for config.json / generation_config.json."""
+    """The tokenizer files AutoTokenizer needs beyond the copied originals (every --tokenizer-type but
+    NullTokenizer), and the BOS/EOS ids for config.json / generation_config.json; a one-line ConversionError when
+    the training tokenizer's files are missing."""
     tok_type = meta_tokenizer.get("type")
-    model = meta_tokenizer.get("tokenizer_model")
-    if tok_type == "Llama2Tokenizer" and model and os.path.isfile(model):
-        sp = _training_tokenizer(model).sp_model
-        ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id()}
-        try:
-            return {"files": export_llama2_tokenizer(model, out, max_length, log), **ids}
-        except (ImportError, ValueError, RuntimeError, OSError) as exc:
-            log(f"note: no tokenizer.json written (tokenizer.model is there): {str(exc).splitlines()[0][:200]}")
-            return {"files": [], **ids}
-    if tok_type == "GPT2BPETokenizer" and meta_tokenizer.get("vocab_file"):
-        with open(meta_tokenizer["vocab_file"], encoding="utf-8") as f:
-            eod = json.load(f).get("<|endoftext|>")
-        return {"files": [], "bos_token_id": eod, "eos_token_id": eod}
-    return {"files": [], "bos_token_id": None, "eos_token_id": None}
+    if meta_tokenizer.get("files"):  # a HF source: its files are copied into `out` already; relative names are theirs
+        meta_tokenizer = {k: os.path.join(out, v) if k in PATH_KEYS and isinstance(v, str) and not os.path.isabs(v)
+                          else v for k, v in meta_tokenizer.items()}
+    if tok_type not in SOURCES:
+        why = "NullTokenizer has none" if tok_type == "NullTokenizer" else "the checkpoint names no tokenizer"
+        log(f"note: no tokenizer files written ({why}): AutoTokenizer cannot load --save-dir; add the tokenizer's "
+            "files there")
+        return {"files": [], "bos_token_id": None, "eos_token_id": None}
+    _check_sources(tok_type, meta_tokenizer)
+    if tok_type == "GPT2BPETokenizer":
+        return _export_gpt2(meta_tokenizer, out, max_length)
+    if tok_type.startswith("BertWordPiece"):
+        return _export_wordpiece(tok_type, out, max_length)
+    if tok_type in ("HuggingFaceTokenizer", "PretrainedFromHF"):
+        return _export_hf(tok_type, meta_tokenizer, out, log)
+    model = meta_tokenizer["tokenizer_model"]
+    if tok_type == "SentencePieceTokenizer":
+        ours = SentencePieceTokenizer(model)
+        log("note: --save-dir has the SentencePieceTokenizer's tokenizer.model only: Hugging Face's classes for it do not "
+            "append Megatron's special tokens (<CLS>, <SEP>, <EOD>, <MASK>), so ids from AutoTokenizer may differ")
+        return {"files": [], "bos_token_id": ours.bos, "eos_token_id": ours.eod}
+    sp = _training_tokenizer(model).sp_model
+    ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id()}
+    try:
+        return {"files": export_llama2_tokenizer(model, out, max_length, log), **ids}
+    except (ImportError, ValueError, RuntimeError, OSError) as exc:
+        log(f"note: no tokenizer.json written (tokenizer.model is there): {str(exc).splitlines()[0][:200]}")
+        return {"files": [], **ids}

@@ -181,7 +181,7 @@ def model_flags(meta: ModelMeta, tp: int = 1, pp: int = 1, vp_layers: Optional[i
     if tok.get("type"):
         flags.append(f"--tokenizer-type {tok['type']}")
         for key, flag in (("vocab_file", "--vocab-file"), ("merge_file", "--merge-file"),
-                          ("tokenizer_model", "--tokenizer-model")):
+                          ("tokenizer_model", "--tokenizer-model"), ("tokenizer_name_or_path", "--tokenizer-name-or-path")):
             if tok.get(key):
                 flags.append(f"{flag} {tok[key]}")
     if meta.make_vocab_size_divisible_by != 128:
@@ -257,7 +257,7 @@ def args_namespace(meta: ModelMeta) -> argparse.Namespace:
     ns.make_vocab_size_divisible_by = meta.make_vocab_size_divisible_by
     ns.seq_length = a.get("max_position_embeddings")
     ns.true_vocab_size = meta.true_vocab_size
-    for key in ("type", "vocab_file", "merge_file", "tokenizer_model"):
+    for key in ("type", "vocab_file", "merge_file", "tokenizer_model", "tokenizer_name_or_path"):
         if meta.tokenizer.get(key):
             setattr(ns, "tokenizer_type" if key == "type" else key, meta.tokenizer[key])
     ns.consumed_train_samples = meta.consumed_train_samples

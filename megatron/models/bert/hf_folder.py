@@ -14,6 +14,7 @@ import os
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from megatron.checkpoint.conversion.hf_decoder import copy_tokenizer
+from megatron.checkpoint.conversion.hf_tokenizer_export import export_tokenizer
 from megatron.checkpoint.conversion.interchange import (
     ConversionError,
     Message,
@@ -159,6 +160,8 @@ def _write(meta: ModelMeta, messages: Iterator[Message], save_dir: str, writer: 
            hf_architecture: Optional[str], checking: bool) -> Dict[str, Any]:
     summary = write_hf_bert(meta, messages, save_dir, writer, checking)
     summary["tokenizer_files"] = copy_tokenizer(meta, save_dir)
+    summary["tokenizer_files"] += export_tokenizer(meta.tokenizer, save_dir,
+                                                   meta.architecture.get("max_position_embeddings"))["files"]
     return summary
 
 
