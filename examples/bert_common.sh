@@ -16,8 +16,9 @@ load_preset "$EXAMPLES_DIR/presets/bert_${PRESET}.sh" \
 : "${CHECKPOINT_PATH:=checkpoints/bert_${PRESET}}"
 : "${TENSORBOARD_DIR:=$CHECKPOINT_PATH/tensorboard}"
 : "${TRAIN_ITERS:=2000000}"
-: "${LR_DECAY_ITERS:=$((TRAIN_ITERS < 990000 ? TRAIN_ITERS : 990000))}"  # 1% of it warms up
+: "${LR_DECAY_ITERS:=990000}"  # 1% of it warms up
 : "${LOG_INTERVAL:=100}"
+fit_run_length "$@"  # a shorter run (TRAIN_ITERS=20): decay over it, a log line every quarter of it
 : "${SAVE_INTERVAL:=10000}"
 : "${EVAL_INTERVAL:=1000}"
 require_inputs -f "set DATA_PATH (prefix of tools/preprocess_data.py --split-sentences output) and VOCAB_FILE (bash examples/quickstart.sh bert makes quickstart_out/bert_data/python_docs_text_sentence and quickstart_out/bert_tokenizer/vocab.txt)" \

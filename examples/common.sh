@@ -23,6 +23,7 @@ load_preset() {
     echo "unknown PRESET=$PRESET: use one of $2" >&2
     exit 1
   fi
+  note_user_run_length
   # shellcheck source=/dev/null
   source "$1"
 }
@@ -39,3 +40,66 @@ require_inputs() {
     fi
   done
 }
+
+<<<<<<< HEAD
+# The run-length settings a short run shortens (fit_run_length), unless the user set them: load_preset notes which
+# were set before the preset's `:=` defaults fill them in.
+RUN_LENGTH_VARS="LR_DECAY_ITERS LR_WARMUP_ITERS LOG_INTERVAL"
+USER_RUN_LENGTH=""
+note_user_run_length() {
+  local v
+  for v in $RUN_LENGTH_VARS; do
+    if [ -n "${!v:-}" ]; then USER_RUN_LENGTH="$USER_RUN_LENGTH $v"; fi
+  done
+}
+
+# fit_run_length ARGS...: fit the schedule and the log interval to TRAIN_ITERS (a `--train-iters N` among ARGS, the
+# flags passed through to the entry point, wins as it does on the command line). A value the user did not set is
+# shortened when the run is shorter than the preset's: LR_DECAY_ITERS to TRAIN_ITERS, LR_WARMUP_ITERS to a tenth of
+# the decay, LOG_INTERVAL to a quarter of the run (at least 1): TRAIN_ITERS=20 decays over 20, warms up over 2 and
+# logs every 5 iterations.
+fit_run_length() {
+  local prev="" a quarter
+  for a in "$@"; do
+    if [ "$prev" = --train-iters ]; then TRAIN_ITERS=$a; fi
+    case "$a" in --train-iters=*) TRAIN_ITERS=${a#--train-iters=} ;; esac
+    prev=$a
+  done
+  case " $USER_RUN_LENGTH " in *" LR_DECAY_ITERS "*) ;; *)
+    if [ "$LR_DECAY_ITERS" -gt "$TRAIN_ITERS" ]; then LR_DECAY_ITERS=$TRAIN_ITERS; fi ;;
+  esac
+  case " $USER_RUN_LENGTH " in *" LR_WARMUP_ITERS "*) ;; *)
+    if [ -n "${LR_WARMUP_ITERS:-}" ] && [ $((LR_WARMUP_ITERS * 10)) -gt "$LR_DECAY_ITERS" ]; then
+      LR_WARMUP_ITERS=$((LR_DECAY_ITERS / 10))
+    fi ;;
+  esac
+  quarter=$((TRAIN_ITERS / 4 > 0 ? TRAIN_ITERS / 4 : 1))
+  case " $USER_RUN_LENGTH " in *" LOG_INTERVAL "*) ;; *)
+    if [ "$LOG_INTERVAL" -gt "$quarter" ]; then LOG_INTERVAL=$quarter; fi ;;
+  esac
+}
+
+# context_parallel_dropout ARGS...: "--attention-dropout 0" (and one note) when ARGS ask for --context-parallel-size
+# above 1 and ATTENTION_DROPOUT is unset (the ring attention has no dropout; Megatron's default is 0.1), else
+# "--attention-dropout $ATTENTION_DROPOUT" when that is set. Put it before ARGS so that a flag there still wins.
+context_parallel_dropout() {
+  local prev="" a cp=1
+  for a in "$@"; do
+    if [ "$prev" = --context-parallel-size ]; then cp=$a; fi
+    case "$a" in --context-parallel-size=*) cp=${a#--context-parallel-size=} ;; esac
+    prev=$a
+  done
+  if [ -n "${ATTENTION_DROPOUT:-}" ]; then
+    echo "--attention-dropout $ATTENTION_DROPOUT"
+  elif [ "$cp" != 1 ]; then
+    echo "note: --context-parallel-size $cp: attention dropout 0 (the ring has none; ATTENTION_DROPOUT=... sets it)" >&2
+    echo "--attention-dropout 0"
+  fi
+}
+=======
+# The torchrun of the example scripts: megatron.quiet_torchrun is torchrun, except that a user error (bad flag or file)
+# is its one line (no crash report), a SIGTERM waits for the workers' --exit-signal-handler save instead of killing
+# them after 30 s, and a busy --master_port is named. Pass --master_port only when MASTER_PORT is set: on one node
+# torchrun then picks a free port, so two runs at once do not collide.
+QUIET_TORCHRUN=(env "PYTHONPATH=$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" python -m megatron.quiet_torchrun)
+>>>>>>> main

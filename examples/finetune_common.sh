@@ -23,7 +23,6 @@ fi
 : "${NNODES:=1}"
 : "${NODE_RANK:=0}"
 : "${MASTER_ADDR:=localhost}"
-: "${MASTER_PORT:=6000}"
 COMMON_ARGS="$BERT_MODEL_ARGS --tokenizer-type BertWordPieceLowerCase --vocab-file $VOCAB_FILE \
   --pretrained-checkpoint $PRETRAINED_CHECKPOINT --seed 1234 --tensor-model-parallel-size 1"
 
@@ -36,8 +35,8 @@ run_task() {
       exit 1
     fi
   done
-  local cmd=(env "PYTHONPATH=$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" python -m megatron.quiet_torchrun --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK"
-             --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$REPO_DIR/tasks/main.py" "$@")
+  local cmd=("${QUIET_TORCHRUN[@]}" --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK"
+             --master_addr "$MASTER_ADDR" ${MASTER_PORT:+--master_port "$MASTER_PORT"} "$REPO_DIR/tasks/main.py" "$@")
   if [ -n "${DRY_RUN:-}" ]; then
     echo "${cmd[*]}"
   else

@@ -7,13 +7,12 @@ source "$(cd "$(dirname "$0")" && pwd)/bert_common.sh"
 : "${NNODES:=1}"
 : "${NODE_RANK:=0}"
 : "${MASTER_ADDR:=localhost}"
-: "${MASTER_PORT:=6000}"
 : "${TP:=2}"
 : "${PP:=1}"
 
 # shellcheck disable=SC2086
-torchrun --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+exec "${QUIET_TORCHRUN[@]}" --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+  --master_addr "$MASTER_ADDR" ${MASTER_PORT:+--master_port "$MASTER_PORT"} \
   "$REPO_DIR/pretrain_bert.py" $BERT_ARGS $DATA_ARGS $OUTPUT_ARGS $PRECISION_ARGS \
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --sequence-parallel \
   --DDP-impl local "$@"

@@ -24,13 +24,15 @@ load_preset "$PRESET_FILE" "$(cd "$EXAMPLES_DIR/presets" && ls bloom*.sh | sed '
 : "${TRAIN_ITERS:=500000}"
 : "${LR_DECAY_ITERS:=$TRAIN_ITERS}"
 : "${LOG_INTERVAL:=10}"
+# A run shorter than the preset's warmup (TRAIN_ITERS=20, or --train-iters 20) decays over its own length, warms up
+# over its first tenth and logs every quarter of it (common.sh: fit_run_length).
+fit_run_length "$@"
 : "${SAVE_INTERVAL:=1000}"
 : "${EVAL_INTERVAL:=1000}"
 : "${NPROC:=1}"
 : "${TP:=1}"
 : "${PP:=1}"
 : "${ZERO_STAGE:=0}"
-: "${MASTER_PORT:=6000}"
 : "${CHECKPOINT_ACTIVATIONS:=0}"
 : "${DRY_RUN:=0}"
 if [ "$DRY_RUN" != 1 ]; then
@@ -86,7 +88,7 @@ if [ "$CHECKPOINT_ACTIVATIONS" = 1 ]; then
 fi
 
 if [ "$NPROC" -gt 1 ]; then
-  LAUNCH=(torchrun --nproc_per_node "$NPROC" --master_port "$MASTER_PORT")
+  LAUNCH=("${QUIET_TORCHRUN[@]}" --nproc_per_node "$NPROC" ${MASTER_PORT:+--master_port "$MASTER_PORT"})
 else
   LAUNCH=(python)
 fi

@@ -16,7 +16,6 @@ detect_gpu llama_tiny "(4 layers, hidden 128, runs on this CPU)"
 : "${PRESET:=llama2_7b}"
 PRESET_FILE="$EXAMPLES_DIR/presets/${PRESET}.sh"
 case "$PRESET" in llama*|mistral*|mixtral*) ;; *) PRESET_FILE=/nonexistent ;; esac
-USER_LR_WARMUP_ITERS=${LR_WARMUP_ITERS:-}
 load_preset "$PRESET_FILE" "$(cd "$EXAMPLES_DIR/presets" && ls llama*.sh mistral*.sh | sed 's/\.sh//' | tr '\n' ' ')"
 : "${DATA_PATH:=my-llama_text_document}"
 : "${TOKENIZER_TYPE:=Llama2Tokenizer}"
@@ -25,15 +24,13 @@ load_preset "$PRESET_FILE" "$(cd "$EXAMPLES_DIR/presets" && ls llama*.sh mistral
 : "${TENSORBOARD_DIR:=$CHECKPOINT_PATH/tensorboard}"
 : "${TRAIN_ITERS:=500000}"
 : "${LR_DECAY_ITERS:=$TRAIN_ITERS}"
-# The preset's warmup suits its full-length run; a shorter run (TRAIN_ITERS=20) warms up over its first tenth.
-if [ -z "$USER_LR_WARMUP_ITERS" ] && [ $((LR_WARMUP_ITERS * 10)) -gt "$LR_DECAY_ITERS" ]; then
-  LR_WARMUP_ITERS=$((LR_DECAY_ITERS / 10))
-fi
 : "${LOG_INTERVAL:=100}"
+# The preset's warmup suits its full-length run; a shorter run (TRAIN_ITERS=20, or --train-iters 20) decays over its
+# own length, warms up over its first tenth and logs every quarter of it (common.sh: fit_run_length).
+fit_run_length "$@"
 : "${SAVE_INTERVAL:=10000}"
 : "${EVAL_INTERVAL:=1000}"
 : "${NPROC:=1}"
-: "${MASTER_PORT:=6000}"
 require_inputs -e "set DATA_PATH (prefix written by tools/preprocess_data.py) and TOKENIZER_MODEL (tokenizer.model, or a tokenizer.json folder with TOKENIZER_TYPE=HuggingFaceTokenizer)" \
   "$TOKENIZER_MODEL" "$DATA_PATH.bin" "$DATA_PATH.idx"
 
@@ -52,7 +49,7 @@ else
 fi
 
 if [ "$NPROC" -gt 1 ]; then
-  LAUNCH=(torchrun --nproc_per_node "$NPROC" --master_port "$MASTER_PORT")
+  LAUNCH=("${QUIET_TORCHRUN[@]}" --nproc_per_node "$NPROC" ${MASTER_PORT:+--master_port "$MASTER_PORT"})
 else
   LAUNCH=(python)
 fi

@@ -14,11 +14,10 @@ if [ "$HAS_GPU" = 1 ]; then : "${GPUS_PER_NODE:=$DEFAULT_PROCESSES}"; else : "${
 : "${NNODES:=1}"
 : "${NODE_RANK:=0}"
 : "${MASTER_ADDR:=localhost}"
-: "${MASTER_PORT:=6000}"
 
 # shellcheck disable=SC2086
-torchrun --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+exec "${QUIET_TORCHRUN[@]}" --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+  --master_addr "$MASTER_ADDR" ${MASTER_PORT:+--master_port "$MASTER_PORT"} \
   "$REPO_DIR/pretrain_t5.py" $T5_ARGS $DATA_ARGS $OUTPUT_ARGS $PRECISION_ARGS \
   --tensor-model-parallel-size "$TP" --sequence-parallel \
   --pipeline-model-parallel-size "$PP" --pipeline-model-parallel-split-rank "$SPLIT_RANK" --DDP-impl local "$@"

@@ -22,6 +22,7 @@ from megatron.settings.cli_parser import FlagParser
 from megatron.settings.config_flags import config_kwargs_from_args, dests_without_config_field
 from megatron.settings.flag_registry import refuse_unimplemented
 from megatron.settings.moe_checks import validate_moe_args
+from megatron.settings.path_checks import check_load_folder, check_output_folders
 from megatron.settings.required_flags import TRAINING_RUN, check_required_flags
 
 # Flags each tokenizer type needs (checked by validate_args before anything is built).
@@ -124,6 +125,8 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
     _validate_recompute(args)
     _validate_misc(args)
     _validate_context_parallel(args, training_run)
+    check_output_folders(args)
+    check_load_folder(args)
 
     _print_args(args)
     return args
@@ -416,6 +419,9 @@ def _validate_model_shape(args: argparse.Namespace) -> None:
     elif args.encoder_seq_length is not None:
         args.seq_length = args.encoder_seq_length
     _require(args.seq_length is not None, "--seq-length is required (or --encoder-seq-length)")
+    for flag in ("seq_length", "decoder_seq_length", "max_position_embeddings", "ffn_hidden_size", "kv_channels"):
+        value = getattr(args, flag)
+        _require(value is None or value > 0, f"--{flag.replace('_', '-')} must be positive (got {value})")
     if args.max_position_embeddings is None and args.position_embedding_type in ("rope", "alibi", "none"):
         args.max_position_embeddings = args.seq_length
     _require(args.max_position_embeddings is not None, "--max-position-embeddings is required")
@@ -572,6 +578,8 @@ def _validate_weighted_paths(flag: str, paths: List[str]) -> None:
                                      "use '<weight> <prefix>' pairs")
         _require(float(weight) >= 0, f"{flag}: weight {weight} must be >= 0")
         _require(not _is_number(prefix), f"{flag}: expected a dataset prefix after weight {weight}, got '{prefix}'")
+    _require(any(float(w) > 0 for w in paths[0::2]),
+             f"{flag}: every blend weight is 0 (nothing to sample); give at least one dataset a positive weight")
 
 
 def _is_number(text: str) -> bool:
@@ -629,8 +637,8 @@ def _validate_context_parallel(args: argparse.Namespace, training_run: bool) -> 
     _require(not getattr(args, "deepspeed", False),
              "--context-parallel-size is not implemented with --deepspeed: drop one of them")
     seq, tp = args.seq_length, args.tensor_model_parallel_size
-    _require(seq % (2 * cp) == 0, f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size "
-                                  f"({2 * cp}): each context-parallel rank holds 2 of {2 * cp} equal chunks")
+    _require(seq % (2 * cp) == 0, f"--seq-length ({seq}) must be divisible by {2 * cp} (2 x --context-parallel-size "
+                                  f"{cp}): each context-parallel rank holds 2 of {2 * cp} equal chunks")
     if args.sequence_parallel:
         _require((seq // cp) % tp == 0, f"--sequence-parallel with --context-parallel-size {cp} needs the per-rank "
                                         f"sequence ({seq // cp}) divisible by --tensor-model-parallel-size ({tp})")

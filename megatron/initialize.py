@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from megatron import peer_failure
+from megatron import peer_failure, process_guard
 from megatron.arguments import ArgumentError, parse_args, validate_args
 from megatron.core.expert_parallel import describe_ep_layout
 from megatron.global_vars import get_args, set_global_variables, unset_global_variables
@@ -71,6 +71,7 @@ def initialize_megatron(
     CPU runs are always allowed here.
     """
     del allow_no_cuda
+    process_guard.exit_with_launcher_agent()  # under torchrun: die with the agent, never train unsupervised
     parsed = parse_args(extra_args_provider, ignore_unknown_args, args)
     if getattr(parsed, "use_checkpoint_args", False) or (args_defaults or {}).get("use_checkpoint_args", False):
         if not parsed.load:

@@ -9,7 +9,8 @@ few dozen steps while it backs off from 2^32). `params_finite` guards checkpoint
 written, and no checkpoint is written during a non-finite streak (the weights it would hold are the ones that diverged);
 the stop line names the newest checkpoint written before the streak. `loaded_state_problem` refuses a loaded
 checkpoint that holds non-finite values, and `FirstLossWatch` stops a run whose first losses after loading an
-unverified checkpoint (no manifest) are non-finite or many times the loss the checkpoint recorded.
+unverified checkpoint (no manifest) are non-finite or many times the loss the checkpoint recorded; until it has
+passed, saves are not signed (`SkipCounter.may_sign`: no manifest vouches for bytes that were never verified).
 """
 from __future__ import annotations
 
@@ -102,6 +103,12 @@ class SkipCounter:
         self.loaded = loaded  # (the run's first iteration, "iteration N in DIR") of the checkpoint it started from
         self.checkpoints: list[tuple[int, str]] = [loaded] if loaded else []  # (iteration of the run, description)
         self.last_loss: Optional[float] = None  # the last finite training loss (the training loop sets it)
+        self.watch: Optional[FirstLossWatch] = None  # set after loading an unverified checkpoint
+
+    def may_sign(self, iteration: int) -> bool:
+        """Whether the checkpoint of `iteration` may get a manifest: not while the first losses after loading an
+        unverified checkpoint are still being checked (its bytes were never verified)."""
+        return self.watch is None or self.watch.passed(iteration)
 
     def checkpoint(self, iteration: int, save_dir: str) -> None:
         self.checkpoints.append((iteration, f"iteration {iteration} in {save_dir}"))
@@ -182,6 +189,10 @@ class FirstLossWatch:
         self.last = first_iteration + iterations - 1
         floor = 2.0 * math.log(vocab_size) if vocab_size and vocab_size > 1 else 0.0
         self.limit = max(factor * recorded_loss if recorded_loss else 0.0, floor) or math.inf
+
+    def passed(self, iteration: int) -> bool:
+        """Whether every watched iteration up to `iteration` has been checked (`iteration` is the last one done)."""
+        return iteration >= self.last
 
     def check(self, iteration: int, losses: dict) -> None:
         if iteration > self.last:

@@ -61,7 +61,7 @@ from megatron.nan_guard import (
     SkipCounter,
     params_finite,
 )
-from megatron.progress import ProgressNotes
+from megatron.progress import Heartbeat, ProgressNotes
 from megatron.run_configs.bundle import RunConfigs
 from megatron.run_configs.moe_losses import MoELossSettings
 from megatron.run_configs.run_settings import LoopSettings
@@ -70,6 +70,9 @@ from megatron.theoretical_memory_usage import memory_report
 from megatron.training_state import TrainingState
 
 _TRAIN_START_TIME = time.time()
+# A line every 30 s of wall time while pretrain() runs (started and stopped there), naming the phase: start-up, model
+# and checkpoint loading, dataset index building, training, evaluation, checkpoint saves.
+HEARTBEAT = Heartbeat()
 
 
 def print_datetime(message: str) -> None:
@@ -267,10 +270,11 @@ def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], mod
     """Average the losses over --eval-iters batches (forward only); counts the validation samples in
     `train_state` (required when `count_valid_samples`)."""
     run = train_state
-    peer_failure.note_phase(f"evaluation at iteration {run.iteration if run is not None else 0}")
-    return backend_for(configs).evaluate(forward_step_func, data_iterator, model,
-                                                   process_non_loss_data_func, configs, state, verbose,
-                                                   count_valid_samples, run)
+    what = f"evaluation at iteration {run.iteration if run is not None else 0}"
+    peer_failure.note_phase(what)
+    with HEARTBEAT.phase(what):
+        return backend_for(configs).evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func,
+                                             configs, state, verbose, count_valid_samples, run)
 
 
 def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_iterator: Optional[Iterator],
@@ -290,7 +294,8 @@ def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_it
 # ----------------------------------------------------------------------------------------------- exit handling
 def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
           train_state: TrainingState, guard: Optional[SkipCounter] = None, train_loss: Optional[float] = None) -> None:
-    """Save a checkpoint, except during a non-finite streak (`guard`): those weights are the ones that diverged."""
+    """Save a checkpoint, except during a non-finite streak (`guard`): those weights are the ones that diverged.
+    While the first losses after loading an unverified checkpoint are still being checked, the save is not signed."""
     if guard is not None and guard.in_streak:
         print_rank_0(f"not saving the checkpoint of iteration {iteration}: the run is in a non-finite streak since "
                      f"iteration {guard.streak_start} (the latest checkpoint stays the one written before it)")
@@ -298,24 +303,34 @@ def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
     if not params_finite(model):  # (a ZeRO-3 engine's partitioned parameters are not visible here: not checked)
         raise NonFiniteTrainingError(f"refusing to save the checkpoint of iteration {iteration}: the weights are not "
                                      "finite (the previous checkpoint is left as the latest); lower --lr")
+    sign = guard is None or guard.may_sign(iteration)
+    if not sign and guard is not None and guard.watch is not None:
+        print_rank_0(f"note: the checkpoint of iteration {iteration} is saved without manifest.json (not signed): "
+                     f"the run started from {guard.watch.checkpoint}, loaded unverified, and its losses are checked "
+                     f"up to iteration {guard.watch.last}; saves from then on are signed")
     peer_failure.note_phase(f"the checkpoint save of iteration {iteration}")
     timers = global_vars.get_timers()
     timers("save-checkpoint", log_level=0).start(barrier=True)
-    backend_for(configs).save(iteration, model, optimizer, opt_param_scheduler, configs, train_loss,
-                                        train_state)
+    with HEARTBEAT.phase(f"saving the checkpoint of iteration {iteration}"):
+        backend_for(configs).save(iteration, model, optimizer, opt_param_scheduler, configs, train_loss,
+                                  train_state, sign=sign)
     timers("save-checkpoint").stop(barrier=True)
     timers.log(["save-checkpoint"])
     if guard is not None:
         guard.checkpoint(iteration, configs.checkpoint.save)
 
 
-def new_skip_counter(loop: LoopSettings, iteration: int) -> SkipCounter:
+def new_skip_counter(loop: LoopSettings, iteration: int, vocab_size: Optional[int] = None) -> SkipCounter:
     """--max-skipped-iterations, knowing the checkpoint the run started from at `iteration` (named when it diverges
-    at once)."""
+    at once); after an unverified load (no manifest) with the watch on its first losses (`vocab_size`: the padded
+    vocabulary, the limit when the checkpoint recorded no loss)."""
     loaded = last_loaded() if loop.load else None
-    return SkipCounter(loop.max_skipped_iterations,
-                       loaded=(iteration, f"iteration {loaded.iteration} in {loop.load}")
-                       if loaded is not None else None)
+    counter = SkipCounter(loop.max_skipped_iterations,
+                          loaded=(iteration, f"iteration {loaded.iteration} in {loop.load}")
+                          if loaded is not None else None)
+    if loaded is not None and not loaded.verified:  # an unverified checkpoint: its first losses must look sane
+        counter.watch = FirstLossWatch(loaded.folder, iteration + 1, loaded.train_loss, vocab_size)
+    return counter
 
 
 def _duration_exceeded(loop: LoopSettings) -> tuple[bool, float]:
@@ -349,12 +364,9 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     print_datetime("before the start of training step")
     report_memory_flag = True
     if skip_counter is None:
-        skip_counter = new_skip_counter(loop, iteration)
-    notes = ProgressNotes(iteration, loop.train_iters, batch.log_interval, print_rank_last)
-    loaded = last_loaded() if loop.load else None
-    watch = None
-    if loaded is not None and not loaded.verified:  # an unverified checkpoint: its first losses must look sane
-        watch = FirstLossWatch(loaded.folder, iteration + 1, loaded.train_loss, run.padded_vocab_size)
+        skip_counter = new_skip_counter(loop, iteration, run.padded_vocab_size)
+    notes = ProgressNotes(iteration, loop.train_iters, batch.log_interval, print_rank_last, heartbeat=HEARTBEAT)
+    watch = skip_counter.watch
 
     def save() -> None:
         _save(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter, skip_counter.last_loss)
@@ -444,68 +456,82 @@ def pretrain(
     run that dies).
     """
     global _TRAIN_START_TIME
-    args = initialize_megatron(extra_args_provider=extra_args_provider,
-                               args_defaults={**(args_defaults or {}), TRAINING_RUN: True}, args=argv)
-    start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(start, op=torch.distributed.ReduceOp.MIN)
-    _TRAIN_START_TIME = float(start.item())
-    print_rank_0(f"time to initialize megatron (seconds): {time.time() - _TRAIN_START_TIME:.3f}")
-    print_datetime("after megatron is initialized")
-    state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
-    run = TrainingState(padded_vocab_size=getattr(args, "padded_vocab_size", None))
-    configs = RunConfigs.from_args(args)  # the run's typed records, built once and passed down
-    check_pipeline_schedule(configs.step, global_vars.get_num_microbatches())
-    timers = global_vars.get_timers()
+    with HEARTBEAT.running("starting up (the process group, compiling the dataset index helpers)"):
+        args = initialize_megatron(extra_args_provider=extra_args_provider,
+                                   args_defaults={**(args_defaults or {}), TRAINING_RUN: True}, args=argv)
+        start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(start, op=torch.distributed.ReduceOp.MIN)
+        _TRAIN_START_TIME = float(start.item())
+        print_rank_0(f"time to initialize megatron (seconds): {time.time() - _TRAIN_START_TIME:.3f}")
+        print_datetime("after megatron is initialized")
+        state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
+        run = TrainingState(padded_vocab_size=getattr(args, "padded_vocab_size", None))
+        configs = RunConfigs.from_args(args)  # the run's typed records, built once and passed down
+        check_pipeline_schedule(configs.step, global_vars.get_num_microbatches())
+        timers = global_vars.get_timers()
 
-    from megatron.data.data_checks import check_data_prefixes
+        from megatron.data.data_checks import check_data_prefixes
 
-    check_data_prefixes(configs.data_files)  # a mistyped --data-path: one line before the model is built
-    timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
-    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, configs, state,
-                                                                      run)
-    configs = configs.with_run_length()  # the LR schedule's set-up turned --train-samples into --train-iters
-    timers("model-and-optimizer-setup").stop()
-    print_datetime("after model, optimizer, and learning rate scheduler are built")
-    if args.rank == 0 and getattr(model_type, "name", "") == "encoder_or_decoder":  # GPT-shaped models
-        memory_report(configs.memory, configs.transformer, num_microbatches=global_vars.get_num_microbatches())
+        check_data_prefixes(configs.data_files)  # a mistyped --data-path: one line before the model is built
+        timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
+        HEARTBEAT.doing("building the model and optimizer (and loading the checkpoint, with --load)")
+        model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, configs, state,
+                                                                          run)
+        configs = configs.with_run_length()  # the LR schedule's set-up turned --train-samples into --train-iters
+        timers("model-and-optimizer-setup").stop()
+        print_datetime("after model, optimizer, and learning rate scheduler are built")
+        if args.rank == 0 and getattr(model_type, "name", "") == "encoder_or_decoder":  # GPT-shaped models
+            memory_report(configs.memory, configs.transformer, num_microbatches=global_vars.get_num_microbatches())
 
-    timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
-    # Creating DataLoader iterators draws from the global torch RNG; keep the (possibly just restored) RNG state
-    # untouched so that resuming from a checkpoint replays exactly the same dropout masks.
-    rng = local_rng_state()
-    train_it, valid_it, test_it = build_train_valid_test_data_iterators(
-        train_valid_test_dataset_provider, configs, state, run)
-    restore_local_rng_state(rng)
-    timers("train/valid/test-data-iterators-setup").stop()
-    print_datetime("after dataloaders are built")
-    print_rank_0("done with setup ...")
-    timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
+        timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
+        # Creating DataLoader iterators draws from the global torch RNG; keep the (possibly just restored) RNG state
+        # untouched so that resuming from a checkpoint replays exactly the same dropout masks.
+        rng = local_rng_state()
+        HEARTBEAT.doing("building the datasets (and their index files, on a first run)")
+        train_it, valid_it, test_it = build_train_valid_test_data_iterators(
+            train_valid_test_dataset_provider, configs, state, run)
+        restore_local_rng_state(rng)
+        timers("train/valid/test-data-iterators-setup").stop()
+        print_datetime("after dataloaders are built")
+        print_rank_0("done with setup ...")
+        timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
 
-    result: dict = history if history is not None else {}
-    result.update({"iteration": run.iteration, "train_losses": {}, "valid_losses": {}, "val_loss": None,
-                   "test_loss": None, "skipped_iterations": run.skipped_iterations,
-                   "nan_iterations": run.nan_iterations})
-    iteration = run.iteration
-    loop = configs.loop
-    if run.do_train and loop.train_iters > 0 and not loop.skip_train:
-        print_rank_0("training ...")
-        skip_counter = new_skip_counter(loop, iteration)
-        iteration, exited = train(forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it,
-                                  process_non_loss_data_func, configs, state, run, history=result,
-                                  skip_counter=skip_counter)
-        result.update(iteration=iteration, skipped_iterations=run.skipped_iterations,
-                      nan_iterations=run.nan_iterations)
-        print_datetime("after training is done")
-        if exited:
-            _flush_writer()
-            return result
-        if loop.save and iteration != 0 and iteration % loop.save_interval != 0:
-            _save(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter,
-                  skip_counter.last_loss)
-    else:
-        print_rank_0("skipping training (--skip-train is on) ...")
+        result: dict = history if history is not None else {}
+        result.update({"iteration": run.iteration, "train_losses": {}, "valid_losses": {}, "val_loss": None,
+                       "test_loss": None, "skipped_iterations": run.skipped_iterations,
+                       "nan_iterations": run.nan_iterations})
+        iteration = run.iteration
+        loop = configs.loop
+        if run.do_train and loop.train_iters > 0 and not loop.skip_train:
+            print_rank_0("training ...")
+            skip_counter = new_skip_counter(loop, iteration, run.padded_vocab_size)
+            iteration, exited = train(forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it,
+                                      process_non_loss_data_func, configs, state, run, history=result,
+                                      skip_counter=skip_counter)
+            result.update(iteration=iteration, skipped_iterations=run.skipped_iterations,
+                          nan_iterations=run.nan_iterations)
+            print_datetime("after training is done")
+            if exited:
+                _flush_writer()
+                return result
+            if loop.save and iteration != 0 and iteration % loop.save_interval != 0:
+                _save(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter,
+                      skip_counter.last_loss)
+        else:
+            print_rank_0("skipping training (--skip-train is on) ...")
 
+        _final_evaluations(result, forward_step_func, (valid_it, test_it), model, iteration,
+                           process_non_loss_data_func, configs, state, run)
+        _flush_writer()
+        return result
+
+
+def _final_evaluations(result: dict, forward_step_func: Callable, iterators: tuple, model: list, iteration: int,
+                       process_non_loss_data_func: Optional[Callable], configs: RunConfigs, state: ps.ParallelState,
+                       run: TrainingState) -> None:
+    """The end-of-training validation and test evaluations into `result` (`val_loss`, `test_loss`)."""
+    valid_it, test_it = iterators
     if run.do_valid:
         result["val_loss"] = evaluate_and_print_results(
             "the end of training for val data", forward_step_func, valid_it, model, iteration,
@@ -514,8 +540,6 @@ def pretrain(
         result["test_loss"] = evaluate_and_print_results(
             "the end of training for test data", forward_step_func, test_it, model, iteration,
             process_non_loss_data_func, configs, state, verbose=True, count_valid_samples=False, train_state=run)
-    _flush_writer()
-    return result
 
 
 def _flush_writer() -> None:

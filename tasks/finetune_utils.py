@@ -149,8 +149,9 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
     if epochs == 0 and not valid_sets:
         raise ArgumentError("--epochs 0 evaluates only: pass --valid-data")
     if epochs == 0:  # evaluation never runs on random weights
-        if not (args.load or args.pretrained_checkpoint):
-            raise ArgumentError("--epochs 0 evaluates a finetuned model: pass --load (a finetuning --save directory)")
+        if not (args.load or args.pretrained_checkpoint or args.allow_random_weights):
+            raise ArgumentError("--epochs 0 evaluates a finetuned model: pass --load (a finetuning --save directory), "
+                                "or --allow-random-weights to evaluate an untrained model")
         if args.load and not args.pretrained_checkpoint:
             from megatron.text_generation.model_loading import require_checkpoint
 

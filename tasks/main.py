@@ -23,12 +23,12 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megatron.errors import exit_on_user_error  # noqa: E402
 from megatron.initialize import initialize_megatron  # noqa: E402
-from megatron.settings import TasksSettings, add_group, flags_of  # noqa: E402
+from megatron.settings import RandomWeightsSettings, TasksSettings, add_group, flags_of  # noqa: E402
 
 
 def get_tasks_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The tasks' own flags (declared in megatron/settings/tasks.py)."""
-    return add_group(parser, TasksSettings)
+    """The tasks' own flags (declared in megatron/settings/tasks.py) and the random-weights opt-in."""
+    return add_group(add_group(parser, TasksSettings), RandomWeightsSettings)
 
 
 FINETUNE_TASKS = ("MNLI", "QQP", "RACE")
@@ -47,6 +47,9 @@ def check_task_flags(args: argparse.Namespace) -> None:
     from megatron.errors import ArgumentError
 
     if args.task in FINETUNE_TASKS:
+        if args.allow_random_weights and args.epochs:
+            raise ArgumentError(f"--allow-random-weights is for evaluation (--epochs 0); finetuning --task {args.task} "
+                                "starts from --pretrained-checkpoint, or from random weights without it: drop it")
         return
     for dest, default in FINETUNE_FLAGS.items():
         if getattr(args, dest, default) != default:

@@ -1,10 +1,13 @@
-"""megatron/progress.py: the first-iteration line and the 30-second heartbeat of a training run, and the CPU thread cap
-that applies only when OMP_NUM_THREADS is unset."""
+"""megatron/progress.py: the first-iteration line and the 30-second heartbeat of a training run (between iterations,
+inside one long step, and in the phases before and around training), and the CPU thread cap that applies only when
+OMP_NUM_THREADS is unset."""
 from __future__ import annotations
+
+import threading
 
 import torch
 
-from megatron.progress import ProgressNotes, fit_cpu_threads
+from megatron.progress import Heartbeat, ProgressNotes, fit_cpu_threads
 
 
 def test_first_iteration_then_a_line_only_after_30_quiet_seconds() -> None:
@@ -16,8 +19,8 @@ def test_first_iteration_then_a_line_only_after_30_quiet_seconds() -> None:
         notes.after_iteration(it)
     assert lines == [
         " > first iteration done in 4.0 s (iteration 1 of 300; a log line every 25 iterations)",
-        " > working: iteration 4 of 300 (31 s since the last line; a log line every 25 iterations)",
-        " > working: iteration 28 of 300 (32 s since the last line; a log line every 25 iterations)",
+        " > working: iteration 4 of 300 done (31 s since the last line; a log line every 25 iterations)",
+        " > working: iteration 28 of 300 done (32 s since the last line; a log line every 25 iterations)",
     ]
 
 
@@ -45,3 +48,39 @@ def test_thread_cap_only_without_omp_num_threads() -> None:
             assert fit_cpu_threads({}) == 1  # never raises the count the process chose
     finally:
         torch.set_num_threads(before)
+
+
+def test_heartbeat_names_the_phase_inside_one_long_step() -> None:
+    now = [0.0]
+    lines: list[str] = []
+    beat = Heartbeat(lines.append, clock=lambda: now[0])
+    beat.doing("building the datasets (and their index files, on a first run)")
+    for t in (10.0, 29.9, 30.0, 45.0, 61.0):
+        now[0] = t
+        beat.check()
+    with beat.phase("saving the checkpoint of iteration 10"):
+        now[0] = 95.0
+        beat.check()
+        beat.line_printed()
+        now[0] = 120.0
+        beat.check()
+    now[0] = 151.0
+    beat.check()
+    assert lines == [" > working: building the datasets (and their index files, on a first run) (30 s since the last line)",
+                     " > working: building the datasets (and their index files, on a first run) (31 s since the last line)",
+                     " > working: saving the checkpoint of iteration 10 (34 s since the last line)",
+                     " > working: building the datasets (and their index files, on a first run) (31 s since the last line)"]
+
+
+def test_heartbeat_thread_prints_while_the_main_thread_is_busy() -> None:
+    """The real thread, with a 20 ms quiet limit: a line arrives while the main thread waits (no sleep: an event)."""
+    got = threading.Event()
+    lines: list[str] = []
+    beat = Heartbeat(lambda line: (lines.append(line), got.set()), quiet_limit_s=0.02)
+    beat.doing("compiling the dataset index helpers")
+    beat.start()
+    try:
+        assert got.wait(10)
+    finally:
+        beat.stop()
+    assert lines[0].startswith(" > working: compiling the dataset index helpers (")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.log_lines import iteration_lines
+
 REPO = Path(__file__).resolve().parents[1]
 SHORT = ("python tools/preprocess_data.py", "DATA_PATH=quickstart_out/data/python_docs_text_document", "MODEL=")
 LONG = ("bash examples/quickstart.sh bert", "python tools/checkpoint/convert.py --model-type GPT --saver hf")
@@ -22,7 +24,7 @@ QUICKSTART = {"TRAIN_ITERS": "4", "LOG_INTERVAL": "2", "EVAL_INTERVAL": "4", "WI
 # what the quick-start (and the BERT leg) leave in quickstart_out/, and what the README's own blocks write there
 PRODUCED = re.compile(r"^quickstart_out/(tokenizer|data|checkpoints|prompts\.txt|bert_tokenizer|bert_data|"
                       r"bert_checkpoints|hf|gpt_example|t5_example|more_samples|copy|owt|all|my-|ckpt_|mnli_pred|out|llama_|"
-                      r"results|gpt_345m)|^runs/ds_single_node/")
+                      r"results|gpt_345m|bloom_|mixtral_example|cp_example)|^runs/ds_single_node/")
 
 
 OUTPUTS = (r"(--save|--save-dir|--output-prefix|--output-folder|--sample-output-file|--tensorboard-dir|--results_path"
@@ -80,7 +82,9 @@ def test_readme_short_blocks_run_as_written_after_the_quickstart(tmp_path: Path)
         assert proc.returncode == 0, f"{command[:200]}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return proc.stdout
 
-    run("bash examples/quickstart.sh")
+    out = run("bash examples/quickstart.sh")
+    results = out[out.index("== 6/6 zero-shot evaluation"):]
+    assert "adjusted ppl" in results and "note: these evaluation numbers are expected" in results, results[-2000:]
     blocks = [b for b in bash_blocks(REPO / "README.md")[2:] if b.startswith(SHORT)]
     assert len(blocks) == 3
     for var in QUICKSTART:  # the README's blocks run with the user's environment, not the quick-start's settings
@@ -89,6 +93,7 @@ def test_readme_short_blocks_run_as_written_after_the_quickstart(tmp_path: Path)
     assert (root / "quickstart_out" / "data" / "copy_text_document.idx").is_file()
     out = run(blocks[1])
     assert re.search(r"^ > first iteration done in [0-9.]+ s \(iteration 1 of 20;", out, flags=re.M), out[-2000:]
+    assert [it for it, _ in iteration_lines(out)] == [5, 10, 15, 20], out[-2000:]  # the tiny preset logs every 25
     tracker = root / "quickstart_out" / "gpt_example" / "latest_checkpointed_iteration.txt"
     assert tracker.read_text().strip() == "20"
     out = run(blocks[2])

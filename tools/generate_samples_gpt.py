@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron import global_vars  # noqa: E402
 from megatron.errors import MegatronUserError, exit_on_user_error  # noqa: E402
 from megatron.initialize import initialize_megatron  # noqa: E402
-from megatron.settings import TextGenerationSettings, add_group  # noqa: E402
+from megatron.settings import RandomWeightsSettings, TextGenerationSettings, add_group  # noqa: E402
 
 
 class GenerateSamplesError(MegatronUserError, ValueError):
@@ -26,8 +26,8 @@ class GenerateSamplesError(MegatronUserError, ValueError):
 
 
 def add_text_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The sampling flags (declared in megatron/settings/generation.py)."""
-    return add_group(parser, TextGenerationSettings)
+    """The sampling flags and the random-weights opt-in (declared in megatron/settings/generation.py)."""
+    return add_group(add_group(parser, TextGenerationSettings), RandomWeightsSettings)
 
 
 def _read_prompts(path: str) -> list[str]:
@@ -57,12 +57,12 @@ def _resolve_sampling(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     from megatron.text_generation import generate, load_model_for_inference
+    from megatron.text_generation.model_loading import refuse_random_weights
 
     args = initialize_megatron(extra_args_provider=add_text_generate_args, args=argv,
                                args_defaults={"tokenizer_type": "GPT2BPETokenizer", "micro_batch_size": 1,
                                               "no_load_rng": True, "no_load_optim": True})
-    if not args.load:
-        print("WARNING: no --load given: sampling from a randomly initialised model", flush=True)
+    refuse_random_weights(args.load, args.allow_random_weights, "generation")
     if args.sample_input_file is None and args.num_samples <= 0:
         raise GenerateSamplesError("give --sample-input-file FILE (conditional) or --num-samples N (unconditional)")
     if args.out_seq_length <= 0:

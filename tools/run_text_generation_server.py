@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 import torch.distributed as dist  # noqa: E402
 
 from megatron.errors import MegatronUserError, exit_on_user_error  # noqa: E402
-from megatron.settings import TextGenerationServerSettings, add_group  # noqa: E402
+from megatron.settings import RandomWeightsSettings, TextGenerationServerSettings, add_group  # noqa: E402
 
 
 class ServerArgsError(MegatronUserError, ValueError):
@@ -30,7 +30,7 @@ class ServerArgsError(MegatronUserError, ValueError):
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The server's flags (declared in megatron/settings/generation.py)."""
-    return add_group(parser, TextGenerationServerSettings)
+    return add_group(add_group(parser, TextGenerationServerSettings), RandomWeightsSettings)
 
 
 def check_server_args(args: argparse.Namespace) -> None:

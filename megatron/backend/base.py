@@ -45,8 +45,8 @@ class TrainingBackend(abc.ABC):
 
     @abc.abstractmethod
     def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
-             train_loss: Optional[float], train_state: TrainingState) -> None:
-        """Write the checkpoint of `iteration` to --save (collective)."""
+             train_loss: Optional[float], train_state: TrainingState, sign: bool = True) -> None:
+        """Write the checkpoint of `iteration` to --save (collective); `sign=False`: without its manifest.json."""
 
     @abc.abstractmethod
     def loss_scale(self, model: list, optimizer: Any) -> float:

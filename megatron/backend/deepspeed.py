@@ -86,10 +86,10 @@ class DeepSpeedBackend(TrainingBackend):
                                             state, counts, verbose, count_valid_samples), None
 
     def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
-             train_loss: Optional[float], train_state: TrainingState) -> None:
+             train_loss: Optional[float], train_state: TrainingState, sign: bool = True) -> None:
         ds_engine.save_deepspeed_checkpoint(iteration, model, optimizer, opt_param_scheduler, configs.checkpoint,
                                             configs.architecture, train_state.megatron_args(configs.flags),
-                                            train_state)
+                                            train_state, sign=sign)
 
     def loss_scale(self, model: list, optimizer: Any) -> float:
         return ds_engine.deepspeed_loss_scale(model)

@@ -167,8 +167,9 @@ class MegatronBackend(TrainingBackend):
         return total, collected
 
     def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
-             train_loss: Optional[float], train_state: TrainingState) -> None:
-        save_run_checkpoint(iteration, model, optimizer, opt_param_scheduler, configs, train_state, train_loss)
+             train_loss: Optional[float], train_state: TrainingState, sign: bool = True) -> None:
+        save_run_checkpoint(iteration, model, optimizer, opt_param_scheduler, configs, train_state, train_loss,
+                            sign=sign)
 
     def loss_scale(self, model: list, optimizer: Any) -> float:
         return float(optimizer.get_loss_scale().item())

@@ -16,7 +16,7 @@ import io
 import os
 import re
 import signal
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -76,8 +76,10 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def _write_bytes_then_rename(path: str, write: Any, to_path: bool = False) -> None:
-    """`write(file object)` (or `write(temp path)` with to_path) into the temp file, fsync, rename, fsync the folder."""
+def _write_bytes_then_rename(path: str, write: Any, to_path: bool = False,
+                             size: Optional[Callable[[], int]] = None) -> None:
+    """`write(file object)` (or `write(temp path)` with to_path) into the temp file, fsync, rename, fsync the folder;
+    `size()`: the bytes the write needs (named by a full disk's one line; called only then)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     base = os.path.basename(path)
@@ -93,10 +95,11 @@ def _write_bytes_then_rename(path: str, write: Any, to_path: bool = False) -> No
         _fsync_dir(path)
         fault_point(f"after-rename:{base}")
     except (OSError, RuntimeError) as exc:
-        if _disk_full(exc, os.path.dirname(path) or "."):
-            raise DiskFullError(f"no space left on the device holding {os.path.dirname(path) or '.'} while writing "
-                                f"{base}: free space or write somewhere else; {base} was not published (the previous "
-                                "version, if any, is intact)") from None
+        folder = os.path.dirname(path) or "."
+        if is_disk_full(exc, folder):
+            raise DiskFullError(f"no space left on the device holding {folder} while writing {base}"
+                                f"{_space_note(size() if size else None, folder)}: free space or write somewhere else; {base} was not "
+                                "published (the previous version, if any, is intact)") from None
         raise
     finally:
         if os.path.exists(tmp):
@@ -111,11 +114,49 @@ def _free_bytes(folder: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _disk_full(exc: BaseException, folder: str) -> bool:
-    """ENOSPC / EDQUOT, or torch's writer failing (it reports no errno) on a device with (almost) no space left."""
+def is_disk_full(exc: BaseException, folder: str) -> bool:
+    """ENOSPC / EDQUOT, or a RuntimeError of torch's own file writer on a device with (almost) no space left: it
+    reports no errno, and its words vary ("file write failed", "unexpected pos <n> vs <m>", "basic_ios::clear:
+    iostream error" on a full device), so the free space decides."""
+    if isinstance(exc, DiskFullError):
+        return True
     if isinstance(exc, OSError):
         return exc.errno in (errno.ENOSPC, errno.EDQUOT)
-    return "write failed" in str(exc) and 0 <= _free_bytes(folder) < (1 << 20)
+    return isinstance(exc, RuntimeError) and 0 <= _free_bytes(folder) < (1 << 20)
+
+
+def _human(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _space_note(size: Optional[int], folder: str) -> str:
+    """" (needs about 1.2 GiB; 3.0 MiB free)": what the write needed and what is left, as far as known."""
+    free = _free_bytes(folder)
+    parts = ([f"needs about {_human(size)}"] if size else []) + ([f"{_human(free)} free"] if free >= 0 else [])
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensor storages in `obj` (nested dicts, lists, tuples; each storage once): about what torch.save
+    writes."""
+    seen, total, stack = set(), 0, [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
 
 
 def _halves(data: bytes, base: str) -> Any:
@@ -133,14 +174,16 @@ def atomic_torch_save(obj: Any, path: str) -> None:
     if _fault_injection_on():  # serialise first so that a crash can land with half the bytes written
         buf = io.BytesIO()
         torch.save(obj, buf)
-        _write_bytes_then_rename(path, _halves(buf.getvalue(), os.path.basename(path)))
-    else:
-        _write_bytes_then_rename(path, lambda tmp: torch.save(obj, tmp), to_path=True)  # torch's fast file writer
+        data = buf.getvalue()
+        _write_bytes_then_rename(path, _halves(data, os.path.basename(path)), size=lambda: len(data))
+    else:  # torch's fast file writer; on a full disk the one line names about how much the save needs
+        _write_bytes_then_rename(path, lambda tmp: torch.save(obj, tmp), to_path=True, size=lambda: tensor_bytes(obj))
 
 
 def atomic_write_text(path: str, text: str) -> None:
     """Write `text` to `path` atomically (flushed and fsynced before the rename)."""
-    _write_bytes_then_rename(path, _halves(text.encode("utf-8"), os.path.basename(path)))
+    data = text.encode("utf-8")
+    _write_bytes_then_rename(path, _halves(data, os.path.basename(path)), size=lambda: len(data))
 
 
 def is_temp_file(name: str) -> bool:

@@ -47,6 +47,16 @@ from megatron.checkpoint.args import (
 )
 from megatron.checkpoint.atomic_io import atomic_torch_save as _atomic_save
 from megatron.checkpoint.atomic_io import atomic_write_text as _atomic_write_text
+from megatron.checkpoint.conversion.interchange import ConversionError
+from megatron.checkpoint.conversion.torch_dist import check_torch_dist, is_dist_folder, read_common
+from megatron.checkpoint.formats import (
+    TORCH,
+    TORCH_DIST,
+    CheckpointFormatError,
+    check_format_flags,
+    detect_format,
+    load_foreign,
+)
 from megatron.checkpoint.safe_load import CheckpointFileError, safe_torch_load
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import get_rng_tracker
@@ -278,12 +288,12 @@ def save_checkpoint(
 
 
 def save_run_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
-                        train_state: TrainingState, train_loss: Optional[float] = None) -> str:
+                        train_state: TrainingState, train_loss: Optional[float] = None, sign: bool = True) -> str:
     """The training loop's save: the run's records and state (Megatron's ``args`` derived from the flags and the
-    state, `TrainingState.megatron_args`)."""
+    state, `TrainingState.megatron_args`); `sign=False`: without manifest.json."""
     return write_checkpoint(iteration, model, optimizer, opt_param_scheduler, configs.checkpoint,
                             configs.architecture, train_state.megatron_args(configs.flags), train_state,
-                            train_loss=train_loss)
+                            train_loss=train_loss, sign=sign)
 
 
 def write_checkpoint(
@@ -297,9 +307,11 @@ def write_checkpoint(
     run: TrainingState,
     save_dir: Optional[str] = None,
     train_loss: Optional[float] = None,
+    sign: bool = True,
 ) -> str:
     """Write the checkpoint of ``iteration`` into ``save_dir`` (default ``cfg.save``); returns this rank's file.
     `train_loss` (the last finite training loss, summed over its terms) is recorded for the check after loading.
+    `sign=False`: no manifest.json (a later load treats it as unverified) and no --keep-last-n-checkpoints pruning.
     `saved_args` is stored as Megatron's ``args``, `architecture` as ours, `run`'s counters as Megatron's keys."""
     save_dir = save_dir or cfg.save
     if not save_dir:
@@ -372,9 +384,11 @@ def write_checkpoint(
                                   optimizer=optimizer is not None and not cfg.no_save_optim)
         _barrier()
     if _is_rank0():  # the manifest is written last of the iteration, then the tracker moves
-        integrity.write_manifest(iter_dir)
+        if sign:
+            integrity.write_manifest(iter_dir)
         _atomic_write_text(get_checkpoint_tracker_filename(save_dir), str(iteration))
-        integrity.prune_after_save(save_dir, iteration, cfg.keep_last_n_checkpoints, _print0)
+        if sign:
+            integrity.prune_after_save(save_dir, iteration, cfg.keep_last_n_checkpoints, _print0)
     _barrier()
     _print0(f"  successfully saved checkpoint at iteration {iteration:7d} to {save_dir}")
     return checkpoint_name
@@ -482,10 +496,9 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
     iteration, release = read_metadata(tracker)
     iter_dir = _iteration_dir(load_dir, iteration, release)
     trust = cfg.trust_checkpoint
-    from megatron.checkpoint.conversion.torch_dist import is_torch_dist, read_common
-
-    if is_torch_dist(iter_dir):  # Megatron-LM's args live in common.pt
-        use_checkpoint_args(args, read_common(iter_dir, trust))
+    if os.path.isdir(iter_dir) and is_dist_folder(iter_dir):  # Megatron-LM's args live in common.pt
+        selected = _verified_foreign_folder(cfg, iteration, release, check_flags=False)  # the one --load loads
+        use_checkpoint_args(args, read_common(selected[1] if selected else iter_dir, trust))
         return args
 
     def rank0_file(cand: int) -> str:  # the layout is not known yet: TP rank 0 / PP stage 0 / EP rank 0, any naming
@@ -612,22 +625,74 @@ def _load_other_format(models: list, cfg: CheckpointSettings, architecture: Mapp
                        on_restored: Optional[Callable[[TrainingState, tuple], None]] = None) -> Optional[int]:
     """Megatron Core layouts (per-rank files with Core names, torch_dist): load their weights (and a torch_dist
     folder's training state) at this run's layout (megatron/checkpoint/formats.py) and return the iteration; None for
-    our own layout."""
-    from megatron.checkpoint.formats import TORCH, check_format_flags, detect_format, load_foreign
-
-    load_dir = cfg.load
-    iter_dir = _iteration_dir(load_dir, iteration, release)
-    fmt = detect_format(iter_dir, cfg.trust_checkpoint) if os.path.isdir(iter_dir) else TORCH
-    check_format_flags(fmt, cfg, iter_dir)
+    our own layout. The folder is verified first (`_verified_foreign_folder`) and recorded for `last_loaded`."""
+    selected = _verified_foreign_folder(cfg, iteration, release)
+    if selected is None:
+        return None
+    fmt, iter_dir, verified = selected
     if fmt == TORCH:
         return None
-    iteration, _, rng = load_foreign(models, cfg, architecture, load_dir, iter_dir, fmt, release, state, run,
-                                     optimizer, opt_param_scheduler, on_restored)
+    iteration, common, rng = load_foreign(models, cfg, architecture, cfg.load, iter_dir, fmt, release, state, run,
+                                          optimizer, opt_param_scheduler, on_restored)
+    global _LAST_LOADED
+    loss = common.get("train_loss")
+    _LAST_LOADED = LoadedCheckpoint(folder=iter_dir, iteration=iteration, verified=verified,
+                                    train_loss=float(loss) if isinstance(loss, (int, float)) else None)
     if rng is not None:
         set_rng_state(rng, state)
     _barrier()
-    _print0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
+    _print0(f"  successfully loaded checkpoint from {cfg.load} at iteration {iteration}")
     return iteration
+
+
+def _verified_foreign_folder(cfg: CheckpointSettings, iteration: int, release: bool, check_flags: bool = True
+                             ) -> Optional[tuple[str, str, bool]]:
+    """(format, iteration folder, verified) to load for the tracker's `iteration`: a torch_dist folder (any folder
+    holding Megatron-LM's metadata.json) is the newest one at or below it whose files all match its manifest (every
+    rank reads it whole; skipped ones named in one line, --no-checkpoint-fallback: an error), then its metadata.json
+    must be readable; a Megatron Core per-rank folder must verify as it is. A folder without a manifest loads with a
+    note, `verified` False. None (or format TORCH) for our own layout: `_select_checkpoint` verifies that.
+    `check_flags`: the folder's format must agree with --ckpt-format (`check_format_flags`)."""
+    load_dir = cfg.load
+    iter_dir = _iteration_dir(load_dir, iteration, release)
+    if not os.path.isdir(iter_dir):
+        return None
+    if not is_dist_folder(iter_dir):
+        fmt = detect_format(iter_dir, cfg.trust_checkpoint)
+        if check_flags:
+            check_format_flags(fmt, cfg, iter_dir)
+        if fmt == TORCH:
+            return None
+        reason = integrity.verify(iter_dir)
+        if reason is not None and reason != integrity.NO_MANIFEST:
+            raise CheckpointFormatError(f"checkpoint {iter_dir} is damaged: {reason}; restore it")
+        if reason is not None:
+            _print0(f"note: {iter_dir} has no {integrity.MANIFEST_NAME} (saved before integrity checks); loaded "
+                    "without verifying it")
+        return fmt, iter_dir, reason is None
+    if check_flags:
+        check_format_flags(TORCH_DIST, cfg, iter_dir)
+    if release:  # nothing to fall back to
+        reason = integrity.verify(iter_dir)
+        verified = reason is None
+        reason = _first_reason(None if reason == integrity.NO_MANIFEST else reason)
+        if reason is not None:
+            raise CheckpointError(f"checkpoint {iter_dir} is damaged: {reason}; restore it")
+        if not verified:
+            _print0(f"note: {iter_dir} has no {integrity.MANIFEST_NAME} (saved before integrity checks); loaded "
+                    "without verifying it")
+    else:
+        try:
+            chosen, verified = integrity.select_whole_folder(load_dir, iteration, not cfg.no_checkpoint_fallback,
+                                                             _first_reason, _print0, is_dist_folder)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+        iter_dir = _iteration_dir(load_dir, chosen, False)
+    try:
+        check_torch_dist(iter_dir)
+    except ConversionError as exc:
+        raise CheckpointFormatError(str(exc)) from None
+    return TORCH_DIST, iter_dir, verified
 
 
 @dataclasses.dataclass

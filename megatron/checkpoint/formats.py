@@ -24,7 +24,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint import integrity
 from megatron.errors import MegatronUserError
 from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.training_state import TOTALS, TrainingState
@@ -118,12 +117,10 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bo
     """(state besides the weights: args/iteration/..., architecture, our full flat TP=1 state dict, and with
     `optimizer` the optimizer state {state key: full flat dict} of a torch_dist folder, else {}); a T5 model's
     per-rank files need our model's TP `layouts`. `flags` (this run's architecture) stands in for the architecture
-    of a checkpoint that records none (Megatron-LM loads those with its command-line flags)."""
+    of a checkpoint that records none (Megatron-LM loads those with its command-line flags). The caller has checked
+    the folder against its manifest (checkpointing.py does before `load_foreign`)."""
     from megatron.checkpoint.conversion.interchange import ConversionError, state_dict_from_messages
 
-    reason = integrity.verify(iter_dir)
-    if reason is not None and reason != integrity.NO_MANIFEST:
-        raise CheckpointFormatError(f"checkpoint {iter_dir} is damaged: {reason}; restore it")
     try:
         if fmt == TORCH_DIST:
             from megatron.checkpoint.conversion.torch_dist import read_iteration_state
@@ -180,10 +177,10 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
         if "decoder" in ((last.get("model") or {}).get("language_model") or {}):  # T5
             from megatron.checkpoint.conversion.t5_format import read_t5
 
-            meta, messages = read_t5(save_dir, iteration=iteration, optimizer=optimizer)
-        else:
+            meta, messages = read_t5(save_dir, iteration=iteration, optimizer=optimizer, verify=False)
+        else:  # (verify=False: these files were just written and have no manifest yet; the save signs the result)
             meta, messages = read_megatron(save_dir, iteration=iteration, optimizer=optimizer,
-                                           model_type="BERT" if bert else "GPT")
+                                           model_type="BERT" if bert else "GPT", verify=False)
         keep = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens",
                 "opt_param_scheduler", "true_vocab_size", "padded_vocab_size", "train_loss", *TOTALS)
         extra = {k: first[k] for k in keep if k in first}

@@ -195,23 +195,47 @@ def select_deepspeed_tag(load_dir: str, latest_tag: str, fallback: bool, agree: 
         log(f"note: global_step(s) {', '.join(map(str, newer))} in {load_dir} are newer than 'latest' ({latest_tag}); "
             "not loaded: 'latest' marks the last committed checkpoint")
     candidates = [newest] + [it for it in iterations(load_dir, "deepspeed") if it < newest]
+    cand, _ = _first_intact(load_dir, candidates, "deepspeed", fallback, agree, log)
+    return f"global_step{cand}"
+
+
+def select_whole_folder(load_dir: str, newest: int, fallback: bool, agree: Callable[[Optional[str]], Optional[str]],
+                        log: Callable[[str], None] = print, eligible: Callable[[str], bool] = os.path.isdir
+                        ) -> tuple[int, bool]:
+    """(iteration, verified) of the newest ``iter_XXXXXXX`` at or below `newest` (the tracker's) whose files all
+    match its manifest, for a format every rank reads whole (torch_dist); older folders count only when `eligible`.
+    `verified` is False for a folder without a manifest (loaded with a note). Iterations newer than the tracker are
+    named in one note and never loaded (the tracker is the commit point). Raises ValueError with one line when none
+    verifies (or the newest does not and not `fallback`)."""
+    newer = sorted(it for it in iterations(load_dir) if it > newest)
+    if newer:
+        log(f"note: iteration(s) {', '.join(map(str, newer))} in {load_dir} are newer than the tracker's {newest} "
+            "(latest_checkpointed_iteration.txt); not loaded: the tracker marks the last committed checkpoint")
+    older = [it for it in iterations(load_dir) if it < newest and eligible(iteration_dir(load_dir, it))]
+    return _first_intact(load_dir, [newest] + older, "megatron", fallback, agree, log)
+
+
+def _first_intact(load_dir: str, candidates: list[int], layout: str, fallback: bool,
+                  agree: Callable[[Optional[str]], Optional[str]], log: Callable[[str], None]) -> tuple[int, bool]:
+    """(the first of `candidates` whose whole folder verifies on every rank, verified); ValueError as above."""
+    label = (lambda it: f"global_step{it}") if layout == "deepspeed" else (lambda it: f"iteration {it}")
     skipped: list[str] = []
     for cand in candidates:
-        tag_dir = iteration_dir(load_dir, cand, "deepspeed")
-        reason = verify(tag_dir)
+        folder = iteration_dir(load_dir, cand, layout)
+        reason = verify(folder)
         unverified = reason == NO_MANIFEST
         reason = agree(None if unverified else reason)
         if reason is None:
             if unverified:
-                log(f"note: {tag_dir} has no {MANIFEST_NAME} (saved before integrity checks); loading it without "
-                    "verifying it")
+                log(f"note: {folder} has no {MANIFEST_NAME} (saved before integrity checks); "
+                    "loaded without verifying it")
             if skipped:
-                log(f"WARNING: skipped damaged checkpoint(s) {'; '.join(skipped)} in {load_dir}; loading "
-                    f"global_step{cand}")
-            return f"global_step{cand}"
+                what = "checkpoint(s)" if layout == "deepspeed" else "checkpoint iteration(s)"
+                log(f"WARNING: skipped damaged {what} {'; '.join(skipped)} in {load_dir}; loading {label(cand)}")
+            return cand, not unverified
         if not fallback:
-            raise ValueError(f"checkpoint global_step{cand} in {load_dir} is damaged: {reason}; restore it, or drop "
+            raise ValueError(f"checkpoint {label(cand)} in {load_dir} is damaged: {reason}; restore it, or drop "
                              "--no-checkpoint-fallback to load the newest intact one")
-        skipped.append(f"global_step{cand} ({reason})")
+        skipped.append(f"{label(cand) if layout == 'deepspeed' else cand} ({reason})")
     raise ValueError(f"no intact checkpoint in --load {load_dir}: {'; '.join(skipped)}; restore one, or start "
                      "without --load")

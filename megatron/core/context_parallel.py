@@ -48,8 +48,9 @@ def _size_rank(group: Group) -> Tuple[int, int]:
 def check_cp_layout(seq_length: int, cp_size: int) -> None:
     """One-line error unless the sequence splits into 2 * cp_size equal chunks."""
     if cp_size > 1 and seq_length % (2 * cp_size) != 0:
-        raise ValueError(f"--seq-length ({seq_length}) must be divisible by 2 x --context-parallel-size "
-                         f"({2 * cp_size}): each context-parallel rank holds 2 of {2 * cp_size} equal chunks")
+        raise ValueError(f"--seq-length ({seq_length}) must be divisible by {2 * cp_size} (2 x "
+                         f"--context-parallel-size {cp_size}): each context-parallel rank holds 2 of {2 * cp_size} "
+                         "equal chunks")
 
 
 def cp_chunk_ids(cp_size: int, cp_rank: int) -> Tuple[int, int]:

@@ -23,6 +23,7 @@ data-parallel ranks of its (TP rank, PP stage), dp_rank = edp_rank * ep + ep_ran
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
@@ -215,6 +216,19 @@ class ParallelState:
     @property
     def dp_cp_size(self) -> int:
         return self.dp_size * self.cp_size
+
+    def forward_only_shard(self) -> tuple[int, int]:
+        """(index, count) for splitting forward-only work (evaluation, scoring) over the data-parallel ranks.
+
+        Data-parallel ranks that share an expert-parallel or expert-tensor-parallel group meet in every MoE layer's
+        collectives, so they must run the same batches: they get the same index (blocks of lcm(TP, ETP x EP) ranks
+        of a stage). Without expert groups this is (dp_rank, dp_size). Sums over the data-parallel group then count
+        each shard dp_size / count times.
+        """
+        if not self.expert_groups:
+            return self.dp_rank, self.dp_size
+        block = math.lcm(self.tp_size, (self.etp_size or self.tp_size) * self.ep_size) // self.tp_size
+        return self.dp_rank // block, self.dp_size // block
 
     @classmethod
     def single(cls) -> ParallelState:

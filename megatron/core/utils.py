@@ -1,10 +1,12 @@
-"""Small helpers shared by the parallel core: exact division with clear errors, viewless tensors, model unwrapping.
+"""Small helpers shared by the parallel core: exact division with clear errors, viewless tensors, model unwrapping,
+and switching sequence parallelism off for inference (`sequence_parallel_off`).
 
 Nothing here touches process groups or global arguments.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -83,3 +85,31 @@ def unwrap_model(model: Any, module_instances: tuple = ()) -> Any:
             m = m.module
         out.append(m)
     return out if return_list else out[0]
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(model: Any) -> Iterator[None]:
+    """Run `model` without the sequence split inside the block (what Megatron's inference does for generation).
+
+    Every submodule attribute ``sequence_parallel`` that is True, and ``config.sequence_parallel`` of every config
+    the modules hold, is set to False and restored on exit. The layers then run as plain tensor parallelism: each TP
+    rank holds the whole sequence, so a prompt or a one-token decoding step of any length works, and the numbers
+    are those of TP without SP (the weights do not depend on SP). Parameters' own ``sequence_parallel`` marks (for
+    gradient reduction) are left alone. Not for training: the grads of SP-marked parameters would be reduced twice.
+    """
+    chunks = model if isinstance(model, list) else [model]
+    flipped: list[Any] = []
+    seen: set[int] = set()
+    for chunk in chunks:
+        for module in chunk.modules():
+            for obj in (module, getattr(module, "config", None)):
+                if obj is not None and id(obj) not in seen and getattr(obj, "sequence_parallel", None) is True:
+                    seen.add(id(obj))
+                    flipped.append(obj)
+    for obj in flipped:
+        obj.sequence_parallel = False
+    try:
+        yield
+    finally:
+        for obj in flipped:
+            obj.sequence_parallel = True

@@ -17,6 +17,7 @@ import numpy as np
 from megatron.data.dataset_builder import build_train_valid_test_splits, documents_view
 from megatron.data.dataset_utils import (
     DatasetError,
+    check_no_empty_sentences,
     check_sentence_pairs,
     create_masked_lm_predictions,
     create_tokens_and_tokentypes,
@@ -52,6 +53,7 @@ class BertDataset(_TorchDataset):
             tokenizer, ("cls", "sep", "mask", "pad"), "BERT")
         if binary_head:
             check_sentence_pairs(indexed_dataset.doc_idx, data_prefix, name)
+        check_no_empty_sentences(indexed_dataset, data_prefix, name)
         self.samples_mapping = get_samples_mapping(indexed_dataset, data_prefix, num_epochs, max_num_samples,
                                                    max_seq_length - 3,  # [CLS], [SEP], [SEP]
                                                    short_seq_prob, seed, name, binary_head,

@@ -9,6 +9,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from megatron.process_guard import dataloader_worker_init
+
 
 def _check(total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
     if total_samples <= 0:
@@ -130,4 +132,5 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_bat
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                                       persistent_workers=False)
+                                       persistent_workers=False,
+                                       worker_init_fn=dataloader_worker_init if num_workers > 0 else None)

@@ -149,13 +149,18 @@ def index_cache_dirs(data_prefix: str, data_cache_path: Optional[str], *, for_se
     return dirs
 
 
-def first_writable_dir(dirs: Sequence[Path]) -> Path:
-    for d in dirs:
+def first_writable_dir(dirs: Sequence[Path], data_cache_path: Optional[str] = None) -> Path:
+    """The first of `dirs` this process can create and write into. When `data_cache_path` (--data-cache-path, the
+    first of `dirs`) is not usable, one note says where the caches go instead."""
+    for i, d in enumerate(dirs):
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError:
             continue
         if os.access(d, os.W_OK | os.X_OK):
+            if data_cache_path and i > 0:
+                print(f" > note: --data-cache-path {data_cache_path} is not a writable folder; the dataset index "
+                      f"cache goes to {d} instead", flush=True)
             return d
     raise RuntimeError(f"no writable directory for the dataset index cache (tried {', '.join(map(str, dirs))}); "
                        "pass --data-cache-path DIR with a directory you can write to")
@@ -291,7 +296,7 @@ def get_samples_mapping(indexed_dataset: Any, data_prefix: str, num_epochs: Opti
         return None
 
     def build() -> None:
-        out_dir = first_writable_dir([p.parent for p in write])
+        out_dir = first_writable_dir([p.parent for p in write], data_cache_path=data_cache_path)
         out = out_dir / Path(filename).name
         with file_lock(out_dir / f".{out.name}.lock"):
             if find(report=True) is not None:
@@ -341,6 +346,24 @@ def check_sentence_pairs(doc_idx: np.ndarray, data_prefix: str, name: str) -> No
             f"--data-path {data_prefix} ({name} split): no document has two or more sentences, so BERT's binary head "
             "gets no samples; preprocess with tools/preprocess_data.py --split-sentences (and use the "
             "_text_sentence prefix), or pass --bert-no-binary-head")
+
+
+def check_no_empty_sentences(indexed_dataset: Any, data_prefix: str, name: str) -> None:
+    """BERT's segments are made of whole sentences: a zero-length sentence can leave segment A empty (Megatron's
+    bare `assert len_a > 0` at some sample). One line naming the file, the document and the fix, before any sample."""
+    doc_idx = np.asarray(indexed_dataset.doc_idx, dtype=np.int64)
+    if len(doc_idx) < 2:
+        return
+    sizes = np.asarray(indexed_dataset.sizes)[doc_idx[0]:doc_idx[-1]]
+    empty = np.flatnonzero(sizes == 0)
+    if len(empty) == 0:
+        return
+    sentence = int(doc_idx[0] + empty[0])
+    document = int(np.searchsorted(doc_idx, sentence, side="right") - 1)
+    raise DatasetError(f"--data-path {data_prefix} ({name} split): {len(empty)} sentence(s) hold no tokens, the first "
+                       f"in document {document} of the split (sentence {sentence} of {data_prefix}.bin); BERT samples "
+                       "need non-empty sentences: preprocess again with tools/preprocess_data.py --split-sentences "
+                       "(it drops empty sentences)")
 
 
 def tokenizer_special_ids(tokenizer: Any, names: Sequence[str], model: str) -> list[int]:

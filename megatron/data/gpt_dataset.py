@@ -167,9 +167,10 @@ def _find_cache(search_dirs: Sequence[Path], desc_hash: str, report: bool = Fals
 
 def _build_and_save(dirs: Sequence[Path], search_dirs: Sequence[Path], desc: str, desc_hash: str,
                     documents: np.ndarray, sizes: np.ndarray,
-                    num_samples: int, seq_length: int, seed: int, tokens_per_epoch: int, num_epochs: int) -> None:
+                    num_samples: int, seq_length: int, seed: int, tokens_per_epoch: int, num_epochs: int,
+                    data_cache_path: Optional[str] = None) -> None:
     """Build the three index arrays and write them (under a file lock, so concurrent builders do it once)."""
-    out_dir = first_writable_dir(dirs)
+    out_dir = first_writable_dir(dirs, data_cache_path=data_cache_path)
     with file_lock(out_dir / f".{desc_hash}.lock"):
         if _find_cache(search_dirs, desc_hash, report=True) is None:
             _build_arrays_into(out_dir, desc, desc_hash, documents, sizes, num_samples, seq_length, seed,
@@ -232,7 +233,7 @@ def _build_index_mappings(name: str, data_prefix: str, documents: np.ndarray, si
 
     def build() -> None:
         _build_and_save(dirs, search_dirs, desc, desc_hash, documents, sizes, num_samples, seq_length, seed,
-                        tokens_per_epoch, num_epochs)
+                        tokens_per_epoch, num_epochs, data_cache_path)
 
     error: Optional[BaseException] = None
     if synchronize:

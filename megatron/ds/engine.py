@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from megatron import global_vars
+from megatron.checkpoint.atomic_io import DiskFullError, is_disk_full
 from megatron.checkpoint.checkpointing import (
     CHECKPOINT_VERSION,
     CheckpointError,
@@ -40,6 +41,11 @@ from megatron.run_configs.batch import BatchSettings
 from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.run_configs.deepspeed import DeepSpeedSettings
 from megatron.training_state import TrainingState
+
+# DeepSpeed picks the CPU accelerator on a machine without CUDA anyway, after logging a WARNING that it could not
+# detect one; naming its choice beforehand (unless DS_ACCELERATOR is set) keeps CPU runs free of that alarm.
+if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+    os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -328,11 +334,25 @@ def checkpoint_tag(iteration: int) -> str:
     return f"global_step{iteration}"
 
 
+def _engine_save(engine: Any, save_dir: str, tag_dir: str, iteration: int, client_state: dict) -> None:
+    """engine.save_checkpoint; a full disk (DeepSpeed writes with torch.save) is one line, not torch's traceback."""
+    try:
+        engine.save_checkpoint(save_dir, tag=checkpoint_tag(iteration), client_state=client_state)
+    except (OSError, RuntimeError) as exc:
+        folder = tag_dir if os.path.isdir(tag_dir) else save_dir
+        if is_disk_full(exc, folder):
+            raise DiskFullError(f"no space left on the device holding {folder} while DeepSpeed saved iteration "
+                                f"{iteration}: free space or save somewhere else; `latest` still names the previous "
+                                "checkpoint (the unfinished folder has no manifest and is skipped on load)") from None
+        raise
+
+
 def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any,
                               cfg: CheckpointSettings, architecture: Mapping[str, Any],
-                              saved_args: argparse.Namespace, run: TrainingState) -> None:
+                              saved_args: argparse.Namespace, run: TrainingState, sign: bool = True) -> None:
     """engine.save_checkpoint(<save>, tag=global_step{N}) with Megatron's state in client_state (collective):
-    `saved_args` as Megatron's ``args``, `architecture` as ours, `run`'s counters under Megatron's keys."""
+    `saved_args` as Megatron's ``args``, `architecture` as ours, `run`'s counters under Megatron's keys;
+    `sign=False`: no manifest.json (and no pruning, which needs a verified newest tag)."""
     del optimizer  # saved by the engine
     engine = model[0]
     save_dir = cfg.save
@@ -359,10 +379,10 @@ def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_p
         integrity.prepare_save(save_dir, tag_dir, print_rank_0)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    engine.save_checkpoint(save_dir, tag=checkpoint_tag(iteration), client_state=client_state)
+    _engine_save(engine, save_dir, tag_dir, iteration, client_state)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    if cfg.rank == 0:  # manifest last; DeepSpeed already moved `latest` (an unverified tag loads with a note)
+    if cfg.rank == 0 and sign:  # manifest last; DeepSpeed already moved `latest` (an unverified tag loads with a note)
         integrity.write_manifest(tag_dir)
         integrity.prune_after_save(save_dir, iteration, cfg.keep_last_n_checkpoints, print_rank_0,
                                    layout="deepspeed")

@@ -19,7 +19,8 @@ The one attention path selector is `CoreAttention.forward`:
   (a padding query: BERT, T5) gets Megatron's uniform softmax there too, as the mean of V;
 * else the explicit bmm / scaled-masked-softmax / dropout / bmm path.
 
-`describe_attention_path` gives the one line printed (rank 0, once per process) when the model is built.
+`describe_attention_path` gives the one line printed (rank 0, once per process) when the model is built (not for
+a weightless model built on the meta device, as conversion builds one to read the TP layouts).
 
 Under context parallelism (`set_context_parallel(cp_group)`, done by ParallelTransformer when
 `config.context_parallel_size` > 1) this rank holds two of the sequence's 2N chunks: RoPE rotates them at their true
@@ -215,7 +216,8 @@ class CoreAttention(MegatronModule):
         self.allow_sdpa = True
         self.deterministic_mode = config.deterministic_mode
         self.flash_attn_ready, message = describe_attention_path(config)
-        _announce(message)
+        if torch.empty(0).device.type != "meta":  # a weightless model (conversion's layouts) runs no attention
+            _announce(message)
 
     def _dropout_active(self) -> bool:
         return self.training and self.attention_dropout_prob > 0.0

@@ -7,7 +7,9 @@ Flow of `MoELayer.forward(hidden [s, b, h])`:
   The permutations are gathers forward and backward (megatron/model/moe_permute.py), equal to index_select/index_add.
 Under tensor parallelism (which needs sequence parallelism, as in Megatron-LM) the tokens of the TP group are
 all-gathered before the experts, every rank computes its slice of each expert's inner dimension, and the result is
-reduce-scattered back to the sequence split (Megatron-LM's allgather dispatcher with expert-TP = TP).
+reduce-scattered back to the sequence split (Megatron-LM's allgather dispatcher with expert-TP = TP). At inference
+sequence parallelism is off (megatron.core.utils.sequence_parallel_off): the TP ranks hold the same tokens, so there
+is no gather and the experts' partial sums are all-reduced.
 With --expert-tensor-parallel-size different from TP (`etp_group`, Megatron-LM core's expert-tensor-parallel group)
 the experts' inner dimension is split over `etp_group` instead, and the tokens are gathered / reduce-scattered over
 it (ETP = 1 under TP = 2: each rank runs whole experts on its own sequence slice); router, aux losses and the shared
@@ -386,7 +388,11 @@ class MoELayer(MegatronModule):
         seq_length, bsz, h = shape
         x = hidden_states.reshape(-1, h)
         probs, routing_map = self.router(x, seq_length, bsz)
-        if group_size(self.etp_group) > 1:
+        split_experts = group_size(self.etp_group) > 1
+        # Without SP (inference: megatron.core.utils.sequence_parallel_off) the TP ranks already hold the same
+        # tokens: no gather, and the experts' partial sums are all-reduced instead of reduce-scattered.
+        gather = split_experts and (self.sequence_parallel or self.etp_group is not self.tp_group)
+        if gather:
             x, probs = self._gather(x), self._gather(probs)
             with torch.no_grad():
                 routing_map = self._gather(routing_map.to(torch.int8)).bool()
@@ -396,8 +402,10 @@ class MoELayer(MegatronModule):
             out = self._alltoall(x, probs, routing_map)
         else:
             out = self._allgather(x, probs, routing_map)
-        if group_size(self.etp_group) > 1:
+        if gather:
             out = tensor_parallel.reduce_scatter_to_sequence_parallel_region(out, self.etp_group)
+        elif split_experts:
+            out = tensor_parallel.reduce_from_tensor_model_parallel_region(out, self.etp_group)
         out = out.view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)[0]

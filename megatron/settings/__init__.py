@@ -15,7 +15,7 @@ from megatron.settings.checkpointing import CheckpointingSettings
 from megatron.settings.data import DataSettings
 from megatron.settings.declare import ConfigField, Getter, Spec, add_group, flags_of, from_args, settings_of
 from megatron.settings.deepspeed import DeepSpeedSettings
-from megatron.settings.generation import TextGenerationServerSettings, TextGenerationSettings
+from megatron.settings.generation import RandomWeightsSettings, TextGenerationServerSettings, TextGenerationSettings
 from megatron.settings.logs import InferenceSettings, LoggingSettings
 from megatron.settings.model import NetworkSizeSettings
 from megatron.settings.moe import MoESettings
@@ -24,7 +24,8 @@ from megatron.settings.parallel import DistributedSettings, MixedPrecisionSettin
 from megatron.settings.tasks import EvalHarnessSettings, TasksSettings
 from megatron.settings.training import InitializationSettings, TrainingSettings, ValidationSettings
 
-__all__ = ["CORE_GROUPS", "ENTRY_GROUPS", "LAST_GROUPS", "ConfigField", "EvalHarnessSettings", "TasksSettings",
+__all__ = ["CORE_GROUPS", "ENTRY_GROUPS", "LAST_GROUPS", "ConfigField", "EvalHarnessSettings", "RandomWeightsSettings",
+           "TasksSettings",
            "TextGenerationServerSettings", "TextGenerationSettings", "add_core_groups", "add_group", "add_last_groups",
            "all_settings", "flags_of",
            "architecture_fields", "config_fields", "family_only", "filled_if_unset", "flag_hints", "from_args",
@@ -41,7 +42,7 @@ LAST_GROUPS: Tuple[type, ...] = (DeepSpeedSettings,)
 # The groups entry scripts add themselves (their extra_args_provider calls add_group): tasks/main.py,
 # tasks/eval_harness/evaluate.py, tools/generate_samples_gpt.py, tools/run_text_generation_server.py.
 ENTRY_GROUPS: Tuple[type, ...] = (TasksSettings, EvalHarnessSettings, TextGenerationSettings,
-                                  TextGenerationServerSettings)
+                                  TextGenerationServerSettings, RandomWeightsSettings)
 
 
 def add_core_groups(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

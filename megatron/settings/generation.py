@@ -1,4 +1,5 @@
-"""The settings tools/generate_samples_gpt.py and tools/run_text_generation_server.py add to Megatron's."""
+"""The settings tools/generate_samples_gpt.py and tools/run_text_generation_server.py add to Megatron's (and the
+random-weights opt-in tasks/main.py and tasks/eval_harness/evaluate.py add too)."""
 from __future__ import annotations
 
 import dataclasses
@@ -53,6 +54,14 @@ class TextGenerationServerSettings:
     request_timeout: float = setting("--request-timeout", default=300.0,
         help="Seconds a request may wait for its turn (else HTTP 503) and a client may stall mid-request.",
         read_by="tools/run_text_generation_server.py")
+
+
+@dataclasses.dataclass
+class RandomWeightsSettings:
+    """--help group "random weights": the one opt-in of the server, generation and evaluation for running without
+    --load (they refuse otherwise)."""
+
+    TITLE: ClassVar[str] = "random weights"
     allow_random_weights: bool = setting("--allow-random-weights", default=False,
-        help="Serve without --load (an untrained, randomly initialised model); refused otherwise.",
-        read_by="tools/run_text_generation_server.py")
+        help="Run without --load on an untrained, randomly initialised model (serving, generation, evaluation); "
+             "refused otherwise.", read_by="tools/run_text_generation_server.py")

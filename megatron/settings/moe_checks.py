@@ -6,7 +6,8 @@ are same-result variants; the rest are refused at start-up with one line (their 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import math
+from typing import Any, Optional
 
 from megatron.errors import ArgumentError
 
@@ -29,6 +30,7 @@ def validate_moe_args(args: argparse.Namespace) -> None:
         return
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size  # Megatron-LM's default
+    check_moe_values(args)
     if args.moe_router_load_balancing_type == "global_aux_loss":
         raise ArgumentError("--moe-router-load-balancing-type global_aux_loss is not implemented; use aux_loss, "
                             "seq_aux_loss, sinkhorn or none")
@@ -81,3 +83,47 @@ def _check_expert_tensor_parallel(args: Any, tp: int, etp: int, ep: int) -> None
     if (getattr(args, "context_parallel_size", 1) or 1) > 1:
         raise ArgumentError("--expert-tensor-parallel-size different from --tensor-model-parallel-size with "
                             "--context-parallel-size > 1 is not implemented")
+
+
+def _finite(flag: str, value: Optional[float], low: float = 0.0, low_ok: bool = True) -> None:
+    """A real coefficient: finite and at least (or above) `low`; None passes (not set)."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < low or (value == low and not low_ok):
+        bound = f">= {low:g}" if low_ok else f"> {low:g}"
+        raise ArgumentError(f"{flag} must be a finite number {bound} (got {value})")
+
+
+def _check_layer_freq(freq: Any, num_layers: Optional[int]) -> None:
+    if isinstance(freq, list):
+        if num_layers is not None and len(freq) != num_layers:
+            raise ArgumentError(f"--moe-layer-freq gives {len(freq)} layers but --num-layers is {num_layers}: "
+                                "give one 0/1 per layer (e.g. \"([1]*3+[0]*1)*N\")")
+        if not any(freq):
+            raise ArgumentError("--moe-layer-freq has no MoE layer (all 0): drop --num-experts for a dense model")
+    elif freq < 1:
+        raise ArgumentError(f"--moe-layer-freq must be >= 1 (an MoE layer every N layers) or a 0/1 list (got {freq})")
+
+
+def check_moe_values(args: argparse.Namespace) -> None:
+    """With --num-experts: counts, sizes and coefficients that cannot train are one line each at start-up (not a
+    traceback at model build or a nan at the first step)."""
+    experts, topk = args.num_experts, args.moe_router_topk
+    if experts < 1:
+        raise ArgumentError(f"--num-experts must be >= 1 (got {experts}); drop it for a dense model")
+    if not 1 <= topk <= experts:
+        raise ArgumentError(f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})")
+    for flag, dest in (("--expert-model-parallel-size", "expert_model_parallel_size"),
+                       ("--expert-tensor-parallel-size", "expert_tensor_parallel_size"),
+                       ("--moe-ffn-hidden-size", "moe_ffn_hidden_size"),
+                       ("--moe-shared-expert-intermediate-size", "moe_shared_expert_intermediate_size")):
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            raise ArgumentError(f"{flag} must be positive (got {value})")
+    _check_layer_freq(args.moe_layer_freq, args.num_layers)
+    _finite("--moe-expert-capacity-factor", args.moe_expert_capacity_factor, low_ok=False)
+    if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
+        raise ArgumentError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    _finite("--moe-aux-loss-coeff", args.moe_aux_loss_coeff)
+    _finite("--moe-z-loss-coeff", args.moe_z_loss_coeff)
+    _finite("--moe-router-topk-scaling-factor", args.moe_router_topk_scaling_factor, low_ok=False)

@@ -4,7 +4,9 @@ Prompts of different lengths are left-aligned in one [b, prompt_max + tokens_to_
 the shortest prompt and, at each position, rows still inside their prompt keep their own token while the others take
 the sampled one. With the KV cache (default) each step feeds only the new positions; `use_kv_cache=False` recomputes
 the whole prefix every step (Megatron's --recompute). Under tensor parallelism the logits are gathered over the TP
-group and the sampled tokens are broadcast from TP rank 0, so every TP rank holds identical tokens.
+group and the sampled tokens are broadcast from TP rank 0, so every TP rank holds identical tokens. Sequence
+parallelism (needed by MoE under TP) is switched off while generating (megatron.core.utils.sequence_parallel_off),
+as in Megatron's inference: prompts and one-token steps need not be multiples of TP.
 
 Under pipeline parallelism every step runs through the stages: stage i receives the [s, b, h] hidden states of the
 step from stage i-1 (P2PCommunicator), runs its layers with its own KV cache and sends them on; the last stage
@@ -24,6 +26,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.pipelined import tensor_shape_for
 from megatron.core.tensor_parallel.mappings import all_gather_along_dim, group_size
+from megatron.core.utils import sequence_parallel_off
 from megatron.core.utils import unwrap_model as _unwrapped
 from megatron.model.inference_params import InferenceParams
 from megatron.models.gpt.model import GPTModel
@@ -37,6 +40,7 @@ class GenerationOutput:
     tokens: torch.Tensor
     lengths: torch.Tensor
     logprobs: Optional[torch.Tensor]
+    cancelled: bool = False  # `should_stop` ended the decoding early (every rank alike)
 
 
 
@@ -140,12 +144,16 @@ def generate_tokens(
     tp_group: Any = None,
     state: Any = None,
     on_step: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
+    should_stop: Optional[Callable[[], bool]] = None,
 ) -> GenerationOutput:
     """Generate up to `tokens_to_generate` tokens after each prompt (lists of token ids, each non-empty).
 
     Row i ends after its own `tokens_to_generate` tokens, or at its first eod / stop token (included in its length)
     when `use_eod_token_for_early_termination`; decoding stops once every row has ended. `on_step(tokens, lengths)`
     (streaming) is called after every decoding step with the tokens so far [b, n] and each row's current length.
+    `should_stop()` (the server: has the client gone?) is called after every step on every rank and must answer the
+    same on all of them; True ends the decoding there (`cancelled`). Sequence parallelism is off while generating
+    (`sequence_parallel_off`): prompts and one-token steps of any length run under TP + SP.
     """
     check_sampling_args(top_k, top_p, temperature)
     if not prompt_tokens or any(len(p) == 0 for p in prompt_tokens):
@@ -187,48 +195,52 @@ def generate_tokens(
 
     was_training = model.training
     model.eval()
-    prev, cur = 0, min_len
-    try:
-        if logprobs is not None and max_len == min_len and max_len > 1:
-            # Nothing to generate and no prompt is shorter than another: the loop below never runs, so score the
-            # prompts in one full forward (the server's `tokens_to_generate: 0, logprobs: true`).
-            logits = step_logits(tokens, positions, causal, None, False)
-            if last_stage:
-                lp = torch.log_softmax(logits, dim=-1)
-                logprobs.copy_(lp[:, :-1].gather(2, tokens[:, 1:].unsqueeze(2)).squeeze(2))
-        for cur in range(min_len, max_len):
-            start = prev if use_kv_cache else 0
-            if inference_params is not None:
-                inference_params.sequence_len_offset = start
-            logits = step_logits(tokens[:, start:cur], positions[:, start:cur], causal[..., start:cur, :cur],
-                                 inference_params, logprobs is None)  # [b, 1 or cur - start, v]; None off last stage
-            if last_stage:
-                new = sample(logits[:, -1, :], greedy=greedy, top_k=top_k, top_p=top_p, temperature=temperature,
-                             vocab_size=vocab_size, generator=generator)
-                new = _broadcast_from_tp_rank0(new.contiguous(), tp_group)
-            else:
-                new = torch.empty(batch, dtype=torch.long, device=device)
-            new = _broadcast_from_last_stage(new, pp)
-            started = lengths <= cur
-            tokens[started, cur] = new[started]
-            if logprobs is not None and last_stage:
-                lp = torch.log_softmax(logits, dim=-1)
-                targets = tokens[:, prev + 1 : cur + 1]
-                logprobs[:, prev:cur] = lp[:, -(cur - prev):, :].gather(2, targets.unsqueeze(2)).squeeze(2)
-            if use_eod_token_for_early_termination:
-                just_done = started & ~is_done & torch.isin(tokens[:, cur], stop_ids)
-                out_lengths[just_done] = cur + 1
-                is_done |= just_done
-            is_done |= out_lengths <= cur + 1
-            prev = cur
-            if on_step is not None:
-                on_step(tokens[:, : cur + 1], out_lengths.clamp(max=cur + 1))
-            if bool(is_done.all()):
-                break
-    finally:
-        if pp is not None:
-            _unwrapped(model).set_input_tensor(None)
-        model.train(was_training)
+    prev, cur, cancelled = 0, min_len, False
+    with sequence_parallel_off(model):  # each TP rank runs the whole sequence (any length)
+        try:
+            if logprobs is not None and max_len == min_len and max_len > 1:
+                # Nothing to generate and no prompt is shorter than another: the loop below never runs, so score the
+                # prompts in one full forward (the server's `tokens_to_generate: 0, logprobs: true`).
+                logits = step_logits(tokens, positions, causal, None, False)
+                if last_stage:
+                    lp = torch.log_softmax(logits, dim=-1)
+                    logprobs.copy_(lp[:, :-1].gather(2, tokens[:, 1:].unsqueeze(2)).squeeze(2))
+            for cur in range(min_len, max_len):
+                start = prev if use_kv_cache else 0
+                if inference_params is not None:
+                    inference_params.sequence_len_offset = start
+                logits = step_logits(tokens[:, start:cur], positions[:, start:cur], causal[..., start:cur, :cur],
+                                     inference_params, logprobs is None)  # [b, 1 or cur - start, v]; None off last stage
+                if last_stage:
+                    new = sample(logits[:, -1, :], greedy=greedy, top_k=top_k, top_p=top_p, temperature=temperature,
+                                 vocab_size=vocab_size, generator=generator)
+                    new = _broadcast_from_tp_rank0(new.contiguous(), tp_group)
+                else:
+                    new = torch.empty(batch, dtype=torch.long, device=device)
+                new = _broadcast_from_last_stage(new, pp)
+                started = lengths <= cur
+                tokens[started, cur] = new[started]
+                if logprobs is not None and last_stage:
+                    lp = torch.log_softmax(logits, dim=-1)
+                    targets = tokens[:, prev + 1 : cur + 1]
+                    logprobs[:, prev:cur] = lp[:, -(cur - prev):, :].gather(2, targets.unsqueeze(2)).squeeze(2)
+                if use_eod_token_for_early_termination:
+                    just_done = started & ~is_done & torch.isin(tokens[:, cur], stop_ids)
+                    out_lengths[just_done] = cur + 1
+                    is_done |= just_done
+                is_done |= out_lengths <= cur + 1
+                prev = cur
+                if on_step is not None:
+                    on_step(tokens[:, : cur + 1], out_lengths.clamp(max=cur + 1))
+                if bool(is_done.all()):
+                    break
+                if should_stop is not None and should_stop():
+                    cancelled = True
+                    break
+        finally:
+            if pp is not None:
+                _unwrapped(model).set_input_tensor(None)
+            model.train(was_training)
     if logprobs is not None:
         logprobs = _broadcast_from_last_stage(logprobs.contiguous(), pp)
     final_len = cur + 1 if max_len > min_len else max_len
@@ -236,7 +248,7 @@ def generate_tokens(
     tokens = tokens[:, :final_len]
     if logprobs is not None:
         logprobs = logprobs[:, : final_len - 1]
-    return GenerationOutput(tokens=tokens, lengths=out_lengths, logprobs=logprobs)
+    return GenerationOutput(tokens=tokens, lengths=out_lengths, logprobs=logprobs, cancelled=cancelled)
 
 
 def _eol_ids(tokenizer: Any) -> list[int]:
@@ -270,12 +282,14 @@ def generate(
     eod_id: Optional[int] = None,
     tp_group: Any = None,
     state: Any = None,
+    should_stop: Optional[Callable[[], bool]] = None,
 ) -> dict:
     """Generate continuations of text prompts (needs `tokenizer`) or token-id prompts (tokenizer may be None).
 
     Returns dict(tokens=list of token lists (prompt + generation, cut at each row's length), lengths=list[int],
     text=list[str] or None, segments=list of per-token strings or None, logprobs=list of per-token log-probs
-    (len = length - 1; entry j is log p(token j+1 | tokens ..j)) or None). Every TP and PP rank gets the same result.
+    (len = length - 1; entry j is log p(token j+1 | tokens ..j)) or None, cancelled=whether `should_stop` ended it
+    early; see `generate_tokens`). Every TP and PP rank gets the same result.
     """
     if isinstance(prompts, (str, bytes)):
         raise ValueError("prompts must be a list of strings or of token-id lists, not a single string")
@@ -301,6 +315,7 @@ def generate(
         top_k=top_k, top_p=top_p, temperature=temperature, greedy=greedy,
         use_eod_token_for_early_termination=use_eod_token_for_early_termination, stop_token_ids=stop_ids,
         random_seed=random_seed, use_kv_cache=use_kv_cache, vocab_size=vocab_size, tp_group=tp_group, state=state,
+        should_stop=should_stop,
     )
     lengths = [int(n) for n in out.lengths.tolist()]
     token_lists = [row[:n] for row, n in zip(out.tokens.tolist(), lengths)]
@@ -311,4 +326,5 @@ def generate(
     logprobs = None
     if out.logprobs is not None:
         logprobs = [row[: n - 1] for row, n in zip(out.logprobs.tolist(), lengths)]
-    return dict(tokens=token_lists, lengths=lengths, text=text, segments=segments, logprobs=logprobs)
+    return dict(tokens=token_lists, lengths=lengths, text=text, segments=segments, logprobs=logprobs,
+                cancelled=out.cancelled)

@@ -11,6 +11,7 @@ from megatron.arguments import core_transformer_config_from_args
 from megatron.checkpoint.args import architecture_from_args
 from megatron.checkpoint.checkpointing import read_checkpoint
 from megatron.core import parallel_state as ps
+from megatron.core.rank_print import print_rank_0
 from megatron.errors import MegatronUserError
 from megatron.model import GPTModel, ModelType
 from megatron.run_configs.checkpoint import CheckpointSettings
@@ -45,6 +46,17 @@ def require_checkpoint(load_dir: str) -> None:
                                  f"{load_dir.rstrip('/')}_megatron, then --load {load_dir.rstrip('/')}_megatron")
     raise InferenceLoadError(f"--load {load_dir} holds no checkpoint (no {TRACKER_FILENAME}); point --load at a "
                              "folder written by --save (inference will not run with random weights)")
+
+
+def refuse_random_weights(load: Optional[str], allow_random_weights: bool, what: str) -> None:
+    """No --load: one-line InferenceLoadError unless --allow-random-weights (the server's opt-in); with the opt-in,
+    a warning. `what` names the run ("generation", "evaluation")."""
+    if load:
+        return
+    if not allow_random_weights:
+        raise InferenceLoadError(f"no --load: {what} would run on random weights; pass --load CHECKPOINT_DIR (a "
+                                 "folder written by --save), or --allow-random-weights to use an untrained model")
+    print_rank_0(f"WARNING: no --load given (--allow-random-weights): {what} runs on randomly initialised weights")
 
 
 def _refuse_virtual_stages(virtual_stages: Optional[int], state: ps.ParallelState) -> None:

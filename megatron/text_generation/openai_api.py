@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron.text_generation.disconnect import client_gone
 from megatron.text_generation.generation import generate_tokens
 from megatron.text_generation.http_limits import MAX_JSON_DEPTH, json_depth
 from megatron.text_generation.scoring import score_tokens
@@ -203,24 +204,29 @@ class OpenAICompletions:
                 ids.append(int(toks[0]))
         return ids
 
-    def run(self, req: dict, on_step: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> list[dict]:
+    def run(self, req: dict, on_step: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
+            should_stop: Optional[Callable[[], bool]] = None) -> list[dict]:
         """Generate (and score) on every rank; the raw per-prompt results (tokens, scores) used by `response`.
 
-        `on_step(tokens, lengths)` (rank 0, streaming) sees the tokens after every decoding step.
+        `on_step(tokens, lengths)` (rank 0, streaming) sees the tokens after every decoding step; `should_stop`
+        (the server's StopCheck, on every rank) ends a request whose client left: no scoring pass follows then.
         """
         prompts, max_tokens = req["prompts"], req["max_tokens"]
+        cancelled = False
         if max_tokens > 0:
             greedy = req["temperature"] == 0.0
             out = generate_tokens(
                 self.model, prompts, max_tokens, eod_id=self.eod, greedy=greedy,
                 temperature=1.0 if greedy else req["temperature"], top_k=req["top_k"],
                 top_p=0.0 if req["top_p"] >= 1.0 else req["top_p"], stop_token_ids=self._stop_token_ids(req["stop"]),
-                random_seed=req["seed"] % 2**62, vocab_size=self.vocab_size, state=self.state, on_step=on_step)
+                random_seed=req["seed"] % 2**62, vocab_size=self.vocab_size, state=self.state, on_step=on_step,
+                should_stop=should_stop)
             seqs = [row[:n] for row, n in zip(out.tokens.tolist(), out.lengths.tolist())]
+            cancelled = out.cancelled
         else:
             seqs = [list(p) for p in prompts]
         results = [{"prompt": p, "generated": s[len(p):]} for p, s in zip(prompts, seqs)]
-        if req["logprobs"] is not None:
+        if req["logprobs"] is not None and not cancelled:
             starts = [1 if req["echo"] else len(p) for p in prompts]
             todo = [i for i, (s, a) in enumerate(zip(seqs, starts)) if a < len(s)]
             scored = score_tokens(self.model, [seqs[i] for i in todo], vocab_size=self.vocab_size,
@@ -385,13 +391,20 @@ def handle_http(server: Any, handler: Any) -> None:
         server.lock.release()
         send(HTTPStatus.SERVICE_UNAVAILABLE, error_body("the server is shutting down", kind="server_error"))
         return
+    gone = _client_test(handler)
+    if gone():
+        server.lock.release()
+        server.log("openai completion dropped: the client left while it waited for its turn")
+        handler.close_connection = True
+        return
     if req["stream"]:
         _stream(server, api, handler, req)  # releases the lock
         return
+    stop = server.stop_check(gone)
     try:
         server.log(f"openai completion: {len(req['prompts'])} prompt(s), max_tokens={req['max_tokens']}")
         server._broadcast(("openai", req))
-        results = api.run(req)
+        results = api.run(req, should_stop=stop)
     except ValueError as exc:  # generation's own input checks fail alike on every rank
         server.lock.release()
         send(HTTPStatus.BAD_REQUEST, error_body(str(exc)))
@@ -402,15 +415,25 @@ def handle_http(server: Any, handler: Any) -> None:
         send(HTTPStatus.INTERNAL_SERVER_ERROR, error_body(f"generation failed: {exc}", kind="server_error"))
         return
     server.lock.release()
+    if stop.cancelled:
+        server.note_cancelled(stop, "openai completion")
+        handler.close_connection = True
+        return
     send(HTTPStatus.OK, api.response(req, results))
+
+
+def _client_test(handler: Any) -> Callable[[], bool]:
+    """`gone()` for the client of `handler`: its connection closed, or (streaming) its stream dropped."""
+    connection = getattr(handler, "connection", None)
+    return lambda: client_gone(connection)
 
 
 def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict) -> None:
     """Server-sent events: text chunks while the tokens are generated, then each choice's finish_reason (and
     logprobs), optionally the usage, then `data: [DONE]`. Called holding the server lock; releases it when the
     generation ends. The socket is written by a StreamWriter thread, never under the lock: a client that does not
-    read stalls only itself and is dropped after the stall timeout. A client that goes away does not stop the
-    generation (every rank takes part in it); its events are dropped."""
+    read stalls only itself and is dropped after the stall timeout. A client that goes away (its connection closed,
+    or its stream dropped) stops the generation at the next decoding step on every rank (StopCheck)."""
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     try:
         handler.send_response(HTTPStatus.OK)
@@ -439,9 +462,11 @@ def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict) -> Non
             for i, (row, n) in enumerate(zip(tokens.tolist(), lengths.tolist())):
                 streams[i].feed(row[prompt_lengths[i]: n])
 
+        connection_gone = _client_test(handler)
+        stop = server.stop_check(lambda: out.broken or connection_gone())
         server.log(f"openai completion (stream): {len(req['prompts'])} prompt(s), max_tokens={req['max_tokens']}")
         server._broadcast(("openai", req))
-        results = api.run(req, on_step=on_step)
+        results = api.run(req, on_step=on_step, should_stop=stop)
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream, keep serving
         server.lock.release()
         server.log(f"server: openai completion failed: {exc!r}")
@@ -450,6 +475,10 @@ def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict) -> Non
         out.close()
         return
     server.lock.release()
+    if stop.cancelled:
+        server.note_cancelled(stop, "openai completion (stream)")
+        out.close()
+        return
     body = api.response(req, results)
     for stream, choice in zip(streams, body["choices"]):
         stream.finish(choice["text"])
@@ -463,4 +492,4 @@ def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict) -> Non
 
 def run_on_worker(server: Any, req: dict) -> None:
     """Non-zero ranks: take part in one broadcast OpenAI request."""
-    server.openai.run(req)
+    server.openai.run(req, should_stop=server.stop_check())

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron.core import parallel_state as ps
+from megatron.core.utils import sequence_parallel_off
 from megatron.text_generation.generation import (
     _broadcast_from_last_stage,
     _pipeline_step_logits,
@@ -57,9 +58,10 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, state: Optional[ps
     was_training = model.training
     model.eval()
     try:
-        if pp is None:
-            return _step_logits(model, ids, pos, mask, None, False, tp_group, rows)
-        return _pipeline_step_logits(model, ids, pos, mask, None, False, tp_group, pp, rows)
+        with sequence_parallel_off(model):  # any length under TP + SP, as in generation
+            if pp is None:
+                return _step_logits(model, ids, pos, mask, None, False, tp_group, rows)
+            return _pipeline_step_logits(model, ids, pos, mask, None, False, tp_group, pp, rows)
     finally:
         if pp is not None:
             _unwrapped(model).set_input_tensor(None)

@@ -7,6 +7,11 @@ the checked request to the other ranks with `broadcast_object_list`, and all ran
 in `worker_loop()` until rank 0 broadcasts "stop" (graceful shutdown); while idle, rank 0 broadcasts a heartbeat so
 the workers' collective never reaches the process group's timeout.
 
+Cancel on disconnect: a request whose client has gone (closed or reset its connection, or, while streaming, stopped
+reading for the stall timeout) stops generating so the next request is served. Rank 0 asks `client_gone` after every
+decoding step and broadcasts the answer over the server's group (`StopCheck`), so every rank leaves the decoding loop
+at the same step; a request whose client left while it waited for its turn is dropped before it reaches the others.
+
 `build_server` also serves OpenAI-style `POST /v1/completions` and `GET /v1/models` (megatron/text_generation/
 openai_api.py), broadcast to the other ranks as ("openai", request) the same way.
 
@@ -31,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.text_generation import openai_api
+from megatron.text_generation.disconnect import StopCheck, client_gone
 from megatron.text_generation.http_limits import MAX_JSON_DEPTH, json_depth  # noqa: F401  (re-exported)
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -39,6 +45,9 @@ DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEFAULT_MAX_PROMPTS = 128
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # longest a request may wait for its turn (503 after), and a client may stall
 LISTEN_BACKLOG = 128  # pending connections the kernel queues (the standard library's 5 resets bursts of clients)
+CLIENT_CLOSED = 499  # handle_payload's status for a request whose client went away (nothing is sent back)
+
+
 class _HTTPServer(ThreadingHTTPServer):
     request_queue_size = LISTEN_BACKLOG
     daemon_threads = True
@@ -240,6 +249,8 @@ class MegatronServer:
         self._stopped = False
         self._idle = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self.cancelled_requests = 0  # requests stopped because their client left (rank 0)
+        self.last_cancel_steps: Optional[int] = None  # decoding steps the last of them ran
 
     # -- collectives -------------------------------------------------------------------------------------------
     def _distributed(self) -> bool:
@@ -251,8 +262,21 @@ class MegatronServer:
             dist.broadcast_object_list(box, src=self.src_rank, group=self.group)
         return box[0]
 
-    def _run_generate(self, request: dict) -> dict:
-        return self.generate_fn(request["prompts"], request["tokens_to_generate"], **request["options"])
+    def stop_check(self, gone: Callable[[], bool] = lambda: False) -> StopCheck:
+        """The per-step cancel decision of one request (rank 0 passes its client test; the other ranks listen)."""
+        return StopCheck(gone, self.group, self.src_rank, self._distributed())
+
+    def note_cancelled(self, stop: StopCheck, what: str) -> None:
+        """Count and log a request that `stop` ended because its client left."""
+        self.cancelled_requests += 1
+        self.last_cancel_steps = stop.steps
+        self.log(f"{what} cancelled after {stop.steps} decoding step(s): the client closed the connection")
+
+    def _run_generate(self, request: dict, stop: StopCheck) -> dict:
+        options = dict(request["options"])
+        if self.accepted is None or "should_stop" in self.accepted:
+            options["should_stop"] = stop
+        return self.generate_fn(request["prompts"], request["tokens_to_generate"], **options)
 
     def worker_loop(self) -> None:
         """Non-zero ranks: run every broadcast request until rank 0 says stop."""
@@ -262,18 +286,22 @@ class MegatronServer:
                 return
             if kind == "generate":
                 try:
-                    self._run_generate(request)
+                    self._run_generate(request, self.stop_check())
                 except Exception as exc:  # noqa: BLE001 - rank 0 reports it; keep serving
                     self.log(f"server worker: generate failed: {exc}")
             elif kind == "openai" and self.openai is not None:
                 try:
-                    self.openai.run(request)
+                    self.openai.run(request, should_stop=self.stop_check())
                 except Exception as exc:  # noqa: BLE001 - rank 0 reports it; keep serving
                     self.log(f"server worker: openai completion failed: {exc}")
 
     # -- request handling (rank 0) -----------------------------------------------------------------------------
-    def handle_payload(self, payload: Any) -> tuple[int, dict]:
-        """Validate, broadcast and run one decoded request; returns (HTTP status, JSON body)."""
+    def handle_payload(self, payload: Any, gone: Callable[[], bool] = lambda: False) -> tuple[int, dict]:
+        """Validate, broadcast and run one decoded request; returns (HTTP status, JSON body).
+
+        `gone()`: has the client disconnected? Checked before the request reaches the other ranks and after every
+        decoding step; a gone client gets status CLIENT_CLOSED (nothing to send) and the generation stops there.
+        """
         try:
             request = validate_request(payload, count_tokens=self.count_tokens,
                                        max_sequence_length=self.max_sequence_length,
@@ -294,12 +322,16 @@ class MegatronServer:
         try:
             if self._stopped:
                 return int(HTTPStatus.SERVICE_UNAVAILABLE), {"message": "the server is shutting down"}
+            if gone():
+                self.log("request dropped: the client left while it waited for its turn")
+                return CLIENT_CLOSED, {"message": "client closed the connection"}
             if not request["no_log"]:
                 self.log(f"request: {len(request['prompts'])} prompt(s), "
                          f"tokens_to_generate={request['tokens_to_generate']}, options={options}")
             self._broadcast(("generate", request))
+            stop = self.stop_check(gone)
             try:
-                result = self._run_generate(request)
+                result = self._run_generate(request, stop)
             except ValueError as exc:  # generate's own input checks (they fail alike on every rank)
                 return int(HTTPStatus.BAD_REQUEST), {"message": str(exc)}
             except Exception as exc:  # noqa: BLE001 - answer the client, keep serving
@@ -307,6 +339,9 @@ class MegatronServer:
                 return int(HTTPStatus.INTERNAL_SERVER_ERROR), {"message": f"generation failed: {exc}"}
         finally:
             self.lock.release()
+        if stop.cancelled:
+            self.note_cancelled(stop, "request")
+            return CLIENT_CLOSED, {"message": "client closed the connection"}
         body = {"text": result.get("text"), "segments": result.get("segments"),
                 "logprobs": result.get("logprobs") if options.get("return_output_log_probs") else None}
         return int(HTTPStatus.OK), _jsonable(body)
@@ -425,7 +460,10 @@ def _make_handler(server: MegatronServer) -> type:
             except (UnicodeDecodeError, ValueError) as exc:
                 self._json(HTTPStatus.BAD_REQUEST, {"message": f"the request body is not valid JSON: {exc}"})
                 return
-            status, body = server.handle_payload(payload)
+            status, body = server.handle_payload(payload, lambda: client_gone(self.connection))
+            if status == CLIENT_CLOSED:
+                self.close_connection = True  # nobody to answer
+                return
             self._json(status, body)
 
         do_POST = do_PUT  # noqa: N815 - convenience alias

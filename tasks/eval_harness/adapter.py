@@ -14,7 +14,7 @@
 Parallelism: every rank runs lm-eval with all requests (lm-eval sees one process); the scoring forward is
 megatron/text_generation/scoring.py (the generation stack's forward: logits gathered over TP, stage-to-stage under
 PP, float64 log-softmax over the real vocabulary). The sorted requests are dealt round-robin to the data-parallel
-ranks; under PP the last stage computes the answers and broadcasts them over the pipeline group; the answers are
+ranks (the ranks of one expert-parallel group alike); under PP the last stage computes the answers and broadcasts them over the pipeline group; the answers are
 all-gathered over the data-parallel group and put back in request order, so every rank returns the same list.
 
 lm-eval is imported here at module level: import this module through `tasks.eval_harness.require_lm_eval()` (or
@@ -129,7 +129,10 @@ class MegatronLM(TemplateLM):
         return tqdm(total=total, desc=desc, disable=not show, file=sys.stderr, dynamic_ncols=True)
 
     def _my_share(self, order: list[int]) -> list[int]:
-        return order[self.state.dp_rank::self.state.dp_size]
+        """This rank's requests; under expert parallelism the ranks of one expert group get the same ones (their
+        MoE layers exchange tokens in every forward, so their batches and decoding steps must match)."""
+        shard, shards = self.state.forward_only_shard()
+        return order[shard::shards]
 
     def _gather(self, answers: dict[int, Any], n: int) -> list[Any]:
         """Answers of every data-parallel rank, in request order."""
@@ -166,7 +169,7 @@ class MegatronLM(TemplateLM):
                                   width=None if self.adaptive_seq_len else self.max_length, state=self.state)
             for i, sc in zip(members, scored):
                 answers[i] = sequence_logprob(sc)
-            bar.update(len(members) * self.state.dp_size)
+            bar.update(len(members) * self.state.forward_only_shard()[1])
         bar.close()
         results = self._gather(answers, len(requests))
         for (key, _, _), ans in zip(requests, results):
@@ -255,7 +258,7 @@ class MegatronLM(TemplateLM):
                 chunk = mine[start: start + self.batch_size]
                 for i, text in zip(chunk, self._generate_batch([args[i][0] for i in chunk], normalized[chunk[0]])):
                     answers[i] = text
-                bar.update(len(chunk) * self.state.dp_size)
+                bar.update(len(chunk) * self.state.forward_only_shard()[1])
         bar.close()
         results = self._gather(answers, len(args))
         for a, text in zip(args, results):

@@ -20,7 +20,7 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir, os.path.pardir)))
 
 from megatron.errors import MegatronUserError, exit_on_user_error  # noqa: E402
-from megatron.settings import EvalHarnessSettings, add_group  # noqa: E402
+from megatron.settings import EvalHarnessSettings, RandomWeightsSettings, add_group  # noqa: E402
 from tasks.eval_harness import require_lm_eval  # noqa: E402
 
 RESULT_KEYS = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better",
@@ -33,8 +33,8 @@ class EvalHarnessArgsError(MegatronUserError, ValueError):
 
 def get_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The bigscience fork's evaluation flags (underscore names, as there) plus --include_path/--num_fewshot/--limit
-    (declared in megatron/settings/tasks.py)."""
-    return add_group(parser, EvalHarnessSettings)
+    (declared in megatron/settings/tasks.py) and the random-weights opt-in."""
+    return add_group(add_group(parser, EvalHarnessSettings), RandomWeightsSettings)
 
 
 def check_eval_args(args: argparse.Namespace) -> list[str]:
@@ -117,10 +117,10 @@ def evaluate(args: argparse.Namespace) -> dict:
     from megatron import global_vars
     from megatron.checkpoint.atomic_io import atomic_write_text
     from megatron.core import parallel_state as ps
-    from megatron.text_generation.model_loading import load_model_for_inference
-    from megatron.utils import print_rank_0
+    from megatron.text_generation.model_loading import load_model_for_inference, refuse_random_weights
     from tasks.eval_harness.adapter import MegatronLM
 
+    refuse_random_weights(args.load, args.allow_random_weights, "evaluation")
     tasks = check_eval_args(args)
     manager = task_manager(args.include_path)
     check_tasks(tasks, manager)
@@ -129,8 +129,6 @@ def evaluate(args: argparse.Namespace) -> dict:
         args.params_dtype = torch.float32
     state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
     model = load_model_for_inference(args, state, parallel_output=False)
-    if not args.load:
-        print_rank_0("WARNING: no --load given; evaluating randomly initialised weights")
     lm = MegatronLM(model, global_vars.get_tokenizer(), max_length=args.seq_length,
                     batch_size=args.micro_batch_size * args.micro_bs_multiplier, max_gen_toks=args.max_gen_toks,
                     state=state, adaptive_seq_len=args.adaptive_seq_len, seed=args.seed)

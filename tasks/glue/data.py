@@ -1,5 +1,7 @@
 """GLUE TSV reading shared by MNLI and QQP (Megatron's tasks/glue/data.py): the header decides train/dev vs test
-format, each row becomes a ``[CLS] a [SEP] b [SEP]`` sample, malformed rows are skipped with a counted warning."""
+format, each row becomes a ``[CLS] a [SEP] b [SEP]`` sample, malformed rows are skipped with a counted warning.
+A file without its header row (the first line already a data row: its first column is the integer uid) keeps that
+row, with one note, where Megatron's reader would silently drop it."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -19,6 +21,11 @@ from tasks.data_utils import (
 RowParser = Callable[[list[str], bool], tuple[int, str, str, int]]
 
 
+def is_header(fields: list[str]) -> bool:
+    """A GLUE header row ("index ..." for MNLI, "id ..." for QQP), not a data row (whose first column is its uid)."""
+    return not fields[0].strip().isdigit()
+
+
 def read_glue_rows(path: str, is_test_header: Callable[[list[str]], bool], parse_row: RowParser,
                    verbose: bool = True) -> list[tuple[int, str, str, int]]:
     """(uid, a, b, label) of every usable row of one TSV file (cleaned text, both texts non-empty)."""
@@ -27,8 +34,13 @@ def read_glue_rows(path: str, is_test_header: Callable[[list[str]], bool], parse
     is_test = False
     for lineno, line in text_lines(path):
         if lineno == 1:
-            is_test = is_test_header(line.rstrip("\r\n").split("\t"))
-            continue
+            first = line.rstrip("\r\n").split("\t")
+            is_test = is_test_header(first)
+            if is_header(first):
+                continue
+            if verbose:
+                print(f"note: {path} has no header row (its first line is a data row, uid {first[0].strip()}); "
+                      "reading it as data", flush=True)
         if not line.strip():
             continue
         row = [c.strip() for c in line.rstrip("\r\n").split("\t")]

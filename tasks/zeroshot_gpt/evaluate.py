@@ -2,7 +2,8 @@
 
 WIKITEXT103 sums the vocab-parallel cross entropy of the scored tokens; LAMBADA counts examples whose scored tokens
 are all predicted greedily (argmax of the gathered logits). Sums are all-reduced over the data-parallel group; the
-examples are split over data-parallel ranks without duplication. Under pipeline parallelism each micro-batch runs
+examples are split over data-parallel ranks without duplication (under expert parallelism the ranks of one expert
+group take the same share, as their MoE layers exchange tokens, and the sum is divided by the group's size). Under pipeline parallelism each micro-batch runs
 forward-only through the stages (P2PCommunicator), the last stage computes the loss / correct count, and the sums
 are all-reduced over the pipeline group (the other stages contribute 0), so every rank holds the result.
 """
@@ -20,7 +21,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.pipelined import tensor_shape_for
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.errors import MegatronUserError
-from megatron.text_generation.model_loading import load_model_for_inference
+from megatron.text_generation.model_loading import load_model_for_inference, refuse_random_weights
 from megatron.utils import get_ltor_masks_and_position_ids, print_rank_0
 from tasks.zeroshot_gpt.datasets import LMWindowDataset, build_lambada_dataset, build_wikitext_dataset
 
@@ -99,7 +100,8 @@ def evaluate(dataset: torch.utils.data.Dataset, model: torch.nn.Module, eval_met
              eod: int, state: Optional[ps.ParallelState] = None, progress: bool = True) -> float:
     """Sum of `batch_output` over this data-parallel rank's share of `dataset`, all-reduced over data parallel."""
     state = state or _state()
-    indices = list(range(state.dp_rank, len(dataset), state.dp_size))
+    shard, shards = state.forward_only_shard()  # under EP the ranks of one expert group run the same batches
+    indices = list(range(shard, len(dataset), shards))
     loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=args.micro_batch_size,
                                          shuffle=False, drop_last=False, num_workers=args.num_workers)
     if progress and state.global_rank == 0:
@@ -116,6 +118,7 @@ def evaluate(dataset: torch.utils.data.Dataset, model: torch.nn.Module, eval_met
         torch.distributed.all_reduce(total, group=state.pp_group)  # only the last stage's sum is non-zero
     if torch.distributed.is_initialized() and state.dp_size > 1:
         torch.distributed.all_reduce(total, group=state.dp_group)
+        total /= state.dp_size // shards  # each shard was summed by that many ranks
     return float(total.item())
 
 
@@ -155,13 +158,12 @@ def main(args: Optional[argparse.Namespace] = None) -> dict[str, float]:
     if args.task not in TASK_METRICS:
         raise TaskError(f"--task {args.task} is not a zero-shot GPT task; use one of {', '.join(TASK_METRICS)}")
     eval_metric = TASK_METRICS[args.task]
+    refuse_random_weights(args.load, args.allow_random_weights, f"{args.task} evaluation")
     state = _state()
     tokenizer = global_vars.get_tokenizer()
     dataset = build_dataset(args.task, args, tokenizer)
     # vocab-parallel logits for the loss; full-vocab logits (gathered over TP) for the greedy accuracy
     model = load_model_for_inference(args, state, parallel_output=eval_metric == "loss")
-    if not args.load:
-        print_rank_0("WARNING: no --load given; evaluating randomly initialised weights")
     if isinstance(dataset, LMWindowDataset):
         print_rank_0(f" > {args.task}: {dataset.num_tokenized_tokens} tokens ({dataset.num_original_tokens} original "
                      f"words) in {len(dataset)} windows of {dataset.seq_len}, stride {dataset.overlapping_eval}")

@@ -109,7 +109,7 @@ def test_layout_positions_and_errors() -> None:
     together = torch.cat([cpa.slice_for_cp(t, 0, 4, r) for r in range(4)])
     assert sorted(together.tolist()) == list(range(16))
     assert cpa.slice_for_cp(t, 0, 4, 3).tolist() == [6, 7, 8, 9]
-    with pytest.raises(ValueError, match="divisible by 2 x --context-parallel-size"):
+    with pytest.raises(ValueError, match=r"divisible by 8 \(2 x --context-parallel-size 4\)"):
         cpa.check_cp_layout(10, 4)
     assert "chunks 0 and 3" in cpa.describe_cp_layout(16, 2, "p2p")
     q = torch.randn(8, 1, 2, 4)
@@ -147,7 +147,8 @@ def _validate(extra: str, world_size: int = 2, training: bool = True):
 
 
 @pytest.mark.parametrize("extra, world, message", [
-    ("--context-parallel-size 2 --seq-length 30", 2, r"--seq-length \(30\) must be divisible by 2 x"),
+    ("--context-parallel-size 2 --seq-length 30", 2, r"--seq-length \(30\) must be divisible by 4 \(2 x "
+     r"--context-parallel-size 2\): each context-parallel rank holds 2 of 4 equal chunks"),
     ("--context-parallel-size 2", 3, r"world size \(3\) is not divisible .* --context-parallel-size \(2\)"),
     ("--context-parallel-size 4 --cp-comm-type a2a --group-query-attention --num-query-groups 2 "
      "--num-attention-heads 2", 4, "a2a needs the attention heads per tensor-parallel rank"),

@@ -243,7 +243,7 @@ def test_get_samples_mapping_read_only_data_dir_and_cache_path(tmp_path, monkeyp
     monkeypatch.setenv("MEGATRON_LITE_CACHE_DIR", str(tmp_path / "user"))
     real = dataset_utils.first_writable_dir
     monkeypatch.setattr(dataset_utils, "first_writable_dir",  # the data directory is read-only
-                        lambda dirs: real([d for d in dirs if d != tmp_path]))
+                        lambda dirs, **kw: real([d for d in dirs if d != tmp_path], **kw))
     m = get_samples_mapping(ds, prefix, None, 10, 30, 0.1, 6, "valid", True)
     assert not (tmp_path / "c_text_sentence_valid_indexmap_10mns_30msl_0.10ssp_6s.npy").exists()
     found = list((tmp_path / "user").rglob("c_text_sentence_valid_indexmap_10mns_30msl_0.10ssp_6s.npy"))

@@ -61,3 +61,22 @@ def test_max_token_id_is_cached(tmp_path: Path) -> None:
     assert (tmp_path / "d.maxid.json").is_file()
     assert max_token_id(prefix) == 70000
     assert max_token_id(_write(tmp_path / "e", [], 100000)) is None
+
+
+@pytest.mark.parametrize("case", ["moe_nan", "save_file", "load_file"])
+def test_bad_flags_stop_pretrain_at_start_up(tiny_data: dict, tmp_path: Path, case: str) -> None:
+    """The start-up refusals of tests/test_start_up_refusals.py from the entry point: exit code 1, stderr's last line
+    the one-line error, and nothing trained or saved."""
+    (tmp_path / "a_file").write_text("not a folder")
+    extra = {"moe_nan": ["--num-experts", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "nan"],
+             "save_file": ["--save", "a_file", "--save-interval", "1"],
+             "load_file": ["--load", "a_file"]}[case]
+    expected = {"moe_nan": "error: --moe-aux-loss-coeff must be a finite number >= 0 (got nan)",
+                "save_file": "error: --save a_file is a file, not a folder; point --save at a folder you can write to",
+                "load_file": "error: --load a_file is a file, not a checkpoint folder; point --load at the folder "
+                             "--save wrote (the one holding latest_checkpointed_iteration.txt)"}[case]
+    proc = run("pretrain_gpt.py", *train_argv(tiny_data, *extra), cwd=tmp_path)
+    assert_one_line_error(proc, expected[len("error: "):])
+    assert proc.stderr.strip().splitlines()[-1] == expected
+    assert "iteration        1/" not in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

@@ -224,3 +224,27 @@ def test_bert_vocab_without_cls_sep_mask_is_one_line_without_traceback(shared_da
                "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-4", "--data-path", "none",
                cwd=tmp_path)
     assert_one_line_error(proc, "--vocab-file vocab.txt: missing [CLS], [SEP], [MASK]; is this a BERT WordPiece")
+
+
+def test_bert_empty_sentences_are_one_line_naming_the_document(t5_tok, tmp_path: Path) -> None:
+    """Zero-length sentences used to stop BERT at some sample with a bare `AssertionError` (segment A empty)."""
+    from megatron.data.bert_dataset import BertDataset
+    from megatron.data.dataset_utils import DatasetError
+    from megatron.data.indexed_dataset import make_dataset
+
+    def bert(prefix: str) -> BertDataset:
+        return BertDataset("train", make_dataset(prefix, "mmap", True), prefix, None, 20, 0.15, 32, 0.1, 1234, True,
+                           tokenizer=t5_tok, synchronize=False)
+
+    docs = [[[1000 + d, 1001, 1002], [1003, 1004]] for d in range(6)]
+    good = str(tmp_path / "good_text_sentence")
+    _sentences(good, docs, t5_tok.vocab_size)
+    assert len(bert(good)) > 0
+    bad = str(tmp_path / "bad_text_sentence")
+    _sentences(bad, docs[:3] + [[[], [1005, 1006]]] + docs[3:], t5_tok.vocab_size)
+    with pytest.raises(DatasetError) as info:
+        bert(bad)
+    assert str(info.value) == (f"--data-path {bad} (train split): 1 sentence(s) hold no tokens, the first in document "
+                               f"3 of the split (sentence 6 of {bad}.bin); BERT samples need non-empty sentences: "
+                               "preprocess again with tools/preprocess_data.py --split-sentences (it drops empty "
+                               "sentences)")

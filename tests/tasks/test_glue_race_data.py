@@ -135,3 +135,29 @@ def test_race_directories(shared_data: Path, tok: BertWordPieceTokenizer, tmp_pa
     (tmp_path / "2.txt").write_text("not json\n", encoding="utf-8")
     with pytest.raises(TaskDataError, match="2.txt: no usable rows"):
         race.build_dataset([str(tmp_path / "2.txt")], tok, SEQ)
+
+
+@pytest.mark.parametrize("task, name", [(mnli, "train.tsv"), (mnli, "dev_matched.tsv"), (mnli, "test_matched.tsv")])
+def test_a_file_without_its_header_keeps_its_first_row(shared_data: Path, tok: BertWordPieceTokenizer,
+                                                       tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                       task, name: str) -> None:
+    """Megatron's reader skips line 1 as the header; a file without one used to lose its first row silently."""
+    src = shared_data / "mnli-sample" / name
+    lines = src.read_text(encoding="utf-8").splitlines()
+    headless = tmp_path / name
+    headless.write_text("\n".join(lines[1:]) + "\n", encoding="utf-8")
+    full = task.build_dataset([str(src)], tok, SEQ)
+    capsys.readouterr()
+    kept = task.build_dataset([str(headless)], tok, SEQ)
+    assert [s["uid"] for s in kept] == [s["uid"] for s in full] and len(kept) == len(lines) - 1
+    assert [s["label"] for s in kept] == [s["label"] for s in full]
+    assert kept.has_labels == full.has_labels
+    assert capsys.readouterr().out.strip() == (f"note: {headless} has no header row (its first line is a data row, "
+                                               f"uid {lines[1].split(chr(9))[0]}); reading it as data")
+
+
+def test_qqp_file_without_its_header_keeps_its_first_row(tok: BertWordPieceTokenizer, tmp_path: Path) -> None:
+    path = tmp_path / "train.tsv"
+    path.write_text("5\t1\t2\tWhat is a cat?\tWhat is a dog?\t0\n6\t3\t4\tHow old?\tWhat age?\t1\n", encoding="utf-8")
+    data = qqp.build_dataset([str(path)], tok, SEQ, verbose=False)
+    assert [(s["uid"], s["label"]) for s in data] == [(5, 0), (6, 1)]

@@ -8,6 +8,7 @@ import time
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.model.tp_shards import split_tensor_parallel_state_dict
 from megatron.text_generation import generate
+from megatron.text_generation.disconnect import StopCheck
 from megatron.text_generation.server import MegatronServer
 from tests.dist_utils import run_distributed
 from tests.text_generation.test_server_http import CONTEXT, put, tiny_gpt, tiny_tokenizer
@@ -25,7 +26,8 @@ def _body(rank: int, world_size: int, full_state: dict, shared_data) -> dict:
 
         @functools.wraps(generate)
         def counted(*args, **kwargs):
-            calls.append(kwargs)
+            calls.append({k: v for k, v in kwargs.items() if k != "should_stop"})
+            assert isinstance(kwargs["should_stop"], StopCheck)  # the per-step cancel decision, on every rank
             return generate(model, tokenizer, *args, **kwargs)
 
         counted.__wrapped__ = functools.partial(generate, model, tokenizer)

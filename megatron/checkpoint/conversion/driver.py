@@ -153,11 +153,12 @@ def convert(args: argparse.Namespace) -> Dict[str, Any]:
             os.rmdir(save)  # empty (checked above)
         os.replace(tmp, save)
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        from megatron.checkpoint.atomic_io import DiskFullError, _disk_full
+        from megatron.checkpoint.atomic_io import DiskFullError, is_disk_full
 
-        if isinstance(exc, DiskFullError) or isinstance(exc, (OSError, RuntimeError)) and \
-                _disk_full(exc, os.path.dirname(save)):
+        # (asked before the partial output is removed: torch's writer reports no errno, the free space tells)
+        full = isinstance(exc, (OSError, RuntimeError)) and is_disk_full(exc, os.path.dirname(save))
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
             raise DiskFullError(f"no space left on the device holding {os.path.dirname(save)} while converting into "
                                 f"{args.save_dir}: free space or choose another --save-dir; nothing was written "
                                 "there") from None

@@ -133,7 +133,7 @@ def write_decoder(mapping: DecoderMapping, meta: ModelMeta, messages: Iterator[M
         raise ConversionError(f'unexpected message "{rest.name}" after the model (is --model-type right?)')
     files = writer.close()
     copied = copy_tokenizer(meta, save_dir)
-    exported = export_tokenizer(meta.tokenizer, save_dir, a.get("max_position_embeddings"))
+    exported = export_tokenizer(meta.tokenizer, save_dir)
     for key in ("bos_token_id", "eos_token_id"):
         if exported[key] is not None:
             setattr(hf_config, key, exported[key])

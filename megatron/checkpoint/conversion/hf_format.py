@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from megatron.checkpoint.conversion.hf_decoder import TOKENIZER_FILES
+from megatron.checkpoint.conversion.hf_tokenizer_export import tokenizer_vocab_size
 from megatron.checkpoint.conversion.interchange import ConversionError, Message, ModelMeta
 from megatron.models import registry
 
@@ -213,10 +214,21 @@ def _file_mode() -> int:
     return 0o666 & ~umask
 
 
+def check_vocab_covers_tokenizer(meta: ModelMeta) -> None:
+    """The exported embedding keeps `meta.true_vocab_size` rows: fewer than the ids of the tokenizer files copied
+    beside it would make a folder whose tokenizer produces ids the model has no row for (one-line error)."""
+    known = tokenizer_vocab_size(meta.tokenizer) if meta.true_vocab_size is not None else None
+    if known is not None and meta.true_vocab_size < known[0]:
+        raise ConversionError(f"--true-vocab-size {meta.true_vocab_size} is smaller than the tokenizer's vocabulary "
+                              f"({known[0]} ids in {known[1]}): the exported model would have no embedding row for "
+                              f"ids >= {meta.true_vocab_size}; pass --true-vocab-size {known[0]} (or drop it)")
+
+
 def write_hf(meta: ModelMeta, messages: Iterator[Message], save_dir: str, *, max_shard_size: str = "2GB",
              hf_architecture: Optional[str] = None, checking: bool = True) -> Dict[str, Any]:
     """Saver: the stream as a HF folder (safetensors shards + index, config.json, tokenizer files)."""
     adapter = hf_adapter_for(meta)
+    check_vocab_covers_tokenizer(meta)
     os.makedirs(save_dir, exist_ok=True)
     writer = _ShardWriter(save_dir, parse_size(max_shard_size))
     return adapter.write(meta, messages, save_dir, writer, hf_architecture=hf_architecture, checking=checking)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from megatron.checkpoint.conversion.interchange import ConversionError
+from megatron.checkpoint.conversion.vocab import true_vocab_size_from_file
 from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer, PretrainedFromHFTokenizer, TokenizerLoadError
 from megatron.tokenizer.llama2_tokenizer import Llama2Tokenizer
 from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
@@ -57,7 +58,7 @@ def _fast_tokenizer_from_sentencepiece(model_file: str) -> Any:
     return backend
 
 
-def export_llama2_tokenizer(model_file: str, out: str, max_length: Optional[int], log: Any = print) -> List[str]:
+def export_llama2_tokenizer(model_file: str, out: str, log: Any = print) -> List[str]:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json for a Llama2Tokenizer model; returns
     the file names written."""
     from tokenizers import processors
@@ -74,7 +75,7 @@ def export_llama2_tokenizer(model_file: str, out: str, max_length: Optional[int]
     special = {k: piece(v) for k, v in (("bos_token", bos_id), ("eos_token", eos_id), ("unk_token", unk_id))
                if v >= 0}
     _write_tokenizer_config(out, {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_bos_token": True,
-                                  "add_eos_token": False, "clean_up_tokenization_spaces": False}, max_length)
+                                  "add_eos_token": False, "clean_up_tokenization_spaces": False})
     with open(os.path.join(out, "special_tokens_map.json"), "w") as f:
         json.dump(special, f, indent=2)
     differ = [p for p in PROBES if backend.encode(p).ids != ours.tokenize(p)]
@@ -85,9 +86,9 @@ def export_llama2_tokenizer(model_file: str, out: str, max_length: Optional[int]
     return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
 
-def _write_tokenizer_config(out: str, config: Dict[str, Any], max_length: Optional[int]) -> None:
-    if max_length:
-        config["model_max_length"] = int(max_length)
+def _write_tokenizer_config(out: str, config: Dict[str, Any]) -> None:
+    """tokenizer_config.json without model_max_length: the model's length is config.json's, and a tokenizer limit
+    only makes transformers warn on every longer text (lm-eval tokenizes whole documents, then windows them)."""
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -123,21 +124,21 @@ def _check_sources(tok_type: str, meta_tokenizer: Dict[str, Any]) -> None:
                               "the Hugging Face folder needs its files; put them at that path and convert again")
 
 
-def _export_gpt2(meta_tokenizer: Dict[str, Any], out: str, max_length: Optional[int]) -> Dict[str, Any]:
+def _export_gpt2(meta_tokenizer: Dict[str, Any], out: str) -> Dict[str, Any]:
     with open(meta_tokenizer["vocab_file"], encoding="utf-8") as f:
         eod = json.load(f).get("<|endoftext|>")
     _write_tokenizer_config(out, {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>",
                                   "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-                                  "add_prefix_space": False, "add_bos_token": False}, max_length)
+                                  "add_prefix_space": False, "add_bos_token": False})
     return {"files": ["tokenizer_config.json"], "bos_token_id": eod, "eos_token_id": eod}
 
 
-def _export_wordpiece(tok_type: str, out: str, max_length: Optional[int]) -> Dict[str, Any]:
+def _export_wordpiece(tok_type: str, out: str) -> Dict[str, Any]:
     """BertTokenizer over the copied vocab.txt, with the [BOS] / [EOS] Megatron appends after the vocabulary."""
     _write_tokenizer_config(out, {"tokenizer_class": "BertTokenizer", "do_lower_case": tok_type.endswith("LowerCase"),
                                   "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
                                   "cls_token": "[CLS]", "mask_token": "[MASK]",
-                                  "additional_special_tokens": ["[BOS]", "[EOS]"]}, max_length)
+                                  "additional_special_tokens": ["[BOS]", "[EOS]"]})
     return {"files": ["tokenizer_config.json"], "bos_token_id": None, "eos_token_id": None}
 
 
@@ -159,8 +160,7 @@ def _export_hf(tok_type: str, meta_tokenizer: Dict[str, Any], out: str, log: Any
     return {"files": sorted(set(written)), "bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id}
 
 
-def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, max_length: Optional[int],
-                     log: Any = print) -> Dict[str, Any]:
+def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, log: Any = print) -> Dict[str, Any]:
     """The tokenizer files AutoTokenizer needs beyond the copied originals (every --tokenizer-type but
     NullTokenizer), and the BOS/EOS ids for config.json / generation_config.json; a one-line ConversionError when
     the training tokenizer's files are missing."""
@@ -175,9 +175,9 @@ def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, max_length: Optio
         return {"files": [], "bos_token_id": None, "eos_token_id": None}
     _check_sources(tok_type, meta_tokenizer)
     if tok_type == "GPT2BPETokenizer":
-        return _export_gpt2(meta_tokenizer, out, max_length)
+        return _export_gpt2(meta_tokenizer, out)
     if tok_type.startswith("BertWordPiece"):
-        return _export_wordpiece(tok_type, out, max_length)
+        return _export_wordpiece(tok_type, out)
     if tok_type in ("HuggingFaceTokenizer", "PretrainedFromHF"):
         return _export_hf(tok_type, meta_tokenizer, out, log)
     model = meta_tokenizer["tokenizer_model"]
@@ -189,7 +189,34 @@ def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, max_length: Optio
     sp = _training_tokenizer(model).sp_model
     ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id()}
     try:
-        return {"files": export_llama2_tokenizer(model, out, max_length, log), **ids}
+        return {"files": export_llama2_tokenizer(model, out, log), **ids}
     except (ImportError, ValueError, RuntimeError, OSError) as exc:
         log(f"note: no tokenizer.json written (tokenizer.model is there): {str(exc).splitlines()[0][:200]}")
         return {"files": [], **ids}
+
+
+def _hf_tokenizer_json_size(path: str) -> Optional[int]:
+    """1 + the largest id of a `tokenizer.json` (its model's vocabulary and its added tokens)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+    ids += [t.get("id", -1) for t in data.get("added_tokens") or [] if isinstance(t, dict)]
+    ids = [i for i in ids if isinstance(i, int)]
+    return max(ids) + 1 if ids else None
+
+
+def tokenizer_vocab_size(meta_tokenizer: Dict[str, Any]) -> Optional[Tuple[int, str]]:
+    """(ids the tokenizer files copied into the export can produce, the file that says so); None when unknown."""
+    vocab_file, model = meta_tokenizer.get("vocab_file"), meta_tokenizer.get("tokenizer_model")
+    if vocab_file and os.path.isfile(vocab_file):
+        return true_vocab_size_from_file(vocab_file), vocab_file
+    if model and os.path.isdir(model) and os.path.isfile(os.path.join(model, "tokenizer.json")):
+        size = _hf_tokenizer_json_size(os.path.join(model, "tokenizer.json"))
+        return (size, os.path.join(model, "tokenizer.json")) if size else None
+    if meta_tokenizer.get("type") == "Llama2Tokenizer" and model and os.path.isfile(model):
+        return _training_tokenizer(model).vocab_size, model
+    return None

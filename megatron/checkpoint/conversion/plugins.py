@@ -205,10 +205,10 @@ class McoreLoader(_BuiltinLoader):
     @staticmethod
     def load(opts: ConversionOptions) -> Tuple[ModelMeta, Iterator[Message]]:
         from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, read_megatron
-        from megatron.checkpoint.conversion.torch_dist import is_torch_dist, read_torch_dist
+        from megatron.checkpoint.conversion.torch_dist import is_dist_folder, read_torch_dist
 
         iter_dir, _ = find_iteration_dir(opts.load_dir, opts.iteration)
-        if is_torch_dist(iter_dir):
+        if is_dist_folder(iter_dir):  # (read_torch_dist names a damaged metadata.json)
             print(f" detected checkpoint format torch_dist in {iter_dir}", flush=True)
             return read_torch_dist(opts.load_dir, trust=opts.trust_checkpoint, iteration=opts.iteration,
                                    optimizer=opts.keep_training_state, model_type=opts.model_type)

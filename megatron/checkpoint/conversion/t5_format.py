@@ -102,10 +102,12 @@ class T5CheckpointReader(MegatronCheckpointReader):
 
 
 def read_t5(load_dir: str, *, true_vocab_size: Optional[int] = None, trust: bool = False,
-            optimizer: bool = False, iteration: Optional[int] = None) -> Tuple[ModelMeta, Iterator[Message]]:
+            optimizer: bool = False, iteration: Optional[int] = None, verify: bool = True
+            ) -> Tuple[ModelMeta, Iterator[Message]]:
     """Loader: (meta, message stream) of a Megatron T5 checkpoint (the tracker's iteration, or `iteration`); with
-    `optimizer`, the messages also carry the training state when the checkpoint has one (optimizer_state.py)."""
-    reader = T5CheckpointReader(load_dir, trust, iteration)
+    `optimizer`, the messages also carry the training state when the checkpoint has one (optimizer_state.py).
+    `verify=False`: the caller vouches for the files (a save reading what it just wrote), no manifest check."""
+    reader = T5CheckpointReader(load_dir, trust, iteration, verify)
     meta = megatron_meta(reader, true_vocab_size, "T5")
     saved = SavedRunArgs.from_args(meta.checkpoint_args)
     last = reader.chunks[(0, reader.pp - 1, 0)]

@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -75,6 +76,28 @@ def is_torch_dist(iter_dir: str) -> bool:
             return json.load(f).get("sharded_backend") == "torch_dist"
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def is_dist_folder(iter_dir: str) -> bool:
+    """Whether `iter_dir` holds Megatron-LM's distributed-checkpoint marker ``metadata.json`` (readable or not): a
+    torch_dist folder, or a damaged one (`check_torch_dist` says which)."""
+    return os.path.isfile(os.path.join(iter_dir, METADATA_JSON))
+
+
+def check_torch_dist(iter_dir: str) -> None:
+    """One-line ConversionError naming ``<iter_dir>/metadata.json`` when it is not the JSON object of a torch_dist
+    folder (truncated, invalid, or another ``sharded_backend``)."""
+    path = os.path.join(iter_dir, METADATA_JSON)
+    try:
+        with open(path, encoding="utf-8") as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
+        detail = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        raise ConversionError(f"{path} is damaged ({detail}): a torch_dist checkpoint's metadata.json holds "
+                              '{"sharded_backend": "torch_dist", ...}; restore the file (or the folder)') from None
+    if backend != "torch_dist":
+        raise ConversionError(f"{path} names sharded_backend {backend!r}: only torch_dist distributed checkpoints "
+                              "are read here; save it from Megatron-LM with --ckpt-format torch_dist")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -419,6 +442,7 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
     iter_dir, it = find_iteration_dir(load_dir, iteration)
     # checked against its manifest as --load does (the newest intact iteration; an explicit one must verify)
     iter_dir, it, verified = verified_source(load_dir, iter_dir, it, explicit=iteration is not None)
+    check_torch_dist(iter_dir)
     common, arch, flat, opt = read_iteration_state(iter_dir, trust)
     found = model_type_of(flat)
     if found != model_type:
@@ -542,8 +566,10 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     # the keys are already flat: nested payloads (the RNG dicts) stay one pickled object each, as Megatron Core's
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True,
-             planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    with warnings.catch_warnings():  # the single-process save is the intent; torch warns about it anyway
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True,
+                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
     args = core_args(meta.checkpoint_args if meta.checkpoint_args is not None else args_namespace(meta))
     common = {"args": args, "checkpoint_version": 3.0, "iteration": meta.iteration or 0,
               "architecture": dict(meta.architecture), **(extra_common or {})}

@@ -160,8 +160,7 @@ def _write(meta: ModelMeta, messages: Iterator[Message], save_dir: str, writer: 
            hf_architecture: Optional[str], checking: bool) -> Dict[str, Any]:
     summary = write_hf_bert(meta, messages, save_dir, writer, checking)
     summary["tokenizer_files"] = copy_tokenizer(meta, save_dir)
-    summary["tokenizer_files"] += export_tokenizer(meta.tokenizer, save_dir,
-                                                   meta.architecture.get("max_position_embeddings"))["files"]
+    summary["tokenizer_files"] += export_tokenizer(meta.tokenizer, save_dir)["files"]
     return summary
 
 

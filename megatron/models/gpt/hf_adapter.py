@@ -98,7 +98,8 @@ def _gpt2_config_to_hf(config: TransformerConfig, rows: int, arch_name: Optional
     if config.apply_layernorm_1p or config.apply_residual_connection_post_layernorm or \
             config.ffn_hidden_size is None or not config.add_bias_linear:
         raise ValueError("HF GPT-2 needs plain pre-LayerNorm layers with biases")
-    hf = transformers.GPT2Config(**kwargs)
+    # no BOS/EOS until the tokenizer says (GPT2Config's default 50256 lies outside a smaller vocabulary)
+    hf = transformers.GPT2Config(**{"bos_token_id": None, "eos_token_id": None, **kwargs})
     hf.architectures = ["GPT2LMHeadModel"]
     return hf
 
