@@ -1,7 +1,7 @@
 """Offline Punkt sentence splitting for `tools/preprocess_data.py --split-sentences` (never downloads anything).
 
-Model choice for `--lang L`: NLTK's own Punkt model for L when its data (punkt_tab or punkt) is installed locally,
-exactly as Megatron loads it; otherwise, for English only, the Punkt parameters bundled in this repository
+Model choice for `--lang L`: NLTK's own Punkt model for L when its punkt_tab data is installed locally (read as
+nltk >= 3.8.2 reads it; the old pickled ``punkt`` models are never unpickled: a pickle can run code); otherwise, for English only, the Punkt parameters bundled in this repository
 (`megatron/data/punkt_english.json`, learned with NLTK's PunktTrainer from the OpenWebText-1000 and LAMBADA texts).
 `--keep-newlines` keeps the whitespace (newlines) that follows a sentence end, as Megatron's CustomLanguageVars does.
 
@@ -56,9 +56,9 @@ def _nltk_data_dirs() -> List[str]:
 
 
 def _nltk_punkt_data_present() -> bool:
-    """Whether any NLTK Punkt data (punkt_tab or punkt, plain or zipped) is installed, without importing nltk."""
+    """Whether NLTK's punkt_tab data (plain or zipped) is installed, without importing nltk."""
     for d in _nltk_data_dirs():
-        for name in ("punkt_tab", "punkt", "punkt_tab.zip", "punkt.zip"):
+        for name in ("punkt_tab", "punkt_tab.zip"):
             if os.path.exists(os.path.join(d, "tokenizers", name)):
                 return True
     return False
@@ -68,20 +68,11 @@ def _installed_params(lang: str) -> Optional[Any]:
     """Punkt parameters from locally installed NLTK data, or None."""
     if not _nltk_punkt_data_present():
         return None
-    try:
-        import nltk
-    except ImportError:
-        return None
-
-    try:
+    try:  # punkt_tab (plain text); the pickled punkt models are never loaded: nltk < 3.8.2 unpickles them fully
         from nltk.tokenize.punkt import PunktTokenizer
 
         return PunktTokenizer(lang)._params
     except (LookupError, OSError, ValueError, ImportError):
-        pass
-    try:
-        return nltk.data.load(f"tokenizers/punkt/{lang}.pickle")._params
-    except (LookupError, OSError, ValueError):
         return None
 
 

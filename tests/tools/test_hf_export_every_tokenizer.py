@@ -1,5 +1,5 @@
 """`convert.py --saver hf` writes the tokenizer files of every --tokenizer-type we train with (GPT2BPETokenizer,
-BertWordPiece*, Llama2Tokenizer, HuggingFaceTokenizer, PretrainedFromHF as BLOOM runs use):
+BertWordPiece*, SentencePieceTokenizer (T5's unigram model), Llama2Tokenizer, HuggingFaceTokenizer, PretrainedFromHF as BLOOM runs use):
 AutoTokenizer loads the export and gives the training tokenizer's ids on sample texts; a tokenizer whose files are
 gone is refused in one line."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
 TINY_GPT2 = FIXTURES / "openwebtext-1000"
 SAMPLES = ["Hello world, this is a test.", " leading space and  two spaces", "def f(x):\n    return x ** 2\n",
-           "Numbers 12345 and UPPER case; ünïcödé."]
+           "Numbers 12345 and UPPER case; ünïcödé.", "special <EOD> token"]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,8 @@ CASES = {
                                                                      "bert-base-uncased-vocab.txt"))),
     "BertWordPieceCase": ("gpt2", lambda d: dict(vocab_file=str(FIXTURES / "bert-wordpiece" /
                                                                 "bert-base-cased-vocab.txt"))),
+    "SentencePieceTokenizer": ("llama", lambda d: dict(tokenizer_model=str(FIXTURES / "t5-sentencepiece" /
+                                                                           "spiece.model"))),
     "Llama2Tokenizer": ("llama", lambda d: dict(tokenizer_model=d["sp"])),
     "HuggingFaceTokenizer": ("llama", lambda d: dict(tokenizer_model=d["hf"])),
     "PretrainedFromHF": ("bloom", lambda d: dict(tokenizer_name_or_path=d["hf"])),
@@ -96,7 +98,7 @@ def test_every_tokenizer_type_exports_a_folder_autotokenizer_loads(tok_type: str
         assert hf_tok(text, add_special_tokens=special)["input_ids"] == ours.tokenize(text), (tok_type, text)
     assert len(hf_tok) == ours.vocab_size
     generation = json.loads((out / "generation_config.json").read_text())
-    if tok_type in ("GPT2BPETokenizer", "HuggingFaceTokenizer", "PretrainedFromHF"):
+    if tok_type in ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "PretrainedFromHF"):
         assert generation["eos_token_id"] == ours.eod
 
 

@@ -7,8 +7,9 @@ save_pretrained from the training folder or the local HF cache. A Llama2Tokenize
 (the pieces and merges that transformers extracts from `tokenizer.model`) whose normalizer does what sentencepiece
 does (the dummy "▁" prefix always, spaces to "▁"; transformers' LlamaTokenizer class would re-install a Metaspace
 that skips the prefix before a leading space) and whose post-processor adds BOS as the training tokenizer does
-(`[bos] + ids`, no EOS). A SentencePieceTokenizer run gets its tokenizer.model copied and a one-line note (HF has no
-class appending Megatron's <CLS>/<SEP>/<EOD>/<MASK>). `tokenizer_config.json` names the generic fast tokenizer
+(`[bos] + ids`, no EOS). A SentencePieceTokenizer model becomes a `tokenizer.json` too (a unigram model, T5's, is
+rebuilt from its pieces, scores and normalisation) with no BOS/EOS added and Megatron's appended special tokens
+(<CLS>, <SEP>, <EOD>, <MASK>, ...) at Megatron's ids. `tokenizer_config.json` names the generic fast tokenizer
 class so that AutoTokenizer keeps that file as written. The ids are checked against the training tokenizer on probe
 texts; a difference is reported in one line, never hidden. A tokenizer whose files are gone is one ConversionError;
 a checkpoint without a tokenizer (or NullTokenizer) gets a one-line note.
@@ -83,6 +84,56 @@ def export_llama2_tokenizer(model_file: str, out: str, log: Any = print) -> List
         log(f"note: the exported tokenizer.json encodes {len(differ)} of {len(PROBES)} probe texts differently from "
             f"the training tokenizer (e.g. {differ[0]!r}): its SentencePiece normalisation has no tokenizers "
             "equivalent")
+    return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+
+
+def _unigram_from_sentencepiece(model_file: str) -> Optional[Any]:
+    """A unigram sentencepiece model (T5's) as a `tokenizers.Tokenizer` (None for another model type): its pieces and
+    scores, its precompiled normalisation, sentencepiece's whitespace handling (strip and collapse, the dummy "▁"
+    prefix, spaces to "▁") and pieces that never cross a "▁" boundary. Equal-score segmentations may break ties
+    differently (the probe note)."""
+    import sentencepiece.sentencepiece_model_pb2 as pb
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+
+    proto = pb.ModelProto()
+    with open(model_file, "rb") as f:
+        proto.ParseFromString(f.read())
+    spec, trainer = proto.normalizer_spec, proto.trainer_spec
+    if trainer.model_type != pb.TrainerSpec.UNIGRAM:
+        return None
+    backend = Tokenizer(models.Unigram([(p.piece, p.score) for p in proto.pieces], trainer.unk_id,
+                                       byte_fallback=trainer.byte_fallback))
+    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    if spec.remove_extra_whitespaces:
+        steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
+    steps += ([normalizers.Prepend("▁")] if spec.add_dummy_prefix else []) + [normalizers.Replace(" ", "▁")]
+    backend.normalizer = normalizers.Sequence(steps)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never",
+                                                     split=trainer.split_by_whitespace)
+    return backend
+
+
+def export_sentencepiece_tokenizer(model_file: str, out: str, log: Any = print) -> List[str]:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json for a SentencePieceTokenizer run: no
+    BOS/EOS added (Megatron's `tokenize` adds none), and the special tokens Megatron appends (<CLS>, <SEP>, <EOD>,
+    <MASK>, PAD/BOS/EOS when the model has none) at Megatron's ids; returns the file names written."""
+    from tokenizers import AddedToken
+
+    ours = SentencePieceTokenizer(model_file)
+    backend = _unigram_from_sentencepiece(model_file) or _fast_tokenizer_from_sentencepiece(model_file)
+    base = backend.get_vocab_size(with_added_tokens=False)
+    added = [ours.inv_vocab[i] for i in range(base, ours.vocab_size)]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in added])
+    backend.save(os.path.join(out, "tokenizer.json"))
+    special = {f"{k}_token": ours.inv_vocab[getattr(ours, k)] for k in ("bos", "eos", "pad", "cls", "sep", "mask")}
+    _write_tokenizer_config(out, {"tokenizer_class": "PreTrainedTokenizerFast", **special,
+                                  "clean_up_tokenization_spaces": False})
+    with open(os.path.join(out, "special_tokens_map.json"), "w") as f:
+        json.dump(special, f, indent=2)
+    differ = [p for p in PROBES if backend.encode(p).ids != ours.tokenize(p)]
+    if differ:
+        log(f"note: the exported tokenizer.json encodes {len(differ)} of {len(PROBES)} probe texts differently from "
+            f"the training tokenizer (e.g. {differ[0]!r})")
     return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
 
@@ -183,13 +234,14 @@ def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, log: Any = print)
     model = meta_tokenizer["tokenizer_model"]
     if tok_type == "SentencePieceTokenizer":
         ours = SentencePieceTokenizer(model)
-        log("note: --save-dir has the SentencePieceTokenizer's tokenizer.model only: Hugging Face's classes for it do not "
-            "append Megatron's special tokens (<CLS>, <SEP>, <EOD>, <MASK>), so ids from AutoTokenizer may differ")
-        return {"files": [], "bos_token_id": ours.bos, "eos_token_id": ours.eod}
-    sp = _training_tokenizer(model).sp_model
-    ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id()}
+        ids = {"bos_token_id": ours.bos, "eos_token_id": ours.eod}
+        export = export_sentencepiece_tokenizer
+    else:
+        sp = _training_tokenizer(model).sp_model
+        ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id()}
+        export = export_llama2_tokenizer
     try:
-        return {"files": export_llama2_tokenizer(model, out, log), **ids}
+        return {"files": export(model, out, log), **ids}
     except (ImportError, ValueError, RuntimeError, OSError) as exc:
         log(f"note: no tokenizer.json written (tokenizer.model is there): {str(exc).splitlines()[0][:200]}")
         return {"files": [], **ids}

@@ -8,8 +8,10 @@ once with its global (TP=1) shape under Megatron Core's name, the layers stacked
 (``decoder.layers.self_attention.linear_qkv.weight`` is ``[num_layers, ...]``; SwiGLU's ``linear_fc1`` is
 ``[W; V]`` over the full width, i.e. our TP=1 tensor), whatever TP/PP/DP layout wrote it.
 
-Reading is ours, on CPU and without a process group: ``.metadata`` is unpickled with an allow-list of
-`torch.distributed.checkpoint`'s own record types (no other class is ever built), each tensor chunk is loaded
+Reading is ours, on CPU and without a process group: ``.metadata`` is unpickled with an exact allow-list of
+`torch.distributed.checkpoint`'s own record classes, torch's dtypes, ``torch.Size`` and the writer's path class
+(`DCP_METADATA_GLOBALS`; megatron-core <= 0.15's ``MCoreMetadata``/``MCoreSavePlan`` read as torch's records; no
+other object is ever built or called, see safe_load.RestrictedUnpickler), each tensor chunk is loaded
 weights-only from the byte range the metadata names, and a missing or damaged data file is one line naming it.
 Non-tensor entries (Transformer Engine's ``_extra_state``) are never unpickled. Writing goes through
 `torch.distributed.checkpoint.save` (one process, ``no_dist``), so Megatron Core's ``dist_checkpointing.load`` reads
@@ -17,10 +19,11 @@ the result into its models at any layout.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import io
 import json
 import os
-import pickle
 import shutil
 import warnings
 from typing import Any, Dict, Iterator, Optional, Tuple
@@ -35,6 +38,7 @@ from megatron.checkpoint.conversion.interchange import (
     messages_from_state_dict,
     state_dict_from_messages,
 )
+from megatron.checkpoint.safe_load import UnsafeCheckpointError, restricted_pickle_load
 from megatron.errors import MegatronUserError
 from megatron.model.mcore_names import (
     OUR_EXPERTS,
@@ -57,9 +61,28 @@ _MOE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.
 _CROSS_LINEARS = ("cross_attention.linear_q", "cross_attention.linear_kv", "cross_attention.linear_proj")
 # MoE experts: [layers, E, out, in] under Megatron Core's SequentialMLP torch_dist name
 _CORE_EXPERTS = {f"mlp.experts.experts.linear_fc{w}.weight": ours for w, ours in OUR_EXPERTS.items()}
-_ALLOWED_MODULES = (_DCP + "metadata", _DCP + "planner", _DCP + "filesystem")
-_ALLOWED_NAMES = (("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                  ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"))  # the writer's checkpoint_id
+# "module:qualname" -> where the class lives here, of everything a .metadata written by torch.distributed.checkpoint
+# (torch 2.x, Megatron Core's torch_dist strategy included) holds besides plain containers and torch's dtypes
+DCP_METADATA_GLOBALS: Dict[str, str] = {
+    **{f"{_DCP}metadata:{n}": f"{_DCP}metadata:{n}" for n in (
+        "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")},
+    **{f"{_DCP}planner:{n}": f"{_DCP}planner:{n}" for n in (
+        "SavePlan", "LoadPlan", "WriteItem", "ReadItem", "WriteItemType", "LoadItemType", "TensorWriteData",
+        "BytesIOWriteData")},
+    **{f"{_DCP}filesystem:{n}": f"{_DCP}filesystem:{n}" for n in ("_StorageInfo", "_StoragePrefix")},
+    # megatron-core <= 0.15 saved its Metadata/SavePlan subclasses (an extra ``mcore_data`` dict): torch's records
+    "megatron.core.dist_checkpointing.strategies.torch:MCoreMetadata": f"{_DCP}metadata:Metadata",
+    "megatron.core.dist_checkpointing.strategies.torch:MCoreSavePlan": f"{_DCP}planner:SavePlan",
+    "torch:Size": "torch:Size",
+    "torch.serialization:_get_layout": "torch.serialization:_get_layout",
+    "collections:OrderedDict": "collections:OrderedDict",
+    # the writer's checkpoint_id (Python 3.13 pickles pathlib's classes from pathlib._local); never a concrete path
+    # of the other OS (it cannot be built here)
+    **{f"{m}:{n}": f"pathlib:{n}" for m in ("pathlib", "pathlib._local") for n in ("PosixPath", "PurePosixPath",
+                                                                                  "PureWindowsPath")},
+    **{f"{m}:WindowsPath": "pathlib:PureWindowsPath" for m in ("pathlib", "pathlib._local")},
+}
 
 
 def is_torch_dist(iter_dir: str) -> bool:
@@ -96,24 +119,29 @@ def check_torch_dist(iter_dir: str) -> None:
                               "are read here; save it from Megatron-LM with --ckpt-format torch_dist")
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only torch.distributed.checkpoint's metadata records, torch.Size and dtypes."""
+@functools.lru_cache(maxsize=1)
+def dcp_metadata_allowed() -> Dict[str, Any]:
+    """`DCP_METADATA_GLOBALS` resolved (each a class or function; never a module), plus ``torch:<name>`` of every
+    torch dtype."""
+    allowed: Dict[str, Any] = {}
+    for name, target in DCP_METADATA_GLOBALS.items():
+        module, _, qualname = target.partition(":")
+        allowed[name] = getattr(importlib.import_module(module), qualname)
+    allowed.update({f"torch:{n}": v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    return allowed
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_NAMES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not a torch.distributed.checkpoint record")
 
-
-def read_dcp_metadata(iter_dir: str) -> Any:
+def read_dcp_metadata(iter_dir: str, trust: bool = False) -> Any:
+    """The folder's ``.metadata`` (torch.distributed.checkpoint's Metadata) through the restricted unpickler: a file
+    that names anything off `DCP_METADATA_GLOBALS` is refused in one line (UnsafeCheckpointError) unless `trust`."""
     path = os.path.join(iter_dir, DCP_METADATA)
     if not os.path.isfile(path):
         raise ConversionError(f"torch_dist checkpoint {iter_dir} has no {DCP_METADATA}; the checkpoint is incomplete")
     try:
         with open(path, "rb") as f:
-            return _MetadataUnpickler(f).load()
+            return restricted_pickle_load(f, dcp_metadata_allowed(), path, trust=trust or None)
+    except UnsafeCheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged or foreign file
         raise ConversionError(f"{path} is damaged or not torch.distributed.checkpoint metadata "
                               f"({str(exc).splitlines()[0][:160]})") from None
@@ -132,12 +160,12 @@ def read_common(iter_dir: str, trust: bool = False) -> Dict[str, Any]:
     return sd
 
 
-def read_tensors(iter_dir: str, prefix: Optional[str] = None) -> Dict[str, torch.Tensor]:
+def read_tensors(iter_dir: str, prefix: Optional[str] = None, trust: bool = False) -> Dict[str, torch.Tensor]:
     """{Core name: global tensor} of every tensor in the folder (byte entries skipped, never unpickled); with `prefix`
     only those whose names start with it, without it none of Megatron Core's bucket-space optimizer buffers."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    md = read_dcp_metadata(iter_dir)
+    md = read_dcp_metadata(iter_dir, trust)
     files: Dict[str, int] = {}
     for info in md.storage_data.values():  # every data file named, and long enough for its byte ranges
         files[info.relative_path] = max(files.get(info.relative_path, 0), info.offset + info.length)
@@ -186,7 +214,7 @@ def read_objects(iter_dir: str, prefix: str, trust: bool = False, shards: bool =
 
     from megatron.checkpoint.safe_load import safe_torch_load
 
-    md = read_dcp_metadata(iter_dir)
+    md = read_dcp_metadata(iter_dir, trust)
     out: Dict[str, Any] = {}
     for index, info in md.storage_data.items():
         key = index.fqn
@@ -385,7 +413,7 @@ def read_iteration_state(iter_dir: str, trust: bool = False
     from megatron.checkpoint.conversion.torch_dist_optim import sharding_type, split_optimizer_tensors
 
     common = read_common(iter_dir, trust)
-    tensors, opt = split_optimizer_tensors(read_tensors(iter_dir))
+    tensors, opt = split_optimizer_tensors(read_tensors(iter_dir, trust=trust))
     if "embedding.word_embeddings.weight" not in tensors:
         raise ConversionError(f"torch_dist checkpoint {iter_dir} has no embedding.word_embeddings.weight: not a GPT "
                               "model checkpoint")
@@ -395,8 +423,8 @@ def read_iteration_state(iter_dir: str, trust: bool = False
     if sharding_type(common) == BUCKETS:  # Megatron-LM's default layout: rebuilt in model space when asked for
         common = dict(common, optimizer=dict(common["optimizer"]))
         try:
-            groups, opt_flat = bucket_state(read_tensors(iter_dir, "optimizer.distributed."),
-                                            read_objects(iter_dir, "optimizer.distributed."), flat, arch,
+            groups, opt_flat = bucket_state(read_tensors(iter_dir, "optimizer.distributed.", trust),
+                                            read_objects(iter_dir, "optimizer.distributed.", trust), flat, arch,
                                             common.get("args"), iter_dir)
             common["optimizer"].update(groups)
         except ConversionError as exc:
