@@ -41,7 +41,6 @@ require_inputs() {
   done
 }
 
-<<<<<<< HEAD
 # The run-length settings a short run shortens (fit_run_length), unless the user set them: load_preset notes which
 # were set before the preset's `:=` defaults fill them in.
 RUN_LENGTH_VARS="LR_DECAY_ITERS LR_WARMUP_ITERS LOG_INTERVAL"
@@ -96,10 +95,9 @@ context_parallel_dropout() {
     echo "--attention-dropout 0"
   fi
 }
-=======
+
 # The torchrun of the example scripts: megatron.quiet_torchrun is torchrun, except that a user error (bad flag or file)
 # is its one line (no crash report), a SIGTERM waits for the workers' --exit-signal-handler save instead of killing
 # them after 30 s, and a busy --master_port is named. Pass --master_port only when MASTER_PORT is set: on one node
 # torchrun then picks a free port, so two runs at once do not collide.
 QUIET_TORCHRUN=(env "PYTHONPATH=$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" python -m megatron.quiet_torchrun)
->>>>>>> main

@@ -24,6 +24,15 @@ def test_script_is_valid_bash(script: str) -> None:
     subprocess.run(["bash", "-n", str(EXAMPLES / script)], check=True)
 
 
+def test_every_example_shell_file_is_valid_bash() -> None:
+    """Every script and sourced file under examples/ (common.sh included: `bash -n` does not follow `source`)."""
+    files = sorted(str(p) for p in [*EXAMPLES.rglob("*.sh"), *EXAMPLES.rglob("*.slurm")])
+    assert any(f.endswith("/common.sh") for f in files)
+    for f in files:
+        proc = subprocess.run(["bash", "-n", f], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{f}: {proc.stderr}"
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_define_the_standard_models(name: str) -> None:
     text = (EXAMPLES / "presets" / f"gpt_{name}.sh").read_text()
