@@ -32,6 +32,13 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
+from megatron.checkpoint.atomic_io import (
+    DiskFullError,
+    atomic_torch_save,
+    atomic_write_text,
+    is_disk_full,
+    tensor_bytes,
+)
 from megatron.checkpoint.conversion.interchange import (
     NO_ARGS_HINT,
     ConversionError,
@@ -540,10 +547,6 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     Messages with training state (`Message.optimizer`, `meta.extra["optimizer"]`) add the optimizer state in Megatron
     Core's fully_reshardable layout (torch_dist_optim.py); `rng` (``{"tp", "pp", "ranks"}``) adds Megatron-LM's
     ``rng_state`` ShardedObjects (core_rng_objects)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
     from megatron.checkpoint.conversion.torch_dist_optim import PARAM, common_entry, state_tensors
 
     msgs = list(messages)
@@ -590,14 +593,6 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
                       f"{experts}"] = [None]
     if rng is not None:
         state.update(core_rng_objects(rng, rng_dp_axis))
-    tmp = iter_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    # the keys are already flat: nested payloads (the RNG dicts) stay one pickled object each, as Megatron Core's
-    with warnings.catch_warnings():  # the single-process save is the intent; torch warns about it anyway
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True,
-                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
     args = core_args(meta.checkpoint_args if meta.checkpoint_args is not None else args_namespace(meta))
     common = {"args": args, "checkpoint_version": 3.0, "iteration": meta.iteration or 0,
               "architecture": dict(meta.architecture), **(extra_common or {})}
@@ -605,9 +600,36 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
         common["optimizer"] = common_entry(opt_common)
         if meta.extra.get("opt_param_scheduler") is not None:
             common.setdefault("opt_param_scheduler", meta.extra["opt_param_scheduler"])
-    atomic_torch_save(common, os.path.join(tmp, COMMON))
-    atomic_write_text(os.path.join(tmp, METADATA_JSON), json.dumps(
-        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-         "common_backend_version": 1}))
+    _publish_dist_folder(state, common, iter_dir)
+
+
+def _publish_dist_folder(state: Dict[str, Any], common: Dict[str, Any], iter_dir: str) -> None:
+    """Write `state` (DCP shards + .metadata), common.pt and metadata.json into `iter_dir`.tmp, then rename it to
+    `iter_dir`. A failed write removes the temporary folder; a full disk is one line (`DiskFullError`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    tmp = iter_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        # the keys are already flat: nested payloads (the RNG dicts) stay one pickled object each, as Megatron Core's
+        with warnings.catch_warnings():  # the single-process save is the intent; torch warns about it anyway
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True,
+                     planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+        atomic_torch_save(common, os.path.join(tmp, COMMON))
+        atomic_write_text(os.path.join(tmp, METADATA_JSON), json.dumps(
+            {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+             "common_backend_version": 1}))
+    except (OSError, RuntimeError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        folder = os.path.dirname(iter_dir.rstrip("/")) or "."
+        if is_disk_full(exc, folder):
+            raise DiskFullError(f"no space left on the device holding {folder} while writing the torch_dist folder "
+                                f"{os.path.basename(iter_dir.rstrip('/'))} ({tensor_bytes(state) / 2**20:.1f} MiB of "
+                                "tensors): free space or write somewhere else; the previous checkpoint is "
+                                "intact") from None
+        raise
     shutil.rmtree(iter_dir, ignore_errors=True)
     os.replace(tmp, iter_dir)
