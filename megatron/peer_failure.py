@@ -53,9 +53,9 @@ def register(rank: int, store: Any = None) -> None:
     """Record this process's host and pid in the (default) rendezvous store; one set, failures here are not fatal."""
     try:
         if store is None:
-            from torch.distributed.distributed_c10d import _get_default_store
+            import torch.distributed as dist
 
-            store = _get_default_store()
+            store = dist.distributed_c10d._get_default_store()
         store.set(f"{_KEY}{rank}", f"{socket.gethostname()} {os.getpid()}")
     except Exception:  # noqa: BLE001 - diagnosis is best effort; training must not depend on it
         pass
@@ -175,9 +175,7 @@ def describe(exc: BaseException) -> str:
     rank, world = dist.get_rank(), dist.get_world_size()
     lost, store_ok, store = [], False, None
     try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        store = _get_default_store()  # kept referenced: on rank 0 of a direct launch it is the store's server
+        store = dist.distributed_c10d._get_default_store()  # kept referenced: on rank 0 of a direct launch it is the store's server
         store.set_timeout(timedelta(seconds=5))
         store.set(f"{_FAILED}{rank}", "1")
     except Exception:  # noqa: BLE001 - the store's host is gone

@@ -292,7 +292,7 @@ def evaluate_and_print_results(prefix: str, forward_step_func: Callable, data_it
 
 
 # ----------------------------------------------------------------------------------------------- exit handling
-def _save(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
+def save_unless_diverging(iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
           train_state: TrainingState, guard: Optional[SkipCounter] = None, train_loss: Optional[float] = None) -> None:
     """Save a checkpoint, except during a non-finite streak (`guard`): those weights are the ones that diverged.
     While the first losses after loading an unverified checkpoint are still being checked, the save is not signed."""
@@ -369,7 +369,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     watch = skip_counter.watch
 
     def save() -> None:
-        _save(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter, skip_counter.last_loss)
+        save_unless_diverging(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter, skip_counter.last_loss)
 
     while iteration < loop.train_iters:
         global_vars.update_num_microbatches(run.consumed_train_samples)
@@ -516,7 +516,7 @@ def pretrain(
                 _flush_writer()
                 return result
             if loop.save and iteration != 0 and iteration % loop.save_interval != 0:
-                _save(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter,
+                save_unless_diverging(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter,
                       skip_counter.last_loss)
         else:
             print_rank_0("skipping training (--skip-train is on) ...")

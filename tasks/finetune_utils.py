@@ -34,9 +34,9 @@ from megatron.errors import ArgumentError
 from megatron.model import ModelType
 from megatron.run_configs.bundle import RunConfigs
 from megatron.training import (
-    _save,
     evaluate_and_print_results,
     print_datetime,
+    save_unless_diverging,
     setup_model_and_optimizer,
     train_step,
     training_log,
@@ -239,15 +239,15 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
                 result["valid_losses"][iteration] = {k: float(v) for k, v in valid.items()}
             saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
             if saved:
-                _save(iteration, model, optimizer, scheduler, configs, run)
+                save_unless_diverging(iteration, model, optimizer, scheduler, configs, run)
             if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0:
                 if args.save and not saved:
-                    _save(iteration, model, optimizer, scheduler, configs, run)
+                    save_unless_diverging(iteration, model, optimizer, scheduler, configs, run)
                 print_datetime(f"exiting program at iteration {iteration}")
                 result["iteration"] = iteration
                 return result
         if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-            _save(iteration, model, optimizer, scheduler, configs, run)  # the end of every epoch
+            save_unless_diverging(iteration, model, optimizer, scheduler, configs, run)  # the end of every epoch
         result["accuracy"][epoch] = evaluate_datasets(valid_sets, model, args, state, epoch, eval_batch)
     result["iteration"] = iteration
     return result

@@ -483,7 +483,7 @@ def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") 
         def select_tag(latest_tag: str) -> str:  # the tag megatron/ds/engine.py will load
             try:
                 return integrity.select_deepspeed_tag(load_dir, latest_tag,
-                                                      not cfg.no_checkpoint_fallback, _first_reason, _print0)
+                                                      not cfg.no_checkpoint_fallback, first_failure_reason, _print0)
             except ValueError as exc:
                 raise CheckpointError(f"--use-checkpoint-args: {exc}") from None
 
@@ -551,7 +551,7 @@ def _load_optimizer(optimizer: Any, optim_sd: dict, models: list, checkpoint_nam
         raise CheckpointError(f"cannot load the optimizer state of {checkpoint_name}: {exc}") from None
 
 
-def _first_reason(reason: Optional[str]) -> Optional[str]:
+def first_failure_reason(reason: Optional[str]) -> Optional[str]:
     """The first rank's failure reason (None when every rank's files verified and loaded); collective."""
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         reasons: list[Optional[str]] = [None] * torch.distributed.get_world_size()
@@ -598,7 +598,7 @@ def _select_checkpoint(load_dir: str, iteration: int, release: bool, trust: bool
                     sd = load_state_dict_file(name, trust)
                 except CheckpointFileError as exc:
                     reason = str(exc)
-        reason = _first_reason(reason)
+        reason = first_failure_reason(reason)
         if reason is None:
             if unverified:
                 _print0(f"note: {iter_dir} has no {integrity.MANIFEST_NAME} (saved before integrity checks); "
@@ -675,7 +675,7 @@ def _verified_foreign_folder(cfg: CheckpointSettings, iteration: int, release: b
     if release:  # nothing to fall back to
         reason = integrity.verify(iter_dir)
         verified = reason is None
-        reason = _first_reason(None if reason == integrity.NO_MANIFEST else reason)
+        reason = first_failure_reason(None if reason == integrity.NO_MANIFEST else reason)
         if reason is not None:
             raise CheckpointError(f"checkpoint {iter_dir} is damaged: {reason}; restore it")
         if not verified:
@@ -684,7 +684,7 @@ def _verified_foreign_folder(cfg: CheckpointSettings, iteration: int, release: b
     else:
         try:
             chosen, verified = integrity.select_whole_folder(load_dir, iteration, not cfg.no_checkpoint_fallback,
-                                                             _first_reason, _print0, is_dist_folder)
+                                                             first_failure_reason, _print0, is_dist_folder)
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
         iter_dir = _iteration_dir(load_dir, chosen, False)

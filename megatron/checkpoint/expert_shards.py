@@ -81,10 +81,10 @@ def model_state(sd: Dict[str, Any], models: List[torch.nn.Module], fn: Transform
 
 def _expert_flags(models: List[torch.nn.Module]) -> List[Optional[TensorParallelLayout]]:
     """The expert layout (None: not an expert) of each parameter in the regular optimizer's flat order."""
-    from megatron.optimizer.distrib_optimizer import _model_param_order
+    from megatron.optimizer.distrib_optimizer import model_param_order
 
     flags = []
-    for _, name, param in _model_param_order(models):
+    for _, name, param in model_param_order(models):
         m = EXPERT_PARAM_RE.search(name)
         flags.append(get_tp_layout(param) if m else None)
     return flags
@@ -94,7 +94,7 @@ def regular_optimizer_state(optim_sd: Dict[str, Any], models: List[torch.nn.Modu
                             ) -> Dict[str, Any]:
     """A regular (FP32Optimizer / Float16Optimizer) optimizer state dict with `fn` applied to the experts' moments and
     fp32 main params (a new dict; the live optimizer's tensors are left alone)."""
-    from megatron.optimizer.distrib_optimizer import _model_param_order
+    from megatron.optimizer.distrib_optimizer import model_param_order
 
     nested = "optimizer" in optim_sd and "param_groups" not in optim_sd
     inner = optim_sd["optimizer"] if nested else optim_sd
@@ -111,7 +111,7 @@ def regular_optimizer_state(optim_sd: Dict[str, Any], models: List[torch.nn.Modu
         return new_inner
     out["optimizer"] = new_inner
     if optim_sd.get("fp32_from_fp16_params"):  # fp32 main copies of the fp16/bf16 params, in the same order
-        order = iter(zip(_model_param_order(models), flags))
+        order = iter(zip(model_param_order(models), flags))
         groups = []
         for group in optim_sd["fp32_from_fp16_params"]:
             new_group = []

@@ -113,3 +113,13 @@ def sequence_parallel_off(model: Any) -> Iterator[None]:
     finally:
         for obj in flipped:
             obj.sequence_parallel = True
+
+
+def flatten_dense_tensors(tensors: Any) -> torch.Tensor:
+    """One flat 1-D tensor holding `tensors` back to back (torch's coalescing helper, used for bucketed all-reduce)."""
+    return torch._utils._flatten_dense_tensors(tensors)
+
+
+def unflatten_dense_tensors(flat: torch.Tensor, tensors: Any) -> tuple:
+    """Views of `flat` shaped like `tensors` (the inverse of `flatten_dense_tensors`)."""
+    return torch._utils._unflatten_dense_tensors(flat, tensors)

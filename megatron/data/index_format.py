@@ -28,9 +28,9 @@ DTYPES: dict[int, type] = {
 dtypes = DTYPES  # Megatron's name for the same table
 CODES: dict[np.dtype, int] = {np.dtype(t): c for c, t in DTYPES.items()}
 
-_RERUN = "re-run tools/preprocess_data.py to rebuild the pair"
-_COPY_CHUNK = 16 << 20  # bytes per read when streaming .bin files (bounded memory)
-_FLUSH = 1 << 20  # python-list entries kept before packing into numpy chunks
+RERUN_HINT = "re-run tools/preprocess_data.py to rebuild the pair"
+COPY_CHUNK = 16 << 20  # bytes per read when streaming .bin files (bounded memory)
+FLUSH = 1 << 20  # python-list entries kept before packing into numpy chunks
 
 
 class IndexedDatasetError(MegatronUserError, ValueError):
@@ -53,7 +53,7 @@ def code(dtype: Any) -> int:
         raise ValueError(f"indexed datasets cannot store dtype {dt}; use one of {names}") from None
 
 
-def _le(dtype: Any) -> np.dtype:
+def little_endian(dtype: Any) -> np.dtype:
     """Little-endian version of a supported dtype (the on-disk byte order)."""
     code(dtype)
     return np.dtype(dtype).newbyteorder("<")
@@ -74,35 +74,39 @@ def data_file_path(prefix_path: PathLike) -> str:
     return os.fspath(prefix_path) + ".bin"
 
 
-def _tmp_path(path: str) -> str:
+def temporary_path(path: str) -> str:
+    """The per-process temporary name `path` is written under before it is renamed into place."""
     return f"{path}.tmp-{os.getpid()}"
 
 
-def _missing_hint(prefix: str) -> str:
+def missing_hint(prefix: str) -> str:
+    """A hint for a prefix given with its .bin/.idx extension (empty otherwise)."""
     for ext in (".bin", ".idx"):
         if prefix.endswith(ext):
             return f" (pass the prefix without '{ext}': {prefix[: -len(ext)]})"
     return ""
 
 
-def _file_size(path: str, prefix: str) -> int:
+def checked_file_size(path: str, prefix: str) -> int:
+    """Size of `path` in bytes; the one-line IndexedDatasetError naming both files of `prefix` when it is missing."""
     try:
         return os.path.getsize(path)
     except OSError:
         raise IndexedDatasetError(
-            f"{path} not found: a dataset prefix needs both {prefix}.bin and {prefix}.idx{_missing_hint(prefix)}; "
+            f"{path} not found: a dataset prefix needs both {prefix}.bin and {prefix}.idx{missing_hint(prefix)}; "
             "check --data-path or run tools/preprocess_data.py"
         ) from None
 
 
-def _warmup_mmap_file(path: str) -> None:
+def warmup_mmap_file(path: str) -> None:
+    """Read the whole file once (100 MiB at a time) so the page cache holds it before it is memory-mapped."""
     with open(path, "rb") as stream:
         while stream.read(100 * (1 << 20)):
             pass
 
 
 @functools.cache
-def _narrowing_bounds(src: np.dtype, dst: np.dtype) -> Optional[tuple[int, int]]:
+def narrowing_bounds(src: np.dtype, dst: np.dtype) -> Optional[tuple[int, int]]:
     """(min, max) of ``dst`` when casting integers ``src`` -> ``dst`` may lose values, else None (cached per pair)."""
     if src.kind not in "iub" or dst.kind not in "iu" or np.can_cast(src, dst):
         return None
@@ -110,7 +114,7 @@ def _narrowing_bounds(src: np.dtype, dst: np.dtype) -> Optional[tuple[int, int]]
     return int(info.min), int(info.max)
 
 
-def _to_numpy(item: Any, dtype: np.dtype, what: str) -> np.ndarray:
+def to_numpy(item: Any, dtype: np.dtype, what: str) -> np.ndarray:
     """Convert a list, numpy array or (CPU/GPU) torch tensor to a C-contiguous array of the builder's dtype."""
     if not isinstance(item, np.ndarray):
         if hasattr(item, "detach") and hasattr(item, "cpu"):  # torch.Tensor, without importing torch
@@ -119,7 +123,7 @@ def _to_numpy(item: Any, dtype: np.dtype, what: str) -> np.ndarray:
             item = item.numpy()
     if isinstance(item, np.ndarray):
         if item.dtype != dtype and item.size:
-            bounds = _narrowing_bounds(item.dtype, dtype)
+            bounds = narrowing_bounds(item.dtype, dtype)
             if bounds is not None:
                 lo, hi = int(item.min()), int(item.max())
                 if lo < bounds[0] or hi > bounds[1]:
@@ -141,22 +145,23 @@ def _to_numpy(item: Any, dtype: np.dtype, what: str) -> np.ndarray:
         ) from None
 
 
-def _check_doc_idx(doc_idx: np.ndarray, limit: int, path: str) -> None:
+def check_doc_idx(doc_idx: np.ndarray, limit: int, path: str) -> None:
+    """Validate a document index (starts at 0, monotone, ends within `limit` sequences); IndexedDatasetError otherwise."""
     if len(doc_idx) == 0:
-        raise IndexedDatasetError(f"{path} has an empty document index (it must start with 0); {_RERUN}")
+        raise IndexedDatasetError(f"{path} has an empty document index (it must start with 0); {RERUN_HINT}")
     if doc_idx[0] != 0:
-        raise IndexedDatasetError(f"{path}: doc_idx[0] is {int(doc_idx[0])}, expected 0; the index is corrupt; {_RERUN}")
+        raise IndexedDatasetError(f"{path}: doc_idx[0] is {int(doc_idx[0])}, expected 0; the index is corrupt; {RERUN_HINT}")
     steps = np.diff(doc_idx)
     if len(steps) and steps.min() < 0:
         bad = int(np.argmax(steps < 0)) + 1
         raise IndexedDatasetError(
             f"{path}: doc_idx is not monotone (doc_idx[{bad}] = {int(doc_idx[bad])} < doc_idx[{bad - 1}] = "
-            f"{int(doc_idx[bad - 1])}); the index is corrupt; {_RERUN}"
+            f"{int(doc_idx[bad - 1])}); the index is corrupt; {RERUN_HINT}"
         )
     if doc_idx[-1] > limit:
         raise IndexedDatasetError(
             f"{path}: doc_idx ends at {int(doc_idx[-1])} but the index holds only {limit} sequences; "
-            f"the index is corrupt; {_RERUN}"
+            f"the index is corrupt; {RERUN_HINT}"
         )
 
 
@@ -169,5 +174,5 @@ def create_doc_idx(sizes: Sequence[int]) -> np.ndarray:
     return np.asarray(doc_idx, dtype=np.int64)
 
 
-_MMAP_MAGIC = b"MMIDIDX\x00\x00"
-_LEGACY_MAGIC = b"TNTIDX\x00\x00"
+MMAP_MAGIC = b"MMIDIDX\x00\x00"
+LEGACY_MAGIC = b"TNTIDX\x00\x00"

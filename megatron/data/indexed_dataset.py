@@ -24,30 +24,30 @@ import numpy as np
 
 from megatron.core.rank_print import print_rank_0 as _print_rank_0
 from megatron.data.index_format import (  # noqa: F401  (re-exported: Megatron's names and the legacy module's)
-    _COPY_CHUNK,
-    _FLUSH,
-    _LEGACY_MAGIC,
-    _MMAP_MAGIC,
-    _RERUN,
     CODES,
+    COPY_CHUNK,
     DTYPES,
+    FLUSH,
+    LEGACY_MAGIC,
+    MMAP_MAGIC,
+    RERUN_HINT,
     IndexedDatasetError,
     PathLike,
-    _check_doc_idx,
-    _file_size,
-    _le,
-    _missing_hint,
-    _narrowing_bounds,
-    _tmp_path,
-    _to_numpy,
-    _warmup_mmap_file,
     best_fitting_dtype,
+    check_doc_idx,
+    checked_file_size,
     code,
     create_doc_idx,
     data_file_path,
     dtypes,
     get_available_dataset_impl,
     index_file_path,
+    little_endian,
+    missing_hint,
+    narrowing_bounds,
+    temporary_path,
+    to_numpy,
+    warmup_mmap_file,
 )
 
 if TYPE_CHECKING:  # at run time these come from the module __getattr__ at the bottom (loaded on first use)
@@ -84,7 +84,7 @@ class _MMapIndexWriter:
 
     def __init__(self, path: PathLike, dtype: Any) -> None:
         self._path = os.fspath(path)
-        self._dtype = _le(dtype)
+        self._dtype = little_endian(dtype)
         self._file = None
 
     def __enter__(self) -> _MMapIndexWriter:
@@ -96,10 +96,10 @@ class _MMapIndexWriter:
         if len(sizes64) and (sizes64.min() < 0 or sizes64.max() > np.iinfo(np.int32).max):
             raise IndexedDatasetError(f"{self._path}: sequence sizes must lie in 0..2**31-1 to fit the int32 sizes array")
         doc = np.asarray(doc_idx, dtype="<i8").reshape(-1)
-        _check_doc_idx(doc, len(sizes64), self._path)
+        check_doc_idx(doc, len(sizes64), self._path)
         pointers = _pointers_from_sizes(sizes64, self._dtype.itemsize)
         f = self._file
-        f.write(_MMAP_HEADER.pack(_MMAP_MAGIC, 1, code(self._dtype), len(sizes64), len(doc)))
+        f.write(_MMAP_HEADER.pack(MMAP_MAGIC, 1, code(self._dtype), len(sizes64), len(doc)))
         f.write(sizes64.astype("<i4").tobytes(order="C"))
         f.write(pointers.astype("<i8", copy=False).tobytes(order="C"))
         f.write(doc.tobytes(order="C"))
@@ -111,7 +111,7 @@ class _MMapIndexWriter:
 class MMapIndex:
     """The .idx of an mmap dataset (Megatron's ``MMapIndexedDataset.Index``), validated on open."""
 
-    _HDR_MAGIC = _MMAP_MAGIC
+    _HDR_MAGIC = MMAP_MAGIC
 
     @classmethod
     def writer(cls, path: PathLike, dtype: Any) -> _MMapIndexWriter:
@@ -120,42 +120,42 @@ class MMapIndex:
     def __init__(self, path: PathLike, skip_warmup: bool = True, *, verbose: bool = False) -> None:
         self._path = path = os.fspath(path)
         prefix = path[:-4] if path.endswith(".idx") else path
-        file_size = _file_size(path, prefix)
+        file_size = checked_file_size(path, prefix)
         if file_size < _MMAP_HEADER.size:
             raise IndexedDatasetError(
                 f"{path} is {file_size} bytes, shorter than the {_MMAP_HEADER.size}-byte mmap index header; "
-                f"the index is truncated; {_RERUN}"
+                f"the index is truncated; {RERUN_HINT}"
             )
         with open(path, "rb") as stream:
             magic, version, dtype_code, n, d = _MMAP_HEADER.unpack(stream.read(_MMAP_HEADER.size))
-        if magic != _MMAP_MAGIC:
-            if magic[:8] == _LEGACY_MAGIC:
+        if magic != MMAP_MAGIC:
+            if magic[:8] == LEGACY_MAGIC:
                 raise IndexedDatasetError(
                     f"{path} is a legacy (lazy/cached) index, not mmap; use --data-impl infer (or lazy/cached)"
                 )
             raise IndexedDatasetError(
-                f"{path} is not an mmap index: magic {magic!r} != {_MMAP_MAGIC!r}; wrong file or corrupt; {_RERUN}"
+                f"{path} is not an mmap index: magic {magic!r} != {MMAP_MAGIC!r}; wrong file or corrupt; {RERUN_HINT}"
             )
         if version != 1:
-            raise IndexedDatasetError(f"{path}: unsupported mmap index version {version} (only version 1 exists); {_RERUN}")
+            raise IndexedDatasetError(f"{path}: unsupported mmap index version {version} (only version 1 exists); {RERUN_HINT}")
         if dtype_code not in DTYPES:
             raise IndexedDatasetError(
-                f"{path}: unknown dtype code {dtype_code} in the header (valid codes 1..8); the index is corrupt; {_RERUN}"
+                f"{path}: unknown dtype code {dtype_code} in the header (valid codes 1..8); the index is corrupt; {RERUN_HINT}"
             )
         expected = mmap_index_size(n, d)
         if file_size != expected:
             state = "truncated" if file_size < expected else "has trailing bytes"
             raise IndexedDatasetError(
                 f"{path} is {file_size} bytes but its header promises {n} sequences and {d} doc_idx entries = "
-                f"34 + 12*{n} + 8*{d} = {expected} bytes; the index is {state} or corrupt; {_RERUN}"
+                f"34 + 12*{n} + 8*{d} = {expected} bytes; the index is {state} or corrupt; {RERUN_HINT}"
             )
-        self._dtype = _le(DTYPES[dtype_code])
+        self._dtype = little_endian(DTYPES[dtype_code])
         self._len = n
         self._doc_count = d
         if not skip_warmup:
             if verbose:
                 _print_rank_0("    warming up index mmap file...")
-            _warmup_mmap_file(path)
+            warmup_mmap_file(path)
         self._bin_buffer_mmap = np.memmap(path, mode="r", order="C")
         self._bin_buffer = memoryview(self._bin_buffer_mmap)
         offset = _MMAP_HEADER.size
@@ -175,15 +175,15 @@ class MMapIndex:
         if self._len:
             if sizes.min() < 0:
                 bad = int(np.argmax(sizes < 0))
-                raise IndexedDatasetError(f"{path}: sizes[{bad}] = {int(sizes[bad])} is negative; the index is corrupt; {_RERUN}")
+                raise IndexedDatasetError(f"{path}: sizes[{bad}] = {int(sizes[bad])} is negative; the index is corrupt; {RERUN_HINT}")
             expected = _pointers_from_sizes(sizes, self._dtype.itemsize)
             if not np.array_equal(expected, self._pointers):
                 bad = int(np.argmax(expected != self._pointers))
                 raise IndexedDatasetError(
                     f"{path}: pointers[{bad}] = {int(self._pointers[bad])} but the sizes before it imply "
-                    f"{int(expected[bad])}; the index is corrupt; {_RERUN}"
+                    f"{int(expected[bad])}; the index is corrupt; {RERUN_HINT}"
                 )
-        _check_doc_idx(self._doc_idx, self._len, path)
+        check_doc_idx(self._doc_idx, self._len, path)
 
     @property
     def dtype(self) -> np.dtype:
@@ -221,7 +221,7 @@ class MMapIndex:
 def check_bin_size(prefix: str, index: MMapIndex) -> int:
     """Size of ``prefix.bin``; IndexedDatasetError unless it is exactly what ``index`` describes."""
     bin_path = data_file_path(prefix)
-    bin_size = _file_size(bin_path, prefix)
+    bin_size = checked_file_size(bin_path, prefix)
     expected = index.total_bytes
     if bin_size != expected:
         item = index.dtype.itemsize
@@ -229,7 +229,7 @@ def check_bin_size(prefix: str, index: MMapIndex) -> int:
         state = "truncated" if bin_size < expected else "too long"
         raise IndexedDatasetError(
             f"{bin_path} holds {bin_size} bytes but {index_file_path(prefix)} promises {expected} = {tokens} tokens x "
-            f"{item} bytes; the .bin is {state} or belongs to another index; {_RERUN}"
+            f"{item} bytes; the .bin is {state} or belongs to another index; {RERUN_HINT}"
         )
     return bin_size
 
@@ -256,7 +256,7 @@ class MMapIndexedDataset:
         if not skip_warmup:
             if verbose:
                 _print_rank_0("    warming up data mmap file...")
-            _warmup_mmap_file(data_file_path(path))
+            warmup_mmap_file(data_file_path(path))
         if verbose:
             _print_rank_0("    creating numpy buffer of mmap...")
         if bin_size:
@@ -334,8 +334,8 @@ class MMapIndexedDatasetBuilder:
 
     def __init__(self, out_file: PathLike, dtype: Any = np.int64) -> None:
         self._out_file = os.fspath(out_file)
-        self._dtype = _le(dtype)
-        self._tmp_bin = _tmp_path(self._out_file)
+        self._dtype = little_endian(dtype)
+        self._tmp_bin = temporary_path(self._out_file)
         self._data_file = open(self._tmp_bin, "wb")
         self._sizes: list[int] = []  # recent sizes (python ints); older ones are packed into _size_chunks
         self._size_chunks: list[np.ndarray] = []
@@ -362,15 +362,15 @@ class MMapIndexedDatasetBuilder:
 
     def add_item(self, tensor: Any) -> None:
         """Append one sequence (flattened)."""
-        arr = _to_numpy(tensor, self._dtype, self._out_file)
+        arr = to_numpy(tensor, self._dtype, self._out_file)
         self._data_file.write(arr.reshape(-1))
         self._sizes.append(arr.size)
-        if len(self._sizes) >= _FLUSH:
+        if len(self._sizes) >= FLUSH:
             self._pack()
 
     def add_doc(self, tokens: Any, lengths: Sequence[int]) -> None:
         """Append a whole document: ``tokens`` is its sentences concatenated, ``lengths`` the sentence sizes."""
-        arr = _to_numpy(tokens, self._dtype, self._out_file).reshape(-1)
+        arr = to_numpy(tokens, self._dtype, self._out_file).reshape(-1)
         lengths = lengths.tolist() if hasattr(lengths, "tolist") else list(lengths)  # numpy / torch / list
         if sum(lengths) != arr.size:
             raise IndexedDatasetError(
@@ -379,7 +379,7 @@ class MMapIndexedDatasetBuilder:
         self._data_file.write(arr)
         self._sizes.extend(lengths)
         self._doc_idx.append(self._count())
-        if len(self._sizes) >= _FLUSH or len(self._doc_idx) >= _FLUSH:
+        if len(self._sizes) >= FLUSH or len(self._doc_idx) >= FLUSH:
             self._pack()
 
     def end_document(self) -> None:
@@ -402,7 +402,7 @@ class MMapIndexedDatasetBuilder:
         self._num_packed += len(index)
         self._doc_chunks.append(np.asarray(index.doc_idx[1:], dtype=np.int64) + offset)
         with open(data_file_path(prefix), "rb") as stream:
-            shutil.copyfileobj(stream, self._data_file, _COPY_CHUNK)
+            shutil.copyfileobj(stream, self._data_file, COPY_CHUNK)
 
     def abort(self) -> None:
         """Close and delete the temporary files without producing a dataset."""
@@ -422,7 +422,7 @@ class MMapIndexedDatasetBuilder:
         sizes = np.concatenate(self._size_chunks) if self._size_chunks else np.zeros(0, np.int64)
         doc_idx = np.concatenate(self._doc_chunks)
         index_file = os.fspath(index_file)
-        tmp_idx = _tmp_path(index_file)
+        tmp_idx = temporary_path(index_file)
         try:
             with MMapIndex.writer(tmp_idx, self._dtype) as writer:
                 writer.write(sizes, doc_idx)
@@ -454,13 +454,13 @@ def infer_dataset_impl(path: PathLike) -> Optional[str]:
         return None
     with open(index_file_path(path), "rb") as stream:
         magic = stream.read(9)
-    if magic[:8] == _LEGACY_MAGIC:
+    if magic[:8] == LEGACY_MAGIC:
         return "cached"
-    if magic == _MMAP_MAGIC:
+    if magic == MMAP_MAGIC:
         return "mmap"
     raise IndexedDatasetError(
-        f"{index_file_path(path)} starts with {magic!r}, neither an mmap ({_MMAP_MAGIC!r}) nor a legacy "
-        f"({_LEGACY_MAGIC!r}) index; wrong file or corrupt; {_RERUN}"
+        f"{index_file_path(path)} starts with {magic!r}, neither an mmap ({MMAP_MAGIC!r}) nor a legacy "
+        f"({LEGACY_MAGIC!r}) index; wrong file or corrupt; {RERUN_HINT}"
     )
 
 
@@ -486,7 +486,7 @@ def make_dataset(path: PathLike, impl: str = "infer",
     if not _pair_exists(path):
         missing = [p for p in (index_file_path(path), data_file_path(path)) if not os.path.exists(p)]
         raise IndexedDatasetError(
-            f"dataset {path} not found: missing {' and '.join(missing)}{_missing_hint(path)}; check --data-path "
+            f"dataset {path} not found: missing {' and '.join(missing)}{missing_hint(path)}; check --data-path "
             "(a prefix without .bin/.idx) or run tools/preprocess_data.py"
         )
     if impl == "infer":

@@ -16,21 +16,21 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 
 from megatron.data.index_format import (
-    _COPY_CHUNK,
-    _LEGACY_MAGIC,
-    _MMAP_MAGIC,
-    _RERUN,
+    COPY_CHUNK,
     DTYPES,
+    LEGACY_MAGIC,
+    MMAP_MAGIC,
+    RERUN_HINT,
     IndexedDatasetError,
     PathLike,
-    _check_doc_idx,
-    _file_size,
-    _le,
-    _tmp_path,
-    _to_numpy,
+    check_doc_idx,
+    checked_file_size,
     code,
     data_file_path,
     index_file_path,
+    little_endian,
+    temporary_path,
+    to_numpy,
 )
 
 _LEGACY_HEADER = struct.Struct("<8sQQQQQ")  # magic, version, dtype code, element size, N, S  (48 bytes)
@@ -40,7 +40,7 @@ _LEGACY_DOC_COUNT = struct.Struct("<Q")  # D, present in Megatron's layout (abse
 def read_longs(f: Any, n: int) -> np.ndarray:
     a = np.empty(int(n), dtype="<i8")
     if f.readinto(a) != a.nbytes:
-        raise IndexedDatasetError(f"{getattr(f, 'name', 'index')}: unexpected end of file; {_RERUN}")
+        raise IndexedDatasetError(f"{getattr(f, 'name', 'index')}: unexpected end of file; {RERUN_HINT}")
     return a
 
 
@@ -56,7 +56,7 @@ def legacy_index_size(num_items: int, num_sizes: int, num_doc_idx: int) -> int:
 class IndexedDataset:
     """Legacy ``lazy`` reader: the index is loaded into memory, items are read from the .bin on demand."""
 
-    _HDR_MAGIC = _LEGACY_MAGIC
+    _HDR_MAGIC = LEGACY_MAGIC
 
     def __init__(self, path: PathLike) -> None:
         self.path = os.fspath(path)
@@ -65,33 +65,33 @@ class IndexedDataset:
 
     def read_index(self, path: str) -> None:
         idx_path = index_file_path(path)
-        file_size = _file_size(idx_path, path)
+        file_size = checked_file_size(idx_path, path)
         if file_size < _LEGACY_HEADER.size:
             raise IndexedDatasetError(
                 f"{idx_path} is {file_size} bytes, shorter than the {_LEGACY_HEADER.size}-byte legacy index header; "
-                f"the index is truncated; {_RERUN}"
+                f"the index is truncated; {RERUN_HINT}"
             )
         with open(idx_path, "rb") as f:
             magic, version, dtype_code, element_size, n, s = _LEGACY_HEADER.unpack(f.read(_LEGACY_HEADER.size))
-            if magic != _LEGACY_MAGIC:
-                if magic == _MMAP_MAGIC[:8]:
+            if magic != LEGACY_MAGIC:
+                if magic == MMAP_MAGIC[:8]:
                     raise IndexedDatasetError(f"{idx_path} is an mmap index, not lazy/cached; use --data-impl mmap or infer")
                 raise IndexedDatasetError(
-                    f"{idx_path} is not a legacy index: magic {magic!r} != {_LEGACY_MAGIC!r}; wrong file or corrupt; "
-                    f"{_RERUN}"
+                    f"{idx_path} is not a legacy index: magic {magic!r} != {LEGACY_MAGIC!r}; wrong file or corrupt; "
+                    f"{RERUN_HINT}"
                 )
             if version != 1:
-                raise IndexedDatasetError(f"{idx_path}: unsupported legacy index version {version} (expected 1); {_RERUN}")
+                raise IndexedDatasetError(f"{idx_path}: unsupported legacy index version {version} (expected 1); {RERUN_HINT}")
             if dtype_code not in DTYPES:
                 raise IndexedDatasetError(
                     f"{idx_path}: unknown dtype code {dtype_code} in the header (valid codes 1..8); the index is "
-                    f"corrupt; {_RERUN}"
+                    f"corrupt; {RERUN_HINT}"
                 )
-            self.dtype = _le(DTYPES[dtype_code])
+            self.dtype = little_endian(DTYPES[dtype_code])
             if element_size != self.dtype.itemsize:
                 raise IndexedDatasetError(
                     f"{idx_path}: element size {element_size} does not match dtype {self.dtype.name} "
-                    f"({self.dtype.itemsize} bytes); the index is corrupt; {_RERUN}"
+                    f"({self.dtype.itemsize} bytes); the index is corrupt; {RERUN_HINT}"
                 )
             self.element_size = element_size
             self._len, self.s = n, s
@@ -108,7 +108,7 @@ class IndexedDataset:
                 shown = legacy_index_size(n, s, d) if d is not None else old_layout
                 raise IndexedDatasetError(
                     f"{idx_path} is {file_size} bytes but its header promises {n} items, {s} sizes and {d} doc_idx "
-                    f"entries = {shown} bytes; the index is truncated or corrupt; {_RERUN}"
+                    f"entries = {shown} bytes; the index is truncated or corrupt; {RERUN_HINT}"
                 )
             self.dim_offsets = read_longs(f, n + 1)
             self.data_offsets = read_longs(f, n + 1)
@@ -126,10 +126,10 @@ class IndexedDataset:
             if offsets[0] != 0 or (len(steps) and steps.min() < 0) or (last is not None and offsets[-1] != last):
                 raise IndexedDatasetError(
                     f"{idx_path}: {name} must start at 0, never decrease and end at the number of sizes; the index "
-                    f"is corrupt; {_RERUN}"
+                    f"is corrupt; {RERUN_HINT}"
                 )
         if len(self.sizes) and self.sizes.min() < 0:
-            raise IndexedDatasetError(f"{idx_path}: negative sizes; the index is corrupt; {_RERUN}")
+            raise IndexedDatasetError(f"{idx_path}: negative sizes; the index is corrupt; {RERUN_HINT}")
         counts = np.diff(self.data_offsets)
         if np.array_equal(self.dim_offsets, np.arange(self._len + 1)):  # 1-D items: one size each
             ok = np.array_equal(counts, self.sizes)
@@ -138,16 +138,16 @@ class IndexedDataset:
                 int(np.prod(self.sizes[self.dim_offsets[i]:self.dim_offsets[i + 1]])) == counts[i] for i in range(self._len)
             )
         if not ok:
-            raise IndexedDatasetError(f"{idx_path}: data_offsets disagree with sizes; the index is corrupt; {_RERUN}")
-        _check_doc_idx(self.doc_idx, self.s, idx_path)
+            raise IndexedDatasetError(f"{idx_path}: data_offsets disagree with sizes; the index is corrupt; {RERUN_HINT}")
+        check_doc_idx(self.doc_idx, self.s, idx_path)
         bin_path = data_file_path(self.path)
-        bin_size = _file_size(bin_path, self.path)
+        bin_size = checked_file_size(bin_path, self.path)
         expected = int(self.data_offsets[-1]) * self.element_size
         if bin_size != expected:
             state = "truncated" if bin_size < expected else "too long"
             raise IndexedDatasetError(
                 f"{bin_path} holds {bin_size} bytes but {idx_path} promises {expected} = {int(self.data_offsets[-1])} "
-                f"elements x {self.element_size} bytes; the .bin is {state} or belongs to another index; {_RERUN}"
+                f"elements x {self.element_size} bytes; the .bin is {state} or belongs to another index; {RERUN_HINT}"
             )
 
     def read_data(self, path: str) -> None:
@@ -166,7 +166,7 @@ class IndexedDataset:
             self.read_data(self.path)
         self.data_file.seek(element_offset * self.element_size)
         if out.nbytes and self.data_file.readinto(out) != out.nbytes:
-            raise IndexedDatasetError(f"{data_file_path(self.path)}: unexpected end of file; {_RERUN}")
+            raise IndexedDatasetError(f"{data_file_path(self.path)}: unexpected end of file; {RERUN_HINT}")
         return out
 
     def __del__(self) -> None:
@@ -271,8 +271,8 @@ class IndexedDatasetBuilder:
 
     def __init__(self, out_file: PathLike, dtype: Any = np.int32) -> None:
         self._out_path = os.fspath(out_file)
-        self.dtype = _le(dtype)
-        self._tmp_bin = _tmp_path(self._out_path)
+        self.dtype = little_endian(dtype)
+        self._tmp_bin = temporary_path(self._out_path)
         self.out_file = open(self._tmp_bin, "wb")
         self.data_offsets = [0]
         self.dim_offsets = [0]
@@ -282,14 +282,14 @@ class IndexedDatasetBuilder:
         self._finalized = False
 
     def add_item(self, tensor: Any) -> None:
-        arr = _to_numpy(tensor, self.dtype, self._out_path)
+        arr = to_numpy(tensor, self.dtype, self._out_path)
         self.out_file.write(arr.reshape(-1))
         self.data_offsets.append(self.data_offsets[-1] + arr.size)
         self.sizes.extend(arr.shape)
         self.dim_offsets.append(self.dim_offsets[-1] + arr.ndim)
 
     def add_doc(self, tokens: Any, lengths: Sequence[int]) -> None:
-        arr = _to_numpy(tokens, self.dtype, self._out_path).reshape(-1)
+        arr = to_numpy(tokens, self.dtype, self._out_path).reshape(-1)
         lengths = lengths.tolist() if hasattr(lengths, "tolist") else list(lengths)  # numpy / torch / list
         if sum(lengths) != arr.size:
             raise IndexedDatasetError(
@@ -320,7 +320,7 @@ class IndexedDatasetBuilder:
         self.dim_offsets.extend((begin + index.dim_offsets[1:]).tolist())
         self.doc_idx.extend((doc_offset + index.doc_idx[1:]).tolist())
         with open(data_file_path(prefix), "rb") as stream:
-            shutil.copyfileobj(stream, self.out_file, _COPY_CHUNK)
+            shutil.copyfileobj(stream, self.out_file, COPY_CHUNK)
 
     def abort(self) -> None:
         """Close and delete the temporary files without producing a dataset."""
@@ -336,10 +336,10 @@ class IndexedDatasetBuilder:
         self._finalized = True
         self.out_file.close()
         index_file = os.fspath(index_file)
-        tmp_idx = _tmp_path(index_file)
+        tmp_idx = temporary_path(index_file)
         try:
             with open(tmp_idx, "wb") as index:
-                index.write(_LEGACY_HEADER.pack(_LEGACY_MAGIC, 1, code(self.dtype), self.element_size,
+                index.write(_LEGACY_HEADER.pack(LEGACY_MAGIC, 1, code(self.dtype), self.element_size,
                                                 len(self.data_offsets) - 1, len(self.sizes)))
                 index.write(_LEGACY_DOC_COUNT.pack(len(self.doc_idx)))
                 write_longs(index, self.dim_offsets)

@@ -415,12 +415,12 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
     finetune = cfg.finetune
     load_optim = not finetune and not cfg.no_load_optim
     from megatron.checkpoint import integrity
-    from megatron.checkpoint.checkpointing import _first_reason
+    from megatron.checkpoint.checkpointing import first_failure_reason
     from megatron.checkpoint.safe_load import guarded_torch_load
 
     try:  # the newest global_stepN whose files match their manifest
         latest_tag = integrity.read_pointer_file(latest)
-        tag = integrity.select_deepspeed_tag(load_dir, latest_tag, not cfg.no_checkpoint_fallback, _first_reason, print_rank_0)
+        tag = integrity.select_deepspeed_tag(load_dir, latest_tag, not cfg.no_checkpoint_fallback, first_failure_reason, print_rank_0)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     from megatron.ds.weights import expected_layout, load_other_layout_into_engine, tag_layout_or_none

@@ -164,7 +164,7 @@ def load_megatron_checkpoint_into_engine(engine: Any, architecture: Mapping[str,
     architecture's ``padded_vocab_size``)."""
     from megatron.checkpoint import integrity
     from megatron.checkpoint.args import compare_architecture
-    from megatron.checkpoint.checkpointing import _first_reason
+    from megatron.checkpoint.checkpointing import first_failure_reason
     from megatron.checkpoint.conversion.interchange import ConversionError
     from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, read_megatron
     from megatron.model import GPTModel
@@ -182,7 +182,7 @@ def load_megatron_checkpoint_into_engine(engine: Any, architecture: Mapping[str,
     try:
         iter_dir, _ = find_iteration_dir(load_dir)
         reason = integrity.verify(iter_dir) if cfg.rank == 0 else None
-        reason = _first_reason(None if reason == integrity.NO_MANIFEST else reason)
+        reason = first_failure_reason(None if reason == integrity.NO_MANIFEST else reason)
         if reason is not None:
             raise CheckpointError(f"checkpoint {iter_dir} is damaged: {reason}; restore it")
         meta, messages = read_megatron(load_dir, model_type="GPT", trust=cfg.trust_checkpoint,
@@ -229,7 +229,7 @@ def load_other_layout_into_engine(engine: Any, tag_dir: str, architecture: Mappi
     from megatron.checkpoint.conversion.deepspeed_format import DeepSpeedCheckpointReader
     from megatron.checkpoint.conversion.interchange import ConversionError
     from megatron.checkpoint.conversion.megatron_format import WORD as _WORD
-    from megatron.checkpoint.conversion.megatron_format import _stream, megatron_meta
+    from megatron.checkpoint.conversion.megatron_format import megatron_meta, stream_messages
     from megatron.core.tensor_parallel.layout import TensorParallelLayout
 
     try:
@@ -240,7 +240,7 @@ def load_other_layout_into_engine(engine: Any, tag_dir: str, architecture: Mappi
         meta.architecture["padded_vocab_size"] = reader.merged(0, 0, _WORD, TensorParallelLayout(dim=0)).size(0)
         print_rank_0(f" loading the weights of {tag_dir} ({reader.layout} layout, TP={reader.tp}) into the "
                      f"{expected_layout(engine)} engine")
-        load_stream_into_engine(engine, _stream(reader, meta), padded_vocab_size, state, tag_dir,
+        load_stream_into_engine(engine, stream_messages(reader, meta), padded_vocab_size, state, tag_dir,
                                 _true_vocab(None))
     except ConversionError as exc:
         raise CheckpointError(str(exc)) from None

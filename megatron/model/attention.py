@@ -50,7 +50,7 @@ from megatron.model.utils import attention_mask_func, group_rank, group_size
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
 
-def _model_parallel_rng_fork(active: bool):
+def model_parallel_rng_fork(active: bool):
     """The tracker's model-parallel RNG fork when dropout will actually draw numbers, else a no-op context."""
     if not active:
         return contextlib.nullcontext()
@@ -269,7 +269,7 @@ class CoreAttention(MegatronModule):
         sq, b, np_, hn = q.shape
         q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))  # [b, s, np, hn], flash-attn's layout
         dropout_p = self.attention_dropout_prob if self._dropout_active() else 0.0
-        with _model_parallel_rng_fork(dropout_p > 0.0 and not self.sequence_parallel):
+        with model_parallel_rng_fork(dropout_p > 0.0 and not self.sequence_parallel):
             ctx = _FLASH_ATTN["func"](q, k, v, dropout_p=dropout_p, softmax_scale=1.0 / math.sqrt(hn),
                                       causal=self.attn_mask_type == AttnMaskType.causal)
         return ctx.transpose(0, 1).reshape(sq, b, np_ * hn)
@@ -335,7 +335,7 @@ class CoreAttention(MegatronModule):
             scores = scores + (bias / self.layer_number if self.apply_query_key_layer_scaling else bias)
         probs = self.scale_mask_softmax(scores, mask)
         if self._dropout_active():
-            with _model_parallel_rng_fork(not self.sequence_parallel):
+            with model_parallel_rng_fork(not self.sequence_parallel):
                 probs = self.attention_dropout(probs)
         v2 = v.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
         ctx = torch.bmm(probs.view(b * np_, sq, sk).to(v2.dtype), v2)  # [b*np, sq, hn]

@@ -9,7 +9,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, set_tp_layout
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.attention import _model_parallel_rng_fork
+from megatron.model.attention import model_parallel_rng_fork
 from megatron.model.enums import AttnMaskType, LayerType
 from megatron.model.fused_layer_norm import MixedFusedLayerNorm
 from megatron.model.module import MegatronModule
@@ -186,7 +186,7 @@ class Embedding(MegatronModule):
         dropout_active = self.training and self.embedding_dropout_prob > 0
         if self.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings, self.tp_group)
-            with _model_parallel_rng_fork(dropout_active):
+            with model_parallel_rng_fork(dropout_active):
                 embeddings = self.embedding_dropout(embeddings)
         else:
             embeddings = self.embedding_dropout(embeddings)

@@ -18,7 +18,7 @@ from megatron.model.attention import (  # noqa: F401  (re-exported: Megatron's n
     MODEL_PARALLEL_RNG,
     CoreAttention,
     ParallelAttention,
-    _model_parallel_rng_fork,
+    model_parallel_rng_fork,
 )
 from megatron.model.enums import AttnMaskType, LayerType
 from megatron.model.inference_params import InferenceParams
@@ -241,7 +241,7 @@ class ParallelTransformer(MegatronModule):
             hidden_states = self.input_tensor
         # Under sequence parallelism each TP rank holds a different slice of the sequence: its dropout masks must
         # differ, so the whole stack runs under the model-parallel RNG (Megatron does the same).
-        with _model_parallel_rng_fork(self.sequence_parallel and self._dropout_active()):
+        with model_parallel_rng_fork(self.sequence_parallel and self._dropout_active()):
             if (
                 self.recompute_granularity == "full"
                 and self.training

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megatron.core.utils import unwrap_model as _unwrap
 from megatron.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32
 from megatron.optimizer.grad_scaler import MegatronGradScaler
-from megatron.optimizer.optimizer import _PARALLEL_ATTRS, MixedPrecisionOptimizer, StepResult, _timer
+from megatron.optimizer.optimizer import PARALLEL_ATTRS, MixedPrecisionOptimizer, StepResult, optimizer_timer
 from megatron.optimizer.param_groups import get_param_groups
 
 PARAM_STATE_FORMAT = "megatron-lite distributed optimizer, per-parameter fp32 state, v1"
@@ -86,7 +86,7 @@ def shard_param_groups(model_chunks: Sequence[torch.nn.Module], param_groups: Li
                 continue
             flat = param.detach().view(-1)[lo:hi]
             main = flat if param.dtype == torch.float32 else flat.clone().float()
-            for attr in _PARALLEL_ATTRS:
+            for attr in PARALLEL_ATTRS:
                 if hasattr(param, attr):
                     setattr(main, attr, getattr(param, attr))
             group_entries.append(_ShardEntry(c, name, param, main, lo, hi))
@@ -175,10 +175,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.finish_param_sync()  # never update a shard an all-gather is still writing
         result = super().step(timers)
         if result[0]:
-            _timer(timers, "params-all-gather").start()
+            optimizer_timer(timers, "params-all-gather").start()
             for chunk in self.model_chunks:
                 chunk.start_param_sync()
-            _timer(timers, "params-all-gather").stop()
+            optimizer_timer(timers, "params-all-gather").stop()
         return result
 
     # ------------------------------------------------------------------ memory accounting
@@ -309,7 +309,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
 
 # ---------------------------------------------------------------------------------------------------- conversion
-def _model_param_order(model_chunks: Sequence[torch.nn.Module]) -> List[Tuple[int, str, torch.nn.Parameter]]:
+def model_param_order(model_chunks: Sequence[torch.nn.Module]) -> List[Tuple[int, str, torch.nn.Parameter]]:
     """(chunk, name, param) in the order of the regular optimizer's flat param indices (get_param_groups)."""
     names: Dict[torch.nn.Parameter, Tuple[int, str]] = {}
     for c, chunk in enumerate(model_chunks):
@@ -327,7 +327,7 @@ def regular_state_to_param_state(optim_sd: dict, model_chunks: Sequence[torch.nn
     """A regular (FP32Optimizer / Float16Optimizer) checkpoint's optimizer entry → the per-parameter state that
     `DistributedOptimizer.load_parameter_state` takes. The model weights must already be loaded."""
     inner = optim_sd["optimizer"] if "optimizer" in optim_sd and "param_groups" not in optim_sd else optim_sd
-    order = _model_param_order(model_chunks)
+    order = model_param_order(model_chunks)
     flat_indices = [i for group in inner["param_groups"] for i in group["params"]]
     if len(flat_indices) != len(order):
         raise ValueError(f"the checkpoint's optimizer has {len(flat_indices)} params, the model {len(order)}")
@@ -357,7 +357,7 @@ def param_state_to_regular_state(param_state: dict, common: dict, model_chunks: 
     regular optimizer `optimizer` (FP32Optimizer / Float16OptimizerWithFloat16Params) loads."""
     if param_state.get("format") != PARAM_STATE_FORMAT:
         raise ValueError("distrib_optim.pt is not in megatron-lite's per-parameter format; pass --no-load-optim")
-    order = _model_param_order(model_chunks)
+    order = model_param_order(model_chunks)
     current = optimizer.optimizer.state_dict()["param_groups"]
     saved_groups = common.get("optimizer", {}).get("param_groups", [])
     groups = []

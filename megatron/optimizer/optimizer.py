@@ -20,7 +20,7 @@ from megatron.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32,
 from megatron.optimizer.grad_scaler import MegatronGradScaler
 
 StepResult = Tuple[bool, Optional[float], Optional[int]]
-_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel", "shared",
+PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel", "shared",
                    "allreduce")
 
 
@@ -70,7 +70,7 @@ class _NullTimer:
         pass
 
 
-def _timer(timers: Optional[Callable], name: str):
+def optimizer_timer(timers: Optional[Callable], name: str):
     """Megatron's per-phase optimizer timers (log level 1) when a Timers object is given."""
     return timers(name, log_level=1) if timers is not None else _NullTimer()
 
@@ -132,17 +132,17 @@ class MegatronOptimizer:
         """The shared tail of every step: clip the gradients (--clip-grad), count zeros if asked, inner step."""
         grad_norm = None
         if self.clip_grad > 0.0:
-            _timer(timers, "optimizer-clip-main-grad").start()
+            optimizer_timer(timers, "optimizer-clip-main-grad").start()
             grad_norm = self.clip_grad_norm(self.clip_grad)
-            _timer(timers, "optimizer-clip-main-grad").stop()
+            optimizer_timer(timers, "optimizer-clip-main-grad").stop()
         num_zeros = None
         if self.log_num_zeros_in_grad:
-            _timer(timers, "optimizer-count-zeros").start()
+            optimizer_timer(timers, "optimizer-count-zeros").start()
             num_zeros = self.count_zeros()
-            _timer(timers, "optimizer-count-zeros").stop()
-        _timer(timers, "optimizer-inner-step").start()
+            optimizer_timer(timers, "optimizer-count-zeros").stop()
+        optimizer_timer(timers, "optimizer-inner-step").start()
         self.optimizer.step()
-        _timer(timers, "optimizer-inner-step").stop()
+        optimizer_timer(timers, "optimizer-inner-step").stop()
         return grad_norm, num_zeros
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -272,20 +272,20 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def step(self, timers: Optional[Callable] = None) -> StepResult:
         """Copy grads, unscale + inf check (skip on overflow), clip, step, copy params back."""
-        _timer(timers, "optimizer-copy-to-main-grad").start()
+        optimizer_timer(timers, "optimizer-copy-to-main-grad").start()
         self._copy_model_grads_to_main_grads()
-        _timer(timers, "optimizer-copy-to-main-grad").stop()
+        optimizer_timer(timers, "optimizer-copy-to-main-grad").stop()
         if self.grad_scaler is not None:
-            _timer(timers, "optimizer-unscale-and-check-inf").start()
+            optimizer_timer(timers, "optimizer-unscale-and-check-inf").start()
             found_inf = self._unscale_main_grads_and_check_for_nan()
-            _timer(timers, "optimizer-unscale-and-check-inf").stop()
+            optimizer_timer(timers, "optimizer-unscale-and-check-inf").stop()
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None, None
         grad_norm, num_zeros = self._clip_count_and_step(timers)
-        _timer(timers, "optimizer-copy-main-to-model-params").start()
+        optimizer_timer(timers, "optimizer-copy-main-to-model-params").start()
         self._copy_main_params_to_model_params()
-        _timer(timers, "optimizer-copy-main-to-model-params").stop()
+        optimizer_timer(timers, "optimizer-copy-main-to-model-params").stop()
         return True, grad_norm, num_zeros
 
 
@@ -305,7 +305,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                     continue
                 if param.dtype in (torch.float16, torch.bfloat16):
                     main_param = param.detach().clone().float()
-                    for attr in _PARALLEL_ATTRS:
+                    for attr in PARALLEL_ATTRS:
                         if hasattr(param, attr):
                             setattr(main_param, attr, getattr(param, attr))
                     param_group["params"][i] = main_param

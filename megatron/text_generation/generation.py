@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.pipelined import tensor_shape_for
 from megatron.core.tensor_parallel.mappings import all_gather_along_dim, group_size
 from megatron.core.utils import sequence_parallel_off
-from megatron.core.utils import unwrap_model as _unwrapped
+from megatron.core.utils import unwrap_model as unwrapped_model
 from megatron.model.inference_params import InferenceParams
 from megatron.models.gpt.model import GPTModel
 from megatron.text_generation.sampling import check_sampling_args, sample
@@ -45,7 +45,8 @@ class GenerationOutput:
 
 
 
-def _tp_group(tp_group: Any, state: Any) -> Any:
+def generation_tp_group(tp_group: Any, state: Any) -> Any:
+    """The tensor-parallel group to generate with: the one given, the state's, the current parallel state's, or None."""
     if tp_group is not None:
         return tp_group
     if state is not None:
@@ -55,7 +56,7 @@ def _tp_group(tp_group: Any, state: Any) -> Any:
     return None
 
 
-def _step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+def forward_step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
                  inference_params: Optional[InferenceParams], last_only: bool, tp_group: Any,
                  rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Full-vocab fp32 logits [b, s', v] of this step (s' = 1 with `last_only`), identical on every TP rank.
@@ -65,7 +66,7 @@ def _step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, m
     For a GPTModel the output layer is applied here, to the needed positions only, as W @ h^T: for the few rows of
     a decoding step this weight-major product runs ~2.5x faster on CPU than h @ W^T (what nn.Linear does).
     """
-    inner = _unwrapped(model)
+    inner = unwrapped_model(model)
     if isinstance(inner, GPTModel) and inner.post_process and not inner.sequence_parallel:
         hidden = inner.language_model(ids, pos, mask, inference_params=inference_params)  # [s, b, h]
         if last_only:
@@ -88,30 +89,31 @@ def _step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, m
     return logits.float()
 
 
-def _pp_state(state: Any) -> Any:
+def pipeline_state(state: Any) -> Any:
     """The parallel state when pipeline parallelism is on (pp_size > 1), else None."""
     state = ps.current_parallel_state(state)
     return state if state is not None and getattr(state, "pp_size", 1) > 1 else None
 
 
-def _pipeline_step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+def pipeline_step_logits(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
                           inference_params: Optional[InferenceParams], last_only: bool, tp_group: Any,
                           pp: Any, rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """One step through the pipeline: the logits of `_step_logits` on the last stage, None on the other stages."""
-    inner = _unwrapped(model)
+    """One step through the pipeline: the logits of `forward_step_logits` on the last stage, None on the other stages."""
+    inner = unwrapped_model(model)
     config = inner.config
     dtype = torch.float32 if getattr(config, "fp32_residual_connection", False) else config.params_dtype
     shape = tensor_shape_for(inner, ids.size(1), ids.size(0))
     p2p = P2PCommunicator(pp, shape, dtype, ids.device)
     inner.set_input_tensor(None if pp.is_pipeline_first_stage() else p2p.communicate(recv_prev=True)[0])
     if pp.is_pipeline_last_stage():
-        return _step_logits(model, ids, pos, mask, inference_params, last_only, tp_group, rows)
+        return forward_step_logits(model, ids, pos, mask, inference_params, last_only, tp_group, rows)
     hidden = model(ids, pos, mask, inference_params=inference_params)  # [s, b, h]
     p2p.communicate(send_next=hidden.to(dtype))
     return None
 
 
-def _broadcast_from_last_stage(x: torch.Tensor, pp: Any) -> torch.Tensor:
+def broadcast_from_last_stage(x: torch.Tensor, pp: Any) -> torch.Tensor:
+    """Broadcast `x` from the last pipeline stage to every stage (no-op without a pipeline); collective."""
     if pp is not None:
         dist.broadcast(x, src=pp.pp_last_rank(), group=pp.pp_group)
     return x
@@ -160,14 +162,14 @@ def generate_tokens(
         raise ValueError("every prompt needs at least one token (pass add_BOS=True or a non-empty prompt)")
     if tokens_to_generate < 0:
         raise ValueError(f"tokens_to_generate must be >= 0, got {tokens_to_generate}")
-    tp_group = _tp_group(tp_group, state)
-    pp = _pp_state(state)
+    tp_group = generation_tp_group(tp_group, state)
+    pp = pipeline_state(state)
     last_stage = pp is None or pp.is_pipeline_last_stage()
     device = next(model.parameters()).device
     lengths = torch.tensor([len(p) for p in prompt_tokens], dtype=torch.long, device=device)
     batch, min_len, max_len = len(prompt_tokens), int(lengths.min()), int(lengths.max()) + tokens_to_generate
     if max_position_embeddings is None:
-        max_position_embeddings = getattr(getattr(_unwrapped(model), "config", None), "max_position_embeddings", None)
+        max_position_embeddings = getattr(getattr(unwrapped_model(model), "config", None), "max_position_embeddings", None)
     if max_position_embeddings is not None and max_len > max_position_embeddings:
         raise ValueError(
             f"longest prompt ({max_len - tokens_to_generate} tokens) + tokens_to_generate ({tokens_to_generate}) "
@@ -190,8 +192,8 @@ def generate_tokens(
     def step_logits(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, params: Optional[InferenceParams],
                     last_only: bool) -> Optional[torch.Tensor]:
         if pp is None:
-            return _step_logits(model, ids, pos, mask, params, last_only, tp_group)
-        return _pipeline_step_logits(model, ids, pos, mask, params, last_only, tp_group, pp)
+            return forward_step_logits(model, ids, pos, mask, params, last_only, tp_group)
+        return pipeline_step_logits(model, ids, pos, mask, params, last_only, tp_group, pp)
 
     was_training = model.training
     model.eval()
@@ -217,7 +219,7 @@ def generate_tokens(
                     new = _broadcast_from_tp_rank0(new.contiguous(), tp_group)
                 else:
                     new = torch.empty(batch, dtype=torch.long, device=device)
-                new = _broadcast_from_last_stage(new, pp)
+                new = broadcast_from_last_stage(new, pp)
                 started = lengths <= cur
                 tokens[started, cur] = new[started]
                 if logprobs is not None and last_stage:
@@ -239,10 +241,10 @@ def generate_tokens(
                     break
         finally:
             if pp is not None:
-                _unwrapped(model).set_input_tensor(None)
+                unwrapped_model(model).set_input_tensor(None)
             model.train(was_training)
     if logprobs is not None:
-        logprobs = _broadcast_from_last_stage(logprobs.contiguous(), pp)
+        logprobs = broadcast_from_last_stage(logprobs.contiguous(), pp)
     final_len = cur + 1 if max_len > min_len else max_len
     out_lengths.clamp_(max=final_len)
     tokens = tokens[:, :final_len]

@@ -1,7 +1,7 @@
 """Teacher-forced scoring of token sequences: per-token log-probs, greedy flags and top-n alternatives.
 
 Used by the lm-eval adapter (tasks/eval_harness) and the OpenAI-style `/v1/completions` endpoint (logprobs, echo).
-The forward pass is the generation stack's (`_step_logits` / `_pipeline_step_logits`: logits gathered over tensor
+The forward pass is the generation stack's (`forward_step_logits` / `pipeline_step_logits`: logits gathered over tensor
 parallelism, stage to stage under pipeline parallelism); the log-softmax runs in float64 over the real vocabulary
 only (ids >= vocab_size pad the embedding to a multiple of 128 x TP and are never a prediction), and the answers
 are computed on the last pipeline stage and broadcast over the pipeline group, so every rank returns the same.
@@ -16,12 +16,12 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.utils import sequence_parallel_off
 from megatron.text_generation.generation import (
-    _broadcast_from_last_stage,
-    _pipeline_step_logits,
-    _pp_state,
-    _step_logits,
-    _tp_group,
-    _unwrapped,
+    broadcast_from_last_stage,
+    forward_step_logits,
+    generation_tp_group,
+    pipeline_state,
+    pipeline_step_logits,
+    unwrapped_model,
 )
 
 ROW_CHUNK = 256  # positions per float64 log-softmax block (bounds memory for long sequences x large vocabularies)
@@ -50,8 +50,8 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, state: Optional[ps
     part of a small model's forward, then runs on k positions instead of s).
     """
     state = _state(state)
-    pp = _pp_state(state)
-    tp_group = _tp_group(None, state)
+    pp = pipeline_state(state)
+    tp_group = generation_tp_group(None, state)
     n = ids.size(1)
     pos = torch.arange(n, device=ids.device).unsqueeze(0).expand_as(ids)
     mask = torch.ones(1, 1, n, n, dtype=torch.bool, device=ids.device).triu(1)
@@ -60,11 +60,11 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor, state: Optional[ps
     try:
         with sequence_parallel_off(model):  # any length under TP + SP, as in generation
             if pp is None:
-                return _step_logits(model, ids, pos, mask, None, False, tp_group, rows)
-            return _pipeline_step_logits(model, ids, pos, mask, None, False, tp_group, pp, rows)
+                return forward_step_logits(model, ids, pos, mask, None, False, tp_group, rows)
+            return pipeline_step_logits(model, ids, pos, mask, None, False, tp_group, pp, rows)
     finally:
         if pp is not None:
-            _unwrapped(model).set_input_tensor(None)
+            unwrapped_model(model).set_input_tensor(None)
         model.train(was_training)
 
 
@@ -124,7 +124,7 @@ def score_tokens(model: torch.nn.Module, sequences: Sequence[Sequence[int]], *, 
                 values, top = torch.topk(logp, top_n, dim=-1)
                 packed[i, j, 2: 2 + top_n] = top[r].double()
                 packed[i, j, 2 + top_n:] = values[r]
-    packed = _broadcast_from_last_stage(packed, _pp_state(state)).cpu()
+    packed = broadcast_from_last_stage(packed, pipeline_state(state)).cpu()
     out = []
     for i, n in enumerate(counts):
         r = packed[i, :n]

@@ -200,8 +200,8 @@ def test_large_builds_pack_sizes_and_stream_in_chunks(tmp_path, monkeypatch):
     docs = [[rng.integers(0, 60000, size=int(k)) for k in rng.integers(0, 30, size=int(m))]
             for m in rng.integers(1, 6, size=40)]
     _build_mmap(tmp_path / "ref", docs)
-    monkeypatch.setattr(ids, "_FLUSH", 3)  # pack python lists into numpy chunks every 3 entries
-    monkeypatch.setattr(ids, "_COPY_CHUNK", 7)  # stream merged .bin files 7 bytes at a time
+    monkeypatch.setattr(ids, "FLUSH", 3)  # pack python lists into numpy chunks every 3 entries
+    monkeypatch.setattr(ids, "COPY_CHUNK", 7)  # stream merged .bin files 7 bytes at a time
     b = ids.MMapIndexedDatasetBuilder(tmp_path / "packed.bin", dtype=np.uint16)
     for doc in docs[:20]:
         b.add_doc(np.concatenate(doc) if doc else [], [len(s) for s in doc])

@@ -32,10 +32,10 @@ from megatron.checkpoint.conversion.interchange import ConversionError, Message,
 from megatron.checkpoint.conversion.megatron_format import (
     WORD,
     MegatronCheckpointReader,
-    _architecture_from,
-    _load,
-    _stream,
+    architecture_from,
+    load_checkpoint_file,
     megatron_meta,
+    stream_messages,
 )
 from megatron.core.tensor_parallel.layout import TensorParallelLayout
 from megatron.run_configs.saved_args import SavedRunArgs
@@ -167,10 +167,10 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
         if not os.path.isfile(meta_path):
             raise ConversionError(f"{tag_dir} has no {os.path.basename(meta_path)} (the client state of model rank 0); "
                                   "the checkpoint is incomplete")
-        self.first = _load(meta_path, trust)
+        self.first = load_checkpoint_file(meta_path, trust)
         args = self.first.get("args")
         self.version = float(self.first.get("checkpoint_version", 3.0) or 3.0)
-        self.architecture = _architecture_from(self.first, meta_path)
+        self.architecture = architecture_from(self.first, meta_path)
         self.chunks: Dict[Tuple[int, int, int], Dict[str, Any]] = {}
         self.files: Dict[Tuple[int, int], str] = {}
         self.optim_entries: Dict[Tuple[int, int], Any] = {}  # weights only: no training state is read from here
@@ -181,7 +181,7 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
             tps = sorted(files)
             for t in tps:
                 path = os.path.join(tag_dir, files[t])
-                state = self.first if t == 0 else _load(path, trust)
+                state = self.first if t == 0 else load_checkpoint_file(path, trust)
                 module = state.get("module")
                 if not isinstance(module, dict):
                     raise ConversionError(f"{path} holds no 'module' weights")
@@ -196,7 +196,7 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
             for t in tps:
                 self.chunks[(t, 0, 0)] = zero3_rank_state(tag_dir, t)
                 self.files[(t, 0)] = os.path.join(tag_dir, files[(0, t)])
-                self.rng_states[t] = (self.first if t == 0 else _load(self.files[(t, 0)], trust)).get("rng_state")
+                self.rng_states[t] = (self.first if t == 0 else load_checkpoint_file(self.files[(t, 0)], trust)).get("rng_state")
         else:
             from megatron.models.gpt.model_pipe import megatron_state_dict_from_pipe_layers
 
@@ -207,7 +207,7 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
             if num_layers is None:  # no client state: count the files (final norm = last file)
                 num_layers = max(indices) - (4 if self.bigscience else 1)
             for t in tps:
-                layers = {idx: _load(os.path.join(tag_dir, n), trust) for (idx, tt), n in sorted(files.items())
+                layers = {idx: load_checkpoint_file(os.path.join(tag_dir, n), trust) for (idx, tt), n in sorted(files.items())
                           if tt == t}
                 try:
                     if self.bigscience:
@@ -262,7 +262,7 @@ def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab
         from megatron.checkpoint.conversion.optimizer_state import ForeignOptimizerState, attach_zero_state
 
         try:
-            attach_zero_state(reader, lambda path: _load(path, trust))
+            attach_zero_state(reader, lambda path: load_checkpoint_file(path, trust))
         except ForeignOptimizerState as exc:
             print(f"note: {exc}: its optimizer state is not converted; writing the weights only", flush=True)
             reader.opt = None
@@ -278,7 +278,7 @@ def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab
         meta.extra["bigscience"] = True
     if reader.layout == "pipe":  # the source's pipeline size (the stream itself is layout-free)
         meta.extra["pp"] = int(getattr(meta.checkpoint_args, "pipeline_model_parallel_size", 1) or 1)
-    return meta, _stream(reader, meta)
+    return meta, stream_messages(reader, meta)
 
 
 # ----------------------------------------------------------------------------------------------- writing
@@ -341,7 +341,7 @@ def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str,
     written = []
     client: Dict[str, Any] = {}
     for t in range(tp):
-        sd = _load(files[(t, 0)], trust=True)  # our own staging file, memory-mapped
+        sd = load_checkpoint_file(files[(t, 0)], trust=True)  # our own staging file, memory-mapped
         args = copy.deepcopy(sd.get("args"))
         if args is not None:
             args.pipeline_model_parallel_size = pp

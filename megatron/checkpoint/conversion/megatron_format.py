@@ -218,7 +218,7 @@ def expert_rank_files(iter_dir: str) -> Tuple[int, Dict[Tuple[int, int, int], st
     found = {d: m for d, m in found.items() if m and os.path.isfile(os.path.join(iter_dir, d, "model_optim_rng.pt"))}
     if not found:
         return 1, {}
-    args = _load(os.path.join(iter_dir, next(iter(found)), "model_optim_rng.pt"), False).get("args")
+    args = load_checkpoint_file(os.path.join(iter_dir, next(iter(found)), "model_optim_rng.pt"), False).get("args")
     saved = SavedRunArgs.from_args(args)
     ep = saved.expert_model_parallel_size
     if ep == 1:
@@ -302,7 +302,8 @@ def rank_files(iter_dir: str) -> Dict[Tuple[int, int], str]:
     return ranks
 
 
-def _load(path: str, trust: bool) -> Dict[str, Any]:
+def load_checkpoint_file(path: str, trust: bool) -> Dict[str, Any]:
+    """Load one Megatron checkpoint file on CPU (memory-mapped when it can be); ConversionError if it is not a dict."""
     try:
         sd = safe_torch_load(path, map_location="cpu", trust=trust, mmap=True)
     except (CheckpointFileError, UnsafeCheckpointError):
@@ -326,7 +327,7 @@ def _recorded_architecture(sd: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str
     return arch, [k for k in ("num_layers", "hidden_size", "num_attention_heads") if arch.get(k) is None]
 
 
-def _architecture_from(sd: Dict[str, Any], path: str, flags: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def architecture_from(sd: Dict[str, Any], path: str, flags: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The file's architecture (stored, or from its args); `flags` (this run's) for a file with neither."""
     arch, missing = _recorded_architecture(sd)
     if missing and flags is not None:
@@ -356,14 +357,14 @@ class MegatronCheckpointReader:
         self.tp = max(t for t, _ in self.files) + 1
         self.pp = max(p for _, p in self.files) + 1
         self.trust = trust
-        first = _load(self.files[(0, 0)], trust)
+        first = load_checkpoint_file(self.files[(0, 0)], trust)
         self.first = first
         self.experts_whole = experts_stored_whole(first.get("args"))  # saved with expert-TP != TP
         if not any(k == "model" or re.fullmatch(r"model\d+", k) for k in first):
             raise ConversionError(f"{self.files[(0, 0)]} has no 'model' entry: not a Megatron model checkpoint")
         self.vp = sum(1 for k in first if re.fullmatch(r"model\d+", k)) or 1
         self.version = float(first.get("checkpoint_version", 0) or 0)
-        self.architecture = _architecture_from(first, self.files[(0, 0)], flags)  # flags: a file without args
+        self.architecture = architecture_from(first, self.files[(0, 0)], flags)  # flags: a file without args
         self.from_flags = flags is not None and bool(_recorded_architecture(first)[1])
         # {(tp, pp, vp): flat state dict}
         self.chunks: Dict[Tuple[int, int, int], Dict[str, Any]] = {}
@@ -389,14 +390,14 @@ class MegatronCheckpointReader:
             return flat
 
         for (t, p), path in sorted(self.files.items()):
-            sd = self.first if (t, p) == (0, 0) else _load(path, self.trust)
+            sd = self.first if (t, p) == (0, 0) else load_checkpoint_file(path, self.trust)
             self.optim_entries[(t, p)] = sd.get("optimizer")
             keys = ["model"] if self.vp == 1 else [f"model{v}" for v in range(self.vp)]
             sources = [expert_source(self.expert_files, t, p, e) for e in range(self.ep)] if self.ep > 1 else [path]
             opened = {path: sd}
             for source in sources:
                 if source not in opened:
-                    opened[source] = _load(source, self.trust)
+                    opened[source] = load_checkpoint_file(source, self.trust)
             ones = [opened[source] for source in sources]
             self.expert_paths[(t, p)] = sources
             self.expert_optim[(t, p)] = [o.get("optimizer") for o in ones]
@@ -452,7 +453,7 @@ class MegatronCheckpointReader:
                 if not os.path.isfile(dpath):
                     raise ConversionError(f"missing rank file {dpath} (saved with --use-distributed-optimizer); "
                                           "the checkpoint is incomplete (or pass --no-save-optim)")
-                return ostate.distributed_entries(_load(dpath, self.trust), chunks, dpath)
+                return ostate.distributed_entries(load_checkpoint_file(dpath, self.trust), chunks, dpath)
             return ostate.regular_entries(optim_sd, chunks, full_order, path, ours="architecture" in self.first)
 
         for (t, p) in sorted(self.optim_entries):
@@ -583,10 +584,11 @@ def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model
                               "vocabulary rows")
     if optimizer and meta.iteration is not None:  # GPT and BERT (the model type was checked above)
         attach_optimizer_state(reader, meta, padded)
-    return meta, _stream(reader, meta)
+    return meta, stream_messages(reader, meta)
 
 
-def _stream(reader: MegatronCheckpointReader, meta: ModelMeta) -> Iterator[Message]:
+def stream_messages(reader: MegatronCheckpointReader, meta: ModelMeta) -> Iterator[Message]:
+    """The checkpoint's tensors as conversion messages (embeddings, layers, final norm, head), merged over TP/PP."""
     layouts = layer_layouts(meta)
     # with the training state the padded rows stay as trained (see optimizer_state.py)
     rows = slice(0, meta.true_vocab_size if reader.opt is None else None)

@@ -19,7 +19,8 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron.core.utils import flatten_dense_tensors, unflatten_dense_tensors
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # --ddp-bucket-size default (elements), as Megatron
 
@@ -346,12 +347,12 @@ class DistributedDataParallel(_DDPBase):
             if dp_size == 1 and _group_size(group) == 1:
                 continue
             grads = [p.grad.data for p in params]
-            coalesced = _flatten_dense_tensors(grads)
+            coalesced = flatten_dense_tensors(grads)
             if dp_size > 1:
                 coalesced /= dp_size
             if _group_size(group) > 1:
                 dist.all_reduce(coalesced, group=group)
-            for buf, synced in zip(grads, _unflatten_dense_tensors(coalesced, grads)):
+            for buf, synced in zip(grads, unflatten_dense_tensors(coalesced, grads)):
                 buf.copy_(synced)
 
     # ------------------------------------------------------------------ parameter all-gather (distributed optimizer)

@@ -20,8 +20,8 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megatron.core.utils import flatten_dense_tensors, unflatten_dense_tensors
 from megatron.core.utils import unwrap_model as _unwrap
 
 
@@ -49,9 +49,9 @@ def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module], t
                     grads.append(grad.data)
     if not grads:
         return
-    coalesced = _flatten_dense_tensors(grads)
+    coalesced = flatten_dense_tensors(grads)
     dist.all_reduce(coalesced, group=tp_group)
-    for buf, synced in zip(grads, _unflatten_dense_tensors(coalesced, grads)):
+    for buf, synced in zip(grads, unflatten_dense_tensors(coalesced, grads)):
         buf.copy_(synced)
 
 

@@ -21,11 +21,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core import moe_aux
 from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.utils import flatten_dense_tensors, unflatten_dense_tensors
 from megatron.core.utils import unwrap_model as _unwrap
 
 
@@ -199,10 +199,10 @@ def _allreduce_mean_grads(chunk: torch.nn.Module) -> None:
     grads = [p.grad for p in chunk.parameters() if p.grad is not None]
     if not grads:
         return
-    flat = _flatten_dense_tensors(grads)
+    flat = flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
     flat /= dist.get_world_size(group)
-    for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+    for grad, synced in zip(grads, unflatten_dense_tensors(flat, grads)):
         grad.copy_(synced)
 
 

@@ -34,7 +34,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME, get_rng_tracker
+from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG_TRACKER_NAME, get_rng_tracker
 from megatron.core.tensor_parallel.utils import VocabUtility
 from megatron.core.utils import divide
 
@@ -117,8 +117,8 @@ def _initialize_affine_weight_device(weight: torch.Tensor, init_method: Callable
     """Initialise only the local shard, in the "model-parallel-rng" stream when it is registered."""
     set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     tracker = get_rng_tracker()
-    if _MODEL_PARALLEL_RNG_TRACKER_NAME in tracker.states_:
-        with tracker.fork(_MODEL_PARALLEL_RNG_TRACKER_NAME):
+    if MODEL_PARALLEL_RNG_TRACKER_NAME in tracker.states_:
+        with tracker.fork(MODEL_PARALLEL_RNG_TRACKER_NAME):
             init_method(weight)
     else:
         init_method(weight)

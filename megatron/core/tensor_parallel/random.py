@@ -23,7 +23,7 @@ import torch
 from megatron.core.tensor_parallel.mappings import group_size
 from megatron.core.tensor_parallel.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 
-_MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
+MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _DATA_PARALLEL_RNG_TRACKER_NAME = "data-parallel-rng"  # unused by Megatron GPT; kept for name compatibility
 
 
@@ -94,7 +94,7 @@ class RNGStatesTracker:
             set_device_rng_state(saved)
 
     @contextlib.contextmanager
-    def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+    def fork(self, name: str = MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
         """Run the block with stream `name`; its advanced state is kept for next time."""
         if name not in self.states_:
             raise RuntimeError(
@@ -148,7 +148,7 @@ def model_parallel_manual_seed(seed: int, tp_rank: Optional[int] = None, pp_rank
     tensor_model_parallel_seed = seed + 2718 + tp_rank
     _seed_device_generators(seed)
     _RNG_TRACKER.reset()
-    _RNG_TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, tensor_model_parallel_seed)
+    _RNG_TRACKER.add(MODEL_PARALLEL_RNG_TRACKER_NAME, tensor_model_parallel_seed)
 
 
 def model_parallel_cuda_manual_seed(seed: int, tp_rank: Optional[int] = None) -> None:

@@ -192,7 +192,8 @@ def qkv_unpack_groups(qkv: torch.Tensor, num_heads: int, num_groups: int,
             v.reshape(-1, *rest).contiguous())
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero-pad `t` to `rows` rows (the padded vocabulary); ValueError when it has more."""
     if t.size(0) == rows:
         return t
     if t.size(0) > rows:
@@ -211,7 +212,7 @@ def hf_llama_to_megatron_state_dict(hf_state_dict: Mapping[str, Any], config: Tr
         raise ValueError("not a Hugging Face Llama-family state dict: missing 'model.embed_tokens.weight'")
     nq, ng, hd = config.num_attention_heads, config.num_query_groups, config.kv_channels
     vocab = config.padded_vocab_size or sd["model.embed_tokens.weight"].size(0)
-    out: dict = {_LM + "embedding.word_embeddings.weight": _pad_rows(sd["model.embed_tokens.weight"], vocab)}
+    out: dict = {_LM + "embedding.word_embeddings.weight": pad_rows(sd["model.embed_tokens.weight"], vocab)}
     layer_ids = {int(k.split(".")[2]) for k in sd if k.startswith("model.layers.")}
     for i in range(len(layer_ids)):
         src = f"model.layers.{i}."
@@ -229,7 +230,7 @@ def hf_llama_to_megatron_state_dict(hf_state_dict: Mapping[str, Any], config: Tr
     out[_ENC + "final_layernorm.weight"] = sd["model.norm.weight"]
     if not config.share_embeddings_and_output_weights:
         head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-        out[_LM + "output_layer.weight"] = _pad_rows(head, vocab)
+        out[_LM + "output_layer.weight"] = pad_rows(head, vocab)
     return out
 
 

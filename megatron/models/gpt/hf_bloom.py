@@ -85,7 +85,7 @@ def megatron_to_hf_bloom_state_dict(state_dict: Mapping[str, Any], config: Trans
 def hf_bloom_to_megatron_state_dict(hf_state_dict: Mapping[str, Any], config: TransformerConfig) -> dict:
     """`BloomForCausalLM` (or `BloomModel`) dict -> flat names of our GPT (TP=1); the vocabulary is padded to
     `config.padded_vocab_size` with zero rows."""
-    from megatron.models.gpt.hf import _pad_rows
+    from megatron.models.gpt.hf import pad_rows
 
     check_bloom(config)
     sd = dict(hf_state_dict)
@@ -95,7 +95,7 @@ def hf_bloom_to_megatron_state_dict(hf_state_dict: Mapping[str, Any], config: Tr
         raise ValueError("not a Hugging Face BLOOM state dict: missing 'transformer.word_embeddings_layernorm.weight'")
     out = {ours: sd[hf] for ours, hf in _OUTER_KEYS}
     words = out[_EMB + "weight"]
-    out[_EMB + "weight"] = _pad_rows(words, config.padded_vocab_size or words.size(0))
+    out[_EMB + "weight"] = pad_rows(words, config.padded_vocab_size or words.size(0))
     layer_ids = {int(k.split(".")[2]) for k in sd if k.startswith(_HF + "h.")}
     for i in range(len(layer_ids)):
         for key in LAYER_KEYS:
