@@ -111,22 +111,8 @@ def _typed(name: str, value: Any, kind: str) -> Any:
     return float(value)
 
 
-def validate_request(
-    payload: Any,
-    *,
-    count_tokens: Callable[[str], int],
-    max_sequence_length: int,
-    max_tokens_to_generate: Optional[int] = None,
-    max_prompts: int = DEFAULT_MAX_PROMPTS,
-    max_batch_tokens: Optional[int] = None,
-    accepted: Optional[set[str]] = None,
-) -> dict:
-    """Check a decoded JSON body; return {"prompts", "tokens_to_generate", "options", "no_log"} or raise BadRequest.
-
-    `count_tokens(text)` gives a prompt's length in tokens; prompt + BOS + tokens_to_generate must fit in
-    `max_sequence_length`; prompts x (longest + tokens_to_generate) must stay within `max_batch_tokens`
-    (Megatron's --max-tokens-to-oom). `accepted` (from `accepted_options`) limits the optional fields to what generate takes.
-    """
+def _request_prompts(payload: Any, max_prompts: int) -> list:
+    """The body's prompts (a non-empty list of at most `max_prompts` strings); BadRequest for any other shape."""
     if not isinstance(payload, dict):
         raise BadRequest("the request body must be a JSON object such as {\"prompts\": [\"Hello\"], "
                          "\"tokens_to_generate\": 16}")
@@ -142,19 +128,11 @@ def validate_request(
         raise BadRequest("prompts is empty; send at least one prompt")
     if len(prompts) > max_prompts:
         raise BadRequest(f"too many prompts ({len(prompts)}); the maximum is {max_prompts}")
+    return prompts
 
-    values = {name: _typed(name, payload[name], kind) if name in payload else default
-              for name, (_, kind, default) in FIELDS.items()}
-    if "tokens_to_generate" not in payload and max_tokens_to_generate is not None:
-        values["tokens_to_generate"] = min(values["tokens_to_generate"], max_tokens_to_generate)
-    n_tokens = values["tokens_to_generate"]
-    if n_tokens < 0:
-        raise BadRequest(f"tokens_to_generate must be >= 0, got {n_tokens}")
-    if n_tokens == 0 and not values["logprobs"]:
-        raise BadRequest("tokens_to_generate=0 only makes sense with \"logprobs\": true")
-    if max_tokens_to_generate is not None and n_tokens > max_tokens_to_generate:
-        raise BadRequest(f"tokens_to_generate={n_tokens} exceeds this server's limit of {max_tokens_to_generate} "
-                         "(--max-tokens-to-generate)")
+
+def _check_sampling(values: dict) -> None:
+    """Check the sampling fields; temperature 0 becomes greedy decoding (temperature 1, top_k 1) in `values`."""
     temperature = values["temperature"]
     if temperature < 0.0 or temperature > 100.0:
         raise BadRequest(f"temperature must be in [0, 100], got {temperature}")
@@ -173,6 +151,11 @@ def validate_request(
         raise BadRequest(f"random_seed must be between 0 and 2**63-1 ({MAX_RANDOM_SEED}), or -1 for none; got "
                          f"{values['random_seed']}")
 
+
+def _check_lengths(prompts: list, values: dict, count_tokens: Callable[[str], int], max_sequence_length: int,
+                   max_batch_tokens: Optional[int]) -> None:
+    """Every prompt (with BOS) plus tokens_to_generate fits the context and the batch fits `max_batch_tokens`."""
+    n_tokens = values["tokens_to_generate"]
     bos = 1 if values["add_BOS"] else 0
     longest = 0
     for i, prompt in enumerate(prompts):
@@ -186,6 +169,41 @@ def validate_request(
     if max_batch_tokens is not None and len(prompts) * (longest + n_tokens) > max_batch_tokens:
         raise BadRequest(f"{len(prompts)} prompt(s) x {longest + n_tokens} tokens is over this server's limit of "
                          f"{max_batch_tokens} tokens per request (--max-tokens-to-oom); send fewer or shorter prompts")
+
+
+def validate_request(
+    payload: Any,
+    *,
+    count_tokens: Callable[[str], int],
+    max_sequence_length: int,
+    max_tokens_to_generate: Optional[int] = None,
+    max_prompts: int = DEFAULT_MAX_PROMPTS,
+    max_batch_tokens: Optional[int] = None,
+    accepted: Optional[set[str]] = None,
+) -> dict:
+    """Check a decoded JSON body; return {"prompts", "tokens_to_generate", "options", "no_log"} or raise BadRequest.
+
+    `count_tokens(text)` gives a prompt's length in tokens; prompt + BOS + tokens_to_generate must fit in
+    `max_sequence_length`; prompts x (longest + tokens_to_generate) must stay within `max_batch_tokens`
+    (Megatron's --max-tokens-to-oom). `accepted` (from `accepted_options`) limits the optional fields to what generate takes.
+    """
+    prompts = _request_prompts(payload, max_prompts)
+
+    values = {name: _typed(name, payload[name], kind) if name in payload else default
+              for name, (_, kind, default) in FIELDS.items()}
+    if "tokens_to_generate" not in payload and max_tokens_to_generate is not None:
+        values["tokens_to_generate"] = min(values["tokens_to_generate"], max_tokens_to_generate)
+    n_tokens = values["tokens_to_generate"]
+    if n_tokens < 0:
+        raise BadRequest(f"tokens_to_generate must be >= 0, got {n_tokens}")
+    if n_tokens == 0 and not values["logprobs"]:
+        raise BadRequest("tokens_to_generate=0 only makes sense with \"logprobs\": true")
+    if max_tokens_to_generate is not None and n_tokens > max_tokens_to_generate:
+        raise BadRequest(f"tokens_to_generate={n_tokens} exceeds this server's limit of {max_tokens_to_generate} "
+                         "(--max-tokens-to-generate)")
+    _check_sampling(values)
+
+    _check_lengths(prompts, values, count_tokens, max_sequence_length, max_batch_tokens)
 
     options: dict[str, Any] = {}
     for name, (keyword, _, default) in FIELDS.items():

@@ -24,7 +24,7 @@ import io
 import os
 import re
 import tempfile
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -153,8 +153,6 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
     """A DeepSpeed tag folder with MegatronCheckpointReader's interface (pp = vp = 1: one chunk per tensor rank)."""
 
     def __init__(self, tag_dir: str, trust: bool = False) -> None:  # noqa: D107 - no super().__init__: other files
-        from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
-
         self.load_dir = self.iter_dir = tag_dir
         self.trust = trust
         self.layout, files = tag_layout(tag_dir)
@@ -177,45 +175,64 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
         self.opt: Optional[Dict[Any, Any]] = None
         self.opt_common: Dict[str, Any] = {}
         self.rng_states: Dict[int, Any] = {}  # client 'rng_state' per tensor rank (not in pipe-engine layouts)
-        if self.layout == "module":
-            tps = sorted(files)
-            for t in tps:
-                path = os.path.join(tag_dir, files[t])
-                state = self.first if t == 0 else load_checkpoint_file(path, trust)
-                module = state.get("module")
-                if not isinstance(module, dict):
-                    raise ConversionError(f"{path} holds no 'module' weights")
-                if any(isinstance(v, torch.Tensor) and v.numel() == 0 for v in module.values()):
-                    raise ConversionError(f"{path} holds ZeRO-3 placeholders and no optimizer partitions were found: "
-                                          "run DeepSpeed's zero_to_fp32.py on the checkpoint first")
-                self.chunks[(t, 0, 0)] = flatten_checkpoint_state_dict(module)
-                self.files[(t, 0)] = path
-                self.rng_states[t] = state.get("rng_state")
-        elif self.layout == "zero3":
-            tps = sorted({t for _, t in files})
-            for t in tps:
-                self.chunks[(t, 0, 0)] = zero3_rank_state(tag_dir, t)
-                self.files[(t, 0)] = os.path.join(tag_dir, files[(0, t)])
-                self.rng_states[t] = (self.first if t == 0 else load_checkpoint_file(self.files[(t, 0)], trust)).get("rng_state")
-        else:
-            from megatron.models.gpt.model_pipe import megatron_state_dict_from_pipe_layers
+        read = {"module": self._read_module_files, "zero3": self._read_zero3_files, "pipe": self._read_pipe_files}
+        tps = read[self.layout](tag_dir, files, trust, args)
+        self._check_shards(tag_dir, tps, args)
+        m = re.search(r"(\d+)$", os.path.basename(os.path.normpath(tag_dir)))
+        self.iteration = int(self.first.get("iteration", int(m.group(1)) if m else 0))
 
-            tps = sorted({t for _, t in files})
-            indices = {idx for idx, _ in files}
-            self.bigscience = 0 not in indices and 1 in indices
-            num_layers = self.architecture.get("num_layers") or SavedRunArgs.from_args(args).num_layers
-            if num_layers is None:  # no client state: count the files (final norm = last file)
-                num_layers = max(indices) - (4 if self.bigscience else 1)
-            for t in tps:
-                layers = {idx: load_checkpoint_file(os.path.join(tag_dir, n), trust) for (idx, tt), n in sorted(files.items())
-                          if tt == t}
-                try:
-                    if self.bigscience:
-                        layers = {from_bigscience_index(idx, num_layers): sd for idx, sd in layers.items()}
-                    self.chunks[(t, 0, 0)] = megatron_state_dict_from_pipe_layers(layers, num_layers)
-                except ValueError as exc:
-                    raise ConversionError(f"{tag_dir} (tensor rank {t}): {exc}") from None
-                self.files[(t, 0)] = os.path.join(tag_dir, files[min(k for k in files if k[1] == t)])
+    def _read_module_files(self, tag_dir: str, files: Dict[Any, str], trust: bool, args: Any) -> List[int]:
+        """Weights of a plain engine layout (one mp_rank_XX_model_states.pt per tensor rank); the tensor ranks."""
+        from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
+
+        tps = sorted(files)
+        for t in tps:
+            path = os.path.join(tag_dir, files[t])
+            state = self.first if t == 0 else load_checkpoint_file(path, trust)
+            module = state.get("module")
+            if not isinstance(module, dict):
+                raise ConversionError(f"{path} holds no 'module' weights")
+            if any(isinstance(v, torch.Tensor) and v.numel() == 0 for v in module.values()):
+                raise ConversionError(f"{path} holds ZeRO-3 placeholders and no optimizer partitions were found: "
+                                      "run DeepSpeed's zero_to_fp32.py on the checkpoint first")
+            self.chunks[(t, 0, 0)] = flatten_checkpoint_state_dict(module)
+            self.files[(t, 0)] = path
+            self.rng_states[t] = state.get("rng_state")
+        return tps
+
+    def _read_zero3_files(self, tag_dir: str, files: Dict[Any, str], trust: bool, args: Any) -> List[int]:
+        """Weights of a ZeRO-3 layout, gathered from the optimizer partitions; the tensor ranks."""
+        tps = sorted({t for _, t in files})
+        for t in tps:
+            self.chunks[(t, 0, 0)] = zero3_rank_state(tag_dir, t)
+            self.files[(t, 0)] = os.path.join(tag_dir, files[(0, t)])
+            self.rng_states[t] = (self.first if t == 0 else load_checkpoint_file(self.files[(t, 0)], trust)).get("rng_state")
+        return tps
+
+    def _read_pipe_files(self, tag_dir: str, files: Dict[Any, str], trust: bool, args: Any) -> List[int]:
+        """Weights of a pipe-engine layout (layer_XX-model_YY files, BigScience numbering detected); the tensor ranks."""
+        from megatron.models.gpt.model_pipe import megatron_state_dict_from_pipe_layers
+
+        tps = sorted({t for _, t in files})
+        indices = {idx for idx, _ in files}
+        self.bigscience = 0 not in indices and 1 in indices
+        num_layers = self.architecture.get("num_layers") or SavedRunArgs.from_args(args).num_layers
+        if num_layers is None:  # no client state: count the files (final norm = last file)
+            num_layers = max(indices) - (4 if self.bigscience else 1)
+        for t in tps:
+            layers = {idx: load_checkpoint_file(os.path.join(tag_dir, n), trust) for (idx, tt), n in sorted(files.items())
+                      if tt == t}
+            try:
+                if self.bigscience:
+                    layers = {from_bigscience_index(idx, num_layers): sd for idx, sd in layers.items()}
+                self.chunks[(t, 0, 0)] = megatron_state_dict_from_pipe_layers(layers, num_layers)
+            except ValueError as exc:
+                raise ConversionError(f"{tag_dir} (tensor rank {t}): {exc}") from None
+            self.files[(t, 0)] = os.path.join(tag_dir, files[min(k for k in files if k[1] == t)])
+        return tps
+
+    def _check_shards(self, tag_dir: str, tps: List[int], args: Any) -> None:
+        """Tensor ranks 0..N-1 as the args say, the same parameters in each, the layers the args name; sets tp."""
         if tps != list(range(len(tps))):
             raise ConversionError(f"{tag_dir}: tensor ranks {tps} are not 0..{len(tps) - 1}; a file is missing")
         self.tp = len(tps)
@@ -232,8 +249,6 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
             raise ConversionError(f"{tag_dir} holds {total} layers but its args say num_layers="
                                   f"{self.architecture['num_layers']}: mismatched shards")
         self.architecture["num_layers"] = total
-        m = re.search(r"(\d+)$", os.path.basename(os.path.normpath(tag_dir)))
-        self.iteration = int(self.first.get("iteration", int(m.group(1)) if m else 0))
 
 
 def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab_size: Optional[int] = None,
