@@ -44,6 +44,7 @@ def _build_rank_groups(world_size: int, tp: int, pp: int,
     "position_embedding"; each is a list of groups, each group a list of global ranks. Raises ValueError for
     impossible layouts.
     """
+    # port of Megatron's initialize_model_parallel rank layout (its group-building loops)
     if tp < 1 or pp < 1 or cp < 1:
         raise ValueError(
             f"--tensor-model-parallel-size ({tp}), --pipeline-model-parallel-size ({pp}) and "
@@ -330,6 +331,7 @@ def initialize_model_parallel(
 
     `timeout` bounds every collective of the new groups (torch's default otherwise: 30 minutes for gloo, whatever
     init_process_group was given); initialize passes --distributed-timeout-minutes, as Megatron Core does."""
+    # port of Megatron's initialize_model_parallel
     global _STATE
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(

@@ -460,6 +460,7 @@ def create_masked_lm_predictions(tokens: list, vocab_id_list: Sequence[int], voc
     draws). Returns (tokens, positions, labels, token_boundary, spans), positions and spans in order.
     (Megatron's do_permutation option is not offered: its branch draws from the global numpy RNG.)
     """
+    # port of Megatron's create_masked_lm_predictions
     if masking_style not in ("bert", "t5"):
         raise ValueError(f"invalid masking style {masking_style!r}")
     cand_indexes: list[list[int]] = []

@@ -157,6 +157,7 @@ def generate_tokens(
     same on all of them; True ends the decoding there (`cancelled`). Sequence parallelism is off while generating
     (`sequence_parallel_off`): prompts and one-token steps of any length run under TP + SP.
     """
+    # port of Megatron's generate_tokens_probs_and_return_on_first_stage
     check_sampling_args(top_k, top_p, temperature)
     if not prompt_tokens or any(len(p) == 0 for p in prompt_tokens):
         raise ValueError("every prompt needs at least one token (pass add_BOS=True or a non-empty prompt)")

@@ -225,6 +225,7 @@ def forward_backward_pipelining_without_interleaving(
 
     With an encoder-and-decoder split rank in ``parallel_state`` (T5) every message is a list of tensors with
     per-stage shapes (``get_tensor_shapes``; ``decoder_seq_length`` gives the decoder's)."""
+    # port of Megatron's forward_backward_pipelining_without_interleaving (1F1B schedule)
     chunks = _chunks(model)
     if len(chunks) != 1:
         raise ValueError("the 1F1B schedule takes one model chunk per rank; use the interleaved schedule for "
@@ -309,6 +310,7 @@ def forward_backward_pipelining_with_interleaving(
     **unused: Any,
 ) -> list:
     """Interleaved 1F1B: ``model`` holds this rank's virtual-stage chunks (chunk c = virtual stage c)."""
+    # port of Megatron's forward_backward_pipelining_with_interleaving (interleaved 1F1B schedule)
     chunks = _chunks(model)
     num_chunks = len(chunks)
     state = _state_or_global(parallel_state)
