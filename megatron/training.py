@@ -369,7 +369,8 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     watch = skip_counter.watch
 
     def save() -> None:
-        save_unless_diverging(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter, skip_counter.last_loss)
+        save_unless_diverging(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter,
+                              skip_counter.last_loss)
 
     while iteration < loop.train_iters:
         global_vars.update_num_microbatches(run.consumed_train_samples)
@@ -410,28 +411,36 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
             if history is not None:
                 history.setdefault("valid_losses", {})[iteration] = losses
 
-        saved = False
-        if sigterm is not None and any(sigterm.signals_received()):
-            if loop.save:
-                save()
-            print_datetime("exiting program after receiving SIGTERM.")
-            return iteration, True
-        if loop.save and loop.save_interval and iteration % loop.save_interval == 0:
-            save()
-            saved = True
-        if loop.exit_duration_in_mins:
-            done, minutes = _duration_exceeded(loop)
-            if done:
-                if loop.save and not saved:
-                    save()
-                print_datetime(f"exiting program after {minutes} minutes")
-                return iteration, True
-        if loop.exit_interval and iteration % loop.exit_interval == 0:
-            if loop.save and not saved:
-                save()
-            print_datetime(f"exiting program at iteration {iteration}")
+        if _save_or_exit(iteration, loop, sigterm, save):
             return iteration, True
     return iteration, False
+
+
+def _save_or_exit(iteration: int, loop: Any, sigterm: Any, save: Callable[[], None]) -> bool:
+    """Save at --save-interval and before an exit (SIGTERM, --exit-duration-in-mins, --exit-interval); True when the
+    loop must exit now."""
+    saved = False
+    if sigterm is not None and any(sigterm.signals_received()):
+        if loop.save:
+            save()
+        print_datetime("exiting program after receiving SIGTERM.")
+        return True
+    if loop.save and loop.save_interval and iteration % loop.save_interval == 0:
+        save()
+        saved = True
+    if loop.exit_duration_in_mins:
+        done, minutes = _duration_exceeded(loop)
+        if done:
+            if loop.save and not saved:
+                save()
+            print_datetime(f"exiting program after {minutes} minutes")
+            return True
+    if loop.exit_interval and iteration % loop.exit_interval == 0:
+        if loop.save and not saved:
+            save()
+        print_datetime(f"exiting program at iteration {iteration}")
+        return True
+    return False
 
 
 # ----------------------------------------------------------------------------------------------- entry point
@@ -484,23 +493,12 @@ def pretrain(
         if args.rank == 0 and getattr(model_type, "name", "") == "encoder_or_decoder":  # GPT-shaped models
             memory_report(configs.memory, configs.transformer, num_microbatches=global_vars.get_num_microbatches())
 
-        timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
-        # Creating DataLoader iterators draws from the global torch RNG; keep the (possibly just restored) RNG state
-        # untouched so that resuming from a checkpoint replays exactly the same dropout masks.
-        rng = local_rng_state()
-        HEARTBEAT.doing("building the datasets (and their index files, on a first run)")
-        train_it, valid_it, test_it = build_train_valid_test_data_iterators(
-            train_valid_test_dataset_provider, configs, state, run)
-        restore_local_rng_state(rng)
-        timers("train/valid/test-data-iterators-setup").stop()
+        train_it, valid_it, test_it = _data_iterators(train_valid_test_dataset_provider, configs, state, run, timers)
         print_datetime("after dataloaders are built")
         print_rank_0("done with setup ...")
         timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
 
-        result: dict = history if history is not None else {}
-        result.update({"iteration": run.iteration, "train_losses": {}, "valid_losses": {}, "val_loss": None,
-                       "test_loss": None, "skipped_iterations": run.skipped_iterations,
-                       "nan_iterations": run.nan_iterations})
+        result = _initial_result(history, run)
         iteration = run.iteration
         loop = configs.loop
         if run.do_train and loop.train_iters > 0 and not loop.skip_train:
@@ -517,7 +515,7 @@ def pretrain(
                 return result
             if loop.save and iteration != 0 and iteration % loop.save_interval != 0:
                 save_unless_diverging(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter,
-                      skip_counter.last_loss)
+                                      skip_counter.last_loss)
         else:
             print_rank_0("skipping training (--skip-train is on) ...")
 
@@ -525,6 +523,29 @@ def pretrain(
                            process_non_loss_data_func, configs, state, run)
         _flush_writer()
         return result
+
+
+def _initial_result(history: Optional[dict], run: TrainingState) -> dict:
+    """pretrain's result before training: `history` (or a new dict) holding the resumed run's totals."""
+    result: dict = history if history is not None else {}
+    result.update({"iteration": run.iteration, "train_losses": {}, "valid_losses": {}, "val_loss": None,
+                   "test_loss": None, "skipped_iterations": run.skipped_iterations,
+                   "nan_iterations": run.nan_iterations})
+    return result
+
+
+def _data_iterators(provider: Callable, configs: RunConfigs, state: ps.ParallelState, run: TrainingState,
+                    timers: Any) -> tuple:
+    """(train, valid, test) iterators from `provider`, timed, with the local RNG state left as it was."""
+    timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
+    # Creating DataLoader iterators draws from the global torch RNG; keep the (possibly just restored) RNG state
+    # untouched so that resuming from a checkpoint replays exactly the same dropout masks.
+    rng = local_rng_state()
+    HEARTBEAT.doing("building the datasets (and their index files, on a first run)")
+    iterators = build_train_valid_test_data_iterators(provider, configs, state, run)
+    restore_local_rng_state(rng)
+    timers("train/valid/test-data-iterators-setup").stop()
+    return iterators
 
 
 def _final_evaluations(result: dict, forward_step_func: Callable, iterators: tuple, model: list, iteration: int,
