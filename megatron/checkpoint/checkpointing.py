@@ -296,6 +296,42 @@ def save_run_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_sc
                             train_loss=train_loss, sign=sign)
 
 
+def _rank_state_dict(iteration: int, models: list, model_sds: Optional[list], optim: tuple, cfg: CheckpointSettings,
+                     architecture: Mapping[str, Any], saved_args: argparse.Namespace, run: TrainingState,
+                     train_loss: Optional[float], rng_state: Any) -> dict[str, Any]:
+    """This rank's checkpoint file contents (Megatron's keys); `optim` is (optimizer, its gathered state or None,
+    the LR scheduler)."""
+    optimizer, optim_sd, opt_param_scheduler = optim
+    state_dict: dict[str, Any] = {
+        "args": saved_args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        **run.checkpoint_counters(),
+        "true_vocab_size": cfg.true_vocab_size,
+        "padded_vocab_size": run.padded_vocab_size,
+        "architecture": dict(architecture),
+        **run.checkpoint_totals(),
+    }
+    if train_loss is not None:
+        state_dict["train_loss"] = float(train_loss)
+    model_sds = model_sds or [_model_state_dict(chunk) for chunk in models]
+    if len(models) == 1:
+        state_dict["model"] = model_sds[0]
+    else:
+        for i, chunk_sd in enumerate(model_sds):
+            state_dict[f"model{i}"] = chunk_sd
+    if not cfg.no_save_optim:
+        if optimizer is not None:
+            state_dict["optimizer"] = optim_sd if optim_sd is not None else optimizer.state_dict()
+        if opt_param_scheduler is not None:
+            sched = opt_param_scheduler.state_dict()
+            state_dict["opt_param_scheduler"] = sched
+            state_dict["lr_scheduler"] = sched
+    if rng_state is not None:
+        state_dict["rng_state"] = rng_state
+    return state_dict
+
+
 def write_checkpoint(
     iteration: int,
     model: Any,
@@ -344,33 +380,8 @@ def write_checkpoint(
         writer = (state.edp_rank if state.ep_size > 1 else state.dp_rank) == 0
     if writer and state.cp_rank == 0:  # one writer per model-parallel (and expert) rank folder
         # (parallel_state.checkpoint_writer); context-parallel ranks hold the same weights
-        state_dict: dict[str, Any] = {
-            "args": saved_args,
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": iteration,
-            **run.checkpoint_counters(),
-            "true_vocab_size": cfg.true_vocab_size,
-            "padded_vocab_size": run.padded_vocab_size,
-            "architecture": dict(architecture),
-            **run.checkpoint_totals(),
-        }
-        if train_loss is not None:
-            state_dict["train_loss"] = float(train_loss)
-        model_sds = model_sds or [_model_state_dict(chunk) for chunk in models]
-        if len(models) == 1:
-            state_dict["model"] = model_sds[0]
-        else:
-            for i, chunk_sd in enumerate(model_sds):
-                state_dict[f"model{i}"] = chunk_sd
-        if not cfg.no_save_optim:
-            if optimizer is not None:
-                state_dict["optimizer"] = optim_sd if optim_sd is not None else optimizer.state_dict()
-            if opt_param_scheduler is not None:
-                sched = opt_param_scheduler.state_dict()
-                state_dict["opt_param_scheduler"] = sched
-                state_dict["lr_scheduler"] = sched
-        if rng_state is not None:
-            state_dict["rng_state"] = rng_state
+        state_dict = _rank_state_dict(iteration, models, model_sds, (optimizer, optim_sd, opt_param_scheduler), cfg,
+                                      architecture, saved_args, run, train_loss, rng_state)
         _atomic_save(state_dict, checkpoint_name)
         if param_state is not None:
             _atomic_save(param_state, get_distributed_optimizer_checkpoint_name(checkpoint_name))
