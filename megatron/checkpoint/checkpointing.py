@@ -755,6 +755,55 @@ def load_checkpoint(
                            strict=strict, on_restored=on_restored)
 
 
+def _load_model_weights(models: list, sd: dict, checkpoint_name: str, ckpt_args: Any, cfg: CheckpointSettings,
+                        state: Any, strict: bool) -> bool:
+    """Load every model chunk's weights from `sd`; returns whether the experts were saved whole (expert-TP)."""
+    # Model weights (expert-TP > 1 != TP: the checkpoint's experts are whole, this rank takes its slice).
+    experts_whole = expert_shards.active(state)
+    if experts_whole and ckpt_args is not None and not expert_shards.saved_whole(ckpt_args):
+        raise CheckpointError(f"checkpoint {checkpoint_name} holds its experts split over its TP ranks, this run "
+                              f"splits them over --expert-tensor-parallel-size {state.etp_size}: "
+                              f"{reshard_hint(cfg.load)}, then load it with the expert-TP size it was converted to")
+    for i, chunk in enumerate(models):
+        key = "model" if len(models) == 1 else f"model{i}"
+        if key not in sd:
+            raise CheckpointError(f"checkpoint {checkpoint_name} has no '{key}' entry (saved with a different "
+                               "--virtual-pipeline-model-parallel-size?)")
+        model_sd = sd[key]
+        if experts_whole:
+            model_sd = expert_shards.model_state(model_sd, models, expert_shards.take_slice(state))
+        try:
+            unwrap_model(chunk).load_state_dict(_qkv_in_current_order(model_sd, sd, cfg), strict=strict)
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()
+            detail = " ".join(line.strip() for line in first[1:3]) if len(first) > 1 else first[0]
+            raise CheckpointError(
+                f"checkpoint {checkpoint_name} does not match the model ({detail[:300]}); check --num-layers, "
+                "--hidden-size, --num-attention-heads, --vocab-file and the parallel sizes"
+            ) from None
+    return experts_whole
+
+
+def _load_optimizer_state(optimizer: Any, opt_param_scheduler: Any, sd: dict, models: list, checkpoint_name: str,
+                          cfg: CheckpointSettings, weights_only: bool, experts_whole: bool) -> None:
+    """Load the optimizer and LR scheduler state (not for --finetune or a release checkpoint: `weights_only`,
+    nor with --no-load-optim); without it, fp32 main params follow the loaded weights."""
+    # Optimizer and LR scheduler.
+    loaded_optim = False
+    if not weights_only and not cfg.no_load_optim:
+        if optimizer is not None:
+            if "optimizer" not in sd:
+                raise CheckpointError(f"checkpoint {checkpoint_name} has no optimizer state; pass --no-load-optim")
+            _load_optimizer(optimizer, sd["optimizer"], models, checkpoint_name, cfg.trust_checkpoint, experts_whole)
+            loaded_optim = True
+        if opt_param_scheduler is not None:
+            sched = sd.get("opt_param_scheduler", sd.get("lr_scheduler"))
+            if sched is not None:
+                opt_param_scheduler.load_state_dict(sched)
+    if optimizer is not None and not loaded_optim and hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()  # fp32 main params must follow the loaded fp16/bf16 weights
+
+
 def read_checkpoint(
     model: Any,
     optimizer: Any,
@@ -813,44 +862,9 @@ def read_checkpoint(
         if on_restored is not None:
             on_restored(run, COUNTERS)
 
-    # Model weights (expert-TP > 1 != TP: the checkpoint's experts are whole, this rank takes its slice).
-    experts_whole = expert_shards.active(state)
-    if experts_whole and ckpt_args is not None and not expert_shards.saved_whole(ckpt_args):
-        raise CheckpointError(f"checkpoint {checkpoint_name} holds its experts split over its TP ranks, this run "
-                              f"splits them over --expert-tensor-parallel-size {state.etp_size}: "
-                              f"{reshard_hint(load_dir)}, then load it with the expert-TP size it was converted to")
-    for i, chunk in enumerate(models):
-        key = "model" if len(models) == 1 else f"model{i}"
-        if key not in sd:
-            raise CheckpointError(f"checkpoint {checkpoint_name} has no '{key}' entry (saved with a different "
-                               "--virtual-pipeline-model-parallel-size?)")
-        model_sd = sd[key]
-        if experts_whole:
-            model_sd = expert_shards.model_state(model_sd, models, expert_shards.take_slice(state))
-        try:
-            unwrap_model(chunk).load_state_dict(_qkv_in_current_order(model_sd, sd, cfg), strict=strict)
-        except RuntimeError as exc:
-            first = str(exc).strip().splitlines()
-            detail = " ".join(line.strip() for line in first[1:3]) if len(first) > 1 else first[0]
-            raise CheckpointError(
-                f"checkpoint {checkpoint_name} does not match the model ({detail[:300]}); check --num-layers, "
-                "--hidden-size, --num-attention-heads, --vocab-file and the parallel sizes"
-            ) from None
-
-    # Optimizer and LR scheduler.
-    loaded_optim = False
-    if not release and not finetune and not cfg.no_load_optim:
-        if optimizer is not None:
-            if "optimizer" not in sd:
-                raise CheckpointError(f"checkpoint {checkpoint_name} has no optimizer state; pass --no-load-optim")
-            _load_optimizer(optimizer, sd["optimizer"], models, checkpoint_name, trust, experts_whole)
-            loaded_optim = True
-        if opt_param_scheduler is not None:
-            sched = sd.get("opt_param_scheduler", sd.get("lr_scheduler"))
-            if sched is not None:
-                opt_param_scheduler.load_state_dict(sched)
-    if optimizer is not None and not loaded_optim and hasattr(optimizer, "reload_model_params"):
-        optimizer.reload_model_params()  # fp32 main params must follow the loaded fp16/bf16 weights
+    experts_whole = _load_model_weights(models, sd, checkpoint_name, ckpt_args, cfg, state, strict)
+    _load_optimizer_state(optimizer, opt_param_scheduler, sd, models, checkpoint_name, cfg, release or finetune,
+                          experts_whole)
 
     # RNG.
     if not release and not finetune and not cfg.no_load_rng:
