@@ -620,8 +620,14 @@ def _print_args(args: argparse.Namespace) -> None:
 
 
 def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
-    """Build the `TransformerConfig` the model layers take, from validated args (explicit table: config_flags.py)."""
-    return TransformerConfig(**config_kwargs_from_args(TransformerConfig, args))
+    """Build the `TransformerConfig` the model layers take, from validated args (explicit table: config_flags.py).
+    The config's own checks of flag combinations (each message names the flags) become one-line ArgumentErrors."""
+    try:
+        return TransformerConfig(**config_kwargs_from_args(TransformerConfig, args))
+    except ArgumentError:
+        raise
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
 
 
 def _validate_context_parallel(args: argparse.Namespace, training_run: bool) -> None:

@@ -142,6 +142,8 @@ def test_unwritable_data_cache_path_says_where_the_cache_goes(tmp_path, capsys):
     assert chosen == tmp_path / "index-cache" and chosen.is_dir()
     assert capsys.readouterr().out.strip() == (f"> note: --data-cache-path {blocker} is not a writable folder; the "
                                                f"dataset index cache goes to {tmp_path / 'index-cache'} instead")
+    assert first_writable_dir([blocker, tmp_path / "index-cache"], str(blocker)) == chosen
+    assert capsys.readouterr().out == ""  # once per folder, not once per split
     assert first_writable_dir([Path(tmp_path / "ok")], str(tmp_path / "ok")) == tmp_path / "ok"
     assert capsys.readouterr().out == ""
 
@@ -166,3 +168,21 @@ def test_finetuning_refuses_the_random_weights_opt_in():
     with pytest.raises(ArgumentError, match="--allow-random-weights is for evaluation"):
         check_task_flags(argparse.Namespace(task="MNLI", epochs=3, allow_random_weights=True))
     check_task_flags(argparse.Namespace(task="MNLI", epochs=0, allow_random_weights=True))
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ("--moe-router-topk 1", "--moe-router-topk 1 needs --moe-router-pre-softmax"),
+    ("--moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0.1",
+     "--moe-router-load-balancing-type sinkhorn takes no --moe-aux-loss-coeff"),
+    ("--moe-router-topk-scaling-factor 2", "--moe-router-topk-scaling-factor needs --moe-router-pre-softmax"),
+    ("--moe-apply-probs-on-input", "--moe-apply-probs-on-input needs --moe-router-topk 1"),
+])
+def test_config_combinations_are_one_line_before_the_model(extra, expected):
+    """TransformerConfig's own checks (run when the run's records are built, before the model) are ArgumentErrors,
+    which the entry points print as one line, not a ValueError traceback."""
+    from megatron.arguments import core_transformer_config_from_args
+
+    args = _validated(f"{MOE} {extra}")
+    with pytest.raises(ArgumentError) as info:
+        core_transformer_config_from_args(args)
+    assert str(info.value).startswith(expected) and "\n" not in str(info.value)

@@ -97,9 +97,10 @@ def _write_bytes_then_rename(path: str, write: Any, to_path: bool = False,
     except (OSError, RuntimeError) as exc:
         folder = os.path.dirname(path) or "."
         if is_disk_full(exc, folder):
-            raise DiskFullError(f"no space left on the device holding {folder} while writing {base}"
-                                f"{_space_note(size() if size else None, folder)}: free space or write somewhere else; {base} was not "
-                                "published (the previous version, if any, is intact)") from None
+            note = _space_note(size() if size else None, folder)
+            raise DiskFullError(f"no space left on the device holding {folder} while writing {base}{note}: free "
+                                f"space or write somewhere else; {base} was not published (the previous version, if "
+                                "any, is intact)") from None
         raise
     finally:
         if os.path.exists(tmp):

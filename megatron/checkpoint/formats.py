@@ -83,10 +83,11 @@ def _is_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
-def _read_core_torch_t5(iter_dir: str, trust: bool, layouts: Dict[str, Any]
+def _read_core_torch_t5(iter_dir: str, trust: bool, layouts: Dict[str, Any], flags: Optional[Dict[str, Any]] = None
                         ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, torch.Tensor]]:
     """Megatron Core T5Model's per-rank torch files (one pipeline stage, any TP) -> (common state, architecture, our
-    full flat TP=1 state dict); `layouts`: our T5's tensor-parallel layouts by name."""
+    full flat TP=1 state dict); `layouts`: our T5's tensor-parallel layouts by name; `flags`: the architecture of
+    files that record none."""
     from megatron.checkpoint.args import saved_architecture
     from megatron.checkpoint.conversion.interchange import ConversionError
     from megatron.checkpoint.conversion.megatron_format import rank_files
@@ -104,34 +105,38 @@ def _read_core_torch_t5(iter_dir: str, trust: bool, layouts: Dict[str, Any]
     flat = merge_tensor_parallel_state_dicts(shards, layouts=layouts)
     common = {k: v for k, v in sds[0].items() if not k.startswith("model") and k not in ("optimizer", "rng_state")}
     arch = saved_architecture(common.get("architecture"), common.get("args"))
+    if not arch.get("num_layers") and flags is not None:
+        arch = dict(flags)
     arch["padded_vocab_size"] = int(flat["language_model.embedding.word_embeddings.weight"].size(0))
     return common, arch, flat
 
 
 def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bool = False, model_type: str = "GPT",
-              layouts: Optional[Dict[str, Any]] = None
+              layouts: Optional[Dict[str, Any]] = None, flags: Optional[Dict[str, Any]] = None
               ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]]]:
     """(state besides the weights: args/iteration/..., architecture, our full flat TP=1 state dict, and with
     `optimizer` the optimizer state {state key: full flat dict} of a torch_dist folder, else {}); a T5 model's
-    per-rank files need our model's TP `layouts`. The caller has checked the folder against its manifest
-    (checkpointing.py does before `load_foreign`)."""
+    per-rank files need our model's TP `layouts`. `flags` (this run's architecture) stands in for the architecture
+    of a checkpoint that records none (Megatron-LM loads those with its command-line flags). The caller has checked
+    the folder against its manifest (checkpointing.py does before `load_foreign`)."""
     from megatron.checkpoint.conversion.interchange import ConversionError, state_dict_from_messages
 
     try:
         if fmt == TORCH_DIST:
             from megatron.checkpoint.conversion.torch_dist import read_iteration_state
 
-            common, arch, flat, opt = read_iteration_state(iter_dir, trust)
+            common, arch, flat, opt = read_iteration_state(iter_dir, trust, flags)
             return common, arch, flat, opt if optimizer else {}
         if optimizer:
             raise ConversionError(f"checkpoint {iter_dir} ({fmt}): Megatron Core's optimizer state in per-rank torch "
                                   "files is not converted; pass --no-load-optim")
         if model_type == "T5":
-            return (*_read_core_torch_t5(iter_dir, trust, layouts or {}), {})
+            return (*_read_core_torch_t5(iter_dir, trust, layouts or {}, flags), {})
         from megatron.checkpoint.conversion.megatron_format import read_megatron
 
         iteration = None if os.path.basename(iter_dir) == "release" else int(os.path.basename(iter_dir)[5:])
-        meta, messages = read_megatron(load_dir, trust=trust, iteration=iteration, model_type=model_type)
+        meta, messages = read_megatron(load_dir, trust=trust, iteration=iteration, model_type=model_type,
+                                        flags=flags)
         flat = state_dict_from_messages(messages)
         # read_megatron cuts nothing without a true vocabulary size: the rows are the writer's padded ones
         first = _rank0_file(iter_dir)
@@ -192,10 +197,12 @@ _EXPERT_STACKS = (".mlp.experts.weight1", ".mlp.experts.weight2")
 
 
 def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], model: torch.nn.Module,
-               num_layers: int, chunk: int, state: Any) -> Dict[str, torch.Tensor]:
+               num_layers: int, chunk: int, state: Any, check: Optional[Tuple[str, bool]] = None
+               ) -> Dict[str, torch.Tensor]:
     """This rank's part of a full flat state dict for one model chunk: its pipeline layers (renumbered), the
     vocabulary re-padded to the model's rows, its experts (expert parallelism), its tensor-parallel slice; only the
-    names the chunk has."""
+    names the chunk has. `check` = (checkpoint folder, exact rows): every tensor's shape is first checked against the
+    model (`check_shapes`)."""
     from megatron.checkpoint.conversion.megatron_format import chunk_of_layer
     from megatron.checkpoint.conversion.vocab import repad_rows
     from megatron.model.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
@@ -220,6 +227,8 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
             piece[key] = value
     if "word_embeddings.weight" in own and _WORD in full:  # the head's copy of tied embeddings (last stage)
         piece["word_embeddings.weight"] = full[_WORD]
+    if check is not None:
+        check_shapes(piece, own, model, state, *check)
     for key in (_WORD, _OUT, "word_embeddings.weight", "lm_head.bias"):
         if key in piece and key in own:
             piece[key] = repad_rows(piece[key], own[key].size(0) * state.tp_size)
@@ -238,6 +247,57 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
         piece = split_tensor_parallel_state_dict(piece, state.tp_size, layouts=tensor_parallel_layouts(model))[
             state.tp_rank]
     return {**piece, **experts}
+
+
+_VOCAB_ROWS = (_WORD, _OUT, "word_embeddings.weight", "lm_head.bias")
+# (name ends with, dim) -> the flag that sets that size; (name ends with, None): any dim
+_SHAPE_FLAGS = ((("position_embeddings.weight", 0), "--max-position-embeddings"),
+                (("query_key_value.weight", 0), "--num-attention-heads, --kv-channels or --num-query-groups"),
+                (("query_key_value.bias", 0), "--num-attention-heads, --kv-channels or --num-query-groups"),
+                (("self_attention.dense.weight", 1), "--num-attention-heads or --kv-channels"),
+                (("dense_h_to_4h.weight", 0), "--ffn-hidden-size (or --swiglu)"),
+                (("dense_h_to_4h.bias", 0), "--ffn-hidden-size (or --swiglu)"),
+                (("dense_4h_to_h.weight", 1), "--ffn-hidden-size (or --swiglu)"),
+                (("mlp.experts.weight1", 0), "--num-experts"), (("mlp.experts.weight2", 0), "--num-experts"),
+                (("mlp.experts.weight1", 2), "--moe-ffn-hidden-size (or --swiglu)"),
+                (("mlp.experts.weight2", 1), "--moe-ffn-hidden-size"),
+                (("mlp.router.weight", 0), "--num-experts"),
+                (("tokentype_embeddings.weight", 0), "the number of token types (BERT: --bert-no-binary-head)"))
+
+
+def _shape_flag(name: str, dim: int) -> str:
+    """The flag that sets dimension `dim` of our tensor `name` (the hidden size where no other one does)."""
+    if name in _VOCAB_ROWS and dim == 0:
+        return "--vocab-size or --make-vocab-size-divisible-by (the tokenizer's vocabulary)"
+    return next((flag for (suffix, d), flag in _SHAPE_FLAGS if name.endswith(suffix) and d == dim), "--hidden-size")
+
+
+def check_shapes(piece: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], model: Any, state: Any, path: str,
+                 exact_rows: bool) -> None:
+    """Refuse, in one line naming the tensor, its shape in the checkpoint, the model's and the flag to fix, a full
+    (TP=1) tensor that does not fit this rank's model (own shapes scaled back by TP and EP); the vocabulary rows are
+    re-padded, so they are compared only with `exact_rows` (a checkpoint without args: its rows are the flags')."""
+    from megatron.model.tp_shards import tensor_parallel_layouts
+
+    tp = state.tp_size if not getattr(state, "expert_tp_differs", False) else None
+    layouts = tensor_parallel_layouts(model) if model is not None and (state.tp_size > 1 or tp is None) else {}
+    for name, value in piece.items():
+        if name not in own or not isinstance(value, torch.Tensor):
+            continue
+        want = list(own[name].shape)
+        expert = name.endswith(_EXPERT_STACKS)
+        split = getattr(state, "etp_size", 1) if expert and tp is None else state.tp_size
+        layout = layouts.get(name)
+        if layout is not None and layout.dim is not None and split > 1 and len(want) > layout.dim:
+            want[layout.dim] *= split
+        if expert and (getattr(state, "ep_size", 1) or 1) > 1:
+            want[0] *= state.ep_size
+        have, skip = list(value.shape), int(name in _VOCAB_ROWS and not exact_rows)
+        if have[skip:] != want[skip:]:
+            dim = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b and i >= skip), skip)
+            raise CheckpointFormatError(
+                f"checkpoint {path}: {name} has shape {have} there but the model the flags build needs {want}: "
+                f"check {_shape_flag(name, dim)}")
 
 
 def _t5_stages(full: Dict[str, torch.Tensor], state: Any) -> Dict[str, Tuple[int, int]]:
@@ -327,6 +387,20 @@ def _full_t5_layouts(model: Any) -> Dict[str, Any]:
         return tensor_parallel_layouts(T5Model(config))
 
 
+def check_layer_counts(full: Dict[str, torch.Tensor], architecture: Mapping[str, Any], path: str) -> None:
+    """A checkpoint without args holds as many layers (T5: encoder and decoder layers) as the flags say, or one line
+    names the flag and the checkpoint's count."""
+    decoder = any(k.startswith(_T5_DEC) for k in full)
+    stacks = ((_LAYERS, "encoder_num_layers" if decoder else "num_layers"), (_T5_DEC, "decoder_num_layers"))
+    for prefix, field in stacks:
+        count = len({k[len(prefix):].partition(".")[0] for k in full if k.startswith(prefix)})
+        want = architecture.get(field) or architecture.get("num_layers")
+        if count and want and count != want:
+            flag = "--num-layers" if field == "num_layers" else "--" + field.replace("_", "-")
+            raise CheckpointFormatError(f"checkpoint {path} records no args and holds {count} layers "
+                                        f"({prefix}N) but the flags give {field}={want}: pass {flag} {count}")
+
+
 def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mapping[str, Any], load_dir: str,
                  iter_dir: str, fmt: str, release: bool, state: Any, run: TrainingState, optimizer: Any = None,
                  opt_param_scheduler: Any = None,
@@ -336,7 +410,7 @@ def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mappi
     `opt_param_scheduler`); returns (iteration to continue from, common state, this rank's RNG state list to restore
     or None). The checkpoint's architecture is checked against `architecture` (this run's); the consumed samples go
     to `run` (then ``on_restored(run, names)``)."""
-    from megatron.checkpoint.args import compare_architecture
+    from megatron.checkpoint.args import compare_architecture, saved_architecture
     from megatron.model.module import unwrap_model
 
     resume = not (cfg.finetune or release)
@@ -353,7 +427,10 @@ def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mappi
     model_type = "BERT" if isinstance(first, BertModel) else "T5" if isinstance(first, T5Model) else "GPT"
     layouts = _full_t5_layouts(first) if model_type == "T5" else None
     common, arch, full, opt_full = read_full(iter_dir, load_dir, fmt, trust, optimizer=load_optim,
-                                             model_type=model_type, layouts=layouts)
+                                             model_type=model_type, layouts=layouts, flags=dict(architecture))
+    recorded = bool(saved_architecture(common.get("architecture"), common.get("args")).get("num_layers"))
+    if not recorded:  # a Core checkpoint without args: the flags' architecture, its layer counts checked here
+        check_layer_counts(full, architecture, iter_dir)
     compare_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, architecture, iter_dir)
     opt_common = None
     if load_optim:
@@ -367,7 +444,7 @@ def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mappi
     for i, chunk in enumerate(models):
         model = unwrap_model(chunk)
         own = model.state_dict()
-        piece = rank_piece(full, own, model, int(arch["num_layers"]), i, state)
+        piece = rank_piece(full, own, model, int(arch["num_layers"]), i, state, (iter_dir, not recorded))
         missing = sorted(set(own) - set(piece) - {k for k in own if k.endswith("_extra_state")})
         if missing:
             raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}) has no {missing[0]} for this model; check "

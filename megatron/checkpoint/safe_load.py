@@ -63,6 +63,8 @@ ALLOWED_GLOBALS: tuple[str, ...] = (
     "megatron.model.enums:LayerType",
     "megatron.model.enums:AttnType",
     "megatron.model.enums:AttnMaskType",
+    # Megatron Core's enum: args.model_type of Megatron-LM's checkpoints and of our torch_dist common.pt
+    "megatron.core.enums:ModelType",
     # Megatron-DeepSpeed's (BigScience's BLOOM checkpoints) enums in their args; stand-ins in megatron/enums.py
     "megatron.enums:PositionEmbeddingType",
     "megatron.enums:AttnMaskType",

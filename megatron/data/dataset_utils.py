@@ -149,6 +149,9 @@ def index_cache_dirs(data_prefix: str, data_cache_path: Optional[str], *, for_se
     return dirs
 
 
+_CACHE_NOTES: set = set()
+
+
 def first_writable_dir(dirs: Sequence[Path], data_cache_path: Optional[str] = None) -> Path:
     """The first of `dirs` this process can create and write into. When `data_cache_path` (--data-cache-path, the
     first of `dirs`) is not usable, one note says where the caches go instead."""
@@ -158,7 +161,8 @@ def first_writable_dir(dirs: Sequence[Path], data_cache_path: Optional[str] = No
         except OSError:
             continue
         if os.access(d, os.W_OK | os.X_OK):
-            if data_cache_path and i > 0:
+            if data_cache_path and i > 0 and (data_cache_path, str(d)) not in _CACHE_NOTES:
+                _CACHE_NOTES.add((data_cache_path, str(d)))  # once per folder, not once per split
                 print(f" > note: --data-cache-path {data_cache_path} is not a writable folder; the dataset index "
                       f"cache goes to {d} instead", flush=True)
             return d

@@ -63,15 +63,18 @@ def test_max_token_id_is_cached(tmp_path: Path) -> None:
     assert max_token_id(_write(tmp_path / "e", [], 100000)) is None
 
 
-@pytest.mark.parametrize("case", ["moe_nan", "save_file", "load_file"])
+@pytest.mark.parametrize("case", ["moe_nan", "moe_topk1", "save_file", "load_file"])
 def test_bad_flags_stop_pretrain_at_start_up(tiny_data: dict, tmp_path: Path, case: str) -> None:
     """The start-up refusals of tests/test_start_up_refusals.py from the entry point: exit code 1, stderr's last line
     the one-line error, and nothing trained or saved."""
     (tmp_path / "a_file").write_text("not a folder")
     extra = {"moe_nan": ["--num-experts", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "nan"],
+             "moe_topk1": ["--num-experts", "2", "--disable-bias-linear", "--moe-router-topk", "1"],
              "save_file": ["--save", "a_file", "--save-interval", "1"],
              "load_file": ["--load", "a_file"]}[case]
     expected = {"moe_nan": "error: --moe-aux-loss-coeff must be a finite number >= 0 (got nan)",
+                "moe_topk1": "error: --moe-router-topk 1 needs --moe-router-pre-softmax (softmax over one logit is 1), "
+                             "as in Megatron-LM",
                 "save_file": "error: --save a_file is a file, not a folder; point --save at a folder you can write to",
                 "load_file": "error: --load a_file is a file, not a checkpoint folder; point --load at the folder "
                              "--save wrote (the one holding latest_checkpointed_iteration.txt)"}[case]

@@ -141,3 +141,33 @@ def test_saves_are_signed_only_once_the_unverified_load_guard_passed() -> None:
     assert counter.may_sign(1)  # no unverified load: every save is signed
     counter.watch = FirstLossWatch("ck/iter_0000004", first_iteration=5, recorded_loss=8.0, vocab_size=512)
     assert [counter.may_sign(it) for it in (4, 5, 6, 7, 8)] == [False, False, False, True, True]
+
+
+def test_full_disk_during_a_torch_dist_write_is_one_line(dist_run: tuple[Path, str], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC from DCP's writer half-way through a torch_dist folder: one line naming the folder; no temporary folder
+    is left behind and the folders already there are untouched (the tracker is moved only after a whole save)."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.checkpoint.atomic_io import DiskFullError
+    from megatron.checkpoint.conversion.torch_dist import write_torch_dist
+
+    ckpt = _copy(dist_run, tmp_path)
+    before = {p: p.read_bytes() for p in (ckpt / "iter_0000004").rglob("*") if p.is_file()}
+    meta, messages = read_torch_dist(str(ckpt))
+
+    def half_then_enospc(state, storage_writer, **kw):  # some shard bytes land, then the device is full
+        (Path(storage_writer.path) / "__0_0.distcp").write_bytes(b"\0" * 100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dcp, "save", half_then_enospc)
+    with pytest.raises(DiskFullError) as info:
+        write_torch_dist(meta, messages, str(ckpt / "iter_0000006"))
+    assert str(info.value).startswith(f"no space left on the device holding {ckpt} while writing the torch_dist "
+                                      "folder iter_0000006 (")
+    assert str(info.value).endswith("MiB of tensors): free space or write somewhere else; the previous checkpoint "
+                                    "is intact")
+    assert "\n" not in str(info.value)
+    assert not (ckpt / "iter_0000006.tmp").exists() and not (ckpt / "iter_0000006").exists()
+    assert {p: p.read_bytes() for p in (ckpt / "iter_0000004").rglob("*") if p.is_file()} == before
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"

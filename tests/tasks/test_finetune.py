@@ -191,13 +191,15 @@ def test_tp2_pp2_dp2_equal_serial(serial: dict, data: dict) -> None:
 
 def test_overfits_32_examples(data: dict) -> None:
     d = str(data["dir"] / "overfit32.tsv")
-    argv = ["--task", "MNLI", "--train-data", d, "--valid-data", d, "--epochs", "20",
+    argv = ["--task", "MNLI", "--train-data", d, "--valid-data", d, "--epochs", "30",
             *task_argv(data["vocab"], "--micro-batch-size", "8", "--lr", "3e-3", "--lr-decay-style", "constant",
                        hidden=64)]
     (res,) = run_distributed(run_many, 1, args=([dict(entry="tasks", argv=argv)],))[0]
     ok(res, "overfit")
     acc = res["result"]["accuracy"]
-    assert acc[19]["overfit32"] == (32, 32), {e: v["overfit32"] for e, v in acc.items()}
+    # 30 epochs: the trajectory depends on the CPU's matmul kernels (AVX2 reached 32/32 by epoch 20, AVX-512/AMX at
+    # epoch 21); the last five epochs must all be perfect, so a run that merely touched 32/32 once does not pass.
+    assert all(acc[e]["overfit32"] == (32, 32) for e in range(25, 30)), {e: v["overfit32"] for e, v in acc.items()}
 
 
 def test_bf16_and_fp16_follow_fp32(serial: dict) -> None:

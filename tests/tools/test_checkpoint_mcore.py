@@ -23,7 +23,7 @@ import torch
 
 from megatron.arguments import core_transformer_config_from_args, parse_args, validate_args
 from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.model import GPTModel
+from megatron.model import GPTModel, ModelType
 from tests.mcore_oracle import ORACLE_CPU_PRELUDE, run_oracle
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ = 2, 32, 4, 128, 16
@@ -62,6 +62,9 @@ def run_args(family: str, load: Path, *extra: str):
     args.rank = 1  # quiet argument dump
     validate_args(args, {"model_family": family} if family == "t5" else {})  # T5 flags: pretrain_t5.py's defaults
     args.padded_vocab_size = VOCAB
+    # recorded as pretrain_*.py's get_model records it (our enum; the torch_dist writer stores Megatron Core's, which
+    # megatron-core's weights-only load of common.pt in the oracle needs)
+    args.model_type = ModelType.encoder_and_decoder if family == "t5" else ModelType.encoder_or_decoder
     return args
 
 

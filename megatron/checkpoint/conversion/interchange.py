@@ -57,6 +57,11 @@ _KEPT_FIELDS = (
 )
 
 
+# what to do with a Core checkpoint that records no architecture (Megatron-LM takes it from its command line)
+NO_ARGS_HINT = ("load it with --load and the model flags (pretrain_*.py --finetune, or the generation tools), which "
+                "check every tensor's shape against them, and save it again to convert it")
+
+
 class ConversionError(MegatronUserError, ValueError):
     """Bad input for a conversion (names the file or flag and the fix); nothing is written."""
 

@@ -27,6 +27,7 @@ from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
 from megatron.checkpoint.conversion.interchange import (
     EMBEDDINGS,
     FINAL_NORM,
+    NO_ARGS_HINT,
     OUTPUT_LAYER,
     ConversionError,
     Message,
@@ -313,7 +314,8 @@ def _load(path: str, trust: bool) -> Dict[str, Any]:
     return sd
 
 
-def _architecture_from(sd: Dict[str, Any], path: str) -> Dict[str, Any]:
+def _recorded_architecture(sd: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+    """(the file's architecture, stored or from its args; the sizes it lacks of num_layers, hidden_size, heads)."""
     from megatron.checkpoint.args import saved_architecture
 
     arch = saved_architecture(sd.get("architecture"), sd.get("args"))
@@ -321,10 +323,17 @@ def _architecture_from(sd: Dict[str, Any], path: str) -> Dict[str, Any]:
     for key in ("num_layers", "hidden_size", "num_attention_heads"):
         if key not in arch and getattr(saved, key) is not None:
             arch[key] = getattr(saved, key)
-    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if arch.get(k) is None]
+    return arch, [k for k in ("num_layers", "hidden_size", "num_attention_heads") if arch.get(k) is None]
+
+
+def _architecture_from(sd: Dict[str, Any], path: str, flags: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The file's architecture (stored, or from its args); `flags` (this run's) for a file with neither."""
+    arch, missing = _recorded_architecture(sd)
+    if missing and flags is not None:
+        return dict(flags)
     if missing:
         raise ConversionError(f"{path} stores neither 'architecture' nor args with {', '.join(missing)}: "
-                              "not a checkpoint this tool can describe")
+                              f"{NO_ARGS_HINT}")
     return arch
 
 
@@ -332,7 +341,7 @@ class MegatronCheckpointReader:
     """The files of one Megatron checkpoint iteration, memory-mapped, with per-layer merging."""
 
     def __init__(self, load_dir: str, trust: bool = False, iteration: Optional[int] = None,
-                 verify: bool = True) -> None:
+                 verify: bool = True, flags: Optional[Dict[str, Any]] = None) -> None:
         self.load_dir = load_dir
         self.iter_dir, self.iteration = find_iteration_dir(load_dir, iteration)
         self.verified = True  # verify=False: the caller verified the folder itself
@@ -354,7 +363,8 @@ class MegatronCheckpointReader:
             raise ConversionError(f"{self.files[(0, 0)]} has no 'model' entry: not a Megatron model checkpoint")
         self.vp = sum(1 for k in first if re.fullmatch(r"model\d+", k)) or 1
         self.version = float(first.get("checkpoint_version", 0) or 0)
-        self.architecture = _architecture_from(first, self.files[(0, 0)])
+        self.architecture = _architecture_from(first, self.files[(0, 0)], flags)  # flags: a file without args
+        self.from_flags = flags is not None and bool(_recorded_architecture(first)[1])
         # {(tp, pp, vp): flat state dict}
         self.chunks: Dict[Tuple[int, int, int], Dict[str, Any]] = {}
         self.optim_entries: Dict[Tuple[int, int], Any] = {}  # each rank file's 'optimizer' entry (memory-mapped)
@@ -411,6 +421,9 @@ class MegatronCheckpointReader:
         counts = [self._layers_in(p, v) for v in range(self.vp) for p in range(self.pp)]
         total = sum(counts)
         if self.architecture.get("num_layers") not in (None, total):
+            if self.from_flags:
+                raise ConversionError(f"{self.iter_dir} records no args and holds {total} layers but the flags give "
+                                      f"num_layers={self.architecture['num_layers']}: pass --num-layers {total}")
             raise ConversionError(f"{self.iter_dir} holds {total} layers but its args say num_layers="
                                   f"{self.architecture['num_layers']}: mismatched shards")
         if len(set(counts)) > 1:
@@ -539,13 +552,13 @@ def attach_optimizer_state(reader: Any, meta: ModelMeta, padded: int) -> None:
 
 def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model_type: str = "GPT",
                   trust: bool = False, optimizer: bool = False, iteration: Optional[int] = None,
-                  verify: bool = True) -> Tuple[ModelMeta, Iterator[Message]]:
+                  verify: bool = True, flags: Optional[Dict[str, Any]] = None) -> Tuple[ModelMeta, Iterator[Message]]:
     """Loader: (meta, message stream) of a Megatron checkpoint at any TP/PP/virtual-PP layout (the iteration the
     tracker names, or `iteration`); with `optimizer`, the messages also carry the training state when the checkpoint
-    has one (GPT and BERT models; optimizer_state.py)."""
+    has one (GPT and BERT models; optimizer_state.py); `flags`: the architecture of files that record none."""
     if model_type == "T5":  # encoder-decoder: its own stream, t5_format.read_t5 (which builds on this module)
         raise ConversionError("read_megatron reads GPT/BERT checkpoints: read T5 ones with t5_format.read_t5")
-    reader = MegatronCheckpointReader(load_dir, trust, iteration, verify)
+    reader = MegatronCheckpointReader(load_dir, trust, iteration, verify, flags)
     meta = megatron_meta(reader, true_vocab_size, model_type)
     padded = reader.merged(0, 0, WORD, TensorParallelLayout(dim=0)).size(0) if WORD in reader.chunks[(0, 0, 0)] \
         else None

@@ -19,6 +19,8 @@ the result into its models at any layout.
 """
 from __future__ import annotations
 
+import copy
+import enum
 import functools
 import importlib
 import io
@@ -30,7 +32,15 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
+from megatron.checkpoint.atomic_io import (
+    DiskFullError,
+    atomic_torch_save,
+    atomic_write_text,
+    is_disk_full,
+    tensor_bytes,
+)
 from megatron.checkpoint.conversion.interchange import (
+    NO_ARGS_HINT,
     ConversionError,
     Message,
     ModelMeta,
@@ -39,6 +49,7 @@ from megatron.checkpoint.conversion.interchange import (
     state_dict_from_messages,
 )
 from megatron.checkpoint.safe_load import UnsafeCheckpointError, restricted_pickle_load
+from megatron.core.enums import CORE_MODEL_TYPE
 from megatron.errors import MegatronUserError
 from megatron.model.mcore_names import (
     OUR_EXPERTS,
@@ -384,19 +395,28 @@ def _t5_stacked(flat: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _architecture(common: Dict[str, Any], tensors: Dict[str, torch.Tensor], path: str) -> Dict[str, Any]:
+def _architecture(common: Dict[str, Any], tensors: Dict[str, torch.Tensor], path: str,
+                  flags: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The checkpoint's architecture (stored, or from its args); a Core checkpoint without either (Megatron-LM loads
+    those with its command-line flags) takes `flags`, this run's architecture, when given."""
     from megatron.checkpoint.args import saved_architecture
 
     arch = saved_architecture(common.get("architecture"), common.get("args"))
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if not arch.get(k)]
-    if missing:
+    from_flags = bool(missing) and flags is not None
+    if from_flags:
+        arch = dict(flags)
+    elif missing:
         raise ConversionError(f"{path} records neither 'architecture' nor args with {', '.join(missing)}: "
-                              "not a checkpoint this tool can describe")
+                              f"{NO_ARGS_HINT}")
     from megatron.model.mcore_names import is_core_t5
 
     qkv = tensors.get("decoder.layers.self_attention.linear_qkv.weight")
     field = "decoder_num_layers" if is_core_t5(tensors) and arch.get("decoder_num_layers") else "num_layers"
     if qkv is not None and qkv.size(0) != arch[field]:
+        if from_flags:
+            raise ConversionError(f"{path} records no args and its tensors stack {qkv.size(0)} layers but the flags "
+                                  f"give {field}={arch[field]}: pass --{field.replace('_', '-')} {qkv.size(0)}")
         raise ConversionError(f"{path}: the tensors stack {qkv.size(0)} layers but the args say {field}="
                               f"{arch[field]}: mismatched files")
     if "output_layer.weight" in tensors:
@@ -405,10 +425,11 @@ def _architecture(common: Dict[str, Any], tensors: Dict[str, torch.Tensor], path
     return arch
 
 
-def read_iteration_state(iter_dir: str, trust: bool = False
+def read_iteration_state(iter_dir: str, trust: bool = False, flags: Optional[Dict[str, Any]] = None
                          ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any], Dict[str, Dict[str, Any]]]:
     """(common state, architecture, our full flat TP=1 state dict, {optimizer state key: our full flat dict}) of one
-    torch_dist iteration folder (the last empty without model-space optimizer state: torch_dist_optim.py)."""
+    torch_dist iteration folder (the last empty without model-space optimizer state: torch_dist_optim.py); `flags`:
+    this run's architecture, taken when the folder records none (`_architecture`)."""
     from megatron.checkpoint.conversion.torch_dist_buckets import BUCKETS, UNREADABLE, bucket_state
     from megatron.checkpoint.conversion.torch_dist_optim import sharding_type, split_optimizer_tensors
 
@@ -417,7 +438,7 @@ def read_iteration_state(iter_dir: str, trust: bool = False
     if "embedding.word_embeddings.weight" not in tensors:
         raise ConversionError(f"torch_dist checkpoint {iter_dir} has no embedding.word_embeddings.weight: not a GPT "
                               "model checkpoint")
-    arch = _architecture(common, tensors, os.path.join(iter_dir, COMMON))
+    arch = _architecture(common, tensors, os.path.join(iter_dir, COMMON), flags)
     flat = core_stacked_to_ours(tensors)
     opt_flat = {k: core_stacked_to_ours(v) for k, v in opt.items()}
     if sharding_type(common) == BUCKETS:  # Megatron-LM's default layout: rebuilt in model space when asked for
@@ -507,6 +528,18 @@ def _with_optimizer(messages: Iterator[Message], per_key: Dict[str, Iterator[Mes
         yield msg
 
 
+def core_args(args: Any) -> Any:
+    """`args` as Megatron-LM stores them in common.pt: ``model_type`` (our megatron.model.enums member, or any other
+    enum) becomes Megatron Core's ``megatron.core.enums.ModelType.encoder_or_decoder``, the class megatron-core's
+    weights-only loader allow-lists (a copy; `args` itself is left as it is)."""
+    model_type = vars(args).get("model_type")  # the saved namespace's own entry (data being written, not a flag read)
+    if not isinstance(model_type, enum.Enum) or model_type is CORE_MODEL_TYPE:
+        return args
+    out = copy.copy(args)
+    out.model_type = CORE_MODEL_TYPE
+    return out
+
+
 def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str,
                      extra_common: Optional[Dict[str, Any]] = None, rng: Optional[Dict[str, Any]] = None,
                      rng_dp_axis: bool = False) -> None:
@@ -514,10 +547,6 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     Messages with training state (`Message.optimizer`, `meta.extra["optimizer"]`) add the optimizer state in Megatron
     Core's fully_reshardable layout (torch_dist_optim.py); `rng` (``{"tp", "pp", "ranks"}``) adds Megatron-LM's
     ``rng_state`` ShardedObjects (core_rng_objects)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
     from megatron.checkpoint.conversion.torch_dist_optim import PARAM, common_entry, state_tensors
 
     msgs = list(messages)
@@ -564,24 +593,43 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
                       f"{experts}"] = [None]
     if rng is not None:
         state.update(core_rng_objects(rng, rng_dp_axis))
-    tmp = iter_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    # the keys are already flat: nested payloads (the RNG dicts) stay one pickled object each, as Megatron Core's
-    with warnings.catch_warnings():  # the single-process save is the intent; torch warns about it anyway
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True,
-                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
-    args = meta.checkpoint_args if meta.checkpoint_args is not None else args_namespace(meta)
+    args = core_args(meta.checkpoint_args if meta.checkpoint_args is not None else args_namespace(meta))
     common = {"args": args, "checkpoint_version": 3.0, "iteration": meta.iteration or 0,
               "architecture": dict(meta.architecture), **(extra_common or {})}
     if opt_common and any(m.optimizer for m in msgs):
         common["optimizer"] = common_entry(opt_common)
         if meta.extra.get("opt_param_scheduler") is not None:
             common.setdefault("opt_param_scheduler", meta.extra["opt_param_scheduler"])
-    atomic_torch_save(common, os.path.join(tmp, COMMON))
-    atomic_write_text(os.path.join(tmp, METADATA_JSON), json.dumps(
-        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-         "common_backend_version": 1}))
+    _publish_dist_folder(state, common, iter_dir)
+
+
+def _publish_dist_folder(state: Dict[str, Any], common: Dict[str, Any], iter_dir: str) -> None:
+    """Write `state` (DCP shards + .metadata), common.pt and metadata.json into `iter_dir`.tmp, then rename it to
+    `iter_dir`. A failed write removes the temporary folder; a full disk is one line (`DiskFullError`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    tmp = iter_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        # the keys are already flat: nested payloads (the RNG dicts) stay one pickled object each, as Megatron Core's
+        with warnings.catch_warnings():  # the single-process save is the intent; torch warns about it anyway
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True,
+                     planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+        atomic_torch_save(common, os.path.join(tmp, COMMON))
+        atomic_write_text(os.path.join(tmp, METADATA_JSON), json.dumps(
+            {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+             "common_backend_version": 1}))
+    except (OSError, RuntimeError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        folder = os.path.dirname(iter_dir.rstrip("/")) or "."
+        if is_disk_full(exc, folder):
+            raise DiskFullError(f"no space left on the device holding {folder} while writing the torch_dist folder "
+                                f"{os.path.basename(iter_dir.rstrip('/'))} ({tensor_bytes(state) / 2**20:.1f} MiB of "
+                                "tensors): free space or write somewhere else; the previous checkpoint is "
+                                "intact") from None
+        raise
     shutil.rmtree(iter_dir, ignore_errors=True)
     os.replace(tmp, iter_dir)
