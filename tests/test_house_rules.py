@@ -46,7 +46,7 @@ PORTS = {
     "megatron/text_generation/generation.py:generate_tokens",
 }
 # Long functions still to split (not ports); lower this as they are split, never raise it.
-UNSPLIT_CEILING = 1
+UNSPLIT_CEILING = 0
 
 
 def long_functions(source: str, limit: int = 80) -> Dict[str, bool]:

@@ -147,20 +147,11 @@ def bucket_state(tensors: Dict[str, torch.Tensor], objects: Dict[str, Any], flat
     saved = SavedRunArgs.from_args(args)
     tp = int(saved.tensor_model_parallel_size or 1)
     pp = saved.pipeline_model_parallel_size
-    for flag, value in (("--num-experts", saved.num_experts),
-                        ("--num-layers-per-virtual-pipeline-stage", saved.num_layers_per_virtual_pipeline_stage),
-                        ("--decoder-first-pipeline-num-layers", saved.decoder_first_pipeline_num_layers),
-                        ("--decoder-last-pipeline-num-layers", saved.decoder_last_pipeline_num_layers)):
-        if value:
-            raise ConversionError(f"{what} is not read for a run with {flag}; {_FIX}")
+    _refuse_unread_layouts(saved, what)
     enc_dec = any(k.startswith(("lm_head.", "binary_head.", _LM + "decoder.")) for k in flat)  # BERT or T5
     if enc_dec and pp > 1:
         raise ConversionError(f"{what} is read for BERT and T5 at pipeline-parallel size 1 only; {_FIX}")
-    buckets: Dict[Tuple[int, int, int], Dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        m = _BUCKET_RE.match(key)
-        if m:
-            buckets.setdefault(tuple(int(g) for g in m.groups()[:3]), {})[m.group(4)] = t
+    buckets = _buckets(tensors)
     groups = sorted({g for g, _, _ in buckets})
     if groups != list(range(tp * pp)) or any(gbuf for _, gbuf, _ in buckets):
         raise ConversionError(f"{what} holds buffers of model-parallel groups {groups} and gradient buffers "
@@ -185,15 +176,7 @@ def bucket_state(tensors: Dict[str, torch.Tensor], objects: Dict[str, Any], flat
     for p in range(pp):
         layers = range(p * per, (p + 1) * per)
         first, last = p == 0, p == pp - 1
-        piece = {}
-        for name, value in flat.items():
-            index = name[len(_LM + "encoder.layers."):].split(".")[0] if name.startswith(_LM + "encoder.layers.") \
-                else None
-            if index is not None and int(index) not in layers:
-                continue
-            if index is None and not ((first and ".embedding." in name) or (last and ".embedding." not in name)):
-                continue
-            piece[name] = value
+        piece = _stage_piece(flat, layers, first, last)
         if last and tied and pp > 1:
             piece[_HEAD_COPY] = flat[_WORD]
         shards = split_tensor_parallel_state_dict(piece, tp, layouts={**layouts, _HEAD_COPY: layouts[_WORD]})
@@ -230,13 +213,52 @@ def bucket_state(tensors: Dict[str, torch.Tensor], objects: Dict[str, Any], flat
             merged = merge_tensor_parallel_state_dicts(local[key], layouts={**layouts, _HEAD_COPY: layouts[_WORD]})
             merged.pop(_HEAD_COPY, None)  # the same state as the first stage's (their gradients are summed)
             per_key_stages[key].update(merged)
+    return _optimizer_extras(objects, what), per_key_stages
+
+
+def _refuse_unread_layouts(saved: SavedRunArgs, what: str) -> None:
+    """ConversionError for the saved runs whose bucket layout is not read (experts, virtual or uneven pipelines)."""
+    for flag, value in (("--num-experts", saved.num_experts),
+                        ("--num-layers-per-virtual-pipeline-stage", saved.num_layers_per_virtual_pipeline_stage),
+                        ("--decoder-first-pipeline-num-layers", saved.decoder_first_pipeline_num_layers),
+                        ("--decoder-last-pipeline-num-layers", saved.decoder_last_pipeline_num_layers)):
+        if value:
+            raise ConversionError(f"{what} is not read for a run with {flag}; {_FIX}")
+
+
+def _buckets(tensors: Dict[str, torch.Tensor]) -> Dict[Tuple[int, int, int], Dict[str, torch.Tensor]]:
+    """(model-parallel group, gradient buffer, bucket) -> {state key: flat bucket tensor} of the bucket tensors."""
+    buckets: Dict[Tuple[int, int, int], Dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _BUCKET_RE.match(key)
+        if m:
+            buckets.setdefault(tuple(int(g) for g in m.groups()[:3]), {})[m.group(4)] = t
+    return buckets
+
+
+def _stage_piece(flat: Dict[str, torch.Tensor], layers: range, first: bool, last: bool) -> Dict[str, torch.Tensor]:
+    """The entries of `flat` one pipeline stage holds: its `layers`, the embedding on the first, the rest on the last."""
+    piece = {}
+    for name, value in flat.items():
+        index = name[len(_LM + "encoder.layers."):].split(".")[0] if name.startswith(_LM + "encoder.layers.") \
+            else None
+        if index is not None and int(index) not in layers:
+            continue
+        if index is None and not ((first and ".embedding." in name) or (last and ".embedding." not in name)):
+            continue
+        piece[name] = value
+    return piece
+
+
+def _optimizer_extras(objects: Dict[str, Any], what: str) -> Dict[str, Any]:
+    """{"optimizer": {"param_groups"}, "grad_scaler"?} from the folder's ShardedObjects."""
     saved = objects.get(f"{_PREFIX}0.optimizer")
     if not isinstance(saved, dict) or "param_groups" not in saved:
         raise ConversionError(f"{what} has no param groups (ShardedObject {_PREFIX}0.optimizer); {_FIX}")
     extra: Dict[str, Any] = {"optimizer": {"param_groups": saved["param_groups"]}}
     if objects.get(f"{_PREFIX}0.grad_scaler") is not None:
         extra["grad_scaler"] = objects[f"{_PREFIX}0.grad_scaler"]
-    return extra, per_key_stages
+    return extra
 
 
 def describe(common: Dict[str, Any]) -> Optional[str]:
