@@ -14,15 +14,13 @@ import time
 import pytest
 
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.core.transformer_config import TransformerConfig
 from megatron.model import GPTModel
 from megatron.model.tp_shards import split_tensor_parallel_state_dict
 from megatron.text_generation import generate
 from megatron.text_generation.disconnect import client_gone
 from megatron.text_generation.server import MegatronServer, build_server
 from tests.dist_utils import run_distributed
-from tests.text_generation.test_server_http import call, tiny_tokenizer
+from tests.text_generation.test_server_http import call, tiny_gpt, tiny_tokenizer
 
 LONG_CONTEXT = 1024
 LONG = 1000  # tokens the first client asks for
@@ -31,11 +29,7 @@ PROMPT = "The meaning of life is"
 
 def long_gpt(tp: int = 1, tp_rank: int = 0, **kwargs) -> GPTModel:
     """The tiny 2-layer GPT with a 1,024-token context (a long request is ~1,000 decoding steps)."""
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=5120,
-                               max_position_embeddings=LONG_CONTEXT, hidden_dropout=0.0, attention_dropout=0.0,
-                               init_method_std=0.2, tensor_model_parallel_size=tp)
-    model_parallel_manual_seed(1234, tp_rank)
-    return GPTModel(config, parallel_output=False, **kwargs).eval()
+    return tiny_gpt(tp, tp_rank, context=LONG_CONTEXT, **kwargs)
 
 
 class Log:

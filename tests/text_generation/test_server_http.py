@@ -26,10 +26,10 @@ CONTEXT = 64
 CHROMIUM = "/usr/bin/chromium"
 
 
-def tiny_gpt(tp: int = 1, tp_rank: int = 0, **kwargs) -> GPTModel:
-    """2-layer GPT with room for the 5,000-token tiny GPT-2 vocabulary (padded to 5,120)."""
+def tiny_gpt(tp: int = 1, tp_rank: int = 0, context: int = CONTEXT, **kwargs) -> GPTModel:
+    """2-layer GPT with room for the 5,000-token tiny GPT-2 vocabulary (padded to 5,120), `context` positions."""
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=5120,
-                               max_position_embeddings=CONTEXT, hidden_dropout=0.0, attention_dropout=0.0,
+                               max_position_embeddings=context, hidden_dropout=0.0, attention_dropout=0.0,
                                init_method_std=0.2, tensor_model_parallel_size=tp)
     model_parallel_manual_seed(1234, tp_rank)
     return GPTModel(config, parallel_output=False, **kwargs).eval()
