@@ -114,3 +114,33 @@ def test_one_alias_mechanism() -> None:
              for node in ast.parse(p.read_text(encoding="utf-8")).body
              if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"}
     assert found == LAZY_MODULE_ATTRIBUTES
+
+
+FAMILY_NAMES = ("GPT", "BERT", "T5")
+
+
+def model_type_branches(source: str) -> List[str]:
+    """Each comparison in `source` that branches on a model family's name: `==`, `!=`, `in` or `not in` with "GPT",
+    "BERT" or "T5" (alone or in a tuple, list or set), as `line: text`."""
+    def family_name(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in FAMILY_NAMES
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(family_name(e) for e in node.elts)
+
+    return [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare) and any(family_name(n) for n in (node.left, *node.comparators))]
+
+
+def test_the_scan_finds_a_model_type_branch() -> None:
+    src = ("if meta.model_type == 'T5':\n    pass\nx = model_type in ('BERT',)\ny = 'GPT' != kind\n"
+           "z = layout.encoder_decoder or found != model_type or name == 'T5x'\n")
+    assert model_type_branches(src) == ["1: meta.model_type == 'T5'", "3: model_type in ('BERT',)",
+                                        "4: 'GPT' != kind"]
+
+
+def test_the_checkpoint_code_has_no_model_type_branch() -> None:
+    """The format library is generic over the families' declared checkpoint layouts (megatron/models/<family>/
+    checkpoint_layout.py, found through megatron/models/registry.py): no branch on a family's name."""
+    found = [f"{p.relative_to(ROOT)}:{hit}" for p in sorted((ROOT / "megatron" / "checkpoint").rglob("*.py"))
+             for hit in model_type_branches(p.read_text(encoding="utf-8"))]
+    assert found == []

@@ -19,12 +19,41 @@ saves of ours hold) is restored at the layout that saved it and ignored at anoth
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from megatron.checkpoint.args import compare_architecture, saved_architecture
+from megatron.checkpoint.conversion.interchange import ConversionError, state_dict_from_messages
+from megatron.checkpoint.conversion.megatron_format import (
+    chunk_of_layer,
+    dense_rank_files,
+    expert_rank_files,
+    rank_files,
+    read_megatron,
+)
+from megatron.checkpoint.conversion.t5_format import read_t5
+from megatron.checkpoint.conversion.torch_dist import (
+    is_torch_dist,
+    read_core_rng,
+    read_iteration_state,
+    write_torch_dist,
+)
+from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common, optimizer_sd, param_state
+from megatron.checkpoint.conversion.vocab import repad_rows
+from megatron.checkpoint.safe_load import safe_torch_load
 from megatron.errors import MegatronUserError
+from megatron.layers.mcore_names import core_to_ours, has_core_names
+from megatron.layers.module import unwrap_model
+from megatron.layers.tp_shards import (
+    merge_tensor_parallel_state_dicts,
+    split_tensor_parallel_state_dict,
+    tensor_parallel_layouts,
+)
+from megatron.models import registry
+from megatron.optimizer.distrib_optimizer import param_state_to_regular_state
 from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.training_state import TOTALS, TrainingState
 
@@ -50,10 +79,6 @@ def _rank0_file(iter_dir: str) -> Optional[str]:
 
 def detect_format(iter_dir: str, trust: bool = False) -> str:
     """TORCH, CORE_TORCH or TORCH_DIST for one iteration folder (TORCH when it cannot tell: ours reports that)."""
-    from megatron.checkpoint.conversion.torch_dist import is_torch_dist
-    from megatron.checkpoint.safe_load import safe_torch_load
-    from megatron.layers.mcore_names import has_core_names
-
     if is_torch_dist(iter_dir):
         return TORCH_DIST
     path = _rank0_file(iter_dir)
@@ -88,13 +113,6 @@ def _read_core_torch_t5(iter_dir: str, trust: bool, layouts: Dict[str, Any], fla
     """Megatron Core T5Model's per-rank torch files (one pipeline stage, any TP) -> (common state, architecture, our
     full flat TP=1 state dict); `layouts`: our T5's tensor-parallel layouts by name; `flags`: the architecture of
     files that record none."""
-    from megatron.checkpoint.args import saved_architecture
-    from megatron.checkpoint.conversion.interchange import ConversionError
-    from megatron.checkpoint.conversion.megatron_format import rank_files
-    from megatron.checkpoint.safe_load import safe_torch_load
-    from megatron.layers.mcore_names import core_to_ours
-    from megatron.layers.tp_shards import merge_tensor_parallel_state_dicts
-
     files = rank_files(iter_dir)
     if any(p for _, p in files):
         raise ConversionError(f"checkpoint {iter_dir}: Megatron Core T5 torch files of a pipeline (Megatron-LM <= "
@@ -119,29 +137,21 @@ def read_full(iter_dir: str, load_dir: str, fmt: str, trust: bool, optimizer: bo
     per-rank files need our model's TP `layouts`. `flags` (this run's architecture) stands in for the architecture
     of a checkpoint that records none (Megatron-LM loads those with its command-line flags). The caller has checked
     the folder against its manifest (checkpointing.py does before `load_foreign`)."""
-    from megatron.checkpoint.conversion.interchange import ConversionError, state_dict_from_messages
-
     try:
         if fmt == TORCH_DIST:
-            from megatron.checkpoint.conversion.torch_dist import read_iteration_state
-
             common, arch, flat, opt = read_iteration_state(iter_dir, trust, flags)
             return common, arch, flat, opt if optimizer else {}
         if optimizer:
             raise ConversionError(f"checkpoint {iter_dir} ({fmt}): Megatron Core's optimizer state in per-rank torch "
                                   "files is not converted; pass --no-load-optim")
-        if model_type == "T5":
+        if registry.layout_for(model_type).encoder_decoder:  # Core's encoder-decoder: per-rank files merged here
             return (*_read_core_torch_t5(iter_dir, trust, layouts or {}, flags), {})
-        from megatron.checkpoint.conversion.megatron_format import read_megatron
-
         iteration = None if os.path.basename(iter_dir) == "release" else int(os.path.basename(iter_dir)[5:])
         meta, messages = read_megatron(load_dir, trust=trust, iteration=iteration, model_type=model_type,
                                         flags=flags)
         flat = state_dict_from_messages(messages)
         # read_megatron cuts nothing without a true vocabulary size: the rows are the writer's padded ones
         first = _rank0_file(iter_dir)
-        from megatron.checkpoint.safe_load import safe_torch_load
-
         sd = safe_torch_load(first, map_location="cpu", trust=trust, mmap=True)
         common = {k: v for k, v in sd.items() if not k.startswith("model") and k not in ("optimizer", "rng_state")}
         return common, dict(meta.architecture), flat, {}
@@ -158,16 +168,6 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
     torch_dist folder with Megatron Core names; common.pt keeps args, iteration, consumed samples and the LR schedule,
     each model-parallel rank's RNG state becomes Megatron-LM's ``rng_state`` ShardedObject; with `optimizer` the
     optimizer state goes along (fully_reshardable)."""
-    from megatron.checkpoint.conversion.interchange import ConversionError
-    from megatron.checkpoint.conversion.megatron_format import (
-        dense_rank_files,
-        expert_rank_files,
-        rank_files,
-        read_megatron,
-    )
-    from megatron.checkpoint.conversion.torch_dist import write_torch_dist
-    from megatron.checkpoint.safe_load import safe_torch_load
-
     try:
         ep, expert_files = expert_rank_files(iter_dir)  # expert parallelism: read_megatron merges the experts
         files = dense_rank_files(expert_files) if ep > 1 else rank_files(iter_dir)
@@ -175,8 +175,6 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
         last = first if len(files) == 1 else safe_torch_load(files[(0, max(p for _, p in files))], map_location="cpu")
         bert = any(k in ("lm_head", "binary_head") for k in last.get("model") or {})
         if "decoder" in ((last.get("model") or {}).get("language_model") or {}):  # T5
-            from megatron.checkpoint.conversion.t5_format import read_t5
-
             meta, messages = read_t5(save_dir, iteration=iteration, optimizer=optimizer, verify=False)
         else:  # (verify=False: these files were just written and have no manifest yet; the save signs the result)
             meta, messages = read_megatron(save_dir, iteration=iteration, optimizer=optimizer,
@@ -203,10 +201,6 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
     vocabulary re-padded to the model's rows, its experts (expert parallelism), its tensor-parallel slice; only the
     names the chunk has. `check` = (checkpoint folder, exact rows): every tensor's shape is first checked against the
     model (`check_shapes`)."""
-    from megatron.checkpoint.conversion.megatron_format import chunk_of_layer
-    from megatron.checkpoint.conversion.vocab import repad_rows
-    from megatron.layers.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
-
     vp = state.virtual_pp_size or 1
     piece: Dict[str, torch.Tensor] = {}
     t5 = _t5_stages(full, state) if state.pp_size > 1 and any(k.startswith(_T5_DEC) for k in full) else None
@@ -277,8 +271,6 @@ def check_shapes(piece: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], m
     """Refuse, in one line naming the tensor, its shape in the checkpoint, the model's and the flag to fix, a full
     (TP=1) tensor that does not fit this rank's model (own shapes scaled back by TP and EP); the vocabulary rows are
     re-padded, so they are compared only with `exact_rows` (a checkpoint without args: its rows are the flags')."""
-    from megatron.layers.tp_shards import tensor_parallel_layouts
-
     tp = state.tp_size if not getattr(state, "expert_tp_differs", False) else None
     layouts = tensor_parallel_layouts(model) if model is not None and (state.tp_size > 1 or tp is None) else {}
     for name, value in piece.items():
@@ -322,10 +314,6 @@ def _t5_stages(full: Dict[str, torch.Tensor], state: Any) -> Dict[str, Tuple[int
 def _load_optimizer_state(optimizer: Any, models: List[Any], opt_full: Dict[str, Dict[str, torch.Tensor]],
                           opt_common: Dict[str, Any], num_layers: int, state: Any) -> None:
     """Cut the full optimizer state to this rank (as the weights) and load it into the run's optimizer."""
-    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_sd, param_state
-    from megatron.layers.module import unwrap_model
-    from megatron.optimizer.distrib_optimizer import param_state_to_regular_state
-
     chunks = []
     for i, chunk in enumerate(models):
         model = unwrap_model(chunk)
@@ -356,9 +344,6 @@ def saved_rng(common: Dict[str, Any], iter_dir: str, state: Any, trust: bool = F
     that saved it; None (with a note) at another one."""
     saved = common.get(RNG_KEY)
     if not isinstance(saved, dict) and os.path.isfile(os.path.join(iter_dir, ".metadata")):
-        from megatron.checkpoint.conversion.interchange import ConversionError
-        from megatron.checkpoint.conversion.torch_dist import read_core_rng
-
         try:
             saved = read_core_rng(iter_dir, trust)  # Megatron-LM's own
         except ConversionError as exc:
@@ -373,18 +358,13 @@ def saved_rng(common: Dict[str, Any], iter_dir: str, state: Any, trust: bool = F
     return saved["ranks"][(state.tp_rank, state.pp_rank)]
 
 
-def _full_t5_layouts(model: Any) -> Dict[str, Any]:
-    """The TP layouts by name of the whole (TP=1, unpipelined) T5 model of `model`'s config, built on the meta device
-    (a pipeline stage has only its own layers, but a per-rank file's merge needs every one)."""
-    import dataclasses
-
-    from megatron.layers.tp_shards import tensor_parallel_layouts
-    from megatron.models.t5.model import T5Model
-
+def _full_layouts(model: Any, family: Any) -> Dict[str, Any]:
+    """The TP layouts by name of the whole (TP=1, unpipelined) model of `model`'s config, as its family's checkpoint
+    layout builds it on the meta device (a pipeline stage has only its own layers, but a per-rank file's merge needs
+    every one)."""
     config = dataclasses.replace(model.config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                  sequence_parallel=False)
-    with torch.device("meta"):
-        return tensor_parallel_layouts(T5Model(config))
+    return tensor_parallel_layouts(family.layout_model(config, {}))
 
 
 def check_layer_counts(full: Dict[str, torch.Tensor], architecture: Mapping[str, Any], path: str) -> None:
@@ -410,9 +390,6 @@ def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mappi
     `opt_param_scheduler`); returns (iteration to continue from, common state, this rank's RNG state list to restore
     or None). The checkpoint's architecture is checked against `architecture` (this run's); the consumed samples go
     to `run` (then ``on_restored(run, names)``)."""
-    from megatron.checkpoint.args import compare_architecture, saved_architecture
-    from megatron.layers.module import unwrap_model
-
     resume = not (cfg.finetune or release)
     load_optim = resume and optimizer is not None and not cfg.no_load_optim
     load_rng = resume and not cfg.no_load_rng
@@ -420,12 +397,10 @@ def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mappi
         raise CheckpointFormatError(f"checkpoint {iter_dir} ({fmt}): its optimizer and RNG state are not converted; "
                                     "pass --finetune, or --no-load-optim --no-load-rng")
     trust = cfg.trust_checkpoint
-    from megatron.models.bert.model import BertModel
-    from megatron.models.t5.model import T5Model
-
     first = unwrap_model(models[0])
-    model_type = "BERT" if isinstance(first, BertModel) else "T5" if isinstance(first, T5Model) else "GPT"
-    layouts = _full_t5_layouts(first) if model_type == "T5" else None
+    family = registry.layout_of_model(first)  # megatron/models/<family>/checkpoint_layout.py
+    model_type = family.model_type
+    layouts = _full_layouts(first, family) if family.encoder_decoder else None
     common, arch, full, opt_full = read_full(iter_dir, load_dir, fmt, trust, optimizer=load_optim,
                                              model_type=model_type, layouts=layouts, flags=dict(architecture))
     recorded = bool(saved_architecture(common.get("architecture"), common.get("args")).get("num_layers"))
@@ -434,9 +409,6 @@ def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mappi
     compare_architecture({k: v for k, v in arch.items() if k != "padded_vocab_size"}, architecture, iter_dir)
     opt_common = None
     if load_optim:
-        from megatron.checkpoint.conversion.interchange import ConversionError
-        from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
-
         try:
             opt_common = optimizer_common(common, opt_full, f"checkpoint {iter_dir}")
         except ConversionError as exc:

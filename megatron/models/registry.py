@@ -1,14 +1,23 @@
-"""The Hugging Face adapter registry: one line per family. The HF loader finds an adapter by the ``architectures``
-name in config.json, the HF saver by --model-type and the adapter that accepts the stored architecture."""
+"""The family registry: one line per family. The HF loader finds an adapter by the ``architectures`` name in
+config.json, the HF saver by --model-type and the adapter that accepts the stored architecture; the checkpoint
+format code finds a family's checkpoint layout (its folder's checkpoint_layout.py) by --model-type, by a model's
+class or by the names a checkpoint holds."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple
 
+from megatron.checkpoint.conversion.family_layout import CheckpointLayout
+from megatron.models.bert.checkpoint_layout import BERT_LAYOUT
 from megatron.models.bert.hf_folder import BERT
+from megatron.models.gpt.checkpoint_layout import GPT_LAYOUT
 from megatron.models.gpt.hf_adapter import BLOOM, GPT2, LLAMA
 from megatron.models.hf_adapter import HFAdapter
+from megatron.models.t5.checkpoint_layout import T5_LAYOUT
 
 ADAPTERS: Tuple[HFAdapter, ...] = (GPT2, LLAMA, BLOOM, BERT)
+# the first is the default (a model or checkpoint no other family claims); a family whose markers another family's
+# checkpoints hold too comes before it (T5's last stage has an lm_head, as BERT's)
+LAYOUTS: Tuple[CheckpointLayout, ...] = (GPT_LAYOUT, T5_LAYOUT, BERT_LAYOUT)
 
 
 def supported_architectures() -> Tuple[str, ...]:
@@ -33,3 +42,20 @@ def adapter_for_model(model_type: str, architecture: Dict[str, Any]) -> Optional
 def model_types() -> Tuple[str, ...]:
     """The Megatron model types some adapter converts, in registry order."""
     return tuple(dict.fromkeys(a.model_type for a in ADAPTERS))
+
+
+def layout_for(model_type: str) -> CheckpointLayout:
+    """The checkpoint layout of --model-type `model_type` (the default family's for a type no family declares)."""
+    return next((layout for layout in LAYOUTS if layout.model_type == model_type), LAYOUTS[0])
+
+
+def layout_of_model(model: Any) -> CheckpointLayout:
+    """The checkpoint layout of an (unwrapped) model, by its class (the default family's for any other model)."""
+    return next((layout for layout in LAYOUTS if layout.model_class is not None and isinstance(model, layout.model_class)),
+                LAYOUTS[0])
+
+
+def layout_holding(names: Iterable[str]) -> CheckpointLayout:
+    """The checkpoint layout whose markers flat names (a last stage's, or a whole model's) hold (else the default)."""
+    names = list(names)
+    return next((layout for layout in LAYOUTS if layout.holds(names)), LAYOUTS[0])

@@ -20,24 +20,38 @@ The client state of model rank 0 (``args``, ``iteration``, consumed samples, ``o
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import io
 import os
 import re
+import shutil
 import tempfile
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from megatron.checkpoint import integrity
+from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
 from megatron.checkpoint.conversion.interchange import ConversionError, Message, ModelMeta
 from megatron.checkpoint.conversion.megatron_format import (
     WORD,
     MegatronCheckpointReader,
     architecture_from,
+    find_iteration_dir,
     load_checkpoint_file,
     megatron_meta,
+    rank_files,
+    sign_output,
     stream_messages,
+    verified_source,
+    write_megatron,
 )
+from megatron.checkpoint.conversion.optimizer_state import ForeignOptimizerState, attach_zero_state
 from megatron.core.tensor_parallel.layout import TensorParallelLayout
+from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
+from megatron.models import registry
+from megatron.models.gpt.model_pipe import megatron_state_dict_from_pipe_layers, pipe_layers_from_megatron_state_dict
 from megatron.run_configs.saved_args import SavedRunArgs
 
 LATEST = "latest"
@@ -80,10 +94,8 @@ def resolve_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
             hint = " (it is a Megatron checkpoint: use --loader megatron)" if os.path.isfile(
                 os.path.join(load_dir, "latest_checkpointed_iteration.txt")) else ""
             raise ConversionError(f"--load-dir {load_dir} is not a DeepSpeed checkpoint: no '{LATEST}' file{hint}")
-        from megatron.checkpoint.integrity import read_pointer_file
-
         try:
-            tag = read_pointer_file(latest)
+            tag = integrity.read_pointer_file(latest)
         except ValueError as exc:
             raise ConversionError(str(exc)) from None
     tag_dir = os.path.join(load_dir, tag)
@@ -96,8 +108,6 @@ def resolve_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
 def verified_tag_dir(load_dir: str, iteration: Optional[int] = None) -> Tuple[str, bool]:
     """(tag folder, verified): resolve_tag_dir checked against its manifest as --load does (megatron_format's
     verified_source: the newest intact global_stepN at or below 'latest''s; an explicit one must verify)."""
-    from megatron.checkpoint.conversion.megatron_format import verified_source
-
     tag_dir = resolve_tag_dir(load_dir, iteration)
     m = re.fullmatch(r"global_step(\d+)", os.path.basename(os.path.normpath(tag_dir)))
     explicit = iteration is not None or os.path.normpath(tag_dir) == os.path.normpath(load_dir)
@@ -183,8 +193,6 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
 
     def _read_module_files(self, tag_dir: str, files: Dict[Any, str], trust: bool, args: Any) -> List[int]:
         """Weights of a plain engine layout (one mp_rank_XX_model_states.pt per tensor rank); the tensor ranks."""
-        from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
-
         tps = sorted(files)
         for t in tps:
             path = os.path.join(tag_dir, files[t])
@@ -211,8 +219,6 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
 
     def _read_pipe_files(self, tag_dir: str, files: Dict[Any, str], trust: bool, args: Any) -> List[int]:
         """Weights of a pipe-engine layout (layer_XX-model_YY files, BigScience numbering detected); the tensor ranks."""
-        from megatron.models.gpt.model_pipe import megatron_state_dict_from_pipe_layers
-
         tps = sorted({t for _, t in files})
         indices = {idx for idx, _ in files}
         self.bigscience = 0 not in indices and 1 in indices
@@ -251,12 +257,19 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
         self.architecture["num_layers"] = total
 
 
+def deepspeed_layout(model_type: str) -> bool:
+    """Whether a --model-type `model_type` model has DeepSpeed's pipe layout (Megatron-DeepSpeed's GPTModelPipe: the
+    decoder stack and nothing else of its own): the declared family with no head module and one stack."""
+    family = registry.layout_for(model_type)
+    return family.model_type == model_type and not family.heads and not family.encoder_decoder
+
+
 def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab_size: Optional[int] = None,
                    model_type: str = "GPT", trust: bool = False, optimizer: bool = False
                    ) -> Tuple[ModelMeta, Iterator[Message]]:
     """Loader: (meta, message stream) of a DeepSpeed GPT checkpoint (any ZeRO stage, pipeline engine, any TP); with
     `optimizer`, a ZeRO 1/2 non-pipeline checkpoint's optimizer state travels too (optimizer_state.zero_entries)."""
-    if model_type != "GPT":
+    if not deepspeed_layout(model_type):
         raise ConversionError(f"--loader deepspeed reads GPT checkpoints (--model-type {model_type} is not supported)")
     tag_dir, verified = verified_tag_dir(load_dir, iteration)
     reader = DeepSpeedCheckpointReader(tag_dir, trust)
@@ -274,8 +287,6 @@ def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab
     if reader.rng_states and all(r is not None for r in reader.rng_states.values()):
         meta.extra["rng_states"] = reader.rng_states  # kept by write_megatron when the layout is unchanged
     if optimizer and reader.layout == "module":
-        from megatron.checkpoint.conversion.optimizer_state import ForeignOptimizerState, attach_zero_state
-
         try:
             attach_zero_state(reader, lambda path: load_checkpoint_file(path, trust))
         except ForeignOptimizerState as exc:
@@ -324,21 +335,7 @@ def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str,
     `bigscience`: layer files at any PP, numbered as Megatron-DeepSpeed's GPTModelPipe (BigScience's BLOOM
     checkpoints; `bigscience_index`), which the non-pipeline engine does not read.
     """
-    import copy
-    import dataclasses
-    import shutil
-
-    from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
-    from megatron.checkpoint.conversion.megatron_format import (
-        find_iteration_dir,
-        rank_files,
-        sign_output,
-        write_megatron,
-    )
-    from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
-    from megatron.models.gpt.model_pipe import pipe_layers_from_megatron_state_dict
-
-    if meta.model_type != "GPT":
+    if not deepspeed_layout(meta.model_type):
         raise ConversionError(f"--saver deepspeed writes GPT checkpoints (--model-type {meta.model_type} is not "
                               "supported)")
     num_layers = int(meta.architecture["num_layers"])

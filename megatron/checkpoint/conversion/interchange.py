@@ -166,7 +166,7 @@ def model_flags(meta: ModelMeta, tp: int = 1, pp: int = 1, vp_layers: Optional[i
         flags.append("--untie-embeddings-and-output-weights")
     if a.get("num_moe_experts"):
         flags.append(_moe_flags(a))
-    t5 = meta.extra.get("t5") if meta.model_type == "T5" else None
+    t5 = meta.extra.get("t5")  # an encoder-decoder's record (only its readers write it): each stack's layers
     if t5:
         flags.append(f"--encoder-num-layers {t5['encoder_num_layers']} --decoder-num-layers "
                      f"{t5['decoder_num_layers']}")

@@ -19,11 +19,15 @@ import argparse
 import copy
 import os
 import re
+import shutil
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from megatron.checkpoint import integrity
+from megatron.checkpoint.args import saved_architecture
 from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
+from megatron.checkpoint.conversion import optimizer_state as ostate
 from megatron.checkpoint.conversion.interchange import (
     EMBEDDINGS,
     FINAL_NORM,
@@ -32,6 +36,7 @@ from megatron.checkpoint.conversion.interchange import (
     ConversionError,
     Message,
     ModelMeta,
+    architecture_of,
     args_namespace,
     expect,
     layer_message,
@@ -39,7 +44,10 @@ from megatron.checkpoint.conversion.interchange import (
 from megatron.checkpoint.conversion.qkv_versions import fix_qkv_ordering
 from megatron.checkpoint.conversion.vocab import repad_rows, target_rows
 from megatron.checkpoint.safe_load import CheckpointFileError, UnsafeCheckpointError, safe_torch_load
-from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayout
+from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayout, get_tp_layout
+from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
+from megatron.layers.tp_shards import tensor_parallel_layouts
+from megatron.models import registry
 from megatron.run_configs.saved_args import SavedRunArgs
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -53,11 +61,11 @@ EMB_NORM = LM + "embedding.word_embeddings.norm."  # --embed-layernorm (Megatron
 OUT = LM + "output_layer.weight"
 HEAD_COPY = "word_embeddings.weight"
 TOKENTYPE = LM + "embedding.tokentype_embeddings.weight"
-# last-stage parts after the final norm: (flat name prefix, message name); BERT's pooler and heads
-HEAD_PARTS = ((LM + "output_layer.", OUTPUT_LAYER), (LM + "pooler.", "pooler"), ("lm_head.", "lm head"),
-              ("binary_head.", "binary head"), ("classification_head.", "classification head"),
-              ("multichoice_head.", "multichoice head"))
-TASK_HEADS = ("classification_head", "multichoice_head")  # finetuned BERT (tasks/): replicated linear heads
+# last-stage parts after the final norm: (flat name prefix, message name); the output layer, then each family's
+# declared head modules (BERT's pooler and heads: megatron/models/bert/checkpoint_layout.py)
+HEAD_PARTS = ((LM + "output_layer.", OUTPUT_LAYER),
+              *((h.prefix, h.message) for layout in registry.LAYOUTS for h in layout.heads))
+NESTED_HEADS = tuple(h.prefix for layout in registry.LAYOUTS for h in layout.heads if h.nested)  # one level deep
 VOCAB_ROWS = (OUT, "lm_head.bias")  # tensors with one row per vocabulary entry besides the word embeddings
 _RANK_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?$")
 _LAYER_RE = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
@@ -80,15 +88,14 @@ def check_layout(num_layers: int, pp: int, vp: int, what: str) -> None:
 def layer_layouts(meta: ModelMeta) -> Dict[str, TensorParallelLayout]:
     """{parameter name of the TP=1 model: its TP layout} (declared by the layers, built on the meta device)."""
     arch = dict(meta.architecture, padded_vocab_size=max(1, meta.architecture.get("padded_vocab_size") or 1))
-    bert = meta.extra.get("bert") if meta.model_type == "BERT" else None
+    family = registry.layout_for(meta.model_type)
+    own = meta.extra.get(family.extra_key) if family.layout_model is not None else None  # the family's record
     key = tuple(sorted((k, v if isinstance(v, (bool, int, float, str, type(None))) else repr(v))
                        for k, v in arch.items()))
-    key += (meta.model_type, tuple(sorted((bert or {}).items())))
+    key += (meta.model_type, tuple(sorted((own or {}).items())))
     if key not in _LAYOUT_CACHE:
         config = meta.config(padded_vocab_size=arch["padded_vocab_size"])
-        if bert is None:
-            from megatron.layers.tp_shards import tensor_parallel_layouts
-
+        if own is None:
             layouts = tensor_parallel_layouts(config)
             for name, layout in list(layouts.items()):  # every layer kind's names under layer 0 (MoE and dense)
                 m = _LAYER_RE.match(name)
@@ -96,12 +103,7 @@ def layer_layouts(meta: ModelMeta) -> Dict[str, TensorParallelLayout]:
                     layouts.setdefault(f"{LAYERS}0.{m.group(2)}", layout)
             _LAYOUT_CACHE[key] = layouts
         else:
-            from megatron.core.tensor_parallel.layout import get_tp_layout
-            from megatron.models.bert.model import BertModel
-
-            with torch.device("meta"):
-                model = BertModel(config, num_tokentypes=bert["num_tokentypes"],
-                                  add_binary_head=bert["add_binary_head"])
+            model = family.layout_model(config, own)
             _LAYOUT_CACHE[key] = {name: get_tp_layout(p) for name, p in model.named_parameters()}
     return _LAYOUT_CACHE[key]
 
@@ -135,10 +137,8 @@ def find_iteration_dir(load_dir: str, iteration: Optional[int] = None) -> Tuple[
         elif os.path.isfile(os.path.join(load_dir, "config.json")):
             hint = " (it looks like a Hugging Face model: use --loader hf)"
         raise ConversionError(f"--load-dir {load_dir} is not a Megatron checkpoint: no {TRACKER}{hint}")
-    from megatron.checkpoint.integrity import read_pointer_file
-
     try:
-        text = read_pointer_file(tracker)
+        text = integrity.read_pointer_file(tracker)
     except ValueError as exc:
         raise ConversionError(str(exc)) from None
     if text == "release":
@@ -156,8 +156,6 @@ def verified_source(load_dir: str, iter_dir: str, iteration: Optional[int], expl
     intact iteration at or below the named one (one WARNING line naming what was skipped); an explicitly named
     (--iteration) or ``release`` folder that does not verify is a one-line ConversionError. `verified` is False for a
     folder without a manifest (older saves): it is read with a note, and what is written from it is not signed."""
-    from megatron.checkpoint import integrity
-
     reason = integrity.verify(iter_dir)
     if reason is None or reason == integrity.NO_MANIFEST:
         return iter_dir, iteration, _note_unverified(iter_dir, reason)
@@ -186,12 +184,10 @@ def _note_unverified(iter_dir: str, reason: Optional[str]) -> bool:
 
 def sign_output(iter_dir: str, meta: ModelMeta) -> None:
     """Write the output's manifest, unless the source was read unverified (never sign what was not verified)."""
-    from megatron.checkpoint import integrity as checkpoint_integrity
-
     if meta.extra.get("unverified_source"):
-        checkpoint_integrity.remove_manifest(iter_dir)
+        integrity.remove_manifest(iter_dir)
         return
-    checkpoint_integrity.write_manifest(iter_dir)  # crc32 per file, as saves do
+    integrity.write_manifest(iter_dir)  # crc32 per file, as saves do
 
 
 _EXPERT_RANK_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
@@ -317,8 +313,6 @@ def load_checkpoint_file(path: str, trust: bool) -> Dict[str, Any]:
 
 def _recorded_architecture(sd: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
     """(the file's architecture, stored or from its args; the sizes it lacks of num_layers, hidden_size, heads)."""
-    from megatron.checkpoint.args import saved_architecture
-
     arch = saved_architecture(sd.get("architecture"), sd.get("args"))
     saved = SavedRunArgs.from_args(sd.get("args"))
     for key in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -375,8 +369,6 @@ class MegatronCheckpointReader:
         self.opt_common: Dict[str, Any] = {}
 
     def _open(self) -> None:
-        from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
-
         # expert parallelism: {(tp, pp, vp): [flat state dict of each expert rank]}, {(tp, pp): [optimizer entries]}
         self.expert_chunks: Dict[Tuple[int, int, int], List[Dict[str, Any]]] = {}
         self.expert_optim: Dict[Tuple[int, int], List[Any]] = {}
@@ -437,8 +429,6 @@ class MegatronCheckpointReader:
 
     def open_optimizer(self, meta: ModelMeta) -> None:
         """Read every rank's optimizer state into per-parameter entries (nothing when the checkpoint has none)."""
-        from megatron.checkpoint.conversion import optimizer_state as ostate
-
         expert_optim = getattr(self, "expert_optim", None) or {k: [o] for k, o in self.optim_entries.items()}
         if not all(ostate.has_training_state(e) for per in expert_optim.values() for e in per):
             return
@@ -536,11 +526,9 @@ def megatron_meta(reader: MegatronCheckpointReader, true_vocab_size: Optional[in
 def attach_optimizer_state(reader: Any, meta: ModelMeta, padded: int) -> None:
     """Open the reader's training state (optimizer_state.py) and announce it in `meta`; an optimizer state in a layout
     we do not know is a note, and the weights convert alone."""
-    from megatron.checkpoint.conversion.optimizer_state import ForeignOptimizerState
-
     try:
         reader.open_optimizer(meta)
-    except ForeignOptimizerState as exc:
+    except ostate.ForeignOptimizerState as exc:
         print(f"note: {exc}: its optimizer state is not converted; writing the weights only", flush=True)
         reader.opt = None
     if reader.opt is not None:
@@ -557,8 +545,9 @@ def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model
     """Loader: (meta, message stream) of a Megatron checkpoint at any TP/PP/virtual-PP layout (the iteration the
     tracker names, or `iteration`); with `optimizer`, the messages also carry the training state when the checkpoint
     has one (GPT and BERT models; optimizer_state.py); `flags`: the architecture of files that record none."""
-    if model_type == "T5":  # encoder-decoder: its own stream, t5_format.read_t5 (which builds on this module)
-        raise ConversionError("read_megatron reads GPT/BERT checkpoints: read T5 ones with t5_format.read_t5")
+    if registry.layout_for(model_type).encoder_decoder:  # its own stream, t5_format.read_t5 (built on this module)
+        raise ConversionError(f"read_megatron reads GPT/BERT checkpoints: read {model_type} ones with "
+                              "t5_format.read_t5")
     reader = MegatronCheckpointReader(load_dir, trust, iteration, verify, flags)
     meta = megatron_meta(reader, true_vocab_size, model_type)
     padded = reader.merged(0, 0, WORD, TensorParallelLayout(dim=0)).size(0) if WORD in reader.chunks[(0, 0, 0)] \
@@ -567,22 +556,16 @@ def read_megatron(load_dir: str, *, true_vocab_size: Optional[int] = None, model
         raise ConversionError(f"{reader.files[(0, 0)]} has no {WORD}: not a GPT checkpoint (or a damaged first stage)")
     meta.architecture["padded_vocab_size"] = padded
     first, last = reader.chunks[(0, 0, 0)], reader.chunks[(0, reader.pp - 1, reader.vp - 1)]
-    if any(k.startswith(LM + "decoder.") for k in last):
-        raise ConversionError(f"{load_dir} holds a T5 checkpoint: pass --model-type T5")
-    is_bert = any(k.startswith(("lm_head.", "binary_head.") + tuple(h + "." for h in TASK_HEADS)) for k in last)
-    if is_bert != (model_type == "BERT"):
-        found = "BERT" if is_bert else "GPT"
-        raise ConversionError(f"{load_dir} holds a {found} checkpoint: pass --model-type {found}")
-    if is_bert:
-        meta.extra["bert"] = {"num_tokentypes": first[TOKENTYPE].size(0) if TOKENTYPE in first else 0,
-                              "add_binary_head": any(k.startswith("binary_head.") for k in last)}
-        heads = [h for h in TASK_HEADS if h + ".weight" in last]
-        if heads:  # a finetuned classification / multiple-choice model (tasks/)
-            meta.extra["bert"].update(task_head=heads[0], num_classes=int(last[heads[0] + ".weight"].size(0)))
+    found = registry.layout_holding(last)  # the family whose own modules the last stage holds (else the default)
+    asked = registry.layout_for(model_type)
+    if found is not (asked if asked.markers else registry.LAYOUTS[0]):
+        raise ConversionError(f"{load_dir} holds a {found.model_type} checkpoint: pass --model-type {found.model_type}")
+    if found.describe is not None:
+        meta.extra[found.extra_key] = found.describe(first, last)
     if meta.true_vocab_size is not None and meta.true_vocab_size > padded:
         raise ConversionError(f"--true-vocab-size {meta.true_vocab_size} exceeds the checkpoint's {padded} "
                               "vocabulary rows")
-    if optimizer and meta.iteration is not None:  # GPT and BERT (the model type was checked above)
+    if optimizer and meta.iteration is not None:  # one-stack models (the model type was checked above)
         attach_optimizer_state(reader, meta, padded)
     return meta, stream_messages(reader, meta)
 
@@ -671,8 +654,8 @@ def nest(flat: Dict[str, Any]) -> Dict[str, Any]:
                 lm.setdefault(part, {})[tail] = value
         elif key == HEAD_COPY:
             out.setdefault("word_embeddings_for_head", {})["weight"] = value
-        elif key.startswith(("lm_head.", "binary_head.") + tuple(h + "." for h in TASK_HEADS)):
-            # BERT's heads (pretraining and finetuned): one level, as BertModel / Classification save them
+        elif key.startswith(NESTED_HEADS):
+            # a family's top-level heads (BERT's, pretraining and finetuned): one level, as its model saves them
             head, _, tail = key.partition(".")
             out.setdefault(head, {})[tail] = value
         else:
@@ -698,8 +681,9 @@ def _saved_args(meta: ModelMeta, tp: int, pp: int, vp_layers: Optional[int], pad
                                                  if vp_layers else None)
     args.padded_vocab_size = padded
     args.num_layers = meta.architecture["num_layers"]
-    if meta.model_type == "BERT":
-        args.bert_binary_head = meta.extra["bert"]["add_binary_head"]
+    family = registry.layout_for(meta.model_type)
+    if family.saved_args is not None:
+        family.saved_args(args, meta.extra[family.extra_key])
     return args
 
 
@@ -851,8 +835,6 @@ class MegatronWriter:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
 
     def _write_files(self) -> List[str]:
-        import shutil
-
         files = []
         for t, p, e in ((t, p, e) for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)):
             last = e == self.ep - 1  # the staged parts of (t, p) are released after its last expert rank
@@ -864,12 +846,10 @@ class MegatronWriter:
                 body = {f"model{v}": nest(parts[v]) for v in range(self.vp)}
             path = self._chunk_file(t, p, e)
             if self.with_optimizer:
-                from megatron.checkpoint.conversion.optimizer_state import distributed_files
-
                 common = self.meta.extra["optimizer"]
                 take_opt = self.opt_parts.pop if last else self.opt_parts.__getitem__
                 opt = [self._expert_slice_entries(take_opt((t, p, v)), e) for v in range(self.vp)]
-                body["optimizer"], param_state = distributed_files(opt, common, common["step"],
+                body["optimizer"], param_state = ostate.distributed_files(opt, common, common["step"],
                                                                    common["state_keys"])
                 dpath = os.path.join(os.path.dirname(path), "distrib_optim.pt")
                 atomic_torch_save(param_state, dpath)
@@ -887,8 +867,6 @@ class MegatronWriter:
 
     def _file_dict(self, body: Dict[str, Any]) -> Dict[str, Any]:
         meta = self.meta
-        from megatron.checkpoint.conversion.interchange import architecture_of
-
         arch = architecture_of(meta.config(padded_vocab_size=self.padded))
         sd: Dict[str, Any] = {
             "args": _saved_args(meta, self.tp, self.pp, self.vp_layers, self.padded, self.ep),
@@ -914,6 +892,7 @@ def write_megatron(meta: ModelMeta, messages: Iterator[Message], save_dir: str, 
                    vp_layers: Optional[int] = None, ep: int = 1) -> List[str]:
     """Saver: write the stream as a Megatron checkpoint (TP `tp`, PP `pp`, optional virtual chunks, experts
     sharded over `ep` expert ranks)."""
-    if meta.model_type == "T5":  # t5_format.write_t5 (which builds on this module)
-        raise ConversionError("write_megatron writes GPT/BERT checkpoints: write T5 ones with t5_format.write_t5")
+    if registry.layout_for(meta.model_type).encoder_decoder:  # t5_format.write_t5 (which builds on this module)
+        raise ConversionError(f"write_megatron writes GPT/BERT checkpoints: write {meta.model_type} ones with "
+                              "t5_format.write_t5")
     return MegatronWriter(meta, save_dir, tp, pp, vp_layers, ep).write(messages)

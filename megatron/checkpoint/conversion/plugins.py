@@ -20,7 +20,19 @@ import os
 import shutil
 from typing import Any, Dict, Iterator, Tuple
 
+from megatron.checkpoint.atomic_io import atomic_write_text
+from megatron.checkpoint.conversion.deepspeed_format import read_deepspeed, write_deepspeed
+from megatron.checkpoint.conversion.hf_format import read_hf, write_hf
 from megatron.checkpoint.conversion.interchange import ConversionError, Message, ModelMeta
+from megatron.checkpoint.conversion.megatron_format import (
+    find_iteration_dir,
+    read_megatron,
+    sign_output,
+    write_megatron,
+)
+from megatron.checkpoint.conversion.t5_format import read_t5, write_t5
+from megatron.checkpoint.conversion.torch_dist import is_dist_folder, read_torch_dist, write_torch_dist
+from megatron.models import registry
 from megatron.run_configs.conversion import ConversionOptions
 
 
@@ -75,14 +87,10 @@ class MegatronLoader(_BuiltinLoader):
 
     @staticmethod
     def load(opts: ConversionOptions) -> Tuple[ModelMeta, Iterator[Message]]:
-        from megatron.checkpoint.conversion.megatron_format import read_megatron
-
-        if opts.model_type == "T5":  # encoder-decoder: its own stream (t5_format.py)
-            from megatron.checkpoint.conversion.t5_format import read_t5
-
+        if registry.layout_for(opts.model_type).encoder_decoder:  # its own stream (t5_format.py)
             if opts.iteration is not None:
-                raise ConversionError("--iteration is not supported for --model-type T5: point the tracker file "
-                                      "at it")
+                raise ConversionError(f"--iteration is not supported for --model-type {opts.model_type}: point the "
+                                      "tracker file at it")
             return read_t5(opts.load_dir, true_vocab_size=opts.true_vocab_size, trust=opts.trust_checkpoint,
                            optimizer=opts.keep_training_state)
         return read_megatron(opts.load_dir, true_vocab_size=opts.true_vocab_size, model_type=opts.model_type,
@@ -97,8 +105,6 @@ class HFLoader(_BuiltinLoader):
 
     @staticmethod
     def load(opts: ConversionOptions) -> Tuple[ModelMeta, Iterator[Message]]:
-        from megatron.checkpoint.conversion.hf_format import read_hf
-
         return read_hf(opts.load_dir, true_vocab_size=opts.true_vocab_size, model_type=opts.model_type,
                        trust=opts.trust_checkpoint)
 
@@ -114,21 +120,18 @@ class MegatronSaver(_BuiltinSaver):
 
     @staticmethod
     def save(meta: ModelMeta, messages: Iterator[Message], opts: ConversionOptions, save_dir: str) -> Dict[str, Any]:
-        from megatron.checkpoint.conversion.megatron_format import write_megatron
-
         tp = opts.target_tensor_parallel_size or meta.extra.get("tp") or 1
         pp = opts.target_pipeline_parallel_size or meta.extra.get("pp") or 1
         vp_layers = opts.target_num_layers_per_virtual_pipeline_stage
         ep = opts.target_expert_parallel_size or meta.extra.get("ep") or 1
         if ep < 1:
             raise ConversionError(f"--target-expert-parallel-size must be positive, got {ep}")
-        if ep > 1 and meta.model_type == "T5":
-            raise ConversionError("--target-expert-parallel-size applies to GPT MoE models, not T5")
+        encoder_decoder = registry.layout_for(meta.model_type).encoder_decoder
+        if ep > 1 and encoder_decoder:
+            raise ConversionError(f"--target-expert-parallel-size applies to GPT MoE models, not {meta.model_type}")
         copy_tokenizer_files(meta, save_dir, os.path.abspath(opts.save_dir))
         meta.extra["target_split_rank"] = opts.target_pipeline_model_parallel_split_rank
-        if meta.model_type == "T5":
-            from megatron.checkpoint.conversion.t5_format import write_t5
-
+        if encoder_decoder:
             files = write_t5(meta, messages, save_dir, tp, pp, vp_layers)
         else:
             files = write_megatron(meta, messages, save_dir, tp, pp, vp_layers, ep)
@@ -148,8 +151,6 @@ class HFSaver(_BuiltinSaver):
 
     @staticmethod
     def save(meta: ModelMeta, messages: Iterator[Message], opts: ConversionOptions, save_dir: str) -> Dict[str, Any]:
-        from megatron.checkpoint.conversion.hf_format import write_hf
-
         for flag, value in opts.sharding_targets():
             if value not in (None, 1):
                 raise ConversionError(f"--{flag.replace('_', '-')} does not apply to --saver hf (HF models are "
@@ -167,8 +168,6 @@ class DeepSpeedLoader(_BuiltinLoader):
 
     @staticmethod
     def load(opts: ConversionOptions) -> Tuple[ModelMeta, Iterator[Message]]:
-        from megatron.checkpoint.conversion.deepspeed_format import read_deepspeed
-
         return read_deepspeed(opts.load_dir, iteration=opts.iteration, true_vocab_size=opts.true_vocab_size,
                               model_type=opts.model_type, trust=opts.trust_checkpoint,
                               optimizer=opts.keep_training_state)
@@ -185,8 +184,6 @@ class DeepSpeedSaver(_BuiltinSaver):
 
     @staticmethod
     def save(meta: ModelMeta, messages: Iterator[Message], opts: ConversionOptions, save_dir: str) -> Dict[str, Any]:
-        from megatron.checkpoint.conversion.deepspeed_format import write_deepspeed
-
         if opts.target_num_layers_per_virtual_pipeline_stage:
             raise ConversionError("--saver deepspeed has no virtual pipeline chunks; drop "
                                   "--target-num-layers-per-virtual-pipeline-stage")
@@ -204,15 +201,12 @@ class McoreLoader(_BuiltinLoader):
 
     @staticmethod
     def load(opts: ConversionOptions) -> Tuple[ModelMeta, Iterator[Message]]:
-        from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, read_megatron
-        from megatron.checkpoint.conversion.torch_dist import is_dist_folder, read_torch_dist
-
         iter_dir, _ = find_iteration_dir(opts.load_dir, opts.iteration)
         if is_dist_folder(iter_dir):  # (read_torch_dist names a damaged metadata.json)
             print(f" detected checkpoint format torch_dist in {iter_dir}", flush=True)
             return read_torch_dist(opts.load_dir, trust=opts.trust_checkpoint, iteration=opts.iteration,
                                    optimizer=opts.keep_training_state, model_type=opts.model_type)
-        if opts.model_type == "T5":  # T5's own stream; Core's names are read as ours (mcore_names.py)
+        if registry.layout_for(opts.model_type).encoder_decoder:  # its own stream; Core's names read as ours
             return MegatronLoader.load(dataclasses.replace(opts, keep_training_state=False))
         return read_megatron(opts.load_dir, true_vocab_size=opts.true_vocab_size, model_type=opts.model_type,
                              trust=opts.trust_checkpoint, iteration=opts.iteration)
@@ -228,10 +222,6 @@ class McoreSaver(_BuiltinSaver):
 
     @staticmethod
     def save(meta: ModelMeta, messages: Iterator[Message], opts: ConversionOptions, save_dir: str) -> Dict[str, Any]:
-        from megatron.checkpoint.atomic_io import atomic_write_text
-        from megatron.checkpoint.conversion.megatron_format import sign_output
-        from megatron.checkpoint.conversion.torch_dist import write_torch_dist
-
         name = "release" if meta.iteration is None else f"iter_{meta.iteration:07d}"
         write_torch_dist(meta, messages, os.path.join(save_dir, name))
         sign_output(os.path.join(save_dir, name), meta)  # its manifest, unless the source was read unverified

@@ -24,12 +24,12 @@ stay as trained.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from megatron.checkpoint.atomic_io import atomic_write_text
 from megatron.checkpoint.conversion.interchange import ConversionError, Message, ModelMeta, expect
 from megatron.checkpoint.conversion.megatron_format import (
     LM,
@@ -40,9 +40,11 @@ from megatron.checkpoint.conversion.megatron_format import (
     MegatronWriter,
     attach_optimizer_state,
     megatron_meta,
+    sign_output,
 )
 from megatron.checkpoint.conversion.vocab import repad_rows, target_rows
-from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayout
+from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayout, get_tp_layout
+from megatron.models import registry
 from megatron.run_configs.saved_args import SavedRunArgs
 
 EMBEDDINGS = "embeddings"
@@ -68,15 +70,12 @@ def t5_layer_counts(meta: ModelMeta) -> Tuple[int, int]:
 
 
 def t5_layouts(meta: ModelMeta) -> Dict[str, TensorParallelLayout]:
-    """{flat parameter name of the TP=1 T5Model: its TP layout}, declared by the model built on the meta device."""
-    from megatron.core.tensor_parallel.layout import get_tp_layout
-    from megatron.models.t5.model import T5Model
-
+    """{flat parameter name of the TP=1 encoder-decoder model: its TP layout}, declared by the model its family's
+    checkpoint layout builds on the meta device (with the stacks' layer counts of `meta`)."""
+    family = registry.layout_for(meta.model_type)
     enc, dec = t5_layer_counts(meta)
-    config = dataclasses.replace(meta.config(padded_vocab_size=meta.architecture["padded_vocab_size"]),
-                                 encoder_num_layers=enc, decoder_num_layers=dec)
-    with torch.device("meta"):
-        model = T5Model(config)
+    model = family.layout_model(meta.config(padded_vocab_size=meta.architecture["padded_vocab_size"]),
+                                {"encoder_num_layers": enc, "decoder_num_layers": dec})
     return {name: get_tp_layout(p) for name, p in model.named_parameters()}
 
 
@@ -290,9 +289,6 @@ class T5Writer(MegatronWriter):
         if extra is not None:
             raise ConversionError(f'unexpected message "{extra.name}" after the T5 lm head (is --model-type right?)')
         files = self._write_files()
-        from megatron.checkpoint.atomic_io import atomic_write_text
-        from megatron.checkpoint.conversion.megatron_format import sign_output
-
         sign_output(os.path.join(self.save_dir, self.iter_name), self.meta)
         atomic_write_text(os.path.join(self.save_dir, TRACKER),
                           "release" if self.iteration is None else str(self.iteration))

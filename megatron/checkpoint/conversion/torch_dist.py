@@ -32,6 +32,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
+from megatron.checkpoint.args import saved_architecture
 from megatron.checkpoint.atomic_io import (
     DiskFullError,
     atomic_torch_save,
@@ -48,7 +49,18 @@ from megatron.checkpoint.conversion.interchange import (
     messages_from_state_dict,
     state_dict_from_messages,
 )
-from megatron.checkpoint.safe_load import UnsafeCheckpointError, restricted_pickle_load
+from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, verified_source
+from megatron.checkpoint.conversion.t5_format import t5_messages_from_state_dict, t5_state_dict_from_messages
+from megatron.checkpoint.conversion.torch_dist_buckets import BUCKETS, UNREADABLE, bucket_state
+from megatron.checkpoint.conversion.torch_dist_optim import (
+    PARAM,
+    common_entry,
+    optimizer_common,
+    sharding_type,
+    split_optimizer_tensors,
+    state_tensors,
+)
+from megatron.checkpoint.safe_load import UnsafeCheckpointError, restricted_pickle_load, safe_torch_load
 from megatron.core.enums import CORE_MODEL_TYPE
 from megatron.errors import MegatronUserError
 from megatron.layers.mcore_names import (
@@ -57,8 +69,13 @@ from megatron.layers.mcore_names import (
     core_to_ours,
     experts_to_core,
     experts_to_ours,
+    is_core_t5,
+    is_our_bert,
+    is_our_t5,
     our_layer_suffix_to_core,
+    ours_to_core,
 )
+from megatron.models import registry
 from megatron.run_configs.saved_args import SavedRunArgs
 
 METADATA_JSON = "metadata.json"
@@ -160,8 +177,6 @@ def read_dcp_metadata(iter_dir: str, trust: bool = False) -> Any:
 
 def read_common(iter_dir: str, trust: bool = False) -> Dict[str, Any]:
     """common.pt through the safe loader (weights-only + allow-list)."""
-    from megatron.checkpoint.safe_load import safe_torch_load
-
     path = os.path.join(iter_dir, COMMON)
     if not os.path.isfile(path):
         raise ConversionError(f"torch_dist checkpoint {iter_dir} has no {COMMON}; the checkpoint is incomplete")
@@ -222,8 +237,6 @@ def read_objects(iter_dir: str, prefix: str, trust: bool = False, shards: bool =
     """{name (``/shard_...`` cut off unless `shards`): value} of the folder's non-tensor entries (Megatron Core's
     ShardedObjects) whose names start with `prefix`, each through the safe loader (weights-only + allow-list)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    from megatron.checkpoint.safe_load import safe_torch_load
 
     md = read_dcp_metadata(iter_dir, trust)
     out: Dict[str, Any] = {}
@@ -301,8 +314,6 @@ def _core_rng_dict(state: Dict[str, Any]) -> Dict[str, Any]:
 
 def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """torch_dist's stacked Core tensors -> our full flat TP=1 state dict (one entry per layer)."""
-    from megatron.layers.mcore_names import is_core_t5
-
     flat: Dict[str, torch.Tensor] = {}
     rest: Dict[str, torch.Tensor] = {}
     t5 = is_core_t5(tensors)
@@ -341,8 +352,6 @@ def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Te
 
 def ours_to_core_stacked(flat: Dict[str, torch.Tensor], num_layers: int) -> Dict[str, torch.Tensor]:
     """Our full flat TP=1 state dict -> torch_dist's tensors (layers stacked; norms in Transformer Engine's names)."""
-    from megatron.layers.mcore_names import is_our_bert, is_our_t5, ours_to_core
-
     if is_our_t5(flat):
         return _t5_stacked(flat)
     stack = "encoder.layers." if is_our_bert(flat) else "decoder.layers."
@@ -377,8 +386,6 @@ def ours_to_core_stacked(flat: Dict[str, torch.Tensor], num_layers: int) -> Dict
 
 def _t5_stacked(flat: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Our full flat T5 state dict -> torch_dist's tensors (each stack's layers stacked on a leading axis)."""
-    from megatron.layers.mcore_names import ours_to_core
-
     per: Dict[str, Dict[int, torch.Tensor]] = {}
     out: Dict[str, torch.Tensor] = {}
     for key, t in ours_to_core(flat, fused_norms=True).items():
@@ -399,8 +406,6 @@ def _architecture(common: Dict[str, Any], tensors: Dict[str, torch.Tensor], path
                   flags: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The checkpoint's architecture (stored, or from its args); a Core checkpoint without either (Megatron-LM loads
     those with its command-line flags) takes `flags`, this run's architecture, when given."""
-    from megatron.checkpoint.args import saved_architecture
-
     arch = saved_architecture(common.get("architecture"), common.get("args"))
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if not arch.get(k)]
     from_flags = bool(missing) and flags is not None
@@ -409,8 +414,6 @@ def _architecture(common: Dict[str, Any], tensors: Dict[str, torch.Tensor], path
     elif missing:
         raise ConversionError(f"{path} records neither 'architecture' nor args with {', '.join(missing)}: "
                               f"{NO_ARGS_HINT}")
-    from megatron.layers.mcore_names import is_core_t5
-
     qkv = tensors.get("decoder.layers.self_attention.linear_qkv.weight")
     field = "decoder_num_layers" if is_core_t5(tensors) and arch.get("decoder_num_layers") else "num_layers"
     if qkv is not None and qkv.size(0) != arch[field]:
@@ -430,9 +433,6 @@ def read_iteration_state(iter_dir: str, trust: bool = False, flags: Optional[Dic
     """(common state, architecture, our full flat TP=1 state dict, {optimizer state key: our full flat dict}) of one
     torch_dist iteration folder (the last empty without model-space optimizer state: torch_dist_optim.py); `flags`:
     this run's architecture, taken when the folder records none (`_architecture`)."""
-    from megatron.checkpoint.conversion.torch_dist_buckets import BUCKETS, UNREADABLE, bucket_state
-    from megatron.checkpoint.conversion.torch_dist_optim import sharding_type, split_optimizer_tensors
-
     common = read_common(iter_dir, trust)
     tensors, opt = split_optimizer_tensors(read_tensors(iter_dir, trust=trust))
     if "embedding.word_embeddings.weight" not in tensors:
@@ -460,10 +460,9 @@ def read_iteration(iter_dir: str, trust: bool = False) -> Tuple[Dict[str, Any], 
 
 
 def model_type_of(flat: Dict[str, Any]) -> str:
-    """GPT, BERT or T5: the model type of our full flat state dict (a decoder stack: T5; BERT's heads: BERT)."""
-    if any(k.startswith("language_model.decoder.") for k in flat):
-        return "T5"
-    return "BERT" if any(k.startswith(("lm_head.", "binary_head.")) for k in flat) else "GPT"
+    """The model type of our full flat state dict: the family whose own modules it holds (a decoder stack: T5;
+    BERT's heads: BERT; megatron/models/registry.py), else GPT."""
+    return registry.layout_holding(flat).model_type
 
 
 def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int] = None, optimizer: bool = False,
@@ -471,9 +470,6 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
     """Loader: (meta, message stream) of a torch_dist checkpoint of a `model_type` model (the tracker's iteration, or
     `iteration`); with `optimizer` the messages carry its model-space optimizer state (torch_dist_optim.py) when it
     has one (GPT, BERT and T5)."""
-    from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, verified_source
-    from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common
-
     iter_dir, it = find_iteration_dir(load_dir, iteration)
     # checked against its manifest as --load does (the newest intact iteration; an explicit one must verify)
     iter_dir, it, verified = verified_source(load_dir, iter_dir, it, explicit=iteration is not None)
@@ -490,16 +486,12 @@ def read_torch_dist(load_dir: str, trust: bool = False, iteration: Optional[int]
         consumed_valid_samples=int(common.get("consumed_valid_samples", saved.consumed_valid_samples) or 0),
         make_vocab_size_divisible_by=saved.make_vocab_size_divisible_by,
         tokenizer=saved.tokenizer_dict(), source=iter_dir, extra={"unverified_source": None if verified else iter_dir})
-    if model_type == "BERT":
-        tokentypes = flat.get("language_model.embedding.tokentype_embeddings.weight")
-        meta.extra["bert"] = {"num_tokentypes": 0 if tokentypes is None else int(tokentypes.size(0)),
-                              "add_binary_head": "binary_head.weight" in flat}
-    if model_type == "T5":  # each stack's layer count from its tensors
-        counts = [len({k[len(f"language_model.{s}.layers."):].split(".")[0] for k in flat
-                       if k.startswith(f"language_model.{s}.layers.")}) for s in ("encoder", "decoder")]
-        meta.extra["t5"] = {"encoder_num_layers": counts[0], "decoder_num_layers": counts[1]}
+    family = registry.layout_for(model_type)
+    if family.describe is not None:  # the family's own record (BERT's heads, T5's stacks) from the whole model
+        meta.extra[family.extra_key] = family.describe(flat, flat)
+    if family.encoder_decoder:  # each stack's layer count (its record), the encoder-decoder stream
+        counts = list(meta.extra[family.extra_key].values())
         meta.extra["split_rank"] = None
-        from megatron.checkpoint.conversion.t5_format import t5_messages_from_state_dict
 
         def stream(state: Dict[str, Any]) -> Iterator[Message]:
             return t5_messages_from_state_dict(state, *counts)
@@ -547,15 +539,10 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     Messages with training state (`Message.optimizer`, `meta.extra["optimizer"]`) add the optimizer state in Megatron
     Core's fully_reshardable layout (torch_dist_optim.py); `rng` (``{"tp", "pp", "ranks"}``) adds Megatron-LM's
     ``rng_state`` ShardedObjects (core_rng_objects)."""
-    from megatron.checkpoint.conversion.torch_dist_optim import PARAM, common_entry, state_tensors
-
     msgs = list(messages)
     num_layers = int(meta.architecture["num_layers"])
-    t5 = meta.model_type == "T5"
-    if t5:
-        from megatron.checkpoint.conversion.t5_format import t5_state_dict_from_messages as from_messages
-    else:
-        from_messages = state_dict_from_messages
+    family = registry.layout_for(meta.model_type)
+    from_messages = t5_state_dict_from_messages if family.encoder_decoder else state_dict_from_messages
     flat = from_messages(iter(msgs))
     tensors = {k: v.detach().contiguous().clone() for k, v in ours_to_core_stacked(flat, num_layers).items()}
     state: Dict[str, Any] = dict(tensors)
@@ -565,20 +552,19 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
             per_key = from_messages(Message(m.name, {n: e[key] for n, e in m.optimizer.items()}) for m in msgs)
             state.update(state_tensors({key: ours_to_core_stacked(per_key, num_layers)}))
     experts = int(meta.architecture.get("num_moe_experts") or 0)
-    stack = "encoder.layers." if meta.model_type == "BERT" else "decoder.layers."
     mixed = any(k.startswith("decoder.layers.") and k.split(".")[2].isdigit() for k in tensors)
-    stacks = [] if mixed else [(stack, _MOE_LINEARS if experts else _LINEARS, num_layers)]
-    if t5:  # both stacks; the decoder's cross-attention linears too
-        enc, dec = meta.extra["t5"]["encoder_num_layers"], meta.extra["t5"]["decoder_num_layers"]
+    stacks = [] if mixed else [(family.core_stack, _MOE_LINEARS if experts else _LINEARS, num_layers)]
+    if family.encoder_decoder:  # both stacks; the decoder's cross-attention linears too
+        own = meta.extra[family.extra_key]
+        enc, dec = own["encoder_num_layers"], own["decoder_num_layers"]
         stacks = [("encoder.layers.", _LINEARS, enc), ("decoder.layers.", _LINEARS + _CROSS_LINEARS, dec)]
     for prefix, linears, count in stacks:  # Megatron Core's per-layer ShardedObjects (empty extra state), so its
         for linear in linears:             # loader finds them
             for i in range(count):
                 # DCP's default planner torch.saves the value: Megatron Core's ShardedObject payload, a list of data
                 state[f"{prefix}{linear}._extra_state/shard_{i}_{count}"] = [None]
-    if meta.model_type in ("BERT", "T5"):  # the LM head's output layer (the bias; the weight tied), T5's twice
-        for name in ("output_layer", "lm_head.output_layer") if t5 else ("output_layer",):
-            state[f"{name}._extra_state/shard_0_1"] = [None]
+    for name in family.core_head_objects:  # the LM head's output layer (the bias; the weight tied), T5's twice
+        state[f"{name}._extra_state/shard_0_1"] = [None]
     for i in range(num_layers) if mixed else ():  # non-homogeneous layers: each layer's own objects
         moe = f"decoder.layers.{i}.mlp.router.weight" in tensors
         for linear in _MOE_LINEARS if moe else _LINEARS:
