@@ -31,6 +31,7 @@ def adapter_for_architecture(name: Optional[str]) -> Optional[HFAdapter]:
 
 
 def adapters_for_model_type(model_type: str) -> Tuple[HFAdapter, ...]:
+    """The adapters converting --model-type `model_type` models, in registry order."""
     return tuple(a for a in ADAPTERS if a.model_type == model_type)
 
 
@@ -44,9 +45,14 @@ def model_types() -> Tuple[str, ...]:
     return tuple(dict.fromkeys(a.model_type for a in ADAPTERS))
 
 
+def declared_layout(model_type: str) -> Optional[CheckpointLayout]:
+    """The checkpoint layout a family declares for --model-type `model_type` (None: no family does)."""
+    return next((layout for layout in LAYOUTS if layout.model_type == model_type), None)
+
+
 def layout_for(model_type: str) -> CheckpointLayout:
     """The checkpoint layout of --model-type `model_type` (the default family's for a type no family declares)."""
-    return next((layout for layout in LAYOUTS if layout.model_type == model_type), LAYOUTS[0])
+    return declared_layout(model_type) or LAYOUTS[0]
 
 
 def layout_of_model(model: Any) -> CheckpointLayout:

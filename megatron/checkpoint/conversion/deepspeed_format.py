@@ -260,8 +260,8 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
 def deepspeed_layout(model_type: str) -> bool:
     """Whether a --model-type `model_type` model has DeepSpeed's pipe layout (Megatron-DeepSpeed's GPTModelPipe: the
     decoder stack and nothing else of its own): the declared family with no head module and one stack."""
-    family = registry.layout_for(model_type)
-    return family.model_type == model_type and not family.heads and not family.encoder_decoder
+    family = registry.declared_layout(model_type)
+    return family is not None and not family.heads and not family.encoder_decoder
 
 
 def read_deepspeed(load_dir: str, *, iteration: Optional[int] = None, true_vocab_size: Optional[int] = None,

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from typing import Any, Dict, List, Optional
 
+from megatron.checkpoint.atomic_io import DiskFullError, is_disk_full
 from megatron.checkpoint.conversion.interchange import MODEL_TYPES, SUPPORTED_MODEL_TYPES, ConversionError, model_flags
 from megatron.checkpoint.conversion.plugins import resolve_plugin
+from megatron.checkpoint.conversion.vocab import true_vocab_size_from_file
+from megatron.checkpoint.safe_load import guarded_torch_load
 from megatron.settings.cli_parser import FlagParser
 
 
@@ -92,8 +96,6 @@ def _check_args(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise ConversionError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     if args.vocab_file:
-        from megatron.checkpoint.conversion.vocab import true_vocab_size_from_file
-
         args.true_vocab_size = true_vocab_size_from_file(args.vocab_file)
     load, save = os.path.abspath(args.load_dir), os.path.abspath(args.save_dir)
     if load == save or save.startswith(load + os.sep):
@@ -105,8 +107,6 @@ def _check_args(args: argparse.Namespace) -> None:
 def remove_stale_conversions(save: str) -> List[str]:
     """Delete ``.<name>.converting.<pid>`` folders of conversions into `save` whose process is gone (a SIGKILL or a
     power cut left them); one line says how many. Returns the removed paths."""
-    import re
-
     parent, name = os.path.dirname(save), os.path.basename(save)
     pattern = re.compile(rf"^\.{re.escape(name)}\.converting\.(\d+)$")
     removed = []
@@ -134,8 +134,6 @@ def _alive(pid: int) -> bool:
 
 def convert(args: argparse.Namespace) -> Dict[str, Any]:
     """Run one conversion; returns the saver's summary plus the model flags."""
-    from megatron.checkpoint.safe_load import guarded_torch_load
-
     _check_args(args)
     args.keep_training_state = not getattr(args, "no_save_optim", False) and args.saver in ("megatron", "mcore")
     save = os.path.abspath(args.save_dir)
@@ -153,8 +151,6 @@ def convert(args: argparse.Namespace) -> Dict[str, Any]:
             os.rmdir(save)  # empty (checked above)
         os.replace(tmp, save)
     except BaseException as exc:
-        from megatron.checkpoint.atomic_io import DiskFullError, is_disk_full
-
         # (asked before the partial output is removed: torch's writer reports no errno, the free space tells)
         full = isinstance(exc, (OSError, RuntimeError)) and is_disk_full(exc, os.path.dirname(save))
         shutil.rmtree(tmp, ignore_errors=True)

@@ -18,6 +18,7 @@ import torch
 from megatron.checkpoint.conversion.hf_decoder import TOKENIZER_FILES
 from megatron.checkpoint.conversion.hf_tokenizer_export import tokenizer_vocab_size
 from megatron.checkpoint.conversion.interchange import ConversionError, Message, ModelMeta
+from megatron.checkpoint.safe_load import safe_torch_load
 from megatron.models import registry
 
 SUPPORTED = registry.supported_architectures()
@@ -66,8 +67,6 @@ class _LazyTensors:
                     raise ConversionError(f"{path} is not a readable safetensors file ({detail}): it is truncated or "
                                           "damaged; download or copy it again") from None
             else:
-                from megatron.checkpoint.safe_load import safe_torch_load
-
                 handle = safe_torch_load(path, map_location="cpu", trust=self.trust, mmap=True)
             self._open = (name, handle)
         return self._open[1]
@@ -126,7 +125,7 @@ def read_hf(load_dir: str, *, true_vocab_size: Optional[int] = None, model_type:
     cfg = _read_config(load_dir)
     arch = cfg["architectures"][0]
     adapter = registry.adapter_for_architecture(arch)
-    if model_type != adapter.model_type:
+    if adapter not in registry.adapters_for_model_type(model_type):
         raise ConversionError(f"{load_dir} holds a {arch}: pass --model-type {adapter.model_type}")
     return adapter.read(load_dir, cfg, lambda: _LazyTensors(load_dir, trust), model_type=model_type,
                         true_vocab_size=true_vocab_size, tokenizer=_tokenizer_of(load_dir, adapter.name))

@@ -26,12 +26,15 @@ step), and extra rows are cut.
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
 from megatron.checkpoint.conversion.interchange import ConversionError
+from megatron.checkpoint.conversion.vocab import repad_rows
+from megatron.optimizer.distrib_optimizer import PARAM_STATE_FORMAT
 
 PARAM = "param"
 _LAYER_RE = re.compile(r"^language_model\.(encoder|decoder)\.layers\.(\d+)\.(.+)$")
@@ -159,8 +162,6 @@ def regular_entries(optim_sd: Dict[str, Any], chunks: Sequence[Dict[str, Any]], 
 def distributed_entries(param_state: Dict[str, Any], chunks: Sequence[Dict[str, Any]], where: str
                         ) -> Tuple[List[OptEntries], float, List[str]]:
     """Per-chunk entries of a ``distrib_optim.pt`` (already full per parameter)."""
-    from megatron.optimizer.distrib_optimizer import PARAM_STATE_FORMAT
-
     if not isinstance(param_state, dict) or param_state.get("format") != PARAM_STATE_FORMAT:
         raise ForeignOptimizerState(f"{where} is not a distributed optimizer state of this framework")
     saved = param_state["chunks"]
@@ -190,16 +191,12 @@ def common_part(optim_sd: Dict[str, Any]) -> Dict[str, Any]:
 
 def resize_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """Vocabulary rows of a weight or moment for the target padding (see the module docstring)."""
-    from megatron.checkpoint.conversion.vocab import repad_rows
-
     return repad_rows(t, rows)
 
 
 def distributed_files(entries_per_chunk: List[OptEntries], common: Dict[str, Any], step: float,
                       state_keys: List[str]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """(the ``optimizer`` entry of ``model_optim_rng.pt``, the ``distrib_optim.pt`` body) of one target rank."""
-    from megatron.optimizer.distrib_optimizer import PARAM_STATE_FORMAT
-
     groups = [dict(g, params=[]) for g in common.get("param_groups", [])]
     optimizer: Dict[str, Any] = {"distributed_optimizer": True, "optimizer": {"param_groups": groups, "state": {}}}
     if common.get("grad_scaler") is not None:
@@ -222,8 +219,6 @@ def zero_entries(tag_dir: str, tp_rank: int, chunk: Dict[str, Any], param_shapes
     (with DeepSpeed's per-parameter alignment paddings), as DeepSpeed's zero_to_fp32 does for the weights. Holds
     this tensor rank's state in memory (DeepSpeed's flat layout has no per-layer access).
     Returns (entries, step, state keys, common part)."""
-    import os
-
     files = {}
     for name in os.listdir(tag_dir):
         m = _ZERO_OPTIM_RE.match(name)
@@ -283,8 +278,6 @@ def zero_entries(tag_dir: str, tp_rank: int, chunk: Dict[str, Any], param_shapes
 def attach_zero_state(reader: Any, load: Any) -> None:
     """Fill ``reader.opt`` / ``reader.opt_common`` (megatron_format's reader interface) of a DeepSpeed tag folder read
     as one pipeline stage per tensor rank (non-pipeline engine, ZeRO 1/2); nothing when it has no ZeRO files."""
-    import os
-
     names = os.listdir(reader.iter_dir)
     if not any(_ZERO_OPTIM_RE.match(n) for n in names):
         return

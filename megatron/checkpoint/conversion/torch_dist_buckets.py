@@ -24,6 +24,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron.checkpoint.conversion.interchange import ConversionError, ModelMeta
+from megatron.checkpoint.conversion.megatron_format import layer_layouts
+from megatron.checkpoint.conversion.t5_format import t5_layouts
+from megatron.layers.tp_shards import merge_tensor_parallel_state_dicts, split_tensor_parallel_state_dict
+from megatron.models import registry
 from megatron.run_configs.saved_args import SavedRunArgs
 
 BUCKETS = "dp_reshardable"
@@ -95,21 +99,16 @@ def _encoder_decoder_order(names: List[str], transformer_impl: str) -> List[str]
     return order
 
 
-def _encoder_decoder_layouts(flat: Dict[str, torch.Tensor], arch: Dict[str, Any]) -> Dict[str, Any]:
-    """{our name: TP layout} of the BERT or T5 model `flat` is the state of (built on the meta device)."""
-    names = list(flat)
-    if any(n.startswith(_LM + "decoder.") for n in names):
-        from megatron.checkpoint.conversion.t5_format import t5_layouts
-
-        counts = {"encoder_num_layers": _layer_count(names, _LM + "encoder.layers."),
-                  "decoder_num_layers": _layer_count(names, _LM + "decoder.layers.")}
-        return t5_layouts(ModelMeta(model_type="T5", architecture=dict(arch, **counts), extra={"t5": counts}))
-    from megatron.checkpoint.conversion.megatron_format import layer_layouts
-
-    types = flat.get(_LM + "embedding.tokentype_embeddings.weight")
-    bert = {"num_tokentypes": 0 if types is None else int(types.size(0)),
-            "add_binary_head": "binary_head.weight" in flat}
-    return layer_layouts(ModelMeta(model_type="BERT", architecture=arch, extra={"bert": bert}))
+def _family_layouts(flat: Dict[str, torch.Tensor], arch: Dict[str, Any], family: Any) -> Dict[str, Any]:
+    """{our name: TP layout} of the model `flat` is the state of, built on the meta device from its family's
+    checkpoint layout and the record it reads from the tensors (BERT's heads, T5's stacks' layer counts)."""
+    if family.describe is None:
+        return layer_layouts(ModelMeta(model_type=family.model_type, architecture=arch))
+    own = family.describe(flat, flat)
+    if family.encoder_decoder:
+        return t5_layouts(ModelMeta(model_type=family.model_type, architecture=dict(arch, **own),
+                                    extra={family.extra_key: own}))
+    return layer_layouts(ModelMeta(model_type=family.model_type, architecture=arch, extra={family.extra_key: own}))
 
 
 def _offsets(order: List[Tuple[str, int, bool]], recorded: List[int]) -> Tuple[Dict[str, Tuple[int, int]], List[int]]:
@@ -140,15 +139,13 @@ def bucket_state(tensors: Dict[str, torch.Tensor], objects: Dict[str, Any], flat
     """({"optimizer": param groups, "grad_scaler"?}, {state key: our full flat dict}) of a dp_reshardable folder,
     from its bucket tensors and ShardedObjects (read_tensors / read_objects with the ``optimizer.distributed.``
     prefix) and the full model `flat` (ours, TP=1) that gives every parameter's shape."""
-    from megatron.checkpoint.conversion.megatron_format import layer_layouts
-    from megatron.layers.tp_shards import merge_tensor_parallel_state_dicts, split_tensor_parallel_state_dict
-
     what = f"{where}: its distributed optimizer state (Megatron Core's {BUCKETS} layout)"
     saved = SavedRunArgs.from_args(args)
     tp = int(saved.tensor_model_parallel_size or 1)
     pp = saved.pipeline_model_parallel_size
     _refuse_unread_layouts(saved, what)
-    enc_dec = any(k.startswith(("lm_head.", "binary_head.", _LM + "decoder.")) for k in flat)  # BERT or T5
+    family = registry.layout_holding(flat)  # megatron/models/<family>/checkpoint_layout.py
+    enc_dec = family is not registry.LAYOUTS[0]  # a family with modules of its own (BERT's heads, T5's decoder)
     if enc_dec and pp > 1:
         raise ConversionError(f"{what} is read for BERT and T5 at pipeline-parallel size 1 only; {_FIX}")
     buckets = _buckets(tensors)
@@ -168,8 +165,7 @@ def bucket_state(tensors: Dict[str, torch.Tensor], objects: Dict[str, Any], flat
         raise ConversionError(f"{what}: unknown --transformer-impl {impl}; {_FIX}")
     if enc_dec and impl != "local" and any(k.startswith(_LM + "decoder.") for k in flat):
         raise ConversionError(f"{what} is read for T5 with --transformer-impl local only; {_FIX}")
-    layouts = _encoder_decoder_layouts(flat, arch) if enc_dec else \
-        layer_layouts(ModelMeta(model_type="GPT", architecture=arch))
+    layouts = _family_layouts(flat, arch, family)
     tied = _LM + "output_layer.weight" not in flat
     per_key_stages: Dict[str, Dict[str, torch.Tensor]] = {k: {} for k in keys}
     per = num_layers // pp

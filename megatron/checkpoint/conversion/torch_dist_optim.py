@@ -24,6 +24,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron.checkpoint.conversion.interchange import ConversionError
+from megatron.checkpoint.conversion.torch_dist_buckets import BUCKETS, describe
+from megatron.optimizer.distrib_optimizer import PARAM_STATE_FORMAT
 
 PREFIX = "optimizer.state."
 SHARDING_TYPE = "fully_reshardable"
@@ -60,8 +62,6 @@ def optimizer_common(common: Dict[str, Any], state: Dict[str, Dict[str, torch.Te
     """The layout-independent part of a torch_dist folder's optimizer state, as the checkpoint converters carry it
     (``param_groups`` without params, ``grad_scaler``, ``step``, ``state_keys``); one-line errors when the folder has
     no optimizer state we can read."""
-    from megatron.checkpoint.conversion.torch_dist_buckets import BUCKETS, describe
-
     kind = sharding_type(common)
     if kind == BUCKETS and describe(common):
         raise ConversionError(describe(common))
@@ -115,8 +115,6 @@ def param_state(entries_per_chunk: List[Dict[str, Dict[str, torch.Tensor]]], opt
                 ) -> Dict[str, Any]:
     """This framework's distributed-optimizer parameter state (what `load_parameter_state` takes) from per-chunk
     {parameter name: {"param", "exp_avg", ...}} entries already cut to this rank."""
-    from megatron.optimizer.distrib_optimizer import PARAM_STATE_FORMAT
-
     return {"format": PARAM_STATE_FORMAT, "step": float(opt_common.get("step", 0.0)),
             "state_keys": list(opt_common.get("state_keys", [])), "chunks": entries_per_chunk,
             "saved_data_parallel_size": None}
