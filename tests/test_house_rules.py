@@ -105,7 +105,6 @@ def test_the_code_uses_the_new_paths_only() -> None:
 # for moved paths is megatron/moved.py).
 LAZY_MODULE_ATTRIBUTES = {
     "megatron/models/gpt/model_pipe.py",  # GPTModelPipe subclasses DeepSpeed's PipelineModule: built on first use
-    "megatron/data/indexed_dataset.py",  # the legacy lazy/cached readers, loaded on first use
 }
 
 
