@@ -25,7 +25,8 @@ from megatron.arguments import core_transformer_config_from_args  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.context_parallel import slice_for_cp  # noqa: E402
 from megatron.errors import exit_on_user_error  # noqa: E402
-from megatron.model import GPTModel, ModelType  # noqa: E402
+from megatron.layers import ModelType  # noqa: E402
+from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.training import pretrain  # noqa: E402
 from megatron.utils import average_losses_across_data_parallel_group, get_ltor_masks_and_position_ids  # noqa: E402
 

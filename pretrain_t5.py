@@ -27,7 +27,7 @@ from megatron import global_vars  # noqa: E402
 from megatron.arguments import core_transformer_config_from_args  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.errors import ArgumentError, exit_on_user_error  # noqa: E402
-from megatron.model import ModelType  # noqa: E402
+from megatron.layers import ModelType  # noqa: E402
 from megatron.models.t5.model import PP_INTERLEAVED_T5, PP_SPLIT_MISSING, T5Model  # noqa: E402
 from megatron.training import pretrain  # noqa: E402
 from megatron.utils import average_losses_across_data_parallel_group  # noqa: E402

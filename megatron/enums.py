@@ -2,7 +2,7 @@
 checkpoints (``mp_rank_XX_model_states.pt`` of BLOOM's training runs: ``args.position_embedding_type =
 PositionEmbeddingType.alibi``, ``args.attn_mask_type``) load through the safe loader (megatron/checkpoint/safe_load.py
 allow-lists these classes). Same names and values as there; this project's own model enums are in
-megatron/model/enums.py, and `position_embedding_name` turns a member into our --position-embedding-type value.
+megatron/layers/enums.py, and `position_embedding_name` turns a member into our --position-embedding-type value.
 """
 from __future__ import annotations
 

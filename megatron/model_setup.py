@@ -13,9 +13,9 @@ import torch
 from megatron import fused_kernels, global_vars
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+from megatron.layers.module import Float16Module
 from megatron.learning_rates import OptimizerParamScheduler
 from megatron.logging_utils import print_rank_0
-from megatron.model.module import Float16Module
 from megatron.run_configs.model_wrap import ModelWrapSettings
 from megatron.run_configs.schedule import ScheduleSettings
 

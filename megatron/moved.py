@@ -1,8 +1,12 @@
-"""Megatron's import paths of the modules that moved: the model families (megatron/models/<family>/), the checkpoint
-code and its conversion library (megatron/checkpoint/, megatron/checkpoint/conversion/) and the flag layer
-(megatron/settings/). Importing ``megatron.model.bert_model`` gives the very module ``megatron.models.bert.model``,
-``megatron.checkpointing`` the very module ``megatron.checkpoint.checkpointing`` (same objects, so monkeypatching either
-name patches both; no file stays at the old path). Installed by megatron/__init__.py; nothing else to keep in sync."""
+"""Megatron's import paths of the modules that moved: the shared layers (``megatron.model`` -> megatron/layers/), the
+model families (megatron/models/<family>/), the checkpoint code and its conversion library (megatron/checkpoint/,
+megatron/checkpoint/conversion/) and the flag layer (megatron/settings/). The one alias mechanism of the house:
+importing ``megatron.model.bert_model`` gives the very module ``megatron.models.bert.model``,
+``megatron.model.transformer`` the very module ``megatron.layers.transformer``, ``megatron.checkpointing`` the very
+module ``megatron.checkpoint.checkpointing`` (same objects, so monkeypatching either name patches both; no file stays
+at the old path). An old package that also exported names now defined elsewhere (``from megatron.model import
+GPTModel``) is a small proxy module: its names resolve to the new package's or to MOVED_NAMES' modules (setting an
+attribute on the proxy does not reach them). Installed by megatron/__init__.py; nothing else to keep in sync."""
 from __future__ import annotations
 
 import importlib
@@ -36,6 +40,17 @@ MOVED_MODULES = {
 # Whole packages that moved: every module under the old prefix is the module under the new one.
 MOVED_PACKAGES = {
     "megatron.checkpoint_conversion": "megatron.checkpoint.conversion",
+    "megatron.model": "megatron.layers",
+}
+# Names an old package exported that are now defined outside the package it moved to (Megatron's
+# ``from megatron.model import GPTModel, BertModel, T5Model``): old package -> {name: module defining it}.
+MOVED_NAMES = {
+    "megatron.model": {
+        "GPTModel": "megatron.models.gpt.model",
+        "post_language_model_processing": "megatron.models.gpt.model",
+        "BertModel": "megatron.models.bert.model",
+        "T5Model": "megatron.models.t5.model",
+    },
 }
 
 
@@ -62,6 +77,34 @@ class _Alias(importlib.abc.Loader):
         module.__spec__ = self.spec  # already executed under its new name
 
 
+class _Proxy(importlib.abc.Loader):
+    """An old package with MOVED_NAMES: a module of its own whose attributes are the new package's plus those names."""
+
+    def __init__(self, fullname: str, target: str) -> None:
+        self.fullname, self.target = fullname, target
+
+    def create_module(self, spec: Any) -> ModuleType:
+        package = importlib.import_module(self.target)
+        names = MOVED_NAMES[self.fullname]
+        proxy = ModuleType(self.fullname, package.__doc__)
+
+        def resolve(name: str) -> Any:
+            if name in names:
+                return getattr(importlib.import_module(names[name]), name)
+            try:
+                return getattr(package, name)
+            except AttributeError:
+                raise AttributeError(f"module {self.fullname!r} has no attribute {name!r}") from None
+
+        proxy.__getattr__ = resolve  # type: ignore[method-assign]
+        proxy.__dir__ = lambda: sorted({*dir(package), *names})  # type: ignore[method-assign]
+        proxy.__path__ = []  # a package: its submodules are found by MovedModuleFinder (first on the path)
+        return proxy
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass
+
+
 class MovedModuleFinder(importlib.abc.MetaPathFinder):
     """Finds the old names of MOVED_MODULES as aliases of the new modules."""
 
@@ -69,6 +112,8 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder):
         target = new_name(fullname)
         if target is None:
             return None
+        if fullname in MOVED_NAMES:
+            return importlib.util.spec_from_loader(fullname, _Proxy(fullname, target), is_package=True)
         return importlib.util.spec_from_loader(fullname, _Alias(target))
 
 

@@ -186,8 +186,7 @@ def _default_wrapper_classes() -> Tuple[type, ...]:
     classes: List[type] = [torch.nn.parallel.DistributedDataParallel]
     for module_name, class_names in (
         ("megatron.core.distributed", ("DistributedDataParallel", "TorchDistributedDataParallel", "TorchDDP")),
-        ("megatron.model.module", ("Float16Module",)),
-        ("megatron.model", ("Float16Module",)),
+        ("megatron.layers.module", ("Float16Module",)),
     ):
         try:
             module = __import__(module_name, fromlist=list(class_names))

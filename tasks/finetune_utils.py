@@ -31,7 +31,7 @@ from megatron.checkpoint.checkpointing import (
 )
 from megatron.core import parallel_state as ps
 from megatron.errors import ArgumentError
-from megatron.model import ModelType
+from megatron.layers import ModelType
 from megatron.run_configs.bundle import RunConfigs
 from megatron.training import (
     evaluate_and_print_results,

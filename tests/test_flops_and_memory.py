@@ -67,7 +67,7 @@ def test_flops_equal_torch_flop_counter_on_the_model() -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
 
     model_parallel_manual_seed(1234, 0)
 
@@ -108,7 +108,7 @@ def _memory_args(**overrides) -> argparse.Namespace:
     dict(group_query_attention=True, num_query_groups=1, swiglu=False),
 ])
 def test_parameter_count_equals_the_model(overrides) -> None:
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
 
     args = _memory_args(**overrides)
     counts = count_parameters(args)

@@ -56,7 +56,7 @@ def test_memory_stats_follow_allocations() -> None:
 
 def test_parameter_count_equals_the_model() -> None:
     from megatron.core.transformer_config import TransformerConfig
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
 
     for untie in (False, True):
         args = _args(untie_embeddings_and_output_weights=untie)

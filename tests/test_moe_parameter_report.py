@@ -75,7 +75,7 @@ def test_dense_layers_between_moe_layers_and_shared_experts() -> None:
     args = _preset_args("mixtral_tiny", 512, moe_layer_freq=2, moe_shared_expert_intermediate_size=64,
                         moe_shared_expert_gate=True)
     opts, config = MemorySettings.from_args(args), model_config(args)
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
 
     n = sum(p.numel() for p in GPTModel(config).parameters())
     counts = parameter_counts(opts, config)

@@ -61,7 +61,7 @@ from megatron.checkpoint.safe_load import CheckpointFileError, safe_torch_load
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.errors import MegatronUserError
-from megatron.model.module import unwrap_model
+from megatron.layers.module import unwrap_model
 from megatron.run_configs.checkpoint import PARALLEL_SIZE_FLAGS, CheckpointSettings
 from megatron.training_state import COUNTERS, TrainingState
 

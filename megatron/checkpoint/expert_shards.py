@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, get_tp_layout
-from megatron.model.module import unwrap_model
+from megatron.layers.module import unwrap_model
 
-EXPERT_PARAM_RE = re.compile(r"(^|\.)mlp\.experts\.(weight[12])$")  # the stacked experts (megatron/model/moe.py)
+EXPERT_PARAM_RE = re.compile(r"(^|\.)mlp\.experts\.(weight[12])$")  # the stacked experts (megatron/layers/moe.py)
 Transform = Callable[[torch.Tensor, TensorParallelLayout], torch.Tensor]
 
 

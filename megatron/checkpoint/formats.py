@@ -4,7 +4,7 @@ Three layouts load with ``--load``:
   * ``torch`` (ours): per-rank ``mp_rank_XX[_YYY]/model_optim_rng.pt`` with Megatron-LM 23.06's names; loaded by
     megatron/checkpoint/checkpointing.py at the layout that wrote it;
   * ``torch`` with Megatron Core names (Megatron-LM's ``--ckpt-format torch`` since Megatron Core): the same files,
-    other parameter names (megatron/model/mcore_names.py);
+    other parameter names (megatron/layers/mcore_names.py);
   * ``torch_dist`` (Megatron-LM's default): one `torch.distributed.checkpoint` folder of global tensors
     (megatron/checkpoint/conversion/torch_dist.py).
 The last two load at any TP/PP/DP layout of this run, whatever layout wrote them: every rank reads the full (TP=1)
@@ -52,7 +52,7 @@ def detect_format(iter_dir: str, trust: bool = False) -> str:
     """TORCH, CORE_TORCH or TORCH_DIST for one iteration folder (TORCH when it cannot tell: ours reports that)."""
     from megatron.checkpoint.conversion.torch_dist import is_torch_dist
     from megatron.checkpoint.safe_load import safe_torch_load
-    from megatron.model.mcore_names import has_core_names
+    from megatron.layers.mcore_names import has_core_names
 
     if is_torch_dist(iter_dir):
         return TORCH_DIST
@@ -92,8 +92,8 @@ def _read_core_torch_t5(iter_dir: str, trust: bool, layouts: Dict[str, Any], fla
     from megatron.checkpoint.conversion.interchange import ConversionError
     from megatron.checkpoint.conversion.megatron_format import rank_files
     from megatron.checkpoint.safe_load import safe_torch_load
-    from megatron.model.mcore_names import core_to_ours
-    from megatron.model.tp_shards import merge_tensor_parallel_state_dicts
+    from megatron.layers.mcore_names import core_to_ours
+    from megatron.layers.tp_shards import merge_tensor_parallel_state_dicts
 
     files = rank_files(iter_dir)
     if any(p for _, p in files):
@@ -205,7 +205,7 @@ def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], mode
     model (`check_shapes`)."""
     from megatron.checkpoint.conversion.megatron_format import chunk_of_layer
     from megatron.checkpoint.conversion.vocab import repad_rows
-    from megatron.model.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
+    from megatron.layers.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
 
     vp = state.virtual_pp_size or 1
     piece: Dict[str, torch.Tensor] = {}
@@ -277,7 +277,7 @@ def check_shapes(piece: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], m
     """Refuse, in one line naming the tensor, its shape in the checkpoint, the model's and the flag to fix, a full
     (TP=1) tensor that does not fit this rank's model (own shapes scaled back by TP and EP); the vocabulary rows are
     re-padded, so they are compared only with `exact_rows` (a checkpoint without args: its rows are the flags')."""
-    from megatron.model.tp_shards import tensor_parallel_layouts
+    from megatron.layers.tp_shards import tensor_parallel_layouts
 
     tp = state.tp_size if not getattr(state, "expert_tp_differs", False) else None
     layouts = tensor_parallel_layouts(model) if model is not None and (state.tp_size > 1 or tp is None) else {}
@@ -323,7 +323,7 @@ def _load_optimizer_state(optimizer: Any, models: List[Any], opt_full: Dict[str,
                           opt_common: Dict[str, Any], num_layers: int, state: Any) -> None:
     """Cut the full optimizer state to this rank (as the weights) and load it into the run's optimizer."""
     from megatron.checkpoint.conversion.torch_dist_optim import optimizer_sd, param_state
-    from megatron.model.module import unwrap_model
+    from megatron.layers.module import unwrap_model
     from megatron.optimizer.distrib_optimizer import param_state_to_regular_state
 
     chunks = []
@@ -378,7 +378,7 @@ def _full_t5_layouts(model: Any) -> Dict[str, Any]:
     (a pipeline stage has only its own layers, but a per-rank file's merge needs every one)."""
     import dataclasses
 
-    from megatron.model.tp_shards import tensor_parallel_layouts
+    from megatron.layers.tp_shards import tensor_parallel_layouts
     from megatron.models.t5.model import T5Model
 
     config = dataclasses.replace(model.config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -411,7 +411,7 @@ def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mappi
     or None). The checkpoint's architecture is checked against `architecture` (this run's); the consumed samples go
     to `run` (then ``on_restored(run, names)``)."""
     from megatron.checkpoint.args import compare_architecture, saved_architecture
-    from megatron.model.module import unwrap_model
+    from megatron.layers.module import unwrap_model
 
     resume = not (cfg.finetune or release)
     load_optim = resume and optimizer is not None and not cfg.no_load_optim

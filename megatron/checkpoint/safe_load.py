@@ -59,10 +59,10 @@ ALLOWED_GLOBALS: tuple[str, ...] = (
     "numpy.dtypes:Float32DType",
     "numpy.dtypes:BoolDType",
     # our model enums (args.model_type, attention mask types, ...)
-    "megatron.model.enums:ModelType",
-    "megatron.model.enums:LayerType",
-    "megatron.model.enums:AttnType",
-    "megatron.model.enums:AttnMaskType",
+    "megatron.layers.enums:ModelType",
+    "megatron.layers.enums:LayerType",
+    "megatron.layers.enums:AttnType",
+    "megatron.layers.enums:AttnMaskType",
     # Megatron Core's enum: args.model_type of Megatron-LM's checkpoints and of our torch_dist common.pt
     "megatron.core.enums:ModelType",
     # Megatron-DeepSpeed's (BigScience's BLOOM checkpoints) enums in their args; stand-ins in megatron/enums.py

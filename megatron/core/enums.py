@@ -6,7 +6,7 @@ this class on its allow-list. Our torch_dist writer stores ``args.model_type`` a
 (`CORE_MODEL_TYPE`) so that Megatron-LM loads our folders, and the safe loader (megatron/checkpoint/safe_load.py)
 accepts it in Megatron-LM's checkpoints. Same name and values as Megatron Core's enum (0.16 keeps only
 ``encoder_or_decoder``; the older members stay here so that older Megatron-LM checkpoints, T5's included, load).
-The model code's own enum is megatron/model/enums.py.
+The model code's own enum is megatron/layers/enums.py.
 """
 import enum
 

@@ -1,4 +1,4 @@
-"""Collectives of the expert-parallel token dispatch (megatron/model/moe.py), differentiable where tokens flow.
+"""Collectives of the expert-parallel token dispatch (megatron/layers/moe.py), differentiable where tokens flow.
 
 `all_to_all(x, out_splits, in_splits, group)`: rows of `x` split by `in_splits` go to the ranks of `group` in order;
 the result holds `out_splits[r]` rows from rank r. Backward is the reverse all-to-all of the gradient.

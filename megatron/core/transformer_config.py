@@ -120,7 +120,7 @@ class TransformerConfig(ModelParallelConfig):
     """Encoder layers of an encoder-decoder model (--encoder-num-layers); None = num_layers."""
     decoder_num_layers: Optional[int] = None
     """Decoder layers of an encoder-decoder model (--decoder-num-layers); None = num_layers."""
-    # ---- mixture of experts (Megatron-LM core's names; megatron/model/moe.py)
+    # ---- mixture of experts (Megatron-LM core's names; megatron/layers/moe.py)
     num_moe_experts: Optional[int] = None
     """Experts per MoE layer; None = dense MLP everywhere (--num-experts)."""
     moe_ffn_hidden_size: Optional[int] = None

@@ -167,7 +167,7 @@ def load_megatron_checkpoint_into_engine(engine: Any, architecture: Mapping[str,
     from megatron.checkpoint.checkpointing import first_failure_reason
     from megatron.checkpoint.conversion.interchange import ConversionError
     from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, read_megatron
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
 
     cfg = settings
     load_dir = cfg.load

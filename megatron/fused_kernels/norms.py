@@ -1,4 +1,4 @@
-"""Triton RMSNorm and LayerNorm, forward and backward, with the numerics of megatron/model/norms.py.
+"""Triton RMSNorm and LayerNorm, forward and backward, with the numerics of megatron/layers/norms.py.
 
 RMSNorm: ``weight * (x.float() * rsqrt(mean(x^2) + eps)).type_as(x)`` (Megatron-LM's legacy / HF Llama op order),
 stored in the weight's dtype (the promoted dtype, cast to the weight's, as the module returns). LayerNorm: fp32

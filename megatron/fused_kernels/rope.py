@@ -1,4 +1,4 @@
-"""Triton RoPE apply (half-split convention of megatron/model/rotary.py), forward and backward.
+"""Triton RoPE apply (half-split convention of megatron/layers/rotary.py), forward and backward.
 
 ``t[..., :d] * cos + rotate_half(t[..., :d]) * sin`` with ``rotate_half(x) = cat(-x2, x1)``; channels past d pass
 through. The backward is the same kernel with sin negated (rotate_half's transpose). fp32 inside, stored in t's

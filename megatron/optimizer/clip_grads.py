@@ -35,7 +35,7 @@ def param_is_not_tp_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
-    """Megatron's mark of an expert parameter (megatron/model/moe.py sets ``allreduce = False``)."""
+    """Megatron's mark of an expert parameter (megatron/layers/moe.py sets ``allreduce = False``)."""
     return getattr(param, "allreduce", True) is False
 
 

@@ -63,7 +63,7 @@ class MoESettings:
                 "order of gradient additions differs)")
     moe_grouped_gemm: bool = setting("--moe-grouped-gemm", default=False,
         help="Grouped GEMM for the experts (always batched here).",
-        variant="the experts always run as one batched GEMM per projection (megatron/model/moe.py)")
+        variant="the experts always run as one batched GEMM per projection (megatron/layers/moe.py)")
     moe_use_legacy_grouped_gemm: bool = setting("--moe-use-legacy-grouped-gemm", default=False,
         help="Legacy GroupedMLP (same numbers).",
         variant="one expert implementation (batched GEMM); legacy or TE grouped GEMM alike")

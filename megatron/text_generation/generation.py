@@ -28,7 +28,7 @@ from megatron.core.pipeline_parallel.pipelined import tensor_shape_for
 from megatron.core.tensor_parallel.mappings import all_gather_along_dim, group_size
 from megatron.core.utils import sequence_parallel_off
 from megatron.core.utils import unwrap_model as unwrapped_model
-from megatron.model.inference_params import InferenceParams
+from megatron.layers.inference_params import InferenceParams
 from megatron.models.gpt.model import GPTModel
 from megatron.text_generation.sampling import check_sampling_args, sample
 

@@ -13,7 +13,8 @@ from megatron.checkpoint.checkpointing import read_checkpoint
 from megatron.core import parallel_state as ps
 from megatron.core.rank_print import print_rank_0
 from megatron.errors import MegatronUserError
-from megatron.model import GPTModel, ModelType
+from megatron.layers import ModelType
+from megatron.models.gpt.model import GPTModel
 from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.run_configs.declared import flag_value
 from megatron.run_configs.model_wrap import ModelWrapSettings

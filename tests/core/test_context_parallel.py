@@ -27,7 +27,7 @@ BF16 = [("p2p", True, False, 4, 2, 8, True), ("a2a", True, False, 4, 2, 8, True)
 
 
 def _rope(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    from megatron.model.rotary import RotaryEmbedding, apply_rotary_pos_emb
+    from megatron.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
 
     cos, sin = RotaryEmbedding(t.size(-1)).cos_sin(int(positions.max()) + 1, 0, t.device, t.dtype)
     return apply_rotary_pos_emb(t, cos[positions], sin[positions])

@@ -60,7 +60,7 @@ def pipe_forward_worker(rank: int, world_size: int) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.core.transformer_config import TransformerConfig
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
     from megatron.models.gpt.model_pipe import (
         GPTModelPipe,
         megatron_state_dict_from_pipe_layers,

@@ -245,7 +245,7 @@ def test_reverse_round_trip_is_bitwise(ds_checkpoints: dict, tmp_path: Path) -> 
         assert roundtrip[key] == getattr(original["args"], key, 0), key
     rank = f"iter_{ITERATION:07d}/mp_rank_00/model_optim_rng.pt"
     first, second = (torch.load(d / rank, weights_only=False)["model"] for d in (meg, meg2))
-    from megatron.model import flatten_checkpoint_state_dict
+    from megatron.layers import flatten_checkpoint_state_dict
 
     a, b = flatten_checkpoint_state_dict(first), flatten_checkpoint_state_dict(second)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -253,7 +253,7 @@ def test_reverse_round_trip_is_bitwise(ds_checkpoints: dict, tmp_path: Path) -> 
 
 def test_pipeline_split_and_tp_reshard_keep_the_weights(ds_checkpoints: dict, tmp_path: Path) -> None:
     """--target-pp 2 / --target-tp 2 write Megatron's stage and shard names; converting back merges them exactly."""
-    from megatron.model import flatten_checkpoint_state_dict
+    from megatron.layers import flatten_checkpoint_state_dict
 
     src = ds_checkpoints["root"] / "zero1"
     out = tmp_path / "meg_pp2_tp2"

@@ -72,7 +72,7 @@ def _weights_vs_megatron(rank: int, world_size: int, argv: list[str], ref_load: 
     from megatron.checkpoint.checkpointing import load_checkpoint
     from megatron.core import parallel_state as ps
     from megatron.initialize import initialize_megatron
-    from megatron.model.enums import ModelType
+    from megatron.layers.enums import ModelType
     from megatron.run_configs.bundle import RunConfigs
     from megatron.training import setup_model_and_optimizer
     from megatron.training_state import TrainingState

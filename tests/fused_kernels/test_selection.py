@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from megatron import fused_kernels
-from megatron.model.enums import AttnMaskType
-from megatron.model.fused_softmax import FusedScaleMaskSoftmax
-from megatron.model.mlp import ParallelMLP
-from megatron.model.utils import attention_mask_func
+from megatron.layers.enums import AttnMaskType
+from megatron.layers.fused_softmax import FusedScaleMaskSoftmax
+from megatron.layers.mlp import ParallelMLP
+from megatron.layers.utils import attention_mask_func
 from tests.model.helpers import batch, build_gpt, tiny_config
 
 

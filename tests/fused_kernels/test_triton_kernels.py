@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from megatron import fused_kernels  # noqa: E402
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
-from megatron.model.rotary import RotaryEmbedding, apply_rotary_pos_emb  # noqa: E402
+from megatron.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb  # noqa: E402
 
 KERNEL_MODULES = ("softmax", "activations", "norms", "rope", "cross_entropy")
 TOL = {torch.float32: dict(rtol=1e-5, atol=2e-6), torch.float16: dict(rtol=2e-3, atol=2e-3),
@@ -78,7 +78,7 @@ def test_scaled_masked_softmax(dtype):
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_bias_gelu_and_bias_swiglu(dtype, with_bias):
     from megatron.fused_kernels.activations import bias_gelu, bias_swiglu
-    from megatron.model.mlp import swiglu
+    from megatron.layers.mlp import swiglu
 
     g = torch.Generator().manual_seed(1)
     for fused, ref_fn, width in ((bias_gelu, lambda t: F.gelu(t, approximate="tanh"), 37), (bias_swiglu, swiglu, 38)):
@@ -102,8 +102,8 @@ def test_bias_gelu_and_bias_swiglu(dtype, with_bias):
                                     (torch.float32, torch.bfloat16)])
 def test_norm_modules(dtypes):
     """RMSNorm and MixedFusedLayerNorm (1p too) with the kernel selected vs the same module on the torch path."""
-    from megatron.model.fused_layer_norm import MixedFusedLayerNorm
-    from megatron.model.norms import RMSNorm
+    from megatron.layers.fused_layer_norm import MixedFusedLayerNorm
+    from megatron.layers.norms import RMSNorm
 
     x_dtype, p_dtype = dtypes
     g = torch.Generator().manual_seed(2)

@@ -7,7 +7,7 @@ import torch
 
 from megatron import fused_kernels
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.model.attention import CoreAttention
+from megatron.layers.attention import CoreAttention
 from tests.gpu.helpers import GPU
 from tests.model.helpers import batch, build_gpt, tiny_config
 
@@ -72,9 +72,9 @@ def test_sdpa_kernels_equal_the_explicit_path(backend: str) -> None:
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_softmax(causal: bool) -> None:
-    from megatron.model.enums import AttnMaskType
-    from megatron.model.fused_softmax import FusedScaleMaskSoftmax
-    from megatron.model.utils import attention_mask_func
+    from megatron.layers.enums import AttnMaskType
+    from megatron.layers.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.layers.utils import attention_mask_func
 
     softmax = FusedScaleMaskSoftmax(False, True, AttnMaskType.causal if causal else AttnMaskType.padding, True,
                                     attention_mask_func, True, 2.0)
@@ -88,8 +88,8 @@ def test_triton_softmax(causal: bool) -> None:
 
 @pytest.mark.parametrize("kind", ["gelu", "swiglu"])
 def test_triton_bias_activations(kind: str) -> None:
-    from megatron.model.mlp import swiglu
-    from megatron.model.utils import gelu_impl
+    from megatron.layers.mlp import swiglu
+    from megatron.layers.utils import gelu_impl
 
     width = FFN * (2 if kind == "swiglu" else 1)
     x = torch.randn(ROWS, width, device=DEVICE, dtype=torch.bfloat16)
@@ -101,7 +101,7 @@ def test_triton_bias_activations(kind: str) -> None:
 
 @pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
 def test_triton_norms(norm: str) -> None:
-    from megatron.model.norms import build_norm
+    from megatron.layers.norms import build_norm
 
     module = build_norm(tiny_config(hidden_size=HIDDEN, normalization=norm, params_dtype=torch.bfloat16)).to(DEVICE)
     x = torch.randn(ROWS, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
@@ -119,7 +119,7 @@ def test_triton_norms(norm: str) -> None:
 
 
 def test_triton_rope() -> None:
-    from megatron.model.rotary import RotaryEmbedding, apply_rotary_pos_emb
+    from megatron.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
 
     s, b, h, d = ROPE
     qkv = torch.randn(s, b, h, 3 * d, device=DEVICE, dtype=torch.bfloat16)

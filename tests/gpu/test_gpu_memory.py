@@ -30,7 +30,7 @@ def measured_forward_activation_bytes(args, device: str = DEVICE) -> float:
     """Peak bytes allocated during one training forward (dropout on: the explicit attention path Megatron's formula
     describes) above what was allocated before it."""
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
 
     model_parallel_manual_seed(1234, 0)
     model = GPTModel(model_config(args)).to(device).train()

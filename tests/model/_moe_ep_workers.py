@@ -9,7 +9,7 @@ H, FFN, SEQ, BATCH, EXPERTS = 32, 48, 16, 2, 4
 
 def _layer(kw: dict, ep_group, dispatcher: str, w: dict):
     from megatron.core.transformer_config import TransformerConfig
-    from megatron.model.moe import MoELayer
+    from megatron.layers.moe import MoELayer
 
     config = TransformerConfig(
         num_layers=1, hidden_size=H, num_attention_heads=4, ffn_hidden_size=FFN, padded_vocab_size=64,

@@ -8,7 +8,7 @@ def ep_parameter_worker(rank: int, world_size: int, args: argparse.Namespace) ->
     """This rank's parameter count of the GPT model of `args` under --expert-model-parallel-size `world_size`:
     (name, numel, is-expert) per parameter."""
     from megatron.core import parallel_state
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
     from megatron.theoretical_memory_usage import model_config
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world_size)

@@ -5,7 +5,7 @@ import torch
 
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model import GPTModel
+from megatron.models.gpt.model import GPTModel
 
 VOCAB = 64
 SEQ = 8

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.model import GPTModel
 from megatron.models.gpt.hf_bloom import hf_bloom_to_megatron_state_dict, megatron_config_from_hf_bloom
+from megatron.models.gpt.model import GPTModel
 
 # name -> BloomConfig kwargs: 16 heads (a power of two) and 12 heads (not one: the interleaved extra slopes).
 FAMILIES = {

@@ -155,7 +155,7 @@ def _tp2_worker(rank: int, world_size: int, cases: list[tuple[bool, bool]]) -> l
 
 
 def _tp2_case(state, binary: bool, sequence_parallel: bool) -> dict:
-    from megatron.model.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
+    from megatron.layers.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
 
     full = build_bert(bert_config(), binary)
     config = bert_config(tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from megatron.arguments import ArgumentError, core_transformer_config_from_args, parse_args, validate_args
 from megatron.checkpoint.args import ArchitectureMismatchError, architecture_from_args, check_architecture
-from megatron.model.mlp import ParallelMLP
+from megatron.layers.mlp import ParallelMLP
 from tests.model.helpers import batch, build_gpt, tiny_config
 
 BASE = ("--num-layers 2 --hidden-size 48 --num-attention-heads 6 --seq-length 32 --micro-batch-size 2 --train-iters 4 "

@@ -9,8 +9,8 @@ import torch
 
 from megatron.checkpoint.formats import rank_piece
 from megatron.core.parallel_state import ParallelState
-from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
-from megatron.model.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
+from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
+from megatron.layers.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
 from tests.model.helpers import build_gpt, tiny_config
 
 

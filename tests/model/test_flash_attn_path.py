@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.model import attention
-from megatron.model.attention import CoreAttention, describe_attention_path
-from megatron.model.enums import AttnMaskType
+from megatron.layers import attention
+from megatron.layers.attention import CoreAttention, describe_attention_path
+from megatron.layers.enums import AttnMaskType
 from tests.model.helpers import tiny_config
 
 SQ, B, NP, HN = 16, 2, 4, 8

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.model import GPTModel, InferenceParams, ParallelTransformer
-from megatron.model.attention import CoreAttention
+from megatron.layers import InferenceParams, ParallelTransformer
+from megatron.layers.attention import CoreAttention
+from megatron.models.gpt.model import GPTModel
 from tests.model.helpers import VOCAB, batch, build_gpt, tiny_config
 
 LAYER_KEYS = [
@@ -204,7 +205,7 @@ def test_bad_config_errors_are_clear():
 
 def test_pipeline_layer_offsets_match_megatron():
     from megatron.core.parallel_state import ParallelState
-    from megatron.model.transformer import layers_on_this_stage
+    from megatron.layers.transformer import layers_on_this_stage
 
     config = tiny_config(num_layers=8)
     # plain pipeline: 4 stages of 2 layers
@@ -228,7 +229,7 @@ def test_pipeline_layer_offsets_match_megatron():
 
 
 def test_float16_module_wraps_gpt():
-    from megatron.model import Float16Module, unwrap_model
+    from megatron.layers import Float16Module, unwrap_model
 
     inner = build_gpt(tiny_config())
     model = Float16Module(inner, torch.bfloat16)
@@ -247,7 +248,7 @@ def test_float16_module_wraps_gpt():
 
 
 def test_tp_shard_rules_match_layer_attributes_and_round_trip():
-    from megatron.model.tp_shards import (
+    from megatron.layers.tp_shards import (
         merge_tensor_parallel_state_dicts,
         split_tensor_parallel_state_dict,
         tensor_parallel_dim,
@@ -285,7 +286,7 @@ def test_mask_none_means_causal():
 
 
 def test_mask_classification_is_cached_per_mask_object():
-    from megatron.model.attention import _classify_mask
+    from megatron.layers.attention import _classify_mask
 
     causal = torch.ones(1, 1, 4, 4, dtype=torch.bool).triu(1)
     assert _classify_mask(causal, 4, 4) == (False, True)

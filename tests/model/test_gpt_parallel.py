@@ -11,8 +11,8 @@ import torch.distributed as dist
 from megatron.core.distributed.finalize_model_grads import allreduce_embedding_grads
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.model import GPTModel
-from megatron.model.tp_shards import split_tensor_parallel_state_dict
+from megatron.layers.tp_shards import split_tensor_parallel_state_dict
+from megatron.models.gpt.model import GPTModel
 from tests.dist_utils import run_distributed
 from tests.model.helpers import batch, build_gpt, tiny_config
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.model.alibi import AlibiBias, alibi_slopes
+from megatron.layers.alibi import AlibiBias, alibi_slopes
 from megatron.models.gpt.hf_bloom import hf_bloom_config_kwargs, megatron_to_hf_bloom_state_dict
 from megatron.text_generation import generate
 from tests.dist_utils import run_distributed
@@ -133,9 +133,9 @@ def test_non_bloom_config_is_one_line():
 def _tp2_worker(rank: int, world_size: int, refs: dict) -> list:
     from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.model import GPTModel
-    from megatron.model.tp_shards import split_tensor_parallel_state_dict
+    from megatron.layers.tp_shards import split_tensor_parallel_state_dict
     from megatron.models.gpt.hf_bloom import hf_bloom_to_megatron_state_dict, megatron_config_from_hf_bloom
+    from megatron.models.gpt.model import GPTModel
 
     done = []
     for family, ref in refs.items():

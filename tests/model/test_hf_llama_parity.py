@@ -56,7 +56,7 @@ def test_kv_cache_equals_recompute_gqa():
 
 
 def test_kv_cache_holds_query_groups_not_expanded_heads():
-    from megatron.model import InferenceParams
+    from megatron.layers import InferenceParams
 
     model = megatron_twin(hf_model("llama_gqa"))
     params = InferenceParams(2, 16)

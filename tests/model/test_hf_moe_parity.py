@@ -10,7 +10,7 @@ import torch
 from megatron.checkpoint.conversion.hf_format import read_hf, write_hf
 from megatron.checkpoint.conversion.interchange import messages_from_state_dict, state_dict_from_messages
 from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.model import GPTModel
+from megatron.models.gpt.model import GPTModel
 from megatron.text_generation import generate
 
 transformers = pytest.importorskip("transformers")

@@ -7,14 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model import Float16Module
-from megatron.model.enums import AttnMaskType
-from megatron.model.layer_specs import TransformerLayerSpec, transformer_layer_spec
-from megatron.model.mlp import ParallelMLP, activation_for
-from megatron.model.norms import RMSNorm, build_norm
-from megatron.model.rotary import RotaryEmbedding, apply_rotary_pos_emb
-from megatron.model.transformer import ParallelTransformerLayer
-from megatron.model.utils import gelu_impl
+from megatron.layers import Float16Module
+from megatron.layers.enums import AttnMaskType
+from megatron.layers.layer_specs import TransformerLayerSpec, transformer_layer_spec
+from megatron.layers.mlp import ParallelMLP, activation_for
+from megatron.layers.norms import RMSNorm, build_norm
+from megatron.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
+from megatron.layers.transformer import ParallelTransformerLayer
+from megatron.layers.utils import gelu_impl
 from megatron.models.gpt.layer_spec import gpt_layer_spec
 from megatron.models.gpt.model_pipe import FinalLayerNormPipe, ParallelTransformerLayerPipe
 from tests.model.helpers import batch, build_gpt, tiny_config
@@ -190,7 +190,7 @@ def test_llama_half_precision_close_to_fp32(dtype):
 
 
 def test_swiglu_function_bitwise_equals_autograd_of_silu_times_up():
-    from megatron.model.mlp import swiglu
+    from megatron.layers.mlp import swiglu
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, 3, 14, generator=g, requires_grad=True)
@@ -225,7 +225,7 @@ def test_rmsnorm_fp32_function_forward_bitwise_backward_equals_autograd():
 
 
 def test_rotary_function_bitwise_equals_plain_expression_and_its_autograd():
-    from megatron.model.rotary import rotate_half
+    from megatron.layers.rotary import rotate_half
 
     rope = RotaryEmbedding(16, 500000.0)
     cos, sin = rope.cos_sin(5, 2, torch.device("cpu"), torch.float32)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.core.tensor_parallel import get_tp_layout
-from megatron.model.tp_shards import (
+from megatron.layers.tp_shards import (
     merge_tensor_parallel_state_dicts,
     split_tensor_parallel_state_dict,
     tensor_parallel_layouts,

@@ -6,8 +6,8 @@ import types
 import pytest
 import torch
 
-from megatron.model.language_model import lm_cross_entropy
-from megatron.model.utils import check_model_layout, pp_size_of, resolve_tp_group
+from megatron.layers.language_model import lm_cross_entropy
+from megatron.layers.utils import check_model_layout, pp_size_of, resolve_tp_group
 from megatron.models.bert.model import BertModel
 from megatron.models.t5.model import T5Model
 from tests.model.helpers import tiny_config

@@ -11,7 +11,7 @@ import torch
 
 from megatron.core import moe_aux
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.moe import MoELayer
+from megatron.layers.moe import MoELayer
 from tests.mcore_oracle import run_oracle
 
 pytestmark = pytest.mark.slow

@@ -1,17 +1,17 @@
-"""The MoE layer's gather-only permutations and expert runs (megatron/model/moe_permute.py, moe.expert_buckets).
+"""The MoE layer's gather-only permutations and expert runs (megatron/layers/moe_permute.py, moe.expert_buckets).
 
 Proof: dispatch/combine and their gradients equal index_select / index_add bitwise, with uneven rows per token
 (capacity drops) and padding rows; the expert runs cover every expert once, stay one run for balanced routing; a
 layer computed in many runs equals the one-run layer (outputs and every gradient) on skewed routing; the SwiGLU
-experts' single autograd function (megatron/model/moe_swiglu_experts.py) equals the per-run autograd graph bitwise.
+experts' single autograd function (megatron/layers/moe_swiglu_experts.py) equals the per-run autograd graph bitwise.
 """
 from __future__ import annotations
 
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model import moe
-from megatron.model.moe_permute import combine, dispatch, inverse_table
+from megatron.layers import moe
+from megatron.layers.moe_permute import combine, dispatch, inverse_table
 
 
 def test_dispatch_and_combine_equal_index_select_and_index_add_bitwise():
@@ -120,7 +120,7 @@ def test_swiglu_experts_function_equals_autograd_path_bitwise(monkeypatch):
     """The SwiGLU experts as one autograd function (gradients written into one buffer per input, no concatenation)
     equal the per-run autograd graph bitwise: output and the gradients of rows, routing weights, W1 and W2, in one
     run and in several, with the weights' gradient needed or not."""
-    from megatron.model import moe_swiglu_experts
+    from megatron.layers import moe_swiglu_experts
 
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, num_moe_experts=5,
                                moe_ffn_hidden_size=12, moe_router_topk=2, add_bias_linear=False, swiglu=True)

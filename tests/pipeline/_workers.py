@@ -38,7 +38,7 @@ def serial_gpt(args: Any, state: Any) -> torch.nn.Module:
     from megatron.arguments import core_transformer_config_from_args
     from megatron.core.tensor_parallel import get_rng_tracker
     from megatron.core.tensor_parallel.random import model_parallel_manual_seed
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
 
     config = dataclasses.replace(core_transformer_config_from_args(args), pipeline_model_parallel_size=1,
                                  context_parallel_size=1)  # CP splits no weights

@@ -169,7 +169,7 @@ class _EnumByName:
 def test_enum_members_pickled_by_name_load_and_other_getattr_is_refused(tmp_path: Path) -> None:
     import argparse
 
-    from megatron.model.enums import ModelType
+    from megatron.layers.enums import ModelType
 
     ok, bad = tmp_path / "ok.pt", tmp_path / "bad.pt"
     torch.save({"args": argparse.Namespace(model_type=_EnumByName(ModelType, "encoder_or_decoder"))}, ok)

@@ -32,7 +32,7 @@ from megatron.checkpoint.conversion.torch_dist import read_common, read_dcp_meta
 from megatron.checkpoint.integrity import write_manifest
 from megatron.checkpoint.safe_load import UnsafeCheckpointError, guarded_torch_load, safe_torch_load
 from megatron.errors import MegatronUserError
-from megatron.model.enums import ModelType
+from megatron.layers.enums import ModelType
 from tests.reliability.helpers import assert_one_line_error, run, train_argv
 
 FS = "torch.distributed.checkpoint.filesystem"  # imports os
@@ -296,7 +296,7 @@ def test_torch_file_tricks_through_allowed_names(tmp_path: Path) -> None:
     _reconstruct and torch's _rebuild_from_type_v2 build nothing off the list."""
     bad = tmp_path / "common.pt"
     getattr_ = _g("builtins", "getattr", stack=False)
-    enum_cls = _g("megatron.model.enums", "ModelType", stack=False)
+    enum_cls = _g("megatron.layers.enums", "ModelType", stack=False)
     tricks = {
         "getattr to __globals__": _call(getattr_, _call(getattr_, enum_cls, _s("__new__")), _s("__globals__")),
         "getattr to a module": _call(getattr_, enum_cls, _s("__module__")),

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model import GPTModel
-from megatron.model.tp_shards import split_tensor_parallel_state_dict
+from megatron.layers.tp_shards import split_tensor_parallel_state_dict
+from megatron.models.gpt.model import GPTModel
 
 LAYERS, HIDDEN, HEADS, SEQ, PADDED_VOCAB = 2, 64, 4, 64, 5120
 

@@ -11,7 +11,7 @@ import torch
 
 from megatron.core.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.model import GPTModel
+from megatron.models.gpt.model import GPTModel
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from tasks.zeroshot_gpt.evaluate import evaluate
 from tests.dist_utils import run_distributed

@@ -5,7 +5,7 @@ import torch
 
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model import GPTModel
+from megatron.models.gpt.model import GPTModel
 
 VOCAB = 128
 PROMPTS = [[5, 17, 33], [9, 2, 71, 40, 3, 88, 12], [100, 1, 64, 7, 7]]  # different lengths, batched together

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatron.core.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
-from megatron.model import GPTModel
-from megatron.model.tp_shards import split_tensor_parallel_state_dict
+from megatron.layers.tp_shards import split_tensor_parallel_state_dict
+from megatron.models.gpt.model import GPTModel
 from megatron.text_generation import generate
 from megatron.text_generation.model_loading import InferenceLoadError, load_model_for_inference
 from megatron.text_generation.server import MegatronServer

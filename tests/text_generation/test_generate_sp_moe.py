@@ -8,8 +8,8 @@ import torch
 
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.model import GPTModel
-from megatron.model.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
+from megatron.layers.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
+from megatron.models.gpt.model import GPTModel
 from megatron.text_generation import generate
 from megatron.text_generation.scoring import score_tokens
 from tests.dist_utils import run_distributed

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron.model.tp_shards import split_tensor_parallel_state_dict
+from megatron.layers.tp_shards import split_tensor_parallel_state_dict
 from megatron.text_generation import generate
 from tests.dist_utils import run_distributed
 from tests.text_generation.helpers import PROMPTS, VOCAB, build_model

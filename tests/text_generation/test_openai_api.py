@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron.model.tp_shards import split_tensor_parallel_state_dict
+from megatron.layers.tp_shards import split_tensor_parallel_state_dict
 from megatron.text_generation import generate
 from megatron.text_generation.server import build_server
 from tests.dist_utils import run_distributed
@@ -292,7 +292,7 @@ def _pp2_body(rank: int, world_size: int, full_state: dict, shared_data, payload
 
 
 def test_pp2_server_equals_pp1(shared_data):
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
     from tests.text_generation.helpers import tiny_config
     from tests.text_generation.test_generate_pp import LAYERS
 

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron.model import GPTModel
-from megatron.model.tp_shards import split_tensor_parallel_state_dict
+from megatron.layers.tp_shards import split_tensor_parallel_state_dict
+from megatron.models.gpt.model import GPTModel
 from megatron.text_generation import generate
 from megatron.text_generation.disconnect import client_gone
 from megatron.text_generation.server import MegatronServer, build_server

@@ -17,7 +17,7 @@ import pytest
 
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model import GPTModel
+from megatron.models.gpt.model import GPTModel
 from megatron.text_generation import generate
 from megatron.text_generation.server import build_server
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer

@@ -6,7 +6,7 @@ import functools
 import time
 
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron.model.tp_shards import split_tensor_parallel_state_dict
+from megatron.layers.tp_shards import split_tensor_parallel_state_dict
 from megatron.text_generation import generate
 from megatron.text_generation.disconnect import StopCheck
 from megatron.text_generation.server import MegatronServer

@@ -52,7 +52,7 @@ def checkpoint(shared_data: Path, repo_root: Path, tmp_path_factory: pytest.Temp
 
 def _in_process_generate(checkpoint: dict, prompts: list[list[int]], n: int, **kw) -> dict:
     from megatron.arguments import core_transformer_config_from_args
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
     from megatron.text_generation import generate
 
     sd = torch.load(os.path.join(checkpoint["ckpt"], "iter_0000002", "mp_rank_00", "model_optim_rng.pt"),
@@ -98,9 +98,8 @@ def test_tool_under_torchrun_with_tp2(checkpoint, repo_root):
     """TP=2 checkpoint (pretrain_gpt.py under torchrun), sampled under torchrun with TP=2: same tokens as generate()
     on the merged TP=1 weights in this process."""
     from megatron.arguments import core_transformer_config_from_args
-    from megatron.model import GPTModel
-    from megatron.model.tp_shards import merge_tensor_parallel_state_dicts
-    from megatron.models.gpt.model import flatten_checkpoint_state_dict
+    from megatron.layers.tp_shards import merge_tensor_parallel_state_dicts
+    from megatron.models.gpt.model import GPTModel, flatten_checkpoint_state_dict
     from megatron.text_generation import generate
     from tests.dist_utils import free_port
 

@@ -14,9 +14,8 @@ from megatron.checkpoint.conversion.megatron_format import write_megatron
 from megatron.checkpoint.safe_load import safe_torch_load
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model import GPTModel
-from megatron.model.tp_shards import merge_tensor_parallel_state_dicts
-from megatron.models.gpt.model import flatten_checkpoint_state_dict
+from megatron.layers.tp_shards import merge_tensor_parallel_state_dicts
+from megatron.models.gpt.model import GPTModel, flatten_checkpoint_state_dict
 
 TRUE_VOCAB = 61
 DIVISIBLE = 4  # make-vocab-size-divisible-by: 61 -> 64 at TP1/TP2/TP4, different padding rows per TP
@@ -104,7 +103,7 @@ def load_files(folder: str) -> Dict:
 
 def merge_independently(folder: str, cfg: TransformerConfig) -> Dict[str, torch.Tensor]:
     """Full TP=1 flat state dict of a checkpoint: Megatron's layer offsets written out here, TP merge by the
-    parameters' layouts (megatron.model.tp_shards) - no code of the converter's reader."""
+    parameters' layouts (megatron.layers.tp_shards) - no code of the converter's reader."""
     files = load_files(folder)
     tp = max(t for t, _ in files) + 1
     pp = max(p for _, p in files) + 1

@@ -268,10 +268,10 @@ def test_megatron_lm_module_paths():
 @pytest.mark.parametrize("pp,vl", [(2, 1), (4, None), (2, None)])
 def test_pipeline_files_load_strictly_into_the_real_stage_models(tmp_path, pp, vl):
     """Each converted (virtual) stage loads strictly into the GPTModel chunk Megatron builds for that stage
-    (layer offsets of megatron.model.transformer), and chaining the chunks gives the source's logits exactly."""
+    (layer offsets of megatron.layers.transformer), and chaining the chunks gives the source's logits exactly."""
     import dataclasses
 
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
 
     cfg = config("llama")
     model = build(cfg)
@@ -389,7 +389,7 @@ def _tp2_load_worker(rank: int, world_size: int, folder: str, rows: int) -> list
     from megatron.checkpoint.checkpointing import load_checkpoint
     from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
 
     state = initialize_model_parallel(tensor_model_parallel_size=2)
     try:

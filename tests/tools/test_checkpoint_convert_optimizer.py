@@ -129,8 +129,7 @@ def test_regular_optimizer_order_matches_real_stage_models(family):
 
     from megatron.checkpoint.conversion.megatron_format import layer_layouts
     from megatron.checkpoint.conversion.optimizer_state import regular_param_order
-    from megatron.model import GPTModel
-    from megatron.models.gpt.model import flatten_checkpoint_state_dict
+    from megatron.models.gpt.model import GPTModel, flatten_checkpoint_state_dict
     from megatron.optimizer.param_groups import get_param_groups
     from tests.tools.checkpoint_convert_helpers import config, meta_for
 

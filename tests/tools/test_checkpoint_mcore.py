@@ -23,7 +23,8 @@ import torch
 
 from megatron.arguments import core_transformer_config_from_args, parse_args, validate_args
 from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.model import GPTModel, ModelType
+from megatron.layers import ModelType
+from megatron.models.gpt.model import GPTModel
 from tests.mcore_oracle import ORACLE_CPU_PRELUDE, run_oracle
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ = 2, 32, 4, 128, 16
@@ -766,7 +767,7 @@ def test_torch_dist_save_flags_refused_in_one_line(tmp_path):
 def test_moe_expert_names_both_spellings_round_trip():
     """Core's per-expert local names and Transformer Engine's grouped names give the same stacked tensors of ours;
     ours written back (local spelling) reads again unchanged; a gap in the experts is one line."""
-    from megatron.model.mcore_names import UnsupportedCoreCheckpoint, core_to_ours, ours_to_core
+    from megatron.layers.mcore_names import UnsupportedCoreCheckpoint, core_to_ours, ours_to_core
 
     g = torch.Generator().manual_seed(0)
     fc1 = [torch.randn(12, 8, generator=g) for _ in range(3)]  # [F x2 (gate; up), h] per expert

@@ -17,7 +17,7 @@ import pytest
 from megatron.checkpoint.conversion.driver import convert, parse_args
 from megatron.checkpoint.conversion.interchange import ConversionError, messages_from_state_dict
 from megatron.checkpoint.conversion.megatron_format import write_megatron
-from megatron.model.attention import reset_flash_attn_cache
+from megatron.layers.attention import reset_flash_attn_cache
 from megatron.run_configs.tokenizer import TokenizerSettings
 from megatron.tokenizer.tokenizer import make_tokenizer
 from tests.tools.checkpoint_convert_helpers import build, config, meta_for
@@ -172,7 +172,7 @@ def test_the_weightless_layout_model_of_conversion_prints_no_attention_line(caps
     print which attention path would run (a real model still does)."""
     import torch
 
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
 
     reset_flash_attn_cache()
     with torch.device("meta"):

@@ -3,7 +3,7 @@
 1. A folder that `pretrain_gpt.py --ckpt-format torch_dist` writes loads with megatron-core 0.16.1's own read path
    (tests/mcore_oracle.py): `dist_checkpointing.load_common_state_dict` and `dist_checkpointing.load` unpickle
    ``common.pt`` weights-only with megatron-core's safe globals, so ``args.model_type`` must be its
-   ``megatron.core.enums.ModelType`` (ours was megatron.model.enums.ModelType, unknown to Megatron-LM); the weights
+   ``megatron.core.enums.ModelType`` (ours was megatron.layers.enums.ModelType, unknown to Megatron-LM); the weights
    it loads into Core's GPTModel are ours. Older folders holding our enum still load here.
 2. A Megatron Core checkpoint without ``args`` (Megatron-LM takes the architecture from its command line) loads with
    ``--load`` and the model flags; each tensor's shape is checked against the model the flags build, a mismatch is
@@ -23,8 +23,8 @@ import torch
 from megatron.checkpoint.conversion.torch_dist import COMMON, core_args, read_iteration
 from megatron.checkpoint.safe_load import safe_torch_load
 from megatron.core.enums import ModelType as CoreModelType
-from megatron.model.enums import ModelType
-from megatron.model.mcore_names import ours_to_core
+from megatron.layers.enums import ModelType
+from megatron.layers.mcore_names import ours_to_core
 from tests.mcore_oracle import ORACLE_CPU_PRELUDE, run_oracle
 from tests.reliability.helpers import MODEL, assert_one_line_error, build_corpus, run, train_argv
 

@@ -48,7 +48,7 @@ def test_presets_define_the_published_models(name: str, shape: tuple) -> None:
 def test_mixtral_8x7b_has_the_published_parameter_count() -> None:
     """Hugging Face's Mixtral-8x7B-v0.1: 46,702,792,704 parameters."""
     from megatron.arguments import core_transformer_config_from_args
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
 
     args = _args("mixtral_8x7b")
     args.padded_vocab_size = 32000

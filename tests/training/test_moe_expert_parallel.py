@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
+from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
 from tests.dist_utils import run_distributed
 from tests.log_lines import iteration_values
 from tests.training._moe_ep_workers import run_steps

@@ -59,7 +59,7 @@ def _model_rank(seq: int, steps: int) -> dict[str, Any]:
     from megatron.core.context_parallel import slice_for_cp
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.core.transformer_config import TransformerConfig
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
 
     n = dist.get_world_size()
     state = ps.initialize_model_parallel(context_parallel_size=n)

@@ -30,8 +30,8 @@ def build(args: argparse.Namespace):
 
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.core.transformer_config import TransformerConfig
-    from megatron.model import GPTModel
     from megatron.models.gpt.hf import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
+    from megatron.models.gpt.model import GPTModel
 
     config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                                padded_vocab_size=VOCAB, max_position_embeddings=1024, hidden_dropout=0.0,

@@ -29,8 +29,8 @@ def build(args: argparse.Namespace):
     import transformers
 
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.model import GPTModel
     from megatron.models.gpt.hf import hf_llama_to_megatron_state_dict, megatron_config_from_hf_llama
+    from megatron.models.gpt.model import GPTModel
 
     cfg = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,

@@ -94,8 +94,8 @@ def _megatron_step(config, mbs: int):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.model import GPTModel
-    from megatron.model.module import Float16Module
+    from megatron.layers.module import Float16Module
+    from megatron.models.gpt.model import GPTModel
     from megatron.optimizer import get_megatron_optimizer
     from megatron.optimizer.optimizer_config import OptimizerConfig
     from tools.benchmarks.bench_common import gpt_forward_step
@@ -212,8 +212,8 @@ def hf_bench(quick: bool, steps: int, mbs: int) -> dict:
 def generation_bench(quick: bool) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from megatron.model import GPTModel
     from megatron.models.gpt.hf import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
+    from megatron.models.gpt.model import GPTModel
     from megatron.text_generation import generate
 
     config = _config(min(4, LAYERS) if quick else LAYERS)
@@ -245,13 +245,13 @@ def generation_bench(quick: bool) -> dict:
 def kernel_bench() -> dict:
     from megatron import fused_kernels
     from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-    from megatron.model.enums import AttnMaskType
-    from megatron.model.fused_layer_norm import MixedFusedLayerNorm
-    from megatron.model.fused_softmax import FusedScaleMaskSoftmax
-    from megatron.model.mlp import swiglu
-    from megatron.model.norms import RMSNorm
-    from megatron.model.rotary import RotaryEmbedding, apply_rotary_pos_emb
-    from megatron.model.utils import attention_mask_func, gelu_impl
+    from megatron.layers.enums import AttnMaskType
+    from megatron.layers.fused_layer_norm import MixedFusedLayerNorm
+    from megatron.layers.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.layers.mlp import swiglu
+    from megatron.layers.norms import RMSNorm
+    from megatron.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
+    from megatron.layers.utils import attention_mask_func, gelu_impl
 
     bf16 = dict(device=DEV, dtype=torch.bfloat16)
     small = DEV == "cpu"

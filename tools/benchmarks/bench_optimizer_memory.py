@@ -69,8 +69,8 @@ def _worker(rank: int, world_size: int, port: int, dtype_name: str, distopt: boo
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
         from megatron.core.tensor_parallel import model_parallel_manual_seed
         from megatron.core.transformer_config import TransformerConfig
-        from megatron.model import GPTModel
-        from megatron.model.module import Float16Module
+        from megatron.layers.module import Float16Module
+        from megatron.models.gpt.model import GPTModel
         from megatron.optimizer import get_megatron_optimizer
         from megatron.optimizer.optimizer_config import OptimizerConfig
 

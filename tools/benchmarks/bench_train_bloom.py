@@ -67,8 +67,8 @@ def build_megatron(hf_model):
     no-pipelining schedule."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.model import GPTModel
     from megatron.models.gpt.hf_bloom import hf_bloom_to_megatron_state_dict, megatron_config_from_hf_bloom
+    from megatron.models.gpt.model import GPTModel
 
     model_parallel_manual_seed(1234, 0)
     config = megatron_config_from_hf_bloom(hf_model.config, max_position_embeddings=SEQ)

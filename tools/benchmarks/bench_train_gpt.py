@@ -48,7 +48,7 @@ def build_megatron():
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.core.transformer_config import TransformerConfig
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
     from megatron.optimizer import get_megatron_optimizer
     from megatron.optimizer.optimizer_config import OptimizerConfig
 

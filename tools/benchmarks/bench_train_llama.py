@@ -64,8 +64,8 @@ def build_megatron(hf_model):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.model import GPTModel
     from megatron.models.gpt.hf import hf_llama_to_megatron_state_dict, megatron_config_from_hf_llama
+    from megatron.models.gpt.model import GPTModel
     from megatron.optimizer import get_megatron_optimizer
     from megatron.optimizer.optimizer_config import OptimizerConfig
 

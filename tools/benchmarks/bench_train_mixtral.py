@@ -65,7 +65,7 @@ def build_megatron(hf_model):
     from megatron.checkpoint.conversion.hf_format import read_hf
     from megatron.checkpoint.conversion.interchange import state_dict_from_messages
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
 
     with tempfile.TemporaryDirectory() as folder:
         hf_model.save_pretrained(folder)
@@ -84,7 +84,7 @@ def routing_dispatch_share(model, reps: int = 30) -> dict:
     back `reps` times; the share is the median over the reps of (layer - expert MLPs) / layer (pairs taken together
     so that load changes between reps cancel). The rest is routing and dispatch (permutation into padded expert
     groups and back)."""
-    from megatron.model.moe import MoELayer
+    from megatron.layers.moe import MoELayer
 
     layer = next(m for m in model.modules() if isinstance(m, MoELayer))
     x = torch.randn(SEQ, MBS, HIDDEN)

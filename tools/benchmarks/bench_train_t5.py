@@ -120,7 +120,7 @@ def build_gpt():
     """GPTModel + Megatron's fp32 optimizer, as bench_train_gpt.py's step."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.model import GPTModel
+    from megatron.models.gpt.model import GPTModel
 
     model_parallel_manual_seed(1234, 0)
     torch.manual_seed(1234)

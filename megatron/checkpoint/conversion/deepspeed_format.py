@@ -183,7 +183,7 @@ class DeepSpeedCheckpointReader(MegatronCheckpointReader):
 
     def _read_module_files(self, tag_dir: str, files: Dict[Any, str], trust: bool, args: Any) -> List[int]:
         """Weights of a plain engine layout (one mp_rank_XX_model_states.pt per tensor rank); the tensor ranks."""
-        from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
+        from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
 
         tps = sorted(files)
         for t in tps:
@@ -335,7 +335,7 @@ def write_deepspeed(meta: ModelMeta, messages: Iterator[Message], save_dir: str,
         sign_output,
         write_megatron,
     )
-    from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
+    from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
     from megatron.models.gpt.model_pipe import pipe_layers_from_megatron_state_dict
 
     if meta.model_type != "GPT":

@@ -48,7 +48,7 @@ _KEPT_FIELDS = (
     "num_query_groups", "share_embeddings_and_output_weights", "glu_activation", "embed_layernorm",
     "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
     "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
-    # mixture of experts (megatron/model/moe.py)
+    # mixture of experts (megatron/layers/moe.py)
     "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_load_balancing_type",
     "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function",
     "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_expert_capacity_factor", "moe_token_drop_policy",

@@ -2,7 +2,7 @@
 conversion loader and saver, at any tensor / pipeline / virtual-pipeline layout.
 
 Reading opens every rank file memory-mapped through the safe loader (weights-only + allow-list) and merges one
-layer at a time with the parameters' own TP layouts (megatron.model.tp_shards), so the resident memory stays about one
+layer at a time with the parameters' own TP layouts (megatron.layers.tp_shards), so the resident memory stays about one
 layer plus the embeddings. QKV rows of checkpoint_version 0 ([3, heads, d]) and 1.0 ([heads, d, 3]) are reordered
 to the current [heads, 3, d]. Writing splits each layer for the target TP, groups layers into the target's pipeline
 stages / virtual chunks (Megatron's layer offsets), pads the vocabulary for the target TP (repeating the last row,
@@ -87,7 +87,7 @@ def layer_layouts(meta: ModelMeta) -> Dict[str, TensorParallelLayout]:
     if key not in _LAYOUT_CACHE:
         config = meta.config(padded_vocab_size=arch["padded_vocab_size"])
         if bert is None:
-            from megatron.model.tp_shards import tensor_parallel_layouts
+            from megatron.layers.tp_shards import tensor_parallel_layouts
 
             layouts = tensor_parallel_layouts(config)
             for name, layout in list(layouts.items()):  # every layer kind's names under layer 0 (MoE and dense)
@@ -375,7 +375,7 @@ class MegatronCheckpointReader:
         self.opt_common: Dict[str, Any] = {}
 
     def _open(self) -> None:
-        from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
+        from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
 
         # expert parallelism: {(tp, pp, vp): [flat state dict of each expert rank]}, {(tp, pp): [optimizer entries]}
         self.expert_chunks: Dict[Tuple[int, int, int], List[Dict[str, Any]]] = {}

@@ -51,7 +51,7 @@ from megatron.checkpoint.conversion.interchange import (
 from megatron.checkpoint.safe_load import UnsafeCheckpointError, restricted_pickle_load
 from megatron.core.enums import CORE_MODEL_TYPE
 from megatron.errors import MegatronUserError
-from megatron.model.mcore_names import (
+from megatron.layers.mcore_names import (
     OUR_EXPERTS,
     core_layer_suffix_to_ours,
     core_to_ours,
@@ -301,7 +301,7 @@ def _core_rng_dict(state: Dict[str, Any]) -> Dict[str, Any]:
 
 def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """torch_dist's stacked Core tensors -> our full flat TP=1 state dict (one entry per layer)."""
-    from megatron.model.mcore_names import is_core_t5
+    from megatron.layers.mcore_names import is_core_t5
 
     flat: Dict[str, torch.Tensor] = {}
     rest: Dict[str, torch.Tensor] = {}
@@ -341,7 +341,7 @@ def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Te
 
 def ours_to_core_stacked(flat: Dict[str, torch.Tensor], num_layers: int) -> Dict[str, torch.Tensor]:
     """Our full flat TP=1 state dict -> torch_dist's tensors (layers stacked; norms in Transformer Engine's names)."""
-    from megatron.model.mcore_names import is_our_bert, is_our_t5, ours_to_core
+    from megatron.layers.mcore_names import is_our_bert, is_our_t5, ours_to_core
 
     if is_our_t5(flat):
         return _t5_stacked(flat)
@@ -377,7 +377,7 @@ def ours_to_core_stacked(flat: Dict[str, torch.Tensor], num_layers: int) -> Dict
 
 def _t5_stacked(flat: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Our full flat T5 state dict -> torch_dist's tensors (each stack's layers stacked on a leading axis)."""
-    from megatron.model.mcore_names import ours_to_core
+    from megatron.layers.mcore_names import ours_to_core
 
     per: Dict[str, Dict[int, torch.Tensor]] = {}
     out: Dict[str, torch.Tensor] = {}
@@ -409,7 +409,7 @@ def _architecture(common: Dict[str, Any], tensors: Dict[str, torch.Tensor], path
     elif missing:
         raise ConversionError(f"{path} records neither 'architecture' nor args with {', '.join(missing)}: "
                               f"{NO_ARGS_HINT}")
-    from megatron.model.mcore_names import is_core_t5
+    from megatron.layers.mcore_names import is_core_t5
 
     qkv = tensors.get("decoder.layers.self_attention.linear_qkv.weight")
     field = "decoder_num_layers" if is_core_t5(tensors) and arch.get("decoder_num_layers") else "num_layers"
@@ -529,7 +529,7 @@ def _with_optimizer(messages: Iterator[Message], per_key: Dict[str, Iterator[Mes
 
 
 def core_args(args: Any) -> Any:
-    """`args` as Megatron-LM stores them in common.pt: ``model_type`` (our megatron.model.enums member, or any other
+    """`args` as Megatron-LM stores them in common.pt: ``model_type`` (our megatron.layers.enums member, or any other
     enum) becomes Megatron Core's ``megatron.core.enums.ModelType.encoder_or_decoder``, the class megatron-core's
     weights-only loader allow-lists (a copy; `args` itself is left as it is)."""
     model_type = vars(args).get("model_type")  # the saved namespace's own entry (data being written, not a flag read)

@@ -141,7 +141,7 @@ def bucket_state(tensors: Dict[str, torch.Tensor], objects: Dict[str, Any], flat
     from its bucket tensors and ShardedObjects (read_tensors / read_objects with the ``optimizer.distributed.``
     prefix) and the full model `flat` (ours, TP=1) that gives every parameter's shape."""
     from megatron.checkpoint.conversion.megatron_format import layer_layouts
-    from megatron.model.tp_shards import merge_tensor_parallel_state_dicts, split_tensor_parallel_state_dict
+    from megatron.layers.tp_shards import merge_tensor_parallel_state_dicts, split_tensor_parallel_state_dict
 
     what = f"{where}: its distributed optimizer state (Megatron Core's {BUCKETS} layout)"
     saved = SavedRunArgs.from_args(args)

@@ -14,11 +14,11 @@ from typing import Any, Mapping, Optional
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.checkpoint_keys import LANGUAGE_MODEL_KEY, flatten_checkpoint_state_dict
-from megatron.model.enums import AttnMaskType
-from megatron.model.language_model import TransformerLanguageModel
-from megatron.model.module import MegatronModule
-from megatron.model.utils import get_linear_layer, resolve_tp_group
+from megatron.layers.checkpoint_keys import LANGUAGE_MODEL_KEY, flatten_checkpoint_state_dict
+from megatron.layers.enums import AttnMaskType
+from megatron.layers.language_model import TransformerLanguageModel
+from megatron.layers.module import MegatronModule
+from megatron.layers.utils import get_linear_layer, resolve_tp_group
 from megatron.models.bert.layer_spec import bert_layer_spec
 from megatron.models.bert.model import bert_extended_attention_mask, bert_position_ids
 

@@ -15,8 +15,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
-from megatron.model.mlp import activation_for
+from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
+from megatron.layers.mlp import activation_for
 from megatron.models.gpt.hf import qkv_hf_to_megatron, qkv_megatron_to_hf
 
 _LM = "language_model."

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.utils import get_linear_layer
+from megatron.layers.utils import get_linear_layer
 from megatron.models.bert.classification import BertTaskModel
 
 MULTICHOICE_HEAD_KEY = "multichoice_head"

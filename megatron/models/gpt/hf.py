@@ -18,8 +18,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
-from megatron.model.mlp import activation_for
+from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
+from megatron.layers.mlp import activation_for
 
 _LM = "language_model."
 _ENC = _LM + "encoder."

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
+from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
 
 _LM = "language_model."
 _EMB = _LM + "embedding.word_embeddings."

@@ -5,8 +5,8 @@ import dataclasses
 from typing import Optional
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.enums import AttnMaskType
-from megatron.model.layer_specs import TransformerLayerSpec, moe_mlp_builder, transformer_layer_spec
+from megatron.layers.enums import AttnMaskType
+from megatron.layers.layer_specs import TransformerLayerSpec, moe_mlp_builder, transformer_layer_spec
 
 
 def gpt_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:

@@ -6,16 +6,16 @@ from typing import Any, Mapping, Optional
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.checkpoint_keys import (  # noqa: F401 - Megatron's names, also importable from here
+from megatron.layers.checkpoint_keys import (  # noqa: F401 - Megatron's names, also importable from here
     LANGUAGE_MODEL_KEY,
     OUTPUT_COPY,
     WORD_EMBEDDINGS_FOR_HEAD_KEY,
     flatten_checkpoint_state_dict,
 )
-from megatron.model.enums import AttnMaskType
-from megatron.model.language_model import TransformerLanguageModel, lm_cross_entropy, parallel_lm_logits
-from megatron.model.module import MegatronModule
-from megatron.model.utils import check_model_layout, resolve_tp_group
+from megatron.layers.enums import AttnMaskType
+from megatron.layers.language_model import TransformerLanguageModel, lm_cross_entropy, parallel_lm_logits
+from megatron.layers.module import MegatronModule
+from megatron.layers.utils import check_model_layout, resolve_tp_group
 from megatron.models.gpt.layer_spec import gpt_layer_spec
 
 

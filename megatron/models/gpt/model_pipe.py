@@ -38,11 +38,11 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
 from megatron.errors import MegatronUserError
-from megatron.model.checkpoint_keys import flatten_checkpoint_state_dict
-from megatron.model.enums import AttnMaskType
-from megatron.model.language_model import Embedding, lm_cross_entropy, parallel_lm_logits
-from megatron.model.norms import build_norm
-from megatron.model.transformer import ParallelTransformerLayer
+from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
+from megatron.layers.enums import AttnMaskType
+from megatron.layers.language_model import Embedding, lm_cross_entropy, parallel_lm_logits
+from megatron.layers.norms import build_norm
+from megatron.layers.transformer import ParallelTransformerLayer
 from megatron.models.gpt.layer_spec import gpt_layer_spec
 
 EMBEDDING_PREFIX = "language_model.embedding."

@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.enums import AttnMaskType
-from megatron.model.layer_specs import TransformerLayerSpec, transformer_layer_spec
+from megatron.layers.enums import AttnMaskType
+from megatron.layers.layer_specs import TransformerLayerSpec, transformer_layer_spec
 from megatron.models.bert.layer_spec import bert_layer_spec
 
 

@@ -27,20 +27,20 @@ from typing import Any, Mapping, Optional
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.checkpoint_keys import (
+from megatron.layers.checkpoint_keys import (
     LANGUAGE_MODEL_KEY,
     WORD_EMBEDDINGS_FOR_HEAD_KEY,
     flatten_checkpoint_state_dict,
 )
-from megatron.model.enums import AttnMaskType
-from megatron.model.language_model import (
+from megatron.layers.enums import AttnMaskType
+from megatron.layers.language_model import (
     TiedLMHeadWithBias,
     TransformerLanguageModel,
     lm_cross_entropy,
     sequential_position_ids,
 )
-from megatron.model.module import MegatronModule
-from megatron.model.utils import check_model_layout, pp_size_of, resolve_tp_group
+from megatron.layers.module import MegatronModule
+from megatron.layers.utils import check_model_layout, pp_size_of, resolve_tp_group
 from megatron.models.t5.layer_spec import t5_decoder_layer_spec, t5_encoder_layer_spec
 
 LM_HEAD_KEY = "lm_head"

@@ -11,8 +11,8 @@ from typing import Callable, Optional
 import torch
 
 from megatron import fused_kernels
-from megatron.model.enums import AttnMaskType
-from megatron.model.utils import attention_mask_func
+from megatron.layers.enums import AttnMaskType
+from megatron.layers.utils import attention_mask_func
 
 
 class FusedScaleMaskSoftmax(torch.nn.Module):

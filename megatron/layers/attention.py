@@ -6,7 +6,7 @@ Activations are [sequence, batch, ...]; heads are split across the tensor-parall
 grouped per KV group ``[q of the group's heads; k; v]``, so a plain dim-0 split over TP ranks keeps whole groups;
 query head ``g * (heads / groups) + i`` uses K/V head g, and the KV cache holds the groups' K/V (not expanded).
 RoPE (`position_embedding_type == "rope"`) rotates q and k after the split, at positions offset by the decode step.
-ALiBi (`"alibi"`, BLOOM) adds this rank's heads' ``slope * key position`` to the scores (megatron/model/alibi.py):
+ALiBi (`"alibi"`, BLOOM) adds this rank's heads' ``slope * key position`` to the scores (megatron/layers/alibi.py):
 SDPA takes it as an additive float mask (masked entries -inf), the explicit path adds it before the softmax; never
 flash-attn.
 
@@ -39,13 +39,13 @@ import torch.nn.functional as F
 
 from megatron.core import context_parallel, tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.alibi import AlibiBias
-from megatron.model.enums import AttnMaskType, AttnType
-from megatron.model.fused_softmax import FusedScaleMaskSoftmax
-from megatron.model.inference_params import InferenceParams
-from megatron.model.module import MegatronModule
-from megatron.model.rotary import RotaryEmbedding, apply_rotary_pos_emb
-from megatron.model.utils import attention_mask_func, group_rank, group_size
+from megatron.layers.alibi import AlibiBias
+from megatron.layers.enums import AttnMaskType, AttnType
+from megatron.layers.fused_softmax import FusedScaleMaskSoftmax
+from megatron.layers.inference_params import InferenceParams
+from megatron.layers.module import MegatronModule
+from megatron.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
+from megatron.layers.utils import attention_mask_func, group_rank, group_size
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 

@@ -13,7 +13,7 @@ from torch.autograd.function import once_differentiable
 
 from megatron import fused_kernels
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.fused_layer_norm import MixedFusedLayerNorm
+from megatron.layers.fused_layer_norm import MixedFusedLayerNorm
 
 
 class _RMSNormFP32(torch.autograd.Function):

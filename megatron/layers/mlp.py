@@ -20,8 +20,8 @@ from torch.autograd.function import once_differentiable
 from megatron import fused_kernels
 from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.module import MegatronModule
-from megatron.model.utils import gelu_impl, openai_gelu
+from megatron.layers.module import MegatronModule
+from megatron.layers.utils import gelu_impl, openai_gelu
 
 
 def squared_relu(x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from megatron.core.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model  # noqa: F401  (Megatron's megatron.model.unwrap_model)
-from megatron.model.utils import pp_size_of
+from megatron.layers.utils import pp_size_of
 
 
 def _is_pp_multi(pp_state: Optional[Any]) -> bool:

@@ -6,7 +6,7 @@ weights are `split` views, so the backward concatenates each run's gradients int
 alone 25 MB a layer at 8 x 384 x 2048) on top of computing them. Here every run's gradient is written by its batched
 GEMM (`out=`) straight into its slice of one gradient buffer per input, and the forward writes each run's output into
 its rows of one output: the same kernels on the same operands as autograd's formulas for bmm, the SwiGLU
-(`megatron.model.mlp._SwiGLU`) and the weighting product, so outputs and gradients are bitwise equal.
+(`megatron.layers.mlp._SwiGLU`) and the weighting product, so outputs and gradients are bitwise equal.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from megatron.model.mlp import swiglu_grad
+from megatron.layers.mlp import swiglu_grad
 
 
 class _SwiGLUExperts(torch.autograd.Function):

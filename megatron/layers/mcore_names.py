@@ -9,7 +9,7 @@ keeps ``input_layernorm``/``pre_mlp_layernorm``; the Transformer Engine spec fol
 are dropped. A per-rank file is renamed tensor by tensor; parts we do not model (QK norms, MoE expert biases) are one
 line naming the key.
 
-Mixture of experts (megatron/model/moe.py): ``mlp.router.weight`` and the shared expert (``mlp.shared_experts.
+Mixture of experts (megatron/layers/moe.py): ``mlp.router.weight`` and the shared expert (``mlp.shared_experts.
 linear_fc1/linear_fc2/gate_weight``) are renamed; Megatron Core keeps one matrix per expert, output-major
 (``mlp.experts.local_experts.E.linear_fc1.weight`` [F, h] with the local spec's SequentialMLP, or Transformer Engine's
 grouped ``mlp.experts.linear_fc1.weightE``), which ours stacks input-major (``mlp.experts.weight1`` [E, h, F], ``weight2``

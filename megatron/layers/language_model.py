@@ -9,12 +9,12 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, set_tp_layout
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.attention import model_parallel_rng_fork
-from megatron.model.enums import AttnMaskType, LayerType
-from megatron.model.fused_layer_norm import MixedFusedLayerNorm
-from megatron.model.module import MegatronModule
-from megatron.model.transformer import ParallelTransformer
-from megatron.model.utils import get_linear_layer, group_size
+from megatron.layers.attention import model_parallel_rng_fork
+from megatron.layers.enums import AttnMaskType, LayerType
+from megatron.layers.fused_layer_norm import MixedFusedLayerNorm
+from megatron.layers.module import MegatronModule
+from megatron.layers.transformer import ParallelTransformer
+from megatron.layers.utils import get_linear_layer, group_size
 
 
 def parallel_lm_logits(

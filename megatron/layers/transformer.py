@@ -1,4 +1,4 @@
-"""Megatron's transformer: ParallelTransformerLayer (built from a layer spec, megatron/model/layer_specs.py) and
+"""Megatron's transformer: ParallelTransformerLayer (built from a layer spec, megatron/layers/layer_specs.py) and
 the layer stack. Attention is in attention.py, the MLP in mlp.py, norms in norms.py.
 
 Activations use Megatron's [sequence, batch, hidden] layout. Tensor parallelism comes from
@@ -14,19 +14,19 @@ import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.attention import (  # noqa: F401  (re-exported: Megatron's names live in transformer.py)
+from megatron.layers.attention import (  # noqa: F401  (re-exported: Megatron's names live in transformer.py)
     MODEL_PARALLEL_RNG,
     CoreAttention,
     ParallelAttention,
     model_parallel_rng_fork,
 )
-from megatron.model.enums import AttnMaskType, LayerType
-from megatron.model.inference_params import InferenceParams
-from megatron.model.layer_specs import TransformerLayerSpec, transformer_layer_spec
-from megatron.model.mlp import ParallelMLP  # noqa: F401  (re-exported: Megatron's name lives in transformer.py)
-from megatron.model.module import MegatronModule
-from megatron.model.norms import build_norm
-from megatron.model.utils import group_size, pp_size_of
+from megatron.layers.enums import AttnMaskType, LayerType
+from megatron.layers.inference_params import InferenceParams
+from megatron.layers.layer_specs import TransformerLayerSpec, transformer_layer_spec
+from megatron.layers.mlp import ParallelMLP  # noqa: F401  (re-exported: Megatron's name lives in transformer.py)
+from megatron.layers.module import MegatronModule
+from megatron.layers.norms import build_norm
+from megatron.layers.utils import group_size, pp_size_of
 
 
 def bias_dropout_add(

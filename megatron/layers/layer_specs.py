@@ -16,11 +16,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model.attention import ParallelAttention
-from megatron.model.enums import AttnMaskType, AttnType
-from megatron.model.mlp import ParallelMLP
-from megatron.model.moe import SAME_AS_TP, MoELayer
-from megatron.model.norms import build_norm
+from megatron.layers.attention import ParallelAttention
+from megatron.layers.enums import AttnMaskType, AttnType
+from megatron.layers.mlp import ParallelMLP
+from megatron.layers.moe import SAME_AS_TP, MoELayer
+from megatron.layers.norms import build_norm
 
 Builder = Callable[[TransformerConfig, int, Optional[Any]], torch.nn.Module]
 
@@ -101,21 +101,3 @@ def transformer_layer_spec(self_attn_mask_type: AttnMaskType = AttnMaskType.padd
         cross_attention=AttentionBuilder(AttnType.cross_attn, AttnMaskType.padding) if cross_attention else None,
         pre_cross_attention_norm=norm_builder if cross_attention else None,
     )
-
-
-# The families' specs live in their folders (megatron/models/<family>/layer_spec.py); their old names here resolve
-# lazily (an import at module level would be a cycle: the family specs are built from this module's parts).
-_FAMILY_SPECS = {
-    "gpt_layer_spec": "megatron.models.gpt.layer_spec",
-    "bert_layer_spec": "megatron.models.bert.layer_spec",
-    "t5_encoder_layer_spec": "megatron.models.t5.layer_spec",
-    "t5_decoder_layer_spec": "megatron.models.t5.layer_spec",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FAMILY_SPECS:
-        import importlib
-
-        return getattr(importlib.import_module(_FAMILY_SPECS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

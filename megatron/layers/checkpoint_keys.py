@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from megatron.model.mcore_names import core_to_ours, has_core_names
+from megatron.layers.mcore_names import core_to_ours, has_core_names
 
 WORD_EMBEDDINGS_FOR_HEAD_KEY = "word_embeddings_for_head"
 OUTPUT_COPY = "language_model.output_layer.weight"

@@ -4,7 +4,7 @@ Flow of `MoELayer.forward(hidden [s, b, h])`:
   shared expert (optional, every token)  +  router -> (probs, routing map) -> permute tokens by expert ->
   experts as batched GEMMs over groups padded to their run's largest (`expert_buckets`; or to the capacity) ->
   unpermute (sum back to token order; routing weights are applied to the activation, as Megatron-LM does).
-  The permutations are gathers forward and backward (megatron/model/moe_permute.py), equal to index_select/index_add.
+  The permutations are gathers forward and backward (megatron/layers/moe_permute.py), equal to index_select/index_add.
 Under tensor parallelism (which needs sequence parallelism, as in Megatron-LM) the tokens of the TP group are
 all-gathered before the experts, every rank computes its slice of each expert's inner dimension, and the result is
 reduce-scattered back to the sequence split (Megatron-LM's allgather dispatcher with expert-TP = TP). At inference
@@ -45,10 +45,10 @@ import torch.nn.functional as F
 
 from megatron.core import expert_parallel, moe_aux, tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
-from megatron.model import moe_permute, moe_swiglu_experts
-from megatron.model.mlp import ParallelMLP, activation_for
-from megatron.model.module import MegatronModule
-from megatron.model.utils import group_rank, group_size
+from megatron.layers import moe_permute, moe_swiglu_experts
+from megatron.layers.mlp import ParallelMLP, activation_for
+from megatron.layers.module import MegatronModule
+from megatron.layers.utils import group_rank, group_size
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 SAME_AS_TP = "tp"  # MoELayer's default expert-tensor-parallel group: the dense TP group (Megatron-LM's default)
