@@ -1,20 +1,24 @@
-"""The family registry: one line per family. The HF loader finds an adapter by the ``architectures`` name in
-config.json, the HF saver by --model-type and the adapter that accepts the stored architecture; the checkpoint
-format code finds a family's checkpoint layout (its folder's checkpoint_layout.py) by --model-type, by a model's
-class or by the names a checkpoint holds."""
+"""The family registry: one line per Hugging Face adapter, each defined in its own module of its family's folder,
+and one per checkpoint layout (each family's checkpoint_layout.py). The HF loader finds an adapter by the
+``architectures`` name in config.json, the HF saver by --model-type and the adapter that accepts the stored
+architecture; the checkpoint format code finds a family's layout by --model-type, by a model's class or by the names a
+checkpoint holds."""
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 from megatron.checkpoint.conversion.family_layout import CheckpointLayout
 from megatron.models.bert.checkpoint_layout import BERT_LAYOUT
-from megatron.models.bert.hf_folder import BERT
+from megatron.models.bert.hf import BERT
 from megatron.models.gpt.checkpoint_layout import GPT_LAYOUT
-from megatron.models.gpt.hf_adapter import BLOOM, GPT2, LLAMA
+from megatron.models.gpt.hf_bloom import BLOOM
+from megatron.models.gpt.hf_gpt2 import GPT2
+from megatron.models.gpt.hf_llama import LLAMA
+from megatron.models.gpt.hf_moe import MOE
 from megatron.models.hf_adapter import HFAdapter
 from megatron.models.t5.checkpoint_layout import T5_LAYOUT
 
-ADAPTERS: Tuple[HFAdapter, ...] = (GPT2, LLAMA, BLOOM, BERT)
+ADAPTERS: Tuple[HFAdapter, ...] = (GPT2, LLAMA, MOE, BLOOM, BERT)
 # the first is the default (a model or checkpoint no other family claims); a family whose markers another family's
 # checkpoints hold too comes before it (T5's last stage has an lm_head, as BERT's)
 LAYOUTS: Tuple[CheckpointLayout, ...] = (GPT_LAYOUT, T5_LAYOUT, BERT_LAYOUT)
@@ -31,7 +35,7 @@ def adapter_for_architecture(name: Optional[str]) -> Optional[HFAdapter]:
 
 
 def adapters_for_model_type(model_type: str) -> Tuple[HFAdapter, ...]:
-    """The adapters converting --model-type `model_type` models, in registry order."""
+    """The adapters whose saver writes `model_type` models, in registry order."""
     return tuple(a for a in ADAPTERS if a.model_type == model_type)
 
 
