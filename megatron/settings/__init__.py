@@ -23,12 +23,13 @@ from megatron.settings.optimizer import LearningRateSettings, RegularizationSett
 from megatron.settings.parallel import DistributedSettings, MixedPrecisionSettings
 from megatron.settings.tasks import EvalHarnessSettings, TasksSettings
 from megatron.settings.training import InitializationSettings, TrainingSettings, ValidationSettings
+from megatron.settings.values import Settings
 
 __all__ = ["CORE_GROUPS", "ENTRY_GROUPS", "LAST_GROUPS", "ConfigField", "EvalHarnessSettings", "RandomWeightsSettings",
            "TasksSettings",
            "TextGenerationServerSettings", "TextGenerationSettings", "add_core_groups", "add_group", "add_last_groups",
            "all_settings", "flags_of",
-           "architecture_fields", "config_fields", "config_flag", "flag_spelling", "kept_fields", "family_only", "filled_if_unset", "flag_hints", "from_args",
+           "architecture_fields", "config_fields", "config_flag", "flag_spelling", "kept_fields", "optimizer_fields", "Settings", "family_only", "filled_if_unset", "flag_hints", "from_args",
            "refused", "restore_rules", "runtime_settings", "same_result_variants"]
 
 # Megatron's groups, in its parser's order (the entry script's own groups follow, then LAST_GROUPS).
@@ -126,6 +127,11 @@ def config_flag(name: str) -> str:
     """The option string of the setting that declares config field `name` (`flag_spelling` of its destination)."""
     return flag_spelling(next(dest for dest, _default, spec in all_settings()
                               for field in spec.config if (field.name or dest) == name))
+
+
+def optimizer_fields() -> Tuple[str, ...]:
+    """The settings that are `OptimizerConfig` fields (`setting(..., optimizer_config=True)`), in declaration order."""
+    return tuple(dest for dest, _default, spec in all_settings() if spec.optimizer_config)
 
 
 def flag_hints() -> Dict[str, str]:
