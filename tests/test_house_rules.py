@@ -114,3 +114,46 @@ def test_one_alias_mechanism() -> None:
              for node in ast.parse(p.read_text(encoding="utf-8")).body
              if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"}
     assert found == LAZY_MODULE_ATTRIBUTES
+
+
+def imported_modules(source: str, package: str) -> List[str]:
+    """Every module `source` imports (function-level and relative imports included; `package`: its own package)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            found += [base] + [f"{base}.{a.name}" for a in node.names]
+    return found
+
+
+def family_leaks(source: str, package: str) -> List[str]:
+    """The other families' modules imported by `source`, a module of `package` (megatron.models.<family>[...])."""
+    family = package.split(".")[2]
+    return sorted(m for m in imported_modules(source, package)
+                  if m.startswith("megatron.models.") and len(m.split(".")) > 2
+                  and m.split(".")[2] not in (family, "hf_common", "hf_adapter"))
+
+
+def test_the_family_scan_finds_a_leak() -> None:
+    src = ("from megatron.models.gpt.hf_llama import x\nfrom megatron.models.hf_common import pad_rows\n"
+           "def f():\n    import megatron.models.t5.model\nfrom ..gpt import y\nfrom . import hf\n")
+    assert family_leaks(src, "megatron.models.bert") == [
+        "megatron.models.gpt", "megatron.models.gpt.hf_llama", "megatron.models.gpt.hf_llama.x",
+        "megatron.models.gpt.y", "megatron.models.t5.model"]
+
+
+def test_no_family_imports_another_family() -> None:
+    """A family is its folder: what two families share lives below them (megatron/models/hf_common.py,
+    megatron/layers/), never in one of them."""
+    found = []
+    for path in sorted((ROOT / "megatron" / "models").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if len(parts) > 3:  # megatron/models/<family>/...; registry.py, hf_common.py, hf_adapter.py are shared
+            package = ".".join(parts[:-1])
+            found += [f"{path.relative_to(ROOT)}: {m}" for m in family_leaks(path.read_text(encoding="utf-8"), package)]
+    assert found == []
