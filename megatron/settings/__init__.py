@@ -4,7 +4,10 @@ Each group is a dataclass of `setting(...)` fields (megatron/settings/declare.py
 `add_core_groups` / `add_last_groups` build the parser from them; `config_fields` is `config_flags.CONFIG_FIELDS`,
 `architecture_fields` is `checkpoint.args.ARCHITECTURE_FIELDS` (in the record's declared order, which fixes the
 checkpoint's bytes), and `runtime_settings` / `same_result_variants` / `refused` / `family_only` are the tables in
-`megatron.settings.flag_registry`. The groups entry scripts add themselves (`ENTRY_GROUPS`) are declared here too. To add a flag: one `setting(...)` line in the group it belongs to.
+`megatron.settings.flag_registry`; `kept_fields` is the converter's architecture (`interchange._KEPT_FIELDS`),
+`config_flag` / `flag_spelling` the option strings tools print, `optimizer_fields` the `OptimizerConfig`'s. The
+groups entry scripts add themselves (`ENTRY_GROUPS`) are declared here too. `Settings` (values.py) holds every group's
+values for one run. To add a flag: one `setting(...)` line in the group it belongs to.
 """
 from __future__ import annotations
 
