@@ -24,7 +24,6 @@ from megatron.run_configs.deepspeed import DeepSpeedSettings
 from megatron.run_configs.log_settings import LogSettings
 from megatron.run_configs.memory import MemorySettings
 from megatron.run_configs.model_wrap import ModelWrapSettings
-from megatron.run_configs.moe_losses import MoELossSettings
 from megatron.run_configs.run_settings import LoopSettings
 from megatron.run_configs.schedule import ScheduleSettings
 from megatron.run_configs.step import StepSettings
@@ -42,7 +41,6 @@ class RunConfigs:
     memory: MemorySettings
     loop: LoopSettings
     batch: BatchSettings
-    moe: MoELossSettings
     data_files: DataFileSettings
     schedule: ScheduleSettings  # the LR / weight-decay schedule (the flags as parsed: before --train-samples
     # becomes --train-iters, which `with_run_length` picks up)
@@ -62,7 +60,7 @@ class RunConfigs:
             checkpoint=CheckpointSettings.from_args(args, load_arg), deepspeed=DeepSpeedSettings.from_args(args),
             step=StepSettings.from_args(args), model_wrap=ModelWrapSettings.from_args(args),
             log=LogSettings.from_args(args), memory=MemorySettings.from_args(args), loop=LoopSettings.from_args(args),
-            batch=BatchSettings.from_args(args), moe=MoELossSettings.from_args(args),
+            batch=BatchSettings.from_args(args),
             data_files=DataFileSettings.from_args(args), schedule=ScheduleSettings.from_args(args),
             architecture=architecture_from_args(args), transformer=core_transformer_config_from_args(args),
             optimizer=optimizer_config_from_args(args), flags=args,
