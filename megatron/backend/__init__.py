@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megatron.backend.base import StepResult, TrainingBackend
+from megatron.backend.deepspeed import DeepSpeedBackend
+from megatron.backend.megatron import MegatronBackend
 
 if TYPE_CHECKING:
     from megatron.run_configs.bundle import RunConfigs
@@ -20,12 +22,8 @@ __all__ = ["StepResult", "TrainingBackend", "backend_for"]
 
 
 def backend_for(configs: RunConfigs) -> TrainingBackend:
-    """DeepSpeed's engine under --deepspeed (``configs.deepspeed``), else Megatron's own path (DeepSpeed is imported
-    only when chosen)."""
+    """DeepSpeed's engine under --deepspeed (``configs.deepspeed``), else Megatron's own path (DeepSpeed itself is
+    imported only when its engine is built)."""
     if configs.deepspeed.enabled:
-        from megatron.backend.deepspeed import DeepSpeedBackend
-
         return DeepSpeedBackend()
-    from megatron.backend.megatron import MegatronBackend
-
     return MegatronBackend()
