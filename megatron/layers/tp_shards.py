@@ -3,15 +3,15 @@
 How each parameter splits is owned by the parameter (`param.tp_layout`, megatron.core.tensor_parallel.layout):
 column-parallel weights/biases along dim 0 (SwiGLU's dense_h_to_4h as [gate; up] per rank, GQA's query_key_value
 in whole KV groups), row-parallel weights along dim 1, everything else replicated. `tensor_parallel_layouts` reads
-them from a built model (a family builds a weightless one on the meta device for a config, e.g.
-megatron.models.gpt.model.gpt_tensor_parallel_layouts); pass the result (or `config=`) to the functions below. Without either, the layouts are those of Megatron's GPT layers recognised
+them from a built model or from a `TransformerConfig` (a weightless model on the meta device); pass the result
+(or `config=`) to the functions below. Without either, the layouts are those of Megatron's GPT layers recognised
 from the parameter names, with SwiGLU told apart from a plain MLP by the shapes (dense_h_to_4h has twice the rows
 of dense_4h_to_h's columns); a grouped-query query_key_value is refused there (its KV groups need the config).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -40,16 +40,18 @@ _DIM1_SUFFIXES = (
 )
 
 
-def tensor_parallel_layouts(model: torch.nn.Module) -> dict[str, TensorParallelLayout]:
-    """{flat parameter name: layout} of a model."""
-    return {name: get_tp_layout(p) for name, p in model.named_parameters()}
+def tensor_parallel_layouts(source: Union[torch.nn.Module, TransformerConfig]) -> dict[str, TensorParallelLayout]:
+    """{flat parameter name: layout} of a model, or of the TP=1 GPT model a config describes (built on meta)."""
+    if isinstance(source, TransformerConfig):
+        from megatron.models.gpt.model import GPTModel
 
-
-def single_rank_config(config: TransformerConfig) -> TransformerConfig:
-    """`config` for the whole (TP=1, one-stage) model, as the layouts are read from (at least one vocabulary row)."""
-    return dataclasses.replace(config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                               virtual_pipeline_model_parallel_size=None, sequence_parallel=False,
-                               use_cpu_initialization=True, padded_vocab_size=max(config.padded_vocab_size, 1))
+        cfg = dataclasses.replace(source, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                  virtual_pipeline_model_parallel_size=None, sequence_parallel=False,
+                                  use_cpu_initialization=True,
+                                  padded_vocab_size=max(source.padded_vocab_size, 1))
+        with torch.device("meta"):
+            source = GPTModel(cfg)
+    return {name: get_tp_layout(p) for name, p in source.named_parameters()}
 
 
 def _swiglu_layers(state_dict: Mapping[str, Any]) -> set:

@@ -8,8 +8,8 @@ import torch
 
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.layers.tp_shards import split_tensor_parallel_state_dict
-from megatron.models.gpt.model import GPTModel, gpt_tensor_parallel_layouts
+from megatron.layers.tp_shards import split_tensor_parallel_state_dict, tensor_parallel_layouts
+from megatron.models.gpt.model import GPTModel
 from megatron.text_generation import generate
 from megatron.text_generation.scoring import score_tokens
 from tests.dist_utils import run_distributed
@@ -55,7 +55,7 @@ def _tp2_sp_body(rank: int, world_size: int, cases: dict) -> dict:
         for name, (config_kw, full_state) in cases.items():
             kw = dict(config_kw, tensor_model_parallel_size=2, sequence_parallel=True)
             model = _model(kw, tp_rank=state.tp_rank, tp_group=state.tp_group, pp_state=state)
-            layouts = gpt_tensor_parallel_layouts(tiny_config(**config_kw))
+            layouts = tensor_parallel_layouts(tiny_config(**config_kw))
             model.load_state_dict(split_tensor_parallel_state_dict(full_state, 2, layouts=layouts)[state.tp_rank])
             out[name] = _results(model, state)
             # sequence parallelism is back on after generating (a training job may generate between steps)

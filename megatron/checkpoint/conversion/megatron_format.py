@@ -87,9 +87,9 @@ def layer_layouts(meta: ModelMeta) -> Dict[str, TensorParallelLayout]:
     if key not in _LAYOUT_CACHE:
         config = meta.config(padded_vocab_size=arch["padded_vocab_size"])
         if bert is None:
-            from megatron.models.gpt.model import gpt_tensor_parallel_layouts
+            from megatron.layers.tp_shards import tensor_parallel_layouts
 
-            layouts = gpt_tensor_parallel_layouts(config)
+            layouts = tensor_parallel_layouts(config)
             for name, layout in list(layouts.items()):  # every layer kind's names under layer 0 (MoE and dense)
                 m = _LAYER_RE.match(name)
                 if m:

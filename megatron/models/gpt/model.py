@@ -15,7 +15,6 @@ from megatron.layers.checkpoint_keys import (  # noqa: F401 - Megatron's names, 
 from megatron.layers.enums import AttnMaskType
 from megatron.layers.language_model import TransformerLanguageModel, lm_cross_entropy, parallel_lm_logits
 from megatron.layers.module import MegatronModule
-from megatron.layers.tp_shards import single_rank_config, tensor_parallel_layouts
 from megatron.layers.utils import check_model_layout, resolve_tp_group
 from megatron.models.gpt.layer_spec import gpt_layer_spec
 
@@ -133,10 +132,3 @@ class GPTModel(MegatronModule):
         if OUTPUT_COPY in flat and OUTPUT_COPY not in own and "word_embeddings.weight" in own:
             flat["word_embeddings.weight"] = flat.pop(OUTPUT_COPY)
         return super().load_state_dict(flat, strict=strict, assign=assign)
-
-
-def gpt_tensor_parallel_layouts(config: TransformerConfig) -> dict:
-    """{flat parameter name: TP layout} of the TP=1 GPTModel `config` describes (built on the meta device)."""
-    with torch.device("meta"):
-        model = GPTModel(single_rank_config(config))
-    return tensor_parallel_layouts(model)
