@@ -66,3 +66,16 @@ def test_the_loop_logs_any_declared_loss_by_name(monkeypatch):
 def test_the_loop_has_no_moe_code():
     text = (ROOT / "megatron" / "training.py").read_text(encoding="utf-8")
     assert re.findall(r"moe|load_balancing|z_loss", text, flags=re.IGNORECASE) == []
+
+
+def test_moe_per_layer_logging_reaches_the_declaration():
+    from megatron.arguments import core_transformer_config_from_args, parse_args, validate_args
+
+    argv = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --max-position-embeddings 8 "
+            "--micro-batch-size 1 --disable-bias-linear --num-experts 4 --moe-aux-loss-coeff 1e-2 "
+            "--moe-per-layer-logging").split()
+    args = parse_args(args=argv)
+    args.rank = 0
+    config = core_transformer_config_from_args(validate_args(args, {}))
+    assert config.moe_per_layer_logging is True
+    assert [loss.per_layer_key for loss in router_losses(config, None)] == ["moe/load_balancing_loss"]
