@@ -19,11 +19,13 @@ import torch
 
 from megatron import peer_failure, process_guard
 from megatron.arguments import ArgumentError, parse_args, validate_args
+from megatron.checkpoint.selection import restored_flag_values
 from megatron.core.expert_parallel import describe_ep_layout
 from megatron.global_vars import get_args, set_global_variables, unset_global_variables
 
 # Launcher detection lives in megatron/launcher.py (a leaf: megatron.arguments reads it while parsing); re-exported.
 from megatron.launcher import DEFAULT_MASTER_PORT, LauncherEnv, detect_launcher_env, parse_slurm_nodelist  # noqa: F401
+from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.run_configs.parallel import ParallelSizes, StartupSettings
 
 _OWNS_PROCESS_GROUP = False
@@ -76,9 +78,7 @@ def initialize_megatron(
     if getattr(parsed, "use_checkpoint_args", False) or (args_defaults or {}).get("use_checkpoint_args", False):
         if not parsed.load:
             raise ValueError("--use-checkpoint-args needs --load <checkpoint directory>")
-        from megatron.checkpoint.checkpointing import load_args_from_checkpoint
-
-        load_args_from_checkpoint(parsed)
+        vars(parsed).update(restored_flag_values(CheckpointSettings.from_args(parsed), vars(parsed)))
     validate_args(parsed, args_defaults or {})
     set_global_variables(parsed)
 

@@ -114,3 +114,52 @@ def test_one_alias_mechanism() -> None:
              for node in ast.parse(p.read_text(encoding="utf-8")).body
              if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"}
     assert found == LAZY_MODULE_ATTRIBUTES
+
+
+def imported_modules(source: str) -> List[str]:
+    """Every module `source` imports (module level or inside functions); ``from megatron import x`` counts as
+    ``megatron.x``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return found
+
+
+# The driver and the flag layer, which the checkpoint code never imports (it takes records and state; Megatron's
+# args-taking wrappers are megatron/compat.py, above the driver).
+DRIVER_AND_FLAGS = ("megatron.arguments", "megatron.global_vars", "megatron.initialize", "megatron.compat",
+                    "megatron.checkpointing", "megatron.settings.cli_parser")
+# The converter's own command line (tools/checkpoint/convert.py's flags) parses with the settings' FlagParser.
+CONVERTER_CLI = {"megatron/checkpoint/conversion/driver.py": {"megatron.settings.cli_parser"}}
+
+
+def test_the_import_scan_sees_function_level_and_package_imports() -> None:
+    src = "from megatron import global_vars\ndef f():\n    import megatron.arguments as a\n"
+    assert imported_modules(src) == ["megatron", "megatron.global_vars", "megatron.arguments"]
+
+
+def test_checkpoint_code_never_imports_the_driver_or_the_flag_layer() -> None:
+    found = []
+    for path in sorted((ROOT / "megatron" / "checkpoint").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for name in imported_modules(path.read_text(encoding="utf-8")):
+            if name in DRIVER_AND_FLAGS and name not in CONVERTER_CLI.get(rel, set()):
+                found.append(f"{rel}: {name}")
+    assert found == []
+
+
+def test_records_never_import_checkpoint_code_and_nothing_below_imports_compat() -> None:
+    """megatron/run_configs/ (the records) imports no checkpoint code; megatron/compat.py (Megatron's args-taking
+    wrappers, for users' scripts) is imported by nothing in megatron/."""
+    found = []
+    for path in sorted((ROOT / "megatron").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for name in imported_modules(path.read_text(encoding="utf-8")):
+            if rel.startswith("megatron/run_configs/") and name.startswith("megatron.checkpoint"):
+                found.append(f"{rel}: {name}")
+            if name in ("megatron.compat", "megatron.checkpointing"):
+                found.append(f"{rel}: {name}")
+    assert found == []

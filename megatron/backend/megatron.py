@@ -13,7 +13,8 @@ import torch
 
 from megatron import global_vars
 from megatron.backend.base import StepResult, TrainingBackend
-from megatron.checkpoint.checkpointing import last_loaded, read_checkpoint, save_run_checkpoint
+from megatron.checkpoint.loading import last_loaded, read_checkpoint
+from megatron.checkpoint.saving import save_run_checkpoint
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func

@@ -23,13 +23,9 @@ import torch
 
 from megatron import global_vars
 from megatron.checkpoint.atomic_io import DiskFullError, is_disk_full
-from megatron.checkpoint.checkpointing import (
-    CHECKPOINT_VERSION,
-    CheckpointError,
-    check_checkpoint_layout,
-    get_rng_state,
-    set_rng_state,
-)
+from megatron.checkpoint.paths import CHECKPOINT_VERSION, CheckpointError, first_failure_reason
+from megatron.checkpoint.rng import get_rng_state, set_rng_state
+from megatron.checkpoint.selection import check_checkpoint_layout
 from megatron.core import moe_aux
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
@@ -415,7 +411,6 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
     finetune = cfg.finetune
     load_optim = not finetune and not cfg.no_load_optim
     from megatron.checkpoint import integrity
-    from megatron.checkpoint.checkpointing import first_failure_reason
     from megatron.checkpoint.safe_load import guarded_torch_load
 
     try:  # the newest global_stepN whose files match their manifest

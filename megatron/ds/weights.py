@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import torch
 
-from megatron.checkpoint.checkpointing import CheckpointError
+from megatron.checkpoint.paths import CheckpointError, first_failure_reason
 from megatron.logging_utils import print_rank_0
 from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.training_state import TrainingState
@@ -164,7 +164,6 @@ def load_megatron_checkpoint_into_engine(engine: Any, architecture: Mapping[str,
     architecture's ``padded_vocab_size``)."""
     from megatron.checkpoint import integrity
     from megatron.checkpoint.args import compare_architecture
-    from megatron.checkpoint.checkpointing import first_failure_reason
     from megatron.checkpoint.conversion.interchange import ConversionError
     from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, read_megatron
     from megatron.models.gpt.model import GPTModel
