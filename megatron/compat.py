@@ -60,6 +60,12 @@ def args_to_save(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**keep)
 
 
+def _set_flags(args: argparse.Namespace, values: Mapping[str, Any]) -> None:
+    """--use-checkpoint-args' flag values written onto Megatron's namespace (the one write of this module)."""
+    for dest, value in values.items():
+        setattr(args, dest, value)
+
+
 def save_checkpoint(
     iteration: int,
     model: Any,
@@ -120,8 +126,7 @@ def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Na
 def load_args_from_checkpoint(args: argparse.Namespace, load_arg: str = "load") -> argparse.Namespace:
     """--use-checkpoint-args: restore the whole architecture saved in the checkpoint that load_checkpoint will load
     (the tracker's iteration, or the newest intact one below it) into ``args``."""
-    for dest, value in restored_flag_values(CheckpointSettings.from_args(args, load_arg), vars(args)).items():
-        setattr(args, dest, value)
+    _set_flags(args, restored_flag_values(CheckpointSettings.from_args(args, load_arg), vars(args)))
     return args
 
 
@@ -134,15 +139,13 @@ def restore_architecture(args: argparse.Namespace, saved: Mapping[str, Any],
                          ckpt_args: Optional[argparse.Namespace], defaults: Mapping[str, Any]) -> List[str]:
     """--use-checkpoint-args onto ``args``: `architecture_changes` set on it; returns the destinations set."""
     changes: Dict[str, Any] = architecture_changes(vars(args), saved, ckpt_args, defaults)
-    for dest, value in changes.items():
-        setattr(args, dest, value)
+    _set_flags(args, changes)
     return sorted(changes)
 
 
 def use_checkpoint_args(args: argparse.Namespace, state_dict: Mapping[str, Any]) -> List[str]:
     """--use-checkpoint-args from a loaded checkpoint file: restore its whole architecture into `args`."""
     changes = checkpoint_flag_values(state_dict, vars(args))
-    for dest, value in changes.items():
-        setattr(args, dest, value)
+    _set_flags(args, changes)
     return sorted(changes)
 
