@@ -39,15 +39,18 @@ def reshard_hint(load_dir: str) -> str:
 
 
 def print0(msg: str) -> None:
+    """Print on global rank 0 only (every rank when torch.distributed is not initialised is rank 0)."""
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(msg, flush=True)
 
 
 def is_rank0() -> bool:
+    """Global rank 0, or a single process."""
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def barrier() -> None:
+    """A barrier over all ranks (nothing in a single process)."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
 
@@ -122,10 +125,12 @@ def read_metadata(tracker_filename: str) -> tuple[int, bool]:
 
 
 def iteration_dir(load_dir: str, iteration: int, release: bool) -> str:
+    """``<load_dir>/iter_XXXXXXX`` (or ``release``): the folder of one saved iteration."""
     return os.path.join(load_dir, "release" if release else f"iter_{iteration:07d}")
 
 
 def find_rank_dirs(iter_dir: str) -> list[str]:
+    """The ``mp_rank_*`` folders of an iteration folder, sorted (none when it does not exist)."""
     if not os.path.isdir(iter_dir):
         return []
     return sorted(d for d in os.listdir(iter_dir) if d.startswith("mp_rank_"))

@@ -46,10 +46,12 @@ if TYPE_CHECKING:
 
 
 def model_chunks(model: Any) -> list[torch.nn.Module]:
+    """The model as a list of chunks (one, or one per virtual pipeline stage)."""
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
 def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+    """A model chunk's checkpoint entry: Megatron's nested ``state_dict_for_save_checkpoint()``, else ``state_dict()``."""
     module = unwrap_model(module)
     if hasattr(module, "state_dict_for_save_checkpoint"):
         return module.state_dict_for_save_checkpoint()
