@@ -2,7 +2,7 @@
 
 `MegatronBackend` implements megatron.backend.TrainingBackend with get_model + get_megatron_optimizer, the
 forward/backward schedule of the pipeline size (1F1B, interleaved, or none), gradient finalisation, the
---check-for-nan-in-loss-and-grad skip, megatron/checkpoint/checkpointing.py's save/load, the fp16 grad scaler's loss scale and
+--check-for-nan-in-loss-and-grad skip, megatron/checkpoint/'s save/load, the fp16 grad scaler's loss scale and
 calc_params_l2_norm.
 """
 from __future__ import annotations
