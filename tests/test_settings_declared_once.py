@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import shlex
 import typing
 from pathlib import Path
 from typing import Any, Union
 
 from megatron.arguments import build_parser, parse_args
 from megatron.checkpoint.args import ARCHITECTURE_FIELDS
-from megatron.settings import CORE_GROUPS, ENTRY_GROUPS, LAST_GROUPS, all_settings, from_args
+from megatron.checkpoint.conversion.interchange import ModelMeta, architecture_of, model_flags
+from megatron.core.transformer_config import TransformerConfig
+from megatron.settings import (
+    CORE_GROUPS,
+    ENTRY_GROUPS,
+    LAST_GROUPS,
+    all_settings,
+    flag_spelling,
+    from_args,
+    kept_fields,
+)
 from megatron.settings.model import NetworkSizeSettings
 from megatron.settings.moe import MoESettings
 
@@ -103,3 +114,44 @@ def test_typed_settings_from_parsed_flags():
     assert model.layernorm_epsilon == 1e-6 and model.normalization == "LayerNorm"
     moe = from_args(MoESettings, args)
     assert (moe.num_experts, moe.moe_layer_freq, moe.moe_router_topk) == (4, [1, 0, 1], 2)
+
+
+def test_the_converter_keeps_the_declared_architecture():
+    """tools/checkpoint/convert.py's architecture (`kept_fields`, generated from `setting(..., kept=N)`) is the
+    architecture record's fields less T5's layer counts (they travel in the T5 stream's own message), plus the MoE
+    loss coefficients a converted MoE model trains on with; its order is a converted checkpoint's bytes."""
+    kept = kept_fields()
+    assert set(kept) == (set(ARCHITECTURE_FIELDS) - {"encoder_num_layers", "decoder_num_layers"}
+                         | {"moe_aux_loss_coeff", "moe_z_loss_coeff"})
+    assert kept[:7] == ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
+                        "max_position_embeddings", "padded_vocab_size")  # the order the hand list had
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    assert tuple(architecture_of(config)) == kept
+
+
+def test_the_converters_model_flags_parse_back_to_the_architecture():
+    """Every option string model_flags prints comes from the settings' declarations and parses to the value."""
+    arch = dict(num_layers=3, hidden_size=64, num_attention_heads=8, ffn_hidden_size=100, kv_channels=16,
+                max_position_embeddings=128, normalization="RMSNorm", layernorm_epsilon=1e-6, swiglu=True,
+                apply_layernorm_1p=True, add_qkv_bias=True, bias_gelu_fusion=False, position_embedding_type="rope",
+                rotary_base=500000.0, rotary_percent=0.5, use_rope_scaling=True, rope_scaling_factor=32.0,
+                group_query_attention=True, num_query_groups=2, add_bias_linear=False,
+                share_embeddings_and_output_weights=False, num_moe_experts=4, moe_router_topk=1, moe_layer_freq=2,
+                moe_ffn_hidden_size=32, moe_router_pre_softmax=True, moe_router_score_function="sigmoid",
+                moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    meta = ModelMeta("GPT", arch, tokenizer={"type": "GPT2BPETokenizer", "vocab_file": "v.json", "merge_file": "m"},
+                     make_vocab_size_divisible_by=64)
+    flags = model_flags(meta, tp=2, pp=1, vp_layers=1)
+    ns = build_parser().parse_args(shlex.split(flags))
+    assert flag_spelling("layernorm_epsilon") == "--norm-epsilon" and "--norm-epsilon 1e-06" in flags
+    for dest in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
+                 "max_position_embeddings", "normalization", "layernorm_epsilon", "swiglu", "apply_layernorm_1p",
+                 "add_qkv_bias", "position_embedding_type", "rotary_base", "rotary_percent",
+                 "use_rope_scaling", "rope_scaling_factor", "group_query_attention", "num_query_groups",
+                 "add_bias_linear", "moe_router_topk", "moe_layer_freq", "moe_ffn_hidden_size",
+                 "moe_router_pre_softmax", "moe_router_score_function", "moe_z_loss_coeff"):
+        assert getattr(ns, dest) == arch[dest], dest
+    assert ns.num_experts == 4 and ns.untie_embeddings_and_output_weights and ns.moe_aux_loss_coeff == [0.01]
+    assert (ns.tensor_model_parallel_size, ns.num_layers_per_virtual_pipeline_stage) == (2, 1)
+    assert (ns.tokenizer_type, ns.vocab_file, ns.merge_file, ns.make_vocab_size_divisible_by) == (
+        "GPT2BPETokenizer", "v.json", "m", 64)

@@ -28,7 +28,7 @@ __all__ = ["CORE_GROUPS", "ENTRY_GROUPS", "LAST_GROUPS", "ConfigField", "EvalHar
            "TasksSettings",
            "TextGenerationServerSettings", "TextGenerationSettings", "add_core_groups", "add_group", "add_last_groups",
            "all_settings", "flags_of",
-           "architecture_fields", "config_fields", "family_only", "filled_if_unset", "flag_hints", "from_args",
+           "architecture_fields", "config_fields", "config_flag", "flag_spelling", "kept_fields", "family_only", "filled_if_unset", "flag_hints", "from_args",
            "refused", "restore_rules", "runtime_settings", "same_result_variants"]
 
 # Megatron's groups, in its parser's order (the entry script's own groups follow, then LAST_GROUPS).
@@ -63,6 +63,9 @@ def all_settings() -> Iterator[Tuple[str, Any, Spec]]:
         yield from settings_of(group)
 
 
+_SPECS: Dict[str, Spec] = {dest: spec for dest, _default, spec in all_settings()}
+
+
 def _copy(dest: str) -> Getter:
     return lambda args: getattr(args, dest)
 
@@ -92,13 +95,37 @@ def _config_items() -> Iterator[Tuple[str, ConfigField]]:
             yield field.name or dest, field
 
 
-def architecture_fields() -> Tuple[str, ...]:
-    """The config fields in the checkpoint's ``architecture`` record, in their declared order (0, 1, ...)."""
-    placed = sorted((field.arch, name) for name, field in _config_items() if field.arch is not None)
+def _placed(position: Callable[[ConfigField], Any], what: str) -> Tuple[str, ...]:
+    """The config fields with a position (`position(field)` not None), in position order (0, 1, ... once each)."""
+    placed = sorted((position(field), name) for name, field in _config_items() if position(field) is not None)
     positions = [pos for pos, _ in placed]
     if positions != list(range(len(placed))):
-        raise ValueError(f"architecture record positions must be 0..{len(placed) - 1} once each: {positions}")
+        raise ValueError(f"{what} positions must be 0..{len(placed) - 1} once each: {positions}")
     return tuple(name for _, name in placed)
+
+
+def architecture_fields() -> Tuple[str, ...]:
+    """The config fields in the checkpoint's ``architecture`` record, in their declared order (0, 1, ...)."""
+    return _placed(lambda field: field.arch, "architecture record")
+
+
+def kept_fields() -> Tuple[str, ...]:
+    """The config fields a converted model keeps (tools/checkpoint/convert.py's architecture), in declared order."""
+    return _placed(lambda field: field.kept, "converted architecture")
+
+
+def flag_spelling(dest: str) -> str:
+    """The option string tools print for setting `dest`: its first one, or the one its config field's mismatch hint
+    names (--norm-epsilon for --layernorm-epsilon)."""
+    spec = _SPECS[dest]
+    hints = [field.hint for field in spec.config if field.hint in spec.flags]
+    return hints[0] if hints else spec.flags[0]
+
+
+def config_flag(name: str) -> str:
+    """The option string of the setting that declares config field `name` (`flag_spelling` of its destination)."""
+    return flag_spelling(next(dest for dest, _default, spec in all_settings()
+                              for field in spec.config if (field.name or dest) == name))
 
 
 def flag_hints() -> Dict[str, str]:

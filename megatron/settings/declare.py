@@ -34,14 +34,17 @@ class ConfigField:
 
     name: the field (None: the setting's own name); compute: how it is computed from validated args (None: a copy of
     the setting); arch: its position in the checkpoint's ``architecture`` record (None: not architecture; the
-    positions fix the record's order, hence the checkpoint's bytes); hint: what to pass for it in a mismatch
-    message (default ``--field-name``); restore: (destination, value from the saved field value) pairs that
+    positions fix the record's order, hence the checkpoint's bytes); kept: its position in the architecture a
+    converted model keeps (the converter's `interchange.KEPT_FIELDS`; None: not kept; the positions fix the order of a
+    converted checkpoint's ``architecture``); hint: what to pass for it in a mismatch message (default
+    ``--field-name``); restore: (destination, value from the saved field value) pairs that
     --use-checkpoint-args sets (default: the field's own name, unchanged).
     """
 
     name: Optional[str] = None
     compute: Optional[Getter] = None
     arch: Optional[int] = None
+    kept: Optional[int] = None
     hint: Optional[str] = None
     restore: Optional[Tuple[Tuple[str, Callable[[Any], Any]], ...]] = None
 
@@ -67,13 +70,14 @@ def setting(*flags: str, help: str, default: Any = None, action: Optional[str] =
             choices: Any = None, nargs: Optional[str] = None, required: Optional[bool] = None,
             also: Tuple[Tuple[Tuple[str, ...], Dict[str, Any]], ...] = (),
             config: Union[bool, str, ConfigField, Tuple[Union[str, ConfigField], ...]] = (), arch: Optional[int] = None,
-            feeds: Tuple[str, ...] = (), read_by: Optional[str] = None, variant: Optional[str] = None,
+            kept: Optional[int] = None, feeds: Tuple[str, ...] = (), read_by: Optional[str] = None, variant: Optional[str] = None,
             refused: Optional[str] = None, families: Tuple[str, ...] = (),
             restore_if_unset: bool = False) -> Any:
     """A settings-group field: the flag(s) `flags` and everything the parser and the tables need (see module doc).
 
     `also`: further ((flags...), argparse kwargs) actions writing the same destination (a --no- form); `config=True`:
-    feeds the config field of the same name; `arch`: that field's position in the architecture record;
+    feeds the config field of the same name; `arch` / `kept`: that field's position in the architecture record / in
+    the architecture a converted model keeps;
     `restore_if_unset`: --use-checkpoint-args takes the checkpoint's value when the flag is left at its default.
     """
     if config is True:
@@ -83,6 +87,8 @@ def setting(*flags: str, help: str, default: Any = None, action: Optional[str] =
     fields = tuple(ConfigField(c) if isinstance(c, str) else c for c in (config or ()))
     if arch is not None:
         fields = (dataclasses.replace(fields[0], arch=arch),) + fields[1:]
+    if kept is not None:
+        fields = (dataclasses.replace(fields[0], kept=kept),) + fields[1:]
     kwargs = {k: v for k, v in (("action", action), ("type", type), ("choices", choices), ("nargs", nargs),
                                 ("required", required)) if v is not None}
     spec = Spec(flags=tuple(flags), help=help, parser_kwargs=kwargs, also=tuple(also), config=fields,

@@ -43,87 +43,87 @@ class NetworkSizeSettings:
     """--help group "network size"."""
 
     TITLE: ClassVar[str] = "network size"
-    num_layers: Optional[int] = setting("--num-layers", help="Number of transformer layers.", config=True, arch=24)
+    num_layers: Optional[int] = setting("--num-layers", help="Number of transformer layers.", config=True, arch=24, kept=0)
     encoder_num_layers: Optional[int] = setting("--encoder-num-layers", help="Number of encoder layers (T5).",
         config=True, arch=25)
     decoder_num_layers: Optional[int] = setting("--decoder-num-layers", help="Number of decoder layers (T5).",
         config=True, arch=26, families=("t5",))
-    hidden_size: Optional[int] = setting("--hidden-size", help="Transformer hidden size.", config=True, arch=27)
+    hidden_size: Optional[int] = setting("--hidden-size", help="Transformer hidden size.", config=True, arch=27, kept=1)
     ffn_hidden_size: Optional[int] = setting("--ffn-hidden-size", help="MLP hidden size (default 4 * hidden-size).",
-        config=True, arch=29)
+        config=True, arch=29, kept=3)
     num_attention_heads: Optional[int] = setting("--num-attention-heads", help="Number of attention heads.",
-        config=True, arch=28)
+        config=True, arch=28, kept=2)
     kv_channels: Optional[int] = setting("--kv-channels",
-        help="Projection size per head (default hidden-size // num-attention-heads).", config=True, arch=30)
+        help="Projection size per head (default hidden-size // num-attention-heads).", config=True, arch=30, kept=4)
     max_position_embeddings: Optional[int] = setting("--max-position-embeddings",
-        help="Largest sequence length supported.", config=True, arch=31)
+        help="Largest sequence length supported.", config=True, arch=31, kept=5)
     position_embedding_type: str = setting("--position-embedding-type", default="learned_absolute",
         choices=["learned_absolute", "rope", "alibi", "none", "absolute", "rotary"],
         help="Position embedding: learned absolute (GPT-2), rotary (Llama), ALiBi linear biases (BLOOM), or none; "
              "Megatron-DeepSpeed's names absolute/rotary are accepted.",
-        config=ConfigField(compute=_position_embedding_type, arch=12, restore=_RESTORE_POSITION_EMBEDDING_TYPE))
+        config=ConfigField(compute=_position_embedding_type, arch=12, kept=17, restore=_RESTORE_POSITION_EMBEDDING_TYPE))
     use_rotary_position_embeddings: bool = setting("--use-rotary-position-embeddings", default=False,
         help="Megatron-LM 23.06 spelling of --position-embedding-type rope.", feeds=("position_embedding_type",))
     add_position_embedding: bool = setting("--no-position-embedding", default=True,
         help="No learned absolute position embedding (with rope: the rotary embedding only).",
         feeds=("position_embedding_type",))
     rotary_percent: float = setting("--rotary-percent", default=1.0,
-        help="Fraction of each head's channels that RoPE rotates (0 < p <= 1).", config=True, arch=14)
+        help="Fraction of each head's channels that RoPE rotates (0 < p <= 1).", config=True, arch=14, kept=19)
     rotary_base: float = setting("--rotary-base", default=10000.0,
-        help="RoPE base (theta): 10000 for Llama-2, 1e6 for Mistral v0.3, 500000 for Llama-3.", config=True, arch=13)
+        help="RoPE base (theta): 10000 for Llama-2, 1e6 for Mistral v0.3, 500000 for Llama-3.", config=True, arch=13, kept=18)
     rotary_seq_len_interpolation_factor: Optional[float] = setting("--rotary-seq-len-interpolation-factor",
         help="Linear position interpolation: RoPE rotates position p as p / factor (HF rope_type linear; Megatron-LM "
-             "parses an int, any positive number is accepted here).", config=True, arch=17)
+             "parses an int, any positive number is accepted here).", config=True, arch=17, kept=25)
     use_rope_scaling: bool = setting("--use-rope-scaling", default=False,
-        help="Llama-3.1 RoPE frequency scaling (HF rope_type llama3), as Megatron-LM.", config=True, arch=18)
+        help="Llama-3.1 RoPE frequency scaling (HF rope_type llama3), as Megatron-LM.", config=True, arch=18, kept=26)
     rope_scaling_factor: float = setting("--rope-scaling-factor", default=8.0,
         help="Llama-3.1 scaling factor with --use-rope-scaling (8 for Llama-3.1, 32 for Llama-3.2).", config=True,
-        arch=19)
+        arch=19, kept=27)
     rope_scaling_low_freq_factor: float = setting("--rope-scaling-low-freq-factor", default=1.0,
-        help="Llama-3.1 low_freq_factor with --use-rope-scaling (Megatron-LM hard-codes 1).", config=True, arch=20)
+        help="Llama-3.1 low_freq_factor with --use-rope-scaling (Megatron-LM hard-codes 1).", config=True, arch=20, kept=28)
     rope_scaling_high_freq_factor: float = setting("--rope-scaling-high-freq-factor", default=4.0,
-        help="Llama-3.1 high_freq_factor with --use-rope-scaling (Megatron-LM hard-codes 4).", config=True, arch=21)
+        help="Llama-3.1 high_freq_factor with --use-rope-scaling (Megatron-LM hard-codes 4).", config=True, arch=21, kept=29)
     rope_scaling_original_max_position_embeddings: int = setting("--rope-scaling-original-max-position-embeddings",
         default=8192, help="Llama-3.1 original context length with --use-rope-scaling (Megatron-LM hard-codes 8192).",
-        config=True, arch=22)
+        config=True, arch=22, kept=30)
     normalization: str = setting("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
-        help="Normalization layer: LayerNorm (GPT-2/BERT) or RMSNorm (Llama).", config=True, arch=0)
+        help="Normalization layer: LayerNorm (GPT-2/BERT) or RMSNorm (Llama).", config=True, arch=0, kept=8)
     group_query_attention: bool = setting("--group-query-attention", default=False,
-        help="Grouped-query attention: --num-query-groups K/V heads shared by the query heads.", config=True, arch=15,
+        help="Grouped-query attention: --num-query-groups K/V heads shared by the query heads.", config=True, arch=15, kept=20,
         feeds=("num_query_groups",))
     num_query_groups: Optional[int] = setting("--num-query-groups",
         help="Number of K/V head groups with --group-query-attention (default 1: multi-query).",
-        config=ConfigField(compute=_num_query_groups, arch=16, hint="--group-query-attention --num-query-groups"))
+        config=ConfigField(compute=_num_query_groups, arch=16, kept=21, hint="--group-query-attention --num-query-groups"))
     add_bias_linear: bool = setting("--disable-bias-linear", default=True,
-        help="No biases in the linear layers (QKV, attention output, MLP).", config=ConfigField(arch=9,
+        help="No biases in the linear layers (QKV, attention output, MLP).", config=ConfigField(arch=9, kept=15,
         hint="--disable-bias-linear (or not)"))
     add_qkv_bias: bool = setting("--add-qkv-bias", default=False,
-        help="Keep the QKV bias even with --disable-bias-linear (Qwen-style).", config=True, arch=10)
+        help="Keep the QKV bias even with --disable-bias-linear (Qwen-style).", config=True, arch=10, kept=16)
     make_vocab_size_divisible_by: int = setting("--make-vocab-size-divisible-by", default=128,
         help="Pad the vocab so its size is divisible by this value (times TP size).",
-        config=ConfigField("padded_vocab_size", compute=_padded_vocab_size, arch=32,
+        config=ConfigField("padded_vocab_size", compute=_padded_vocab_size, arch=32, kept=6,
         hint="the same vocab file and --make-vocab-size-divisible-by"), restore_if_unset=True)
     layernorm_epsilon: float = setting("--layernorm-epsilon", "--norm-epsilon", default=1e-05,
-        help="Epsilon of the LayerNorm/RMSNorm layers.", config=ConfigField(arch=1, hint="--norm-epsilon"))
+        help="Epsilon of the LayerNorm/RMSNorm layers.", config=ConfigField(arch=1, kept=9, hint="--norm-epsilon"))
     apply_layernorm_1p: bool = setting("--apply-layernorm-1p", default=False,
-        help="LayerNorm with (1 + weight) (zero-centered).", config=True, arch=2)
+        help="LayerNorm with (1 + weight) (zero-centered).", config=True, arch=2, kept=10)
     apply_residual_connection_post_layernorm: bool = setting("--apply-residual-connection-post-layernorm",
-        default=False, help="Residual connection after the layer norm (original BERT).", config=True, arch=3)
+        default=False, help="Residual connection after the layer norm (original BERT).", config=True, arch=3, kept=7)
     openai_gelu: bool = setting("--openai-gelu", default=False, help="OpenAI's tanh GeLU approximation.", config=True,
-        arch=4)
+        arch=4, kept=11)
     squared_relu: bool = setting("--squared-relu", default=False, help="Squared ReLU activation instead of GeLU.",
-        config=True, arch=5)
-    swiglu: bool = setting("--swiglu", default=False, help="SwiGLU activation instead of GeLU.", config=True, arch=6)
+        config=True, arch=5, kept=12)
+    swiglu: bool = setting("--swiglu", default=False, help="SwiGLU activation instead of GeLU.", config=True, arch=6, kept=13)
     glu_activation: Optional[str] = setting("--glu-activation", choices=["geglu", "liglu", "reglu", "swiglu"],
         help="Megatron-DeepSpeed's GLU activations: x1 * act(x2) over the two halves of a 2 * ffn first projection "
-             "(act = GeLU, identity, ReLU, SiLU).", config=True, arch=7)
+             "(act = GeLU, identity, ReLU, SiLU).", config=True, arch=7, kept=23)
     embed_layernorm: bool = setting("--embed-layernorm", default=False,
-        help="LayerNorm right after the word embeddings (BLOOM; Megatron-DeepSpeed's flag).", config=True, arch=8)
+        help="LayerNorm right after the word embeddings (BLOOM; Megatron-DeepSpeed's flag).", config=True, arch=8, kept=24)
     onnx_safe: Optional[bool] = setting("--onnx-safe", type=bool, help="Workarounds for known ONNX exporter problems.",
         feeds=("bias_gelu_fusion",))
     bert_binary_head: bool = setting("--bert-no-binary-head", default=True,
         help="Disable BERT's binary (next-sentence) head.", families=("bert",))
     untie_embeddings_and_output_weights: bool = setting("--untie-embeddings-and-output-weights", default=False,
         help="Separate input embedding and output layer weights.",
-        config=ConfigField("share_embeddings_and_output_weights", compute=_share_embeddings_and_output_weights, arch=23,
+        config=ConfigField("share_embeddings_and_output_weights", compute=_share_embeddings_and_output_weights, arch=23, kept=22,
         hint="--untie-embeddings-and-output-weights (or not)", restore=_RESTORE_SHARE_EMBEDDINGS_AND_OUTPUT_WEIGHTS))

@@ -47,16 +47,16 @@ class MoESettings:
         help="Tensor parallelism inside the experts (default: --tensor-model-parallel-size).",
         read_by="megatron/settings/moe_checks.py", restore_if_unset=True)
     num_experts: Optional[int] = setting("--num-experts", help="Experts per MoE layer (None: no MoE).",
-        config=ConfigField("num_moe_experts", arch=33, hint="--num-experts", restore=_RESTORE_NUM_MOE_EXPERTS))
+        config=ConfigField("num_moe_experts", arch=33, kept=31, hint="--num-experts", restore=_RESTORE_NUM_MOE_EXPERTS))
     moe_layer_freq: Union[int, List[int]] = setting("--moe-layer-freq", default=1, type=moe_freq_type,
-        help="MoE layer every N layers, or a 0/1 list pattern such as \"([1]*3+[0]*1)*3\".", config=True, arch=36)
+        help="MoE layer every N layers, or a 0/1 list pattern such as \"([1]*3+[0]*1)*3\".", config=True, arch=36, kept=44)
     moe_ffn_hidden_size: Optional[int] = setting("--moe-ffn-hidden-size",
-        help="Inner size of each expert (default --ffn-hidden-size).", config=True, arch=34)
+        help="Inner size of each expert (default --ffn-hidden-size).", config=True, arch=34, kept=32)
     moe_shared_expert_intermediate_size: Optional[int] = setting("--moe-shared-expert-intermediate-size",
-        help="Total inner size of the shared expert(s); None: no shared expert.", config=True, arch=37)
+        help="Total inner size of the shared expert(s); None: no shared expert.", config=True, arch=37, kept=45)
     moe_shared_expert_gate: bool = setting("--moe-shared-expert-gate", default=False,
         help="Gate the shared expert's output with sigmoid(x . w) (Qwen2-MoE; Megatron-LM core's "
-             "moe_shared_expert_gate).", config=True, arch=38)
+             "moe_shared_expert_gate).", config=True, arch=38, kept=46)
     moe_shared_expert_overlap: bool = setting("--moe-shared-expert-overlap", default=False,
         help="Overlap the shared expert with dispatch (same numbers on CPU).",
         variant="overlaps the shared expert with dispatch on GPU; the shared expert's output is the same (only the "
@@ -77,23 +77,23 @@ class MoESettings:
     moe_router_load_balancing_type: Union[str, List[str]] = setting("--moe-router-load-balancing-type",
         default="aux_loss", type=str, choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
         nargs="+", help="Load balancing: aux_loss (GShard/Switch), seq_aux_loss (per sequence), sinkhorn, none.",
-        config=True, arch=42)
+        config=True, arch=42, kept=34)
     moe_router_dtype: Optional[str] = setting("--moe-router-dtype", choices=["fp32", "fp64"],
-        help="Dtype of the routing computation.", config=True, arch=43)
+        help="Dtype of the routing computation.", config=True, arch=43, kept=40)
     moe_router_fusion: bool = setting("--moe-router-fusion", default=False,
         help="Fused top-k routing kernels (same numbers).",
         variant="picks TE's fused top-k/aux-loss kernels; the routing is the same")
     moe_router_score_function: str = setting("--moe-router-score-function", default="softmax",
-        choices=["softmax", "sigmoid"], help="Score function for top-k routing.", config=True, arch=40)
-    moe_router_topk: int = setting("--moe-router-topk", default=2, help="Experts per token.", config=True, arch=35)
+        choices=["softmax", "sigmoid"], help="Score function for top-k routing.", config=True, arch=40, kept=38)
+    moe_router_topk: int = setting("--moe-router-topk", default=2, help="Experts per token.", config=True, arch=35, kept=33)
     moe_router_pre_softmax: bool = setting("--moe-router-pre-softmax", default=False,
-        help="Softmax before the top-k selection (default: softmax over the k chosen logits).", config=True, arch=39)
+        help="Softmax before the top-k selection (default: softmax over the k chosen logits).", config=True, arch=39, kept=37)
     moe_router_num_groups: Optional[int] = setting("--moe-router-num-groups", help="Groups for group-limited routing.",
         refused="(group-limited routing) is not implemented")
     moe_router_group_topk: Optional[int] = setting("--moe-router-group-topk", help="Groups chosen per token.",
         refused="(group-limited routing) is not implemented")
     moe_router_topk_scaling_factor: Optional[float] = setting("--moe-router-topk-scaling-factor",
-        help="Scaling factor of the routing weights (with --moe-router-pre-softmax).", config=True, arch=41)
+        help="Scaling factor of the routing weights (with --moe-router-pre-softmax).", config=True, arch=41, kept=39)
     moe_router_enable_expert_bias: bool = setting("--moe-router-enable-expert-bias", default=False,
         help="Aux-loss-free load balancing with a dynamic expert bias.",
         refused="(aux-loss-free expert bias) is not implemented")
@@ -104,9 +104,9 @@ class MoESettings:
     moe_router_padding_for_fp8: bool = setting("--moe-router-padding-for-fp8", default=False,
         help="Pad the routing map for FP8.", refused="is an FP8 setting; FP8 is not supported")
     moe_aux_loss_coeff: Union[float, List[float]] = setting("--moe-aux-loss-coeff", default=0.0, type=float, nargs="+",
-        help="Coefficient of the load-balancing loss (1e-2 is a good start).", config=True)
+        help="Coefficient of the load-balancing loss (1e-2 is a good start).", config=True, kept=35)
     moe_z_loss_coeff: Optional[float] = setting("--moe-z-loss-coeff", help="Coefficient of the router z-loss.",
-        config=True)
+        config=True, kept=36)
     moe_input_jitter_eps: Optional[float] = setting("--moe-input-jitter-eps", help="Multiplicative input jitter.",
         refused="(input jitter) is not implemented")
     moe_per_layer_logging: bool = setting("--moe-per-layer-logging", default=False,
@@ -122,13 +122,13 @@ class MoESettings:
         help="Fused token permutation (same numbers).",
         variant="picks TE's fused permutation kernel; the permutation is the same")
     moe_expert_capacity_factor: Optional[float] = setting("--moe-expert-capacity-factor",
-        help="Expert capacity factor; None: no token is dropped.", config=True, arch=44)
+        help="Expert capacity factor; None: no token is dropped.", config=True, arch=44, kept=41)
     moe_pad_expert_input_to_capacity: bool = setting("--moe-pad-expert-input-to-capacity", default=False,
-        help="Pad every expert's input to the capacity (needs --moe-expert-capacity-factor).", config=True, arch=46)
+        help="Pad every expert's input to the capacity (needs --moe-expert-capacity-factor).", config=True, arch=46, kept=43)
     moe_token_drop_policy: str = setting("--moe-token-drop-policy", default="probs", choices=["probs", "position"],
-        help="Drop the lowest-probability tokens (probs) or the latest ones (position).", config=True, arch=45)
+        help="Drop the lowest-probability tokens (probs) or the latest ones (position).", config=True, arch=45, kept=42)
     moe_apply_probs_on_input: bool = setting("--moe-apply-probs-on-input", default=False,
-        help="Apply the routing weight to the expert input (top-1).", config=True, arch=47)
+        help="Apply the routing weight to the expert input (top-1).", config=True, arch=47, kept=47)
     overlap_moe_expert_parallel_comm: bool = setting("--overlap-moe-expert-parallel-comm", default=False,
         help="Overlap the expert-parallel all-to-all with compute.",
         refused="needs expert parallelism on GPUs; not supported")

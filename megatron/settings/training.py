@@ -77,7 +77,7 @@ class TrainingSettings:
     masked_softmax_fusion: bool = setting("--no-masked-softmax-fusion", default=True,
         help="Do not fuse scaling, masking and softmax.", config=True)
     bias_gelu_fusion: bool = setting("--no-bias-gelu-fusion", default=True, help="Do not fuse bias add and GeLU.",
-        config=ConfigField(compute=_bias_gelu_fusion, arch=11, hint="--no-bias-gelu-fusion (or not)",
+        config=ConfigField(compute=_bias_gelu_fusion, arch=11, kept=14, hint="--no-bias-gelu-fusion (or not)",
         restore=_RESTORE_BIAS_GELU_FUSION))
     bias_swiglu_fusion: bool = setting("--no-bias-swiglu-fusion", default=True,
         help="Do not fuse bias add and SwiGLU (the Triton kernel on CUDA).", config=True)

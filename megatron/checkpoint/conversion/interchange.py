@@ -30,6 +30,7 @@ import torch
 
 from megatron.core.transformer_config import TransformerConfig
 from megatron.errors import MegatronUserError
+from megatron.settings import all_settings, config_flag, flag_spelling, kept_fields
 
 EMBEDDINGS = "embeddings"
 FINAL_NORM = "final norm"
@@ -39,22 +40,10 @@ LAYER_PREFIX = "transformer layer "
 MODEL_TYPES = ("GPT", "BERT", "T5")
 SUPPORTED_MODEL_TYPES = ("GPT", "BERT", "T5")  # T5: Megatron <-> Megatron, TP only (t5_format.py)
 
-# TransformerConfig fields a converted model keeps (the architecture; numerics and parallel sizes are the run's).
-_KEPT_FIELDS = (
-    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "max_position_embeddings",
-    "padded_vocab_size", "apply_residual_connection_post_layernorm", "normalization", "layernorm_epsilon",
-    "apply_layernorm_1p", "openai_gelu", "squared_relu", "swiglu", "bias_gelu_fusion", "add_bias_linear",
-    "add_qkv_bias", "position_embedding_type", "rotary_base", "rotary_percent", "group_query_attention",
-    "num_query_groups", "share_embeddings_and_output_weights", "glu_activation", "embed_layernorm",
-    "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
-    "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
-    # mixture of experts (megatron/layers/moe.py)
-    "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_load_balancing_type",
-    "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function",
-    "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_expert_capacity_factor", "moe_token_drop_policy",
-    "moe_pad_expert_input_to_capacity", "moe_layer_freq", "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate", "moe_apply_probs_on_input",
-)
+# TransformerConfig fields a converted model keeps (the architecture; numerics and parallel sizes are the run's), in
+# the order the settings declare (`setting(..., kept=N)` in megatron/settings/): the order of a converted
+# checkpoint's ``architecture``.
+_KEPT_FIELDS = kept_fields()
 
 
 # what to do with a Core checkpoint that records no architecture (Megatron-LM takes it from its command line)
@@ -126,112 +115,123 @@ def with_architecture(meta: ModelMeta, **changes: Any) -> ModelMeta:
 
 
 def model_flags(meta: ModelMeta, tp: int = 1, pp: int = 1, vp_layers: Optional[int] = None) -> str:
-    """The Megatron flags that build the model of `meta` (what to pass with the converted checkpoint)."""
+    """The Megatron flags that build the model of `meta` (what to pass with the converted checkpoint); the option
+    strings are the settings' (megatron/settings/: `config_flag`, `flag_spelling`)."""
     a = meta.architecture
-    flags: List[str] = [f"--num-layers {a['num_layers']}", f"--hidden-size {a['hidden_size']}",
-                        f"--num-attention-heads {a['num_attention_heads']}"]
+    flags: List[str] = [f"{config_flag(k)} {a[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads")]
     if a.get("ffn_hidden_size") and a["ffn_hidden_size"] != 4 * a["hidden_size"] or a.get("swiglu"):
-        flags.append(f"--ffn-hidden-size {a['ffn_hidden_size']}")
+        flags.append(f"{config_flag('ffn_hidden_size')} {a['ffn_hidden_size']}")
     if a.get("kv_channels") and a["kv_channels"] != a["hidden_size"] // a["num_attention_heads"]:
-        flags.append(f"--kv-channels {a['kv_channels']}")
+        flags.append(f"{config_flag('kv_channels')} {a['kv_channels']}")
     seq = getattr(meta.checkpoint_args, "seq_length", None) or a["max_position_embeddings"]
-    flags.append(f"--seq-length {seq} --max-position-embeddings {a['max_position_embeddings']}")
+    flags.append(f"{flag_spelling('seq_length')} {seq} {config_flag('max_position_embeddings')} "
+                 f"{a['max_position_embeddings']}")
     if a.get("normalization", "LayerNorm") != "LayerNorm":
-        flags.append(f"--normalization {a['normalization']}")
-    flags.append(f"--norm-epsilon {a.get('layernorm_epsilon', 1e-5)}")
-    for key, flag in (("apply_layernorm_1p", "--apply-layernorm-1p"), ("swiglu", "--swiglu"),
-                      ("openai_gelu", "--openai-gelu"), ("squared_relu", "--squared-relu"),
-                      ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm"),
-                      ("add_qkv_bias", "--add-qkv-bias"), ("embed_layernorm", "--embed-layernorm")):
-        if a.get(key):
-            flags.append(flag)
+        flags.append(f"{config_flag('normalization')} {a['normalization']}")
+    flags.append(f"{config_flag('layernorm_epsilon')} {a.get('layernorm_epsilon', 1e-5)}")
+    flags.extend(config_flag(key) for key in _SWITCHES if a.get(key))
     if a.get("glu_activation"):
-        flags.append(f"--glu-activation {a['glu_activation']}")
+        flags.append(f"{config_flag('glu_activation')} {a['glu_activation']}")
     if not a.get("bias_gelu_fusion", True) and not (a.get("swiglu") or a.get("squared_relu")
                                                     or a.get("glu_activation")):
-        flags.append("--no-bias-gelu-fusion")
-    pos = a.get("position_embedding_type", "learned_absolute")
-    if pos != "learned_absolute":
-        flags.append(f"--position-embedding-type {pos}")
-    if pos == "rope":
-        flags.append(f"--rotary-base {a.get('rotary_base', 10000.0):g}")
-        if a.get("rotary_percent", 1.0) != 1.0:
-            flags.append(f"--rotary-percent {a['rotary_percent']}")
-        flags.extend(_rope_scaling_flags(a))
+        flags.append(config_flag("bias_gelu_fusion"))
+    flags.extend(_position_flags(a))
     if a.get("group_query_attention"):
-        flags.append(f"--group-query-attention --num-query-groups {a['num_query_groups']}")
-    if not a.get("add_bias_linear", True):
-        flags.append("--disable-bias-linear")
-    if not a.get("share_embeddings_and_output_weights", True):
-        flags.append("--untie-embeddings-and-output-weights")
+        flags.append(f"{config_flag('group_query_attention')} {config_flag('num_query_groups')} "
+                     f"{a['num_query_groups']}")
+    for key in ("add_bias_linear", "share_embeddings_and_output_weights"):  # on by default, a flag turns them off
+        if not a.get(key, True):
+            flags.append(config_flag(key))
     if a.get("num_moe_experts"):
         flags.append(_moe_flags(a))
-    t5 = meta.extra.get("t5") if meta.model_type == "T5" else None
-    if t5:
-        flags.append(f"--encoder-num-layers {t5['encoder_num_layers']} --decoder-num-layers "
-                     f"{t5['decoder_num_layers']}")
-        if getattr(meta.checkpoint_args, "vocab_extra_ids", None):
-            flags.append(f"--vocab-extra-ids {meta.checkpoint_args.vocab_extra_ids}")
-    flags.append(f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}")
-    if t5 and pp > 1 and meta.extra.get("written_split_rank"):  # T5's first decoder stage (t5_format.T5Writer)
-        flags.append(f"--pipeline-model-parallel-split-rank {meta.extra['written_split_rank']}")
-    if vp_layers:
-        flags.append(f"--num-layers-per-virtual-pipeline-stage {vp_layers}")
+    flags.extend(_layout_flags(meta, tp, pp, vp_layers))
     tok = meta.tokenizer
     if tok.get("type"):
-        flags.append(f"--tokenizer-type {tok['type']}")
-        for key, flag in (("vocab_file", "--vocab-file"), ("merge_file", "--merge-file"),
-                          ("tokenizer_model", "--tokenizer-model"), ("tokenizer_name_or_path", "--tokenizer-name-or-path")):
-            if tok.get(key):
-                flags.append(f"{flag} {tok[key]}")
+        flags.append(f"{flag_spelling('tokenizer_type')} {tok['type']}")
+        flags.extend(f"{flag_spelling(key)} {tok[key]}" for key in _TOKENIZER_FILES if tok.get(key))
     if meta.make_vocab_size_divisible_by != 128:
-        flags.append(f"--make-vocab-size-divisible-by {meta.make_vocab_size_divisible_by}")
+        flags.append(f"{flag_spelling('make_vocab_size_divisible_by')} {meta.make_vocab_size_divisible_by}")
     return " ".join(flags)
+
+
+# architecture switches model_flags passes when set (in this order), and the tokenizer files it names
+_SWITCHES = ("apply_layernorm_1p", "swiglu", "openai_gelu", "squared_relu", "apply_residual_connection_post_layernorm",
+             "add_qkv_bias", "embed_layernorm")
+_TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model", "tokenizer_name_or_path")
+
+
+def _position_flags(a: Dict[str, Any]) -> List[str]:
+    """--position-embedding-type and, with rope, its base, fraction and scaling (values that differ from defaults)."""
+    flags = []
+    pos = a.get("position_embedding_type", "learned_absolute")
+    if pos != "learned_absolute":
+        flags.append(f"{config_flag('position_embedding_type')} {pos}")
+    if pos == "rope":
+        flags.append(f"{config_flag('rotary_base')} {a.get('rotary_base', 10000.0):g}")
+        if a.get("rotary_percent", 1.0) != 1.0:
+            flags.append(f"{config_flag('rotary_percent')} {a['rotary_percent']}")
+        flags.extend(_rope_scaling_flags(a))
+    return flags
+
+
+def _layout_flags(meta: ModelMeta, tp: int, pp: int, vp_layers: Optional[int]) -> List[str]:
+    """T5's layer counts and extra ids, then the parallel layout of the written checkpoint."""
+    flags = []
+    t5 = meta.extra.get("t5") if meta.model_type == "T5" else None
+    if t5:
+        flags.append(f"{config_flag('encoder_num_layers')} {t5['encoder_num_layers']} "
+                     f"{config_flag('decoder_num_layers')} {t5['decoder_num_layers']}")
+        if getattr(meta.checkpoint_args, "vocab_extra_ids", None):
+            flags.append(f"{flag_spelling('vocab_extra_ids')} {meta.checkpoint_args.vocab_extra_ids}")
+    flags.append(f"{flag_spelling('tensor_model_parallel_size')} {tp} {flag_spelling('pipeline_model_parallel_size')} "
+                 f"{pp}")
+    if t5 and pp > 1 and meta.extra.get("written_split_rank"):  # T5's first decoder stage (t5_format.T5Writer)
+        flags.append(f"{flag_spelling('pipeline_model_parallel_split_rank')} {meta.extra['written_split_rank']}")
+    if vp_layers:
+        flags.append(f"{flag_spelling('num_layers_per_virtual_pipeline_stage')} {vp_layers}")
+    return flags
 
 
 def _rope_scaling_flags(a: Dict[str, Any]) -> List[str]:
     """--rotary-seq-len-interpolation-factor / --use-rope-scaling and its values that differ from the defaults."""
     flags = []
     if a.get("rotary_seq_len_interpolation_factor") is not None:
-        flags.append(f"--rotary-seq-len-interpolation-factor {a['rotary_seq_len_interpolation_factor']}")
+        flags.append(f"{config_flag('rotary_seq_len_interpolation_factor')} {a['rotary_seq_len_interpolation_factor']}")
     if a.get("use_rope_scaling"):
-        flags.append("--use-rope-scaling")
-        for key, default in (("rope_scaling_factor", 8.0), ("rope_scaling_low_freq_factor", 1.0),
-                             ("rope_scaling_high_freq_factor", 4.0),
-                             ("rope_scaling_original_max_position_embeddings", 8192)):
+        flags.append(config_flag("use_rope_scaling"))
+        for key in ("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+                    "rope_scaling_original_max_position_embeddings"):
+            default = _DEFAULTS[key]
             if a.get(key, default) != default:
-                flags.append(f"--{key.replace('_', '-')} {a[key]}")
+                flags.append(f"{config_flag(key)} {a[key]}")
     return flags
 
 
 def _moe_flags(a: Dict[str, Any]) -> str:
     """The MoE architecture flags of `a` (values that differ from Megatron-LM's defaults)."""
-    flags = [f"--num-experts {a['num_moe_experts']} --moe-router-topk {a.get('moe_router_topk', 2)}"]
+    flags = [f"{config_flag('num_moe_experts')} {a['num_moe_experts']} {config_flag('moe_router_topk')} "
+             f"{a.get('moe_router_topk', 2)}"]
     freq = a.get("moe_layer_freq", 1)
     if freq != 1:
-        flags.append(f"--moe-layer-freq {str(freq).replace(' ', '')}" if isinstance(freq, list)
-                     else f"--moe-layer-freq {freq}")
-    for key, flag in (("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
-                      ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
-                      ("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor"),
-                      ("moe_expert_capacity_factor", "--moe-expert-capacity-factor"),
-                      ("moe_z_loss_coeff", "--moe-z-loss-coeff"), ("moe_router_dtype", "--moe-router-dtype")):
+        flags.append(f"{config_flag('moe_layer_freq')} {str(freq).replace(' ', '')}" if isinstance(freq, list)
+                     else f"{config_flag('moe_layer_freq')} {freq}")
+    for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_topk_scaling_factor",
+                "moe_expert_capacity_factor", "moe_z_loss_coeff", "moe_router_dtype"):
         if a.get(key) is not None:
-            flags.append(f"{flag} {a[key]}")
-    for key, flag in (("moe_router_pre_softmax", "--moe-router-pre-softmax"),
-                      ("moe_shared_expert_gate", "--moe-shared-expert-gate"),
-                      ("moe_pad_expert_input_to_capacity", "--moe-pad-expert-input-to-capacity"),
-                      ("moe_apply_probs_on_input", "--moe-apply-probs-on-input")):
-        if a.get(key):
-            flags.append(flag)
-    for key, flag, default in (("moe_router_score_function", "--moe-router-score-function", "softmax"),
-                               ("moe_router_load_balancing_type", "--moe-router-load-balancing-type", "aux_loss"),
-                               ("moe_token_drop_policy", "--moe-token-drop-policy", "probs")):
-        if a.get(key, default) != default:
-            flags.append(f"{flag} {a[key]}")
+            flags.append(f"{config_flag(key)} {a[key]}")
+    flags.extend(config_flag(key) for key in ("moe_router_pre_softmax", "moe_shared_expert_gate",
+                                              "moe_pad_expert_input_to_capacity", "moe_apply_probs_on_input")
+                 if a.get(key))
+    for key in ("moe_router_score_function", "moe_router_load_balancing_type", "moe_token_drop_policy"):
+        if a.get(key, _DEFAULTS[key]) != _DEFAULTS[key]:
+            flags.append(f"{config_flag(key)} {a[key]}")
     if a.get("moe_aux_loss_coeff"):
-        flags.append(f"--moe-aux-loss-coeff {a['moe_aux_loss_coeff']}")
+        flags.append(f"{config_flag('moe_aux_loss_coeff')} {a['moe_aux_loss_coeff']}")
     return " ".join(flags)
+
+
+# the declared defaults of the settings above whose default value model_flags leaves out
+_DEFAULTS = {dest: default for dest, default, _spec in all_settings()}
 
 
 def expect(messages: Iterator[Message], name: str) -> Message:
