@@ -36,6 +36,7 @@ FLAG_SIDE = {("megatron/training.py", "pretrain"),
              ("megatron/compat.py", "restore_architecture"),
              ("megatron/compat.py", "use_checkpoint_args"),
              ("megatron/compat.py", "args_to_save"),
+             ("megatron/compat.py", "_set_flags"),
              ("megatron/model_setup.py", "record_run_length"),
              ("megatron/model_setup.py", "get_optimizer_param_scheduler"),
              ("megatron/model_setup.py", "update_train_iters")}
