@@ -6,8 +6,11 @@ stderr and exit code 1 instead of a traceback. Imports nothing heavy (the prepro
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable, TypeVar
+
+from megatron import peer_failure
 
 T = TypeVar("T")
 
@@ -27,8 +30,6 @@ class ArgumentError(MegatronUserError, ValueError):
 def _report_user_error(line: str) -> None:
     """Print the line; under megatron.quiet_torchrun (MEGATRON_USER_ERROR_DIR set) only rank 0 prints and every rank
     leaves the line in that folder for the launcher."""
-    import os
-
     folder, rank = os.environ.get("MEGATRON_USER_ERROR_DIR"), os.environ.get("RANK", "0")
     if not folder or rank == "0":
         print(line, file=sys.stderr, flush=True)
@@ -58,8 +59,6 @@ def exit_on_user_error(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         sys.exit(1)
     except Exception as exc:
         if "torch.distributed" in sys.modules:
-            from megatron import peer_failure
-
             if peer_failure.peer_failure_in_run(exc):
                 peer_failure.exit_on_peer_failure(exc)
         raise

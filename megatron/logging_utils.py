@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.rank_print import is_last_rank, print_rank_0, print_rank_last  # noqa: F401  (re-exported)
 from megatron.run_configs.log_settings import LogSettings
 
@@ -219,8 +220,6 @@ def report_memory(name: str, data_parallel_rank: Optional[int] = None) -> Option
     (None on ranks that stay silent).
     """
     if data_parallel_rank is None:
-        from megatron.core import parallel_state
-
         data_parallel_rank = parallel_state.current_parallel_state().dp_rank
     if data_parallel_rank != 0:
         return None

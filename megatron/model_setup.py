@@ -12,6 +12,7 @@ import torch
 
 from megatron import fused_kernels, global_vars
 from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.layers.module import Float16Module
 from megatron.learning_rates import OptimizerParamScheduler
@@ -63,8 +64,6 @@ def _wrap_chunk(model: torch.nn.Module, wrap: ModelWrapSettings, state: ps.Paral
     if wrap.fp16 or wrap.bf16:
         model = Float16Module(model, torch.half if wrap.fp16 else torch.bfloat16)
     if wrap_with_ddp:
-        from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
-
         if wrap.DDP_impl == "torch":
             if state.expert_groups:
                 raise ValueError("--DDP-impl torch cannot reduce expert grads over the expert-data-parallel group; "

@@ -23,9 +23,12 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
+
+from megatron import optional
 
 TIMEOUT_ENV = "MEGATRON_DISTRIBUTED_TIMEOUT_SECONDS"
 _KEY = "megatron/peer/"
@@ -53,9 +56,7 @@ def register(rank: int, store: Any = None) -> None:
     """Record this process's host and pid in the (default) rendezvous store; one set, failures here are not fatal."""
     try:
         if store is None:
-            import torch.distributed as dist
-
-            store = dist.distributed_c10d._get_default_store()
+            store = optional.torch_distributed().distributed_c10d._get_default_store()
         store.set(f"{_KEY}{rank}", f"{socket.gethostname()} {os.getpid()}")
     except Exception:  # noqa: BLE001 - diagnosis is best effort; training must not depend on it
         pass
@@ -63,8 +64,7 @@ def register(rank: int, store: Any = None) -> None:
 
 def is_peer_failure(exc: BaseException) -> bool:
     """A communication error of torch.distributed (peer gone, time-out), looking through the exception chain."""
-    import torch.distributed as dist
-
+    dist = optional.torch_distributed()
     seen = 0
     while exc is not None and seen < 8:
         if isinstance(exc, getattr(dist, "DistError", ())):
@@ -153,10 +153,7 @@ def linger_while_others_diagnose(store: Any, rank: int, world_size: int, wait_s:
 def _close_connections() -> None:
     """Destroy the process groups (closes this rank's sockets, so that peers blocked on it fail at once instead of
     at their time-out); in a thread, given 5 s, as nothing here may block."""
-    import threading
-
-    import torch.distributed as dist
-
+    dist = optional.torch_distributed()
     def destroy() -> None:
         try:
             dist.destroy_process_group()
@@ -170,8 +167,7 @@ def _close_connections() -> None:
 
 def describe(exc: BaseException) -> str:
     """Mark this rank failed, close its connections, find the lost rank; return the one line (see the module doc)."""
-    import torch.distributed as dist
-
+    dist = optional.torch_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     lost, store_ok, store = [], False, None
     try:

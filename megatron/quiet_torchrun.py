@@ -28,6 +28,10 @@ import sys
 import tempfile
 from typing import Any, Optional
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
 ERROR_DIR_ENV = "MEGATRON_USER_ERROR_DIR"
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
@@ -99,8 +103,6 @@ class SigtermForwarder:
         self.previous: Any = signal.SIG_DFL  # the handler to restore when the launcher returns
 
     def __call__(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal API
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
         if self.codes is not None:  # a second SIGTERM while the workers save: already forwarded
             return
         pids = _worker_pids()
@@ -165,10 +167,6 @@ def _quiet_elastic_logs() -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run torchrun with the differences above; returns the exit code."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
     static_master = args.rdzv_backend == "static" and not args.standalone and not args.rdzv_endpoint
     if static_master and args.master_port is not None and args.node_rank == 0 and port_in_use(args.master_port):

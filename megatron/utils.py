@@ -10,6 +10,8 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron import global_vars, logging_utils
+from megatron.core.parallel_state import current_parallel_state
 from megatron.core.rank_print import is_last_rank, print_rank_0, print_rank_last  # noqa: F401  (Megatron's path)
 from megatron.core.utils import unwrap_model as _core_unwrap
 from megatron.run_configs.throughput import ThroughputSettings
@@ -91,8 +93,6 @@ def get_ltor_masks_and_position_ids(
 
 
 def _current_state():
-    from megatron.core.parallel_state import current_parallel_state
-
     return current_parallel_state()
 
 
@@ -173,13 +173,10 @@ def peak_rss_mb() -> float:
 
 def report_memory(name: str) -> str:
     """Print (from data-parallel rank 0) and return Megatron's memory line; see megatron.logging_utils.report_memory."""
-    from megatron.logging_utils import memory_stats_mb
-    from megatron.logging_utils import report_memory as _report
-
-    line = _report(name)
+    line = logging_utils.report_memory(name)
     if line is not None:
         return line
-    return f"{name} memory (MB)" + "".join(f" | {k}: {v}" for k, v in memory_stats_mb().items())
+    return f"{name} memory (MB)" + "".join(f" | {k}: {v}" for k, v in logging_utils.memory_stats_mb().items())
 
 
 def _default_wrapper_classes() -> Tuple[type, ...]:
@@ -258,9 +255,7 @@ def throughput(
         raise ValueError("throughput_calculator needs positive iteration_time and total_iterations")
     if batch_size is None:
         try:
-            from megatron.global_vars import get_num_microbatches
-
-            batch_size = run.micro_batch_size * get_num_microbatches() * run.data_parallel_size
+            batch_size = run.micro_batch_size * global_vars.get_num_microbatches() * run.data_parallel_size
         except RuntimeError:
             batch_size = run.global_batch_size or run.micro_batch_size * run.data_parallel_size
     params_b = None if model is None else get_parameters_in_billions(model)

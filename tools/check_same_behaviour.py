@@ -1,42 +1,60 @@
 """Behaviour-identity check for refactors: same log lines, same checkpoints, before and after a change.
 
-Runs tiny trainings on CPU (one process each, fixed seeds, fp32): GPT, Llama-style GPT, BERT, T5 and GPT under
-DeepSpeed ZeRO-1. Each run of 6 iterations (validation and a checkpoint every 2) stops at iteration 4
-(--exit-interval), then a second run resumes from that checkpoint to the end. The record holds, per run:
+Runs tiny trainings on CPU (fixed seeds, fp32, gloo), one process each unless said: gpt, llama (RMSNorm, SwiGLU,
+RoPE, GQA, untied), bert, t5, gpt_deepspeed (DeepSpeed ZeRO-1), bloom (ALiBi with 6 heads, --embed-layernorm),
+mixtral_ep2 (Mixtral-style MoE: 4 experts in every layer, top-2, load-balancing and z losses logged; expert
+parallelism 2 on 2 processes) and gpt_cp2 (GPT under context parallelism 2 on 2 processes). The ranks of a run are
+started as torchrun starts them (RANK, WORLD_SIZE, MASTER_PORT ... in their environment), each with its own stdout.
+Each run of 6 iterations (validation and a checkpoint every 2) stops at iteration 4 (--exit-interval), then a
+second run resumes from that checkpoint to the end. The record holds, per run:
 
-- the log lines (stdout) with timings masked: per-iteration time, samples per second, TFLOPs, datetimes, timers,
-  "... in N seconds" and the time-to-initialise line; paths under the work folder are written as ``<WORK>``;
-- per checkpoint file: the sha256 of its bytes and a digest of its content (every tensor's dtype, shape and bytes;
-  every other value as text, ``args`` as a sorted mapping). Volatile fields excluded from the content digest (and
-  the byte check of the files holding them): none in our Megatron files (their bytes are compared); DeepSpeed's
-  files are compared by content (``ds_version`` and the pickled engine objects of DeepSpeed's own bookkeeping are
-  kept as text), ``manifest.json`` by its file names and sizes (its CRCs follow the bytes).
+- the log lines (stdout) of every rank (``log``/``log_resumed`` for rank 0, ``log.rank1`` ... for the others) with
+  timings masked: per-iteration time, samples per second, TFLOPs, datetimes, timers, "... in N seconds" and the
+  time-to-initialise line; paths under the work folder are written as ``<WORK>``;
+- per checkpoint file (every rank's): the sha256 of its bytes and a digest of its content (every tensor's dtype,
+  shape and bytes; every other value as text, ``args`` as a sorted mapping). Volatile fields excluded from the
+  content digest (and the byte check of the files holding them): none in our Megatron files (their bytes are
+  compared); DeepSpeed's files are compared by content (``ds_version`` and the pickled engine objects of
+  DeepSpeed's own bookkeeping are kept as text), ``manifest.json`` by its file names and sizes (its CRCs follow the
+  bytes).
 
 Usage::
 
-    python tools/check_same_behaviour.py --record before.json     # on the commit before the change
+    python tools/check_same_behaviour.py --record before.json --workdir /tmp/csb   # on the commit before the change
     python tools/check_same_behaviour.py --compare before.json    # after: exit 1 and a diff when anything differs
 
-``--only gpt,bert`` limits the runs; ``--workdir`` picks the scratch folder (a fixed path, so that the paths stored
-in the checkpoints' ``args`` are the same in both runs; it is emptied first).
+``--only gpt,bloom`` limits the runs (names: gpt, llama, bert, t5, gpt_deepspeed, bloom, mixtral_ep2, gpt_cp2).
+``--workdir`` is the scratch folder (emptied first; one check at a time per folder, a second one waits). A compare
+must run in the folder the record was made in: the checkpoints' ``args`` hold paths under it (``--save``,
+``--data-path``), so their bytes differ in any other folder (and so with another data folder, MEGATRON_SHARED_DATA
+or else /work/shared/data, or else tests/fixtures). The record keeps its folder, and ``--compare`` uses it
+when ``--workdir`` is not given (and refuses another one).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
+import fcntl
 import hashlib
 import io
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
-from typing import Any, Optional
+import time
+from typing import Any, Iterator, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.environ.get("MEGATRON_SHARED_DATA", "/work/shared/data")
+if not os.path.isdir(os.path.join(DATA, "openwebtext-1000")):  # a fresh clone: the same first documents and vocabs
+    DATA = os.path.join(ROOT, "tests", "fixtures")
 DEFAULT_WORKDIR = os.path.join("/tmp", f"check_same_behaviour-{os.getuid()}")
 NUM_DOCS = 40
+META = "_record"  # the record's own entry: the work folder it ran in, its runs
 
 # Log content that changes from run to run (wall-clock): masked, the rest of the line kept.
 _MASKS = [
@@ -53,7 +71,10 @@ _DROP = re.compile(r"^\s*(\(min, max\) time across ranks|time \(ms\)|\[Rank \d+\
 
 
 def _run_argv(kind: str, data: dict) -> tuple[str, list[str]]:
-    common = ["--hidden-size", "32", "--num-attention-heads", "4", "--micro-batch-size", "2",
+    """The script and flags of one run (every run: 6 iterations, validation and a checkpoint every 2)."""
+    shape = ["--hidden-size", "48", "--num-attention-heads", "6"] if kind == "bloom" else \
+        ["--hidden-size", "32", "--num-attention-heads", "4"]
+    common = [*shape, "--micro-batch-size", "2",
               "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e-3", "--min-lr", "1e-4",
               "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--weight-decay",
               "0.01", "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -62,15 +83,8 @@ def _run_argv(kind: str, data: dict) -> tuple[str, list[str]]:
     gpt = ["--num-layers", "2", "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-file",
            data["gpt_vocab"], "--merge-file", data["gpt_merges"], "--data-path", data["gpt_prefix"],
            "--split", "90,10,0"]
-    if kind == "gpt":
-        return "pretrain_gpt.py", common + gpt
-    if kind == "llama":
-        return "pretrain_gpt.py", common + gpt + [
-            "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-            "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
-            "--disable-bias-linear", "--ffn-hidden-size", "48"]
-    if kind == "gpt_deepspeed":
-        return "pretrain_gpt.py", common + gpt + ["--deepspeed", "--deepspeed_config", data["ds_config"]]
+    if kind in _GPT_EXTRA:
+        return "pretrain_gpt.py", common + gpt + [data[a] if a in data else a for a in _GPT_EXTRA[kind]]
     bert_data = ["--vocab-file", data["bert_vocab"], "--data-path", data["bert_prefix"], "--split", "90,10,0",
                  "--no-bias-gelu-fusion"]
     if kind == "bert":
@@ -83,7 +97,24 @@ def _run_argv(kind: str, data: dict) -> tuple[str, list[str]]:
     raise ValueError(f"unknown run {kind!r}")
 
 
-RUNS = ("gpt", "llama", "bert", "t5", "gpt_deepspeed")
+_LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--group-query-attention",
+          "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+          "--ffn-hidden-size", "48"]
+# The GPT-script runs: flags after the tiny GPT's (a name of a prepared file, such as ds_config, is replaced by its
+# path). bloom: ALiBi (6 heads, not a power of two) and the LayerNorm after the embeddings; mixtral_ep2: a
+# Mixtral-style MoE (every layer 4 experts, top-2, load-balancing and z losses) with its experts over 2 ranks.
+_GPT_EXTRA = {
+    "gpt": [],
+    "llama": _LLAMA,
+    "gpt_deepspeed": ["--deepspeed", "--deepspeed_config", "ds_config"],
+    "bloom": ["--position-embedding-type", "alibi", "--embed-layernorm"],
+    "mixtral_ep2": [*_LLAMA, "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type",
+                    "aux_loss", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
+                    "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "2"],
+    "gpt_cp2": ["--context-parallel-size", "2"],
+}
+RUNS = ("gpt", "llama", "bert", "t5", "gpt_deepspeed", "bloom", "mixtral_ep2", "gpt_cp2")
+PROCESSES = {"mixtral_ep2": 2, "gpt_cp2": 2}  # ranks per run (1 when absent): gloo processes on this machine
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -188,35 +219,76 @@ def _checkpoint_digest(save: str, work: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- runs
-def _train(kind: str, data: dict, work: str, load: Optional[str], save: str) -> list[str]:
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(kind: str, argv: list[str], work: str, logs: str) -> list[str]:
+    """Start the run's ranks as torchrun would (RANK, WORLD_SIZE, ... in the environment, gloo on CPU), each with
+    its own stdout file, and wait for all; a failed rank stops the others. Returns the stdout file per rank."""
+    world = PROCESSES.get(kind, 1)
+    port = os.environ.get("CHECK_SAME_BEHAVIOUR_PORT") or str(_free_port())
+    procs, outs = [], []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONHASHSEED": "0",
+               "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               "CROSS_RANK": "0", "CROSS_SIZE": "1", "GROUP_RANK": "0"}
+        outs.append(f"{logs}.rank{rank}")
+        with open(outs[-1], "w") as out, open(outs[-1] + ".err", "w") as err:
+            procs.append(subprocess.Popen(argv, cwd=work, env=env, stdout=out, stderr=err))
+    deadline = time.monotonic() + 900
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    stopped = [p.poll() is None for p in procs]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    failed = sorted(((rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0),
+                    key=lambda fail: stopped[fail[0]])  # a rank that failed by itself first, then those stopped
+    if failed:
+        rank = failed[0][0]
+        with open(outs[rank]) as f, open(outs[rank] + ".err") as e:
+            raise SystemExit(f"{kind}: {argv[1]} rank {rank} exited {failed[0][1]}:\n{f.read()[-3000:]}\n"
+                             f"{e.read()[-3000:]}")
+    return outs
+
+
+def _train(kind: str, data: dict, work: str, load: Optional[str], save: str) -> dict[str, list[str]]:
+    """One run; its log lines per rank: ``log`` (rank 0) and ``log.rank1``... (the others), masked."""
     script, argv = _run_argv(kind, data)
     argv = argv + ["--save", save] + (["--load", load] if load else ["--exit-interval", "4"])
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONHASHSEED": "0",
-           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(int(os.environ.get("CHECK_SAME_BEHAVIOUR_PORT", "29700")) + RUNS.index(kind)), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *argv], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise SystemExit(f"{kind}: {script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    lines = [_normalise_line(line, work) for line in proc.stdout.splitlines()]
-    return [line for line in lines if line is not None]
+    phase = "log_resumed" if load else "log"
+    outs = _launch(kind, [sys.executable, os.path.join(ROOT, script), *argv], work,
+                   os.path.join(work, "logs", f"{kind}.{phase}"))
+    logs = {}
+    for rank, path in enumerate(outs):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [_normalise_line(line, work) for line in f.read().splitlines()]
+        logs[phase + (f".rank{rank}" if rank else "")] = [line for line in lines if line is not None]
+    return logs
 
 
 def record(work: str, only: list[str]) -> dict:
     """Run every selected training twice (fresh, then resumed) and return the digests."""
     if os.path.isdir(work):
         shutil.rmtree(work)
-    os.makedirs(work)
+    os.makedirs(os.path.join(work, "logs"))
     data = _prepare_data(work)
     out: dict = {}
     for kind in only:
         save = os.path.join(work, f"ckpt_{kind}")
         first = _train(kind, data, work, None, save)
         resumed = _train(kind, data, work, save, save)
-        out[kind] = {"log": first, "log_resumed": resumed, "checkpoints": _checkpoint_digest(save, work)}
-        print(f"{kind}: {len(first)} + {len(resumed)} log lines, {len(out[kind]['checkpoints'])} checkpoint files",
-              flush=True)
+        out[kind] = {**first, **resumed, "checkpoints": _checkpoint_digest(save, work)}
+        print(f"{kind}: {len(first['log'])} + {len(resumed['log_resumed'])} log lines (rank 0) on "
+              f"{PROCESSES.get(kind, 1)} rank(s), {len(out[kind]['checkpoints'])} checkpoint files", flush=True)
     return out
 
 
@@ -227,11 +299,9 @@ def compare(old: dict, new: dict) -> list[str]:
         if kind not in old or kind not in new:
             problems.append(f"{kind}: only in {'the record' if kind in old else 'this run'}")
             continue
-        for key in ("log", "log_resumed"):
-            a, b = old[kind][key], new[kind][key]
+        for key in sorted(k for k in set(old[kind]) | set(new[kind]) if k != "checkpoints"):
+            a, b = old[kind].get(key, []), new[kind].get(key, [])
             if a != b:
-                import difflib
-
                 diff = list(difflib.unified_diff(a, b, "recorded", "now", lineterm="", n=1))
                 problems.append(f"{kind} {key}:\n" + "\n".join(diff[:40]))
         ca, cb = old[kind]["checkpoints"], new[kind]["checkpoints"]
@@ -251,22 +321,54 @@ def compare(old: dict, new: dict) -> list[str]:
     return problems
 
 
+def _workdir_for(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """--workdir, or for a compare the record's own (the checkpoints' args hold paths under it: bytes follow)."""
+    if not args.compare:
+        return os.path.abspath(args.workdir or DEFAULT_WORKDIR)
+    with open(args.compare) as f:
+        recorded = json.load(f).get(META, {}).get("workdir")
+    if recorded is None:
+        return os.path.abspath(args.workdir or DEFAULT_WORKDIR)
+    if args.workdir and os.path.abspath(args.workdir) != recorded:
+        parser.error(f"--workdir {args.workdir}: {args.compare} was recorded in {recorded} (the checkpoints' args "
+                     f"hold paths under it, so their bytes differ elsewhere): pass --workdir {recorded} or omit it")
+    return recorded
+
+
+@contextlib.contextmanager
+def _exclusive(work: str) -> Iterator[None]:
+    """One check at a time per work folder (a second one waits): each empties the folder first."""
+    with open(work.rstrip("/") + ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another check using {work} ...", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Record the digests of this tree's runs, or compare them with a record (exit 1 on a difference)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--record", metavar="FILE", help="write the digests of this tree's runs to FILE")
     group.add_argument("--compare", metavar="FILE", help="run again and compare with FILE (exit 1 on a difference)")
     parser.add_argument("--only", default=",".join(RUNS), help=f"comma-separated runs out of {','.join(RUNS)}")
-    parser.add_argument("--workdir", default=DEFAULT_WORKDIR, help="scratch folder (emptied first)")
+    parser.add_argument("--workdir", default=None,
+                        help=f"scratch folder, emptied first (--record: default {DEFAULT_WORKDIR}; --compare: must "
+                             "be the record's own, the default)")
     args = parser.parse_args(argv)
     only = [k for k in args.only.split(",") if k]
     unknown = [k for k in only if k not in RUNS]
     if unknown:
         parser.error(f"--only: unknown run(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}")
-    digests = record(os.path.abspath(args.workdir), only)
+    work = _workdir_for(args, parser)
+    with _exclusive(work):
+        digests = record(work, only)
     if args.record:
         with open(args.record, "w") as f:
-            json.dump(digests, f, indent=1, sort_keys=True)
+            json.dump({META: {"workdir": work, "data": DATA, "runs": only}, **digests}, f, indent=1, sort_keys=True)
         print(f"recorded {', '.join(only)} in {args.record}")
         return 0
     with open(args.compare) as f:

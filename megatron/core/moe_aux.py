@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional
 
 import torch
+import torch.distributed as dist
 
 _BACKWARD_SCALE = {"value": 1.0}
 # name -> {"values": tensor[num_layers], "reduce_group": group or None}
@@ -79,8 +80,6 @@ def reduce_aux_losses(names: list, num_layers: int, num_moe_layers: int, loss_sc
     `reduce_groups`: name -> the group its values are summed over before the data-parallel average (Megatron's
     tensor/context-parallel group for the load-balancing losses; none for the z-loss, which is not averaged).
     """
-    import torch.distributed as dist
-
     out: Dict[str, float] = {}
     for name in names:
         entry = _TRACKER.get(name)

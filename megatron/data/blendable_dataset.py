@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from megatron.data.dataset_utils import is_rank_0, print_rank_0
+from megatron.data.helpers import get_helpers
 
 try:
     from torch.utils.data import Dataset as _TorchDataset
@@ -23,8 +24,6 @@ class BlendableDataset(_TorchDataset):
     """`size` samples drawn from `datasets` in proportion to `weights` (normalised here)."""
 
     def __init__(self, datasets: Sequence[Any], weights: Sequence[float], size: int) -> None:
-        from megatron.data.helpers import get_helpers
-
         self.datasets = list(datasets)
         num_datasets = len(self.datasets)
         if num_datasets == 0 or num_datasets != len(weights):

@@ -13,10 +13,18 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any, Optional
 
 import numpy as np
 
+from megatron.data.indexed_dataset import (
+    IndexedDatasetError,
+    MMapIndexedDataset,
+    data_file_path,
+    index_file_path,
+    infer_dataset_impl,
+)
 from megatron.errors import MegatronUserError
 from megatron.run_configs.data_files import DATA_PATH_FLAGS, DataFileSettings
 
@@ -42,8 +50,6 @@ def data_prefixes(data: DataFileSettings) -> list[tuple[str, str]]:
 
 def check_data_prefixes(data: DataFileSettings) -> None:
     """One-line DataCheckError naming the flag when a data prefix has no .bin/.idx pair or an unknown index header."""
-    from megatron.data.indexed_dataset import IndexedDatasetError, data_file_path, index_file_path, infer_dataset_impl
-
     for flag, prefix in data_prefixes(data):
         missing = [p for p in (index_file_path(prefix), data_file_path(prefix)) if not os.path.isfile(p)]
         if missing:
@@ -63,8 +69,6 @@ def _cache_file(prefix: str) -> str:
 
 def max_token_id(prefix: str) -> Optional[int]:
     """Largest token id in ``prefix.bin`` (None for an empty file); cached in ``prefix.maxid.json`` when writable."""
-    from megatron.data.indexed_dataset import MMapIndexedDataset, data_file_path
-
     bin_path = data_file_path(prefix)
     stat = os.stat(bin_path)
     key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
@@ -95,8 +99,6 @@ def max_token_id(prefix: str) -> Optional[int]:
 def check_data_files(data: DataFileSettings) -> None:
     """One-line DataCheckError for an empty data file or token ids >= the padded vocabulary size. Global rank 0 reads
     the data and tells the others (one broadcast), so a node does not scan the same files once per GPU."""
-    import sys
-
     dist = sys.modules.get("torch.distributed")
     distributed = dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     message = None
@@ -114,8 +116,6 @@ def check_data_files(data: DataFileSettings) -> None:
 
 
 def _check_data_files(data: DataFileSettings) -> None:
-    from megatron.data.indexed_dataset import MMapIndexedDataset, infer_dataset_impl
-
     vocab = data.padded_vocab_size
     for flag, prefix in data_prefixes(data):
         if infer_dataset_impl(prefix) != "mmap":

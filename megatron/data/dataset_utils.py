@@ -19,8 +19,11 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
+from megatron import optional
 from megatron.core.rank_print import is_rank_0, print_rank_0  # noqa: F401  (re-exported: Megatron's import path)
 from megatron.data.file_lock import file_lock
+from megatron.data.helpers import get_helpers
+from megatron.data.indexed_dataset import make_dataset
 from megatron.errors import MegatronUserError
 
 NumSamples = Union[int, Sequence[int]]
@@ -29,7 +32,7 @@ NumSamples = Union[int, Sequence[int]]
 def _dist():
     """torch.distributed if it is initialised, else None (torch is imported lazily)."""
     try:
-        import torch.distributed as dist
+        dist = optional.torch_distributed()
     except ImportError:  # pragma: no cover - torch is a hard dependency of training, not of this module
         return None
     return dist if dist.is_available() and dist.is_initialized() else None
@@ -115,8 +118,6 @@ def get_datasets_weights_and_num_samples(data_prefix: Sequence[Any], train_valid
 
 def get_indexed_dataset_(data_prefix: str, data_impl: str, skip_warmup: bool):
     """Open the preprocessed `<prefix>.bin/.idx` pair with owner 2's reader, with Megatron's log lines."""
-    from megatron.data.indexed_dataset import make_dataset
-
     print_rank_0(" > building dataset index ...")
     start = time.time()
     dataset = make_dataset(data_prefix, data_impl, skip_warmup)
@@ -232,8 +233,6 @@ def build_samples_mapping(doc_idx: np.ndarray, sizes: np.ndarray, num_epochs: in
                           max_seq_length: int, short_seq_prob: float, seed: int, min_num_sent: int,
                           verbose: bool = False) -> np.ndarray:
     """Megatron's `helpers.build_mapping` (C++): shuffled rows (first sentence, end sentence, target length)."""
-    from megatron.data.helpers import get_helpers
-
     return get_helpers().build_mapping(np.ascontiguousarray(doc_idx, dtype=np.int64),
                                        np.ascontiguousarray(sizes, dtype=np.int32), int(num_epochs),
                                        int(max_num_samples), int(max_seq_length), float(short_seq_prob), int(seed),

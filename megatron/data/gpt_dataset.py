@@ -31,6 +31,7 @@ from megatron.data.dataset_utils import (
     usable_npy,
     write_text_atomic,
 )
+from megatron.data.helpers import get_helpers
 
 try:  # a torch Dataset when torch is present (it always is for training); plain object otherwise
     from torch.utils.data import Dataset as _TorchDataset
@@ -179,8 +180,6 @@ def _build_and_save(dirs: Sequence[Path], search_dirs: Sequence[Path], desc: str
 
 def _build_arrays_into(out_dir: Path, desc: str, desc_hash: str, documents: np.ndarray, sizes: np.ndarray,
                        num_samples: int, seq_length: int, seed: int, tokens_per_epoch: int, num_epochs: int) -> None:
-    from megatron.data.helpers import get_helpers
-
     print(" > WARNING: could not find index map files, building the indices on rank 0 ...", flush=True)
     np_rng = np.random.RandomState(seed=seed)
     if num_epochs == 1:

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from megatron import optional
 from megatron.data.file_lock import file_lock
 
 MODULE_NAME = "megatron.data.helpers_cpp"
@@ -83,7 +84,7 @@ def _compiler() -> str:
 
 def _compile(out_path: Path) -> None:
     try:
-        import pybind11
+        pybind11 = optional.pybind11()
     except ImportError as exc:
         raise RuntimeError("pybind11 is needed to build the dataset helpers: `pip install pybind11`") from exc
     cxx = _compiler()
@@ -141,8 +142,7 @@ def compile_helpers_rank0(group: Any = None) -> ModuleType:
 
     Without torch.distributed this is just `get_helpers()`.
     """
-    import torch.distributed as dist
-
+    dist = optional.torch_distributed()
     if not (dist.is_available() and dist.is_initialized()):
         return get_helpers()
     first = dist.get_rank() == (min(dist.get_process_group_ranks(group)) if group is not None else 0)

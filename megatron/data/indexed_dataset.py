@@ -7,7 +7,7 @@ Two on-disk formats:
   of each sequence in ``.bin``) and doc_idx int64[D]. Reads are zero-copy views of a memory map.
 * legacy ``lazy``/``cached``: ``.idx`` is the magic ``TNTIDX\\x00\\x00``, version, dtype code, element size, N, S
   (number of size entries), D, then dim_offsets int64[N+1], data_offsets int64[N+1] (in elements), sizes int64[S] and
-  doc_idx int64[D]. Implemented in legacy_indexed_dataset.py and re-exported here on first use.
+  doc_idx int64[D]. Implemented in legacy_indexed_dataset.py and re-exported here.
 
 Writers write under temporary names and rename on ``finalize`` (``.bin`` first, then ``.idx``), so an interrupted
 run never leaves a pair that looks finished. Opening a pair checks it thoroughly and reports any inconsistency as a
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -49,16 +49,14 @@ from megatron.data.index_format import (  # noqa: F401  (re-exported: Megatron's
     to_numpy,
     warmup_mmap_file,
 )
-
-if TYPE_CHECKING:  # at run time these come from the module __getattr__ at the bottom (loaded on first use)
-    from megatron.data.legacy_indexed_dataset import (
-        IndexedCachedDataset,
-        IndexedDataset,
-        IndexedDatasetBuilder,
-        legacy_index_size,
-        read_longs,
-        write_longs,
-    )
+from megatron.data.legacy_indexed_dataset import (  # noqa: F401  (re-exported: Megatron's names)
+    IndexedCachedDataset,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    legacy_index_size,
+    read_longs,
+    write_longs,
+)
 
 # --------------------------------------------------------------------------------------------------------------------
 # mmap format
@@ -471,8 +469,6 @@ def make_builder(out_file: PathLike, impl: str = "mmap", vocab_size: Optional[in
     if impl == "mmap":
         return MMapIndexedDatasetBuilder(out_file, dtype=best_fitting_dtype(vocab_size) if dtype is None else dtype)
     if impl in ("lazy", "cached"):
-        from megatron.data.legacy_indexed_dataset import IndexedDatasetBuilder
-
         return IndexedDatasetBuilder(out_file, dtype=np.int32 if dtype is None else dtype)
     raise ValueError(f"unknown dataset impl {impl!r} for a builder; choose one of mmap, lazy, cached")
 
@@ -492,8 +488,6 @@ def make_dataset(path: PathLike, impl: str = "infer",
     if impl == "infer":
         impl = infer_dataset_impl(path)
     if impl in ("lazy", "cached"):
-        from megatron.data.legacy_indexed_dataset import IndexedCachedDataset, IndexedDataset
-
         return IndexedDataset(path) if impl == "lazy" else IndexedCachedDataset(path)
     return MMapIndexedDataset(path, skip_warmup)
 
@@ -504,16 +498,3 @@ def dataset_exists(path: PathLike, impl: str) -> bool:
 
 def _pair_exists(path: PathLike) -> bool:
     return os.path.exists(index_file_path(path)) and os.path.exists(data_file_path(path))
-
-
-_LEGACY_NAMES = ("IndexedCachedDataset", "IndexedDataset", "IndexedDatasetBuilder", "legacy_index_size", "read_longs",
-                 "write_longs")
-
-
-def __getattr__(name: str) -> Any:
-    """The legacy lazy/cached classes live in legacy_indexed_dataset.py and are loaded on first use."""
-    if name in _LEGACY_NAMES:
-        from megatron.data import legacy_indexed_dataset
-
-        return getattr(legacy_indexed_dataset, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,17 +13,26 @@ tokenized in one batch; tokens leave the workers as numpy arrays; one pool of fo
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import gzip
+import json
+import multiprocessing as mp
 import os
+import re
+import signal
 import sys
+import threading
 import time
 from itertools import chain
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron.data import indexed_dataset as ids
+from megatron.data.sentence_splitter import SentenceSplitter
 from megatron.settings.cli_parser import FlagParser
+from megatron.tokenizer import build_tokenizer
 
 try:
     import orjson as _orjson
@@ -132,8 +141,6 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_outputs(output_prefix: str) -> List[str]:
     """Temporary files of earlier runs on this prefix that were killed (SIGKILL, power loss): ``*.tmp-<pid>`` and
     ``*.part<i>-<pid>.bin/.idx`` whose process is gone. Removed, and named in one line."""
-    import re
-
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     base = os.path.basename(output_prefix)
     pattern = re.compile(r"(?:\.tmp-(\d+)|\.part\d{3}-(\d+)\.(?:bin|idx)(?:\.tmp-\d+)?)$")
@@ -295,8 +302,6 @@ class TaskResult(NamedTuple):
 
 def _slow_loads(line: bytes) -> Tuple[Any, Optional[str]]:
     """The standard json module's view of a line orjson rejected: (object, None) or (None, reason)."""
-    import json
-
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -322,9 +327,6 @@ class Encoder:
     """Per-process tokenizer (+ sentence splitter) turning a Task into token arrays."""
 
     def __init__(self, args: argparse.Namespace, tokenizer: Any = None):
-        from megatron.data.indexed_dataset import best_fitting_dtype
-        from megatron.tokenizer import build_tokenizer
-
         self.args = args
         self.keys = list(args.json_keys)
         self.tokenizer = tokenizer if tokenizer is not None else build_tokenizer(args)
@@ -335,13 +337,11 @@ class Encoder:
             except (AttributeError, NotImplementedError):
                 raise PreprocessError(f"--append-eod: --tokenizer-type {args.tokenizer_type} has no eod token") from None
         if args.dataset_impl == "mmap":
-            self.dtype = np.dtype(best_fitting_dtype(self.tokenizer.vocab_size))
+            self.dtype = np.dtype(ids.best_fitting_dtype(self.tokenizer.vocab_size))
         else:
             self.dtype = np.dtype(np.int32)
         self.splitter = None
         if args.split_sentences:
-            from megatron.data.sentence_splitter import SentenceSplitter
-
             self.splitter = SentenceSplitter(args.lang, args.keep_newlines)
 
     def _parse(self, task: Task) -> Tuple[List[List[List[str]]], List[str], int]:
@@ -458,8 +458,6 @@ _WORKER_ENCODER: Optional[Encoder] = None
 
 def _worker_init(args: argparse.Namespace) -> None:
     global _WORKER_ENCODER
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C/SIGTERM and stops the pool: no
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # tracebacks from workers
     if _WORKER_ENCODER is None:  # forked workers inherit the parent's encoder
@@ -480,8 +478,6 @@ class Writers:
     """One builder per key; published (renamed to final names) only by finalize(); abort() removes everything."""
 
     def __init__(self, prefixes: Dict[str, str], impl: str, vocab_size: int):
-        from megatron.data import indexed_dataset as ids
-
         self._ids = ids
         self.prefixes = prefixes
         self.builders: Dict[str, Any] = {}
@@ -554,11 +550,6 @@ class Stats:
 # driver
 # ----------------------------------------------------------------------------------------------------------------
 def _pool(args: argparse.Namespace, workers: int):
-    import gc
-    import multiprocessing as mp
-    import signal
-    import threading
-
     if "fork" not in mp.get_all_start_methods():
         return mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(args,))
     # Workers are forked with SIGTERM at its default action. With the parent's Python-level handler inherited, a
@@ -648,7 +639,6 @@ def main(run_fn: Any = run, argv: Optional[Sequence[str]] = None, description: O
     """Entry point shared by the tools: one-line errors, exit code 1 (130 when interrupted)."""
     parser = get_parser(description) if description else get_parser()
     args = parser.parse_args(argv)
-    import signal
 
     def _terminate(signum: int, frame: Any) -> None:
         raise _Terminated(signum)
@@ -714,8 +704,6 @@ def _encode_partition(job: Tuple[int, List[Segment], Dict[str, str], argparse.Na
 def run_partitioned(args: argparse.Namespace) -> Stats:
     """preprocess_data_many_cores.py: --workers partitions encoded in parallel, merged in order (same output)."""
     global _WORKER_ENCODER
-    from megatron.data import indexed_dataset as ids
-
     files = expand_inputs(args.input)
     prefixes = output_prefixes(args)
     encoder = Encoder(args)

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from collections import defaultdict
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
+
+from megatron import optional
+from megatron.data.punkt_fast import FastPunkt
 
 BUNDLED_PARAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "punkt_english.json")
 
 
 def _keep_newlines_vars() -> Any:
-    from nltk.tokenize.punkt import PunktLanguageVars
-
-    class KeepNewlinesLanguageVars(PunktLanguageVars):
+    class KeepNewlinesLanguageVars(optional.nltk("tokenize.punkt").PunktLanguageVars):
         # Same as Punkt's period context, except that whitespace after the sentence end belongs to the
         # sentence (\s* instead of \s+, and no whitespace before the next token).
         _period_context_fmt = r"""
@@ -39,8 +43,6 @@ def _keep_newlines_vars() -> Any:
 
 def _nltk_data_dirs() -> List[str]:
     """Where nltk.data looks for data (NLTK_DATA, the home folder, the Python prefix, the system folders)."""
-    import sys
-
     dirs = [d for d in os.environ.get("NLTK_DATA", "").split(os.pathsep) if d]
     home = os.path.expanduser("~/")
     if home != "~/":
@@ -69,18 +71,13 @@ def _installed_params(lang: str) -> Optional[Any]:
     if not _nltk_punkt_data_present():
         return None
     try:  # punkt_tab (plain text); the pickled punkt models are never loaded: nltk < 3.8.2 unpickles them fully
-        from nltk.tokenize.punkt import PunktTokenizer
-
-        return PunktTokenizer(lang)._params
+        return optional.nltk("tokenize.punkt").PunktTokenizer(lang)._params
     except (LookupError, OSError, ValueError, ImportError):
         return None
 
 
 def _bundled_params() -> Any:
     """The bundled English parameters with PunktParameters' attributes (no nltk needed)."""
-    from collections import defaultdict
-    from types import SimpleNamespace
-
     with open(BUNDLED_PARAMS, encoding="utf-8") as f:
         raw = json.load(f)
     ortho: Dict[str, int] = defaultdict(int)
@@ -90,11 +87,10 @@ def _bundled_params() -> Any:
 
 
 def _nltk_params(params: Any) -> Any:
-    from nltk.tokenize.punkt import PunktParameters
-
-    if isinstance(params, PunktParameters):
+    punkt = optional.nltk("tokenize.punkt")
+    if isinstance(params, punkt.PunktParameters):
         return params
-    out = PunktParameters()
+    out = punkt.PunktParameters()
     out.abbrev_types, out.collocations = set(params.abbrev_types), set(params.collocations)
     out.sent_starters = set(params.sent_starters)
     out.ortho_context.update(params.ortho_context)
@@ -121,16 +117,14 @@ class SentenceSplitter:
             params = _bundled_params()
         self.engine = engine
         if engine == "fast":
-            from megatron.data.punkt_fast import FastPunkt
-
             self._split = FastPunkt.from_params(params, keep_newlines)
             return
         try:
-            from nltk.tokenize.punkt import PunktSentenceTokenizer
+            punkt = optional.nltk("tokenize.punkt")
         except ImportError:
             raise RuntimeError("the nltk sentence splitter engine needs nltk: pip install nltk") from None
         lang_vars = _keep_newlines_vars() if keep_newlines else None
-        self._split = PunktSentenceTokenizer(_nltk_params(params), lang_vars=lang_vars).tokenize
+        self._split = punkt.PunktSentenceTokenizer(_nltk_params(params), lang_vars=lang_vars).tokenize
 
     def __call__(self, text: str) -> List[str]:
         return self._split(text)

@@ -33,6 +33,7 @@ import math
 import os
 from typing import Any, Optional
 
+from megatron import optional
 from megatron.errors import ArgumentError, MegatronUserError
 
 _CLIP_GRAD_DEFAULT = 1.0  # --clip-grad's parser default
@@ -286,9 +287,7 @@ def reconcile_deepspeed_config(args: argparse.Namespace, cuda_available: Optiona
     config = load_deepspeed_config(source)
     if cuda_available is None:
         try:
-            import torch
-
-            cuda_available = bool(torch.cuda.is_available())
+            cuda_available = bool(optional.load("torch").cuda.is_available())
         except ImportError:  # pragma: no cover
             cuda_available = False
 

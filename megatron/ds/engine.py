@@ -11,7 +11,7 @@ Checkpoints are DeepSpeed's (``<save>/global_step{N}/``, ``<save>/latest``) with
 client state: ``iteration``, ``args`` (consumed samples inside), ``checkpoint_version``, ``rng_state`` and
 ``opt_param_scheduler``.
 
-DeepSpeed is imported inside the functions, so importing this module stays cheap.
+DeepSpeed is imported on first use (megatron.optional), so importing this module stays cheap.
 """
 from __future__ import annotations
 
@@ -21,22 +21,38 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
-from megatron import global_vars
+from megatron import global_vars, optional
+from megatron.checkpoint import integrity
+from megatron.checkpoint.args import compare_architecture, saved_architecture
 from megatron.checkpoint.atomic_io import DiskFullError, is_disk_full
 from megatron.checkpoint.paths import CHECKPOINT_VERSION, CheckpointError, first_failure_reason
 from megatron.checkpoint.rng import get_rng_state, set_rng_state
+from megatron.checkpoint.safe_load import guarded_torch_load
 from megatron.checkpoint.selection import check_checkpoint_layout
 from megatron.core import moe_aux
 from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.ds.engine_kind import is_pipe_engine
 from megatron.ds.mpu import get_mpu
+from megatron.ds.pipe import pipe_eval_step, pipe_train_step
+from megatron.ds.weights import (
+    expected_layout,
+    is_megatron_checkpoint,
+    load_megatron_checkpoint_into_engine,
+    load_other_layout_into_engine,
+    tag_layout_or_none,
+)
 from megatron.logging_utils import print_rank_0
+from megatron.models.gpt.model_pipe import ensure_deepspeed_comm
+from megatron.optimizer import get_param_groups
+from megatron.optimizer.clip_grads import get_grad_norm_fp32, grads_for_norm
 from megatron.optimizer.optimizer_config import OptimizerConfig
 from megatron.run_configs.batch import BatchSettings
 from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.run_configs.deepspeed import DeepSpeedSettings
 from megatron.training_state import TrainingState
+from megatron.utils import calc_params_l2_norm
 
 # DeepSpeed picks the CPU accelerator on a machine without CUDA anyway, after logging a WARNING that it could not
 # detect one; naming its choice beforehand (unless DS_ACCELERATOR is set) keeps CPU runs free of that alarm.
@@ -47,8 +63,6 @@ if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
 # ----------------------------------------------------------------------------------------------- helpers
 def _build_torch_optimizer(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.Optimizer:
     """Megatron's parameter groups (wd_mult/lr_mult) in a torch AdamW (decoupled weight decay) or SGD."""
-    from megatron.optimizer import get_param_groups
-
     groups = get_param_groups(model)
     if not groups:
         raise ValueError("--deepspeed: the model has no trainable parameters")
@@ -84,15 +98,10 @@ def configure_activation_checkpointing(settings: DeepSpeedSettings, state: ps.Pa
     ``deepspeed.checkpointing.get_cuda_rng_tracker()``; we make that tracker *our* model-parallel RNG tracker so
     dropout inside tensor-parallel regions replays the forward's masks during recomputation.
     """
-    import deepspeed
-    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
-
-    from megatron.core.tensor_parallel import random as tp_random
-    from megatron.models.gpt.model_pipe import ensure_deepspeed_comm
-
+    ds_ckpt = optional.deepspeed("runtime.activation_checkpointing.checkpointing")
     ds = settings
     ensure_deepspeed_comm()  # configure() calls deepspeed.comm before deepspeed.initialize would set it up
-    deepspeed.checkpointing.configure(
+    optional.deepspeed().checkpointing.configure(
         get_mpu(state),
         partition_activations=ds.partition_activations,
         contiguous_checkpointing=ds.contigious_checkpointing,
@@ -108,8 +117,6 @@ def configure_activation_checkpointing(settings: DeepSpeedSettings, state: ps.Pa
 def _deepspeed_checkpoint(function: Callable, *inputs: Any) -> Any:
     """deepspeed.checkpointing.checkpoint over the tensor inputs only (non-tensors such as a missing encoder
     output are bound here: DeepSpeed's partitioned path pairs every saved input with its size)."""
-    import deepspeed
-
     positions = [i for i, x in enumerate(inputs) if torch.is_tensor(x)]
     fixed = list(inputs)
 
@@ -119,7 +126,7 @@ def _deepspeed_checkpoint(function: Callable, *inputs: Any) -> Any:
             full[i] = t
         return function(*full)
 
-    return deepspeed.checkpointing.checkpoint(run, *[inputs[i] for i in positions])
+    return optional.deepspeed().checkpointing.checkpoint(run, *[inputs[i] for i in positions])
 
 
 # ----------------------------------------------------------------------------------------------- set-up
@@ -127,15 +134,11 @@ def _skip_inference_only_cpu_op() -> None:
     """On CPU, DeepSpeed's comm backend JIT-compiles a shared-memory op (about a minute on a cold cache) that only
     DeepSpeed-Inference's all-reduce uses; training never calls it, so mark it unavailable (DS_BUILD_SHM_COMM=1
     keeps it)."""
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() != "cpu" or os.environ.get("DS_BUILD_SHM_COMM") == "1":
+    if optional.deepspeed("accelerator").get_accelerator().device_name() != "cpu" or \
+            os.environ.get("DS_BUILD_SHM_COMM") == "1":
         return
-    import deepspeed.comm.comm as ds_comm
-    import deepspeed.ops
-
-    if ds_comm.cdb is None:  # the backend (and the op) is built at the first deepspeed.comm initialisation
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if optional.deepspeed("comm.comm").cdb is None:  # the backend (and the op) is built at the first comm init
+        optional.deepspeed("ops").__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: Any, settings: DeepSpeedSettings,
@@ -144,8 +147,6 @@ def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: An
     """([engine], engine's optimizer, the LR/WD scheduler `make_scheduler` builds over the engine's optimizer);
     `model_provider` builds the module the engine wraps (the DeepSpeed backend passes the family's pipe model under
     DeepSpeed's pipeline engine)."""
-    import deepspeed
-
     _skip_inference_only_cpu_op()
     if settings.deepspeed_activation_checkpointing:
         configure_activation_checkpointing(settings, state)
@@ -163,7 +164,7 @@ def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: An
             del param.allreduce  # DeepSpeed, so the experts are ordinary data-parallel params here
     optimizer = _build_torch_optimizer(model, optimizer_config)
     pipe = type(model).__name__ == "GPTModelPipe" or _is_pipeline_module(model)
-    engine, ds_optimizer, _, _ = deepspeed.initialize(
+    engine, ds_optimizer, _, _ = optional.deepspeed().initialize(
         model=model, optimizer=optimizer, config=_engine_config(settings),
         mpu=None if pipe else get_mpu(state), dist_init_required=False,
     )
@@ -174,10 +175,10 @@ def setup_deepspeed_model_and_optimizer(model_provider: Callable, model_type: An
 
 def _is_pipeline_module(model: Any) -> bool:
     try:
-        from deepspeed.pipe import PipelineModule
+        pipe = optional.deepspeed("pipe")
     except ImportError:  # pragma: no cover
         return False
-    return isinstance(model, PipelineModule)
+    return isinstance(model, pipe.PipelineModule)
 
 
 # ----------------------------------------------------------------------------------------------- steps
@@ -214,8 +215,6 @@ def deepspeed_train_step(forward_step_func: Callable, data_iterator: Optional[It
     num_mb = _sync_batch_size(engine, batch)
     increment = num_mb * batch.micro_batch_size * batch.data_parallel_size
     if is_pipe_engine(engine):
-        from megatron.ds.pipe import pipe_train_step
-
         loss_dict, skipped, grad_norm, num_zeros = pipe_train_step(engine, data_iterator, settings, state)
         if not skipped:
             opt_param_scheduler.step(increment=increment)
@@ -255,8 +254,6 @@ def _is_plain_optimizer(engine: Any) -> bool:
 
 
 def _plain_grad_norm(engine: Any, state: ps.ParallelState) -> float:
-    from megatron.optimizer.clip_grads import get_grad_norm_fp32, grads_for_norm
-
     return float(get_grad_norm_fp32(grads_for_norm(engine.module.parameters(), state.tp_rank), state.mp_group))
 
 
@@ -264,8 +261,6 @@ def deepspeed_forward_only(forward_step_func: Callable, data_iterator: Optional[
                            num_microbatches: int, settings: DeepSpeedSettings, state: ps.ParallelState) -> list[dict]:
     """Loss dicts of `num_microbatches` forward passes (no grad)."""
     if is_pipe_engine(engine):
-        from megatron.ds.pipe import pipe_eval_step
-
         return [pipe_eval_step(engine, data_iterator, settings, state)]
     out = []
     with torch.no_grad():
@@ -312,15 +307,11 @@ def deepspeed_loss_scale(model: list) -> float:
 
 def deepspeed_params_norm(model: list, state: ps.ParallelState) -> float:
     """calc_params_l2_norm over the engine's module (ZeRO-3 parameters gathered first)."""
-    from megatron.utils import calc_params_l2_norm
-
     engine = model[0]
     module = engine.module
     if getattr(engine, "zero_optimization_stage", lambda: 0)() == 3:
-        import deepspeed
-
         params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        with optional.deepspeed().zero.GatheredParameters(params, modifier_rank=None):
             return calc_params_l2_norm([module], state.mp_group, state.tp_rank)
     return calc_params_l2_norm([module], state.mp_group, state.tp_rank)
 
@@ -368,8 +359,6 @@ def save_deepspeed_checkpoint(iteration: int, model: list, optimizer: Any, opt_p
         client_state["rng_state"] = get_rng_state()  # gathered over data-parallel ranks: every rank calls
     if opt_param_scheduler is not None and not cfg.no_save_optim:
         client_state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-    from megatron.checkpoint import integrity
-
     tag_dir = integrity.iteration_dir(save_dir, iteration, "deepspeed")
     if cfg.rank == 0:  # crashed writes' temp files go; a rewritten tag must not verify until its manifest exists
         integrity.prepare_save(save_dir, tag_dir, print_rank_0)
@@ -400,8 +389,6 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
         if cfg.exit_on_missing_checkpoint:
             raise CheckpointError(f"--exit-on-missing-checkpoint: no DeepSpeed checkpoint ({latest}) in --load "
                                   f"{load_dir}")
-        from megatron.ds.weights import is_megatron_checkpoint, load_megatron_checkpoint_into_engine
-
         if is_megatron_checkpoint(load_dir):  # --finetune (or --no-load-optim --no-load-rng): weights only
             return load_megatron_checkpoint_into_engine(engine, architecture, ps.get_parallel_state(), train_state,
                                                         cfg)
@@ -410,16 +397,11 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
         return 0
     finetune = cfg.finetune
     load_optim = not finetune and not cfg.no_load_optim
-    from megatron.checkpoint import integrity
-    from megatron.checkpoint.safe_load import guarded_torch_load
-
     try:  # the newest global_stepN whose files match their manifest
         latest_tag = integrity.read_pointer_file(latest)
         tag = integrity.select_deepspeed_tag(load_dir, latest_tag, not cfg.no_checkpoint_fallback, first_failure_reason, print_rank_0)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
-    from megatron.ds.weights import expected_layout, load_other_layout_into_engine, tag_layout_or_none
-
     tag_dir = os.path.join(load_dir, tag)
     layout = tag_layout_or_none(tag_dir)
     streamed = layout is not None and layout != expected_layout(engine)
@@ -442,8 +424,6 @@ def load_deepspeed_checkpoint(model: list, optimizer: Any, opt_param_scheduler: 
     client_state = client_state or {}
     ckpt_args = client_state.get("args")
     if streamed:  # another TP/PP layout is fine here: the architecture must match
-        from megatron.checkpoint.args import compare_architecture, saved_architecture
-
         saved = saved_architecture(client_state.get("architecture"), ckpt_args)
         compare_architecture({k: v for k, v in saved.items() if k != "padded_vocab_size"}, architecture, path)
     elif ckpt_args is not None or client_state.get("architecture"):

@@ -24,7 +24,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from megatron import global_vars
+from megatron.optimizer.clip_grads import clip_grad_norm_fp32, param_is_not_tp_duplicate
 from megatron.run_configs.deepspeed import DeepSpeedSettings
+from megatron.utils import get_ltor_masks_and_position_ids
 
 _PREPARED_ATTR = "_megatron_pipe_prepared"
 
@@ -50,8 +53,6 @@ def prepare_pipe_engine(engine: Any, settings: DeepSpeedSettings, state: Any) ->
 
 
 def _fp32_clip(engine: Any, state: Any):
-    from megatron.optimizer.clip_grads import clip_grad_norm_fp32, param_is_not_tp_duplicate
-
     def clip_fp32_gradients() -> None:
         params = [p for p in engine.module.parameters() if p.grad is not None]
         counted = [p.grad for p in params
@@ -65,8 +66,6 @@ def _fp32_clip(engine: Any, state: Any):
 def pipe_micro_batches(data_iterator: Optional[Iterator], settings: DeepSpeedSettings, eod_token: int,
                        first_stage: bool, last_stage: bool, carry_attention_mask: bool = False) -> Iterator[tuple]:
     """Our micro-batches ({"text": [b, s+1]}) as the engine's ((tokens, position_ids[, mask]), (labels, loss_mask))."""
-    from megatron.utils import get_ltor_masks_and_position_ids
-
     plain = not (settings.reset_position_ids or settings.reset_attention_mask or settings.eod_mask_loss)
     while True:
         if data_iterator is None:
@@ -90,8 +89,6 @@ def pipe_micro_batches(data_iterator: Optional[Iterator], settings: DeepSpeedSet
 
 
 def _eod_token() -> int:
-    from megatron import global_vars
-
     return global_vars.get_tokenizer().eod
 
 
@@ -126,8 +123,6 @@ def pipe_train_step(engine: Any, data_iterator: Optional[Iterator], settings: De
 
 def pipe_eval_step(engine: Any, data_iterator: Optional[Iterator], settings: DeepSpeedSettings, state: Any) -> dict:
     """Forward-only pass over one batch (``engine.eval_batch``): {"lm loss": mean over its micro-batches and DP}."""
-    from megatron import global_vars
-
     prepare_pipe_engine(engine, settings, state)
     loss = engine.eval_batch(_batches(engine, data_iterator, settings),
                              num_micro_batches=global_vars.get_num_microbatches())

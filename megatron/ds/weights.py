@@ -23,8 +23,25 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import torch
 
+from megatron import global_vars, optional
+from megatron.checkpoint import integrity
+from megatron.checkpoint.args import compare_architecture
+from megatron.checkpoint.conversion.deepspeed_format import DeepSpeedCheckpointReader, tag_layout
+from megatron.checkpoint.conversion.interchange import ConversionError, state_dict_from_messages
+from megatron.checkpoint.conversion.megatron_format import WORD as MEGATRON_WORD
+from megatron.checkpoint.conversion.megatron_format import (
+    find_iteration_dir,
+    megatron_meta,
+    read_megatron,
+    stream_messages,
+)
+from megatron.checkpoint.conversion.vocab import repad_rows
 from megatron.checkpoint.paths import CheckpointError, first_failure_reason
+from megatron.core.tensor_parallel.layout import TensorParallelLayout, get_tp_layout
+from megatron.ds.engine_kind import is_pipe_engine
 from megatron.logging_utils import print_rank_0
+from megatron.models.gpt.model import GPTModel
+from megatron.models.gpt.model_pipe import TIED_KEY, is_gpt_model_pipe, pipe_layer_specs_names
 from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.training_state import TrainingState
 
@@ -40,8 +57,6 @@ def is_megatron_checkpoint(load_dir: str) -> bool:
 
 
 def _is_pipe(module: Any) -> bool:
-    from megatron.models.gpt.model_pipe import is_gpt_model_pipe
-
     return is_gpt_model_pipe(module)
 
 
@@ -53,8 +68,6 @@ def engine_parameters(engine: Any) -> tuple[Dict[str, List[torch.nn.Parameter]],
         for name, param in module.named_parameters():
             out.setdefault(name, []).append(param)
         return out, []
-    from megatron.models.gpt.model_pipe import TIED_KEY, pipe_layer_specs_names
-
     tied = bool(module.share_embeddings_and_output_weights)
     names = pipe_layer_specs_names(module.config.num_layers, tied=tied)
     local = module.local_layer_modules()
@@ -69,8 +82,6 @@ def engine_parameters(engine: Any) -> tuple[Dict[str, List[torch.nn.Parameter]],
 
 
 def _vocab_rows(value: torch.Tensor, name: str, rows: int, true_vocab: Optional[int], source: str) -> torch.Tensor:
-    from megatron.checkpoint.conversion.vocab import repad_rows
-
     if value.size(0) == rows:
         return value
     if true_vocab is None or value.size(0) < true_vocab or true_vocab > rows:
@@ -86,9 +97,6 @@ def load_stream_into_engine(engine: Any, messages: Iterator[Any], padded_vocab_s
     Collective over the data-parallel group under ZeRO-3. Every parameter of the module must be set exactly by the
     stream and every tensor of the stream must have a parameter on some stage (one-line CheckpointError otherwise).
     """
-    from megatron.checkpoint.conversion.interchange import state_dict_from_messages
-    from megatron.core.tensor_parallel.layout import get_tp_layout
-
     targets, other_stages = engine_parameters(engine)
     zero3 = getattr(engine, "zero_optimization_stage", lambda: 0)() == 3
     rows = int(padded_vocab_size)
@@ -124,9 +132,7 @@ def load_stream_into_engine(engine: Any, messages: Iterator[Any], padded_vocab_s
             break
         params = [p for p, _ in pairs]
         if zero3 and params:
-            import deepspeed
-
-            gathered: Any = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+            gathered: Any = optional.deepspeed().zero.GatheredParameters(params, modifier_rank=0)
         else:
             gathered = contextlib.nullcontext()
         with gathered, torch.no_grad():
@@ -149,8 +155,6 @@ def _true_vocab(meta_true: Optional[int]) -> Optional[int]:
     if meta_true is not None:
         return int(meta_true)
     try:
-        from megatron import global_vars
-
         return int(global_vars.get_tokenizer().vocab_size)
     except Exception:  # noqa: BLE001 - no tokenizer built (tests): only an equal row count loads
         return None
@@ -162,12 +166,6 @@ def load_megatron_checkpoint_into_engine(engine: Any, architecture: Mapping[str,
     (the checkpoint's iteration and consumed samples, into `train_state`); returns the iteration to continue from.
     The checkpoint must have this run's `architecture`; its vocabulary rows are padded to the run's size (the
     architecture's ``padded_vocab_size``)."""
-    from megatron.checkpoint import integrity
-    from megatron.checkpoint.args import compare_architecture
-    from megatron.checkpoint.conversion.interchange import ConversionError
-    from megatron.checkpoint.conversion.megatron_format import find_iteration_dir, read_megatron
-    from megatron.models.gpt.model import GPTModel
-
     cfg = settings
     load_dir = cfg.load
     finetune = cfg.finetune
@@ -212,8 +210,6 @@ def load_megatron_checkpoint_into_engine(engine: Any, architecture: Mapping[str,
 
 def expected_layout(engine: Any) -> str:
     """The DeepSpeed file layout this engine's load_checkpoint reads: 'pipe', 'zero3' or 'module'."""
-    from megatron.ds.engine_kind import is_pipe_engine
-
     if is_pipe_engine(engine):
         return "pipe"
     return "zero3" if getattr(engine, "zero_optimization_stage", lambda: 0)() == 3 else "module"
@@ -224,19 +220,12 @@ def load_other_layout_into_engine(engine: Any, tag_dir: str, architecture: Mappi
                                   ) -> tuple[str, dict]:
     """A DeepSpeed tag of another layout than the engine's: its weights through the stream (vocabulary rows padded
     to `padded_vocab_size`); (path, client state). The tag must have this run's `architecture`."""
-    from megatron.checkpoint.args import compare_architecture
-    from megatron.checkpoint.conversion.deepspeed_format import DeepSpeedCheckpointReader
-    from megatron.checkpoint.conversion.interchange import ConversionError
-    from megatron.checkpoint.conversion.megatron_format import WORD as _WORD
-    from megatron.checkpoint.conversion.megatron_format import megatron_meta, stream_messages
-    from megatron.core.tensor_parallel.layout import TensorParallelLayout
-
     try:
         reader = DeepSpeedCheckpointReader(tag_dir, trust=settings.trust_checkpoint)
         compare_architecture({k: v for k, v in reader.architecture.items() if k != "padded_vocab_size"}, architecture,
                              tag_dir)
         meta = megatron_meta(reader, None, "GPT")
-        meta.architecture["padded_vocab_size"] = reader.merged(0, 0, _WORD, TensorParallelLayout(dim=0)).size(0)
+        meta.architecture["padded_vocab_size"] = reader.merged(0, 0, MEGATRON_WORD, TensorParallelLayout(dim=0)).size(0)
         print_rank_0(f" loading the weights of {tag_dir} ({reader.layout} layout, TP={reader.tp}) into the "
                      f"{expected_layout(engine)} engine")
         load_stream_into_engine(engine, stream_messages(reader, meta), padded_vocab_size, state, tag_dir,
@@ -248,9 +237,6 @@ def load_other_layout_into_engine(engine: Any, tag_dir: str, architecture: Mappi
 
 def tag_layout_or_none(tag_dir: str) -> Optional[str]:
     """'pipe' / 'module' / 'zero3' for a DeepSpeed tag folder, None when it is none of them (DeepSpeed explains)."""
-    from megatron.checkpoint.conversion.deepspeed_format import tag_layout
-    from megatron.checkpoint.conversion.interchange import ConversionError
-
     if not os.path.isdir(tag_dir):
         return None
     try:

@@ -1,7 +1,7 @@
 """Optional Triton fused kernels (Megatron's csrc/ CUDA kernels and torch.jit fusions, written in Triton) and the
 rules that select them.
 
-Kernels (each in its own module, imported only when selected): scaled masked / causal masked softmax (softmax.py),
+Kernels (each in its own module, imported only when selected, through `kernel_module`: they import Triton): scaled masked / causal masked softmax (softmax.py),
 bias + tanh GeLU and bias + SwiGLU (activations.py), RMSNorm and LayerNorm (norms.py), RoPE (rope.py), the
 vocab-parallel cross entropy (cross_entropy.py). Each has the numbers of the pure-PyTorch path it replaces (proven
 under TRITON_INTERPRET=1 on CPU in tests/fused_kernels/).
@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import importlib.util
 import os
+from types import ModuleType
 from typing import Any, Iterator, Optional
 
 import torch
+
+from megatron import optional
 
 DISABLE_ENV = "MEGATRON_NO_TRITON"
 # Largest hidden size the one-row-per-program norm kernels take (the whole row sits in one block).
@@ -35,7 +39,7 @@ def triton_importable() -> bool:
     if importlib.util.find_spec("triton") is None:
         return False
     try:
-        import triton  # noqa: F401
+        optional.triton()
     except Exception:  # a broken install (missing compiler bits) counts as absent
         return False
     return True
@@ -90,43 +94,39 @@ def bias_activation_kind(activation_name: str, bias_swiglu_fusion: bool) -> Opti
     return None
 
 
-def bias_activation(kind: str, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    from megatron.fused_kernels import activations
+def kernel_module(name: str) -> ModuleType:
+    """The kernel module `name` of this package (softmax, activations, norms, rope, cross_entropy). Each imports
+    Triton, an optional dependency, at its top, so it is imported on first use, by the seam that selected it."""
+    return importlib.import_module(f"{__name__}.{name}")
 
+
+def bias_activation(kind: str, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    activations = kernel_module("activations")
     return activations.bias_gelu(x, bias) if kind == "gelu" else activations.bias_swiglu(x, bias)
 
 
 def masked_softmax(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, causal: bool) -> torch.Tensor:
-    from megatron.fused_kernels import softmax
-
+    softmax = kernel_module("softmax")
     if causal:
         return softmax.scaled_upper_triang_masked_softmax(x, scale)
     return softmax.scaled_masked_softmax(x, mask, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from megatron.fused_kernels import norms
-
-    return norms.rms_norm(x, weight, eps)
+    return kernel_module("norms").rms_norm(x, weight, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    from megatron.fused_kernels import norms
-
-    return norms.layer_norm(x, weight, bias, eps)
+    return kernel_module("norms").layer_norm(x, weight, bias, eps)
 
 
 def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    from megatron.fused_kernels import rope
-
-    return rope.apply_rope(t, cos, sin)
+    return kernel_module("rope").apply_rope(t, cos, sin)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
                                  group: Any = None) -> torch.Tensor:
-    from megatron.fused_kernels import cross_entropy
-
-    return cross_entropy.fused_vocab_parallel_cross_entropy(logits, target, vocab_start, group)
+    return kernel_module("cross_entropy").fused_vocab_parallel_cross_entropy(logits, target, vocab_start, group)
 
 
 def active_kernels(cfg: Any, cuda: Optional[bool] = None, triton: Optional[bool] = None) -> tuple[list, str]:

@@ -1,14 +1,18 @@
-"""The Hugging Face adapter registry: one line per family. The HF loader finds an adapter by the ``architectures``
-name in config.json, the HF saver by --model-type and the adapter that accepts the stored architecture."""
+"""The Hugging Face adapter registry: one line per adapter, each defined in its own module of its family's folder.
+The HF loader finds an adapter by the ``architectures`` name in config.json, the HF saver by --model-type and the
+adapter that accepts the stored architecture."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from megatron.models.bert.hf_folder import BERT
-from megatron.models.gpt.hf_adapter import BLOOM, GPT2, LLAMA
+from megatron.models.bert.hf import BERT
+from megatron.models.gpt.hf_bloom import BLOOM
+from megatron.models.gpt.hf_gpt2 import GPT2
+from megatron.models.gpt.hf_llama import LLAMA
+from megatron.models.gpt.hf_moe import MOE
 from megatron.models.hf_adapter import HFAdapter
 
-ADAPTERS: Tuple[HFAdapter, ...] = (GPT2, LLAMA, BLOOM, BERT)
+ADAPTERS: Tuple[HFAdapter, ...] = (GPT2, LLAMA, MOE, BLOOM, BERT)
 
 
 def supported_architectures() -> Tuple[str, ...]:
@@ -22,6 +26,7 @@ def adapter_for_architecture(name: Optional[str]) -> Optional[HFAdapter]:
 
 
 def adapters_for_model_type(model_type: str) -> Tuple[HFAdapter, ...]:
+    """The adapters whose saver writes `model_type` models, in registry order."""
     return tuple(a for a in ADAPTERS if a.model_type == model_type)
 
 

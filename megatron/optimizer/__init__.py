@@ -8,6 +8,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from megatron.core import parallel_state as ps
 from megatron.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32
 from megatron.optimizer.distrib_optimizer import DistributedOptimizer, shard_param_groups
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
@@ -40,14 +41,9 @@ __all__ = [
 def _resolve_parallel_state(parallel_state):
     if parallel_state is not None:
         return parallel_state.mp_group, parallel_state.tp_rank
-    try:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            state = ps.get_parallel_state()
-            return state.mp_group, state.tp_rank
-    except ImportError:
-        pass
+    if ps.model_parallel_is_initialized():
+        state = ps.get_parallel_state()
+        return state.mp_group, state.tp_rank
     return None, 0
 
 
@@ -56,8 +52,6 @@ def _expert_state(parallel_state):
     """The parallel state that holds the expert-parallel groups (the given one, else the current one)."""
     if parallel_state is not None:
         return parallel_state if hasattr(parallel_state, "ep_size") else None
-    from megatron.core import parallel_state as ps
-
     return ps.get_parallel_state() if ps.model_parallel_is_initialized() else None
 
 

@@ -18,6 +18,8 @@ from typing import Iterable, List, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
 Tensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 
@@ -27,10 +29,6 @@ def param_is_not_shared(param: torch.Tensor) -> bool:
 
 def param_is_not_tp_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
     """True for TP-sharded params, or on TP rank 0 for params every TP rank holds a copy of."""
-    try:
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-    except ImportError:  # parallel core not importable: same rule, local copy
-        return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
     return bool(param_is_not_tensor_parallel_duplicate(param, tp_rank))
 
 

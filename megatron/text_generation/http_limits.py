@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
+
 MAX_JSON_DEPTH = 32  # deepest JSON nesting accepted (deeper: 400 before parsing; no RecursionError)
 
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
@@ -21,8 +23,6 @@ def json_depth(raw: bytes, work: Optional[list[int]] = None) -> int:
     number of such quotes precedes it. On invalid JSON the answer is exact up to the first syntax error (which is as
     far as the parser goes). `work`, when given, receives the number of array elements each pass touched.
     """
-    import numpy as np
-
     body = np.frombuffer(raw, dtype=np.uint8)
     n = body.size
     passes = 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -14,6 +15,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.rank_print import print_rank_0
 from megatron.errors import MegatronUserError
 from megatron.layers import ModelType
+from megatron.model_setup import build_model
 from megatron.models.gpt.model import GPTModel
 from megatron.run_configs.architecture import architecture_from_args
 from megatron.run_configs.checkpoint import CheckpointSettings
@@ -33,8 +35,6 @@ def _state(state: Optional[ps.ParallelState]) -> ps.ParallelState:
 def require_checkpoint(load_dir: str) -> None:
     """One-line InferenceLoadError when --load holds no Megatron checkpoint (inference never runs on random weights).
     """
-    import os
-
     if not os.path.isdir(load_dir):
         raise InferenceLoadError(f"--load {load_dir}: no such directory; point --load at a folder written by --save "
                                  "(inference will not run with random weights)")
@@ -78,8 +78,6 @@ def build_inference_model(config: Any, checkpoint: CheckpointSettings, wrap: Mod
     logits on every TP rank (what generation and evaluation want). Under pipeline parallelism this is the rank's
     stage (one chunk; virtual stages are refused).
     """
-    from megatron.model_setup import build_model
-
     state = _state(state)
     _refuse_virtual_stages(wrap.virtual_pipeline_model_parallel_size, state)
 

@@ -21,6 +21,7 @@ model, tokenizer)`. The options passed are the ones its signature accepts.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import math
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from megatron.text_generation import openai_api
 from megatron.text_generation.disconnect import StopCheck, client_gone
+from megatron.text_generation.generation import generate
 from megatron.text_generation.http_limits import MAX_JSON_DEPTH, json_depth  # noqa: F401  (re-exported)
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -491,10 +493,6 @@ def _make_handler(server: MegatronServer) -> type:
 
 def build_server(model: torch.nn.Module, tokenizer: Any, *, max_sequence_length: int, **kwargs: Any) -> MegatronServer:
     """A MegatronServer running `megatron.text_generation.generate(model, tokenizer, ...)` (kwargs: see the class)."""
-    import functools
-
-    from megatron.text_generation.generation import generate
-
     def count_tokens(text: str) -> int:
         return len(tokenizer.tokenize(text)) if text else 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.models.gpt.hf import hf_llama_to_megatron_state_dict, megatron_config_from_hf_llama
+from megatron.models.gpt.hf_llama import hf_llama_to_megatron_state_dict, megatron_config_from_hf_llama
 from megatron.models.gpt.model import GPTModel
 
 # name -> (HF config class name, kwargs). Odd sizes, rope_theta != 10000, explicit head_dim != hidden/heads.

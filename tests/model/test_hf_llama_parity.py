@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.models.gpt.hf import (
+from megatron.models.gpt.hf_llama import (
     hf_llama_config_kwargs,
     megatron_to_hf_llama_state_dict,
     qkv_pack_groups,

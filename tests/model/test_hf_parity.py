@@ -1,16 +1,15 @@
-"""Parity with Hugging Face GPT-2: the same weights (mapped by megatron.models.gpt.hf) give the same logits."""
+"""Parity with Hugging Face GPT-2: the same weights (mapped by megatron.models.gpt.hf_gpt2) give the same logits."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron.models.gpt.hf import (
+from megatron.models.gpt.hf_gpt2 import (
     hf_gpt2_config_kwargs,
     hf_to_megatron_gpt_state_dict,
     megatron_gpt_to_hf_state_dict,
-    qkv_hf_to_megatron,
-    qkv_megatron_to_hf,
 )
+from megatron.models.hf_common import qkv_hf_to_megatron, qkv_megatron_to_hf
 from tests.model.helpers import batch, build_gpt, tiny_config
 
 transformers = pytest.importorskip("transformers")

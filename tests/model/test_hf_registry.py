@@ -13,8 +13,8 @@ def test_each_architecture_has_one_adapter_and_the_loader_lists_them_all():
     names = registry.supported_architectures()
     assert len(names) == len(set(names))
     assert hf_format.SUPPORTED == names
-    expect = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama",
-              "Qwen2MoeForCausalLM": "llama", "BloomForCausalLM": "bloom", "MegatronBertForPreTraining": "bert",
+    expect = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama_moe",
+              "Qwen2MoeForCausalLM": "llama_moe", "BloomForCausalLM": "bloom", "MegatronBertForPreTraining": "bert",
               "MegatronBertForMultipleChoice": "bert"}
     assert {n: registry.adapter_for_architecture(n).name for n in expect} == expect
     assert registry.adapter_for_architecture("T5ForConditionalGeneration") is None
@@ -27,14 +27,19 @@ BLOOM = {"position_embedding_type": "alibi", "embed_layernorm": True, "normaliza
 
 
 @pytest.mark.parametrize("model_type,architecture,family", [
-    ("GPT", GPT2, "gpt2"), ("GPT", LLAMA, "llama"), ("GPT", BLOOM, "bloom"), ("BERT", GPT2, "bert")])
+    ("GPT", GPT2, "gpt2"), ("GPT", LLAMA, "llama"), ("GPT", {**LLAMA, "num_moe_experts": 4}, "llama_moe"),
+    ("GPT", BLOOM, "bloom"), ("BERT", GPT2, "bert")])
 def test_the_saver_picks_the_family_from_the_architecture(model_type, architecture, family):
     assert hf_format.hf_adapter_for(ModelMeta(model_type, architecture)).name == family
 
 
 def test_the_saver_refuses_with_one_line_naming_the_accepted_families():
-    with pytest.raises(ConversionError, match=r"neither GPT-2 \(.*\) nor Llama-family \(.*\) nor BLOOM \(.*\)$"):
+    with pytest.raises(ConversionError) as refused:
         hf_format.hf_adapter_for(ModelMeta("GPT", {**GPT2, "position_embedding_type": "rope"}))
+    assert str(refused.value) == (  # the MoE members' adapter is Llama-family too: named once
+        "--saver hf: this architecture is neither GPT-2 (learned positions, LayerNorm, GeLU) nor Llama-family "
+        "(--swiglu --normalization RMSNorm --position-embedding-type rope) nor BLOOM (--position-embedding-type "
+        "alibi --embed-layernorm)")
     with pytest.raises(ConversionError, match="^--saver hf converts GPT and BERT models, not T5$"):
         hf_format.hf_adapter_for(ModelMeta("T5", GPT2))
 

@@ -15,7 +15,7 @@ import torch
 
 from megatron.arguments import ArgumentError, core_transformer_config_from_args, parse_args, validate_args
 from megatron.layers.rotary import Llama3Scaling, RotaryEmbedding
-from megatron.models.gpt.hf import hf_llama_config_kwargs
+from megatron.models.gpt.hf_llama import hf_llama_config_kwargs
 from megatron.text_generation import generate
 from tests.model.hf_llama_helpers import VOCAB, causal_inputs, hf_model, megatron_twin
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from megatron.models.gpt.hf import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
+from megatron.models.gpt.hf_gpt2 import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
 from megatron.models.gpt.model import GPTModel
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from tests.dist_utils import run_distributed

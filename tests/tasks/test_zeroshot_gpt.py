@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.models.gpt.hf import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
+from megatron.models.gpt.hf_gpt2 import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
 from tasks.zeroshot_gpt.datasets import LMWindowDataset
 from tasks.zeroshot_gpt.detokenizer import wikitext_detokenizer
 from tests.dist_utils import run_distributed

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.models.gpt.hf import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
+from megatron.models.gpt.hf_gpt2 import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
 from megatron.text_generation import generate, generate_tokens
 from tests.text_generation.helpers import PROMPTS, VOCAB, build_model, full_logits, tiny_config
 

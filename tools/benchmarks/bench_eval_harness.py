@@ -23,7 +23,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from megatron.core.transformer_config import TransformerConfig  # noqa: E402
-from megatron.models.gpt.hf import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict  # noqa: E402
+from megatron.models.gpt.hf_gpt2 import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict  # noqa: E402
 from megatron.models.gpt.model import GPTModel  # noqa: E402
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer  # noqa: E402
 from tasks.eval_harness import require_lm_eval  # noqa: E402

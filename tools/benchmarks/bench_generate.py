@@ -1,6 +1,6 @@
 """Benchmark greedy decoding: megatron.text_generation.generate (KV cache) vs Hugging Face GPT2LMHeadModel.generate.
 
-Same weights (converted with megatron.models.gpt.hf), same prompts (one batch of equal-length random token
+Same weights (converted with megatron.models.gpt.hf_gpt2), same prompts (one batch of equal-length random token
 prompts, so HF needs no padding), greedy, use_cache=True on the HF side, fp32, eos disabled so both generate exactly
 --new-tokens tokens per row. The two runs are interleaved (same machine load); the median of --reps timed runs after
 a warm-up is reported as generated tokens per second (batch * new tokens / wall time, prefill included), and the
@@ -30,7 +30,7 @@ def build(args: argparse.Namespace):
 
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.core.transformer_config import TransformerConfig
-    from megatron.models.gpt.hf import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
+    from megatron.models.gpt.hf_gpt2 import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
     from megatron.models.gpt.model import GPTModel
 
     config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,

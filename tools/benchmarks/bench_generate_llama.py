@@ -1,7 +1,7 @@
 """Benchmark greedy decoding of a Llama-style model with GQA: megatron.text_generation (KV cache holding the query
 groups' K/V) vs Hugging Face LlamaForCausalLM.generate(use_cache=True).
 
-Same weights (HF's, converted with megatron.models.gpt.hf), same prompts (one batch of equal-length random
+Same weights (HF's, converted with megatron.models.gpt.hf_llama), same prompts (one batch of equal-length random
 token prompts, so HF needs no padding), greedy, fp32, eos disabled so both generate exactly --new-tokens tokens per
 row. The two runs are interleaved (same machine load); the median of --reps timed runs after a warm-up is reported
 as generated tokens per second (batch * new tokens / wall time, prefill included), and the generated tokens are
@@ -29,7 +29,7 @@ def build(args: argparse.Namespace):
     import transformers
 
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.models.gpt.hf import hf_llama_to_megatron_state_dict, megatron_config_from_hf_llama
+    from megatron.models.gpt.hf_llama import hf_llama_to_megatron_state_dict, megatron_config_from_hf_llama
     from megatron.models.gpt.model import GPTModel
 
     cfg = transformers.LlamaConfig(

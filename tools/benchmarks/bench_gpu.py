@@ -212,7 +212,7 @@ def hf_bench(quick: bool, steps: int, mbs: int) -> dict:
 def generation_bench(quick: bool) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from megatron.models.gpt.hf import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
+    from megatron.models.gpt.hf_gpt2 import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
     from megatron.models.gpt.model import GPTModel
     from megatron.text_generation import generate
 

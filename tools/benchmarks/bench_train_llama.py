@@ -2,7 +2,7 @@
 
 Same model in both (6 layers, hidden 384, 6 query heads in 2 KV groups, SwiGLU ffn 1024, RMSNorm, RoPE, untied output
 layer, no biases, seq 512, micro batch 4, vocab 32000, fp32, no dropout, AdamW lr 1e-4 wd 0.01, grad clipping 1.0),
-the same initial weights (HF's, converted with megatron.models.gpt.hf, so the first losses agree), the same
+the same initial weights (HF's, converted with megatron.models.gpt.hf_llama, so the first losses agree), the same
 random token batches, measured in the same process with the two frameworks' steps interleaved (both see the same
 machine load): a few warm-up steps, then timed steps (median). Prints tokens/s of each, the ratio, and the MFU of
 each against a fp32 matmul peak measured here (FLOPs counted from the shapes: 3x forward, no recomputation). It also
@@ -64,7 +64,7 @@ def build_megatron(hf_model):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
     from megatron.core.tensor_parallel import model_parallel_manual_seed
-    from megatron.models.gpt.hf import hf_llama_to_megatron_state_dict, megatron_config_from_hf_llama
+    from megatron.models.gpt.hf_llama import hf_llama_to_megatron_state_dict, megatron_config_from_hf_llama
     from megatron.models.gpt.model import GPTModel
     from megatron.optimizer import get_megatron_optimizer
     from megatron.optimizer.optimizer_config import OptimizerConfig

@@ -1,6 +1,6 @@
 """The shared half of the Hugging Face adapters of decoder-only (causal LM) families: the metadata of a HF folder
 being read, and the saver's walk over the message stream (embeddings, layers, final norm, output layer) that hands
-each message to the family's own mapping (megatron/models/gpt/hf_adapter.py: GPT-2, Llama family, BLOOM).
+each message to the family's own mapping (megatron/models/gpt/hf_gpt2.py, hf_llama.py, hf_moe.py, hf_bloom.py).
 Also the pieces every HF saver uses: message tensors that remember which keys were mapped, tokenizer file copying.
 """
 from __future__ import annotations

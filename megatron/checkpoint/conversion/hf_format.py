@@ -3,8 +3,8 @@
 
 What a folder holds is a family's business: the loader finds the family's adapter by config.json's ``architectures``
 name and the saver by --model-type and the stored architecture, both through megatron/models/registry.py (GPT-2, the
-Llama family with Mixtral / Qwen2-MoE, BLOOM: megatron/models/gpt/hf_adapter.py; MegatronBert:
-megatron/models/bert/hf_folder.py). This module is what they share: lazy tensor reading, sharded safetensors
+Llama family, its MoE members Mixtral / Qwen2-MoE, BLOOM: megatron/models/gpt/hf_{gpt2,llama,moe,bloom}.py;
+MegatronBert: megatron/models/bert/hf.py). This module is what they share: lazy tensor reading, sharded safetensors
 writing, the tokenizer files. Tensors are read lazily from the safetensors files.
 """
 from __future__ import annotations
@@ -204,7 +204,7 @@ def hf_adapter_for(meta: ModelMeta) -> Any:
         types = registry.model_types()
         raise ConversionError(f"--saver hf converts {' and '.join(types)} models, not {meta.model_type}")
     raise ConversionError("--saver hf: this architecture is neither " +
-                          " nor ".join(a.description for a in candidates))
+                          " nor ".join(dict.fromkeys(a.description for a in candidates)))
 
 
 def _file_mode() -> int:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import moe_aux
+from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import flatten_dense_tensors, unflatten_dense_tensors
@@ -86,8 +87,6 @@ def _default_p2p(model: torch.nn.Module, state: Any, seq_length: Optional[int], 
 def _state_or_global(parallel_state: Any) -> Any:
     if parallel_state is not None:
         return parallel_state
-    from megatron.core import parallel_state as ps
-
     return ps.get_parallel_state()
 
 

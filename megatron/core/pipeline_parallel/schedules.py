@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 
 from megatron.core import moe_aux
+from megatron.core.pipeline_parallel import pipelined
 
 ForwardStepFunc = Callable[[Optional[Iterator], torch.nn.Module], tuple[torch.Tensor, Callable]]
 
@@ -92,8 +93,6 @@ def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None) -> Callable[..., list]:
     """The schedule for this layout: no pipelining, 1F1B, or interleaved 1F1B with virtual stages."""
     if pipeline_model_parallel_size > 1:
-        from megatron.core.pipeline_parallel import pipelined
-
         if virtual_pipeline_model_parallel_size is not None:
             return pipelined.forward_backward_pipelining_with_interleaving
         return pipelined.forward_backward_pipelining_without_interleaving

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch.nn.parameter import Parameter
 
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, set_tp_layout
 from megatron.core.tensor_parallel.lm_head import embedding_lookup
 from megatron.core.tensor_parallel.mappings import (
@@ -47,8 +48,6 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: Optiona
     if getattr(param, "tensor_model_parallel", False):
         return True
     if tp_rank is None:
-        from megatron.core import parallel_state
-
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
     return tp_rank == 0
 

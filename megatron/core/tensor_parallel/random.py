@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import group_size
 from megatron.core.tensor_parallel.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 
@@ -142,8 +143,6 @@ def model_parallel_manual_seed(seed: int, tp_rank: Optional[int] = None, pp_rank
     """
     del pp_rank
     if tp_rank is None:
-        from megatron.core import parallel_state
-
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tensor_model_parallel_seed = seed + 2718 + tp_rank
     _seed_device_generators(seed)

@@ -1,5 +1,5 @@
-"""Weight and config mapping between our BLOOM (GPT with ALiBi and --embed-layernorm) and Hugging Face
-`BloomForCausalLM` (TP=1 state dicts).
+"""BLOOM (our GPT with ALiBi and --embed-layernorm) <-> Hugging Face `BloomForCausalLM`: the weight and config mapping
+(TP=1 state dicts) and the Hugging Face adapter (registry line BLOOM).
 
 BLOOM was trained with Megatron-DeepSpeed, so the layouts agree almost name for name: query_key_value rows are
 [heads, (q, k, v), head_dim] on both sides, every linear is stored [out, in], the MLP is a 4h tanh-GeLU with biases
@@ -9,10 +9,25 @@ HF's ``word_embeddings_layernorm`` is Megatron-DeepSpeed's ``word_embeddings.nor
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from functools import partial
+from typing import Any, Dict, Iterator, Mapping, Optional
 
+import torch
+
+from megatron.checkpoint.conversion.hf_decoder import AddTensor, Checked, DecoderMapping, read_decoder, write_decoder
+from megatron.checkpoint.conversion.interchange import (
+    EMBEDDINGS,
+    FINAL_NORM,
+    ConversionError,
+    Message,
+    ModelMeta,
+    architecture_of,
+    layer_message,
+)
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
+from megatron.models.hf_adapter import HFAdapter
+from megatron.models.hf_common import hf_config_object, pad_rows
 
 _LM = "language_model."
 _EMB = _LM + "embedding.word_embeddings."
@@ -85,8 +100,6 @@ def megatron_to_hf_bloom_state_dict(state_dict: Mapping[str, Any], config: Trans
 def hf_bloom_to_megatron_state_dict(hf_state_dict: Mapping[str, Any], config: TransformerConfig) -> dict:
     """`BloomForCausalLM` (or `BloomModel`) dict -> flat names of our GPT (TP=1); the vocabulary is padded to
     `config.padded_vocab_size` with zero rows."""
-    from megatron.models.gpt.hf import pad_rows
-
     check_bloom(config)
     sd = dict(hf_state_dict)
     if _HF + "word_embeddings.weight" not in sd and "word_embeddings.weight" in sd:
@@ -135,3 +148,60 @@ def hf_bloom_config_kwargs(config: TransformerConfig, vocab_size: Optional[int] 
         hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
         tie_word_embeddings=True, pretraining_tp=1, slow_but_exact=False,
     )
+
+
+# ----------------------------------------------------------------------------------------------- adapter
+def _bloom_config_from_hf(load_dir: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    hf_config = hf_config_object(load_dir)
+    try:  # BLOOM has no position table; its length limit is a run-time setting (BigScience trained 2048)
+        config = megatron_config_from_hf_bloom(hf_config, max_position_embeddings=int(cfg.get("seq_length", 2048)))
+    except ValueError as exc:
+        raise ConversionError(f"{load_dir}: {exc}") from None
+    return architecture_of(config)
+
+
+def _bloom_stream(t: Any, meta: ModelMeta) -> Iterator[Message]:
+    pre = "transformer." if "transformer.word_embeddings.weight" in t else ""
+    yield Message(EMBEDDINGS, {"word_embeddings.weight": t.get(pre + "word_embeddings.weight"),
+                               "word_embeddings.norm.weight": t.get(pre + "word_embeddings_layernorm.weight"),
+                               "word_embeddings.norm.bias": t.get(pre + "word_embeddings_layernorm.bias")})
+    for i in range(meta.architecture["num_layers"]):
+        yield Message(layer_message(i), {k: t.get(f"{pre}h.{i}.{k}") for k in LAYER_KEYS})
+    yield Message(FINAL_NORM, {"final_layernorm.weight": t.get(pre + "ln_f.weight"),
+                               "final_layernorm.bias": t.get(pre + "ln_f.bias")})
+
+
+def _bloom_config_to_hf(config: TransformerConfig, rows: int, arch_name: Optional[str]) -> Any:
+    import transformers
+
+    hf = transformers.BloomConfig(**hf_bloom_config_kwargs(config, vocab_size=rows))
+    hf.architectures = ["BloomForCausalLM"]
+    return hf
+
+
+def _bloom_embeddings_to_hf(add: AddTensor, emb: Checked, word: torch.Tensor) -> None:
+    add("transformer.word_embeddings.weight", word)
+    add("transformer.word_embeddings_layernorm.weight", emb["word_embeddings.norm.weight"])
+    add("transformer.word_embeddings_layernorm.bias", emb["word_embeddings.norm.bias"])
+
+
+def _bloom_layer_to_hf(add: AddTensor, i: int, layer: Checked, meta: ModelMeta, hf_config: Any) -> None:
+    for key in LAYER_KEYS:
+        add(f"transformer.h.{i}.{key}", layer[key])
+
+
+def _ln_f_to_hf(add: AddTensor, norm: Checked) -> None:
+    add("transformer.ln_f.weight", norm["final_layernorm.weight"])
+    add("transformer.ln_f.bias", norm["final_layernorm.bias"])
+
+
+def _bloom_accepts(a: Dict[str, Any]) -> bool:
+    return a.get("position_embedding_type") == "alibi" and bool(a.get("embed_layernorm"))
+
+
+_BLOOM = DecoderMapping(config_from_hf=_bloom_config_from_hf, weights_from_hf=_bloom_stream,
+                        config_to_hf=_bloom_config_to_hf, embeddings_to_hf=_bloom_embeddings_to_hf,
+                        layer_to_hf=_bloom_layer_to_hf, final_norm_to_hf=_ln_f_to_hf)
+BLOOM = HFAdapter(name="bloom", model_type="GPT", architectures=("BloomForCausalLM",),
+                  read=partial(read_decoder, _BLOOM), write=partial(write_decoder, _BLOOM), accepts=_bloom_accepts,
+                  description="BLOOM (--position-embedding-type alibi --embed-layernorm)")

@@ -1,4 +1,6 @@
-"""Mixture-of-experts MLPs between our layout and Hugging Face's Hub layout (safetensors on disk).
+"""The Llama family's mixture-of-experts members (`MixtralForCausalLM`, `Qwen2MoeForCausalLM`) <-> Megatron GPT: the
+MoE MLPs between our layout and Hugging Face's Hub layout (safetensors on disk), and the Hugging Face adapter
+(registry line MOE).
 
 `MixtralForCausalLM`: ``block_sparse_moe.gate.weight`` [E, h] = ``mlp.router.weight``; expert j's ``w1`` (gate),
 ``w3`` (up) [F, h] and ``w2`` (down) [h, F] = ``mlp.experts.weight1[j]`` = [gate; up]^T [h, 2F] and
@@ -7,16 +9,22 @@
 ``mlp.shared_expert.*`` (a SwiGLU MLP: ``mlp.shared_experts.dense_h_to_4h`` = [gate; up], ``dense_4h_to_h``) and
 ``mlp.shared_expert_gate.weight`` [1, h] = ``mlp.shared_experts.gate_weight``; routing is softmax then top-k
 (--moe-router-pre-softmax), renormalised only with ``norm_topk_prob``; ``decoder_sparse_step`` / ``mlp_only_layers``
-give --moe-layer-freq as a list; the QKV has a bias. Attention and norms map as for Llama (hf.py).
+give --moe-layer-freq as a list; the QKV has a bias. Attention, norms and the dense layers map as for Llama
+(hf_llama.py).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 import torch
 
+from megatron.checkpoint.conversion.hf_decoder import AddTensor, Checked, DecoderMapping, read_decoder, write_decoder
+from megatron.checkpoint.conversion.interchange import Message, ModelMeta
 from megatron.core.transformer_config import TransformerConfig
-from megatron.models.gpt.hf import megatron_config_from_hf_llama
+from megatron.models.gpt import hf_llama
+from megatron.models.gpt.hf_llama import megatron_config_from_hf_llama
+from megatron.models.hf_adapter import HFAdapter
 
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 ROUTER, W1, W2 = "mlp.router.weight", "mlp.experts.weight1", "mlp.experts.weight2"
@@ -135,3 +143,45 @@ def megatron_moe_mlp_to_hf(layer: Mapping[str, torch.Tensor], prefix: str, arch:
         out[s + "down_proj.weight"] = layer[SHARED_FC2]
         out[prefix + "mlp.shared_expert_gate.weight"] = layer[SHARED_GATE]
     return out
+
+
+# ----------------------------------------------------------------------------------------------- adapter
+def _moe_stream(t: Any, meta: ModelMeta) -> Iterator[Message]:
+    moe_pattern = meta.config().moe_layer_pattern  # MoE MLP (1) or dense MLP (0) per layer
+    shared = bool(meta.architecture.get("moe_shared_expert_intermediate_size"))
+
+    def mlp_of(i: int, src: str) -> Optional[Dict[str, torch.Tensor]]:
+        if not moe_pattern[i]:
+            return None
+        return hf_moe_mlp_to_megatron(t.get, src, meta.extra["hf_architecture"], meta.architecture["num_moe_experts"],
+                                      shared)
+
+    yield from hf_llama.stream_from_hf(t, meta, mlp_of)
+
+
+def _moe_config_to_hf(config: TransformerConfig, rows: int, arch_name: Optional[str]) -> Any:
+    import transformers
+
+    kwargs = hf_llama.hf_llama_config_kwargs(config, vocab_size=rows)
+    name = arch_name or hf_moe_arch(config)
+    kwargs.update(hf_moe_config_kwargs(config, name))
+    if name == "Qwen2MoeForCausalLM":
+        kwargs.pop("head_dim", None)
+    hf = getattr(transformers, name.replace("ForCausalLM", "Config"))(**kwargs)
+    hf.architectures = [name]
+    return hf
+
+
+def _moe_layer_to_hf(add: AddTensor, i: int, layer: Checked, meta: ModelMeta, hf_config: Any) -> None:
+    dst = f"model.layers.{i}."
+    mlp = megatron_moe_mlp_to_hf(layer, dst, hf_config.architectures[0]) if ROUTER in layer else None
+    hf_llama.layer_to_hf(add, dst, layer, meta, mlp)
+
+
+_MOE = DecoderMapping(config_from_hf=hf_llama.config_reader(megatron_config_from_hf_moe), weights_from_hf=_moe_stream,
+                      config_to_hf=_moe_config_to_hf, embeddings_to_hf=hf_llama.embeddings_to_hf,
+                      layer_to_hf=_moe_layer_to_hf, final_norm_to_hf=hf_llama.final_norm_to_hf)
+MOE = HFAdapter(name="llama_moe", model_type="GPT", architectures=MOE_ARCHS,
+                read=partial(read_decoder, _MOE), write=partial(write_decoder, _MOE),
+                accepts=lambda a: hf_llama.llama_shaped(a) and bool(a.get("num_moe_experts")),
+                description="Llama-family (--swiglu --normalization RMSNorm --position-embedding-type rope)")

@@ -26,7 +26,8 @@ axes (pipe, data, model) put TP fastest, then DP, then PP: the layout of megatro
 
 The module also provides the layer-file <-> Megatron state-dict mapping used by the DeepSpeed checkpoint conversion
 (megatron/checkpoint/conversion/deepspeed_format.py; `pipe_layer_specs_names`, `megatron_state_dict_from_pipe_layers`, `pipe_layers_from_megatron_state_dict`).
-DeepSpeed is imported only when a `GPTModelPipe` is built; the mapping functions never import it.
+DeepSpeed is imported only when a `GPTModelPipe` is built (through megatron.optional); the mapping functions never
+import it.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
+from megatron import optional
 from megatron.core import tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
 from megatron.errors import MegatronUserError
@@ -167,9 +169,8 @@ def _checkpoint_func(distribute_saved_activations: bool, tp_group: Optional[Any]
 
 def pipe_topology(parallel_state: Any) -> Any:
     """DeepSpeed's PipeModelDataParallelTopology for our ParallelState (same rank layout: TP, then DP, then PP)."""
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
-    topo = PipeModelDataParallelTopology(num_pp=parallel_state.pp_size, num_mp=parallel_state.tp_size,
+    topology = optional.deepspeed("runtime.pipe.topology")
+    topo = topology.PipeModelDataParallelTopology(num_pp=parallel_state.pp_size, num_mp=parallel_state.tp_size,
                                          num_dp=parallel_state.dp_size)
     coord = topo.get_coord(parallel_state.global_rank)
     if (coord.pipe, coord.data, coord.model) != (parallel_state.pp_rank, parallel_state.dp_rank,
@@ -184,21 +185,19 @@ def pipe_topology(parallel_state: Any) -> Any:
 def ensure_deepspeed_comm() -> None:
     """Initialise deepspeed.comm (PipelineModule and deepspeed.checkpointing.configure use it) over the already
     initialised torch.distributed group; no-op when done."""
-    import deepspeed
-    import deepspeed.comm as ds_comm
-
+    ds_comm = optional.deepspeed("comm")
     if "LOCAL_RANK" not in os.environ:  # PipelineModule reads it; launchers set it, plain SLURM may not
         os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
     if not ds_comm.is_initialized():
         if not torch.distributed.is_initialized():
             raise RuntimeError("GPTModelPipe needs torch.distributed initialised (initialize_megatron does it)")
-        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
+        optional.deepspeed().init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
 
 
 def _layer_specs(config: TransformerConfig, tp_group: Optional[Any]) -> list:
     """The LayerSpec / TiedLayerSpec list of the whole model (see the module docstring for the indices)."""
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
-
+    pipe = optional.deepspeed("pipe")
+    LayerSpec, TiedLayerSpec = pipe.LayerSpec, pipe.TiedLayerSpec  # noqa: N806 - DeepSpeed's class names
     tied = config.share_embeddings_and_output_weights
     layer_spec = gpt_layer_spec(config)
     embed_args = (config.hidden_size, config.padded_vocab_size, config.max_position_embeddings,
@@ -235,9 +234,7 @@ def _check_supported(config: TransformerConfig, parallel_state: Any, num_tokenty
 
 
 def _make_gpt_model_pipe_class() -> type:
-    from deepspeed.pipe import PipelineModule
-
-    class GPTModelPipe(PipelineModule):
+    class GPTModelPipe(optional.deepspeed("pipe").PipelineModule):
         """Megatron-DeepSpeed's GPTModelPipe: GPT as a PipelineModule; building it is collective over all ranks.
 
         `parallel_state` is our megatron.core.parallel_state.ParallelState (its groups are used by the layers;

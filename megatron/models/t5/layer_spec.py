@@ -1,4 +1,5 @@
-"""The T5 layer specs: the encoder's (BERT's layer) and the decoder's (with cross-attention)."""
+"""The T5 layer specs: the encoder's (the shared bidirectional layer, as BERT's) and the decoder's (with
+cross-attention)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -6,12 +7,12 @@ from typing import Optional
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.enums import AttnMaskType
 from megatron.layers.layer_specs import TransformerLayerSpec, transformer_layer_spec
-from megatron.models.bert.layer_spec import bert_layer_spec
 
 
 def t5_encoder_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:
-    """T5 encoder layer: BERT's layer (bidirectional, padding-masked self-attention)."""
-    return bert_layer_spec(config)
+    """T5 encoder layer: the same parts as BERT's layer (bidirectional, padding-masked self-attention)."""
+    del config
+    return transformer_layer_spec(AttnMaskType.padding, cross_attention=False)
 
 
 def t5_decoder_layer_spec(config: Optional[TransformerConfig] = None) -> TransformerLayerSpec:

@@ -1,169 +1,45 @@
-"""Weight and config mapping between Megatron GPT-family state dicts and Hugging Face models (TP=1 dicts).
+"""The Llama family (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`) <-> Megatron GPT: the weight and
+config mapping (TP=1 state dicts, reused by the checkpoint tools) and the Hugging Face adapter (registry line LLAMA).
 
-GPT-2 (`GPT2LMHeadModel`): Megatron (checkpoint_version >= 2) orders the fused query_key_value rows as
-[heads, (q, k, v), head_dim]; HF's c_attn is a Conv1D (weight stored [in, out]) with output columns ordered
-[(q, k, v), heads, head_dim]. Every other HF Conv1D weight is the transpose of the Megatron linear weight. The MLP
-activation maps as Megatron computes it: bias-gelu fusion (Megatron's default) and --openai-gelu are the tanh
-approximation (HF "gelu_new"), --no-bias-gelu-fusion is erf GeLU (HF "gelu").
-
-Llama family (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`; Megatron-LM's layouts):
-query_key_value is grouped per KV group ``[q of the group's heads; k; v]`` (HF q/k/v_proj need no RoPE permutation:
-both use the half-split convention), dense_h_to_4h is ``[gate_proj; up_proj]``, norms are RMSNorm weights, the
-output layer is untied (``output_layer.weight``). The functions here are reused by the checkpoint tools.
+Megatron-LM's layouts: query_key_value is grouped per KV group ``[q of the group's heads; k; v]`` (HF q/k/v_proj need
+no RoPE permutation: both use the half-split convention), dense_h_to_4h is ``[gate_proj; up_proj]``, norms are RMSNorm
+weights, the output layer is untied (``output_layer.weight``), ``rope_theta`` is --rotary-base. The attention and
+norm halves of a layer (`layer_from_hf`, `layer_to_hf`) take the layer's MLP tensors as an argument, so the MoE
+members (hf_moe.py) reuse them with their experts.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 import torch
 
+from megatron.checkpoint.conversion.hf_decoder import (
+    AddTensor,
+    Checked,
+    DecoderMapping,
+    heads,
+    read_decoder,
+    write_decoder,
+)
+from megatron.checkpoint.conversion.interchange import (
+    EMBEDDINGS,
+    FINAL_NORM,
+    OUTPUT_LAYER,
+    ConversionError,
+    Message,
+    ModelMeta,
+    architecture_of,
+    layer_message,
+)
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
-from megatron.layers.mlp import activation_for
+from megatron.models.hf_adapter import HFAdapter
+from megatron.models.hf_common import ENC as _ENC
+from megatron.models.hf_common import LM as _LM
+from megatron.models.hf_common import encoder_layer_count, hf_config_object, pad_rows
 
-_LM = "language_model."
-_ENC = _LM + "encoder."
-
-# (megatron layer suffix, hf layer suffix, transpose?)
-_LAYER_MAP = [
-    ("input_layernorm.weight", "ln_1.weight", False),
-    ("input_layernorm.bias", "ln_1.bias", False),
-    ("self_attention.dense.weight", "attn.c_proj.weight", True),
-    ("self_attention.dense.bias", "attn.c_proj.bias", False),
-    ("post_attention_layernorm.weight", "ln_2.weight", False),
-    ("post_attention_layernorm.bias", "ln_2.bias", False),
-    ("mlp.dense_h_to_4h.weight", "mlp.c_fc.weight", True),
-    ("mlp.dense_h_to_4h.bias", "mlp.c_fc.bias", False),
-    ("mlp.dense_4h_to_h.weight", "mlp.c_proj.weight", True),
-    ("mlp.dense_4h_to_h.bias", "mlp.c_proj.bias", False),
-]
-
-
-def _heads(config: TransformerConfig) -> tuple[int, int]:
-    return config.num_attention_heads, config.kv_channels
-
-
-def qkv_megatron_to_hf(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    """Reorder qkv rows [heads, 3, hd] -> [3, heads, hd] (weight [3h, in] or bias [3h])."""
-    rest = t.shape[1:]
-    return t.reshape(num_heads, 3, head_dim, *rest).transpose(0, 1).reshape(3 * num_heads * head_dim, *rest)
-
-
-def qkv_hf_to_megatron(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    """Reorder qkv rows [3, heads, hd] -> [heads, 3, hd]."""
-    rest = t.shape[1:]
-    return t.reshape(3, num_heads, head_dim, *rest).transpose(0, 1).reshape(3 * num_heads * head_dim, *rest)
-
-
-def _num_layers(flat: Mapping[str, Any]) -> int:
-    ids = {int(k[len(_ENC) + len("layers."):].split(".")[0]) for k in flat if k.startswith(_ENC + "layers.")}
-    if ids != set(range(len(ids))):
-        raise ValueError(f"Megatron state dict has non-contiguous layer indices {sorted(ids)}")
-    return len(ids)
-
-
-def megatron_gpt_to_hf_state_dict(state_dict: Mapping[str, Any], config: TransformerConfig) -> dict:
-    """Megatron GPT state dict (nested checkpoint layout or flat module names, TP=1) -> GPT2LMHeadModel dict."""
-    flat = flatten_checkpoint_state_dict(state_dict)
-    need = _LM + "embedding.word_embeddings.weight"
-    if need not in flat:
-        raise ValueError(f"not a full TP=1/PP=1 Megatron GPT state dict: missing {need!r}")
-    nh, hd = _heads(config)
-    out: dict = {
-        "transformer.wte.weight": flat[need],
-        "transformer.wpe.weight": flat[_LM + "embedding.position_embeddings.weight"],
-    }
-    for i in range(_num_layers(flat)):
-        src = f"{_ENC}layers.{i}."
-        dst = f"transformer.h.{i}."
-        out[dst + "attn.c_attn.weight"] = qkv_megatron_to_hf(
-            flat[src + "self_attention.query_key_value.weight"], nh, hd
-        ).t().contiguous()
-        out[dst + "attn.c_attn.bias"] = qkv_megatron_to_hf(flat[src + "self_attention.query_key_value.bias"], nh, hd)
-        for m_name, h_name, transpose in _LAYER_MAP:
-            t = flat[src + m_name]
-            out[dst + h_name] = t.t().contiguous() if transpose else t
-    out["transformer.ln_f.weight"] = flat[_ENC + "final_layernorm.weight"]
-    out["transformer.ln_f.bias"] = flat[_ENC + "final_layernorm.bias"]
-    out["lm_head.weight"] = flat.get(_LM + "output_layer.weight", out["transformer.wte.weight"])
-    return _shift_ln_1p(out, config, +1.0)
-
-
-def hf_to_megatron_gpt_state_dict(hf_state_dict: Mapping[str, Any], config: TransformerConfig) -> dict:
-    """GPT2LMHeadModel (or GPT2Model with 'transformer.' keys) dict -> flat Megatron GPT module names (TP=1)."""
-    sd = dict(hf_state_dict)
-    if "transformer.wte.weight" not in sd and "wte.weight" in sd:
-        sd = {f"transformer.{k}": v for k, v in sd.items()}
-    if "transformer.wte.weight" not in sd:
-        raise ValueError("not a Hugging Face GPT-2 state dict: missing 'transformer.wte.weight'")
-    nh, hd = _heads(config)
-    out: dict = {
-        _LM + "embedding.word_embeddings.weight": sd["transformer.wte.weight"],
-        _LM + "embedding.position_embeddings.weight": sd["transformer.wpe.weight"],
-    }
-    layer_ids = {int(k.split(".")[2]) for k in sd if k.startswith("transformer.h.")}
-    for i in range(len(layer_ids)):
-        src = f"transformer.h.{i}."
-        dst = f"{_ENC}layers.{i}."
-        out[dst + "self_attention.query_key_value.weight"] = qkv_hf_to_megatron(
-            sd[src + "attn.c_attn.weight"].t(), nh, hd
-        ).contiguous()
-        out[dst + "self_attention.query_key_value.bias"] = qkv_hf_to_megatron(sd[src + "attn.c_attn.bias"], nh, hd)
-        for m_name, h_name, transpose in _LAYER_MAP:
-            t = sd[src + h_name]
-            out[dst + m_name] = t.t().contiguous() if transpose else t
-    out[_ENC + "final_layernorm.weight"] = sd["transformer.ln_f.weight"]
-    out[_ENC + "final_layernorm.bias"] = sd["transformer.ln_f.bias"]
-    if not config.share_embeddings_and_output_weights and "lm_head.weight" in sd:
-        out[_LM + "output_layer.weight"] = sd["lm_head.weight"]
-    return _shift_ln_1p(out, config, -1.0)
-
-
-def _check_gpt2(config: TransformerConfig) -> None:
-    if (config.normalization != "LayerNorm" or config.position_embedding_type != "learned_absolute"
-            or not config.add_bias_linear or config.num_query_groups != config.num_attention_heads):
-        raise ValueError("Hugging Face GPT-2 has LayerNorm, learned positions, biases and one K/V head per query "
-                         "head; use the Llama-family mapping for this model")
-
-
-def _shift_ln_1p(sd: dict, config: TransformerConfig, delta: float) -> dict:
-    """--apply-layernorm-1p stores gamma - 1: add 1 for HF's plain LayerNorm (delta +1) or remove it (-1)."""
-    _check_gpt2(config)
-    if not config.apply_layernorm_1p:
-        return sd
-    return {k: v + delta if k.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight", "layernorm.weight")) else v
-            for k, v in sd.items()}
-
-
-def hf_gpt2_activation(config: TransformerConfig) -> str:
-    """HF GPT-2 `activation_function` computing what the Megatron MLP of `config` computes."""
-    name = activation_for(config)[0]
-    mapping = {"gelu_tanh": "gelu_new", "openai_gelu": "gelu_new", "gelu": "gelu"}
-    if name not in mapping:
-        raise ValueError(f"Hugging Face GPT-2 has no {name} MLP; convert this model with the Llama-family mapping")
-    return mapping[name]
-
-
-def hf_gpt2_config_kwargs(config: TransformerConfig) -> dict:
-    """Keyword arguments for transformers.GPT2Config describing the same architecture."""
-    return dict(
-        n_embd=config.hidden_size,
-        n_layer=config.num_layers,
-        n_head=config.num_attention_heads,
-        n_inner=config.ffn_hidden_size,
-        n_positions=config.max_position_embeddings,
-        vocab_size=config.padded_vocab_size,
-        activation_function=hf_gpt2_activation(config),
-        layer_norm_epsilon=config.layernorm_epsilon,
-        resid_pdrop=config.hidden_dropout,
-        embd_pdrop=config.hidden_dropout,
-        attn_pdrop=config.attention_dropout,
-        scale_attn_by_inverse_layer_idx=False,
-        tie_word_embeddings=config.share_embeddings_and_output_weights,
-    )
-
-
-# ------------------------------------------------------------------------------------------------ Llama family
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _LLAMA_LAYER_MAP = [
     ("input_layernorm.weight", "input_layernorm.weight"),
     ("self_attention.dense.weight", "self_attn.o_proj.weight"),
@@ -190,15 +66,6 @@ def qkv_unpack_groups(qkv: torch.Tensor, num_heads: int, num_groups: int,
     q, k, v = torch.split(grouped, [per * head_dim, head_dim, head_dim], dim=1)
     return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(),
             v.reshape(-1, *rest).contiguous())
-
-
-def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """Zero-pad `t` to `rows` rows (the padded vocabulary); ValueError when it has more."""
-    if t.size(0) == rows:
-        return t
-    if t.size(0) > rows:
-        raise ValueError(f"vocabulary of {t.size(0)} rows does not fit the padded vocab size {rows}")
-    return torch.cat([t, t.new_zeros(rows - t.size(0), *t.shape[1:])])
 
 
 def hf_llama_to_megatron_state_dict(hf_state_dict: Mapping[str, Any], config: TransformerConfig) -> dict:
@@ -245,7 +112,7 @@ def megatron_to_hf_llama_state_dict(state_dict: Mapping[str, Any], config: Trans
     nq, ng, hd = config.num_attention_heads, config.num_query_groups, config.kv_channels
     rows = slice(0, vocab_size)
     out: dict = {"model.embed_tokens.weight": flat[need][rows]}
-    for i in range(_num_layers(flat)):
+    for i in range(encoder_layer_count(flat)):
         src = f"{_ENC}layers.{i}."
         dst = f"model.layers.{i}."
         q, k, v = qkv_unpack_groups(flat[src + "self_attention.query_key_value.weight"], nq, ng, hd)
@@ -350,3 +217,126 @@ def hf_llama_config_kwargs(config: TransformerConfig, vocab_size: Optional[int] 
         tie_word_embeddings=config.share_embeddings_and_output_weights, attention_dropout=config.attention_dropout,
         rope_scaling=hf_rope_scaling(config),
     )
+
+
+# ----------------------------------------------------------------------------------------------- adapter
+def config_reader(reader: Callable[[Any], TransformerConfig]) -> Callable[[str, Dict[str, Any]], Dict[str, Any]]:
+    """The adapter's config half for a family member: `reader(transformers config)`'s architecture fields, its
+    refusals as one line naming the folder."""
+    def config_from_hf(load_dir: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
+        hf_config = hf_config_object(load_dir)
+        try:
+            config = reader(hf_config)
+        except ValueError as exc:
+            raise ConversionError(f"{load_dir}: {exc}") from None
+        return architecture_of(config)
+
+    return config_from_hf
+
+
+def layer_from_hf(t: Any, src: str, meta: ModelMeta,
+                  mlp: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+    """One layer's Megatron tensors from the HF names under `src` ("model.layers.{i}."): attention and norms, and as
+    the MLP either `mlp` (an MoE member's tensors) or, when None, the dense SwiGLU MLP."""
+    nq, ng, hd = heads(meta)
+    attn = src + "self_attn."
+    out = {"self_attention.query_key_value.weight": qkv_pack_groups(
+        t.get(attn + "q_proj.weight"), t.get(attn + "k_proj.weight"), t.get(attn + "v_proj.weight"), nq, ng, hd)}
+    if attn + "q_proj.bias" in t:
+        out["self_attention.query_key_value.bias"] = qkv_pack_groups(
+            t.get(attn + "q_proj.bias"), t.get(attn + "k_proj.bias"), t.get(attn + "v_proj.bias"), nq, ng, hd)
+    if mlp is None:
+        out["mlp.dense_h_to_4h.weight"] = torch.cat([t.get(src + "mlp.gate_proj.weight"),
+                                                     t.get(src + "mlp.up_proj.weight")], dim=0)
+    else:
+        out.update(mlp)
+    for m_name, h_name in _LLAMA_LAYER_MAP:
+        if mlp is None or not m_name.startswith("mlp."):
+            out[m_name] = t.get(src + h_name)
+    return out
+
+
+def stream_from_hf(t: Any, meta: ModelMeta,
+                   mlp_of: Callable[[int, str], Optional[Dict[str, torch.Tensor]]]) -> Iterator[Message]:
+    """The message stream of a Llama-family folder; `mlp_of(i, "model.layers.{i}.")` gives layer i's MLP tensors
+    (None: the dense MLP)."""
+    yield Message(EMBEDDINGS, {"word_embeddings.weight": t.get("model.embed_tokens.weight")})
+    for i in range(meta.architecture["num_layers"]):
+        src = f"model.layers.{i}."
+        yield Message(layer_message(i), layer_from_hf(t, src, meta, mlp_of(i, src)))
+    yield Message(FINAL_NORM, {"final_layernorm.weight": t.get("model.norm.weight")})
+    if not meta.architecture["share_embeddings_and_output_weights"]:
+        head = "lm_head.weight" if "lm_head.weight" in t else "model.embed_tokens.weight"
+        yield Message(OUTPUT_LAYER, {"output_layer.weight": t.get(head)})
+
+
+def _llama_stream(t: Any, meta: ModelMeta) -> Iterator[Message]:
+    yield from stream_from_hf(t, meta, lambda i, src: None)
+
+
+def _llama_config_to_hf(config: TransformerConfig, rows: int, arch_name: Optional[str]) -> Any:
+    import transformers
+
+    kwargs = hf_llama_config_kwargs(config, vocab_size=rows)
+    name = arch_name or ("Qwen2ForCausalLM" if config.add_qkv_bias else "LlamaForCausalLM")
+    if config.add_qkv_bias and name != "Qwen2ForCausalLM":
+        raise ValueError("a QKV bias (--add-qkv-bias) exists only in Qwen2ForCausalLM")
+    cls = getattr(transformers, name.replace("ForCausalLM", "Config"))
+    if name == "MistralForCausalLM":
+        kwargs["sliding_window"] = None
+    hf = cls(**kwargs)
+    hf.architectures = [name]
+    return hf
+
+
+def embeddings_to_hf(add: AddTensor, emb: Checked, word: torch.Tensor) -> None:
+    """The saver's embeddings half (Llama-family names)."""
+    add("model.embed_tokens.weight", word)
+
+
+def layer_to_hf(add: AddTensor, dst: str, layer: Checked, meta: ModelMeta,
+                mlp: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    """Inverse of `layer_from_hf`: `mlp` holds the MoE member's HF MLP tensors (None: the dense MLP's)."""
+    nq, ng, hd = heads(meta)
+    q, k, v = qkv_unpack_groups(layer["self_attention.query_key_value.weight"], nq, ng, hd)
+    add(dst + "self_attn.q_proj.weight", q)
+    add(dst + "self_attn.k_proj.weight", k)
+    add(dst + "self_attn.v_proj.weight", v)
+    if "self_attention.query_key_value.bias" in layer:
+        q, k, v = qkv_unpack_groups(layer["self_attention.query_key_value.bias"], nq, ng, hd)
+        add(dst + "self_attn.q_proj.bias", q)
+        add(dst + "self_attn.k_proj.bias", k)
+        add(dst + "self_attn.v_proj.bias", v)
+    if mlp is None:
+        gate, up = layer["mlp.dense_h_to_4h.weight"].chunk(2, dim=0)
+        add(dst + "mlp.gate_proj.weight", gate.contiguous())
+        add(dst + "mlp.up_proj.weight", up.contiguous())
+    else:
+        for name, tensor in mlp.items():
+            add(name, tensor)
+    for m_name, h_name in _LLAMA_LAYER_MAP:
+        if mlp is None or not m_name.startswith("mlp."):
+            add(dst + h_name, layer[m_name])
+
+
+def _llama_layer_to_hf(add: AddTensor, i: int, layer: Checked, meta: ModelMeta, hf_config: Any) -> None:
+    layer_to_hf(add, f"model.layers.{i}.", layer, meta)
+
+
+def final_norm_to_hf(add: AddTensor, norm: Checked) -> None:
+    """The saver's final-norm half (Llama-family names)."""
+    add("model.norm.weight", norm["final_layernorm.weight"])
+
+
+def llama_shaped(a: Dict[str, Any]) -> bool:
+    """Whether stored architecture fields are a Llama-family model's (SwiGLU, RMSNorm, RoPE)."""
+    return bool(a.get("swiglu")) and a.get("normalization") == "RMSNorm" and a.get("position_embedding_type") == "rope"
+
+
+_LLAMA = DecoderMapping(config_from_hf=config_reader(megatron_config_from_hf_llama), weights_from_hf=_llama_stream,
+                        config_to_hf=_llama_config_to_hf, embeddings_to_hf=embeddings_to_hf,
+                        layer_to_hf=_llama_layer_to_hf, final_norm_to_hf=final_norm_to_hf)
+LLAMA = HFAdapter(name="llama", model_type="GPT", architectures=ARCHITECTURES,
+                  read=partial(read_decoder, _LLAMA), write=partial(write_decoder, _LLAMA),
+                  accepts=lambda a: llama_shaped(a) and not a.get("num_moe_experts"),
+                  description="Llama-family (--swiglu --normalization RMSNorm --position-embedding-type rope)")
