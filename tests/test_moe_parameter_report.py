@@ -4,11 +4,11 @@ line (megatron/core/expert_parallel.py)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 
 from megatron.arguments import parse_args, validate_args
 from megatron.core.expert_parallel import describe_ep_layout
 from megatron.presets import get_preset
+from megatron.run_configs.declared import with_settings
 from megatron.run_configs.memory import MemorySettings
 from megatron.theoretical_memory_usage import count_parameters, memory_report, model_config, parameter_counts
 from tests.dist_utils import run_distributed
@@ -82,7 +82,7 @@ def test_dense_layers_between_moe_layers_and_shared_experts() -> None:
     assert counts.total == n == counts.most_loaded_shard
     h, f = 128, 256
     assert counts.total - counts.active == 2 * (8 - 2) * (3 * h * f)  # two MoE layers, 6 idle experts each
-    assert parameter_counts(replace(opts, expert_model_parallel_size=4), config).most_loaded_shard == \
+    assert parameter_counts(with_settings(opts, expert_model_parallel_size=4), config).most_loaded_shard == \
         n - counts.experts + counts.experts // 4
 
 

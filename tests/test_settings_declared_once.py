@@ -10,10 +10,13 @@ import typing
 from pathlib import Path
 from typing import Any, Union
 
+import torch
+
 from megatron.arguments import build_parser, parse_args
 from megatron.checkpoint.args import ARCHITECTURE_FIELDS
 from megatron.checkpoint.conversion.interchange import ModelMeta, architecture_of, model_flags
 from megatron.core.transformer_config import TransformerConfig
+from megatron.optimizer.optimizer_config import OptimizerConfig, optimizer_config_from_args
 from megatron.settings import (
     CORE_GROUPS,
     ENTRY_GROUPS,
@@ -22,9 +25,11 @@ from megatron.settings import (
     flag_spelling,
     from_args,
     kept_fields,
+    optimizer_fields,
 )
 from megatron.settings.model import NetworkSizeSettings
 from megatron.settings.moe import MoESettings
+from megatron.settings.values import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -155,3 +160,29 @@ def test_the_converters_model_flags_parse_back_to_the_architecture():
     assert (ns.tensor_model_parallel_size, ns.num_layers_per_virtual_pipeline_stage) == (2, 1)
     assert (ns.tokenizer_type, ns.vocab_file, ns.merge_file, ns.make_vocab_size_divisible_by) == (
         "GPT2BPETokenizer", "v.json", "m", 64)
+
+
+def test_the_optimizer_config_is_fed_from_the_declarations():
+    """`OptimizerConfig`'s fields are the settings declared with ``optimizer_config=True`` plus the derived
+    params_dtype, and optimizer_config_from_args carries each flag's value."""
+    fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    assert set(optimizer_fields()) | {"params_dtype"} == fields and len(optimizer_fields()) == len(fields) - 1
+    args = build_parser().parse_args(["--lr", "3e-4", "--adam-beta2", "0.95", "--clip-grad", "0.5", "--bf16",
+                                      "--optimizer", "sgd", "--sgd-momentum", "0.8", "--hysteresis", "3"])
+    config = optimizer_config_from_args(args)
+    assert (config.lr, config.adam_beta2, config.clip_grad, config.bf16, config.optimizer, config.sgd_momentum,
+            config.hysteresis, config.params_dtype) == (3e-4, 0.95, 0.5, True, "sgd", 0.8, 3, torch.bfloat16)
+    assert config.loss_scale is None and config.weight_decay == 0.01
+
+
+def test_settings_holds_every_group_once():
+    """`Settings.from_args` instantiates every settings group once; a value is read and changed by its name."""
+    args = build_parser().parse_args(["--num-layers", "3", "--swiglu", "--save", "/tmp/x"])
+    settings = Settings.from_args(args)
+    assert [type(getattr(settings, f.name)) for f in dataclasses.fields(Settings)] == list(
+        CORE_GROUPS + LAST_GROUPS + ENTRY_GROUPS)
+    assert settings.network_size.num_layers == settings.value("num_layers") == 3 and settings.value("swiglu")
+    assert settings.checkpointing.save == "/tmp/x" and settings.value("lr") is None
+    changed = settings.with_values(num_layers=5, lr=0.1)
+    assert (changed.value("num_layers"), changed.value("lr"), settings.value("num_layers")) == (5, 0.1, 3)
+    assert Settings.from_args(None) == Settings.from_args(build_parser().parse_args([]))

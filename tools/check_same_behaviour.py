@@ -12,7 +12,8 @@ second run resumes from that checkpoint to the end. The record holds, per run:
   timings masked: per-iteration time, samples per second, TFLOPs, datetimes, timers, "... in N seconds" and the
   time-to-initialise line; paths under the work folder are written as ``<WORK>``;
 - per checkpoint file (every rank's): the sha256 of its bytes and a digest of its content (every tensor's dtype,
-  shape and bytes; every other value as text, ``args`` as a sorted mapping). Volatile fields excluded from the
+  shape and bytes; every other value as text, ``args`` as a sorted mapping; the classes its pickle names, whose
+  module paths are in its bytes). Volatile fields excluded from the
   content digest (and the byte check of the files holding them): none in our Megatron files (their bytes are
   compared); DeepSpeed's files are compared by content (``ds_version`` and the pickled engine objects of
   DeepSpeed's own bookkeeping are kept as text), ``manifest.json`` by its file names and sizes (its CRCs follow the
@@ -40,12 +41,14 @@ import hashlib
 import io
 import json
 import os
+import pickletools
 import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
+import zipfile
 from typing import Any, Iterator, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,6 +190,42 @@ def _value_digest(value: Any, work: str, out: dict, prefix: str) -> None:
         out[prefix] = repr(value).replace(work, "<WORK>")
 
 
+def _pickled_classes(raw: bytes) -> list[str]:
+    """The classes and functions a torch.save file's pickle names (``module.name``): their paths are in its bytes."""
+    names: set[str] = set()
+    with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+        for member in archive.namelist():
+            if not member.endswith("data.pkl"):
+                continue
+            strings: list[str] = []
+            for op, arg, _ in pickletools.genops(archive.read(member)):
+                if op.name == "GLOBAL":
+                    names.add(arg.replace(" ", "."))
+                elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    names.add(f"{strings[-2]}.{strings[-1]}")
+                elif isinstance(arg, str):
+                    strings.append(arg)
+    return sorted(names)
+
+
+def _file_difference(fa: dict, fb: dict) -> list[str]:
+    """What differs between two digests of one checkpoint file, a line each."""
+    detail = []
+    for field in sorted(set(fa.get("content", {})) | set(fb.get("content", {}))):
+        va, vb = fa.get("content", {}).get(field), fb.get("content", {}).get(field)
+        if va != vb:
+            detail.append(f"    {field}: {va} -> {vb}")
+    ca, cb = set(fa.get("classes", ())), set(fb.get("classes", ()))
+    if ca != cb:
+        detail.append(f"    pickled classes: {', '.join(sorted(ca - cb)) or '-'} -> {', '.join(sorted(cb - ca)) or '-'}")
+    if "text" in fa and "text" in fb and fa["text"] != fb["text"]:
+        diff = difflib.unified_diff(fa["text"].splitlines(), fb["text"].splitlines(), lineterm="", n=0)
+        detail.extend(f"    {line}" for line in list(diff)[2:])
+    if not detail:
+        detail.append("    bytes differ (same content)" if "sha256" in fa else f"    {fa} -> {fb}")
+    return detail
+
+
 def _file_digest(path: str, work: str) -> dict:
     import torch
 
@@ -202,6 +241,7 @@ def _file_digest(path: str, work: str) -> dict:
         content: dict = {}
         _value_digest(torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False), work, content, "")
         entry["content"] = content
+        entry["classes"] = _pickled_classes(raw)
         if deepspeed:  # DeepSpeed's files: content only (its pickles carry engine objects)
             del entry["sha256"]
     else:
@@ -309,15 +349,7 @@ def compare(old: dict, new: dict) -> list[str]:
             if name not in ca or name not in cb:
                 problems.append(f"{kind}: checkpoint file {name} only in {'the record' if name in ca else 'this run'}")
             elif ca[name] != cb[name]:
-                fa, fb = ca[name], cb[name]
-                detail = []
-                for field in sorted(set(fa.get("content", {})) | set(fb.get("content", {}))):
-                    va, vb = fa.get("content", {}).get(field), fb.get("content", {}).get(field)
-                    if va != vb:
-                        detail.append(f"    {field}: {va} -> {vb}")
-                if not detail:
-                    detail.append("    bytes differ (same content)" if "sha256" in fa else f"    {fa} -> {fb}")
-                problems.append(f"{kind}: {name} differs:\n" + "\n".join(detail[:20]))
+                problems.append(f"{kind}: {name} differs:\n" + "\n".join(_file_difference(ca[name], cb[name])[:20]))
     return problems
 
 
@@ -367,8 +399,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     with _exclusive(work):
         digests = record(work, only)
     if args.record:
-        with open(args.record, "w") as f:
+        with open(args.record + ".part", "w") as f:  # then renamed: a compare reading it never sees half a record
             json.dump({META: {"workdir": work, "data": DATA, "runs": only}, **digests}, f, indent=1, sort_keys=True)
+        os.replace(args.record + ".part", args.record)
         print(f"recorded {', '.join(only)} in {args.record}")
         return 0
     with open(args.compare) as f:

@@ -58,11 +58,11 @@ ALLOWED_GLOBALS: tuple[str, ...] = (
     "numpy.dtypes:Float64DType",
     "numpy.dtypes:Float32DType",
     "numpy.dtypes:BoolDType",
-    # our model enums (args.model_type, attention mask types, ...)
-    "megatron.layers.enums:ModelType",
-    "megatron.layers.enums:LayerType",
-    "megatron.layers.enums:AttnType",
-    "megatron.layers.enums:AttnMaskType",
+    # our model enums (args.model_type, ...) by the path checkpoints pickle them under (megatron/layers/enums.py)
+    "megatron.model.enums:ModelType",
+    "megatron.model.enums:LayerType",
+    "megatron.model.enums:AttnType",
+    "megatron.model.enums:AttnMaskType",
     # Megatron Core's enum: args.model_type of Megatron-LM's checkpoints and of our torch_dist common.pt
     "megatron.core.enums:ModelType",
     # Megatron-DeepSpeed's (BigScience's BLOOM checkpoints) enums in their args; stand-ins in megatron/enums.py

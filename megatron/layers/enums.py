@@ -1,4 +1,4 @@
-"""Enumerations shared by the model code (Megatron's model/enums.py names)."""
+"""Enumerations shared by the model code (Megatron's model/enums.py names, pickled under that path)."""
 import enum
 
 
@@ -33,3 +33,12 @@ class AttnMaskType(enum.Enum):
 
     padding = 1
     causal = 2
+
+
+# Checkpoints pickle `args.model_type` (and any other member) by its class's module: Megatron's path, so that files
+# written here keep the bytes and names they had before the shared parts moved to megatron/layers/, and every
+# checkpoint's allow-listed name (checkpoint/safe_load.py) stays "megatron.model.enums:<class>"
+# (megatron/moved.py resolves it to this module).
+for _cls in (ModelType, LayerType, AttnType, AttnMaskType):
+    _cls.__module__ = "megatron.model.enums"
+del _cls

@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 import torch
 
+from megatron.settings import optimizer_fields
+
 
 @dataclass
 class OptimizerConfig:
@@ -50,10 +52,12 @@ class OptimizerConfig:
 
 
 def optimizer_config_from_args(args: Any) -> OptimizerConfig:
-    """Build an OptimizerConfig from an argparse namespace with Megatron's attribute names."""
+    """Build an OptimizerConfig from an argparse namespace with Megatron's attribute names: the settings declared
+    with ``optimizer_config=True`` (megatron/settings/), and ``params_dtype`` (validate_args' value, else from
+    --fp16/--bf16). A None value (or an absent one) takes the config's default, except --loss-scale (None: dynamic)."""
     defaults = OptimizerConfig()
     values = {}
-    for name in OptimizerConfig.__dataclass_fields__:
+    for name in optimizer_fields() + ("params_dtype",):
         value = getattr(args, name, None)
         values[name] = getattr(defaults, name) if value is None and name != "loss_scale" else value
     if getattr(args, "params_dtype", None) is None:

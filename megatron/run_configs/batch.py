@@ -6,28 +6,31 @@ import argparse
 import dataclasses
 from typing import Optional
 
-from megatron.run_configs.declared import fill_from_args
+from megatron.run_configs.declared import SettingValue, from_settings
+from megatron.settings.values import Settings
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchSettings:
     """Micro/global batch, data-parallel size, sequence lengths, --eval-iters, loaders and the log intervals."""
 
-    micro_batch_size: int = 1
-    global_batch_size: Optional[int] = None
-    data_parallel_size: int = 1
-    seq_length: Optional[int] = None
-    encoder_seq_length: Optional[int] = None
-    decoder_seq_length: Optional[int] = None
-    train_samples: Optional[int] = None
-    eval_iters: int = 100
-    num_workers: int = 2
-    dataloader_type: Optional[str] = None
-    log_interval: int = 100
-    tensorboard_log_interval: int = 1
-    world_size: int = 1
-    bert_binary_head: bool = True
+    settings: Settings = dataclasses.field(repr=False)
+    data_parallel_size: int = 1  # validate_args
+    world_size: int = 1  # the launcher's
+
+    micro_batch_size = SettingValue(when_none=1)
+    global_batch_size = SettingValue()
+    seq_length = SettingValue()
+    encoder_seq_length = SettingValue()
+    decoder_seq_length = SettingValue()
+    train_samples = SettingValue()
+    eval_iters = SettingValue()
+    num_workers = SettingValue()
+    dataloader_type = SettingValue()
+    log_interval = SettingValue()
+    tensorboard_log_interval = SettingValue()
+    bert_binary_head = SettingValue()
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> BatchSettings:
-        return fill_from_args(cls, args)
+    def from_args(cls, args: argparse.Namespace, settings: Optional[Settings] = None) -> BatchSettings:
+        return from_settings(cls, args, settings)

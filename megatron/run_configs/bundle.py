@@ -6,9 +6,10 @@ they need (``configs.checkpoint``, ``configs.step``, ...) instead of ``args``. M
 no records (``save_checkpoint(iteration, model, optimizer, opt_param_scheduler)``, ``load_checkpoint(...)``,
 ``get_model(...)``) stay thin wrappers: they build the record they need from the flags and call the typed core.
 
-``flags`` is the parsed namespace itself, for what is the namespace by nature (the ``args`` record a checkpoint
-stores for Megatron's tools; ``model_type`` and ``iteration``, which Megatron records on it) and for the code not
-converted yet. Read a record, not ``flags``, where there is one:
+``settings`` holds the settings groups instantiated once from the flags (megatron/settings/values.py); every record
+reads its settings from it and holds only derived values. ``flags`` is the parsed namespace itself, for what is the
+namespace by nature (the ``args`` record a checkpoint stores for Megatron's tools; ``model_type`` and ``iteration``,
+which Megatron records on it) and for the code not converted yet. Read a record, not ``flags``, where there is one:
 tests/test_run_configs_built_once.py caps the reads.
 """
 from __future__ import annotations
@@ -29,12 +30,14 @@ from megatron.run_configs.moe_losses import MoELossSettings
 from megatron.run_configs.run_settings import LoopSettings
 from megatron.run_configs.schedule import ScheduleSettings
 from megatron.run_configs.step import StepSettings
+from megatron.settings.values import Settings
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfigs:
     """The records of one run (see the module docstring)."""
 
+    settings: Settings = dataclasses.field(repr=False)  # the settings groups' values (the records read them)
     checkpoint: CheckpointSettings
     deepspeed: DeepSpeedSettings
     step: StepSettings
@@ -58,14 +61,17 @@ class RunConfigs:
         from megatron.arguments import core_transformer_config_from_args
         from megatron.optimizer.optimizer_config import optimizer_config_from_args
 
+        settings = Settings.from_args(args)
         return cls(
-            checkpoint=CheckpointSettings.from_args(args, load_arg), deepspeed=DeepSpeedSettings.from_args(args),
-            step=StepSettings.from_args(args), model_wrap=ModelWrapSettings.from_args(args),
-            log=LogSettings.from_args(args), memory=MemorySettings.from_args(args), loop=LoopSettings.from_args(args),
-            batch=BatchSettings.from_args(args), moe=MoELossSettings.from_args(args),
-            data_files=DataFileSettings.from_args(args), schedule=ScheduleSettings.from_args(args),
-            architecture=architecture_from_args(args), transformer=core_transformer_config_from_args(args),
-            optimizer=optimizer_config_from_args(args), flags=args,
+            settings=settings, checkpoint=CheckpointSettings.from_args(args, load_arg, settings=settings),
+            deepspeed=DeepSpeedSettings.from_args(args, settings), step=StepSettings.from_args(args, settings),
+            model_wrap=ModelWrapSettings.from_args(args, settings), log=LogSettings.from_args(args, settings),
+            memory=MemorySettings.from_args(args, settings), loop=LoopSettings.from_args(args, settings),
+            batch=BatchSettings.from_args(args, settings), moe=MoELossSettings.from_args(args, settings),
+            data_files=DataFileSettings.from_args(args, settings),
+            schedule=ScheduleSettings.from_args(args, settings), architecture=architecture_from_args(args),
+            transformer=core_transformer_config_from_args(args), optimizer=optimizer_config_from_args(args),
+            flags=args,
         )
 
     def with_run_length(self) -> RunConfigs:

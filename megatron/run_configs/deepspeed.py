@@ -5,7 +5,8 @@ import argparse
 import dataclasses
 from typing import Any, Optional
 
-from megatron.run_configs.declared import fill_from_args, flag_value
+from megatron.run_configs.declared import SettingValue, flag_value, from_settings
+from megatron.settings.values import Settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,24 +14,26 @@ class DeepSpeedSettings:
     """The resolved DeepSpeed config, DeepSpeed activation checkpointing (and the layers it counts), the
     pipeline-engine choice, the pipe batches' mask flags and the steps' timer barrier (the batch shape: BatchSettings)."""
 
-    enabled: bool = False
+    settings: Settings = dataclasses.field(repr=False)
+    enabled: bool = False  # --deepspeed
     config_dict: Optional[dict[str, Any]] = None  # set by megatron/ds/config.py during validate_args
-    deepspeed_activation_checkpointing: bool = False
-    partition_activations: bool = False
-    contigious_checkpointing: bool = False  # Megatron-DeepSpeed's spelling of the flag
-    checkpoint_in_cpu: bool = False
-    synchronize_each_layer: bool = False
-    profile_backward: bool = False
-    no_pipeline_parallel: bool = False
     model_family: str = "gpt"
-    fp16_lm_cross_entropy: bool = False
-    reset_attention_mask: bool = False
-    reset_position_ids: bool = False
-    eod_mask_loss: bool = False
-    num_layers: Optional[int] = None
-    barrier_with_L1_time: bool = True  # noqa: N815 (Megatron's flag name)
+
+    deepspeed_activation_checkpointing = SettingValue()
+    partition_activations = SettingValue()
+    contigious_checkpointing = SettingValue()  # Megatron-DeepSpeed's spelling of the flag
+    checkpoint_in_cpu = SettingValue()
+    synchronize_each_layer = SettingValue()
+    profile_backward = SettingValue()
+    no_pipeline_parallel = SettingValue()
+    fp16_lm_cross_entropy = SettingValue()
+    reset_attention_mask = SettingValue()
+    reset_position_ids = SettingValue()
+    eod_mask_loss = SettingValue()
+    num_layers = SettingValue()
+    barrier_with_L1_time = SettingValue()  # noqa: N815 (Megatron's flag name)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> DeepSpeedSettings:
-        return fill_from_args(cls, args, enabled=bool(flag_value(args, "deepspeed")),
-                              config_dict=getattr(args, "deepspeed_config_dict", None))
+    def from_args(cls, args: argparse.Namespace, settings: Optional[Settings] = None) -> DeepSpeedSettings:
+        return from_settings(cls, args, settings, enabled=bool(flag_value(args, "deepspeed")),
+                             config_dict=getattr(args, "deepspeed_config_dict", None))

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Optional
 
-from megatron.run_configs.declared import fill_from_args
+from megatron.run_configs.declared import SettingValue, from_settings
+from megatron.settings.values import Settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12,16 +14,18 @@ class LogSettings:
     """The --log-*-to-tensorboard switches (Megatron's defaults for absent ones), the model family and the world size
     (the "world-size" scalar)."""
 
-    log_learning_rate_to_tensorboard: bool = True
-    log_batch_size_to_tensorboard: bool = False
-    log_loss_scale_to_tensorboard: bool = True
-    log_world_size_to_tensorboard: bool = False
-    log_memory_to_tensorboard: bool = False
-    log_validation_ppl_to_tensorboard: bool = False
-    log_timers_to_tensorboard: bool = False
+    settings: Settings = dataclasses.field(repr=False)
     model_family: str = "gpt"
     world_size: int = 1
 
+    log_learning_rate_to_tensorboard = SettingValue()
+    log_batch_size_to_tensorboard = SettingValue()
+    log_loss_scale_to_tensorboard = SettingValue()
+    log_world_size_to_tensorboard = SettingValue()
+    log_memory_to_tensorboard = SettingValue()
+    log_validation_ppl_to_tensorboard = SettingValue()
+    log_timers_to_tensorboard = SettingValue()
+
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> LogSettings:
-        return fill_from_args(cls, args)
+    def from_args(cls, args: argparse.Namespace, settings: Optional[Settings] = None) -> LogSettings:
+        return from_settings(cls, args, settings)

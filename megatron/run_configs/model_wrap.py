@@ -5,26 +5,29 @@ import argparse
 import dataclasses
 from typing import Optional
 
-from megatron.run_configs.declared import fill_from_args
+from megatron.run_configs.declared import SettingValue, from_settings
+from megatron.settings.values import Settings
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelWrapSettings:
     """Virtual pipeline chunks, device placement, fp16/bf16 cast and the DDP wrapper's knobs."""
 
+    settings: Settings = dataclasses.field(repr=False)
     virtual_pipeline_model_parallel_size: Optional[int] = None
-    distributed_backend: Optional[str] = None
-    fp16: bool = False
-    bf16: bool = False
-    DDP_impl: str = "local"  # noqa: N815 (Megatron's flag name)
-    accumulate_allreduce_grads_in_fp32: bool = False
-    use_contiguous_buffers_in_local_ddp: bool = True
-    overlap_grad_reduce: bool = False
-    use_distributed_optimizer: bool = False
-    overlap_param_gather: bool = False
-    ddp_bucket_size: Optional[int] = None
-    data_parallel_random_init: bool = False
+
+    distributed_backend = SettingValue()
+    fp16 = SettingValue()
+    bf16 = SettingValue()
+    DDP_impl = SettingValue()  # noqa: N815 (Megatron's flag name)
+    accumulate_allreduce_grads_in_fp32 = SettingValue()
+    use_contiguous_buffers_in_local_ddp = SettingValue()
+    overlap_grad_reduce = SettingValue()
+    use_distributed_optimizer = SettingValue()
+    overlap_param_gather = SettingValue()
+    ddp_bucket_size = SettingValue()
+    data_parallel_random_init = SettingValue()
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ModelWrapSettings:
-        return fill_from_args(cls, args)
+    def from_args(cls, args: argparse.Namespace, settings: Optional[Settings] = None) -> ModelWrapSettings:
+        return from_settings(cls, args, settings)

@@ -1,9 +1,9 @@
 """Run settings built once from the parsed flags: typed, read-only records that library code takes instead of ``args``.
 
 This is the adapter between Megatron's flat ``argparse`` namespace and typed settings, with megatron/run_configs/:
-the records' fields come from the flags with the declared defaults (run_configs/declared.py; a namespace from another
-entry script or an older checkpoint may lack them). Start with the training loop's settings (`LoopSettings`); more records (checkpointing,
-data, logging, parallelism) follow the same pattern.
+a record reads the settings groups instantiated from the flags and holds only derived values (run_configs/declared.py;
+a namespace from another entry script or an older checkpoint may lack a flag: the declared default). This module
+holds the training loop's settings (`LoopSettings`); the other records follow the same pattern.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import argparse
 import dataclasses
 from typing import Optional
 
-from megatron.run_configs.declared import fill_from_args
+from megatron.run_configs.declared import SettingValue, from_settings
+from megatron.settings.values import Settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,25 +20,27 @@ class LoopSettings:
     """What megatron/training.py's loop reads: length, intervals, exit conditions, skip limits. Build it after the
     model set-up (which turns --train-samples into --train-iters)."""
 
-    train_iters: int
-    eval_interval: Optional[int]
-    save: Optional[str]
-    save_interval: Optional[int]
-    load: Optional[str]
-    exit_interval: Optional[int] = None
-    exit_duration_in_mins: Optional[float] = None
-    exit_signal_handler: bool = False
-    skip_train: bool = False
-    empty_unused_memory_level: int = 0
-    log_params_norm: bool = False
-    max_skipped_iterations: int = 10
-    fp16: bool = False
-    loss_scale: Optional[float] = None
-    min_loss_scale: float = 1.0
+    settings: Settings = dataclasses.field(repr=False)
+    train_iters: int  # the run's length once set up (--train-iters, or from --train-samples)
+
+    eval_interval = SettingValue()
+    save = SettingValue()
+    save_interval = SettingValue()
+    load = SettingValue()
+    exit_interval = SettingValue()
+    exit_duration_in_mins = SettingValue()
+    exit_signal_handler = SettingValue()
+    skip_train = SettingValue()
+    empty_unused_memory_level = SettingValue()
+    log_params_norm = SettingValue()
+    max_skipped_iterations = SettingValue()
+    fp16 = SettingValue()
+    loss_scale = SettingValue()
+    min_loss_scale = SettingValue()
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> LoopSettings:
-        return fill_from_args(cls, args)  # every field is a flag: its value, or the declared default
+    def from_args(cls, args: argparse.Namespace, settings: Optional[Settings] = None) -> LoopSettings:
+        return from_settings(cls, args, settings, train_iters=args.train_iters)
 
     @property
     def loss_scale_floor(self) -> Optional[float]:

@@ -9,7 +9,8 @@ import argparse
 import dataclasses
 from typing import Any, Optional
 
-from megatron.run_configs.declared import fill_from_args
+from megatron.run_configs.declared import SettingValue, from_settings
+from megatron.settings.values import Settings
 
 TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model", "tokenizer_name_or_path")
 # Run counters (0 when absent) and other Megatron versions' fields no flag here declares (None when absent).
@@ -21,41 +22,43 @@ OTHER_VERSIONS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_nu
 class SavedRunArgs:
     """The saved run's tokenizer, vocabulary padding, counters, parallel sizes and core architecture numbers."""
 
+    settings: Settings = dataclasses.field(repr=False)  # the saved run's settings
     tokenizer: tuple[tuple[str, Any], ...] = ()  # ("vocab_file", ...), ("type", tokenizer_type): the set ones
     true_vocab_size: Optional[int] = None
-    make_vocab_size_divisible_by: int = 128
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     consumed_train_tokens: int = 0
     consumed_valid_tokens: int = 0
-    expert_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    # None: a checkpoint that does not say (the readers then take the layout from the files), not the flag's 1
     tensor_model_parallel_size: Optional[int] = None
-    expert_tensor_parallel_size: Optional[int] = None
-    pipeline_model_parallel_split_rank: Optional[int] = None  # T5: the first decoder stage
-    num_experts: Optional[int] = None
-    num_layers_per_virtual_pipeline_stage: Optional[int] = None
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
     transformer_impl: Optional[str] = None
-    encoder_num_layers: Optional[int] = None
-    decoder_num_layers: Optional[int] = None
-    num_layers: Optional[int] = None
-    hidden_size: Optional[int] = None
-    num_attention_heads: Optional[int] = None
+
+    make_vocab_size_divisible_by = SettingValue()
+    expert_model_parallel_size = SettingValue()
+    pipeline_model_parallel_size = SettingValue()
+    expert_tensor_parallel_size = SettingValue()
+    pipeline_model_parallel_split_rank = SettingValue()  # T5: the first decoder stage
+    num_experts = SettingValue()
+    num_layers_per_virtual_pipeline_stage = SettingValue()
+    encoder_num_layers = SettingValue()
+    decoder_num_layers = SettingValue()
+    num_layers = SettingValue()
+    hidden_size = SettingValue()
+    num_attention_heads = SettingValue()
 
     def tokenizer_dict(self) -> dict[str, Any]:
         return dict(self.tokenizer)
 
     @classmethod
-    def from_args(cls, args: Optional[argparse.Namespace]) -> SavedRunArgs:
+    def from_args(cls, args: Optional[argparse.Namespace], settings: Optional[Settings] = None) -> SavedRunArgs:
         tok = [(key, getattr(args, key)) for key in TOKENIZER_FILES if getattr(args, key, None)]
         if getattr(args, "tokenizer_type", None):
             tok.append(("type", args.tokenizer_type))
-        return fill_from_args(
-            cls, args,
+        return from_settings(
+            cls, args, settings,
             tokenizer=tuple(tok),
-            # None: a checkpoint that does not say (the readers then take the layout from the files)
             tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", None),
             **{name: getattr(args, name, 0) for name in COUNTERS},
             **{name: getattr(args, name, None) for name in OTHER_VERSIONS},

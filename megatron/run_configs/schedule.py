@@ -6,7 +6,8 @@ import argparse
 import dataclasses
 from typing import Optional
 
-from megatron.run_configs.declared import fill_from_args
+from megatron.run_configs.declared import SettingValue, from_settings
+from megatron.settings.values import Settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,24 +15,26 @@ class ScheduleSettings:
     """LR range, warm-up and decay, the weight-decay increment, the run's length and global batch (iterations are
     converted to samples with it), and whether a checkpoint's schedule wins over the flags."""
 
-    lr: Optional[float] = None
-    min_lr: Optional[float] = 0.0
+    settings: Settings = dataclasses.field(repr=False)
     lr_warmup_init: float = 0.0  # not a flag: a script may set it on args
-    lr_decay_style: Optional[str] = "linear"
-    lr_decay_iters: Optional[int] = None
-    lr_decay_samples: Optional[int] = None
-    lr_warmup_fraction: Optional[float] = None
-    lr_warmup_iters: Optional[int] = 0
-    lr_warmup_samples: Optional[int] = 0
-    start_weight_decay: Optional[float] = None
-    end_weight_decay: Optional[float] = None
-    weight_decay_incr_style: Optional[str] = "constant"
-    use_checkpoint_opt_param_scheduler: bool = False
-    override_opt_param_scheduler: bool = False
-    train_iters: Optional[int] = None
-    train_samples: Optional[int] = None
-    global_batch_size: Optional[int] = None
+
+    lr = SettingValue()
+    min_lr = SettingValue()
+    lr_decay_style = SettingValue()
+    lr_decay_iters = SettingValue()
+    lr_decay_samples = SettingValue()
+    lr_warmup_fraction = SettingValue()
+    lr_warmup_iters = SettingValue()
+    lr_warmup_samples = SettingValue()
+    start_weight_decay = SettingValue()
+    end_weight_decay = SettingValue()
+    weight_decay_incr_style = SettingValue()
+    use_checkpoint_opt_param_scheduler = SettingValue()
+    override_opt_param_scheduler = SettingValue()
+    train_iters = SettingValue()
+    train_samples = SettingValue()
+    global_batch_size = SettingValue()
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ScheduleSettings:
-        return fill_from_args(cls, args, lr_warmup_init=getattr(args, "lr_warmup_init", 0.0) or 0.0)
+    def from_args(cls, args: argparse.Namespace, settings: Optional[Settings] = None) -> ScheduleSettings:
+        return from_settings(cls, args, settings, lr_warmup_init=getattr(args, "lr_warmup_init", 0.0) or 0.0)

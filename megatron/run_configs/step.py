@@ -5,20 +5,23 @@ import argparse
 import dataclasses
 from typing import Optional
 
-from megatron.run_configs.declared import fill_from_args
+from megatron.run_configs.declared import SettingValue, from_settings
+from megatron.settings.values import Settings
 
 
 @dataclasses.dataclass(frozen=True)
 class StepSettings:
     """The step's schedule, timer barriers, sequence-parallel grads and the NaN check."""
 
-    pipeline_model_parallel_size: int = 1
+    settings: Settings = dataclasses.field(repr=False)
     virtual_pipeline_model_parallel_size: Optional[int] = None
-    decoder_seq_length: Optional[int] = None
-    sequence_parallel: bool = False
-    check_for_nan_in_loss_and_grad: bool = True
-    barrier_with_L1_time: bool = True  # noqa: N815 (Megatron's flag name)
+
+    pipeline_model_parallel_size = SettingValue()
+    decoder_seq_length = SettingValue()
+    sequence_parallel = SettingValue()
+    check_for_nan_in_loss_and_grad = SettingValue()
+    barrier_with_L1_time = SettingValue()  # noqa: N815 (Megatron's flag name)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> StepSettings:
-        return fill_from_args(cls, args)
+    def from_args(cls, args: argparse.Namespace, settings: Optional[Settings] = None) -> StepSettings:
+        return from_settings(cls, args, settings)

@@ -5,26 +5,29 @@ import argparse
 import dataclasses
 from typing import Optional
 
-from megatron.run_configs.declared import fill_from_args, flag_value
+from megatron.run_configs.declared import SettingValue, flag_value, from_settings
+from megatron.settings.values import Settings
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerSettings:
     """--tokenizer-type and its files, --vocab-extra-ids, --vocab-size (NullTokenizer) and the padding multiple."""
 
-    tokenizer_type: Optional[str] = None
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    tokenizer_name_or_path: Optional[str] = None
-    vocab_extra_ids: int = 0
-    vocab_size: Optional[int] = None
+    settings: Settings = dataclasses.field(repr=False)
+    # None (a converter's namespace) means no padding here, not the declared multiple
     make_vocab_size_divisible_by: int = 128
-    tensor_model_parallel_size: int = 1
     rank: int = 0
 
+    tokenizer_type = SettingValue()
+    vocab_file = SettingValue()
+    merge_file = SettingValue()
+    tokenizer_model = SettingValue()
+    tokenizer_name_or_path = SettingValue()
+    vocab_extra_ids = SettingValue()
+    vocab_size = SettingValue()
+    tensor_model_parallel_size = SettingValue()
+
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> TokenizerSettings:
-        # None (a converter's namespace) means no padding here, not the declared multiple
-        return fill_from_args(cls, args,
-                              make_vocab_size_divisible_by=flag_value(args, "make_vocab_size_divisible_by") or 1)
+    def from_args(cls, args: argparse.Namespace, settings: Optional[Settings] = None) -> TokenizerSettings:
+        return from_settings(cls, args, settings,
+                             make_vocab_size_divisible_by=flag_value(args, "make_vocab_size_divisible_by") or 1)

@@ -4,7 +4,10 @@ Each group is a dataclass of `setting(...)` fields (megatron/settings/declare.py
 `add_core_groups` / `add_last_groups` build the parser from them; `config_fields` is `config_flags.CONFIG_FIELDS`,
 `architecture_fields` is `checkpoint.args.ARCHITECTURE_FIELDS` (in the record's declared order, which fixes the
 checkpoint's bytes), and `runtime_settings` / `same_result_variants` / `refused` / `family_only` are the tables in
-`megatron.settings.flag_registry`. The groups entry scripts add themselves (`ENTRY_GROUPS`) are declared here too. To add a flag: one `setting(...)` line in the group it belongs to.
+`megatron.settings.flag_registry`; `kept_fields` is the converter's architecture (`interchange._KEPT_FIELDS`),
+`config_flag` / `flag_spelling` the option strings tools print, `optimizer_fields` the `OptimizerConfig`'s. The
+groups entry scripts add themselves (`ENTRY_GROUPS`) are declared here too. `Settings` (values.py) holds every group's
+values for one run. To add a flag: one `setting(...)` line in the group it belongs to.
 """
 from __future__ import annotations
 
@@ -23,12 +26,13 @@ from megatron.settings.optimizer import LearningRateSettings, RegularizationSett
 from megatron.settings.parallel import DistributedSettings, MixedPrecisionSettings
 from megatron.settings.tasks import EvalHarnessSettings, TasksSettings
 from megatron.settings.training import InitializationSettings, TrainingSettings, ValidationSettings
+from megatron.settings.values import Settings
 
 __all__ = ["CORE_GROUPS", "ENTRY_GROUPS", "LAST_GROUPS", "ConfigField", "EvalHarnessSettings", "RandomWeightsSettings",
            "TasksSettings",
            "TextGenerationServerSettings", "TextGenerationSettings", "add_core_groups", "add_group", "add_last_groups",
            "all_settings", "flags_of",
-           "architecture_fields", "config_fields", "config_flag", "flag_spelling", "kept_fields", "family_only", "filled_if_unset", "flag_hints", "from_args",
+           "architecture_fields", "config_fields", "config_flag", "flag_spelling", "kept_fields", "optimizer_fields", "Settings", "family_only", "filled_if_unset", "flag_hints", "from_args",
            "refused", "restore_rules", "runtime_settings", "same_result_variants"]
 
 # Megatron's groups, in its parser's order (the entry script's own groups follow, then LAST_GROUPS).
@@ -126,6 +130,11 @@ def config_flag(name: str) -> str:
     """The option string of the setting that declares config field `name` (`flag_spelling` of its destination)."""
     return flag_spelling(next(dest for dest, _default, spec in all_settings()
                               for field in spec.config if (field.name or dest) == name))
+
+
+def optimizer_fields() -> Tuple[str, ...]:
+    """The settings that are `OptimizerConfig` fields (`setting(..., optimizer_config=True)`), in declaration order."""
+    return tuple(dest for dest, _default, spec in all_settings() if spec.optimizer_config)
 
 
 def flag_hints() -> Dict[str, str]:

@@ -9,6 +9,7 @@ rule asks (tests/test_every_flag.py):
 * `config`: the `TransformerConfig` field(s) it feeds (`ConfigField`: name, how it is computed when not a copy, its
   position in the checkpoint's ``architecture`` record when it is part of the architecture); `feeds`: config fields
   another setting computes partly from this one;
+* `optimizer_config`: it is the `OptimizerConfig` field of the same name (megatron/optimizer/optimizer_config.py);
 * `read_by`: the repository file that reads it (a run-time setting);
 * `variant`: why any value gives the same numbers here (Megatron picks a kernel or communication pattern with it);
 * `refused`: why a value other than the default is refused at start-up; `families`: the model families that read it
@@ -59,6 +60,7 @@ class Spec:
     also: Tuple[Tuple[Tuple[str, ...], Dict[str, Any]], ...] = ()
     config: Tuple[ConfigField, ...] = ()
     feeds: Tuple[str, ...] = ()
+    optimizer_config: bool = False
     read_by: Optional[str] = None
     variant: Optional[str] = None
     refused: Optional[str] = None
@@ -70,7 +72,8 @@ def setting(*flags: str, help: str, default: Any = None, action: Optional[str] =
             choices: Any = None, nargs: Optional[str] = None, required: Optional[bool] = None,
             also: Tuple[Tuple[Tuple[str, ...], Dict[str, Any]], ...] = (),
             config: Union[bool, str, ConfigField, Tuple[Union[str, ConfigField], ...]] = (), arch: Optional[int] = None,
-            kept: Optional[int] = None, feeds: Tuple[str, ...] = (), read_by: Optional[str] = None, variant: Optional[str] = None,
+            kept: Optional[int] = None, feeds: Tuple[str, ...] = (), optimizer_config: bool = False,
+            read_by: Optional[str] = None, variant: Optional[str] = None,
             refused: Optional[str] = None, families: Tuple[str, ...] = (),
             restore_if_unset: bool = False) -> Any:
     """A settings-group field: the flag(s) `flags` and everything the parser and the tables need (see module doc).
@@ -92,7 +95,8 @@ def setting(*flags: str, help: str, default: Any = None, action: Optional[str] =
     kwargs = {k: v for k, v in (("action", action), ("type", type), ("choices", choices), ("nargs", nargs),
                                 ("required", required)) if v is not None}
     spec = Spec(flags=tuple(flags), help=help, parser_kwargs=kwargs, also=tuple(also), config=fields,
-                feeds=tuple(feeds), read_by=read_by, variant=variant, refused=refused, families=tuple(families),
+                feeds=tuple(feeds), optimizer_config=optimizer_config, read_by=read_by, variant=variant,
+                refused=refused, families=tuple(families),
                 restore_if_unset=restore_if_unset)
     return dataclasses.field(default=default, metadata={_META: spec})
 

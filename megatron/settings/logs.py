@@ -14,7 +14,7 @@ class LoggingSettings:
     TITLE: ClassVar[str] = "logging"
     log_params_norm: bool = setting("--log-params-norm", default=False, help="Log the L2 norm of the parameters.",
         read_by="megatron/training.py")
-    log_num_zeros_in_grad: bool = setting("--log-num-zeros-in-grad", default=False,
+    log_num_zeros_in_grad: bool = setting("--log-num-zeros-in-grad", optimizer_config=True, default=False,
         help="Log the number of zeros in the gradient.", read_by="megatron/optimizer/__init__.py")
     timing_log_level: int = setting("--timing-log-level", default=0, choices=range(0, 3),
         help="0: iteration time only; 1: coarse timers; 2: every timer.", read_by="megatron/global_vars.py")

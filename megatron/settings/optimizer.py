@@ -16,7 +16,7 @@ class RegularizationSettings:
         config=True)
     hidden_dropout: float = setting("--hidden-dropout", default=0.1, help="Dropout on transformer hidden states.",
         config=True)
-    weight_decay: float = setting("--weight-decay", default=0.01, help="Weight decay (L2) coefficient.",
+    weight_decay: float = setting("--weight-decay", optimizer_config=True, default=0.01, help="Weight decay (L2) coefficient.",
         read_by="megatron/learning_rates.py")
     start_weight_decay: Optional[float] = setting("--start-weight-decay", help="Initial weight decay (incr. styles).",
         read_by="megatron/model_setup.py")
@@ -25,15 +25,15 @@ class RegularizationSettings:
     weight_decay_incr_style: str = setting("--weight-decay-incr-style", default="constant",
         choices=["constant", "linear", "cosine"], help="Weight decay increment function.",
         read_by="megatron/model_setup.py")
-    clip_grad: float = setting("--clip-grad", default=1.0, help="Clip gradients to this global L2 norm.",
+    clip_grad: float = setting("--clip-grad", optimizer_config=True, default=1.0, help="Clip gradients to this global L2 norm.",
         read_by="megatron/optimizer/__init__.py")
-    adam_beta1: float = setting("--adam-beta1", default=0.9, help="Adam beta1.",
+    adam_beta1: float = setting("--adam-beta1", optimizer_config=True, default=0.9, help="Adam beta1.",
         read_by="megatron/optimizer/__init__.py")
-    adam_beta2: float = setting("--adam-beta2", default=0.999, help="Adam beta2.",
+    adam_beta2: float = setting("--adam-beta2", optimizer_config=True, default=0.999, help="Adam beta2.",
         read_by="megatron/optimizer/__init__.py")
-    adam_eps: float = setting("--adam-eps", default=1e-08, help="Adam epsilon.",
+    adam_eps: float = setting("--adam-eps", optimizer_config=True, default=1e-08, help="Adam epsilon.",
         read_by="megatron/optimizer/__init__.py")
-    sgd_momentum: float = setting("--sgd-momentum", default=0.9, help="SGD momentum.",
+    sgd_momentum: float = setting("--sgd-momentum", optimizer_config=True, default=0.9, help="SGD momentum.",
         read_by="megatron/optimizer/__init__.py")
 
 
@@ -42,7 +42,7 @@ class LearningRateSettings:
     """--help group "learning rate"."""
 
     TITLE: ClassVar[str] = "learning rate"
-    lr: Optional[float] = setting("--lr", help="Peak learning rate.", read_by="megatron/learning_rates.py")
+    lr: Optional[float] = setting("--lr", optimizer_config=True, help="Peak learning rate.", read_by="megatron/learning_rates.py")
     lr_decay_style: str = setting("--lr-decay-style", default="linear",
         choices=["constant", "linear", "cosine", "inverse-square-root"], help="Learning rate decay.",
         read_by="megatron/learning_rates.py")
@@ -58,7 +58,7 @@ class LearningRateSettings:
         read_by="megatron/model_setup.py")
     warmup: Optional[int] = setting("--warmup", help="Deprecated: use --lr-warmup-fraction.",
         read_by="megatron/arguments.py")
-    min_lr: float = setting("--min-lr", default=0.0, help="Learning rate floor.", read_by="megatron/learning_rates.py")
+    min_lr: float = setting("--min-lr", optimizer_config=True, default=0.0, help="Learning rate floor.", read_by="megatron/learning_rates.py")
     override_opt_param_scheduler: bool = setting("--override-opt_param-scheduler", "--override-lr-scheduler",
         default=False, help="Take scheduler values from the flags, ignoring the checkpoint.",
         read_by="megatron/learning_rates.py")

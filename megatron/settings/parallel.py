@@ -27,19 +27,19 @@ class MixedPrecisionSettings:
     """--help group "mixed precision"."""
 
     TITLE: ClassVar[str] = "mixed precision"
-    fp16: bool = setting("--fp16", default=False, help="fp16 mixed precision.", config=(ConfigField("params_dtype",
+    fp16: bool = setting("--fp16", optimizer_config=True, default=False, help="fp16 mixed precision.", config=(ConfigField("params_dtype",
         compute=_params_dtype), ConfigField()))
-    bf16: bool = setting("--bf16", default=False, help="bf16 mixed precision.", config=True, feeds=("params_dtype",))
-    loss_scale: Optional[float] = setting("--loss-scale",
+    bf16: bool = setting("--bf16", optimizer_config=True, default=False, help="bf16 mixed precision.", config=True, feeds=("params_dtype",))
+    loss_scale: Optional[float] = setting("--loss-scale", optimizer_config=True,
         help="Static loss scale (power of 2); default: dynamic loss scaling.",
         read_by="megatron/optimizer/optimizer_config.py")
-    initial_loss_scale: float = setting("--initial-loss-scale", default=4294967296, help="Initial dynamic loss scale.",
+    initial_loss_scale: float = setting("--initial-loss-scale", optimizer_config=True, default=4294967296, help="Initial dynamic loss scale.",
         read_by="megatron/optimizer/optimizer_config.py")
-    min_loss_scale: float = setting("--min-loss-scale", default=1.0, help="Minimum dynamic loss scale.",
+    min_loss_scale: float = setting("--min-loss-scale", optimizer_config=True, default=1.0, help="Minimum dynamic loss scale.",
         read_by="megatron/optimizer/optimizer_config.py")
-    loss_scale_window: float = setting("--loss-scale-window", default=1000, help="Iterations between scale increases.",
+    loss_scale_window: float = setting("--loss-scale-window", optimizer_config=True, default=1000, help="Iterations between scale increases.",
         read_by="megatron/optimizer/optimizer_config.py")
-    hysteresis: int = setting("--hysteresis", default=2, help="Overflows tolerated before decreasing the scale.",
+    hysteresis: int = setting("--hysteresis", optimizer_config=True, default=2, help="Overflows tolerated before decreasing the scale.",
         read_by="megatron/optimizer/optimizer_config.py")
     fp32_residual_connection: bool = setting("--fp32-residual-connection", default=False,
         help="Keep the residual stream in fp32.", config=True)
@@ -100,7 +100,7 @@ class DistributedSettings:
     standalone_embedding_stage: bool = setting("--standalone-embedding-stage", default=False,
         help="Put the input embedding on its own pipeline stage.",
         refused="is not implemented (the embedding shares the first pipeline stage)")
-    use_distributed_optimizer: bool = setting("--use-distributed-optimizer", default=False,
+    use_distributed_optimizer: bool = setting("--use-distributed-optimizer", optimizer_config=True, default=False,
         help="Shard optimizer state across data-parallel ranks (ZeRO-1).", read_by="megatron/model_setup.py")
     overlap_grad_reduce: bool = setting("--overlap-grad-reduce", default=False,
         help="Overlap gradient reduction with backward.", read_by="megatron/model_setup.py")

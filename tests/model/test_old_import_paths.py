@@ -112,3 +112,26 @@ def test_monkeypatching_an_old_checkpoint_path_patches_the_code_that_calls_it(mo
     assert compat.load_checkpoint(None, None, None, args, load_arg="pretrained") == 7
     assert (seen[0].load, seen[0].finetune) == (str(tmp_path / "p"), True)
     assert old.read_checkpoint is compat.read_checkpoint
+
+
+def test_checkpoints_pickle_the_model_enums_by_megatrons_path(tmp_path):
+    """args.model_type in a checkpoint names megatron.model.enums (the path Megatron's and our earlier files use),
+    and the safe loader reads it back as the very member."""
+    import io
+    import pickletools
+    import zipfile
+
+    import torch
+
+    from megatron.checkpoint.safe_load import safe_torch_load
+    from megatron.layers.enums import AttnMaskType, ModelType
+
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model_type": ModelType.encoder_and_decoder, "mask": AttnMaskType.causal}, path)
+    with zipfile.ZipFile(path) as z:
+        pickled = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    globals_ = {arg for op, arg, _ in pickletools.genops(io.BytesIO(pickled)) if op.name == "GLOBAL"}
+    assert globals_ >= {"megatron.model.enums ModelType", "megatron.model.enums AttnMaskType"}
+    assert b"megatron.layers" not in pickled
+    loaded = safe_torch_load(str(path))
+    assert loaded["model_type"] is ModelType.encoder_and_decoder and loaded["mask"] is AttnMaskType.causal

@@ -7,6 +7,7 @@ initial weights (see tests/pipeline/_workers.py).
 """
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
@@ -140,8 +141,8 @@ def test_interleaving_needs_microbatches_divisible_by_pp() -> None:
     from megatron.run_configs.step import StepSettings
     from megatron.training import check_pipeline_schedule
 
-    step = StepSettings(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
+    step = StepSettings.from_args(argparse.Namespace(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2))
     check_pipeline_schedule(step, 8)
     with pytest.raises(MegatronUserError, match=r"micro-batches \(6 = .*divisible by --pipeline-model-parallel-size"):
         check_pipeline_schedule(step, 6)
-    check_pipeline_schedule(StepSettings(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=None), 6)
+    check_pipeline_schedule(StepSettings.from_args(argparse.Namespace(pipeline_model_parallel_size=4)), 6)

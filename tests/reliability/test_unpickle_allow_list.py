@@ -296,7 +296,7 @@ def test_torch_file_tricks_through_allowed_names(tmp_path: Path) -> None:
     _reconstruct and torch's _rebuild_from_type_v2 build nothing off the list."""
     bad = tmp_path / "common.pt"
     getattr_ = _g("builtins", "getattr", stack=False)
-    enum_cls = _g("megatron.layers.enums", "ModelType", stack=False)
+    enum_cls = _g("megatron.model.enums", "ModelType", stack=False)
     tricks = {
         "getattr to __globals__": _call(getattr_, _call(getattr_, enum_cls, _s("__new__")), _s("__globals__")),
         "getattr to a module": _call(getattr_, enum_cls, _s("__module__")),

@@ -1,8 +1,12 @@
 """tools/check_same_behaviour.py's runs beyond one process (issue #36's proof): the BLOOM, Mixtral-EP2 and CP2 runs'
 flags, the per-rank log records of a 2-process run (MoE aux losses logged, one checkpoint folder per expert rank), a
-failed rank stopping its run, and a compare running in the record's own work folder (refusing another one)."""
+failed rank stopping its run, a byte difference explained (pickled class paths, text lines), and a compare running in
+the record's own work folder (refusing another one)."""
 from __future__ import annotations
 
+import argparse
+import collections
+import enum
 import importlib.util
 import json
 import os
@@ -10,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,7 +64,7 @@ def test_compare_runs_in_the_records_work_folder(tmp_path: Path) -> None:
     tool = _tool()
     rec = tmp_path / "rec.json"
     rec.write_text(json.dumps({tool.META: {"workdir": "/tmp/csb-x", "runs": ["gpt"]}, "gpt": {}}))
-    parser = tool.argparse.ArgumentParser()
+    parser = argparse.ArgumentParser()
 
     def workdir(*argv: str) -> str:
         return tool._workdir_for(parser.parse_args(["--compare", str(rec), *argv]), parser)
@@ -104,3 +109,26 @@ def test_two_process_run_is_recorded_per_rank(tmp_path: Path) -> None:
         f"ckpt_mixtral_ep2/iter_{it:07d}/mp_rank_00_{ep:03d}/model_optim_rng.pt" for it in (2, 4, 6) for ep in (0, 1)]
     assert all(len(files[name]["sha256"]) == 64 and files[name]["content"] for name in files if name.endswith(".pt"))
     assert os.path.isdir(os.path.join(work, "logs"))
+
+
+def test_a_byte_difference_names_the_pickled_classes_and_text_lines(tmp_path: Path) -> None:
+    """A checkpoint whose values are equal but whose pickle names a class at another module path (a moved enum in
+    args) differs in bytes: the compare says which class paths changed; a text file's changed lines are shown."""
+    tool = _tool()
+    kind = enum.Enum("ModelType", "encoder_or_decoder")
+    digests = []
+    for module in ("megatron.model.enums", "megatron.layers.enums"):
+        kind.__module__ = module
+        sys.modules[module] = argparse.Namespace(ModelType=kind)  # pickle checks the class is found there
+        path = tmp_path / "model_optim_rng.pt"
+        torch.save({"args": argparse.Namespace(model_type=kind.encoder_or_decoder), "w": torch.ones(2),
+                    "o": collections.OrderedDict(a=1)}, path)
+        digests.append(tool._file_digest(str(path), str(tmp_path)))
+        del sys.modules[module]
+    old, new = digests
+    assert "argparse.Namespace" in old["classes"] and "collections.OrderedDict" in old["classes"]
+    assert old["content"] == new["content"] and old["sha256"] != new["sha256"]
+    assert tool._file_difference(old, new) == [
+        "    pickled classes: megatron.model.enums.ModelType -> megatron.layers.enums.ModelType"]
+    assert tool._file_difference({"sha256": "a", "text": "x\ncrc: 1\n"}, {"sha256": "b", "text": "x\ncrc: 2\n"}) == [
+        "    @@ -2 +2 @@", "    -crc: 1", "    +crc: 2"]

@@ -89,7 +89,7 @@ def test_every_tokenizer_type_exports_a_folder_autotokenizer_loads(tok_type: str
                                                                    tmp_path: Path) -> None:
     family, files = CASES[tok_type]
     tokenizer_args = dict(tokenizer_type=tok_type, **files(tokenizer_dirs))
-    ours = make_tokenizer(TokenizerSettings(**tokenizer_args))
+    ours = make_tokenizer(TokenizerSettings.from_args(argparse.Namespace(**tokenizer_args)))
     out = _export(tmp_path, family, tokenizer_args, ours.vocab_size)
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     # BERT's WordPiece ids without the [CLS] ... [SEP] HF adds (Megatron's BERT dataset adds them itself)
@@ -138,7 +138,7 @@ def test_conversion_and_loading_the_export_raise_no_false_alarms(family: str, to
     import megatron.ds.engine  # noqa: F401  (sets DeepSpeed's accelerator on a CPU machine)
 
     files = CASES[tok_type][1](tokenizer_dirs)
-    ours = make_tokenizer(TokenizerSettings(tokenizer_type=tok_type, **files))
+    ours = make_tokenizer(TokenizerSettings.from_args(argparse.Namespace(tokenizer_type=tok_type, **files)))
     src = _source(tmp_path, family, dict(tokenizer_type=tok_type, **files), ours.vocab_size)
     reset_flash_attn_cache()  # a fresh convert.py process has printed no attention line yet
     capfd.readouterr()

@@ -3,7 +3,7 @@
 1. A folder that `pretrain_gpt.py --ckpt-format torch_dist` writes loads with megatron-core 0.16.1's own read path
    (tests/mcore_oracle.py): `dist_checkpointing.load_common_state_dict` and `dist_checkpointing.load` unpickle
    ``common.pt`` weights-only with megatron-core's safe globals, so ``args.model_type`` must be its
-   ``megatron.core.enums.ModelType`` (ours was megatron.layers.enums.ModelType, unknown to Megatron-LM); the weights
+   ``megatron.core.enums.ModelType`` (ours was megatron.model.enums.ModelType, unknown to Megatron-LM); the weights
    it loads into Core's GPTModel are ours. Older folders holding our enum still load here.
 2. A Megatron Core checkpoint without ``args`` (Megatron-LM takes the architecture from its command line) loads with
    ``--load`` and the model flags; each tensor's shape is checked against the model the flags build, a mismatch is

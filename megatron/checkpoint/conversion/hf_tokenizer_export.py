@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from megatron.checkpoint.conversion.interchange import ConversionError
 from megatron.checkpoint.conversion.vocab import true_vocab_size_from_file
+from megatron.settings import flag_spelling
 from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer, PretrainedFromHFTokenizer, TokenizerLoadError
 from megatron.tokenizer.llama2_tokenizer import Llama2Tokenizer
 from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
@@ -151,14 +152,13 @@ def write_generation_config(out: str, bos_id: Optional[int], eos_id: Optional[in
     return ["generation_config.json"]
 
 
+# --tokenizer-type -> the keys of the checkpoint's tokenizer record naming its files (each the destination of a flag)
+_FILE_KEYS = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "BertWordPieceLowerCase": ("vocab_file",),
+              "BertWordPieceCase": ("vocab_file",), "SentencePieceTokenizer": ("tokenizer_model",),
+              "Llama2Tokenizer": ("tokenizer_model",), "HuggingFaceTokenizer": ("tokenizer_model",),
+              "PretrainedFromHF": ("tokenizer_name_or_path",)}
 # (--tokenizer-type, the keys of the checkpoint's tokenizer record naming its files, their flags)
-SOURCES = {"GPT2BPETokenizer": (("vocab_file", "--vocab-file"), ("merge_file", "--merge-file")),
-           "BertWordPieceLowerCase": (("vocab_file", "--vocab-file"),),
-           "BertWordPieceCase": (("vocab_file", "--vocab-file"),),
-           "SentencePieceTokenizer": (("tokenizer_model", "--tokenizer-model"),),
-           "Llama2Tokenizer": (("tokenizer_model", "--tokenizer-model"),),
-           "HuggingFaceTokenizer": (("tokenizer_model", "--tokenizer-model"),),
-           "PretrainedFromHF": (("tokenizer_name_or_path", "--tokenizer-name-or-path"),)}
+SOURCES = {tok: tuple((key, flag_spelling(key)) for key in keys) for tok, keys in _FILE_KEYS.items()}
 
 PATH_KEYS = ("vocab_file", "merge_file", "tokenizer_model", "tokenizer_name_or_path")
 
