@@ -27,11 +27,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from megatron.arguments import parse_args, validated_args
-from megatron.checkpoint.checkpointing import load_args_from_checkpoint
+from megatron.checkpoint.selection import restored_flag_values
 from megatron.ds.config import reconcile_deepspeed_config
 from megatron.errors import MegatronUserError
 from megatron.global_vars import build_num_microbatches_calculator_from, install_global_variables
 from megatron.launcher import detect_launcher_env
+from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.run_configs.tokenizer import TokenizerSettings
 from megatron.tokenizer.abstract import AbstractTokenizer
 from megatron.tokenizer.tokenizer import build_tokenizer_from, padded_vocab_size
@@ -102,7 +103,8 @@ def restore_checkpoint_args(parsed: argparse.Namespace, defaults: Mapping[str, A
         return parsed
     if not parsed.load:
         raise ValueError("--use-checkpoint-args needs --load <checkpoint directory>")
-    return load_args_from_checkpoint(argparse.Namespace(**vars(parsed)))
+    given = vars(parsed)
+    return argparse.Namespace(**{**given, **restored_flag_values(CheckpointSettings.from_args(parsed), given)})
 
 
 def reconcile_deepspeed(args: argparse.Namespace) -> Mapping[str, Any]:

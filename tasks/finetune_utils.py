@@ -23,12 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron import global_vars
-from megatron.checkpoint.checkpointing import (
-    get_checkpoint_tracker_filename,
-    load_checkpoint,
-    local_rng_state,
-    restore_local_rng_state,
-)
+from megatron.checkpoint.paths import get_checkpoint_tracker_filename
+from megatron.checkpoint.rng import local_rng_state, restore_local_rng_state
+from megatron.compat import load_checkpoint
 from megatron.core import parallel_state as ps
 from megatron.errors import ArgumentError
 from megatron.layers import ModelType

@@ -32,6 +32,8 @@ OTHER_NAMESPACES = {
     "megatron/tokenizer/tokenizer.py:build_tokenizer": "Megatron's build_tokenizer(args) records padded_vocab_size",
     "megatron/ds/config.py:apply_to": "resolve_deepspeed_config(args): writes the settled values on its caller's "
                                       "namespace (start-up uses settled_values)",
+    "megatron/compat.py:_set_flags": "Megatron's load_args_from_checkpoint(args) and friends fill their caller's "
+                                     "namespace (start-up's restore step takes restored_flag_values instead)",
     "megatron/training_state.py:write_counters": "the consumed samples (RECORDED_AFTER_START_UP) by a computed "
                                                  "name, for callers that keep run state on their namespace",
     # Namespaces of our tools, not Megatron's args.
