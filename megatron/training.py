@@ -25,12 +25,8 @@ import torch
 from megatron import global_vars, peer_failure
 from megatron.backend import backend_for
 from megatron.backend.megatron import PipelineScheduleError, check_pipeline_schedule  # noqa: F401  (Megatron's names)
-from megatron.checkpoint.checkpointing import (
-    forget_last_loaded,
-    last_loaded,
-    local_rng_state,
-    restore_local_rng_state,
-)
+from megatron.checkpoint.loading import forget_last_loaded, last_loaded
+from megatron.checkpoint.rng import local_rng_state, restore_local_rng_state
 from megatron.core import aux_losses
 from megatron.core import parallel_state as ps
 from megatron.data.data_checks import check_data_prefixes, check_train_split

@@ -2,7 +2,7 @@
 
 `TrainingBackend` is what megatron/training.py's loop calls: set up (model, optimizer, LR schedule), load, train step,
 evaluate, save, loss scale and parameter norm. `MegatronBackend` (megatron/backend/megatron.py) is Megatron's own path
-(our DDP/distributed optimizer, its pipeline schedules, megatron/checkpoint/checkpointing.py); `DeepSpeedBackend`
+(our DDP/distributed optimizer, its pipeline schedules, megatron/checkpoint/); `DeepSpeedBackend`
 (megatron/backend/deepspeed.py) runs the DeepSpeed engine (ZeRO, DeepSpeed's pipeline engine with the family's pipe
 model, DeepSpeed checkpoints) through the glue in megatron/ds/. `backend_for(configs)` picks one from --deepspeed; the
 loop itself never asks which.

@@ -25,15 +25,10 @@ from megatron import global_vars, optional
 from megatron.checkpoint import integrity
 from megatron.checkpoint.args import compare_architecture, saved_architecture
 from megatron.checkpoint.atomic_io import DiskFullError, is_disk_full
-from megatron.checkpoint.checkpointing import (
-    CHECKPOINT_VERSION,
-    CheckpointError,
-    check_checkpoint_layout,
-    first_failure_reason,
-    get_rng_state,
-    set_rng_state,
-)
+from megatron.checkpoint.paths import CHECKPOINT_VERSION, CheckpointError, first_failure_reason
+from megatron.checkpoint.rng import get_rng_state, set_rng_state
 from megatron.checkpoint.safe_load import guarded_torch_load
+from megatron.checkpoint.selection import check_checkpoint_layout
 from megatron.core import aux_losses
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import random as tp_random

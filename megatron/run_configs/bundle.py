@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 from typing import Any, Mapping
 
+from megatron.run_configs.architecture import architecture_from_args
 from megatron.run_configs.batch import BatchSettings
 from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.run_configs.data_files import DataFileSettings
@@ -56,7 +57,6 @@ class RunConfigs:
     def from_args(cls, args: argparse.Namespace, load_arg: str = "load") -> RunConfigs:
         """All records from validated flags (`load_arg`: the flag naming the folder checkpoints load from)."""
         from megatron.arguments import core_transformer_config_from_args
-        from megatron.checkpoint.args import architecture_from_args
         from megatron.optimizer.optimizer_config import optimizer_config_from_args
 
         settings = Settings.from_args(args)

@@ -148,13 +148,8 @@ def test_moe_needs_no_bias_and_sequence_parallel_with_tp():
 def test_checkpoint_architecture_holds_and_restores_the_moe_settings():
     """The checkpoint's architecture records the MoE layout; --use-checkpoint-args restores it; a run whose MoE
     flags differ is stopped with one line naming the field."""
-    from megatron.checkpoint.args import (
-        ArchitectureMismatchError,
-        architecture_from_args,
-        check_architecture,
-        flag_defaults,
-        restore_architecture,
-    )
+    from megatron.checkpoint.args import ArchitectureMismatchError, architecture_from_args, flag_defaults
+    from megatron.compat import check_architecture, restore_architecture
 
     saved_args = parse_args(args=[*BASE, "--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-layer-freq",
                                   "[1,0]", "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate",
