@@ -130,7 +130,9 @@ def _prediction_writer(task: FinetuneTask, args: argparse.Namespace) -> Optional
 def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
     """Train for --epochs (0: evaluate only). Returns {"train_losses": {it: {...}}, "valid_losses": {it: {...}},
     "accuracy": {epoch: {name: (correct, total)}}, "iteration"} with the numbers the log, validation and accuracy
-    lines print."""
+    lines print. The run keeps its own copy of the flags (batch sizes count sequences, the LR schedule's length is
+    the epochs'): the args start-up assembled stay as they are (megatron/startup.py)."""
+    args = argparse.Namespace(**vars(args))
     state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
     _check_batch(args)
     epochs = int(args.epochs or 0)

@@ -30,7 +30,7 @@ class CheckpointingSettings:
     perform_initialization: bool = setting("--no-initialization", default=True,
         help="Skip weight initialisation (weights come from a checkpoint).", config=True)
     use_checkpoint_args: bool = setting("--use-checkpoint-args", default=False,
-        help="Take model arguments from the checkpoint in --load.", read_by="megatron/initialize.py")
+        help="Take model arguments from the checkpoint in --load.", read_by="megatron/startup.py")
     exit_on_missing_checkpoint: bool = setting("--exit-on-missing-checkpoint", default=False,
         help="Exit if --load is set but no checkpoint is found there.", read_by="megatron/checkpoint/loading.py")
     trust_checkpoint: bool = setting("--trust-checkpoint", default=False,
