@@ -113,7 +113,7 @@ def test_two_process_run_is_recorded_per_rank(tmp_path: Path) -> None:
     assert os.path.isdir(os.path.join(work, "logs"))
 
 
-def test_a_byte_difference_names_the_pickled_classes_and_text_lines(tmp_path: Path) -> None:
+def test_a_byte_difference_names_the_pickled_classes_and_text_lines(tmp_path: Path, monkeypatch) -> None:
     """A checkpoint whose values are equal but whose pickle names a class at another module path (a moved enum in
     args) differs in bytes: the compare says which class paths changed; a text file's changed lines are shown."""
     tool = _tool()
@@ -121,12 +121,13 @@ def test_a_byte_difference_names_the_pickled_classes_and_text_lines(tmp_path: Pa
     digests = []
     for module in ("megatron.model.enums", "megatron.layers.enums"):
         kind.__module__ = module
-        sys.modules[module] = argparse.Namespace(ModelType=kind)  # pickle checks the class is found there
+        # pickle checks the class is found there; the real modules are put back after the test (deleting them would
+        # make the next import build a second ModelType class that later pickles refuse)
+        monkeypatch.setitem(sys.modules, module, argparse.Namespace(ModelType=kind))
         path = tmp_path / "model_optim_rng.pt"
         torch.save({"args": argparse.Namespace(model_type=kind.encoder_or_decoder), "w": torch.ones(2),
                     "o": collections.OrderedDict(a=1)}, path)
         digests.append(tool._file_digest(str(path), str(tmp_path)))
-        del sys.modules[module]
     old, new = digests
     assert "argparse.Namespace" in old["classes"] and "collections.OrderedDict" in old["classes"]
     assert old["content"] == new["content"] and old["sha256"] != new["sha256"]
