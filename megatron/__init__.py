@@ -8,4 +8,4 @@ from megatron import moved
 
 __version__ = "0.1.0"
 
-moved.install()  # Megatron's import paths of moved modules (megatron.checkpoint.checkpointing, megatron.model.bert_model, ...)
+moved.install()  # Megatron's import paths of moved modules (megatron.checkpointing, megatron.model.bert_model, ...)

@@ -10,11 +10,13 @@ import argparse
 import functools
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from megatron import optional
 from megatron.core.transformer_config import TransformerConfig, rope_scaling_problem
+from megatron.ds.config import reconcile_deepspeed_config
 from megatron.errors import ArgumentError
 from megatron.launcher import detect_launcher_env
 from megatron.settings import add_core_groups, add_last_groups
@@ -92,8 +94,28 @@ def _require(cond: bool, message: str) -> None:
         raise ArgumentError(message)
 
 
+DeepSpeedStep = Callable[[argparse.Namespace], Mapping[str, Any]]
+
+
+def deepspeed_settled_values(args: argparse.Namespace) -> Mapping[str, Any]:
+    """The default DeepSpeed step: the flag values the DeepSpeed JSON config settles (megatron/ds/config.py)."""
+    return reconcile_deepspeed_config(args).settled_values()
+
+
 def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] = None) -> argparse.Namespace:
-    """Check flag combinations (one-line errors naming the flags) and fill derived values, as Megatron does."""
+    """Megatron's API for users' scripts: `validated_args` written back onto `args`, which is returned. Start-up
+    (megatron/startup.py) calls `validated_args`, which never changes its input, with its DeepSpeed step."""
+    checked = validated_args(args, defaults, deepspeed_settled_values)
+    vars(args).update(vars(checked))  # Megatron's in-place contract (the one write, listed in the house test)
+    return args
+
+
+def validated_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] = None,
+                   deepspeed_step: Optional[DeepSpeedStep] = None) -> argparse.Namespace:
+    """A new namespace: `args` with flag combinations checked (one-line errors naming the flags) and Megatron's
+    derived values filled; `args` is not changed. `deepspeed_step` returns the values the DeepSpeed config settles
+    (default `deepspeed_settled_values`; start-up passes its step), applied where Megatron-DeepSpeed settles them."""
+    args = argparse.Namespace(**vars(args))
     defaults = dict(defaults or {})
     training_run = bool(defaults.pop(TRAINING_RUN, False))  # set by megatron.training.pretrain
     if not hasattr(args, "rank"):
@@ -116,7 +138,7 @@ def validate_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] =
     _validate_deprecated(args)
     _validate_parallel_layout(args)
     _validate_batch(args)
-    _validate_deepspeed(args)
+    _validate_deepspeed(args, deepspeed_step)
     _validate_precision(args)
     _validate_training_length(args, training_run)
     _validate_model_shape(args)
@@ -259,8 +281,8 @@ def _validate_batch(args: argparse.Namespace) -> None:
     args.consumed_valid_samples = 0
 
 
-def _validate_deepspeed(args: argparse.Namespace) -> None:
-    """--deepspeed: reconcile the DeepSpeed JSON config with the flags (megatron.ds.config; no deepspeed import)."""
+def _validate_deepspeed(args: argparse.Namespace, deepspeed_step: Optional[DeepSpeedStep]) -> None:
+    """--deepspeed: the values `deepspeed_step` settles from the DeepSpeed JSON config (start-up's step)."""
     if getattr(args, "deepscale", False):
         args.deepspeed = True
     if getattr(args, "deepscale_config", None) and not getattr(args, "deepspeed_config", None):
@@ -275,9 +297,9 @@ def _validate_deepspeed(args: argparse.Namespace) -> None:
             _require(not getattr(args, attr, None), f"{flag} needs --deepspeed")
         args.zero_stage = None
         return
-    from megatron.ds.config import reconcile_deepspeed_config
-
-    reconcile_deepspeed_config(args).apply_to(args)  # the config, ZeRO stage, --clip-grad, --fp16/--bf16 settled
+    # The config, ZeRO stage, --clip-grad, --fp16/--bf16 as the config settles them.
+    for name, value in (deepspeed_step or deepspeed_settled_values)(args).items():
+        setattr(args, name, value)
     if args.deepspeed_activation_checkpointing and not (args.checkpoint_activations
                                                        or args.recompute_granularity == "full"):
         _print0(args, "notice: --deepspeed-activation-checkpointing takes effect with --checkpoint-activations "
@@ -317,7 +339,7 @@ def _validate_precision(args: argparse.Namespace) -> None:
 
 def _grad_accumulation_fusion_available() -> bool:
     try:
-        import fused_weight_gradient_mlp_cuda  # noqa: F401
+        optional.load("fused_weight_gradient_mlp_cuda")
     except ImportError:
         return False
     return torch.cuda.is_available()

@@ -9,7 +9,13 @@ import argparse
 import signal
 from typing import Any, List, Optional
 
+import torch
+
+from megatron import optional
+from megatron.microbatches import build_num_microbatches_calculator
 from megatron.timers import Timers
+from megatron.tokenizer.tokenizer import build_tokenizer
+from megatron.tokenizer.tokenizer import vocab_size_with_padding as _pad_vocab
 
 _GLOBAL_ARGS: Optional[argparse.Namespace] = None
 _GLOBAL_NUM_MICROBATCHES_CALCULATOR: Any = None
@@ -83,14 +89,27 @@ def set_args(args: argparse.Namespace) -> None:
 
 
 def set_global_variables(args: argparse.Namespace, build_tokenizer: bool = True) -> None:
-    """Create every global from validated args (Megatron's order: args, micro-batches, tokenizer, tb, timers)."""
+    """Megatron's API: every global from validated args (Megatron's order: args, micro-batches, tokenizer, tb,
+    timers); like Megatron's it records padded_vocab_size on `args`. Start-up (megatron/startup.py) builds the
+    tokenizer and the calculator as steps and calls `install_global_variables` instead."""
     if args is None:
         raise ValueError("set_global_variables needs the parsed args")
     _ensure_not_initialized(_GLOBAL_ARGS, "args")
+    calculator = build_num_microbatches_calculator_from(args)
+    tokenizer = _build_tokenizer(args) if build_tokenizer else None
+    install_global_variables(args, tokenizer, calculator)
+
+
+def install_global_variables(args: argparse.Namespace, tokenizer: Any, calculator: Any) -> None:
+    """Install start-up's results as the globals (args, micro-batch calculator, tokenizer), then the tensorboard
+    writer, the timers and the signal handler."""
+    global _GLOBAL_NUM_MICROBATCHES_CALCULATOR, _GLOBAL_TOKENIZER
+    _ensure_not_initialized(_GLOBAL_ARGS, "args")
+    _ensure_not_initialized(_GLOBAL_NUM_MICROBATCHES_CALCULATOR, "num microbatches calculator")
+    _ensure_not_initialized(_GLOBAL_TOKENIZER, "tokenizer")
     set_args(args)
-    _build_num_microbatches_calculator(args)
-    if build_tokenizer:
-        _build_tokenizer(args)
+    _GLOBAL_NUM_MICROBATCHES_CALCULATOR = calculator
+    _GLOBAL_TOKENIZER = tokenizer
     _set_tensorboard_writer(args)
     _set_timers(args)
     if getattr(args, "exit_signal_handler", False):
@@ -116,46 +135,38 @@ def unset_global_variables() -> None:
     _GLOBAL_SIGNAL_HANDLER = None
 
 
-def _build_num_microbatches_calculator(args: argparse.Namespace) -> None:
-    global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
-    _ensure_not_initialized(_GLOBAL_NUM_MICROBATCHES_CALCULATOR, "num microbatches calculator")
-    from megatron.microbatches import build_num_microbatches_calculator
-
+def build_num_microbatches_calculator_from(args: argparse.Namespace) -> Any:
+    """The micro-batch calculator for validated args (prints Megatron's schedule line on rank 0)."""
     rampup = getattr(args, "rampup_batch_size", None)
     if rampup is not None:
         rampup = [int(v) for v in rampup]
-    _GLOBAL_NUM_MICROBATCHES_CALCULATOR = build_num_microbatches_calculator(
+    return build_num_microbatches_calculator(
         getattr(args, "rank", 0), rampup, args.global_batch_size, args.micro_batch_size, args.data_parallel_size
     )
 
 
 def _build_tokenizer(args: argparse.Namespace) -> Any:
-    """Build the tokenizer (sets args.padded_vocab_size); with no --tokenizer-type only pad --vocab-size."""
-    global _GLOBAL_TOKENIZER
-    _ensure_not_initialized(_GLOBAL_TOKENIZER, "tokenizer")
+    """Megatron's set_global_variables path: the tokenizer (build_tokenizer records args.padded_vocab_size); with
+    no --tokenizer-type only --vocab-size is padded."""
     if getattr(args, "tokenizer_type", None) is None:
         if getattr(args, "vocab_size", None) is not None and getattr(args, "padded_vocab_size", None) is None:
             args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args)
         return None
-    from megatron.tokenizer import build_tokenizer
-
-    _GLOBAL_TOKENIZER = build_tokenizer(args)
-    return _GLOBAL_TOKENIZER
+    return build_tokenizer(args)
 
 
 def vocab_size_with_padding(orig_vocab_size: int, args: argparse.Namespace) -> int:
     """Megatron's padding (round up to make_vocab_size_divisible_by x TP), printed on rank 0."""
-    from megatron.tokenizer.tokenizer import vocab_size_with_padding as pad
-
-    return pad(orig_vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size,
-               log=getattr(args, "rank", 0) == 0)
+    return _pad_vocab(orig_vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size,
+                      log=getattr(args, "rank", 0) == 0)
 
 
 def rebuild_tokenizer(args: argparse.Namespace) -> Any:
     """Drop and rebuild the global tokenizer (e.g. after --use-checkpoint-args changed tokenizer flags)."""
     global _GLOBAL_TOKENIZER
     _GLOBAL_TOKENIZER = None
-    return _build_tokenizer(args)
+    _GLOBAL_TOKENIZER = _build_tokenizer(args)
+    return _GLOBAL_TOKENIZER
 
 
 def _set_tensorboard_writer(args: argparse.Namespace) -> None:
@@ -164,13 +175,13 @@ def _set_tensorboard_writer(args: argparse.Namespace) -> None:
     _ensure_not_initialized(_GLOBAL_TENSORBOARD_WRITER, "tensorboard writer")
     if getattr(args, "tensorboard_dir", None) and getattr(args, "rank", 0) == (getattr(args, "world_size", 1) - 1):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            summary_writer = optional.load("torch", "utils.tensorboard").SummaryWriter
         except ImportError:
             print("WARNING: TensorBoard writing requested but is not available (pip install tensorboard); "
                   "no TensorBoard logs will be written.", flush=True)
             return
         print("> setting tensorboard ...", flush=True)
-        _GLOBAL_TENSORBOARD_WRITER = SummaryWriter(log_dir=args.tensorboard_dir,
+        _GLOBAL_TENSORBOARD_WRITER = summary_writer(log_dir=args.tensorboard_dir,
                                                    max_queue=args.tensorboard_queue_size)
 
 
@@ -196,8 +207,6 @@ class DistributedSignalHandler:
         self._original_handler: Any = None
 
     def signals_received(self) -> List[bool]:
-        import torch
-
         flag = torch.tensor([int(self._signal_received)], dtype=torch.int32)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             if torch.distributed.get_backend() == "nccl":

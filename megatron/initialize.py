@@ -16,29 +16,25 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from megatron import peer_failure, process_guard
-from megatron.arguments import ArgumentError, parse_args, validate_args
+from megatron import peer_failure, process_guard, startup
+from megatron.core import parallel_state
+from megatron.core.context_parallel import describe_cp_layout
 from megatron.core.expert_parallel import describe_ep_layout
-from megatron.global_vars import get_args, set_global_variables, unset_global_variables
+from megatron.core.tensor_parallel import model_parallel_manual_seed
+from megatron.data import helpers
+from megatron.errors import ArgumentError
+from megatron.global_vars import get_args, unset_global_variables
 
 # Launcher detection lives in megatron/launcher.py (a leaf: megatron.arguments reads it while parsing); re-exported.
 from megatron.launcher import DEFAULT_MASTER_PORT, LauncherEnv, detect_launcher_env, parse_slurm_nodelist  # noqa: F401
+from megatron.progress import fit_cpu_threads
 from megatron.run_configs.parallel import ParallelSizes, StartupSettings
+from megatron.startup import resolve_backend  # noqa: F401 - Megatron-compatible name here too
 
 _OWNS_PROCESS_GROUP = False
 _ATEXIT_REGISTERED = False
-
-
-def resolve_backend(requested: Optional[str], cuda_available: bool) -> str:
-    """nccl with CUDA, gloo without; an explicit --distributed-backend wins (nccl without CUDA is refused)."""
-    if requested is None:
-        return "nccl" if cuda_available else "gloo"
-    if requested == "nccl" and not cuda_available:
-        raise RuntimeError("--distributed-backend nccl needs CUDA GPUs, none found; use --distributed-backend gloo")
-    if requested not in ("nccl", "gloo"):
-        raise ValueError(f"--distributed-backend must be nccl or gloo (got {requested!r})")
-    return requested
 
 
 def find_free_port() -> int:
@@ -72,39 +68,26 @@ def initialize_megatron(
     """
     del allow_no_cuda
     process_guard.exit_with_launcher_agent()  # under torchrun: die with the agent, never train unsupervised
-    parsed = parse_args(extra_args_provider, ignore_unknown_args, args)
-    if getattr(parsed, "use_checkpoint_args", False) or (args_defaults or {}).get("use_checkpoint_args", False):
-        if not parsed.load:
-            raise ValueError("--use-checkpoint-args needs --load <checkpoint directory>")
-        from megatron.checkpoint.checkpointing import load_args_from_checkpoint
-
-        load_args_from_checkpoint(parsed)
-    validate_args(parsed, args_defaults or {})
-    set_global_variables(parsed)
-
+    parsed = startup.run(extra_args_provider, args_defaults, ignore_unknown_args, args, skip_mpu_initialization)
     if skip_mpu_initialization:
         return None
     if getattr(parsed, "lazy_mpu_init", False):
-        # The caller (e.g. an external framework) finishes later with finish_mpu_init().
-        parsed.use_cpu_initialization = True
-        return parsed
+        return parsed  # the caller (e.g. an external framework) finishes later with finish_mpu_init()
     finish_mpu_init(parsed)
     return parsed
 
 
 def finish_mpu_init(args: Optional[argparse.Namespace] = None) -> None:
     """Second half of start-up: torch.distributed, model-parallel groups, seeds, deterministic mode, helpers. The
-    flags side of start-up: the process's rank, world size, local rank and backend are recorded on ``args``."""
+    process's rank, world size, local rank and backend are already on ``args`` (megatron.startup.placement); the
+    process group they describe is started here, and a different one already running is an error."""
     args = get_args() if args is None else args
     start = StartupSettings.from_args(args)
     if start.deterministic_mode:  # before torch.distributed: NCCL reads NCCL_ALGO when it builds communicators
         set_deterministic_mode()
-    from megatron.progress import fit_cpu_threads
-
     fit_cpu_threads()  # without OMP_NUM_THREADS: each local process gets its share of the cores
     placed = _start_process_group(start)
-    for key, value in placed.items():
-        setattr(args, key, value)
+    _check_placement(vars(args), placed)
     _initialize_model_parallel(ParallelSizes.from_args(args), start, placed["rank"])
     if start.deterministic_mode:
         _print0(f"> deterministic mode: torch deterministic algorithms on, cuDNN benchmark off, "
@@ -114,12 +97,19 @@ def finish_mpu_init(args: Optional[argparse.Namespace] = None) -> None:
     _compile_dependencies()
 
 
+def _check_placement(recorded: Dict[str, Any], placed: Dict[str, Any]) -> None:
+    """The process group that runs is the one start-up recorded on ``args`` (nothing is written onto it here)."""
+    for key, value in placed.items():
+        if recorded.get(key) != value:
+            raise RuntimeError(f"start-up recorded {key}={recorded.get(key)!r} but torch.distributed runs "
+                               f"with {key}={value!r}: start torch.distributed before initialize_megatron, or let "
+                               "it start the process group")
+
+
 def _start_process_group(start: StartupSettings) -> Dict[str, Any]:
     """Init torch.distributed (unless already up); returns what Megatron records on args (rank, world_size, and
     local_rank when it started the group; distributed_backend), in Megatron's order."""
     global _OWNS_PROCESS_GROUP, _ATEXIT_REGISTERED
-    import torch.distributed as dist
-
     cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
     placed: Dict[str, Any] = {}
     if dist.is_initialized():
@@ -169,8 +159,6 @@ def _start_process_group(start: StartupSettings) -> Dict[str, Any]:
 
 def _initialize_model_parallel(sizes: ParallelSizes, start: StartupSettings, rank: int) -> None:
     """The model-parallel groups (unless already built); rank 0 prints their sizes."""
-    from megatron.core import parallel_state
-
     if parallel_state.model_parallel_is_initialized():
         _print0("model parallel is already initialized")
         return
@@ -188,8 +176,6 @@ def _initialize_model_parallel(sizes: ParallelSizes, start: StartupSettings, ran
         print(f"> initialized tensor model parallel with size {state.tp_size}", flush=True)
         print(f"> initialized pipeline model parallel with size {state.pp_size}", flush=True)
         if state.cp_size > 1:
-            from megatron.core.context_parallel import describe_cp_layout
-
             print(describe_cp_layout(start.seq_length, state.cp_size, start.cp_comm_type), flush=True)
         if start.num_experts and state.expert_groups:
             print(describe_ep_layout(start.num_experts, state.ep_size, state.etp_size or state.tp_size,
@@ -206,8 +192,6 @@ def _rendezvous(init_method: str, addr: str, port: int, world_size: int, timeout
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt is None:
         return {"init_method": init_method}
-    import torch.distributed as dist
-
     store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
     return {"store": dist.PrefixStore(f"megatron/attempt_{attempt}", store)}
 
@@ -218,9 +202,6 @@ def _format_host(host: str) -> str:
 
 def set_random_seed(seed: int, data_parallel_random_init: bool = False) -> None:
     """Megatron's `_set_random_seed`: seed + 100 * pp_rank (+ 10 * dp_rank) for python, numpy, torch, TP tracker."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_manual_seed
-
     if seed is None or seed <= 0:
         raise ValueError(f"--seed must be a positive integer (got {seed})")
     state = parallel_state.current_parallel_state()
@@ -265,11 +246,6 @@ _set_deterministic = set_deterministic_mode  # the old private name
 
 def _compile_dependencies() -> None:
     """Build (rank 0) and load (everyone) the dataset index helpers."""
-    try:
-        from megatron.data import helpers
-    except ImportError:
-        _print0("WARNING: megatron.data.helpers not found; dataset index builder not compiled")
-        return
     start = time.time()
     _print0("> compiling dataset index builder ...")
     helpers.compile_helpers_rank0()
@@ -288,8 +264,6 @@ def _destroy_process_group_at_exit() -> None:
 
 def destroy_megatron(unset_globals: bool = True) -> None:
     """Tear down model-parallel state, the process group (if initialize_megatron created it) and the globals."""
-    from megatron.core import parallel_state
-
     parallel_state.destroy_model_parallel()
     _destroy_process_group_at_exit()
     if unset_globals:

@@ -3,8 +3,8 @@ model families (megatron/models/<family>/), the checkpoint code and its conversi
 megatron/checkpoint/conversion/) and the flag layer (megatron/settings/). The one alias mechanism of the house:
 importing ``megatron.model.bert_model`` gives the very module ``megatron.models.bert.model``,
 ``megatron.model.transformer`` the very module ``megatron.layers.transformer``, ``megatron.checkpointing`` the very
-module ``megatron.checkpoint.checkpointing`` (same objects, so monkeypatching either name patches both; no file stays
-at the old path). An old package that also exported names now defined elsewhere (``from megatron.model import
+module ``megatron.compat`` (Megatron's args-taking checkpoint functions over the run-time layer in megatron/checkpoint/;
+same objects, so monkeypatching either name patches both; no file stays at the old path). An old package that also exported names now defined elsewhere (``from megatron.model import
 GPTModel``) is a small proxy module: its names resolve to the new package's or to MOVED_NAMES' modules (setting an
 attribute on the proxy does not reach them). Installed by megatron/__init__.py; nothing else to keep in sync."""
 from __future__ import annotations
@@ -24,7 +24,8 @@ MOVED_MODULES = {
     "megatron.model.multiple_choice": "megatron.models.bert.multiple_choice",
     "megatron.model.t5_model": "megatron.models.t5.model",
     "megatron.model.moved": "megatron.moved",
-    "megatron.checkpointing": "megatron.checkpoint.checkpointing",
+    "megatron.checkpointing": "megatron.compat",
+    "megatron.checkpoint.checkpointing": "megatron.compat",
     "megatron.checkpoint_args": "megatron.checkpoint.args",
     "megatron.checkpoint_formats": "megatron.checkpoint.formats",
     "megatron.checkpoint_integrity": "megatron.checkpoint.integrity",

@@ -25,15 +25,13 @@ import torch
 from megatron import global_vars, peer_failure
 from megatron.backend import backend_for
 from megatron.backend.megatron import PipelineScheduleError, check_pipeline_schedule  # noqa: F401  (Megatron's names)
-from megatron.checkpoint.checkpointing import (
-    forget_last_loaded,
-    last_loaded,
-    local_rng_state,
-    restore_local_rng_state,
-)
-from megatron.core import moe_aux
+from megatron.checkpoint.loading import forget_last_loaded, last_loaded
+from megatron.checkpoint.rng import local_rng_state, restore_local_rng_state
+from megatron.core import aux_losses
 from megatron.core import parallel_state as ps
-from megatron.flops import num_floating_point_operations
+from megatron.data.data_checks import check_data_prefixes, check_train_split
+from megatron.data.data_samplers import build_pretraining_data_loader
+from megatron.flops import bert_num_floating_point_operations, num_floating_point_operations
 from megatron.initialize import initialize_megatron
 from megatron.logging_utils import (
     ADVANCED,
@@ -55,6 +53,7 @@ from megatron.model_setup import (  # noqa: F401
     get_optimizer_param_scheduler,
     update_train_iters,
 )
+from megatron.models.t5.model import t5_num_floating_point_operations
 from megatron.nan_guard import (
     FirstLossWatch,
     NonFiniteTrainingError,
@@ -63,7 +62,6 @@ from megatron.nan_guard import (
 )
 from megatron.progress import Heartbeat, ProgressNotes
 from megatron.run_configs.bundle import RunConfigs
-from megatron.run_configs.moe_losses import MoELossSettings
 from megatron.run_configs.run_settings import LoopSettings
 from megatron.settings.required_flags import TRAINING_RUN
 from megatron.theoretical_memory_usage import memory_report
@@ -107,8 +105,6 @@ def build_train_valid_test_data_iterators(
 ) -> tuple[Optional[Iterator], Optional[Iterator], Optional[Iterator]]:
     """Build the datasets (every rank) and the pretraining loaders at the resume point (consumed samples); sets
     `train_state`'s do_train/do_valid/do_test."""
-    from megatron.data.data_samplers import build_pretraining_data_loader
-
     run, batch, loop = train_state, configs.batch, configs.loop
     print_rank_0("> building train, validation, and test datasets ...")
     if run.iteration > 0 and run.consumed_train_samples == 0:
@@ -129,8 +125,6 @@ def build_train_valid_test_data_iterators(
     datasets = dataset_provider(num_samples)  # collective: the provider coordinates cache building
     train_ds, valid_ds, test_ds = datasets
     print_rank_0("> finished creating datasets ...")
-    from megatron.data.data_checks import check_train_split
-
     check_train_split(configs.data_files, train_ds)  # an empty training split with --train-iters > 0 is an error
 
     def loader(ds: Any, consumed: int) -> Any:
@@ -158,35 +152,23 @@ def build_train_valid_test_data_iterators(
 def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: list, optimizer: Any,
                opt_param_scheduler: Any, configs: RunConfigs, state: ps.ParallelState,
                iteration: int) -> tuple[dict, int, Optional[float], Optional[int]]:
-    """One iteration through the backend (`iteration`: the one being trained), with the MoE router losses of the
-    step added to the losses."""
+    """One iteration through the backend (`iteration`: the one being trained), with the auxiliary losses the model
+    declares (named values) added to the losses."""
     loss_dict, skipped_iter, grad_norm, num_zeros = backend_for(configs).train_step(
         forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, configs, state)
-    moe_losses = moe_aux_losses(configs.moe, state, iteration)  # collective: every rank
+    named = named_aux_losses(model, state, iteration)  # collective: every rank
     if loss_dict:
-        loss_dict.update(moe_losses)
+        loss_dict.update(named)
     return loss_dict, skipped_iter, grad_norm, num_zeros
 
 
-def moe_aux_losses(moe: MoELossSettings, state: ps.ParallelState, iteration: int) -> dict:
-    """This iteration's MoE router losses as Megatron-LM logs them (`load_balancing_loss`, `z_loss`: mean over the
-    micro-batches and MoE layers); with --moe-per-layer-logging also TensorBoard's moe/<name>_layer_<i>."""
-    if moe.num_experts is None:
-        return {}
-    names, groups = [], {}
-    if moe.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and moe.moe_aux_loss_coeff:
-        name = "load_balancing_loss" if moe.moe_router_load_balancing_type == "aux_loss" else \
-            "seq_load_balancing_loss"
-        names.append(name)
-        groups[name] = state.tp_group
-    if moe.moe_z_loss_coeff is not None:
-        names.append("z_loss")
-    freq = moe.moe_layer_freq
-    num_moe = sum(freq) if isinstance(freq, list) else len(range(0, moe.num_layers, freq))
-    values = moe_aux.reduce_aux_losses(names, moe.num_layers, num_moe, 1.0 / global_vars.get_num_microbatches(),
-                                       pp_group=state.pp_group, dp_group=state.dp_group, reduce_groups=groups,
-                                       per_layer=bool(moe.moe_per_layer_logging))
-    per_layer = {k: values.pop(k) for k in list(values) if k.startswith("moe/")}
+def named_aux_losses(model: list, state: ps.ParallelState, iteration: int) -> dict:
+    """This iteration's auxiliary losses, every one the model declares (megatron/core/aux_losses.py), as Megatron-LM
+    logs them: their names, the mean over the micro-batches and the recording layers; per-layer values a loss asks
+    for go to TensorBoard."""
+    values, per_layer = aux_losses.reduce_named_losses(
+        aux_losses.declared_by(model), 1.0 / global_vars.get_num_microbatches(), pp_group=state.pp_group,
+        dp_group=state.dp_group)
     writer = global_vars.get_tensorboard_writer()
     if writer is not None and per_layer:
         for key, value in per_layer.items():
@@ -226,13 +208,9 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
         if writer is not None and show.log_timers_to_tensorboard:
             writer.add_scalar("iteration-time", per_iter, iteration)
         if show.model_family == "t5":  # encoder-decoder: two sequence lengths
-            from megatron.models.t5.model import t5_num_floating_point_operations
-
             flops = t5_num_floating_point_operations(configs.transformer, batch_size,
                                                      batch.encoder_seq_length, batch.decoder_seq_length)
         elif show.model_family == "bert":  # + LM head dense, pooler and binary head
-            from megatron.flops import bert_num_floating_point_operations
-
             flops = bert_num_floating_point_operations(configs.transformer, batch_size,
                                                        batch.seq_length, batch.bert_binary_head)
         else:
@@ -479,9 +457,6 @@ def pretrain(
         configs = RunConfigs.from_args(args)  # the run's typed records, built once and passed down
         check_pipeline_schedule(configs.step, global_vars.get_num_microbatches())
         timers = global_vars.get_timers()
-
-        from megatron.data.data_checks import check_data_prefixes
-
         check_data_prefixes(configs.data_files)  # a mistyped --data-path: one line before the model is built
         timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
         HEARTBEAT.doing("building the model and optimizer (and loading the checkpoint, with --load)")

@@ -23,12 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron import global_vars
-from megatron.checkpoint.checkpointing import (
-    get_checkpoint_tracker_filename,
-    load_checkpoint,
-    local_rng_state,
-    restore_local_rng_state,
-)
+from megatron.checkpoint.paths import get_checkpoint_tracker_filename
+from megatron.checkpoint.rng import local_rng_state, restore_local_rng_state
+from megatron.compat import load_checkpoint
 from megatron.core import parallel_state as ps
 from megatron.errors import ArgumentError
 from megatron.layers import ModelType
@@ -133,7 +130,9 @@ def _prediction_writer(task: FinetuneTask, args: argparse.Namespace) -> Optional
 def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
     """Train for --epochs (0: evaluate only). Returns {"train_losses": {it: {...}}, "valid_losses": {it: {...}},
     "accuracy": {epoch: {name: (correct, total)}}, "iteration"} with the numbers the log, validation and accuracy
-    lines print."""
+    lines print. The run keeps its own copy of the flags (batch sizes count sequences, the LR schedule's length is
+    the epochs'): the args start-up assembled stay as they are (megatron/startup.py)."""
+    args = argparse.Namespace(**vars(args))
     state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
     _check_batch(args)
     epochs = int(args.epochs or 0)

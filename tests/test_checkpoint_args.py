@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron import compat as ck
 from megatron.arguments import core_transformer_config_from_args, parse_args, validate_args
-from megatron.checkpoint import checkpointing as ck
 from megatron.checkpoint.args import ARCHITECTURE_FIELDS, ArchitectureMismatchError, architecture_from_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

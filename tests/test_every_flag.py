@@ -17,7 +17,7 @@ from typing import Dict, List
 import pytest
 
 import megatron.arguments as arguments_module
-import megatron.initialize as initialize_module
+import megatron.startup as startup_module
 from megatron.arguments import ArgumentError, build_parser, core_transformer_config_from_args, parse_args, validate_args
 from megatron.core.transformer_config import TransformerConfig
 from megatron.settings.config_flags import CONFIG_FIELDS, config_mapped_dests, dests_without_config_field
@@ -53,7 +53,7 @@ def _capture_parser(script: Path, monkeypatch: pytest.MonkeyPatch) -> argparse.A
     def fake_parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):  # noqa: ANN001
         raise _Captured(build_parser(extra_args_provider))
 
-    monkeypatch.setattr(initialize_module, "parse_args", fake_parse_args)
+    monkeypatch.setattr(startup_module, "parse_args", fake_parse_args)  # the pipeline's parse step
     monkeypatch.setattr(arguments_module, "parse_args", fake_parse_args)
     monkeypatch.setattr(sys, "argv", [str(script)])
     monkeypatch.syspath_prepend(str(REPO))

@@ -13,31 +13,37 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 AREA = ("megatron/training.py", "megatron/model_setup.py", "megatron/backend/__init__.py", "megatron/backend/base.py",
-        "megatron/backend/megatron.py", "megatron/backend/deepspeed.py", "megatron/checkpoint/checkpointing.py",
-        "megatron/checkpoint/formats.py", "megatron/initialize.py")
+        "megatron/backend/megatron.py", "megatron/backend/deepspeed.py", "megatron/checkpoint/paths.py",
+        "megatron/checkpoint/rng.py", "megatron/checkpoint/saving.py", "megatron/checkpoint/selection.py",
+        "megatron/checkpoint/loading.py", "megatron/checkpoint/args.py", "megatron/checkpoint/formats.py",
+        "megatron/initialize.py", "megatron/compat.py")
 # Megatron's public signatures users call with the flags (or none: the global flags); each builds the record it
 # needs and calls the typed core (write_checkpoint, read_checkpoint, check_checkpoint_layout, build_model).
-WRAPPERS = {("megatron/checkpoint/checkpointing.py", "save_checkpoint"),
-            ("megatron/checkpoint/checkpointing.py", "load_checkpoint"),
-            ("megatron/checkpoint/checkpointing.py", "check_checkpoint_args"),
+WRAPPERS = {("megatron/compat.py", "save_checkpoint"),
+            ("megatron/compat.py", "load_checkpoint"),
+            ("megatron/compat.py", "check_checkpoint_args"),
+            ("megatron/compat.py", "check_architecture"),
             ("megatron/model_setup.py", "get_model")}
 # The namespace's own side: pretrain() parses the flags and builds the records; start-up records the process's
 # rank, world size and backend on them (finish_mpu_init, Megatron's name, over typed _start_process_group and
 # _initialize_model_parallel); --use-checkpoint-args writes the checkpoint's architecture
 # onto them before validation; the LR schedule's builder turns --train-samples into --train-iters on them (as
-# Megatron's does; also used by megatron/ds/engine.py); _args_to_save copies them for a checkpoint.
+# Megatron's does; also used by megatron/ds/engine.py); args_to_save copies them for a checkpoint.
 FLAG_SIDE = {("megatron/training.py", "pretrain"),
              ("megatron/initialize.py", "initialize_megatron"),  # its args: Megatron's argv list
              ("megatron/initialize.py", "finish_mpu_init"),
-             ("megatron/checkpoint/checkpointing.py", "load_args_from_checkpoint"),
-             ("megatron/checkpoint/checkpointing.py", "_args_to_save"),
+             ("megatron/compat.py", "load_args_from_checkpoint"),
+             ("megatron/compat.py", "restore_architecture"),
+             ("megatron/compat.py", "use_checkpoint_args"),
+             ("megatron/compat.py", "args_to_save"),
+             ("megatron/compat.py", "_set_flags"),
              ("megatron/model_setup.py", "record_run_length"),
              ("megatron/model_setup.py", "get_optimizer_param_scheduler"),
              ("megatron/model_setup.py", "update_train_iters")}
 # ``configs.flags`` reads left per file (record_run_length writing the run's length; Megatron's ``args`` record in
 # checkpoints and what Megatron records on it).
 FLAGS_CEILING = {"megatron/training.py": 2, "megatron/backend/megatron.py": 1, "megatron/backend/deepspeed.py": 2,
-                 "megatron/checkpoint/checkpointing.py": 1}
+                 "megatron/checkpoint/saving.py": 1}
 
 
 def _functions(rel: str) -> list[ast.FunctionDef]:
@@ -115,7 +121,7 @@ def test_megatron_signatures_read_the_global_flags(tmp_path) -> None:
     import torch
 
     from megatron import global_vars
-    from megatron.checkpoint.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.checkpointing import load_checkpoint, save_checkpoint  # as Megatron users' scripts import them
 
     args = _flags("--train-iters", "8", "--save", str(tmp_path), "--load", str(tmp_path))
     args.consumed_train_samples = 12

@@ -55,7 +55,7 @@ READERS = [cls for cls in RECORDS if setting_names(cls)]
 
 
 def test_records_found() -> None:
-    assert len(RECORDS) >= 17 and all(cls.__dataclass_params__.frozen for cls in RECORDS)
+    assert len(RECORDS) >= 16 and all(cls.__dataclass_params__.frozen for cls in RECORDS)
     assert len(READERS) >= 15
 
 

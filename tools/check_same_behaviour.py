@@ -369,13 +369,15 @@ def _workdir_for(args: argparse.Namespace, parser: argparse.ArgumentParser) -> s
 
 @contextlib.contextmanager
 def _exclusive(work: str) -> Iterator[None]:
-    """One check at a time per work folder (a second one waits): each empties the folder first."""
+    """One check at a time per work folder (a second one waits): each empties the folder first. A POSIX record lock
+    (lockf), which Linux keeps apart from flock(1)'s: a check run under ``flock WORK.lock ...`` does not wait on its
+    own wrapper."""
     with open(work.rstrip("/") + ".lock", "w") as lock:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
             print(f"waiting for another check using {work} ...", flush=True)
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            fcntl.lockf(lock, fcntl.LOCK_EX)
         yield
 
 

@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,8 +41,9 @@ def _read_prompts(path: str) -> list[str]:
     return prompts
 
 
-def _resolve_sampling(args: argparse.Namespace) -> None:
-    """One-line errors for bad sampling flags; --temperature 0 becomes greedy decoding, as in the server."""
+def _resolve_sampling(args: argparse.Namespace) -> Tuple[bool, float]:
+    """(greedy, temperature) from the sampling flags, with one-line errors for bad ones; --temperature 0 becomes
+    greedy decoding, as in the server."""
     if args.temperature < 0.0:
         raise GenerateSamplesError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.top_k < 0 or not 0.0 <= args.top_p <= 1.0:
@@ -52,7 +53,8 @@ def _resolve_sampling(args: argparse.Namespace) -> None:
     if args.temperature == 0.0:
         if args.top_p > 0.0 or args.top_k > 1:
             raise GenerateSamplesError("--temperature 0 means greedy decoding; drop --top_k/--top_p")
-        args.greedy, args.temperature = True, 1.0
+        return True, 1.0
+    return args.greedy, args.temperature
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
@@ -67,7 +69,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         raise GenerateSamplesError("give --sample-input-file FILE (conditional) or --num-samples N (unconditional)")
     if args.out_seq_length <= 0:
         raise GenerateSamplesError(f"--out-seq-length must be > 0, got {args.out_seq_length}")
-    _resolve_sampling(args)
+    greedy, temperature = _resolve_sampling(args)
     tokenizer = global_vars.get_tokenizer()
     model = load_model_for_inference(args)
     if args.sample_input_file is not None:
@@ -90,8 +92,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     for start in range(0, len(prompt_ids), batch):
         chunk = prompt_ids[start: start + batch]
         to_generate = min(args.out_seq_length, max_total - max(len(p) for p in chunk))
-        out = generate(model, tokenizer, chunk, to_generate, greedy=args.greedy, top_k=args.top_k, top_p=args.top_p,
-                       temperature=args.temperature, random_seed=args.seed + start, use_kv_cache=not args.recompute)
+        out = generate(model, tokenizer, chunk, to_generate, greedy=greedy, top_k=args.top_k, top_p=args.top_p,
+                       temperature=temperature, random_seed=args.seed + start, use_kv_cache=not args.recompute)
         for j, (tokens, length) in enumerate(zip(out["tokens"], out["lengths"])):
             new = tokens[len(chunk[j]):]
             finished = bool(new) and new[-1] == tokenizer.eod

@@ -18,6 +18,7 @@ from megatron.backend.base import StepResult, TrainingBackend
 from megatron.core import parallel_state as ps
 from megatron.ds import engine as ds_engine
 from megatron.model_setup import build_param_scheduler, record_run_length
+from megatron.models.gpt import model_pipe
 from megatron.training_state import TrainingState
 
 if TYPE_CHECKING:
@@ -25,12 +26,11 @@ if TYPE_CHECKING:
 
 
 def gpt_model_pipe(configs: RunConfigs, state: ps.ParallelState) -> torch.nn.Module:
-    """GPTModelPipe for pretrain_gpt.py's flags (the GPT/Llama/BLOOM family's DeepSpeed pipeline model)."""
-    from megatron.models.gpt.model_pipe import GPTModelPipe
-
+    """GPTModelPipe for pretrain_gpt.py's flags (the GPT/Llama/BLOOM family's DeepSpeed pipeline model; its class is
+    built, importing DeepSpeed, on first use)."""
     if state.global_rank == 0:
         print(" > building GPT model ...", flush=True)
-    return GPTModelPipe(dataclasses.replace(configs.transformer), state,  # its own copy of the model's config
+    return model_pipe.GPTModelPipe(dataclasses.replace(configs.transformer), state,  # its own copy of the model's config
                         fp16_lm_cross_entropy=configs.deepspeed.fp16_lm_cross_entropy,
                         carry_attention_mask=configs.deepspeed.reset_attention_mask)
 

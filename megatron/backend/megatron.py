@@ -2,7 +2,7 @@
 
 `MegatronBackend` implements megatron.backend.TrainingBackend with get_model + get_megatron_optimizer, the
 forward/backward schedule of the pipeline size (1F1B, interleaved, or none), gradient finalisation, the
---check-for-nan-in-loss-and-grad skip, megatron/checkpoint/checkpointing.py's save/load, the fp16 grad scaler's loss scale and
+--check-for-nan-in-loss-and-grad skip, megatron/checkpoint/'s save/load, the fp16 grad scaler's loss scale and
 calc_params_l2_norm.
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 
 from megatron import global_vars
 from megatron.backend.base import StepResult, TrainingBackend
-from megatron.checkpoint.checkpointing import last_loaded, read_checkpoint, save_run_checkpoint
+from megatron.checkpoint.loading import last_loaded, read_checkpoint
+from megatron.checkpoint.saving import save_run_checkpoint
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func

@@ -6,6 +6,11 @@ computation (`ARCHITECTURE_FIELDS`), computed from the flags through the same ta
 both values; ``--use-checkpoint-args`` restores all of it (plus the sequence length and tokenizer settings when
 their flags are not given). Checkpoints written before ``architecture`` existed fall back to the ``args`` namespace
 saved in them (fields that namespace lacks are neither checked nor restored).
+
+Functions here take records (the architecture as a mapping, the flags' values as a mapping) and return values; the
+record is built by megatron/run_configs/architecture.py, and Megatron's ``args``-taking forms (``check_architecture``,
+``use_checkpoint_args``, ``restore_architecture``) are megatron/compat.py's. The flags' defaults come from their
+declarations (megatron/settings/), not from the parser.
 """
 from __future__ import annotations
 
@@ -13,21 +18,19 @@ import argparse
 import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from megatron.arguments import build_parser
+from megatron.checkpoint.integrity import read_pointer_file
 from megatron.errors import MegatronUserError
-from megatron.settings import architecture_fields, filled_if_unset, flag_hints, restore_rules
-from megatron.settings.config_flags import CONFIG_FIELDS
+from megatron.run_configs.architecture import ARCHITECTURE_FIELDS, architecture_from_args
+from megatron.settings import add_core_groups, add_last_groups, filled_if_unset, flag_hints, restore_rules
+
+__all__ = ["ARCHITECTURE_FIELDS", "FILLED_IF_UNSET", "ArchitectureMismatchError", "architecture_changes",
+           "architecture_from_args", "checkpoint_flag_values", "compare_architecture", "deepspeed_state_file",
+           "fill_derived_defaults", "flag_defaults", "saved_architecture"]
 
 
 class ArchitectureMismatchError(MegatronUserError, RuntimeError):
     """The checkpoint's architecture differs from this run's flags (one line: field, both values, the flag)."""
 
-
-# TransformerConfig fields that change the weights' shapes or what the forward pass computes with given weights, in
-# the record's order (each declaration's `arch` position, megatron/settings/: the order fixes the checkpoint's bytes);
-# the kinds first (a different kind also changes derived sizes, e.g. --swiglu the FFN width: name the cause). The
-# router's loss coefficients are training settings, not architecture.
-ARCHITECTURE_FIELDS: Tuple[str, ...] = architecture_fields()
 
 # Restored by --use-checkpoint-args only when the flag is left at its default (Megatron's rule for these).
 FILLED_IF_UNSET: Tuple[str, ...] = filled_if_unset()
@@ -37,27 +40,6 @@ _FLAG_OF_FIELD: Dict[str, str] = flag_hints()
 
 # field -> [(parser destination, value of that destination for a saved field value)] for --use-checkpoint-args.
 _RESTORE: Dict[str, List[Tuple[str, Callable[[Any], Any]]]] = restore_rules()
-
-
-def _plain(value: Any) -> Any:
-    """Python scalars only (the checkpoint loads weights-only)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, list) and all(isinstance(v, int) for v in value):
-        return list(value)  # --moe-layer-freq as a 0/1 pattern
-    return str(value)
-
-
-def architecture_from_args(args: argparse.Namespace) -> Dict[str, Any]:
-    """{field: value} for `ARCHITECTURE_FIELDS` computed from (validated) args; fields it cannot compute are left out."""
-    out: Dict[str, Any] = {}
-    for name in ARCHITECTURE_FIELDS:
-        _dests, getter = CONFIG_FIELDS[name]
-        try:
-            out[name] = _plain(getter(args))
-        except AttributeError:  # a namespace from an older version lacks the flag
-            continue
-    return out
 
 
 def fill_derived_defaults(arch: Dict[str, Any], ckpt_args: Any = None) -> Dict[str, Any]:
@@ -147,13 +129,9 @@ def _check_activation(saved: Mapping[str, Any], current: Mapping[str, Any], path
         "or --use-checkpoint-args to take the architecture from the checkpoint")
 
 
-def check_architecture(saved: Mapping[str, Any], args: argparse.Namespace, path: str) -> None:
-    """One line naming the first field where the checkpoint and this run's flags differ, with both values."""
-    compare_architecture(saved, architecture_from_args(args), path)
-
-
 def compare_architecture(saved: Mapping[str, Any], current: Mapping[str, Any], path: str) -> None:
-    """`check_architecture` against this run's architecture record (`architecture_from_args`, computed once)."""
+    """One line naming the first field where the checkpoint's architecture (`saved`) and this run's (`current`, the
+    record `architecture_from_args` builds) differ, with both values and the flag to pass."""
     for name in ARCHITECTURE_FIELDS:
         if name == ARCHITECTURE_FIELDS[0]:
             _check_activation(saved, current, path)
@@ -174,13 +152,12 @@ def compare_architecture(saved: Mapping[str, Any], current: Mapping[str, Any], p
                 f"{_fix(name, want)} to match, or --use-checkpoint-args to take the architecture from the checkpoint")
 
 
-def restore_architecture(args: argparse.Namespace, saved: Mapping[str, Any],
-                         ckpt_args: Optional[argparse.Namespace], flag_defaults: Mapping[str, Any]) -> List[str]:
-    """--use-checkpoint-args: set the flags' destinations so that validation rebuilds the saved architecture.
+def architecture_changes(given: Mapping[str, Any], saved: Mapping[str, Any], ckpt_args: Optional[argparse.Namespace],
+                         defaults: Mapping[str, Any]) -> Dict[str, Any]:
+    """--use-checkpoint-args: {flag destination: value} that makes validation rebuild the saved architecture, from
+    the flags' values as parsed (`given`) and their defaults (`defaults`, `flag_defaults`).
 
-    A flag given explicitly (not at its parser default in `flag_defaults`) with a different value is an error naming
-    it; returns the destinations that were set.
-    """
+    A flag given explicitly (not at its default) with a different value is an error naming it."""
     changes: Dict[str, Any] = {}
     for name in ARCHITECTURE_FIELDS:
         if name not in saved:
@@ -190,32 +167,32 @@ def restore_architecture(args: argparse.Namespace, saved: Mapping[str, Any],
     if "num_query_groups" in changes and changes["num_query_groups"] is None:
         changes["group_query_attention"] = False
     for name in FILLED_IF_UNSET:
-        if ckpt_args is not None and hasattr(ckpt_args, name) and \
-                getattr(args, name, None) == flag_defaults.get(name, None):
+        if ckpt_args is not None and hasattr(ckpt_args, name) and given.get(name, None) == defaults.get(name, None):
             changes[name] = getattr(ckpt_args, name)
     for dest, value in changes.items():
-        if dest not in flag_defaults or not hasattr(args, dest):
+        if dest not in defaults or dest not in given:
             continue
-        given, default = getattr(args, dest), flag_defaults[dest]
-        if given != default and given != value and given is not None:
+        current, default = given[dest], defaults[dest]
+        if current != default and current != value and current is not None:
             raise ArchitectureMismatchError(
-                f"--use-checkpoint-args: the checkpoint has {dest}={value!r} but the flags set {dest}={given!r}; "
+                f"--use-checkpoint-args: the checkpoint has {dest}={value!r} but the flags set {dest}={current!r}; "
                 f"drop that flag (the checkpoint decides the architecture)")
-    for dest, value in changes.items():
-        setattr(args, dest, value)
-    return sorted(changes)
+    return changes
 
 
 def flag_defaults() -> Dict[str, Any]:
-    """dest -> parser default of every core flag."""
-    return {action.dest: action.default for action in build_parser()._actions}
+    """dest -> default of every core flag, as argparse's action list gives it (for a destination two flags share, the
+    last action's), from a parser of the declared groups (megatron/settings/)."""
+    parser = add_last_groups(add_core_groups(argparse.ArgumentParser(allow_abbrev=False)))
+    return {action.dest: action.default for action in parser._actions}
 
 
-def use_checkpoint_args(args: argparse.Namespace, state_dict: Mapping[str, Any]) -> List[str]:
-    """--use-checkpoint-args from a loaded checkpoint file: restore its whole architecture into `args`."""
+def checkpoint_flag_values(state_dict: Mapping[str, Any], given: Mapping[str, Any]) -> Dict[str, Any]:
+    """--use-checkpoint-args from a loaded checkpoint file: the flag values restoring its whole architecture, for
+    flags whose values as parsed are `given`."""
     ckpt_args = state_dict.get("args")
     saved = saved_architecture(state_dict.get("architecture"), ckpt_args)
-    return restore_architecture(args, saved, ckpt_args, flag_defaults())
+    return architecture_changes(given, saved, ckpt_args, flag_defaults())
 
 
 def deepspeed_state_file(load_dir: str, select_tag: Optional[Callable[[str], str]] = None) -> Optional[str]:
@@ -225,8 +202,6 @@ def deepspeed_state_file(load_dir: str, select_tag: Optional[Callable[[str], str
     latest = os.path.join(load_dir, "latest")
     if not os.path.isfile(latest):
         return None
-    from megatron.checkpoint.integrity import read_pointer_file
-
     try:
         tag = read_pointer_file(latest)
     except ValueError as exc:

@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, get_tp_layout
 from megatron.layers.module import unwrap_model
+from megatron.optimizer.distrib_optimizer import model_param_order
+from megatron.run_configs.saved_args import SavedRunArgs
 
 EXPERT_PARAM_RE = re.compile(r"(^|\.)mlp\.experts\.(weight[12])$")  # the stacked experts (megatron/layers/moe.py)
 Transform = Callable[[torch.Tensor, TensorParallelLayout], torch.Tensor]
@@ -32,8 +34,6 @@ def active(state: Any) -> bool:
 def saved_whole(args: Any) -> bool:
     """The checkpoint whose saved args are `args` holds whole experts: saved with expert-TP != TP (this module), or
     with expert-TP (= TP) 1."""
-    from megatron.run_configs.saved_args import SavedRunArgs
-
     saved = SavedRunArgs.from_args(args)
     tp = saved.tensor_model_parallel_size or 1
     etp = saved.expert_tensor_parallel_size or tp
@@ -81,8 +81,6 @@ def model_state(sd: Dict[str, Any], models: List[torch.nn.Module], fn: Transform
 
 def _expert_flags(models: List[torch.nn.Module]) -> List[Optional[TensorParallelLayout]]:
     """The expert layout (None: not an expert) of each parameter in the regular optimizer's flat order."""
-    from megatron.optimizer.distrib_optimizer import model_param_order
-
     flags = []
     for _, name, param in model_param_order(models):
         m = EXPERT_PARAM_RE.search(name)
@@ -94,8 +92,6 @@ def regular_optimizer_state(optim_sd: Dict[str, Any], models: List[torch.nn.Modu
                             ) -> Dict[str, Any]:
     """A regular (FP32Optimizer / Float16Optimizer) optimizer state dict with `fn` applied to the experts' moments and
     fp32 main params (a new dict; the live optimizer's tensors are left alone)."""
-    from megatron.optimizer.distrib_optimizer import model_param_order
-
     nested = "optimizer" in optim_sd and "param_groups" not in optim_sd
     inner = optim_sd["optimizer"] if nested else optim_sd
     flags = _expert_flags(models)

@@ -16,7 +16,7 @@ import shutil
 import zlib
 from typing import Callable, Iterable, Optional
 
-from megatron.checkpoint.atomic_io import atomic_write_text, fault_point, is_temp_file
+from megatron.checkpoint.atomic_io import atomic_write_text, fault_point, is_temp_file, remove_stale_temp_files
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -159,8 +159,6 @@ def prune(root: str, keep: int, newest: int, layout: str = "megatron") -> list[i
 def prepare_save(save_dir: str, iter_dir: str, log: Callable[[str], None] = print) -> None:
     """Rank 0, before any rank writes an iteration: remove temp files of crashed writes (one line saying how many)
     and the iteration's old manifest (a rewrite must not verify until it is complete)."""
-    from megatron.checkpoint.atomic_io import remove_stale_temp_files
-
     removed = remove_stale_temp_files(save_dir)
     if removed:
         log(f" removed {len(removed)} temporary file(s) of interrupted checkpoint writes in {save_dir} "

@@ -133,6 +133,8 @@ class TransformerConfig(ModelParallelConfig):
     """Coefficient of the load-balancing loss (--moe-aux-loss-coeff)."""
     moe_z_loss_coeff: Optional[float] = None
     """Coefficient of the router z-loss; None = off (--moe-z-loss-coeff)."""
+    moe_per_layer_logging: bool = False
+    """The router losses also as TensorBoard scalars per layer, moe/<name>_layer_<i> (--moe-per-layer-logging)."""
     moe_router_pre_softmax: bool = False
     """Score function before top-k (Qwen/DeepSeek) instead of softmax over the k chosen logits."""
     moe_router_score_function: str = "softmax"

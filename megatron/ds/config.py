@@ -1,11 +1,11 @@
 """Load a DeepSpeed JSON config and reconcile it with Megatron's flags (pure Python; never imports deepspeed).
 
-`resolve_deepspeed_config(args)` is called from `megatron.arguments.validate_args` under ``--deepspeed``, after the
-parallel layout and batch sizes are known and before the precision flags are checked. It returns the dict that
-`deepspeed.initialize(config=...)` gets and stores it in ``args.deepspeed_config_dict``; ``args.zero_stage`` is the
-ZeRO stage in effect. `reconcile_deepspeed_config(args)` does the work without touching ``args``: it returns a
-`ReconciledDeepSpeedConfig` (the config, the ZeRO stage, --clip-grad, --fp16/--bf16 as the config makes them), and
-its `apply_to` is the one place that writes them onto the namespace. Rules (each violation is a one-line `ArgumentError` naming both sides and the fix):
+Start-up's validation (megatron/startup.py, step `reconcile_deepspeed`) calls `reconcile_deepspeed_config(args)` under
+``--deepspeed``, after the parallel layout and batch sizes are known and before the precision flags are checked. It
+does the work without touching ``args``: it returns a `ReconciledDeepSpeedConfig` (the config that
+`deepspeed.initialize(config=...)` gets, kept as ``args.deepspeed_config_dict``; the ZeRO stage in effect; --clip-grad,
+--fp16/--bf16 as the config makes them), whose `settled_values` validation applies to the namespace it builds.
+`resolve_deepspeed_config(args)` is the same written onto a caller's namespace (`apply_to`). Rules (each violation is a one-line `ArgumentError` naming both sides and the fix):
 
 - batch: the flags set it. ``train_micro_batch_size_per_gpu`` = --micro-batch-size, ``train_batch_size`` =
   --global-batch-size, ``gradient_accumulation_steps`` = global / (micro x data-parallel size) are written into the
@@ -257,12 +257,16 @@ class ReconciledDeepSpeedConfig:
     fp16: bool  # False on a machine without CUDA (fp32 instead), True when the config enables fp16
     bf16: bool
 
+    def settled_values(self) -> dict:
+        """The flag values the config settles, by dest, in the order Megatron-DeepSpeed records them on ``args``
+        (start-up's validation applies them to the namespace it builds)."""
+        return {"clip_grad": self.clip_grad, "fp16": self.fp16, "bf16": self.bf16, "zero_stage": self.zero_stage,
+                "deepspeed_config_dict": self.config}
+
     def apply_to(self, args: argparse.Namespace) -> None:
-        """Write the settled values onto the namespace (validate_args, at start-up: the flag layer's one write)."""
-        args.clip_grad = self.clip_grad
-        args.fp16, args.bf16 = self.fp16, self.bf16
-        args.zero_stage = self.zero_stage
-        args.deepspeed_config_dict = self.config
+        """Write the settled values onto a namespace (`resolve_deepspeed_config`'s contract)."""
+        for name, value in self.settled_values().items():
+            setattr(args, name, value)
 
 
 def resolve_deepspeed_config(args: argparse.Namespace, cuda_available: Optional[bool] = None) -> dict:

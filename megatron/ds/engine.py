@@ -25,16 +25,11 @@ from megatron import global_vars, optional
 from megatron.checkpoint import integrity
 from megatron.checkpoint.args import compare_architecture, saved_architecture
 from megatron.checkpoint.atomic_io import DiskFullError, is_disk_full
-from megatron.checkpoint.checkpointing import (
-    CHECKPOINT_VERSION,
-    CheckpointError,
-    check_checkpoint_layout,
-    first_failure_reason,
-    get_rng_state,
-    set_rng_state,
-)
+from megatron.checkpoint.paths import CHECKPOINT_VERSION, CheckpointError, first_failure_reason
+from megatron.checkpoint.rng import get_rng_state, set_rng_state
 from megatron.checkpoint.safe_load import guarded_torch_load
-from megatron.core import moe_aux
+from megatron.checkpoint.selection import check_checkpoint_layout
+from megatron.core import aux_losses
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
@@ -229,7 +224,7 @@ def deepspeed_train_step(forward_step_func: Callable, data_iterator: Optional[It
     barrier = settings.barrier_with_L1_time
     losses = []
     # MoE router losses get the main loss's backward scale (engine.backward divides by the accumulation steps).
-    moe_aux.set_aux_loss_scale(deepspeed_loss_scale(model) / num_mb)
+    aux_losses.set_aux_loss_scale(deepspeed_loss_scale(model) / num_mb)
     timers("forward-backward", log_level=1).start(barrier=barrier)
     for i in range(num_mb):
         # Explicit boundary: DeepSpeed's own test ((micro_steps + 1) % gas) drifts once the ramp-up changes gas.

@@ -26,7 +26,6 @@ import torch
 from megatron import global_vars, optional
 from megatron.checkpoint import integrity
 from megatron.checkpoint.args import compare_architecture
-from megatron.checkpoint.checkpointing import CheckpointError, first_failure_reason
 from megatron.checkpoint.conversion.deepspeed_format import DeepSpeedCheckpointReader, tag_layout
 from megatron.checkpoint.conversion.interchange import ConversionError, state_dict_from_messages
 from megatron.checkpoint.conversion.megatron_format import WORD as MEGATRON_WORD
@@ -37,6 +36,7 @@ from megatron.checkpoint.conversion.megatron_format import (
     stream_messages,
 )
 from megatron.checkpoint.conversion.vocab import repad_rows
+from megatron.checkpoint.paths import CheckpointError, first_failure_reason
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, get_tp_layout
 from megatron.ds.engine_kind import is_pipe_engine
 from megatron.logging_utils import print_rank_0

@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core import context_parallel, tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
@@ -277,8 +278,6 @@ class CoreAttention(MegatronModule):
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         if self.deterministic_mode and q.is_cuda:
             # --deterministic-mode: the fused CUDA kernels' backward passes are not deterministic.
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
             with sdpa_kernel(SDPBackend.MATH):
                 return self._sdpa_call(q, k, v, mask)
         return self._sdpa_call(q, k, v, mask)

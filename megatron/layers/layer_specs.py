@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.attention import ParallelAttention
 from megatron.layers.enums import AttnMaskType, AttnType
@@ -50,8 +51,6 @@ def expert_group(config: TransformerConfig) -> Optional[Any]:
     """The expert-model-parallel group of the current parallel state (None without expert parallelism)."""
     if config.expert_model_parallel_size <= 1:
         return None
-    from megatron.core import parallel_state
-
     state = parallel_state.get_parallel_state()
     if state.ep_size != config.expert_model_parallel_size:
         raise ValueError(f"--expert-model-parallel-size {config.expert_model_parallel_size} but the process groups "
@@ -62,8 +61,6 @@ def expert_group(config: TransformerConfig) -> Optional[Any]:
 def expert_tensor_group() -> Any:
     """The expert-tensor-parallel group of the current parallel state when it is not the dense TP group
     (--expert-tensor-parallel-size), else MoELayer's default (the TP group)."""
-    from megatron.core import parallel_state
-
     if not parallel_state.model_parallel_is_initialized():
         return SAME_AS_TP
     state = parallel_state.get_parallel_state()

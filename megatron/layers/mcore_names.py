@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, Iterable, Mapping
 
+import torch
+
 from megatron.errors import MegatronUserError
 
 _LM = "language_model."
@@ -240,8 +242,6 @@ def core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
 
 def experts_to_ours(matrices: Any) -> Any:
     """Core's per-expert output-major matrices (a list, or a tensor [E, out, in]) -> ours [E, in, out]."""
-    import torch
-
     stacked = matrices if isinstance(matrices, torch.Tensor) else torch.stack(list(matrices))
     return stacked.transpose(1, 2).contiguous()
 

@@ -6,6 +6,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model  # noqa: F401  (Megatron's megatron.model.unwrap_model)
 from megatron.layers.utils import pp_size_of
@@ -51,8 +52,6 @@ class MegatronModule(torch.nn.Module):
             raise RuntimeError("initialize_word_embeddings() needs tied input/output embeddings")
         if not _is_pp_multi(pp_state):
             return
-        from megatron.core.tensor_parallel import VocabParallelEmbedding
-
         config = self.config
         if getattr(self, "post_process", False) and not getattr(self, "pre_process", False):
             self.word_embeddings = VocabParallelEmbedding(

@@ -28,7 +28,8 @@ expert-data-parallel group.
 Routing (`TopKRouter`): logits = x W^T (fp32/fp64 with moe_router_dtype); z-loss; top-k then softmax over the k
 (or softmax/sigmoid before top-k with moe_router_pre_softmax / the sigmoid score function); optional scaling factor;
 capacity dropping (probs | position, optional pad to capacity); load-balancing loss from the softmax over all
-experts. Auxiliary losses enter backward through megatron.core.moe_aux.AuxLossAutoScaler.
+experts. Auxiliary losses enter backward through megatron.core.aux_losses.AuxLossAutoScaler; their values are recorded
+per layer under Megatron-LM's log names, which a model declares with `router_losses` (the loop logs what is declared).
 
 Parameter names: ``mlp.router.weight`` [E, h]; ``mlp.experts.weight1`` [E, h, F (x2 gated: [gate | up] per TP
 rank)], ``mlp.experts.weight2`` [E, F, h] (per-expert matrices stacked, input-major, as Megatron's GroupedMLP
@@ -38,12 +39,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from megatron.core import expert_parallel, moe_aux, tensor_parallel
+from megatron.core import aux_losses, expert_parallel, tensor_parallel
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers import moe_permute, moe_swiglu_experts
 from megatron.layers.mlp import ParallelMLP, activation_for
@@ -52,6 +53,30 @@ from megatron.layers.utils import group_rank, group_size
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 SAME_AS_TP = "tp"  # MoELayer's default expert-tensor-parallel group: the dense TP group (Megatron-LM's default)
+# --moe-router-load-balancing-type -> the log name of its loss (Megatron-LM's)
+LOAD_BALANCING_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+
+
+def router_losses(config: TransformerConfig, tp_group: Optional[Any]) -> Tuple[aux_losses.AuxLoss, ...]:
+    """The named losses the routers of a model of `config` record, as the model declares them (Megatron-LM's log
+    names and order): the load-balancing loss (summed over `tp_group`, averaged over data-parallel ranks) and the
+    z-loss, each averaged over the MoE layers; none without experts. With --moe-per-layer-logging each also gives
+    TensorBoard's moe/<name>_layer_<i>."""
+    if config.num_moe_experts is None:
+        return ()
+    num_moe = sum(config.moe_layer_pattern)
+
+    def loss(name: str, dp_average: bool, group: Optional[Any]) -> aux_losses.AuxLoss:
+        per_layer = f"moe/{name}" if config.moe_per_layer_logging else None
+        return aux_losses.AuxLoss(name, config.num_layers, num_moe, dp_average, group, per_layer)
+
+    declared = []
+    kind = config.moe_router_load_balancing_type
+    if kind in LOAD_BALANCING_LOSS_NAMES and config.moe_aux_loss_coeff:
+        declared.append(loss(LOAD_BALANCING_LOSS_NAMES[kind], True, tp_group))
+    if config.moe_z_loss_coeff is not None:
+        declared.append(loss("z_loss", False, None))
+    return tuple(declared)
 
 
 def capacity_of(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:
@@ -139,12 +164,12 @@ class TopKRouter(MegatronModule):
             return logits
         coeff = coeff / group_size(self.tp_group)
         z_loss = torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
-        moe_aux.record("z_loss", z_loss / coeff, self.layer_number, self.config.num_layers)
-        return moe_aux.AuxLossAutoScaler.apply(logits, z_loss)
+        aux_losses.record("z_loss", z_loss / coeff, self.layer_number, self.config.num_layers)
+        return aux_losses.AuxLossAutoScaler.apply(logits, z_loss)
 
     def _load_balancing(self, probs: torch.Tensor, logits: torch.Tensor, seq_length: int, bsz: int) -> torch.Tensor:
         kind, coeff = self.config.moe_router_load_balancing_type, self.config.moe_aux_loss_coeff
-        if kind not in ("aux_loss", "seq_aux_loss") or not coeff or not self._aux_losses_active():
+        if kind not in LOAD_BALANCING_LOSS_NAMES or not coeff or not self._aux_losses_active():
             return probs
         if self.config.moe_router_score_function == "softmax":
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -160,9 +185,8 @@ class TopKRouter(MegatronModule):
         total = scores.shape[0] * group_size(self.tp_group)
         aux = torch.sum(scores.sum(dim=0) * tokens_per_expert) * (
             self.num_experts * coeff / (self.topk * total * total)) / divisor
-        name = "load_balancing_loss" if kind == "aux_loss" else "seq_load_balancing_loss"
-        moe_aux.record(name, aux / coeff, self.layer_number, self.config.num_layers, reduce_group=self.tp_group)
-        return moe_aux.AuxLossAutoScaler.apply(probs, aux)
+        aux_losses.record(LOAD_BALANCING_LOSS_NAMES[kind], aux / coeff, self.layer_number, self.config.num_layers)
+        return aux_losses.AuxLossAutoScaler.apply(probs, aux)
 
     def forward(self, x: torch.Tensor, seq_length: int, bsz: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, h] -> (probs [T, E], routing map [T, E] bool)."""

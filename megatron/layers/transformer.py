@@ -25,6 +25,7 @@ from megatron.layers.inference_params import InferenceParams
 from megatron.layers.layer_specs import TransformerLayerSpec, transformer_layer_spec
 from megatron.layers.mlp import ParallelMLP  # noqa: F401  (re-exported: Megatron's name lives in transformer.py)
 from megatron.layers.module import MegatronModule
+from megatron.layers.moe import router_losses
 from megatron.layers.norms import build_norm
 from megatron.layers.utils import group_size, pp_size_of
 
@@ -174,6 +175,9 @@ class ParallelTransformer(MegatronModule):
             )
 
         self.tp_group = tp_group
+        # the named losses this model's layers record (the loop logs them; every stage declares them, see
+        # megatron/core/aux_losses.py)
+        self.aux_losses = router_losses(config, tp_group)
         self.num_layers, offset = layers_on_this_stage(config, pp_state, split_stack)
         self.layers = torch.nn.ModuleList(
             [

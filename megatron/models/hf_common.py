@@ -41,8 +41,14 @@ def encoder_layer_count(flat: Mapping[str, Any]) -> int:
     return len(ids)
 
 
-def hf_config_object(load_dir: str) -> Any:
-    """The transformers config object of a HF folder (read locally, never from the Hub)."""
+def hf_config_class(name: str) -> Any:
+    """``transformers.<name>`` (a config class such as "LlamaConfig"; transformers, an optional dependency, is
+    imported here on first use)."""
     import transformers
 
-    return transformers.AutoConfig.from_pretrained(load_dir, local_files_only=True)
+    return getattr(transformers, name)
+
+
+def hf_config_object(load_dir: str) -> Any:
+    """The transformers config object of a HF folder (read locally, never from the Hub)."""
+    return hf_config_class("AutoConfig").from_pretrained(load_dir, local_files_only=True)

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 from typing import Any, Mapping
 
+from megatron.run_configs.architecture import architecture_from_args
 from megatron.run_configs.batch import BatchSettings
 from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.run_configs.data_files import DataFileSettings
@@ -25,7 +26,6 @@ from megatron.run_configs.deepspeed import DeepSpeedSettings
 from megatron.run_configs.log_settings import LogSettings
 from megatron.run_configs.memory import MemorySettings
 from megatron.run_configs.model_wrap import ModelWrapSettings
-from megatron.run_configs.moe_losses import MoELossSettings
 from megatron.run_configs.run_settings import LoopSettings
 from megatron.run_configs.schedule import ScheduleSettings
 from megatron.run_configs.step import StepSettings
@@ -45,7 +45,6 @@ class RunConfigs:
     memory: MemorySettings
     loop: LoopSettings
     batch: BatchSettings
-    moe: MoELossSettings
     data_files: DataFileSettings
     schedule: ScheduleSettings  # the LR / weight-decay schedule (the flags as parsed: before --train-samples
     # becomes --train-iters, which `with_run_length` picks up)
@@ -58,7 +57,6 @@ class RunConfigs:
     def from_args(cls, args: argparse.Namespace, load_arg: str = "load") -> RunConfigs:
         """All records from validated flags (`load_arg`: the flag naming the folder checkpoints load from)."""
         from megatron.arguments import core_transformer_config_from_args
-        from megatron.checkpoint.args import architecture_from_args
         from megatron.optimizer.optimizer_config import optimizer_config_from_args
 
         settings = Settings.from_args(args)
@@ -67,7 +65,7 @@ class RunConfigs:
             deepspeed=DeepSpeedSettings.from_args(args, settings), step=StepSettings.from_args(args, settings),
             model_wrap=ModelWrapSettings.from_args(args, settings), log=LogSettings.from_args(args, settings),
             memory=MemorySettings.from_args(args, settings), loop=LoopSettings.from_args(args, settings),
-            batch=BatchSettings.from_args(args, settings), moe=MoELossSettings.from_args(args, settings),
+            batch=BatchSettings.from_args(args, settings),
             data_files=DataFileSettings.from_args(args, settings),
             schedule=ScheduleSettings.from_args(args, settings), architecture=architecture_from_args(args),
             transformer=core_transformer_config_from_args(args), optimizer=optimizer_config_from_args(args),

@@ -1,4 +1,4 @@
-"""CheckpointSettings: what megatron/checkpoint/checkpointing.py and the DeepSpeed checkpoint code read from the flags."""
+"""CheckpointSettings: what megatron/checkpoint/ (saving.py, loading.py, selection.py) and the DeepSpeed checkpoint code read from the flags."""
 from __future__ import annotations
 
 import argparse

@@ -16,32 +16,32 @@ class CheckpointingSettings:
     save_interval: Optional[int] = setting("--save-interval", help="Iterations between checkpoint saves.",
         read_by="megatron/training.py")
     no_save_optim: Optional[bool] = setting("--no-save-optim", action="store_true", help="Do not save optimizer state.",
-        read_by="megatron/checkpoint/checkpointing.py")
+        read_by="megatron/checkpoint/saving.py")
     no_save_rng: Optional[bool] = setting("--no-save-rng", action="store_true", help="Do not save RNG state.",
-        read_by="megatron/checkpoint/checkpointing.py")
+        read_by="megatron/checkpoint/saving.py")
     load: Optional[str] = setting("--load", help="Directory containing a checkpoint to load.",
-        read_by="megatron/checkpoint/checkpointing.py")
+        read_by="megatron/checkpoint/loading.py")
     no_load_optim: Optional[bool] = setting("--no-load-optim", action="store_true", help="Do not load optimizer state.",
-        read_by="megatron/checkpoint/checkpointing.py")
+        read_by="megatron/checkpoint/loading.py")
     no_load_rng: Optional[bool] = setting("--no-load-rng", action="store_true", help="Do not load RNG state.",
-        read_by="megatron/checkpoint/checkpointing.py")
+        read_by="megatron/checkpoint/loading.py")
     finetune: bool = setting("--finetune", default=False,
-        help="Load model weights only; reset iteration count, optimizer and RNG.", read_by="megatron/checkpoint/checkpointing.py")
+        help="Load model weights only; reset iteration count, optimizer and RNG.", read_by="megatron/checkpoint/loading.py")
     perform_initialization: bool = setting("--no-initialization", default=True,
         help="Skip weight initialisation (weights come from a checkpoint).", config=True)
     use_checkpoint_args: bool = setting("--use-checkpoint-args", default=False,
-        help="Take model arguments from the checkpoint in --load.", read_by="megatron/initialize.py")
+        help="Take model arguments from the checkpoint in --load.", read_by="megatron/startup.py")
     exit_on_missing_checkpoint: bool = setting("--exit-on-missing-checkpoint", default=False,
-        help="Exit if --load is set but no checkpoint is found there.", read_by="megatron/checkpoint/checkpointing.py")
+        help="Exit if --load is set but no checkpoint is found there.", read_by="megatron/checkpoint/loading.py")
     trust_checkpoint: bool = setting("--trust-checkpoint", default=False,
         help="Load checkpoint files with full unpickling (can run code in them); default: weights-only with an "
-             "allow-list (also MEGATRON_TRUST_CHECKPOINT=1).", read_by="megatron/checkpoint/checkpointing.py")
+             "allow-list (also MEGATRON_TRUST_CHECKPOINT=1).", read_by="megatron/checkpoint/loading.py")
     no_checkpoint_fallback: bool = setting("--no-checkpoint-fallback", default=False,
         help="A damaged latest checkpoint is an error (default: load the newest iteration that verifies).",
-        read_by="megatron/checkpoint/checkpointing.py")
+        read_by="megatron/checkpoint/loading.py")
     keep_last_n_checkpoints: Optional[int] = setting("--keep-last-n-checkpoints",
         help="After a save verifies, delete all but the N newest checkpoint iterations.",
-        read_by="megatron/checkpoint/checkpointing.py")
+        read_by="megatron/checkpoint/saving.py")
     ckpt_format: str = setting("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
         help="Checkpoint format to save (and expect on load): torch = per-rank model_optim_rng.pt files (ours, the "
              "default; Megatron-LM's default is torch_dist), torch_dist = one torch.distributed.checkpoint folder "

@@ -110,7 +110,7 @@ class MoESettings:
     moe_input_jitter_eps: Optional[float] = setting("--moe-input-jitter-eps", help="Multiplicative input jitter.",
         refused="(input jitter) is not implemented")
     moe_per_layer_logging: bool = setting("--moe-per-layer-logging", default=False,
-        help="TensorBoard scalars of the aux losses per layer.", read_by="megatron/training.py")
+        help="TensorBoard scalars of the aux losses per layer.", config=True)
     moe_token_dispatcher_type: str = setting("--moe-token-dispatcher-type", default="allgather",
         choices=["allgather", "alltoall", "flex"],
         help="Token dispatcher (allgather and alltoall give the same numbers).", config=True, restore_if_unset=True)

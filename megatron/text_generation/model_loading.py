@@ -9,14 +9,15 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from megatron.arguments import core_transformer_config_from_args
-from megatron.checkpoint.args import architecture_from_args
-from megatron.checkpoint.checkpointing import TRACKER_FILENAME, read_checkpoint
+from megatron.checkpoint.loading import read_checkpoint
+from megatron.checkpoint.paths import TRACKER_FILENAME
 from megatron.core import parallel_state as ps
 from megatron.core.rank_print import print_rank_0
 from megatron.errors import MegatronUserError
 from megatron.layers import ModelType
 from megatron.model_setup import build_model
 from megatron.models.gpt.model import GPTModel
+from megatron.run_configs.architecture import architecture_from_args
 from megatron.run_configs.checkpoint import CheckpointSettings
 from megatron.run_configs.declared import flag_value
 from megatron.run_configs.model_wrap import ModelWrapSettings

@@ -25,6 +25,8 @@ import os
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from megatron.errors import InputFileError, InputFileNotFoundError
 from megatron.tokenizer.abstract import AbstractTokenizer
 
@@ -161,8 +163,6 @@ def _tiktoken_ranks(vocab: Dict[str, int], merge_file: str) -> Optional[Dict[byt
     Valid when every vocab entry other than eod is a single byte or a merge result, all 256 byte symbols exist,
     and the merge results have distinct ids that increase in merge order (so rank order == merge priority).
     """
-    import numpy as np
-
     merged = [line.replace(" ", "") for line in _merge_lines(merge_file) if line]
     ids = [vocab.get(m, -1) for m in merged]
     arr = np.asarray(ids, dtype=np.int64)

@@ -6,6 +6,12 @@ from typing import Any
 from megatron.errors import ArgumentError
 from megatron.run_configs.tokenizer import TokenizerSettings
 from megatron.tokenizer.abstract import AbstractTokenizer
+from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
+from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer, PretrainedFromHFTokenizer
+from megatron.tokenizer.llama2_tokenizer import Llama2Tokenizer
+from megatron.tokenizer.null_tokenizer import NullTokenizer
+from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 from megatron.tokenizer.types import TOKENIZER_TYPES
 
 
@@ -39,32 +45,18 @@ def make_tokenizer(cfg: TokenizerSettings) -> AbstractTokenizer:
     kind = cfg.tokenizer_type
     extra = cfg.vocab_extra_ids
     if kind == "GPT2BPETokenizer":
-        from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
-
         return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
     if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
-        from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
-
         return BertWordPieceTokenizer(cfg.vocab_file, lower_case=kind.endswith("LowerCase"), vocab_extra_ids=extra)
     if kind == "SentencePieceTokenizer":
-        from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
-
         return SentencePieceTokenizer(cfg.tokenizer_model, vocab_extra_ids=extra)
     if kind == "Llama2Tokenizer":
-        from megatron.tokenizer.llama2_tokenizer import Llama2Tokenizer
-
         return Llama2Tokenizer(cfg.tokenizer_model, vocab_extra_ids=extra)
     if kind == "PretrainedFromHF":
-        from megatron.tokenizer.hf_tokenizer import PretrainedFromHFTokenizer
-
         return PretrainedFromHFTokenizer(cfg.tokenizer_name_or_path, vocab_extra_ids=extra)
     if kind == "HuggingFaceTokenizer":
-        from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer
-
         return HuggingFaceTokenizer(cfg.tokenizer_model, vocab_extra_ids=extra)
     if kind == "NullTokenizer":
-        from megatron.tokenizer.null_tokenizer import NullTokenizer
-
         if cfg.vocab_size is None:
             raise ArgumentError("NullTokenizer needs --vocab-size")
         return NullTokenizer(cfg.vocab_size)

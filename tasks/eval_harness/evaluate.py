@@ -124,9 +124,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     tasks = check_eval_args(args)
     manager = task_manager(args.include_path)
     check_tasks(tasks, manager)
-    if args.eval_fp32 and (args.fp16 or args.bf16):
-        args.fp16 = args.bf16 = False
-        args.params_dtype = torch.float32
+    if args.eval_fp32 and (args.fp16 or args.bf16):  # a copy: the args start-up assembled stay as they are
+        args = argparse.Namespace(**{**vars(args), "fp16": False, "bf16": False, "params_dtype": torch.float32})
     state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
     model = load_model_for_inference(args, state, parallel_output=False)
     lm = MegatronLM(model, global_vars.get_tokenizer(), max_length=args.seq_length,

@@ -58,7 +58,7 @@ def _save_ds_checkpoints(rank: int, world_size: int, shared: str, out_root: str,
 
     import pretrain_gpt
     from megatron import global_vars
-    from megatron.checkpoint.checkpointing import CHECKPOINT_VERSION, _args_to_save, get_rng_state
+    from megatron.compat import CHECKPOINT_VERSION, args_to_save, get_rng_state
     from megatron.initialize import destroy_megatron, initialize_megatron
     from megatron.text_generation import generate
 
@@ -78,7 +78,7 @@ def _save_ds_checkpoints(rank: int, world_size: int, shared: str, out_root: str,
             engine.backward(loss)
             engine.step()
         args.consumed_train_samples = ITERATION * 2 * world_size
-        client = {"iteration": ITERATION, "args": _args_to_save(args), "checkpoint_version": CHECKPOINT_VERSION,
+        client = {"iteration": ITERATION, "args": args_to_save(args), "checkpoint_version": CHECKPOINT_VERSION,
                   "rng_state": get_rng_state()}
         engine.save_checkpoint(os.path.join(out_root, f"zero{stage}"), tag=f"global_step{ITERATION}",
                                client_state=client)
@@ -115,7 +115,7 @@ def _save_ds_checkpoints(rank: int, world_size: int, shared: str, out_root: str,
         ids, pos, mask, labels = _batch(args.padded_vocab_size, seed=100 * step)
         engine.backward(engine(ids, pos, mask, labels=labels).mean())
         engine.step()
-    client = {"iteration": ITERATION, "args": _args_to_save(args), "checkpoint_version": CHECKPOINT_VERSION}
+    client = {"iteration": ITERATION, "args": args_to_save(args), "checkpoint_version": CHECKPOINT_VERSION}
     engine.save_checkpoint(os.path.join(out_root, "zero3_tp2"), tag=f"global_step{ITERATION}", client_state=client)
     engine.eval()
     ids, pos, mask, _ = _batch(args.padded_vocab_size, seed=99)

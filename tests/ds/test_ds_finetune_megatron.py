@@ -61,7 +61,7 @@ def _convert(ckpt: str, tp2: str, ds: str) -> None:
 
 def _weights_vs_megatron(rank: int, world_size: int, argv: list[str], ref_load: str) -> float:
     """Max |engine weight - Megatron-loaded weight| after the engine's start-up load (ZeRO-3 gathered first); the
-    reference is a plain GPTModel loaded by megatron.checkpoint.checkpointing.load_checkpoint from `ref_load`."""
+    reference is a plain GPTModel loaded by megatron.compat.load_checkpoint from `ref_load`."""
     import contextlib
     import io
 
@@ -69,7 +69,7 @@ def _weights_vs_megatron(rank: int, world_size: int, argv: list[str], ref_load: 
     import torch
 
     import pretrain_gpt
-    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.compat import load_checkpoint
     from megatron.core import parallel_state as ps
     from megatron.initialize import initialize_megatron
     from megatron.layers.enums import ModelType

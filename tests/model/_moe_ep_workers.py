@@ -34,17 +34,17 @@ def _layer(kw: dict, ep_group, dispatcher: str, w: dict):
 
 
 def _run(layer, x: torch.Tensor, g: torch.Tensor) -> dict:
-    from megatron.core import moe_aux
+    from megatron.core import aux_losses
 
-    moe_aux.clear()
-    moe_aux.set_aux_loss_scale(1.0)
+    aux_losses.clear()
+    aux_losses.set_aux_loss_scale(1.0)
     x = x.clone().requires_grad_(True)
     out, _ = layer(x)
     (out * g).sum().backward()
     res = {"out": out.detach(), "dx": x.grad, "drouter": layer.router.weight.grad,
            "dw1": layer.experts.weight1.grad, "dw2": layer.experts.weight2.grad}
-    res.update({"loss_" + k: v for k, v in moe_aux.tracked().items()})
-    moe_aux.clear()
+    res.update({"loss_" + k: v for k, v in aux_losses.tracked().items()})
+    aux_losses.clear()
     return res
 
 

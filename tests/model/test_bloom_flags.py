@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.arguments import ArgumentError, core_transformer_config_from_args, parse_args, validate_args
-from megatron.checkpoint.args import ArchitectureMismatchError, architecture_from_args, check_architecture
+from megatron.checkpoint.args import ArchitectureMismatchError, architecture_from_args
+from megatron.compat import check_architecture
 from megatron.layers.mlp import ParallelMLP
 from tests.model.helpers import batch, build_gpt, tiny_config
 

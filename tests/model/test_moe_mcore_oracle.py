@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from megatron.core import moe_aux
+from megatron.core import aux_losses
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.moe import MoELayer
 from tests.mcore_oracle import run_oracle
@@ -138,8 +138,8 @@ def _ours(kw: dict, w: dict) -> dict:
             layer.shared_experts.dense_4h_to_h.weight.copy_(w["shared_fc2"])
             if kw["gate"]:
                 layer.shared_experts.gate_weight.copy_(w["gate"])
-    moe_aux.clear()
-    moe_aux.set_aux_loss_scale(1.0)
+    aux_losses.clear()
+    aux_losses.set_aux_loss_scale(1.0)
     x = w["x"].clone().requires_grad_(True)
     out, _ = layer(x)
     (out * w["g"]).sum().backward()
@@ -149,9 +149,9 @@ def _ours(kw: dict, w: dict) -> dict:
         res["dshared_fc1"] = layer.shared_experts.dense_h_to_4h.weight.grad
         if kw["gate"]:
             res["dgate"] = layer.shared_experts.gate_weight.grad
-    for key, values in moe_aux.tracked().items():
+    for key, values in aux_losses.tracked().items():
         res["loss_" + key] = values[0]
-    moe_aux.clear()
+    aux_losses.clear()
     return res
 
 

@@ -32,10 +32,20 @@ PATHS = [
     ("megatron.model.enums", "AttnMaskType", "megatron.layers.enums"),
     ("megatron.model.rotary", "RotaryEmbedding", "megatron.layers.rotary"),
     ("megatron.model.language_model", "parallel_lm_logits", "megatron.layers.language_model"),
-    ("megatron.checkpointing", "save_checkpoint", "megatron.checkpoint.checkpointing"),
-    ("megatron.checkpointing", "load_checkpoint", "megatron.checkpoint.checkpointing"),
-    ("megatron.checkpointing", "CheckpointError", "megatron.checkpoint.checkpointing"),
-    ("megatron.checkpoint_args", "check_architecture", "megatron.checkpoint.args"),
+    ("megatron.checkpointing", "save_checkpoint", "megatron.compat"),
+    ("megatron.checkpointing", "load_checkpoint", "megatron.compat"),
+    ("megatron.checkpointing", "load_args_from_checkpoint", "megatron.compat"),
+    ("megatron.checkpointing", "check_checkpoint_args", "megatron.compat"),
+    ("megatron.checkpointing", "CheckpointError", "megatron.checkpoint.paths"),
+    ("megatron.checkpointing", "get_checkpoint_name", "megatron.checkpoint.paths"),
+    ("megatron.checkpointing", "get_checkpoint_tracker_filename", "megatron.checkpoint.paths"),
+    ("megatron.checkpointing", "read_metadata", "megatron.checkpoint.paths"),
+    ("megatron.checkpointing", "get_rng_state", "megatron.checkpoint.rng"),
+    ("megatron.checkpointing", "set_rng_state", "megatron.checkpoint.rng"),
+    ("megatron.checkpoint.checkpointing", "save_checkpoint", "megatron.compat"),
+    ("megatron.checkpoint.checkpointing", "read_checkpoint", "megatron.checkpoint.loading"),
+    ("megatron.checkpoint.checkpointing", "write_checkpoint", "megatron.checkpoint.saving"),
+    ("megatron.checkpoint_args", "compare_architecture", "megatron.checkpoint.args"),
     ("megatron.checkpoint_args", "ArchitectureMismatchError", "megatron.checkpoint.args"),
     ("megatron.checkpoint_formats", "CheckpointFormatError", "megatron.checkpoint.formats"),
     ("megatron.checkpoint_integrity", "write_manifest", "megatron.checkpoint.integrity"),
@@ -66,7 +76,7 @@ def test_a_moved_module_is_the_same_module_under_both_names():
     assert bert_model is importlib.import_module("megatron.models.bert.model")
     assert "BertModel" in dir(importlib.import_module("megatron.model"))
     from megatron import checkpoint_integrity, checkpointing, safe_load  # the checkpoint package's old names too
-    assert checkpointing is importlib.import_module("megatron.checkpoint.checkpointing")
+    assert checkpointing is importlib.import_module("megatron.compat")  # Megatron's args-taking wrappers
     assert checkpoint_integrity is importlib.import_module("megatron.checkpoint.integrity")
     assert safe_load is importlib.import_module("megatron.checkpoint.safe_load")
     from megatron.model import moved as old_moved
@@ -89,13 +99,19 @@ def test_a_moved_package_keeps_every_submodule_under_its_old_prefix():
 
 
 def test_monkeypatching_an_old_checkpoint_path_patches_the_code_that_calls_it(monkeypatch, tmp_path):
-    """A user's script that patches megatron.checkpointing's names changes what the checkpoint package does."""
-    import megatron.checkpointing as old
-    from megatron.checkpoint import checkpointing
+    """megatron.checkpointing is megatron.compat: a user's script that patches a name there patches what Megatron's
+    wrappers call (here load_checkpoint's `read_checkpoint`, with the records it built from the flags)."""
+    import argparse
 
-    monkeypatch.setattr("megatron.checkpointing.get_checkpoint_tracker_filename", lambda path: "patched")
-    assert checkpointing.get_checkpoint_tracker_filename(str(tmp_path)) == "patched"
-    assert old.get_checkpoint_tracker_filename is checkpointing.get_checkpoint_tracker_filename
+    import megatron.checkpointing as old
+    from megatron import compat
+
+    seen = []
+    monkeypatch.setattr("megatron.checkpointing.read_checkpoint", lambda *a, **kw: seen.append(a[3]) or 7)
+    args = argparse.Namespace(load=str(tmp_path), pretrained=str(tmp_path / "p"), finetune=True)
+    assert compat.load_checkpoint(None, None, None, args, load_arg="pretrained") == 7
+    assert (seen[0].load, seen[0].finetune) == (str(tmp_path / "p"), True)
+    assert old.read_checkpoint is compat.read_checkpoint
 
 
 def test_checkpoints_pickle_the_model_enums_by_megatrons_path(tmp_path):

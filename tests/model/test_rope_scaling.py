@@ -79,7 +79,7 @@ def _validated(*flags: str) -> argparse.Namespace:
 
 
 def test_flags_reach_the_config_and_use_checkpoint_args_restores_them(tmp_path):
-    from megatron.checkpoint import checkpointing as ck
+    from megatron import compat as ck
     from megatron.checkpoint.args import ArchitectureMismatchError
 
     args = _validated(*SCALED, "--save", str(tmp_path), "--save-interval", "1")
@@ -135,10 +135,9 @@ def test_conversion_keeps_the_scaling_both_ways(tmp_path, rope_scaling):
     import shlex
 
     from megatron.arguments import build_parser
-    from megatron.checkpoint.args import check_architecture
-    from megatron.checkpoint.checkpointing import load_state_dict_file
     from megatron.checkpoint.conversion.driver import convert
     from megatron.checkpoint.conversion.driver import parse_args as convert_args
+    from megatron.compat import check_architecture, load_state_dict_file
 
     hf = hf_model("llama_gqa", seed=2, rope_scaling=rope_scaling)
     hf.save_pretrained(tmp_path / "hf")

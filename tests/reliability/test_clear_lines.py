@@ -46,8 +46,8 @@ def test_truncated_samples_mapping_npy_is_rebuilt(tmp_path: Path, capsys: pytest
 
 
 def test_non_utf8_tracker_file_is_one_line(tmp_path: Path) -> None:
-    from megatron.checkpoint.checkpointing import read_metadata
     from megatron.checkpoint.conversion.megatron_format import find_iteration_dir
+    from megatron.compat import read_metadata
     from megatron.errors import MegatronUserError
 
     tracker = tmp_path / "latest_checkpointed_iteration.txt"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron import compat as ck
 from megatron.checkpoint import atomic_io
-from megatron.checkpoint import checkpointing as ck
 from megatron.checkpoint.atomic_io import DiskFullError, tensor_bytes
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron.checkpoint import integrity
-from megatron.checkpoint.checkpointing import load_state_dict_file
+from megatron.compat import load_state_dict_file
 from megatron.data.data_samplers import build_pretraining_data_loader
 from megatron.initialize import find_free_port
 from tests.reliability.helpers import REPO, train_argv

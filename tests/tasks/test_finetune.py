@@ -131,7 +131,7 @@ def test_epochs_zero_evaluates_only_and_writes_predictions(serial: dict) -> None
 def test_printed_accuracy_equals_hugging_face(serial: dict, data: dict) -> None:
     from transformers import BertTokenizer, MegatronBertConfig, MegatronBertForSequenceClassification
 
-    from megatron.checkpoint.checkpointing import load_state_dict_file
+    from megatron.compat import load_state_dict_file
     from megatron.models.bert.classification import Classification
     from megatron.models.bert.hf import hf_megatron_bert_config_kwargs
     from tests.model.test_bert_model import bert_config

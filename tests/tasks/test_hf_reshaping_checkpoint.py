@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.checkpoint.args import ArchitectureMismatchError, check_architecture, saved_architecture
+from megatron.checkpoint.args import ArchitectureMismatchError, saved_architecture
+from megatron.compat import check_architecture
 from tests.tasks import helpers as H
 from tests.tasks.test_zeroshot_gpt import _run_in_process, hf_wikitext
 

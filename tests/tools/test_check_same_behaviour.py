@@ -1,16 +1,18 @@
 """tools/check_same_behaviour.py's runs beyond one process (issue #36's proof): the BLOOM, Mixtral-EP2 and CP2 runs'
 flags, the per-rank log records of a 2-process run (MoE aux losses logged, one checkpoint folder per expert rank), a
 failed rank stopping its run, a byte difference explained (pickled class paths, text lines), and a compare running in
-the record's own work folder (refusing another one)."""
+the record's own work folder (refusing another one), its lock apart from a flock(1) wrapper's."""
 from __future__ import annotations
 
 import argparse
 import collections
 import enum
+import fcntl
 import importlib.util
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -111,7 +113,7 @@ def test_two_process_run_is_recorded_per_rank(tmp_path: Path) -> None:
     assert os.path.isdir(os.path.join(work, "logs"))
 
 
-def test_a_byte_difference_names_the_pickled_classes_and_text_lines(tmp_path: Path) -> None:
+def test_a_byte_difference_names_the_pickled_classes_and_text_lines(tmp_path: Path, monkeypatch) -> None:
     """A checkpoint whose values are equal but whose pickle names a class at another module path (a moved enum in
     args) differs in bytes: the compare says which class paths changed; a text file's changed lines are shown."""
     tool = _tool()
@@ -119,12 +121,13 @@ def test_a_byte_difference_names_the_pickled_classes_and_text_lines(tmp_path: Pa
     digests = []
     for module in ("megatron.model.enums", "megatron.layers.enums"):
         kind.__module__ = module
-        sys.modules[module] = argparse.Namespace(ModelType=kind)  # pickle checks the class is found there
+        # pickle checks the class is found there; the real modules are put back after the test (deleting them would
+        # make the next import build a second ModelType class that later pickles refuse)
+        monkeypatch.setitem(sys.modules, module, argparse.Namespace(ModelType=kind))
         path = tmp_path / "model_optim_rng.pt"
         torch.save({"args": argparse.Namespace(model_type=kind.encoder_or_decoder), "w": torch.ones(2),
                     "o": collections.OrderedDict(a=1)}, path)
         digests.append(tool._file_digest(str(path), str(tmp_path)))
-        del sys.modules[module]
     old, new = digests
     assert "argparse.Namespace" in old["classes"] and "collections.OrderedDict" in old["classes"]
     assert old["content"] == new["content"] and old["sha256"] != new["sha256"]
@@ -132,3 +135,20 @@ def test_a_byte_difference_names_the_pickled_classes_and_text_lines(tmp_path: Pa
         "    pickled classes: megatron.model.enums.ModelType -> megatron.layers.enums.ModelType"]
     assert tool._file_difference({"sha256": "a", "text": "x\ncrc: 1\n"}, {"sha256": "b", "text": "x\ncrc: 2\n"}) == [
         "    @@ -2 +2 @@", "    -crc: 1", "    +crc: 2"]
+
+
+def test_a_check_under_a_flock_wrapper_does_not_wait_on_it(tmp_path: Path) -> None:
+    """`flock WORK.lock python tools/check_same_behaviour.py ...` (a wrapper holding flock on the tool's lock file)
+    must not block the tool inside it: its own lock is a POSIX record lock, apart from flock's."""
+    tool = _tool()
+    work = str(tmp_path / "work")
+    entered = threading.Event()
+
+    def check() -> None:
+        with tool._exclusive(work):
+            entered.set()
+
+    with open(work + ".lock", "w") as wrapper:
+        fcntl.flock(wrapper, fcntl.LOCK_EX)
+        threading.Thread(target=check, daemon=True).start()
+        assert entered.wait(10), "the check waited on the flock wrapper's lock"

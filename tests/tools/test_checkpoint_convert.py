@@ -112,10 +112,10 @@ def test_reshape_matrix_gives_source_logits(source, tmp_path):
 
 
 def test_loaded_by_megatron_checkpointing(source, tmp_path):
-    """The converted checkpoint loads with megatron.checkpoint.checkpointing.load_checkpoint (architecture check included)."""
+    """The converted checkpoint loads with megatron.compat.load_checkpoint (architecture check included)."""
     import argparse
 
-    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.compat import load_checkpoint
 
     family, cfg, model, src = source
     _convert(src, tmp_path / "out", "--true-vocab-size", str(TRUE_VOCAB))
@@ -235,11 +235,11 @@ def test_cli_one_line_error_and_flags(tmp_path):
 @pytest.mark.parametrize("version,file_name", [(0, "model_optim_rng.pt"), (1.0, "model_rng.pt"),
                                                (3.0, "model_rng.pt")])
 def test_load_checkpoint_reads_other_tools_checkpoints(tmp_path, version, file_name):
-    """megatron.checkpoint.checkpointing.load_checkpoint (training/inference --load) reads a release checkpoint with
+    """megatron.compat.load_checkpoint (training/inference --load) reads a release checkpoint with
     SimpleNamespace args (model fields only), old QKV orders, Megatron-LM's model_rng.pt and a dummy optimizer."""
     import argparse
 
-    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.compat import load_checkpoint
 
     ns = types.SimpleNamespace(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16)
     cfg, model = _old_checkpoint(tmp_path / "ck", version, ns, release=True)
@@ -299,13 +299,13 @@ def test_pipeline_files_load_strictly_into_the_real_stage_models(tmp_path, pp, v
 
 
 def test_checkpoint_written_by_save_checkpoint_converts(tmp_path):
-    """A checkpoint written by megatron.checkpoint.checkpointing.save_checkpoint (full args, architecture, optimizer, RNG) of a
+    """A checkpoint written by megatron.compat.save_checkpoint (full args, architecture, optimizer, RNG) of a
     Llama-style model built from flags converts to TP2xPP2 and back to the same weights; the result loads with the
     real loader under the same flags."""
     import argparse
 
     from megatron.arguments import build_parser, core_transformer_config_from_args, validate_args
-    from megatron.checkpoint.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.compat import load_checkpoint, save_checkpoint
 
     flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "8", "--ffn-hidden-size", "24",
              "--seq-length", "16", "--max-position-embeddings", "16", "--swiglu", "--normalization", "RMSNorm",
@@ -386,7 +386,7 @@ def _tp2_load_worker(rank: int, world_size: int, folder: str, rows: int) -> list
     import argparse
     import dataclasses
 
-    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.compat import load_checkpoint
     from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.models.gpt.model import GPTModel
@@ -408,7 +408,7 @@ def _tp2_load_worker(rank: int, world_size: int, folder: str, rows: int) -> list
 @pytest.mark.slow  # a real TP=2 run
 def test_converted_tp2_checkpoint_loads_in_a_real_tp2_run(tmp_path):
     """2 gloo processes: a TP=2 model built from the config loads the converted checkpoint with
-    megatron.checkpoint.checkpointing.load_checkpoint (this rank's mp_rank_0X file) and gives the TP=1 source's logits."""
+    megatron.compat.load_checkpoint (this rank's mp_rank_0X file) and gives the TP=1 source's logits."""
     from tests.dist_utils import run_distributed
 
     cfg = config("llama")

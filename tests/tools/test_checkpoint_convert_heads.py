@@ -141,7 +141,7 @@ def _t5_tp2_worker(rank: int, world_size: int, folder: str, rows: int) -> list:
     import argparse
     import dataclasses
 
-    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.compat import load_checkpoint
     from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 
     state = initialize_model_parallel(tensor_model_parallel_size=2)
@@ -160,7 +160,7 @@ def _t5_tp2_worker(rank: int, world_size: int, folder: str, rows: int) -> list:
 def test_t5_tensor_parallel_reshape(tmp_path):
     """T5 (unequal encoder/decoder depths): TP1 -> TP2 -> TP1 is bitwise with the padding rows kept; TP2 with
     --true-vocab-size re-pads the word embeddings and lm_head.bias, and a real TP=2 run (2 gloo processes,
-    megatron.checkpoint.checkpointing.load_checkpoint) gives the source's logits (1e-5); bad pipeline targets are one line."""
+    megatron.compat.load_checkpoint) gives the source's logits (1e-5); bad pipeline targets are one line."""
     from megatron.checkpoint.conversion.t5_format import T5Writer, read_t5
     from tests.dist_utils import run_distributed
 
@@ -299,13 +299,13 @@ def test_task_head_hugging_face_round_trip(tmp_path, kind):
 
 
 def test_t5_checkpoint_written_by_save_checkpoint_converts(tmp_path):
-    """A T5 checkpoint written by megatron.checkpoint.checkpointing.save_checkpoint (pretrain_t5's flags, full args,
+    """A T5 checkpoint written by megatron.compat.save_checkpoint (pretrain_t5's flags, full args,
     architecture, optimizer) converts to TP2 and back, and the result loads with the real loader under the same
     flags (the architecture check included) with the source's weights."""
     import argparse
 
     from megatron.arguments import build_parser, core_transformer_config_from_args, validate_args
-    from megatron.checkpoint.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.compat import load_checkpoint, save_checkpoint
 
     flags = ["--num-layers", "2", "--decoder-num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4",
              "--ffn-hidden-size", "48", "--encoder-seq-length", "10", "--decoder-seq-length", "6",

@@ -79,7 +79,7 @@ def test_hf_to_megatron_logits_and_tokenizer(tmp_path, family):
 
 
 def test_greedy_generation_of_converted_llama_equals_hf_generate(tmp_path):
-    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.compat import load_checkpoint
     from megatron.text_generation import generate
 
     hf = _hf_llama("llama_gqa", seed=1)
@@ -214,7 +214,7 @@ def test_printed_flags_build_the_checkpoint_architecture(tmp_path, family):
     import shlex
 
     from megatron.arguments import build_parser, validate_args
-    from megatron.checkpoint.args import check_architecture
+    from megatron.compat import check_architecture
 
     _hf_llama(family).save_pretrained(tmp_path / "hf")
     flags = _convert(tmp_path / "hf", tmp_path / "meg", "--loader", "hf")["flags"]

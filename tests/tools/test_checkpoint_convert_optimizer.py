@@ -1,7 +1,7 @@
 """tools/checkpoint/convert.py with the training state (issue 15 section 2, the unit level; the loss curves that
 continue on another layout are in tests/training/test_resume_new_layout.py).
 
-A Llama-style checkpoint written by megatron.checkpoint.checkpointing.save_checkpoint after two optimizer steps (fp32 with the
+A Llama-style checkpoint written by megatron.compat.save_checkpoint after two optimizer steps (fp32 with the
 regular optimizer; bf16 with fp32 main params) converts TP1 -> TP2 x PP2 with virtual chunks -> TP1, and the
 optimizer state of every parameter (fp32 main param, exp_avg, exp_avg_sq), the step, the iteration, consumed samples,
 the LR schedule and the weights including the trained vocabulary padding rows come back bitwise. --no-save-optim
@@ -30,7 +30,7 @@ def _convert(src, dst, *extra):
 def _trained_checkpoint(folder, precision):
     """save_checkpoint of a model after two steps of Megatron's optimizer; returns (model, optimizer, args)."""
     from megatron.arguments import build_parser, core_transformer_config_from_args, validate_args
-    from megatron.checkpoint.checkpointing import save_checkpoint
+    from megatron.compat import save_checkpoint
     from megatron.learning_rates import OptimizerParamScheduler
     from megatron.optimizer import get_megatron_optimizer, optimizer_config_from_args
 

@@ -1,7 +1,7 @@
 """tools/checkpoint/convert.py with the training state of a BERT model (issue 15 section 2, the unit level).
 
 A BERT checkpoint (token types, pooler, binary head, LM head with its dense / layernorm / vocab-parallel bias) written
-by megatron.checkpoint.checkpointing.save_checkpoint after two steps of Megatron's regular optimizer converts TP1 -> TP2 x PP2
+by megatron.compat.save_checkpoint after two steps of Megatron's regular optimizer converts TP1 -> TP2 x PP2
 (the distributed optimizer's files) -> TP1, and every parameter's optimizer state (fp32 main param, exp_avg,
 exp_avg_sq), the step, the iteration, consumed samples, the LR schedule and the weights come back bitwise. The
 parameter order the converter derives for the regular optimizer from a rank file's names equals get_param_groups over
@@ -35,7 +35,7 @@ def _bert(cfg, **kw):
 def _trained_bert(folder):
     """save_checkpoint of a BERT after two steps of Megatron's regular optimizer; (model, optimizer, scheduler)."""
     from megatron.arguments import build_parser, core_transformer_config_from_args, validate_args
-    from megatron.checkpoint.checkpointing import save_checkpoint
+    from megatron.compat import save_checkpoint
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.learning_rates import OptimizerParamScheduler
     from megatron.optimizer import get_megatron_optimizer, optimizer_config_from_args

@@ -1,7 +1,7 @@
 """tools/checkpoint/convert.py with the training state of a T5 model (issue 15 section 2, the unit level).
 
 A T5 checkpoint (encoder and decoder stacks, tied word embeddings, vocab-parallel lm_head bias) written by
-megatron.checkpoint.checkpointing.save_checkpoint after two steps of Megatron's regular optimizer converts TP1 -> TP2 x PP2
+megatron.compat.save_checkpoint after two steps of Megatron's regular optimizer converts TP1 -> TP2 x PP2
 (split rank 1; the distributed optimizer's files, the embeddings' copies on stage 1 carrying stage 0's state) -> TP1,
 and every parameter's optimizer state (fp32 main param, exp_avg, exp_avg_sq), the step, the iteration, consumed
 samples, the LR schedule and the weights come back bitwise. The parameter order the converter derives for the regular
@@ -40,7 +40,7 @@ def _inputs():
 def _trained_t5(folder):
     """save_checkpoint of a T5 after two steps of Megatron's regular optimizer; (model, optimizer, scheduler)."""
     from megatron.arguments import build_parser, core_transformer_config_from_args, validate_args
-    from megatron.checkpoint.checkpointing import save_checkpoint
+    from megatron.compat import save_checkpoint
     from megatron.core.tensor_parallel import model_parallel_manual_seed
     from megatron.learning_rates import OptimizerParamScheduler
     from megatron.models.t5.model import T5Model

@@ -76,7 +76,7 @@ def our_model(args, state=None, **kw) -> GPTModel:
 
 def load_logits(family: str, load: Path, *extra: str) -> torch.Tensor:
     """Our TP1 model loaded from `load` (single process), its logits on the oracle's tokens."""
-    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.compat import load_checkpoint
 
     args = run_args(family, load, "--finetune", *extra)
     model = our_model(args)
@@ -136,7 +136,7 @@ def _t5_pp2_resave(rank: int, world_size: int, load: str, save: str) -> None:
     """Our T5 at PP2 (--pipeline-model-parallel-split-rank 1: the encoder on stage 0, the decoder on stage 1) resumes
     from `load` (a torch_dist folder, its optimizer state cut to the stages) and saves with --ckpt-format torch_dist
     (optimizer state included) into `save`."""
-    from megatron.checkpoint.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.compat import load_checkpoint, save_checkpoint
     from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron.models.t5.model import T5Model
 
@@ -226,7 +226,7 @@ def _draws_and_tracker() -> dict:
 def oracle(tmp_path_factory) -> Path:
     """The oracle's checkpoints and logits; it also loads ours (saved here first with --ckpt-format torch_dist), and
     our training checkpoint (3 steps on the oracle's batches, saved with the optimizer state; steps 4-6 recorded)."""
-    from megatron.checkpoint.checkpointing import save_checkpoint
+    from megatron.compat import save_checkpoint
 
     root = tmp_path_factory.mktemp("mcore")
     batches = torch.randint(0, VOCAB, (TRAIN_STEPS, 4, SEQ + 1), generator=torch.Generator().manual_seed(5))
@@ -305,7 +305,7 @@ def test_core_bert_checkpoints_both_ways(oracle):
     """Megatron Core's BertModel saved as `torch` (per-rank files, Core names) and `torch_dist` at TP1 and TP2 loads
     into our BERT (--load, any layout) with Core's LM and binary-head logits; ours saved with --ckpt-format
     torch_dist gives our logits in Core's BertModel at TP1 and TP2 (<= 1e-5)."""
-    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.compat import load_checkpoint
 
     bert = oracle / "out" / "bert"
     ref = torch.load(bert / "logits.pt")
@@ -357,7 +357,7 @@ def test_core_t5_checkpoints_both_ways(oracle):
     `torch` (per-rank files, Core names) and `torch_dist` at TP1 and TP2 loads into our T5 (--load, one process)
     with Core's logits, and into our T5 pipeline (PP2 split 1, PP4 split 2); ours saved with --ckpt-format torch_dist
     gives our logits in Core's T5Model at TP1 and TP2, and so does ours saved by a PP2 run (<= 1e-5)."""
-    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.compat import load_checkpoint
 
     t5 = oracle / "out" / "t5"
     ref = torch.load(t5 / "logits.pt")
@@ -422,7 +422,7 @@ def test_convert_loader_and_saver_mcore(oracle, tmp_path):
 
 def _loaded(family: str, load: Path) -> torch.nn.Module:
     """Our BERT or T5 (TP1, one process) loaded from `load` with --finetune."""
-    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.compat import load_checkpoint
 
     args = run_args(family, load, "--finetune")
     model = our_bert(args) if family == "bert" else our_t5(args)
@@ -506,7 +506,7 @@ def test_convert_loader_and_saver_mcore_bert_t5(oracle, tmp_path, family):
 
 @pytest.mark.slow
 def test_use_checkpoint_args_from_common_pt(oracle):
-    from megatron.checkpoint.checkpointing import load_args_from_checkpoint, load_checkpoint
+    from megatron.compat import load_args_from_checkpoint, load_checkpoint
 
     load = oracle / "out" / "llama" / "dist_pp2"
     args = parse_args(args=["--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
@@ -525,8 +525,8 @@ def test_use_checkpoint_args_from_common_pt(oracle):
 
 @pytest.mark.slow
 def test_format_flags_and_damaged_shards_are_one_line(oracle, tmp_path):
-    from megatron.checkpoint.checkpointing import CheckpointError, load_checkpoint
     from megatron.checkpoint.formats import CheckpointFormatError
+    from megatron.compat import CheckpointError, load_checkpoint
 
     src = oracle / "out" / "gpt" / "dist_tp2"
     args = run_args("gpt", src, "--finetune")
@@ -589,7 +589,7 @@ def test_format_flags_and_damaged_shards_are_one_line(oracle, tmp_path):
 
 def _load_parallel(rank: int, world_size: int, jobs: list) -> list:
     """Each (checkpoint, tp, pp) loaded into our GPT at that layout: this rank's weights (and logits at PP1)."""
-    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.compat import load_checkpoint
     from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron.core.tensor_parallel import model_parallel_manual_seed
 
@@ -615,7 +615,7 @@ def _load_parallel(rank: int, world_size: int, jobs: list) -> list:
 
 @pytest.mark.slow
 def test_core_checkpoints_load_at_our_tp2_and_pp2(oracle):
-    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.compat import load_checkpoint
     from tests.dist_utils import run_distributed
 
     gpt = oracle / "out" / "gpt"
@@ -644,7 +644,7 @@ def test_megatron_core_distributed_optimizer_checkpoint_continues_its_curve_in_o
     default dp_reshardable one, with Megatron-LM's RNG state), resumed here in one process with the regular optimizer
     and no extra flag: the python/numpy/torch generators continue from the saved states, and steps 4-6 give the
     losses of Megatron Core's run that never stopped."""
-    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.compat import load_checkpoint
 
     core = torch.load(oracle / "out" / "train_losses.pt")
     import random
@@ -729,8 +729,8 @@ def test_our_older_torch_dist_rng_entry_is_still_read(oracle, tmp_path):
 
     import numpy as np
 
-    from megatron.checkpoint.checkpointing import load_checkpoint, local_rng_state, restore_local_rng_state
     from megatron.checkpoint.formats import RNG_KEY
+    from megatron.compat import load_checkpoint, local_rng_state, restore_local_rng_state
 
     old = tmp_path / "old"
     shutil.copytree(oracle / "ours_train", old)
@@ -797,7 +797,7 @@ def test_moe_expert_names_both_spellings_round_trip():
 
 def _load_moe_at_ep2(rank: int, world_size: int, load: str) -> torch.Tensor:
     """Our MoE at DP2 x EP2 (2 experts per rank) loaded from `load`; this rank's logits on the oracle's tokens."""
-    from megatron.checkpoint.checkpointing import load_checkpoint
+    from megatron.compat import load_checkpoint
     from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 
     state = initialize_model_parallel(1, 1, expert_model_parallel_size=2)

@@ -1,5 +1,5 @@
-"""Unit tests of megatron/checkpoint/checkpointing.py in one process: layout, atomic tracker, finetune/no-load flags,
-release checkpoints and the one-line mismatch errors."""
+"""Unit tests of the checkpoint run-time layer (megatron/checkpoint/) through Megatron's wrappers
+(megatron/compat.py) in one process: layout, atomic tracker, finetune/no-load flags, release checkpoints and the one-line mismatch errors."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.checkpoint import checkpointing as ck
+from megatron import compat as ck
 
 
 class _Net(torch.nn.Module):

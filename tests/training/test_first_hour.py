@@ -96,7 +96,7 @@ def test_generate_temperature_zero_is_greedy(trained: dict) -> None:
 def test_layout_mismatch_names_a_reshard_command_that_works(trained: dict) -> None:
     """The TP-mismatch message names tools/checkpoint/convert.py; its command gives a TP=2 checkpoint (optimizer
     state included)."""
-    from megatron.checkpoint.checkpointing import CheckpointError, check_checkpoint_args
+    from megatron.compat import CheckpointError, check_checkpoint_args
 
     work = trained["dir"]
     saved = type("A", (), {"tensor_model_parallel_size": 1})()

@@ -148,13 +148,8 @@ def test_moe_needs_no_bias_and_sequence_parallel_with_tp():
 def test_checkpoint_architecture_holds_and_restores_the_moe_settings():
     """The checkpoint's architecture records the MoE layout; --use-checkpoint-args restores it; a run whose MoE
     flags differ is stopped with one line naming the field."""
-    from megatron.checkpoint.args import (
-        ArchitectureMismatchError,
-        architecture_from_args,
-        check_architecture,
-        flag_defaults,
-        restore_architecture,
-    )
+    from megatron.checkpoint.args import ArchitectureMismatchError, architecture_from_args, flag_defaults
+    from megatron.compat import check_architecture, restore_architecture
 
     saved_args = parse_args(args=[*BASE, "--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-layer-freq",
                                   "[1,0]", "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate",
@@ -177,16 +172,18 @@ def test_checkpoint_architecture_holds_and_restores_the_moe_settings():
 
 def test_moe_per_layer_values_and_their_average():
     """The tracker's per-layer values: the log entry averages them over the MoE layers and the micro-batches;
-    --moe-per-layer-logging also returns moe/<name>_layer_<i> (written to TensorBoard only)."""
+    --moe-per-layer-logging also gives moe/<name>_layer_<i> (written to TensorBoard only)."""
     import torch
 
-    from megatron.core import moe_aux
+    from megatron.core import aux_losses
 
-    moe_aux.clear()
+    aux_losses.clear()
     for _ in range(2):  # two micro-batches
-        moe_aux.record("load_balancing_loss", torch.tensor(1.0), 1, 3)
-        moe_aux.record("load_balancing_loss", torch.tensor(3.0), 3, 3)
-    out = moe_aux.reduce_aux_losses(["load_balancing_loss", "z_loss"], 3, 2, 0.5, per_layer=True)
-    assert out["load_balancing_loss"] == 2.0 and out["z_loss"] == 0.0
-    assert [out[f"moe/load_balancing_loss_layer_{i}"] for i in range(3)] == [1.0, 0.0, 3.0]
-    assert moe_aux.tracked() == {}
+        aux_losses.record("load_balancing_loss", torch.tensor(1.0), 1, 3)
+        aux_losses.record("load_balancing_loss", torch.tensor(3.0), 3, 3)
+    declared = [aux_losses.AuxLoss("load_balancing_loss", 3, 2, True, None, "moe/load_balancing_loss"),
+                aux_losses.AuxLoss("z_loss", 3, 2)]
+    out, per_layer = aux_losses.reduce_named_losses(declared, 0.5)
+    assert out == {"load_balancing_loss": 2.0, "z_loss": 0.0}
+    assert per_layer == {f"moe/load_balancing_loss_layer_{i}": v for i, v in enumerate([1.0, 0.0, 3.0])}
+    assert aux_losses.tracked() == {}

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megatron.core import moe_aux
+from megatron.core import aux_losses
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -100,7 +100,7 @@ class _Stepper:
         self.forward_only = forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.grad_scale_func = grad_scale_func
-        moe_aux.set_scale_for_schedule(num_microbatches, grad_scale_func)
+        aux_losses.set_scale_for_schedule(num_microbatches, grad_scale_func)
         self.store: list = []
         self.chunks = chunks
         # torch DDP decides at forward time whether the backward all-reduces; under 1F1B the forwards of later

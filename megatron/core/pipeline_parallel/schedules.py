@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
-from megatron.core import moe_aux
+from megatron.core import aux_losses
 from megatron.core.pipeline_parallel import pipelined
 
 ForwardStepFunc = Callable[[Optional[Iterator], torch.nn.Module], tuple[torch.Tensor, Callable]]
@@ -73,7 +73,7 @@ def forward_backward_no_pipelining(
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     model = _single(model)
-    moe_aux.set_scale_for_schedule(num_microbatches, grad_scale_func)
+    aux_losses.set_scale_for_schedule(num_microbatches, grad_scale_func)
     no_sync = getattr(model, "no_sync", None)
     no_sync_ctx = no_sync if (callable(no_sync) and not forward_only) else contextlib.nullcontext
     store: list = []

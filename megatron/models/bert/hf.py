@@ -33,7 +33,7 @@ from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
 from megatron.layers.mlp import activation_for
 from megatron.models.hf_adapter import HFAdapter
-from megatron.models.hf_common import qkv_hf_to_megatron, qkv_megatron_to_hf
+from megatron.models.hf_common import hf_config_class, qkv_hf_to_megatron, qkv_megatron_to_hf
 
 _LM = "language_model."
 _EMB = _LM + "embedding."
@@ -201,6 +201,7 @@ def _task_from_hf(hf_sd: Dict[str, Any], config: TransformerConfig, head: str) -
 
 
 def megatron_config_from_hf_bert(cfg: Dict[str, Any]) -> TransformerConfig:
+    """The TransformerConfig of a MegatronBert config.json (dropouts 0; one line for an unmapped activation)."""
     act = cfg.get("hidden_act", "gelu")
     if act not in ("gelu", "gelu_new"):
         raise ConversionError(f"MegatronBert hidden_act {act!r} has no Megatron equivalent (gelu / gelu_new)")
@@ -213,7 +214,7 @@ def megatron_config_from_hf_bert(cfg: Dict[str, Any]) -> TransformerConfig:
 
 
 def read_hf_bert(load_dir: str, cfg: Dict[str, Any], tensors: Any) -> Tuple[ModelMeta, Iterator[Message]]:
-
+    """The loader's half: (meta, message stream) of a MegatronBert folder (pretraining or a finetuned head)."""
     config = megatron_config_from_hf_bert(cfg)
     hf_sd = {k: tensors.get(k) for k in tensors.keys()}
     arch = (cfg.get("architectures") or [ARCHITECTURE])[0]
@@ -234,9 +235,7 @@ def read_hf_bert(load_dir: str, cfg: Dict[str, Any], tensors: Any) -> Tuple[Mode
 
 def write_hf_bert(meta: ModelMeta, messages: Iterator[Message], save_dir: str, writer: Any,
                   checking: bool = True) -> Dict[str, Any]:
-    import transformers
-
-
+    """The saver's half: the message stream as a MegatronBert folder (weights through `writer`, config.json)."""
     flat = state_dict_from_messages(messages)
     heads = [h for h in TASK_ARCHITECTURES.values() if h + ".weight" in flat]
     rows = flat["language_model.embedding.word_embeddings.weight"].size(0)
@@ -266,7 +265,7 @@ def write_hf_bert(meta: ModelMeta, messages: Iterator[Message], save_dir: str, w
     for name, t in hf_sd.items():
         writer.add(name, t)
     files = writer.close()
-    hf_config = transformers.MegatronBertConfig(**kwargs)
+    hf_config = hf_config_class("MegatronBertConfig")(**kwargs)
     hf_config.architectures = [architecture]
     hf_config.dtype = "float32"
     hf_config.save_pretrained(save_dir)

@@ -27,7 +27,7 @@ from megatron.checkpoint.conversion.interchange import (
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
 from megatron.models.hf_adapter import HFAdapter
-from megatron.models.hf_common import hf_config_object, pad_rows
+from megatron.models.hf_common import hf_config_class, hf_config_object, pad_rows
 
 _LM = "language_model."
 _EMB = _LM + "embedding.word_embeddings."
@@ -172,9 +172,7 @@ def _bloom_stream(t: Any, meta: ModelMeta) -> Iterator[Message]:
 
 
 def _bloom_config_to_hf(config: TransformerConfig, rows: int, arch_name: Optional[str]) -> Any:
-    import transformers
-
-    hf = transformers.BloomConfig(**hf_bloom_config_kwargs(config, vocab_size=rows))
+    hf = hf_config_class("BloomConfig")(**hf_bloom_config_kwargs(config, vocab_size=rows))
     hf.architectures = ["BloomForCausalLM"]
     return hf
 

@@ -38,7 +38,7 @@ from megatron.layers.mlp import activation_for
 from megatron.models.hf_adapter import HFAdapter
 from megatron.models.hf_common import ENC as _ENC
 from megatron.models.hf_common import LM as _LM
-from megatron.models.hf_common import encoder_layer_count, qkv_hf_to_megatron, qkv_megatron_to_hf
+from megatron.models.hf_common import encoder_layer_count, hf_config_class, qkv_hf_to_megatron, qkv_megatron_to_hf
 
 _TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
 
@@ -202,14 +202,12 @@ def _gpt2_stream(t: Any, meta: ModelMeta) -> Iterator[Message]:
 
 
 def _gpt2_config_to_hf(config: TransformerConfig, rows: int, arch_name: Optional[str]) -> Any:
-    import transformers
-
     kwargs = hf_gpt2_config_kwargs(config)
     if config.apply_layernorm_1p or config.apply_residual_connection_post_layernorm or \
             config.ffn_hidden_size is None or not config.add_bias_linear:
         raise ValueError("HF GPT-2 needs plain pre-LayerNorm layers with biases")
     # no BOS/EOS until the tokenizer says (GPT2Config's default 50256 lies outside a smaller vocabulary)
-    hf = transformers.GPT2Config(**{"bos_token_id": None, "eos_token_id": None, **kwargs})
+    hf = hf_config_class("GPT2Config")(**{"bos_token_id": None, "eos_token_id": None, **kwargs})
     hf.architectures = ["GPT2LMHeadModel"]
     return hf
 

@@ -37,7 +37,7 @@ from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
 from megatron.models.hf_adapter import HFAdapter
 from megatron.models.hf_common import ENC as _ENC
 from megatron.models.hf_common import LM as _LM
-from megatron.models.hf_common import encoder_layer_count, hf_config_object, pad_rows
+from megatron.models.hf_common import encoder_layer_count, hf_config_class, hf_config_object, pad_rows
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _LLAMA_LAYER_MAP = [
@@ -275,13 +275,11 @@ def _llama_stream(t: Any, meta: ModelMeta) -> Iterator[Message]:
 
 
 def _llama_config_to_hf(config: TransformerConfig, rows: int, arch_name: Optional[str]) -> Any:
-    import transformers
-
     kwargs = hf_llama_config_kwargs(config, vocab_size=rows)
     name = arch_name or ("Qwen2ForCausalLM" if config.add_qkv_bias else "LlamaForCausalLM")
     if config.add_qkv_bias and name != "Qwen2ForCausalLM":
         raise ValueError("a QKV bias (--add-qkv-bias) exists only in Qwen2ForCausalLM")
-    cls = getattr(transformers, name.replace("ForCausalLM", "Config"))
+    cls = hf_config_class(name.replace("ForCausalLM", "Config"))
     if name == "MistralForCausalLM":
         kwargs["sliding_window"] = None
     hf = cls(**kwargs)

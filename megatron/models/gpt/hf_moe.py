@@ -25,6 +25,7 @@ from megatron.core.transformer_config import TransformerConfig
 from megatron.models.gpt import hf_llama
 from megatron.models.gpt.hf_llama import megatron_config_from_hf_llama
 from megatron.models.hf_adapter import HFAdapter
+from megatron.models.hf_common import hf_config_class
 
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 ROUTER, W1, W2 = "mlp.router.weight", "mlp.experts.weight1", "mlp.experts.weight2"
@@ -160,14 +161,12 @@ def _moe_stream(t: Any, meta: ModelMeta) -> Iterator[Message]:
 
 
 def _moe_config_to_hf(config: TransformerConfig, rows: int, arch_name: Optional[str]) -> Any:
-    import transformers
-
     kwargs = hf_llama.hf_llama_config_kwargs(config, vocab_size=rows)
     name = arch_name or hf_moe_arch(config)
     kwargs.update(hf_moe_config_kwargs(config, name))
     if name == "Qwen2MoeForCausalLM":
         kwargs.pop("head_dim", None)
-    hf = getattr(transformers, name.replace("ForCausalLM", "Config"))(**kwargs)
+    hf = hf_config_class(name.replace("ForCausalLM", "Config"))(**kwargs)
     hf.architectures = [name]
     return hf
 

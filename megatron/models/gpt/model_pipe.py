@@ -43,6 +43,7 @@ from megatron.errors import MegatronUserError
 from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
 from megatron.layers.enums import AttnMaskType
 from megatron.layers.language_model import Embedding, lm_cross_entropy, parallel_lm_logits
+from megatron.layers.moe import router_losses
 from megatron.layers.norms import build_norm
 from megatron.layers.transformer import ParallelTransformerLayer
 from megatron.models.gpt.layer_spec import gpt_layer_spec
@@ -266,6 +267,7 @@ def _make_gpt_model_pipe_class() -> type:
             )
             self.config = config
             self.parallel_state = parallel_state
+            self.aux_losses = router_losses(config, tp_group)  # the named losses the loop logs (as GPTModel's)
             self.carry_attention_mask = carry_attention_mask
             self.share_embeddings_and_output_weights = config.share_embeddings_and_output_weights
             expected = config.num_layers // parallel_state.pp_size

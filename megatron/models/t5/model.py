@@ -26,6 +26,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.checkpoint_keys import (
     LANGUAGE_MODEL_KEY,
@@ -176,8 +177,6 @@ class T5Model(MegatronModule):
         group {0, R, last} and the position-embedding group {0, R} makes every copy equal to stage 0's. The copies
         are marked ``shared`` (counted once in the grad and param norms, a bucket of their own under the
         distributed optimizer), stage 0's embeddings ``shared_embedding``."""
-        from megatron.core.tensor_parallel import VocabParallelEmbedding
-
         config = self.config
         last = pp_state.pp_rank == pp_state.pp_size - 1
         if last and not self.pre_process:
