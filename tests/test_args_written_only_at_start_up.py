@@ -43,6 +43,8 @@ OTHER_NAMESPACES = {
     "megatron/checkpoint/conversion/driver.py:_check_args": "tools/checkpoint/convert.py's own flags",
     "megatron/checkpoint/conversion/driver.py:convert": "tools/checkpoint/convert.py's own flags",
     "megatron/checkpoint/conversion/megatron_format.py:_saved_args": "the args a converted checkpoint stores",
+    "megatron/models/bert/checkpoint_layout.py:bert_saved_args": "BERT's entry in the args a converted checkpoint "
+                                                                 "stores (called by megatron_format._saved_args)",
     "megatron/checkpoint/conversion/deepspeed_format.py:write_deepspeed": "the args a written DeepSpeed checkpoint "
                                                                          "stores",
 }
