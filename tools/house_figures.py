@@ -6,7 +6,8 @@ Figures for megatron/ (``python tools/house_figures.py [ROOT]``):
 * lines of Python, function-level imports (total, per 1,000 lines, how many name an in-tree module);
 * private names imported across modules (``from m import _x``), functions over 80 lines (and how many are marked
   "port of Megatron's <name>"), module-level ``__getattr__``;
-* format code that branches on a family (``model_type ==``/``model_type in`` under megatron/checkpoint/);
+* format code that branches on a family (``model_type`` compared with a name or a literal list of names under
+  megatron/checkpoint/);
 * layering: modules under megatron/checkpoint/ that import the flag layer (megatron.arguments, megatron.global_vars,
   megatron.initialize); modules of one family (megatron/models/<a>/) that import another's (megatron.models.<b>);
 * attribute writes on ``args`` (``args.x = ...``, ``setattr(args, ...)``) per file.
@@ -72,6 +73,14 @@ def _args_writes(tree: ast.Module) -> int:
     return count
 
 
+def _names_a_family(node: ast.AST) -> bool:
+    """A string constant, or a literal tuple/list/set of them (``model_type == "T5"``, ``model_type in ("BERT",)``);
+    a comparison with a named table (the converter's supported types) or an enum is not a family branch."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return bool(node.elts) and all(_names_a_family(e) for e in node.elts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
 def _family(rel: str) -> str:
     parts = rel.split("/")
     return parts[2] if len(parts) > 3 and parts[1] == "models" else ""
@@ -98,7 +107,7 @@ def figures(root: Path) -> dict:
                 left = node.left
                 name = left.attr if isinstance(left, ast.Attribute) else getattr(left, "id", "")
                 if name == "model_type" and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
-                                                for op in node.ops):
+                                                for op in node.ops) and any(_names_a_family(c) for c in node.comparators):
                     branches.append(f"{rel}:{node.lineno}")
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = _imported(node, rel)

@@ -18,6 +18,8 @@ FILES = {
     "megatron/models/registry.py": "r = 1\n",
     "megatron/checkpoint/f.py": ("from megatron.arguments import parse_args\nfrom megatron.x import _private\n"
                                  "def g(meta):\n    if meta.model_type == 'T5':\n        return 1\n"
+                                 "    if args.model_type not in SUPPORTED or spec.model_type != pb.UNIGRAM:\n"
+                                 "        return 2\n"
                                  "    return model_type in ('BERT',)\n"),
     "megatron/lazy.py": "def __getattr__(name):\n    raise AttributeError(name)\n",
 }
@@ -35,7 +37,7 @@ def test_each_figure_counts_its_one_instance(tmp_path):
     assert fig["lines"] == sum(len(t.splitlines()) for t in FILES.values())
     assert fig["function_level_imports"] == 2 and fig["function_level_imports_in_tree"] == 1
     assert fig["private_imports_across_modules"] == ["megatron/checkpoint/f.py: megatron.x:_private"]
-    assert fig["model_type_branches_in_checkpoint_code"] == ["megatron/checkpoint/f.py:4", "megatron/checkpoint/f.py:6"]
+    assert fig["model_type_branches_in_checkpoint_code"] == ["megatron/checkpoint/f.py:4", "megatron/checkpoint/f.py:8"]
     assert fig["checkpoint_imports_of_the_flag_layer"] == ["megatron/checkpoint/f.py:1"]
     assert fig["family_imports_of_another_family"] == ["megatron/models/a/m.py:1 -> b"]
     assert fig["module_getattr"] == ["megatron/lazy.py"]
