@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from typing import Any, Callable, Mapping, Optional
 
@@ -19,7 +18,7 @@ from megatron.model_setup import build_model
 from megatron.models.gpt.model import GPTModel
 from megatron.run_configs.architecture import architecture_from_args
 from megatron.run_configs.checkpoint import CheckpointSettings
-from megatron.run_configs.declared import flag_value
+from megatron.run_configs.declared import flag_value, with_settings
 from megatron.run_configs.model_wrap import ModelWrapSettings
 from megatron.training_state import TrainingState
 
@@ -90,7 +89,7 @@ def build_inference_model(config: Any, checkpoint: CheckpointSettings, wrap: Mod
     model = build_model(provider, ModelType.encoder_or_decoder, wrap, state, config if kernels is None else kernels,
                         wrap_with_ddp=False)[0]
     if checkpoint.load:  # weights only
-        read_checkpoint([model], None, None, dataclasses.replace(checkpoint, no_load_optim=True, no_load_rng=True),
+        read_checkpoint([model], None, None, with_settings(checkpoint, no_load_optim=True, no_load_rng=True),
                         architecture, TrainingState(), on_restored=on_restored)
     model.eval()
     return model
