@@ -254,6 +254,8 @@ class TransformerConfig(ModelParallelConfig):
                              f"--tensor-model-parallel-size ({self.tensor_model_parallel_size})")
         if self.multi_latent_attention:
             self._validate_mla()
+        elif self.qk_layernorm:  # until ParallelAttention has per-head q/k norms (issue #38 lands them)
+            raise ValueError("--qk-layernorm needs --multi-latent-attention here (its latent norms)")
         if self.num_moe_experts is not None:
             self._validate_moe()
         for name in ("encoder_num_layers", "decoder_num_layers"):

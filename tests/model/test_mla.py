@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron.layers import InferenceParams
+from megatron.layers.mcore_names import core_to_ours, ours_to_core
 from megatron.models.deepseek.mla import MLASelfAttention
 from megatron.text_generation.generation import generate_tokens
 from tests.model.helpers import VOCAB, batch, build_gpt, tiny_config
@@ -15,7 +16,7 @@ MLA = dict(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNor
            add_bias_linear=False, swiglu=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
            v_head_dim=6, max_position_embeddings=32)
 ATTENTION_KEYS = ["linear_q_down_proj.weight", "linear_q_up_proj.weight", "linear_kv_down_proj.weight",
-                  "linear_kv_up_proj.weight", "q_layernorm.weight", "kv_layernorm.weight", "dense.weight"]
+                  "linear_kv_up_proj.weight", "q_layernorm.weight", "kv_layernorm.weight", "linear_proj.weight"]
 
 
 def test_the_config_selects_mla_with_core_names():
@@ -28,7 +29,7 @@ def test_the_config_selects_mla_with_core_names():
     assert shapes["linear_q_up_proj.weight"] == (4 * (8 + 4), 24)
     assert shapes["linear_kv_down_proj.weight"] == (16 + 4, 32)
     assert shapes["linear_kv_up_proj.weight"] == (4 * (8 + 6), 16)
-    assert shapes["dense.weight"] == (32, 4 * 6)
+    assert shapes["linear_proj.weight"] == (32, 4 * 6)
     plain = build_gpt(tiny_config(**dict(MLA, q_lora_rank=None)))
     names = list(plain.language_model.encoder.layers[0].self_attention.state_dict())
     assert names[:2] == ["linear_q_proj.weight", "linear_kv_down_proj.weight"] and "q_layernorm.weight" not in names
@@ -89,3 +90,17 @@ def test_context_parallelism_is_refused_in_one_line():
     attention = MLASelfAttention(tiny_config(**MLA), 1)
     with pytest.raises(ValueError, match="--context-parallel-size 1"):
         attention.set_context_parallel(object())
+
+
+def test_core_names_round_trip_and_read_transformer_engine_spellings():
+    model = build_gpt(tiny_config(**MLA))
+    ours = {k: v for k, v in model.state_dict().items() if ".layers.0." in k}
+    core = ours_to_core(ours)
+    prefix = "decoder.layers.0.self_attention."
+    assert prefix + "linear_proj.weight" in core and prefix + "linear_kv_down_proj.weight" in core
+    assert prefix + "q_layernorm.weight" in core and prefix + "kv_layernorm.weight" in core
+    assert core_to_ours(core).keys() == ours.keys()
+    te = {k.replace("q_layernorm.weight", "linear_q_up_proj.layer_norm_weight")
+          .replace("kv_layernorm.weight", "linear_kv_up_proj.layer_norm_weight"): v for k, v in core.items()}
+    back = core_to_ours(te)
+    assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)

@@ -10,7 +10,7 @@ odd). softmax scale = mscale^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim), mscale
 q/kv norms exist with config.qk_layernorm, as Megatron Core's local spec builds them.
 
 Tensor parallelism splits the up projections over heads (ColumnParallelLinear) and the output projection
-(``dense``, Core's ``linear_proj``) as RowParallelLinear; the down projections are replicated on every rank (as
+(``linear_proj``) as RowParallelLinear; the down projections are replicated on every rank (as
 Megatron's Transformer Engine spec keeps them, "duplicated"). Under sequence parallelism they run on this rank's
 sequence chunk and their weights (and the latent norms') carry `sequence_parallel`, so training sums their grads over
 TP; the rope key is gathered over the sequence. Without it the rope key enters the heads through
@@ -103,7 +103,7 @@ class MLASelfAttention(MegatronModule):
             if config.q_lora_rank is not None:
                 self.q_layernorm = build_norm(config, config.q_lora_rank)
             self.kv_layernorm = build_norm(config, self.kv_rank)
-        self.dense = tensor_parallel.RowParallelLinear(
+        self.linear_proj = tensor_parallel.RowParallelLinear(
             n * self.v_dim, h, config=config, init_method=config.output_layer_init_method, tp_group=tp_group,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             sequence_parallel=config.sequence_parallel)
@@ -165,13 +165,13 @@ class MLASelfAttention(MegatronModule):
         q_in, latent, k_pe = self._latents(hidden_states)
         if inference_params is not None:
             context = self._cached_forward(q_in, latent, k_pe, attention_mask, inference_params)
-            return self.dense(context)
+            return self.linear_proj(context)
         query, key, value = self._up_project(q_in, latent, k_pe, 0)
         if self.checkpoint_core_attention and self.training and torch.is_grad_enabled():
             context = tensor_parallel.checkpoint(self._core_attention, False, query, key, value, attention_mask)
         else:
             context = self._core_attention(query, key, value, attention_mask)
-        return self.dense(context)
+        return self.linear_proj(context)
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         mask: Optional[torch.Tensor]) -> torch.Tensor:
