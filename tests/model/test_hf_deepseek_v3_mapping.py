@@ -129,5 +129,6 @@ def test_saver_refuses_what_hf_cannot_route():
         ds.hf_deepseek_v3_config_kwargs(_config_view({**fields, "moe_router_score_function": "softmax"}))
     with pytest.raises(ValueError, match="dense layers first"):
         ds.hf_deepseek_v3_config_kwargs(_config_view({**fields, "moe_layer_freq": [1, 0, 1]}))
-    with pytest.raises(ValueError, match="multi-latent-attention"):
-        ds.hf_deepseek_v3_config_kwargs(_config_view({**fields, "multi_latent_attention": False}))
+    for switch in ("multi_latent_attention", "qk_layernorm"):
+        with pytest.raises(ValueError, match="--multi-latent-attention --qk-layernorm"):
+            ds.hf_deepseek_v3_config_kwargs(_config_view({**fields, switch: False}))

@@ -128,7 +128,7 @@ def deepseek_v3_fields_from_hf(hf: Any, mtp_layers: int = 0) -> Dict[str, Any]:
         normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
         add_qkv_bias=False, bias_gelu_fusion=False,
         share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)),
-        multi_latent_attention=True, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
+        multi_latent_attention=True, qk_layernorm=True, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
         qk_head_dim=hf.qk_nope_head_dim, qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
         **_yarn_fields(rope))
     if dense < layers:
@@ -195,8 +195,9 @@ def hf_rope_parameters(a: Any) -> Dict[str, Any]:
 def hf_deepseek_v3_config_kwargs(a: Any, vocab_size: Optional[int] = None) -> Dict[str, Any]:
     """Keyword arguments of transformers.DeepseekV3Config for a model (`a`: a TransformerConfig or anything with
     its fields); ValueError naming what HF cannot express."""
-    if not getattr(a, "multi_latent_attention", False):
-        raise ValueError("DeepseekV3ForCausalLM has multi-latent attention: the model needs --multi-latent-attention")
+    if not (getattr(a, "multi_latent_attention", False) and getattr(a, "qk_layernorm", False)):
+        raise ValueError("DeepseekV3ForCausalLM has multi-latent attention with normed latents: the model needs "
+                         "--multi-latent-attention --qk-layernorm")
     if not (a.swiglu and a.normalization == "RMSNorm" and a.position_embedding_type == "rope") or a.add_bias_linear:
         raise ValueError("DeepseekV3ForCausalLM needs --swiglu --normalization RMSNorm --position-embedding-type rope "
                          "--disable-bias-linear")
