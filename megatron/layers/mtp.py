@@ -8,7 +8,8 @@ names) takes the previous depth's hidden states h (the decoder's final-normed ou
 of the input tokens shifted left by k (the word embeddings the model shares; the last k positions get token 0):
 ``final_layernorm(transformer_layer(eh_proj([enorm(e), hnorm(h)])))``, where ``eh_proj`` is a column-parallel
 2h -> h projection whose output is gathered over TP (then scattered over the sequence under SP) and
-``transformer_layer`` is a layer of the decoder's spec numbered num_layers + k. Each depth's logits come from the
+``transformer_layer`` is a layer of the decoder's spec numbered num_layers + k (dense or MoE as the decoder's last
+layer: megatron/layers/layer_specs.py; a router there records into the MoE losses as Megatron-LM counts them). Each depth's logits come from the
 model's output layer; labels and loss mask are rolled left once more per depth (zeros enter at the end).
 
 Each depth's loss enters backward through megatron.core.aux_losses.AuxLossAutoScaler attached to the decoder's
@@ -19,7 +20,6 @@ Evaluation and generation (model.eval(), or no labels) skip the block: the KV ca
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -173,19 +173,3 @@ def embed_with_copy(word_embeddings: torch.nn.Module, config: TransformerConfig,
         return dropout(words)
 
     return embed
-
-
-@dataclasses.dataclass(frozen=True)
-class LastLayerMLP:
-    """Builds the MLP of the kind of the decoder's last layer (a picklable builder)."""
-
-    mlp: Callable
-
-    def __call__(self, config: TransformerConfig, layer_number: int, tp_group: Optional[Any]) -> torch.nn.Module:
-        return self.mlp(config, config.num_layers, tp_group)
-
-
-def mtp_layer_spec(spec: TransformerLayerSpec) -> TransformerLayerSpec:
-    """The decoder's layer spec for an MTP depth: its MLP of the kind of the decoder's last layer (Megatron-LM builds
-    the MTP layer from the last decoder layer's spec)."""
-    return dataclasses.replace(spec, mlp=LastLayerMLP(spec.mlp))

@@ -106,3 +106,15 @@ def test_megatron_core_names_round_trip():
             "mtp.layers.0.transformer_layer.mlp.linear_fc1.weight"} <= set(core)
     back = core_to_ours(core)
     assert set(back) == set(ours) and all(torch.equal(back[k], ours[k]) for k in ours)
+
+
+def test_router_losses_count_the_mtp_depths():
+    """A router in an MTP layer records after the decoder's layers; the logged value divides by the MoE layers plus
+    the MTP depths, as Megatron-LM's track_moe_metrics does."""
+    from megatron.layers.moe import router_losses
+
+    config = TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, position_embedding_type="rope",
+                               add_bias_linear=False, num_moe_experts=4, moe_layer_freq=[0, 1, 1],
+                               moe_aux_loss_coeff=0.01, mtp_num_layers=2)
+    (lbl,) = router_losses(config, None)
+    assert (lbl.name, lbl.num_layers, lbl.num_recording_layers) == ("load_balancing_loss", 5, 4)

@@ -2,7 +2,8 @@
 oracle, local non-Transformer-Engine spec, run on CPU in a subprocess) from the same weights: the per-token LM loss,
 each depth's MTP loss as Megatron's MTPLossLoggingHelper records it, and every parameter's gradient after backward of
 the masked mean LM loss (into which the MTP losses enter through their auto-scaler), 1e-5. Cases: untied SwiGLU +
-GQA + RMSNorm with two depths and a partial loss mask; tied LayerNorm + GeLU + biases with one depth."""
+GQA + RMSNorm with two depths and a partial loss mask; tied LayerNorm + GeLU + biases with one depth; a first-k-dense
+MoE model whose MTP layer is MoE (its router's losses recorded after the decoder's layers, as Megatron-LM counts)."""
 from __future__ import annotations
 
 import json
@@ -24,7 +25,12 @@ CASES = {
                                  mask=True),
     "tied_gelu_bias_d1": dict(depths=1, factor=0.1, tied=True, rms=False, glu=False, bias=True, groups=None,
                               mask=False),
+    # first layer dense, the second and the MTP layer MoE (top-2 of 4, load-balancing loss and z-loss)
+    "moe_first_dense_d1": dict(depths=1, factor=0.2, tied=False, rms=True, glu=True, bias=False, groups=None,
+                               mask=True, moe=True),
 }
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_layer_freq=[0, 1], moe_aux_loss_coeff=0.01,
+           moe_z_loss_coeff=1e-3, moe_ffn_hidden_size=48)
 
 ORACLE_SCRIPT = ORACLE_CPU_PRELUDE + r'''
 import json, os
@@ -39,11 +45,15 @@ if __name__ == "__main__":
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(1, 1)
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
+                                                          get_gpt_mtp_block_spec)
+    from megatron.core.transformer.moe import moe_utils
+    moe_utils.te_general_gemm = None
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dims = json.load(open("dims.json"))
+    moe = json.load(open("moe.json"))
     for name, kw in json.load(open("cases.json")).items():
         cfg = TransformerConfig(
             num_layers=dims["layers"], hidden_size=dims["hidden"], num_attention_heads=dims["heads"],
@@ -51,8 +61,10 @@ if __name__ == "__main__":
             normalization="RMSNorm" if kw["rms"] else "LayerNorm", gated_linear_unit=kw["glu"],
             activation_func=F.silu if kw["glu"] else F.gelu, add_bias_linear=kw["bias"],
             hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-            mtp_num_layers=kw["depths"], mtp_loss_scaling_factor=kw["factor"])
-        layer_spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+            mtp_num_layers=kw["depths"], mtp_loss_scaling_factor=kw["factor"],
+            **(dict(moe, moe_token_dispatcher_type="allgather") if kw.get("moe") else {}))
+        layer_spec = (get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=cfg.normalization)
+                      if kw.get("moe") else get_gpt_layer_local_spec(normalization=cfg.normalization))
         model = GPTModel(cfg, layer_spec, dims["vocab"], dims["seq"], share_embeddings_and_output_weights=kw["tied"],
                          position_embedding_type="rope",
                          mtp_block_spec=get_gpt_mtp_block_spec(cfg, layer_spec, use_transformer_engine=False))
@@ -62,11 +74,15 @@ if __name__ == "__main__":
         batch = torch.load(name + "_batch.pt")
         model.train()
         MTPLossLoggingHelper.tracker.clear()
+        moe_utils.clear_aux_losses_tracker()
         losses = model(batch["tokens"], batch["positions"], batch["mask"], labels=batch["labels"],
                        loss_mask=batch["loss_mask"])
         lm = (losses * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
         lm.backward()
+        router = {k: v["values"].clone() for k, v in moe_utils.get_moe_layer_wise_logging_tracker().items()
+                  if v["values"].abs().sum() > 0}
         torch.save({"losses": losses.detach(), "mtp": MTPLossLoggingHelper.tracker["values"].clone(),
+                    "router": router,
                     "grads": {k: p.grad for k, p in model.named_parameters() if p.grad is not None}},
                    name + "_out.pt")
 '''
@@ -79,7 +95,7 @@ def _config(kw: dict) -> TransformerConfig:
         "LayerNorm", swiglu=kw["glu"], bias_gelu_fusion=False, add_bias_linear=kw["bias"],
         group_query_attention=kw["groups"] is not None, num_query_groups=kw["groups"],
         share_embeddings_and_output_weights=kw["tied"], hidden_dropout=0.0, attention_dropout=0.0,
-        mtp_num_layers=kw["depths"], mtp_loss_scaling_factor=kw["factor"])
+        mtp_num_layers=kw["depths"], mtp_loss_scaling_factor=kw["factor"], **(MOE if kw.get("moe") else {}))
 
 
 def _batch(kw: dict, seed: int) -> dict:
@@ -103,7 +119,8 @@ def _ours(model: GPTModel, batch: dict) -> dict:
     tracked = aux_losses.tracked()
     mtp = torch.cat([tracked[f"mtp_{k + 1} loss"] for k in range(model.config.mtp_num_layers)])
     grads = ours_to_core({k: p.grad for k, p in model.named_parameters()})
-    return {"losses": losses.detach(), "mtp": mtp, "grads": grads}
+    router = {k: v for k, v in tracked.items() if not k.startswith("mtp_")}
+    return {"losses": losses.detach(), "mtp": mtp, "grads": grads, "router": router}
 
 
 def test_mtp_losses_and_grads_equal_megatron_core(tmp_path):
@@ -116,6 +133,7 @@ def test_mtp_losses_and_grads_equal_megatron_core(tmp_path):
         torch.save(batch, tmp_path / f"{name}_batch.pt")
         ours[name] = _ours(model, batch)
     (tmp_path / "cases.json").write_text(json.dumps(CASES))
+    (tmp_path / "moe.json").write_text(json.dumps(MOE))
     (tmp_path / "dims.json").write_text(json.dumps(dict(layers=LAYERS, hidden=H, heads=HEADS, ffn=FFN, vocab=VOCAB,
                                                         seq=SEQ)))
     run_oracle(ORACLE_SCRIPT, tmp_path)
@@ -125,6 +143,12 @@ def test_mtp_losses_and_grads_equal_megatron_core(tmp_path):
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=0, atol=1e-5, msg=name)
         assert ref["mtp"].shape == (kw["depths"],)
         torch.testing.assert_close(got["mtp"], ref["mtp"], rtol=0, atol=1e-5, msg=name)
+        # the routers' losses: the MTP layer's recorded after the decoder's layers (Megatron-LM's count)
+        assert set(got["router"]) == set(ref["router"]) == ({"load_balancing_loss", "z_loss"} if kw.get("moe")
+                                                             else set())
+        for key, values in ref["router"].items():
+            assert values.shape == (LAYERS + kw["depths"],) and values[-1] > 0
+            torch.testing.assert_close(got["router"][key], values, rtol=0, atol=1e-6, msg=f"{name}: {key}")
         assert set(got["grads"]) == set(ref["grads"]), (name, set(got["grads"]) ^ set(ref["grads"]))
         assert any(k.startswith("mtp.layers.") for k in ref["grads"])
         for key, grad in ref["grads"].items():

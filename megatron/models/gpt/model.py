@@ -16,7 +16,7 @@ from megatron.layers.checkpoint_keys import (  # noqa: F401 - Megatron's names, 
 from megatron.layers.enums import AttnMaskType
 from megatron.layers.language_model import TransformerLanguageModel, lm_cross_entropy, parallel_lm_logits
 from megatron.layers.module import MegatronModule
-from megatron.layers.mtp import MultiTokenPredictionBlock, embed_with_copy, mtp_layer_spec, output_logits
+from megatron.layers.mtp import MultiTokenPredictionBlock, embed_with_copy, output_logits
 from megatron.layers.utils import check_model_layout, resolve_tp_group
 from megatron.models.gpt.layer_spec import gpt_layer_spec
 
@@ -77,7 +77,7 @@ class GPTModel(MegatronModule):
         if self.share_embeddings_and_output_weights or config.mtp_num_layers:
             self.initialize_word_embeddings(tp_group, pp_state)
         # multi-token prediction (megatron/layers/mtp.py): its layers on the last stage, its named losses on every one
-        self.mtp = (MultiTokenPredictionBlock(config, tp_group, mtp_layer_spec(spec), build_layers=post_process)
+        self.mtp = (MultiTokenPredictionBlock(config, tp_group, spec, build_layers=post_process)
                     if config.mtp_num_layers else None)
 
     def set_input_tensor(self, input_tensor: Any) -> None:
