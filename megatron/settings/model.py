@@ -102,18 +102,18 @@ class NetworkSizeSettings:
              "mscale(factor, mscale-all-dim)^2).", config=True, arch=51, kept=51)
     original_max_position_embeddings: int = setting("--yarn-original-max-position-embeddings", default=4096,
         help="YaRN's original (pretraining) context length: where its correction range is computed.",
-        config=True, arch=52, kept=52)
+        config=ConfigField(arch=52, kept=52, hint="--yarn-original-max-position-embeddings"))
     beta_fast: float = setting("--yarn-beta-fast", default=32.0,
         help="YaRN beta_fast: dimensions turning more often than this over the original context keep their frequency.",
-        config=True, arch=53, kept=53)
+        config=ConfigField(arch=53, kept=53, hint="--yarn-beta-fast"))
     beta_slow: float = setting("--yarn-beta-slow", default=1.0,
         help="YaRN beta_slow: dimensions turning less often than this are fully interpolated.",
-        config=True, arch=54, kept=54)
+        config=ConfigField(arch=54, kept=54, hint="--yarn-beta-slow"))
     yarn_correction_range_round_to_int: bool = setting("--no-yarn-correction-range-round-to-int", default=True,
         help="Do not round YaRN's correction range to whole dimensions (HF truncate: false, as GPT-OSS).",
         also=(extra_flag("--yarn-correction-range-round-to-int", action="store_true", default=True,
                          help="Round it (the default)."),),
-        config=True, arch=55, kept=55)
+        config=ConfigField(arch=55, kept=55, hint="--no-yarn-correction-range-round-to-int (or not)"))
     normalization: str = setting("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
         help="Normalization layer: LayerNorm (GPT-2/BERT) or RMSNorm (Llama).", config=True, arch=0, kept=8)
     group_query_attention: bool = setting("--group-query-attention", default=False,
