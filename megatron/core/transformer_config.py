@@ -177,6 +177,11 @@ class TransformerConfig(ModelParallelConfig):
     """Ranks the experts of a layer are sharded over (--expert-model-parallel-size); expert-TP = TP."""
     moe_token_dispatcher_type: str = "allgather"
     """How tokens reach expert-parallel ranks: allgather | alltoall (--moe-token-dispatcher-type)."""
+    # ---- multi-token prediction (Megatron-LM core's names; megatron/layers/mtp.py)
+    mtp_num_layers: Optional[int] = None
+    """MTP depths D after the decoder, on the last pipeline stage (--mtp-num-layers); None = no MTP."""
+    mtp_loss_scaling_factor: float = 0.1
+    """The mean of the D MTP losses times this is added to the LM loss (--mtp-loss-scaling-factor)."""
     # Activation recomputation: None | "selective" | "full"; method "uniform" | "block".
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
@@ -254,10 +259,22 @@ class TransformerConfig(ModelParallelConfig):
                              f"--tensor-model-parallel-size ({self.tensor_model_parallel_size})")
         if self.num_moe_experts is not None:
             self._validate_moe()
+        if self.mtp_num_layers is not None:
+            self._validate_mtp()
         for name in ("encoder_num_layers", "decoder_num_layers"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+    def _validate_mtp(self) -> None:
+        if self.mtp_num_layers < 1:
+            raise ValueError(f"--mtp-num-layers must be >= 1, got {self.mtp_num_layers} (omit it for no MTP)")
+        if self.position_embedding_type not in ("rope", "none"):
+            raise ValueError(f"--mtp-num-layers needs --position-embedding-type rope or none (got "
+                             f"{self.position_embedding_type}), as in Megatron-LM")
+        if self.context_parallel_size > 1:
+            raise ValueError("--mtp-num-layers with --context-parallel-size > 1 is not implemented (the shifted "
+                             "tokens cross context-parallel ranks); use tensor, sequence or pipeline parallelism")
 
     def _validate_moe(self) -> None:
         experts, topk = self.num_moe_experts, self.moe_router_topk

@@ -155,3 +155,10 @@ class NetworkSizeSettings:
         help="Separate input embedding and output layer weights.",
         config=ConfigField("share_embeddings_and_output_weights", compute=_share_embeddings_and_output_weights, arch=23, kept=22,
         hint="--untie-embeddings-and-output-weights (or not)", restore=_RESTORE_SHARE_EMBEDDINGS_AND_OUTPUT_WEIGHTS))
+    mtp_num_layers: Optional[int] = setting("--mtp-num-layers",
+        help="Multi-token prediction (DeepSeek-V3): D sequential MTP modules after the decoder on the last pipeline "
+             "stage, the k-th predicting token i+k+1 (megatron/layers/mtp.py); None: none.", config=True,
+        families=("gpt",))
+    mtp_loss_scaling_factor: float = setting("--mtp-loss-scaling-factor", default=0.1,
+        help="The mean of the D MTP losses times this factor is added to the LM loss (with --mtp-num-layers).",
+        config=True, families=("gpt",))
