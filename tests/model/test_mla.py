@@ -77,7 +77,7 @@ def test_selective_recompute_gives_the_same_loss_and_grads():
 @pytest.mark.parametrize("overrides, message", [
     (dict(group_query_attention=True, num_query_groups=2), "exclude each other"),
     (dict(qk_pos_emb_head_dim=3), "even rotary dimension"),
-    (dict(use_rope_scaling=True), "do not apply to --multi-latent-attention"),
+    (dict(rope_type="rope", use_rope_scaling=True), "do not apply to --multi-latent-attention"),
     (dict(position_embedding_type="alibi"), "not alibi"),
     (dict(kv_lora_rank=0), "--kv-lora-rank must be >= 1"),
 ])

@@ -21,7 +21,12 @@ H, HEADS, SEQ, BATCH = 32, 4, 12, 2
 CASES = {
     "q_lora": dict(q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6),
     "no_q_lora": dict(q_lora_rank=None, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8),
+    # DeepSeek-V3's YaRN (factor 40, mscale = mscale_all_dim = 1) over a short original context
+    "yarn": dict(q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=6,
+                 rope_type="yarn", rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0,
+                 original_max_position_embeddings=8),
 }
+PLAIN_ROPE = dict(rope_type="rope")
 
 ORACLE_SCRIPT = ORACLE_CPU_PRELUDE + r'''
 import json, os
@@ -58,11 +63,9 @@ if __name__ == "__main__":
     for name, kw in cases.items():
         cfg = MLATransformerConfig(
             num_layers=1, hidden_size=kw["hidden"], num_attention_heads=kw["heads"], add_bias_linear=False,
-            normalization="RMSNorm", qk_layernorm=True, layernorm_epsilon=1e-5, rope_type="rope",
-            rotary_base=10000, rotary_scaling_factor=1.0, q_lora_rank=kw["q_lora_rank"],
-            kv_lora_rank=kw["kv_lora_rank"], qk_head_dim=kw["qk_head_dim"],
-            qk_pos_emb_head_dim=kw["qk_pos_emb_head_dim"], v_head_dim=kw["v_head_dim"],
-            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
+            normalization="RMSNorm", qk_layernorm=True, layernorm_epsilon=1e-5, rotary_base=10000,
+            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, apply_rope_fusion=False,
+            **{k: v for k, v in kw.items() if k not in ("hidden", "heads")})
         spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = CoreAttention
         attn = build_module(spec.submodules.self_attention, config=cfg, layer_number=1)
@@ -100,7 +103,8 @@ def test_mla_matches_megatron_core(tmp_path) -> None:
     inputs = {name: _inputs(kw, seed) for seed, (name, kw) in enumerate(CASES.items())}
     for name, data in inputs.items():
         torch.save(data, tmp_path / f"{name}_in.pt")
-    (tmp_path / "cases.json").write_text(json.dumps({n: dict(kw, hidden=H, heads=HEADS) for n, kw in CASES.items()}))
+    core = {n: {**PLAIN_ROPE, "rotary_scaling_factor": 1.0, **kw, "hidden": H, "heads": HEADS} for n, kw in CASES.items()}
+    (tmp_path / "cases.json").write_text(json.dumps(core))
     run_oracle(ORACLE_SCRIPT, tmp_path)
     for name, kw in CASES.items():
         data = inputs[name]

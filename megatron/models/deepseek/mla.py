@@ -6,7 +6,9 @@ Per token: the query goes through a low-rank latent (``linear_q_down_proj`` [q_l
 h]: the latent and a rope key shared by every head; ``kv_layernorm``; ``linear_kv_up_proj``
 [n * (qk_head_dim + v_head_dim), kv_lora_rank]). Each head's query/key is [no-position part; RoPE part]: RoPE rotates
 only the last qk_pos_emb_head_dim channels (decoupled RoPE), after Megatron's MLA de-interleave (even channels, then
-odd). softmax scale = mscale^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim), mscale YaRN's (1 without scaling). The
+odd). The RoPE is YaRN's (--rope-type yarn, or no --rope-type: Megatron-LM's MLA default; cos/sin times its
+concentration) or plain (--rope-type rope); softmax scale = mscale^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim),
+mscale = yarn_get_mscale(--rotary-scaling-factor, --mscale-all-dim) (1 without scaling). The
 q/kv norms exist with config.qk_layernorm, as Megatron Core's local spec builds them.
 
 Tensor parallelism splits the up projections over heads (ColumnParallelLinear) and the output projection
@@ -25,7 +27,6 @@ re-expanding the whole cache each step (O(S * kv_lora_rank * n * (qk_head_dim + 
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -37,7 +38,7 @@ from megatron.layers.attention import model_parallel_rng_fork
 from megatron.layers.inference_params import InferenceParams
 from megatron.layers.module import MegatronModule
 from megatron.layers.norms import build_norm
-from megatron.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
+from megatron.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb, yarn_scaling_of, yarn_softmax_scale
 from megatron.layers.utils import group_size
 
 
@@ -83,8 +84,9 @@ class MLASelfAttention(MegatronModule):
         self.kv_rank = config.kv_lora_rank
         self.q_head_dim = self.qk_dim + self.pe_dim
         self.sequence_parallel = config.sequence_parallel and tp > 1
-        self.softmax_scale = 1.0 / math.sqrt(self.q_head_dim)
-        self.rotary = RotaryEmbedding(int(self.pe_dim * config.rotary_percent), config.rotary_base)
+        self.softmax_scale = yarn_softmax_scale(config, self.q_head_dim)
+        yarn = yarn_scaling_of(config) is not None  # YaRN rotates all pe channels; plain RoPE --rotary-percent of them
+        self.rotary = RotaryEmbedding.from_config(config, self.pe_dim if yarn else int(self.pe_dim * config.rotary_percent))
         self.attention_dropout = config.attention_dropout
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
         column = dict(config=config, init_method=config.init_method, tp_group=tp_group, bias=False,
