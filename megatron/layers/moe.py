@@ -505,6 +505,12 @@ class MoELayer(MegatronModule):
             out = out + self.shared_experts(hidden_states)[0]
         return out, None
 
+    def _no_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Zero output when no row reaches this rank's experts (an expert-parallel rank that group-limited routing or
+        the expert bias leaves idle): the expert weights still get (zero) grads, so every rank takes part in the
+        same grad reductions and norm as when rows arrive."""
+        return t * 0 + (self.experts.weight1.sum() + self.experts.weight2.sum()).to(t.dtype) * 0
+
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         """The columns [T, E] -> [T, L] of this rank's experts."""
         n = self.experts.num_experts
@@ -542,8 +548,8 @@ class MoELayer(MegatronModule):
         expert_of_recv = torch.repeat_interleave(torch.arange(n_local).repeat(ep), recv_counts.reshape(-1))
         per_expert = recv_counts.sum(dim=0)
         slots = int(per_expert.max()) if expert_of_recv.numel() else 0
-        if slots == 0:
-            out = tokens * 0
+        if slots == 0:  # the row probs too: their all-to-all's backward must run here as on the other ranks
+            out = self._no_rows(tokens) + row_probs.sum().to(tokens.dtype) * 0
         else:
             order = torch.argsort(expert_of_recv, stable=True)
             starts = torch.cumsum(per_expert, 0) - per_expert
@@ -568,8 +574,8 @@ class MoELayer(MegatronModule):
             slots = max(slots, int(counts.max()) if counts.numel() else 0)
         else:
             slots = int(counts.max()) if token_of_row.numel() else 0
-        if slots == 0:
-            return x * 0
+        if slots == 0:  # the probs too: under EP their gather's backward must run here as on the other ranks
+            return self._no_rows(x) + probs.sum().to(x.dtype) * 0
         row_probs = probs.t()[expert_of_row, token_of_row]
         out = self.experts.forward_tokens(x, row_probs, token_of_row, expert_of_row, slot_of_row, slots,
                                           cfg.moe_apply_probs_on_input)
