@@ -180,3 +180,25 @@ def test_parameter_report_counts_the_mtp_block(moe):
     last = numel - sum(p.numel() for n, p in model.named_parameters()
                        if n.startswith(("language_model.embedding.", "language_model.encoder.layers.0.")))
     assert pp2.most_loaded_shard == last + 128 * 64  # the last stage: layer 1, final norm, output, MTP, emb copy
+
+
+def test_checkpoint_architecture_holds_and_restores_the_mtp_depths():
+    """The checkpoint's architecture records --mtp-num-layers (its weights hold the block); --use-checkpoint-args
+    restores it (so generation from an MTP checkpoint builds the block it then skips); a run without it is stopped
+    with one line naming the flag."""
+    from megatron.checkpoint.args import ArchitectureMismatchError, architecture_from_args, flag_defaults
+    from megatron.compat import check_architecture, restore_architecture
+
+    def validated(cmd: str):
+        args = parse_args(args=cmd.split())
+        args.world_size = 1
+        return validate_args(args, {})
+
+    saved = architecture_from_args(validated(BASE + " --mtp-num-layers 2"))
+    assert saved["mtp_num_layers"] == 2 and architecture_from_args(validated(BASE))["mtp_num_layers"] is None
+    plain = parse_args(args=BASE.split())
+    restore_architecture(plain, saved, None, flag_defaults())
+    assert plain.mtp_num_layers == 2
+    with pytest.raises(ArchitectureMismatchError, match="pass --mtp-num-layers 2") as info:
+        check_architecture(saved, validated(BASE), "ckpt")
+    assert "\n" not in str(info.value)
