@@ -176,7 +176,7 @@ class NetworkSizeSettings:
     mtp_num_layers: Optional[int] = setting("--mtp-num-layers",
         help="Multi-token prediction (DeepSeek-V3): D sequential MTP modules after the decoder on the last pipeline "
              "stage, the k-th predicting token i+k+1 (megatron/layers/mtp.py); None: none.", config=True,
-        families=("gpt",))
+        arch=63, kept=63, families=("gpt",))
     mtp_loss_scaling_factor: float = setting("--mtp-loss-scaling-factor", default=0.1,
         help="The mean of the D MTP losses times this factor is added to the LM loss (with --mtp-num-layers).",
         config=True, families=("gpt",))

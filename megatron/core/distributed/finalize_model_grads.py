@@ -7,7 +7,9 @@
    (LayerNorm weights/biases whose inputs were split along the sequence);
 3. with pipeline parallelism and tied embeddings (or multi-token prediction), all-reduce the word-embedding grad between the first and last
    stage over the embedding group (with an encoder-and-decoder split rank R the group is {first, R, last}, and the
-   position-embedding grads of stages 0 and R are summed too).
+   position-embedding grads of stages 0 and R are summed too);
+4. the per-iteration updates modules declare (megatron/core/step_updates.py: the MoE router's expert bias), their
+   counts summed over TP and the data-parallel-with-CP group, as Megatron-LM's _update_router_expert_bias.
 Grads are read from `param.main_grad` when the local DDP provides it, else `param.grad`.
 
 Steps 2 and 3 are sums, so they commute with the data-parallel average. With the distributed optimizer (only this
@@ -21,6 +23,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.step_updates import apply_step_updates
 from megatron.core.utils import flatten_dense_tensors, unflatten_dense_tensors
 from megatron.core.utils import unwrap_model as _unwrap
 
@@ -120,3 +123,5 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], parallel_state
         allreduce_sequence_parallel_grads(model_chunks, parallel_state.tp_group)
     allreduce_embedding_grads(model_chunks, parallel_state)
     allreduce_position_embedding_grads(model_chunks, parallel_state)
+    groups = () if parallel_state is None else (parallel_state.tp_group, parallel_state.dp_cp_group)
+    apply_step_updates(model_chunks, groups)
