@@ -180,8 +180,8 @@ def window_fields_from_hf(hf_config: Any) -> dict:
     Qwen2/Qwen3 set it only with ``use_sliding_window``) on the layers ``layer_types`` names "sliding_attention"
     (every layer when the config has no layer_types, as Mistral and Qwen3-MoE)."""
     window = getattr(hf_config, "sliding_window", None)
-    if window is None:
-        return {}
+    if window is None or getattr(hf_config, "use_sliding_window", None) is False:
+        return {}  # Qwen2-MoE keeps sliding_window 0 without use_sliding_window
     if window < 1:
         raise ValueError(f"sliding_window {window}: must be >= 1")
     types = getattr(hf_config, "layer_types", None) if hf_config.model_type != "mistral" else None
