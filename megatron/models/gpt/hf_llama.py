@@ -201,7 +201,8 @@ def hf_window_kwargs(config: TransformerConfig, name: str) -> dict:
     if name == "MistralForCausalLM" or name == "Qwen3MoeForCausalLM":
         if not all(pattern):
             raise ValueError(f"{name} slides its window on every layer: --window-attn-skip-freq has no form there")
-        return {"sliding_window": window}
+        return {"sliding_window": window} if name == "MistralForCausalLM" else {"use_sliding_window": True,
+                                                                                "sliding_window": window}
     if name in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return {"use_sliding_window": True, "sliding_window": window,
                 "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern]}
