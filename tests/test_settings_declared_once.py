@@ -109,7 +109,13 @@ def test_the_architecture_record_keeps_its_order():
         "moe_router_topk_scaling_factor", "moe_router_load_balancing_type", "moe_router_dtype",
         "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
         "moe_apply_probs_on_input")
-    assert ARCHITECTURE_FIELDS[48:51] == ("qk_layernorm", "window_size", "window_attn_skip_freq")  # issue #38
+    assert ARCHITECTURE_FIELDS[48:56] == (  # YaRN (--rope-type yarn)
+        "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings",
+        "beta_fast", "beta_slow", "yarn_correction_range_round_to_int")
+    assert ARCHITECTURE_FIELDS[56:57] == ("qk_layernorm",)
+    assert ARCHITECTURE_FIELDS[57:63] == ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                          "qk_pos_emb_head_dim", "v_head_dim")  # issue #37
+    assert ARCHITECTURE_FIELDS[63:65] == ("window_size", "window_attn_skip_freq")  # issue #38
 
 
 def test_typed_settings_from_parsed_flags():

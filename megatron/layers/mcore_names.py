@@ -45,6 +45,32 @@ LAYER_SUFFIXES = (
     ("mlp.shared_experts.linear_fc2.", "mlp.shared_experts.dense_4h_to_h."),
     ("mlp.shared_experts.gate_weight", "mlp.shared_experts.gate_weight"),
 )
+# multi-latent attention (megatron/models/deepseek/mla.py) keeps Core's names; Transformer Engine's spec folds the
+# latent norms into the up projections. Its output projection is ``linear_proj`` in ours too (`_mla_output_names`).
+MLA_SUFFIXES = (
+    ("self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.q_layernorm.weight"),
+    ("self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.kv_layernorm.weight"),
+    ("self_attention.linear_q_down_proj.", "self_attention.linear_q_down_proj."),
+    ("self_attention.linear_q_up_proj.", "self_attention.linear_q_up_proj."),
+    ("self_attention.linear_q_proj.", "self_attention.linear_q_proj."),
+    ("self_attention.linear_kv_down_proj.", "self_attention.linear_kv_down_proj."),
+    ("self_attention.linear_kv_up_proj.", "self_attention.linear_kv_up_proj."),
+    ("self_attention.q_layernorm.", "self_attention.q_layernorm."),
+    ("self_attention.kv_layernorm.", "self_attention.kv_layernorm."),
+    ("self_attention.linear_proj.", "self_attention.linear_proj."),
+)
+LAYER_SUFFIXES += MLA_SUFFIXES
+_MLA_MARK = ".self_attention.linear_kv_down_proj."
+
+
+def _mla_output_names(flat: Dict[str, Any]) -> Dict[str, Any]:
+    """Our flat names with a multi-latent-attention layer's output projection called ``linear_proj`` (Core's name,
+    which the rename turned into ParallelAttention's ``dense``)."""
+    if not any(_MLA_MARK in k for k in flat):
+        return flat
+    return {k.replace(".self_attention.dense.", ".self_attention.linear_proj."): v for k, v in flat.items()}
+
+
 # one expert's matrix: Core's per-expert names (local SequentialMLP / Transformer Engine grouped) -> our stacked name
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.linear_fc([12])\.weight|linear_fc([12])\.weight(\d+))$")
 OUR_EXPERTS = {"1": "mlp.experts.weight1", "2": "mlp.experts.weight2"}
@@ -208,7 +234,8 @@ def core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
     """A flat Core state dict (one rank's, or a full one) -> our flat names; `_extra_state` entries dropped."""
     if is_core_t5(flat):
         return _t5_core_to_ours(flat)
-    out: Dict[str, Any] = {}
+    mtp, flat = _split_mtp(flat)
+    out: Dict[str, Any] = _mtp_names(mtp, core_to_ours, "decoder.layers.", _LAYERS) if mtp else {}
     experts: Dict[str, Dict[int, Any]] = {}
     bert = is_core_bert(flat)
     layers, tops = ("encoder.layers.", BERT_PREFIXES) if bert else ("decoder.layers.", TOP_PREFIXES)
@@ -237,7 +264,7 @@ def core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
                                             "expert-parallel files are not merged here; convert with --loader mcore "
                                             "from a torch_dist checkpoint")
         out[name] = experts_to_ours([per_expert[e] for e in range(len(per_expert))])
-    return out
+    return _mla_output_names(out)
 
 
 def experts_to_ours(matrices: Any) -> Any:
@@ -257,6 +284,8 @@ def our_layer_suffix_to_core(suffix: str, fused_norms: bool) -> str:
         fused = not core.endswith(".")
         if fused != fused_norms and ours.startswith(("input_layernorm", "post_attention_layernorm")):
             continue
+        if fused and ours.startswith(("self_attention.q_layernorm", "self_attention.kv_layernorm")):
+            continue  # MLA's latent norms are written as the local spec names them
         if suffix == ours or (ours.endswith(".") and suffix.startswith(ours)):
             return core + suffix[len(ours):] if ours.endswith(".") else core
     raise UnsupportedCoreCheckpoint(f"our layer tensor {suffix} has no Megatron Core name")
@@ -267,12 +296,42 @@ def is_our_bert(keys: Iterable[str]) -> bool:
     return any(k.startswith(("lm_head.", "binary_head.")) for k in keys)
 
 
+# Multi-token prediction (megatron/layers/mtp.py): Megatron Core's ``mtp.layers.N.{enorm,hnorm,eh_proj,
+# final_layernorm}`` are ours too; each depth's ``transformer_layer`` is renamed as a decoder layer
+MTP_LAYERS = "mtp.layers."
+_MTP_LAYER = "transformer_layer."
+
+
+def _split_mtp(flat: Mapping[str, Any]) -> tuple:
+    mtp = {k: v for k, v in flat.items() if k.startswith(MTP_LAYERS)}
+    return mtp, ({k: v for k, v in flat.items() if k not in mtp} if mtp else flat)
+
+
+def _mtp_names(mtp: Mapping[str, Any], convert: Any, from_layers: str, to_layers: str) -> Dict[str, Any]:
+    """The MTP block's tensors renamed: each depth's transformer layer by `convert` (as layer 0 of a decoder stack
+    named `from_layers`, which `convert` names `to_layers`), the rest unchanged."""
+    out: Dict[str, Any] = {}
+    per_depth: Dict[str, Dict[str, Any]] = {}
+    for key, value in mtp.items():
+        depth, _, rest = key[len(MTP_LAYERS):].partition(".")
+        if rest.startswith(_MTP_LAYER):
+            per_depth.setdefault(depth, {})[f"{from_layers}0.{rest[len(_MTP_LAYER):]}"] = value
+        else:
+            out[key] = value
+    for depth, layer in per_depth.items():
+        for key, value in convert(layer).items():
+            out[f"{MTP_LAYERS}{depth}.{_MTP_LAYER}{key[len(to_layers) + 2:]}"] = value
+    return out
+
+
 def ours_to_core(flat: Mapping[str, Any], fused_norms: bool = False) -> Dict[str, Any]:
     """Our flat names -> Core's (the local layer spec's spelling; `fused_norms`: Transformer Engine's); BERT's
     (lm_head / binary_head present) as Core's BertModel names them, T5's (a decoder stack) as its T5Model does."""
     if is_our_t5(flat):
         return t5_ours_to_core(flat, fused_norms)
-    out: Dict[str, Any] = {}
+    mtp, flat = _split_mtp(flat)
+    out: Dict[str, Any] = _mtp_names(mtp, lambda layer: ours_to_core(layer, fused_norms), _LAYERS,
+                                     "decoder.layers.") if mtp else {}
     bert = is_our_bert(flat)
     layers, tops = ("encoder.layers.", BERT_PREFIXES) if bert else ("decoder.layers.", TOP_PREFIXES)
     for key, value in flat.items():

@@ -56,7 +56,7 @@ def _hf_tensors(config, tmp_path, mtp: bool) -> dict:
 def _config_view(fields: dict) -> SimpleNamespace:
     """The fields as a config object (what TransformerConfig gives the saver), with Megatron's defaults."""
     defaults = dict(moe_shared_expert_gate=False, moe_expert_capacity_factor=None, num_moe_experts=None,
-                    moe_layer_freq=1, rope_type="rope", mtp_num_layers=None)
+                    moe_layer_freq=1, rope_type="rope", mtp_num_layers=None, yarn_correction_range_round_to_int=True)
     view = SimpleNamespace(**{**defaults, **fields})
     view.moe_layer_pattern = list(view.moe_layer_freq) if view.num_moe_experts else [0] * view.num_layers
     return view
@@ -129,5 +129,6 @@ def test_saver_refuses_what_hf_cannot_route():
         ds.hf_deepseek_v3_config_kwargs(_config_view({**fields, "moe_router_score_function": "softmax"}))
     with pytest.raises(ValueError, match="dense layers first"):
         ds.hf_deepseek_v3_config_kwargs(_config_view({**fields, "moe_layer_freq": [1, 0, 1]}))
-    with pytest.raises(ValueError, match="multi-latent-attention"):
-        ds.hf_deepseek_v3_config_kwargs(_config_view({**fields, "multi_latent_attention": False}))
+    for switch in ("multi_latent_attention", "qk_layernorm"):
+        with pytest.raises(ValueError, match="--multi-latent-attention --qk-layernorm"):
+            ds.hf_deepseek_v3_config_kwargs(_config_view({**fields, switch: False}))

@@ -6,7 +6,7 @@ DEEPSEEK_V3).
 Attention (MLA, Megatron Core's names): ``q_a_proj`` = ``linear_q_down_proj``, ``q_a_layernorm`` = ``q_layernorm``,
 ``q_b_proj`` = ``linear_q_up_proj`` (without q-lora ``q_proj`` = ``linear_q_proj``), ``kv_a_proj_with_mqa`` [latent;
 rope key] = ``linear_kv_down_proj``, ``kv_a_layernorm`` = ``kv_layernorm``, ``kv_b_proj`` [per head: nope key; value]
-= ``linear_kv_up_proj``, ``o_proj`` = ``linear_proj``; every tensor is taken as it is: HF's ``rope_interleave``
+= ``linear_kv_up_proj``, ``o_proj`` = ``dense`` (Core's ``linear_proj``); every tensor is taken as it is: HF's ``rope_interleave``
 (DeepSeek's interleaved rope dims) is the layout Megatron's MLA rotates. MLP: the first ``first_k_dense_replace``
 layers are dense (``intermediate_size``; --moe-layer-freq as a list), the others MoE: ``mlp.gate.weight`` =
 ``mlp.router.weight``, ``mlp.gate.e_score_correction_bias`` = ``mlp.router.expert_bias``, expert j's
@@ -26,15 +26,33 @@ only to check they are those copies). The converted model has as many MTP layers
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
+
+from megatron.checkpoint.conversion.hf_decoder import AddTensor, Checked, DecoderMapping, write_decoder
+from megatron.checkpoint.conversion.interchange import (
+    EMBEDDINGS,
+    FINAL_NORM,
+    MTP,
+    OUTPUT_LAYER,
+    ConversionError,
+    Message,
+    ModelMeta,
+    architecture_of,
+    layer_message,
+)
+from megatron.core.transformer_config import TransformerConfig
+from megatron.models.hf_adapter import HFAdapter
+from megatron.models.hf_common import hf_config_class, hf_config_object
 
 # Megatron names of one layer's tensors (the keys of a "transformer layer {i}" message)
 ATTN = "self_attention."
 Q_DOWN, Q_UP, Q_PROJ = ATTN + "linear_q_down_proj.weight", ATTN + "linear_q_up_proj.weight", ATTN + "linear_q_proj.weight"
 Q_NORM, KV_NORM = ATTN + "q_layernorm.weight", ATTN + "kv_layernorm.weight"
-KV_DOWN, KV_UP, O_PROJ = ATTN + "linear_kv_down_proj.weight", ATTN + "linear_kv_up_proj.weight", ATTN + "linear_proj.weight"
+KV_DOWN, KV_UP = ATTN + "linear_kv_down_proj.weight", ATTN + "linear_kv_up_proj.weight"
+O_PROJ = ATTN + "dense.weight"  # Megatron Core's linear_proj; our attention output's legacy name
 IN_NORM, POST_NORM = "input_layernorm.weight", "post_attention_layernorm.weight"
 FC1, FC2 = "mlp.dense_h_to_4h.weight", "mlp.dense_4h_to_h.weight"
 ROUTER, EXPERT_BIAS = "mlp.router.weight", "mlp.router.expert_bias"
@@ -71,7 +89,8 @@ def _yarn_fields(rope: Mapping[str, Any]) -> Dict[str, Any]:
     return dict(fields, rope_type="yarn", rotary_scaling_factor=float(rope["factor"]),
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
                 beta_fast=float(rope.get("beta_fast", 32)), beta_slow=float(rope.get("beta_slow", 1)),
-                mscale=float(rope.get("mscale", 1.0)), mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)))
+                mscale=float(rope.get("mscale", 1.0)), mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
+                yarn_correction_range_round_to_int=bool(rope.get("truncate", True)))
 
 
 def _refusals(hf: Any) -> Optional[str]:
@@ -110,7 +129,7 @@ def deepseek_v3_fields_from_hf(hf: Any, mtp_layers: int = 0) -> Dict[str, Any]:
         normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
         add_qkv_bias=False, bias_gelu_fusion=False,
         share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)),
-        multi_latent_attention=True, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
+        multi_latent_attention=True, qk_layernorm=True, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
         qk_head_dim=hf.qk_nope_head_dim, qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
         **_yarn_fields(rope))
     if dense < layers:
@@ -165,17 +184,21 @@ def hf_rope_parameters(a: Any) -> Dict[str, Any]:
     rope: Dict[str, Any] = {"rope_theta": float(a.rotary_base)}
     if getattr(a, "rope_type", "rope") != "yarn":
         return dict(rope, rope_type="default")
-    return dict(rope, rope_type="yarn", factor=float(a.rotary_scaling_factor),
+    rope.update(rope_type="yarn", factor=float(a.rotary_scaling_factor),
                 original_max_position_embeddings=int(a.original_max_position_embeddings),
                 beta_fast=float(a.beta_fast), beta_slow=float(a.beta_slow), mscale=float(a.mscale),
                 mscale_all_dim=float(a.mscale_all_dim))
+    if not a.yarn_correction_range_round_to_int:
+        rope["truncate"] = False  # HF's default is true
+    return rope
 
 
 def hf_deepseek_v3_config_kwargs(a: Any, vocab_size: Optional[int] = None) -> Dict[str, Any]:
     """Keyword arguments of transformers.DeepseekV3Config for a model (`a`: a TransformerConfig or anything with
     its fields); ValueError naming what HF cannot express."""
-    if not getattr(a, "multi_latent_attention", False):
-        raise ValueError("DeepseekV3ForCausalLM has multi-latent attention: the model needs --multi-latent-attention")
+    if not (getattr(a, "multi_latent_attention", False) and getattr(a, "qk_layernorm", False)):
+        raise ValueError("DeepseekV3ForCausalLM has multi-latent attention with normed latents: the model needs "
+                         "--multi-latent-attention --qk-layernorm")
     if not (a.swiglu and a.normalization == "RMSNorm" and a.position_embedding_type == "rope") or a.add_bias_linear:
         raise ValueError("DeepseekV3ForCausalLM needs --swiglu --normalization RMSNorm --position-embedding-type rope "
                          "--disable-bias-linear")
@@ -254,8 +277,8 @@ def mtp_to_hf(mtp: Mapping[str, torch.Tensor], dst: str, embedding: torch.Tensor
     out = {dst + h: mtp[m] for m, h in _MTP_MAP}
     out.update(layer_to_hf({k[len(TRANSFORMER_LAYER):]: v for k, v in mtp.items() if k.startswith(TRANSFORMER_LAYER)},
                            dst))
-    out[dst + "embed_tokens.weight"] = embedding
-    out[dst + "shared_head.head.weight"] = output
+    out[dst + "embed_tokens.weight"] = embedding.clone()  # copies: safetensors stores no shared storage
+    out[dst + "shared_head.head.weight"] = output.clone()
     return out
 
 
@@ -265,3 +288,95 @@ def stored_mtp_layers(keys: Any, num_layers: int) -> int:
     while f"model.layers.{num_layers + k}.eh_proj.weight" in keys:
         k += 1
     return k
+
+
+# ----------------------------------------------------------------------------------------------- adapter
+def _read(load_dir: str, cfg: Dict[str, Any], open_tensors: Callable[[], Any], *, model_type: str,
+          true_vocab_size: Optional[int], tokenizer: Dict[str, Any]) -> Tuple[ModelMeta, Iterator[Message]]:
+    """Loader half: the folder's architecture (with as many MTP layers as it stores) and its message stream."""
+    tensors = open_tensors()
+    hf_config = hf_config_object(load_dir)
+    try:
+        config = TransformerConfig(**deepseek_v3_fields_from_hf(
+            hf_config, stored_mtp_layers(tensors, hf_config.num_hidden_layers)))
+    except (TypeError, ValueError) as exc:
+        raise ConversionError(f"{load_dir}: {exc}") from None
+    fields = architecture_of(config)
+    meta = ModelMeta(model_type=model_type, architecture=fields, true_vocab_size=true_vocab_size or config.padded_vocab_size,
+                     iteration=None, tokenizer=tokenizer, source=load_dir,
+                     extra={"hf_architecture": ARCHITECTURE, "hf_config": cfg})
+    return meta, _stream(tensors, meta.config())
+
+
+def _stream(t: Any, config: TransformerConfig) -> Iterator[Message]:
+    """The message stream of a DeepseekV3 folder."""
+    yield Message(EMBEDDINGS, {"word_embeddings.weight": t.get("model.embed_tokens.weight")})
+    pattern = config.moe_layer_pattern
+    for i in range(config.num_layers):
+        yield Message(layer_message(i), layer_from_hf(t, f"model.layers.{i}.", bool(pattern[i])))
+    yield Message(FINAL_NORM, {"final_layernorm.weight": t.get("model.norm.weight")})
+    if not config.share_embeddings_and_output_weights:
+        yield Message(OUTPUT_LAYER, {"output_layer.weight": t.get("lm_head.weight")})
+    if config.mtp_num_layers:
+        yield Message(MTP, mtp_message_from_hf(t, config))
+
+
+def mtp_message_from_hf(t: Any, config: TransformerConfig) -> Dict[str, torch.Tensor]:
+    """The "mtp" message of a folder's MTP layers (HF layers num_hidden_layers + k); their copies of the embedding and
+    the output layer must be the model's own (Megatron shares them), else ConversionError naming the tensor."""
+    n, moe = config.num_layers, bool(config.moe_layer_pattern[-1])
+    main = {"embed_tokens.weight": "model.embed_tokens.weight",
+            "shared_head.head.weight": "model.embed_tokens.weight" if config.share_embeddings_and_output_weights
+            else "lm_head.weight"}
+    out: Dict[str, torch.Tensor] = {}
+    for k in range(config.mtp_num_layers):
+        src = f"model.layers.{n + k}."
+        for own, shared in main.items():
+            if src + own in t and not torch.equal(t.get(src + own), t.get(shared)):
+                raise ConversionError(f"{src + own} differs from {shared}: Megatron's MTP shares the model's "
+                                      "embedding and output layer")
+        out.update({f"layers.{k}.{name}": v for name, v in mtp_from_hf(t, src, moe).items()})
+    return out
+
+
+def _head_to_hf(add: AddTensor, part: Checked, meta: ModelMeta, main: Dict[str, torch.Tensor]) -> None:
+    """The saver's MTP half: each MTP layer as HF layer num_hidden_layers + k, with copies of the main tensors."""
+    if part.name != MTP:
+        raise ConversionError(f'unexpected message "{part.name}" after the model (is --model-type right?)')
+    n = meta.architecture["num_layers"]
+    depths = sorted({int(key.split(".")[1]) for key in part})
+    for k in depths:
+        prefix = f"layers.{k}."
+        mtp = {key[len(prefix):]: part[key] for key in list(part) if key.startswith(prefix)}
+        for name, tensor in mtp_to_hf(mtp, f"model.layers.{n + k}.", main["embedding"], main["output"]).items():
+            add(name, tensor)
+
+
+def _config_to_hf(config: TransformerConfig, rows: int, arch_name: Optional[str]) -> Any:
+    if arch_name not in (None, ARCHITECTURE):
+        raise ValueError(f"--hf-architecture {arch_name}: a multi-latent-attention model is a {ARCHITECTURE}")
+    hf = hf_config_class("DeepseekV3Config")(**hf_deepseek_v3_config_kwargs(config, vocab_size=rows))
+    hf.architectures = [ARCHITECTURE]
+    return hf
+
+
+def _embeddings_to_hf(add: AddTensor, emb: Checked, word: torch.Tensor) -> None:
+    add("model.embed_tokens.weight", word)
+
+
+def _layer_to_hf(add: AddTensor, i: int, layer: Checked, meta: ModelMeta, hf_config: Any) -> None:
+    for name, tensor in layer_to_hf(layer, f"model.layers.{i}.").items():  # Checked: what it leaves is refused
+        add(name, tensor)
+
+
+def _final_norm_to_hf(add: AddTensor, norm: Checked) -> None:
+    add("model.norm.weight", norm["final_layernorm.weight"])
+
+
+_DEEPSEEK_V3 = DecoderMapping(config_from_hf=lambda load_dir, cfg: {}, weights_from_hf=lambda t, meta: iter(()),
+                              config_to_hf=_config_to_hf, embeddings_to_hf=_embeddings_to_hf,
+                              layer_to_hf=_layer_to_hf, final_norm_to_hf=_final_norm_to_hf, head_to_hf=_head_to_hf)
+DEEPSEEK_V3 = HFAdapter(name="deepseek_v3", model_type="GPT", architectures=(ARCHITECTURE,), read=_read,
+                        write=partial(write_decoder, _DEEPSEEK_V3),
+                        accepts=lambda a: bool(a.get("multi_latent_attention")),
+                        description="DeepSeek-V3 (--multi-latent-attention)")
