@@ -151,11 +151,11 @@ class NetworkSizeSettings:
         help="Per-head value channels with --multi-latent-attention.", config=True, arch=62, kept=62)
     window_size: Optional[tuple] = setting("--window-size", type=window_size_type,
         help="Sliding-window attention W,R: each query attends the W keys before it and itself (R, the look-ahead, "
-             "is 0 for a causal decoder); not set: global attention.", config=True, arch=63, kept=63)
+             "is 0 for a causal decoder); not set: global attention.", config=True, arch=64, kept=64)
     window_attn_skip_freq: Optional[Union[int, List[int]]] = setting("--window-attn-skip-freq", type=moe_freq_type,
         help="With --window-size: every N-th layer attends globally (int N), or a 0/1 list pattern per layer such as "
-             "\"([1]*3+[0])*2\" (1 = sliding window); not set: every layer uses the window.", config=True, arch=64,
-        kept=64)
+             "\"([1]*3+[0])*2\" (1 = sliding window); not set: every layer uses the window.", config=True, arch=65,
+        kept=65)
     add_bias_linear: bool = setting("--disable-bias-linear", default=True,
         help="No biases in the linear layers (QKV, attention output, MLP).", config=ConfigField(arch=9, kept=15,
         hint="--disable-bias-linear (or not)"))
@@ -192,7 +192,7 @@ class NetworkSizeSettings:
     mtp_num_layers: Optional[int] = setting("--mtp-num-layers",
         help="Multi-token prediction (DeepSeek-V3): D sequential MTP modules after the decoder on the last pipeline "
              "stage, the k-th predicting token i+k+1 (megatron/layers/mtp.py); None: none.", config=True,
-        families=("gpt",))
+        arch=63, kept=63, families=("gpt",))
     mtp_loss_scaling_factor: float = setting("--mtp-loss-scaling-factor", default=0.1,
         help="The mean of the D MTP losses times this factor is added to the LM loss (with --mtp-num-layers).",
         config=True, families=("gpt",))
