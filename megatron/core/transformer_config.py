@@ -181,6 +181,14 @@ class TransformerConfig(ModelParallelConfig):
     """softmax | sigmoid (--moe-router-score-function)."""
     moe_router_topk_scaling_factor: Optional[float] = None
     """Multiplies the routing weights (--moe-router-topk-scaling-factor)."""
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing: the experts in this many equal groups (--moe-router-num-groups); None = off."""
+    moe_router_group_topk: Optional[int] = None
+    """Groups each token may use, ranked by the sum of their top-(topk/group_topk) scores (--moe-router-group-topk)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: experts chosen by sigmoid score + a per-expert bias updated every iteration."""
+    moe_router_bias_update_rate: float = 1e-3
+    """The expert bias moves by this much per iteration towards balance (--moe-router-bias-update-rate)."""
     moe_router_dtype: Optional[str] = None
     """fp32 | fp64: dtype of the router logits and routing weights; None = the activations' dtype."""
     moe_expert_capacity_factor: Optional[float] = None
@@ -370,6 +378,10 @@ class TransformerConfig(ModelParallelConfig):
                 and self.moe_router_score_function == "softmax":
             raise ValueError("--moe-router-topk-scaling-factor needs --moe-router-pre-softmax (or the sigmoid score "
                              "function), as in Megatron-LM")
+        self._validate_router_groups()
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid, as in "
+                             "Megatron-LM")
         if self.moe_token_drop_policy not in ("probs", "position"):
             raise ValueError(f"--moe-token-drop-policy must be probs or position, got {self.moe_token_drop_policy!r}")
         if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
@@ -385,6 +397,25 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"--moe-layer-freq lists {len(pattern)} layers but --num-layers is {self.num_layers}")
         if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
             raise ValueError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron-LM)")
+
+    def _validate_router_groups(self) -> None:
+        groups, group_topk, experts = self.moe_router_num_groups, self.moe_router_group_topk, self.num_moe_experts
+        if groups is not None and not group_topk:
+            raise ValueError("--moe-router-num-groups needs --moe-router-group-topk (the groups each token may use)")
+        if not group_topk:
+            return
+        if not groups:
+            raise ValueError("--moe-router-group-topk needs --moe-router-num-groups, as in Megatron-LM")
+        if groups < 1 or experts % groups:
+            raise ValueError(f"--moe-router-num-groups ({groups}) must divide --num-experts ({experts})")
+        if not 1 <= group_topk <= groups:
+            raise ValueError(f"--moe-router-group-topk ({group_topk}) must be between 1 and --moe-router-num-groups "
+                             f"({groups})")
+        if not group_topk <= self.moe_router_topk <= group_topk * (experts // groups):
+            raise ValueError(f"--moe-router-topk ({self.moe_router_topk}) must be between --moe-router-group-topk "
+                             f"({group_topk}) and the experts of the chosen groups ({group_topk * (experts // groups)})")
+        if self.moe_router_load_balancing_type == "sinkhorn":
+            raise ValueError("--moe-router-group-topk does not apply to --moe-router-load-balancing-type sinkhorn")
 
     @property
     def moe_layer_pattern(self) -> list:

@@ -8,7 +8,9 @@
    `tensor_parallel_partial_grad` (--qk-layernorm's norms: each TP rank normalises its own heads);
 3. with pipeline parallelism and tied embeddings (or multi-token prediction), all-reduce the word-embedding grad between the first and last
    stage over the embedding group (with an encoder-and-decoder split rank R the group is {first, R, last}, and the
-   position-embedding grads of stages 0 and R are summed too).
+   position-embedding grads of stages 0 and R are summed too);
+4. the per-iteration updates modules declare (megatron/core/step_updates.py: the MoE router's expert bias), their
+   counts summed over TP and the data-parallel-with-CP group, as Megatron-LM's _update_router_expert_bias.
 Grads are read from `param.main_grad` when the local DDP provides it, else `param.grad`.
 
 Steps 2 and 3 are sums, so they commute with the data-parallel average. With the distributed optimizer (only this
@@ -22,6 +24,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.step_updates import apply_step_updates
 from megatron.core.utils import flatten_dense_tensors, unflatten_dense_tensors
 from megatron.core.utils import unwrap_model as _unwrap
 
@@ -125,3 +128,5 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], parallel_state
         allreduce_sequence_parallel_grads(model_chunks, parallel_state.tp_group, sequence_parallel)
     allreduce_embedding_grads(model_chunks, parallel_state)
     allreduce_position_embedding_grads(model_chunks, parallel_state)
+    groups = () if parallel_state is None else (parallel_state.tp_group, parallel_state.dp_cp_group)
+    apply_step_updates(model_chunks, groups)
