@@ -134,6 +134,12 @@ class TransformerConfig(ModelParallelConfig):
     qk_layernorm: bool = False
     """A `normalization` norm over each head's channels on q and k, after the QKV split and before RoPE
     (Qwen3; --qk-layernorm): ``self_attention.q_layernorm`` / ``k_layernorm``, their grads summed over TP."""
+    window_size: Optional[tuple] = None
+    """Sliding-window attention (--window-size W,R): query i attends keys i-W .. i+R (Megatron Core's
+    (left, right); a causal decoder takes R = 0); None = global attention."""
+    window_attn_skip_freq: Any = None
+    """Which layers use the window (--window-attn-skip-freq): None all; int N: every N-th layer (1-based) is global;
+    a list of 0/1 per layer, 1 = sliding window."""
     # ---- multi-latent attention (DeepSeek-V2/V3; megatron/models/deepseek/mla.py; Megatron Core's names)
     multi_latent_attention: bool = False
     """Multi-latent attention instead of ParallelAttention: queries and keys/values through low-rank latents, RoPE on
@@ -285,10 +291,10 @@ class TransformerConfig(ModelParallelConfig):
                              f"--tensor-model-parallel-size ({self.tensor_model_parallel_size})")
         if self.multi_latent_attention:
             self._validate_mla()
-        elif self.qk_layernorm:  # until ParallelAttention has per-head q/k norms (issue #38 lands them)
-            raise ValueError("--qk-layernorm needs --multi-latent-attention here (its latent norms)")
         if self.num_moe_experts is not None:
             self._validate_moe()
+        if self.window_size is not None:
+            self._validate_window()
         if self.mtp_num_layers is not None:
             self._validate_mtp()
         for name in ("encoder_num_layers", "decoder_num_layers"):
@@ -296,6 +302,30 @@ class TransformerConfig(ModelParallelConfig):
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
+    def _validate_window(self) -> None:
+        window = tuple(int(x) for x in self.window_size)
+        if len(window) != 2 or window[0] < 0:
+            raise ValueError(f"--window-size takes two integers W,R with W >= 0 (got {self.window_size})")
+        if window[1] != 0:
+            raise ValueError(f"--window-size {window[0]},{window[1]}: a causal decoder looks no token ahead; "
+                             f"pass --window-size {window[0]},0")
+        self.window_size = window
+        freq = self.window_attn_skip_freq
+        if isinstance(freq, int) and freq < 1:
+            raise ValueError(f"--window-attn-skip-freq must be >= 1, got {freq}")
+        if isinstance(freq, (list, tuple)) and len(freq) != self.num_layers:
+            raise ValueError(f"--window-attn-skip-freq lists {len(freq)} layers but --num-layers is {self.num_layers}")
+
+    def is_window_layer(self, layer_number: int) -> bool:
+        """Whether 1-based layer `layer_number` uses sliding-window attention (Megatron Core's rule)."""
+        if not self.window_size:
+            return False
+        freq = self.window_attn_skip_freq
+        if freq is None:
+            return True
+        if isinstance(freq, int):
+            return layer_number % freq != 0
+        return bool(freq[layer_number - 1])
     def _validate_mla(self) -> None:
         if self.group_query_attention:
             raise ValueError("--multi-latent-attention and --group-query-attention exclude each other (as Megatron-LM)")
