@@ -9,7 +9,9 @@ class InferenceParams:
 
     Attention layers allocate `key_value_memory_dict[layer_number] = (keys, values)` of shape
     [max_sequence_length, max_batch_size, query_groups_per_partition, head_dim] on first use (with GQA the
-    groups' K/V, not expanded to the query heads; without GQA one group per head).
+    groups' K/V, not expanded to the query heads; without GQA one group per head). Multi-latent attention
+    (megatron/models/deepseek/mla.py) caches (latents [S, B, kv_lora_rank], rope keys [S, B, qk_pos_emb_head_dim])
+    under the same key instead: what its layers need per token, shared by all heads.
     """
 
     def __init__(self, max_batch_size: int, max_sequence_length: int) -> None:
