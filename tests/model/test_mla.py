@@ -87,6 +87,7 @@ def test_recompute_gives_the_same_loss_and_grads(recompute):
     (dict(position_embedding_type="alibi"), "not alibi"),
     (dict(kv_lora_rank=0), "--kv-lora-rank must be >= 1"),
     (dict(use_flash_attn=True), "drop --use-flash-attn"),
+    (dict(context_parallel_size=2), "--context-parallel-size 1"),
 ])
 def test_impossible_mla_configs_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
