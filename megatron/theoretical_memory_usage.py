@@ -91,29 +91,45 @@ def _mlp_weights(h: int, f: int, gated: bool) -> int:
     return h * (2 * f if gated else f) + f * h
 
 
+def _attention_parameters(config: TransformerConfig) -> tuple[int, int]:
+    """(TP-split, replicated) attention parameters of one layer: QKV and the output projection (with their biases);
+    multi-latent attention (megatron/models/deepseek/mla.py): the up projections and the output split over heads,
+    the down projections and the latent norms (--qk-layernorm) replicated."""
+    h, n = config.hidden_size, config.num_attention_heads
+    if not config.multi_latent_attention:
+        d = config.kv_channels
+        q = d * n
+        qkv = q + 2 * d * (config.num_query_groups or n)
+        qkv_bias = int(config.add_bias_linear or config.add_qkv_bias)
+        # --qk-layernorm: a q and a k norm over one head's d channels (replicated)
+        qk_norms = 2 * d * (1 if config.normalization == "RMSNorm" else 2) if config.qk_layernorm else 0
+        return (h * qkv + qkv_bias * qkv) + q * h, qk_norms  # qkv, dense weight
+    q_head, rank, pe = config.qk_head_dim + config.qk_pos_emb_head_dim, config.kv_lora_rank, config.qk_pos_emb_head_dim
+    norms = int(config.qk_layernorm) * _norm_parameters(config) // h  # RMSNorm: one weight per channel
+    split = rank * n * (config.qk_head_dim + config.v_head_dim) + n * config.v_head_dim * h  # kv up, output
+    replicated = h * (rank + pe) + norms * rank  # kv down, kv latent norm
+    if config.q_lora_rank is None:
+        return split + h * n * q_head, replicated
+    return split + config.q_lora_rank * n * q_head, replicated + h * config.q_lora_rank + norms * config.q_lora_rank
+
+
 def _layer_parameters(config: TransformerConfig, moe: bool = False) -> LayerParameters:
     """One layer's parameters: attention, norms and a dense MLP or (`moe`) router + routed experts + shared expert
     (MoE layers have no linear biases: --num-experts needs --disable-bias-linear)."""
-    h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
+    h, f = config.hidden_size, config.ffn_hidden_size
     gated = config.gated_linear_unit
-    q = d * config.num_attention_heads
-    qkv = q + 2 * d * (config.num_query_groups or config.num_attention_heads)
     bias = int(config.add_bias_linear)
-    qkv_bias = int(config.add_bias_linear or config.add_qkv_bias)
-    attention = (h * qkv + qkv_bias * qkv) + q * h  # qkv, dense weight
-    norms = 2 * _norm_parameters(config)
-    if config.qk_layernorm:  # --qk-layernorm: a q and a k norm over one head's d channels (replicated)
-        norms += 2 * d * (1 if config.normalization == "RMSNorm" else 2)
+    attention, attention_replicated = _attention_parameters(config)
     if not moe:
         f_in = 2 * f if gated else f
         split = attention + _mlp_weights(h, f, gated) + bias * f_in  # fc1 bias is split, fc2's replicated
-        return LayerParameters(split, norms + 2 * bias * h)  # two norms, dense/fc2 biases
+        return LayerParameters(split, 2 * _norm_parameters(config) + 2 * bias * h + attention_replicated)
     e, topk = config.num_moe_experts, config.moe_router_topk
     expert = _mlp_weights(h, config.moe_ffn_hidden_size or f, gated)
     shared = config.moe_shared_expert_intermediate_size or 0
     gate = h if shared and config.moe_shared_expert_gate else 0
     return LayerParameters(split=attention + _mlp_weights(h, shared, gated),
-                           replicated=norms + bias * h + e * h + gate,
+                           replicated=2 * _norm_parameters(config) + bias * h + e * h + gate + attention_replicated,
                            experts=e * expert, active_experts=topk * expert)
 
 
