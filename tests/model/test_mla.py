@@ -64,11 +64,14 @@ def test_greedy_generation_with_the_latent_cache_equals_without():
     assert cached.tokens.size(1) == 16
 
 
-def test_selective_recompute_gives_the_same_loss_and_grads():
+@pytest.mark.parametrize("recompute", [dict(recompute_granularity="selective"),
+                                       dict(recompute_granularity="full", recompute_method="uniform",
+                                            recompute_num_layers=1)])
+def test_recompute_gives_the_same_loss_and_grads(recompute):
     ids, pos, mask, labels = batch()
     results = []
-    for recompute in (None, "selective"):
-        model = build_gpt(tiny_config(**MLA, recompute_granularity=recompute))
+    for extra in ({}, recompute):
+        model = build_gpt(tiny_config(**MLA, **extra))
         loss = model(ids, pos, mask, labels=labels).mean()
         loss.backward()
         results.append((loss.detach(), {k: p.grad for k, p in model.named_parameters()}))
@@ -83,6 +86,7 @@ def test_selective_recompute_gives_the_same_loss_and_grads():
     (dict(rope_type="rope", use_rope_scaling=True), "do not apply to --multi-latent-attention"),
     (dict(position_embedding_type="alibi"), "not alibi"),
     (dict(kv_lora_rank=0), "--kv-lora-rank must be >= 1"),
+    (dict(use_flash_attn=True), "drop --use-flash-attn"),
 ])
 def test_impossible_mla_configs_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -1,5 +1,5 @@
 """The aux-loss-free expert bias in training (--moe-router-enable-expert-bias with group-limited sigmoid routing):
-DP=2 and EP=2 (alltoall and allgather, one EP rank's experts left idle by the routing) give the serial run's curve with the bias updated from the global token counts, the bias in
+DP=2, EP=2 (alltoall and allgather, one EP rank's experts left idle by the routing) and DeepSpeed ZeRO-1 (DP=2) give the serial run's curve with the bias updated from the global token counts, the bias in
 every rank's checkpoint equals the serial run's; resuming at iteration 4 from a legacy and from a torch_dist
 checkpoint reproduces 5..8 exactly (the bias is saved under Megatron Core's name and loaded); tools/checkpoint/
 convert.py carries the bias and the router flags into EP2 folders."""
@@ -14,6 +14,7 @@ import torch
 from megatron.checkpoint.conversion.driver import main as convert
 from megatron.checkpoint.conversion.torch_dist import read_tensors
 from tests.dist_utils import run_distributed
+from tests.ds._workers import write_ds_config
 from tests.log_lines import iteration_values
 from tests.training._llama import run_many
 from tests.training._workers import tiny_gpt_argv
@@ -88,6 +89,11 @@ def test_expert_bias_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: P
     layouts = {"dp2": (), "ep2-alltoall": ("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
                                            "alltoall"), "ep2-allgather": ("--expert-model-parallel-size", "2")}
     runs = [("stage", _argv(gpt_data, *extra, "--save", str(tmp_path / name))) for name, extra in layouts.items()]
+    # DeepSpeed's engine around our MoE layer: the DeepSpeed step applies the update too (ZeRO-1, DP=2)
+    zero1 = write_ds_config(str(tmp_path / "zero1.json"), zero_optimization={"stage": 1},
+                            train_micro_batch_size_per_gpu=2, train_batch_size=8)
+    layouts["zero1"] = ()
+    runs.append(("stage", _argv(gpt_data, "--deepspeed", "--deepspeed_config", zero1)))
     results = run_distributed(run_many, 2, args=(runs,))
     for i, name in enumerate(layouts):
         curve = _curve(results[-1][i], name)
