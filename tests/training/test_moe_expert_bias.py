@@ -2,7 +2,7 @@
 DP=2, EP=2 (alltoall and allgather, one EP rank's experts left idle by the routing) and DeepSpeed ZeRO-1 (DP=2) give the serial run's curve with the bias updated from the global token counts, the bias in
 every rank's checkpoint equals the serial run's; resuming at iteration 4 from a legacy and from a torch_dist
 checkpoint reproduces 5..8 exactly (the bias is saved under Megatron Core's name and loaded); tools/checkpoint/
-convert.py carries the bias and the router flags into EP2 folders."""
+convert.py carries the bias and the router flags into EP2 folders and into torch_dist."""
 from __future__ import annotations
 
 import math
@@ -79,6 +79,11 @@ def test_expert_bias_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: P
              "--target-expert-parallel-size", "2"])
     for folder in ("mp_rank_00_000", "mp_rank_00_001"):
         assert torch.equal(_legacy_bias(tmp_path / "conv", folder), bias), folder
+    convert(["--model-type", "GPT", "--load-dir", str(ck), "--save-dir", str(tmp_path / "conv_dist"), "--saver",
+             "mcore"])  # legacy -> torch_dist
+    core = read_tensors(str(tmp_path / "conv_dist" / f"iter_{ITERS:07d}"), trust=True)
+    (name,) = [k for k in core if k.endswith("mlp.router.expert_bias")]
+    assert torch.equal(core[name].reshape(-1, 4)[0], bias)
     arch = torch.load(tmp_path / "conv" / f"iter_{ITERS:07d}" / "mp_rank_00_000" / "model_optim_rng.pt",
                       weights_only=False)["architecture"]
     assert (arch["moe_router_num_groups"], arch["moe_router_group_topk"], arch["moe_router_enable_expert_bias"]) \
