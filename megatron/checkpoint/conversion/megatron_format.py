@@ -31,6 +31,8 @@ from megatron.checkpoint.conversion import optimizer_state as ostate
 from megatron.checkpoint.conversion.interchange import (
     EMBEDDINGS,
     FINAL_NORM,
+    MTP,
+    MTP_PREFIX,
     NO_ARGS_HINT,
     OUTPUT_LAYER,
     ConversionError,
@@ -45,7 +47,7 @@ from megatron.checkpoint.conversion.qkv_versions import fix_qkv_ordering
 from megatron.checkpoint.conversion.vocab import repad_rows, target_rows
 from megatron.checkpoint.safe_load import CheckpointFileError, UnsafeCheckpointError, safe_torch_load
 from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayout, get_tp_layout
-from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
+from megatron.layers.checkpoint_keys import STATE_ONLY_SUFFIXES, flatten_checkpoint_state_dict
 from megatron.layers.tp_shards import tensor_parallel_layouts
 from megatron.models import registry
 from megatron.run_configs.saved_args import SavedRunArgs
@@ -62,10 +64,11 @@ OUT = LM + "output_layer.weight"
 HEAD_COPY = "word_embeddings.weight"
 TOKENTYPE = LM + "embedding.tokentype_embeddings.weight"
 # last-stage parts after the final norm: (flat name prefix, message name); the output layer, then each family's
-# declared head modules (BERT's pooler and heads: megatron/models/bert/checkpoint_layout.py)
-HEAD_PARTS = ((LM + "output_layer.", OUTPUT_LAYER),
+# declared head modules (BERT's pooler and heads: megatron/models/bert/checkpoint_layout.py); the multi-token-
+# prediction block (megatron/layers/mtp.py, any GPT model with --mtp-num-layers) is the model's, like the output layer
+HEAD_PARTS = ((LM + "output_layer.", OUTPUT_LAYER), (MTP_PREFIX, MTP),
               *((h.prefix, h.message) for layout in registry.LAYOUTS for h in layout.heads))
-NESTED_HEADS = tuple(h.prefix for layout in registry.LAYOUTS for h in layout.heads if h.nested)  # one level deep
+NESTED_HEADS = (MTP_PREFIX, *(h.prefix for layout in registry.LAYOUTS for h in layout.heads if h.nested))  # one level
 VOCAB_ROWS = (OUT, "lm_head.bias")  # tensors with one row per vocabulary entry besides the word embeddings
 _RANK_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?$")
 _LAYER_RE = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
@@ -764,8 +767,9 @@ class MegatronWriter:
                 emb_flat[LM + "embedding." + key] = emb[key]
                 opt_flat[LM + "embedding." + key] = emb_opt.get(key, {})
         tied = meta.architecture.get("share_embeddings_and_output_weights", True)
-        if tied and self.pp > 1:  # the last stage's copy of the tied embedding (word_embeddings_for_head); its
-            # gradient is all-reduced with the first stage's, so its optimizer state is the same
+        if (tied or meta.architecture.get("mtp_num_layers")) and self.pp > 1:  # the last stage's copy of the
+            # embedding (word_embeddings_for_head: the tied output layer's, the MTP block's input); its gradient is
+            # all-reduced with the first stage's, so its optimizer state is the same
             self._stage("head", last, {HEAD_COPY: emb_flat[WORD]}, {HEAD_COPY: opt_flat[WORD]})
         self._stage("embeddings", (0, 0), emb_flat, opt_flat)
         del word, emb, emb_flat, emb_opt, opt_flat, emb_msg
@@ -818,7 +822,7 @@ class MegatronWriter:
             self.parts[(t, p, v)].update(self._spill(f"{tag}_{t}", shard))
         if not self.with_optimizer:
             return
-        missing = [name for name in tensors if not (opt or {}).get(name) and not name.endswith("_extra_state")]
+        missing = [name for name in tensors if not (opt or {}).get(name) and not name.endswith(STATE_ONLY_SUFFIXES)]
         if missing:
             raise ConversionError(f"the loader sent no optimizer state for {missing[0]}; pass --no-save-optim to "
                                   "convert the weights only")
