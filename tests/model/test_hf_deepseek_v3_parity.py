@@ -108,7 +108,7 @@ def test_logits_and_greedy_generation_equal_hf(variant, tmp_path):
         assert row == ref[0].tolist()
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", ["no_q_lora_rope"])  # q-lora: the convert.py test below
 def test_hf_to_megatron_to_hf_round_trip_is_bitwise(variant, tmp_path):
     """With the MTP layer HF stores as layer num_hidden_layers (the model built from it holds the MTP block)."""
     hf = _hf(variant, tmp_path / "hf", seed=4, mtp=True)
