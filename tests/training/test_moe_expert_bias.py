@@ -1,5 +1,5 @@
 """The aux-loss-free expert bias in training (--moe-router-enable-expert-bias with group-limited sigmoid routing):
-DP=2, EP=2 (alltoall and allgather, one EP rank's experts left idle by the routing) and DeepSpeed ZeRO-1 (DP=2) give the serial run's curve with the bias updated from the global token counts, the bias in
+DP=2, EP=2 (alltoall and allgather, one EP rank's experts left idle by the routing), PP=2 and DeepSpeed ZeRO-1 (DP=2) give the serial run's curve with the bias updated from the global token counts, the bias in
 every rank's checkpoint equals the serial run's; resuming at iteration 4 from a legacy and from a torch_dist
 checkpoint reproduces 5..8 exactly (the bias is saved under Megatron Core's name and loaded); tools/checkpoint/
 convert.py carries the bias and the router flags into EP2 folders and into torch_dist."""
@@ -92,7 +92,8 @@ def test_expert_bias_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: P
     # one group per EP rank's experts, so the bias soon sends a whole micro-batch to one rank and leaves the other's
     # experts idle: both dispatchers still run the same collectives on both ranks
     layouts = {"dp2": (), "ep2-alltoall": ("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
-                                           "alltoall"), "ep2-allgather": ("--expert-model-parallel-size", "2")}
+                                           "alltoall"), "ep2-allgather": ("--expert-model-parallel-size", "2"),
+               "pp2": ("--pipeline-model-parallel-size", "2")}  # the MoE layer on stage 0 only
     runs = [("stage", _argv(gpt_data, *extra, "--save", str(tmp_path / name))) for name, extra in layouts.items()]
     # DeepSpeed's engine around our MoE layer: the DeepSpeed step applies the update too (ZeRO-1, DP=2)
     zero1 = write_ds_config(str(tmp_path / "zero1.json"), zero_optimization={"stage": 1},
@@ -107,6 +108,7 @@ def test_expert_bias_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: P
             for a, b in zip(curve[it], ref[it]):
                 assert math.isclose(a, b, rel_tol=1e-5), f"{name} at iteration {it}: {curve[it]} vs {ref[it]}"
     assert torch.equal(_legacy_bias(tmp_path / "dp2"), bias)
+    assert torch.equal(_legacy_bias(tmp_path / "pp2", "mp_rank_00_000"), bias)
     for name in ("ep2-alltoall", "ep2-allgather"):
         for folder in ("mp_rank_00_000", "mp_rank_00_001"):  # each expert rank's own file: the same bias
             assert torch.equal(_legacy_bias(tmp_path / name, folder), bias), (name, folder)
