@@ -27,6 +27,13 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
 FLAG_LAYER = ("megatron.arguments", "megatron.global_vars", "megatron.initialize")
+FAMILY_NAMES = ("GPT", "BERT", "T5")
+# Modules directly under megatron/models/ that every family may import (not a family of their own).
+SHARED_MODEL_MODULES = ("registry", "hf_common", "hf_adapter")
+
+# The scanners below are the one implementation of each house rule's scan: this tool's figures and the house test
+# (tests/test_house_rules.py) both call them, so the figure a document quotes and the rule a test enforces count the
+# same things.
 
 
 def _modules(root: Path) -> Iterator[Tuple[str, ast.Module, str]]:
@@ -35,29 +42,89 @@ def _modules(root: Path) -> Iterator[Tuple[str, ast.Module, str]]:
         yield path.relative_to(root).as_posix(), ast.parse(text), text
 
 
-def _imported(node: ast.AST, rel: str) -> List[str]:
-    """The absolute module names an import statement names (relative ones resolved against `rel`)."""
+def package_of(rel: str) -> str:
+    """The package a file belongs to: megatron/data/helpers.py -> megatron.data."""
+    return ".".join(rel[:-len(".py")].split("/")[:-1]) if rel.endswith(".py") else rel
+
+
+def imported_by(node: ast.AST, package: str) -> List[str]:
+    """The absolute module names one import statement names: `import a.b` -> a.b; `from m import x, y` -> m, m.x,
+    m.y (relative ones resolved against `package`, the importing module's package)."""
     if isinstance(node, ast.Import):
         return [a.name for a in node.names]
     if isinstance(node, ast.ImportFrom):
         base = node.module or ""
         if node.level:
-            package = rel.split("/")[:-1]
-            package = package[:len(package) - (node.level - 1)]
-            base = ".".join(package + ([base] if base else []))
+            parts = package.split(".")
+            parts = parts[:len(parts) - (node.level - 1)]
+            base = ".".join(parts + ([base] if base else []))
         return [base] + [f"{base}.{a.name}" for a in node.names]
     return []
 
 
-def function_level_imports(tree: ast.Module) -> List[ast.AST]:
-    """Import statements inside a function body (each counted once, however deep)."""
-    found: Dict[int, ast.AST] = {}
-    for node in ast.walk(tree):
+def imported_modules(source: str, package: str) -> List[str]:
+    """Every module `source` imports (function-level and relative imports included; `package`: its own package)."""
+    return [name for node in ast.walk(ast.parse(source)) for name in imported_by(node, package)]
+
+
+def function_level_imports(source: str, path: str) -> List[Tuple[str, int]]:
+    """(module, line) for each import statement inside a function of `source` (each counted once, however deep;
+    relative imports resolved against `path`, e.g. megatron/data/helpers.py)."""
+    found: Dict[int, Tuple[str, int]] = {}
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for sub in ast.walk(node):
                 if isinstance(sub, (ast.Import, ast.ImportFrom)):
-                    found[id(sub)] = sub
-    return list(found.values())
+                    found[id(sub)] = (imported_by(sub, package_of(path))[0], sub.lineno)
+    return sorted(found.values(), key=lambda hit: hit[1])
+
+
+def private_imports(source: str) -> List[str]:
+    """`module:name` for each `from module import _name` in `source` (dunder names are not private)."""
+    return [f"{'.' * node.level}{node.module or ''}:{a.name}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) for a in node.names
+            if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def long_functions(source: str, limit: int = 80) -> Dict[str, bool]:
+    """name -> whether it is marked as a port ("# port of Megatron's <name>"), for each function of `source` longer
+    than `limit` lines."""
+    lines = source.splitlines()
+    return {node.name: any("# port of Megatron's " in line for line in lines[node.lineno - 1:node.end_lineno])
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit}
+
+
+def family_leaks(source: str, package: str) -> List[str]:
+    """The other families' modules imported by `source`, a module of `package` (megatron.models.<family>[...])."""
+    family = package.split(".")[2]
+    return sorted(m for m in imported_modules(source, package)
+                  if m.startswith("megatron.models.") and len(m.split(".")) > 2
+                  and m.split(".")[2] not in (family, *SHARED_MODEL_MODULES))
+
+
+def _literal_names(node: ast.AST, names: Tuple[str, ...] = ()) -> bool:
+    """A string constant (one of `names` when given), or a literal tuple/list/set holding one."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_literal_names(e, names) for e in node.elts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and (not names or node.value in names)
+
+
+def model_type_branches(source: str) -> List[str]:
+    """Each comparison (`==`, `!=`, `in`, `not in`) in `source` that branches on a model family, as `line: text`:
+    `model_type` compared with a string literal (or a literal list of them), or anything compared with "GPT", "BERT"
+    or "T5". A comparison with a named table (the converter's supported types) or an enum is not a family branch."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare) or not any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                        for op in node.ops):
+            continue
+        left = node.left
+        name = left.attr if isinstance(left, ast.Attribute) else getattr(left, "id", "")
+        if (name == "model_type" and any(_literal_names(c) for c in node.comparators)) or any(
+                _literal_names(n, FAMILY_NAMES) for n in (node.left, *node.comparators)):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
 
 
 def _args_writes(tree: ast.Module) -> int:
@@ -73,52 +140,30 @@ def _args_writes(tree: ast.Module) -> int:
     return count
 
 
-def _names_a_family(node: ast.AST) -> bool:
-    """A string constant, or a literal tuple/list/set of them (``model_type == "T5"``, ``model_type in ("BERT",)``);
-    a comparison with a named table (the converter's supported types) or an enum is not a family branch."""
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return bool(node.elts) and all(_names_a_family(e) for e in node.elts)
-    return isinstance(node, ast.Constant) and isinstance(node.value, str)
-
-
-def _family(rel: str) -> str:
-    parts = rel.split("/")
-    return parts[2] if len(parts) > 3 and parts[1] == "models" else ""
-
-
 def figures(root: Path) -> dict:
     """Every figure of the module docstring for the checkout at `root`."""
-    lines = fl_total = fl_in_tree = 0
-    private, getattrs, long_fns, ports, branches, flag_layer, cross, args_writes = [], [], 0, 0, [], [], [], {}
+    lines = fl_total = fl_in_tree = long_fns = ports = 0
+    private, getattrs, branches, flag_layer, cross, args_writes = [], [], [], [], [], {}
     for rel, tree, text in _modules(root):
         lines += len(text.splitlines())
-        inner = function_level_imports(tree)
+        inner = function_level_imports(text, rel)
         fl_total += len(inner)
-        fl_in_tree += sum(_imported(i, rel)[0].split(".")[0] == "megatron" for i in inner)
-        src_lines = text.splitlines()
+        fl_in_tree += sum(module.split(".")[0] == "megatron" for module, _ in inner)
+        private += [f"{rel}: {hit}" for hit in private_imports(text)]
+        marks = long_functions(text)
+        long_fns, ports = long_fns + len(marks), ports + sum(marks.values())
+        if rel.startswith("megatron/checkpoint/"):
+            branches += [f"{rel}:{hit.split(':')[0]}" for hit in model_type_branches(text)]
+        own = rel.split("/")[2] if len(rel.split("/")) > 3 and rel.split("/")[1] == "models" else ""
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                private += [f"{rel}: {node.module}:{a.name}" for a in node.names
-                            if a.name.startswith("_") and not a.name.startswith("__")]
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
-                long_fns += 1
-                ports += any("# port of Megatron's " in ln for ln in src_lines[node.lineno - 1:node.end_lineno])
-            if isinstance(node, ast.Compare) and rel.startswith("megatron/checkpoint/"):
-                left = node.left
-                name = left.attr if isinstance(left, ast.Attribute) else getattr(left, "id", "")
-                if name == "model_type" and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
-                                                for op in node.ops) and any(_names_a_family(c) for c in node.comparators):
-                    branches.append(f"{rel}:{node.lineno}")
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = _imported(node, rel)
-                if rel.startswith("megatron/checkpoint/") and any(n in FLAG_LAYER or n.startswith(
-                        tuple(f"{m}." for m in FLAG_LAYER)) for n in names):
-                    flag_layer.append(f"{rel}:{node.lineno}")
-                own = _family(rel)
-                others = {n.split(".")[2] for n in names if n.startswith("megatron.models.") and len(n.split(".")) > 3
-                          and (root / "megatron" / "models" / n.split(".")[2]).is_dir()}
-                if own and others - {own}:
-                    cross.append(f"{rel}:{node.lineno} -> {', '.join(sorted(others - {own}))}")
+            names = imported_by(node, package_of(rel))
+            if rel.startswith("megatron/checkpoint/") and any(n in FLAG_LAYER or n.startswith(
+                    tuple(f"{m}." for m in FLAG_LAYER)) for n in names):
+                flag_layer.append(f"{rel}:{node.lineno}")
+            others = {n.split(".")[2] for n in names if n.startswith("megatron.models.") and len(n.split(".")) > 3
+                      and (root / "megatron" / "models" / n.split(".")[2]).is_dir()}
+            if own and others - {own}:
+                cross.append(f"{rel}:{node.lineno} -> {', '.join(sorted(others - {own}))}")
         getattrs += [rel for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"]
         writes = _args_writes(tree)
         if writes:
