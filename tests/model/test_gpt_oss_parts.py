@@ -11,7 +11,11 @@ from megatron.arguments import core_transformer_config_from_args, parse_args
 from megatron.layers import InferenceParams
 from megatron.layers.fused_softmax import softmax_with_sink
 from megatron.layers.mlp import ParallelMLP, activation_for
+from megatron.layers.moe import MoELayer
 from tests.model.helpers import batch, build_gpt, tiny_config
+
+transformers = pytest.importorskip("transformers")
+modeling_gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
 
 
 def test_softmax_with_sink_is_softmax_with_an_extra_logit():
@@ -77,3 +81,37 @@ def test_flags_reach_transformer_config():
     config = core_transformer_config_from_args(args)
     assert (config.softmax_type, config.quick_geglu, config.glu_linear_offset, config.activation_func_clamp_value) \
         == ("learnable", True, 1.0, 7.0)
+
+
+def _hf_gpt_oss_mlp(h: int, f: int, experts: int, topk: int):
+    hf_config = transformers.GptOssConfig(hidden_size=h, intermediate_size=f, num_local_experts=experts,
+                                          num_experts_per_tok=topk, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=8, num_hidden_layers=1, vocab_size=64)
+    mlp = modeling_gpt_oss.GptOssMLP(hf_config)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return mlp
+
+
+def test_moe_with_biases_and_clamped_glu_equals_hf_gpt_oss_mlp():
+    h, f, experts, topk = 16, 12, 4, 2
+    hf = _hf_gpt_oss_mlp(h, f, experts, topk)
+    config = tiny_config(hidden_size=h, ffn_hidden_size=f, num_moe_experts=experts, moe_router_topk=topk,
+                         quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0,
+                         add_bias_linear=True, moe_aux_loss_coeff=0.0)
+    ours = MoELayer(config)
+    gate_up, gate_up_bias = hf.experts.gate_up_proj.detach(), hf.experts.gate_up_proj_bias.detach()
+    with torch.no_grad():  # HF interleaves gate and up columns; ours holds [gate | up]
+        ours.router.weight.copy_(hf.router.weight)
+        ours.router.bias.copy_(hf.router.bias)
+        ours.experts.weight1.copy_(torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], dim=-1))
+        ours.experts.bias1.copy_(torch.cat([gate_up_bias[..., ::2], gate_up_bias[..., 1::2]], dim=-1))
+        ours.experts.weight2.copy_(hf.experts.down_proj)
+        ours.experts.bias2.copy_(hf.experts.down_proj_bias)
+    x = torch.randn(5, 2, h, generator=torch.Generator().manual_seed(4)) * 3
+    expected = hf(x.transpose(0, 1))[0].transpose(0, 1)
+    got, _ = ours(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert {n for n, _ in ours.named_parameters()} >= {"router.bias", "experts.bias1", "experts.bias2"}
