@@ -130,11 +130,11 @@ class NetworkSizeSettings:
     # ---- GPT-OSS (issue #38): attention sinks and the clamped, offset GLU (Megatron-LM core 0.16.1's names)
     softmax_type: str = setting("--softmax-type", default="vanilla", choices=["vanilla", "off-by-one", "learnable"],
         help="Attention softmax: vanilla, off-by-one (a zero logit added to each row's denominator) or learnable "
-             "(a learned per-head sink logit, self_attention.core_attention.softmax_offset; GPT-OSS).", config=True)
+             "(a learned per-head sink logit, self_attention.core_attention.softmax_offset; GPT-OSS).", config=True, arch=48, kept=48)
     quick_geglu: bool = setting("--quick-geglu", default=False,
-        help="Gated MLP with quick GeLU x * sigmoid(1.702 x) on the gate half (GPT-OSS).", config=True)
+        help="Gated MLP with quick GeLU x * sigmoid(1.702 x) on the gate half (GPT-OSS).", config=True, arch=49, kept=49)
     glu_linear_offset: float = setting("--glu-linear-offset", default=0.0,
-        help="Gated MLP: act(gate) * (up + offset) (GPT-OSS: 1.0).", config=True)
+        help="Gated MLP: act(gate) * (up + offset) (GPT-OSS: 1.0).", config=True, arch=50, kept=50)
     activation_func_clamp_value: Optional[float] = setting("--activation-func-clamp-value", type=float,
         help="Gated MLP: clamp the gate half to <= value and the linear half to [-value, value] before the "
-             "activation (GPT-OSS: 7.0).", config=True)
+             "activation (GPT-OSS: 7.0).", config=True, arch=51, kept=51)
