@@ -103,12 +103,15 @@ def test_the_architecture_record_keeps_its_order():
         "rope_scaling_original_max_position_embeddings", "share_embeddings_and_output_weights", "num_layers",
         "encoder_num_layers", "decoder_num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
         "kv_channels", "max_position_embeddings", "padded_vocab_size", "num_moe_experts")
-    assert ARCHITECTURE_FIELDS[34:] == (
+    assert ARCHITECTURE_FIELDS[34:48] == (
         "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_shared_expert_intermediate_size",
         "moe_shared_expert_gate", "moe_router_pre_softmax", "moe_router_score_function",
         "moe_router_topk_scaling_factor", "moe_router_load_balancing_type", "moe_router_dtype",
         "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
         "moe_apply_probs_on_input")
+    # issue #38 (GPT-OSS): attention sinks and the clamped GLU
+    assert ARCHITECTURE_FIELDS[48:52] == ("softmax_type", "quick_geglu", "glu_linear_offset",
+                                          "activation_func_clamp_value")
 
 
 def test_typed_settings_from_parsed_flags():
