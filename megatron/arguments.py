@@ -355,6 +355,25 @@ def _check_warmup_before_decay(warmup: int, decay: Optional[int], train: int, un
                             f"or lengthen the decay")
 
 
+def _validate_wsd(args: argparse.Namespace) -> None:
+    """--lr-decay-style WSD needs its anneal length in the run's unit; the WSD flags need that style."""
+    iters, samples = getattr(args, "lr_wsd_decay_iters", None), getattr(args, "lr_wsd_decay_samples", None)
+    if getattr(args, "lr_decay_style", None) != "WSD":
+        _require(iters is None and samples is None and getattr(args, "lr_wsd_decay_style", "exponential") == "exponential",
+                 "--lr-wsd-decay-iters/--lr-wsd-decay-samples/--lr-wsd-decay-style need --lr-decay-style WSD")
+        return
+    if args.train_iters is not None:
+        _require(samples is None, "--lr-wsd-decay-samples needs --train-samples; with --train-iters use "
+                 "--lr-wsd-decay-iters")
+        _require(iters is not None and iters > 0, "--lr-decay-style WSD with --train-iters needs "
+                 "--lr-wsd-decay-iters N > 0 (the annealing phase's length)")
+    if args.train_samples is not None:
+        _require(iters is None, "--lr-wsd-decay-iters needs --train-iters; with --train-samples use "
+                 "--lr-wsd-decay-samples")
+        _require(samples is not None and samples > 0, "--lr-decay-style WSD with --train-samples needs "
+                 "--lr-wsd-decay-samples N > 0 (the annealing phase's length)")
+
+
 def _validate_training_length(args: argparse.Namespace, training_run: bool = False) -> None:
     _require(not (args.train_iters is not None and args.train_samples is not None),
              "use either --train-iters or --train-samples, not both")
@@ -380,6 +399,7 @@ def _validate_training_length(args: argparse.Namespace, training_run: bool = Fal
         if args.lr_warmup_fraction is not None:
             _require(args.lr_warmup_samples == 0, "use either --lr-warmup-fraction or --lr-warmup-samples, not both")
         _check_warmup_before_decay(args.lr_warmup_samples, args.lr_decay_samples, args.train_samples, "samples")
+    _validate_wsd(args)
     if (args.train_iters or args.train_samples) and not args.skip_train:
         _require(args.lr is not None, "--lr is required for training (peak learning rate, e.g. --lr 1.5e-4)")
     if args.lr is not None:

@@ -2,21 +2,45 @@
 
 Steps are counted in samples (training calls `step(global_batch_size)` per iteration). LR: linear warmup from
 `init_lr` to `max_lr` over `lr_warmup_steps`, then constant / linear / cosine / inverse-square-root decay to `min_lr`
-at `lr_decay_steps`. Weight decay: constant / linear / cosine increment from `start_wd` to `end_wd` over
+at `lr_decay_steps`, or WSD (warmup-stable-decay): `max_lr` until `lr_decay_steps - wsd_decay_steps`, then an
+exponential / linear / cosine / minus_sqrt anneal to `min_lr` over the last `wsd_decay_steps`. Weight decay: constant / linear / cosine increment from `start_wd` to `end_wd` over
 `wd_incr_steps`. Each param group gets `lr * lr_mult` and `wd * wd_mult`.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 from megatron.core.rank_print import print_rank_0 as _print_rank_0
 from megatron.errors import MegatronUserError
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 
+def wsd_anneal_coeff(style: str, ratio: float) -> float:
+    """Megatron's WSD anneal: the fraction of (max_lr - min_lr) left at `ratio` (0..1) of the decay phase."""
+    if style == "linear":
+        return 1.0 - ratio
+    if style == "cosine":
+        return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    if style == "exponential":
+        return (2.0 * math.pow(0.5, ratio)) - 1.0
+    return 1.0 - math.sqrt(ratio)  # minus_sqrt
+
+def _check_wsd(style: str, wsd_decay_steps: Optional[int], wsd_style: Optional[str]) -> None:
+    """One-line errors for a WSD schedule Megatron would trip an assert (or divide by zero) on."""
+    if style != "WSD":
+        return
+    if wsd_decay_steps is None:
+        raise ValueError("--lr-decay-style WSD needs the length of its decay phase: pass --lr-wsd-decay-iters "
+                         "(with --train-iters) or --lr-wsd-decay-samples (with --train-samples)")
+    if wsd_decay_steps <= 0:
+        raise ValueError(f"the WSD decay phase ({wsd_decay_steps} samples) must be > 0: raise "
+                         "--lr-wsd-decay-iters/--lr-wsd-decay-samples")
+    if wsd_style not in LR_WSD_DECAY_STYLES:
+        raise ValueError(f"--lr-wsd-decay-style {wsd_style!r} is not one of {', '.join(LR_WSD_DECAY_STYLES)}")
 
 
 class SchedulerMismatchError(MegatronUserError, ValueError):
@@ -41,6 +65,8 @@ class OptimizerParamScheduler:
         wd_incr_style: str,
         use_checkpoint_opt_param_scheduler: bool = True,
         override_opt_param_scheduler: bool = False,
+        wsd_decay_steps: Optional[int] = None,
+        lr_wsd_decay_style: Optional[str] = None,
     ) -> None:
         self.optimizer = optimizer
         self.init_lr = float(init_lr)
@@ -64,6 +90,7 @@ class OptimizerParamScheduler:
             )
         if lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"--lr-decay-style {lr_decay_style!r} is not one of {', '.join(LR_DECAY_STYLES)}")
+        _check_wsd(lr_decay_style, wsd_decay_steps, lr_wsd_decay_style)
         if start_wd < 0.0:
             raise ValueError(f"--start-weight-decay ({start_wd}) must be >= 0")
         if end_wd < start_wd:
@@ -82,6 +109,8 @@ class OptimizerParamScheduler:
         self.lr_warmup_steps = lr_warmup_steps
         self.lr_decay_steps = lr_decay_steps
         self.lr_decay_style = lr_decay_style
+        self.wsd_decay_steps = wsd_decay_steps
+        self.lr_wsd_decay_style = lr_wsd_decay_style
         self.start_wd = float(start_wd)
         self.end_wd = float(end_wd)
         self.wd_incr_steps = wd_incr_steps
@@ -120,6 +149,13 @@ class OptimizerParamScheduler:
         delta_lr = self.max_lr - self.min_lr
         if self.lr_decay_style == "linear":
             coeff = 1.0 - decay_ratio
+        elif self.lr_decay_style == "WSD":
+            anneal_start = self.lr_decay_steps - self.wsd_decay_steps
+            if self.num_steps <= anneal_start:
+                coeff = 1.0
+            else:
+                ratio = float(self.num_steps - anneal_start) / float(self.wsd_decay_steps)
+                coeff = wsd_anneal_coeff(self.lr_wsd_decay_style, ratio)
         else:  # cosine
             coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
         return self.min_lr + coeff * delta_lr

@@ -6,7 +6,7 @@ that neither imports the other.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -103,6 +103,15 @@ def scheduler_steps(schedule: ScheduleSettings) -> tuple[int, int, int]:
     return int(warmup), int(decay), int(wd_incr)
 
 
+def wsd_decay_steps(schedule: ScheduleSettings) -> Optional[int]:
+    """Length of WSD's annealing phase in samples (Megatron: --lr-wsd-decay-iters x --global-batch-size, or
+    --lr-wsd-decay-samples); None when not given."""
+    if schedule.train_iters:
+        iters = schedule.lr_wsd_decay_iters
+        return None if iters is None else iters * schedule.global_batch_size
+    return schedule.lr_wsd_decay_samples
+
+
 def build_param_scheduler(optimizer: Any, schedule: ScheduleSettings) -> OptimizerParamScheduler:
     """The learning-rate / weight-decay scheduler of `optimizer` from the run's `ScheduleSettings`."""
     warmup, decay, wd_incr = scheduler_steps(schedule)
@@ -120,6 +129,8 @@ def build_param_scheduler(optimizer: Any, schedule: ScheduleSettings) -> Optimiz
         wd_incr_style=schedule.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=schedule.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=schedule.override_opt_param_scheduler,
+        wsd_decay_steps=wsd_decay_steps(schedule),
+        lr_wsd_decay_style=schedule.lr_wsd_decay_style,
     )
 
 

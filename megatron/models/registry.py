@@ -10,6 +10,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 from megatron.checkpoint.conversion.family_layout import CheckpointLayout
 from megatron.models.bert.checkpoint_layout import BERT_LAYOUT
 from megatron.models.bert.hf import BERT
+from megatron.models.deepseek.hf_deepseek_v3 import DEEPSEEK_V3
 from megatron.models.gpt.checkpoint_layout import GPT_LAYOUT
 from megatron.models.gpt.hf_bloom import BLOOM
 from megatron.models.gpt.hf_gpt2 import GPT2
@@ -19,7 +20,7 @@ from megatron.models.gpt.hf_moe import MOE
 from megatron.models.hf_adapter import HFAdapter
 from megatron.models.t5.checkpoint_layout import T5_LAYOUT
 
-ADAPTERS: Tuple[HFAdapter, ...] = (GPT2, LLAMA, MOE, GPT_OSS, BLOOM, BERT)
+ADAPTERS: Tuple[HFAdapter, ...] = (GPT2, DEEPSEEK_V3, LLAMA, MOE, GPT_OSS, BLOOM, BERT)
 # the first is the default (a model or checkpoint no other family claims); a family whose markers another family's
 # checkpoints hold too comes before it (T5's last stage has an lm_head, as BERT's)
 LAYOUTS: Tuple[CheckpointLayout, ...] = (GPT_LAYOUT, T5_LAYOUT, BERT_LAYOUT)

@@ -44,8 +44,15 @@ class LearningRateSettings:
     TITLE: ClassVar[str] = "learning rate"
     lr: Optional[float] = setting("--lr", optimizer_config=True, help="Peak learning rate.", read_by="megatron/learning_rates.py")
     lr_decay_style: str = setting("--lr-decay-style", default="linear",
-        choices=["constant", "linear", "cosine", "inverse-square-root"], help="Learning rate decay.",
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+        help="Learning rate decay (WSD: warmup-stable-decay).", read_by="megatron/learning_rates.py")
+    lr_wsd_decay_style: str = setting("--lr-wsd-decay-style", default="exponential",
+        choices=["exponential", "linear", "cosine", "minus_sqrt"], help="Decay style of WSD's annealing phase.",
         read_by="megatron/learning_rates.py")
+    lr_wsd_decay_iters: Optional[int] = setting("--lr-wsd-decay-iters",
+        help="Iterations of WSD's annealing phase (the last ones of the decay span).", read_by="megatron/model_setup.py")
+    lr_wsd_decay_samples: Optional[int] = setting("--lr-wsd-decay-samples",
+        help="Samples of WSD's annealing phase (the last ones of the decay span).", read_by="megatron/model_setup.py")
     lr_decay_iters: Optional[int] = setting("--lr-decay-iters", help="Iterations to decay over (default train-iters).",
         read_by="megatron/model_setup.py")
     lr_decay_samples: Optional[int] = setting("--lr-decay-samples",
