@@ -87,6 +87,8 @@ class DecoderMapping:
     embeddings_to_hf: Callable[[AddTensor, Checked, torch.Tensor], None]  # (add, message, word rows cut)
     layer_to_hf: Callable[[AddTensor, int, Checked, ModelMeta, Any], None]  # (add, i, message, meta, HF config)
     final_norm_to_hf: Callable[[AddTensor, Checked], None]
+    # the parts after the output layer (DeepSeek-V3's MTP block): (add, message, meta, {"embedding", "output"} rows cut)
+    head_to_hf: Optional[Callable[[AddTensor, Checked, ModelMeta, Dict[str, torch.Tensor]], None]] = None
 
 
 def read_decoder(mapping: DecoderMapping, load_dir: str, cfg: Dict[str, Any], open_tensors: Callable[[], Any], *,
@@ -126,9 +128,15 @@ def write_decoder(mapping: DecoderMapping, meta: ModelMeta, messages: Iterator[M
     norm = Checked(expect(messages, FINAL_NORM).tensors, FINAL_NORM)
     mapping.final_norm_to_hf(writer.add, norm)
     norm.check(checking)
+    head = word if tied else expect(messages, OUTPUT_LAYER).tensors["output_layer.weight"][:rows]
     if not tied:
-        writer.add("lm_head.weight", expect(messages, OUTPUT_LAYER).tensors["output_layer.weight"][:rows])
+        writer.add("lm_head.weight", head)
     rest = next(messages, None)
+    while rest is not None and mapping.head_to_hf is not None:
+        part = Checked(rest.tensors, rest.name)
+        mapping.head_to_hf(writer.add, part, meta, {"embedding": word, "output": head})
+        part.check(checking)
+        rest = next(messages, None)
     if rest is not None:
         raise ConversionError(f'unexpected message "{rest.name}" after the model (is --model-type right?)')
     files = writer.close()

@@ -10,6 +10,8 @@ Message stream of a GPT-family model, in order (Megatron-LM's tools/checkpoint n
                             ``mlp.dense_h_to_4h.weight`` as [gate; up], ...)
     "final norm"            final_layernorm.weight [, final_layernorm.bias]
     "output layer"          output_layer.weight (untied models only)
+    "mtp"                   the multi-token-prediction block (--mtp-num-layers): ``layers.{k}.enorm.weight``, ...,
+                            ``layers.{k}.transformer_layer.<a layer's names>`` (Megatron Core's ``mtp.`` names)
     "pooler", "lm head", "binary head"   BERT: pooler dense.*, LM head dense.* / layernorm.* / bias (vocab rows),
                             binary head weight/bias (keys relative to ``language_model.pooler.``, ``lm_head.``, ...)
     "classification head", "multichoice head"   finetuned BERT (tasks/): weight/bias of the replicated linear head
@@ -35,6 +37,7 @@ from megatron.settings import all_settings, config_flag, flag_spelling, kept_fie
 EMBEDDINGS = "embeddings"
 FINAL_NORM = "final norm"
 OUTPUT_LAYER = "output layer"
+MTP, MTP_PREFIX = "mtp", "mtp."  # the multi-token-prediction block (megatron/layers/mtp.py), keys "layers.{k}.*"
 LAYER_PREFIX = "transformer layer "
 
 MODEL_TYPES = ("GPT", "BERT", "T5")
@@ -271,7 +274,7 @@ _LAYERS = _LM + "encoder.layers."
 _HEADS = ((_LM + "output_layer.", _LM, OUTPUT_LAYER), (_LM + "pooler.", _LM + "pooler.", "pooler"),
           ("lm_head.", "lm_head.", "lm head"), ("binary_head.", "binary_head.", "binary head"),
           ("classification_head.", "classification_head.", "classification head"),
-          ("multichoice_head.", "multichoice_head.", "multichoice head"))
+          ("multichoice_head.", "multichoice_head.", "multichoice head"), (MTP_PREFIX, MTP_PREFIX, MTP))
 
 
 def messages_from_state_dict(flat: Dict[str, torch.Tensor], num_layers: int) -> Iterator[Message]:

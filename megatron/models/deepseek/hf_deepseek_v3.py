@@ -35,6 +35,7 @@ from megatron.checkpoint.conversion.hf_decoder import AddTensor, Checked, Decode
 from megatron.checkpoint.conversion.interchange import (
     EMBEDDINGS,
     FINAL_NORM,
+    MTP,
     OUTPUT_LAYER,
     ConversionError,
     Message,
@@ -276,8 +277,8 @@ def mtp_to_hf(mtp: Mapping[str, torch.Tensor], dst: str, embedding: torch.Tensor
     out = {dst + h: mtp[m] for m, h in _MTP_MAP}
     out.update(layer_to_hf({k[len(TRANSFORMER_LAYER):]: v for k, v in mtp.items() if k.startswith(TRANSFORMER_LAYER)},
                            dst))
-    out[dst + "embed_tokens.weight"] = embedding
-    out[dst + "shared_head.head.weight"] = output
+    out[dst + "embed_tokens.weight"] = embedding.clone()  # copies: safetensors stores no shared storage
+    out[dst + "shared_head.head.weight"] = output.clone()
     return out
 
 
@@ -316,6 +317,39 @@ def _stream(t: Any, config: TransformerConfig) -> Iterator[Message]:
     yield Message(FINAL_NORM, {"final_layernorm.weight": t.get("model.norm.weight")})
     if not config.share_embeddings_and_output_weights:
         yield Message(OUTPUT_LAYER, {"output_layer.weight": t.get("lm_head.weight")})
+    if config.mtp_num_layers:
+        yield Message(MTP, mtp_message_from_hf(t, config))
+
+
+def mtp_message_from_hf(t: Any, config: TransformerConfig) -> Dict[str, torch.Tensor]:
+    """The "mtp" message of a folder's MTP layers (HF layers num_hidden_layers + k); their copies of the embedding and
+    the output layer must be the model's own (Megatron shares them), else ConversionError naming the tensor."""
+    n, moe = config.num_layers, bool(config.moe_layer_pattern[-1])
+    main = {"embed_tokens.weight": "model.embed_tokens.weight",
+            "shared_head.head.weight": "model.embed_tokens.weight" if config.share_embeddings_and_output_weights
+            else "lm_head.weight"}
+    out: Dict[str, torch.Tensor] = {}
+    for k in range(config.mtp_num_layers):
+        src = f"model.layers.{n + k}."
+        for own, shared in main.items():
+            if src + own in t and not torch.equal(t.get(src + own), t.get(shared)):
+                raise ConversionError(f"{src + own} differs from {shared}: Megatron's MTP shares the model's "
+                                      "embedding and output layer")
+        out.update({f"layers.{k}.{name}": v for name, v in mtp_from_hf(t, src, moe).items()})
+    return out
+
+
+def _head_to_hf(add: AddTensor, part: Checked, meta: ModelMeta, main: Dict[str, torch.Tensor]) -> None:
+    """The saver's MTP half: each MTP layer as HF layer num_hidden_layers + k, with copies of the main tensors."""
+    if part.name != MTP:
+        raise ConversionError(f'unexpected message "{part.name}" after the model (is --model-type right?)')
+    n = meta.architecture["num_layers"]
+    depths = sorted({int(key.split(".")[1]) for key in part})
+    for k in depths:
+        prefix = f"layers.{k}."
+        mtp = {key[len(prefix):]: part[key] for key in list(part) if key.startswith(prefix)}
+        for name, tensor in mtp_to_hf(mtp, f"model.layers.{n + k}.", main["embedding"], main["output"]).items():
+            add(name, tensor)
 
 
 def _config_to_hf(config: TransformerConfig, rows: int, arch_name: Optional[str]) -> Any:
@@ -341,7 +375,7 @@ def _final_norm_to_hf(add: AddTensor, norm: Checked) -> None:
 
 _DEEPSEEK_V3 = DecoderMapping(config_from_hf=lambda load_dir, cfg: {}, weights_from_hf=lambda t, meta: iter(()),
                               config_to_hf=_config_to_hf, embeddings_to_hf=_embeddings_to_hf,
-                              layer_to_hf=_layer_to_hf, final_norm_to_hf=_final_norm_to_hf)
+                              layer_to_hf=_layer_to_hf, final_norm_to_hf=_final_norm_to_hf, head_to_hf=_head_to_hf)
 DEEPSEEK_V3 = HFAdapter(name="deepseek_v3", model_type="GPT", architectures=(ARCHITECTURE,), read=_read,
                         write=partial(write_decoder, _DEEPSEEK_V3),
                         accepts=lambda a: bool(a.get("multi_latent_attention")),
