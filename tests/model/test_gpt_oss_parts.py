@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.arguments import core_transformer_config_from_args, parse_args
-from megatron.layers import InferenceParams
+from megatron.layers import InferenceParams, mcore_names
 from megatron.layers.fused_softmax import softmax_with_sink
 from megatron.layers.mlp import ParallelMLP, activation_for
 from megatron.layers.moe import MoELayer
@@ -115,3 +115,9 @@ def test_moe_with_biases_and_clamped_glu_equals_hf_gpt_oss_mlp():
     got, _ = ours(x)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert {n for n, _ in ours.named_parameters()} >= {"router.bias", "experts.bias1", "experts.bias2"}
+
+
+def test_core_names_of_the_sinks_and_router_bias():
+    for name in ("self_attention.core_attention.softmax_offset", "mlp.router.bias"):
+        assert mcore_names.core_layer_suffix_to_ours(name, name) == name
+        assert mcore_names.our_layer_suffix_to_core(name, fused_norms=True) == name
