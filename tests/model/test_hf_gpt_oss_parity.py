@@ -1,8 +1,8 @@
 """GPT-OSS parity with Hugging Face (fp32, tiny offline config; issue #38): the HF folder read by the conversion
 loader gives a GPTModel whose logits (<= 1e-5) and 32-token greedy KV-cache generation equal GptOssForCausalLM's
 (attention sinks, biases, clamped quick-GeGLU experts with interleaved gate/up, router bias); HF -> ours -> HF is
-bitwise, also through Megatron checkpoints at TP2 x PP2 x EP2; the MXFP4-packed published layout is refused in one
-line."""
+bitwise, also through Megatron checkpoints at TP2 x PP2 x EP2; the MXFP4-packed published layout is dequantised on
+load as transformers does it."""
 from __future__ import annotations
 
 import json
@@ -19,11 +19,13 @@ from megatron.checkpoint.conversion.interchange import (
     state_dict_from_messages,
 )
 from megatron.core.tensor_parallel import model_parallel_manual_seed
+from megatron.models.gpt.hf_gpt_oss import dequantize_mxfp4
 from megatron.models.gpt.model import GPTModel
 from megatron.text_generation import generate
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
+mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
 
 VOCAB, MAX_POS = 61, 64
 CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
@@ -117,11 +119,41 @@ def test_convert_cli_tp2_pp2_ep2_and_back_is_bitwise(tmp_path):
         assert torch.equal(before[key], after[key]), key
 
 
-def test_mxfp4_packed_checkpoint_is_refused_in_one_line(tmp_path):
-    _hf(tmp_path / "hf", seed=7)
-    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+def test_mxfp4_dequantisation_equals_transformers():
+    g = torch.Generator().manual_seed(8)
+    blocks = torch.randint(0, 256, (3, 6, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 134, (3, 6, 2), generator=g, dtype=torch.uint8)
+    ours = dequantize_mxfp4(blocks, scales, torch.float32)
+    assert ours.shape == (3, 64, 6)
+    assert torch.equal(ours, mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.bfloat16).float(), ours)  # exact in bf16
+
+
+def test_mxfp4_packed_folder_reads_as_its_dequantised_weights(tmp_path):
+    _hf(tmp_path / "plain", seed=7)
+    tensors = _load(tmp_path / "plain")
+    packed = dict(tensors)
+    g = torch.Generator().manual_seed(9)
+    for i in range(CONFIG["num_hidden_layers"]):
+        for name, rows, cols in (("gate_up_proj", 2 * 24, 32), ("down_proj", 32, 24)):
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            blocks = torch.randint(0, 256, (4, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+            scales = torch.randint(122, 128, (4, rows, cols // 32), generator=g, dtype=torch.uint8)
+            del packed[key]
+            packed[key + "_blocks"], packed[key + "_scales"] = blocks, scales
+            tensors[key] = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    cfg = json.loads((tmp_path / "plain" / "config.json").read_text())
+    for folder, state, quant in (("packed", packed, {"quant_method": "mxfp4"}), ("unpacked", tensors, None)):
+        (tmp_path / folder).mkdir()
+        safetensors_torch.save_file(state, tmp_path / folder / "model.safetensors", metadata={"format": "pt"})
+        (tmp_path / folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant}
+                                                                   if quant else cfg))
+    flat = {name: state_dict_from_messages(read_hf(str(tmp_path / name))[1]) for name in ("packed", "unpacked")}
+    assert sorted(flat["packed"]) == sorted(flat["unpacked"])
+    for key, value in flat["unpacked"].items():
+        assert torch.equal(flat["packed"][key], value), key
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (tmp_path / "packed" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConversionError) as info:
-        read_hf(str(tmp_path / "hf"))
-    assert "mxfp4" in str(info.value) and "dequantise" in str(info.value) and "\n" not in str(info.value)
+        read_hf(str(tmp_path / "packed"))
+    assert "bitsandbytes" in str(info.value) and "\n" not in str(info.value)

@@ -12,11 +12,16 @@ and up **interleaved** by column (gate = columns 0::2, up = 1::2; ``gate_up_proj
 ``mlp.experts.weight1`` [E, h, 2F] / ``bias1`` hold [gate | up]; ``down_proj`` [E, F, h] / ``down_proj_bias`` [E, h]
 are ``weight2`` / ``bias2`` as they are.
 
+The published checkpoints pack the experts' matrices as MXFP4 (``quantization_config`` quant_method "mxfp4":
+``gate_up_proj_blocks`` [E, 2F, h/32, 16] uint8, two FP4 e2m1 values a byte, low nibble first, and
+``gate_up_proj_scales`` [E, 2F, h/32] uint8 exponents biased by 127, one per 32 values; ``down_proj`` likewise
+[E, h, F/32, ...]): they are dequantised on load (`dequantize_mxfp4`, exact in bf16) into the [E, in, out] matrices;
+the biases and every other tensor are stored unpacked. A save writes them unpacked (bf16/fp32).
+
 Refused with one line (the field named): sliding-window layers when a sequence can exceed the window
 (``layer_types`` with ``sliding_attention`` and ``max_position_embeddings > sliding_window``), RoPE scalings other
-than default/llama3/linear (YaRN), ``swiglu_alpha`` other than 1.702 (Megatron's quick GeLU), and the MXFP4-packed
-experts of the published checkpoints (``quantization_config``; dequantise them to bf16/fp32 first, e.g. with
-transformers' ``Mxfp4Config(dequantize=True)`` and ``save_pretrained``).
+than default/llama3/linear (YaRN), ``swiglu_alpha`` other than 1.702 (Megatron's quick GeLU), other quantisation
+methods.
 """
 from __future__ import annotations
 
@@ -56,6 +61,7 @@ from megatron.models.hf_adapter import HFAdapter
 from megatron.models.hf_common import hf_config_class, hf_config_object
 
 ARCHITECTURES = ("GptOssForCausalLM",)
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 QUICK_GELU_ALPHA = 1.702  # Megatron-LM core's quick_gelu gain
 # (ours inside a layer, HF's inside "model.layers.{i}.") for tensors that map as they are
 _PLAIN = (("input_layernorm.weight", "input_layernorm.weight"),
@@ -79,13 +85,25 @@ def interleave(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate, up], dim=-1).reshape(gate_up.shape).contiguous()
 
 
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 ``*_blocks`` [E, rows, G, 16] uint8 and ``*_scales`` [E, rows, G] uint8 -> [E, G * 32, rows] of `dtype`
+    (value = FP4 e2m1 code x 2^(scale - 127), low nibble first; transposed to our input-major layout)."""
+    if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not match scales {tuple(scales.shape)}")
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [E, rows, G, 16, 2]
+    values = lut[codes].flatten(-2)  # [E, rows, G, 32]
+    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1))
+    return values.flatten(-2).transpose(1, 2).contiguous().to(dtype)
+
+
 def _refusals(hf_config: Any) -> None:
     quant = getattr(hf_config, "quantization_config", None)
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-        raise ValueError(f"quantization_config ({method}): the MXFP4-packed experts (*_blocks/*_scales) are not read; "
-                         "dequantise the checkpoint to bf16/fp32 first (transformers Mxfp4Config(dequantize=True), "
-                         "then save_pretrained)")
+        if method != "mxfp4":
+            raise ValueError(f"quantization_config quant_method {method!r}: only the published MXFP4 packing of "
+                             "the experts is read; dequantise the checkpoint first")
     alpha = float(getattr(hf_config, "swiglu_alpha", QUICK_GELU_ALPHA))
     if alpha != QUICK_GELU_ALPHA:
         raise ValueError(f"swiglu_alpha {alpha}: Megatron's --quick-geglu has gain {QUICK_GELU_ALPHA}")
@@ -160,14 +178,24 @@ def _config_from_hf(load_dir: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
         raise ConversionError(f"{load_dir}: {exc}") from None
 
 
+def _expert_matrix(t: Any, name: str) -> torch.Tensor:
+    """An experts' matrix [E, in, out] in HF's layout: stored as it is, or MXFP4-packed (dequantised to the dtype
+    of its bias)."""
+    if name in t:
+        return t.get(name)
+    return dequantize_mxfp4(t.get(name + "_blocks"), t.get(name + "_scales"), t.get(name + "_bias").dtype)
+
+
 def _layer_from_hf(t: Any, src: str, meta: ModelMeta) -> Dict[str, torch.Tensor]:
     nq, ng, hd = heads(meta)
     attn = src + "self_attn."
     out = {f"self_attention.query_key_value.{kind}": qkv_pack_groups(
         t.get(f"{attn}q_proj.{kind}"), t.get(f"{attn}k_proj.{kind}"), t.get(f"{attn}v_proj.{kind}"), nq, ng, hd)
         for kind in ("weight", "bias")}
-    out.update({ours: t.get(src + theirs) for ours, theirs in _PLAIN})
-    out.update({ours: deinterleave(t.get(src + theirs)) for ours, theirs in _GATE_UP})
+    out.update({ours: t.get(src + theirs) for ours, theirs in _PLAIN if ours != "mlp.experts.weight2"})
+    out["mlp.experts.weight2"] = _expert_matrix(t, src + "mlp.experts.down_proj")
+    out["mlp.experts.weight1"] = deinterleave(_expert_matrix(t, src + "mlp.experts.gate_up_proj"))
+    out["mlp.experts.bias1"] = deinterleave(t.get(src + "mlp.experts.gate_up_proj_bias"))
     return out
 
 
