@@ -97,7 +97,10 @@ def forward_step(data_iterator: Optional[Iterator], model: torch.nn.Module) -> t
     timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
     timers("batch-generator").stop()
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    if global_vars.get_args().mtp_num_layers:  # the multi-token-prediction losses count the same tokens
+        output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    else:
+        output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
     return output_tensor, partial(loss_func, loss_mask)
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from megatron import optional
-from megatron.core.transformer_config import TransformerConfig, rope_scaling_problem
+from megatron.core.transformer_config import TransformerConfig, rope_scaling_problem, yarn_problem
 from megatron.ds.config import reconcile_deepspeed_config
 from megatron.errors import ArgumentError
 from megatron.launcher import detect_launcher_env
@@ -512,7 +512,7 @@ def _validate_architecture(args: argparse.Namespace) -> None:
     """Query groups, rotary range, activations: refuse what cannot work, with one line naming the flags."""
     _require(0.0 < args.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1] (got {args.rotary_percent})")
     _require(args.rotary_base > 0, f"--rotary-base must be positive (got {args.rotary_base})")
-    problem = rope_scaling_problem(args)
+    problem = rope_scaling_problem(args) or yarn_problem(args)
     _require(problem is None, problem or "")
     heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
     if args.group_query_attention:

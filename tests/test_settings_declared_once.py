@@ -109,8 +109,11 @@ def test_the_architecture_record_keeps_its_order():
         "moe_router_topk_scaling_factor", "moe_router_load_balancing_type", "moe_router_dtype",
         "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
         "moe_apply_probs_on_input")
+    assert ARCHITECTURE_FIELDS[48:56] == (  # YaRN (--rope-type yarn)
+        "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings",
+        "beta_fast", "beta_slow", "yarn_correction_range_round_to_int")
     # issue #38 (GPT-OSS): attention sinks and the clamped GLU
-    assert ARCHITECTURE_FIELDS[48:52] == ("softmax_type", "quick_geglu", "glu_linear_offset",
+    assert ARCHITECTURE_FIELDS[56:60] == ("softmax_type", "quick_geglu", "glu_linear_offset",
                                           "activation_func_clamp_value")
 
 

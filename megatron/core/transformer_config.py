@@ -119,6 +119,22 @@ class TransformerConfig(ModelParallelConfig):
     """Llama-3.1 high_freq_factor (--rope-scaling-high-freq-factor; Megatron-LM hard-codes 4)."""
     rope_scaling_original_max_position_embeddings: int = 8192
     """Llama-3.1 original context length (--rope-scaling-original-max-position-embeddings; Megatron-LM: 8192)."""
+    rope_type: Optional[str] = None
+    """"rope" or "yarn" (--rope-type); None is Megatron-LM's default: yarn with multi-latent attention, else rope."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN scaling factor (--rotary-scaling-factor; HF rope_scaling factor)."""
+    mscale: float = 1.0
+    """YaRN mscale (--mscale): cos/sin times mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    mscale_all_dim: float = 0.0
+    """YaRN mscale_all_dim (--mscale-all-dim); multi-latent attention's softmax scale has its square."""
+    original_max_position_embeddings: int = 4096
+    """YaRN's original context length (--yarn-original-max-position-embeddings; Megatron-LM core's 4096)."""
+    beta_fast: float = 32.0
+    """YaRN beta_fast (--yarn-beta-fast)."""
+    beta_slow: float = 1.0
+    """YaRN beta_slow (--yarn-beta-slow)."""
+    yarn_correction_range_round_to_int: bool = True
+    """Round YaRN's correction range to whole dimensions (HF truncate; --no-yarn-correction-range-round-to-int)."""
     # ---- attention heads
     group_query_attention: bool = False
     """Grouped-query attention: num_query_groups K/V heads shared by the query heads (--group-query-attention)."""
@@ -170,6 +186,11 @@ class TransformerConfig(ModelParallelConfig):
     """Ranks the experts of a layer are sharded over (--expert-model-parallel-size); expert-TP = TP."""
     moe_token_dispatcher_type: str = "allgather"
     """How tokens reach expert-parallel ranks: allgather | alltoall (--moe-token-dispatcher-type)."""
+    # ---- multi-token prediction (Megatron-LM core's names; megatron/layers/mtp.py)
+    mtp_num_layers: Optional[int] = None
+    """MTP depths D after the decoder, on the last pipeline stage (--mtp-num-layers); None = no MTP."""
+    mtp_loss_scaling_factor: float = 0.1
+    """The mean of the D MTP losses times this is added to the LM loss (--mtp-loss-scaling-factor)."""
     # Activation recomputation: None | "selective" | "full"; method "uniform" | "block".
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
@@ -227,12 +248,14 @@ class TransformerConfig(ModelParallelConfig):
                                  f"gives rotary dimension {rot_dim}; it must be even and >= 2")
             if self.rotary_base <= 0:
                 raise ValueError(f"--rotary-base must be positive, got {self.rotary_base}")
-            problem = rope_scaling_problem(self)
+            problem = rope_scaling_problem(self) or yarn_problem(self)
             if problem:
                 raise ValueError(problem)
         elif self.use_rope_scaling or self.rotary_seq_len_interpolation_factor is not None:
             raise ValueError("--use-rope-scaling / --rotary-seq-len-interpolation-factor need --position-embedding-type "
                              f"rope (got {self.position_embedding_type})")
+        elif yarn_problem(self):
+            raise ValueError(yarn_problem(self))
         if not self.group_query_attention:
             if self.num_query_groups not in (None, self.num_attention_heads):
                 raise ValueError(f"--num-query-groups {self.num_query_groups} needs --group-query-attention")
@@ -247,6 +270,8 @@ class TransformerConfig(ModelParallelConfig):
                              f"--tensor-model-parallel-size ({self.tensor_model_parallel_size})")
         if self.num_moe_experts is not None:
             self._validate_moe()
+        if self.mtp_num_layers is not None:
+            self._validate_mtp()
         for name in ("encoder_num_layers", "decoder_num_layers"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -264,6 +289,16 @@ class TransformerConfig(ModelParallelConfig):
                              "--quick-geglu)")
         if self.activation_func_clamp_value is not None and self.activation_func_clamp_value <= 0:
             raise ValueError(f"--activation-func-clamp-value must be positive, got {self.activation_func_clamp_value}")
+
+    def _validate_mtp(self) -> None:
+        if self.mtp_num_layers < 1:
+            raise ValueError(f"--mtp-num-layers must be >= 1, got {self.mtp_num_layers} (omit it for no MTP)")
+        if self.position_embedding_type not in ("rope", "none"):
+            raise ValueError(f"--mtp-num-layers needs --position-embedding-type rope or none (got "
+                             f"{self.position_embedding_type}), as in Megatron-LM")
+        if self.context_parallel_size > 1:
+            raise ValueError("--mtp-num-layers with --context-parallel-size > 1 is not implemented (the shifted "
+                             "tokens cross context-parallel ranks); use tensor, sequence or pipeline parallelism")
 
     def _validate_moe(self) -> None:
         experts, topk = self.num_moe_experts, self.moe_router_topk
@@ -368,4 +403,36 @@ def rope_scaling_problem(c: Any) -> Optional[str]:
     if not c.rope_scaling_high_freq_factor > c.rope_scaling_low_freq_factor:
         return (f"--rope-scaling-high-freq-factor ({c.rope_scaling_high_freq_factor}) must exceed "
                 f"--rope-scaling-low-freq-factor ({c.rope_scaling_low_freq_factor})")
+    return None
+
+
+YARN_DEFAULTS = (("rotary_scaling_factor", 1.0), ("mscale", 1.0), ("mscale_all_dim", 0.0),
+                 ("original_max_position_embeddings", 4096), ("beta_fast", 32.0), ("beta_slow", 1.0),
+                 ("yarn_correction_range_round_to_int", True))
+_YARN_FLAGS = {"original_max_position_embeddings": "--yarn-original-max-position-embeddings",
+               "beta_fast": "--yarn-beta-fast", "beta_slow": "--yarn-beta-slow",
+               "yarn_correction_range_round_to_int": "--no-yarn-correction-range-round-to-int"}
+
+
+def yarn_problem(c: Any) -> Optional[str]:
+    """One line naming the YaRN flag whose value cannot work or would be ignored (None if all can); `c` is a
+    TransformerConfig or the parsed args. Without --rope-type yarn (or multi-latent attention, whose softmax scale
+    reads --rotary-scaling-factor / --mscale-all-dim) YaRN values are refused; YaRN does not combine with the
+    other RoPE scalings."""
+    mla = bool(getattr(c, "multi_latent_attention", False))
+    yarn = getattr(c, "rope_type", None) == "yarn" or (mla and getattr(c, "rope_type", None) is None)
+    rope = getattr(c, "position_embedding_type", "rope") in ("rope", "rotary") or mla
+    if getattr(c, "rope_type", None) is not None and not rope:
+        return f"--rope-type {c.rope_type} needs --position-embedding-type rope (got {c.position_embedding_type})"
+    if not (yarn and rope):
+        given = [n for n, default in YARN_DEFAULTS if getattr(c, n, default) != default
+                 and not (mla and n in ("rotary_scaling_factor", "mscale_all_dim"))]
+        if given:
+            return f"{_YARN_FLAGS.get(given[0], '--' + given[0].replace('_', '-'))} needs --rope-type yarn"
+        return None
+    if c.use_rope_scaling or c.rotary_seq_len_interpolation_factor is not None:
+        return "--rope-type yarn does not combine with --use-rope-scaling / --rotary-seq-len-interpolation-factor"
+    for name in ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+        if not getattr(c, name) > 0:
+            return f"{_YARN_FLAGS.get(name, '--' + name.replace('_', '-'))} must be positive (got {getattr(c, name)})"
     return None

@@ -10,6 +10,7 @@ from megatron.layers.mcore_names import core_to_ours, has_core_names
 WORD_EMBEDDINGS_FOR_HEAD_KEY = "word_embeddings_for_head"
 OUTPUT_COPY = "language_model.output_layer.weight"
 LANGUAGE_MODEL_KEY = "language_model"
+MTP_KEY = "mtp"  # the multi-token-prediction block of a last stage (megatron/layers/mtp.py), Megatron Core's name
 
 
 def flatten_checkpoint_state_dict(state_dict: Mapping[str, Any]) -> dict:

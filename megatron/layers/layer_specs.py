@@ -68,8 +68,10 @@ def expert_tensor_group() -> Any:
 
 
 def moe_mlp_builder(config: TransformerConfig, layer_number: int, tp_group: Optional[Any]) -> torch.nn.Module:
-    """The MoE MLP on the layers --moe-layer-freq marks, the dense MLP on the others."""
-    if config.moe_layer_pattern[layer_number - 1]:
+    """The MoE MLP on the layers --moe-layer-freq marks, the dense MLP on the others; a multi-token-prediction
+    layer (numbered after the decoder's) takes the kind of the decoder's last layer, as in Megatron-LM."""
+    pattern = config.moe_layer_pattern
+    if pattern[min(layer_number, len(pattern)) - 1]:
         return MoELayer(config, layer_number, tp_group, expert_group(config), config.moe_token_dispatcher_type,
                         etp_group=expert_tensor_group())
     return ParallelMLP(config, tp_group)

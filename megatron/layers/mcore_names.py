@@ -210,7 +210,8 @@ def core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
     """A flat Core state dict (one rank's, or a full one) -> our flat names; `_extra_state` entries dropped."""
     if is_core_t5(flat):
         return _t5_core_to_ours(flat)
-    out: Dict[str, Any] = {}
+    mtp, flat = _split_mtp(flat)
+    out: Dict[str, Any] = _mtp_names(mtp, core_to_ours, "decoder.layers.", _LAYERS) if mtp else {}
     experts: Dict[str, Dict[int, Any]] = {}
     bert = is_core_bert(flat)
     layers, tops = ("encoder.layers.", BERT_PREFIXES) if bert else ("decoder.layers.", TOP_PREFIXES)
@@ -269,12 +270,42 @@ def is_our_bert(keys: Iterable[str]) -> bool:
     return any(k.startswith(("lm_head.", "binary_head.")) for k in keys)
 
 
+# Multi-token prediction (megatron/layers/mtp.py): Megatron Core's ``mtp.layers.N.{enorm,hnorm,eh_proj,
+# final_layernorm}`` are ours too; each depth's ``transformer_layer`` is renamed as a decoder layer
+MTP_LAYERS = "mtp.layers."
+_MTP_LAYER = "transformer_layer."
+
+
+def _split_mtp(flat: Mapping[str, Any]) -> tuple:
+    mtp = {k: v for k, v in flat.items() if k.startswith(MTP_LAYERS)}
+    return mtp, ({k: v for k, v in flat.items() if k not in mtp} if mtp else flat)
+
+
+def _mtp_names(mtp: Mapping[str, Any], convert: Any, from_layers: str, to_layers: str) -> Dict[str, Any]:
+    """The MTP block's tensors renamed: each depth's transformer layer by `convert` (as layer 0 of a decoder stack
+    named `from_layers`, which `convert` names `to_layers`), the rest unchanged."""
+    out: Dict[str, Any] = {}
+    per_depth: Dict[str, Dict[str, Any]] = {}
+    for key, value in mtp.items():
+        depth, _, rest = key[len(MTP_LAYERS):].partition(".")
+        if rest.startswith(_MTP_LAYER):
+            per_depth.setdefault(depth, {})[f"{from_layers}0.{rest[len(_MTP_LAYER):]}"] = value
+        else:
+            out[key] = value
+    for depth, layer in per_depth.items():
+        for key, value in convert(layer).items():
+            out[f"{MTP_LAYERS}{depth}.{_MTP_LAYER}{key[len(to_layers) + 2:]}"] = value
+    return out
+
+
 def ours_to_core(flat: Mapping[str, Any], fused_norms: bool = False) -> Dict[str, Any]:
     """Our flat names -> Core's (the local layer spec's spelling; `fused_norms`: Transformer Engine's); BERT's
     (lm_head / binary_head present) as Core's BertModel names them, T5's (a decoder stack) as its T5Model does."""
     if is_our_t5(flat):
         return t5_ours_to_core(flat, fused_norms)
-    out: Dict[str, Any] = {}
+    mtp, flat = _split_mtp(flat)
+    out: Dict[str, Any] = _mtp_names(mtp, lambda layer: ours_to_core(layer, fused_norms), _LAYERS,
+                                     "decoder.layers.") if mtp else {}
     bert = is_our_bert(flat)
     layers, tops = ("encoder.layers.", BERT_PREFIXES) if bert else ("decoder.layers.", TOP_PREFIXES)
     for key, value in flat.items():

@@ -32,7 +32,7 @@ class MegatronModule(torch.nn.Module):
         """The word-embedding weight on the first stage, or the last stage's copy used by the output layer."""
         if getattr(self, "pre_process", True):
             return self.language_model.embedding.word_embeddings.weight
-        if not self.share_embeddings_and_output_weights:
+        if not self.share_embeddings_and_output_weights and getattr(self, "word_embeddings", None) is None:
             raise RuntimeError(
                 "shared_embedding_or_output_weight() called on a pipeline stage without the input embedding while "
                 "--untie-embeddings-and-output-weights is set; use the output layer weight instead"
@@ -46,10 +46,11 @@ class MegatronModule(torch.nn.Module):
         """Give the last pipeline stage its own copy of the word embeddings, equal to the first stage's.
 
         The last stage creates `self.word_embeddings` filled with zeros; first and last stage then all-reduce the
-        weight over the embedding group, so both hold the first stage's initial values (Megatron's scheme).
+        weight over the embedding group, so both hold the first stage's initial values (Megatron's scheme). Untied
+        models need the copy for multi-token prediction only (its embedding of the shifted tokens).
         """
-        if not self.share_embeddings_and_output_weights:
-            raise RuntimeError("initialize_word_embeddings() needs tied input/output embeddings")
+        if not self.share_embeddings_and_output_weights and not getattr(self.config, "mtp_num_layers", None):
+            raise RuntimeError("initialize_word_embeddings() needs tied input/output embeddings (or --mtp-num-layers)")
         if not _is_pp_multi(pp_state):
             return
         config = self.config

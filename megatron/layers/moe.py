@@ -61,6 +61,12 @@ SAME_AS_TP = "tp"  # MoELayer's default expert-tensor-parallel group: the dense 
 LOAD_BALANCING_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
 
 
+def recorded_layers(config: TransformerConfig) -> int:
+    """Layers a router may record from: the decoder's and the multi-token-prediction depths' (numbered after it,
+    megatron/layers/mtp.py), as Megatron-LM counts them."""
+    return config.num_layers + (config.mtp_num_layers or 0)
+
+
 def router_losses(config: TransformerConfig, tp_group: Optional[Any]) -> Tuple[aux_losses.AuxLoss, ...]:
     """The named losses the routers of a model of `config` record, as the model declares them (Megatron-LM's log
     names and order): the load-balancing loss (summed over `tp_group`, averaged over data-parallel ranks) and the
@@ -68,11 +74,11 @@ def router_losses(config: TransformerConfig, tp_group: Optional[Any]) -> Tuple[a
     TensorBoard's moe/<name>_layer_<i>."""
     if config.num_moe_experts is None:
         return ()
-    num_moe = sum(config.moe_layer_pattern)
+    num_moe = sum(config.moe_layer_pattern) + (config.mtp_num_layers or 0)  # Megatron-LM adds the MTP depths
 
     def loss(name: str, dp_average: bool, group: Optional[Any]) -> aux_losses.AuxLoss:
         per_layer = f"moe/{name}" if config.moe_per_layer_logging else None
-        return aux_losses.AuxLoss(name, config.num_layers, num_moe, dp_average, group, per_layer)
+        return aux_losses.AuxLoss(name, recorded_layers(config), num_moe, dp_average, group, per_layer)
 
     declared = []
     kind = config.moe_router_load_balancing_type
@@ -176,7 +182,7 @@ class TopKRouter(MegatronModule):
             return logits
         coeff = coeff / group_size(self.tp_group)
         z_loss = torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
-        aux_losses.record("z_loss", z_loss / coeff, self.layer_number, self.config.num_layers)
+        aux_losses.record("z_loss", z_loss / coeff, self.layer_number, recorded_layers(self.config))
         return aux_losses.AuxLossAutoScaler.apply(logits, z_loss)
 
     def _load_balancing(self, probs: torch.Tensor, logits: torch.Tensor, seq_length: int, bsz: int) -> torch.Tensor:
@@ -197,7 +203,7 @@ class TopKRouter(MegatronModule):
         total = scores.shape[0] * group_size(self.tp_group)
         aux = torch.sum(scores.sum(dim=0) * tokens_per_expert) * (
             self.num_experts * coeff / (self.topk * total * total)) / divisor
-        aux_losses.record(LOAD_BALANCING_LOSS_NAMES[kind], aux / coeff, self.layer_number, self.config.num_layers)
+        aux_losses.record(LOAD_BALANCING_LOSS_NAMES[kind], aux / coeff, self.layer_number, recorded_layers(self.config))
         return aux_losses.AuxLossAutoScaler.apply(probs, aux)
 
     def forward(self, x: torch.Tensor, seq_length: int, bsz: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any, ClassVar, Optional
 
 from megatron.enums import position_embedding_name
-from megatron.settings.declare import ConfigField, setting
+from megatron.settings.declare import ConfigField, extra_flag, setting
 
 
 # How the config fields that are not plain copies of one setting are computed (from validated args: validate_args
@@ -86,6 +86,34 @@ class NetworkSizeSettings:
     rope_scaling_original_max_position_embeddings: int = setting("--rope-scaling-original-max-position-embeddings",
         default=8192, help="Llama-3.1 original context length with --use-rope-scaling (Megatron-LM hard-codes 8192).",
         config=True, arch=22, kept=30)
+    # YaRN (Megatron-LM core 0.16.1: --rope-type, --rotary-scaling-factor, --mscale, --mscale-all-dim; the original
+    # context, beta and rounding flags are Megatron-LM main's --yarn-* spellings; 0.16.1 hard-codes 4096, 32, 1, True)
+    rope_type: Optional[str] = setting("--rope-type", choices=["rope", "yarn"],
+        help="RoPE kind: rope, or yarn (YaRN frequencies and cos/sin concentration, HF rope_type yarn). Default: yarn "
+             "with --multi-latent-attention, rope otherwise (Megatron-LM; its 0.16.1 refuses yarn outside MLA, here "
+             "it applies to any rotary attention).", config=True, arch=48, kept=48)
+    rotary_scaling_factor: float = setting("--rotary-scaling-factor", default=1.0,
+        help="YaRN scaling factor (HF rope_scaling factor): the context-extension ratio.", config=True, arch=49, kept=49)
+    mscale: float = setting("--mscale", default=1.0,
+        help="YaRN mscale: cos/sin are multiplied by mscale(factor, mscale) / mscale(factor, mscale-all-dim).",
+        config=True, arch=50, kept=50)
+    mscale_all_dim: float = setting("--mscale-all-dim", default=0.0,
+        help="YaRN mscale_all_dim (the denominator above; multi-latent attention also scales its softmax by "
+             "mscale(factor, mscale-all-dim)^2).", config=True, arch=51, kept=51)
+    original_max_position_embeddings: int = setting("--yarn-original-max-position-embeddings", default=4096,
+        help="YaRN's original (pretraining) context length: where its correction range is computed.",
+        config=ConfigField(arch=52, kept=52, hint="--yarn-original-max-position-embeddings"))
+    beta_fast: float = setting("--yarn-beta-fast", default=32.0,
+        help="YaRN beta_fast: dimensions turning more often than this over the original context keep their frequency.",
+        config=ConfigField(arch=53, kept=53, hint="--yarn-beta-fast"))
+    beta_slow: float = setting("--yarn-beta-slow", default=1.0,
+        help="YaRN beta_slow: dimensions turning less often than this are fully interpolated.",
+        config=ConfigField(arch=54, kept=54, hint="--yarn-beta-slow"))
+    yarn_correction_range_round_to_int: bool = setting("--no-yarn-correction-range-round-to-int", default=True,
+        help="Do not round YaRN's correction range to whole dimensions (HF truncate: false, as GPT-OSS).",
+        also=(extra_flag("--yarn-correction-range-round-to-int", action="store_true", default=True,
+                         help="Round it (the default)."),),
+        config=ConfigField(arch=55, kept=55, hint="--no-yarn-correction-range-round-to-int (or not)"))
     normalization: str = setting("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
         help="Normalization layer: LayerNorm (GPT-2/BERT) or RMSNorm (Llama).", config=True, arch=0, kept=8)
     group_query_attention: bool = setting("--group-query-attention", default=False,
@@ -130,11 +158,18 @@ class NetworkSizeSettings:
     # ---- GPT-OSS (issue #38): attention sinks and the clamped, offset GLU (Megatron-LM core 0.16.1's names)
     softmax_type: str = setting("--softmax-type", default="vanilla", choices=["vanilla", "off-by-one", "learnable"],
         help="Attention softmax: vanilla, off-by-one (a zero logit added to each row's denominator) or learnable "
-             "(a learned per-head sink logit, self_attention.core_attention.softmax_offset; GPT-OSS).", config=True, arch=48, kept=48)
+             "(a learned per-head sink logit, self_attention.core_attention.softmax_offset; GPT-OSS).", config=True, arch=56, kept=56)
     quick_geglu: bool = setting("--quick-geglu", default=False,
-        help="Gated MLP with quick GeLU x * sigmoid(1.702 x) on the gate half (GPT-OSS).", config=True, arch=49, kept=49)
+        help="Gated MLP with quick GeLU x * sigmoid(1.702 x) on the gate half (GPT-OSS).", config=True, arch=57, kept=57)
     glu_linear_offset: float = setting("--glu-linear-offset", default=0.0,
-        help="Gated MLP: act(gate) * (up + offset) (GPT-OSS: 1.0).", config=True, arch=50, kept=50)
+        help="Gated MLP: act(gate) * (up + offset) (GPT-OSS: 1.0).", config=True, arch=58, kept=58)
     activation_func_clamp_value: Optional[float] = setting("--activation-func-clamp-value", type=float,
         help="Gated MLP: clamp the gate half to <= value and the linear half to [-value, value] before the "
-             "activation (GPT-OSS: 7.0).", config=True, arch=51, kept=51)
+             "activation (GPT-OSS: 7.0).", config=True, arch=59, kept=59)
+    mtp_num_layers: Optional[int] = setting("--mtp-num-layers",
+        help="Multi-token prediction (DeepSeek-V3): D sequential MTP modules after the decoder on the last pipeline "
+             "stage, the k-th predicting token i+k+1 (megatron/layers/mtp.py); None: none.", config=True,
+        families=("gpt",))
+    mtp_loss_scaling_factor: float = setting("--mtp-loss-scaling-factor", default=0.1,
+        help="The mean of the D MTP losses times this factor is added to the LM loss (with --mtp-num-layers).",
+        config=True, families=("gpt",))

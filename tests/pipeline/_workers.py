@@ -23,7 +23,7 @@ def _copy_stage_weights(full: torch.nn.Module, stage: torch.nn.Module) -> None:
         for name, param in stage.named_parameters():
             if name == "word_embeddings.weight":  # the last stage's copy of the tied embedding
                 src = full_params[emb]
-            elif ".layers." in name:
+            elif ".layers." in name and not name.startswith("mtp."):  # the MTP block is named as in the full model
                 head, rest = name.split(".layers.", 1)
                 local, tail = rest.split(".", 1)
                 offset = stage.language_model.encoder.layers[int(local)].layer_number - 1

@@ -5,7 +5,7 @@
    distributed optimizer; `allreduce_gradients()` of other wrappers);
 2. with sequence parallelism, all-reduce over the TP group the grads of params marked `sequence_parallel`
    (LayerNorm weights/biases whose inputs were split along the sequence);
-3. with pipeline parallelism and tied embeddings, all-reduce the word-embedding grad between the first and last
+3. with pipeline parallelism and tied embeddings (or multi-token prediction), all-reduce the word-embedding grad between the first and last
    stage over the embedding group (with an encoder-and-decoder split rank R the group is {first, R, last}, and the
    position-embedding grads of stages 0 and R are summed too).
 Grads are read from `param.main_grad` when the local DDP provides it, else `param.grad`.
@@ -76,7 +76,7 @@ def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], parallel_
     config = getattr(model, "config", None)
     share = getattr(model, "share_embeddings_and_output_weights",
                     getattr(model, "share_word_embeddings", getattr(config, "share_embeddings_and_output_weights", True)))
-    if not share:
+    if not share and not getattr(config, "mtp_num_layers", None):  # MTP embeds on the last stage, tied or not
         return
     weight = getter()
     if weight is None:

@@ -34,6 +34,7 @@ from megatron.checkpoint.conversion.interchange import (
 )
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
+from megatron.layers.rotary import YarnScaling, yarn_concentration, yarn_get_mscale, yarn_scaling_of
 from megatron.models.hf_adapter import HFAdapter
 from megatron.models.hf_common import ENC as _ENC
 from megatron.models.hf_common import LM as _LM
@@ -171,10 +172,12 @@ def megatron_config_from_hf_llama(hf_config: Any, **overrides: Any) -> Transform
 
 def rope_scaling_fields_from_hf(rope: Mapping[str, Any], max_position_embeddings: int) -> dict:
     """TransformerConfig RoPE-scaling fields for a HF ``rope_parameters`` / ``rope_scaling`` dict: rope_type
-    "llama3" (Llama-3.1) or "linear" (position interpolation); other scalings are refused with one line."""
+    "llama3" (Llama-3.1), "linear" (position interpolation) or "yarn"; other scalings are refused with one line."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type in ("default", None):
         return {}
+    if rope_type == "yarn":
+        return yarn_fields_from_hf(rope, max_position_embeddings)
     if rope_type == "linear":
         return dict(rotary_seq_len_interpolation_factor=float(rope["factor"]))
     if rope_type == "llama3":
@@ -183,12 +186,54 @@ def rope_scaling_fields_from_hf(rope: Mapping[str, Any], max_position_embeddings
                     rope_scaling_high_freq_factor=float(rope["high_freq_factor"]),
                     rope_scaling_original_max_position_embeddings=int(
                         rope.get("original_max_position_embeddings") or max_position_embeddings))
-    raise ValueError(f"rope_type {rope_type!r} (RoPE scaling) is not supported; default, llama3 and linear are")
+    raise ValueError(f"rope_type {rope_type!r} (RoPE scaling) is not supported; default, llama3, linear and yarn are")
+
+
+def yarn_fields_from_hf(rope: Mapping[str, Any], max_position_embeddings: int) -> dict:
+    """TransformerConfig YaRN fields for HF rope parameters of rope_type "yarn", read as transformers reads them
+    (`_compute_yarn_parameters`): factor (else max_position_embeddings / original), beta_fast/slow (else 32/1),
+    truncate, and mscale/mscale_all_dim only when both are set (else transformers uses mscale(factor) alone). An
+    explicit attention_factor is accepted when it equals the one these give (one line naming it otherwise)."""
+    original = int(rope.get("original_max_position_embeddings") or max_position_embeddings)
+    factor = float(rope.get("factor") or max_position_embeddings / original)
+    both = bool(rope.get("mscale")) and bool(rope.get("mscale_all_dim"))
+    fields = dict(rope_type="yarn", rotary_scaling_factor=factor, original_max_position_embeddings=original,
+                  beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                  mscale=float(rope["mscale"]) if both else 1.0,
+                  mscale_all_dim=float(rope["mscale_all_dim"]) if both else 0.0,
+                  yarn_correction_range_round_to_int=bool(rope.get("truncate", True)))
+    given = rope.get("attention_factor")
+    if given is not None:
+        ours = yarn_concentration(YarnScaling(factor, original, mscale=fields["mscale"],
+                                              mscale_all_dim=fields["mscale_all_dim"]))
+        if float(given) != ours:
+            raise ValueError(f"rope_scaling attention_factor {given} differs from YaRN's mscale of factor {factor} "
+                             f"({ours}); Megatron-LM has no flag for another value: drop the field to use {ours}")
+    return fields
+
+
+def hf_yarn_rope_scaling(config: TransformerConfig) -> dict:
+    """The HF rope parameters of `config`'s YaRN (rope_type "yarn"), read back by transformers as the same
+    frequencies and concentration (attention_factor written only where transformers' own would differ)."""
+    scaling = YarnScaling(config.rotary_scaling_factor, config.original_max_position_embeddings, config.beta_fast,
+                          config.beta_slow, config.mscale, config.mscale_all_dim,
+                          config.yarn_correction_range_round_to_int)
+    out = {"rope_type": "yarn", "factor": float(scaling.factor),
+           "original_max_position_embeddings": int(scaling.original_max_position_embeddings),
+           "beta_fast": float(scaling.beta_fast), "beta_slow": float(scaling.beta_slow),
+           "truncate": bool(scaling.round_to_int)}
+    if scaling.mscale and scaling.mscale_all_dim:
+        out.update(mscale=float(scaling.mscale), mscale_all_dim=float(scaling.mscale_all_dim))
+    elif yarn_concentration(scaling) != yarn_get_mscale(scaling.factor):
+        out["attention_factor"] = yarn_concentration(scaling)
+    return out
 
 
 def hf_rope_scaling(config: TransformerConfig) -> Optional[dict]:
     """The HF ``rope_scaling`` dict of `config`'s RoPE scaling (None without scaling); both at once has no HF form."""
     factor = config.rotary_seq_len_interpolation_factor
+    if yarn_scaling_of(config) is not None:
+        return hf_yarn_rope_scaling(config)
     if config.use_rope_scaling and factor is not None:
         raise ValueError("--use-rope-scaling together with --rotary-seq-len-interpolation-factor has no Hugging Face "
                          "rope_scaling form (it holds one rope_type); keep one")

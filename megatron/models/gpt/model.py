@@ -8,6 +8,7 @@ import torch
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.checkpoint_keys import (  # noqa: F401 - Megatron's names, also importable from here
     LANGUAGE_MODEL_KEY,
+    MTP_KEY,
     OUTPUT_COPY,
     WORD_EMBEDDINGS_FOR_HEAD_KEY,
     flatten_checkpoint_state_dict,
@@ -15,6 +16,7 @@ from megatron.layers.checkpoint_keys import (  # noqa: F401 - Megatron's names, 
 from megatron.layers.enums import AttnMaskType
 from megatron.layers.language_model import TransformerLanguageModel, lm_cross_entropy, parallel_lm_logits
 from megatron.layers.module import MegatronModule
+from megatron.layers.mtp import MultiTokenPredictionBlock, embed_with_copy, output_logits
 from megatron.layers.utils import check_model_layout, resolve_tp_group
 from megatron.models.gpt.layer_spec import gpt_layer_spec
 
@@ -60,6 +62,7 @@ class GPTModel(MegatronModule):
         self.post_process = post_process
         self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
         self.sequence_parallel = config.sequence_parallel
+        spec = gpt_layer_spec(config)
         self.language_model = TransformerLanguageModel(
             config,
             tp_group,
@@ -69,10 +72,13 @@ class GPTModel(MegatronModule):
             add_pooler=False,
             pre_process=pre_process,
             post_process=post_process,
-            encoder_layer_spec=gpt_layer_spec(config),
+            encoder_layer_spec=spec,
         )
-        if self.share_embeddings_and_output_weights:
+        if self.share_embeddings_and_output_weights or config.mtp_num_layers:
             self.initialize_word_embeddings(tp_group, pp_state)
+        # multi-token prediction (megatron/layers/mtp.py): its layers on the last stage, its named losses on every one
+        self.mtp = (MultiTokenPredictionBlock(config, tp_group, spec, build_layers=post_process)
+                    if config.mtp_num_layers else None)
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         """Activation from the previous pipeline stage."""
@@ -92,13 +98,18 @@ class GPTModel(MegatronModule):
         labels: Optional[torch.Tensor] = None,
         inference_params: Optional[Any] = None,
         tokentype_ids: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Logits [b, s, v/tp] (labels None) or per-token loss [b, s]; hidden states [s, b, h] on non-last stages."""
+        """Logits [b, s, v/tp] (labels None) or per-token loss [b, s]; hidden states [s, b, h] on non-last stages.
+        With --mtp-num-layers, training with labels also attaches the MTP losses (`loss_mask` [b, s]: the tokens
+        they count; None: all)."""
         lm_output = self.language_model(
             input_ids, position_ids, attention_mask, tokentype_ids=tokentype_ids, inference_params=inference_params
         )
         if not self.post_process:
             return lm_output
+        if self.mtp is not None and labels is not None and self.training:
+            lm_output = self._attach_mtp_losses(lm_output, input_ids, position_ids, attention_mask, labels, loss_mask)
         return post_language_model_processing(
             lm_output,
             labels,
@@ -109,13 +120,27 @@ class GPTModel(MegatronModule):
             self.sequence_parallel,
         )
 
+    def _attach_mtp_losses(self, lm_output: torch.Tensor, input_ids: torch.Tensor,
+                           position_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
+                           labels: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The decoder's output with the MTP depths' losses attached (megatron/layers/mtp.py)."""
+        if self.pre_process:
+            embed = self.language_model.embedding
+        else:
+            embed = embed_with_copy(self.word_embeddings, self.config, self.tp_group, self.training)
+        states = self.mtp(input_ids, position_ids, lm_output, attention_mask, embed)
+        logits = output_logits(self.output_weight(), self.tp_group, self.sequence_parallel)
+        return self.mtp.attach_losses(lm_output, states, labels, loss_mask, logits, self.fp16_lm_cross_entropy)
+
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
         """Megatron's nested layout: {'language_model': {'embedding': …, 'encoder': …}[, 'word_embeddings_for_head']}."""
         out = {
             LANGUAGE_MODEL_KEY: self.language_model.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
         }
-        if self.post_process and not self.pre_process and self.share_embeddings_and_output_weights:
+        if self.post_process and not self.pre_process and getattr(self, "word_embeddings", None) is not None:
             out[WORD_EMBEDDINGS_FOR_HEAD_KEY] = self.word_embeddings.state_dict(prefix=prefix, keep_vars=keep_vars)
+        if self.mtp is not None and len(self.mtp.layers):
+            out[MTP_KEY] = self.mtp.state_dict(prefix=prefix, keep_vars=keep_vars)
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):

@@ -229,6 +229,9 @@ def _check_supported(config: TransformerConfig, parallel_state: Any, num_tokenty
             "the sequence-parallel LayerNorm grads); drop --sequence-parallel or add --no-pipeline-parallel")
     if num_tokentypes:
         raise PipeConfigError("GPTModelPipe has no tokentype embeddings; GPT uses num_tokentypes=0")
+    if config.mtp_num_layers:
+        raise PipeConfigError("--mtp-num-layers is not supported with the DeepSpeed pipeline engine (GPTModelPipe has "
+                              "no multi-token-prediction block); add --no-pipeline-parallel or use Megatron's pipeline")
     if config.num_layers % parallel_state.pp_size != 0:
         raise PipeConfigError(f"--num-layers ({config.num_layers}) must be divisible by "
                               f"--pipeline-model-parallel-size ({parallel_state.pp_size})")

@@ -1,0 +1,120 @@
+"""Multi-token prediction in-process (megatron/layers/mtp.py): the flags reach the config and bad combinations are
+one line; evaluation and generation ignore the block (logits and eval losses equal the same model without MTP, no loss
+recorded); training attaches the MTP loss to backward and records it per depth; Megatron Core's `mtp.layers.N.*`
+names round-trip. The equality to megatron-core's block is tests/model/test_mtp_mcore_oracle.py, training layouts
+tests/training/test_mtp_training.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.arguments import ArgumentError, core_transformer_config_from_args, parse_args, validate_args
+from megatron.core import aux_losses
+from megatron.core.transformer_config import TransformerConfig
+from megatron.layers.mcore_names import core_to_ours, ours_to_core
+from megatron.models.gpt.model import GPTModel
+
+BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+        "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --position-embedding-type rope")
+SEQ, VOCAB = 16, 64
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _config_of(cmd: str) -> TransformerConfig:
+    args = parse_args(args=cmd.split())
+    args.world_size = 1
+    return core_transformer_config_from_args(validate_args(args, {}))
+
+
+def test_flags_reach_the_config():
+    config = _config_of(BASE + " --mtp-num-layers 2 --mtp-loss-scaling-factor 0.25")
+    assert (config.mtp_num_layers, config.mtp_loss_scaling_factor) == (2, 0.25)
+    plain = _config_of(BASE)
+    assert (plain.mtp_num_layers, plain.mtp_loss_scaling_factor) == (None, 0.1)
+
+
+@pytest.mark.parametrize("extra, named", [
+    (" --mtp-num-layers 0", "--mtp-num-layers must be >= 1"),
+    (" --mtp-num-layers 1 --position-embedding-type learned_absolute", "--position-embedding-type rope or none"),
+])
+def test_bad_combinations_are_one_line(extra, named):
+    with pytest.raises(ArgumentError) as info:
+        _config_of(BASE + extra)
+    assert named in str(info.value) and "\n" not in str(info.value)
+
+
+def test_context_parallel_is_refused():
+    with pytest.raises(ValueError, match="--context-parallel-size"):
+        TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, position_embedding_type="rope",
+                          mtp_num_layers=1, context_parallel_size=2)
+
+
+def _models(depths: int = 2):
+    kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=VOCAB, hidden_dropout=0.0,
+              attention_dropout=0.0, position_embedding_type="rope", normalization="RMSNorm")
+    torch.manual_seed(0)
+    with_mtp = GPTModel(TransformerConfig(**kw, mtp_num_layers=depths))
+    plain = GPTModel(TransformerConfig(**kw))
+    plain.load_state_dict({k: v for k, v in with_mtp.state_dict().items() if not k.startswith("mtp.")})
+    return with_mtp, plain
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, VOCAB, (2, SEQ), generator=g), torch.arange(SEQ).expand(2, SEQ),
+            torch.ones(1, 1, SEQ, SEQ).triu(1).bool(), torch.randint(0, VOCAB, (2, SEQ), generator=g))
+
+
+def test_evaluation_and_generation_ignore_the_block():
+    with_mtp, plain = _models()
+    tokens, positions, mask, labels = _batch()
+    aux_losses.clear()
+    with_mtp.eval(), plain.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(with_mtp(tokens, positions, mask), plain(tokens, positions, mask), rtol=0, atol=0)
+        torch.testing.assert_close(with_mtp(tokens, positions, mask, labels=labels),
+                                   plain(tokens, positions, mask, labels=labels), rtol=0, atol=0)
+    assert aux_losses.tracked() == {}
+
+
+def test_training_attaches_and_records_the_losses():
+    with_mtp, plain = _models()
+    tokens, positions, mask, labels = _batch()
+    aux_losses.clear()
+    losses = with_mtp(tokens, positions, mask, labels=labels)
+    torch.testing.assert_close(losses, plain(tokens, positions, mask, labels=labels), rtol=0, atol=0)  # forward: LM
+    losses.mean().backward()
+    tracked = aux_losses.tracked()
+    assert sorted(tracked) == ["mtp_1 loss", "mtp_2 loss"] and all(v.item() > 0 for v in tracked.values())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in with_mtp.named_parameters()
+               if n.startswith("mtp.layers.1."))
+    assert [loss.name for loss in aux_losses.declared_by([with_mtp])] == ["mtp_1 loss", "mtp_2 loss"]
+    aux_losses.clear()
+
+
+def test_megatron_core_names_round_trip():
+    with_mtp, _ = _models(depths=1)
+    ours = with_mtp.state_dict()
+    core = ours_to_core(ours)
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
+            "mtp.layers.0.final_layernorm.weight", "mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight",
+            "mtp.layers.0.transformer_layer.mlp.linear_fc1.weight"} <= set(core)
+    back = core_to_ours(core)
+    assert set(back) == set(ours) and all(torch.equal(back[k], ours[k]) for k in ours)
+
+
+def test_router_losses_count_the_mtp_depths():
+    """A router in an MTP layer records after the decoder's layers; the logged value divides by the MoE layers plus
+    the MTP depths, as Megatron-LM's track_moe_metrics does."""
+    from megatron.layers.moe import router_losses
+
+    config = TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, position_embedding_type="rope",
+                               add_bias_linear=False, num_moe_experts=4, moe_layer_freq=[0, 1, 1],
+                               moe_aux_loss_coeff=0.01, mtp_num_layers=2)
+    (lbl,) = router_losses(config, None)
+    assert (lbl.name, lbl.num_layers, lbl.num_recording_layers) == ("load_balancing_loss", 5, 4)
