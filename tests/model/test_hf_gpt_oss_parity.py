@@ -1,6 +1,7 @@
 """GPT-OSS parity with Hugging Face (fp32, tiny offline config; issue #38): the HF folder read by the conversion
 loader gives a GPTModel whose logits (<= 1e-5) and 32-token greedy KV-cache generation equal GptOssForCausalLM's
-(attention sinks, biases, clamped quick-GeGLU experts with interleaved gate/up, router bias); HF -> ours -> HF is
+(attention sinks, biases, clamped quick-GeGLU experts with interleaved gate/up, router bias, YaRN as published:
+truncate False); HF -> ours -> HF is
 bitwise, also through Megatron checkpoints at TP2 x PP2 x EP2; the MXFP4-packed published layout is dequantised on
 load as transformers does it."""
 from __future__ import annotations
@@ -31,7 +32,8 @@ VOCAB, MAX_POS = 61, 64
 CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
               max_position_embeddings=MAX_POS, sliding_window=MAX_POS, tie_word_embeddings=False, rms_norm_eps=1e-5,
-              rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
 PROMPTS = [[5, 17, 33], [9, 2, 60, 40, 3, 58, 12]]
 
 

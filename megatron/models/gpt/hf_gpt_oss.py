@@ -20,7 +20,7 @@ the biases and every other tensor are stored unpacked. A save writes them unpack
 
 Refused with one line (the field named): sliding-window layers when a sequence can exceed the window
 (``layer_types`` with ``sliding_attention`` and ``max_position_embeddings > sliding_window``), RoPE scalings other
-than default/llama3/linear (YaRN), ``swiglu_alpha`` other than 1.702 (Megatron's quick GeLU), other quantisation
+than default/llama3/linear/yarn (hf_llama's), ``swiglu_alpha`` other than 1.702 (Megatron's quick GeLU), other quantisation
 methods.
 """
 from __future__ import annotations
