@@ -112,8 +112,11 @@ def test_the_architecture_record_keeps_its_order():
     assert ARCHITECTURE_FIELDS[48:56] == (  # YaRN (--rope-type yarn)
         "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings",
         "beta_fast", "beta_slow", "yarn_correction_range_round_to_int")
+    assert ARCHITECTURE_FIELDS[56:57] == ("qk_layernorm",)
+    assert ARCHITECTURE_FIELDS[57:63] == ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                          "qk_pos_emb_head_dim", "v_head_dim")  # issue #37
     # issue #38 (GPT-OSS): attention sinks and the clamped GLU
-    assert ARCHITECTURE_FIELDS[56:60] == ("softmax_type", "quick_geglu", "glu_linear_offset",
+    assert ARCHITECTURE_FIELDS[63:67] == ("softmax_type", "quick_geglu", "glu_linear_offset",
                                           "activation_func_clamp_value")
 
 

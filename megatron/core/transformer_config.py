@@ -140,6 +140,24 @@ class TransformerConfig(ModelParallelConfig):
     """Grouped-query attention: num_query_groups K/V heads shared by the query heads (--group-query-attention)."""
     num_query_groups: Optional[int] = None
     """Number of K/V heads (1 = multi-query); resolved to num_attention_heads when GQA is off."""
+    qk_layernorm: bool = False
+    """A `normalization` norm over each head's channels on q and k, after the QKV split and before RoPE
+    (Qwen3; --qk-layernorm): ``self_attention.q_layernorm`` / ``k_layernorm``, their grads summed over TP."""
+    # ---- multi-latent attention (DeepSeek-V2/V3; megatron/models/deepseek/mla.py; Megatron Core's names)
+    multi_latent_attention: bool = False
+    """Multi-latent attention instead of ParallelAttention: queries and keys/values through low-rank latents, RoPE on
+    a decoupled positional part of each head (--multi-latent-attention)."""
+    q_lora_rank: Optional[int] = None
+    """Rank of the query latent (--q-lora-rank); None: one plain query projection (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 32
+    """Rank of the key/value latent (--kv-lora-rank), what the KV cache holds per token with the rope key."""
+    qk_head_dim: int = 128
+    """Per-head query/key channels without position (--qk-head-dim); a head's q/k is qk_head_dim +
+    qk_pos_emb_head_dim wide."""
+    qk_pos_emb_head_dim: int = 64
+    """Per-head query/key channels that RoPE rotates (--qk-pos-emb-head-dim); the key's part is shared by the heads."""
+    v_head_dim: int = 128
+    """Per-head value channels (--v-head-dim)."""
     # ---- encoder/decoder models
     encoder_num_layers: Optional[int] = None
     """Encoder layers of an encoder-decoder model (--encoder-num-layers); None = num_layers."""
@@ -268,6 +286,10 @@ class TransformerConfig(ModelParallelConfig):
         if self.num_query_groups % self.tensor_model_parallel_size:
             raise ValueError(f"--num-query-groups ({self.num_query_groups}) must be divisible by "
                              f"--tensor-model-parallel-size ({self.tensor_model_parallel_size})")
+        if self.multi_latent_attention:
+            self._validate_mla()
+        elif self.qk_layernorm:  # until ParallelAttention has per-head q/k norms (issue #38 lands them)
+            raise ValueError("--qk-layernorm needs --multi-latent-attention here (its latent norms)")
         if self.num_moe_experts is not None:
             self._validate_moe()
         if self.mtp_num_layers is not None:
@@ -289,6 +311,24 @@ class TransformerConfig(ModelParallelConfig):
                              "--quick-geglu)")
         if self.activation_func_clamp_value is not None and self.activation_func_clamp_value <= 0:
             raise ValueError(f"--activation-func-clamp-value must be positive, got {self.activation_func_clamp_value}")
+
+    def _validate_mla(self) -> None:
+        if self.group_query_attention:
+            raise ValueError("--multi-latent-attention and --group-query-attention exclude each other (as Megatron-LM)")
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"--q-lora-rank must be >= 1 (or left out), got {self.q_lora_rank}")
+        if int(self.qk_pos_emb_head_dim * self.rotary_percent) % 2:
+            raise ValueError(f"--rotary-percent {self.rotary_percent} of --qk-pos-emb-head-dim "
+                             f"{self.qk_pos_emb_head_dim} must give an even rotary dimension")
+        if self.use_rope_scaling or self.rotary_seq_len_interpolation_factor is not None:
+            raise ValueError("--use-rope-scaling / --rotary-seq-len-interpolation-factor do not apply to "
+                             "--multi-latent-attention (Megatron-LM's MLA rotates with --rotary-base only)")
+        if self.position_embedding_type == "alibi":
+            raise ValueError("--multi-latent-attention rotates its positional part itself: use --position-embedding-"
+                             "type rope (or none), not alibi")
 
     def _validate_mtp(self) -> None:
         if self.mtp_num_layers < 1:

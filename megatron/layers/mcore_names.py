@@ -47,6 +47,32 @@ LAYER_SUFFIXES = (
     ("mlp.shared_experts.linear_fc2.", "mlp.shared_experts.dense_4h_to_h."),
     ("mlp.shared_experts.gate_weight", "mlp.shared_experts.gate_weight"),
 )
+# multi-latent attention (megatron/models/deepseek/mla.py) keeps Core's names; Transformer Engine's spec folds the
+# latent norms into the up projections. Its output projection is ``linear_proj`` in ours too (`_mla_output_names`).
+MLA_SUFFIXES = (
+    ("self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.q_layernorm.weight"),
+    ("self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.kv_layernorm.weight"),
+    ("self_attention.linear_q_down_proj.", "self_attention.linear_q_down_proj."),
+    ("self_attention.linear_q_up_proj.", "self_attention.linear_q_up_proj."),
+    ("self_attention.linear_q_proj.", "self_attention.linear_q_proj."),
+    ("self_attention.linear_kv_down_proj.", "self_attention.linear_kv_down_proj."),
+    ("self_attention.linear_kv_up_proj.", "self_attention.linear_kv_up_proj."),
+    ("self_attention.q_layernorm.", "self_attention.q_layernorm."),
+    ("self_attention.kv_layernorm.", "self_attention.kv_layernorm."),
+    ("self_attention.linear_proj.", "self_attention.linear_proj."),
+)
+LAYER_SUFFIXES += MLA_SUFFIXES
+_MLA_MARK = ".self_attention.linear_kv_down_proj."
+
+
+def _mla_output_names(flat: Dict[str, Any]) -> Dict[str, Any]:
+    """Our flat names with a multi-latent-attention layer's output projection called ``linear_proj`` (Core's name,
+    which the rename turned into ParallelAttention's ``dense``)."""
+    if not any(_MLA_MARK in k for k in flat):
+        return flat
+    return {k.replace(".self_attention.dense.", ".self_attention.linear_proj."): v for k, v in flat.items()}
+
+
 # one expert's matrix: Core's per-expert names (local SequentialMLP / Transformer Engine grouped) -> our stacked name
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.linear_fc([12])\.weight|linear_fc([12])\.weight(\d+))$")
 OUR_EXPERTS = {"1": "mlp.experts.weight1", "2": "mlp.experts.weight2"}
@@ -240,7 +266,7 @@ def core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
                                             "expert-parallel files are not merged here; convert with --loader mcore "
                                             "from a torch_dist checkpoint")
         out[name] = experts_to_ours([per_expert[e] for e in range(len(per_expert))])
-    return out
+    return _mla_output_names(out)
 
 
 def experts_to_ours(matrices: Any) -> Any:
@@ -260,6 +286,8 @@ def our_layer_suffix_to_core(suffix: str, fused_norms: bool) -> str:
         fused = not core.endswith(".")
         if fused != fused_norms and ours.startswith(("input_layernorm", "post_attention_layernorm")):
             continue
+        if fused and ours.startswith(("self_attention.q_layernorm", "self_attention.kv_layernorm")):
+            continue  # MLA's latent norms are written as the local spec names them
         if suffix == ours or (ours.endswith(".") and suffix.startswith(ours)):
             return core + suffix[len(ours):] if ours.endswith(".") else core
     raise UnsupportedCoreCheckpoint(f"our layer tensor {suffix} has no Megatron Core name")

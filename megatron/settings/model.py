@@ -122,6 +122,24 @@ class NetworkSizeSettings:
     num_query_groups: Optional[int] = setting("--num-query-groups",
         help="Number of K/V head groups with --group-query-attention (default 1: multi-query).",
         config=ConfigField(compute=_num_query_groups, arch=16, kept=21, hint="--group-query-attention --num-query-groups"))
+    qk_layernorm: bool = setting("--qk-layernorm", default=False,
+        help="Per-head --normalization norm on the queries and keys before RoPE (Qwen3; Megatron Core's "
+             "q_layernorm / k_layernorm).", config=True, arch=56, kept=56)
+    # multi-latent attention (megatron/models/deepseek/mla.py), Megatron-LM's flags and defaults
+    multi_latent_attention: bool = setting("--multi-latent-attention", default=False,
+        help="Multi-latent attention (DeepSeek-V2/V3): low-rank query and key/value latents, RoPE on a decoupled "
+             "positional part of each head.", config=True, arch=57, kept=57)
+    q_lora_rank: Optional[int] = setting("--q-lora-rank",
+        help="Rank of the query latent with --multi-latent-attention (default none: one query projection).",
+        config=True, arch=58, kept=58)
+    kv_lora_rank: int = setting("--kv-lora-rank", default=32,
+        help="Rank of the key/value latent with --multi-latent-attention.", config=True, arch=59, kept=59)
+    qk_head_dim: int = setting("--qk-head-dim", default=128,
+        help="Per-head query/key channels without position with --multi-latent-attention.", config=True, arch=60, kept=60)
+    qk_pos_emb_head_dim: int = setting("--qk-pos-emb-head-dim", default=64,
+        help="Per-head query/key channels RoPE rotates with --multi-latent-attention.", config=True, arch=61, kept=61)
+    v_head_dim: int = setting("--v-head-dim", default=128,
+        help="Per-head value channels with --multi-latent-attention.", config=True, arch=62, kept=62)
     add_bias_linear: bool = setting("--disable-bias-linear", default=True,
         help="No biases in the linear layers (QKV, attention output, MLP).", config=ConfigField(arch=9, kept=15,
         hint="--disable-bias-linear (or not)"))
@@ -158,14 +176,14 @@ class NetworkSizeSettings:
     # ---- GPT-OSS (issue #38): attention sinks and the clamped, offset GLU (Megatron-LM core 0.16.1's names)
     softmax_type: str = setting("--softmax-type", default="vanilla", choices=["vanilla", "off-by-one", "learnable"],
         help="Attention softmax: vanilla, off-by-one (a zero logit added to each row's denominator) or learnable "
-             "(a learned per-head sink logit, self_attention.core_attention.softmax_offset; GPT-OSS).", config=True, arch=56, kept=56)
+             "(a learned per-head sink logit, self_attention.core_attention.softmax_offset; GPT-OSS).", config=True, arch=63, kept=63)
     quick_geglu: bool = setting("--quick-geglu", default=False,
-        help="Gated MLP with quick GeLU x * sigmoid(1.702 x) on the gate half (GPT-OSS).", config=True, arch=57, kept=57)
+        help="Gated MLP with quick GeLU x * sigmoid(1.702 x) on the gate half (GPT-OSS).", config=True, arch=64, kept=64)
     glu_linear_offset: float = setting("--glu-linear-offset", default=0.0,
-        help="Gated MLP: act(gate) * (up + offset) (GPT-OSS: 1.0).", config=True, arch=58, kept=58)
+        help="Gated MLP: act(gate) * (up + offset) (GPT-OSS: 1.0).", config=True, arch=65, kept=65)
     activation_func_clamp_value: Optional[float] = setting("--activation-func-clamp-value", type=float,
         help="Gated MLP: clamp the gate half to <= value and the linear half to [-value, value] before the "
-             "activation (GPT-OSS: 7.0).", config=True, arch=59, kept=59)
+             "activation (GPT-OSS: 7.0).", config=True, arch=66, kept=66)
     mtp_num_layers: Optional[int] = setting("--mtp-num-layers",
         help="Multi-token prediction (DeepSeek-V3): D sequential MTP modules after the decoder on the last pipeline "
              "stage, the k-th predicting token i+k+1 (megatron/layers/mtp.py); None: none.", config=True,

@@ -118,3 +118,65 @@ def test_router_losses_count_the_mtp_depths():
                                moe_aux_loss_coeff=0.01, mtp_num_layers=2)
     (lbl,) = router_losses(config, None)
     assert (lbl.name, lbl.num_layers, lbl.num_recording_layers) == ("load_balancing_loss", 5, 4)
+
+
+LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16, group_query_attention=True,
+             num_query_groups=2, ffn_hidden_size=96, swiglu=True, add_bias_linear=False, normalization="RMSNorm",
+             position_embedding_type="rope", share_embeddings_and_output_weights=False, padded_vocab_size=128,
+             max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.1, mtp_num_layers=2)
+
+
+def test_flops_count_the_mtp_depths_as_megatron():
+    """torch's FLOP counter over one training forward + backward of a GPTModel with two MTP depths equals the log
+    line's formula less Megatron-LM's norm term 6·B·s·D·3h (not a matmul)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron.core.tensor_parallel import model_parallel_manual_seed
+    from megatron.flops import num_floating_point_operations
+
+    model_parallel_manual_seed(1234, 0)
+    config = TransformerConfig(**LLAMA)
+    model = GPTModel(config)
+    b, s = 2, 16
+    ids = torch.randint(0, 128, (b, s))
+    with FlopCounterMode(display=False) as counter:
+        model(ids, torch.arange(s).expand(b, s), torch.ones(1, 1, s, s).triu(1).bool(), labels=ids).sum().backward()
+    aux_losses.clear()
+    flops = num_floating_point_operations(config, b, s)
+    assert counter.get_total_flops() + 6 * b * s * 2 * 3 * 64 == flops
+    plain = TransformerConfig(**{**LLAMA, "mtp_num_layers": None})
+    assert flops > num_floating_point_operations(plain, b, s)
+
+
+MEMORY_ARGS = dict(num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16, group_query_attention=True,
+                   num_query_groups=2, ffn_hidden_size=96, swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+                   normalization="RMSNorm", position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+                   seq_length=32, max_position_embeddings=32, micro_batch_size=2, padded_vocab_size=128,
+                   tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                   virtual_pipeline_model_parallel_size=None, data_parallel_size=1, sequence_parallel=False,
+                   fp16=False, bf16=False, accumulate_allreduce_grads_in_fp32=False, use_distributed_optimizer=False,
+                   optimizer="adam", recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                   distribute_saved_activations=False, mtp_num_layers=2)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_parameter_report_counts_the_mtp_block(moe):
+    """The start-up parameter count equals the model's numel with MTP (dense, or MoE as the last decoder layer);
+    `mtp` is the block's share; under PP=2 the last stage holds the block and, untied, an embedding copy."""
+    import argparse
+
+    from megatron.theoretical_memory_usage import count_parameters
+
+    extra = dict(num_experts=4, moe_layer_freq=[0, 1], moe_ffn_hidden_size=48) if moe else {}
+    args = argparse.Namespace(**MEMORY_ARGS, **extra)
+    counts = count_parameters(args)
+    config = TransformerConfig(**{**LLAMA, **({"num_moe_experts": 4, "moe_layer_freq": [0, 1],
+                                               "moe_ffn_hidden_size": 48} if moe else {})})
+    model = GPTModel(config)
+    numel = sum(p.numel() for p in model.parameters())
+    mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+    assert counts.total == numel == counts.most_loaded_shard and counts.mtp == mtp > 0
+    pp2 = count_parameters(argparse.Namespace(**{**vars(args), "pipeline_model_parallel_size": 2}))
+    last = numel - sum(p.numel() for n, p in model.named_parameters()
+                       if n.startswith(("language_model.embedding.", "language_model.encoder.layers.0.")))
+    assert pp2.most_loaded_shard == last + 128 * 64  # the last stage: layer 1, final norm, output, MTP, emb copy
