@@ -46,6 +46,9 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     if etp != tp and args.add_bias_linear:
         raise ArgumentError("expert biases (--num-experts without --disable-bias-linear) need "
                             "--expert-tensor-parallel-size equal to --tensor-model-parallel-size")
+    if args.add_bias_linear and getattr(args, "ckpt_format", "torch") == "torch_dist":
+        raise ArgumentError("expert biases (--num-experts without --disable-bias-linear) have no Megatron Core name "
+                            "here yet: use --ckpt-format torch")
     if etp != tp:
         _check_expert_tensor_parallel(args, tp, etp, ep)
     if ep > 1 and (getattr(args, "context_parallel_size", 1) or 1) > 1:

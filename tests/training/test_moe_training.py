@@ -143,6 +143,10 @@ def test_moe_biases_need_expert_tp_equal_to_tp_and_sequence_parallel_with_tp():
     args.rank, args.world_size = 1, 2
     with pytest.raises(ArgumentError, match="--expert-tensor-parallel-size equal to"):
         validate_args(args, {})
+    args = parse_args(args=[*BASE[:-1], "--ckpt-format", "torch_dist"])
+    args.rank = 1
+    with pytest.raises(ArgumentError, match="use --ckpt-format torch$"):
+        validate_args(args, {})
     args = parse_args(args=[*BASE, "--tensor-model-parallel-size", "2"])
     args.rank, args.world_size = 1, 2
     with pytest.raises(ArgumentError, match="--sequence-parallel"):
