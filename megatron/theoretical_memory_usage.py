@@ -104,17 +104,20 @@ def _layer_parameters(config: TransformerConfig, moe: bool = False) -> LayerPara
     attention = (h * qkv + qkv_bias * qkv) + q * h  # qkv, dense weight
     if config.softmax_type == "learnable":
         attention += config.num_attention_heads
+    norms = 2 * _norm_parameters(config)
+    if config.qk_layernorm:  # --qk-layernorm: a q and a k norm over one head's d channels (replicated)
+        norms += 2 * d * (1 if config.normalization == "RMSNorm" else 2)
     if not moe:
         f_in = 2 * f if gated else f
         split = attention + _mlp_weights(h, f, gated) + bias * f_in  # fc1 bias is split, fc2's replicated
-        return LayerParameters(split, 2 * _norm_parameters(config) + 2 * bias * h)  # two norms, dense/fc2 biases
+        return LayerParameters(split, norms + 2 * bias * h)  # two norms, dense/fc2 biases
     e, topk = config.num_moe_experts, config.moe_router_topk
     fe = config.moe_ffn_hidden_size or f
     expert = _mlp_weights(h, fe, gated) + bias * ((2 * fe if gated else fe) + h)
     shared = config.moe_shared_expert_intermediate_size or 0
     gate = h if shared and config.moe_shared_expert_gate else 0
     return LayerParameters(split=attention + _mlp_weights(h, shared, gated),
-                           replicated=2 * _norm_parameters(config) + bias * h + e * h + bias * e + gate,
+                           replicated=norms + bias * h + e * h + bias * e + gate,
                            experts=e * expert, active_experts=topk * expert)
 
 

@@ -115,8 +115,10 @@ def test_the_architecture_record_keeps_its_order():
     assert ARCHITECTURE_FIELDS[56:57] == ("qk_layernorm",)
     assert ARCHITECTURE_FIELDS[57:63] == ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                                           "qk_pos_emb_head_dim", "v_head_dim")  # issue #37
+    assert ARCHITECTURE_FIELDS[63:64] == ("mtp_num_layers",)  # issue #37's multi-token prediction
+    assert ARCHITECTURE_FIELDS[64:66] == ("window_size", "window_attn_skip_freq")  # issue #38
     # issue #38 (GPT-OSS): attention sinks and the clamped GLU
-    assert ARCHITECTURE_FIELDS[63:67] == ("softmax_type", "quick_geglu", "glu_linear_offset",
+    assert ARCHITECTURE_FIELDS[66:70] == ("softmax_type", "quick_geglu", "glu_linear_offset",
                                           "activation_func_clamp_value")
 
 

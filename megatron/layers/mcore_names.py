@@ -9,7 +9,8 @@ keeps ``input_layernorm``/``pre_mlp_layernorm``; the Transformer Engine spec fol
 are dropped. A per-rank file is renamed tensor by tensor; parts we do not model (QK norms, MoE expert biases) are one
 line naming the key.
 
-Mixture of experts (megatron/layers/moe.py): ``mlp.router.weight`` and the shared expert (``mlp.shared_experts.
+Mixture of experts (megatron/layers/moe.py): ``mlp.router.weight`` (and ``mlp.router.expert_bias``, the
+aux-loss-free bias) and the shared expert (``mlp.shared_experts.
 linear_fc1/linear_fc2/gate_weight``) are renamed; Megatron Core keeps one matrix per expert, output-major
 (``mlp.experts.local_experts.E.linear_fc1.weight`` [F, h] with the local spec's SequentialMLP, or Transformer Engine's
 grouped ``mlp.experts.linear_fc1.weightE``), which ours stacks input-major (``mlp.experts.weight1`` [E, h, F], ``weight2``
@@ -43,6 +44,7 @@ LAYER_SUFFIXES = (
     ("mlp.router.weight", "mlp.router.weight"),
     ("mlp.router.bias", "mlp.router.bias"),  # --add-bias-linear with experts (GPT-OSS)
     ("self_attention.core_attention.softmax_offset", "self_attention.core_attention.softmax_offset"),  # sinks
+    ("mlp.router.expert_bias", "mlp.router.expert_bias"),  # --moe-router-enable-expert-bias (fp32 buffer)
     ("mlp.shared_experts.linear_fc1.", "mlp.shared_experts.dense_h_to_4h."),
     ("mlp.shared_experts.linear_fc2.", "mlp.shared_experts.dense_4h_to_h."),
     ("mlp.shared_experts.gate_weight", "mlp.shared_experts.gate_weight"),

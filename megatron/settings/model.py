@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, List, Optional, Union
 
 from megatron.enums import position_embedding_name
 from megatron.settings.declare import ConfigField, extra_flag, setting
+from megatron.settings.moe import moe_freq_type
 
 
 # How the config fields that are not plain copies of one setting are computed (from validated args: validate_args
@@ -29,6 +30,14 @@ def _padded_vocab_size(args: argparse.Namespace) -> Any:
 
 def _share_embeddings_and_output_weights(args: argparse.Namespace) -> Any:
     return not args.untie_embeddings_and_output_weights
+
+
+def window_size_type(text: str) -> tuple:
+    """--window-size "W,R" or "(W,R)" -> (W, R), Megatron-LM's tuple_type."""
+    try:
+        return tuple(int(x) for x in str(text).strip().strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window-size {text!r}: give two integers W,R such as 4095,0") from None
 
 
 # --use-checkpoint-args: the destinations a saved field value sets.
@@ -140,6 +149,13 @@ class NetworkSizeSettings:
         help="Per-head query/key channels RoPE rotates with --multi-latent-attention.", config=True, arch=61, kept=61)
     v_head_dim: int = setting("--v-head-dim", default=128,
         help="Per-head value channels with --multi-latent-attention.", config=True, arch=62, kept=62)
+    window_size: Optional[tuple] = setting("--window-size", type=window_size_type,
+        help="Sliding-window attention W,R: each query attends the W keys before it and itself (R, the look-ahead, "
+             "is 0 for a causal decoder); not set: global attention.", config=True, arch=64, kept=64)
+    window_attn_skip_freq: Optional[Union[int, List[int]]] = setting("--window-attn-skip-freq", type=moe_freq_type,
+        help="With --window-size: every N-th layer attends globally (int N), or a 0/1 list pattern per layer such as "
+             "\"([1]*3+[0])*2\" (1 = sliding window); not set: every layer uses the window.", config=True, arch=65,
+        kept=65)
     add_bias_linear: bool = setting("--disable-bias-linear", default=True,
         help="No biases in the linear layers (QKV, attention output, MLP).", config=ConfigField(arch=9, kept=15,
         hint="--disable-bias-linear (or not)"))
@@ -176,18 +192,18 @@ class NetworkSizeSettings:
     # ---- GPT-OSS (issue #38): attention sinks and the clamped, offset GLU (Megatron-LM core 0.16.1's names)
     softmax_type: str = setting("--softmax-type", default="vanilla", choices=["vanilla", "off-by-one", "learnable"],
         help="Attention softmax: vanilla, off-by-one (a zero logit added to each row's denominator) or learnable "
-             "(a learned per-head sink logit, self_attention.core_attention.softmax_offset; GPT-OSS).", config=True, arch=63, kept=63)
+             "(a learned per-head sink logit, self_attention.core_attention.softmax_offset; GPT-OSS).", config=True, arch=66, kept=66)
     quick_geglu: bool = setting("--quick-geglu", default=False,
-        help="Gated MLP with quick GeLU x * sigmoid(1.702 x) on the gate half (GPT-OSS).", config=True, arch=64, kept=64)
+        help="Gated MLP with quick GeLU x * sigmoid(1.702 x) on the gate half (GPT-OSS).", config=True, arch=67, kept=67)
     glu_linear_offset: float = setting("--glu-linear-offset", default=0.0,
-        help="Gated MLP: act(gate) * (up + offset) (GPT-OSS: 1.0).", config=True, arch=65, kept=65)
+        help="Gated MLP: act(gate) * (up + offset) (GPT-OSS: 1.0).", config=True, arch=68, kept=68)
     activation_func_clamp_value: Optional[float] = setting("--activation-func-clamp-value", type=float,
         help="Gated MLP: clamp the gate half to <= value and the linear half to [-value, value] before the "
-             "activation (GPT-OSS: 7.0).", config=True, arch=66, kept=66)
+             "activation (GPT-OSS: 7.0).", config=True, arch=69, kept=69)
     mtp_num_layers: Optional[int] = setting("--mtp-num-layers",
         help="Multi-token prediction (DeepSeek-V3): D sequential MTP modules after the decoder on the last pipeline "
              "stage, the k-th predicting token i+k+1 (megatron/layers/mtp.py); None: none.", config=True,
-        families=("gpt",))
+        arch=63, kept=63, families=("gpt",))
     mtp_loss_scaling_factor: float = setting("--mtp-loss-scaling-factor", default=0.1,
         help="The mean of the D MTP losses times this factor is added to the LM loss (with --mtp-num-layers).",
         config=True, families=("gpt",))
