@@ -1,7 +1,7 @@
 """GPT-OSS parity with Hugging Face (fp32, tiny offline config; issue #38): the HF folder read by the conversion
 loader gives a GPTModel whose logits (<= 1e-5) and 32-token greedy KV-cache generation equal GptOssForCausalLM's
 (attention sinks, biases, clamped quick-GeGLU experts with interleaved gate/up, router bias, YaRN as published:
-truncate False); HF -> ours -> HF is
+truncate False, and its sliding window of 8 on every other layer: generation goes 32 tokens past it); HF -> ours -> HF is
 bitwise, also through Megatron checkpoints at TP2 x PP2 x EP2; the MXFP4-packed published layout is dequantised on
 load as transformers does it."""
 from __future__ import annotations
@@ -31,7 +31,7 @@ mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
 VOCAB, MAX_POS = 61, 64
 CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-              max_position_embeddings=MAX_POS, sliding_window=MAX_POS, tie_word_embeddings=False, rms_norm_eps=1e-5,
+              max_position_embeddings=MAX_POS, sliding_window=8, tie_word_embeddings=False, rms_norm_eps=1e-5,
               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
 PROMPTS = [[5, 17, 33], [9, 2, 60, 40, 3, 58, 12]]
@@ -88,6 +88,7 @@ def test_hf_to_megatron_to_hf_is_bitwise_and_loads(tmp_path):
     hf = _hf(tmp_path / "hf", seed=4)
     meta, stream = read_hf(str(tmp_path / "hf"))
     assert (meta.architecture["softmax_type"], meta.architecture["activation_func_clamp_value"]) == ("learnable", 7.0)
+    assert (meta.architecture["window_size"], meta.architecture["window_attn_skip_freq"]) == ([7, 0], [1, 0])
     flat = state_dict_from_messages(stream)
     summary = write_hf(meta, messages_from_state_dict(flat, 2), str(tmp_path / "out"))
     assert summary["architecture"] == "GptOssForCausalLM"

@@ -18,8 +18,10 @@ The published checkpoints pack the experts' matrices as MXFP4 (``quantization_co
 [E, h, F/32, ...]): they are dequantised on load (`dequantize_mxfp4`, exact in bf16) into the [E, in, out] matrices;
 the biases and every other tensor are stored unpacked. A save writes them unpacked (bf16/fp32).
 
-Refused with one line (the field named): sliding-window layers when a sequence can exceed the window
-(``layer_types`` with ``sliding_attention`` and ``max_position_embeddings > sliding_window``), RoPE scalings other
+``layer_types`` / ``sliding_window`` S give --window-size S-1,0 on the "sliding_attention" layers
+(--window-attn-skip-freq as a 0/1 list; hf_llama's `window_fields_from_hf`), and back.
+
+Refused with one line (the field named): RoPE scalings other
 than default/llama3/linear/yarn (hf_llama's), ``swiglu_alpha`` other than 1.702 (Megatron's quick GeLU), other quantisation
 methods.
 """
@@ -56,6 +58,7 @@ from megatron.models.gpt.hf_llama import (
     qkv_pack_groups,
     qkv_unpack_groups,
     rope_scaling_fields_from_hf,
+    window_fields_from_hf,
 )
 from megatron.models.hf_adapter import HFAdapter
 from megatron.models.hf_common import hf_config_class, hf_config_object
@@ -107,12 +110,6 @@ def _refusals(hf_config: Any) -> None:
     alpha = float(getattr(hf_config, "swiglu_alpha", QUICK_GELU_ALPHA))
     if alpha != QUICK_GELU_ALPHA:
         raise ValueError(f"swiglu_alpha {alpha}: Megatron's --quick-geglu has gain {QUICK_GELU_ALPHA}")
-    window = getattr(hf_config, "sliding_window", None)
-    sliding = "sliding_attention" in (getattr(hf_config, "layer_types", None) or [])
-    if sliding and window is not None and hf_config.max_position_embeddings > window:
-        raise ValueError(f"layer_types has sliding_attention layers and sliding_window {window} < "
-                         f"max_position_embeddings {hf_config.max_position_embeddings}: sliding-window attention is "
-                         "not modelled here yet; set max_position_embeddings <= sliding_window")
     if not getattr(hf_config, "attention_bias", True):
         raise ValueError("attention_bias False: GPT-OSS's biases come with --add-bias-linear on every linear")
 
@@ -135,7 +132,7 @@ def megatron_config_from_hf_gpt_oss(hf_config: Any, **overrides: Any) -> Transfo
         activation_func_clamp_value=float(hf_config.swiglu_limit), num_moe_experts=hf_config.num_local_experts,
         moe_router_topk=hf_config.num_experts_per_tok, moe_ffn_hidden_size=hf_config.intermediate_size,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        **rope_scaling_fields_from_hf(rope, hf_config.max_position_embeddings),
+        **rope_scaling_fields_from_hf(rope, hf_config.max_position_embeddings), **window_fields_from_hf(hf_config),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -165,9 +162,18 @@ def hf_gpt_oss_config_kwargs(config: TransformerConfig, vocab_size: int) -> Dict
         num_local_experts=config.num_moe_experts, num_experts_per_tok=config.moe_router_topk,
         swiglu_limit=float(config.activation_func_clamp_value), tie_word_embeddings=config.share_embeddings_and_output_weights,
         rope_parameters={"rope_type": "default", "rope_theta": config.rotary_base, **(hf_rope_scaling(config) or {})},
-        layer_types=["full_attention"] * config.num_layers, sliding_window=config.max_position_embeddings,
-        attention_bias=True,
+        attention_bias=True, **_hf_window(config),
     )
+
+
+def _hf_window(config: TransformerConfig) -> Dict[str, Any]:
+    """GptOssConfig's layer_types / sliding_window of --window-size W,0 (S = W + 1 keys) on the layers
+    --window-attn-skip-freq picks; all layers full without a window."""
+    if not config.window_size:
+        return dict(layer_types=["full_attention"] * config.num_layers, sliding_window=config.max_position_embeddings)
+    return dict(sliding_window=config.window_size[0] + 1,
+                layer_types=["sliding_attention" if config.is_window_layer(i + 1) else "full_attention"
+                             for i in range(config.num_layers)])
 
 
 # ----------------------------------------------------------------------------------------------- adapter
