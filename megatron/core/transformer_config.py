@@ -334,6 +334,9 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"--window-size {window[0]},{window[1]}: a causal decoder looks no token ahead; "
                              f"pass --window-size {window[0]},0")
         self.window_size = window
+        if self.multi_latent_attention:
+            raise ValueError("--window-size is implemented for the standard attention; --multi-latent-attention has "
+                             "no sliding window here: drop one of them")
         freq = self.window_attn_skip_freq
         if isinstance(freq, int) and freq < 1:
             raise ValueError(f"--window-attn-skip-freq must be >= 1, got {freq}")
