@@ -14,6 +14,9 @@ With full activation recomputation (``recompute_granularity == "full"``) the tra
 second time: their terms are counted 4 times instead of 3 (the logits still 3), which for a plain GPT is the paper's
 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) as Megatron-DeepSpeed's TFLOPs report it. Selective recomputation is not
 counted (as in Megatron-LM).
+
+Multi-token prediction (--mtp-num-layers D, `mtp_flops`) adds, as Megatron-LM counts it, D transformer layers, D more
+logits and per depth its norms and eh_proj, 6·B·s·(3h + 2h²).
 """
 from __future__ import annotations
 
@@ -33,12 +36,24 @@ def transformer_and_logit_flops(config: TransformerConfig, batch_size: int, seq_
     return transformer, logits
 
 
+def mtp_flops(config: TransformerConfig, transformer: float, logits: float, batch_size: int,
+              seq_length: int) -> tuple[float, float]:
+    """(layer, other) FLOPs the multi-token-prediction depths add to a decoder whose layers and logits cost
+    `transformer` and `logits` (Megatron-LM's count): each depth's transformer layer as a decoder layer, its norms
+    and eh_proj 6·B·s·(3h + 2h²), its logits; zeros without --mtp-num-layers."""
+    depths, h = config.mtp_num_layers or 0, config.hidden_size
+    norms_and_proj = 6.0 * batch_size * seq_length * depths * (3 * h + 2 * h * h)
+    return transformer * depths / config.num_layers, logits * depths + norms_and_proj
+
+
 def num_floating_point_operations(config: TransformerConfig, batch_size: int, seq_length: int) -> float:
     """FLOPs of one training iteration of `batch_size` sequences (see the module docstring)."""
     transformer, logits = transformer_and_logit_flops(config, batch_size, seq_length)
+    mtp_layers, mtp_other = mtp_flops(config, transformer, logits, batch_size, seq_length)
+    transformer += mtp_layers
     if config.recompute_granularity == "full":
         transformer *= 4.0 / 3.0
-    return transformer + logits
+    return transformer + logits + mtp_other
 
 
 def bert_num_floating_point_operations(config: TransformerConfig, batch_size: int, seq_length: int,

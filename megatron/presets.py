@@ -209,6 +209,89 @@ _PRESETS = (
                   "LR_WARMUP_ITERS": "500"},
     ),
     Preset(
+        "qwen3_tiny", "llama",
+        about=("A tiny Qwen3-style model that trains on a CPU: 4 layers, hidden 128, 4 heads of 48 channels "
+               "(--kv-channels != hidden/heads)",
+               "in 2 K/V groups, per-head q/k RMSNorm (--qk-layernorm), SwiGLU ffn 384, RoPE base 1e6, untied "
+               "output, no biases,",
+               "seq 256. Sourced by examples/pretrain_qwen3.sh; sets LLAMA_MODEL_ARGS and defaults."),
+        model_args=("--num-layers 4 --hidden-size 128 --num-attention-heads 4 --kv-channels 48 --ffn-hidden-size 384",
+                    "--group-query-attention --num-query-groups 2 --qk-layernorm --seq-length $SEQ_LENGTH "
+                    "--max-position-embeddings 256",
+                    "--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --position-embedding-type rope "
+                    "--rotary-base 1000000",
+                    "--untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0.0 "
+                    "--attention-dropout 0.0"),
+        seq_length=256,
+        defaults={"MICRO_BATCH_SIZE": "4", "GLOBAL_BATCH_SIZE": "8", "LR": "6.0e-4", "MIN_LR": "6.0e-5",
+                  "LR_WARMUP_ITERS": "10"},
+    ),
+    Preset(
+        "qwen3_8b", "llama",
+        about=("Qwen3-8B: 36 layers, hidden 4096, 32 query heads of 128 channels in 8 K/V groups, per-head q/k "
+               "RMSNorm",
+               "(--qk-layernorm), SwiGLU ffn 12288, RMSNorm (eps 1e-6), RoPE base 1e6, untied output layer, no "
+               "biases, 40,960",
+               "positions, Qwen's 151,936-row vocabulary (HuggingFaceTokenizer Qwen/Qwen3-8B). 8.19B params. "
+               "Sourced by",
+               "examples/pretrain_qwen3.sh; sets LLAMA_MODEL_ARGS and defaults."),
+        model_args=("--num-layers 36 --hidden-size 4096 --num-attention-heads 32 --kv-channels 128 "
+                    "--ffn-hidden-size 12288",
+                    "--group-query-attention --num-query-groups 8 --qk-layernorm --seq-length $SEQ_LENGTH "
+                    "--max-position-embeddings 40960",
+                    "--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --position-embedding-type rope "
+                    "--rotary-base 1000000",
+                    "--untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0.0 "
+                    "--attention-dropout 0.0"),
+        seq_length=4096,
+        defaults={"MICRO_BATCH_SIZE": "1", "GLOBAL_BATCH_SIZE": "256", "LR": "3.0e-4", "MIN_LR": "3.0e-5",
+                  "LR_WARMUP_ITERS": "2000"},
+    ),
+    Preset(
+        "qwen3_moe_tiny", "llama",
+        about=("A tiny Qwen3-MoE-style model that trains on a CPU: 4 layers, hidden 128, 4 heads of 48 channels in 2 "
+               "K/V groups,",
+               "--qk-layernorm, 8 SwiGLU experts (ffn 64), top-2 renormalised (HF norm_topk_prob), no shared "
+               "expert, load-balancing",
+               "loss 1e-3, RoPE base 1e6, untied output, seq 256. Sourced by examples/pretrain_qwen3.sh (PRESET="
+               "qwen3_moe_tiny)."),
+        model_args=("--num-layers 4 --hidden-size 128 --num-attention-heads 4 --kv-channels 48 --ffn-hidden-size 384",
+                    "--group-query-attention --num-query-groups 2 --qk-layernorm --seq-length $SEQ_LENGTH "
+                    "--max-position-embeddings 256",
+                    "--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --position-embedding-type rope "
+                    "--rotary-base 1000000",
+                    "--untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0.0 "
+                    "--attention-dropout 0.0",
+                    "--num-experts 8 --moe-ffn-hidden-size 64 --moe-router-topk 2 --moe-aux-loss-coeff 1e-3"),
+        seq_length=256,
+        defaults={"MICRO_BATCH_SIZE": "4", "GLOBAL_BATCH_SIZE": "8", "LR": "6.0e-4", "MIN_LR": "6.0e-5",
+                  "LR_WARMUP_ITERS": "10"},
+    ),
+    Preset(
+        "qwen3_30b_a3b", "llama",
+        about=("Qwen3-30B-A3B: 48 layers, hidden 2048, 32 query heads of 128 channels in 4 K/V groups, "
+               "--qk-layernorm, every MLP",
+               "a mixture of 128 SwiGLU experts (ffn 768), top-8 renormalised (HF norm_topk_prob), no shared "
+               "expert, RMSNorm (eps",
+               "1e-6), RoPE base 1e6, untied output, 40,960 positions, 151,936-row vocabulary. 30.5B params (3.3B "
+               "active per token).",
+               "Sourced by examples/pretrain_qwen3.sh (PRESET=qwen3_30b_a3b)."),
+        model_args=("--num-layers 48 --hidden-size 2048 --num-attention-heads 32 --kv-channels 128 "
+                    "--ffn-hidden-size 6144",
+                    "--group-query-attention --num-query-groups 4 --qk-layernorm --seq-length $SEQ_LENGTH "
+                    "--max-position-embeddings 40960",
+                    "--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --position-embedding-type rope "
+                    "--rotary-base 1000000",
+                    "--untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0.0 "
+                    "--attention-dropout 0.0",
+                    "--num-experts 128 --moe-ffn-hidden-size 768 --moe-router-topk 8 "
+                    "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3",
+                    "--moe-grouped-gemm --moe-token-dispatcher-type alltoall"),
+        seq_length=4096,
+        defaults={"MICRO_BATCH_SIZE": "1", "GLOBAL_BATCH_SIZE": "256", "LR": "1.0e-4", "MIN_LR": "1.0e-5",
+                  "LR_WARMUP_ITERS": "500"},
+    ),
+    Preset(
         "bloom_tiny", "bloom",
         about=("Tiny BLOOM-style model that trains on a CPU in minutes: 4 layers, hidden 96, 6 heads (ALiBi slopes "
                "of a head count",

@@ -9,7 +9,10 @@ Numbers are for the most loaded rank (the first pipeline stage, which also holds
   tensor-parallel split weights count 1/TP, replicated ones (norms, row-parallel biases, position embeddings) in
   full; MoE layers (--num-experts, --moe-layer-freq) hold a replicated router (num_experts x h), the routed experts
   (split over expert-parallel x expert-tensor-parallel ranks) and a TP-split shared expert (its gate replicated);
-  the active count takes top-k experts per MoE layer, as Megatron-LM's estimate does;
+  the active count takes top-k experts per MoE layer, as Megatron-LM's estimate does; the multi-token-prediction
+  block (--mtp-num-layers D, on the last stage: `mtp_parameters`) holds per depth a layer of the decoder's last
+  layer's kind, the TP-split eh_proj 2h x h and three norms (`mtp`: its share of the total), and with untied
+  embeddings under PP a copy of the word embeddings;
 * bytes per parameter follow the distributed-optimizer table of the Megatron-LM README: replicated bytes (the
   model's params and grads) plus sharded bytes (fp32 main params/grads of mixed precision, optimizer state)
   divided by the data-parallel size under ``--use-distributed-optimizer``: fp32 16 vs 8 + 8/d; bf16 (or fp16
@@ -61,6 +64,7 @@ class ParameterCounts:
     most_loaded_shard: int
     active: int = 0
     experts: int = 0
+    mtp: int = 0  # the multi-token-prediction block's share of `total` (Megatron-LM reports it apart)
 
 
 @dataclass(frozen=True)
@@ -97,17 +101,30 @@ def _layer_parameters(config: TransformerConfig, moe: bool = False) -> LayerPara
     bias = int(config.add_bias_linear)
     qkv_bias = int(config.add_bias_linear or config.add_qkv_bias)
     attention = (h * qkv + qkv_bias * qkv) + q * h  # qkv, dense weight
+    norms = 2 * _norm_parameters(config)
+    if config.qk_layernorm:  # --qk-layernorm: a q and a k norm over one head's d channels (replicated)
+        norms += 2 * d * (1 if config.normalization == "RMSNorm" else 2)
     if not moe:
         f_in = 2 * f if gated else f
         split = attention + _mlp_weights(h, f, gated) + bias * f_in  # fc1 bias is split, fc2's replicated
-        return LayerParameters(split, 2 * _norm_parameters(config) + 2 * bias * h)  # two norms, dense/fc2 biases
+        return LayerParameters(split, norms + 2 * bias * h)  # two norms, dense/fc2 biases
     e, topk = config.num_moe_experts, config.moe_router_topk
     expert = _mlp_weights(h, config.moe_ffn_hidden_size or f, gated)
     shared = config.moe_shared_expert_intermediate_size or 0
     gate = h if shared and config.moe_shared_expert_gate else 0
     return LayerParameters(split=attention + _mlp_weights(h, shared, gated),
-                           replicated=2 * _norm_parameters(config) + bias * h + e * h + gate,
+                           replicated=norms + bias * h + e * h + gate,
                            experts=e * expert, active_experts=topk * expert)
+
+
+def mtp_parameters(config: TransformerConfig) -> LayerParameters:
+    """The multi-token-prediction block's parameters (all D depths): per depth a layer of the kind of the decoder's
+    last layer, eh_proj 2h x h (TP-split) and enorm, hnorm, final_layernorm (replicated)."""
+    depths = config.mtp_num_layers or 0
+    layer = _layer_parameters(config, bool(config.moe_layer_pattern[-1]))
+    h = config.hidden_size
+    return LayerParameters(depths * (layer.split + 2 * h * h), depths * (layer.replicated + 3 * _norm_parameters(config)),
+                           depths * layer.experts, depths * layer.active_experts)
 
 
 def _bert_extra_parameters(opts: MemorySettings, config: TransformerConfig) -> tuple[int, int, int]:
@@ -168,12 +185,19 @@ def parameter_counts(opts: MemorySettings, config: TransformerConfig) -> Paramet
 
     first = _stage_parameters(config, opts, 0) + word // tp + position
     last = _stage_parameters(config, opts, pp - 1) + (word + head_split) // tp + final_ln + head_repl  # tied: own copy
+    mtp = mtp_parameters(config)
+    etp, ep = opts.expert_tensor_parallel_size or tp, opts.expert_model_parallel_size
+    mtp_shard = mtp.split // tp + mtp.replicated + mtp.experts // (ep * etp)
+    mtp_shard += word // tp if config.mtp_num_layers and untied and pp > 1 else 0  # the last stage's embedding copy
     if pp == 1:
-        shard = first + ((word if untied else 0) + head_split) // tp + final_ln + head_repl
+        shard = first + ((word if untied else 0) + head_split) // tp + final_ln + head_repl + mtp_shard
     else:
-        shard = max(first, last)
+        shard = max(first, last + mtp_shard)
+    mtp_total = mtp.split + mtp.replicated + mtp.experts
     active = transformer + embedding - experts + sum(x.active_experts for x in layers)
-    return ParameterCounts(transformer, embedding, transformer + embedding, shard, active=active, experts=experts)
+    active += mtp_total - mtp.experts + mtp.active_experts
+    return ParameterCounts(transformer, embedding, transformer + embedding + mtp_total, shard, active=active,
+                           experts=experts + mtp.experts, mtp=mtp_total)
 
 
 def bytes_per_parameter(args: argparse.Namespace) -> float:
@@ -291,6 +315,8 @@ def memory_report(opts: MemorySettings, config: TransformerConfig, num_microbatc
             f"({counts.transformer_layers})",
             f"Number of parameters in embedding layers in billions: {counts.embedding_layers / 1e9:.4f} "
             f"({counts.embedding_layers})",
+            *([f"Number of parameters in mtp block in billions: {counts.mtp / 1e9:.4f} ({counts.mtp})"]
+              if counts.mtp else []),
             f"Total number of parameters in billions: {counts.total / 1e9:.4f} ({counts.total})",
             *([f"Number of parameters in routed experts in billions: {counts.experts / 1e9:.4f} ({counts.experts}), "
                f"{counts.experts // (opts.expert_model_parallel_size * etp)} per rank over expert-parallel size "

@@ -91,3 +91,18 @@ def test_ep_layout_line() -> None:
         "> expert parallel: size 2, expert-tensor-parallel size 1, expert-data-parallel size 3; 8 experts per MoE "
         "layer, 4 per rank (rank 0: experts 0-3; rank 1: experts 4-7); the rest of the model is replicated over the "
         "expert-parallel ranks")
+
+
+def test_qwen3_counts_are_the_published_ones_and_the_tiny_models() -> None:
+    """qwen3_8b: 8,190,735,360 (HF Qwen3-8B's count, "8.2B"); qwen3_30b_a3b: 30.5B total, 3.35B active (published
+    "3.3B"); the tiny presets' counts (q/k norms included) equal their models'."""
+    from megatron.arguments import core_transformer_config_from_args
+    from megatron.models.gpt.model import GPTModel
+
+    assert count_parameters(_preset_args("qwen3_8b", 151936)).total == 8_190_735_360
+    moe = count_parameters(_preset_args("qwen3_30b_a3b", 151936))
+    assert (round(moe.total / 1e9, 1), int(moe.active / 1e8) / 10) == (30.5, 3.3)
+    for name in ("qwen3_tiny", "qwen3_moe_tiny"):
+        args = _preset_args(name, 512)
+        model = GPTModel(core_transformer_config_from_args(args))
+        assert count_parameters(args).total == sum(p.numel() for p in model.parameters()), name

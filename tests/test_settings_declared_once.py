@@ -112,6 +112,11 @@ def test_the_architecture_record_keeps_its_order():
     assert ARCHITECTURE_FIELDS[48:56] == (  # YaRN (--rope-type yarn)
         "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings",
         "beta_fast", "beta_slow", "yarn_correction_range_round_to_int")
+    assert ARCHITECTURE_FIELDS[56:57] == ("qk_layernorm",)
+    assert ARCHITECTURE_FIELDS[57:63] == ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                          "qk_pos_emb_head_dim", "v_head_dim")  # issue #37
+    assert ARCHITECTURE_FIELDS[63:64] == ("mtp_num_layers",)  # issue #37's multi-token prediction
+    assert ARCHITECTURE_FIELDS[64:66] == ("window_size", "window_attn_skip_freq")  # issue #38
 
 
 def test_typed_settings_from_parsed_flags():

@@ -131,6 +131,30 @@ class TransformerConfig(ModelParallelConfig):
     """Grouped-query attention: num_query_groups K/V heads shared by the query heads (--group-query-attention)."""
     num_query_groups: Optional[int] = None
     """Number of K/V heads (1 = multi-query); resolved to num_attention_heads when GQA is off."""
+    qk_layernorm: bool = False
+    """A `normalization` norm over each head's channels on q and k, after the QKV split and before RoPE
+    (Qwen3; --qk-layernorm): ``self_attention.q_layernorm`` / ``k_layernorm``, their grads summed over TP."""
+    window_size: Optional[tuple] = None
+    """Sliding-window attention (--window-size W,R): query i attends keys i-W .. i+R (Megatron Core's
+    (left, right); a causal decoder takes R = 0); None = global attention."""
+    window_attn_skip_freq: Any = None
+    """Which layers use the window (--window-attn-skip-freq): None all; int N: every N-th layer (1-based) is global;
+    a list of 0/1 per layer, 1 = sliding window."""
+    # ---- multi-latent attention (DeepSeek-V2/V3; megatron/models/deepseek/mla.py; Megatron Core's names)
+    multi_latent_attention: bool = False
+    """Multi-latent attention instead of ParallelAttention: queries and keys/values through low-rank latents, RoPE on
+    a decoupled positional part of each head (--multi-latent-attention)."""
+    q_lora_rank: Optional[int] = None
+    """Rank of the query latent (--q-lora-rank); None: one plain query projection (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 32
+    """Rank of the key/value latent (--kv-lora-rank), what the KV cache holds per token with the rope key."""
+    qk_head_dim: int = 128
+    """Per-head query/key channels without position (--qk-head-dim); a head's q/k is qk_head_dim +
+    qk_pos_emb_head_dim wide."""
+    qk_pos_emb_head_dim: int = 64
+    """Per-head query/key channels that RoPE rotates (--qk-pos-emb-head-dim); the key's part is shared by the heads."""
+    v_head_dim: int = 128
+    """Per-head value channels (--v-head-dim)."""
     # ---- encoder/decoder models
     encoder_num_layers: Optional[int] = None
     """Encoder layers of an encoder-decoder model (--encoder-num-layers); None = num_layers."""
@@ -157,6 +181,14 @@ class TransformerConfig(ModelParallelConfig):
     """softmax | sigmoid (--moe-router-score-function)."""
     moe_router_topk_scaling_factor: Optional[float] = None
     """Multiplies the routing weights (--moe-router-topk-scaling-factor)."""
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing: the experts in this many equal groups (--moe-router-num-groups); None = off."""
+    moe_router_group_topk: Optional[int] = None
+    """Groups each token may use, ranked by the sum of their top-(topk/group_topk) scores (--moe-router-group-topk)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: experts chosen by sigmoid score + a per-expert bias updated every iteration."""
+    moe_router_bias_update_rate: float = 1e-3
+    """The expert bias moves by this much per iteration towards balance (--moe-router-bias-update-rate)."""
     moe_router_dtype: Optional[str] = None
     """fp32 | fp64: dtype of the router logits and routing weights; None = the activations' dtype."""
     moe_expert_capacity_factor: Optional[float] = None
@@ -257,14 +289,60 @@ class TransformerConfig(ModelParallelConfig):
         if self.num_query_groups % self.tensor_model_parallel_size:
             raise ValueError(f"--num-query-groups ({self.num_query_groups}) must be divisible by "
                              f"--tensor-model-parallel-size ({self.tensor_model_parallel_size})")
+        if self.multi_latent_attention:
+            self._validate_mla()
         if self.num_moe_experts is not None:
             self._validate_moe()
+        if self.window_size is not None:
+            self._validate_window()
         if self.mtp_num_layers is not None:
             self._validate_mtp()
         for name in ("encoder_num_layers", "decoder_num_layers"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+    def _validate_window(self) -> None:
+        window = tuple(int(x) for x in self.window_size)
+        if len(window) != 2 or window[0] < 0:
+            raise ValueError(f"--window-size takes two integers W,R with W >= 0 (got {self.window_size})")
+        if window[1] != 0:
+            raise ValueError(f"--window-size {window[0]},{window[1]}: a causal decoder looks no token ahead; "
+                             f"pass --window-size {window[0]},0")
+        self.window_size = window
+        freq = self.window_attn_skip_freq
+        if isinstance(freq, int) and freq < 1:
+            raise ValueError(f"--window-attn-skip-freq must be >= 1, got {freq}")
+        if isinstance(freq, (list, tuple)) and len(freq) != self.num_layers:
+            raise ValueError(f"--window-attn-skip-freq lists {len(freq)} layers but --num-layers is {self.num_layers}")
+
+    def is_window_layer(self, layer_number: int) -> bool:
+        """Whether 1-based layer `layer_number` uses sliding-window attention (Megatron Core's rule)."""
+        if not self.window_size:
+            return False
+        freq = self.window_attn_skip_freq
+        if freq is None:
+            return True
+        if isinstance(freq, int):
+            return layer_number % freq != 0
+        return bool(freq[layer_number - 1])
+    def _validate_mla(self) -> None:
+        if self.group_query_attention:
+            raise ValueError("--multi-latent-attention and --group-query-attention exclude each other (as Megatron-LM)")
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"--q-lora-rank must be >= 1 (or left out), got {self.q_lora_rank}")
+        if int(self.qk_pos_emb_head_dim * self.rotary_percent) % 2:
+            raise ValueError(f"--rotary-percent {self.rotary_percent} of --qk-pos-emb-head-dim "
+                             f"{self.qk_pos_emb_head_dim} must give an even rotary dimension")
+        if self.use_rope_scaling or self.rotary_seq_len_interpolation_factor is not None:
+            raise ValueError("--use-rope-scaling / --rotary-seq-len-interpolation-factor do not apply to "
+                             "--multi-latent-attention (Megatron-LM's MLA rotates with --rotary-base only)")
+        if self.position_embedding_type == "alibi":
+            raise ValueError("--multi-latent-attention rotates its positional part itself: use --position-embedding-"
+                             "type rope (or none), not alibi")
 
     def _validate_mtp(self) -> None:
         if self.mtp_num_layers < 1:
@@ -300,6 +378,10 @@ class TransformerConfig(ModelParallelConfig):
                 and self.moe_router_score_function == "softmax":
             raise ValueError("--moe-router-topk-scaling-factor needs --moe-router-pre-softmax (or the sigmoid score "
                              "function), as in Megatron-LM")
+        self._validate_router_groups()
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid, as in "
+                             "Megatron-LM")
         if self.moe_token_drop_policy not in ("probs", "position"):
             raise ValueError(f"--moe-token-drop-policy must be probs or position, got {self.moe_token_drop_policy!r}")
         if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
@@ -315,6 +397,25 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"--moe-layer-freq lists {len(pattern)} layers but --num-layers is {self.num_layers}")
         if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
             raise ValueError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron-LM)")
+
+    def _validate_router_groups(self) -> None:
+        groups, group_topk, experts = self.moe_router_num_groups, self.moe_router_group_topk, self.num_moe_experts
+        if groups is not None and not group_topk:
+            raise ValueError("--moe-router-num-groups needs --moe-router-group-topk (the groups each token may use)")
+        if not group_topk:
+            return
+        if not groups:
+            raise ValueError("--moe-router-group-topk needs --moe-router-num-groups, as in Megatron-LM")
+        if groups < 1 or experts % groups:
+            raise ValueError(f"--moe-router-num-groups ({groups}) must divide --num-experts ({experts})")
+        if not 1 <= group_topk <= groups:
+            raise ValueError(f"--moe-router-group-topk ({group_topk}) must be between 1 and --moe-router-num-groups "
+                             f"({groups})")
+        if not group_topk <= self.moe_router_topk <= group_topk * (experts // groups):
+            raise ValueError(f"--moe-router-topk ({self.moe_router_topk}) must be between --moe-router-group-topk "
+                             f"({group_topk}) and the experts of the chosen groups ({group_topk * (experts // groups)})")
+        if self.moe_router_load_balancing_type == "sinkhorn":
+            raise ValueError("--moe-router-group-topk does not apply to --moe-router-load-balancing-type sinkhorn")
 
     @property
     def moe_layer_pattern(self) -> list:

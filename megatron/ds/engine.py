@@ -31,6 +31,7 @@ from megatron.checkpoint.safe_load import guarded_torch_load
 from megatron.checkpoint.selection import check_checkpoint_layout
 from megatron.core import aux_losses
 from megatron.core import parallel_state as ps
+from megatron.core.step_updates import apply_step_updates
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.ds.engine_kind import is_pipe_engine
@@ -238,6 +239,7 @@ def deepspeed_train_step(forward_step_func: Callable, data_iterator: Optional[It
     timers("forward-backward").stop()
     # Without ZeRO or a precision wrapper DeepSpeed clips but does not keep the norm: take it from the reduced grads.
     plain_norm = _plain_grad_norm(engine, state) if _is_plain_optimizer(engine) else None
+    apply_step_updates(model, (state.tp_group, state.dp_cp_group))  # as finalize_model_grads (the expert bias)
     timers("optimizer", log_level=1).start(barrier=barrier)
     engine.step()
     timers("optimizer").stop()

@@ -22,6 +22,13 @@ The one attention path selector is `CoreAttention.forward`:
 `describe_attention_path` gives the one line printed (rank 0, once per process) when the model is built (not for
 a weightless model built on the meta device, as conversion builds one to read the TP layouts).
 
+`--qk-layernorm` (Qwen3): a norm over each head's channels on q and k after the split and before RoPE
+(``q_layernorm`` / ``k_layernorm``); each TP rank normalises its own heads with the shared weights, so their grads
+are marked `tensor_parallel_partial_grad` and summed over TP (megatron/core/distributed/finalize_model_grads.py), as
+Megatron Core does. `--window-size W,0` (sliding window, on the layers `config.is_window_layer` picks): query i
+attends keys i-W .. i, a bool mask ORed onto the model's (`window_mask`), also past the window in KV-cache decoding
+(the cache keeps every position) and under context parallelism (built from the rank's true positions).
+
 Under context parallelism (`set_context_parallel(cp_group)`, done by ParallelTransformer when
 `config.context_parallel_size` > 1) this rank holds two of the sequence's 2N chunks: RoPE rotates them at their true
 positions and self-attention runs through megatron/core/context_parallel.py (`config.cp_comm_type`).
@@ -45,6 +52,7 @@ from megatron.layers.enums import AttnMaskType, AttnType
 from megatron.layers.fused_softmax import FusedScaleMaskSoftmax
 from megatron.layers.inference_params import InferenceParams
 from megatron.layers.module import MegatronModule
+from megatron.layers.norms import norm_class, norm_kwargs
 from megatron.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from megatron.layers.utils import attention_mask_func, group_rank, group_size
 
@@ -155,6 +163,34 @@ def _sdpa_mask(mask: torch.Tensor, sq: int, sk: int) -> tuple[torch.Tensor, Opti
     return entry[4]
 
 
+_WINDOW_CACHE: list = []  # [weakref to the model's mask or None, its version, key, combined mask]
+
+
+def window_mask(attention_mask: Optional[torch.Tensor], sq: int, sk: int, window: tuple,
+                device: torch.device) -> torch.Tensor:
+    """Bool [.., sq, sk] (True = masked): the sliding window (queries at the last sq of sk positions attend keys
+    i - window[0] .. i + window[1], Megatron Core's get_sliding_window_causal_mask) ORed onto `attention_mask`
+    (None: the causal mask). Cached per mask object, so every window layer of a forward sees one tensor."""
+    key = (sq, sk, tuple(window), str(device), None if attention_mask is None else tuple(attention_mask.shape))
+    for entry in _WINDOW_CACHE:
+        ref = entry[0]
+        if entry[2] == key and ((ref is None and attention_mask is None) or (
+                ref is not None and ref() is attention_mask and entry[1] == attention_mask._version)):
+            return entry[3]
+    q_pos = torch.arange(sk - sq, sk, device=device)[:, None]
+    k_pos = torch.arange(sk, device=device)[None, :]
+    mask = (k_pos < q_pos - window[0]) | (k_pos > q_pos + window[1])
+    if attention_mask is None:
+        mask = mask | (k_pos > q_pos)
+    else:
+        mask = mask | attention_mask
+    ref = None if attention_mask is None else weakref.ref(attention_mask)
+    version = None if attention_mask is None else attention_mask._version
+    _WINDOW_CACHE.insert(0, [ref, version, key, mask])
+    del _WINDOW_CACHE[_MASK_CACHE_SIZE:]
+    return mask
+
+
 def _expand_kv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     """K or V [s, b, ng, hn] -> [s, b, num_heads, hn], each group repeated for its heads (HF's repeat_kv)."""
     s, b, ng, hn = t.shape
@@ -196,6 +232,7 @@ class CoreAttention(MegatronModule):
         self.num_attention_heads_per_partition = tensor_parallel.divide(config.num_attention_heads, tp_size)
         self.alibi = (AlibiBias(config.num_attention_heads, group_rank(tp_group), tp_size)
                       if config.position_embedding_type == "alibi" else None)
+        self.window = config.window_size if config.is_window_layer(self.layer_number) else None
 
         coeff = None
         self.norm_factor = math.sqrt(self.hidden_size_per_attention_head)
@@ -243,7 +280,10 @@ class CoreAttention(MegatronModule):
         sq, b, np_, hn = query_layer.shape
         sk = key_layer.size(0)
         causal = self.attn_mask_type == AttnMaskType.causal
-        if attention_mask is None and causal and (sq != sk or self.alibi is not None):
+        if self.window is not None:
+            attention_mask = window_mask(attention_mask if attention_mask is not None or not causal else None,
+                                         sq, sk, self.window, query_layer.device)
+        elif attention_mask is None and causal and (sq != sk or self.alibi is not None):
             attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=query_layer.device).triu(sk - sq + 1)
         if self._can_use_flash_attn(query_layer, attention_mask, sq, sk):
             context = self._flash(query_layer, key_layer, value_layer)  # flash-attn takes fewer K/V heads itself
@@ -257,8 +297,8 @@ class CoreAttention(MegatronModule):
     def _can_use_flash_attn(self, q: torch.Tensor, mask: Optional[torch.Tensor], sq: int, sk: int) -> bool:
         if not self.flash_attn_ready or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
             return False
-        if self.alibi is not None:
-            return False  # the ALiBi bias goes to SDPA as an additive mask
+        if self.alibi is not None or self.window is not None:
+            return False  # the ALiBi bias goes to SDPA as an additive mask, the window as a bool one
         if q.size(-1) % 8 != 0 or q.size(-1) > 256:  # flash-attn 2's head-dimension limits
             return False
         if self.attn_mask_type != AttnMaskType.causal:
@@ -341,6 +381,14 @@ class CoreAttention(MegatronModule):
         return ctx.view(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
 
+def qk_norm(config: TransformerConfig) -> torch.nn.Module:
+    """One --qk-layernorm norm over a head's channels; its grad is partial per TP rank (summed over TP)."""
+    norm = norm_class(config)(config.kv_channels, **{**norm_kwargs(config), "sequence_parallel": False})
+    for p in norm.parameters():
+        p.tensor_parallel_partial_grad = True
+    return norm
+
+
 class ParallelAttention(MegatronModule):
     """Self- or cross-attention with a fused query_key_value projection (rows [groups, (q x heads/groups, k, v),
     head_dim]; with one group per head that is Megatron's [heads, (q, k, v), head_dim])."""
@@ -382,6 +430,9 @@ class ParallelAttention(MegatronModule):
             layout = tensor_parallel.TensorParallelLayout(dim=0, unit=2 * hn, structure=f"{ng} KV groups of [k; v]")
             for p in self.key_value.parameters():
                 tensor_parallel.set_tp_layout(p, layout)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = qk_norm(config), qk_norm(config)
         self.rotary = (RotaryEmbedding.from_config(config)
                        if config.position_embedding_type == "rope" and attention_type == AttnType.self_attn else None)
         self.core_attention = CoreAttention(config, self.layer_number, tp_group, attn_mask_type)
@@ -429,6 +480,12 @@ class ParallelAttention(MegatronModule):
         if causal and self._cp_plain_causal(attention_mask, q.size(0) * n,
                                             context_parallel.cp_positions(q.size(0) * n, n, r)):
             attention_mask = None  # built per block from positions, never materialised
+        window = self.core_attention.window
+        if window is not None:  # this rank's rows of the window mask, from its true positions
+            positions = context_parallel.cp_positions(q.size(0) * n, n, r, q.device)[:, None]
+            keys = torch.arange(q.size(0) * n, device=q.device)[None, :]
+            band = (keys < positions - window[0]) | (keys > positions + window[1])
+            attention_mask = band if attention_mask is None else (attention_mask | band)
         if attention_mask is not None and attention_mask.size(-2) != q.size(0):
             raise ValueError(f"context parallelism needs this rank's attention-mask rows ([b, 1, {q.size(0)}, S]), "
                              f"got {tuple(attention_mask.shape)}: slice the batch with slice_for_cp")
@@ -499,6 +556,8 @@ class ParallelAttention(MegatronModule):
             key, value = torch.split(mixed_kv, hn, dim=-1)
             query, _ = self.query(hidden_states)
             query = query.view(query.size(0), query.size(1), np_, hn)
+        if self.q_layernorm is not None:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
 
         if self.cp_group is not None and inference_params is not None:
             raise ValueError("KV-cache decoding does not run under context parallelism; generate at "

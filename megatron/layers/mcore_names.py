@@ -9,7 +9,8 @@ keeps ``input_layernorm``/``pre_mlp_layernorm``; the Transformer Engine spec fol
 are dropped. A per-rank file is renamed tensor by tensor; parts we do not model (QK norms, MoE expert biases) are one
 line naming the key.
 
-Mixture of experts (megatron/layers/moe.py): ``mlp.router.weight`` and the shared expert (``mlp.shared_experts.
+Mixture of experts (megatron/layers/moe.py): ``mlp.router.weight`` (and ``mlp.router.expert_bias``, the
+aux-loss-free bias) and the shared expert (``mlp.shared_experts.
 linear_fc1/linear_fc2/gate_weight``) are renamed; Megatron Core keeps one matrix per expert, output-major
 (``mlp.experts.local_experts.E.linear_fc1.weight`` [F, h] with the local spec's SequentialMLP, or Transformer Engine's
 grouped ``mlp.experts.linear_fc1.weightE``), which ours stacks input-major (``mlp.experts.weight1`` [E, h, F], ``weight2``
@@ -41,10 +42,37 @@ LAYER_SUFFIXES = (
     ("mlp.linear_fc1.", "mlp.dense_h_to_4h."),
     ("mlp.linear_fc2.", "mlp.dense_4h_to_h."),
     ("mlp.router.weight", "mlp.router.weight"),
+    ("mlp.router.expert_bias", "mlp.router.expert_bias"),  # --moe-router-enable-expert-bias (fp32 buffer)
     ("mlp.shared_experts.linear_fc1.", "mlp.shared_experts.dense_h_to_4h."),
     ("mlp.shared_experts.linear_fc2.", "mlp.shared_experts.dense_4h_to_h."),
     ("mlp.shared_experts.gate_weight", "mlp.shared_experts.gate_weight"),
 )
+# multi-latent attention (megatron/models/deepseek/mla.py) keeps Core's names; Transformer Engine's spec folds the
+# latent norms into the up projections. Its output projection is ``linear_proj`` in ours too (`_mla_output_names`).
+MLA_SUFFIXES = (
+    ("self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.q_layernorm.weight"),
+    ("self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.kv_layernorm.weight"),
+    ("self_attention.linear_q_down_proj.", "self_attention.linear_q_down_proj."),
+    ("self_attention.linear_q_up_proj.", "self_attention.linear_q_up_proj."),
+    ("self_attention.linear_q_proj.", "self_attention.linear_q_proj."),
+    ("self_attention.linear_kv_down_proj.", "self_attention.linear_kv_down_proj."),
+    ("self_attention.linear_kv_up_proj.", "self_attention.linear_kv_up_proj."),
+    ("self_attention.q_layernorm.", "self_attention.q_layernorm."),
+    ("self_attention.kv_layernorm.", "self_attention.kv_layernorm."),
+    ("self_attention.linear_proj.", "self_attention.linear_proj."),
+)
+LAYER_SUFFIXES += MLA_SUFFIXES
+_MLA_MARK = ".self_attention.linear_kv_down_proj."
+
+
+def _mla_output_names(flat: Dict[str, Any]) -> Dict[str, Any]:
+    """Our flat names with a multi-latent-attention layer's output projection called ``linear_proj`` (Core's name,
+    which the rename turned into ParallelAttention's ``dense``)."""
+    if not any(_MLA_MARK in k for k in flat):
+        return flat
+    return {k.replace(".self_attention.dense.", ".self_attention.linear_proj."): v for k, v in flat.items()}
+
+
 # one expert's matrix: Core's per-expert names (local SequentialMLP / Transformer Engine grouped) -> our stacked name
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.linear_fc([12])\.weight|linear_fc([12])\.weight(\d+))$")
 OUR_EXPERTS = {"1": "mlp.experts.weight1", "2": "mlp.experts.weight2"}
@@ -238,7 +266,7 @@ def core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
                                             "expert-parallel files are not merged here; convert with --loader mcore "
                                             "from a torch_dist checkpoint")
         out[name] = experts_to_ours([per_expert[e] for e in range(len(per_expert))])
-    return out
+    return _mla_output_names(out)
 
 
 def experts_to_ours(matrices: Any) -> Any:
@@ -258,6 +286,8 @@ def our_layer_suffix_to_core(suffix: str, fused_norms: bool) -> str:
         fused = not core.endswith(".")
         if fused != fused_norms and ours.startswith(("input_layernorm", "post_attention_layernorm")):
             continue
+        if fused and ours.startswith(("self_attention.q_layernorm", "self_attention.kv_layernorm")):
+            continue  # MLA's latent norms are written as the local spec names them
         if suffix == ours or (ours.endswith(".") and suffix.startswith(ours)):
             return core + suffix[len(ours):] if ours.endswith(".") else core
     raise UnsupportedCoreCheckpoint(f"our layer tensor {suffix} has no Megatron Core name")

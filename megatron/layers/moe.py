@@ -25,7 +25,8 @@ Router, capacity and aux losses work on each rank's own tokens, as without EP (E
 Expert parameters carry ``allreduce = False`` (Megatron's mark): their grads are reduced over the
 expert-data-parallel group.
 
-Routing (`TopKRouter`): logits = x W^T (fp32/fp64 with moe_router_dtype); z-loss; top-k then softmax over the k
+Routing (`TopKRouter`): logits = x W^T (fp32/fp64 with moe_router_dtype); z-loss; top-k (optionally group-limited,
+and with sigmoid scores optionally chosen by score + `expert_bias`, updated after each iteration) then softmax over the k
 (or softmax/sigmoid before top-k with moe_router_pre_softmax / the sigmoid score function); optional scaling factor;
 capacity dropping (probs | position, optional pad to capacity); load-balancing loss from the softmax over all
 experts. Auxiliary losses enter backward through megatron.core.aux_losses.AuxLossAutoScaler; their values are recorded
@@ -104,19 +105,45 @@ def sinkhorn(cost: torch.Tensor, tol: float = 0.0001) -> torch.Tensor:
     return d1 * cost * d0.unsqueeze(1)
 
 
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int,
+                       group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron-LM core's group-limited top-k: the experts split into `num_groups` equal groups, each group scored by
+    the sum of its top-(topk // group_topk) scores, the `group_topk` best groups kept and the top-k experts chosen
+    among theirs. Returns (values, indices) [T, topk] as torch.topk."""
+    num_tokens, num_experts = scores.shape
+    group_scores = scores.view(num_tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(num_tokens, num_groups, num_experts // num_groups)
+    masked = scores.masked_fill(~score_mask.reshape(num_tokens, -1).bool(), float("-inf"))
+    return torch.topk(masked, k=topk, dim=-1)
+
+
 def topk_routing(logits: torch.Tensor, topk: int, pre_softmax: bool, score_function: str,
-                 scaling_factor: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs [T, E] zero outside the chosen experts, routing map [T, E] bool) from logits [T, E]."""
+                 scaling_factor: Optional[float], num_groups: Optional[int] = None, group_topk: Optional[int] = None,
+                 expert_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs [T, E] zero outside the chosen experts, routing map [T, E] bool) from logits [T, E] (Megatron-LM core's
+    topk_routing_with_score_function). With `group_topk` the choice is group-limited (`group_limited_topk`); with
+    `expert_bias` (sigmoid only) the experts are chosen by score + bias while the weights stay the scores."""
+    def choose(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if group_topk:
+            return group_limited_topk(scores, topk, num_groups, group_topk)
+        return torch.topk(scores, k=topk, dim=1)
+
     if score_function == "softmax":
         if pre_softmax:
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
-            probs, idx = torch.topk(scores, k=topk, dim=1)
+            probs, idx = choose(scores)
         else:
-            top, idx = torch.topk(logits, k=topk, dim=1)
+            top, idx = choose(logits)
             probs = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
     else:  # sigmoid
         scores = torch.sigmoid(logits.float()).type_as(logits)
-        probs, idx = torch.topk(scores, k=topk, dim=1)
+        if expert_bias is not None:
+            _, idx = choose(scores + expert_bias)
+            probs = torch.gather(scores, dim=1, index=idx).type_as(logits)
+        else:
+            probs, idx = choose(scores)
         if topk > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     if scaling_factor:
@@ -156,6 +183,44 @@ class TopKRouter(MegatronModule):
             config.init_method(weight)
         self.weight = torch.nn.Parameter(weight.to(config.params_dtype))
         self.weight.sequence_parallel = config.sequence_parallel  # grads summed over TP under SP
+        # aux-loss-free balancing: the bias fp32 and saved, the counts not saved (None without it, as Megatron-LM)
+        on = config.moe_router_enable_expert_bias
+        self.register_buffer("local_tokens_per_expert", torch.zeros(self.num_experts) if on else None,
+                             persistent=False)
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts) if on else None)
+
+    def _keep_fp32_expert_bias(self) -> None:
+        """The bias and counts stay fp32 under a bf16/fp16 wrapper (Megatron-LM core's
+        _maintain_float32_expert_bias): a low-precision bias would route differently after updates."""
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            buf = getattr(self, name)
+            if buf is not None and buf.dtype != torch.float32:
+                buf.data = buf.data.float()
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._keep_fp32_expert_bias()
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _save_to_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._keep_fp32_expert_bias()
+        super()._save_to_state_dict(*args, **kwargs)
+
+    def step_counts(self) -> Optional[torch.Tensor]:
+        """Tokens this rank routed to each expert since the last update (fp32 [E]); None without the expert bias
+        (the declaration megatron/core/step_updates.py looks for)."""
+        if self.expert_bias is None:
+            return None
+        self._keep_fp32_expert_bias()
+        return self.local_tokens_per_expert
+
+    def apply_step_update(self, global_counts: torch.Tensor) -> None:
+        """Megatron-LM core's get_updated_expert_bias from the counts summed over TP x CP x DP:
+        bias += rate * sign(mean(counts) - counts); the local counts restart from zero."""
+        with torch.no_grad():
+            mean = global_counts.sum(dim=-1, keepdim=True) / global_counts.shape[-1]
+            self.expert_bias.copy_(self.expert_bias + torch.sign(mean - global_counts)
+                                   * self.config.moe_router_bias_update_rate)
+            self.local_tokens_per_expert.zero_()
 
     def _aux_losses_active(self) -> bool:
         return self.training and torch.is_grad_enabled()
@@ -197,16 +262,21 @@ class TopKRouter(MegatronModule):
     def forward(self, x: torch.Tensor, seq_length: int, bsz: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, h] -> (probs [T, E], routing map [T, E] bool)."""
         cfg = self.config
+        self._keep_fp32_expert_bias()
         logits = self.apply_z_loss(self.gating(x))
         if cfg.moe_router_load_balancing_type == "sinkhorn":
             probs, routing_map = self._sinkhorn(logits)
         else:
             probs, routing_map = topk_routing(logits, self.topk, cfg.moe_router_pre_softmax,
-                                              cfg.moe_router_score_function, cfg.moe_router_topk_scaling_factor)
+                                              cfg.moe_router_score_function, cfg.moe_router_topk_scaling_factor,
+                                              cfg.moe_router_num_groups, cfg.moe_router_group_topk, self.expert_bias)
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = drop_over_capacity(probs, routing_map, self.topk, cfg.moe_expert_capacity_factor,
                                                     cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity)
         probs = self._load_balancing(probs, logits, seq_length, bsz)
+        if self.expert_bias is not None and torch.is_grad_enabled():  # training forwards only, as Megatron-LM
+            with torch.no_grad():
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map
 
     def _sinkhorn(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -441,6 +511,12 @@ class MoELayer(MegatronModule):
             out = out + self.shared_experts(hidden_states)[0]
         return out, None
 
+    def _no_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Zero output when no row reaches this rank's experts (an expert-parallel rank that group-limited routing or
+        the expert bias leaves idle): the expert weights still get (zero) grads, so every rank takes part in the
+        same grad reductions and norm as when rows arrive."""
+        return t * 0 + (self.experts.weight1.sum() + self.experts.weight2.sum()).to(t.dtype) * 0
+
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         """The columns [T, E] -> [T, L] of this rank's experts."""
         n = self.experts.num_experts
@@ -478,8 +554,8 @@ class MoELayer(MegatronModule):
         expert_of_recv = torch.repeat_interleave(torch.arange(n_local).repeat(ep), recv_counts.reshape(-1))
         per_expert = recv_counts.sum(dim=0)
         slots = int(per_expert.max()) if expert_of_recv.numel() else 0
-        if slots == 0:
-            out = tokens * 0
+        if slots == 0:  # the row probs too: their all-to-all's backward must run here as on the other ranks
+            out = self._no_rows(tokens) + row_probs.sum().to(tokens.dtype) * 0
         else:
             order = torch.argsort(expert_of_recv, stable=True)
             starts = torch.cumsum(per_expert, 0) - per_expert
@@ -504,8 +580,8 @@ class MoELayer(MegatronModule):
             slots = max(slots, int(counts.max()) if counts.numel() else 0)
         else:
             slots = int(counts.max()) if token_of_row.numel() else 0
-        if slots == 0:
-            return x * 0
+        if slots == 0:  # the probs too: under EP their gather's backward must run here as on the other ranks
+            return self._no_rows(x) + probs.sum().to(x.dtype) * 0
         row_probs = probs.t()[expert_of_row, token_of_row]
         out = self.experts.forward_tokens(x, row_probs, token_of_row, expert_of_row, slot_of_row, slots,
                                           cfg.moe_apply_probs_on_input)

@@ -22,8 +22,8 @@ def plain_value(value: Any) -> Any:
     """Python scalars only (the checkpoint loads weights-only)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, list) and all(isinstance(v, int) for v in value):
-        return list(value)  # --moe-layer-freq as a 0/1 pattern
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        return list(value)  # --moe-layer-freq as a 0/1 pattern, --window-size (W, R)
     return str(value)
 
 

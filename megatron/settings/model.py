@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, List, Optional, Union
 
 from megatron.enums import position_embedding_name
 from megatron.settings.declare import ConfigField, extra_flag, setting
+from megatron.settings.moe import moe_freq_type
 
 
 # How the config fields that are not plain copies of one setting are computed (from validated args: validate_args
@@ -29,6 +30,14 @@ def _padded_vocab_size(args: argparse.Namespace) -> Any:
 
 def _share_embeddings_and_output_weights(args: argparse.Namespace) -> Any:
     return not args.untie_embeddings_and_output_weights
+
+
+def window_size_type(text: str) -> tuple:
+    """--window-size "W,R" or "(W,R)" -> (W, R), Megatron-LM's tuple_type."""
+    try:
+        return tuple(int(x) for x in str(text).strip().strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window-size {text!r}: give two integers W,R such as 4095,0") from None
 
 
 # --use-checkpoint-args: the destinations a saved field value sets.
@@ -122,6 +131,31 @@ class NetworkSizeSettings:
     num_query_groups: Optional[int] = setting("--num-query-groups",
         help="Number of K/V head groups with --group-query-attention (default 1: multi-query).",
         config=ConfigField(compute=_num_query_groups, arch=16, kept=21, hint="--group-query-attention --num-query-groups"))
+    qk_layernorm: bool = setting("--qk-layernorm", default=False,
+        help="Per-head --normalization norm on the queries and keys before RoPE (Qwen3; Megatron Core's "
+             "q_layernorm / k_layernorm).", config=True, arch=56, kept=56)
+    # multi-latent attention (megatron/models/deepseek/mla.py), Megatron-LM's flags and defaults
+    multi_latent_attention: bool = setting("--multi-latent-attention", default=False,
+        help="Multi-latent attention (DeepSeek-V2/V3): low-rank query and key/value latents, RoPE on a decoupled "
+             "positional part of each head.", config=True, arch=57, kept=57)
+    q_lora_rank: Optional[int] = setting("--q-lora-rank",
+        help="Rank of the query latent with --multi-latent-attention (default none: one query projection).",
+        config=True, arch=58, kept=58)
+    kv_lora_rank: int = setting("--kv-lora-rank", default=32,
+        help="Rank of the key/value latent with --multi-latent-attention.", config=True, arch=59, kept=59)
+    qk_head_dim: int = setting("--qk-head-dim", default=128,
+        help="Per-head query/key channels without position with --multi-latent-attention.", config=True, arch=60, kept=60)
+    qk_pos_emb_head_dim: int = setting("--qk-pos-emb-head-dim", default=64,
+        help="Per-head query/key channels RoPE rotates with --multi-latent-attention.", config=True, arch=61, kept=61)
+    v_head_dim: int = setting("--v-head-dim", default=128,
+        help="Per-head value channels with --multi-latent-attention.", config=True, arch=62, kept=62)
+    window_size: Optional[tuple] = setting("--window-size", type=window_size_type,
+        help="Sliding-window attention W,R: each query attends the W keys before it and itself (R, the look-ahead, "
+             "is 0 for a causal decoder); not set: global attention.", config=True, arch=64, kept=64)
+    window_attn_skip_freq: Optional[Union[int, List[int]]] = setting("--window-attn-skip-freq", type=moe_freq_type,
+        help="With --window-size: every N-th layer attends globally (int N), or a 0/1 list pattern per layer such as "
+             "\"([1]*3+[0])*2\" (1 = sliding window); not set: every layer uses the window.", config=True, arch=65,
+        kept=65)
     add_bias_linear: bool = setting("--disable-bias-linear", default=True,
         help="No biases in the linear layers (QKV, attention output, MLP).", config=ConfigField(arch=9, kept=15,
         hint="--disable-bias-linear (or not)"))
@@ -158,7 +192,7 @@ class NetworkSizeSettings:
     mtp_num_layers: Optional[int] = setting("--mtp-num-layers",
         help="Multi-token prediction (DeepSeek-V3): D sequential MTP modules after the decoder on the last pipeline "
              "stage, the k-th predicting token i+k+1 (megatron/layers/mtp.py); None: none.", config=True,
-        families=("gpt",))
+        arch=63, kept=63, families=("gpt",))
     mtp_loss_scaling_factor: float = setting("--mtp-loss-scaling-factor", default=0.1,
         help="The mean of the D MTP losses times this factor is added to the LM loss (with --mtp-num-layers).",
         config=True, families=("gpt",))

@@ -88,17 +88,19 @@ class MoESettings:
     moe_router_topk: int = setting("--moe-router-topk", default=2, help="Experts per token.", config=True, arch=35, kept=33)
     moe_router_pre_softmax: bool = setting("--moe-router-pre-softmax", default=False,
         help="Softmax before the top-k selection (default: softmax over the k chosen logits).", config=True, arch=39, kept=37)
-    moe_router_num_groups: Optional[int] = setting("--moe-router-num-groups", help="Groups for group-limited routing.",
-        refused="(group-limited routing) is not implemented")
-    moe_router_group_topk: Optional[int] = setting("--moe-router-group-topk", help="Groups chosen per token.",
-        refused="(group-limited routing) is not implemented")
+    moe_router_num_groups: Optional[int] = setting("--moe-router-num-groups",
+        help="Group-limited routing: the experts in this many equal groups (DeepSeek's n_group; needs "
+             "--moe-router-group-topk).", config=True)
+    moe_router_group_topk: Optional[int] = setting("--moe-router-group-topk",
+        help="Groups each token may use, ranked by the sum of their top-(topk/group-topk) scores (DeepSeek's "
+             "topk_group).", config=True)
     moe_router_topk_scaling_factor: Optional[float] = setting("--moe-router-topk-scaling-factor",
         help="Scaling factor of the routing weights (with --moe-router-pre-softmax).", config=True, arch=41, kept=39)
     moe_router_enable_expert_bias: bool = setting("--moe-router-enable-expert-bias", default=False,
-        help="Aux-loss-free load balancing with a dynamic expert bias.",
-        refused="(aux-loss-free expert bias) is not implemented")
+        help="Aux-loss-free load balancing: experts chosen by sigmoid score + a per-expert bias (saved as "
+             "mlp.router.expert_bias) updated after every iteration.", config=True)
     moe_router_bias_update_rate: float = setting("--moe-router-bias-update-rate", default=0.001,
-        help="Expert bias update rate.", refused="(aux-loss-free expert bias) is not implemented")
+        help="Expert bias update rate: bias += rate * sign(mean tokens - tokens of the expert).", config=True)
     moe_router_force_load_balancing: bool = setting("--moe-router-force-load-balancing", default=False,
         help="Random logits for benchmarking.", refused="(random benchmark routing) is not implemented")
     moe_router_padding_for_fp8: bool = setting("--moe-router-padding-for-fp8", default=False,

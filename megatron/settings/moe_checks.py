@@ -127,3 +127,31 @@ def check_moe_values(args: argparse.Namespace) -> None:
     _finite("--moe-aux-loss-coeff", args.moe_aux_loss_coeff)
     _finite("--moe-z-loss-coeff", args.moe_z_loss_coeff)
     _finite("--moe-router-topk-scaling-factor", args.moe_router_topk_scaling_factor, low_ok=False)
+    _check_router_groups(args)
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
+        raise ArgumentError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as "
+                            "Megatron-LM)")
+    _finite("--moe-router-bias-update-rate", args.moe_router_bias_update_rate)
+
+
+def _check_router_groups(args: argparse.Namespace) -> None:
+    """Group-limited routing (--moe-router-num-groups / --moe-router-group-topk): Megatron-LM core's checks, and
+    the top-k within the chosen groups' experts (a smaller top-k scores every group 0; a larger one picks -inf)."""
+    groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
+    experts, topk = args.num_experts, args.moe_router_topk
+    if groups is not None and not group_topk:
+        raise ArgumentError("--moe-router-num-groups needs --moe-router-group-topk (the groups each token may use)")
+    if not group_topk:
+        return
+    if not groups:
+        raise ArgumentError("--moe-router-group-topk needs --moe-router-num-groups (as Megatron-LM)")
+    if groups < 1 or experts % groups:
+        raise ArgumentError(f"--moe-router-num-groups ({groups}) must divide --num-experts ({experts})")
+    if not 1 <= group_topk <= groups:
+        raise ArgumentError(f"--moe-router-group-topk ({group_topk}) must be between 1 and --moe-router-num-groups "
+                            f"({groups})")
+    if not group_topk <= topk <= group_topk * (experts // groups):
+        raise ArgumentError(f"--moe-router-topk ({topk}) must be between --moe-router-group-topk ({group_topk}) and "
+                            f"the experts of the chosen groups ({group_topk * (experts // groups)})")
+    if args.moe_router_load_balancing_type == "sinkhorn":
+        raise ArgumentError("--moe-router-group-topk does not apply to --moe-router-load-balancing-type sinkhorn")

@@ -19,6 +19,14 @@ FAMILIES = {
                                           intermediate_size=44, rope_theta=1e6, sliding_window=64)),
     "qwen2_qkv_bias": ("Qwen2Config", dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                            intermediate_size=36, rope_theta=1e6)),
+    # Qwen3: per-head q/k norms, head_dim 12 != 32 / 4; sliding windows (HF's S keys = --window-size S-1,0)
+    "qwen3_head_dim": ("Qwen3Config", dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                                           intermediate_size=36, rope_theta=1e6, rms_norm_eps=1e-6)),
+    "mistral_window8": ("MistralConfig", dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                              intermediate_size=44, rope_theta=1e6, sliding_window=8)),
+    "qwen3_window_layers": ("Qwen3Config", dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                                intermediate_size=36, use_sliding_window=True, sliding_window=5,
+                                                max_window_layers=1)),
 }
 VOCAB = 61
 MAX_POS = 64

@@ -1,4 +1,4 @@
-"""Mixtral and Qwen2-MoE parity with Hugging Face (fp32, tiny offline configs): the HF folder (safetensors, Hub
+"""Mixtral, Qwen2-MoE and Qwen3-MoE parity with Hugging Face (fp32, tiny offline configs): the HF folder (safetensors, Hub
 layout) read by the conversion loader gives a GPTModel whose logits and KV-cache greedy generation equal
 MixtralForCausalLM / Qwen2MoeForCausalLM's; writing it back with the HF saver gives the same tensors bitwise and
 a folder HF loads to the same logits."""
@@ -27,13 +27,17 @@ FAMILIES = {
     "qwen2moe_norm_topk": ("Qwen2MoeConfig", dict(
         intermediate_size=44, moe_intermediate_size=24, shared_expert_intermediate_size=36, num_experts=4,
         num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)),
+    # Qwen3-MoE: per-head q/k norms, head_dim 12 != 32 / 4, no shared expert, a dense layer, renormalised top-k
+    "qwen3moe_dense_layer": ("Qwen3MoeConfig", dict(
+        intermediate_size=44, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, head_dim=12,
+        mlp_only_layers=[1], norm_topk_prob=True, num_hidden_layers=4)),
 }
 PROMPTS = [[5, 17, 33], [9, 2, 60, 40, 3, 58, 12], [10, 1, 44, 7, 7]]
 
 
 def _hf(family: str, folder, seed: int = 0):
     cls_name, kw = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**COMMON, **kw, attn_implementation="eager")
+    config = getattr(transformers, cls_name)(**{**COMMON, **kw}, attn_implementation="eager")
     torch.manual_seed(seed)
     model = getattr(transformers, cls_name.replace("Config", "ForCausalLM"))(config).float().eval()
     with torch.no_grad():
@@ -82,14 +86,15 @@ def test_logits_and_greedy_generation_equal_hf(family, tmp_path):
         ours, theirs = model(ids, pos, mask), hf(input_ids=ids).logits
     assert theirs.abs().max() > 1.0
     assert (ours - theirs).abs().max().item() <= 1e-5
-    out = generate(model, None, PROMPTS, 8, greedy=True, eod_id=VOCAB - 1, use_eod_token_for_early_termination=False)
+    new = 32 if family.startswith("qwen3") else 8
+    out = generate(model, None, PROMPTS, new, greedy=True, eod_id=VOCAB - 1, use_eod_token_for_early_termination=False)
     for prompt, row in zip(PROMPTS, out["tokens"]):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
                           pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         assert row == ref[0].tolist()
 
 
-@pytest.mark.parametrize("family", ["mixtral_top2", "qwen2moe_shared_dense_layer"])
+@pytest.mark.parametrize("family", ["mixtral_top2", "qwen2moe_shared_dense_layer", "qwen3moe_dense_layer"])
 def test_hf_to_megatron_to_hf_round_trip_is_bitwise(family, tmp_path):
     hf = _hf(family, tmp_path / "hf", seed=4)
     meta, stream = read_hf(str(tmp_path / "hf"))
@@ -144,5 +149,30 @@ def test_convert_cli_hf_mixtral_to_megatron_ep2_tp2_and_back_is_bitwise(tmp_path
     load = safetensors_torch.load_file
     before, after = load(tmp_path / "hf" / "model.safetensors"), load(tmp_path / "out" / "model.safetensors")
     assert sorted(before) == sorted(after)
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
+@pytest.mark.parametrize("family,layout", [("qwen3moe_dense_layer", ("2", "2", "2")), ("qwen3_dense", ("2", "2", "1"))])
+def test_convert_cli_qwen3_tp2_pp2_and_back_is_bitwise(family, layout, tmp_path):
+    """HF Qwen3-MoE -> Megatron TP=2 x PP=2 x EP=2 -> HF, and dense Qwen3 (q/k norms replicated) at TP=2 x PP=2."""
+    if family == "qwen3_dense":
+        from tests.model.hf_llama_helpers import hf_model
+
+        hf_model("qwen3_head_dim", seed=7).save_pretrained(tmp_path / "hf")
+    else:
+        _hf(family, tmp_path / "hf", seed=7)
+    tp, pp, ep = layout
+    convert("--loader", "hf", "--saver", "megatron", "--load-dir", str(tmp_path / "hf"), "--save-dir",
+            str(tmp_path / "meg"), "--target-tensor-parallel-size", tp, "--target-pipeline-parallel-size", pp,
+            "--target-expert-parallel-size", ep)
+    shard = torch.load(sorted((tmp_path / "meg" / "release").glob("mp_rank_01_*"))[-1] / "model_optim_rng.pt",
+                       weights_only=False)
+    assert shard["architecture"]["qk_layernorm"] is True
+    convert("--loader", "megatron", "--saver", "hf", "--load-dir", str(tmp_path / "meg"), "--save-dir",
+            str(tmp_path / "out"))
+    load = safetensors_torch.load_file
+    before, after = load(tmp_path / "hf" / "model.safetensors"), load(tmp_path / "out" / "model.safetensors")
+    assert sorted(before) == sorted(after) and any("q_norm" in k for k in before)
     for key in before:
         assert torch.equal(before[key], after[key]), key

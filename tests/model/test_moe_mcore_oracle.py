@@ -1,7 +1,8 @@
 """Our MoE layer against NVIDIA megatron-core 0.16.1's MoELayer (the oracle, run in a subprocess) from the same
-weights: layer output, input/weight gradients, load-balancing loss and z-loss, for top-1/top-2, capacity dropping
-(probs and position policies, pad to capacity), pre-softmax and sigmoid routing, GeLU experts, a gated shared
-expert. The oracle runs on CPU with stand-ins for its CUDA-only calls (see ORACLE_SCRIPT)."""
+weights: layer output, input/weight gradients, load-balancing loss and z-loss, the router's probs and routing map,
+for top-1/top-2, capacity dropping (probs and position policies, pad to capacity), pre-softmax and sigmoid routing,
+GeLU experts, a gated shared expert, group-limited routing (softmax, pre-softmax, sigmoid) and the aux-loss-free
+expert bias with its values after 3 updates. The oracle runs on CPU with stand-ins for its CUDA-only calls (see ORACLE_SCRIPT)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import json
 import pytest
 import torch
 
-from megatron.core import aux_losses
+from megatron.core import aux_losses, step_updates
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.moe import MoELayer
 from tests.mcore_oracle import run_oracle
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.slow
 
 H, FFN, SEQ, BATCH = 32, 48, 16, 2
 BASE = dict(experts=4, topk=2, aux=0.01, z=1e-3, capacity=None, policy="probs", pad=False, pre_softmax=False,
-            score="softmax", scaling=None, shared=None, gate=False, lb="aux_loss", glu=True)
+            score="softmax", scaling=None, shared=None, gate=False, lb="aux_loss", glu=True, groups=None,
+            group_topk=None, bias=False)
 CASES = {
     "top2_swiglu": {},
     "top1_gelu": dict(topk=1, glu=False, pre_softmax=True),
@@ -27,7 +29,14 @@ CASES = {
     "top1_capacity_pad": dict(topk=1, capacity=1.0, pad=True, pre_softmax=True),
     "top2_shared_gate_presoftmax": dict(shared=40, gate=True, pre_softmax=True, scaling=2.0),
     "top2_sigmoid_seq_aux": dict(score="sigmoid", lb="seq_aux_loss", shared=40),
+    # DeepSeek-V3's router: sigmoid, group-limited, expert bias (and its update after 3 iterations), scaling
+    "top4_sigmoid_groups_bias_scaling": dict(experts=8, topk=4, score="sigmoid", groups=4, group_topk=2, bias=True,
+                                             scaling=2.5),
+    "top2_sigmoid_bias": dict(experts=8, score="sigmoid", bias=True, aux=0.0),
+    "top2_softmax_groups": dict(experts=8, groups=4, group_topk=2),
+    "top2_presoftmax_groups_scaling": dict(experts=8, groups=2, group_topk=1, pre_softmax=True, scaling=1.5),
 }
+RATE = 0.01  # --moe-router-bias-update-rate of the bias cases
 
 # Stand-ins: torch.cuda.current_device -> "cpu", the RNG tracker's fork -> no-op, te_general_gemm unset; the
 # allgather dispatcher; no linear bias. Runs every case in one process (importing megatron-core is slow).
@@ -68,6 +77,8 @@ for name, kw in cases.items():
         moe_router_score_function=kw["score"], moe_router_topk_scaling_factor=kw["scaling"],
         moe_shared_expert_intermediate_size=kw["shared"], moe_shared_expert_gate=kw["gate"],
         moe_router_load_balancing_type=kw["lb"], gated_linear_unit=kw["glu"],
+        moe_router_num_groups=kw["groups"], moe_router_group_topk=kw["group_topk"],
+        moe_router_enable_expert_bias=kw["bias"], moe_router_bias_update_rate=kw["rate"],
         activation_func=F.silu if kw["glu"] else F.gelu, add_bias_linear=False,
         moe_token_dispatcher_type="allgather", use_cpu_initialization=True, hidden_dropout=0.0,
         attention_dropout=0.0)
@@ -84,9 +95,13 @@ for name, kw in cases.items():
             layer.shared_experts.linear_fc2.weight.copy_(W["shared_fc2"])
             if kw["gate"]:
                 layer.shared_experts.gate_weight.copy_(W["gate"])
+        if kw["bias"]:
+            layer.router.expert_bias.copy_(W["bias"])
     x = W["x"].clone().requires_grad_(True)
     layer.train()
     layer.router.set_layer_number(1)
+    with torch.no_grad():  # the router alone (no grad: no token counting)
+        probs, routing_map = layer.router(W["x"])
     moe_utils.clear_aux_losses_tracker()
     out, _ = layer(x)
     (out * W["g"]).sum().backward()
@@ -101,6 +116,18 @@ for name, kw in cases.items():
     for key, value in moe_utils.get_moe_layer_wise_logging_tracker().items():
         if value["values"][0] != 0:  # the tracker keeps (zeroed) names of earlier cases
             res["loss_" + key] = value["values"][0].clone()
+    res["probs"], res["map"] = probs, routing_map.float()
+    if kw["bias"]:  # 3 iterations: the update after each (finalize_model_grads), then another training forward
+        from megatron.core.distributed.finalize_model_grads import (
+            _update_router_expert_bias, reset_model_temporary_tensors)
+        steps = []
+        for i in range(3):
+            _update_router_expert_bias([layer], cfg)
+            reset_model_temporary_tensors(cfg, [layer])
+            steps.append(layer.router.expert_bias.clone())
+            if i < 2:
+                layer(W["x"] * (i + 2))
+        res["bias_steps"] = torch.stack(steps)
     torch.save(res, name + "_out.pt")
 '''
 
@@ -111,6 +138,8 @@ def _weights(kw: dict, seed: int) -> dict:
     w = {"router": torch.randn(e, H, generator=g) * 0.3, "fc1": torch.randn(e, blocks * FFN, H, generator=g) * 0.1,
          "fc2": torch.randn(e, H, FFN, generator=g) * 0.1, "x": torch.randn(SEQ, BATCH, H, generator=g),
          "g": torch.randn(SEQ, BATCH, H, generator=g)}
+    if kw["bias"]:
+        w["bias"] = torch.randn(e, generator=g) * 0.05
     if kw["shared"]:
         w["shared_fc1"] = torch.randn(2 * kw["shared"], H, generator=g) * 0.1
         w["shared_fc2"] = torch.randn(H, kw["shared"], generator=g) * 0.1
@@ -127,7 +156,9 @@ def _ours(kw: dict, w: dict) -> dict:
         moe_pad_expert_input_to_capacity=kw["pad"], moe_router_pre_softmax=kw["pre_softmax"],
         moe_router_score_function=kw["score"], moe_router_topk_scaling_factor=kw["scaling"],
         moe_shared_expert_intermediate_size=kw["shared"], moe_shared_expert_gate=kw["gate"],
-        moe_router_load_balancing_type=kw["lb"])
+        moe_router_load_balancing_type=kw["lb"], moe_router_num_groups=kw["groups"],
+        moe_router_group_topk=kw["group_topk"], moe_router_enable_expert_bias=kw["bias"],
+        moe_router_bias_update_rate=kw["rate"])
     layer = MoELayer(config, layer_number=1)
     with torch.no_grad():
         layer.router.weight.copy_(w["router"])
@@ -138,6 +169,9 @@ def _ours(kw: dict, w: dict) -> dict:
             layer.shared_experts.dense_4h_to_h.weight.copy_(w["shared_fc2"])
             if kw["gate"]:
                 layer.shared_experts.gate_weight.copy_(w["gate"])
+        if kw["bias"]:
+            layer.router.expert_bias.copy_(w["bias"])
+        probs, routing_map = layer.router(w["x"].reshape(-1, H), SEQ, BATCH)
     aux_losses.clear()
     aux_losses.set_aux_loss_scale(1.0)
     x = w["x"].clone().requires_grad_(True)
@@ -152,11 +186,21 @@ def _ours(kw: dict, w: dict) -> dict:
     for key, values in aux_losses.tracked().items():
         res["loss_" + key] = values[0]
     aux_losses.clear()
+    res["probs"], res["map"] = probs, routing_map.float()
+    if kw["bias"]:
+        steps = []
+        for i in range(3):
+            step_updates.apply_step_updates([layer], groups=())
+            steps.append(layer.router.expert_bias.clone())
+            if i < 2:
+                layer(w["x"] * (i + 2))
+        aux_losses.clear()
+        res["bias_steps"] = torch.stack(steps)
     return res
 
 
 def test_moe_layer_equals_megatron_core(tmp_path):
-    cases = {name: {**BASE, **over, "hidden": H, "ffn": FFN} for name, over in CASES.items()}
+    cases = {name: {**BASE, **over, "hidden": H, "ffn": FFN, "rate": RATE} for name, over in CASES.items()}
     weights = {name: _weights(kw, seed) for seed, (name, kw) in enumerate(cases.items())}
     for name, w in weights.items():
         torch.save(w, tmp_path / f"{name}_in.pt")
@@ -169,5 +213,9 @@ def test_moe_layer_equals_megatron_core(tmp_path):
         for key in theirs:
             diff = (ours[key] - theirs[key]).abs().max().item()
             assert diff <= 1e-5, f"{name}: {key} differs from megatron-core by {diff}"
+        if kw["bias"]:  # each update moves an expert's bias by +-rate (0: exactly the mean count)
+            moved = (theirs["bias_steps"] - torch.cat([weights[name]["bias"][None], theirs["bias_steps"][:-1]])).abs()
+            assert (moved > 0).sum(dim=1).min() >= 4, name
+            assert ((moved - RATE).abs() < 1e-7).logical_or(moved == 0).all(), name
         if kw["capacity"] and not kw["pad"]:  # the case really drops tokens
             assert (theirs["out"] == 0).all(dim=-1).any() or kw["shared"], name

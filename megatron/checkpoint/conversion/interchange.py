@@ -107,6 +107,8 @@ def architecture_of(config: TransformerConfig) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for name in _KEPT_FIELDS:
         value = getattr(config, name)
+        if isinstance(value, tuple):
+            value = list(value)  # --window-size (W, R)
         out[name] = value if value is None or isinstance(value, (bool, int, float, str, list)) else str(value)
     if not config.group_query_attention:
         out["num_query_groups"] = None
@@ -147,6 +149,12 @@ def model_flags(meta: ModelMeta, tp: int = 1, pp: int = 1, vp_layers: Optional[i
             flags.append(config_flag(key))
     if a.get("num_moe_experts"):
         flags.append(_moe_flags(a))
+    if a.get("window_size"):
+        flags.append(f"{config_flag('window_size')} {','.join(str(int(x)) for x in a['window_size'])}")
+        if a.get("window_attn_skip_freq") is not None:
+            freq = a["window_attn_skip_freq"]
+            text = str(freq) if isinstance(freq, int) else "[" + ",".join(str(int(x)) for x in freq) + "]"
+            flags.append(f"{config_flag('window_attn_skip_freq')} {text}")
     flags.extend(_layout_flags(meta, tp, pp, vp_layers))
     tok = meta.tokenizer
     if tok.get("type"):
@@ -159,7 +167,7 @@ def model_flags(meta: ModelMeta, tp: int = 1, pp: int = 1, vp_layers: Optional[i
 
 # architecture switches model_flags passes when set (in this order), and the tokenizer files it names
 _SWITCHES = ("apply_layernorm_1p", "swiglu", "openai_gelu", "squared_relu", "apply_residual_connection_post_layernorm",
-             "add_qkv_bias", "embed_layernorm")
+             "add_qkv_bias", "embed_layernorm", "qk_layernorm")
 _TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model", "tokenizer_name_or_path")
 
 

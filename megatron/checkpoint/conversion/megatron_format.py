@@ -31,6 +31,8 @@ from megatron.checkpoint.conversion import optimizer_state as ostate
 from megatron.checkpoint.conversion.interchange import (
     EMBEDDINGS,
     FINAL_NORM,
+    MTP,
+    MTP_PREFIX,
     NO_ARGS_HINT,
     OUTPUT_LAYER,
     ConversionError,
@@ -62,10 +64,11 @@ OUT = LM + "output_layer.weight"
 HEAD_COPY = "word_embeddings.weight"
 TOKENTYPE = LM + "embedding.tokentype_embeddings.weight"
 # last-stage parts after the final norm: (flat name prefix, message name); the output layer, then each family's
-# declared head modules (BERT's pooler and heads: megatron/models/bert/checkpoint_layout.py)
-HEAD_PARTS = ((LM + "output_layer.", OUTPUT_LAYER),
+# declared head modules (BERT's pooler and heads: megatron/models/bert/checkpoint_layout.py); the multi-token-
+# prediction block (megatron/layers/mtp.py, any GPT model with --mtp-num-layers) is the model's, like the output layer
+HEAD_PARTS = ((LM + "output_layer.", OUTPUT_LAYER), (MTP_PREFIX, MTP),
               *((h.prefix, h.message) for layout in registry.LAYOUTS for h in layout.heads))
-NESTED_HEADS = tuple(h.prefix for layout in registry.LAYOUTS for h in layout.heads if h.nested)  # one level deep
+NESTED_HEADS = (MTP_PREFIX, *(h.prefix for layout in registry.LAYOUTS for h in layout.heads if h.nested))  # one level
 VOCAB_ROWS = (OUT, "lm_head.bias")  # tensors with one row per vocabulary entry besides the word embeddings
 _RANK_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?$")
 _LAYER_RE = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
@@ -764,8 +767,9 @@ class MegatronWriter:
                 emb_flat[LM + "embedding." + key] = emb[key]
                 opt_flat[LM + "embedding." + key] = emb_opt.get(key, {})
         tied = meta.architecture.get("share_embeddings_and_output_weights", True)
-        if tied and self.pp > 1:  # the last stage's copy of the tied embedding (word_embeddings_for_head); its
-            # gradient is all-reduced with the first stage's, so its optimizer state is the same
+        if (tied or meta.architecture.get("mtp_num_layers")) and self.pp > 1:  # the last stage's copy of the
+            # embedding (word_embeddings_for_head: the tied output layer's, the MTP block's input); its gradient is
+            # all-reduced with the first stage's, so its optimizer state is the same
             self._stage("head", last, {HEAD_COPY: emb_flat[WORD]}, {HEAD_COPY: opt_flat[WORD]})
         self._stage("embeddings", (0, 0), emb_flat, opt_flat)
         del word, emb, emb_flat, emb_opt, opt_flat, emb_msg

@@ -4,10 +4,13 @@
    --overlap-grad-reduce launched during backward and reduces the rest; all-reduce, or reduce-scatter with the
    distributed optimizer; `allreduce_gradients()` of other wrappers);
 2. with sequence parallelism, all-reduce over the TP group the grads of params marked `sequence_parallel`
-   (LayerNorm weights/biases whose inputs were split along the sequence);
+   (LayerNorm weights/biases whose inputs were split along the sequence), and always those marked
+   `tensor_parallel_partial_grad` (--qk-layernorm's norms: each TP rank normalises its own heads);
 3. with pipeline parallelism and tied embeddings (or multi-token prediction), all-reduce the word-embedding grad between the first and last
    stage over the embedding group (with an encoder-and-decoder split rank R the group is {first, R, last}, and the
-   position-embedding grads of stages 0 and R are summed too).
+   position-embedding grads of stages 0 and R are summed too);
+4. the per-iteration updates modules declare (megatron/core/step_updates.py: the MoE router's expert bias), their
+   counts summed over TP and the data-parallel-with-CP group, as Megatron-LM's _update_router_expert_bias.
 Grads are read from `param.main_grad` when the local DDP provides it, else `param.grad`.
 
 Steps 2 and 3 are sums, so they commute with the data-parallel average. With the distributed optimizer (only this
@@ -21,6 +24,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.step_updates import apply_step_updates
 from megatron.core.utils import flatten_dense_tensors, unflatten_dense_tensors
 from megatron.core.utils import unwrap_model as _unwrap
 
@@ -36,14 +40,18 @@ def _active(group) -> bool:
     return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module], tp_group) -> None:
-    """Sum grads of `sequence_parallel` params over the tensor-parallel group (one coalesced collective)."""
+def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module], tp_group,
+                                      sequence_parallel: bool = True) -> None:
+    """Sum grads of `sequence_parallel` params (when `sequence_parallel`) and of `tensor_parallel_partial_grad`
+    params over the tensor-parallel group (one coalesced collective)."""
     if not _active(tp_group):
         return
     grads: List[torch.Tensor] = []
     for chunk in model_chunks:
         for param in chunk.parameters():
-            if param.requires_grad and getattr(param, "sequence_parallel", False):
+            partial = getattr(param, "tensor_parallel_partial_grad", False) or (
+                sequence_parallel and getattr(param, "sequence_parallel", False))
+            if param.requires_grad and partial:
                 grad = _grad(param)
                 if grad is not None:
                     grads.append(grad.data)
@@ -116,7 +124,9 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], parallel_state
         reduce = getattr(chunk, "finish_grad_sync", None) or getattr(chunk, "allreduce_gradients", None)
         if reduce is not None:
             reduce()
-    if sequence_parallel and parallel_state is not None:
-        allreduce_sequence_parallel_grads(model_chunks, parallel_state.tp_group)
+    if parallel_state is not None:
+        allreduce_sequence_parallel_grads(model_chunks, parallel_state.tp_group, sequence_parallel)
     allreduce_embedding_grads(model_chunks, parallel_state)
     allreduce_position_embedding_grads(model_chunks, parallel_state)
+    groups = () if parallel_state is None else (parallel_state.tp_group, parallel_state.dp_cp_group)
+    apply_step_updates(model_chunks, groups)

@@ -6,7 +6,7 @@ DEEPSEEK_V3).
 Attention (MLA, Megatron Core's names): ``q_a_proj`` = ``linear_q_down_proj``, ``q_a_layernorm`` = ``q_layernorm``,
 ``q_b_proj`` = ``linear_q_up_proj`` (without q-lora ``q_proj`` = ``linear_q_proj``), ``kv_a_proj_with_mqa`` [latent;
 rope key] = ``linear_kv_down_proj``, ``kv_a_layernorm`` = ``kv_layernorm``, ``kv_b_proj`` [per head: nope key; value]
-= ``linear_kv_up_proj``, ``o_proj`` = ``dense`` (Core's ``linear_proj``); every tensor is taken as it is: HF's ``rope_interleave``
+= ``linear_kv_up_proj``, ``o_proj`` = ``linear_proj``; every tensor is taken as it is: HF's ``rope_interleave``
 (DeepSeek's interleaved rope dims) is the layout Megatron's MLA rotates. MLP: the first ``first_k_dense_replace``
 layers are dense (``intermediate_size``; --moe-layer-freq as a list), the others MoE: ``mlp.gate.weight`` =
 ``mlp.router.weight``, ``mlp.gate.e_score_correction_bias`` = ``mlp.router.expert_bias``, expert j's
@@ -52,7 +52,7 @@ ATTN = "self_attention."
 Q_DOWN, Q_UP, Q_PROJ = ATTN + "linear_q_down_proj.weight", ATTN + "linear_q_up_proj.weight", ATTN + "linear_q_proj.weight"
 Q_NORM, KV_NORM = ATTN + "q_layernorm.weight", ATTN + "kv_layernorm.weight"
 KV_DOWN, KV_UP = ATTN + "linear_kv_down_proj.weight", ATTN + "linear_kv_up_proj.weight"
-O_PROJ = ATTN + "dense.weight"  # Megatron Core's linear_proj; our attention output's legacy name
+O_PROJ = ATTN + "linear_proj.weight"
 IN_NORM, POST_NORM = "input_layernorm.weight", "post_attention_layernorm.weight"
 FC1, FC2 = "mlp.dense_h_to_4h.weight", "mlp.dense_4h_to_h.weight"
 ROUTER, EXPERT_BIAS = "mlp.router.weight", "mlp.router.expert_bias"

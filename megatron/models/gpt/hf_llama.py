@@ -1,11 +1,14 @@
-"""The Llama family (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`) <-> Megatron GPT: the weight and
-config mapping (TP=1 state dicts, reused by the checkpoint tools) and the Hugging Face adapter (registry line LLAMA).
+"""The Llama family (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`) <-> Megatron
+GPT: the weight and config mapping (TP=1 state dicts, reused by the checkpoint tools) and the Hugging Face adapter (registry line LLAMA).
 
 Megatron-LM's layouts: query_key_value is grouped per KV group ``[q of the group's heads; k; v]`` (HF q/k/v_proj need
 no RoPE permutation: both use the half-split convention), dense_h_to_4h is ``[gate_proj; up_proj]``, norms are RMSNorm
 weights, the output layer is untied (``output_layer.weight``), ``rope_theta`` is --rotary-base. The attention and
 norm halves of a layer (`layer_from_hf`, `layer_to_hf`) take the layer's MLP tensors as an argument, so the MoE
-members (hf_moe.py) reuse them with their experts.
+members (hf_moe.py) reuse them with their experts. Qwen3's per-head ``q_norm`` / ``k_norm`` are --qk-layernorm's
+``self_attention.q_layernorm`` / ``k_layernorm``. HF's ``sliding_window`` S (S keys: the query and S - 1 before it)
+is --window-size S-1,0; Qwen2/Qwen3's ``layer_types`` (from ``use_sliding_window`` / ``max_window_layers``) give
+--window-attn-skip-freq as a 0/1 list (Mistral: every layer).
 """
 from __future__ import annotations
 
@@ -40,7 +43,9 @@ from megatron.models.hf_common import ENC as _ENC
 from megatron.models.hf_common import LM as _LM
 from megatron.models.hf_common import encoder_layer_count, hf_config_class, hf_config_object, pad_rows
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+QK_NORMS = (("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+            ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"))
 _LLAMA_LAYER_MAP = [
     ("input_layernorm.weight", "input_layernorm.weight"),
     ("self_attention.dense.weight", "self_attn.o_proj.weight"),
@@ -93,7 +98,7 @@ def hf_llama_to_megatron_state_dict(hf_state_dict: Mapping[str, Any], config: Tr
                 sd[attn + "q_proj.bias"], sd[attn + "k_proj.bias"], sd[attn + "v_proj.bias"], nq, ng, hd)
         out[dst + "mlp.dense_h_to_4h.weight"] = torch.cat([sd[src + "mlp.gate_proj.weight"],
                                                           sd[src + "mlp.up_proj.weight"]], dim=0)
-        for m_name, h_name in _LLAMA_LAYER_MAP:
+        for m_name, h_name in _LLAMA_LAYER_MAP + ([*QK_NORMS] if config.qk_layernorm else []):
             out[dst + m_name] = sd[src + h_name]
     out[_ENC + "final_layernorm.weight"] = sd["model.norm.weight"]
     if not config.share_embeddings_and_output_weights:
@@ -127,7 +132,7 @@ def megatron_to_hf_llama_state_dict(state_dict: Mapping[str, Any], config: Trans
         gate, up = flat[src + "mlp.dense_h_to_4h.weight"].chunk(2, dim=0)
         out[dst + "mlp.gate_proj.weight"] = gate.contiguous()
         out[dst + "mlp.up_proj.weight"] = up.contiguous()
-        for m_name, h_name in _LLAMA_LAYER_MAP:
+        for m_name, h_name in _LLAMA_LAYER_MAP + ([*QK_NORMS] if config.qk_layernorm else []):
             out[dst + h_name] = flat[src + m_name]
     out["model.norm.weight"] = flat[_ENC + "final_layernorm.weight"]
     out["lm_head.weight"] = flat.get(_LM + "output_layer.weight", flat[need])[rows]
@@ -135,39 +140,75 @@ def megatron_to_hf_llama_state_dict(state_dict: Mapping[str, Any], config: Trans
 
 
 def megatron_config_from_hf_llama(hf_config: Any, **overrides: Any) -> TransformerConfig:
-    """A TransformerConfig for a HF LlamaConfig / MistralConfig / Qwen2Config (dropouts 0; `overrides` win).
-
-    Qwen2 (model_type "qwen2") gets the QKV bias. Mistral's sliding window is not modelled: it is refused when a
-    sequence could exceed it (`max_position_embeddings > sliding_window`), unless overridden.
-    """
+    """A TransformerConfig for a HF LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (dropouts 0;
+    `overrides` win): Qwen2 gets the QKV bias, Qwen3 --qk-layernorm (and its attention_bias), a sliding window
+    --window-size (`window_fields_from_hf`)."""
     model_type = getattr(hf_config, "model_type", "llama")
+    qwen3 = model_type.startswith("qwen3")
+    if (getattr(hf_config, "attention_bias", False) and not qwen3) or getattr(hf_config, "mlp_bias", False):
+        raise ValueError("Llama configs with attention_bias / mlp_bias are not supported")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf_config.hidden_act!r}: only SwiGLU (silu) Llama-family MLPs map to --swiglu")
+    kwargs = llama_config_fields(hf_config)
+    kwargs.update(add_qkv_bias=model_type == "qwen2" or (qwen3 and bool(getattr(hf_config, "attention_bias", False))),
+                  qk_layernorm=qwen3, **window_fields_from_hf(hf_config))
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def llama_config_fields(hf_config: Any) -> dict:
+    """The TransformerConfig fields every Llama-family member shares (sizes, RMSNorm, SwiGLU, RoPE, GQA, tying)."""
     heads = hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    scaling = rope_scaling_fields_from_hf(rope, hf_config.max_position_embeddings)
-    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-        raise ValueError("Llama configs with attention_bias / mlp_bias are not supported")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {hf_config.hidden_act!r}: only SwiGLU (silu) Llama-family MLPs map to --swiglu")
-    kwargs = dict(
+    return dict(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=heads,
         kv_channels=head_dim, ffn_hidden_size=hf_config.intermediate_size,
         max_position_embeddings=hf_config.max_position_embeddings, padded_vocab_size=hf_config.vocab_size,
         hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=hf_config.rms_norm_eps,
         normalization="RMSNorm", swiglu=True, position_embedding_type="rope", rotary_base=float(theta),
         group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
-        add_bias_linear=False, add_qkv_bias=model_type == "qwen2", bias_gelu_fusion=False,
-        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)), **scaling,
+        add_bias_linear=False, bias_gelu_fusion=False,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        **rope_scaling_fields_from_hf(rope, hf_config.max_position_embeddings),
     )
+
+
+def window_fields_from_hf(hf_config: Any) -> dict:
+    """window_size / window_attn_skip_freq of a HF config's sliding window: ``sliding_window`` S (None: global;
+    Qwen2/Qwen3 set it only with ``use_sliding_window``) on the layers ``layer_types`` names "sliding_attention"
+    (every layer when the config has no layer_types, as Mistral and Qwen3-MoE)."""
     window = getattr(hf_config, "sliding_window", None)
-    windowed = window is not None and getattr(hf_config, "use_sliding_window", None) is not False
-    if windowed and hf_config.max_position_embeddings > window and "max_position_embeddings" not in overrides:
-        raise ValueError(f"sliding_window {window} < max_position_embeddings {hf_config.max_position_embeddings}: "
-                         "sliding-window attention is not modelled; pass max_position_embeddings <= the window")
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    if window is None or getattr(hf_config, "use_sliding_window", None) is False:
+        return {}  # Qwen2-MoE keeps sliding_window 0 without use_sliding_window
+    if window < 1:
+        raise ValueError(f"sliding_window {window}: must be >= 1")
+    types = getattr(hf_config, "layer_types", None) if hf_config.model_type != "mistral" else None
+    pattern = [int(t == "sliding_attention") for t in types] if types else [1] * hf_config.num_hidden_layers
+    if not any(pattern):
+        return {}
+    return dict(window_size=(int(window) - 1, 0), window_attn_skip_freq=None if all(pattern) else pattern)
+
+
+def hf_window_kwargs(config: TransformerConfig, name: str) -> dict:
+    """The HF config keyword arguments of `config`'s sliding window for architecture `name`."""
+    if not config.window_size:
+        return {"sliding_window": None} if name in ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                                    "Qwen3MoeForCausalLM") else {}
+    window = config.window_size[0] + 1
+    pattern = [int(config.is_window_layer(i + 1)) for i in range(config.num_layers)]
+    if name == "MistralForCausalLM" or name == "Qwen3MoeForCausalLM":
+        if not all(pattern):
+            raise ValueError(f"{name} slides its window on every layer: --window-attn-skip-freq has no form there")
+        return {"sliding_window": window} if name == "MistralForCausalLM" else {"use_sliding_window": True,
+                                                                                "sliding_window": window}
+    if name in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return {"use_sliding_window": True, "sliding_window": window,
+                "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern]}
+    raise ValueError(f"{name} has no sliding-window attention (--window-size): export it as MistralForCausalLM, "
+                     "Qwen2ForCausalLM or Qwen3ForCausalLM")
 
 
 def rope_scaling_fields_from_hf(rope: Mapping[str, Any], max_position_embeddings: int) -> dict:
@@ -290,6 +331,9 @@ def layer_from_hf(t: Any, src: str, meta: ModelMeta,
     if attn + "q_proj.bias" in t:
         out["self_attention.query_key_value.bias"] = qkv_pack_groups(
             t.get(attn + "q_proj.bias"), t.get(attn + "k_proj.bias"), t.get(attn + "v_proj.bias"), nq, ng, hd)
+    if meta.architecture.get("qk_layernorm"):
+        for m_name, h_name in QK_NORMS:
+            out[m_name] = t.get(src + h_name)
     if mlp is None:
         out["mlp.dense_h_to_4h.weight"] = torch.cat([t.get(src + "mlp.gate_proj.weight"),
                                                      t.get(src + "mlp.up_proj.weight")], dim=0)
@@ -319,14 +363,30 @@ def _llama_stream(t: Any, meta: ModelMeta) -> Iterator[Message]:
     yield from stream_from_hf(t, meta, lambda i, src: None)
 
 
+def hf_llama_architecture(config: TransformerConfig) -> str:
+    """The HF architecture a Llama-family `config` exports as by default: Qwen3 with --qk-layernorm, Qwen2 with the
+    QKV bias or a window on some layers only, Mistral with a window on every layer, else Llama."""
+    if config.qk_layernorm:
+        return "Qwen3ForCausalLM"
+    if config.add_qkv_bias:
+        return "Qwen2ForCausalLM"
+    if config.window_size:
+        every = all(config.is_window_layer(i + 1) for i in range(config.num_layers))
+        return "MistralForCausalLM" if every else "Qwen2ForCausalLM"
+    return "LlamaForCausalLM"
+
+
 def _llama_config_to_hf(config: TransformerConfig, rows: int, arch_name: Optional[str]) -> Any:
     kwargs = hf_llama_config_kwargs(config, vocab_size=rows)
-    name = arch_name or ("Qwen2ForCausalLM" if config.add_qkv_bias else "LlamaForCausalLM")
-    if config.add_qkv_bias and name != "Qwen2ForCausalLM":
-        raise ValueError("a QKV bias (--add-qkv-bias) exists only in Qwen2ForCausalLM")
+    name = arch_name or hf_llama_architecture(config)
+    if config.qk_layernorm and name != "Qwen3ForCausalLM":
+        raise ValueError("per-head q/k norms (--qk-layernorm) exist only in Qwen3ForCausalLM")
+    if config.add_qkv_bias and name not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        raise ValueError("a QKV bias (--add-qkv-bias) exists only in Qwen2ForCausalLM (and Qwen3's attention_bias)")
+    if name == "Qwen3ForCausalLM":
+        kwargs["attention_bias"] = bool(config.add_qkv_bias)
+    kwargs.update(hf_window_kwargs(config, name))
     cls = hf_config_class(name.replace("ForCausalLM", "Config"))
-    if name == "MistralForCausalLM":
-        kwargs["sliding_window"] = None
     hf = cls(**kwargs)
     hf.architectures = [name]
     return hf
@@ -350,6 +410,9 @@ def layer_to_hf(add: AddTensor, dst: str, layer: Checked, meta: ModelMeta,
         add(dst + "self_attn.q_proj.bias", q)
         add(dst + "self_attn.k_proj.bias", k)
         add(dst + "self_attn.v_proj.bias", v)
+    if meta.architecture.get("qk_layernorm"):
+        for m_name, h_name in QK_NORMS:
+            add(dst + h_name, layer[m_name])
     if mlp is None:
         gate, up = layer["mlp.dense_h_to_4h.weight"].chunk(2, dim=0)
         add(dst + "mlp.gate_proj.weight", gate.contiguous())

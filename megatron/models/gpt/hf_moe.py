@@ -1,4 +1,5 @@
-"""The Llama family's mixture-of-experts members (`MixtralForCausalLM`, `Qwen2MoeForCausalLM`) <-> Megatron GPT: the
+"""The Llama family's mixture-of-experts members (`MixtralForCausalLM`, `Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM`)
+<-> Megatron GPT: the
 MoE MLPs between our layout and Hugging Face's Hub layout (safetensors on disk), and the Hugging Face adapter
 (registry line MOE).
 
@@ -9,8 +10,9 @@ MoE MLPs between our layout and Hugging Face's Hub layout (safetensors on disk),
 ``mlp.shared_expert.*`` (a SwiGLU MLP: ``mlp.shared_experts.dense_h_to_4h`` = [gate; up], ``dense_4h_to_h``) and
 ``mlp.shared_expert_gate.weight`` [1, h] = ``mlp.shared_experts.gate_weight``; routing is softmax then top-k
 (--moe-router-pre-softmax), renormalised only with ``norm_topk_prob``; ``decoder_sparse_step`` / ``mlp_only_layers``
-give --moe-layer-freq as a list; the QKV has a bias. Attention, norms and the dense layers map as for Llama
-(hf_llama.py).
+give --moe-layer-freq as a list; the QKV has a bias. `Qwen3MoeForCausalLM`: Qwen2-MoE's expert names and routing
+without a shared expert or a QKV bias (``attention_bias``), with Qwen3's per-head q/k norms (--qk-layernorm).
+Attention, norms and the dense layers map as for Llama (hf_llama.py).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from megatron.models.gpt.hf_llama import megatron_config_from_hf_llama
 from megatron.models.hf_adapter import HFAdapter
 from megatron.models.hf_common import hf_config_class
 
-MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
+MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 ROUTER, W1, W2 = "mlp.router.weight", "mlp.experts.weight1", "mlp.experts.weight2"
 SHARED_FC1, SHARED_FC2 = "mlp.shared_experts.dense_h_to_4h.weight", "mlp.shared_experts.dense_4h_to_h.weight"
 SHARED_GATE = "mlp.shared_experts.gate_weight"
@@ -53,9 +55,17 @@ def _qwen2_moe_fields(hf_config: Any) -> Dict[str, Any]:
     return moe
 
 
+def _qwen3_moe_fields(hf_config: Any) -> Dict[str, Any]:
+    """Qwen2-MoE's routing and layer pattern; no shared expert, the QKV bias is Qwen3's attention_bias."""
+    moe = _qwen2_moe_fields(hf_config)
+    moe["add_qkv_bias"] = bool(getattr(hf_config, "attention_bias", False))
+    return moe
+
+
 # HF config.model_type -> the MoE fields of its config (on top of the Llama ones)
 MOE_FIELDS: Dict[str, Callable[[Any], Dict[str, Any]]] = {"mixtral": _mixtral_fields,
-                                                          "qwen2_moe": _qwen2_moe_fields}
+                                                          "qwen2_moe": _qwen2_moe_fields,
+                                                          "qwen3_moe": _qwen3_moe_fields}
 
 
 def megatron_config_from_hf_moe(hf_config: Any, **overrides: Any) -> TransformerConfig:
@@ -69,7 +79,10 @@ def megatron_config_from_hf_moe(hf_config: Any, **overrides: Any) -> Transformer
 
 
 def hf_moe_arch(config: TransformerConfig) -> str:
-    """The HF architecture holding this MoE model: Qwen2-MoE for a shared expert or a QKV bias, else Mixtral."""
+    """The HF architecture holding this MoE model: Qwen3-MoE with --qk-layernorm, Qwen2-MoE for a shared expert or a
+    QKV bias, else Mixtral."""
+    if config.qk_layernorm:
+        return "Qwen3MoeForCausalLM"
     if config.moe_shared_expert_intermediate_size or config.add_qkv_bias or config.moe_router_pre_softmax:
         return "Qwen2MoeForCausalLM"
     return "MixtralForCausalLM"
@@ -86,12 +99,19 @@ def hf_moe_config_kwargs(config: TransformerConfig, arch: str) -> Dict[str, Any]
             raise ValueError("Mixtral has MoE in every layer, no shared expert, top-k then softmax routing")
         return dict(num_local_experts=config.num_moe_experts, num_experts_per_tok=config.moe_router_topk,
                     intermediate_size=config.moe_ffn_hidden_size)
+    pattern = config.moe_layer_pattern
+    if arch == "Qwen3MoeForCausalLM":
+        if config.moe_shared_expert_intermediate_size or not config.qk_layernorm:
+            raise ValueError("Qwen3-MoE has per-head q/k norms (--qk-layernorm) and no shared expert")
+        return dict(num_experts=config.num_moe_experts, num_experts_per_tok=config.moe_router_topk,
+                    moe_intermediate_size=config.moe_ffn_hidden_size, norm_topk_prob=not config.moe_router_pre_softmax,
+                    decoder_sparse_step=1, mlp_only_layers=[i for i, v in enumerate(pattern) if not v],
+                    attention_bias=config.add_qkv_bias, **hf_llama.hf_window_kwargs(config, arch))
     if arch != "Qwen2MoeForCausalLM":
         raise ValueError(f"{arch} is not a supported MoE architecture ({', '.join(MOE_ARCHS)})")
     shared = config.moe_shared_expert_intermediate_size or 0
     if shared and not config.moe_shared_expert_gate:
         raise ValueError("Qwen2-MoE's shared expert is gated: the model needs --moe-shared-expert-gate")
-    pattern = config.moe_layer_pattern
     return dict(num_experts=config.num_moe_experts, num_experts_per_tok=config.moe_router_topk,
                 moe_intermediate_size=config.moe_ffn_hidden_size, shared_expert_intermediate_size=shared,
                 norm_topk_prob=not config.moe_router_pre_softmax, decoder_sparse_step=1,
