@@ -17,6 +17,13 @@ counted (as in Megatron-LM).
 
 Multi-token prediction (--mtp-num-layers D, `mtp_flops`) adds, as Megatron-LM counts it, D transformer layers, D more
 logits and per depth its norms and eh_proj, 6·B·s·(3h + 2h²).
+
+Multi-latent attention (``config.multi_latent_attention``) replaces the attention term by Megatron-LM core 0.16's MLA
+count (`mla_attention_macs`) per token and layer: the q latent and up projection, or the plain q projection without
+q-lora, r_q·(h + n·(d_qk + d_pe) + 1) | h·n·(d_qk + d_pe); the kv latent and up projection r_kv·(h + n·(d_qk + d_v) + 1)
+plus the rope key h·d_pe; the output projection n·d_v·h; the two attention matmuls s·n·(d_qk + d_pe) + s·n·d_v,
+counted over all s x s scores as this module counts every attention (Megatron-LM 0.16 halves them for the causal
+mask).
 """
 from __future__ import annotations
 
@@ -30,7 +37,10 @@ def transformer_and_logit_flops(config: TransformerConfig, batch_size: int, seq_
     g = config.num_query_groups or n
     q = config.kv_channels * n
     gated = 1.5 if config.gated_linear_unit else 1.0
-    per_h2 = (1.0 + g / n + s / h) * (q / h) + (config.ffn_hidden_size / h) * gated
+    if config.multi_latent_attention:
+        per_h2 = mla_attention_macs(config, s) / (2.0 * h * h) + (config.ffn_hidden_size / h) * gated
+    else:
+        per_h2 = (1.0 + g / n + s / h) * (q / h) + (config.ffn_hidden_size / h) * gated
     transformer = 12.0 * b * s * layers * h * h * per_h2
     logits = 6.0 * b * s * h * config.padded_vocab_size
     return transformer, logits
@@ -44,6 +54,18 @@ def mtp_flops(config: TransformerConfig, transformer: float, logits: float, batc
     depths, h = config.mtp_num_layers or 0, config.hidden_size
     norms_and_proj = 6.0 * batch_size * seq_length * depths * (3 * h + 2 * h * h)
     return transformer * depths / config.num_layers, logits * depths + norms_and_proj
+
+
+def mla_attention_macs(config: TransformerConfig, seq_length: int) -> float:
+    """Multiply-adds per token of one multi-latent-attention layer (see the module docstring)."""
+    h, n, s = config.hidden_size, config.num_attention_heads, seq_length
+    qk, pe, v = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
+    if config.q_lora_rank is None:
+        q_term = h * n * (qk + pe)
+    else:
+        q_term = config.q_lora_rank * (h + n * (qk + pe) + 1)
+    kv_term = config.kv_lora_rank * (h + n * (qk + v) + 1) + h * pe
+    return float(q_term + kv_term + n * v * h + s * n * (qk + pe) + s * n * v)
 
 
 def num_floating_point_operations(config: TransformerConfig, batch_size: int, seq_length: int) -> float:

@@ -12,7 +12,9 @@ Numbers are for the most loaded rank (the first pipeline stage, which also holds
   the active count takes top-k experts per MoE layer, as Megatron-LM's estimate does; the multi-token-prediction
   block (--mtp-num-layers D, on the last stage: `mtp_parameters`) holds per depth a layer of the decoder's last
   layer's kind, the TP-split eh_proj 2h x h and three norms (`mtp`: its share of the total), and with untied
-  embeddings under PP a copy of the word embeddings;
+  embeddings under PP a copy of the word embeddings; multi-latent attention
+  (`mla_parameters`) splits its up and output projections over TP and replicates its down projections and latent
+  norms;
 * bytes per parameter follow the distributed-optimizer table of the Megatron-LM README: replicated bytes (the
   model's params and grads) plus sharded bytes (fp32 main params/grads of mixed precision, optimizer state)
   divided by the data-parallel size under ``--use-distributed-optimizer``: fp32 16 vs 8 + 8/d; bf16 (or fp16
@@ -23,7 +25,7 @@ Numbers are for the most loaded rank (the first pipeline stage, which also holds
   per layer s·b·h·(4e + 2)/t_sp + e·s·b·(2q + 2k)/t + 2e·s·b·f/t + (2e + 1)·a·s²·b/t, where q = a·d is the query
   and k = g·d the key (and value) width (Q, K, V and the projection input), f the FFN width (doubled for SwiGLU:
   gate and up), t the TP size, t_sp = t with sequence parallelism (else 1); the last (attention-score) term is
-  dropped by selective recomputation. For e = 2, f = 4h, q = k = h, t = 1 this is the paper's
+  dropped by selective recomputation; with multi-latent attention q = a·(d_qk + d_pe) and 2k = q + a·d_v. For e = 2, f = 4h, q = k = h, t = 1 this is the paper's
   s·b·h·(34 + 5·a·s/h). Full recomputation keeps e·s·b·h/t_sp per
   checkpointed unit plus one unit recomputed at a time (block: the first n layers checkpointed, the others kept). The first pipeline stage holds min(PP, micro-batches)
   micro-batches in flight (times Megatron's interleaving penalty 1 + (p - 1)/(p·v)); with PP = 1 the output
@@ -91,6 +93,21 @@ def _mlp_weights(h: int, f: int, gated: bool) -> int:
     return h * (2 * f if gated else f) + f * h
 
 
+def mla_parameters(config: TransformerConfig) -> tuple[int, int]:
+    """(TP-split, replicated) parameters of one multi-latent attention: the q up projection (or the plain q
+    projection), the kv up projection and the output projection are split over heads; the down projections and the
+    latent norms (with --qk-layernorm) are on every rank."""
+    h, n = config.hidden_size, config.num_attention_heads
+    q_head, per_channel = config.qk_head_dim + config.qk_pos_emb_head_dim, _norm_parameters(config) // h
+    norms = int(config.qk_layernorm) * per_channel
+    rank = config.q_lora_rank
+    split = (h if rank is None else rank) * n * q_head
+    replicated = 0 if rank is None else h * rank + norms * rank
+    split += config.kv_lora_rank * n * (config.qk_head_dim + config.v_head_dim) + n * config.v_head_dim * h
+    replicated += h * (config.kv_lora_rank + config.qk_pos_emb_head_dim) + norms * config.kv_lora_rank
+    return split, replicated
+
+
 def _layer_parameters(config: TransformerConfig, moe: bool = False) -> LayerParameters:
     """One layer's parameters: attention, norms and a dense MLP or (`moe`) router + routed experts + shared expert
     (MoE layers have no linear biases: --num-experts needs --disable-bias-linear)."""
@@ -102,7 +119,10 @@ def _layer_parameters(config: TransformerConfig, moe: bool = False) -> LayerPara
     qkv_bias = int(config.add_bias_linear or config.add_qkv_bias)
     attention = (h * qkv + qkv_bias * qkv) + q * h  # qkv, dense weight
     norms = 2 * _norm_parameters(config)
-    if config.qk_layernorm:  # --qk-layernorm: a q and a k norm over one head's d channels (replicated)
+    if config.multi_latent_attention:  # its replicated down projections and latent norms count as norms do
+        attention, latent = mla_parameters(config)
+        norms += latent
+    elif config.qk_layernorm:  # --qk-layernorm: a q and a k norm over one head's d channels (replicated)
         norms += 2 * d * (1 if config.normalization == "RMSNorm" else 2)
     if not moe:
         f_in = 2 * f if gated else f
@@ -236,6 +256,9 @@ def _layer_activation_bytes(opts: MemorySettings, config: TransformerConfig, e: 
     a, t = config.num_attention_heads, opts.tensor_model_parallel_size
     q = config.kv_channels * a
     k = config.kv_channels * (config.num_query_groups or a)
+    if config.multi_latent_attention:  # the heads' expanded q/k (d_qk + d_pe) and values (d_v); latents are small
+        q = a * (config.qk_head_dim + config.qk_pos_emb_head_dim)
+        k = (q + a * config.v_head_dim) / 2
     t_sp = t if opts.sequence_parallel else 1
     total = s * b * h * (4 * e + 2) / t_sp + e * s * b * (2 * q + 2 * k) / t + 2 * e * s * b * f / t
     if cp > 1:

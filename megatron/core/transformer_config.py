@@ -343,6 +343,9 @@ class TransformerConfig(ModelParallelConfig):
         if self.position_embedding_type == "alibi":
             raise ValueError("--multi-latent-attention rotates its positional part itself: use --position-embedding-"
                              "type rope (or none), not alibi")
+        if self.use_flash_attn:
+            raise ValueError("--use-flash-attn does not apply to --multi-latent-attention (its q/k and v head dims "
+                             "differ; it runs torch scaled_dot_product_attention): drop --use-flash-attn")
 
     def _validate_mtp(self) -> None:
         if self.mtp_num_layers < 1:

@@ -10,6 +10,9 @@ from megatron.layers.mcore_names import core_to_ours, has_core_names
 WORD_EMBEDDINGS_FOR_HEAD_KEY = "word_embeddings_for_head"
 OUTPUT_COPY = "language_model.output_layer.weight"
 LANGUAGE_MODEL_KEY = "language_model"
+# saved buffers (no gradient, no optimizer state): the MoE router's aux-loss-free expert bias (megatron/layers/moe.py);
+# and Transformer Engine's _extra_state entries
+STATE_ONLY_SUFFIXES = ("mlp.router.expert_bias", "_extra_state")
 MTP_KEY = "mtp"  # the multi-token-prediction block of a last stage (megatron/layers/mtp.py), Megatron Core's name
 
 

@@ -39,6 +39,7 @@ LAYER_SUFFIXES = (
     ("pre_mlp_layernorm.", "post_attention_layernorm."),
     ("self_attention.linear_qkv.", "self_attention.query_key_value."),
     ("self_attention.linear_proj.", "self_attention.dense."),
+    ("self_attention.k_layernorm.", "self_attention.k_layernorm."),  # --qk-layernorm (q_layernorm: MLA's entry)
     ("mlp.linear_fc1.", "mlp.dense_h_to_4h."),
     ("mlp.linear_fc2.", "mlp.dense_4h_to_h."),
     ("mlp.router.weight", "mlp.router.weight"),

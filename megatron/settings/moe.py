@@ -90,15 +90,15 @@ class MoESettings:
         help="Softmax before the top-k selection (default: softmax over the k chosen logits).", config=True, arch=39, kept=37)
     moe_router_num_groups: Optional[int] = setting("--moe-router-num-groups",
         help="Group-limited routing: the experts in this many equal groups (DeepSeek's n_group; needs "
-             "--moe-router-group-topk).", config=True)
+             "--moe-router-group-topk).", config=True, arch=66, kept=66)
     moe_router_group_topk: Optional[int] = setting("--moe-router-group-topk",
         help="Groups each token may use, ranked by the sum of their top-(topk/group-topk) scores (DeepSeek's "
-             "topk_group).", config=True)
+             "topk_group).", config=True, arch=67, kept=67)
     moe_router_topk_scaling_factor: Optional[float] = setting("--moe-router-topk-scaling-factor",
         help="Scaling factor of the routing weights (with --moe-router-pre-softmax).", config=True, arch=41, kept=39)
     moe_router_enable_expert_bias: bool = setting("--moe-router-enable-expert-bias", default=False,
         help="Aux-loss-free load balancing: experts chosen by sigmoid score + a per-expert bias (saved as "
-             "mlp.router.expert_bias) updated after every iteration.", config=True)
+             "mlp.router.expert_bias) updated after every iteration.", config=True, arch=68, kept=68)
     moe_router_bias_update_rate: float = setting("--moe-router-bias-update-rate", default=0.001,
         help="Expert bias update rate: bias += rate * sign(mean tokens - tokens of the expert).", config=True)
     moe_router_force_load_balancing: bool = setting("--moe-router-force-load-balancing", default=False,

@@ -6,10 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron.arguments import parse_args, validate_args
+from megatron.flops import num_floating_point_operations
 from megatron.layers import InferenceParams
 from megatron.layers.mcore_names import core_to_ours, ours_to_core
 from megatron.models.deepseek.mla import MLASelfAttention
 from megatron.text_generation.generation import generate_tokens
+from megatron.theoretical_memory_usage import count_parameters, model_config
 from tests.model.helpers import VOCAB, batch, build_gpt, tiny_config
 
 MLA = dict(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm", position_embedding_type="rope",
@@ -61,11 +64,14 @@ def test_greedy_generation_with_the_latent_cache_equals_without():
     assert cached.tokens.size(1) == 16
 
 
-def test_selective_recompute_gives_the_same_loss_and_grads():
+@pytest.mark.parametrize("recompute", [dict(recompute_granularity="selective"),
+                                       dict(recompute_granularity="full", recompute_method="uniform",
+                                            recompute_num_layers=1)])
+def test_recompute_gives_the_same_loss_and_grads(recompute):
     ids, pos, mask, labels = batch()
     results = []
-    for recompute in (None, "selective"):
-        model = build_gpt(tiny_config(**MLA, recompute_granularity=recompute))
+    for extra in ({}, recompute):
+        model = build_gpt(tiny_config(**MLA, **extra))
         loss = model(ids, pos, mask, labels=labels).mean()
         loss.backward()
         results.append((loss.detach(), {k: p.grad for k, p in model.named_parameters()}))
@@ -80,6 +86,7 @@ def test_selective_recompute_gives_the_same_loss_and_grads():
     (dict(rope_type="rope", use_rope_scaling=True), "do not apply to --multi-latent-attention"),
     (dict(position_embedding_type="alibi"), "not alibi"),
     (dict(kv_lora_rank=0), "--kv-lora-rank must be >= 1"),
+    (dict(use_flash_attn=True), "drop --use-flash-attn"),
 ])
 def test_impossible_mla_configs_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -104,3 +111,31 @@ def test_core_names_round_trip_and_read_transformer_engine_spellings():
           .replace("kv_layernorm.weight", "linear_kv_up_proj.layer_norm_weight"): v for k, v in core.items()}
     back = core_to_ours(te)
     assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
+
+
+def _mla_args(*extra: str):
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--max-position-embeddings", "32", "--micro-batch-size", "1", "--vocab-size", "64", "--tokenizer-type",
+             "NullTokenizer", "--make-vocab-size-divisible-by", "1", "--multi-latent-attention", "--qk-layernorm",
+             "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
+             "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear",
+             *extra]
+    args = parse_args(args=flags)
+    args.world_size = 1
+    args = validate_args(args)
+    args.padded_vocab_size = 64
+    return args
+
+
+@pytest.mark.parametrize("extra", [("--q-lora-rank", "24"), ()])
+def test_parameter_report_and_flops_count_the_mla_model(extra):
+    args = _mla_args(*extra)
+    config = model_config(args)
+    model = build_gpt(config)
+    assert count_parameters(args).total == sum(p.numel() for p in model.parameters())
+    h, n, s, layers = 32, 4, 16, 2
+    q = (24 * (h + n * 12 + 1)) if extra else h * n * 12
+    attention = q + 16 * (h + n * (8 + 6) + 1) + h * 4 + n * 6 * h + s * n * 12 + s * n * 6
+    mlp = 2 * h * config.ffn_hidden_size * 1.5
+    expected = 6 * 3 * s * layers * (attention + mlp) + 6 * 3 * s * h * 64
+    assert num_floating_point_operations(config, 3, s) == pytest.approx(expected, rel=1e-12)

@@ -130,3 +130,20 @@ def test_window_flags_and_refusals():
         TransformerConfig(num_layers=2, window_size=(4, 0), window_attn_skip_freq=[1, 0, 1])
     cfg = TransformerConfig(num_layers=4, window_size=(4, 0), window_attn_skip_freq=2)
     assert [cfg.is_window_layer(i) for i in range(1, 5)] == [True, False, True, False]  # Megatron Core's rule
+
+
+def test_window_config_both_ways_for_each_architecture():
+    """Each HF architecture's sliding-window fields read back to the same --window-size / --window-attn-skip-freq
+    (Mixtral, Qwen3-MoE: every layer; Qwen2/Qwen3/Qwen2-MoE: layer_types); a per-layer pattern has no Mixtral form."""
+    every = TransformerConfig(num_layers=4, window_size=(7, 0))
+    some = TransformerConfig(num_layers=4, window_size=(7, 0), window_attn_skip_freq=2)
+    cases = [(every, "MistralConfig"), (every, "MixtralConfig"), (every, "Qwen3MoeConfig"), (some, "Qwen2Config"),
+             (some, "Qwen3Config"), (some, "Qwen2MoeConfig")]
+    for config, cls in cases:
+        name = cls.replace("Config", "ForCausalLM")
+        hf = getattr(transformers, cls)(num_hidden_layers=4, **hf_window_kwargs(config, name))
+        assert window_fields_from_hf(hf) == {"window_size": (7, 0),
+                                             "window_attn_skip_freq": None if config is every else [1, 0, 1, 0]}, cls
+    with pytest.raises(ValueError, match="MixtralForCausalLM slides its window on every layer"):
+        hf_window_kwargs(some, "MixtralForCausalLM")
+    assert hf_window_kwargs(TransformerConfig(num_layers=2), "MistralForCausalLM") == {"sliding_window": None}

@@ -246,6 +246,11 @@ def _moe_flags(a: Dict[str, Any]) -> str:
             flags.append(f"{config_flag(key)} {a[key]}")
     if a.get("moe_aux_loss_coeff"):
         flags.append(f"{config_flag('moe_aux_loss_coeff')} {a['moe_aux_loss_coeff']}")
+    if a.get("moe_router_group_topk"):
+        flags.append(f"{config_flag('moe_router_num_groups')} {a['moe_router_num_groups']} "
+                     f"{config_flag('moe_router_group_topk')} {a['moe_router_group_topk']}")
+    if a.get("moe_router_enable_expert_bias"):
+        flags.append(config_flag("moe_router_enable_expert_bias"))
     return " ".join(flags)
 
 

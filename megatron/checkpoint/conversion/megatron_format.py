@@ -47,7 +47,7 @@ from megatron.checkpoint.conversion.qkv_versions import fix_qkv_ordering
 from megatron.checkpoint.conversion.vocab import repad_rows, target_rows
 from megatron.checkpoint.safe_load import CheckpointFileError, UnsafeCheckpointError, safe_torch_load
 from megatron.core.tensor_parallel.layout import REPLICATED, TensorParallelLayout, get_tp_layout
-from megatron.layers.checkpoint_keys import flatten_checkpoint_state_dict
+from megatron.layers.checkpoint_keys import STATE_ONLY_SUFFIXES, flatten_checkpoint_state_dict
 from megatron.layers.tp_shards import tensor_parallel_layouts
 from megatron.models import registry
 from megatron.run_configs.saved_args import SavedRunArgs
@@ -822,7 +822,7 @@ class MegatronWriter:
             self.parts[(t, p, v)].update(self._spill(f"{tag}_{t}", shard))
         if not self.with_optimizer:
             return
-        missing = [name for name in tensors if not (opt or {}).get(name) and not name.endswith("_extra_state")]
+        missing = [name for name in tensors if not (opt or {}).get(name) and not name.endswith(STATE_ONLY_SUFFIXES)]
         if missing:
             raise ConversionError(f"the loader sent no optimizer state for {missing[0]}; pass --no-save-optim to "
                                   "convert the weights only")
