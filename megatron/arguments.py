@@ -297,6 +297,10 @@ def _validate_deepspeed(args: argparse.Namespace, deepspeed_step: Optional[DeepS
             _require(not getattr(args, attr, None), f"{flag} needs --deepspeed")
         args.zero_stage = None
         return
+    _require(not (getattr(args, "qk_layernorm", False) and not getattr(args, "multi_latent_attention", False)
+                  and args.tensor_model_parallel_size > 1),
+             "--qk-layernorm with --deepspeed runs at --tensor-model-parallel-size 1 (the per-head q/k norm grads are "
+             "summed over TP by Megatron's backend only): drop --deepspeed or use TP 1")
     # The config, ZeRO stage, --clip-grad, --fp16/--bf16 as the config settles them.
     for name, value in (deepspeed_step or deepspeed_settled_values)(args).items():
         setattr(args, name, value)

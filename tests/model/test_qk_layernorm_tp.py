@@ -51,3 +51,25 @@ def test_qk_norm_grads_are_summed_over_tensor_parallel_ranks() -> None:
             assert r["names"] == 4  # q and k norms of 2 layers
             assert r["partial_differs"] > 1e-4, (sp, r)  # one rank's heads alone give another gradient
             assert r["summed_error"] <= 1e-5, (sp, r)
+
+
+def test_deepspeed_with_tensor_parallel_qk_layernorm_is_refused_in_one_line() -> None:
+    """DeepSpeed's engine does not sum the partial q/k norm grads over TP: refused at start-up (TP 1 is accepted)."""
+    import pytest
+
+    from megatron.arguments import parse_args, validated_args
+    from megatron.errors import MegatronUserError
+
+    def provider(parser):
+        parser.add_argument_group(title="DeepSpeed").add_argument("--deepspeed", action="store_true")
+        return parser
+
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 64 "
+            "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --qk-layernorm --deepspeed")
+    args = parse_args(provider, args=(base + " --tensor-model-parallel-size 2").split())
+    args.world_size = 2
+    with pytest.raises(MegatronUserError, match=r"^--qk-layernorm with --deepspeed runs at --tensor-model-parallel-size 1"):
+        validated_args(args, deepspeed_step=lambda a: {})
+    args = parse_args(provider, args=base.split())
+    args.world_size = 1
+    assert validated_args(args, deepspeed_step=lambda a: {}).qk_layernorm

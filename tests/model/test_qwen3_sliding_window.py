@@ -128,6 +128,9 @@ def test_window_flags_and_refusals():
         TransformerConfig(num_layers=2, window_size=(4, 2))
     with pytest.raises(ValueError, match="lists 3 layers but --num-layers is 2"):
         TransformerConfig(num_layers=2, window_size=(4, 0), window_attn_skip_freq=[1, 0, 1])
+    with pytest.raises(ValueError, match="--multi-latent-attention has no sliding window here"):
+        TransformerConfig(num_layers=2, window_size=(4, 0), multi_latent_attention=True, qk_layernorm=True,
+                          normalization="RMSNorm", position_embedding_type="rope")
     cfg = TransformerConfig(num_layers=4, window_size=(4, 0), window_attn_skip_freq=2)
     assert [cfg.is_window_layer(i) for i in range(1, 5)] == [True, False, True, False]  # Megatron Core's rule
 
