@@ -33,9 +33,9 @@ def _share_embeddings_and_output_weights(args: argparse.Namespace) -> Any:
 
 
 def window_size_type(text: str) -> tuple:
-    """--window-size "W,R" or "(W,R)" -> (W, R), Megatron-LM's tuple_type."""
+    """--window-size "W,R" or "(W,R)" -> (W, R), Megatron-LM's tuple_type ("[W,R]", a checkpoint's record, too)."""
     try:
-        return tuple(int(x) for x in str(text).strip().strip("()").split(","))
+        return tuple(int(x) for x in str(text).strip().strip("()[]").split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--window-size {text!r}: give two integers W,R such as 4095,0") from None
 
