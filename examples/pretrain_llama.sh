@@ -15,7 +15,7 @@ source "$(dirname "$0")/common.sh"
 detect_gpu llama_tiny "(4 layers, hidden 128, runs on this CPU)"
 : "${PRESET:=llama2_7b}"
 PRESET_FILE="$EXAMPLES_DIR/presets/${PRESET}.sh"
-case "$PRESET" in llama*|mistral*|mixtral*|qwen3*) ;; *) PRESET_FILE=/nonexistent ;; esac
+case "$PRESET" in llama*|mistral*|mixtral*|qwen3*|deepseek*|gpt_oss*) ;; *) PRESET_FILE=/nonexistent ;; esac
 load_preset "$PRESET_FILE" "$(cd "$EXAMPLES_DIR/presets" && ls llama*.sh mistral*.sh | sed 's/\.sh//' | tr '\n' ' ')"
 : "${DATA_PATH:=my-llama_text_document}"
 : "${TOKENIZER_TYPE:=Llama2Tokenizer}"

@@ -140,6 +140,7 @@ def validated_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] 
     _validate_batch(args)
     _validate_deepspeed(args, deepspeed_step)
     _validate_precision(args)
+    _validate_muon(args)
     _validate_training_length(args, training_run)
     _validate_model_shape(args)
     _validate_architecture(args)
@@ -297,6 +298,10 @@ def _validate_deepspeed(args: argparse.Namespace, deepspeed_step: Optional[DeepS
             _require(not getattr(args, attr, None), f"{flag} needs --deepspeed")
         args.zero_stage = None
         return
+    _require(not (getattr(args, "qk_layernorm", False) and not getattr(args, "multi_latent_attention", False)
+                  and args.tensor_model_parallel_size > 1),
+             "--qk-layernorm with --deepspeed runs at --tensor-model-parallel-size 1 (the per-head q/k norm grads are "
+             "summed over TP by Megatron's backend only): drop --deepspeed or use TP 1")
     # The config, ZeRO stage, --clip-grad, --fp16/--bf16 as the config settles them.
     for name, value in (deepspeed_step or deepspeed_settled_values)(args).items():
         setattr(args, name, value)
@@ -307,6 +312,22 @@ def _validate_deepspeed(args: argparse.Namespace, deepspeed_step: Optional[DeepS
     if getattr(args, "no_save_optim", False):
         _print0(args, "notice: with --deepspeed, --no-save-optim leaves out only the LR scheduler state: DeepSpeed "
                       "always writes its optimizer (ZeRO) state files")
+
+
+def _validate_muon(args: argparse.Namespace) -> None:
+    """--optimizer muon's combinations Megatron-LM core 0.16.1 refuses (and dist_muon, not built here)."""
+    if getattr(args, "optimizer", "adam") not in ("muon", "dist_muon"):
+        return
+    _require(args.optimizer == "muon", "--optimizer dist_muon (Megatron-LM's layer-wise distributed Muon) is not "
+             "implemented here; use --optimizer muon without --use-distributed-optimizer")
+    _require(not args.use_distributed_optimizer, "--optimizer muon does not work with --use-distributed-optimizer "
+             "(as in Megatron-LM core 0.16.1: Muon orthogonalises whole matrices); drop --use-distributed-optimizer")
+    _require(getattr(args, "ckpt_format", "torch") == "torch", "--optimizer muon saves its state in the legacy "
+             "format only for now (torch_dist writes Adam's model-space state); use --ckpt-format torch")
+    _require(args.muon_fp32_matmul_prec != "low", "--muon-fp32-matmul-prec low: torch has no such float32 matmul "
+             "precision; use medium (bf16 Newton-Schulz, the default) or high (fp32)")
+    _require(args.muon_num_ns_steps >= 5 and args.muon_num_ns_steps % 5 == 0, f"--muon-num-ns-steps "
+             f"{args.muon_num_ns_steps} must be a multiple of 5 (the quintic coefficient schedule's length)")
 
 
 def _validate_precision(args: argparse.Namespace) -> None:

@@ -292,6 +292,163 @@ _PRESETS = (
                   "LR_WARMUP_ITERS": "500"},
     ),
     Preset(
+        "deepseek_v3_tiny", "llama",
+        about=("A tiny DeepSeek-V3-style model that trains on a CPU: 4 layers (the first dense), hidden 128, 4 heads of "
+               "multi-latent",
+               "attention (q-lora 64, kv-lora 32, head 32 + rope 16, value 32, YaRN x4 over 64 positions), 8 SwiGLU "
+               "experts (ffn 64)",
+               "in 4 groups, top-2 from 2 groups, sigmoid scores with the aux-loss-free expert bias, weights x 2.5, "
+               "one shared",
+               "expert, one multi-token-prediction layer, RMSNorm, untied output, seq 256. Sourced by "
+               "examples/pretrain_deepseek.sh;",
+               "sets LLAMA_MODEL_ARGS and defaults."),
+        model_args=("--num-layers 4 --hidden-size 128 --num-attention-heads 4 --ffn-hidden-size 256",
+                    "--seq-length $SEQ_LENGTH --max-position-embeddings 256",
+                    "--multi-latent-attention --qk-layernorm --q-lora-rank 64 --kv-lora-rank 32 --qk-head-dim 32 "
+                    "--qk-pos-emb-head-dim 16 --v-head-dim 32",
+                    "--position-embedding-type rope --rope-type yarn --rotary-base 10000 --rotary-scaling-factor 4 "
+                    "--mscale 1.0 --mscale-all-dim 1.0 --yarn-original-max-position-embeddings 64",
+                    "--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights "
+                    "--disable-bias-linear --hidden-dropout 0.0 --attention-dropout 0.0",
+                    "--num-experts 8 --moe-layer-freq ([0]+[1]*3) --moe-ffn-hidden-size 64 "
+                    "--moe-shared-expert-intermediate-size 64 --moe-router-topk 2",
+                    "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 4 "
+                    "--moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5",
+                    "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4 --moe-router-dtype fp32",
+                    "--mtp-num-layers 1 --mtp-loss-scaling-factor 0.1"),
+        seq_length=256,
+        defaults={"MICRO_BATCH_SIZE": "4", "GLOBAL_BATCH_SIZE": "8", "LR": "6.0e-4", "MIN_LR": "6.0e-5",
+                  "LR_WARMUP_ITERS": "10"},
+    ),
+    Preset(
+        "deepseek_v2_lite", "llama",
+        about=("DeepSeek-V2-Lite: 27 layers (the first dense, ffn 10944), hidden 2048, 16 heads of multi-latent "
+               "attention without",
+               "q-lora (kv-lora 512, head 128 + rope 64, value 128), YaRN x40 over 4096 positions (mscale 0.707), 64 "
+               "SwiGLU experts",
+               "(ffn 1408) with 2 shared, top-6 of the softmax over all experts (not renormalised), aux loss 1e-3, "
+               "RMSNorm (eps",
+               "1e-6), untied output. 15.7B params (2.4B active) with its 102,400-token vocab. Sourced by "
+               "examples/pretrain_deepseek.sh;",
+               "sets LLAMA_MODEL_ARGS and defaults."),
+        model_args=("--num-layers 27 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 10944",
+                    "--seq-length $SEQ_LENGTH --max-position-embeddings 163840",
+                    "--multi-latent-attention --qk-layernorm --kv-lora-rank 512 --qk-head-dim 128 "
+                    "--qk-pos-emb-head-dim 64 --v-head-dim 128",
+                    "--position-embedding-type rope --rope-type yarn --rotary-base 10000 --rotary-scaling-factor 40 "
+                    "--mscale 0.707 --mscale-all-dim 0.707 --yarn-original-max-position-embeddings 4096",
+                    "--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights "
+                    "--disable-bias-linear --hidden-dropout 0.0 --attention-dropout 0.0",
+                    "--num-experts 64 --moe-layer-freq ([0]+[1]*26) --moe-ffn-hidden-size 1408 "
+                    "--moe-shared-expert-intermediate-size 2816 --moe-router-topk 6",
+                    "--moe-router-pre-softmax --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3 "
+                    "--moe-router-dtype fp32",
+                    "--moe-grouped-gemm --moe-token-dispatcher-type alltoall"),
+        seq_length=4096,
+        defaults={"MICRO_BATCH_SIZE": "1", "GLOBAL_BATCH_SIZE": "256", "LR": "4.2e-4", "MIN_LR": "4.2e-5",
+                  "LR_WARMUP_ITERS": "2000"},
+    ),
+    Preset(
+        "deepseek_v3_671b", "llama",
+        about=("DeepSeek-V3 671B: 61 layers (the first 3 dense, ffn 18432), hidden 7168, 128 heads of multi-latent "
+               "attention",
+               "(q-lora 1536, kv-lora 512, head 128 + rope 64, value 128), YaRN x40 over 4096 positions, 256 SwiGLU "
+               "experts (ffn 2048)",
+               "in 8 groups, top-8 from 4 groups, sigmoid scores with the aux-loss-free expert bias (rate 1e-3), "
+               "weights x 2.5, one",
+               "shared expert, sequence aux loss 1e-4, one multi-token-prediction layer (loss x 0.1), RMSNorm (eps "
+               "1e-6), untied",
+               "output. 671B params (37B active) with its 129,280-token vocab, the MTP layer besides. Sourced by "
+               "examples/pretrain_deepseek.sh;",
+               "sets LLAMA_MODEL_ARGS and defaults."),
+        model_args=("--num-layers 61 --hidden-size 7168 --num-attention-heads 128 --ffn-hidden-size 18432",
+                    "--seq-length $SEQ_LENGTH --max-position-embeddings 163840",
+                    "--multi-latent-attention --qk-layernorm --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 "
+                    "--qk-pos-emb-head-dim 64 --v-head-dim 128",
+                    "--position-embedding-type rope --rope-type yarn --rotary-base 10000 --rotary-scaling-factor 40 "
+                    "--mscale 1.0 --mscale-all-dim 1.0 --yarn-original-max-position-embeddings 4096",
+                    "--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights "
+                    "--disable-bias-linear --hidden-dropout 0.0 --attention-dropout 0.0",
+                    "--num-experts 256 --moe-layer-freq ([0]*3+[1]*58) --moe-ffn-hidden-size 2048 "
+                    "--moe-shared-expert-intermediate-size 2048 --moe-router-topk 8",
+                    "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                    "--moe-router-bias-update-rate 1e-3 --moe-router-num-groups 8 --moe-router-group-topk 4 "
+                    "--moe-router-topk-scaling-factor 2.5",
+                    "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4 --moe-router-dtype fp32",
+                    "--mtp-num-layers 1 --mtp-loss-scaling-factor 0.1",
+                    "--moe-grouped-gemm --moe-token-dispatcher-type alltoall"),
+        seq_length=4096,
+        defaults={"MICRO_BATCH_SIZE": "1", "GLOBAL_BATCH_SIZE": "15360", "LR": "2.2e-4", "MIN_LR": "2.2e-5",
+                  "LR_WARMUP_ITERS": "2000"},
+    ),
+    Preset(
+        "gpt_oss_tiny", "llama",
+        about=("A tiny GPT-OSS-style model that trains on a CPU: 4 layers, hidden 128, 4 heads with 2 K/V groups, "
+               "attention sinks,",
+               "linear biases everywhere, 8 experts (ffn 128) with the clamped quick-GeGLU, top-2, RMSNorm, RoPE, "
+               "untied output, seq 256.",
+               "Sourced by examples/pretrain_gpt_oss.sh; sets LLAMA_MODEL_ARGS and defaults."),
+        model_args=("--num-layers 4 --hidden-size 128 --num-attention-heads 4 --kv-channels 32 --ffn-hidden-size 128",
+                    "--group-query-attention --num-query-groups 2 --seq-length $SEQ_LENGTH "
+                    "--max-position-embeddings 256",
+                    "--normalization RMSNorm --norm-epsilon 1e-5 --position-embedding-type rope --rotary-base 150000",
+                    "--untie-embeddings-and-output-weights --hidden-dropout 0.0 --attention-dropout 0.0",
+                    "--softmax-type learnable --quick-geglu --glu-linear-offset 1.0 --activation-func-clamp-value 7.0",
+                    "--num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 1e-3"),
+        seq_length=256,
+        defaults={"MICRO_BATCH_SIZE": "4", "GLOBAL_BATCH_SIZE": "8", "LR": "6.0e-4", "MIN_LR": "6.0e-5",
+                  "LR_WARMUP_ITERS": "10"},
+    ),
+    Preset(
+        "gpt_oss_20b", "llama",
+        about=("gpt-oss-20b: 24 layers, hidden 2880, 64 heads of 64 with 8 K/V groups, attention sinks, linear "
+               "biases, RMSNorm,",
+               "RoPE (base 150000), untied output; every MLP is 32 experts (ffn 2880, clamped quick-GeGLU: limit 7, "
+               "offset 1), top-4.",
+               "20.9B params, 4.2B active per token (3.6B without the input embedding table: the model card's count) "
+               "with its",
+               "201,088-token vocab; YaRN RoPE (factor 32 over 4096, unrounded correction range); the 128-token",
+               "sliding window of every other layer. Sourced by examples/pretrain_gpt_oss.sh."),
+        model_args=("--num-layers 24 --hidden-size 2880 --num-attention-heads 64 --kv-channels 64 "
+                    "--ffn-hidden-size 2880",
+                    "--group-query-attention --num-query-groups 8 --seq-length $SEQ_LENGTH "
+                    "--max-position-embeddings 131072",
+                    "--normalization RMSNorm --norm-epsilon 1e-5 --position-embedding-type rope --rotary-base 150000",
+                    "--rope-type yarn --rotary-scaling-factor 32 --yarn-original-max-position-embeddings 4096 "
+                    "--no-yarn-correction-range-round-to-int --window-size 127,0 --window-attn-skip-freq 2",
+                    "--untie-embeddings-and-output-weights --hidden-dropout 0.0 --attention-dropout 0.0",
+                    "--softmax-type learnable --quick-geglu --glu-linear-offset 1.0 --activation-func-clamp-value 7.0",
+                    "--num-experts 32 --moe-router-topk 4 --moe-aux-loss-coeff 1e-3 --moe-token-dispatcher-type "
+                    "alltoall"),
+        seq_length=4096,
+        defaults={"MICRO_BATCH_SIZE": "1", "GLOBAL_BATCH_SIZE": "256", "LR": "1.0e-4", "MIN_LR": "1.0e-5",
+                  "LR_WARMUP_ITERS": "500"},
+    ),
+    Preset(
+        "gpt_oss_120b", "llama",
+        about=("gpt-oss-120b: gpt-oss-20b's layers (hidden 2880, 64 heads of 64, 8 K/V groups, sinks, biases) x 36, "
+               "128 experts",
+               "(ffn 2880, clamped quick-GeGLU), top-4. 116.8B params, 5.7B active per token (5.1B without the input "
+               "embedding",
+               "table: the model card's count) with its 201,088-token vocab; YaRN RoPE; the 128-token sliding "
+               "window of every other layer. Sourced by",
+               "examples/pretrain_gpt_oss.sh."),
+        model_args=("--num-layers 36 --hidden-size 2880 --num-attention-heads 64 --kv-channels 64 "
+                    "--ffn-hidden-size 2880",
+                    "--group-query-attention --num-query-groups 8 --seq-length $SEQ_LENGTH "
+                    "--max-position-embeddings 131072",
+                    "--normalization RMSNorm --norm-epsilon 1e-5 --position-embedding-type rope --rotary-base 150000",
+                    "--rope-type yarn --rotary-scaling-factor 32 --yarn-original-max-position-embeddings 4096 "
+                    "--no-yarn-correction-range-round-to-int --window-size 127,0 --window-attn-skip-freq 2",
+                    "--untie-embeddings-and-output-weights --hidden-dropout 0.0 --attention-dropout 0.0",
+                    "--softmax-type learnable --quick-geglu --glu-linear-offset 1.0 --activation-func-clamp-value 7.0",
+                    "--num-experts 128 --moe-router-topk 4 --moe-aux-loss-coeff 1e-3 --moe-token-dispatcher-type "
+                    "alltoall"),
+        seq_length=4096,
+        defaults={"MICRO_BATCH_SIZE": "1", "GLOBAL_BATCH_SIZE": "256", "LR": "1.0e-4", "MIN_LR": "1.0e-5",
+                  "LR_WARMUP_ITERS": "500"},
+    ),
+    Preset(
         "bloom_tiny", "bloom",
         about=("Tiny BLOOM-style model that trains on a CPU in minutes: 4 layers, hidden 96, 6 heads (ALiBi slopes "
                "of a head count",

@@ -109,8 +109,9 @@ def mla_parameters(config: TransformerConfig) -> tuple[int, int]:
 
 
 def _layer_parameters(config: TransformerConfig, moe: bool = False) -> LayerParameters:
-    """One layer's parameters: attention, norms and a dense MLP or (`moe`) router + routed experts + shared expert
-    (MoE layers have no linear biases: --num-experts needs --disable-bias-linear)."""
+    """One layer's parameters: attention (+ the learnable sinks of --softmax-type learnable, split with the heads),
+    norms and a dense MLP or (`moe`) router + routed experts + shared expert (with --add-bias-linear: the router's
+    and each expert's fc1/fc2 biases, GPT-OSS)."""
     h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
     gated = config.gated_linear_unit
     q = d * config.num_attention_heads
@@ -118,6 +119,8 @@ def _layer_parameters(config: TransformerConfig, moe: bool = False) -> LayerPara
     bias = int(config.add_bias_linear)
     qkv_bias = int(config.add_bias_linear or config.add_qkv_bias)
     attention = (h * qkv + qkv_bias * qkv) + q * h  # qkv, dense weight
+    if config.softmax_type == "learnable":
+        attention += config.num_attention_heads
     norms = 2 * _norm_parameters(config)
     if config.multi_latent_attention:  # its replicated down projections and latent norms count as norms do
         attention, latent = mla_parameters(config)
@@ -129,11 +132,12 @@ def _layer_parameters(config: TransformerConfig, moe: bool = False) -> LayerPara
         split = attention + _mlp_weights(h, f, gated) + bias * f_in  # fc1 bias is split, fc2's replicated
         return LayerParameters(split, norms + 2 * bias * h)  # two norms, dense/fc2 biases
     e, topk = config.num_moe_experts, config.moe_router_topk
-    expert = _mlp_weights(h, config.moe_ffn_hidden_size or f, gated)
+    fe = config.moe_ffn_hidden_size or f
+    expert = _mlp_weights(h, fe, gated) + bias * ((2 * fe if gated else fe) + h)
     shared = config.moe_shared_expert_intermediate_size or 0
     gate = h if shared and config.moe_shared_expert_gate else 0
     return LayerParameters(split=attention + _mlp_weights(h, shared, gated),
-                           replicated=norms + bias * h + e * h + gate,
+                           replicated=norms + bias * h + e * h + bias * e + gate,
                            experts=e * expert, active_experts=topk * expert)
 
 

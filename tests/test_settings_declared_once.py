@@ -117,6 +117,11 @@ def test_the_architecture_record_keeps_its_order():
                                           "qk_pos_emb_head_dim", "v_head_dim")  # issue #37
     assert ARCHITECTURE_FIELDS[63:64] == ("mtp_num_layers",)  # issue #37's multi-token prediction
     assert ARCHITECTURE_FIELDS[64:66] == ("window_size", "window_attn_skip_freq")  # issue #38
+    assert ARCHITECTURE_FIELDS[66:69] == ("moe_router_num_groups", "moe_router_group_topk",
+                                          "moe_router_enable_expert_bias")  # issue #37's router: converted models
+    # issue #38 (GPT-OSS): attention sinks and the clamped GLU
+    assert ARCHITECTURE_FIELDS[69:73] == ("softmax_type", "quick_geglu", "glu_linear_offset",
+                                          "activation_func_clamp_value")
 
 
 def test_typed_settings_from_parsed_flags():

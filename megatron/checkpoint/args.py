@@ -108,6 +108,8 @@ def _fix(field: str, value: Any) -> str:
     flag = "--" + field.replace("_", "-")
     if isinstance(value, bool):
         return f"pass {flag}" if value else f"drop {flag}"
+    if isinstance(value, list):  # --moe-layer-freq / --window-attn-skip-freq / --window-size: one shell word
+        value = "[" + ",".join(str(v) for v in value) + "]"
     return f"pass {flag} {value}"
 
 

@@ -22,7 +22,7 @@ from megatron.layers.module import unwrap_model
 from megatron.optimizer.distrib_optimizer import model_param_order
 from megatron.run_configs.saved_args import SavedRunArgs
 
-EXPERT_PARAM_RE = re.compile(r"(^|\.)mlp\.experts\.(weight[12])$")  # the stacked experts (megatron/layers/moe.py)
+EXPERT_PARAM_RE = re.compile(r"(^|\.)mlp\.experts\.(weight[12]|bias[12])$")  # the stacked experts (megatron/layers/moe.py)
 Transform = Callable[[torch.Tensor, TensorParallelLayout], torch.Tensor]
 
 
@@ -41,7 +41,7 @@ def saved_whole(args: Any) -> bool:
 
 
 def _layouts(models: List[torch.nn.Module]) -> Dict[str, TensorParallelLayout]:
-    """{'weight1' | 'weight2': the experts' split over the expert-TP group}."""
+    """{'weight1' | 'weight2' | 'bias1' | 'bias2': the experts' split over the expert-TP group}."""
     out: Dict[str, TensorParallelLayout] = {}
     for chunk in models:
         for name, param in unwrap_model(chunk).named_parameters():

@@ -191,7 +191,7 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
         raise CheckpointFormatError(f"--ckpt-format torch_dist: {exc}") from None
 
 
-_EXPERT_STACKS = (".mlp.experts.weight1", ".mlp.experts.weight2")
+_EXPERT_STACKS = (".mlp.experts.weight1", ".mlp.experts.weight2", ".mlp.experts.bias1", ".mlp.experts.bias2")
 
 
 def rank_piece(full: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], model: torch.nn.Module,

@@ -79,6 +79,15 @@ class TransformerConfig(ModelParallelConfig):
     """Megatron-DeepSpeed's gated MLP (--glu-activation geglu|liglu|reglu|swiglu): dense_h_to_4h has 2 * ffn rows,
     each TP rank's output is split in halves [x1; x2] and the MLP computes x1 * act(x2) (act: erf GeLU, identity,
     ReLU, SiLU)."""
+    quick_geglu: bool = False
+    """Gated MLP x_glu * sigmoid(1.702 x_glu) * (x_linear + glu_linear_offset) (--quick-geglu; GPT-OSS)."""
+    glu_linear_offset: float = 0.0
+    """Offset added to the linear half of a gated MLP: act(gate) * (up + offset) (--glu-linear-offset)."""
+    activation_func_clamp_value: Optional[float] = None
+    """Gated MLP: gate clamped to <= value, linear half to [-value, value] (--activation-func-clamp-value)."""
+    softmax_type: str = "vanilla"
+    """Attention softmax: "vanilla", "off-by-one" (a zero logit in every row's denominator) or "learnable" (a
+    learned per-head sink logit ``core_attention.softmax_offset``, split over TP with the heads) (--softmax-type)."""
     bias_gelu_fusion: bool = True
     """Megatron's fused bias+GeLU, which computes the tanh approximation (plain GeLU MLP with a bias only)."""
     # ---- biases
@@ -253,10 +262,12 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError("--apply-layernorm-1p needs --normalization LayerNorm (RMSNorm has no 1p form)")
         if self.glu_activation not in (None, "geglu", "liglu", "reglu", "swiglu"):
             raise ValueError(f"--glu-activation must be geglu, liglu, reglu or swiglu, got {self.glu_activation!r}")
-        activations = [n for n in ("openai_gelu", "squared_relu", "swiglu", "glu_activation") if getattr(self, n)]
+        activations = [n for n in ("openai_gelu", "squared_relu", "swiglu", "glu_activation", "quick_geglu")
+                       if getattr(self, n)]
         if len(activations) > 1:
             raise ValueError("choose one MLP activation: " + " and ".join("--" + a.replace("_", "-")
                                                                          for a in activations) + " were given together")
+        self._validate_gpt_oss_parts()
         if self.position_embedding_type not in ("learned_absolute", "rope", "alibi", "none"):
             raise ValueError("--position-embedding-type must be learned_absolute, rope, alibi or none, "
                              f"got {self.position_embedding_type!r}")
@@ -302,6 +313,19 @@ class TransformerConfig(ModelParallelConfig):
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
+    def _validate_gpt_oss_parts(self) -> None:
+        if self.softmax_type not in ("vanilla", "off-by-one", "learnable"):
+            raise ValueError(f"--softmax-type must be vanilla, off-by-one or learnable, got {self.softmax_type!r}")
+        if self.softmax_type != "vanilla" and self.context_parallel_size > 1:
+            raise ValueError(f"--softmax-type {self.softmax_type} does not run under context parallelism; use "
+                             "--context-parallel-size 1")
+        glu_knobs = self.glu_linear_offset != 0.0 or self.activation_func_clamp_value is not None
+        if glu_knobs and not (self.swiglu or self.quick_geglu):
+            raise ValueError("--glu-linear-offset / --activation-func-clamp-value need a gated MLP (--swiglu or "
+                             "--quick-geglu)")
+        if self.activation_func_clamp_value is not None and self.activation_func_clamp_value <= 0:
+            raise ValueError(f"--activation-func-clamp-value must be positive, got {self.activation_func_clamp_value}")
+
     def _validate_window(self) -> None:
         window = tuple(int(x) for x in self.window_size)
         if len(window) != 2 or window[0] < 0:
@@ -310,6 +334,9 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"--window-size {window[0]},{window[1]}: a causal decoder looks no token ahead; "
                              f"pass --window-size {window[0]},0")
         self.window_size = window
+        if self.multi_latent_attention:
+            raise ValueError("--window-size is implemented for the standard attention; --multi-latent-attention has "
+                             "no sliding window here: drop one of them")
         freq = self.window_attn_skip_freq
         if isinstance(freq, int) and freq < 1:
             raise ValueError(f"--window-attn-skip-freq must be >= 1, got {freq}")
@@ -447,7 +474,7 @@ class TransformerConfig(ModelParallelConfig):
     @property
     def gated_linear_unit(self) -> bool:
         """True when the MLP's first linear holds two halves per rank (SwiGLU [gate; up], --glu-activation)."""
-        return self.swiglu or self.glu_activation is not None
+        return self.swiglu or self.quick_geglu or self.glu_activation is not None
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:

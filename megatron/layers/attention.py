@@ -253,6 +253,8 @@ class CoreAttention(MegatronModule):
         # Tests flip this to compare the two paths.
         self.allow_sdpa = True
         self.deterministic_mode = config.deterministic_mode
+        self.softmax_type = config.softmax_type
+        self.softmax_offset = sink_parameter(config, tp_group) if config.softmax_type == "learnable" else None
         self.flash_attn_ready, message = describe_attention_path(config)
         if torch.empty(0).device.type != "meta":  # a weightless model (conversion's layouts) runs no attention
             _announce(message)
@@ -285,9 +287,9 @@ class CoreAttention(MegatronModule):
                                          sq, sk, self.window, query_layer.device)
         elif attention_mask is None and causal and (sq != sk or self.alibi is not None):
             attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=query_layer.device).triu(sk - sq + 1)
-        if self._can_use_flash_attn(query_layer, attention_mask, sq, sk):
+        if self.softmax_type == "vanilla" and self._can_use_flash_attn(query_layer, attention_mask, sq, sk):
             context = self._flash(query_layer, key_layer, value_layer)  # flash-attn takes fewer K/V heads itself
-        elif self._can_use_sdpa(attention_mask, sq, sk):
+        elif self.softmax_type == "vanilla" and self._can_use_sdpa(attention_mask, sq, sk):
             context = self._sdpa(query_layer, key_layer, value_layer, attention_mask)
         else:
             key_layer, value_layer = _expand_kv(key_layer, np_), _expand_kv(value_layer, np_)
@@ -372,13 +374,34 @@ class CoreAttention(MegatronModule):
             # Megatron-DeepSpeed: baddbmm(alibi, q, k^T, beta=1/layer_number with layer scaling, else 1).
             bias = self.alibi(sk, q.device, scores.dtype)
             scores = scores + (bias / self.layer_number if self.apply_query_key_layer_scaling else bias)
-        probs = self.scale_mask_softmax(scores, mask)
+        probs = self.scale_mask_softmax(scores, mask, self._sink(np_, scores))
         if self._dropout_active():
             with model_parallel_rng_fork(not self.sequence_parallel):
                 probs = self.attention_dropout(probs)
         v2 = v.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
         ctx = torch.bmm(probs.view(b * np_, sq, sk).to(v2.dtype), v2)  # [b*np, sq, hn]
         return ctx.view(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+    def _sink(self, np_: int, scores: torch.Tensor) -> Optional[torch.Tensor]:
+        """The per-head sink logits of --softmax-type (zeros for off-by-one), None for the vanilla softmax."""
+        if self.softmax_type == "off-by-one":
+            return scores.new_zeros(np_)
+        return self.softmax_offset
+
+
+def sink_parameter(config: TransformerConfig, tp_group: Optional[Any]) -> torch.nn.Parameter:
+    """This TP rank's heads' learnable sink logits ``softmax_offset`` [heads / TP] (--softmax-type learnable):
+    the full [heads] vector is initialised with init_method from the global seed and split like the heads, so
+    TP=N holds the TP=1 values."""
+    full = torch.empty(config.num_attention_heads, dtype=torch.float32)
+    if config.perform_initialization:
+        config.init_method(full)
+    local = full.chunk(group_size(tp_group))[group_rank(tp_group)].clone()
+    param = torch.nn.Parameter(local.to(config.params_dtype))
+    tensor_parallel.set_tensor_model_parallel_attributes(param, True, 0, 1)
+    tensor_parallel.set_tp_layout(param, tensor_parallel.TensorParallelLayout(dim=0, structure="attention heads"))
+    return param
 
 
 def qk_norm(config: TransformerConfig) -> torch.nn.Module:
@@ -456,6 +479,9 @@ class ParallelAttention(MegatronModule):
         """Split the sequence over `cp_group` (self-attention only): this rank holds chunks r and 2N-1-r."""
         if self.attention_type != AttnType.self_attn:
             raise ValueError("context parallelism splits self-attention only (no cross-attention)")
+        if self.core_attention.softmax_type != "vanilla":
+            raise ValueError(f"--softmax-type {self.core_attention.softmax_type} does not run under context "
+                             "parallelism; use --context-parallel-size 1")
         self.cp_group = cp_group
 
     def _cp_coords(self) -> tuple[int, int]:

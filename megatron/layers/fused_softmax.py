@@ -42,12 +42,15 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
         if not (scale is None or softmax_in_fp32):
             raise ValueError("softmax should be in fp32 when scaled (--attention-softmax-in-fp32)")
 
-    def forward(self, input: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, input: torch.Tensor, mask: Optional[torch.Tensor],
+                softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Probabilities [b, np, sq, sk] of scores `input`; with `softmax_offset` [np] (attention sinks,
+        --softmax-type) each row's denominator also holds exp(offset of its head) (the torch path)."""
         if input.dim() != 4:
             raise ValueError(f"FusedScaleMaskSoftmax expects [b, np, sq, sk] scores, got shape {tuple(input.shape)}")
-        if self.is_kernel_available(input, *input.size()):
+        if softmax_offset is None and self.is_kernel_available(input, *input.size()):
             return self.forward_fused_softmax(input, mask)
-        return self.forward_torch_softmax(input, mask)
+        return self.forward_torch_softmax(input, mask, softmax_offset)
 
     def is_kernel_available(self, input: torch.Tensor, b: int, np: int, sq: int, sk: int) -> bool:
         """Megatron's size rule (fused_kernels.softmax_fits) on a device where the Triton kernels run; only with
@@ -64,7 +67,8 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
         causal = self.attn_mask_type == AttnMaskType.causal and mask is None
         return fused_kernels.masked_softmax(input, mask, scale, causal)
 
-    def forward_torch_softmax(self, input: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward_torch_softmax(self, input: torch.Tensor, mask: Optional[torch.Tensor],
+                              softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
         orig_dtype = input.dtype
         if self.input_in_float16 and self.softmax_in_fp32:
             input = input.float()
@@ -75,7 +79,18 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
             mask = torch.ones(sq, sk, dtype=torch.bool, device=input.device).triu(sk - sq + 1)
         if mask is not None:
             input = self.mask_func(input, mask)
-        probs = torch.nn.Softmax(dim=-1)(input)
+        if softmax_offset is None:
+            probs = torch.nn.Softmax(dim=-1)(input)
+        else:
+            probs = softmax_with_sink(input, softmax_offset)
         if self.input_in_float16 and self.softmax_in_fp32:
             probs = probs.to(orig_dtype)
         return probs
+
+
+def softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """softmax over [scores, sink] without the sink column: scores [b, np, sq, sk], sink [np] one logit per head
+    (Megatron-LM core's SoftmaxOne: off-by-one with zeros, GPT-OSS's learned sinks)."""
+    b, np_, sq, _ = scores.shape
+    column = sink.to(device=scores.device, dtype=scores.dtype).reshape(1, np_, 1, 1).expand(b, np_, sq, 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]

@@ -39,9 +39,12 @@ LAYER_SUFFIXES = (
     ("pre_mlp_layernorm.", "post_attention_layernorm."),
     ("self_attention.linear_qkv.", "self_attention.query_key_value."),
     ("self_attention.linear_proj.", "self_attention.dense."),
+    ("self_attention.k_layernorm.", "self_attention.k_layernorm."),  # --qk-layernorm (q_layernorm: MLA's entry)
     ("mlp.linear_fc1.", "mlp.dense_h_to_4h."),
     ("mlp.linear_fc2.", "mlp.dense_4h_to_h."),
     ("mlp.router.weight", "mlp.router.weight"),
+    ("mlp.router.bias", "mlp.router.bias"),  # --add-bias-linear with experts (GPT-OSS)
+    ("self_attention.core_attention.softmax_offset", "self_attention.core_attention.softmax_offset"),  # sinks
     ("mlp.router.expert_bias", "mlp.router.expert_bias"),  # --moe-router-enable-expert-bias (fp32 buffer)
     ("mlp.shared_experts.linear_fc1.", "mlp.shared_experts.dense_h_to_4h."),
     ("mlp.shared_experts.linear_fc2.", "mlp.shared_experts.dense_4h_to_h."),

@@ -5,7 +5,9 @@ fused ``bias_gelu`` = the **tanh approximation** (HF ``gelu_new``/``gelu_fast``)
 ``--openai-gelu`` (tanh); ``--squared-relu``; gated ``--swiglu``: ``dense_h_to_4h`` has 2 * ffn rows and each TP
 rank holds ``[gate_r; up_r]`` (Megatron-LM's layout), computing ``silu(gate) * up``; Megatron-DeepSpeed's
 ``--glu-activation geglu|liglu|reglu|swiglu`` (BigScience): the same two halves per rank ``[x1_r; x2_r]``, computing
-``x1 * act(x2)`` with act = erf GeLU, identity, ReLU or SiLU (note: the activated half is the second one).
+``x1 * act(x2)`` with act = erf GeLU, identity, ReLU or SiLU (note: the activated half is the second one);
+Megatron-LM core's ``--quick-geglu`` (x * sigmoid(1.702 x) on the first half) and, for it or --swiglu,
+``--glu-linear-offset`` / ``--activation-func-clamp-value`` (GPT-OSS's clamped GLU: `ClampedGLU`).
 On CUDA with Triton the tanh GeLU and --swiglu (unless --no-bias-swiglu-fusion) run as one fused bias + activation
 kernel (megatron/fused_kernels/).
 """
@@ -68,6 +70,27 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x) (Megatron-LM core's quick_gelu; GPT-OSS's alpha)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+class ClampedGLU:
+    """Megatron-LM core's gated activation with --glu-linear-offset / --activation-func-clamp-value: over the two
+    halves [gate | linear] of the last dim, act(min(gate, c)) * (clamp(linear, -c, c) + offset) (a picklable
+    callable; GPT-OSS: quick GeLU, c = 7, offset 1)."""
+
+    def __init__(self, act: Callable[[torch.Tensor], torch.Tensor], offset: float, clamp: Optional[float]) -> None:
+        self.act, self.offset, self.clamp = act, offset, clamp
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, linear = torch.chunk(x, 2, dim=-1)
+        if self.clamp is not None:
+            gate = gate.clamp(min=None, max=self.clamp)
+            linear = linear.clamp(min=-self.clamp, max=self.clamp)
+        return self.act(gate) * (linear + self.offset)
+
+
 _GLU_INNER: dict = {"geglu": F.gelu, "liglu": lambda x: x, "reglu": F.relu, "swiglu": F.silu}
 
 
@@ -85,6 +108,11 @@ class GLU:
 
 def activation_for(config: TransformerConfig) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
     """(name, function) of the MLP activation `config` selects, with Megatron 23.06's bias-gelu-fusion rule."""
+    clamped = config.glu_linear_offset != 0.0 or config.activation_func_clamp_value is not None
+    if config.quick_geglu:
+        return "quick_geglu", ClampedGLU(quick_gelu, config.glu_linear_offset, config.activation_func_clamp_value)
+    if config.swiglu and clamped:
+        return "swiglu_clamped", ClampedGLU(F.silu, config.glu_linear_offset, config.activation_func_clamp_value)
     if config.swiglu:
         return "swiglu", swiglu
     if config.glu_activation is not None:

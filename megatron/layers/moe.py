@@ -32,6 +32,10 @@ capacity dropping (probs | position, optional pad to capacity); load-balancing l
 experts. Auxiliary losses enter backward through megatron.core.aux_losses.AuxLossAutoScaler; their values are recorded
 per layer under Megatron-LM's log names, which a model declares with `router_losses` (the loop logs what is declared).
 
+With --add-bias-linear (GPT-OSS; Megatron-LM core's TopKRouter and TEGroupedMLP): the router's logits get a bias
+``mlp.router.bias`` [E], the experts ``mlp.experts.bias1`` [E, (2)F] (after the first GEMM) and ``bias2`` [E, h]
+(added times the routing weight, as Megatron's grouped MLP does: (act W2 + b2) * weight).
+
 Parameter names: ``mlp.router.weight`` [E, h]; ``mlp.experts.weight1`` [E, h, F (x2 gated: [gate | up] per TP
 rank)], ``mlp.experts.weight2`` [E, F, h] (per-expert matrices stacked, input-major, as Megatron's GroupedMLP
 views them); ``mlp.shared_experts.dense_h_to_4h`` / ``dense_4h_to_h`` (+ ``gate_weight`` [1, h]).
@@ -183,6 +187,13 @@ class TopKRouter(MegatronModule):
             config.init_method(weight)
         self.weight = torch.nn.Parameter(weight.to(config.params_dtype))
         self.weight.sequence_parallel = config.sequence_parallel  # grads summed over TP under SP
+        self.bias = None
+        if config.add_bias_linear:  # Megatron-LM core: the router has a bias with --add-bias-linear (GPT-OSS)
+            bias = torch.empty(config.num_moe_experts, dtype=torch.float32)
+            if config.perform_initialization:
+                config.init_method(bias)
+            self.bias = torch.nn.Parameter(bias.to(config.params_dtype))
+            self.bias.sequence_parallel = config.sequence_parallel
         # aux-loss-free balancing: the bias fp32 and saved, the counts not saved (None without it, as Megatron-LM)
         on = config.moe_router_enable_expert_bias
         self.register_buffer("local_tokens_per_expert", torch.zeros(self.num_experts) if on else None,
@@ -227,7 +238,8 @@ class TopKRouter(MegatronModule):
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         dtype = _ROUTER_DTYPES[self.config.moe_router_dtype] or x.dtype
-        return F.linear(x.to(dtype), self.weight.to(dtype))
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x.to(dtype), self.weight.to(dtype), bias)
 
     def apply_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
         coeff = self.config.moe_z_loss_coeff
@@ -334,6 +346,31 @@ class GroupedExperts(MegatronModule):
             tensor_parallel.set_tp_layout(param, tensor_parallel.TensorParallelLayout(dim=dim, blocks=nblocks,
                                                                                       structure=what))
             param.allreduce = False  # an expert parameter (Megatron's mark): reduced over expert-data-parallel
+        self.tp_size = tp
+        self.bias1 = self.bias2 = None
+        if config.add_bias_linear:
+            self._expert_biases(config, local, tp, rank, blocks, expert_tp_differs)
+
+    def _expert_biases(self, config: TransformerConfig, local: slice, tp: int, rank: int, blocks: int,
+                       expert_tp_differs: bool) -> None:
+        """Megatron-LM core's expert biases with --add-bias-linear (GPT-OSS): ``bias1`` [E, (2)F] split over the
+        expert-TP group like weight1's columns, ``bias2`` [E, h] whole on every expert-TP rank (each adds
+        bias2 * weight / TP, the partial sums' reduction completes it; its grads are summed over TP like a
+        sequence-parallel parameter's). Zero-initialised, as Megatron's linear biases."""
+        if expert_tp_differs:
+            raise ValueError("expert biases (--add-bias-linear with --num-experts) need --expert-tensor-parallel-size "
+                             "equal to --tensor-model-parallel-size")
+        e, ffn = config.num_moe_experts, config.moe_ffn_hidden_size
+        b1 = torch.zeros(e, blocks * ffn, dtype=torch.float32)[local]
+        b1 = torch.cat([b.chunk(tp, dim=1)[rank] for b in b1.chunk(blocks, dim=1)], dim=1)
+        self.bias1 = torch.nn.Parameter(b1.contiguous().to(config.params_dtype))
+        self.bias2 = torch.nn.Parameter(torch.zeros(e, config.hidden_size, dtype=config.params_dtype)[local].clone())
+        tensor_parallel.set_tensor_model_parallel_attributes(self.bias1, True, 1, 1)
+        tensor_parallel.set_tp_layout(self.bias1, tensor_parallel.TensorParallelLayout(
+            dim=1, blocks=blocks, structure="[gate | up] per rank" if self.gated else ""))
+        self.bias2.sequence_parallel = tp > 1
+        for param in (self.bias1, self.bias2):
+            param.allreduce = False
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, expert_of_row: torch.Tensor,
                 slot_of_row: torch.Tensor, slots: int) -> torch.Tensor:
@@ -391,8 +428,8 @@ class GroupedExperts(MegatronModule):
 
     def compute(self, grouped: torch.Tensor, weights: torch.Tensor, buckets: list) -> torch.Tensor:
         """The expert MLPs on padded groups [rows, h] laid out run by run (`buckets`), outputs times `weights`."""
-        if self.activation_name == "swiglu" and moe_swiglu_experts.applies(grouped, weights, self.weight1,
-                                                                            self.weight2):
+        if self.activation_name == "swiglu" and self.bias1 is None and moe_swiglu_experts.applies(
+                grouped, weights, self.weight1, self.weight2):
             return moe_swiglu_experts.swiglu_experts(grouped, weights, self.weight1, self.weight2, buckets)
         h = grouped.shape[-1]
         sizes = [num * size for _, num, size in buckets]
@@ -402,10 +439,17 @@ class GroupedExperts(MegatronModule):
         else:
             parts = [(grouped, weights, self.weight1, self.weight2, buckets[0])]
         outs = []
-        for rows, w, w1, w2, (_, num, size) in parts:
-            inner = self.activation_func(torch.bmm(rows.view(num, size, h), w1))  # swiglu: [gate | up] halves
+        for rows, w, w1, w2, (first, num, size) in parts:
+            pre = torch.bmm(rows.view(num, size, h), w1)
+            if self.bias1 is not None:
+                pre = pre + self.bias1[first:first + num].unsqueeze(1)
+            inner = self.activation_func(pre)  # gated: [gate | up] halves
             inner = (inner * w.view(num, size, 1)).to(grouped.dtype)
-            outs.append(torch.bmm(inner, w2).view(num * size, h))
+            out = torch.bmm(inner, w2)
+            if self.bias2 is not None:  # Megatron: + bias2 * weight per row (this rank's share under expert-TP)
+                bias2 = self.bias2[first:first + num].unsqueeze(1) * w.view(num, size, 1)
+                out = out + (bias2 / self.tp_size if self.tp_size > 1 else bias2).to(out.dtype)
+            outs.append(out.view(num * size, h))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
@@ -466,8 +510,6 @@ class MoELayer(MegatronModule):
         super().__init__(config=config)
         if dispatcher not in ("allgather", "alltoall"):
             raise ValueError(f"--moe-token-dispatcher-type {dispatcher} is not implemented; use allgather or alltoall")
-        if config.add_bias_linear:
-            raise ValueError("MoE layers (--num-experts) need --disable-bias-linear, as in Megatron-LM core")
         self.tp_group = tp_group
         self.sequence_parallel = config.sequence_parallel
         self.router = TopKRouter(config, layer_number, tp_group)

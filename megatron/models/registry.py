@@ -14,12 +14,13 @@ from megatron.models.deepseek.hf_deepseek_v3 import DEEPSEEK_V3
 from megatron.models.gpt.checkpoint_layout import GPT_LAYOUT
 from megatron.models.gpt.hf_bloom import BLOOM
 from megatron.models.gpt.hf_gpt2 import GPT2
+from megatron.models.gpt.hf_gpt_oss import GPT_OSS
 from megatron.models.gpt.hf_llama import LLAMA
 from megatron.models.gpt.hf_moe import MOE
 from megatron.models.hf_adapter import HFAdapter
 from megatron.models.t5.checkpoint_layout import T5_LAYOUT
 
-ADAPTERS: Tuple[HFAdapter, ...] = (GPT2, DEEPSEEK_V3, LLAMA, MOE, BLOOM, BERT)
+ADAPTERS: Tuple[HFAdapter, ...] = (GPT2, DEEPSEEK_V3, LLAMA, MOE, GPT_OSS, BLOOM, BERT)
 # the first is the default (a model or checkpoint no other family claims); a family whose markers another family's
 # checkpoints hold too comes before it (T5's last stage has an lm_head, as BERT's)
 LAYOUTS: Tuple[CheckpointLayout, ...] = (GPT_LAYOUT, T5_LAYOUT, BERT_LAYOUT)

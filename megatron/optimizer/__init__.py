@@ -12,6 +12,7 @@ from megatron.core import parallel_state as ps
 from megatron.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32
 from megatron.optimizer.distrib_optimizer import DistributedOptimizer, shard_param_groups
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from megatron.optimizer.muon import MuonWithAdamW, muon_param_groups
 from megatron.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
@@ -30,6 +31,7 @@ __all__ = [
     "MegatronGradScaler",
     "MegatronOptimizer",
     "MixedPrecisionOptimizer",
+    "MuonWithAdamW",
     "OptimizerConfig",
     "clip_grad_norm_fp32",
     "count_zeros_fp32",
@@ -66,6 +68,25 @@ def _can_use_fused_adam(param_groups: list[dict], config: OptimizerConfig) -> Op
     return True if len(devices) == 1 and devices <= {"cpu", "cuda"} and dtypes_ok else None
 
 
+def _muon(model_chunks, param_groups: list[dict], config: OptimizerConfig, parallel_state) -> MuonWithAdamW:
+    """Muon for the 2-D weights, AdamW for the rest (megatron/optimizer/muon.py), over this run's TP groups."""
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    groups = muon_param_groups(chunks, param_groups, config.muon_split_qkv)
+    state = parallel_state if parallel_state is not None else (
+        ps.get_parallel_state() if ps.model_parallel_is_initialized() else None)
+    tp_group = getattr(state, "tp_group", None) if getattr(state, "tp_size", 1) > 1 else None
+    etp_size = getattr(state, "etp_size", None) or getattr(state, "tp_size", 1)
+    etp_group = (getattr(state, "etp_group", None) or getattr(state, "tp_group", None)) if etp_size > 1 else None
+    adam = [g for g in groups if not g["muon"]]
+    return MuonWithAdamW(
+        groups, lr=config.lr, weight_decay=config.weight_decay, momentum=config.muon_momentum,
+        nesterov=config.muon_use_nesterov, scale_mode=config.muon_scale_mode,
+        extra_scale_factor=config.muon_extra_scale_factor, num_ns_steps=config.muon_num_ns_steps,
+        fp32_matmul_prec=config.muon_fp32_matmul_prec, tp_mode=config.muon_tp_mode,
+        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, tp_group=tp_group,
+        expert_tp_group=etp_group, adam_fused=_can_use_fused_adam(adam, config) if adam else None)
+
+
 def get_megatron_optimizer(
     model_chunks: Union[torch.nn.Module, Sequence[torch.nn.Module]],
     config: OptimizerConfig,
@@ -99,11 +120,13 @@ def get_megatron_optimizer(
             eps=config.adam_eps,
             fused=_can_use_fused_adam(param_groups, config),
         )
+    elif config.optimizer == "muon":
+        inner = _muon(model_chunks, param_groups, config, parallel_state)
     elif config.optimizer == "sgd":
         inner = torch.optim.SGD(param_groups, lr=config.lr, weight_decay=config.weight_decay,
                                 momentum=config.sgd_momentum)
     else:
-        raise ValueError(f"--optimizer {config.optimizer!r} is not supported; use 'adam' or 'sgd'")
+        raise ValueError(f"--optimizer {config.optimizer!r} is not supported; use 'adam', 'sgd' or 'muon'")
 
     mp_group, tp_rank = _resolve_parallel_state(parallel_state)
     grad_scaler: Optional[MegatronGradScaler] = None

@@ -327,6 +327,9 @@ def regular_state_to_param_state(optim_sd: dict, model_chunks: Sequence[torch.nn
     """A regular (FP32Optimizer / Float16Optimizer) checkpoint's optimizer entry → the per-parameter state that
     `DistributedOptimizer.load_parameter_state` takes. The model weights must already be loaded."""
     inner = optim_sd["optimizer"] if "optimizer" in optim_sd and "param_groups" not in optim_sd else optim_sd
+    if any(g.get("muon") for g in inner["param_groups"]):
+        raise ValueError("the checkpoint holds --optimizer muon state, which the distributed optimizer does not take; "
+                         "resume with --optimizer muon (without --use-distributed-optimizer) or --no-load-optim")
     order = model_param_order(model_chunks)
     flat_indices = [i for group in inner["param_groups"] for i in group["params"]]
     if len(flat_indices) != len(order):
@@ -357,8 +360,11 @@ def param_state_to_regular_state(param_state: dict, common: dict, model_chunks: 
     regular optimizer `optimizer` (FP32Optimizer / Float16OptimizerWithFloat16Params) loads."""
     if param_state.get("format") != PARAM_STATE_FORMAT:
         raise ValueError("distrib_optim.pt is not in megatron-lite's per-parameter format; pass --no-load-optim")
-    order = model_param_order(model_chunks)
     current = optimizer.optimizer.state_dict()["param_groups"]
+    if any(g.get("muon") for g in current):
+        raise ValueError("the checkpoint holds the distributed optimizer's Adam state, which --optimizer muon does not "
+                         "take; resume with its optimizer flags, or pass --no-load-optim")
+    order = model_param_order(model_chunks)
     saved_groups = common.get("optimizer", {}).get("param_groups", [])
     groups = []
     for i, group in enumerate(current):

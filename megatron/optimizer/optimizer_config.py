@@ -13,7 +13,7 @@ from megatron.settings import optimizer_fields
 class OptimizerConfig:
     """What `get_megatron_optimizer` needs; field names follow Megatron's flags (defaults are Megatron's)."""
 
-    optimizer: str = "adam"  # "adam" (decoupled weight decay, i.e. AdamW) | "sgd"
+    optimizer: str = "adam"  # "adam" (decoupled weight decay, i.e. AdamW) | "sgd" | "muon" (Muon + AdamW)
     lr: float = 1e-4
     min_lr: float = 0.0
     weight_decay: float = 0.01
@@ -21,6 +21,14 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
+    muon_momentum: float = 0.9
+    muon_split_qkv: bool = True
+    muon_use_nesterov: bool = False
+    muon_scale_mode: str = "spectral"
+    muon_fp32_matmul_prec: str = "medium"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "blockwise"
+    muon_extra_scale_factor: float = 1.0
     clip_grad: float = 1.0
     fp16: bool = False
     bf16: bool = False
@@ -34,8 +42,14 @@ class OptimizerConfig:
     params_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"--optimizer {self.optimizer!r} is not supported; use 'adam' or 'sgd'")
+        if self.optimizer == "dist_muon":
+            raise ValueError("--optimizer dist_muon (Megatron-LM's layer-wise distributed Muon) is not implemented "
+                             "here; use --optimizer muon without --use-distributed-optimizer")
+        if self.optimizer not in ("adam", "sgd", "muon"):
+            raise ValueError(f"--optimizer {self.optimizer!r} is not supported; use 'adam', 'sgd' or 'muon'")
+        if self.optimizer == "muon" and self.use_distributed_optimizer:
+            raise ValueError("--optimizer muon does not work with --use-distributed-optimizer (as in Megatron-LM "
+                             "core 0.16.1): Muon orthogonalises whole matrices; drop --use-distributed-optimizer")
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are mutually exclusive; pass only one")
         if self.loss_scale is not None and self.loss_scale <= 0:

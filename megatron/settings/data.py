@@ -57,8 +57,10 @@ class DataSettings:
         read_by="megatron/training.py")
     tokenizer_type: Optional[str] = setting("--tokenizer-type", choices=_tokenizer_types, help="Tokenizer.",
         read_by="megatron/tokenizer/tokenizer.py", restore_if_unset=True)
-    tokenizer_model: Optional[str] = setting("--tokenizer-model", help="SentencePiece model file.",
-        read_by="megatron/tokenizer/tokenizer.py")
+    tokenizer_model: Optional[str] = setting("--tokenizer-model",
+        help="SentencePiece model file, or the folder of a HuggingFaceTokenizer (--use-checkpoint-args takes the "
+             "checkpoint's when not given, as Megatron-LM does).",
+        read_by="megatron/tokenizer/tokenizer.py", restore_if_unset=True)
     tokenizer_name_or_path: Optional[str] = setting("--tokenizer-name-or-path",
         help="Hugging Face tokenizer name or directory (HFTokenizer).", read_by="megatron/tokenizer/tokenizer.py")
     data_impl: str = setting("--data-impl", "--dataset-impl", default="infer",

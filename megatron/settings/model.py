@@ -33,9 +33,9 @@ def _share_embeddings_and_output_weights(args: argparse.Namespace) -> Any:
 
 
 def window_size_type(text: str) -> tuple:
-    """--window-size "W,R" or "(W,R)" -> (W, R), Megatron-LM's tuple_type."""
+    """--window-size "W,R" or "(W,R)" -> (W, R), Megatron-LM's tuple_type ("[W,R]", a checkpoint's record, too)."""
     try:
-        return tuple(int(x) for x in str(text).strip().strip("()").split(","))
+        return tuple(int(x) for x in str(text).strip().strip("()[]").split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--window-size {text!r}: give two integers W,R such as 4095,0") from None
 
@@ -189,6 +189,17 @@ class NetworkSizeSettings:
         help="Separate input embedding and output layer weights.",
         config=ConfigField("share_embeddings_and_output_weights", compute=_share_embeddings_and_output_weights, arch=23, kept=22,
         hint="--untie-embeddings-and-output-weights (or not)", restore=_RESTORE_SHARE_EMBEDDINGS_AND_OUTPUT_WEIGHTS))
+    # ---- GPT-OSS (issue #38): attention sinks and the clamped, offset GLU (Megatron-LM core 0.16.1's names)
+    softmax_type: str = setting("--softmax-type", default="vanilla", choices=["vanilla", "off-by-one", "learnable"],
+        help="Attention softmax: vanilla, off-by-one (a zero logit added to each row's denominator) or learnable "
+             "(a learned per-head sink logit, self_attention.core_attention.softmax_offset; GPT-OSS).", config=True, arch=69, kept=69)
+    quick_geglu: bool = setting("--quick-geglu", default=False,
+        help="Gated MLP with quick GeLU x * sigmoid(1.702 x) on the gate half (GPT-OSS).", config=True, arch=70, kept=70)
+    glu_linear_offset: float = setting("--glu-linear-offset", default=0.0,
+        help="Gated MLP: act(gate) * (up + offset) (GPT-OSS: 1.0).", config=True, arch=71, kept=71)
+    activation_func_clamp_value: Optional[float] = setting("--activation-func-clamp-value", type=float,
+        help="Gated MLP: clamp the gate half to <= value and the linear half to [-value, value] before the "
+             "activation (GPT-OSS: 7.0).", config=True, arch=72, kept=72)
     mtp_num_layers: Optional[int] = setting("--mtp-num-layers",
         help="Multi-token prediction (DeepSeek-V3): D sequential MTP modules after the decoder on the last pipeline "
              "stage, the k-th predicting token i+k+1 (megatron/layers/mtp.py); None: none.", config=True,

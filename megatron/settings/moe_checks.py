@@ -36,8 +36,6 @@ def validate_moe_args(args: argparse.Namespace) -> None:
                             "seq_aux_loss, sinkhorn or none")
     if args.moe_token_dispatcher_type == "flex":
         raise ArgumentError("--moe-token-dispatcher-type flex (DeepEP) is not implemented; use allgather or alltoall")
-    if args.add_bias_linear:
-        raise ArgumentError("--num-experts needs --disable-bias-linear (Megatron-LM core's experts have no bias)")
     if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         raise ArgumentError("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
                             "(as Megatron-LM)")
@@ -45,6 +43,12 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp  # Megatron-LM's default
     etp = args.expert_tensor_parallel_size
+    if etp != tp and args.add_bias_linear:
+        raise ArgumentError("expert biases (--num-experts without --disable-bias-linear) need "
+                            "--expert-tensor-parallel-size equal to --tensor-model-parallel-size")
+    if args.add_bias_linear and getattr(args, "ckpt_format", "torch") == "torch_dist":
+        raise ArgumentError("expert biases (--num-experts without --disable-bias-linear) have no Megatron Core name "
+                            "here yet: use --ckpt-format torch")
     if etp != tp:
         _check_expert_tensor_parallel(args, tp, etp, ep)
     if ep > 1 and (getattr(args, "context_parallel_size", 1) or 1) > 1:

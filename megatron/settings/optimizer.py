@@ -35,6 +35,23 @@ class RegularizationSettings:
         read_by="megatron/optimizer/__init__.py")
     sgd_momentum: float = setting("--sgd-momentum", optimizer_config=True, default=0.9, help="SGD momentum.",
         read_by="megatron/optimizer/__init__.py")
+    muon_momentum: float = setting("--muon-momentum", optimizer_config=True, default=0.9,
+        help="Momentum factor for Muon optimizer", read_by="megatron/optimizer/__init__.py")
+    muon_split_qkv: bool = setting("--muon-no-split-qkv", optimizer_config=True, default=True,
+        help="Orthogonalise the fused QKV weight whole instead of per Q, K, V part", read_by="megatron/optimizer/__init__.py")
+    muon_use_nesterov: bool = setting("--muon-use-nesterov", optimizer_config=True, default=False,
+        action="store_true", help="Whether to use Nesterov-style momentum in the internal SGD", read_by="megatron/optimizer/__init__.py")
+    muon_scale_mode: str = setting("--muon-scale-mode", optimizer_config=True, default="spectral",
+        choices=["spectral", "unit_rms_norm", "shape_scaling"], help="Scale mode for Muon optimizer", read_by="megatron/optimizer/__init__.py")
+    muon_fp32_matmul_prec: str = setting("--muon-fp32-matmul-prec", optimizer_config=True, default="medium",
+        choices=["low", "medium", "high"], help="FP32 matmul precision for Newton-Schulz iteration (medium: bf16)", read_by="megatron/optimizer/__init__.py")
+    muon_num_ns_steps: int = setting("--muon-num-ns-steps", optimizer_config=True, default=5,
+        help="Number of Newton-Schulz steps for Muon optimizer", read_by="megatron/optimizer/__init__.py")
+    muon_tp_mode: str = setting("--muon-tp-mode", optimizer_config=True, default="blockwise",
+        choices=["blockwise", "duplicated", "distributed"],
+        help="How to perform NS calculation for tensor model parallel weights", read_by="megatron/optimizer/__init__.py")
+    muon_extra_scale_factor: float = setting("--muon-extra-scale-factor", optimizer_config=True, default=1.0,
+        help="Additional scale factor for the muon update", read_by="megatron/optimizer/__init__.py")
 
 
 @dataclasses.dataclass

@@ -29,7 +29,9 @@ BLOOM = {"position_embedding_type": "alibi", "embed_layernorm": True, "normaliza
 @pytest.mark.parametrize("model_type,architecture,family", [
     ("GPT", GPT2, "gpt2"), ("GPT", LLAMA, "llama"), ("GPT", {**LLAMA, "num_moe_experts": 4}, "llama_moe"),
     ("GPT", BLOOM, "bloom"), ("BERT", GPT2, "bert"),
-    ("GPT", {**LLAMA, "num_moe_experts": 4, "multi_latent_attention": True}, "deepseek_v3")])
+    ("GPT", {**LLAMA, "num_moe_experts": 4, "multi_latent_attention": True}, "deepseek_v3"),
+    ("GPT", {"normalization": "RMSNorm", "position_embedding_type": "rope", "softmax_type": "learnable",
+             "quick_geglu": True, "num_moe_experts": 4}, "gpt_oss")])
 def test_the_saver_picks_the_family_from_the_architecture(model_type, architecture, family):
     assert hf_format.hf_adapter_for(ModelMeta(model_type, architecture)).name == family
 
@@ -40,8 +42,8 @@ def test_the_saver_refuses_with_one_line_naming_the_accepted_families():
     assert str(refused.value) == (  # the MoE members' adapter is Llama-family too: named once
         "--saver hf: this architecture is neither GPT-2 (learned positions, LayerNorm, GeLU) nor DeepSeek-V3 "
         "(--multi-latent-attention) nor Llama-family "
-        "(--swiglu --normalization RMSNorm --position-embedding-type rope) nor BLOOM (--position-embedding-type "
-        "alibi --embed-layernorm)")
+        "(--swiglu --normalization RMSNorm --position-embedding-type rope) nor GPT-OSS (--softmax-type learnable "
+        "--quick-geglu with experts, RMSNorm, RoPE) nor BLOOM (--position-embedding-type alibi --embed-layernorm)")
     with pytest.raises(ConversionError, match="^--saver hf converts GPT and BERT models, not T5$"):
         hf_format.hf_adapter_for(ModelMeta("T5", GPT2))
 

@@ -123,10 +123,62 @@ def test_window_mask_rows_match_context_parallel_rows():
 
 
 def test_window_flags_and_refusals():
-    assert window_size_type("4095,0") == (4095, 0) and window_size_type("(7, 0)") == (7, 0)
+    assert window_size_type("4095,0") == (4095, 0) and window_size_type("(7, 0)") == (7, 0) == window_size_type("[7,0]")
     with pytest.raises(ValueError, match="pass --window-size 4,0"):
         TransformerConfig(num_layers=2, window_size=(4, 2))
     with pytest.raises(ValueError, match="lists 3 layers but --num-layers is 2"):
         TransformerConfig(num_layers=2, window_size=(4, 0), window_attn_skip_freq=[1, 0, 1])
+    with pytest.raises(ValueError, match="--multi-latent-attention has no sliding window here"):
+        TransformerConfig(num_layers=2, window_size=(4, 0), multi_latent_attention=True, qk_layernorm=True,
+                          normalization="RMSNorm", position_embedding_type="rope")
     cfg = TransformerConfig(num_layers=4, window_size=(4, 0), window_attn_skip_freq=2)
     assert [cfg.is_window_layer(i) for i in range(1, 5)] == [True, False, True, False]  # Megatron Core's rule
+
+
+def test_window_config_both_ways_for_each_architecture():
+    """Each HF architecture's sliding-window fields read back to the same --window-size / --window-attn-skip-freq
+    (Mixtral, Qwen3-MoE: every layer; Qwen2/Qwen3/Qwen2-MoE: layer_types); a per-layer pattern has no Mixtral form."""
+    every = TransformerConfig(num_layers=4, window_size=(7, 0))
+    some = TransformerConfig(num_layers=4, window_size=(7, 0), window_attn_skip_freq=2)
+    cases = [(every, "MistralConfig"), (every, "MixtralConfig"), (every, "Qwen3MoeConfig"), (some, "Qwen2Config"),
+             (some, "Qwen3Config"), (some, "Qwen2MoeConfig")]
+    for config, cls in cases:
+        name = cls.replace("Config", "ForCausalLM")
+        hf = getattr(transformers, cls)(num_hidden_layers=4, **hf_window_kwargs(config, name))
+        assert window_fields_from_hf(hf) == {"window_size": (7, 0),
+                                             "window_attn_skip_freq": None if config is every else [1, 0, 1, 0]}, cls
+    with pytest.raises(ValueError, match="MixtralForCausalLM slides its window on every layer"):
+        hf_window_kwargs(some, "MixtralForCausalLM")
+    assert hf_window_kwargs(TransformerConfig(num_layers=2), "MistralForCausalLM") == {"sliding_window": None}
+
+
+def test_checkpoint_architecture_records_and_restores_the_window():
+    """The architecture record holds --qk-layernorm / --window-size / --window-attn-skip-freq; --use-checkpoint-args
+    restores them, a run without them is refused naming the flag."""
+    import argparse
+
+    from megatron.arguments import core_transformer_config_from_args, parse_args, validate_args
+    from megatron.checkpoint.args import (
+        ArchitectureMismatchError,
+        architecture_changes,
+        architecture_from_args,
+        compare_architecture,
+        flag_defaults,
+    )
+
+    def validated(extra: str) -> argparse.Namespace:
+        args = parse_args(args=("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                                "--max-position-embeddings 64 --micro-batch-size 2 " + extra).split())
+        args.world_size = 1
+        return validate_args(args)
+
+    saved = architecture_from_args(validated("--qk-layernorm --window-size 7,0 --window-attn-skip-freq [1,0]"))
+    assert (saved["qk_layernorm"], saved["window_size"], saved["window_attn_skip_freq"]) == (True, [7, 0], [1, 0])
+    with pytest.raises(ArchitectureMismatchError, match="window_size=\\[7, 0\\].*pass --window-size \\[7,0\\] to match"):
+        compare_architecture(saved, {**architecture_from_args(validated("--qk-layernorm")),
+                                     "window_attn_skip_freq": [1, 0]}, "ckpt")
+    plain = validated("")
+    changes = architecture_changes(vars(plain), saved, None, flag_defaults())
+    restored = argparse.Namespace(**{**vars(plain), **changes})
+    config = core_transformer_config_from_args(restored)
+    assert (config.qk_layernorm, config.window_size, config.window_attn_skip_freq) == (True, (7, 0), [1, 0])

@@ -1,7 +1,8 @@
 """Run by tests/tools/test_checkpoint_mcore.py under megatron-core 0.16.1 (never imported by this repository's code).
 
-On 2 gloo processes, for a tiny GPT (LayerNorm, GeLU, learned positions, tied embeddings) and a tiny Llama (RMSNorm,
-SwiGLU, RoPE, GQA, no biases, untied): builds Megatron Core's GPTModel (local layer spec) at TP1 with random weights,
+On 2 gloo processes, for a tiny GPT (LayerNorm, GeLU, learned positions, tied embeddings), a tiny Llama (RMSNorm,
+SwiGLU, RoPE, GQA, no biases, untied) and a tiny Qwen3 (the Llama with --qk-layernorm, --kv-channels 12, a sliding
+window on layer 1): builds Megatron Core's GPTModel (local layer spec) at TP1 with random weights,
 writes its logits on fixed tokens, saves it as `torch` (per-rank files with Core names, as Megatron-LM's
 `--ckpt-format torch`) and `torch_dist` (dist_checkpointing.save) at TP1, then rebuilds it at TP2 and PP2 (weights
 loaded by dist_checkpointing from the TP1 folder) and saves both formats there too. When `ours/<family>` holds a
@@ -47,6 +48,14 @@ FAMILIES = {
                             num_query_groups=2, position_embedding_type="rope", rotary_base=10000,
                             untie_embeddings_and_output_weights=True, ffn_hidden_size=64)),
 }
+# a Qwen3-like model with sliding windows: per-head q/k norms, 12-channel heads (not 32 / 4), a window of 3 on layer 1
+FAMILIES["qwen3"] = dict(config={**FAMILIES["llama"]["config"], "qk_layernorm": True, "kv_channels": 12,
+                                 "window_size": (3, 0), "window_attn_skip_freq": 2},
+                         model=FAMILIES["llama"]["model"], spec=dict(qk_layernorm=True),
+                         args={**FAMILIES["llama"]["args"], "qk_layernorm": True, "kv_channels": 12,
+                               "window_size": (3, 0), "window_attn_skip_freq": 2})
+_ones = torch.ones  # Core builds its sliding-window mask on "cuda": the CPU stand-in
+torch.ones = lambda *a, device=None, **k: _ones(*a, device="cpu" if device == "cuda" else device, **k)
 # a Mixtral-like MoE (the Llama family's layers with 4 experts, top-2, a gated shared expert), local spec's
 # SequentialMLP; saved at TP1, PP2 and EP2 (Megatron Core's MoE with TP needs sequence parallelism)
 _MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=40,
@@ -61,15 +70,15 @@ FAMILIES["moe"] = dict(config={**FAMILIES["llama"]["config"], **_MOE}, model=FAM
 
 def megatron_lm_args(family: str, tp: int, pp: int) -> argparse.Namespace:
     """The fields of Megatron-LM's args namespace that describe the model (what its checkpoints hold)."""
-    return argparse.Namespace(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, kv_channels=None,
+    fields = {"kv_channels": None, **FAMILIES[family]["args"]}
+    return argparse.Namespace(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                               max_position_embeddings=SEQ, seq_length=SEQ, padded_vocab_size=VOCAB,
                               make_vocab_size_divisible_by=128, norm_epsilon=1e-5, bias_activation_fusion=False,
                               openai_gelu=False, squared_relu=False, add_qkv_bias=False, rotary_percent=1.0,
                               transformer_impl="local",
                               apply_layernorm_1p=False, tensor_model_parallel_size=tp,
                               pipeline_model_parallel_size=pp, iteration=ITER, consumed_train_samples=80,
-                              consumed_valid_samples=0, tokenizer_type="NullTokenizer",
-                              **FAMILIES[family]["args"])
+                              consumed_valid_samples=0, tokenizer_type="NullTokenizer", **fields)
 
 
 def build(family: str, parallel_output: bool = False) -> GPTModel:

@@ -32,16 +32,17 @@ def test_the_registry_finds_each_family_layout() -> None:
 
 
 def test_the_legacy_heads_keep_megatrons_order() -> None:
-    """The last stage's parts after the final norm: the output layer, then BERT's declared heads, in the order the
-    message stream has always carried them; the nested ones saved one level deep."""
+    """The last stage's parts after the final norm: the output layer, the multi-token-prediction block (any GPT
+    model's, megatron/layers/mtp.py), then BERT's declared heads, in the order the message stream has always carried
+    them; the nested ones saved one level deep (the MTP block as the model's ``mtp`` dict)."""
     assert megatron_format.HEAD_PARTS == (
-        ("language_model.output_layer.", "output layer"), ("language_model.pooler.", "pooler"),
+        ("language_model.output_layer.", "output layer"), ("mtp.", "mtp"), ("language_model.pooler.", "pooler"),
         ("lm_head.", "lm head"), ("binary_head.", "binary head"), ("classification_head.", "classification head"),
         ("multichoice_head.", "multichoice head"))
     nested = megatron_format.nest({"lm_head.bias": 1, "language_model.pooler.dense.weight": 2,
-                                   "classification_head.weight": 3})
+                                   "classification_head.weight": 3, "mtp.layers.0.enorm.weight": 4})
     assert nested == {"lm_head": {"bias": 1}, "language_model": {"pooler": {"dense.weight": 2}},
-                      "classification_head": {"weight": 3}}
+                      "classification_head": {"weight": 3}, "mtp": {"layers.0.enorm.weight": 4}}
 
 
 def test_a_checkpoints_family_from_its_names() -> None:

@@ -36,6 +36,8 @@ FLAGS = {"gpt": ["--no-bias-gelu-fusion"],
          "llama": ["--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64", "--disable-bias-linear",
                    "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type", "rope",
                    "--untie-embeddings-and-output-weights"]}
+FLAGS["qwen3"] = [*FLAGS["llama"], "--qk-layernorm", "--kv-channels", "12", "--window-size", "3,0",
+                  "--window-attn-skip-freq", "2"]
 FLAGS["bert"] = ["--no-bias-gelu-fusion"]
 FLAGS["t5"] = ["--no-bias-gelu-fusion"]
 FLAGS["moe"] = [*FLAGS["llama"], "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
@@ -44,9 +46,10 @@ FLAGS["moe_mixed"] = [*FLAGS["moe"], "--moe-layer-freq", "[1,0]"]
 # what the oracle saved per family (MoE: TP1, PP2 and EP2) and the layouts at which it loaded ours
 SAVED = {"gpt": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
          "llama": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
+         "qwen3": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
          "moe": ("torch_tp1", "torch_pp2", "torch_ep2", "dist_tp1", "dist_pp2", "dist_ep2")}
 OURS_IN_CORE = {"gpt": ("ours_logits_tp1.pt", "ours_logits_tp2.pt"), "llama": ("ours_logits_tp1.pt",
-                "ours_logits_tp2.pt"), "moe": ("ours_logits_tp1.pt",), "moe_mixed": ("ours_logits_tp1.pt",)}
+                "ours_logits_tp2.pt"), "qwen3": ("ours_logits_tp1.pt", "ours_logits_tp2.pt"), "moe": ("ours_logits_tp1.pt",), "moe_mixed": ("ours_logits_tp1.pt",)}
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -240,7 +243,7 @@ def oracle(tmp_path_factory) -> Path:
     save_checkpoint(SAVE_AT, [model], optimizer, None, args)
     torch.save(_draws_and_tracker(), root / "ours_rng.pt")  # what the saved RNG state gives
     torch.save(train_steps(model, optimizer, batches[SAVE_AT:]), root / "ours_train_losses.pt")
-    job = {"families": ["gpt", "llama", "moe"], "ours": {}, "train": True, "bert": True, "t5": True,
+    job = {"families": ["gpt", "llama", "qwen3", "moe"], "ours": {}, "train": True, "bert": True, "t5": True,
            "ours_train": str(save / f"iter_{SAVE_AT:07d}")}
     args = run_args("bert", root / "none", "--save", str(root / "ours" / "bert"), "--save-interval", "1",
                     "--ckpt-format", "torch_dist", "--no-save-rng")
@@ -284,7 +287,7 @@ def oracle(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt", "llama", "moe"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "qwen3", "moe"])
 def test_core_checkpoints_load_at_tp1_with_core_logits(oracle, family):
     ref = torch.load(oracle / "out" / family / "logits.pt")
     for name in SAVED[family]:
@@ -293,7 +296,7 @@ def test_core_checkpoints_load_at_tp1_with_core_logits(oracle, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt", "llama", "moe", "moe_mixed"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "qwen3", "moe", "moe_mixed"])
 def test_ours_as_torch_dist_gives_the_same_logits_in_megatron_core(oracle, family):
     ours = torch.load(oracle / f"ours_{family}_logits.pt")
     for name in OURS_IN_CORE[family]:

@@ -103,6 +103,7 @@ SHORT_RUNS = {  # script: (environment, flags, the preset's MIN_LR, which the LR
     "pretrain_gpt.sh": ({"PRESET": "tiny"}, ["--seq-length", "32", "--max-position-embeddings", "32"], 1e-4),
     "pretrain_mixtral.sh": ({"PRESET": "mixtral_tiny", "TOKENIZER_TYPE": "HuggingFaceTokenizer"}, [], 6e-5),
     "pretrain_bloom.sh": ({"PRESET": "bloom_tiny"}, [], 1e-4),
+    "pretrain_gpt_oss.sh": ({"PRESET": "gpt_oss_tiny", "TOKENIZER_TYPE": "HuggingFaceTokenizer"}, [], 6e-5),
     "pretrain_qwen3.sh": ({"PRESET": "qwen3_moe_tiny", "TOKENIZER_TYPE": "HuggingFaceTokenizer"}, [], 6e-5),
 }
 

@@ -1,8 +1,8 @@
 """The aux-loss-free expert bias in training (--moe-router-enable-expert-bias with group-limited sigmoid routing):
-DP=2 and EP=2 (alltoall and allgather, one EP rank's experts left idle by the routing) give the serial run's curve with the bias updated from the global token counts, the bias in
+DP=2, EP=2 (alltoall and allgather, one EP rank's experts left idle by the routing), PP=2 and DeepSpeed ZeRO-1 (DP=2) give the serial run's curve with the bias updated from the global token counts, the bias in
 every rank's checkpoint equals the serial run's; resuming at iteration 4 from a legacy and from a torch_dist
 checkpoint reproduces 5..8 exactly (the bias is saved under Megatron Core's name and loaded); tools/checkpoint/
-convert.py carries the bias and the router flags into EP2 folders."""
+convert.py carries the bias and the router flags into EP2 folders and into torch_dist."""
 from __future__ import annotations
 
 import math
@@ -14,6 +14,7 @@ import torch
 from megatron.checkpoint.conversion.driver import main as convert
 from megatron.checkpoint.conversion.torch_dist import read_tensors
 from tests.dist_utils import run_distributed
+from tests.ds._workers import write_ds_config
 from tests.log_lines import iteration_values
 from tests.training._llama import run_many
 from tests.training._workers import tiny_gpt_argv
@@ -78,6 +79,11 @@ def test_expert_bias_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: P
              "--target-expert-parallel-size", "2"])
     for folder in ("mp_rank_00_000", "mp_rank_00_001"):
         assert torch.equal(_legacy_bias(tmp_path / "conv", folder), bias), folder
+    convert(["--model-type", "GPT", "--load-dir", str(ck), "--save-dir", str(tmp_path / "conv_dist"), "--saver",
+             "mcore"])  # legacy -> torch_dist
+    core = read_tensors(str(tmp_path / "conv_dist" / f"iter_{ITERS:07d}"), trust=True)
+    (name,) = [k for k in core if k.endswith("mlp.router.expert_bias")]
+    assert torch.equal(core[name].reshape(-1, 4)[0], bias)
     arch = torch.load(tmp_path / "conv" / f"iter_{ITERS:07d}" / "mp_rank_00_000" / "model_optim_rng.pt",
                       weights_only=False)["architecture"]
     assert (arch["moe_router_num_groups"], arch["moe_router_group_topk"], arch["moe_router_enable_expert_bias"]) \
@@ -86,8 +92,14 @@ def test_expert_bias_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: P
     # one group per EP rank's experts, so the bias soon sends a whole micro-batch to one rank and leaves the other's
     # experts idle: both dispatchers still run the same collectives on both ranks
     layouts = {"dp2": (), "ep2-alltoall": ("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
-                                           "alltoall"), "ep2-allgather": ("--expert-model-parallel-size", "2")}
+                                           "alltoall"), "ep2-allgather": ("--expert-model-parallel-size", "2"),
+               "pp2": ("--pipeline-model-parallel-size", "2")}  # the MoE layer on stage 0 only
     runs = [("stage", _argv(gpt_data, *extra, "--save", str(tmp_path / name))) for name, extra in layouts.items()]
+    # DeepSpeed's engine around our MoE layer: the DeepSpeed step applies the update too (ZeRO-1, DP=2)
+    zero1 = write_ds_config(str(tmp_path / "zero1.json"), zero_optimization={"stage": 1},
+                            train_micro_batch_size_per_gpu=2, train_batch_size=8)
+    layouts["zero1"] = ()
+    runs.append(("stage", _argv(gpt_data, "--deepspeed", "--deepspeed_config", zero1)))
     results = run_distributed(run_many, 2, args=(runs,))
     for i, name in enumerate(layouts):
         curve = _curve(results[-1][i], name)
@@ -96,6 +108,7 @@ def test_expert_bias_layouts_match_serial_and_resume(gpt_data: dict, tmp_path: P
             for a, b in zip(curve[it], ref[it]):
                 assert math.isclose(a, b, rel_tol=1e-5), f"{name} at iteration {it}: {curve[it]} vs {ref[it]}"
     assert torch.equal(_legacy_bias(tmp_path / "dp2"), bias)
+    assert torch.equal(_legacy_bias(tmp_path / "pp2", "mp_rank_00_000"), bias)
     for name in ("ep2-alltoall", "ep2-allgather"):
         for folder in ("mp_rank_00_000", "mp_rank_00_001"):  # each expert rank's own file: the same bias
             assert torch.equal(_legacy_bias(tmp_path / name, folder), bias), (name, folder)

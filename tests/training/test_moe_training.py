@@ -134,10 +134,18 @@ def test_unimplemented_moe_flags_are_refused_with_one_line(flags, named):
     assert named in str(info.value) and "\n" not in str(info.value)
 
 
-def test_moe_needs_no_bias_and_sequence_parallel_with_tp():
-    args = parse_args(args=[*BASE[:-1]])
+def test_moe_biases_need_expert_tp_equal_to_tp_and_sequence_parallel_with_tp():
+    args = parse_args(args=[*BASE[:-1]])  # expert biases (GPT-OSS): accepted
     args.rank = 1
-    with pytest.raises(ArgumentError, match="--disable-bias-linear"):
+    assert validate_args(args, {}).add_bias_linear
+    args = parse_args(args=[*BASE[:-1], "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                            "--expert-tensor-parallel-size", "1"])
+    args.rank, args.world_size = 1, 2
+    with pytest.raises(ArgumentError, match="--expert-tensor-parallel-size equal to"):
+        validate_args(args, {})
+    args = parse_args(args=[*BASE[:-1], "--ckpt-format", "torch_dist"])
+    args.rank = 1
+    with pytest.raises(ArgumentError, match="use --ckpt-format torch$"):
         validate_args(args, {})
     args = parse_args(args=[*BASE, "--tensor-model-parallel-size", "2"])
     args.rank, args.world_size = 1, 2

@@ -215,6 +215,14 @@ def _rope_scaling_flags(a: Dict[str, Any]) -> List[str]:
             default = _DEFAULTS[key]
             if a.get(key, default) != default:
                 flags.append(f"{config_flag(key)} {a[key]}")
+    if a.get("rope_type") is not None:
+        flags.append(f"{config_flag('rope_type')} {a['rope_type']}")
+    for key in ("rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
+                "beta_slow"):  # YaRN's values that differ from the defaults
+        if a.get(key, _DEFAULTS[key]) != _DEFAULTS[key]:
+            flags.append(f"{config_flag(key)} {a[key]}")
+    if not a.get("yarn_correction_range_round_to_int", True):
+        flags.append(config_flag("yarn_correction_range_round_to_int"))
     return flags
 
 

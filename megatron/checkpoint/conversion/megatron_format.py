@@ -194,7 +194,7 @@ def sign_output(iter_dir: str, meta: ModelMeta) -> None:
 
 
 _EXPERT_RANK_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
-EXPERT_PARAM_RE = re.compile(r"\.mlp\.experts\.weight[12]$")  # stacked experts: dim 0 is the (local) expert
+EXPERT_PARAM_RE = re.compile(r"\.mlp\.experts\.(weight|bias)[12]$")  # stacked experts: dim 0 is the (local) expert
 
 
 def experts_stored_whole(args: Any) -> bool:

@@ -128,6 +128,9 @@ def regular_entries(optim_sd: Dict[str, Any], chunks: Sequence[Dict[str, Any]], 
     """Per-chunk entries of a regular optimizer's state (see the module docstring); (entries, step, state keys).
     `ours`: the file was written by this framework (else a group layout it does not know is ForeignOptimizerState)."""
     inner = _inner(optim_sd)
+    if any(g.get("muon") for g in inner["param_groups"]):
+        raise ConversionError(f"{where}: --optimizer muon state is not reshaped by convert.py yet; convert the "
+                              "weights only (--no-save-optim) and resume with --no-load-optim, or keep the layout")
     groups = regular_param_order(chunks, full_order)
     saved = inner["param_groups"]
     if [len(g["params"]) for g in saved] != [len(g) for g in groups]:

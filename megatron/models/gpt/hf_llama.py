@@ -193,18 +193,18 @@ def window_fields_from_hf(hf_config: Any) -> dict:
 
 
 def hf_window_kwargs(config: TransformerConfig, name: str) -> dict:
-    """The HF config keyword arguments of `config`'s sliding window for architecture `name`."""
+    """The HF config keyword arguments of `config`'s sliding window for architecture `name` (no window: Mistral's
+    ``sliding_window`` None, nothing for the others)."""
     if not config.window_size:
-        return {"sliding_window": None} if name in ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                                    "Qwen3MoeForCausalLM") else {}
+        return {"sliding_window": None} if name == "MistralForCausalLM" else {}
     window = config.window_size[0] + 1
     pattern = [int(config.is_window_layer(i + 1)) for i in range(config.num_layers)]
-    if name == "MistralForCausalLM" or name == "Qwen3MoeForCausalLM":
+    if name in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
         if not all(pattern):
             raise ValueError(f"{name} slides its window on every layer: --window-attn-skip-freq has no form there")
-        return {"sliding_window": window} if name == "MistralForCausalLM" else {"use_sliding_window": True,
-                                                                                "sliding_window": window}
-    if name in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return {"sliding_window": window} if name != "Qwen3MoeForCausalLM" else {"use_sliding_window": True,
+                                                                                 "sliding_window": window}
+    if name in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"):
         return {"use_sliding_window": True, "sliding_window": window,
                 "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern]}
     raise ValueError(f"{name} has no sliding-window attention (--window-size): export it as MistralForCausalLM, "

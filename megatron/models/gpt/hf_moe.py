@@ -98,7 +98,7 @@ def hf_moe_config_kwargs(config: TransformerConfig, arch: str) -> Dict[str, Any]
                 any(v == 0 for v in config.moe_layer_pattern):
             raise ValueError("Mixtral has MoE in every layer, no shared expert, top-k then softmax routing")
         return dict(num_local_experts=config.num_moe_experts, num_experts_per_tok=config.moe_router_topk,
-                    intermediate_size=config.moe_ffn_hidden_size)
+                    intermediate_size=config.moe_ffn_hidden_size, **hf_llama.hf_window_kwargs(config, arch))
     pattern = config.moe_layer_pattern
     if arch == "Qwen3MoeForCausalLM":
         if config.moe_shared_expert_intermediate_size or not config.qk_layernorm:
@@ -116,7 +116,7 @@ def hf_moe_config_kwargs(config: TransformerConfig, arch: str) -> Dict[str, Any]
                 moe_intermediate_size=config.moe_ffn_hidden_size, shared_expert_intermediate_size=shared,
                 norm_topk_prob=not config.moe_router_pre_softmax, decoder_sparse_step=1,
                 mlp_only_layers=[i for i, v in enumerate(pattern) if not v], qkv_bias=config.add_qkv_bias,
-                use_sliding_window=False)
+                **(hf_llama.hf_window_kwargs(config, arch) or {"use_sliding_window": False}))
 
 
 def hf_moe_mlp_to_megatron(get: Callable[[str], torch.Tensor], prefix: str, arch: str,
