@@ -51,7 +51,7 @@ LAYER_SUFFIXES = (
     ("mlp.shared_experts.gate_weight", "mlp.shared_experts.gate_weight"),
 )
 # multi-latent attention (megatron/models/deepseek/mla.py) keeps Core's names; Transformer Engine's spec folds the
-# latent norms into the up projections. Its output projection is ``linear_proj`` in ours too (`_mla_output_names`).
+# latent norms into the up projections. Its output projection is ``linear_proj`` in ours too (`mla_output_names`).
 MLA_SUFFIXES = (
     ("self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.q_layernorm.weight"),
     ("self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.kv_layernorm.weight"),
@@ -68,7 +68,7 @@ LAYER_SUFFIXES += MLA_SUFFIXES
 _MLA_MARK = ".self_attention.linear_kv_down_proj."
 
 
-def _mla_output_names(flat: Dict[str, Any]) -> Dict[str, Any]:
+def mla_output_names(flat: Dict[str, Any]) -> Dict[str, Any]:
     """Our flat names with a multi-latent-attention layer's output projection called ``linear_proj`` (Core's name,
     which the rename turned into ParallelAttention's ``dense``)."""
     if not any(_MLA_MARK in k for k in flat):
@@ -269,7 +269,7 @@ def core_to_ours(flat: Mapping[str, Any]) -> Dict[str, Any]:
                                             "expert-parallel files are not merged here; convert with --loader mcore "
                                             "from a torch_dist checkpoint")
         out[name] = experts_to_ours([per_expert[e] for e in range(len(per_expert))])
-    return _mla_output_names(out)
+    return mla_output_names(out)
 
 
 def experts_to_ours(matrices: Any) -> Any:

@@ -7,7 +7,9 @@ writes its logits on fixed tokens, saves it as `torch` (per-rank files with Core
 `--ckpt-format torch`) and `torch_dist` (dist_checkpointing.save) at TP1, then rebuilds it at TP2 and PP2 (weights
 loaded by dist_checkpointing from the TP1 folder) and saves both formats there too. When `ours/<family>` holds a
 torch_dist checkpoint written by our code, it is loaded with dist_checkpointing.load into Core models at TP1 and TP2
-and their logits are written (also `moe_mixed`: the MoE family with MoE and dense layers mixed, at TP1). A tiny BERT (Core's BertModel, local spec, tied head, binary head; `bert`) is saved
+and their logits are written (also `moe_mixed`: the MoE family with MoE and dense layers mixed, at TP1; and
+`deepseek`: multi-latent attention, a first dense layer, group-limited sigmoid routing with the expert bias, a shared
+expert and one MTP layer, at TP1). A tiny BERT (Core's BertModel, local spec, tied head, binary head; `bert`) is saved
 the same way at TP1 and TP2, and ours loaded into it; so is a tiny T5 (Core's T5Model, local specs, tied
 head; `t5`; ours also as saved by our PP2 run); at TP2 both also load our save's optimizer state into Megatron Core's
 DDP and distributed optimizer and save it again in both its layouts (`ours_optim_tp2_<layout>`). Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
@@ -127,6 +129,72 @@ def mixed_run(ours: str) -> None:
     if dist.get_rank() == 0:
         os.makedirs(os.path.join("out", "moe_mixed"), exist_ok=True)
         torch.save(logits_of(model), os.path.join("out", "moe_mixed", "ours_logits_tp1.pt"))
+    dist.barrier()
+    mps.destroy_model_parallel()
+
+
+# the DeepSeek-V3 family (ours only, at TP1): multi-latent attention with q-lora (plain RoPE), a first dense layer
+# then an MoE layer (4 experts in 2 groups, sigmoid router with expert bias and scaling, an ungated shared expert),
+# one MTP layer; Core's MLA on the local spec takes a stand-in core attention (as tests/model/test_mla_mcore_oracle.py)
+DEEPSEEK = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
+                v_head_dim=8, rope_type="rope", rotary_base=10000, normalization="RMSNorm", qk_layernorm=True,
+                gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, ffn_hidden_size=64,
+                apply_rope_fusion=False, num_moe_experts=4, moe_layer_freq=[0, 1], moe_ffn_hidden_size=32,
+                moe_shared_expert_intermediate_size=32, moe_router_topk=2, moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
+                moe_router_topk_scaling_factor=2.5, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
+                mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
+
+
+class StandInCoreAttention(torch.nn.Module):
+    """causal softmax(q k^T * softmax_scale) v: Core's local DotProductAttention takes no separate k / v head dims."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, k_channels=None,
+                 v_channels=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, q, k, v, attention_mask, attn_mask_type=None, packed_seq_params=None, **kw):
+        scores = torch.einsum("sbnd,tbnd->bnst", q, k) * self.scale
+        causal = torch.ones(q.size(0), k.size(0), dtype=torch.bool).triu(1)
+        ctx = torch.einsum("bnst,tbnd->sbnd", torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1), v)
+        return ctx.reshape(ctx.size(0), ctx.size(1), -1)
+
+
+def deepseek_run(ours: str) -> None:
+    """Our torch_dist save of the DeepSeek family loaded (strictly, MTP layer and expert biases included) into Core's
+    GPTModel at TP1 (MLA local specs of get_gpt_decoder_block_spec, get_gpt_mtp_block_spec); its logits and the MTP
+    depth's logits (the output layer's first call when labels are given) written to out/deepseek/."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    multi_latent_attention.HAVE_TE = False  # its TE stand-ins are not types without Transformer Engine
+    mps.initialize_model_parallel(1, 1)
+    cfg = MLATransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                               use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                               pipeline_dtype=torch.float32, **DEEPSEEK)
+    block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    for layer in block.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = StandInCoreAttention
+    model = GPTModel(config=cfg, transformer_layer_spec=block, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     parallel_output=False, share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     mtp_block_spec=get_gpt_mtp_block_spec(cfg, block, use_transformer_engine=False))
+    model.eval()
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ours)
+    missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+    calls = []
+    # copies: Core's cross entropy then turns the logits into probabilities in place
+    model.output_layer.register_forward_hook(lambda module, args, out: calls.append(out[0].detach().clone()))
+    ids, pos, mask = tokens()
+    with torch.no_grad():
+        model(ids, pos, mask, labels=ids)  # the MTP block runs only with labels: its depth's logits come first
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.join("out", "deepseek"), exist_ok=True)
+        torch.save({"logits": calls[1].transpose(0, 1), "mtp_logits": calls[0].transpose(0, 1),
+                    "expert_bias": [b for name, b in model.named_buffers() if name.endswith("router.expert_bias")]},
+                   os.path.join("out", "deepseek", "ours_in_core.pt"))
     dist.barrier()
     mps.destroy_model_parallel()
 
@@ -618,6 +686,8 @@ def main() -> None:
             mps.destroy_model_parallel()
     if job.get("ours", {}).get("moe_mixed"):
         mixed_run(job["ours"]["moe_mixed"])
+    if job.get("ours", {}).get("deepseek"):
+        deepseek_run(job["ours"]["deepseek"])
     if job.get("bert"):
         bert_run(job.get("ours", {}).get("bert"))
     if job.get("t5"):

@@ -43,6 +43,16 @@ FLAGS["t5"] = ["--no-bias-gelu-fusion"]
 FLAGS["moe"] = [*FLAGS["llama"], "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
                 "--moe-shared-expert-intermediate-size", "40", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "0"]
 FLAGS["moe_mixed"] = [*FLAGS["moe"], "--moe-layer-freq", "[1,0]"]
+FLAGS["deepseek"] = ["--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64", "--disable-bias-linear",
+                     "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+                     "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "24", "--kv-lora-rank", "16",
+                     "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--rope-type", "rope",
+                     "--num-experts", "4", "--moe-layer-freq", "[0,1]", "--moe-ffn-hidden-size", "32",
+                     "--moe-shared-expert-intermediate-size", "32", "--moe-router-topk", "2",
+                     "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                     "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+                     "--moe-router-topk-scaling-factor", "2.5", "--moe-aux-loss-coeff", "0", "--mtp-num-layers", "1",
+                     "--mtp-loss-scaling-factor", "0.3"]
 # what the oracle saved per family (MoE: TP1, PP2 and EP2) and the layouts at which it loaded ours
 SAVED = {"gpt": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
          "llama": ("torch_tp2", "torch_pp2", "dist_tp1", "dist_tp2", "dist_pp2"),
@@ -225,6 +235,33 @@ def _draws_and_tracker() -> dict:
     return out
 
 
+def save_ours_deepseek(root: Path) -> str:
+    """Our DeepSeek-family model (random weights and expert biases) saved with --ckpt-format torch_dist; its logits,
+    its MTP depth's logits (the output layer on the MTP layer's hidden states) and its expert biases in
+    `ours_deepseek.pt`. Returns the iteration folder."""
+    from megatron.compat import save_checkpoint
+    from megatron.layers.mtp import output_logits
+
+    save = root / "ours" / "deepseek"
+    args = run_args("deepseek", root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format",
+                    "torch_dist", "--no-save-optim", "--no-save-rng")
+    torch.manual_seed(11)
+    model = our_model(args)
+    ids, pos, mask = tokens()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        biases = [b for name, b in model.named_buffers() if name.endswith("router.expert_bias")]
+        for bias in biases:  # the MoE layer's and the MTP layer's: they change which experts are chosen
+            bias.copy_(0.1 * torch.randn_like(bias))
+        states = model.mtp(ids, pos, model.language_model(ids, pos, mask), mask, model.language_model.embedding)
+        torch.save({"logits": model(ids, pos, mask), "expert_bias": [b.clone() for b in biases],
+                    "mtp_logits": output_logits(model.output_weight(), None, False)(states[0]).transpose(0, 1)},
+                   root / "ours_deepseek.pt")
+    save_checkpoint(3, [model], None, None, args)
+    return str(save / "iter_0000003")
+
+
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory) -> Path:
     """The oracle's checkpoints and logits; it also loads ours (saved here first with --ckpt-format torch_dist), and
@@ -280,6 +317,7 @@ def oracle(tmp_path_factory) -> Path:
             torch.save(model(*tokens()), root / f"ours_{family}_logits.pt")
         save_checkpoint(3, [model], None, None, args)
         job["ours"][family] = str(save / "iter_0000003")
+    job["ours"]["deepseek"] = save_ours_deepseek(root)
     (root / "job.json").write_text(json.dumps(job))
     script = ORACLE_CPU_PRELUDE + (Path(__file__).parent / "mcore_oracle_checkpoints.py").read_text()
     run_oracle(script, root, nproc=2)
@@ -301,6 +339,26 @@ def test_ours_as_torch_dist_gives_the_same_logits_in_megatron_core(oracle, famil
     ours = torch.load(oracle / f"ours_{family}_logits.pt")
     for name in OURS_IN_CORE[family]:
         torch.testing.assert_close(torch.load(oracle / "out" / family / name), ours, **TOL, msg=name)
+
+
+@pytest.mark.slow
+def test_ours_deepseek_as_torch_dist_in_megatron_core(oracle):
+    """Our DeepSeek-family save (multi-latent attention with q-lora, a first dense layer, group-limited sigmoid
+    routing with the expert bias and scaling, a shared expert, one MTP layer) loads strictly into Megatron Core's
+    GPTModel with its MTP block (MLA local specs, a stand-in core attention): Core's logits and MTP-depth logits are
+    ours (<= 1e-5) and its expert biases (the MoE layer's, the MTP layer's) are ours bit for bit."""
+    ours, core = torch.load(oracle / "ours_deepseek.pt"), torch.load(oracle / "out" / "deepseek" / "ours_in_core.pt")
+    assert len(ours["expert_bias"]) == len(core["expert_bias"]) == 2
+    assert all(torch.equal(a, b) and a.abs().min() > 0 for a, b in zip(ours["expert_bias"], core["expert_bias"]))
+    for key in ("logits", "mtp_logits"):
+        torch.testing.assert_close(core[key], ours[key], **TOL, msg=key)
+
+
+def test_ours_deepseek_torch_dist_loads_back(tmp_path):
+    """Our DeepSeek-family torch_dist save (per-layer names: a dense first layer, then MoE; the MTP depth's experts
+    stacked as Core's) loads back into ours with our logits bit for bit."""
+    path = Path(save_ours_deepseek(tmp_path))
+    assert torch.equal(load_logits("deepseek", path.parent), torch.load(tmp_path / "ours_deepseek.pt")["logits"])
 
 
 @pytest.mark.slow

@@ -64,6 +64,7 @@ from megatron.checkpoint.safe_load import UnsafeCheckpointError, restricted_pick
 from megatron.core.enums import CORE_MODEL_TYPE
 from megatron.errors import MegatronUserError
 from megatron.layers.mcore_names import (
+    MTP_LAYERS,
     OUR_EXPERTS,
     core_layer_suffix_to_ours,
     core_to_ours,
@@ -72,6 +73,7 @@ from megatron.layers.mcore_names import (
     is_core_t5,
     is_our_bert,
     is_our_t5,
+    mla_output_names,
     our_layer_suffix_to_core,
     ours_to_core,
 )
@@ -87,8 +89,14 @@ _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.line
 _MOE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.shared_experts.linear_fc1",
                 "mlp.shared_experts.linear_fc2")
 _CROSS_LINEARS = ("cross_attention.linear_q", "cross_attention.linear_kv", "cross_attention.linear_proj")
+# multi-latent attention's linears (Megatron Core's MLA local spec keeps its norms unfolded: input_layernorm,
+# q_layernorm, kv_layernorm, pre_mlp_layernorm; no sharded_state_dict_keys_map as the plain attention's spec has)
+_MLA_LINEARS = ("self_attention.linear_q_proj", "self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
+                "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj")
+_MLA_MARK = "self_attention.linear_kv_down_proj.weight"
 # MoE experts: [layers, E, out, in] under Megatron Core's SequentialMLP torch_dist name
 _CORE_EXPERTS = {f"mlp.experts.experts.linear_fc{w}.weight": ours for w, ours in OUR_EXPERTS.items()}
+_MTP_LAYER = ".transformer_layer."
 # "module:qualname" -> where the class lives here, of everything a .metadata written by torch.distributed.checkpoint
 # (torch 2.x, Megatron Core's torch_dist strategy included) holds besides plain containers and torch's dtypes
 DCP_METADATA_GLOBALS: Dict[str, str] = {
@@ -328,6 +336,10 @@ def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Te
             if not suffix.endswith("_extra_state"):
                 rest.update({f"encoder.layers.{i}.{suffix}": t[i].clone() for i in range(t.size(0))})
             continue
+        head, _, own = key.partition(_MTP_LAYER)
+        if key.startswith(MTP_LAYERS) and own in _CORE_EXPERTS:  # an MTP depth's experts [E, out, in]
+            flat[f"{head}{_MTP_LAYER}{_CORE_EXPERTS[own]}"] = experts_to_ours(t)
+            continue
         if key.startswith("decoder.layers."):
             suffix = key[len("decoder.layers."):]
             if suffix.endswith("_extra_state"):
@@ -347,7 +359,7 @@ def core_stacked_to_ours(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Te
         else:
             rest[key] = t
     flat.update(core_to_ours(rest))
-    return flat
+    return mla_output_names(flat)  # per-layer (non-homogeneous) MLA layers: their output projection's name too
 
 
 def ours_to_core_stacked(flat: Dict[str, torch.Tensor], num_layers: int) -> Dict[str, torch.Tensor]:
@@ -363,14 +375,26 @@ def ours_to_core_stacked(flat: Dict[str, torch.Tensor], num_layers: int) -> Dict
             per_suffix.setdefault(suffix, [None] * num_layers)[int(index)] = t
         else:
             rest[key] = t
-    out = ours_to_core(rest)
+    # norms folded into the next linear as Transformer Engine's spec names them (and Core's local spec maps its
+    # names to), except with multi-latent attention, whose local spec does not: unfolded, as Core reads them
+    fused = _MLA_MARK not in per_suffix
     core_experts = {ours: core for core, ours in _CORE_EXPERTS.items()}
+    mtp = {k: rest.pop(k) for k in [k for k in rest if k.startswith(MTP_LAYERS)]}
+    out = ours_to_core(rest)
+    for key, t in mtp.items():  # an MTP depth's transformer layer: a decoder layer's names, its experts stacked
+        head, _, suffix = key.partition(_MTP_LAYER)
+        if not suffix:
+            out[key] = t
+        elif suffix in core_experts:
+            out[f"{head}{_MTP_LAYER}{core_experts[suffix]}"] = experts_to_core(t)
+        else:
+            out[f"{head}{_MTP_LAYER}{our_layer_suffix_to_core(suffix, fused_norms=fused)}"] = t
     # layers of different kinds (MoE and dense: --moe-layer-freq other than 1) are not stacked: each layer under its
     # own names, as Megatron Core's non-homogeneous layers (``decoder.layers.{i}.*``; experts [E, out, in])
     mixed = stack == "decoder.layers." and any(t is None for ts in per_suffix.values() for t in ts)
     for suffix, tensors in per_suffix.items():
         if mixed:
-            name = core_experts.get(suffix) or our_layer_suffix_to_core(suffix, fused_norms=True)
+            name = core_experts.get(suffix) or our_layer_suffix_to_core(suffix, fused_norms=fused)
             out.update({f"{stack}{i}.{name}": experts_to_core(t) if suffix in core_experts else t
                         for i, t in enumerate(tensors) if t is not None})
             continue
@@ -380,7 +404,7 @@ def ours_to_core_stacked(flat: Dict[str, torch.Tensor], num_layers: int) -> Dict
         if suffix in core_experts:
             out[stack + core_experts[suffix]] = torch.stack([experts_to_core(t) for t in tensors])
             continue
-        out[stack + our_layer_suffix_to_core(suffix, fused_norms=True)] = torch.stack(tensors)
+        out[stack + our_layer_suffix_to_core(suffix, fused_norms=fused)] = torch.stack(tensors)
     return out
 
 
@@ -532,6 +556,31 @@ def core_args(args: Any) -> Any:
     return out
 
 
+def _linears(tensors: Dict[str, torch.Tensor], moe: bool) -> Tuple[str, ...]:
+    """A decoder layer's linears (each has a Megatron Core extra-state object): multi-latent attention's when the
+    model has it, the MLP's or the MoE layer's shared expert's."""
+    plain = _MOE_LINEARS if moe else _LINEARS
+    if not any(k.endswith(_MLA_MARK) for k in tensors):
+        return plain
+    mla = tuple(n for n in _MLA_LINEARS if any(k.endswith(f"{n}.weight") for k in tensors))
+    return mla + plain[1:]
+
+
+def _mtp_objects(tensors: Dict[str, torch.Tensor], experts: int) -> Dict[str, Any]:
+    """The extra-state objects of each MTP depth (Megatron Core's ``mtp.layers.D``): its eh_proj and its transformer
+    layer's linears (and experts), one shard each as a non-stacked layer."""
+    out: Dict[str, Any] = {}
+    for head in sorted({MTP_LAYERS + k[len(MTP_LAYERS):].partition(".")[0] for k in tensors
+                        if k.startswith(MTP_LAYERS)}):
+        moe = f"{head}{_MTP_LAYER}mlp.router.weight" in tensors
+        names = [f"{head}.eh_proj", *(f"{head}{_MTP_LAYER}{n}" for n in _linears(tensors, moe))]
+        out.update({f"{n}._extra_state/shard_0_1": [None] for n in names})
+        for w in ("1", "2") if moe else ():
+            for e in range(experts):
+                out[f"{head}{_MTP_LAYER}mlp.experts.experts.linear_fc{w}._extra_state/shard_{e}_{experts}"] = [None]
+    return out
+
+
 def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str,
                      extra_common: Optional[Dict[str, Any]] = None, rng: Optional[Dict[str, Any]] = None,
                      rng_dp_axis: bool = False) -> None:
@@ -553,7 +602,7 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
             state.update(state_tensors({key: ours_to_core_stacked(per_key, num_layers)}))
     experts = int(meta.architecture.get("num_moe_experts") or 0)
     mixed = any(k.startswith("decoder.layers.") and k.split(".")[2].isdigit() for k in tensors)
-    stacks = [] if mixed else [(family.core_stack, _MOE_LINEARS if experts else _LINEARS, num_layers)]
+    stacks = [] if mixed else [(family.core_stack, _linears(tensors, experts > 0), num_layers)]
     if family.encoder_decoder:  # both stacks; the decoder's cross-attention linears too
         own = meta.extra[family.extra_key]
         enc, dec = own["encoder_num_layers"], own["decoder_num_layers"]
@@ -567,7 +616,7 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
         state[f"{name}._extra_state/shard_0_1"] = [None]
     for i in range(num_layers) if mixed else ():  # non-homogeneous layers: each layer's own objects
         moe = f"decoder.layers.{i}.mlp.router.weight" in tensors
-        for linear in _MOE_LINEARS if moe else _LINEARS:
+        for linear in _linears(tensors, moe):
             state[f"decoder.layers.{i}.{linear}._extra_state/shard_0_1"] = [None]
         for w in ("1", "2") if moe else ():
             for e in range(experts):
@@ -577,6 +626,7 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
             for e in range(experts):
                 state[f"decoder.layers.mlp.experts.experts.linear_fc{w}._extra_state/shard_{i}.{e}_{num_layers}."
                       f"{experts}"] = [None]
+    state.update(_mtp_objects(tensors, experts))
     if rng is not None:
         state.update(core_rng_objects(rng, rng_dp_axis))
     args = core_args(meta.checkpoint_args if meta.checkpoint_args is not None else args_namespace(meta))
