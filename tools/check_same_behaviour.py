@@ -24,6 +24,10 @@ Usage::
     python tools/check_same_behaviour.py --record before.json --workdir /tmp/csb   # on the commit before the change
     python tools/check_same_behaviour.py --compare before.json    # after: exit 1 and a diff when anything differs
 
+A change that adds flags compares with ``--allow-new-settings``: a setting the record does not know, printed or
+saved at its default value, is then not a difference (the argument dump's new lines, the checkpoints' new ``args`` and
+``architecture`` fields, and so their bytes and manifests); everything else must still be the same.
+
 ``--only gpt,bloom`` limits the runs (names: gpt, llama, bert, t5, gpt_deepspeed, bloom, mixtral_ep2, gpt_cp2).
 ``--workdir`` is the scratch folder (emptied first; one check at a time per folder, a second one waits). A compare
 must run in the folder the record was made in: the checkpoints' ``args`` hold paths under it (``--save``,
@@ -332,25 +336,88 @@ def record(work: str, only: list[str]) -> dict:
     return out
 
 
-def compare(old: dict, new: dict) -> list[str]:
-    """Human-readable differences (empty when identical)."""
-    problems = []
+_ARG_LINE = re.compile(r"^  (\w+) \.+ (.*)$")  # a line of Megatron's argument dump
+
+
+def setting_defaults() -> dict[str, Any]:
+    """dest -> default of every flag this tree's parser declares (what --allow-new-settings compares against)."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from megatron.arguments import build_parser
+
+    return {action.dest: action.default for action in build_parser()._actions if action.dest != "help"}
+
+
+def _drop_new_arg_lines(a: list[str], b: list[str], defaults: dict[str, Any], seen: set[str]) -> list[str]:
+    """`b` without the argument-dump lines of settings `a` never printed whose value is their default."""
+    before = {m.group(1) for m in map(_ARG_LINE.match, a) if m}
+    kept = []
+    for line in b:
+        m = _ARG_LINE.match(line)
+        if m and m.group(1) not in before and m.group(1) in defaults and m.group(2) == str(defaults[m.group(1)]):
+            seen.add(m.group(1))
+            continue
+        kept.append(line)
+    return kept
+
+
+def _drop_new_fields(fa: dict, fb: dict, defaults: dict[str, Any], seen: set[str]) -> dict:
+    """`fb` without the content fields (``.args.NAME``, ``.architecture.NAME``) `fa` lacks whose value is NAME's
+    default; its sha256 is `fa`'s when nothing else differs (the bytes then differ by those fields only)."""
+    ca, cb = fa.get("content", {}), fb.get("content", {})
+    new = {key for key in set(cb) - set(ca) if key.split(".")[1:2] in (["args"], ["architecture"])
+           and key.split(".")[-1] in defaults and cb[key] == repr(defaults[key.split(".")[-1]])}
+    if not new:
+        return fb
+    seen.update(key.split(".")[-1] for key in new)
+    out = {**fb, "content": {k: v for k, v in cb.items() if k not in new}}
+    if out["content"] == ca and out.get("classes") == fa.get("classes") and "sha256" in fa:
+        out["sha256"] = fa["sha256"]
+    return out
+
+
+def _manifest_sizes_only(fa: dict, fb: dict) -> bool:
+    """Two manifest.json texts that differ only in their files' sizes and CRCs."""
+    strip = re.compile(r'"(crc32|size)": [^,}\n]*')
+    return "text" in fa and "text" in fb and strip.sub("", fa["text"]) == strip.sub("", fb["text"])
+
+
+def compare(old: dict, new: dict, defaults: Optional[dict[str, Any]] = None,
+            seen: Optional[set[str]] = None) -> list[str]:
+    """Human-readable differences (empty when identical). With `defaults` (``--allow-new-settings``), settings the
+    record does not know that appear at their default value (in the argument dump, the checkpoints' args and
+    architecture record, and hence the checkpoint files' bytes and manifests) are not differences; their names are
+    added to `seen`."""
+    problems, seen = [], set() if seen is None else seen
     for kind in sorted(set(old) | set(new)):
         if kind not in old or kind not in new:
             problems.append(f"{kind}: only in {'the record' if kind in old else 'this run'}")
             continue
         for key in sorted(k for k in set(old[kind]) | set(new[kind]) if k != "checkpoints"):
             a, b = old[kind].get(key, []), new[kind].get(key, [])
+            if defaults is not None:
+                b = _drop_new_arg_lines(a, b, defaults, seen)
             if a != b:
                 diff = list(difflib.unified_diff(a, b, "recorded", "now", lineterm="", n=1))
                 problems.append(f"{kind} {key}:\n" + "\n".join(diff[:40]))
         ca, cb = old[kind]["checkpoints"], new[kind]["checkpoints"]
+        if defaults is not None:
+            cb = {name: _drop_new_fields(ca[name], fb, defaults, seen) if name in ca else fb
+                  for name, fb in cb.items()}
         for name in sorted(set(ca) | set(cb)):
             if name not in ca or name not in cb:
                 problems.append(f"{kind}: checkpoint file {name} only in {'the record' if name in ca else 'this run'}")
-            elif ca[name] != cb[name]:
+            elif ca[name] != cb[name] and not (defaults is not None and name.endswith("manifest.json")
+                                               and _manifest_sizes_only(ca[name], cb[name])
+                                               and _folder_same(ca, cb, os.path.dirname(name))):
                 problems.append(f"{kind}: {name} differs:\n" + "\n".join(_file_difference(ca[name], cb[name])[:20]))
     return problems
+
+
+def _folder_same(ca: dict, cb: dict, folder: str) -> bool:
+    """Every file under `folder` but its manifest the same in both digests (after new settings were dropped)."""
+    names = {n for n in set(ca) | set(cb) if n.startswith(folder + "/") and not n.endswith("manifest.json")}
+    return all(ca.get(n) == cb.get(n) for n in names)
 
 
 def _workdir_for(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
@@ -392,6 +459,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--workdir", default=None,
                         help=f"scratch folder, emptied first (--record: default {DEFAULT_WORKDIR}; --compare: must "
                              "be the record's own, the default)")
+    parser.add_argument("--allow-new-settings", action="store_true",
+                        help="with --compare: settings the record does not know, at their default value, are not "
+                             "differences (for a change that adds flags; a refactor compares strictly)")
     args = parser.parse_args(argv)
     only = [k for k in args.only.split(",") if k]
     unknown = [k for k in only if k not in RUNS]
@@ -408,9 +478,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     with open(args.compare) as f:
         old = json.load(f)
-    problems = compare({k: v for k, v in old.items() if k in only}, digests)
+    seen: set[str] = set()
+    problems = compare({k: v for k, v in old.items() if k in only}, digests,
+                       setting_defaults() if args.allow_new_settings else None, seen)
     for problem in problems:
         print(problem)
+    if seen:
+        print(f"new settings at their defaults (not differences): {len(seen)}: {', '.join(sorted(seen))}")
     print("same behaviour" if not problems else f"{len(problems)} difference(s)")
     return 0 if not problems else 1
 

@@ -152,3 +152,31 @@ def test_a_check_under_a_flock_wrapper_does_not_wait_on_it(tmp_path: Path) -> No
         fcntl.flock(wrapper, fcntl.LOCK_EX)
         threading.Thread(target=check, daemon=True).start()
         assert entered.wait(10), "the check waited on the flock wrapper's lock"
+
+
+def test_new_settings_at_their_defaults_are_allowed_only_when_asked() -> None:
+    """--allow-new-settings: a flag the record does not know, at its default, in the argument dump, the checkpoint's
+    args/architecture (so its bytes and manifest) is not a difference; at another value, or any other change, it is;
+    without the option the compare is strict."""
+    tool = _tool()
+    defaults = {"new_flag": 0.5, "other": None, "lr": 1e-4}
+    log_old = ["  lr ...... 0.0001", "iteration 1 | lm loss: 1.0"]
+    pt_old = {"sha256": "a", "content": {".args.lr": "0.0001", ".model.w": "tensor x"}, "classes": []}
+    manifest_old = {"text": '{"files": {"m.pt": {"crc32": "1", "size": 10}}}'}
+
+    def digests(arg_line: str, args_value: str, weight: str = "tensor x") -> dict:
+        pt = {"sha256": "b", "content": {".args.lr": "0.0001", ".args.new_flag": args_value,
+                                         ".architecture.other": "None", ".model.w": weight}, "classes": []}
+        manifest = {"text": '{"files": {"m.pt": {"crc32": "2", "size": 12}}}'}
+        return {"gpt": {"log": [log_old[0], arg_line, log_old[1]],
+                        "checkpoints": {"c/iter_1/m.pt": pt, "c/iter_1/manifest.json": manifest}}}
+
+    old = {"gpt": {"log": log_old, "checkpoints": {"c/iter_1/m.pt": pt_old, "c/iter_1/manifest.json": manifest_old}}}
+    at_default = digests("  new_flag ...... 0.5", "0.5")
+    seen: set = set()
+    assert tool.compare(old, at_default, defaults, seen) == [] and seen == {"new_flag", "other"}
+    assert len(tool.compare(old, at_default)) == 3  # strict: the log, the file, its manifest
+    changed = tool.compare(old, digests("  new_flag ...... 0.7", "0.7"), defaults)
+    assert [p.split(":")[0] for p in changed] == ["gpt log", "gpt", "gpt"]
+    weights = tool.compare(old, digests("  new_flag ...... 0.5", "0.5", weight="tensor y"), defaults)
+    assert len(weights) == 2 and ".model.w: tensor x -> tensor y" in weights[0]  # the file and its manifest

@@ -1,7 +1,9 @@
 """Any supported Hugging Face model in two commands (issue #38): ``convert.py --loader hf`` then ``pretrain_gpt.py
 --load X --use-checkpoint-args`` with data and training flags only, then back to Hugging Face.
 
-Proof: a tiny HF Llama with YaRN rope scaling and its GPT-2-style tokenizer (both built offline) converts; the
+Proof: a tiny HF Qwen3 (per-head q/k norms, head_dim 16 != hidden / heads, YaRN rope scaling, a sliding window of 8
+on its second layer through use_sliding_window / max_window_layers) and its GPT-2-style tokenizer (both built
+offline) converts; the
 checkpoint's args hold every architecture flag and the tokenizer (HuggingFaceTokenizer over the copied files), so
 the generation server's start-up with only --load X --use-checkpoint-args serves HF's logits (1e-5) with HF's token
 ids, and pretraining continues for 10 iterations with no model or tokenizer flag (the loss falls); the trained checkpoint
@@ -35,13 +37,19 @@ def _hf_folder(folder: Path, shared_data: Path) -> None:
     (folder / "vocab.json").unlink()
     (folder / "merges.txt").unlink()
     tokenizer.save_pretrained(str(folder))  # tokenizer.json + tokenizer_config.json: a HuggingFaceTokenizer folder
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       max_position_embeddings=64, rope_theta=10000.0, rope_scaling=YARN,
+                                      use_sliding_window=True, sliding_window=8, max_window_layers=1,
                                       rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=None)
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
+    model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():  # q/k norm weights away from HF's ones, so a dropped or swapped norm shows
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(str(folder))
 
 
 def _convert(*argv: str) -> dict:
@@ -87,12 +95,14 @@ def _serve(rank: int, world_size: int, load: str, ids: torch.Tensor) -> dict:
             "logits": logits}
 
 
-def test_hf_llama_yarn_converts_trains_with_checkpoint_args_and_exports(gpt_data: dict, shared_data: Path,
-                                                                        tmp_path: Path) -> None:
+def test_hf_qwen3_converts_trains_with_checkpoint_args_and_exports(gpt_data: dict, shared_data: Path,
+                                                                   tmp_path: Path) -> None:
     hf_dir, meg, trained, back = (tmp_path / n for n in ("hf", "meg", "trained", "back"))
     _hf_folder(hf_dir, shared_data)
     out = _convert("--loader", "hf", "--saver", "megatron", "--load-dir", str(hf_dir), "--save-dir", str(meg))
-    assert "--rope-type yarn --rotary-scaling-factor 2.0" in out["flags"]  # the printed flags say it too
+    flags = out["flags"]  # the printed flags say it too
+    assert "--rope-type yarn --rotary-scaling-factor 2.0" in flags and "--qk-layernorm" in flags
+    assert "--kv-channels 16" in flags and "--window-size" in flags
     original = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir)).float().eval()
     prompt = torch.tensor([[464, 3797, 3332, 319, 262, 2603, 13, 383, 3290, 1310, 509, 11, 290, 262, 4252, 4940]])
     (served,) = run_distributed(_serve, 1, args=(str(meg), prompt))
@@ -114,10 +124,12 @@ def test_hf_llama_yarn_converts_trains_with_checkpoint_args_and_exports(gpt_data
 
     _convert("--loader", "megatron", "--saver", "hf", "--load-dir", str(trained), "--save-dir", str(back))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(back)).float().eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM" and hf.config.head_dim == 16
     assert hf.config.rope_parameters["rope_type"] == "yarn" and hf.config.rope_parameters["factor"] == 2.0
+    assert hf.config.layer_types == ["full_attention", "sliding_attention"] and hf.config.sliding_window == 8
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(back))
     text = "The cat sat on the mat while the dog barked at the moon over the quiet town square."
-    ids = torch.tensor([tokenizer(text)["input_ids"][:17]] * 2)
+    ids = torch.tensor([tokenizer(text)["input_ids"][:17]] * 2)  # 16 positions: past the window of 8
     with torch.no_grad():
         theirs = hf(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(_our_loss(str(trained), ids), theirs, rtol=1e-5, atol=1e-5)
