@@ -180,3 +180,8 @@ def test_new_settings_at_their_defaults_are_allowed_only_when_asked() -> None:
     assert [p.split(":")[0] for p in changed] == ["gpt log", "gpt", "gpt"]
     weights = tool.compare(old, digests("  new_flag ...... 0.5", "0.5", weight="tensor y"), defaults)
     assert len(weights) == 2 and ".model.w: tensor x -> tensor y" in weights[0]  # the file and its manifest
+    ds_old = {"gpt": {"checkpoints": {"g/global_step1/m.pt": pt_old,
+                                      "g/global_step1/manifest.json": {"manifest": {"m.pt": 10}}}}}
+    ds_new = {"gpt": {"checkpoints": {"g/global_step1/m.pt": digests("", "0.5")["gpt"]["checkpoints"]["c/iter_1/m.pt"],
+                                      "g/global_step1/manifest.json": {"manifest": {"m.pt": 12}}}}}
+    assert tool.compare(ds_old, ds_new, defaults) == []  # DeepSpeed's manifest: sizes only
