@@ -9,7 +9,7 @@ loaded by dist_checkpointing from the TP1 folder) and saves both formats there t
 torch_dist checkpoint written by our code, it is loaded with dist_checkpointing.load into Core models at TP1 and TP2
 and their logits are written (also `moe_mixed`: the MoE family with MoE and dense layers mixed, at TP1; and
 `deepseek`: multi-latent attention, a first dense layer, group-limited sigmoid routing with the expert bias, a shared
-expert and one MTP layer, at TP1). A tiny BERT (Core's BertModel, local spec, tied head, binary head; `bert`) is saved
+expert and one MTP layer, at TP1; `mtp_moe`: the MoE family with a dense first layer and one MTP layer). A tiny BERT (Core's BertModel, local spec, tied head, binary head; `bert`) is saved
 the same way at TP1 and TP2, and ours loaded into it; so is a tiny T5 (Core's T5Model, local specs, tied
 head; `t5`; ours also as saved by our PP2 run); at TP2 both also load our save's optimizer state into Megatron Core's
 DDP and distributed optimizer and save it again in both its layouts (`ours_optim_tp2_<layout>`). Then training (`train`): the GPT wrapped in Megatron Core's DistributedDataParallel
@@ -161,21 +161,26 @@ class StandInCoreAttention(torch.nn.Module):
         return ctx.reshape(ctx.size(0), ctx.size(1), -1)
 
 
-def deepseek_run(ours: str) -> None:
-    """Our torch_dist save of the DeepSeek family loaded (strictly, MTP layer and expert biases included) into Core's
-    GPTModel at TP1 (MLA local specs of get_gpt_decoder_block_spec, get_gpt_mtp_block_spec); its logits and the MTP
-    depth's logits (the output layer's first call when labels are given) written to out/deepseek/."""
+# the MoE family with a dense first layer and one MTP layer (plain attention: norms under Transformer Engine's names)
+MTP_MOE = {**FAMILIES["moe"]["config"], "moe_layer_freq": [0, 1], "mtp_num_layers": 1}
+
+
+def mtp_family_run(family: str, ours: str) -> None:
+    """Our torch_dist save of `family` ("deepseek" or "mtp_moe") loaded (strictly, MTP layer and expert biases
+    included) into Core's GPTModel at TP1 (local specs of get_gpt_decoder_block_spec, get_gpt_mtp_block_spec); its
+    logits, the MTP depth's logits (the output layer's first call when labels are given) and its expert biases
+    written to out/<family>/ours_in_core.pt."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     multi_latent_attention.HAVE_TE = False  # its TE stand-ins are not types without Transformer Engine
     mps.initialize_model_parallel(1, 1)
-    cfg = MLATransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                               use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                               pipeline_dtype=torch.float32, **DEEPSEEK)
+    config_class, extra = (MLATransformerConfig, DEEPSEEK) if family == "deepseek" else (TransformerConfig, MTP_MOE)
+    cfg = config_class(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
+                       hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32, **extra)
     block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
-    for layer in block.layer_specs:
+    for layer in block.layer_specs if family == "deepseek" else ():
         layer.submodules.self_attention.submodules.core_attention = StandInCoreAttention
     model = GPTModel(config=cfg, transformer_layer_spec=block, vocab_size=VOCAB, max_sequence_length=SEQ,
                      parallel_output=False, share_embeddings_and_output_weights=False, position_embedding_type="rope",
@@ -191,10 +196,10 @@ def deepseek_run(ours: str) -> None:
     with torch.no_grad():
         model(ids, pos, mask, labels=ids)  # the MTP block runs only with labels: its depth's logits come first
     if dist.get_rank() == 0:
-        os.makedirs(os.path.join("out", "deepseek"), exist_ok=True)
+        os.makedirs(os.path.join("out", family), exist_ok=True)
         torch.save({"logits": calls[1].transpose(0, 1), "mtp_logits": calls[0].transpose(0, 1),
                     "expert_bias": [b for name, b in model.named_buffers() if name.endswith("router.expert_bias")]},
-                   os.path.join("out", "deepseek", "ours_in_core.pt"))
+                   os.path.join("out", family, "ours_in_core.pt"))
     dist.barrier()
     mps.destroy_model_parallel()
 
@@ -686,8 +691,9 @@ def main() -> None:
             mps.destroy_model_parallel()
     if job.get("ours", {}).get("moe_mixed"):
         mixed_run(job["ours"]["moe_mixed"])
-    if job.get("ours", {}).get("deepseek"):
-        deepseek_run(job["ours"]["deepseek"])
+    for family in ("deepseek", "mtp_moe"):
+        if job.get("ours", {}).get(family):
+            mtp_family_run(family, job["ours"][family])
     if job.get("bert"):
         bert_run(job.get("ours", {}).get("bert"))
     if job.get("t5"):

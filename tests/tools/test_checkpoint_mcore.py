@@ -43,6 +43,7 @@ FLAGS["t5"] = ["--no-bias-gelu-fusion"]
 FLAGS["moe"] = [*FLAGS["llama"], "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
                 "--moe-shared-expert-intermediate-size", "40", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "0"]
 FLAGS["moe_mixed"] = [*FLAGS["moe"], "--moe-layer-freq", "[1,0]"]
+FLAGS["mtp_moe"] = [*FLAGS["moe"], "--moe-layer-freq", "[0,1]", "--mtp-num-layers", "1"]
 FLAGS["deepseek"] = ["--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64", "--disable-bias-linear",
                      "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
                      "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "24", "--kv-lora-rank", "16",
@@ -235,15 +236,15 @@ def _draws_and_tracker() -> dict:
     return out
 
 
-def save_ours_deepseek(root: Path) -> str:
-    """Our DeepSeek-family model (random weights and expert biases) saved with --ckpt-format torch_dist; its logits,
-    its MTP depth's logits (the output layer on the MTP layer's hidden states) and its expert biases in
-    `ours_deepseek.pt`. Returns the iteration folder."""
+def save_ours_mtp(root: Path, family: str = "deepseek") -> str:
+    """Our `family` model ("deepseek", or "mtp_moe") with random weights and expert biases saved with --ckpt-format
+    torch_dist; its logits, its MTP depth's logits (the output layer on the MTP layer's hidden states) and its expert
+    biases in `ours_<family>.pt`. Returns the iteration folder."""
     from megatron.compat import save_checkpoint
     from megatron.layers.mtp import output_logits
 
-    save = root / "ours" / "deepseek"
-    args = run_args("deepseek", root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format",
+    save = root / "ours" / family
+    args = run_args(family, root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format",
                     "torch_dist", "--no-save-optim", "--no-save-rng")
     torch.manual_seed(11)
     model = our_model(args)
@@ -257,7 +258,7 @@ def save_ours_deepseek(root: Path) -> str:
         states = model.mtp(ids, pos, model.language_model(ids, pos, mask), mask, model.language_model.embedding)
         torch.save({"logits": model(ids, pos, mask), "expert_bias": [b.clone() for b in biases],
                     "mtp_logits": output_logits(model.output_weight(), None, False)(states[0]).transpose(0, 1)},
-                   root / "ours_deepseek.pt")
+                   root / f"ours_{family}.pt")
     save_checkpoint(3, [model], None, None, args)
     return str(save / "iter_0000003")
 
@@ -317,7 +318,8 @@ def oracle(tmp_path_factory) -> Path:
             torch.save(model(*tokens()), root / f"ours_{family}_logits.pt")
         save_checkpoint(3, [model], None, None, args)
         job["ours"][family] = str(save / "iter_0000003")
-    job["ours"]["deepseek"] = save_ours_deepseek(root)
+    for family in ("deepseek", "mtp_moe"):
+        job["ours"][family] = save_ours_mtp(root, family)
     (root / "job.json").write_text(json.dumps(job))
     script = ORACLE_CPU_PRELUDE + (Path(__file__).parent / "mcore_oracle_checkpoints.py").read_text()
     run_oracle(script, root, nproc=2)
@@ -342,13 +344,15 @@ def test_ours_as_torch_dist_gives_the_same_logits_in_megatron_core(oracle, famil
 
 
 @pytest.mark.slow
-def test_ours_deepseek_as_torch_dist_in_megatron_core(oracle):
+@pytest.mark.parametrize("family", ["deepseek", "mtp_moe"])
+def test_ours_deepseek_as_torch_dist_in_megatron_core(oracle, family):
     """Our DeepSeek-family save (multi-latent attention with q-lora, a first dense layer, group-limited sigmoid
     routing with the expert bias and scaling, a shared expert, one MTP layer) loads strictly into Megatron Core's
     GPTModel with its MTP block (MLA local specs, a stand-in core attention): Core's logits and MTP-depth logits are
-    ours (<= 1e-5) and its expert biases (the MoE layer's, the MTP layer's) are ours bit for bit."""
-    ours, core = torch.load(oracle / "ours_deepseek.pt"), torch.load(oracle / "out" / "deepseek" / "ours_in_core.pt")
-    assert len(ours["expert_bias"]) == len(core["expert_bias"]) == 2
+    ours (<= 1e-5) and its expert biases (the MoE layer's, the MTP layer's) are ours bit for bit. So does the MoE
+    family's with a dense first layer and one MTP layer (plain attention, gated shared expert; no expert bias)."""
+    ours, core = torch.load(oracle / f"ours_{family}.pt"), torch.load(oracle / "out" / family / "ours_in_core.pt")
+    assert len(ours["expert_bias"]) == len(core["expert_bias"]) == (2 if family == "deepseek" else 0)
     assert all(torch.equal(a, b) and a.abs().min() > 0 for a, b in zip(ours["expert_bias"], core["expert_bias"]))
     for key in ("logits", "mtp_logits"):
         torch.testing.assert_close(core[key], ours[key], **TOL, msg=key)
@@ -357,7 +361,7 @@ def test_ours_deepseek_as_torch_dist_in_megatron_core(oracle):
 def test_ours_deepseek_torch_dist_loads_back(tmp_path):
     """Our DeepSeek-family torch_dist save (per-layer names: a dense first layer, then MoE; the MTP depth's experts
     stacked as Core's) loads back into ours with our logits bit for bit."""
-    path = Path(save_ours_deepseek(tmp_path))
+    path = Path(save_ours_mtp(tmp_path))
     assert torch.equal(load_logits("deepseek", path.parent), torch.load(tmp_path / "ours_deepseek.pt")["logits"])
 
 
