@@ -61,6 +61,21 @@ class Preset:
         return "\n".join(lines) + "\n"
 
 
+def _gpt_oss_published_args(layers: int, experts: int) -> tuple:
+    """The model flags gpt-oss-20b and gpt-oss-120b share (they differ in depth and expert count only)."""
+    return (f"--num-layers {layers} --hidden-size 2880 --num-attention-heads 64 --kv-channels 64 "
+            "--ffn-hidden-size 2880",
+            "--group-query-attention --num-query-groups 8 --seq-length $SEQ_LENGTH "
+            "--max-position-embeddings 131072",
+            "--normalization RMSNorm --norm-epsilon 1e-5 --position-embedding-type rope --rotary-base 150000",
+            "--rope-type yarn --rotary-scaling-factor 32 --yarn-original-max-position-embeddings 4096 "
+            "--no-yarn-correction-range-round-to-int --window-size 127,0 --window-attn-skip-freq 2",
+            "--untie-embeddings-and-output-weights --hidden-dropout 0.0 --attention-dropout 0.0",
+            "--softmax-type learnable --quick-geglu --glu-linear-offset 1.0 --activation-func-clamp-value 7.0",
+            f"--num-experts {experts} --moe-router-topk 4 --moe-aux-loss-coeff 1e-3 --moe-token-dispatcher-type "
+            "alltoall")
+
+
 _PRESETS = (
     Preset(
         "gpt_tiny", "gpt",
@@ -409,17 +424,7 @@ _PRESETS = (
                "with its",
                "201,088-token vocab; YaRN RoPE (factor 32 over 4096, unrounded correction range); the 128-token",
                "sliding window of every other layer. Sourced by examples/pretrain_gpt_oss.sh."),
-        model_args=("--num-layers 24 --hidden-size 2880 --num-attention-heads 64 --kv-channels 64 "
-                    "--ffn-hidden-size 2880",
-                    "--group-query-attention --num-query-groups 8 --seq-length $SEQ_LENGTH "
-                    "--max-position-embeddings 131072",
-                    "--normalization RMSNorm --norm-epsilon 1e-5 --position-embedding-type rope --rotary-base 150000",
-                    "--rope-type yarn --rotary-scaling-factor 32 --yarn-original-max-position-embeddings 4096 "
-                    "--no-yarn-correction-range-round-to-int --window-size 127,0 --window-attn-skip-freq 2",
-                    "--untie-embeddings-and-output-weights --hidden-dropout 0.0 --attention-dropout 0.0",
-                    "--softmax-type learnable --quick-geglu --glu-linear-offset 1.0 --activation-func-clamp-value 7.0",
-                    "--num-experts 32 --moe-router-topk 4 --moe-aux-loss-coeff 1e-3 --moe-token-dispatcher-type "
-                    "alltoall"),
+        model_args=_gpt_oss_published_args(layers=24, experts=32),
         seq_length=4096,
         defaults={"MICRO_BATCH_SIZE": "1", "GLOBAL_BATCH_SIZE": "256", "LR": "1.0e-4", "MIN_LR": "1.0e-5",
                   "LR_WARMUP_ITERS": "500"},
@@ -433,17 +438,7 @@ _PRESETS = (
                "table: the model card's count) with its 201,088-token vocab; YaRN RoPE; the 128-token sliding "
                "window of every other layer. Sourced by",
                "examples/pretrain_gpt_oss.sh."),
-        model_args=("--num-layers 36 --hidden-size 2880 --num-attention-heads 64 --kv-channels 64 "
-                    "--ffn-hidden-size 2880",
-                    "--group-query-attention --num-query-groups 8 --seq-length $SEQ_LENGTH "
-                    "--max-position-embeddings 131072",
-                    "--normalization RMSNorm --norm-epsilon 1e-5 --position-embedding-type rope --rotary-base 150000",
-                    "--rope-type yarn --rotary-scaling-factor 32 --yarn-original-max-position-embeddings 4096 "
-                    "--no-yarn-correction-range-round-to-int --window-size 127,0 --window-attn-skip-freq 2",
-                    "--untie-embeddings-and-output-weights --hidden-dropout 0.0 --attention-dropout 0.0",
-                    "--softmax-type learnable --quick-geglu --glu-linear-offset 1.0 --activation-func-clamp-value 7.0",
-                    "--num-experts 128 --moe-router-topk 4 --moe-aux-loss-coeff 1e-3 --moe-token-dispatcher-type "
-                    "alltoall"),
+        model_args=_gpt_oss_published_args(layers=36, experts=128),
         seq_length=4096,
         defaults={"MICRO_BATCH_SIZE": "1", "GLOBAL_BATCH_SIZE": "256", "LR": "1.0e-4", "MIN_LR": "1.0e-5",
                   "LR_WARMUP_ITERS": "500"},
