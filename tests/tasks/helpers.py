@@ -72,3 +72,18 @@ def write_lambada_slice(shared_data: Path, out: Path, num_lines: int) -> Path:
 def write_jsonl(texts: list[str], out: Path) -> Path:
     out.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     return out
+
+
+def strided_window_loss(hf, ids: list, seq: int, stride: int) -> float:
+    """The summed loss of a Hugging Face causal LM over every target of `ids` once, each with as much left context as
+    a window of `seq` tokens moved by `stride` allows (Megatron's WIKITEXT103 --overlapping-eval): the reference the
+    zero-shot tests compare tasks/main.py's average loss with."""
+    n_targets, covered, start, total = len(ids) - 1, 0, 0, 0.0
+    with torch.no_grad():
+        while covered < n_targets:
+            end = min(start + seq, n_targets)  # targets start..end-1 are ids[start+1..end]
+            logp = torch.log_softmax(hf(input_ids=torch.tensor([ids[start:end]])).logits[0].double(), -1)
+            losses = -logp.gather(1, torch.tensor(ids[start + 1:end + 1])[:, None])[:, 0]
+            total += float(losses[covered - start:].sum())
+            covered, start = end, start + stride
+    return total

@@ -65,12 +65,5 @@ def test_wikitext_of_deepseek_v3_equals_hf(shared_data, tmp_path):
 
     res = _run(["--task", "WIKITEXT103", "--valid-data", str(wiki), "--overlapping-eval", str(STRIDE), *flags])
     ids = tok.encode(wikitext_detokenizer(wiki.read_text(encoding="utf-8"))).ids
-    n_targets, covered, start, total = len(ids) - 1, 0, 0, 0.0
-    with torch.no_grad():  # every target once, with as much left context as the window allows
-        while covered < n_targets:
-            end = min(start + H.SEQ, n_targets)
-            logp = torch.log_softmax(hf(input_ids=torch.tensor([ids[start:end]])).logits[0].double(), -1)
-            losses = -logp.gather(1, torch.tensor(ids[start + 1:end + 1])[:, None])[:, 0]
-            total += float(losses[covered - start:].sum())
-            covered, start = end, start + STRIDE
+    total = H.strided_window_loss(hf, ids, H.SEQ, STRIDE)
     assert res["avg_loss"] == pytest.approx(total / (len(ids) - 1), rel=1e-4, abs=1e-4)

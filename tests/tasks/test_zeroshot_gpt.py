@@ -76,16 +76,7 @@ def hf_wikitext(flat: dict, hf_tok, path: Path, seq: int, stride: int) -> dict:
     raw = path.read_text(encoding="utf-8")
     ids = hf_tok.encode(wikitext_detokenizer(raw)).ids
     hf = _hf_model(flat)
-    n_targets, covered, start, total = len(ids) - 1, 0, 0, 0.0
-    with torch.no_grad():
-        while covered < n_targets:
-            end = min(start + seq, n_targets)  # targets start..end-1 are ids[start+1..end]
-            inp = torch.tensor([ids[start:end]])
-            logp = torch.log_softmax(hf(input_ids=inp).logits[0].double(), -1)
-            tgt = torch.tensor(ids[start + 1:end + 1])
-            losses = -logp.gather(1, tgt[:, None])[:, 0]
-            total += float(losses[covered - start:].sum())
-            covered, start = end, start + stride
+    total = H.strided_window_loss(hf, ids, seq, stride)
     n_tok, n_orig = len(ids), len(raw.strip().split(" "))
     loss = total / (n_tok - 1)
     ratio = (n_tok - 1) / (n_orig - 1)
