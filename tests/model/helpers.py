@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron.checkpoint.conversion.hf_format import read_hf
+from megatron.checkpoint.conversion.interchange import state_dict_from_messages
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.core.transformer_config import TransformerConfig
 from megatron.models.gpt.model import GPTModel
@@ -38,3 +40,14 @@ def batch(seed: int = 7, batch_size: int = BATCH, seq: int = SEQ, vocab: int = V
     pos = torch.arange(seq).unsqueeze(0).expand(batch_size, seq)
     mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
     return ids, pos, mask, labels
+
+
+def twin_from_hf_folder(folder) -> tuple:
+    """Our GPTModel (eval mode) read from a Hugging Face folder by the converter's HF reader, and the reader's
+    ModelMeta: the twin the HF parity tests compare with `transformers`."""
+    meta, stream = read_hf(str(folder))
+    flat = state_dict_from_messages(stream)
+    model_parallel_manual_seed(1)
+    model = GPTModel(meta.config()).eval()
+    model.load_state_dict(flat)
+    return model, meta

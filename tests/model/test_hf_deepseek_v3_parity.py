@@ -12,6 +12,8 @@ from megatron.checkpoint.conversion.interchange import messages_from_state_dict,
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.models.gpt.model import GPTModel
 from megatron.text_generation import generate
+from tests.model.helpers import twin_from_hf_folder
+from tests.model.hf_llama_helpers import causal_inputs
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -74,29 +76,13 @@ def _hf(variant: str, folder, seed: int = 0, mtp: bool = False, **changes):
     return model
 
 
-def _twin(folder) -> tuple[GPTModel, object]:
-    meta, stream = read_hf(str(folder))
-    flat = state_dict_from_messages(stream)
-    model_parallel_manual_seed(1)
-    model = GPTModel(meta.config()).eval()
-    model.load_state_dict(flat)
-    return model, meta
-
-
-def _inputs(batch: int = 2, seq: int = 13):
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
-    pos = torch.arange(seq).unsqueeze(0).expand(batch, seq)
-    return ids, pos, torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_and_greedy_generation_equal_hf(variant, tmp_path):
     hf = _hf(variant, tmp_path / "hf")
-    model, meta = _twin(tmp_path / "hf")
+    model, meta = twin_from_hf_folder(tmp_path / "hf")
     config = meta.config()
     assert config.multi_latent_attention and config.moe_layer_pattern == [0, 1, 1]
-    ids, pos, mask = _inputs()
+    ids, pos, mask = causal_inputs(seq=13)
     with torch.no_grad():
         ours, theirs = model(ids, pos, mask), hf(input_ids=ids).logits
     assert theirs.abs().max() > 1.0
@@ -125,7 +111,7 @@ def test_hf_to_megatron_to_hf_round_trip_is_bitwise(variant, tmp_path):
     for key in before:
         assert torch.equal(before[key], after[key]), key
     again = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
-    ids, _, _ = _inputs()
+    ids, _, _ = causal_inputs(seq=13)
     with torch.no_grad():
         assert torch.equal(again.float().eval()(input_ids=ids).logits, hf(input_ids=ids).logits)
 

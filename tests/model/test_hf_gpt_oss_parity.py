@@ -19,10 +19,9 @@ from megatron.checkpoint.conversion.interchange import (
     messages_from_state_dict,
     state_dict_from_messages,
 )
-from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.models.gpt.hf_gpt_oss import dequantize_mxfp4
-from megatron.models.gpt.model import GPTModel
 from megatron.text_generation import generate
+from tests.model.helpers import twin_from_hf_folder
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -57,18 +56,9 @@ def _load(folder):
     return safetensors_torch.load_file(folder / "model.safetensors")
 
 
-def _twin(folder) -> GPTModel:
-    meta, stream = read_hf(str(folder))
-    flat = state_dict_from_messages(stream)
-    model_parallel_manual_seed(1)
-    model = GPTModel(meta.config()).eval()
-    model.load_state_dict(flat)
-    return model
-
-
 def test_logits_and_32_token_greedy_generation_equal_hf(tmp_path):
     hf = _hf(tmp_path / "hf")
-    model = _twin(tmp_path / "hf")
+    model, _ = twin_from_hf_folder(tmp_path / "hf")
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, VOCAB, (2, 13), generator=g)
     pos = torch.arange(13).unsqueeze(0).expand(2, 13)

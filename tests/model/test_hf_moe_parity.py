@@ -9,9 +9,9 @@ import torch
 
 from megatron.checkpoint.conversion.hf_format import read_hf, write_hf
 from megatron.checkpoint.conversion.interchange import messages_from_state_dict, state_dict_from_messages
-from megatron.core.tensor_parallel import model_parallel_manual_seed
-from megatron.models.gpt.model import GPTModel
 from megatron.text_generation import generate
+from tests.model.helpers import twin_from_hf_folder
+from tests.model.hf_llama_helpers import causal_inputs
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -52,22 +52,6 @@ def _hf(family: str, folder, seed: int = 0):
     return model
 
 
-def _twin(folder) -> tuple[GPTModel, object]:
-    meta, stream = read_hf(str(folder))
-    flat = state_dict_from_messages(stream)
-    model_parallel_manual_seed(1)
-    model = GPTModel(meta.config()).eval()
-    model.load_state_dict(flat)
-    return model, meta
-
-
-def _inputs(batch: int = 2, seq: int = 11):
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
-    pos = torch.arange(seq).unsqueeze(0).expand(batch, seq)
-    return ids, pos, torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
-
-
 def convert(*argv: str) -> None:
     """tools/checkpoint/convert.py for a GPT-type model, in this process."""
     from megatron.checkpoint.conversion.driver import convert as run
@@ -79,9 +63,9 @@ def convert(*argv: str) -> None:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_and_greedy_generation_equal_hf(family, tmp_path):
     hf = _hf(family, tmp_path / "hf")
-    model, meta = _twin(tmp_path / "hf")
+    model, meta = twin_from_hf_folder(tmp_path / "hf")
     assert meta.config().num_moe_experts == 4
-    ids, pos, mask = _inputs()
+    ids, pos, mask = causal_inputs()
     with torch.no_grad():
         ours, theirs = model(ids, pos, mask), hf(input_ids=ids).logits
     assert theirs.abs().max() > 1.0
@@ -108,7 +92,7 @@ def test_hf_to_megatron_to_hf_round_trip_is_bitwise(family, tmp_path):
         assert torch.equal(before[key], after[key]), key
     again = getattr(transformers, summary["architecture"]).from_pretrained(tmp_path / "out", attn_implementation="eager")
     again = again.float().eval()
-    ids, _, _ = _inputs()
+    ids, _, _ = causal_inputs()
     with torch.no_grad():
         assert torch.equal(again(input_ids=ids).logits, hf(input_ids=ids).logits)
 
