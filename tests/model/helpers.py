@@ -51,3 +51,13 @@ def twin_from_hf_folder(folder) -> tuple:
     model = GPTModel(meta.config()).eval()
     model.load_state_dict(flat)
     return model, meta
+
+
+def reference_pass(model: GPTModel, data: tuple) -> tuple:
+    """A one-process model's logits, per-token loss and every parameter's gradient on `data` (ids, positions, mask,
+    labels, as `batch()` gives): what the tensor-parallel tests compare each rank with."""
+    ids, pos, mask, labels = data
+    logits = model(ids, pos, mask).detach()
+    loss = model(ids, pos, mask, labels=labels)
+    loss.mean().backward()
+    return logits, loss.detach(), {n: p.grad for n, p in model.named_parameters()}

@@ -14,7 +14,7 @@ from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.layers.tp_shards import split_tensor_parallel_state_dict
 from megatron.models.gpt.model import GPTModel
 from tests.dist_utils import run_distributed
-from tests.model.helpers import batch, build_gpt, tiny_config
+from tests.model.helpers import batch, build_gpt, reference_pass, tiny_config
 
 SEED = 1234
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -36,13 +36,8 @@ def _shard(full: torch.Tensor, p: torch.nn.Parameter, tp_rank: int, tp_size: int
 
 
 def _reference():
-    ids, pos, mask, labels = batch()
     ref = build_gpt(tiny_config(), seed=SEED)
-    logits = ref(ids, pos, mask).detach()
-    loss = ref(ids, pos, mask, labels=labels)
-    loss.mean().backward()
-    grads = {n: p.grad for n, p in ref.named_parameters()}
-    return ref, logits, loss.detach(), grads
+    return (ref, *reference_pass(ref, batch()))
 
 
 def _check_tensor_parallel(tp: int, sp: bool, ref_state, ref_logits, ref_loss, ref_grads) -> dict:

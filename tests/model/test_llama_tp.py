@@ -15,7 +15,7 @@ from megatron.layers.tp_shards import (
     tensor_parallel_layouts,
 )
 from tests.dist_utils import run_distributed
-from tests.model.helpers import batch, build_gpt, tiny_config
+from tests.model.helpers import batch, build_gpt, reference_pass, tiny_config
 
 SEED = 4321
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -130,11 +130,7 @@ def _tp2_worker(rank: int, world_size: int, ref_state, ref_logits, ref_loss, ref
 
 def test_tp2_and_sp_equal_tp1():
     ref = build_gpt(llama_config(), seed=SEED)
-    ids, pos, mask, labels = batch()
-    logits = ref(ids, pos, mask).detach()
-    loss = ref(ids, pos, mask, labels=labels)
-    loss.mean().backward()
-    grads = {n: p.grad for n, p in ref.named_parameters()}
+    logits, loss, grads = reference_pass(ref, batch())
     generated = _generate(build_gpt(llama_config(), seed=SEED).eval())
-    results = run_distributed(_tp2_worker, 2, args=(ref.state_dict(), logits, loss.detach(), grads, generated))
+    results = run_distributed(_tp2_worker, 2, args=(ref.state_dict(), logits, loss, grads, generated))
     assert results == [[False, True], [False, True]]

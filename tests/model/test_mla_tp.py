@@ -12,7 +12,7 @@ from megatron.core.tensor_parallel import get_tp_layout
 from megatron.layers.tp_shards import split_tensor_parallel_state_dict
 from megatron.text_generation.generation import generate_tokens
 from tests.dist_utils import run_distributed
-from tests.model.helpers import batch, build_gpt, tiny_config
+from tests.model.helpers import batch, build_gpt, reference_pass, tiny_config
 
 SEED = 2024
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -73,11 +73,7 @@ def tp2_worker(rank: int, world_size: int, ref_state, ref_logits, ref_loss, ref_
 
 def test_tp2_and_sp_equal_tp1():
     ref = build_gpt(mla_config(), seed=SEED)
-    ids, pos, mask, labels = batch()
-    logits = ref(ids, pos, mask).detach()
-    loss = ref(ids, pos, mask, labels=labels)
-    loss.mean().backward()
-    grads = {n: p.grad for n, p in ref.named_parameters()}
+    logits, loss, grads = reference_pass(ref, batch())
     tokens = greedy(build_gpt(mla_config(), seed=SEED).eval())
-    results = run_distributed(tp2_worker, 2, args=(ref.state_dict(), logits, loss.detach(), grads, tokens))
+    results = run_distributed(tp2_worker, 2, args=(ref.state_dict(), logits, loss, grads, tokens))
     assert results == [[False, True], [False, True]]
