@@ -446,7 +446,8 @@ def engine_params(server: Any, api: OpenAICompletions, req: dict) -> Any:
     return server.sampling_params(
         max_new_tokens=req["max_tokens"], temperature=1.0 if greedy else req["temperature"],
         top_k=1 if greedy else req["top_k"], top_p=0.0 if req["top_p"] >= 1.0 else req["top_p"],
-        seed=req["seed"] % 2**62, stop_token_ids=api._stop_token_ids(req["stop"]), return_logprobs=False)
+        seed=req["seed"] % 2**62, stop_token_ids=tuple(api._stop_token_ids(req["stop"])), return_logprobs=False,
+        vocab_size=api.vocab_size)
 
 
 def _engine_completion(server: Any, api: OpenAICompletions, handler: Any, req: dict,

@@ -348,7 +348,8 @@ class MegatronServer:
         params = self.sampling_params(
             max_new_tokens=request["tokens_to_generate"], temperature=options["temperature"],
             top_k=options["top_k"], top_p=options["top_p"], seed=options["random_seed"],
-            stop_token_ids=eol_token_ids(tok) if options.get("stop_on_eol") else [], return_logprobs=False)
+            stop_token_ids=tuple(eol_token_ids(tok)) if options.get("stop_on_eol") else (), return_logprobs=False,
+            vocab_size=int(tok.vocab_size))
         if not request["no_log"]:
             self.log(f"request (engine): {len(prompts)} prompt(s), tokens_to_generate={request['tokens_to_generate']}, "
                      f"options={options}")

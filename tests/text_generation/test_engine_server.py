@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -31,8 +31,9 @@ class Params:
     top_k: int = 0
     top_p: float = 0.0
     seed: int = 0
-    stop_token_ids: list = field(default_factory=list)
+    stop_token_ids: tuple = ()
     return_logprobs: bool = False
+    vocab_size: int | None = None
 
 
 @dataclass
