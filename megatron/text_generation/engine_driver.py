@@ -230,3 +230,22 @@ class EngineDriver:
                 pass
             t._fail(exc)
         self._in_engine.clear()
+
+
+def run_to_completion(engine: Any, prompts: list[list[int]], params: Any) -> list[Ticket]:
+    """Submit every prompt to `engine` at once and step it until all have finished (one thread, no driver): the
+    batch tools' way to use the engine (tools/generate_samples_gpt.py, the lm-eval adapter). Returns one finished
+    ticket per prompt, in order; an engine refusal is raised before any step runs."""
+    tickets = [Ticket(f"batch-{i}", list(p), params, index=i) for i, p in enumerate(prompts)]
+    for t in tickets:
+        engine.add_request(t.request_id, t.prompt_tokens, params)
+    by_id = {t.request_id: t for t in tickets}
+    while engine.has_work():
+        for out in engine.step():
+            ticket = by_id.get(out.request_id)
+            if ticket is not None:
+                ticket._deliver(list(out.new_tokens), out.new_logprobs, out.finished, out.finish_reason)
+    unfinished = [t.request_id for t in tickets if not t.done.is_set()]
+    if unfinished:
+        raise RuntimeError(f"the engine stopped with request(s) {unfinished[:3]} unfinished")
+    return tickets

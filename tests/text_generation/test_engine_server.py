@@ -14,7 +14,7 @@ import pytest
 
 from megatron.errors import MegatronUserError
 from megatron.text_generation import generate
-from megatron.text_generation.engine_driver import EngineDriver
+from megatron.text_generation.engine_driver import EngineDriver, run_to_completion
 from megatron.text_generation.server import build_server
 from tests.text_generation.test_server_http import call, put, tiny_gpt, tiny_tokenizer
 from tools.benchmarks.bench_serving import load_test, summarize
@@ -245,3 +245,13 @@ def test_driver_alone_fails_requests_when_stopped_and_reports_engine_errors():
     engine.gate.set()
     stopper.join(30)
     assert held.done.is_set()
+
+
+def test_run_to_completion_submits_everything_at_once():
+    engine = FakeEngine(slots=3)
+    prompts = [[i, i + 1, 2 * i] for i in range(1, 8)]
+    tickets = run_to_completion(engine, prompts, Params(max_new_tokens=4))
+    assert [t.tokens for t in tickets] == [alone(p, 4) for p in prompts]
+    assert engine.most_running == 3 and not engine.has_work()
+    with pytest.raises(MegatronUserError, match="never fit"):
+        run_to_completion(FakeEngine(), [[1] * 60], Params(max_new_tokens=4))
