@@ -3,8 +3,8 @@ HTTP handler threads submit requests and wait on their own ticket for the tokens
 
 The engine (megatron/inference/, or any object with the same methods) is touched by the driver thread only:
 `submit` and `cancel` queue their change and wake the thread, which applies them right before the next step. So
-the engine needs no locks, and a step on rank 0 is preceded by `before_step()` (the server broadcasts "step" there:
-the other ranks of the job then call `step()` too and follow the plan the engine broadcasts).
+the engine needs no locks. A step is `step()` (default: the engine's own); the server passes one that first tells the
+other ranks of the job to step too (they then follow the plan the engine broadcasts).
 
 A ticket whose `gone()` (its client disconnected) answers True is cancelled before the next step: the engine frees
 its blocks. (The server bounds how many requests it holds; see server.py's `--max-queued-requests`.)
@@ -77,10 +77,10 @@ class Ticket:
 class EngineDriver:
     """Runs `engine.step()` in a thread while it has work; see the module docstring."""
 
-    def __init__(self, engine: Any, *, before_step: Callable[[], None] = lambda: None,
+    def __init__(self, engine: Any, *, step: Optional[Callable[[], list]] = None,
                  step_lock: Optional[Any] = None, log: Callable[[str], None] = lambda msg: None) -> None:
         self.engine = engine
-        self.before_step = before_step
+        self.step = step if step is not None else engine.step
         self.step_lock = step_lock if step_lock is not None else threading.Lock()
         self.log = log
         self.steps = 0
@@ -167,8 +167,7 @@ class EngineDriver:
                     if not self.engine.has_work():
                         self._fail_all(RuntimeError("the engine dropped a request without finishing it"))
                         continue
-                    self.before_step()
-                    outputs = self.engine.step()
+                    outputs = self.step()
                     self.steps += 1
             except Exception as exc:  # noqa: BLE001 - fail every request in the driver, keep serving
                 self.log(f"server: engine step failed: {exc!r}")

@@ -295,8 +295,7 @@ class MegatronServer:
         if engine is not None:
             if sampling_params is None or tokenizer is None:
                 raise ValueError("an engine needs sampling_params (its SamplingParams type) and the tokenizer")
-            self.driver = EngineDriver(engine, before_step=lambda: self._broadcast(("engine_step", None)),
-                                       step_lock=self.lock, log=log)
+            self.driver = EngineDriver(engine, step=self._engine_step, step_lock=self.lock, log=log)
 
     # -- admission (bounded queue) -------------------------------------------------------------------------------
     def reserve(self, n: int) -> bool:
@@ -318,6 +317,17 @@ class MegatronServer:
                 f"{self.max_queued_requests} (--max-queued-requests); retry after {RETRY_AFTER_S} s")
 
     # -- the engine path (rank 0) ------------------------------------------------------------------------------
+    def _engine_step(self) -> list:
+        """One engine step on every rank (the driver thread, under the lock): the other ranks hear "engine_step" and
+        call `engine.step()`, which follows the plan rank 0's step broadcasts. A step that ran no forward broadcast
+        no plan: rank 0 then sends the engine's empty plan (`shutdown()`), which ends the followers' wait."""
+        self._broadcast(("engine_step", None))
+        before = self.engine.steps
+        outputs = self.engine.step()
+        if self._distributed() and self.engine.steps == before:
+            self.engine.shutdown()
+        return outputs
+
     def run_engine(self, prompts: list[list[int]], params: Any, gone: Callable[[], bool],
                    on_update: Optional[Callable[[Ticket, int], None]] = None) -> list[Ticket]:
         """Submit `prompts` to the engine driver and wait for all of them; `on_update(ticket, n_tokens)` after

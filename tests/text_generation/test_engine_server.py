@@ -67,6 +67,7 @@ class FakeEngine:
         self.running: dict[str, tuple[list[int], int, Params]] = {}
         self.cancelled: list[str] = []
         self.most_running = 0
+        self.steps = 0
         self.gate = threading.Event()
         self.gate.set()
         self.stepping = threading.Event()
@@ -95,6 +96,7 @@ class FakeEngine:
             rid, prompt, params = self.waiting.pop(0)
             self.running[rid] = (prompt, len(prompt), params)
         self.most_running = max(self.most_running, len(self.running))
+        self.steps += 1
         outs = []
         for rid, (seq, n_prompt, params) in list(self.running.items()):
             token = next_token(seq)
