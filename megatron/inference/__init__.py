@@ -1,0 +1,16 @@
+"""The inference engine (issue #42): continuous batching over a paged KV cache, chunked prefill, prefix sharing."""
+from megatron.inference.block_pool import BlockPool, prefix_hashes
+from megatron.inference.engine import InferenceEngine, kv_bytes_per_token
+from megatron.inference.types import EngineConfig, EngineStats, RequestRejected, SamplingParams, StepOutput
+
+__all__ = [
+    "BlockPool",
+    "EngineConfig",
+    "EngineStats",
+    "InferenceEngine",
+    "RequestRejected",
+    "SamplingParams",
+    "StepOutput",
+    "kv_bytes_per_token",
+    "prefix_hashes",
+]
