@@ -325,14 +325,16 @@ class InferenceEngine:
         step = PagedStep(self.cache, batch["positions"], batch["write_slots"], batch["counts"].tolist(),
                          batch["read_slots"])
         was_training = self.model.training
-        self.model.eval()
+        if was_training:
+            self.model.eval()
         try:
             with sequence_parallel_off(self.model):
                 rows = batch["rows"] if batch["rows"].numel() else batch["rows"].new_zeros(1)  # (a prefill chunk)
                 logits = forward_step_logits(self.model, batch["ids"][None], batch["positions"][None], None, step,
                                              False, self.tp_group, rows=rows[None])
         finally:
-            self.model.train(was_training)
+            if was_training:
+                self.model.train(True)
         return logits[0]
 
     def _advance(self, plan: list[tuple[_Request, int]], row_spec: list[tuple[int, int, bool]],

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 from megatron.layers.fused_softmax import softmax_with_sink
 
@@ -32,7 +33,8 @@ class PagedKVCache:
         """The layer's pool tensors, [slots, *t.shape[1:]] for each tensor t of `like` (allocated on first use)."""
         if layer_number not in self.layers:
             slots = self.num_blocks * self.block_size
-            self.layers[layer_number] = tuple(t.new_zeros((slots,) + tuple(t.shape[1:])) for t in like)
+            # Uninitialised: a step reads only slots written before (padding re-reads a request's last position).
+            self.layers[layer_number] = tuple(t.new_empty((slots,) + tuple(t.shape[1:])) for t in like)
         return self.layers[layer_number]
 
 
@@ -82,12 +84,13 @@ class PagedStep:
         """Store this step's per-token tensors ([T, ...] each) in the layer's pool; returns the pool tensors."""
         pools = self.cache.storage(layer_number, tensors)
         for pool, t in zip(pools, tensors):
-            pool[self.write_slots] = t.to(pool.dtype)
+            pool.index_copy_(0, self.write_slots, t.to(pool.dtype))
         return pools
 
     def gather(self, pool: torch.Tensor) -> torch.Tensor:
         """Each request's context from a pool tensor: [R, L, ...] (positions past a request's length: junk, masked)."""
-        return pool[self.read_slots]
+        r, length = self.read_slots.shape
+        return pool.index_select(0, self.read_slots.reshape(-1)).view((r, length) + tuple(pool.shape[1:]))
 
     def pad_queries(self, t: torch.Tensor) -> torch.Tensor:
         """[T, ...] -> [R, Q, ...] (padding rows repeat token 0 and are discarded by `unpad`)."""
@@ -102,14 +105,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: t
                     bias: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q k^T * scale + bias) v per request: q [R, Q, np, d], k [R, L, ng, d], v [R, L, ng, dv] (ng divides
     np: grouped-query attention), attend bool [R, Q, L], bias [np, L] (ALiBi) or None, sink [np] (attention-sink
-    logits) or None -> [R, Q, np, dv]. Scores and softmax in fp32."""
+    logits) or None -> [R, Q, np, dv]. SDPA without sinks; with them the explicit fp32 softmax over [scores, sink]."""
     np_, ng = q.size(2), k.size(2)
     if ng != np_:
         k = k.repeat_interleave(np_ // ng, dim=2)
         v = v.repeat_interleave(np_ // ng, dim=2)
-    scores = torch.einsum("rqhd,rkhd->rhqk", q.float(), k.float()) * scale
-    if bias is not None:
-        scores = scores + bias.float()[None, :, None, :]
-    scores = scores.masked_fill(~attend[:, None], float("-inf"))
-    probs = softmax_with_sink(scores, sink.float()) if sink is not None else torch.softmax(scores, dim=-1)
-    return torch.einsum("rhqk,rkhd->rqhd", probs.to(v.dtype), v)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R, heads, Q|L, d]
+    mask = attend[:, None]  # [R, 1, Q, L]
+    if bias is not None:  # additive float mask: the bias where attending, -inf where masked
+        mask = torch.where(mask, bias.to(q.dtype)[None, :, None, :], float("-inf"))
+    if sink is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = scores + mask if bias is not None else scores.masked_fill(~mask, float("-inf"))
+    probs = softmax_with_sink(scores, sink.float())
+    return torch.matmul(probs.to(v.dtype), v).transpose(1, 2)

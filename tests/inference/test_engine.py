@@ -5,6 +5,7 @@ one-line refusals."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -182,3 +183,10 @@ def test_duplicate_ids_and_a_buffer_too_small_are_refused():
     sized = InferenceEngine(model, EngineConfig(buffer_size_gb=1 / 1024, block_size=4), eod=EOD)
     per_token = 2 * 2 * 2 * 8 * 4  # layers x (K, V) x groups x head dim x fp32 bytes
     assert sized.pool.num_blocks == 1024**2 // (4 * per_token)
+
+
+def test_pipeline_parallelism_is_refused_in_one_line():
+    model = build_gpt(tiny_config(**LLAMA)).eval()
+    with pytest.raises(RequestRejected, match="pipeline-model-parallel-size 1") as info:
+        InferenceEngine(model, LAYOUTS["plain"], eod=EOD, state=SimpleNamespace(pp_size=2))
+    assert "\n" not in str(info.value)
