@@ -102,6 +102,7 @@ class InferenceEngine:
         self.cache = PagedKVCache(num_blocks, bs)
         self.max_requests = min(config.max_requests or num_blocks, config.max_tokens)
         self.max_positions = getattr(unwrapped_model(model).config, "max_position_embeddings", None)
+        self.vocab = getattr(unwrapped_model(model).config, "padded_vocab_size", None)
         self.queue: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.ids: set[str] = set()
@@ -129,6 +130,8 @@ class InferenceEngine:
             raise RequestRejected(f"request id {request_id!r} is already in the engine; use a new id")
         if not prompt:
             raise RequestRejected("a request needs at least one prompt token (add a BOS token)")
+        if self.vocab is not None and not all(0 <= int(t) < self.vocab for t in prompt):
+            raise RequestRejected(f"a prompt token id is outside the vocabulary [0, {self.vocab}); check the tokenizer")
         if params.max_new_tokens < 1:
             raise RequestRejected(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
         try:

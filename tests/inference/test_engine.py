@@ -163,6 +163,8 @@ def test_cancel_frees_blocks_of_running_and_queued_requests():
     (EngineConfig(num_blocks=64, block_size=4, max_tokens=4), [1] * 10, SamplingParams(), "enable-chunked-prefill"),
     (EngineConfig(num_blocks=64, block_size=4), [], SamplingParams(), "at least one prompt token"),
     (EngineConfig(num_blocks=64, block_size=4), [1], SamplingParams(top_k=2, top_p=0.5), "top_k or top_p"),
+    (EngineConfig(num_blocks=64, block_size=4), [1, VOCAB], SamplingParams(), "outside the vocabulary"),
+    (EngineConfig(num_blocks=64, block_size=4), [-1], SamplingParams(), "outside the vocabulary"),
 ])
 def test_requests_that_can_never_run_are_refused_in_one_line(config, prompt, params, message):
     engine = InferenceEngine(build_gpt(tiny_config(**LLAMA)).eval(), config, eod=EOD)
@@ -190,3 +192,15 @@ def test_pipeline_parallelism_is_refused_in_one_line():
     with pytest.raises(RequestRejected, match="pipeline-model-parallel-size 1") as info:
         InferenceEngine(model, LAYOUTS["plain"], eod=EOD, state=SimpleNamespace(pp_size=2))
     assert "\n" not in str(info.value)
+
+
+def test_identical_prompts_share_their_full_blocks_and_answer_alike():
+    model = build_gpt(tiny_config(**LLAMA)).eval()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]  # two full blocks of 4: the first is shared (the last token is always fed)
+    engine = InferenceEngine(model, LAYOUTS["prefix"], eod=EOD)
+    first, _ = run(model, [prompt], LAYOUTS["prefix"], GREEDY, engine=engine)
+    assert engine.stats.cached_blocks == 2 and engine.stats.prefix_hit_blocks == 0
+    again, _ = run(model, [prompt, prompt], LAYOUTS["prefix"], GREEDY, engine=engine)
+    assert engine.stats.prefix_hit_blocks == 2  # both later requests took block 0 from the cache
+    assert again[0][0] == again[1][0] == first[0][0] == static_greedy(model, prompt, NEW)[0]
+    torch.testing.assert_close(torch.tensor(again[1][1]), torch.tensor(first[0][1]), rtol=0, atol=1e-5)
