@@ -1,8 +1,9 @@
-"""The server on an inference engine (megatron/text_generation/engine_driver.py), with a stand-in engine of the
-same interface whose tokens are a fixed function of each request: a load test of 64 requests from 16 concurrent
-clients (PUT /api and /v1/completions, streamed or not) answers every one as it would alone, with several requests
-in one engine step; a full queue answers 429 with Retry-After on both routes; a client that disconnects cancels its
-engine request; an engine refusal is a 400; what the engine does not do (log-probs) keeps today's path."""
+"""The server on an inference engine (megatron/text_generation/engine_driver.py). With megatron/inference's engine on
+a tiny GPT: a load test of 64 requests from 16 concurrent clients (PUT /api and /v1/completions, streamed or not)
+answers every one exactly as the static generator does for it alone (greedy), several requests sharing engine steps,
+and a client that disconnects has its request cancelled and its KV blocks freed. With a stand-in engine of the same
+interface (tokens a fixed function of each request, steps held by a gate): a full queue answers 429 with Retry-After
+on both routes; an engine refusal is a 400; what the engine does not do (log-probs) keeps today's path."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from megatron.errors import MegatronUserError
+from megatron.inference import EngineConfig, InferenceEngine, SamplingParams
 from megatron.text_generation import generate
 from megatron.text_generation.engine_driver import EngineDriver, run_to_completion
 from megatron.text_generation.server import build_server
@@ -159,6 +161,64 @@ def test_load_64_requests_from_16_clients_all_answered_as_alone(served):
         ids = [int(x) for x in tokenizer.tokenize(t)]
         full = ids + alone(ids, 5)
         assert got == tokenizer.detokenize(full) and seg == [tokenizer.detokenize([x]) for x in full]
+
+
+@pytest.fixture(scope="module")
+def engine_served(shared_data):
+    model, tokenizer = tiny_gpt(), tiny_tokenizer(shared_data)
+    engine = InferenceEngine(model, EngineConfig(num_blocks=96, block_size=8, max_tokens=512), eod=int(tokenizer.eod))
+    server = build_server(model, tokenizer, max_sequence_length=CONTEXT, engine=engine,
+                          sampling_params=SamplingParams, log=lambda msg: None)
+    address = server.start("127.0.0.1", 0)
+    yield server, address, engine, model, tokenizer
+    server.shutdown()
+
+
+def test_real_engine_load_64_requests_16_clients_equal_alone(engine_served):
+    server, address, engine, model, tokenizer = engine_served
+    words = ["The quick brown fox", "Hello", "Once upon a time", "A B C", "Numbers 1 2 3 4", "Why"]
+    prompts = [f"{words[i % 6]} {i}" for i in range(64)]
+    lengths = [3 + i % 6 for i in range(64)]
+    bodies = [{"prompt": p, "max_tokens": n, "temperature": 0, "stream": i % 3 == 0} for i, (p, n)
+              in enumerate(zip(prompts, lengths))]
+    api_rows = list(range(1, 64, 3))  # every third request is Megatron's PUT /api instead
+    steps_before = engine.stats.steps
+    results, wall = load_test(address, [b for i, b in enumerate(bodies) if i not in api_rows], 16, timeout_s=120,
+                              deadline_s=300)
+    api_results, _ = load_test(address, [{"prompts": [prompts[i]], "tokens_to_generate": lengths[i],
+                                          "temperature": 0} for i in api_rows], 16, path="/api", timeout_s=120)
+    assert all(r is not None and r["status"] == 200 for r in results + api_results)
+    got = iter(results)
+    got_api = iter(api_results)
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        ref = generate(model, tokenizer, [p], n, greedy=True)
+        if i in api_rows:
+            assert next(got_api)["answer"]["text"] == ref["text"], i
+            continue
+        r = next(got)
+        text = ref["text"][0][len(p):].split("<|endoftext|>")[0]
+        answer = r["answer"]["texts"][0] if bodies[i]["stream"] else r["answer"]["choices"][0]["text"]
+        assert answer == tokenizer.detokenize(ref["tokens"][0][len(tokenizer.tokenize(p)):]) or answer == text, i
+    assert engine.stats.running == 0 and engine.stats.queued == 0
+    assert engine.stats.free_blocks == engine.stats.total_blocks
+    assert engine.stats.steps - steps_before < sum(lengths)  # alone, every token would be a step of its own
+
+
+def test_real_engine_disconnect_frees_blocks(engine_served):
+    server, address, engine, _, _ = engine_served
+    before = server.cancelled_requests
+    conn = socket.create_connection(address)
+    body = json.dumps({"prompt": "Hello world", "max_tokens": 48, "stream": True}).encode()
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    assert conn.recv(12).startswith(b"HTTP/1.0 200")
+    assert wait_until(lambda: engine.stats.running == 1)
+    with server.lock:  # the driver's step lock: no step runs while the client leaves
+        assert engine.stats.running == 1 and engine.stats.free_blocks < engine.stats.total_blocks
+        conn.close()
+    assert wait_until(lambda: server.cancelled_requests == before + 1 and server.driver.in_flight == 0)
+    assert wait_until(lambda: not engine.has_work())
+    assert engine.stats.free_blocks == engine.stats.total_blocks and engine.stats.running == 0
 
 
 def test_logprobs_take_the_static_path_and_refusals_are_400(served):
