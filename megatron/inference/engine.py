@@ -10,9 +10,11 @@ the request's blocks and attend over its own context (megatron/layers/paged_kv.p
 its own parameters and generator and finishes at its stop token or length; its blocks go back to the pool (full
 prompt blocks stay in the prefix cache until evicted).
 
-Tensor parallelism: every TP rank calls `step()`; rank 0 owns the requests, builds the step's plan (token ids,
-positions, slots) and broadcasts it over the TP group, so all ranks run the same forward; the logits are gathered
-over TP and rank 0 samples. The other ranks' `step()` returns [] and ends when rank 0 calls `shutdown()`.
+Tensor and pipeline parallelism: every rank of the model-parallel group (TP x PP) calls `step()`; its rank 0 (first
+stage, TP rank 0) owns the requests, builds the step's plan (token ids, positions, slots) and broadcasts it, so all
+ranks run the same forward (through the stages as the static generator: P2P hidden states [T, 1, h]); the logits
+are gathered over TP, broadcast from the last stage over the pipeline, and rank 0 samples. The other ranks'
+`step()` returns [] (`follow()` loops on it) until rank 0 calls `shutdown()`.
 """
 from __future__ import annotations
 
@@ -34,7 +36,12 @@ from megatron.layers.attention import ParallelAttention
 from megatron.layers.enums import AttnType
 from megatron.layers.paged_kv import PagedKVCache, PagedStep
 from megatron.models.deepseek.mla import MLASelfAttention
-from megatron.text_generation.generation import forward_step_logits, pipeline_state
+from megatron.text_generation.generation import (
+    broadcast_from_last_stage,
+    forward_step_logits,
+    pipeline_state,
+    pipeline_step_logits,
+)
 from megatron.text_generation.sampling import check_sampling_args, sample
 
 
@@ -79,16 +86,19 @@ class InferenceEngine:
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *, eod: int, tp_group: Any = None,
                  state: Any = None) -> None:
-        if pipeline_state(state) is not None:
-            raise RequestRejected("the inference engine runs at --pipeline-model-parallel-size 1; use tensor "
-                                  "parallelism, or the static generator (without --inference-dynamic-batching)")
         self.model = model
         self.config = config
         self.eod = int(eod)
+        if getattr(ps.current_parallel_state(state), "cp_size", 1) > 1:
+            raise RequestRejected("the inference engine runs at --context-parallel-size 1; split long prompts with "
+                                  "--enable-chunked-prefill instead")
+        self.pp = pipeline_state(state)
         if tp_group is None and ps.model_parallel_is_initialized():
             tp_group = (state or ps.get_parallel_state()).tp_group
         self.tp_group = tp_group if group_size(tp_group) > 1 else None
-        self.leader = self.tp_group is None or dist.get_rank(self.tp_group) == 0
+        # The ranks that run each step together: TP x PP (the model-parallel group), or the TP group.
+        self.plan_group = self.pp.mp_group if self.pp is not None else self.tp_group
+        self.leader = self.plan_group is None or dist.get_rank(self.plan_group) == 0
         self.device = next(model.parameters()).device
         bs = config.block_size
         if config.num_blocks is not None:
@@ -125,7 +135,7 @@ class InferenceEngine:
 
     def _check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not self.leader:
-            raise RuntimeError("add_request is for TP rank 0, which owns the requests")
+            raise RuntimeError("add_request is for model-parallel rank 0, which owns the requests")
         if request_id in self.ids:
             raise RequestRejected(f"request id {request_id!r} is already in the engine; use a new id")
         if not prompt:
@@ -282,14 +292,14 @@ class InferenceEngine:
 
     def _broadcast_plan(self, batch: Optional[dict]) -> Optional[dict]:
         """Send (rank 0) or receive (other TP ranks) the step's tensors; None = shut down. Collective over TP."""
-        if self.tp_group is None:
+        if self.plan_group is None:
             return batch
-        src = dist.get_global_rank(self.tp_group, 0)
+        src = dist.get_global_rank(self.plan_group, 0)
         header = torch.zeros(5, dtype=torch.long, device=self.device)
         if batch is not None:
             header.copy_(torch.tensor([1, batch["ids"].numel(), batch["read_slots"].size(0),
                                        batch["read_slots"].size(1), batch["rows"].numel()]))
-        dist.broadcast(header, src=src, group=self.tp_group)
+        dist.broadcast(header, src=src, group=self.plan_group)
         if int(header[0]) == 0:
             return None
         t, r, length, k = (int(x) for x in header[1:])
@@ -297,7 +307,7 @@ class InferenceEngine:
             batch = dict(ids=self._empty(t), positions=self._empty(t), write_slots=self._empty(t),
                          counts=self._empty(r), read_slots=self._empty(r, length), rows=self._empty(k))
         for name in ("ids", "positions", "write_slots", "counts", "read_slots", "rows"):
-            dist.broadcast(batch[name], src=src, group=self.tp_group)
+            dist.broadcast(batch[name], src=src, group=self.plan_group)
         return batch
 
     def _empty(self, *shape: int) -> torch.Tensor:
@@ -319,7 +329,7 @@ class InferenceEngine:
 
     def shutdown(self) -> None:
         """(rank 0) Tell the other TP ranks to leave `follow()`; collective over TP."""
-        if self.tp_group is not None and self.leader:
+        if self.plan_group is not None and self.leader:
             self._broadcast_plan(None)
 
     @torch.no_grad()
@@ -333,12 +343,20 @@ class InferenceEngine:
         try:
             with sequence_parallel_off(self.model):
                 rows = batch["rows"] if batch["rows"].numel() else batch["rows"].new_zeros(1)  # (a prefill chunk)
-                logits = forward_step_logits(self.model, batch["ids"][None], batch["positions"][None], None, step,
-                                             False, self.tp_group, rows=rows[None])
+                ids, positions = batch["ids"][None], batch["positions"][None]
+                if self.pp is None:
+                    return forward_step_logits(self.model, ids, positions, None, step, False, self.tp_group,
+                                               rows=rows[None])[0]
+                logits = pipeline_step_logits(self.model, ids, positions, None, step, False, self.tp_group, self.pp,
+                                              rows=rows[None])
+                if logits is None:  # not the last stage: receive the last stage's logits
+                    logits = torch.empty(1, rows.numel(), self.vocab, device=self.device)
+                return broadcast_from_last_stage(logits.contiguous(), self.pp)[0]
         finally:
+            if self.pp is not None:
+                unwrapped_model(self.model).set_input_tensor(None)
             if was_training:
                 self.model.train(True)
-        return logits[0]
 
     def _advance(self, plan: list[tuple[_Request, int]], row_spec: list[tuple[int, int, bool]],
                  logits: torch.Tensor) -> list[StepOutput]:

@@ -187,10 +187,10 @@ def test_duplicate_ids_and_a_buffer_too_small_are_refused():
     assert sized.pool.num_blocks == 1024**2 // (4 * per_token)
 
 
-def test_pipeline_parallelism_is_refused_in_one_line():
+def test_context_parallelism_is_refused_in_one_line():
     model = build_gpt(tiny_config(**LLAMA)).eval()
-    with pytest.raises(RequestRejected, match="pipeline-model-parallel-size 1") as info:
-        InferenceEngine(model, LAYOUTS["plain"], eod=EOD, state=SimpleNamespace(pp_size=2))
+    with pytest.raises(RequestRejected, match="context-parallel-size 1") as info:
+        InferenceEngine(model, LAYOUTS["plain"], eod=EOD, state=SimpleNamespace(pp_size=1, cp_size=2))
     assert "\n" not in str(info.value)
 
 
