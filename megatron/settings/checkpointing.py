@@ -49,3 +49,11 @@ class CheckpointingSettings:
     auto_detect_ckpt_format: bool = setting("--auto-detect-ckpt-format", default=False,
         help="Load whichever format the checkpoint folder holds (torch, Megatron Core torch, torch_dist).",
         read_by="megatron/checkpoint/formats.py")
+    async_save: bool = setting("--async-save", default=False,
+        help="Write checkpoints in the background: the state is copied, training continues, and the tracker and "
+             "manifest are published once every rank's files are complete (torch_dist needs "
+             "--use-persistent-ckpt-worker, as in Megatron-LM; the legacy torch layout too, which Megatron-LM refuses).",
+        read_by="megatron/checkpoint/saving.py")
+    use_persistent_ckpt_worker: bool = setting("--use-persistent-ckpt-worker", default=False,
+        help="One long-lived background writer for --async-save (default: a writer per save); same files.",
+        read_by="megatron/checkpoint/saving.py")
