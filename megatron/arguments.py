@@ -616,7 +616,10 @@ def _validate_misc(args: argparse.Namespace) -> None:
 
 def _validate_async_save(args: argparse.Namespace) -> None:
     """--async-save: refused with --deepspeed; with torch_dist it needs --use-persistent-ckpt-worker, as in Megatron-LM
-    (which then turns it off with a warning)."""
+    (which then turns it off with a warning). Megatron-LM's note on the deprecated --ckpt-fully-parallel-save."""
+    if args.ckpt_fully_parallel_save_deprecated:
+        _print0(args, "--ckpt-fully-parallel-save flag is deprecated and has no effect. Use "
+                      "--no-ckpt-fully-parallel-save to disable parallel save.")
     if not args.async_save:
         return
     _require(not getattr(args, "deepspeed", False), "--async-save cannot be used with --deepspeed (DeepSpeed's engine "

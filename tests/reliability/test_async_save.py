@@ -134,6 +134,8 @@ def test_async_save_start_up_rules(capsys, tmp_path: Path) -> None:
     assert "--async-save is not supported without --use-persistent-ckpt-worker. Disabling --async-save." in \
         capsys.readouterr().out
     assert _args("--async-save", "--save", "/tmp/x").async_save is True  # the legacy layout: on
+    validate_args(parse_args(args=[*TINY, "--ckpt-fully-parallel-save"]), {})  # Megatron-LM's deprecated spelling
+    assert "--ckpt-fully-parallel-save flag is deprecated and has no effect." in capsys.readouterr().out
     with pytest.raises(MegatronUserError, match="^--async-save cannot be used with --deepspeed"):
         (tmp_path / "ds.json").write_text("{}")
         _args("--async-save", "--save", "/tmp/x", "--deepspeed", "--deepspeed_config", str(tmp_path / "ds.json"))
