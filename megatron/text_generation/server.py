@@ -13,7 +13,7 @@ decoding step and broadcasts the answer over the server's group (`StopCheck`), s
 at the same step; a request whose client left while it waited for its turn is dropped before it reaches the others.
 
 `build_server` also serves OpenAI-style `POST /v1/completions` and `GET /v1/models` (megatron/text_generation/
-openai_api.py), broadcast to the other ranks as ("openai", request) the same way.
+openai_api.py) and `POST /v1/chat/completions` (openai_chat.py), broadcast to the other ranks as ("openai", request) the same way.
 
 The generation itself is injected: `generate_fn(prompts, tokens_to_generate, **options) -> dict` with keys
 `text`, `segments` and (when asked) `logprobs`, normally `functools.partial(megatron.text_generation.generate,
@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.text_generation import openai_api
+from megatron.text_generation import openai_api, openai_chat
 from megatron.text_generation.disconnect import StopCheck, client_gone
 from megatron.text_generation.generation import generate
 from megatron.text_generation.http_limits import MAX_JSON_DEPTH, json_depth  # noqa: F401  (re-exported)
@@ -264,6 +264,7 @@ class MegatronServer:
         self.log = log
         self.accepted = accepted_options(generate_fn)
         self.openai: Any = None  # OpenAICompletions (set by build_server): POST /v1/completions, GET /v1/models
+        self.openai_chat: Any = None  # OpenAIChat (set by build_server): POST /v1/chat/completions
         self.lock = threading.Lock()
         self.httpd: Optional[ThreadingHTTPServer] = None
         self._stopped = False
@@ -442,6 +443,9 @@ def _make_handler(server: MegatronServer) -> type:
 
         def do_GET(self) -> None:  # noqa: N802 - http.server naming
             path = self.path.split("?", 1)[0]
+            if server.openai_chat is not None and openai_chat.serves(path):
+                openai_api.handle_http(server, self, server.openai_chat)
+                return
             if server.openai is not None and openai_api.serves(path):
                 openai_api.handle_http(server, self)
                 return
@@ -453,6 +457,9 @@ def _make_handler(server: MegatronServer) -> type:
                 self._json(HTTPStatus.NOT_FOUND, {"message": f"no page {path}; try / or PUT /api"})
 
         def do_PUT(self) -> None:  # noqa: N802
+            if server.openai_chat is not None and openai_chat.serves(self.path):
+                openai_api.handle_http(server, self, server.openai_chat)
+                return
             if server.openai is not None and openai_api.serves(self.path):
                 openai_api.handle_http(server, self)
                 return
@@ -501,4 +508,5 @@ def build_server(model: torch.nn.Module, tokenizer: Any, *, max_sequence_length:
     server.openai = openai_api.OpenAICompletions(
         model, tokenizer, max_sequence_length=max_sequence_length, max_tokens_limit=server.max_tokens_to_generate,
         max_prompts=server.max_prompts, max_batch_tokens=server.max_batch_tokens)
+    server.openai_chat = openai_chat.OpenAIChat(server.openai)
     return server
