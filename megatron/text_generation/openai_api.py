@@ -395,24 +395,8 @@ def handle_http(server: Any, handler: Any, api: Any = None) -> None:
     if handler.command != "POST":
         send(HTTPStatus.METHOD_NOT_ALLOWED, error_body(f"use POST {path} with a JSON body"))
         return
-    length = handler.headers.get("Content-Length")
-    if length is None or not length.isdigit():
-        handler.close_connection = True
-        send(HTTPStatus.LENGTH_REQUIRED, error_body("send the JSON body with a Content-Length"))
-        return
-    if int(length) > server.max_request_bytes:
-        handler.close_connection = True
-        send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-             error_body(f"request body of {length} bytes is over the limit of {server.max_request_bytes} bytes"))
-        return
-    raw = handler.rfile.read(int(length))
-    if json_depth(raw) > MAX_JSON_DEPTH:
-        send(HTTPStatus.BAD_REQUEST, error_body(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels"))
-        return
-    try:
-        payload = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        send(HTTPStatus.BAD_REQUEST, error_body(f"the request body is not valid JSON: {exc}"))
+    payload = _read_json(server, handler, send)
+    if payload is _NO_BODY:
         return
     try:
         req = api.validate(payload)
@@ -457,6 +441,33 @@ def handle_http(server: Any, handler: Any, api: Any = None) -> None:
         handler.close_connection = True
         return
     send(HTTPStatus.OK, api.response(req, results))
+
+
+_NO_BODY = object()  # _read_json's answer when it has already refused the body
+
+
+def _read_json(server: Any, handler: Any, send: Callable[[int, dict], None]) -> Any:
+    """The decoded JSON body of the request on `handler` (within the server's size and depth limits), or _NO_BODY
+    after sending the 4xx that refuses it."""
+    length = handler.headers.get("Content-Length")
+    if length is None or not length.isdigit():
+        handler.close_connection = True
+        send(HTTPStatus.LENGTH_REQUIRED, error_body("send the JSON body with a Content-Length"))
+        return _NO_BODY
+    if int(length) > server.max_request_bytes:
+        handler.close_connection = True
+        send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+             error_body(f"request body of {length} bytes is over the limit of {server.max_request_bytes} bytes"))
+        return _NO_BODY
+    raw = handler.rfile.read(int(length))
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        send(HTTPStatus.BAD_REQUEST, error_body(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels"))
+        return _NO_BODY
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        send(HTTPStatus.BAD_REQUEST, error_body(f"the request body is not valid JSON: {exc}"))
+        return _NO_BODY
 
 
 def _client_test(handler: Any) -> Callable[[], bool]:

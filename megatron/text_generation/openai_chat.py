@@ -1,7 +1,7 @@
 """OpenAI-compatible chat completions on the REST server: `POST /v1/chat/completions` (and `/chat/completions`).
 
-The messages are rendered with the chat template of the served checkpoint's Hugging Face tokenizer
-(`apply_chat_template` with the generation prompt, then encoded without adding special tokens again); a tokenizer
+The messages are rendered with the chat template of the served checkpoint's Hugging Face tokenizer (its
+`apply_chat_template` with the generation prompt, through megatron/tokenizer/chat_format.py); a tokenizer
 without a template gets a one-line 400 (Megatron-LM's server has no fallback template flag either). The rendered
 prompt then runs as a completions request (megatron/text_generation/openai_api.py: same validation of the sampling
 fields, size limits, broadcast to every rank, streaming writer and cancel on disconnect), `n` times in one batch,
@@ -21,16 +21,17 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron.errors import ArgumentError
 from megatron.text_generation.openai_api import NEUTRAL_FIELDS, CompletionChunks, OpenAICompletions, OpenAIError
+from megatron.tokenizer.chat_format import ChatFormat, ConversationError, chat_format_for
 
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant")
 MAX_TOP_LOGPROBS = 20
 KNOWN_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
                 "stop", "logprobs", "top_logprobs", "seed", "stream", "stream_options", "user",
                 *(set(NEUTRAL_FIELDS) - {"suffix"})}
 PASSED_ON = ("model", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options")
-PROBE = "QZXJV"  # assistant content used to find the token that ends an assistant turn in the template
 
 
 def serves(path: str) -> bool:
@@ -77,26 +78,6 @@ def check_messages(messages: Any) -> list[dict]:
     return out
 
 
-def template_of(tokenizer: Any) -> Optional[Any]:
-    """The Hugging Face tokenizer behind `tokenizer` when it has a chat template, else None."""
-    hf = getattr(tokenizer, "hf_tokenizer", None)
-    return hf if getattr(hf, "chat_template", None) else None
-
-
-def end_of_turn_ids(hf: Any) -> list[int]:
-    """The special token the template writes right after an assistant turn's content ([] if none shows)."""
-    try:
-        text = hf.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}],
-                                      tokenize=False)
-    except Exception:  # noqa: BLE001 - a template that refuses the probe conversation: eos alone ends a turn
-        return []
-    if PROBE not in text:
-        return []
-    specials = set(hf.all_special_ids) | set(getattr(hf, "added_tokens_decoder", {}) or {})
-    tail = hf.encode(text[text.rindex(PROBE) + len(PROBE):], add_special_tokens=False)
-    return [t for t in tail if t in specials][:1]
-
-
 class ChatChunks(CompletionChunks):
     """The server-sent events of one streamed `chat.completion.chunk` response."""
 
@@ -124,21 +105,25 @@ class OpenAIChat:
     def __init__(self, completions: OpenAICompletions) -> None:
         self.completions = completions
         self.tokenizer, self.eod = completions.tokenizer, completions.eod
-        self.hf = template_of(self.tokenizer)
-        self.end_ids = [t for t in end_of_turn_ids(self.hf) if t != self.eod] if self.hf is not None else []
+        try:
+            self.format: Optional[ChatFormat] = chat_format_for(self.tokenizer)
+        except ArgumentError:  # not a Hugging Face tokenizer, or one without a chat_template
+            self.format = None
+        self.end_ids = [t for t in self.format.end_of_turn_ids if t != self.eod] if self.format else []
         self.end_texts = [self.tokenizer.detokenize([t]) for t in self.end_ids]
 
     def render(self, messages: list[dict]) -> list[int]:
         """The prompt tokens of a checked conversation: the template with the assistant's generation prompt."""
-        if self.hf is None:
+        if self.format is None:
             raise OpenAIError(f"this model's tokenizer ({type(self.tokenizer).__name__}) has no chat template; serve "
                               "a checkpoint whose Hugging Face tokenizer has one (chat_template in "
                               "tokenizer_config.json), or use /v1/completions", "messages")
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.format.generation_prompt(messages)
+        except ConversationError as exc:
+            raise OpenAIError(str(exc), "messages") from None
         except Exception as exc:  # noqa: BLE001 - the template's own checks (jinja raise_exception) refuse it
             raise OpenAIError(f"the chat template refused the messages: {exc}", "messages") from None
-        return [int(t) for t in self.hf.encode(text, add_special_tokens=False)]
 
     def _max_tokens(self, payload: dict, n_prompt: int) -> int:
         given = {name: payload[name] for name in ("max_completion_tokens", "max_tokens") if name in payload}
