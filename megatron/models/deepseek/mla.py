@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.attention import model_parallel_rng_fork
 from megatron.layers.inference_params import InferenceParams
@@ -145,9 +146,12 @@ class MLASelfAttention(MegatronModule):
             k_pe = tensor_parallel.copy_to_tensor_model_parallel_region(k_pe, self.tp_group)
         return rope_mla(k_pe.unsqueeze(2), cos, sin)
 
-    def _up_project(self, q_in, latent, k_pe, offset: int):
+    def _up_project(self, q_in, latent, k_pe, offset: int, packed: Optional[PackedSeqParams] = None):
         seq = latent.size(0) * (group_size(self.tp_group) if self.sequence_parallel else 1)
-        cos, sin = self.rotary.cos_sin(seq, offset, latent.device, latent.dtype)
+        if packed is None:
+            cos, sin = self.rotary.cos_sin(seq, offset, latent.device, latent.dtype)
+        else:  # packed documents: each at its positions inside its document
+            cos, sin = self.rotary.cos_sin_at(packed.position_ids(latent.size(1), seq, latent.device), latent.dtype)
         q_nope, q_pe = self._query(q_in, cos, sin)
         kv, _ = self.linear_kv_up_proj(latent)
         kv = kv.view(kv.size(0), kv.size(1), self.heads, self.qk_dim + self.v_dim)
@@ -159,16 +163,22 @@ class MLASelfAttention(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 encoder_output: Optional[torch.Tensor] = None,
-                inference_params: Optional[InferenceParams] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                inference_params: Optional[InferenceParams] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """hidden [s(/TP under SP), b, h], mask bool [b|1, 1, sq, sk] (True = masked) or None (causal) ->
-        (output [s(/TP), b, h], output bias or None)."""
+        (output [s(/TP), b, h], output bias or None). `packed_seq_params`: packed documents (their positions and
+        block-diagonal causal mask replace `attention_mask`)."""
         if encoder_output is not None:
             raise ValueError("multi-latent attention is self-attention only (no encoder output)")
         q_in, latent, k_pe = self._latents(hidden_states)
         if inference_params is not None:
+            if packed_seq_params is not None:
+                raise ValueError("packed sequences (cu_seqlens) are for training and evaluation, not KV-cache decoding")
             context = self._cached_forward(q_in, latent, k_pe, attention_mask, inference_params)
             return self.linear_proj(context)
-        query, key, value = self._up_project(q_in, latent, k_pe, 0)
+        query, key, value = self._up_project(q_in, latent, k_pe, 0, packed_seq_params)
+        if packed_seq_params is not None:
+            attention_mask = packed_seq_params.attention_mask(query.size(1), query.size(0), query.device)
         if self.checkpoint_core_attention and self.training and torch.is_grad_enabled():
             context = tensor_parallel.checkpoint(self._core_attention, False, query, key, value, attention_mask)
         else:
