@@ -104,7 +104,7 @@ class OpenAIChat:
 
     def __init__(self, completions: OpenAICompletions) -> None:
         self.completions = completions
-        self.tokenizer, self.eod = completions.tokenizer, completions.eod
+        self.tokenizer, self.eod, self.vocab_size = completions.tokenizer, completions.eod, completions.vocab_size
         try:
             self.format: Optional[ChatFormat] = chat_format_for(self.tokenizer)
         except ArgumentError:  # not a Hugging Face tokenizer, or one without a chat_template
@@ -166,6 +166,10 @@ class OpenAIChat:
             should_stop: Optional[Callable[[], bool]] = None) -> list[dict]:
         """Every rank: the completions run of `req` (what the other ranks run for the broadcast request too)."""
         return self.completions.run(req, on_step=on_step, should_stop=should_stop)
+
+    def stop_token_ids(self, req: dict) -> list[int]:
+        """The ids generation stops at besides eod (the end-of-turn token among them)."""
+        return self.completions.stop_token_ids(req)
 
     def _logprobs(self, completion: dict, res: dict, n: int) -> Optional[dict]:
         lp = completion["logprobs"]
