@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from megatron.inference import EngineConfig, InferenceEngine, SamplingParams
 from megatron.text_generation.generation import generate_tokens
 from megatron.text_generation.openai_api import OpenAICompletions, OpenAIError
 from megatron.text_generation.openai_chat import OpenAIChat
@@ -144,6 +145,31 @@ def test_logprobs_equal_a_direct_forward(served):
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-5)
         assert [t.token for t in entry.top_logprobs] == [tokenizer.detokenize([int(i)]) for i in top]
         assert entry.bytes == list(entry.token.encode("utf-8"))
+
+
+def test_engine_server_answers_as_the_static_one(served):
+    """On the inference engine (--inference-dynamic-batching) the chat route gives the same replies, plain and
+    streamed, and stops at the end-of-turn token there too."""
+    address, model, tokenizer, client = served
+    engine = InferenceEngine(model, EngineConfig(num_blocks=64, block_size=8, max_tokens=256), eod=int(tokenizer.eod))
+    logs: list[str] = []
+    server = build_server(model, tokenizer, max_sequence_length=CONTEXT, engine=engine, sampling_params=SamplingParams,
+                          log=logs.append)
+    host, port = server.start("127.0.0.1", 0)
+    try:
+        on_engine = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        for messages in (CHAT, [{"role": "user", "content": "Hello there, my friend"}]):
+            kw = dict(model="m", messages=messages, max_tokens=8, temperature=0)
+            static, engined = client.chat.completions.create(**kw), on_engine.chat.completions.create(**kw)
+            streamed = list(on_engine.chat.completions.create(**kw, stream=True))
+            assert engined.choices[0].message.content == static.choices[0].message.content
+            assert engined.choices[0].finish_reason == static.choices[0].finish_reason
+            assert engined.usage.completion_tokens == static.usage.completion_tokens
+            assert "".join(c.choices[0].delta.content or "" for c in streamed) == static.choices[0].message.content
+        assert static.choices[0].finish_reason == "length"  # the second conversation; CHAT's ends its turn
+        assert sum("(engine" in line for line in logs) == 4
+    finally:
+        server.shutdown()
 
 
 def test_bad_requests_get_openai_errors(served, shared_data):
