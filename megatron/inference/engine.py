@@ -18,6 +18,7 @@ are gathered over TP, broadcast from the last stage over the pipeline, and rank 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -113,6 +114,8 @@ class InferenceEngine:
         self.max_requests = min(config.max_requests or num_blocks, config.max_tokens)
         self.max_positions = getattr(unwrapped_model(model).config, "max_position_embeddings", None)
         self.vocab = getattr(unwrapped_model(model).config, "padded_vocab_size", None)
+        self.sequence_parallel = any(getattr(obj, "sequence_parallel", None) is True for m in model.modules()
+                                     for obj in (m, getattr(m, "config", None)))  # switched off per step
         self.queue: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.ids: set[str] = set()
@@ -145,7 +148,8 @@ class InferenceEngine:
         if params.max_new_tokens < 1:
             raise RequestRejected(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
         try:
-            check_sampling_args(params.top_k, params.top_p, params.temperature)
+            greedy = params.greedy or params.top_k == 1  # the temperature does not matter (0 allowed)
+            check_sampling_args(params.top_k, params.top_p, 1.0 if greedy else params.temperature)
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None
         total = len(prompt) + params.max_new_tokens
@@ -264,9 +268,9 @@ class InferenceEngine:
         ids, rows, row_spec, tables = [], [], [], []
         offset = 0
         for req, n in plan:
-            tokens = req.tokens()
-            ids.extend(tokens[req.computed:req.computed + n])
-            samples = req.computed + n == len(tokens)
+            ids.extend(req.prompt[req.computed:req.computed + n] if req.computed < len(req.prompt)
+                       else req.output[-1:])  # a prompt chunk, or the last sampled token
+            samples = req.computed + n == len(req.prompt) + len(req.output)
             first = len(rows)
             if req.params.return_prompt_logprobs and req.computed < len(req.prompt):
                 rows.extend(range(offset, offset + n))
@@ -341,7 +345,7 @@ class InferenceEngine:
         if was_training:
             self.model.eval()
         try:
-            with sequence_parallel_off(self.model):
+            with sequence_parallel_off(self.model) if self.sequence_parallel else contextlib.nullcontext():
                 rows = batch["rows"] if batch["rows"].numel() else batch["rows"].new_zeros(1)  # (a prefill chunk)
                 ids, positions = batch["ids"][None], batch["positions"][None]
                 if self.pp is None:

@@ -163,6 +163,7 @@ def test_cancel_frees_blocks_of_running_and_queued_requests():
     (EngineConfig(num_blocks=64, block_size=4, max_tokens=4), [1] * 10, SamplingParams(), "enable-chunked-prefill"),
     (EngineConfig(num_blocks=64, block_size=4), [], SamplingParams(), "at least one prompt token"),
     (EngineConfig(num_blocks=64, block_size=4), [1], SamplingParams(top_k=2, top_p=0.5), "top_k or top_p"),
+    (EngineConfig(num_blocks=64, block_size=4), [1], SamplingParams(temperature=0.0), "temperature must be > 0"),
     (EngineConfig(num_blocks=64, block_size=4), [1, VOCAB], SamplingParams(), "outside the vocabulary"),
     (EngineConfig(num_blocks=64, block_size=4), [-1], SamplingParams(), "outside the vocabulary"),
 ])
@@ -177,7 +178,7 @@ def test_requests_that_can_never_run_are_refused_in_one_line(config, prompt, par
 def test_duplicate_ids_and_a_buffer_too_small_are_refused():
     model = build_gpt(tiny_config(**LLAMA)).eval()
     engine = InferenceEngine(model, EngineConfig(num_blocks=8, block_size=4), eod=EOD)
-    engine.add_request("a", [1, 2], GREEDY)
+    engine.add_request("a", [1, 2], SamplingParams(greedy=True, temperature=0.0))  # greedy: any temperature
     with pytest.raises(RequestRejected, match="already in the engine"):
         engine.add_request("a", [1, 2], GREEDY)
     with pytest.raises(RequestRejected, match="holds no block"):
