@@ -145,8 +145,9 @@ class InferenceEngine:
             raise RequestRejected("a request needs at least one prompt token (add a BOS token)")
         if self.vocab is not None and not all(0 <= int(t) < self.vocab for t in prompt):
             raise RequestRejected(f"a prompt token id is outside the vocabulary [0, {self.vocab}); check the tokenizer")
-        if params.max_new_tokens < 1:
-            raise RequestRejected(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if params.max_new_tokens < 0 or (params.max_new_tokens == 0 and not params.return_prompt_logprobs):
+            raise RequestRejected(f"max_new_tokens must be >= 1 (0 only to score the prompt with "
+                                  f"return_prompt_logprobs), got {params.max_new_tokens}")
         try:
             greedy = params.greedy or params.top_k == 1  # the temperature does not matter (0 allowed)
             check_sampling_args(params.top_k, params.top_p, 1.0 if greedy else params.temperature)
@@ -156,7 +157,7 @@ class InferenceEngine:
         if self.max_positions is not None and total > self.max_positions:
             raise RequestRejected(f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                                   f"the model's --max-position-embeddings {self.max_positions}; shorten the prompt")
-        need = self._blocks_for(total - 1)
+        need = self._blocks_for(self._kv_tokens(len(prompt), params))
         if need > self.pool.num_blocks:
             raise RequestRejected(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) needs {need} KV-cache "
@@ -165,6 +166,11 @@ class InferenceEngine:
         if not self.config.chunked_prefill and len(prompt) > self.config.max_tokens:
             raise RequestRejected(f"prompt ({len(prompt)} tokens) exceeds --inference-dynamic-batching-max-tokens "
                                   f"{self.config.max_tokens}; raise it or add --enable-chunked-prefill")
+
+    @staticmethod
+    def _kv_tokens(prompt: int, params: SamplingParams) -> int:
+        """Positions a request writes to the cache: its prompt and every generated token but the last."""
+        return max(prompt, prompt + params.max_new_tokens - 1)
 
     def _blocks_for(self, tokens: int) -> int:
         return max(1, math.ceil(tokens / self.config.block_size))
@@ -229,7 +235,7 @@ class InferenceEngine:
         bs = self.config.block_size
         while self.queue and len(self.running) < self.max_requests:
             req = self.queue[0]
-            total = self._blocks_for(len(req.prompt) + req.params.max_new_tokens - 1)
+            total = self._blocks_for(self._kv_tokens(len(req.prompt), req.params))
             shared = self.pool.lookup(req.hashes[: (len(req.prompt) - 1) // bs])
             idle_shared = sum(1 for b in shared if self.pool.refcount[b] == 0)
             need = total - len(shared)
@@ -376,7 +382,12 @@ class InferenceEngine:
                 req.prompt_logprobs += lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
             self._register(req)
             if samples:
-                outputs.append(self._sample(req, rows[-1]))
+                if req.params.max_new_tokens == 0:  # scoring only: the prompt log-probs, no token
+                    outputs.append(StepOutput(req.request_id, finished=True, finish_reason="length",
+                                              prompt_logprobs=req.prompt_logprobs))
+                    self._release(req)
+                else:
+                    outputs.append(self._sample(req, rows[-1]))
         return outputs
 
     def _register(self, req: _Request) -> None:

@@ -110,6 +110,20 @@ def test_prompt_logprobs_equal_static_generate():
     torch.testing.assert_close(torch.tensor(got), ref.logprobs[0], rtol=0, atol=1e-5)
 
 
+def test_scoring_a_prompt_without_generating():
+    model = build_gpt(tiny_config(**LLAMA)).eval()
+    prompt = [5, 9, 2, 33, 4, 4, 17, 8, 1]  # 9 tokens: 3 blocks of 4, all written
+    engine = InferenceEngine(model, EngineConfig(num_blocks=3, block_size=4), eod=EOD)
+    engine.add_request("s", prompt, SamplingParams(max_new_tokens=0, return_prompt_logprobs=True))
+    (out,) = engine.step()
+    assert out.finished and out.finish_reason == "length" and out.new_tokens == [] and not engine.has_work()
+    ref = generate_tokens(model, [prompt, prompt], 0, eod_id=EOD, return_output_log_probs=True)
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs), ref.logprobs[0], rtol=0, atol=1e-5)
+    assert engine.stats.free_blocks == 3
+    with pytest.raises(RequestRejected, match="0 only to score the prompt"):
+        engine.add_request("t", prompt, SamplingParams(max_new_tokens=0))
+
+
 def test_stop_tokens_end_a_request_and_free_its_blocks():
     model = build_gpt(tiny_config(**LLAMA)).eval()
     prompt = [1, 2, 3, 4, 5]
