@@ -93,6 +93,9 @@ class InferenceEngine:
         if getattr(ps.current_parallel_state(state), "cp_size", 1) > 1:
             raise RequestRejected("the inference engine runs at --context-parallel-size 1; split long prompts with "
                                   "--enable-chunked-prefill instead")
+        if getattr(ps.current_parallel_state(state), "ep_size", 1) > 1:
+            raise RequestRejected("the inference engine runs at --expert-model-parallel-size 1 (its steps differ "
+                                  "per data-parallel rank); use tensor parallelism, or the static generator")
         self.pp = pipeline_state(state)
         if tp_group is None and ps.model_parallel_is_initialized():
             tp_group = (state or ps.get_parallel_state()).tp_group

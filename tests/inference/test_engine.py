@@ -202,10 +202,12 @@ def test_duplicate_ids_and_a_buffer_too_small_are_refused():
     assert sized.pool.num_blocks == 1024**2 // (4 * per_token)
 
 
-def test_context_parallelism_is_refused_in_one_line():
+@pytest.mark.parametrize("state,flag", [(SimpleNamespace(pp_size=1, cp_size=2), "context-parallel-size 1"),
+                                        (SimpleNamespace(pp_size=1, ep_size=2), "expert-model-parallel-size 1")])
+def test_context_and_expert_parallelism_are_refused_in_one_line(state, flag):
     model = build_gpt(tiny_config(**LLAMA)).eval()
-    with pytest.raises(RequestRejected, match="context-parallel-size 1") as info:
-        InferenceEngine(model, LAYOUTS["plain"], eod=EOD, state=SimpleNamespace(pp_size=1, cp_size=2))
+    with pytest.raises(RequestRejected, match=flag) as info:
+        InferenceEngine(model, LAYOUTS["plain"], eod=EOD, state=state)
     assert "\n" not in str(info.value)
 
 
