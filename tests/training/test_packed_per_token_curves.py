@@ -1,7 +1,7 @@
 """Packed rows and --calculate-per-token-loss in training (pretrain_gpt.py, tiny Llama-style model, plain SGD
 without clipping so the curve follows the gradient's size, not only its direction): on a packed chat-like dataset
-(tests/training/_packed_data.py: 4 documents per row of 64, prompts and end padding out of the loss) the 6-step
-curve is the same for 1 or 4 micro-batches per global batch, DP2, DP2 with the distributed optimizer, TP2 + SP,
+(tests/training/_packed_data.py: 4 documents per row of 64, prompts and end padding out of the loss) the 4-step
+curve is the same for 4 micro-batches per global batch (1 row each), DP2, DP2 with the distributed optimizer, TP2 + SP,
 PP2, CP2 (p2p) and CP2 (a2a) on packed rows, and for the unpacked run that serves every document in a padded row
 of its own. Without the flag the unpacked run's curve differs (mean of micro-batch means).
 
@@ -18,7 +18,7 @@ from tests.training._llama import LLAMA
 from tests.training._packed_data import DOCS_PER_ROW, datasets_provider
 from tests.training._workers import curve_from_result, tiny_gpt_argv
 
-ITERS = 6
+ITERS = 4
 ROWS = 4  # packed rows per global batch
 
 
@@ -57,15 +57,14 @@ def _assert_same(curve: dict, ref: dict, what: str, rel: float = 1e-5) -> None:
 
 @pytest.mark.slow
 def test_per_token_curve_is_the_same_for_every_split_layout_and_packing(gpt_data: dict) -> None:
-    one = [(True, _argv(gpt_data, True, 4)), (True, _argv(gpt_data, True, 1)), (False, _argv(gpt_data, False, 4)),
+    one = [(True, _argv(gpt_data, True, 1)), (False, _argv(gpt_data, False, 4)),
            (False, _argv(gpt_data, False, 4, per_token=False))]
     serial = [_curve(r, n) for r, n in zip(run_distributed(run_packed, 1, args=(one,))[0],
-                                           ("packed", "packed x4", "unpacked", "unpacked mean"))]
+                                           ("packed", "unpacked", "unpacked mean"))]
     ref = serial[0]
     assert ref["train"][ITERS] < ref["train"][1] - 0.1, "the tiny model should learn"
-    _assert_same(serial[1], ref, "4 micro-batches")
-    _assert_same(serial[2], ref, "unpacked")
-    assert not math.isclose(serial[3]["train"][2], ref["train"][2], rel_tol=1e-4), "the flag should matter"
+    _assert_same(serial[1], ref, "unpacked")
+    assert not math.isclose(serial[2]["train"][2], ref["train"][2], rel_tol=1e-4), "the flag should matter"
 
     two = {
         "dp2": _argv(gpt_data, True, 2),

@@ -9,8 +9,12 @@ SGD step per micro-batch of `--micro-batch-size` rows, with the per-token loss (
 count, so the two see the same loss). Reported per layout: rows, share of padding, wall time of one epoch over the
 conversations and real tokens per second; then the speed-up.
 
+`--attention`: the choice of the CPU path. Attention alone (forward + backward, 8 heads of 16) over the packed rows:
+the documents' block-diagonal mask through one SDPA call per row (what the model runs) against a loop of causal
+SDPA calls, one per document.
+
     python tools/benchmarks/bench_packing.py [--docs 96] [--seq-length 512] [--median 80] [--micro-batch-size 4]
-                                              [--epochs 2] [--threads N] [--json out.json]
+                                              [--epochs 2] [--threads N] [--attention] [--json out.json]
 """
 from __future__ import annotations
 
@@ -110,6 +114,28 @@ def epoch(net: GPTModel, batches: list[tuple], seq: int) -> float:
     return time.perf_counter() - start
 
 
+def attention_paths(sizes: list[int], rows: list[list[int]], seq: int, repeats: int = 3) -> dict[str, float]:
+    """Seconds of attention forward + backward over every packed row: masked SDPA per row vs per-document SDPA."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    g = torch.Generator().manual_seed(2)
+    times = {"mask": float("inf"), "per_document": float("inf")}
+    for _ in range(repeats):
+        for path in times:
+            start = time.perf_counter()
+            for row in rows:
+                q, k, v = (torch.randn(1, 8, seq, 16, generator=g, requires_grad=True) for _ in range(3))
+                cu = torch.tensor([0] + [sizes[i] for i in row]).cumsum(0)
+                if path == "mask":
+                    packed = from_cu_seqlens(cu)
+                    out = sdpa(q, k, v, attn_mask=~packed.attention_mask(1, seq))
+                else:
+                    out = torch.cat([sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
+                                     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=2)
+                out.sum().backward()
+            times[path] = min(times[path], time.perf_counter() - start)
+    return times
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = lengths(args.docs, args.median, args.seq_length)
     real = sum(sizes)
@@ -125,6 +151,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{name:7s} rows {len(rows):4d}  padding {100 * padding:5.1f}%  epoch {seconds:7.2f} s  "
               f"real tokens/s {real / seconds:9.1f}", flush=True)
     result["speedup"] = result["packed"]["tokens_per_s"] / result["padded"]["tokens_per_s"]
+    if args.attention:
+        result["attention"] = attention_paths(sizes, layouts["packed"], args.seq_length)
+        print("attention over the packed rows, forward + backward: block-diagonal mask "
+              f"{result['attention']['mask']:.3f} s, per-document loop {result['attention']['per_document']:.3f} s")
     print(f"packed / padded real tokens/s: {result['speedup']:.2f}x "
           f"({args.docs} conversations, {real} real tokens, median {args.median}, seq {args.seq_length})")
     return result
@@ -140,6 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--attention", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.threads:
