@@ -54,6 +54,7 @@ from megatron.layers.fused_softmax import FusedScaleMaskSoftmax
 from megatron.layers.inference_params import InferenceParams
 from megatron.layers.module import MegatronModule
 from megatron.layers.norms import norm_class, norm_kwargs
+from megatron.layers.paged_kv import PagedStep, paged_attention
 from megatron.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from megatron.layers.utils import attention_mask_func, group_rank, group_size
 
@@ -612,6 +613,8 @@ class ParallelAttention(MegatronModule):
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
 
+        if isinstance(inference_params, PagedStep):  # the inference engine's paged cache (megatron/inference/)
+            return self._paged_forward(query, key, value, inference_params)
         if self.cp_group is not None and inference_params is not None:
             raise ValueError("KV-cache decoding does not run under context parallelism; generate at "
                              "--context-parallel-size 1")
@@ -659,3 +662,25 @@ class ParallelAttention(MegatronModule):
             cos, sin = self.rotary.cos_sin_at(positions if rows is None else positions[:, rows], query.dtype)
             query, key = apply_rotary_pos_emb(query, cos, sin), apply_rotary_pos_emb(key, cos, sin)
         return query, key, packed.attention_mask(b, full, query.device, rows=rows)
+
+    def _paged_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       step: PagedStep) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Self-attention of one engine step (tokens [T, 1, ...]) over the paged cache: RoPE at each token's
+        position, this step's K/V written to its blocks, each request's context gathered; GQA, ALiBi, sliding
+        window and sinks as the static path."""
+        if self.attention_type != AttnType.self_attn or self.cp_group is not None:
+            raise ValueError("the inference engine runs decoder self-attention at --context-parallel-size 1 only")
+        if self.rotary is not None:
+            cos, sin = step.rotary_cos_sin(self.rotary, query.dtype)
+            query, key = apply_rotary_pos_emb(query, cos, sin), apply_rotary_pos_emb(key, cos, sin)
+        keys, values = step.write(self.layer_number, key[:, 0], value[:, 0])
+        core = self.core_attention
+        bias = core.alibi(step.max_context, query.device, torch.float32)[:, 0] if core.alibi is not None else None
+        sink = core.softmax_offset if core.softmax_type == "learnable" else None
+        if core.softmax_type == "off-by-one":
+            sink = query.new_zeros(query.size(2))
+        ctx = paged_attention(step.pad_queries(query[:, 0]), step.gather(keys), step.gather(values),
+                              step.attend_mask(core.window), 1.0 / math.sqrt(self.hidden_size_per_attention_head),
+                              bias, sink)
+        context = step.unpad(ctx).to(query.dtype)
+        return self.dense(context.reshape(context.size(0), 1, -1))
