@@ -612,8 +612,25 @@ def _validate_misc(args: argparse.Namespace) -> None:
     if args.ckpt_format == "torch_dist" and args.save:
         _require(not getattr(args, "deepspeed", False), "--ckpt-format torch_dist cannot be used with --deepspeed "
                  "(DeepSpeed writes its own checkpoints): drop one of the two flags")
+    _validate_async_save(args)
     _require(args.max_skipped_iterations >= 0,
              f"--max-skipped-iterations must be >= 0 (got {args.max_skipped_iterations}; 0 means no limit)")
+
+
+def _validate_async_save(args: argparse.Namespace) -> None:
+    """--async-save: refused with --deepspeed; with torch_dist it needs --use-persistent-ckpt-worker, as in Megatron-LM
+    (which then turns it off with a warning). Megatron-LM's note on the deprecated --ckpt-fully-parallel-save."""
+    if args.ckpt_fully_parallel_save_deprecated:
+        _print0(args, "--ckpt-fully-parallel-save flag is deprecated and has no effect. Use "
+                      "--no-ckpt-fully-parallel-save to disable parallel save.")
+    if not args.async_save:
+        return
+    _require(not getattr(args, "deepspeed", False), "--async-save cannot be used with --deepspeed (DeepSpeed's engine "
+             "writes its own checkpoints synchronously): drop --async-save")
+    if args.ckpt_format == "torch_dist" and not args.use_persistent_ckpt_worker:
+        _print0(args, "WARNING: --async-save is not supported without --use-persistent-ckpt-worker. "
+                      "Disabling --async-save.")
+        args.async_save = False
 
 
 def _validate_tokenizer(args: argparse.Namespace) -> None:
