@@ -25,9 +25,11 @@ from megatron.arguments import core_transformer_config_from_args  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.context_parallel import slice_for_cp  # noqa: E402
 from megatron.core.packed_seq_params import from_cu_seqlens  # noqa: E402
+from megatron.data.sft_dataset import SFTBuilder, check_sft_flags  # noqa: E402
 from megatron.errors import exit_on_user_error  # noqa: E402
 from megatron.layers import ModelType  # noqa: E402
 from megatron.models.gpt.model import GPTModel  # noqa: E402
+from megatron.tokenizer.chat_format import chat_format_for  # noqa: E402
 from megatron.training import pretrain  # noqa: E402
 from megatron.utils import average_losses_across_data_parallel_group, get_ltor_masks_and_position_ids  # noqa: E402
 
@@ -57,7 +59,7 @@ def get_batch(data_iterator: Optional[Iterator]) -> tuple[Any, ...]:
     otherwise packed_seq_params is None."""
     args = global_vars.get_args()
     data = next(data_iterator)
-    if "cu_seqlens" in data:
+    if args.sft or "cu_seqlens" in data:  # packed conversations/documents: attention stays within each
         tokens, labels, loss_mask, position_ids, packed = packed_batch(data)
         attention_mask = None
     else:
@@ -142,6 +144,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: list[int]) ->
     from megatron.run_configs.data_files import DataFileSettings
 
     args = global_vars.get_args()
+    if args.sft:
+        return sft_datasets_provider(train_val_test_num_samples)
     if not (args.data_path or args.train_data_path):
         raise ValueError("pretrain_gpt.py needs --data-path PREFIX (the output prefix of tools/preprocess_data.py, "
                          "e.g. my-gpt2_text_document) or --train-data-path/--valid-data-path/--test-data-path")
@@ -159,6 +163,20 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: list[int]) ->
         valid_data_prefix=args.valid_data_path,
         test_data_prefix=args.test_data_path,
     )
+
+
+def sft_datasets_provider(train_val_test_num_samples: list[int]) -> tuple[Any, Any, Any]:
+    """--sft: Megatron-LM's SFTDataset over the JSONL files of --data-path (or --train/valid/test-data-path)."""
+    args = global_vars.get_args()
+    check_sft_flags(args.micro_batch_size, args.reset_position_ids, args.reset_attention_mask)
+    if not (args.data_path or args.train_data_path):
+        raise ValueError("pretrain_gpt.py --sft needs --data-path FILE.jsonl (one {\"messages\": [...]} per line) or "
+                         "--train-data-path/--valid-data-path/--test-data-path")
+    tokenizer = global_vars.get_tokenizer()
+    chat = getattr(tokenizer, "chat", None) or chat_format_for(tokenizer, args.sft_tokenizer_prompt_format)
+    builder = SFTBuilder(chat, args.seq_length, args.context_parallel_size)
+    return builder.build(train_val_test_num_samples, args.data_path, args.split,
+                         (args.train_data_path, args.valid_data_path, args.test_data_path))
 
 
 MODEL_TYPE = ModelType.encoder_or_decoder
