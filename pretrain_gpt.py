@@ -168,7 +168,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: list[int]) ->
 def sft_datasets_provider(train_val_test_num_samples: list[int]) -> tuple[Any, Any, Any]:
     """--sft: Megatron-LM's SFTDataset over the JSONL files of --data-path (or --train/valid/test-data-path)."""
     args = global_vars.get_args()
-    check_sft_flags(args.micro_batch_size, args.reset_position_ids, args.reset_attention_mask)
+    check_sft_flags(args.micro_batch_size, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss)
     if not (args.data_path or args.train_data_path):
         raise ValueError("pretrain_gpt.py --sft needs --data-path FILE.jsonl (one {\"messages\": [...]} per line) or "
                          "--train-data-path/--valid-data-path/--test-data-path")
