@@ -24,9 +24,11 @@ from megatron import global_vars  # noqa: E402
 from megatron.arguments import core_transformer_config_from_args  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.context_parallel import slice_for_cp  # noqa: E402
+from megatron.data.sft_dataset import SFTBuilder, check_sft_flags, packed_causal_mask  # noqa: E402
 from megatron.errors import exit_on_user_error  # noqa: E402
 from megatron.layers import ModelType  # noqa: E402
 from megatron.models.gpt.model import GPTModel  # noqa: E402
+from megatron.tokenizer.chat_format import chat_format_for  # noqa: E402
 from megatron.training import pretrain  # noqa: E402
 from megatron.utils import average_losses_across_data_parallel_group, get_ltor_masks_and_position_ids  # noqa: E402
 
@@ -53,11 +55,15 @@ def get_batch(data_iterator: Optional[Iterator]) -> tuple[torch.Tensor, ...]:
     args = global_vars.get_args()
     tokenizer = global_vars.get_tokenizer()
     data = next(data_iterator)
-    tokens_ = data["text"].long()
-    labels = tokens_[:, 1:].contiguous()
-    tokens = tokens_[:, :-1].contiguous()
-    attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-        tokens, tokenizer.eod, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss)
+    if args.sft:  # packed conversations (megatron/data/sft_dataset.py): attention stays within each one
+        tokens, labels, loss_mask, position_ids = (data[k] for k in ("tokens", "labels", "loss_mask", "position_ids"))
+        attention_mask = packed_causal_mask(data["cu_seqlens"], tokens.shape[1])
+    else:
+        tokens_ = data["text"].long()
+        labels = tokens_[:, 1:].contiguous()
+        tokens = tokens_[:, :-1].contiguous()
+        attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+            tokens, tokenizer.eod, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss)
     state = _state()
     if state.cp_size > 1:  # this context-parallel rank's chunks r and 2N-1-r (the mask: its query rows)
         tokens, labels, loss_mask, position_ids = (slice_for_cp(t, 1, state.cp_size, state.cp_rank)
@@ -111,6 +117,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: list[int]) ->
     from megatron.run_configs.data_files import DataFileSettings
 
     args = global_vars.get_args()
+    if args.sft:
+        return sft_datasets_provider(train_val_test_num_samples)
     if not (args.data_path or args.train_data_path):
         raise ValueError("pretrain_gpt.py needs --data-path PREFIX (the output prefix of tools/preprocess_data.py, "
                          "e.g. my-gpt2_text_document) or --train-data-path/--valid-data-path/--test-data-path")
@@ -128,6 +136,20 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: list[int]) ->
         valid_data_prefix=args.valid_data_path,
         test_data_prefix=args.test_data_path,
     )
+
+
+def sft_datasets_provider(train_val_test_num_samples: list[int]) -> tuple[Any, Any, Any]:
+    """--sft: Megatron-LM's SFTDataset over the JSONL files of --data-path (or --train/valid/test-data-path)."""
+    args = global_vars.get_args()
+    check_sft_flags(args.micro_batch_size, args.reset_position_ids, args.reset_attention_mask)
+    if not (args.data_path or args.train_data_path):
+        raise ValueError("pretrain_gpt.py --sft needs --data-path FILE.jsonl (one {\"messages\": [...]} per line) or "
+                         "--train-data-path/--valid-data-path/--test-data-path")
+    tokenizer = global_vars.get_tokenizer()
+    chat = getattr(tokenizer, "chat", None) or chat_format_for(tokenizer, args.sft_tokenizer_prompt_format)
+    builder = SFTBuilder(chat, args.seq_length, args.context_parallel_size)
+    return builder.build(train_val_test_num_samples, args.data_path, args.split,
+                         (args.train_data_path, args.valid_data_path, args.test_data_path))
 
 
 MODEL_TYPE = ModelType.encoder_or_decoder

@@ -38,6 +38,7 @@ _TOKENIZER_REQUIRED_FLAGS = {
     "PretrainedFromHF": ("tokenizer_name_or_path",),
     "HFTokenizer": ("tokenizer_name_or_path",),
     "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SFTTokenizer": ("tokenizer_model",),
     "NullTokenizer": ("vocab_size",),
 }
 

@@ -2,13 +2,16 @@
 chat_template ("hf") and Megatron-LM's named prompt formats; generation prompts; end-of-turn ids; bad conversations."""
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from megatron.checkpoint.conversion.hf_tokenizer_export import export_tokenizer
 from megatron.errors import ArgumentError
+from megatron.run_configs.saved_args import SavedRunArgs
 from megatron.tokenizer.chat_format import (
     IGNORE_INDEX,
     ChatFormat,
@@ -114,3 +117,15 @@ def test_from_our_huggingface_tokenizer_wrapper(tok):
     fmt = chat_format_for(ours, "hf")
     assert fmt.render(CONV) == ChatFormat(tok, "hf").render(CONV)
     assert fmt.eod == ours.eod
+
+
+def test_hf_export_of_an_sft_tokenizer_carries_its_prompt_format_as_chat_template(tok, tmp_path):
+    args = argparse.Namespace(tokenizer_type="SFTTokenizer", tokenizer_model=tok.name_or_path,
+                              sft_tokenizer_prompt_format="nemotron-h-aligned")
+    record = SavedRunArgs.from_args(args).tokenizer_dict()
+    assert record["sft_tokenizer_prompt_format"] == "nemotron-h-aligned"
+    export_tokenizer(record, str(tmp_path))
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    fmt = ChatFormat(tok, "nemotron-h-aligned")
+    assert exported.chat_template == fmt.template
+    assert ChatFormat(exported, "hf").generation_prompt(CONV[:2]) == fmt.generation_prompt(CONV[:2])
