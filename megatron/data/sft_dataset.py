@@ -255,11 +255,15 @@ def packed_causal_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tenso
     return ~(same & causal)[:, None]
 
 
-def check_sft_flags(micro_batch_size: int, reset_position_ids: bool, reset_attention_mask: bool) -> None:
-    """The flags --sft cannot take (Megatron-LM's SFT path asserts the same), one line each."""
+def check_sft_flags(micro_batch_size: int, reset_position_ids: bool, reset_attention_mask: bool,
+                    eod_mask_loss: bool = False) -> None:
+    """The flags --sft cannot take (Megatron-LM's SFT path asserts the same or ignores them), one line each."""
     if micro_batch_size != 1:
         raise ArgumentError(f"--sft packs conversations into rows with their own cu_seqlens: --micro-batch-size "
                             f"must be 1 (got {micro_batch_size}), as in Megatron-LM; raise --global-batch-size")
     if reset_position_ids or reset_attention_mask:
         raise ArgumentError("--sft restarts positions and attention per conversation itself: drop "
                             "--reset-position-ids / --reset-attention-mask")
+    if eod_mask_loss:
+        raise ArgumentError("--sft takes the loss where the chat format's targets are (the EOD after a conversation "
+                            "included, unless it is the pad id): drop --eod-mask-loss")
