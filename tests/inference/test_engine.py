@@ -64,6 +64,7 @@ def test_among_16_others_at_random_steps_equals_alone(family, layout):
     ("gpt", dict(max_position_embeddings=32)),
     ("bloom-alibi", dict(position_embedding_type="alibi", max_position_embeddings=32)),
     ("mistral-window", dict(LLAMA, window_size=(5, 0))),
+    ("qwen3-qk-norm-qkv-bias", dict(LLAMA, qk_layernorm=True, add_qkv_bias=True)),
     ("gpt-oss-sinks", dict(LLAMA, softmax_type="learnable")),
     ("moe", dict(LLAMA, num_moe_experts=4, moe_router_topk=2, ffn_hidden_size=48, moe_layer_freq=[1, 0])),
 ])
