@@ -18,11 +18,13 @@ import math
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from megatron import peer_failure
 from megatron.checkpoint import integrity
 from megatron.launcher import detect_launcher_env
 from megatron.presets import get_preset
@@ -141,6 +143,32 @@ def test_pp2_host_lost_then_requeued_on_one_host_resumes_exactly(cluster: Cluste
     print(f"node02 lost: the survivor exited after {took:.1f} s; resumed from {last}, saved {saved}")
 
 
+def test_link_down_both_sides_exit_at_the_time_out_naming_the_other(cluster: Cluster, tiny_data: dict,
+                                                                    tmp_path: Path) -> None:
+    """node02's cluster interface goes down after iteration 2 (its processes live on, nothing resets their
+    connections): each side fails at the distributed time-out and exits 1 with one line, node01's naming rank 1 on
+    node02, node02's naming the store on node01 it cannot reach."""
+    timeout_s = 8
+    job = _job(cluster, tiny_data, tmp_path, "pretrain_gpt.slurm", 2, 1, "ckpt", PP="2",
+               MEGATRON_DISTRIBUTED_TIMEOUT_SECONDS=str(timeout_s))
+    _until(job, 2)
+    cut_at = time.time()
+    cluster.set_link(cluster.hosts[1], up=False)
+    try:
+        _, err = _finish(job, code=1)
+    finally:
+        cluster.set_link(cluster.hosts[1], up=True)
+    took = time.time() - cut_at
+    errors = sorted(line for line in err.splitlines() if line.startswith("error: "))
+    assert len(errors) == 2 and "Traceback" not in err, err[-4000:]
+    assert re.match(r"error: rank 0 of 2 stopped during training iteration \d+: rank 1 stopped responding "
+                    r"\(process \d+ on node02: hung, or its node is lost\)", errors[0]), errors[0]
+    assert re.match(r"error: rank 1 of 2 stopped during training iteration \d+: the rendezvous store at "
+                    r"node01:6000 does not answer either", errors[1]), errors[1]
+    assert "srun: error: node02 is unreachable" in err
+    assert timeout_s < took < timeout_s + 30, took
+    print(f"link down: both sides exited {took:.1f} s later (time-out {timeout_s} s)")
+
 def test_standin_task_env_is_what_the_launcher_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """The srun stand-in's block distribution, read back by megatron/launcher.py as a real srun's would be."""
     monkeypatch.setenv("SLURM_JOB_NODELIST", "node[01-02]")
@@ -159,3 +187,24 @@ def test_standin_task_env_is_what_the_launcher_reads(monkeypatch: pytest.MonkeyP
                        env["SLURMD_NODENAME"], env["SLURM_TASKS_PER_NODE"]))
     assert placed == [("slurm", r, 4, r % 2, "node01", 6000, f"node{r // 2 + 1:02d}", "2(x2)") for r in range(4)]
     assert slurm_standin.expand_nodelist("node[01-02]") == ["node01", "node02"]
+
+
+def test_a_store_that_does_not_answer_is_unreachable() -> None:
+    """Towards a host whose link is down a store read blocks in recv() past the store's time-out: the diagnosis asks
+    in a thread and gives up after its own bound (the link-down test above hung without it)."""
+    never = threading.Event()
+
+    class Silent:
+        def check(self, keys: list) -> bool:
+            never.wait()
+            return True
+
+    class Answers:
+        def check(self, keys: list) -> bool:
+            return keys == ["megatron/failed/1"]
+
+    start = time.monotonic()
+    assert not peer_failure.store_answers(Silent(), "megatron/failed/1", wait_s=0.2)
+    assert time.monotonic() - start < 2
+    assert peer_failure.store_answers(Answers(), "megatron/failed/1", wait_s=0.2)
+    never.set()
