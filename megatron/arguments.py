@@ -38,6 +38,7 @@ _TOKENIZER_REQUIRED_FLAGS = {
     "PretrainedFromHF": ("tokenizer_name_or_path",),
     "HFTokenizer": ("tokenizer_name_or_path",),
     "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SFTTokenizer": ("tokenizer_model",),
     "NullTokenizer": ("vocab_size",),
 }
 
@@ -298,6 +299,9 @@ def _validate_deepspeed(args: argparse.Namespace, deepspeed_step: Optional[DeepS
             _require(not getattr(args, attr, None), f"{flag} needs --deepspeed")
         args.zero_stage = None
         return
+    _require(not getattr(args, "calculate_per_token_loss", False),
+             "--calculate-per-token-loss is not implemented with --deepspeed (DeepSpeed's engine averages each "
+             "micro-batch's loss and grads itself): drop one of them")
     _require(not (getattr(args, "qk_layernorm", False) and not getattr(args, "multi_latent_attention", False)
                   and args.tensor_model_parallel_size > 1),
              "--qk-layernorm with --deepspeed runs at --tensor-model-parallel-size 1 (the per-head q/k norm grads are "
