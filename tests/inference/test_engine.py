@@ -169,7 +169,8 @@ def test_cancel_frees_blocks_of_running_and_queued_requests():
     assert sorted((o.request_id, o.finish_reason) for o in outs) == [("run", "cancelled"), ("wait", "cancelled")]
     assert not engine.has_work() and engine.stats.free_blocks == engine.stats.total_blocks
     engine.pool.check()
-    engine.add_request("run", [1, 2, 3], GREEDY)  # the id is free again
+    engine.add_request("run", [1, 2, 3], GREEDY)  # the ids are free again
+    engine.add_request("wait", [1, 2, 3], GREEDY)
 
 
 @pytest.mark.parametrize("config,prompt,params,message", [
