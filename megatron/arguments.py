@@ -299,6 +299,9 @@ def _validate_deepspeed(args: argparse.Namespace, deepspeed_step: Optional[DeepS
             _require(not getattr(args, attr, None), f"{flag} needs --deepspeed")
         args.zero_stage = None
         return
+    _require(not getattr(args, "calculate_per_token_loss", False),
+             "--calculate-per-token-loss is not implemented with --deepspeed (DeepSpeed's engine averages each "
+             "micro-batch's loss and grads itself): drop one of them")
     _require(not (getattr(args, "qk_layernorm", False) and not getattr(args, "multi_latent_attention", False)
                   and args.tensor_model_parallel_size > 1),
              "--qk-layernorm with --deepspeed runs at --tensor-model-parallel-size 1 (the per-head q/k norm grads are "
@@ -584,6 +587,10 @@ def _validate_recompute(args: argparse.Namespace) -> None:
 
 
 def _validate_misc(args: argparse.Namespace) -> None:
+    family = getattr(args, "model_family", "gpt")
+    _require(not (getattr(args, "calculate_per_token_loss", False) and family in ("bert", "t5")),
+             f"--calculate-per-token-loss is implemented for pretrain_gpt.py (its loss function returns Megatron's "
+             f"sum and token count), not {family.upper()}: drop it")
     if args.data_path:
         _validate_weighted_paths("--data-path", args.data_path)
     for flag in ("train_data_path", "valid_data_path", "test_data_path"):

@@ -19,6 +19,7 @@ from megatron.tokenizer.chat_format import (
     chat_format_for,
     check_prompt_format,
 )
+from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer
 from tests.tokenizer.chat_files import write_chat_tokenizer
 
@@ -110,6 +111,13 @@ def test_refused_and_unknown_formats_are_one_line(tok):
     tok_no_template.chat_template = None
     with pytest.raises(ArgumentError, match="the tokenizer has no chat_template"):
         ChatFormat(tok_no_template, "hf")
+
+
+def test_a_tokenizer_without_chat_support_is_one_line(shared_data):
+    owt = shared_data / "openwebtext-1000"
+    gpt2 = GPT2BPETokenizer(str(owt / "gpt2-tiny-vocab.json"), str(owt / "gpt2-tiny-merges.txt"))
+    with pytest.raises(ArgumentError, match="chat formats need a Hugging Face tokenizer .* not GPT2BPETokenizer"):
+        chat_format_for(gpt2, "hf")
 
 
 def test_from_our_huggingface_tokenizer_wrapper(tok):

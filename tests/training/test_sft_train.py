@@ -90,4 +90,6 @@ def test_sft_refuses_flags_megatron_refuses() -> None:
         check_sft_flags(2, False, False)
     with pytest.raises(ArgumentError, match="drop --reset-position-ids"):
         check_sft_flags(1, True, False)
-    assert check_sft_flags(1, False, False) is None
+    with pytest.raises(ArgumentError, match="drop --eod-mask-loss"):
+        check_sft_flags(1, False, False, True)
+    assert check_sft_flags(1, False, False, False) is None
