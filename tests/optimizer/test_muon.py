@@ -143,7 +143,7 @@ def test_newton_schulz_orthogonalises() -> None:
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(optimizer="muon", use_distributed_optimizer=True), "does not work with --use-distributed-optimizer"),
-    (dict(optimizer="dist_muon"), "dist_muon"),
+    (dict(optimizer="dist_muon", use_distributed_optimizer=True), "use --optimizer dist_muon"),
 ])
 def test_refusals(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):

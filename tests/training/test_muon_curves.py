@@ -44,13 +44,14 @@ def test_muon_layouts_match_serial_and_dp2_checkpoint_resumes_anywhere(serial: d
                                                                      tmp_path: Path) -> None:
     ckpt = tmp_path / "dp2"
     ckpt.mkdir()
-    at_half = checkpoint_at(ckpt, HALF, tmp_path)  # a link to the DP=2 run's save at HALF (made by the 3rd run)
+    at_half = checkpoint_at(ckpt, HALF, tmp_path)  # a link to the DP=2 dist_muon run's save at HALF (4th run)
     layouts = {
         "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
         "pp2": ["--pipeline-model-parallel-size", "2"],
-        "dp2": ["--save", str(ckpt), "--save-interval", str(HALF)],
+        "dp2": [],
+        "dp2 dist_muon": ["--optimizer", "dist_muon", "--save", str(ckpt), "--save-interval", str(HALF)],
     }
-    resumed = {"dp2 -> dp2 --use-checkpoint-args": ["--use-checkpoint-args"]}
+    resumed = {"dp2 dist_muon -> dp2 --use-checkpoint-args": ["--optimizer", "dist_muon", "--use-checkpoint-args"]}
     runs = [("stage", llama_argv(gpt_data, *MUON, *extra)) for extra in layouts.values()]
     runs += [("stage", llama_argv(gpt_data, *MUON, *extra, "--load", str(at_half))) for extra in resumed.values()]
     runs.append(("stage", moe_argv(gpt_data, *MUON, "--expert-model-parallel-size", "2")))
