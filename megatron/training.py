@@ -64,6 +64,7 @@ from megatron.progress import Heartbeat, ProgressNotes
 from megatron.run_configs.bundle import RunConfigs
 from megatron.run_configs.run_settings import LoopSettings
 from megatron.settings.required_flags import TRAINING_RUN
+from megatron.straggler import StragglerDetector
 from megatron.theoretical_memory_usage import memory_report
 from megatron.training_state import TrainingState
 
@@ -176,6 +177,31 @@ def named_aux_losses(model: list, state: ps.ParallelState, iteration: int) -> di
     return values
 
 
+def iteration_flops(configs: RunConfigs, batch_size: int) -> float:
+    """One iteration's model FLOPs for the log line's TFLOP/s (the family's formula)."""
+    batch = configs.batch
+    if configs.log.model_family == "t5":  # encoder-decoder: two sequence lengths
+        return t5_num_floating_point_operations(configs.transformer, batch_size, batch.encoder_seq_length,
+                                                batch.decoder_seq_length)
+    if configs.log.model_family == "bert":  # + LM head dense, pooler and binary head
+        return bert_num_floating_point_operations(configs.transformer, batch_size, batch.seq_length,
+                                                  batch.bert_binary_head)
+    return num_floating_point_operations(configs.transformer, batch_size, batch.seq_length)
+
+
+def report_stragglers(straggler: Optional[StragglerDetector], iteration: int, configs: RunConfigs,
+                      history: Optional[dict]) -> None:
+    """Every --log-interval with --log-straggler: every rank's forward time (a collective), the slow ones named in
+    the log and in `history["stragglers"][iteration]`."""
+    batch = configs.batch
+    if straggler is None or iteration % batch.log_interval:
+        return
+    batch_size = batch.micro_batch_size * batch.data_parallel_size * global_vars.get_num_microbatches()
+    report = straggler.report(iteration_flops(configs, batch_size) * batch.log_interval, batch.log_interval)
+    if report is not None and history is not None:
+        history.setdefault("stragglers", {})[iteration] = report.stragglers
+
+
 def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, iteration: int, loss_scale: float,
                  report_memory_flag: bool, skipped_iter: int, grad_norm: Optional[float],
                  params_norm: Optional[float], num_zeros_in_grad: Optional[int], configs: RunConfigs,
@@ -207,14 +233,7 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
         per_iter = elapsed / max(1, total_iters)
         if writer is not None and show.log_timers_to_tensorboard:
             writer.add_scalar("iteration-time", per_iter, iteration)
-        if show.model_family == "t5":  # encoder-decoder: two sequence lengths
-            flops = t5_num_floating_point_operations(configs.transformer, batch_size,
-                                                     batch.encoder_seq_length, batch.decoder_seq_length)
-        elif show.model_family == "bert":  # + LM head dense, pooler and binary head
-            flops = bert_num_floating_point_operations(configs.transformer, batch_size,
-                                                       batch.seq_length, batch.bert_binary_head)
-        else:
-            flops = num_floating_point_operations(configs.transformer, batch_size, batch.seq_length)
+        flops = iteration_flops(configs, batch_size)
         losses = {k: v / float(max(1, total_loss_dict[ADVANCED])) for k, v in total_loss_dict.items()
                   if k not in (ADVANCED, SKIPPED, NAN)}
         if total_loss_dict[ADVANCED] == 0 and total_loss_dict[NAN] > 0:  # print `nan`, do not hide the loss
@@ -345,6 +364,8 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         skip_counter = new_skip_counter(loop, iteration, run.padded_vocab_size)
     notes = ProgressNotes(iteration, loop.train_iters, batch.log_interval, print_rank_last, heartbeat=HEARTBEAT)
     watch = skip_counter.watch
+    straggler = StragglerDetector.for_run(configs.log)  # --log-straggler (None without it)
+    step_func = straggler.timed(forward_step_func) if straggler is not None else forward_step_func
 
     def save() -> None:
         save_unless_diverging(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter,
@@ -355,7 +376,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         run.curr_iteration = iteration
         peer_failure.note_phase(f"training iteration {iteration + 1}")  # named if a peer is lost (one line)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, configs, state, iteration)
+            step_func, train_data_iterator, model, optimizer, opt_param_scheduler, configs, state, iteration)
         if loop.empty_unused_memory_level >= 1 and torch.cuda.is_available():
             torch.cuda.empty_cache()  # Megatron's --empty-unused-memory-level (memory only; same numbers)
         iteration += 1
@@ -371,6 +392,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         report_memory_flag = training_log(
             loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], iteration, loss_scale,
             report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros, configs, run)
+        report_stragglers(straggler, iteration, configs, history)
         nonfinite = (grad_norm is not None and not math.isfinite(grad_norm)) or \
             any(not math.isfinite(float(v)) for v in loss_dict.values())
         run.skipped_iterations += int(bool(skipped_iter))

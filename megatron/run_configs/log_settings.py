@@ -25,6 +25,11 @@ class LogSettings:
     log_memory_to_tensorboard = SettingValue()
     log_validation_ppl_to_tensorboard = SettingValue()
     log_timers_to_tensorboard = SettingValue()
+    log_straggler = SettingValue()  # megatron/straggler.py: the straggler detector
+    disable_straggler_on_startup = SettingValue()
+    straggler_ctrlr_port = SettingValue()
+    straggler_minmax_count = SettingValue()
+    straggler_threshold = SettingValue()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, settings: Optional[Settings] = None) -> LogSettings:

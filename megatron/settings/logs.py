@@ -44,6 +44,21 @@ class LoggingSettings:
         help="Write world size to tensorboard.", read_by="megatron/logging_utils.py")
     log_optimizer_states_to_tensorboard: bool = setting("--log-optimizer-states-to-tensorboard", default=False,
         help="Write optimizer state statistics to tensorboard.", refused="is not implemented")
+    log_straggler: bool = setting("--log-straggler", default=False,
+        help="Time every rank's training forward steps and report the slowest/fastest ranks every --log-interval "
+             "(Megatron's straggler detector).", read_by="megatron/straggler.py")
+    disable_straggler_on_startup: bool = setting("--disable-straggler-on-startup", default=False,
+        help="Start the straggler detector off (toggle it through --straggler-ctrlr-port).",
+        read_by="megatron/straggler.py")
+    straggler_ctrlr_port: int = setting("--straggler-ctrlr-port", default=65535,
+        help="Rank 0's port toggling the straggler detector (any connection, e.g. curl host:port).",
+        read_by="megatron/straggler.py")
+    straggler_minmax_count: int = setting("--straggler-minmax-count", default=1,
+        help="Also print the N ranks with the lowest and highest estimated throughput.",
+        read_by="megatron/straggler.py")
+    straggler_threshold: float = setting("--straggler-threshold", default=2.0,
+        help="Name a rank as a straggler when its time per iteration exceeds this multiple of the median of the "
+             "other ranks (not in Megatron-LM: it prints the min/max ranks only).", read_by="megatron/straggler.py")
 
 
 @dataclasses.dataclass

@@ -7,7 +7,8 @@ RANK/WORLD_SIZE/MASTER_* in the environment (as srun or each node's torchrun sta
 and in evaluation mode), or any megatron/checkpoint/atomic_io.py fault point such as ``mid-write:model_optim_rng.pt``; actions
 ``kill`` (SIGKILL), ``term`` (SIGTERM, SLURM's preemption signal), ``stop`` (SIGSTOP: a hung rank). Just before
 acting it writes OUT_DIR/fault.json with the time and pretrain's numbers so far. A run that returns writes its result
-(pretrain's numbers) to OUT_DIR/rank<R>.attempt<A>.json.
+(pretrain's numbers) to OUT_DIR/rank<R>.attempt<A>.json. ``REL_SLOW="<rank> <n> <seconds>"`` makes that rank sleep
+`seconds` in every training forward step from its n-th on (a straggler).
 """
 from __future__ import annotations
 
@@ -59,6 +60,17 @@ def main() -> None:
 
         atomic_io.fault_point = fault_point
         os.environ[atomic_io.FAULT_LOG_ENV] = os.devnull  # makes the writer stop at `mid-write` with half the bytes
+    slow = os.environ.get("REL_SLOW", "").split()
+    if slow and int(slow[0]) == rank:
+        inner, seen = forward_step or entry_providers("pretrain_gpt").forward_step, {"n": 0}
+
+        def forward_step(data_iterator, model):  # noqa: F811  (the slowed step wraps the one above)
+            if model.training:
+                seen["n"] += 1
+                if seen["n"] >= int(slow[1]):
+                    time.sleep(float(slow[2]))
+            return inner(data_iterator, model)
+
     result = exit_on_user_error(pretrain_run, argv, forward_step=forward_step, history=history)
     with open(os.path.join(out_dir, f"rank{rank}.attempt{attempt}.json"), "w") as f:
         json.dump(result, f)
