@@ -286,7 +286,14 @@ def muon_param_groups(model_chunks: Sequence[torch.nn.Module], groups: List[dict
     """Megatron's groups split into Muon groups (first; QKV weights and expert weights in their own) and Adam groups,
     each keeping its wd_mult / lr_mult."""
     names = {id(p): n for chunk in model_chunks for n, p in chunk.named_parameters()}
-    shapes = qkv_split_shapes(model_chunks) if split_qkv else None
+    return split_muon_groups(groups, names, qkv_split_shapes(model_chunks) if split_qkv else None)
+
+
+def split_muon_groups(groups: List[dict], names: Dict[int, str], qkv_shapes: Optional[Tuple[int, int, int]]
+                      ) -> List[dict]:
+    """`muon_param_groups` on groups of any tensors (`names`: their names by id; `qkv_shapes`: the QKV split or None),
+    so checkpoint conversion orders a saved Muon state's parameters as the optimizer did."""
+    shapes = qkv_shapes
     muon: Dict[Tuple, dict] = {}
     adam: List[dict] = []
     for group in groups:
