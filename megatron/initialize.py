@@ -35,6 +35,7 @@ from megatron.startup import resolve_backend  # noqa: F401 - Megatron-compatible
 
 _OWNS_PROCESS_GROUP = False
 _ATEXIT_REGISTERED = False
+_RENDEZVOUS_STORE: Optional[Any] = None  # use_rendezvous_store: the in-process restart's per-attempt store
 
 
 def find_free_port() -> int:
@@ -182,6 +183,13 @@ def _initialize_model_parallel(sizes: ParallelSizes, start: StartupSettings, ran
                                      state.edp_size), flush=True)
 
 
+def use_rendezvous_store(store: Optional[Any]) -> None:
+    """Start the next process group on `store` (a per-attempt PrefixStore of megatron/inprocess_restart.py's store
+    that outlives the process groups) instead of the tcp:// address; None: the address again."""
+    global _RENDEZVOUS_STORE
+    _RENDEZVOUS_STORE = store
+
+
 def _rendezvous(init_method: str, addr: str, port: int, world_size: int, timeout: Any) -> Dict[str, Any]:
     """init_process_group's rendezvous: the tcp:// address, or under torchrun's agent store a per-restart prefix.
 
@@ -189,6 +197,8 @@ def _rendezvous(init_method: str, addr: str, port: int, world_size: int, timeout
     the same keys in it, so a restarted rank can read the address a dead rank of the previous attempt published and
     fail ("Gloo connectFullMesh failed ... Connection refused"). Each attempt gets its own key prefix here.
     """
+    if _RENDEZVOUS_STORE is not None:
+        return {"store": _RENDEZVOUS_STORE}
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt is None:
         return {"init_method": init_method}

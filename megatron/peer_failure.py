@@ -52,6 +52,11 @@ def note_phase(what: str) -> None:
     _phase["what"] = what
 
 
+def current_phase() -> str:
+    """What this process said it is doing (`note_phase`)."""
+    return _phase["what"]
+
+
 def register(rank: int, store: Any = None) -> None:
     """Record this process's host and pid in the (default) rendezvous store; one set, failures here are not fatal."""
     try:

@@ -33,6 +33,7 @@ from megatron.data.data_checks import check_data_prefixes, check_train_split
 from megatron.data.data_samplers import build_pretraining_data_loader
 from megatron.flops import bert_num_floating_point_operations, num_floating_point_operations
 from megatron.initialize import initialize_megatron
+from megatron.inprocess_restart import InProcessRestart
 from megatron.logging_utils import (
     ADVANCED,
     NAN,
@@ -462,8 +463,22 @@ def pretrain(
     not run; the run's totals of skipped and non-finite iterations, continued from the checkpoint it resumed). Losses
     are the values reduced over data-parallel ranks; only the last pipeline stage's ranks have them (empty dicts
     elsewhere). `history`: the dict to fill and return (filled as the run goes, so a caller can read the losses of a
-    run that dies).
+    run that dies). With --inprocess-restart a failure on any rank restarts the run in every process from the latest
+    checkpoint (megatron/inprocess_restart.py).
     """
+    restart = InProcessRestart()
+    history = {} if history is None else history  # kept across in-process restarts
+    return restart.run(lambda: _pretrain_attempt(
+        train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, process_non_loss_data_func,
+        extra_args_provider, args_defaults, argv, history, restart))
+
+
+def _pretrain_attempt(train_valid_test_dataset_provider: Callable, model_provider: Callable, model_type: Any,
+                      forward_step_func: Callable, process_non_loss_data_func: Optional[Callable],
+                      extra_args_provider: Optional[Callable], args_defaults: Optional[dict],
+                      argv: Optional[list[str]], history: Optional[dict], restart: InProcessRestart
+                      ) -> Optional[dict]:
+    """One run of pretrain() (in-process restarts run it again)."""
     global _TRAIN_START_TIME
     with HEARTBEAT.running("starting up (the process group, compiling the dataset index helpers)"):
         args = initialize_megatron(extra_args_provider=extra_args_provider,
@@ -477,6 +492,7 @@ def pretrain(
         state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
         run = TrainingState(padded_vocab_size=getattr(args, "padded_vocab_size", None))
         configs = RunConfigs.from_args(args)  # the run's typed records, built once and passed down
+        restart.arm(configs.settings)  # --inprocess-restart: its store (outliving the process groups) on attempt 0
         check_pipeline_schedule(configs.step, global_vars.get_num_microbatches())
         timers = global_vars.get_timers()
         check_data_prefixes(configs.data_files)  # a mistyped --data-path: one line before the model is built
@@ -495,7 +511,7 @@ def pretrain(
         print_rank_0("done with setup ...")
         timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
 
-        result = _initial_result(history, run)
+        result = _initial_result(history, run, restarted=restart.attempt > 0)
         iteration = run.iteration
         loop = configs.loop
         if run.do_train and loop.train_iters > 0 and not loop.skip_train:
@@ -522,10 +538,12 @@ def pretrain(
         return result
 
 
-def _initial_result(history: Optional[dict], run: TrainingState) -> dict:
-    """pretrain's result before training: `history` (or a new dict) holding the resumed run's totals."""
+def _initial_result(history: Optional[dict], run: TrainingState, restarted: bool = False) -> dict:
+    """pretrain's result before training: `history` (or a new dict) holding the resumed run's totals (after an
+    in-process restart, the earlier attempts' losses up to the iteration it resumed from stay)."""
     result: dict = history if history is not None else {}
-    result.update({"iteration": run.iteration, "train_losses": {}, "valid_losses": {}, "val_loss": None,
+    kept = {k: v for k, v in result.get("train_losses", {}).items() if k <= run.iteration} if restarted else {}
+    result.update({"iteration": run.iteration, "train_losses": kept, "valid_losses": {}, "val_loss": None,
                    "test_loss": None, "skipped_iterations": run.skipped_iterations,
                    "nan_iterations": run.nan_iterations})
     return result

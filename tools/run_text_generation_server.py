@@ -39,7 +39,8 @@ def check_server_args(args: argparse.Namespace) -> None:
                               "(a folder written by --save), or --allow-random-weights to serve an untrained model")
     if not 0 <= args.port <= 65535:
         raise ServerArgsError(f"--port {args.port} is not a TCP port; use 0..65535")
-    for flag in ("max_tokens_to_generate", "max_prompts", "max_request_bytes", "request_timeout"):
+    for flag in ("max_tokens_to_generate", "max_prompts", "max_request_bytes", "request_timeout",
+                 "max_queued_requests"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ServerArgsError(f"--{flag.replace('_', '-')} must be positive (got {value})")
@@ -60,6 +61,7 @@ def _agree(error: Optional[str]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     from megatron.global_vars import get_tokenizer
+    from megatron.inference import InferenceEngine, SamplingParams, engine_config_from_args
     from megatron.initialize import initialize_megatron
     from megatron.text_generation import load_model_for_inference
     from megatron.text_generation.server import build_server
@@ -69,10 +71,13 @@ def main(argv: Optional[List[str]] = None) -> None:
                                               "no_load_rng": True, "no_load_optim": True})
     check_server_args(args)
     model = load_model_for_inference(args)
+    engine_config = engine_config_from_args(args)  # --inference-dynamic-batching: the server on the engine
+    engine = InferenceEngine(model, engine_config, eod=int(get_tokenizer().eod)) if engine_config else None
     server = build_server(model, get_tokenizer(), max_sequence_length=args.max_position_embeddings,
+                          engine=engine, sampling_params=SamplingParams if engine else None,
                           max_tokens_to_generate=args.max_tokens_to_generate, max_prompts=args.max_prompts,
                           max_batch_tokens=args.max_tokens_to_oom, max_request_bytes=args.max_request_bytes,
-                          request_timeout_s=args.request_timeout)
+                          request_timeout_s=args.request_timeout, max_queued_requests=args.max_queued_requests)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank != 0:
         # Ctrl-C reaches every rank of a terminal job: only rank 0 reacts, then releases the others.

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core import context_parallel, tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.alibi import AlibiBias
 from megatron.layers.enums import AttnMaskType, AttnType
@@ -53,6 +54,7 @@ from megatron.layers.fused_softmax import FusedScaleMaskSoftmax
 from megatron.layers.inference_params import InferenceParams
 from megatron.layers.module import MegatronModule
 from megatron.layers.norms import norm_class, norm_kwargs
+from megatron.layers.paged_kv import PagedStep, paged_attention
 from megatron.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from megatron.layers.utils import attention_mask_func, group_rank, group_size
 
@@ -80,7 +82,8 @@ def _flash_attn() -> dict:
             func = getattr(module, "flash_attn_func", None)
             if func is None:
                 raise ImportError("flash_attn has no flash_attn_func (flash-attn 2.x is needed)")
-            _FLASH_ATTN.update(func=func, version=str(getattr(module, "__version__", "2.x")), error="")
+            _FLASH_ATTN.update(func=func, version=str(getattr(module, "__version__", "2.x")), error="",
+                               varlen=getattr(module, "flash_attn_varlen_func", None))
         except Exception as exc:  # noqa: BLE001 - any failure to import means "not usable here"
             missing = isinstance(exc, ModuleNotFoundError) and exc.name == "flash_attn"
             error = ("the flash-attn package is not installed (pip install flash-attn)" if missing
@@ -307,6 +310,28 @@ class CoreAttention(MegatronModule):
             return mask is None
         # Training shapes only (KV-cache decoding goes to SDPA): no mask or exactly the standard causal one.
         return sq == sk and (mask is None or _classify_mask(mask, sq, sk)[1])
+
+    def can_use_flash_varlen(self, q: torch.Tensor) -> bool:
+        """Whether packed rows of q [s, b, np, hn] run through flash-attn's varlen kernel (CUDA, fp16/bf16, causal
+        vanilla softmax, no ALiBi, head dim a multiple of 8 up to 256); else they take the document mask."""
+        if not self.flash_attn_ready or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+            return False
+        if _FLASH_ATTN.get("varlen") is None or self.alibi is not None or self.softmax_type != "vanilla":
+            return False
+        return self.attn_mask_type == AttnMaskType.causal and q.size(-1) % 8 == 0 and q.size(-1) <= 256
+
+    def flash_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedSeqParams) -> torch.Tensor:
+        """Causal attention inside each packed document with ``flash_attn_varlen_func`` (the sliding window too):
+        q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np * hn]."""
+        sq, b, np_, hn = q.shape
+        cu, longest = packed.flat_cu_seqlens(b, sq, q.device)
+        q, k, v = (t.transpose(0, 1).reshape(b * sq, t.size(2), hn) for t in (q, k, v))  # [b * s, heads, hn]
+        dropout_p = self.attention_dropout_prob if self._dropout_active() else 0.0
+        window = (-1, -1) if self.window is None else tuple(self.window)
+        with model_parallel_rng_fork(dropout_p > 0.0 and not self.sequence_parallel):
+            ctx = _FLASH_ATTN["varlen"](q, k, v, cu, cu, longest, longest, dropout_p=dropout_p,
+                                        softmax_scale=1.0 / math.sqrt(hn), causal=True, window_size=window)
+        return ctx.view(b, sq, np_ * hn).transpose(0, 1).contiguous()
 
     def _flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         sq, b, np_, hn = q.shape
@@ -565,7 +590,10 @@ class ParallelAttention(MegatronModule):
         attention_mask: Optional[torch.Tensor],
         encoder_output: Optional[torch.Tensor] = None,
         inference_params: Optional[InferenceParams] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """hidden [sq, b, h] -> (output, bias). `packed_seq_params`: packed documents in each row (their own
+        positions and block-diagonal causal mask; replaces `attention_mask`), megatron/core/packed_seq_params.py."""
         np_ = self.num_attention_heads_per_partition
         ng = self.num_query_groups_per_partition
         hn = self.hidden_size_per_attention_head
@@ -585,10 +613,14 @@ class ParallelAttention(MegatronModule):
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
 
+        if isinstance(inference_params, PagedStep):  # the inference engine's paged cache (megatron/inference/)
+            return self._paged_forward(query, key, value, inference_params)
         if self.cp_group is not None and inference_params is not None:
             raise ValueError("KV-cache decoding does not run under context parallelism; generate at "
                              "--context-parallel-size 1")
-        if self.rotary is not None and self.cp_group is not None:  # each chunk at its true positions
+        if packed_seq_params is not None:
+            query, key, attention_mask = self._packed_rope_and_mask(query, key, packed_seq_params, inference_params)
+        elif self.rotary is not None and self.cp_group is not None:  # each chunk at its true positions
             n, r = self._cp_coords()
             cos, sin = self.rotary.cos_sin(query.size(0) * n, 0, query.device, query.dtype)
             positions = context_parallel.cp_positions(query.size(0) * n, n, r, query.device)
@@ -607,8 +639,48 @@ class ParallelAttention(MegatronModule):
 
         if self.cp_group is not None:
             context = self._context_parallel_forward(query, key, value, attention_mask)
+        elif packed_seq_params is not None and self.core_attention.can_use_flash_varlen(query):
+            context = self.core_attention.flash_varlen(query, key, value, packed_seq_params)
         elif self.checkpoint_core_attention and self.training and torch.is_grad_enabled():
             context = self._checkpointed_attention_forward(query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask)
         return self.dense(context)
+
+    def _packed_rope_and_mask(self, query: torch.Tensor, key: torch.Tensor, packed: PackedSeqParams,
+                              inference_params: Optional[InferenceParams]) -> tuple:
+        """(query, key rotated at their positions inside their documents, this rank's rows of the documents'
+        block-diagonal causal mask) for packed rows; under context parallelism the rows of chunks r, 2N-1-r."""
+        if inference_params is not None or self.attention_type != AttnType.self_attn:
+            raise ValueError("packed sequences (cu_seqlens) are for training and evaluation self-attention; "
+                             "KV-cache decoding and cross-attention take one sequence per row")
+        n, r = self._cp_coords() if self.cp_group is not None else (1, 0)
+        b, full = query.size(1), query.size(0) * n
+        rows = context_parallel.cp_positions(full, n, r, query.device) if n > 1 else None
+        if self.rotary is not None:
+            positions = packed.position_ids(b, full, query.device)
+            cos, sin = self.rotary.cos_sin_at(positions if rows is None else positions[:, rows], query.dtype)
+            query, key = apply_rotary_pos_emb(query, cos, sin), apply_rotary_pos_emb(key, cos, sin)
+        return query, key, packed.attention_mask(b, full, query.device, rows=rows)
+
+    def _paged_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       step: PagedStep) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Self-attention of one engine step (tokens [T, 1, ...]) over the paged cache: RoPE at each token's
+        position, this step's K/V written to its blocks, each request's context gathered; GQA, ALiBi, sliding
+        window and sinks as the static path."""
+        if self.attention_type != AttnType.self_attn or self.cp_group is not None:
+            raise ValueError("the inference engine runs decoder self-attention at --context-parallel-size 1 only")
+        if self.rotary is not None:
+            cos, sin = step.rotary_cos_sin(self.rotary, query.dtype)
+            query, key = apply_rotary_pos_emb(query, cos, sin), apply_rotary_pos_emb(key, cos, sin)
+        keys, values = step.write(self.layer_number, key[:, 0], value[:, 0])
+        core = self.core_attention
+        bias = core.alibi(step.max_context, query.device, torch.float32)[:, 0] if core.alibi is not None else None
+        sink = core.softmax_offset if core.softmax_type == "learnable" else None
+        if core.softmax_type == "off-by-one":
+            sink = query.new_zeros(query.size(2))
+        ctx = paged_attention(step.pad_queries(query[:, 0]), step.gather(keys), step.gather(values),
+                              step.attend_mask(core.window), 1.0 / math.sqrt(self.hidden_size_per_attention_head),
+                              bias, sink)
+        context = step.unpad(ctx).to(query.dtype)
+        return self.dense(context.reshape(context.size(0), 1, -1))

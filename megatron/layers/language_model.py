@@ -6,6 +6,7 @@ from typing import Any, Optional
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, set_tp_layout
 from megatron.core.transformer_config import TransformerConfig
@@ -302,7 +303,11 @@ class TransformerLanguageModel(MegatronModule):
         pooling_sequence_index: int = 0,
         enc_hidden_states: Optional[torch.Tensor] = None,
         output_enc_hidden: bool = False,
+        packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> Any:
+        if packed_seq_params is not None and self.add_decoder:
+            raise ValueError("packed sequences (cu_seqlens) run in decoder-only models (GPT family), not encoder-"
+                             "and-decoder models")
         encoder_input = (  # a decoder-only pipeline stage (T5's split stage) embeds the decoder tokens only
             self.embedding(enc_input_ids, enc_position_ids, tokentype_ids=tokentype_ids)
             if self.pre_process and self.encoder is not None else None
@@ -310,7 +315,8 @@ class TransformerLanguageModel(MegatronModule):
         if enc_hidden_states is not None:
             encoder_output = enc_hidden_states
         elif self.encoder is not None:
-            encoder_output = self.encoder(encoder_input, enc_attn_mask, inference_params=inference_params)
+            encoder_output = self.encoder(encoder_input, enc_attn_mask, inference_params=inference_params,
+                                          packed_seq_params=packed_seq_params)
         else:
             encoder_output = self.encoder_hidden_state
         pooled = None

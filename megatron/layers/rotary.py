@@ -167,6 +167,12 @@ class RotaryEmbedding:
         sin = sin[offset:offset + seq_len, None, None, :].to(dtype)
         return cos, sin
 
+    def cos_sin_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at per-token positions (long [b, s]: packed documents restart at 0), shaped [s, b, 1, d]."""
+        cos, sin = self._table(int(positions.max()) + 1, positions.device)
+        index = positions.t()
+        return cos[index].unsqueeze(2).to(dtype), sin[index].unsqueeze(2).to(dtype)
+
 
 def yarn_scaling_of(config: Any) -> Optional[YarnScaling]:
     """The YaRN settings of a `TransformerConfig` (or parsed args: the same names) whose RoPE is YaRN (rope_type
@@ -230,9 +236,11 @@ class _RotaryFull(torch.autograd.Function):
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on t [s, b, heads, head_dim] with cos/sin [s, 1, 1, d], d <= head_dim."""
+    """RoPE on t [s, b, heads, head_dim] with cos/sin [s, 1, 1, d] (or [s, b, 1, d]: per-token positions),
+    d <= head_dim."""
     d = cos.size(-1)
-    if d % 2 == 0 and not (cos.requires_grad or sin.requires_grad) and fused_kernels.runs_on(t):
+    if (d % 2 == 0 and not (cos.requires_grad or sin.requires_grad) and cos.size(1) == 1
+            and fused_kernels.runs_on(t)):
         return fused_kernels.apply_rope(t, cos, sin)  # the Triton kernel: same numbers, one pass
     if d == t.size(-1):
         if d % 2 == 0 and not cos.requires_grad and not sin.requires_grad:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.attention import (  # noqa: F401  (re-exported: Megatron's names live in transformer.py)
     MODEL_PARALLEL_RNG,
@@ -78,10 +79,12 @@ class ParallelTransformerLayer(MegatronModule):
         encoder_output: Optional[torch.Tensor] = None,
         enc_dec_attn_mask: Optional[torch.Tensor] = None,
         inference_params: Optional[InferenceParams] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
         post_ln_residual = self.apply_residual_connection_post_layernorm
         ln_out = self.input_layernorm(hidden_states)
-        attn_out, attn_bias = self.self_attention(ln_out, attention_mask, inference_params=inference_params)
+        packed = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
+        attn_out, attn_bias = self.self_attention(ln_out, attention_mask, inference_params=inference_params, **packed)
         residual = ln_out if post_ln_residual else hidden_states
         ln_input = bias_dropout_add(attn_out, attn_bias, residual, self.hidden_dropout, self.training)
         ln_out = self.post_attention_layernorm(ln_input)
@@ -202,11 +205,13 @@ class ParallelTransformer(MegatronModule):
     def _dropout_active(self) -> bool:
         return self.training and (self.config.hidden_dropout > 0 or self.config.attention_dropout > 0)
 
-    def _checkpointed_forward(self, hidden_states, attention_mask, encoder_output, enc_dec_attn_mask):
+    def _checkpointed_forward(self, hidden_states, attention_mask, encoder_output, enc_dec_attn_mask,
+                              packed_seq_params=None):
         def custom(start: int, end: int):
             def custom_forward(x, mask, enc_out, enc_mask):
                 for layer in self.layers[start:end]:
-                    x = layer(x, mask, encoder_output=enc_out, enc_dec_attn_mask=enc_mask)
+                    x = layer(x, mask, encoder_output=enc_out, enc_dec_attn_mask=enc_mask,
+                              packed_seq_params=packed_seq_params)
                 return x
 
             return custom_forward
@@ -238,6 +243,7 @@ class ParallelTransformer(MegatronModule):
         encoder_output: Optional[torch.Tensor] = None,
         enc_dec_attn_mask: Optional[torch.Tensor] = None,
         inference_params: Optional[InferenceParams] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
         if not self.pre_process:
             if self.input_tensor is None:
@@ -253,7 +259,7 @@ class ParallelTransformer(MegatronModule):
                 and inference_params is None
             ):
                 hidden_states = self._checkpointed_forward(
-                    hidden_states, attention_mask, encoder_output, enc_dec_attn_mask
+                    hidden_states, attention_mask, encoder_output, enc_dec_attn_mask, packed_seq_params
                 )
             else:
                 for layer in self.layers:
@@ -263,6 +269,7 @@ class ParallelTransformer(MegatronModule):
                         encoder_output=encoder_output,
                         enc_dec_attn_mask=enc_dec_attn_mask,
                         inference_params=inference_params,
+                        packed_seq_params=packed_seq_params,
                     )
         if self.post_process and self.post_layer_norm:
             hidden_states = self.final_layernorm(hidden_states)

@@ -54,6 +54,9 @@ class TextGenerationServerSettings:
     request_timeout: float = setting("--request-timeout", default=300.0,
         help="Seconds a request may wait for its turn (else HTTP 503) and a client may stall mid-request.",
         read_by="tools/run_text_generation_server.py")
+    max_queued_requests: Optional[int] = setting("--max-queued-requests",
+        help="Most prompts the server holds at once, waiting or generating (else HTTP 429 with Retry-After); "
+             "default: no limit.", read_by="tools/run_text_generation_server.py")
 
 
 @dataclasses.dataclass

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, Optional
 
-from megatron.settings.declare import setting
+from megatron.settings.declare import extra_flag, setting
+
+ENGINE = "megatron/inference/config.py"
 
 
 @dataclasses.dataclass
@@ -72,3 +74,27 @@ class InferenceSettings:
                 "the same tokens")
     max_tokens_to_oom: int = setting("--max-tokens-to-oom", default=12000,
         help="Refuse generation above this many tokens.", read_by="tools/run_text_generation_server.py")
+    # The inference engine (megatron/inference/, docs/inference.md): Megatron-LM's dynamic-batching flags.
+    inference_dynamic_batching: bool = setting("--inference-dynamic-batching", default=False,
+        help="Generate with the inference engine (continuous batching, paged KV cache) instead of static batches.",
+        read_by=ENGINE)
+    inference_dynamic_batching_buffer_size_gb: float = setting("--inference-dynamic-batching-buffer-size-gb",
+        default=40.0, help="GiB of KV cache the engine allocates (in blocks; requests queue when it is full).",
+        read_by=ENGINE)
+    inference_dynamic_batching_paused_buffer_size_gb: Optional[float] = setting(
+        "--inference-dynamic-batching-paused-buffer-size-gb", help="Memory for paused requests.",
+        refused="does not apply: the engine reserves a request's blocks at admission and never pauses it")
+    inference_dynamic_batching_block_size: int = setting("--inference-dynamic-batching-block-size", default=256,
+        help="Tokens per KV-cache block.", read_by=ENGINE)
+    inference_dynamic_batching_max_requests: Optional[int] = setting("--inference-dynamic-batching-max-requests",
+        help="Most requests running at once (default: one per KV-cache block).", read_by=ENGINE)
+    inference_dynamic_batching_max_tokens: Optional[int] = setting("--inference-dynamic-batching-max-tokens",
+        help="Most tokens one engine step feeds (default 16384).", read_by=ENGINE)
+    inference_dynamic_batching_num_cuda_graphs: int = setting("--inference-dynamic-batching-num-cuda-graphs",
+        default=16, help="CUDA graphs to capture.", refused="is not implemented (the engine captures no CUDA graph)")
+    inference_dynamic_batching_unified_memory_level: int = setting(
+        "--inference-dynamic-batching-unified-memory-level", default=0, choices=[0, 1],
+        help="Unified-memory level of the KV cache.", refused="is not implemented (the KV cache is device memory)")
+    disable_chunked_prefill: bool = setting("--enable-chunked-prefill", default=True, action="store_false",
+        also=(extra_flag("--disable-chunked-prefill", action="store_true", help="Do not chunk prefills (default)."),),
+        help="Split long prompts over engine steps so that running requests keep decoding.", read_by=ENGINE)

@@ -12,6 +12,7 @@ def _bias_gelu_fusion(args: argparse.Namespace) -> Any:
     return args.bias_gelu_fusion and not args.onnx_safe  # Megatron's --onnx-safe MLP: erf GeLU, no fused bias-GeLU
 
 
+_NO_MONITOR = ("configures nvidia-resiliency-ext's monitor process and heartbeats, which this in-process restart does not use (a failing rank closes its connections, the others fail at once and restart)")
 _RESTORE_BIAS_GELU_FUSION = (("bias_gelu_fusion", lambda v: v), ("onnx_safe", lambda v: None))
 
 
@@ -106,6 +107,41 @@ class TrainingSettings:
         read_by="megatron/training.py")
     skip_train: bool = setting("--skip-train", default=False, help="Skip training; only evaluate.",
         read_by="megatron/training.py")
+    inprocess_restart: bool = setting("--inprocess-restart", default=False,
+        help="Restart training inside the same processes (from the latest checkpoint) when any rank raises.",
+        read_by="megatron/inprocess_restart.py")
+    inprocess_max_iterations: Optional[int] = setting("--inprocess-max-iterations",
+        help="At most this many in-process restarts (default: no limit).", read_by="megatron/inprocess_restart.py")
+    inprocess_barrier_timeout: float = setting("--inprocess-barrier-timeout", default=120.0,
+        help="Seconds every rank waits for the others at a restart's barrier.", read_by="megatron/inprocess_restart.py")
+    inprocess_completion_timeout: float = setting("--inprocess-completion-timeout", default=120.0,
+        help="Seconds every rank waits for the others to finish (or restart) at the end.", read_by="megatron/inprocess_restart.py")
+    inprocess_empty_cuda_cache: bool = setting("--inprocess-empty-cuda-cache", default=False,
+        help="Release cached GPU memory at every in-process restart.", read_by="megatron/inprocess_restart.py")
+    inprocess_active_world_size: Optional[int] = setting("--inprocess-active-world-size",
+        help="Ranks executing the workload (warm reserve ranks are not supported: only the world size).",
+        read_by="megatron/inprocess_restart.py")
+    inprocess_granularity: str = setting("--inprocess-granularity", default="node", choices=["node", "rank"],
+        help="Granularity of the restart (every rank of the job restarts here).",
+        refused="'rank' needs nvidia-resiliency-ext's rank reassignment; every rank of the job restarts here")
+    inprocess_monitor_thread_interval: float = setting("--inprocess-monitor-thread-interval", default=1.0,
+        help="nvidia-resiliency-ext's monitor setting (not used here).", refused=_NO_MONITOR)
+    inprocess_monitor_process_interval: float = setting("--inprocess-monitor-process-interval", default=1.0,
+        help="nvidia-resiliency-ext's monitor setting (not used here).", refused=_NO_MONITOR)
+    inprocess_progress_watchdog_interval: float = setting("--inprocess-progress-watchdog-interval", default=1.0,
+        help="nvidia-resiliency-ext's monitor setting (not used here).", refused=_NO_MONITOR)
+    inprocess_heartbeat_interval: float = setting("--inprocess-heartbeat-interval", default=30.0,
+        help="nvidia-resiliency-ext's monitor setting (not used here).", refused=_NO_MONITOR)
+    inprocess_soft_timeout: float = setting("--inprocess-soft-timeout", default=60.0,
+        help="nvidia-resiliency-ext's monitor setting (not used here).", refused=_NO_MONITOR)
+    inprocess_hard_timeout: float = setting("--inprocess-hard-timeout", default=90.0,
+        help="nvidia-resiliency-ext's monitor setting (not used here).", refused=_NO_MONITOR)
+    inprocess_heartbeat_timeout: float = setting("--inprocess-heartbeat-timeout", default=60.0,
+        help="nvidia-resiliency-ext's monitor setting (not used here).", refused=_NO_MONITOR)
+    inprocess_last_call_wait: float = setting("--inprocess-last-call-wait", default=1.0,
+        help="nvidia-resiliency-ext's monitor setting (not used here).", refused=_NO_MONITOR)
+    inprocess_termination_grace_time: float = setting("--inprocess-termination-grace-time", default=1.0,
+        help="nvidia-resiliency-ext's monitor setting (not used here).", refused=_NO_MONITOR)
 
 
 @dataclasses.dataclass

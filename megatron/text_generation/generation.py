@@ -254,7 +254,8 @@ def generate_tokens(
     return GenerationOutput(tokens=tokens, lengths=out_lengths, logprobs=logprobs, cancelled=cancelled)
 
 
-def _eol_ids(tokenizer: Any) -> list[int]:
+def eol_token_ids(tokenizer: Any) -> list[int]:
+    """The one-token newline ids of `tokenizer` ("\\n", "\\n\\n"): the stop tokens of stop_on_eol."""
     ids = []
     for text in ("\n", "\n\n"):
         try:
@@ -311,7 +312,7 @@ def generate(
         if add_BOS:  # as Megatron: GPT's beginning-of-sequence is the end-of-document token
             ids = [eod_id] + ids
         prompt_tokens.append(ids)
-    stop_ids = _eol_ids(tokenizer) if (stop_on_eol and tokenizer is not None) else []
+    stop_ids = eol_token_ids(tokenizer) if (stop_on_eol and tokenizer is not None) else []
     vocab_size = getattr(tokenizer, "vocab_size", None) if tokenizer is not None else None
     out = generate_tokens(
         model, prompt_tokens, tokens_to_generate, eod_id=eod_id, return_output_log_probs=return_output_log_probs,

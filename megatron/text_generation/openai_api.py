@@ -28,7 +28,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron.errors import MegatronUserError
 from megatron.text_generation.disconnect import client_gone
+from megatron.text_generation.engine_driver import EngineStopped
 from megatron.text_generation.generation import generate_tokens
 from megatron.text_generation.http_limits import MAX_JSON_DEPTH, json_depth
 from megatron.text_generation.scoring import score_tokens
@@ -382,6 +384,22 @@ def handle_http(server: Any, handler: Any) -> None:
     except OpenAIError as exc:
         send(exc.status, exc.body())
         return
+    n_prompts = len(req["prompts"])
+    if not server.reserve(n_prompts):
+        send(HTTPStatus.TOO_MANY_REQUESTS, error_body(server.busy_message(), kind="rate_limit_error"))
+        return
+    try:
+        if server.driver is not None and req["logprobs"] is None and req["max_tokens"] > 0:
+            _engine_completion(server, api, handler, req, send)
+        else:
+            _static_completion(server, api, handler, req, send)
+    finally:
+        server.release(n_prompts)
+
+
+def _static_completion(server: Any, api: OpenAICompletions, handler: Any, req: dict,
+                       send: Callable[[int, dict], None]) -> None:
+    """One validated completion on the server's one-at-a-time path (under its lock, broadcast to every rank)."""
     if not server.lock.acquire(timeout=server.request_timeout_s):  # one request at a time; a bounded wait
         send(HTTPStatus.SERVICE_UNAVAILABLE, error_body(
             f"the server is busy: the request waited {server.request_timeout_s:g} s for its turn (--request-timeout);"
@@ -422,18 +440,58 @@ def handle_http(server: Any, handler: Any) -> None:
     send(HTTPStatus.OK, api.response(req, results))
 
 
+def engine_params(server: Any, api: OpenAICompletions, req: dict) -> Any:
+    """The engine's SamplingParams of a validated request (what `OpenAICompletions.run` gives generate_tokens)."""
+    greedy = req["temperature"] == 0.0
+    return server.sampling_params(
+        max_new_tokens=req["max_tokens"], temperature=1.0 if greedy else req["temperature"],
+        top_k=1 if greedy else req["top_k"], top_p=0.0 if req["top_p"] >= 1.0 else req["top_p"],
+        seed=req["seed"] % 2**62, stop_token_ids=tuple(api._stop_token_ids(req["stop"])), return_logprobs=False,
+        vocab_size=api.vocab_size)
+
+
+def _engine_completion(server: Any, api: OpenAICompletions, handler: Any, req: dict,
+                       send: Callable[[int, dict], None]) -> None:
+    """One validated completion through the engine driver (no lock: it runs among the other requests)."""
+    if req["stream"]:
+        _stream(server, api, handler, req, engine=True)
+        return
+    server.log(f"openai completion (engine): {len(req['prompts'])} prompt(s), max_tokens={req['max_tokens']}")
+    try:
+        tickets = server.run_engine(req["prompts"], engine_params(server, api, req), _client_test(handler))
+    except EngineStopped as exc:
+        send(HTTPStatus.SERVICE_UNAVAILABLE, error_body(str(exc), kind="server_error"))
+        return
+    except (MegatronUserError, ValueError) as exc:  # the engine refuses the request (e.g. it can never fit)
+        send(HTTPStatus.BAD_REQUEST, error_body(str(exc)))
+        return
+    except Exception as exc:  # noqa: BLE001 - answer the client, keep serving
+        server.log(f"server: openai completion failed: {exc!r}")
+        send(HTTPStatus.INTERNAL_SERVER_ERROR, error_body(f"generation failed: {exc}", kind="server_error"))
+        return
+    if any(t.cancelled for t in tickets):
+        server.cancelled_requests += 1
+        server.log("openai completion (engine) cancelled: the client closed the connection")
+        handler.close_connection = True
+        return
+    results = [{"prompt": p, "generated": t.tokens} for p, t in zip(req["prompts"], tickets)]
+    send(HTTPStatus.OK, api.response(req, results))
+
+
 def _client_test(handler: Any) -> Callable[[], bool]:
     """`gone()` for the client of `handler`: its connection closed, or (streaming) its stream dropped."""
     connection = getattr(handler, "connection", None)
     return lambda: client_gone(connection)
 
 
-def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict) -> None:
+def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict, engine: bool = False) -> None:
     """Server-sent events: text chunks while the tokens are generated, then each choice's finish_reason (and
-    logprobs), optionally the usage, then `data: [DONE]`. Called holding the server lock; releases it when the
-    generation ends. The socket is written by a StreamWriter thread, never under the lock: a client that does not
-    read stalls only itself and is dropped after the stall timeout. A client that goes away (its connection closed,
-    or its stream dropped) stops the generation at the next decoding step on every rank (StopCheck)."""
+    logprobs), optionally the usage, then `data: [DONE]`. Called holding the server lock (not with `engine`: the
+    engine driver runs the request among the others); releases it when the generation ends. The socket is written
+    by a StreamWriter thread, never under the lock: a client that does not read stalls only itself and is dropped
+    after the stall timeout. A client that goes away (its connection closed, or its stream dropped) stops the
+    generation at the next decoding step on every rank (StopCheck; with the engine, its requests are cancelled)."""
+    unlock = (lambda: None) if engine else server.lock.release
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     try:
         handler.send_response(HTTPStatus.OK)
@@ -444,7 +502,7 @@ def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict) -> Non
         out = StreamWriter(handler.wfile, getattr(handler, "connection", None), getattr(handler, "timeout", None)
                            or server.request_timeout_s, server.log, handler.address_string())
     except BaseException:
-        server.lock.release()
+        unlock()
         raise
 
     def event(obj: dict) -> None:
@@ -454,29 +512,20 @@ def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict) -> Non
         return {"id": cid, "object": "text_completion", "created": created, "model": req["model"],
                 "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
+    connection_gone = _client_test(handler)
     try:
         streams = [TextStream(api, req, i, lambda i, text: event(chunk(i, text))) for i in range(len(req["prompts"]))]
-        prompt_lengths = [len(p) for p in req["prompts"]]
-
-        def on_step(tokens: torch.Tensor, lengths: torch.Tensor) -> None:
-            for i, (row, n) in enumerate(zip(tokens.tolist(), lengths.tolist())):
-                streams[i].feed(row[prompt_lengths[i]: n])
-
-        connection_gone = _client_test(handler)
-        stop = server.stop_check(lambda: out.broken or connection_gone())
-        server.log(f"openai completion (stream): {len(req['prompts'])} prompt(s), max_tokens={req['max_tokens']}")
-        server._broadcast(("openai", req))
-        results = api.run(req, on_step=on_step, should_stop=stop)
+        run = _stream_engine if engine else _stream_static
+        results, cancelled = run(server, api, req, streams, lambda: out.broken or connection_gone())
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream, keep serving
-        server.lock.release()
+        unlock()
         server.log(f"server: openai completion failed: {exc!r}")
         event(error_body(f"generation failed: {exc}", kind="server_error"))
         out.put(b"data: [DONE]\n\n")
         out.close()
         return
-    server.lock.release()
-    if stop.cancelled:
-        server.note_cancelled(stop, "openai completion (stream)")
+    unlock()
+    if cancelled:
         out.close()
         return
     body = api.response(req, results)
@@ -488,6 +537,37 @@ def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict) -> Non
                "usage": body["usage"]})
     out.put(b"data: [DONE]\n\n")
     out.close()
+
+
+def _stream_static(server: Any, api: OpenAICompletions, req: dict, streams: list[TextStream],
+                   gone: Callable[[], bool]) -> tuple[list[dict], bool]:
+    """A streamed request on the one-at-a-time path: (results, cancelled)."""
+    prompt_lengths = [len(p) for p in req["prompts"]]
+
+    def on_step(tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+        for i, (row, n) in enumerate(zip(tokens.tolist(), lengths.tolist())):
+            streams[i].feed(row[prompt_lengths[i]: n])
+
+    stop = server.stop_check(gone)
+    server.log(f"openai completion (stream): {len(req['prompts'])} prompt(s), max_tokens={req['max_tokens']}")
+    server._broadcast(("openai", req))
+    results = api.run(req, on_step=on_step, should_stop=stop)
+    if stop.cancelled:
+        server.note_cancelled(stop, "openai completion (stream)")
+    return results, stop.cancelled
+
+
+def _stream_engine(server: Any, api: OpenAICompletions, req: dict, streams: list[TextStream],
+                   gone: Callable[[], bool]) -> tuple[list[dict], bool]:
+    """A streamed request through the engine driver: (results, cancelled)."""
+    server.log(f"openai completion (engine, stream): {len(req['prompts'])} prompt(s), max_tokens={req['max_tokens']}")
+    tickets = server.run_engine(req["prompts"], engine_params(server, api, req), gone,
+                                lambda ticket, n: streams[ticket.index].feed(ticket.tokens[:n]))
+    cancelled = any(t.cancelled for t in tickets)
+    if cancelled:
+        server.cancelled_requests += 1
+        server.log("openai completion (engine, stream) cancelled: the client closed the connection")
+    return [{"prompt": p, "generated": t.tokens} for p, t in zip(req["prompts"], tickets)], cancelled
 
 
 def run_on_worker(server: Any, req: dict) -> None:

@@ -12,6 +12,14 @@ reading for the stall timeout) stops generating so the next request is served. R
 decoding step and broadcasts the answer over the server's group (`StopCheck`), so every rank leaves the decoding loop
 at the same step; a request whose client left while it waited for its turn is dropped before it reaches the others.
 
+With an inference engine (`engine=`, the server's --inference-dynamic-batching), requests do not take turns: an
+EngineDriver thread (megatron/text_generation/engine_driver.py) runs the engine's steps and the HTTP handler threads
+submit each prompt as one engine request and wait for it (streaming as the tokens come); before each step rank 0
+broadcasts ("engine_step", None) and the other ranks step too. What the engine does not do (prompt log-probs: `PUT
+/api` with "logprobs", OpenAI requests with "logprobs" or max_tokens 0) takes the one-at-a-time path above.
+`max_queued_requests` bounds the prompts the server holds (waiting or generating, both paths): past it the answer
+is HTTP 429 with a `Retry-After` header; a client that disconnects cancels its engine requests (blocks freed).
+
 `build_server` also serves OpenAI-style `POST /v1/completions` and `GET /v1/models` (megatron/text_generation/
 openai_api.py), broadcast to the other ranks as ("openai", request) the same way.
 
@@ -36,9 +44,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.errors import MegatronUserError
 from megatron.text_generation import openai_api
 from megatron.text_generation.disconnect import StopCheck, client_gone
-from megatron.text_generation.generation import generate
+from megatron.text_generation.engine_driver import EngineDriver, EngineStopped, Ticket
+from megatron.text_generation.generation import eol_token_ids, generate
 from megatron.text_generation.http_limits import MAX_JSON_DEPTH, json_depth  # noqa: F401  (re-exported)
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -48,6 +58,7 @@ DEFAULT_MAX_PROMPTS = 128
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # longest a request may wait for its turn (503 after), and a client may stall
 LISTEN_BACKLOG = 128  # pending connections the kernel queues (the standard library's 5 resets bursts of clients)
 CLIENT_CLOSED = 499  # handle_payload's status for a request whose client went away (nothing is sent back)
+RETRY_AFTER_S = 1  # the Retry-After of a 429 (queue full)
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -84,6 +95,7 @@ class BadRequest(Exception):
 
 class PayloadTooLarge(BadRequest):
     status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+
 
 
 def accepted_options(generate_fn: Callable) -> Optional[set[str]]:
@@ -249,6 +261,10 @@ class MegatronServer:
         heartbeat_s: float = 60.0,
         log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        engine: Any = None,
+        sampling_params: Optional[Callable[..., Any]] = None,
+        tokenizer: Any = None,
+        max_queued_requests: Optional[int] = None,
     ) -> None:
         self.request_timeout_s = float(request_timeout_s)
         self.generate_fn = generate_fn
@@ -271,6 +287,98 @@ class MegatronServer:
         self._thread: Optional[threading.Thread] = None
         self.cancelled_requests = 0  # requests stopped because their client left (rank 0)
         self.last_cancel_steps: Optional[int] = None  # decoding steps the last of them ran
+        self.engine, self.sampling_params, self.tokenizer = engine, sampling_params, tokenizer
+        self.max_queued_requests = max_queued_requests
+        self._held = 0  # prompts in the server (waiting or generating), bounded by max_queued_requests
+        self._held_lock = threading.Lock()
+        self.driver: Optional[EngineDriver] = None
+        if engine is not None:
+            if sampling_params is None or tokenizer is None:
+                raise ValueError("an engine needs sampling_params (its SamplingParams type) and the tokenizer")
+            self.driver = EngineDriver(engine, step=self._engine_step, step_lock=self.lock, log=log)
+
+    # -- admission (bounded queue) -------------------------------------------------------------------------------
+    def reserve(self, n: int) -> bool:
+        """Count `n` more prompts in the server; False (nothing counted) when that would pass max_queued_requests."""
+        with self._held_lock:
+            if self.max_queued_requests is not None and self._held + n > self.max_queued_requests:
+                return False
+            self._held += n
+            return True
+
+    def release(self, n: int) -> None:
+        """The `n` prompts of a `reserve` have been answered."""
+        with self._held_lock:
+            self._held -= n
+
+    def busy_message(self) -> str:
+        """The message of a 429 (sent with a Retry-After header)."""
+        return (f"the server is busy: {self._held} prompt(s) are waiting or generating and the limit is "
+                f"{self.max_queued_requests} (--max-queued-requests); retry after {RETRY_AFTER_S} s")
+
+    # -- the engine path (rank 0) ------------------------------------------------------------------------------
+    def _engine_step(self) -> list:
+        """One engine step on every rank (the driver thread, under the lock): the other ranks hear "engine_step" and
+        call `engine.step()`, which follows the plan rank 0's step broadcasts. A step that ran no forward broadcast
+        no plan: rank 0 then sends the engine's empty plan (`shutdown()`), which ends the followers' wait."""
+        self._broadcast(("engine_step", None))
+        before = self.engine.steps
+        outputs = self.engine.step()
+        if self._distributed() and self.engine.steps == before:
+            self.engine.shutdown()
+        return outputs
+
+    def run_engine(self, prompts: list[list[int]], params: Any, gone: Callable[[], bool],
+                   on_update: Optional[Callable[[Ticket, int], None]] = None) -> list[Ticket]:
+        """Submit `prompts` to the engine driver and wait for all of them; `on_update(ticket, n_tokens)` after
+        every step that generated for one (streaming). A gone client cancels them all at the next step."""
+        assert self.driver is not None
+        tickets = self.driver.submit(prompts, params, gone)
+        pending = len(tickets)
+        updates = tickets[0].updates
+        while pending:
+            index, n = updates.get()
+            if n is None:
+                pending -= 1
+            elif on_update is not None:
+                on_update(tickets[index], n)
+        for t in tickets:
+            t.wait()  # re-raises an engine refusal
+        if any(t.cancelled for t in tickets):
+            for t in tickets:
+                self.driver.cancel(t)
+        return tickets
+
+    def _engine_payload(self, request: dict, gone: Callable[[], bool]) -> tuple[int, dict]:
+        """`PUT /api` through the engine: the body generate() would give (text, segments; no logprobs)."""
+        options, tok = request["options"], self.tokenizer
+        eod = int(tok.eod)
+        prompts = [([eod] if options.get("add_BOS") else []) + [int(t) for t in tok.tokenize(p)]
+                   for p in request["prompts"]]
+        params = self.sampling_params(
+            max_new_tokens=request["tokens_to_generate"], temperature=options["temperature"],
+            top_k=options["top_k"], top_p=options["top_p"], seed=options["random_seed"],
+            stop_token_ids=tuple(eol_token_ids(tok)) if options.get("stop_on_eol") else (), return_logprobs=False,
+            vocab_size=int(tok.vocab_size))
+        if not request["no_log"]:
+            self.log(f"request (engine): {len(prompts)} prompt(s), tokens_to_generate={request['tokens_to_generate']}, "
+                     f"options={options}")
+        try:
+            tickets = self.run_engine(prompts, params, gone)
+        except EngineStopped as exc:
+            return int(HTTPStatus.SERVICE_UNAVAILABLE), {"message": str(exc)}
+        except (MegatronUserError, ValueError) as exc:  # the engine refuses the request (e.g. it can never fit)
+            return int(HTTPStatus.BAD_REQUEST), {"message": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - answer the client, keep serving
+            self.log(f"server: engine generation failed: {exc!r}")
+            return int(HTTPStatus.INTERNAL_SERVER_ERROR), {"message": f"generation failed: {exc}"}
+        if any(t.cancelled for t in tickets):
+            self.cancelled_requests += 1
+            self.log("request (engine) cancelled: the client closed the connection")
+            return CLIENT_CLOSED, {"message": "client closed the connection"}
+        rows = [t.prompt_tokens + t.tokens for t in tickets]
+        return int(HTTPStatus.OK), {"text": [tok.detokenize(r) for r in rows],
+                                    "segments": [[tok.detokenize([t]) for t in r] for r in rows], "logprobs": None}
 
     # -- collectives -------------------------------------------------------------------------------------------
     def _distributed(self) -> bool:
@@ -304,7 +412,9 @@ class MegatronServer:
             kind, request = self._broadcast(None)
             if kind == "stop":
                 return
-            if kind == "generate":
+            if kind == "engine_step" and self.engine is not None:
+                self.engine.step()  # failures are collective: the engine raises alike on every rank
+            elif kind == "generate":
                 try:
                     self._run_generate(request, self.stop_check())
                 except Exception as exc:  # noqa: BLE001 - rank 0 reports it; keep serving
@@ -335,6 +445,20 @@ class MegatronServer:
             if self.accepted is None or "random_seed" in self.accepted:
                 # every rank must sample the same tokens: rank 0 picks the seed
                 options["random_seed"] = random.SystemRandom().randrange(2**31)
+        n_prompts = len(request["prompts"])
+        if not self.reserve(n_prompts):
+            return int(HTTPStatus.TOO_MANY_REQUESTS), {"message": self.busy_message()}
+        try:
+            if self.driver is not None and request["tokens_to_generate"] > 0 and \
+                    not options.get("return_output_log_probs"):
+                return self._engine_payload(request, gone)
+            return self._static_payload(request, gone)
+        finally:
+            self.release(n_prompts)
+
+    def _static_payload(self, request: dict, gone: Callable[[], bool]) -> tuple[int, dict]:
+        """One request on the one-at-a-time path (generate_fn under the lock, broadcast to the other ranks)."""
+        options = request["options"]
         if not self.lock.acquire(timeout=self.request_timeout_s):  # one request at a time; a bounded wait
             return int(HTTPStatus.SERVICE_UNAVAILABLE), {
                 "message": f"the server is busy: the request waited {self.request_timeout_s:g} s for its turn "
@@ -374,7 +498,9 @@ class MegatronServer:
                 self._broadcast(("ping", None))
 
     def release_workers(self) -> None:
-        """Tell the other ranks to leave `worker_loop` (idempotent)."""
+        """Stop the engine driver and tell the other ranks to leave `worker_loop` (idempotent)."""
+        if self.driver is not None:
+            self.driver.stop()
         with self.lock:
             if self._stopped:
                 return
@@ -394,6 +520,8 @@ class MegatronServer:
         assert self.httpd is not None, "call bind() first"
         if self._distributed():
             threading.Thread(target=self._heartbeat, name="server-heartbeat", daemon=True).start()
+        if self.driver is not None:
+            self.driver.start()
         try:
             self.httpd.serve_forever()
         except KeyboardInterrupt:
@@ -432,6 +560,8 @@ def _make_handler(server: MegatronServer) -> type:
 
         def _send(self, status: int, body: bytes, content_type: str) -> None:
             self.send_response(status)
+            if status == HTTPStatus.TOO_MANY_REQUESTS:
+                self.send_header("Retry-After", str(RETRY_AFTER_S))
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -497,7 +627,7 @@ def build_server(model: torch.nn.Module, tokenizer: Any, *, max_sequence_length:
         return len(tokenizer.tokenize(text)) if text else 0
 
     server = MegatronServer(functools.partial(generate, model, tokenizer), count_tokens,
-                            max_sequence_length=max_sequence_length, **kwargs)
+                            max_sequence_length=max_sequence_length, tokenizer=tokenizer, **kwargs)
     server.openai = openai_api.OpenAICompletions(
         model, tokenizer, max_sequence_length=max_sequence_length, max_tokens_limit=server.max_tokens_to_generate,
         max_prompts=server.max_prompts, max_batch_tokens=server.max_batch_tokens)

@@ -5,7 +5,8 @@ RANK/WORLD_SIZE/MASTER_* in the environment (as srun or each node's torchrun sta
 ``REL_FAULT="<rank> <point> <n> <action>"`` makes that rank act at the n-th matching point of the first attempt
 (TORCHELASTIC_RESTART_COUNT unset or 0): points ``train-forward`` and ``eval-forward`` (the forward step in training
 and in evaluation mode), or any megatron/checkpoint/atomic_io.py fault point such as ``mid-write:model_optim_rng.pt``; actions
-``kill`` (SIGKILL), ``term`` (SIGTERM, SLURM's preemption signal), ``stop`` (SIGSTOP: a hung rank). Just before
+``kill`` (SIGKILL), ``term`` (SIGTERM, SLURM's preemption signal), ``stop`` (SIGSTOP: a hung rank), ``raise`` (a
+RuntimeError in the step). Just before
 acting it writes OUT_DIR/fault.json with the time and pretrain's numbers so far. A run that returns writes its result
 (pretrain's numbers) to OUT_DIR/rank<R>.attempt<A>.json. ``REL_SLOW="<rank> <n> <seconds>"`` makes that rank sleep
 `seconds` in every training forward step from its n-th on (a straggler).
@@ -34,6 +35,8 @@ def main() -> None:
     def fire() -> None:
         with open(os.path.join(out_dir, "fault.json"), "w") as f:
             json.dump({"rank": rank, "time": time.time(), "result": history}, f)
+        if fault[3] == "raise":  # an exception in the step (--inprocess-restart restarts the run)
+            raise RuntimeError(f"injected fault at {fault[1]} {fault[2]}")
         os.kill(os.getpid(), {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}[fault[3]])
 
     if armed and fault[1] in ("train-forward", "eval-forward"):

@@ -69,3 +69,26 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *expected: str) -> 
     for fragment in expected:
         assert fragment in errors[0], errors[0]
     return errors[0]
+
+
+def run_ranks(argv: list[str], out: Path, world: int = 2, timeout: int = 300, **env_extra: str) -> list[dict]:
+    """`world` ranks of tests/reliability/_rank_worker.py started as srun starts them (RANK/WORLD_SIZE/MASTER_* in
+    the environment; `env_extra`, e.g. REL_FAULT or REL_SLOW); all must exit 0; returns each rank's pretrain()
+    result. Logs in OUT/rank<R>.out/.err."""
+    from megatron.initialize import find_free_port
+
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "REL_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()),
+               WORLD_SIZE=str(world), **env_extra)
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.reliability._rank_worker", str(out), *argv], cwd=out,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=open(out / f"rank{r}.out", "w"),
+                              stderr=open(out / f"rank{r}.err", "w")) for r in range(world)]
+    try:
+        for r, proc in enumerate(procs):
+            assert proc.wait(timeout=timeout) == 0, (out / f"rank{r}.err").read_text()[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return [json.loads((out / f"rank{r}.attempt0.json").read_text()) for r in range(world)]

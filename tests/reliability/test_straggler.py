@@ -5,18 +5,14 @@ between ranks over 3 iterations): a clean run names nobody; a rank slowed by an 
 the second report (within two report intervals). The toggle port turns collection off and on."""
 from __future__ import annotations
 
-import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron.initialize import find_free_port
 from megatron.straggler import StragglerDetector, StragglerReport, find_stragglers, report_lines
-from tests.reliability.helpers import REPO, train_argv
+from tests.reliability.helpers import run_ranks, train_argv
 
 
 def test_find_stragglers_uses_the_median() -> None:
@@ -58,27 +54,14 @@ def test_single_process_times_reports_and_toggles(capsys: pytest.CaptureFixture)
     assert "StragglerDetector is now OFF" in capsys.readouterr().out
 
 
-def _run_two(argv: list[str], out: Path, slow: str = "") -> list[dict]:
-    out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "REL_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()),
-               WORLD_SIZE="2", REL_SLOW=slow)
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.reliability._rank_worker", str(out), *argv], cwd=out,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=open(out / f"rank{r}.out", "w"),
-                              stderr=open(out / f"rank{r}.err", "w")) for r in range(2)]
-    for r, proc in enumerate(procs):
-        assert proc.wait(timeout=300) == 0, (out / f"rank{r}.err").read_text()[-3000:]
-    return [json.loads((out / f"rank{r}.attempt0.json").read_text()) for r in range(2)]
-
-
 @pytest.mark.slow
 def test_slowed_rank_is_named_and_a_clean_run_names_none(tiny_data: dict, tmp_path: Path) -> None:
     argv = train_argv(tiny_data, "--distributed-backend", "gloo", "--global-batch-size", "8", "--micro-batch-size",
                       "2", "--log-interval", "3", "--log-straggler", "--straggler-ctrlr-port",
                       str(find_free_port()), "--straggler-minmax-count", "2", "--straggler-threshold", "4", iters=6)
-    clean = _run_two(argv, tmp_path / "clean")
+    clean = run_ranks(argv, tmp_path / "clean")
     assert [r["stragglers"] for r in clean] == [{"3": [], "6": []}] * 2
-    slowed = _run_two(argv, tmp_path / "slow", slow="1 7 0.3")  # rank 1's 7th forward = iteration 4's first
+    slowed = run_ranks(argv, tmp_path / "slow", REL_SLOW="1 7 0.3")  # rank 1's 7th forward = iteration 4's first
     assert [r["stragglers"] for r in slowed] == [{"3": [], "6": [1]}] * 2
     log = (tmp_path / "slow" / "rank0.out").read_text()
     assert "| MxRtt/Rnk: " in log and "ms/1 |" in log.split("| MxRtt/Rnk: ")[-1].split("\n")[0]

@@ -33,11 +33,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.attention import model_parallel_rng_fork
 from megatron.layers.inference_params import InferenceParams
 from megatron.layers.module import MegatronModule
 from megatron.layers.norms import build_norm
+from megatron.layers.paged_kv import PagedStep, paged_attention
 from megatron.layers.rotary import RotaryEmbedding, apply_rotary_pos_emb, yarn_scaling_of, yarn_softmax_scale
 from megatron.layers.utils import group_size
 
@@ -145,9 +147,12 @@ class MLASelfAttention(MegatronModule):
             k_pe = tensor_parallel.copy_to_tensor_model_parallel_region(k_pe, self.tp_group)
         return rope_mla(k_pe.unsqueeze(2), cos, sin)
 
-    def _up_project(self, q_in, latent, k_pe, offset: int):
+    def _up_project(self, q_in, latent, k_pe, offset: int, packed: Optional[PackedSeqParams] = None):
         seq = latent.size(0) * (group_size(self.tp_group) if self.sequence_parallel else 1)
-        cos, sin = self.rotary.cos_sin(seq, offset, latent.device, latent.dtype)
+        if packed is None:
+            cos, sin = self.rotary.cos_sin(seq, offset, latent.device, latent.dtype)
+        else:  # packed documents: each at its positions inside its document
+            cos, sin = self.rotary.cos_sin_at(packed.position_ids(latent.size(1), seq, latent.device), latent.dtype)
         q_nope, q_pe = self._query(q_in, cos, sin)
         kv, _ = self.linear_kv_up_proj(latent)
         kv = kv.view(kv.size(0), kv.size(1), self.heads, self.qk_dim + self.v_dim)
@@ -159,16 +164,24 @@ class MLASelfAttention(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 encoder_output: Optional[torch.Tensor] = None,
-                inference_params: Optional[InferenceParams] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                inference_params: Optional[InferenceParams] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """hidden [s(/TP under SP), b, h], mask bool [b|1, 1, sq, sk] (True = masked) or None (causal) ->
-        (output [s(/TP), b, h], output bias or None)."""
+        (output [s(/TP), b, h], output bias or None). `packed_seq_params`: packed documents (their positions and
+        block-diagonal causal mask replace `attention_mask`)."""
         if encoder_output is not None:
             raise ValueError("multi-latent attention is self-attention only (no encoder output)")
         q_in, latent, k_pe = self._latents(hidden_states)
+        if isinstance(inference_params, PagedStep):  # the inference engine's paged latent cache
+            return self.linear_proj(self._paged_forward(q_in, latent, k_pe, inference_params))
         if inference_params is not None:
+            if packed_seq_params is not None:
+                raise ValueError("packed sequences (cu_seqlens) are for training and evaluation, not KV-cache decoding")
             context = self._cached_forward(q_in, latent, k_pe, attention_mask, inference_params)
             return self.linear_proj(context)
-        query, key, value = self._up_project(q_in, latent, k_pe, 0)
+        query, key, value = self._up_project(q_in, latent, k_pe, 0, packed_seq_params)
+        if packed_seq_params is not None:
+            attention_mask = packed_seq_params.attention_mask(query.size(1), query.size(0), query.device)
         if self.checkpoint_core_attention and self.training and torch.is_grad_enabled():
             context = tensor_parallel.checkpoint(self._core_attention, False, query, key, value, attention_mask)
         else:
@@ -238,3 +251,21 @@ class MLASelfAttention(MegatronModule):
         probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(latents.dtype)
         ctx = torch.einsum("nvr,sbnr->sbnv", w_uv, torch.einsum("bnst,tbr->sbnr", probs, latents))
         return ctx.reshape(ctx.size(0), ctx.size(1), self.heads * self.v_dim)
+
+    def _paged_forward(self, q_in: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                       step: PagedStep) -> torch.Tensor:
+        """One engine step (tokens [T, 1, ...]) over the paged cache of latents and rotated rope keys, every query
+        absorbed into latent space (as the cached decoding steps): -> context [T, 1, heads * v]."""
+        cos, sin = step.rotary_cos_sin(self.rotary, latent.dtype)
+        k_pe_rot = rope_mla(k_pe.unsqueeze(2), cos, sin)[:, 0, 0]  # [T, pe]
+        latents, keys = step.write(self.layer_number, latent[:, 0], k_pe_rot)
+        q_nope, q_pe = self._query(q_in, cos, sin)  # [T, 1, heads, qk], [T, 1, heads, pe]
+        w = self.linear_kv_up_proj.weight.view(self.heads, self.qk_dim + self.v_dim, self.kv_rank)
+        w_uk, w_uv = w[:, :self.qk_dim], w[:, self.qk_dim:]
+        q_lat = torch.einsum("tnd,ndr->tnr", q_nope[:, 0], w_uk)
+        query = torch.cat((q_lat, q_pe[:, 0]), dim=-1)  # [T, heads, r + pe]: one dot product with [latent; rope key]
+        key = torch.cat((step.gather(latents), step.gather(keys)), dim=-1).unsqueeze(2)  # [R, L, 1, r + pe]
+        ctx_lat = paged_attention(step.pad_queries(query), key, step.gather(latents).unsqueeze(2),
+                                  step.attend_mask(), self.softmax_scale)  # [R, Q, heads, r]
+        ctx = torch.einsum("nvr,tnr->tnv", w_uv, step.unpad(ctx_lat).to(latent.dtype))
+        return ctx.reshape(ctx.size(0), 1, self.heads * self.v_dim)

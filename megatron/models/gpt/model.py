@@ -5,6 +5,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer_config import TransformerConfig
 from megatron.layers.checkpoint_keys import (  # noqa: F401 - Megatron's names, also importable from here
     LANGUAGE_MODEL_KEY,
@@ -99,12 +100,17 @@ class GPTModel(MegatronModule):
         inference_params: Optional[Any] = None,
         tokentype_ids: Optional[torch.Tensor] = None,
         loss_mask: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
         """Logits [b, s, v/tp] (labels None) or per-token loss [b, s]; hidden states [s, b, h] on non-last stages.
         With --mtp-num-layers, training with labels also attaches the MTP losses (`loss_mask` [b, s]: the tokens
-        they count; None: all)."""
+        they count; None: all). `packed_seq_params`: several documents per row (megatron/core/packed_seq_params.py)
+        -- attention stays inside each, positions restart (None `position_ids`: computed from it, without CP)."""
+        if packed_seq_params is not None:
+            position_ids = self._packed_positions(input_ids, position_ids, packed_seq_params)
         lm_output = self.language_model(
-            input_ids, position_ids, attention_mask, tokentype_ids=tokentype_ids, inference_params=inference_params
+            input_ids, position_ids, attention_mask, tokentype_ids=tokentype_ids, inference_params=inference_params,
+            packed_seq_params=packed_seq_params,
         )
         if not self.post_process:
             return lm_output
@@ -119,6 +125,20 @@ class GPTModel(MegatronModule):
             self.tp_group,
             self.sequence_parallel,
         )
+
+    def _packed_positions(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+                          packed: PackedSeqParams) -> Optional[torch.Tensor]:
+        """The position ids of packed rows: as given, or restarting per document (one-line errors for what packed
+        rows do not run with)."""
+        if self.mtp is not None:
+            raise ValueError("packed sequences (cu_seqlens) with --mtp-num-layers are not supported; train the "
+                             "multi-token-prediction model on unpacked rows")
+        if position_ids is not None or input_ids is None:
+            return position_ids
+        if self.config.context_parallel_size > 1:
+            raise ValueError("packed rows under context parallelism need this rank's position_ids "
+                             "(slice packed.position_ids with slice_for_cp)")
+        return packed.position_ids(input_ids.size(0), input_ids.size(1), input_ids.device)
 
     def _attach_mtp_losses(self, lm_output: torch.Tensor, input_ids: torch.Tensor,
                            position_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
