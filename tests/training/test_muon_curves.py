@@ -4,8 +4,8 @@ curve (losses within 1e-5 relative). Checkpoints at iteration 10 continue the se
 (legacy format, Muon momentum and Adam moments in it) at DP=2 with --use-checkpoint-args, at DP=1 with muon, and,
 reshaped by convert.py, at TP=2 (muon, and dist_muon with --use-checkpoint-args); the muon DP=2 one in torch_dist
 (Megatron Core's optimizer.state.momentum_buffer.* names) at TP=2 and DP=1. The Mixtral-style MoE of
-tests/training/test_moe_training.py with its experts over EP=2 trains its serial Muon curve. Three jobs (2, 2 and 1
-processes) run the layouts one after another.
+tests/training/test_moe_training.py with its experts over EP=2 (dist_muon: the dense weights dealt over DP=2) trains
+its serial Muon curve. Three jobs (2, 2 and 1 processes) run the layouts one after another.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_muon_layouts_match_serial_and_dp2_checkpoint_resumes_anywhere(serial: d
     resumed = {"dp2 dist_muon -> dp2 --use-checkpoint-args": ["--optimizer", "dist_muon", "--use-checkpoint-args"]}
     runs = [("stage", llama_argv(gpt_data, *MUON, *extra)) for extra in layouts.values()]
     runs += [("stage", llama_argv(gpt_data, *MUON, *extra, "--load", str(at_half))) for extra in resumed.values()]
-    runs.append(("stage", moe_argv(gpt_data, *MUON, "--expert-model-parallel-size", "2")))
+    runs.append(("stage", moe_argv(gpt_data, *MUON, "--optimizer", "dist_muon", "--expert-model-parallel-size", "2")))
     results = run_distributed(run_many, 2, args=(runs,))[-1]
     for i, name in enumerate(layouts):
         assert_matches(curve_of(results[i], name), serial, name)
@@ -93,4 +93,4 @@ def test_muon_layouts_match_serial_and_dp2_checkpoint_resumes_anywhere(serial: d
         ("stage", moe_argv(gpt_data, *MUON))],))
     _resumed(curve_of(dp1, "dp2 -> dp1"), serial, "dp2 -> dp1")
     _resumed(curve_of(td_dp1, "dp2 torch_dist -> dp1"), serial, "dp2 torch_dist -> dp1")
-    moe_same(moe_curve(results[-1], "MoE EP2"), moe_curve(moe, "MoE serial"), "MoE EP2", z_loss=False)
+    moe_same(moe_curve(results[-1], "MoE EP2 dist_muon"), moe_curve(moe, "MoE serial"), "MoE EP2", z_loss=False)
