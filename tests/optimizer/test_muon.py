@@ -12,6 +12,7 @@ import torch
 
 from megatron.arguments import parse_args, validate_args
 from megatron.checkpoint.conversion.optimizer_state import regular_entries
+from megatron.checkpoint.conversion.torch_dist_optim import incomplete_names
 from megatron.errors import MegatronUserError
 from megatron.layers.mcore_names import core_to_ours, ours_to_core
 from megatron.learning_rates import OptimizerParamScheduler
@@ -231,3 +232,15 @@ def test_convert_reads_muon_state_by_name_and_the_regular_optimizer_loads_it_bac
         assert torch.equal(a, b), n
     with pytest.raises(ValueError, match="distributed optimizer does not take"):
         regular_state_to_param_state(sd, [model])
+
+
+def test_torch_dist_state_completeness_takes_muons_momentum_or_adams_moments() -> None:
+    """A torch_dist folder's optimizer state is complete per tensor: Adam's (as before) has the fp32 param of every
+    tensor with state; with Muon's momentum_buffer, the momentum (Muon's matrices) or all the moments (the rest),
+    never a mix or a part."""
+    t = torch.zeros(1)
+    adam = {"param": {"a": t}, "exp_avg": {"a": t, "b": t}, "exp_avg_sq": {"a": t}}
+    assert incomplete_names(adam) == ["b"]
+    muon = {"param": {"w": t, "n": t, "x": t, "y": t}, "momentum_buffer": {"w": t, "x": t},
+            "exp_avg": {"n": t, "x": t, "y": t}, "exp_avg_sq": {"n": t, "x": t}}
+    assert incomplete_names(muon) == ["x", "y"]
