@@ -38,6 +38,7 @@ _TOKENIZER_REQUIRED_FLAGS = {
     "PretrainedFromHF": ("tokenizer_name_or_path",),
     "HFTokenizer": ("tokenizer_name_or_path",),
     "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SFTTokenizer": ("tokenizer_model",),
     "NullTokenizer": ("vocab_size",),
 }
 
@@ -298,6 +299,9 @@ def _validate_deepspeed(args: argparse.Namespace, deepspeed_step: Optional[DeepS
             _require(not getattr(args, attr, None), f"{flag} needs --deepspeed")
         args.zero_stage = None
         return
+    _require(not getattr(args, "calculate_per_token_loss", False),
+             "--calculate-per-token-loss is not implemented with --deepspeed (DeepSpeed's engine averages each "
+             "micro-batch's loss and grads itself): drop one of them")
     _require(not (getattr(args, "qk_layernorm", False) and not getattr(args, "multi_latent_attention", False)
                   and args.tensor_model_parallel_size > 1),
              "--qk-layernorm with --deepspeed runs at --tensor-model-parallel-size 1 (the per-head q/k norm grads are "
@@ -606,8 +610,25 @@ def _validate_misc(args: argparse.Namespace) -> None:
     if args.ckpt_format == "torch_dist" and args.save:
         _require(not getattr(args, "deepspeed", False), "--ckpt-format torch_dist cannot be used with --deepspeed "
                  "(DeepSpeed writes its own checkpoints): drop one of the two flags")
+    _validate_async_save(args)
     _require(args.max_skipped_iterations >= 0,
              f"--max-skipped-iterations must be >= 0 (got {args.max_skipped_iterations}; 0 means no limit)")
+
+
+def _validate_async_save(args: argparse.Namespace) -> None:
+    """--async-save: refused with --deepspeed; with torch_dist it needs --use-persistent-ckpt-worker, as in Megatron-LM
+    (which then turns it off with a warning). Megatron-LM's note on the deprecated --ckpt-fully-parallel-save."""
+    if args.ckpt_fully_parallel_save_deprecated:
+        _print0(args, "--ckpt-fully-parallel-save flag is deprecated and has no effect. Use "
+                      "--no-ckpt-fully-parallel-save to disable parallel save.")
+    if not args.async_save:
+        return
+    _require(not getattr(args, "deepspeed", False), "--async-save cannot be used with --deepspeed (DeepSpeed's engine "
+             "writes its own checkpoints synchronously): drop --async-save")
+    if args.ckpt_format == "torch_dist" and not args.use_persistent_ckpt_worker:
+        _print0(args, "WARNING: --async-save is not supported without --use-persistent-ckpt-worker. "
+                      "Disabling --async-save.")
+        args.async_save = False
 
 
 def _validate_tokenizer(args: argparse.Namespace) -> None:

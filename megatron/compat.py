@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 
 from megatron.checkpoint.args import architecture_changes, checkpoint_flag_values, compare_architecture
+from megatron.checkpoint.async_save import maybe_finalize as maybe_finalize_async_save
 from megatron.checkpoint.loading import LoadedCheckpoint, forget_last_loaded, last_loaded, read_checkpoint
 from megatron.checkpoint.paths import (
     CHECKPOINT_VERSION,
@@ -44,7 +45,7 @@ __all__ = [
     "check_architecture", "check_checkpoint_args", "check_checkpoint_layout", "first_failure_reason",
     "forget_last_loaded", "get_checkpoint_name", "get_checkpoint_tracker_filename",
     "get_distributed_optimizer_checkpoint_name", "get_rng_state", "last_loaded", "load_args_from_checkpoint",
-    "load_checkpoint", "load_state_dict_file", "local_rng_state", "model_file_name", "read_checkpoint",
+    "load_checkpoint", "load_state_dict_file", "local_rng_state", "maybe_finalize_async_save", "model_file_name", "read_checkpoint",
     "read_metadata", "reshard_hint", "restore_architecture", "restore_local_rng_state", "save_checkpoint",
     "save_run_checkpoint", "set_rng_state", "use_checkpoint_args", "write_checkpoint",
 ]

@@ -25,6 +25,7 @@ import torch
 from megatron import global_vars, peer_failure
 from megatron.backend import backend_for
 from megatron.backend.megatron import PipelineScheduleError, check_pipeline_schedule  # noqa: F401  (Megatron's names)
+from megatron.checkpoint import async_save
 from megatron.checkpoint.loading import forget_last_loaded, last_loaded
 from megatron.checkpoint.rng import local_rng_state, restore_local_rng_state
 from megatron.core import aux_losses
@@ -412,6 +413,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
             if history is not None:
                 history.setdefault("valid_losses", {})[iteration] = losses
 
+        async_save.maybe_finalize(blocking=False)  # --async-save: publish a save every rank has written
         if _save_or_exit(iteration, loop, sigterm, save):
             return iteration, True
     return iteration, False
@@ -524,11 +526,13 @@ def _pretrain_attempt(train_valid_test_dataset_provider: Callable, model_provide
                           nan_iterations=run.nan_iterations)
             print_datetime("after training is done")
             if exited:
+                async_save.maybe_finalize(blocking=True)  # --async-save: the exit's save is published first
                 _flush_writer()
                 return result
             if loop.save and iteration != 0 and iteration % loop.save_interval != 0:
                 save_unless_diverging(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter,
                                       skip_counter.last_loss)
+            async_save.maybe_finalize(blocking=True)
         else:
             print_rank_0("skipping training (--skip-train is on) ...")
 

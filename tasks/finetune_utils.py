@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron import global_vars
+from megatron.checkpoint import async_save
 from megatron.checkpoint.paths import get_checkpoint_tracker_filename
 from megatron.checkpoint.rng import local_rng_state, restore_local_rng_state
 from megatron.compat import load_checkpoint
@@ -244,11 +245,13 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
                     save_unless_diverging(iteration, model, optimizer, scheduler, configs, run)
                 print_datetime(f"exiting program at iteration {iteration}")
                 result["iteration"] = iteration
+                async_save.maybe_finalize(blocking=True)  # --async-save: the exit's save is published first
                 return result
         if args.save and not (args.save_interval and iteration % args.save_interval == 0):
             save_unless_diverging(iteration, model, optimizer, scheduler, configs, run)  # the end of every epoch
         result["accuracy"][epoch] = evaluate_datasets(valid_sets, model, args, state, epoch, eval_batch)
     result["iteration"] = iteration
+    async_save.maybe_finalize(blocking=True)
     return result
 
 

@@ -336,7 +336,7 @@ def record(work: str, only: list[str]) -> dict:
     return out
 
 
-_ARG_LINE = re.compile(r"^  (\w+) \.+ (.*)$")  # a line of Megatron's argument dump
+_ARG_LINE = re.compile(r"^  (\w+) \.* (.*)$")  # a line of Megatron's argument dump (no dots after a 48-character name)
 
 
 def setting_defaults() -> dict[str, Any]:

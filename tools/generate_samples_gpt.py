@@ -4,6 +4,9 @@ Conditional:   python tools/generate_samples_gpt.py --load ckpt <model flags> --
                    --sample-output-file out.jsonl --out-seq-length 64 --top_k 40
 Unconditional: python tools/generate_samples_gpt.py --load ckpt <model flags> --num-samples 8 --genfile out.jsonl
 Output: JSON lines, one per sample: {"prompt", "text" (the continuation), "tokens", "length", "finished"}.
+With --inference-dynamic-batching every prompt goes to the inference engine at once (megatron/inference; sized by
+--inference-dynamic-batching-*), each with its own room (--out-seq-length, capped by the context) and seed
+(--seed + its index); greedy samples are the static generator's.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,7 +60,26 @@ def _resolve_sampling(args: argparse.Namespace) -> Tuple[bool, float]:
     return args.greedy, args.temperature
 
 
+def _engine_records(engine_config: Any, model: Any, tokenizer: Any, args: argparse.Namespace, prompts: list[str],
+                    prompt_ids: list[list[int]], max_total: int, greedy: bool, temperature: float) -> list[dict]:
+    """Every prompt submitted to the inference engine at once; the records of the static loop."""
+    from megatron.inference import InferenceEngine, SamplingParams
+    from megatron.text_generation.engine_driver import run_to_completion
+
+    if args.recompute:
+        raise GenerateSamplesError("--recompute is the static generator's; drop it or --inference-dynamic-batching")
+    engine = InferenceEngine(model, engine_config, eod=int(tokenizer.eod))
+    params = [SamplingParams(max_new_tokens=min(args.out_seq_length, max_total - len(ids)), greedy=greedy,
+                             temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + i,
+                             vocab_size=int(tokenizer.vocab_size)) for i, ids in enumerate(prompt_ids)]
+    done = run_to_completion(engine, prompt_ids, params)
+    return [dict(prompt=prompt, text=tokenizer.detokenize(c.tokens), tokens=c.tokens, length=len(ids) + len(c.tokens),
+                 finished=bool(c.tokens) and c.tokens[-1] == tokenizer.eod)
+            for prompt, ids, c in zip(prompts, prompt_ids, done)]
+
+
 def main(argv: Optional[list[str]] = None) -> list[dict]:
+    from megatron.inference import engine_config_from_args
     from megatron.text_generation import generate, load_model_for_inference
     from megatron.text_generation.model_loading import refuse_random_weights
 
@@ -87,9 +109,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         elif len(ids) >= max_total:
             raise GenerateSamplesError(f"--sample-input-file line {i + 1}: prompt has {len(ids)} tokens, no room "
                                        f"left in --seq-length {max_total}; shorten it")
-    records = []
+    engine_config = engine_config_from_args(args)
+    records = [] if engine_config is None else _engine_records(engine_config, model, tokenizer, args, prompts,
+                                                               prompt_ids, max_total, greedy, temperature)
     batch = max(1, args.micro_batch_size)
-    for start in range(0, len(prompt_ids), batch):
+    for start in range(0, len(prompt_ids) if engine_config is None else 0, batch):
         chunk = prompt_ids[start: start + batch]
         to_generate = min(args.out_seq_length, max_total - max(len(p) for p in chunk))
         out = generate(model, tokenizer, chunk, to_generate, greedy=greedy, top_k=args.top_k, top_p=args.top_p,

@@ -91,8 +91,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         _agree(f"cannot listen on {args.host}:{args.port} ({exc.strerror}); pick another --port or --host")
     _agree(None)
     signal.signal(signal.SIGTERM, _raise_sigterm)
-    print(f"> serving text generation on http://{host}:{port}/ (PUT /api, POST /v1/completions); Ctrl-C to stop",
-          flush=True)
+    print(f"> serving text generation on http://{host}:{port}/ (PUT /api, POST /v1/completions, "
+          "POST /v1/chat/completions); Ctrl-C to stop", flush=True)
     server.serve_forever()
     print("> server stopped", flush=True)
 

@@ -52,6 +52,47 @@ def _schedule(step: StepSettings) -> Callable[..., list]:
     return get_forward_backward_func(step.pipeline_model_parallel_size, step.virtual_pipeline_model_parallel_size)
 
 
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if (
+        torch.cuda.is_available() and torch.distributed.is_initialized()
+        and torch.distributed.get_backend() == "nccl") else torch.device("cpu")
+
+
+def reduce_logged_losses(losses_reduced: list, state: ps.ParallelState, sums: bool = False) -> dict:
+    """The logged value of each named loss over one global batch's micro-batch dicts: the mean of the micro-batch
+    values, or for Megatron's [sum, count] pairs (--calculate-per-token-loss) the sums over the micro-batches and
+    the data-parallel-with-CP group divided (`sums`: the pair (sum, count) as a tuple, for evaluation to add up)."""
+    out: dict = {}
+    for key in losses_reduced[0]:
+        values = [x[key] for x in losses_reduced]
+        if isinstance(values[0], torch.Tensor) and values[0].numel() == 2:
+            pair = torch.stack([v.detach().reshape(2).double() for v in values]).sum(dim=0).to(_device())
+            if state.dp_cp_group is not None and torch.distributed.is_initialized() \
+                    and torch.distributed.get_world_size(state.dp_cp_group) > 1:
+                torch.distributed.all_reduce(pair, group=state.dp_cp_group)
+            total, count = float(pair[0]), float(pair[1])
+            out[key] = (total, count) if sums else total / count
+        else:
+            out[key] = sum(float(v) for v in values) / len(values)
+    return out
+
+
+def _add_eval_losses(total: dict, loss_dicts: list, state: ps.ParallelState) -> None:
+    """Add one evaluation iteration's micro-batch values to `total`: floats summed one by one (divided by the
+    micro-batches at the end), [sum, count] pairs summed as a pair (divided by the count at the end)."""
+    if not loss_dicts:
+        return
+    first = next(iter(loss_dicts[0].values()))
+    if isinstance(first, torch.Tensor) and first.numel() == 2:
+        for key, (part, count) in reduce_logged_losses(loss_dicts, state, sums=True).items():
+            previous = total.get(key, (0.0, 0.0))
+            total[key] = (previous[0] + part, previous[1] + count)
+        return
+    for d in loss_dicts:
+        for key, value in d.items():
+            total[key] = total.get(key, 0.0) + float(value)
+
+
 class MegatronBackend(TrainingBackend):
     """Megatron's own path (see the module docstring)."""
 
@@ -91,17 +132,21 @@ class MegatronBackend(TrainingBackend):
 
         step, batch = configs.step, configs.batch
         forward_backward_func = _schedule(step)
+        # --calculate-per-token-loss: the schedule sums the micro-batches' token counts here (Megatron's rule)
+        num_tokens = torch.zeros((), dtype=torch.long) if step.calculate_per_token_loss else None
         timers("forward-backward", log_level=1).start(barrier=step.barrier_with_L1_time)
         losses_reduced = forward_backward_func(
             forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
             num_microbatches=global_vars.get_num_microbatches(), forward_only=False,
             grad_scale_func=optimizer.scale_loss, seq_length=batch.seq_length, micro_batch_size=batch.micro_batch_size,
             decoder_seq_length=step.decoder_seq_length, parallel_state=state,
+            calculate_per_token_loss=bool(step.calculate_per_token_loss), num_tokens=num_tokens,
         )
         timers("forward-backward").stop()
 
         timers("grads-all-reduce", log_level=1).start(barrier=step.barrier_with_L1_time)
-        finalize_model_grads(model, state, sequence_parallel=step.sequence_parallel)
+        finalize_model_grads(model, state, sequence_parallel=step.sequence_parallel,
+                             num_tokens=None if num_tokens is None else num_tokens.to(_device()))
         timers("grads-all-reduce").stop()
 
         # --check-for-nan-in-loss-and-grad: a non-finite loss or grad norm skips the step on every rank (nan_guard).
@@ -123,11 +168,7 @@ class MegatronBackend(TrainingBackend):
             skipped_iter = 1
 
         if state.is_pipeline_last_stage(ignore_virtual=True) and losses_reduced:
-            loss_reduced = {}
-            for key in losses_reduced[0]:
-                values = [float(x[key]) for x in losses_reduced]
-                loss_reduced[key] = sum(values) / len(values)
-            return loss_reduced, skipped_iter, grad_norm, num_zeros_in_grad
+            return reduce_logged_losses(losses_reduced, state), skipped_iter, grad_norm, num_zeros_in_grad
         return {}, skipped_iter, grad_norm, num_zeros_in_grad
 
     def evaluate(self, forward_step_func: Callable, data_iterator: Optional[Iterator], model: list,
@@ -149,9 +190,7 @@ class MegatronBackend(TrainingBackend):
                     micro_batch_size=batch.micro_batch_size, parallel_state=state,
                     decoder_seq_length=step.decoder_seq_length)
                 if state.is_pipeline_last_stage(ignore_virtual=True):
-                    for d in loss_dicts:
-                        for key, value in d.items():
-                            total[key] = total.get(key, 0.0) + float(value)
+                    _add_eval_losses(total, loss_dicts, state)
                 if count_valid_samples:
                     counts.consumed_valid_samples += batch.micro_batch_size * batch.data_parallel_size * num_mb
             collected = None
@@ -164,7 +203,8 @@ class MegatronBackend(TrainingBackend):
         for chunk in model:
             chunk.train()
         for key in total:
-            total[key] /= batch.eval_iters * num_mb
+            total[key] = (total[key][0] / total[key][1] if isinstance(total[key], tuple)
+                          else total[key] / (batch.eval_iters * num_mb))
         return total, collected
 
     def save(self, iteration: int, model: list, optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,

@@ -13,16 +13,20 @@ With ``--use-distributed-optimizer`` the sharded optimizer state goes to ``distr
 ``model_optim_rng.pt`` (whose ``optimizer`` entry keeps the non-sharded part: param-group hyperparameters and the
 grad scaler). The data-parallel shards are gathered to data-parallel rank 0 of each model-parallel rank, which writes
 the full fp32 params and optimizer state per parameter (megatron/checkpoint/loading.py converts it on load).
+
+With ``--async-save`` each rank's state is copied and written in the background, and rank 0 publishes the checkpoint
+(torch_dist rewrite, manifest, tracker) once every rank's files are complete (megatron/checkpoint/async_save.py).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
-from megatron.checkpoint import expert_shards, integrity
+from megatron.checkpoint import async_save, expert_shards, integrity
 from megatron.checkpoint.atomic_io import atomic_torch_save, atomic_write_text
 from megatron.checkpoint.formats import rewrite_as_torch_dist
 from megatron.checkpoint.paths import (
@@ -123,6 +127,7 @@ def write_checkpoint(
     save_dir = save_dir or cfg.save
     if not save_dir:
         raise CheckpointError("save_checkpoint called without a directory: pass --save DIR")
+    async_save.maybe_finalize(blocking=True)  # --async-save: the previous save is published first
     state = ps.current_parallel_state()
     models = model_chunks(model)
     print0(f"saving checkpoint at iteration {iteration:7d} to {save_dir}")
@@ -151,26 +156,38 @@ def write_checkpoint(
     writer = state.writes_checkpoint
     if writer is None:  # a state built by hand: Megatron-LM's rule
         writer = (state.edp_rank if state.ep_size > 1 else state.dp_rank) == 0
+    writes: list[tuple[Any, str]] = []
     if writer and state.cp_rank == 0:  # one writer per model-parallel (and expert) rank folder
         # (parallel_state.checkpoint_writer); context-parallel ranks hold the same weights
-        state_dict = _rank_state_dict(iteration, models, model_sds, (optimizer, optim_sd, opt_param_scheduler), cfg,
-                                      architecture, saved_args, run, train_loss, rng_state)
-        atomic_torch_save(state_dict, checkpoint_name)
+        writes.append((_rank_state_dict(iteration, models, model_sds, (optimizer, optim_sd, opt_param_scheduler),
+                                        cfg, architecture, saved_args, run, train_loss, rng_state), checkpoint_name))
         if param_state is not None:
-            atomic_torch_save(param_state, get_distributed_optimizer_checkpoint_name(checkpoint_name))
-
+            writes.append((param_state, get_distributed_optimizer_checkpoint_name(checkpoint_name)))
+    publish = functools.partial(_publish, save_dir, iteration, iter_dir, cfg,
+                                optimizer is not None and not cfg.no_save_optim, sign)
+    if cfg.async_save:  # copied now, written in the background; published once every rank's files are complete
+        async_save.schedule(iteration, [(async_save.snapshot(obj), path) for obj, path in writes], atomic_torch_save,
+                            publish if is_rank0() else None, cfg.use_persistent_ckpt_worker)
+        print0(f"  writing the checkpoint of iteration {iteration:7d} in the background (--async-save)")
+        return checkpoint_name
+    for obj, path in writes:
+        atomic_torch_save(obj, path)
     barrier()
-    if cfg.ckpt_format == "torch_dist":
-        if is_rank0():  # the per-rank files just written become one torch_dist folder (any layout loads it)
-            rewrite_as_torch_dist(save_dir, iteration, iter_dir,
-                                  optimizer=optimizer is not None and not cfg.no_save_optim)
-        barrier()
-    if is_rank0():  # the manifest is written last of the iteration, then the tracker moves
-        if sign:
-            integrity.write_manifest(iter_dir)
-        atomic_write_text(get_checkpoint_tracker_filename(save_dir), str(iteration))
-        if sign:
-            integrity.prune_after_save(save_dir, iteration, cfg.keep_last_n_checkpoints, print0)
+    if is_rank0():
+        publish()
     barrier()
-    print0(f"  successfully saved checkpoint at iteration {iteration:7d} to {save_dir}")
     return checkpoint_name
+
+
+def _publish(save_dir: str, iteration: int, iter_dir: str, cfg: CheckpointSettings, optimizer_saved: bool,
+             sign: bool) -> None:
+    """Rank 0, once every rank's files of `iteration` are complete: the torch_dist rewrite, the manifest (written
+    last of the iteration), then the tracker moves; --keep-last-n-checkpoints."""
+    if cfg.ckpt_format == "torch_dist":  # the per-rank files just written become one torch_dist folder (any layout
+        rewrite_as_torch_dist(save_dir, iteration, iter_dir, optimizer=optimizer_saved)  # loads it)
+    if sign:
+        integrity.write_manifest(iter_dir)
+    atomic_write_text(get_checkpoint_tracker_filename(save_dir), str(iteration))
+    if sign:
+        integrity.prune_after_save(save_dir, iteration, cfg.keep_last_n_checkpoints, print0)
+    print0(f"  successfully saved checkpoint at iteration {iteration:7d} to {save_dir}")

@@ -49,8 +49,14 @@ def data_prefixes(data: DataFileSettings) -> list[tuple[str, str]]:
 
 
 def check_data_prefixes(data: DataFileSettings) -> None:
-    """One-line DataCheckError naming the flag when a data prefix has no .bin/.idx pair or an unknown index header."""
+    """One-line DataCheckError naming the flag when a data prefix has no .bin/.idx pair or an unknown index header
+    (with --sft: when a JSONL file is missing)."""
     for flag, prefix in data_prefixes(data):
+        if data.sft:
+            if not os.path.isfile(prefix):
+                raise DataCheckError(f"{flag} {prefix}: no such file (--sft reads JSONL files of "
+                                     "{\"messages\": [...]} conversations)")
+            continue
         missing = [p for p in (index_file_path(prefix), data_file_path(prefix)) if not os.path.isfile(p)]
         if missing:
             hint = next((f"pass the prefix without '{ext}' ({prefix[:-len(ext)]})" for ext in (".bin", ".idx")

@@ -31,7 +31,7 @@ import torch
 
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.dataset_utils import parse_data_prefix, print_rank_0
-from megatron.errors import InputFileError, InputFileNotFoundError
+from megatron.errors import ArgumentError, InputFileError, InputFileNotFoundError
 from megatron.tokenizer.chat_format import IGNORE_INDEX, ConversationError, check_conversation
 
 SURPLUS = 0.005  # Megatron-LM's --mid-level-dataset-surplus default
@@ -242,3 +242,28 @@ class SFTBuilder:
             if ds is not None:
                 print_rank_0(f"    SFT {name}: {len(ds)} samples")
         return tuple(datasets)
+
+
+def packed_causal_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """Attention mask [b, 1, s, s] (True = masked out) of packed rows: causal within each [cu[i], cu[i+1]) span,
+    nothing across spans (cu_seqlens [b, n], as the data loader stacks the samples')."""
+    cu = cu_seqlens.reshape(cu_seqlens.shape[0] if cu_seqlens.dim() > 1 else 1, -1).long()
+    positions = torch.arange(seq_length, device=cu.device)
+    doc = torch.searchsorted(cu[:, 1:].contiguous(), positions.expand(cu.shape[0], -1).contiguous(), right=True)
+    same = doc[:, :, None] == doc[:, None, :]
+    causal = torch.ones(seq_length, seq_length, dtype=torch.bool, device=cu.device).tril_()
+    return ~(same & causal)[:, None]
+
+
+def check_sft_flags(micro_batch_size: int, reset_position_ids: bool, reset_attention_mask: bool,
+                    eod_mask_loss: bool = False) -> None:
+    """The flags --sft cannot take (Megatron-LM's SFT path asserts the same or ignores them), one line each."""
+    if micro_batch_size != 1:
+        raise ArgumentError(f"--sft packs conversations into rows with their own cu_seqlens: --micro-batch-size "
+                            f"must be 1 (got {micro_batch_size}), as in Megatron-LM; raise --global-batch-size")
+    if reset_position_ids or reset_attention_mask:
+        raise ArgumentError("--sft restarts positions and attention per conversation itself: drop "
+                            "--reset-position-ids / --reset-attention-mask")
+    if eod_mask_loss:
+        raise ArgumentError("--sft takes the loss where the chat format's targets are (the EOD after a conversation "
+                            "included, unless it is the pad id): drop --eod-mask-loss")

@@ -18,6 +18,7 @@ are gathered over TP, broadcast from the last stage over the pipeline, and rank 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -92,6 +93,9 @@ class InferenceEngine:
         if getattr(ps.current_parallel_state(state), "cp_size", 1) > 1:
             raise RequestRejected("the inference engine runs at --context-parallel-size 1; split long prompts with "
                                   "--enable-chunked-prefill instead")
+        if getattr(ps.current_parallel_state(state), "ep_size", 1) > 1:
+            raise RequestRejected("the inference engine runs at --expert-model-parallel-size 1 (its steps differ "
+                                  "per data-parallel rank); use tensor parallelism, or the static generator")
         self.pp = pipeline_state(state)
         if tp_group is None and ps.model_parallel_is_initialized():
             tp_group = (state or ps.get_parallel_state()).tp_group
@@ -113,6 +117,8 @@ class InferenceEngine:
         self.max_requests = min(config.max_requests or num_blocks, config.max_tokens)
         self.max_positions = getattr(unwrapped_model(model).config, "max_position_embeddings", None)
         self.vocab = getattr(unwrapped_model(model).config, "padded_vocab_size", None)
+        self.sequence_parallel = any(getattr(obj, "sequence_parallel", None) is True for m in model.modules()
+                                     for obj in (m, getattr(m, "config", None)))  # switched off per step
         self.queue: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.ids: set[str] = set()
@@ -142,17 +148,19 @@ class InferenceEngine:
             raise RequestRejected("a request needs at least one prompt token (add a BOS token)")
         if self.vocab is not None and not all(0 <= int(t) < self.vocab for t in prompt):
             raise RequestRejected(f"a prompt token id is outside the vocabulary [0, {self.vocab}); check the tokenizer")
-        if params.max_new_tokens < 1:
-            raise RequestRejected(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if params.max_new_tokens < 0 or (params.max_new_tokens == 0 and not params.return_prompt_logprobs):
+            raise RequestRejected(f"max_new_tokens must be >= 1 (0 only to score the prompt with "
+                                  f"return_prompt_logprobs), got {params.max_new_tokens}")
         try:
-            check_sampling_args(params.top_k, params.top_p, params.temperature)
+            greedy = params.greedy or params.top_k == 1  # the temperature does not matter (0 allowed)
+            check_sampling_args(params.top_k, params.top_p, 1.0 if greedy else params.temperature)
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None
         total = len(prompt) + params.max_new_tokens
         if self.max_positions is not None and total > self.max_positions:
             raise RequestRejected(f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                                   f"the model's --max-position-embeddings {self.max_positions}; shorten the prompt")
-        need = self._blocks_for(total - 1)
+        need = self._blocks_for(self._kv_tokens(len(prompt), params))
         if need > self.pool.num_blocks:
             raise RequestRejected(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) needs {need} KV-cache "
@@ -161,6 +169,11 @@ class InferenceEngine:
         if not self.config.chunked_prefill and len(prompt) > self.config.max_tokens:
             raise RequestRejected(f"prompt ({len(prompt)} tokens) exceeds --inference-dynamic-batching-max-tokens "
                                   f"{self.config.max_tokens}; raise it or add --enable-chunked-prefill")
+
+    @staticmethod
+    def _kv_tokens(prompt: int, params: SamplingParams) -> int:
+        """Positions a request writes to the cache: its prompt and every generated token but the last."""
+        return max(prompt, prompt + params.max_new_tokens - 1)
 
     def _blocks_for(self, tokens: int) -> int:
         return max(1, math.ceil(tokens / self.config.block_size))
@@ -225,7 +238,7 @@ class InferenceEngine:
         bs = self.config.block_size
         while self.queue and len(self.running) < self.max_requests:
             req = self.queue[0]
-            total = self._blocks_for(len(req.prompt) + req.params.max_new_tokens - 1)
+            total = self._blocks_for(self._kv_tokens(len(req.prompt), req.params))
             shared = self.pool.lookup(req.hashes[: (len(req.prompt) - 1) // bs])
             idle_shared = sum(1 for b in shared if self.pool.refcount[b] == 0)
             need = total - len(shared)
@@ -264,9 +277,9 @@ class InferenceEngine:
         ids, rows, row_spec, tables = [], [], [], []
         offset = 0
         for req, n in plan:
-            tokens = req.tokens()
-            ids.extend(tokens[req.computed:req.computed + n])
-            samples = req.computed + n == len(tokens)
+            ids.extend(req.prompt[req.computed:req.computed + n] if req.computed < len(req.prompt)
+                       else req.output[-1:])  # a prompt chunk, or the last sampled token
+            samples = req.computed + n == len(req.prompt) + len(req.output)
             first = len(rows)
             if req.params.return_prompt_logprobs and req.computed < len(req.prompt):
                 rows.extend(range(offset, offset + n))
@@ -341,7 +354,7 @@ class InferenceEngine:
         if was_training:
             self.model.eval()
         try:
-            with sequence_parallel_off(self.model):
+            with sequence_parallel_off(self.model) if self.sequence_parallel else contextlib.nullcontext():
                 rows = batch["rows"] if batch["rows"].numel() else batch["rows"].new_zeros(1)  # (a prefill chunk)
                 ids, positions = batch["ids"][None], batch["positions"][None]
                 if self.pp is None:
@@ -372,7 +385,12 @@ class InferenceEngine:
                 req.prompt_logprobs += lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
             self._register(req)
             if samples:
-                outputs.append(self._sample(req, rows[-1]))
+                if req.params.max_new_tokens == 0:  # scoring only: the prompt log-probs, no token
+                    outputs.append(StepOutput(req.request_id, finished=True, finish_reason="length",
+                                              prompt_logprobs=req.prompt_logprobs))
+                    self._release(req)
+                else:
+                    outputs.append(self._sample(req, rows[-1]))
         return outputs
 
     def _register(self, req: _Request) -> None:

@@ -52,9 +52,11 @@ class PagedStep:
         counts = torch.tensor(query_counts, dtype=torch.long, device=device)
         starts = torch.cumsum(counts, 0) - counts
         offsets = torch.arange(q_max, device=device)
+        self.decode_only = q_max == 1  # one token per request: [T] is already [R, 1]
         self.query_valid = offsets[None, :] < counts[:, None]  # [R, Q]
         self.query_index = torch.where(self.query_valid, starts[:, None] + offsets[None, :], 0)  # [R, Q] into T
         self.query_positions = torch.where(self.query_valid, positions[self.query_index], 0)  # padding: position 0
+        self.valid_index = torch.nonzero(self.query_valid.reshape(-1))[:, 0]  # [T] into R * Q
         self.max_context = int(read_slots.size(1))
         self.num_requests = r
         self._masks: dict[Any, torch.Tensor] = {}
@@ -94,11 +96,15 @@ class PagedStep:
 
     def pad_queries(self, t: torch.Tensor) -> torch.Tensor:
         """[T, ...] -> [R, Q, ...] (padding rows repeat token 0 and are discarded by `unpad`)."""
+        if self.decode_only:
+            return t.unsqueeze(1)
         return t[self.query_index]
 
     def unpad(self, t: torch.Tensor) -> torch.Tensor:
         """[R, Q, ...] -> [T, ...]: the real query rows, in token order."""
-        return t[self.query_valid]
+        if self.decode_only:
+            return t.squeeze(1)
+        return t.flatten(0, 1).index_select(0, self.valid_index)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor, scale: float,

@@ -43,6 +43,8 @@ class CheckpointSettings:
     trust_checkpoint = SettingValue()
     no_checkpoint_fallback = SettingValue()
     exit_on_missing_checkpoint = SettingValue()
+    async_save = SettingValue()
+    use_persistent_ckpt_worker = SettingValue()
 
     def parallel_size(self, attr: str) -> Optional[int]:
         return dict(self.parallel_sizes).get(attr)

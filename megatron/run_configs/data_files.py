@@ -24,6 +24,7 @@ class DataFileSettings:
     split = SettingValue()
     train_samples = SettingValue()
     skip_train = SettingValue()
+    sft = SettingValue()
 
     def entries(self, attr: str) -> tuple[Any, ...]:
         return dict(self.data_paths).get(attr, ())

@@ -56,6 +56,8 @@ class SavedRunArgs:
         tok = [(key, getattr(args, key)) for key in TOKENIZER_FILES if getattr(args, key, None)]
         if getattr(args, "tokenizer_type", None):
             tok.append(("type", args.tokenizer_type))
+        if getattr(args, "tokenizer_type", None) == "SFTTokenizer":  # its chat template goes into a HF export
+            tok.append(("sft_tokenizer_prompt_format", getattr(args, "sft_tokenizer_prompt_format", None)))
         return from_settings(
             cls, args, settings,
             tokenizer=tuple(tok),

@@ -11,7 +11,7 @@ from megatron.settings.values import Settings
 
 @dataclasses.dataclass(frozen=True)
 class StepSettings:
-    """The step's schedule, timer barriers, sequence-parallel grads and the NaN check."""
+    """The step's schedule, timer barriers, sequence-parallel grads, the NaN check and per-token loss."""
 
     settings: Settings = dataclasses.field(repr=False)
     virtual_pipeline_model_parallel_size: Optional[int] = None
@@ -21,6 +21,7 @@ class StepSettings:
     sequence_parallel = SettingValue()
     check_for_nan_in_loss_and_grad = SettingValue()
     barrier_with_L1_time = SettingValue()  # noqa: N815 (Megatron's flag name)
+    calculate_per_token_loss = SettingValue()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, settings: Optional[Settings] = None) -> StepSettings:

@@ -26,6 +26,7 @@ class TokenizerSettings:
     vocab_extra_ids = SettingValue()
     vocab_size = SettingValue()
     tensor_model_parallel_size = SettingValue()
+    sft_tokenizer_prompt_format = SettingValue()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, settings: Optional[Settings] = None) -> TokenizerSettings:

@@ -49,3 +49,25 @@ class CheckpointingSettings:
     auto_detect_ckpt_format: bool = setting("--auto-detect-ckpt-format", default=False,
         help="Load whichever format the checkpoint folder holds (torch, Megatron Core torch, torch_dist).",
         read_by="megatron/checkpoint/formats.py")
+    async_save: bool = setting("--async-save", default=False,
+        help="Write checkpoints in the background: the state is copied, training continues, and the tracker and "
+             "manifest are published once every rank's files are complete (torch_dist needs "
+             "--use-persistent-ckpt-worker, as in Megatron-LM; the legacy torch layout too, which Megatron-LM refuses).",
+        read_by="megatron/checkpoint/saving.py")
+    use_persistent_ckpt_worker: bool = setting("--use-persistent-ckpt-worker", default=False,
+        help="One long-lived background writer for --async-save (default: a writer per save); same files.",
+        read_by="megatron/checkpoint/saving.py")
+    ckpt_fully_parallel_save: bool = setting("--no-ckpt-fully-parallel-save", default=True,
+        help="Do not split the torch_dist save across data-parallel ranks.",
+        variant="Megatron-LM splits the torch_dist write across data-parallel ranks; here rank 0 writes the folder "
+                "from the per-rank files, which hold the same tensors either way (and stay fully reshardable)")
+    ckpt_fully_parallel_save_deprecated: bool = setting("--ckpt-fully-parallel-save", default=False,
+        help="Deprecated: see --no-ckpt-fully-parallel-save.",
+        variant="deprecated in Megatron-LM, where it has no effect")
+    ckpt_fully_parallel_load: bool = setting("--ckpt-fully-parallel-load", default=False,
+        help="Split the torch_dist load across data-parallel ranks.",
+        variant="Megatron-LM reads each shard once per data-parallel group and exchanges it; here every rank reads "
+                "(and verifies) the folder itself: the same values")
+    ckpt_assume_constant_structure: bool = setting("--ckpt-assume-constant-structure", default=False,
+        help="Assume the checkpoint structure is constant across saves (Megatron-LM caches its save plans).",
+        variant="Megatron-LM reuses its torch_dist save plan from the previous save; the files are the same")

@@ -71,3 +71,9 @@ class DataSettings:
         help="Do not attend across EOD tokens.", read_by="pretrain_gpt.py")
     eod_mask_loss: bool = setting("--eod-mask-loss", default=False, help="No loss on EOD tokens.",
         read_by="pretrain_gpt.py")
+    sft: bool = setting("--sft", default=False,
+        help="Megatron SFT training: --data-path names JSONL files of {\"messages\": [...]} conversations, packed "
+             "with the loss on assistant tokens only (docs/sft.md).", read_by="pretrain_gpt.py", families=("gpt",))
+    sft_tokenizer_prompt_format: str = setting("--sft-tokenizer-prompt-format", default="nemotron-h-aligned",
+        help="SFT prompt format: one of Megatron's named formats, or 'hf' for the tokenizer's own chat_template "
+             "(megatron/tokenizer/chat_format.py).", read_by="megatron/tokenizer/tokenizer.py", families=("gpt",))

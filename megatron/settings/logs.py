@@ -96,5 +96,6 @@ class InferenceSettings:
         "--inference-dynamic-batching-unified-memory-level", default=0, choices=[0, 1],
         help="Unified-memory level of the KV cache.", refused="is not implemented (the KV cache is device memory)")
     disable_chunked_prefill: bool = setting("--enable-chunked-prefill", default=True, action="store_false",
-        also=(extra_flag("--disable-chunked-prefill", action="store_true", help="Do not chunk prefills (default)."),),
+        also=(extra_flag("--disable-chunked-prefill", action="store_true", default=True,
+                         help="Do not chunk prefills (default)."),),
         help="Split long prompts over engine steps so that running requests keep decoding.", read_by=ENGINE)

@@ -70,6 +70,10 @@ class TrainingSettings:
                          help="Do not check the loss and grad norm for nan/inf before the optimizer step."),),
         help="Skip (and count) an iteration whose loss or grad norm is not finite (default on).",
         read_by="megatron/backend/megatron.py")
+    calculate_per_token_loss: bool = setting("--calculate-per-token-loss", default=False, action="store_true",
+        help="Loss = sum of the token losses over the number of loss tokens of the whole global batch (all "
+             "micro-batches and data-parallel ranks) instead of the mean of the micro-batches' means; grads divided "
+             "by that token count (Megatron-LM's rule).", read_by="megatron/backend/megatron.py")
     max_skipped_iterations: int = setting("--max-skipped-iterations", default=10,
         help="Stop with an error after this many consecutive skipped non-finite iterations (0: never).",
         read_by="megatron/training.py")

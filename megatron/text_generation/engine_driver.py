@@ -17,6 +17,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import torch.distributed as dist
+
 CANCELLED = "cancelled"
 
 
@@ -231,13 +233,42 @@ class EngineDriver:
         self._in_engine.clear()
 
 
-def run_to_completion(engine: Any, prompts: list[list[int]], params: Any) -> list[Ticket]:
-    """Submit every prompt to `engine` at once and step it until all have finished (one thread, no driver): the
-    batch tools' way to use the engine (tools/generate_samples_gpt.py, the lm-eval adapter). Returns one finished
-    ticket per prompt, in order; an engine refusal is raised before any step runs."""
-    tickets = [Ticket(f"batch-{i}", list(p), params, index=i) for i, p in enumerate(prompts)]
+@dataclass
+class Completion:
+    """One finished request of `run_to_completion`: its generated tokens (a stop token included), their log-probs
+    (when asked) and why it ended ("stop" or "length")."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: Optional[str]
+
+
+def run_to_completion(engine: Any, prompts: list[list[int]], params: Any) -> list[Completion]:
+    """Submit every prompt to `engine` at once (`params`: one SamplingParams for all, or a list, one per prompt)
+    and step it until all have finished (one thread, no driver): the
+    batch tools' way to use the engine (tools/generate_samples_gpt.py, the lm-eval adapter). Every rank calls it:
+    under tensor parallelism TP rank 0 runs the requests while the others follow its steps, and the completions are
+    broadcast so that every rank returns them. An engine refusal is raised before any step runs."""
+    tp_group = getattr(engine, "tp_group", None)
+    if not getattr(engine, "leader", True):
+        engine.follow()  # until TP rank 0's shutdown()
+        return _share_result(None, None, tp_group)
+    completions, error = None, None
+    try:
+        completions = _complete(engine, prompts, params)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error = exc
+    finally:
+        if tp_group is not None:
+            engine.shutdown()
+    return _share_result(completions, error, tp_group)
+
+
+def _complete(engine: Any, prompts: list[list[int]], params: Any) -> list[Completion]:
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    tickets = [Ticket(f"batch-{i}", list(p), q, index=i) for i, (p, q) in enumerate(zip(prompts, per_prompt))]
     for t in tickets:
-        engine.add_request(t.request_id, t.prompt_tokens, params)
+        engine.add_request(t.request_id, t.prompt_tokens, t.params)
     by_id = {t.request_id: t for t in tickets}
     while engine.has_work():
         for out in engine.step():
@@ -247,4 +278,16 @@ def run_to_completion(engine: Any, prompts: list[list[int]], params: Any) -> lis
     unfinished = [t.request_id for t in tickets if not t.done.is_set()]
     if unfinished:
         raise RuntimeError(f"the engine stopped with request(s) {unfinished[:3]} unfinished")
-    return tickets
+    return [Completion(t.tokens, t.logprobs, t.finish_reason) for t in tickets]
+
+
+def _share_result(completions: Optional[list[Completion]], error: Optional[Exception], tp_group: Any
+                  ) -> list[Completion]:
+    """TP rank 0's completions (or its error, raised) on every rank of `tp_group`."""
+    if tp_group is not None:
+        box = [(completions, error)]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+        completions, error = box[0]
+    if error is not None:
+        raise error
+    return completions or []

@@ -198,13 +198,15 @@ class OpenAICompletions:
                 "model": payload.get("model") or self.model_name}
 
     # -- execution (every rank) ----------------------------------------------------------------------------------
-    def _stop_token_ids(self, stop: list[str]) -> list[int]:
+    def stop_token_ids(self, req: dict) -> list[int]:
+        """The ids generation stops at besides eod: one-token stop strings and the request's `end_token_ids` (the
+        chat route's end-of-turn token)."""
         ids = []
-        for s in stop:
+        for s in req["stop"]:
             toks = self.tokenizer.tokenize(s)
             if len(toks) == 1:
                 ids.append(int(toks[0]))
-        return ids
+        return ids + [int(t) for t in req.get("end_token_ids", ())]
 
     def run(self, req: dict, on_step: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
             should_stop: Optional[Callable[[], bool]] = None) -> list[dict]:
@@ -220,7 +222,7 @@ class OpenAICompletions:
             out = generate_tokens(
                 self.model, prompts, max_tokens, eod_id=self.eod, greedy=greedy,
                 temperature=1.0 if greedy else req["temperature"], top_k=req["top_k"],
-                top_p=0.0 if req["top_p"] >= 1.0 else req["top_p"], stop_token_ids=self._stop_token_ids(req["stop"]),
+                top_p=0.0 if req["top_p"] >= 1.0 else req["top_p"], stop_token_ids=self.stop_token_ids(req),
                 random_seed=req["seed"] % 2**62, vocab_size=self.vocab_size, state=self.state, on_step=on_step,
                 should_stop=should_stop)
             seqs = [row[:n] for row, n in zip(out.tokens.tolist(), out.lengths.tolist())]
@@ -242,7 +244,8 @@ class OpenAICompletions:
     def _piece(self, token: int) -> str:
         return self.tokenizer.detokenize([token])
 
-    def _choice(self, index: int, req: dict, res: dict) -> tuple[dict, int]:
+    def choice(self, index: int, req: dict, res: dict) -> tuple[dict, int]:
+        """One `text_completion` choice of result `res` (cut at eod or a stop string) and its completion tokens."""
         prompt, gen = res["prompt"], list(res["generated"])
         finish = "length"
         if self.eod in gen:
@@ -291,7 +294,7 @@ class OpenAICompletions:
         """The OpenAI `text_completion` object."""
         choices, completion = [], 0
         for i, res in enumerate(results):
-            choice, n = self._choice(i, req, res)
+            choice, n = self.choice(i, req, res)
             choices.append(choice)
             completion += n
         prompt_tokens = sum(len(r["prompt"]) for r in results)
@@ -300,9 +303,42 @@ class OpenAICompletions:
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                           "total_tokens": prompt_tokens + completion}}
 
+    def stream_chunks(self, req: dict) -> CompletionChunks:
+        """The events of one streamed response to `req`."""
+        return CompletionChunks(req)
+
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "megatron"}]}
+
+
+class CompletionChunks:
+    """The server-sent events of one streamed `text_completion` (the chat route has its own kind)."""
+
+    def __init__(self, req: dict, prefix: str = "cmpl-", kind: str = "text_completion") -> None:
+        self.req, self.id, self.created, self.kind = req, f"{prefix}{uuid.uuid4().hex}", int(time.time()), kind
+
+    def event(self, choices: list[dict], **extra: Any) -> dict:
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.req["model"],
+                "choices": choices, **extra}
+
+    def opening(self, index: int) -> list[dict]:
+        """Events sent before any text of choice `index` (none here)."""
+        return []
+
+    def text(self, index: int, text: str) -> dict:
+        return self.event([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
+
+    def final_text(self, choice: dict) -> str:
+        """The whole (stop-cut) text of a choice of the non-streamed response."""
+        return choice["text"]
+
+    def finish(self, choice: dict) -> dict:
+        return self.event([{"index": choice["index"], "text": "", "logprobs": choice["logprobs"],
+                            "finish_reason": choice["finish_reason"]}])
+
+    def usage(self, usage: dict) -> dict:
+        return self.event([], usage=usage)
 
 
 class TextStream:
@@ -343,9 +379,11 @@ def serves(path: str) -> bool:
     return path.split("?", 1)[0] in COMPLETION_PATHS + MODEL_PATHS
 
 
-def handle_http(server: Any, handler: Any) -> None:
-    """Answer one request for an OpenAI path on `handler` (a BaseHTTPRequestHandler of `server`)."""
-    api: OpenAICompletions = server.openai
+def handle_http(server: Any, handler: Any, api: Any = None) -> None:
+    """Answer one request for an OpenAI path on `handler` (a BaseHTTPRequestHandler of `server`); `api` (default
+    the server's OpenAICompletions) validates, runs and answers it (megatron/text_generation/openai_chat.py's
+    OpenAIChat for /v1/chat/completions)."""
+    api = api if api is not None else server.openai
     path = handler.path.split("?", 1)[0]
 
     def send(status: int, obj: dict) -> None:
@@ -446,7 +484,7 @@ def engine_params(server: Any, api: OpenAICompletions, req: dict) -> Any:
     return server.sampling_params(
         max_new_tokens=req["max_tokens"], temperature=1.0 if greedy else req["temperature"],
         top_k=1 if greedy else req["top_k"], top_p=0.0 if req["top_p"] >= 1.0 else req["top_p"],
-        seed=req["seed"] % 2**62, stop_token_ids=tuple(api._stop_token_ids(req["stop"])), return_logprobs=False,
+        seed=req["seed"] % 2**62, stop_token_ids=tuple(api.stop_token_ids(req)), return_logprobs=False,
         vocab_size=api.vocab_size)
 
 
@@ -492,7 +530,7 @@ def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict, engine
     after the stall timeout. A client that goes away (its connection closed, or its stream dropped) stops the
     generation at the next decoding step on every rank (StopCheck; with the engine, its requests are cancelled)."""
     unlock = (lambda: None) if engine else server.lock.release
-    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    chunks = api.stream_chunks(req)
     try:
         handler.send_response(HTTPStatus.OK)
         handler.send_header("Content-Type", "text/event-stream")
@@ -508,13 +546,13 @@ def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict, engine
     def event(obj: dict) -> None:
         out.put(f"data: {json.dumps(obj)}\n\n".encode())
 
-    def chunk(index: int, text: str, finish: Optional[str] = None, logprobs: Optional[dict] = None) -> dict:
-        return {"id": cid, "object": "text_completion", "created": created, "model": req["model"],
-                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
-
     connection_gone = _client_test(handler)
     try:
-        streams = [TextStream(api, req, i, lambda i, text: event(chunk(i, text))) for i in range(len(req["prompts"]))]
+        for i in range(len(req["prompts"])):
+            for obj in chunks.opening(i):
+                event(obj)
+        streams = [TextStream(api, req, i, lambda i, text: event(chunks.text(i, text)))
+                   for i in range(len(req["prompts"]))]
         run = _stream_engine if engine else _stream_static
         results, cancelled = run(server, api, req, streams, lambda: out.broken or connection_gone())
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream, keep serving
@@ -530,11 +568,10 @@ def _stream(server: Any, api: OpenAICompletions, handler: Any, req: dict, engine
         return
     body = api.response(req, results)
     for stream, choice in zip(streams, body["choices"]):
-        stream.finish(choice["text"])
-        event(chunk(choice["index"], "", choice["finish_reason"], choice["logprobs"]))
+        stream.finish(chunks.final_text(choice))
+        event(chunks.finish(choice))
     if req["include_usage"]:
-        event({"id": cid, "object": "text_completion", "created": created, "model": req["model"], "choices": [],
-               "usage": body["usage"]})
+        event(chunks.usage(body["usage"]))
     out.put(b"data: [DONE]\n\n")
     out.close()
 

@@ -21,7 +21,8 @@ broadcasts ("engine_step", None) and the other ranks step too. What the engine d
 is HTTP 429 with a `Retry-After` header; a client that disconnects cancels its engine requests (blocks freed).
 
 `build_server` also serves OpenAI-style `POST /v1/completions` and `GET /v1/models` (megatron/text_generation/
-openai_api.py), broadcast to the other ranks as ("openai", request) the same way.
+openai_api.py) and `POST /v1/chat/completions` (openai_chat.py), broadcast to the other ranks as ("openai",
+request) the same way.
 
 The generation itself is injected: `generate_fn(prompts, tokens_to_generate, **options) -> dict` with keys
 `text`, `segments` and (when asked) `logprobs`, normally `functools.partial(megatron.text_generation.generate,
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.errors import MegatronUserError
-from megatron.text_generation import openai_api
+from megatron.text_generation import openai_api, openai_chat
 from megatron.text_generation.disconnect import StopCheck, client_gone
 from megatron.text_generation.engine_driver import EngineDriver, EngineStopped, Ticket
 from megatron.text_generation.generation import eol_token_ids, generate
@@ -280,6 +281,7 @@ class MegatronServer:
         self.log = log
         self.accepted = accepted_options(generate_fn)
         self.openai: Any = None  # OpenAICompletions (set by build_server): POST /v1/completions, GET /v1/models
+        self.openai_chat: Any = None  # OpenAIChat (set by build_server): POST /v1/chat/completions
         self.lock = threading.Lock()
         self.httpd: Optional[ThreadingHTTPServer] = None
         self._stopped = False
@@ -572,6 +574,9 @@ def _make_handler(server: MegatronServer) -> type:
 
         def do_GET(self) -> None:  # noqa: N802 - http.server naming
             path = self.path.split("?", 1)[0]
+            if server.openai_chat is not None and openai_chat.serves(path):
+                openai_api.handle_http(server, self, server.openai_chat)
+                return
             if server.openai is not None and openai_api.serves(path):
                 openai_api.handle_http(server, self)
                 return
@@ -583,6 +588,9 @@ def _make_handler(server: MegatronServer) -> type:
                 self._json(HTTPStatus.NOT_FOUND, {"message": f"no page {path}; try / or PUT /api"})
 
         def do_PUT(self) -> None:  # noqa: N802
+            if server.openai_chat is not None and openai_chat.serves(self.path):
+                openai_api.handle_http(server, self, server.openai_chat)
+                return
             if server.openai is not None and openai_api.serves(self.path):
                 openai_api.handle_http(server, self)
                 return
@@ -631,4 +639,5 @@ def build_server(model: torch.nn.Module, tokenizer: Any, *, max_sequence_length:
     server.openai = openai_api.OpenAICompletions(
         model, tokenizer, max_sequence_length=max_sequence_length, max_tokens_limit=server.max_tokens_to_generate,
         max_prompts=server.max_prompts, max_batch_tokens=server.max_batch_tokens)
+    server.openai_chat = openai_chat.OpenAIChat(server.openai)
     return server

@@ -13,6 +13,7 @@ from typing import Dict, List, Sequence
 
 from megatron.errors import InputFileError
 from megatron.tokenizer.abstract import AbstractTokenizer
+from megatron.tokenizer.chat_format import ChatFormat
 
 
 class TokenizerLoadError(InputFileError, RuntimeError):
@@ -120,3 +121,22 @@ class HuggingFaceTokenizer(PretrainedFromHFTokenizer):
 
     _flag = "--tokenizer-model"
     _type = "HuggingFaceTokenizer"
+
+
+class SFTTokenizer(HuggingFaceTokenizer):
+    """Megatron-LM's `--tokenizer-type SFTTokenizer --tokenizer-model FOLDER --sft-tokenizer-prompt-format NAME`:
+    the HuggingFaceTokenizer plus the prompt format's conversation rendering (`tokenize_conversation`) and pad id."""
+
+    _type = "SFTTokenizer"
+
+    def __init__(self, name_or_path: str, prompt_format: str = "nemotron-h-aligned", vocab_extra_ids: int = 0):
+        super().__init__(name_or_path, vocab_extra_ids=vocab_extra_ids)
+        self.chat = ChatFormat(self._tok, prompt_format, eod=self.eod)
+
+    @property
+    def pad(self) -> int:
+        return self.chat.pad
+
+    def tokenize_conversation(self, conversation: List[dict], return_target: bool, add_generation_prompt: bool):
+        """Megatron's SFTTokenizer.tokenize_conversation (megatron/tokenizer/chat_format.py)."""
+        return self.chat.tokenize_conversation(conversation, return_target, add_generation_prompt)

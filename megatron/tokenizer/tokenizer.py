@@ -8,7 +8,7 @@ from megatron.run_configs.tokenizer import TokenizerSettings
 from megatron.tokenizer.abstract import AbstractTokenizer
 from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
-from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer, PretrainedFromHFTokenizer
+from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer, PretrainedFromHFTokenizer, SFTTokenizer
 from megatron.tokenizer.llama2_tokenizer import Llama2Tokenizer
 from megatron.tokenizer.null_tokenizer import NullTokenizer
 from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
@@ -56,6 +56,9 @@ def make_tokenizer(cfg: TokenizerSettings) -> AbstractTokenizer:
         return PretrainedFromHFTokenizer(cfg.tokenizer_name_or_path, vocab_extra_ids=extra)
     if kind == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(cfg.tokenizer_model, vocab_extra_ids=extra)
+    if kind == "SFTTokenizer":
+        return SFTTokenizer(cfg.tokenizer_model, cfg.sft_tokenizer_prompt_format or "nemotron-h-aligned",
+                            vocab_extra_ids=extra)
     if kind == "NullTokenizer":
         if cfg.vocab_size is None:
             raise ArgumentError("NullTokenizer needs --vocab-size")

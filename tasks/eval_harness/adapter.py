@@ -35,6 +35,8 @@ from lm_eval.models.utils import normalize_gen_kwargs
 from tqdm import tqdm
 
 from megatron.core import parallel_state as ps
+from megatron.inference import SamplingParams
+from megatron.text_generation.engine_driver import run_to_completion
 from megatron.text_generation.generation import generate_tokens
 from megatron.text_generation.scoring import score_tokens, sequence_logprob
 
@@ -64,8 +66,9 @@ class MegatronLM(TemplateLM):
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, max_length: int, batch_size: int = 1,
                  max_gen_toks: int = 256, state: Optional[ps.ParallelState] = None, adaptive_seq_len: bool = True,
-                 seed: int = 1234, progress: bool = True) -> None:
+                 seed: int = 1234, progress: bool = True, engine: Any = None) -> None:
         super().__init__()
+        self.engine = engine  # megatron/inference's engine: generate_until submits a whole group of requests at once
         self.model = model
         self.megatron_tokenizer = tokenizer
         self.state = state or (ps.get_parallel_state() if ps.model_parallel_is_initialized()
@@ -218,15 +221,30 @@ class MegatronLM(TemplateLM):
         greedy = not kwargs.get("do_sample") or temperature == 0.0
         top_p = float(kwargs.get("top_p") or 0.0)
         self._calls += 1
+        if self.engine is not None:
+            return self._engine_batch(prompts, max_gen, until, greedy, temperature, top_p, kwargs)
         out = generate_tokens(
             self.model, prompts, max_gen, eod_id=self.eot_token_id, greedy=greedy,
             temperature=1.0 if greedy else temperature, top_k=int(kwargs.get("top_k") or 0),
             top_p=0.0 if top_p >= 1.0 else top_p, stop_token_ids=self._stop_token_ids(until),
             random_seed=self.seed + self._calls, vocab_size=self.vocab_size, tp_group=self.state.tp_group,
             state=self.state)
+        return self._texts([row[len(p): n] for row, n, p in zip(out.tokens.tolist(), out.lengths.tolist(), prompts)],
+                           until)
+
+    def _engine_batch(self, prompts: list[list[int]], max_gen: int, until: list[str], greedy: bool,
+                      temperature: float, top_p: float, kwargs: dict) -> list[str]:
+        """`_generate_batch` on the inference engine: every prompt submitted at once, the same texts (greedy)."""
+        params = SamplingParams(max_new_tokens=max_gen, greedy=greedy, temperature=1.0 if greedy else temperature,
+                                top_k=int(kwargs.get("top_k") or 0), top_p=0.0 if top_p >= 1.0 else top_p,
+                                seed=self.seed + self._calls, stop_token_ids=tuple(self._stop_token_ids(until)),
+                                vocab_size=self.vocab_size)
+        return self._texts([c.tokens for c in run_to_completion(self.engine, prompts, params)], until)
+
+    def _texts(self, generated: list[list[int]], until: list[str]) -> list[str]:
+        """Each generation's text, cut at end-of-document and at the first stop string."""
         texts = []
-        for row, n, p in zip(out.tokens.tolist(), out.lengths.tolist(), prompts):
-            new = row[len(p): n]
+        for new in generated:
             if self.eot_token_id in new:
                 new = new[: new.index(self.eot_token_id)]
             text = self.tok_decode(new)
@@ -254,8 +272,9 @@ class MegatronLM(TemplateLM):
         for members in groups.values():
             order = sorted(members, key=lambda i: (-len(self.tok_encode(args[i][0])), args[i][0]))
             mine = self._my_share(order)
-            for start in range(0, len(mine), self.batch_size):
-                chunk = mine[start: start + self.batch_size]
+            step = max(len(mine), 1) if self.engine is not None else self.batch_size  # the engine: all at once
+            for start in range(0, len(mine), step):
+                chunk = mine[start: start + step]
                 for i, text in zip(chunk, self._generate_batch([args[i][0] for i in chunk], normalized[chunk[0]])):
                     answers[i] = text
                 bar.update(len(chunk) * self.state.forward_only_shard()[1])

@@ -117,6 +117,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     from megatron import global_vars
     from megatron.checkpoint.atomic_io import atomic_write_text
     from megatron.core import parallel_state as ps
+    from megatron.inference import InferenceEngine, engine_config_from_args
     from megatron.text_generation.model_loading import load_model_for_inference, refuse_random_weights
     from tasks.eval_harness.adapter import MegatronLM
 
@@ -128,9 +129,12 @@ def evaluate(args: argparse.Namespace) -> dict:
         args = argparse.Namespace(**{**vars(args), "fp16": False, "bf16": False, "params_dtype": torch.float32})
     state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else ps.ParallelState.single()
     model = load_model_for_inference(args, state, parallel_output=False)
+    engine_config = engine_config_from_args(args)  # --inference-dynamic-batching: generate_until on the engine
+    engine = (InferenceEngine(model, engine_config, eod=int(global_vars.get_tokenizer().eod), state=state)
+              if engine_config is not None else None)
     lm = MegatronLM(model, global_vars.get_tokenizer(), max_length=args.seq_length,
                     batch_size=args.micro_batch_size * args.micro_bs_multiplier, max_gen_toks=args.max_gen_toks,
-                    state=state, adaptive_seq_len=args.adaptive_seq_len, seed=args.seed)
+                    state=state, adaptive_seq_len=args.adaptive_seq_len, seed=args.seed, engine=engine)
     kwargs = dict(num_fewshot=args.num_fewshot, limit=args.limit, bootstrap_iters=args.bootstrap_iters,
                   seed=args.seed)
     rank0 = state.global_rank == 0

@@ -31,9 +31,10 @@ def ds_env(rank: int, world_size: int) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def run_pretrain_ds(rank: int, world_size: int, argv: list[str], model_provider: Optional[Callable] = None) -> dict:
-    """pretrain_gpt.py's pretrain() (tests/harness.py; optionally with another `model_provider`) with DeepSpeed's env
-    and stdout captured: {'stdout', 'result', 'error'}."""
+def run_pretrain_ds(rank: int, world_size: int, argv: list[str], model_provider: Optional[Callable] = None,
+                    datasets_provider: Optional[Callable] = None) -> dict:
+    """pretrain_gpt.py's pretrain() (tests/harness.py; optionally with another `model_provider` or
+    `datasets_provider`) with DeepSpeed's env and stdout captured: {'stdout', 'result', 'error'}."""
     ds_env(rank, world_size)
     from megatron.errors import MegatronUserError
     from tests.harness import pretrain_run
@@ -43,7 +44,7 @@ def run_pretrain_ds(rank: int, world_size: int, argv: list[str], model_provider:
     result = None
     with contextlib.redirect_stdout(buf):
         try:
-            result = pretrain_run(argv, model_provider=model_provider)
+            result = pretrain_run(argv, model_provider=model_provider, datasets_provider=datasets_provider)
         except (MegatronUserError, RuntimeError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         except SystemExit as exc:

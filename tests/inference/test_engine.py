@@ -64,6 +64,7 @@ def test_among_16_others_at_random_steps_equals_alone(family, layout):
     ("gpt", dict(max_position_embeddings=32)),
     ("bloom-alibi", dict(position_embedding_type="alibi", max_position_embeddings=32)),
     ("mistral-window", dict(LLAMA, window_size=(5, 0))),
+    ("qwen3-qk-norm-qkv-bias", dict(LLAMA, qk_layernorm=True, add_qkv_bias=True)),
     ("gpt-oss-sinks", dict(LLAMA, softmax_type="learnable")),
     ("moe", dict(LLAMA, num_moe_experts=4, moe_router_topk=2, ffn_hidden_size=48, moe_layer_freq=[1, 0])),
 ])
@@ -108,6 +109,20 @@ def test_prompt_logprobs_equal_static_generate():
     ref = generate_tokens(model, [prompt], 3, eod_id=EOD, greedy=True, return_output_log_probs=True,
                           use_eod_token_for_early_termination=False)
     torch.testing.assert_close(torch.tensor(got), ref.logprobs[0], rtol=0, atol=1e-5)
+
+
+def test_scoring_a_prompt_without_generating():
+    model = build_gpt(tiny_config(**LLAMA)).eval()
+    prompt = [5, 9, 2, 33, 4, 4, 17, 8, 1]  # 9 tokens: 3 blocks of 4, all written
+    engine = InferenceEngine(model, EngineConfig(num_blocks=3, block_size=4), eod=EOD)
+    engine.add_request("s", prompt, SamplingParams(max_new_tokens=0, return_prompt_logprobs=True))
+    (out,) = engine.step()
+    assert out.finished and out.finish_reason == "length" and out.new_tokens == [] and not engine.has_work()
+    ref = generate_tokens(model, [prompt, prompt], 0, eod_id=EOD, return_output_log_probs=True)
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs), ref.logprobs[0], rtol=0, atol=1e-5)
+    assert engine.stats.free_blocks == 3
+    with pytest.raises(RequestRejected, match="0 only to score the prompt"):
+        engine.add_request("t", prompt, SamplingParams(max_new_tokens=0))
 
 
 def test_stop_tokens_end_a_request_and_free_its_blocks():
@@ -163,6 +178,7 @@ def test_cancel_frees_blocks_of_running_and_queued_requests():
     (EngineConfig(num_blocks=64, block_size=4, max_tokens=4), [1] * 10, SamplingParams(), "enable-chunked-prefill"),
     (EngineConfig(num_blocks=64, block_size=4), [], SamplingParams(), "at least one prompt token"),
     (EngineConfig(num_blocks=64, block_size=4), [1], SamplingParams(top_k=2, top_p=0.5), "top_k or top_p"),
+    (EngineConfig(num_blocks=64, block_size=4), [1], SamplingParams(temperature=0.0), "temperature must be > 0"),
     (EngineConfig(num_blocks=64, block_size=4), [1, VOCAB], SamplingParams(), "outside the vocabulary"),
     (EngineConfig(num_blocks=64, block_size=4), [-1], SamplingParams(), "outside the vocabulary"),
 ])
@@ -177,7 +193,7 @@ def test_requests_that_can_never_run_are_refused_in_one_line(config, prompt, par
 def test_duplicate_ids_and_a_buffer_too_small_are_refused():
     model = build_gpt(tiny_config(**LLAMA)).eval()
     engine = InferenceEngine(model, EngineConfig(num_blocks=8, block_size=4), eod=EOD)
-    engine.add_request("a", [1, 2], GREEDY)
+    engine.add_request("a", [1, 2], SamplingParams(greedy=True, temperature=0.0))  # greedy: any temperature
     with pytest.raises(RequestRejected, match="already in the engine"):
         engine.add_request("a", [1, 2], GREEDY)
     with pytest.raises(RequestRejected, match="holds no block"):
@@ -187,10 +203,12 @@ def test_duplicate_ids_and_a_buffer_too_small_are_refused():
     assert sized.pool.num_blocks == 1024**2 // (4 * per_token)
 
 
-def test_context_parallelism_is_refused_in_one_line():
+@pytest.mark.parametrize("state,flag", [(SimpleNamespace(pp_size=1, cp_size=2), "context-parallel-size 1"),
+                                        (SimpleNamespace(pp_size=1, ep_size=2), "expert-model-parallel-size 1")])
+def test_context_and_expert_parallelism_are_refused_in_one_line(state, flag):
     model = build_gpt(tiny_config(**LLAMA)).eval()
-    with pytest.raises(RequestRejected, match="context-parallel-size 1") as info:
-        InferenceEngine(model, LAYOUTS["plain"], eod=EOD, state=SimpleNamespace(pp_size=1, cp_size=2))
+    with pytest.raises(RequestRejected, match=flag) as info:
+        InferenceEngine(model, LAYOUTS["plain"], eod=EOD, state=state)
     assert "\n" not in str(info.value)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron.core.packed_seq_params import from_cu_seqlens, from_eod
+from megatron.layers import attention
 from megatron.layers.inference_params import InferenceParams
 from megatron.utils import get_ltor_masks_and_position_ids
 from tests.model.helpers import build_gpt, tiny_config
@@ -125,3 +126,37 @@ def test_kv_cache_decoding_with_packed_rows_is_refused_in_one_line():
     ids, packed = _packed(_documents())
     with pytest.raises(ValueError, match="KV-cache decoding"):
         model(ids, None, None, packed_seq_params=packed, inference_params=InferenceParams(1, SEQ))
+
+
+def _fake_varlen(calls: list):
+    """flash_attn_varlen_func's contract in torch: causal attention inside each [cu[i], cu[i+1]) of the flattened
+    tokens, fewer K/V heads repeated (GQA), records its arguments."""
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                               window_size=(-1, -1)):
+        calls.append(dict(cu=cu_q.tolist(), max=max_q, causal=causal, window=window_size, dtype=cu_q.dtype))
+        k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+        out = torch.empty_like(q)
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=causal,
+                scale=softmax_scale).transpose(0, 1)
+        return out
+
+    return flash_attn_varlen_func
+
+
+def test_flash_varlen_wiring_equals_the_document_mask_path(monkeypatch):
+    model = _model("llama").eval()
+    core = model.language_model.encoder.layers[0].self_attention.core_attention
+    calls: list = []
+    monkeypatch.setitem(attention._FLASH_ATTN, "varlen", _fake_varlen(calls))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(SEQ, 2, 8, 4, generator=g)
+    k, v = (torch.randn(SEQ, 2, 4, 4, generator=g) for _ in range(2))
+    packed = from_cu_seqlens(torch.tensor([[0, 5, 22, 64], [0, 40, 60, 60]]))
+    via_flash = core.flash_varlen(q, k, v, packed)
+    via_mask = core(q, k, v, packed.attention_mask(2, SEQ))
+    torch.testing.assert_close(via_flash, via_mask, rtol=1e-5, atol=1e-6)
+    assert calls == [dict(cu=[0, 5, 22, 64, 104, 124, 128], max=42, causal=True, window=(-1, -1),
+                          dtype=torch.int32)]

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from megatron.inference import EngineConfig, InferenceEngine
 from megatron.models.gpt.hf_gpt2 import hf_gpt2_config_kwargs, megatron_gpt_to_hf_state_dict
 from megatron.models.gpt.model import GPTModel
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
@@ -182,6 +183,8 @@ def test_generate_until_equals_hf_greedy(setup):
         until = kw["until"] if isinstance(kw["until"], list) else [kw["until"]]
         assert text == hf_greedy(setup, ctx, kw.get("max_gen_toks", 16), until)
         assert not any(u in text for u in until)
+    engine = InferenceEngine(setup["model"], EngineConfig(num_blocks=32, block_size=16), eod=int(setup["tok"].eod))
+    assert _lm(setup, max_gen_toks=16, engine=engine).generate_until([Req(c, k) for c, k in cases]) == ours
     sampled = [("Once upon a time", {"until": ["\n"], "max_gen_toks": 10, "do_sample": True, "temperature": 1.0,
                                      "top_k": 50})] * 2
     a = _lm(setup).generate_until([Req(*s) for s in sampled])

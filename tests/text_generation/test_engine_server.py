@@ -314,6 +314,7 @@ def test_run_to_completion_submits_everything_at_once():
     prompts = [[i, i + 1, 2 * i] for i in range(1, 8)]
     tickets = run_to_completion(engine, prompts, Params(max_new_tokens=4))
     assert [t.tokens for t in tickets] == [alone(p, 4) for p in prompts]
+    assert {t.finish_reason for t in tickets} == {"length"}
     assert engine.most_running == 3 and not engine.has_work()
     with pytest.raises(MegatronUserError, match="never fit"):
         run_to_completion(FakeEngine(), [[1] * 60], Params(max_new_tokens=4))

@@ -68,11 +68,13 @@ def test_conditional_samples_match_in_process_generate(checkpoint, repo_root):
     common = [tool, "--load", checkpoint["ckpt"], *checkpoint["flags"], "--sample-input-file", "prompts.txt",
               "--out-seq-length", "8", "--greedy", "--micro-batch-size", "3"]
     outs = []
-    for extra, name in (([], "kv.jsonl"), (["--recompute"], "recompute.jsonl")):
+    engine = ["--inference-dynamic-batching", "--inference-dynamic-batching-buffer-size-gb", "0.01",
+              "--inference-dynamic-batching-block-size", "16"]
+    for extra, name in (([], "kv.jsonl"), (["--recompute"], "recompute.jsonl"), (engine, "engine.jsonl")):
         proc = _run(repo_root, *common, *extra, "--sample-output-file", name, cwd=work)
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs.append([json.loads(line) for line in (work / name).read_text().splitlines()])
-    assert outs[0] == outs[1]  # KV cache and --recompute agree
+    assert outs[0] == outs[1] == outs[2]  # KV cache, --recompute and the inference engine agree
     ids = [tok.tokenize(p) for p in PROMPTS]
     ref = _in_process_generate(checkpoint, ids, 8, greedy=True)
     for rec, prompt, p_ids, tokens in zip(outs[0], PROMPTS, ids, ref["tokens"]):

@@ -2,13 +2,16 @@
 chat_template ("hf") and Megatron-LM's named prompt formats; generation prompts; end-of-turn ids; bad conversations."""
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from megatron.checkpoint.conversion.hf_tokenizer_export import export_tokenizer
 from megatron.errors import ArgumentError
+from megatron.run_configs.saved_args import SavedRunArgs
 from megatron.tokenizer.chat_format import (
     IGNORE_INDEX,
     ChatFormat,
@@ -16,6 +19,7 @@ from megatron.tokenizer.chat_format import (
     chat_format_for,
     check_prompt_format,
 )
+from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer
 from tests.tokenizer.chat_files import write_chat_tokenizer
 
@@ -109,8 +113,27 @@ def test_refused_and_unknown_formats_are_one_line(tok):
         ChatFormat(tok_no_template, "hf")
 
 
+def test_a_tokenizer_without_chat_support_is_one_line(shared_data):
+    owt = shared_data / "openwebtext-1000"
+    gpt2 = GPT2BPETokenizer(str(owt / "gpt2-tiny-vocab.json"), str(owt / "gpt2-tiny-merges.txt"))
+    with pytest.raises(ArgumentError, match="chat formats need a Hugging Face tokenizer .* not GPT2BPETokenizer"):
+        chat_format_for(gpt2, "hf")
+
+
 def test_from_our_huggingface_tokenizer_wrapper(tok):
     ours = HuggingFaceTokenizer(tok.name_or_path)
     fmt = chat_format_for(ours, "hf")
     assert fmt.render(CONV) == ChatFormat(tok, "hf").render(CONV)
     assert fmt.eod == ours.eod
+
+
+def test_hf_export_of_an_sft_tokenizer_carries_its_prompt_format_as_chat_template(tok, tmp_path):
+    args = argparse.Namespace(tokenizer_type="SFTTokenizer", tokenizer_model=tok.name_or_path,
+                              sft_tokenizer_prompt_format="nemotron-h-aligned")
+    record = SavedRunArgs.from_args(args).tokenizer_dict()
+    assert record["sft_tokenizer_prompt_format"] == "nemotron-h-aligned"
+    export_tokenizer(record, str(tmp_path))
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    fmt = ChatFormat(tok, "nemotron-h-aligned")
+    assert exported.chat_template == fmt.template
+    assert ChatFormat(exported, "hf").generation_prompt(CONV[:2]) == fmt.generation_prompt(CONV[:2])

@@ -185,3 +185,16 @@ def test_new_settings_at_their_defaults_are_allowed_only_when_asked() -> None:
     ds_new = {"gpt": {"checkpoints": {"g/global_step1/m.pt": digests("", "0.5")["gpt"]["checkpoints"]["c/iter_1/m.pt"],
                                       "g/global_step1/manifest.json": {"manifest": {"m.pt": 12}}}}}
     assert tool.compare(ds_old, ds_new, defaults) == []  # DeepSpeed's manifest: sizes only
+
+
+def test_a_new_setting_with_a_48_character_name_is_dropped_at_its_default() -> None:
+    """Megatron's argument dump pads names to 48 characters with dots: a 48-character name gets none."""
+    tool = _tool()
+    name = "inference_dynamic_batching_paused_buffer_size_gb"
+    assert len(name) == 48
+    old = {"gpt": {"log": ["  lr .............. 0.1"], "checkpoints": {}}}
+    new = {"gpt": {"log": ["  lr .............. 0.1", f"  {name}  None"], "checkpoints": {}}}
+    seen: set = set()
+    assert tool.compare(old, new, {name: None, "lr": 0.1}, seen) == [] and seen == {name}
+    assert tool.compare(old, {"gpt": {"log": new["gpt"]["log"][:1] + [f"  {name}  2.0"], "checkpoints": {}}},
+                        {name: None}) != []

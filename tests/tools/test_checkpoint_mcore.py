@@ -10,7 +10,8 @@ checkpoint with the optimizer state (its fully_reshardable and its default dp_re
 RNG state after step 3; ours loads it (another layout: one process, the regular optimizer, no --no-load-rng) and
 steps 4-6 give Megatron Core's losses (1e-5); dp_reshardable states saved at TP2/PP2 read as the fully_reshardable
 ones; ours trained on the same batches and saved with
-`--ckpt-format torch_dist` (optimizer state included) resumes in Megatron Core with our losses.
+`--ckpt-format torch_dist --async-save` (optimizer state included; written in the background while our steps 4-6
+run) resumes in Megatron Core with our losses.
 """
 from __future__ import annotations
 
@@ -267,13 +268,15 @@ def save_ours_mtp(root: Path, family: str = "deepseek") -> str:
 def oracle(tmp_path_factory) -> Path:
     """The oracle's checkpoints and logits; it also loads ours (saved here first with --ckpt-format torch_dist), and
     our training checkpoint (3 steps on the oracle's batches, saved with the optimizer state; steps 4-6 recorded)."""
-    from megatron.compat import save_checkpoint
+    from megatron.compat import maybe_finalize_async_save, save_checkpoint
 
     root = tmp_path_factory.mktemp("mcore")
     batches = torch.randint(0, VOCAB, (TRAIN_STEPS, 4, SEQ + 1), generator=torch.Generator().manual_seed(5))
     torch.save(batches, root / "batches.pt")
     save = root / "ours_train"
-    args = run_args("gpt", root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format", "torch_dist")
+    # --async-save: written while steps 4-6 run (the synchronous save's bytes: tests/reliability/test_async_save.py)
+    args = run_args("gpt", root / "none", "--save", str(save), "--save-interval", "1", "--ckpt-format", "torch_dist",
+                    "--async-save", "--use-persistent-ckpt-worker")
     model_parallel_manual_seed(3, 0)  # the default generator and the RNG tracker's stream
     model = our_model(args)
     optimizer = our_optimizer(model)
@@ -281,6 +284,7 @@ def oracle(tmp_path_factory) -> Path:
     save_checkpoint(SAVE_AT, [model], optimizer, None, args)
     torch.save(_draws_and_tracker(), root / "ours_rng.pt")  # what the saved RNG state gives
     torch.save(train_steps(model, optimizer, batches[SAVE_AT:]), root / "ours_train_losses.pt")
+    maybe_finalize_async_save(blocking=True)
     job = {"families": ["gpt", "llama", "qwen3", "moe"], "ours": {}, "train": True, "bert": True, "t5": True,
            "ours_train": str(save / f"iter_{SAVE_AT:07d}")}
     args = run_args("bert", root / "none", "--save", str(root / "ours" / "bert"), "--save-interval", "1",

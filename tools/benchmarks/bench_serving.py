@@ -184,6 +184,8 @@ def _serve_and_measure(model: Any, tokenizer: Any, args: argparse.Namespace, eng
             results, wall = load_test(address, completion_bodies(_prompts(args, n), args.max_tokens), clients,
                                       deadline_s=args.deadline)
             out[str(clients)] = summarize(results, wall)
+            print(f"  ({'engine' if engine else 'static'} server, {clients} clients: "
+                  f"{out[str(clients)]['output_tokens_per_s']:.1f} tok/s)", file=sys.stderr, flush=True)
             out[str(clients)]["texts"] = [r["answer"].get("texts") if r else None for r in results]
     finally:
         server.shutdown()
@@ -229,7 +231,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--engine", action="store_true", help="also the server on the inference engine")
-    p.add_argument("--engine-config", default="{}", help="EngineConfig fields as JSON")
+    p.add_argument("--engine-config", default='{"buffer_size_gb": 0.05, "block_size": 16}',
+                   help="EngineConfig fields as JSON")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate")
     p.add_argument("--deadline", type=float, default=900.0, help="seconds one client count may take")
     p.add_argument("--threads", type=int, default=None)

@@ -26,7 +26,8 @@ from megatron.checkpoint.conversion.interchange import (
 from megatron.core.transformer_config import TransformerConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json")
+                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json")  # transformers 5 keeps the chat template apart
 
 AddTensor = Callable[[str, torch.Tensor], None]
 

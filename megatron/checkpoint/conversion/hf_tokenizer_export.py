@@ -3,7 +3,8 @@ training tokenizer's ids, and generation_config.json with its BOS/EOS, for every
 
 GPT2BPETokenizer and BertWordPiece* get a tokenizer_config.json naming their HF class next to the copied vocab
 (and merges); HuggingFaceTokenizer / PretrainedFromHF (`--tokenizer-name-or-path`, BLOOM's) are saved with
-save_pretrained from the training folder or the local HF cache. A Llama2Tokenizer model becomes a `tokenizer.json`
+save_pretrained from the training folder or the local HF cache (with its chat template; SFTTokenizer's named prompt
+format becomes the chat_template). A Llama2Tokenizer model becomes a `tokenizer.json`
 (the pieces and merges that transformers extracts from `tokenizer.model`) whose normalizer does what sentencepiece
 does (the dummy "▁" prefix always, spaces to "▁"; transformers' LlamaTokenizer class would re-install a Metaspace
 that skips the prefix before a leading space) and whose post-processor adds BOS as the training tokenizer does
@@ -24,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from megatron.checkpoint.conversion.interchange import ConversionError
 from megatron.checkpoint.conversion.vocab import true_vocab_size_from_file
 from megatron.settings import flag_spelling
+from megatron.tokenizer.chat_format import PROMPT_FORMATS
 from megatron.tokenizer.hf_tokenizer import HuggingFaceTokenizer, PretrainedFromHFTokenizer, TokenizerLoadError
 from megatron.tokenizer.llama2_tokenizer import Llama2Tokenizer
 from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
@@ -156,7 +158,7 @@ def write_generation_config(out: str, bos_id: Optional[int], eos_id: Optional[in
 _FILE_KEYS = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "BertWordPieceLowerCase": ("vocab_file",),
               "BertWordPieceCase": ("vocab_file",), "SentencePieceTokenizer": ("tokenizer_model",),
               "Llama2Tokenizer": ("tokenizer_model",), "HuggingFaceTokenizer": ("tokenizer_model",),
-              "PretrainedFromHF": ("tokenizer_name_or_path",)}
+              "PretrainedFromHF": ("tokenizer_name_or_path",), "SFTTokenizer": ("tokenizer_model",)}
 # (--tokenizer-type, the keys of the checkpoint's tokenizer record naming its files, their flags)
 SOURCES = {tok: tuple((key, flag_spelling(key)) for key in keys) for tok, keys in _FILE_KEYS.items()}
 
@@ -196,7 +198,7 @@ def _export_wordpiece(tok_type: str, out: str) -> Dict[str, Any]:
 def _export_hf(tok_type: str, meta_tokenizer: Dict[str, Any], out: str, log: Any) -> Dict[str, Any]:
     """The training run's Hugging Face tokenizer (a folder, or a hub name in the local cache) saved into `out`; a
     hub name that is not in the cache is a one-line note saying how to add its files."""
-    cls = HuggingFaceTokenizer if tok_type == "HuggingFaceTokenizer" else PretrainedFromHFTokenizer
+    cls = PretrainedFromHFTokenizer if tok_type == "PretrainedFromHF" else HuggingFaceTokenizer
     key, flag = SOURCES[tok_type][0]
     name = meta_tokenizer[key]
     try:
@@ -207,6 +209,9 @@ def _export_hf(tok_type: str, meta_tokenizer: Dict[str, Any], out: str, log: Any
         log(f"note: no tokenizer files written: the training tokenizer ({flag} {name}) is not in the local Hugging "
             f"Face cache; add them with AutoTokenizer.from_pretrained({name!r}).save_pretrained(<--save-dir>)")
         return {"files": [], "bos_token_id": None, "eos_token_id": None}
+    fmt = PROMPT_FORMATS.get(meta_tokenizer.get("sft_tokenizer_prompt_format") or "")
+    if tok_type == "SFTTokenizer" and fmt is not None and fmt.template is not None:
+        hf.chat_template = fmt.template  # the prompt format the model was finetuned with
     written = [os.path.basename(f) for f in hf.save_pretrained(out) if os.path.isfile(f)]
     return {"files": sorted(set(written)), "bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id}
 
@@ -229,7 +234,7 @@ def export_tokenizer(meta_tokenizer: Dict[str, Any], out: str, log: Any = print)
         return _export_gpt2(meta_tokenizer, out)
     if tok_type.startswith("BertWordPiece"):
         return _export_wordpiece(tok_type, out)
-    if tok_type in ("HuggingFaceTokenizer", "PretrainedFromHF"):
+    if tok_type in ("HuggingFaceTokenizer", "PretrainedFromHF", "SFTTokenizer"):
         return _export_hf(tok_type, meta_tokenizer, out, log)
     model = meta_tokenizer["tokenizer_model"]
     if tok_type == "SentencePieceTokenizer":

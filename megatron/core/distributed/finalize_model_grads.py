@@ -11,6 +11,7 @@
    position-embedding grads of stages 0 and R are summed too);
 4. the per-iteration updates modules declare (megatron/core/step_updates.py: the MoE router's expert bias), their
    counts summed over TP and the data-parallel-with-CP group, as Megatron-LM's _update_router_expert_bias.
+With --calculate-per-token-loss (`num_tokens`) the grads are divided by the global batch's token count before 4.
 Grads are read from `param.main_grad` when the local DDP provides it, else `param.grad`.
 
 Steps 2 and 3 are sums, so they commute with the data-parallel average. With the distributed optimizer (only this
@@ -117,9 +118,31 @@ def allreduce_position_embedding_grads(model_chunks: Sequence[torch.nn.Module], 
     dist.all_reduce(grad, group=parallel_state.position_embedding_group)
 
 
+def scale_by_num_tokens(model_chunks: Sequence[torch.nn.Module], parallel_state,
+                        num_tokens: torch.Tensor) -> torch.Tensor:
+    """--calculate-per-token-loss: the global batch's token count (this rank's sum over its micro-batches, taken
+    from the last pipeline stage, summed over the data-parallel-with-CP group) and every grad scaled so the
+    data-parallel average becomes the sum over that group divided by it (Megatron-LM's finalize_model_grads)."""
+    if parallel_state is not None and _active(parallel_state.pp_group):
+        dist.broadcast(num_tokens, src=parallel_state.pp_last_rank(), group=parallel_state.pp_group)
+    group = None if parallel_state is None else parallel_state.dp_cp_group
+    if _active(group):
+        dist.all_reduce(num_tokens, group=group)
+    averaged_over = dist.get_world_size(group) if _active(group) else 1  # the DDP wrappers divide by it
+    if int(num_tokens) > 0:
+        factor = averaged_over / float(num_tokens)
+        for chunk in model_chunks:
+            for param in chunk.parameters():
+                grad = _grad(param)
+                if grad is not None:
+                    grad.mul_(factor)
+    return num_tokens
+
+
 def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], parallel_state=None,
-                         sequence_parallel: bool = False) -> None:
-    """Run all post-backward reductions for `model_chunks` (DDP-wrapped or plain modules)."""
+                         sequence_parallel: bool = False, num_tokens: Optional[torch.Tensor] = None) -> None:
+    """Run all post-backward reductions for `model_chunks` (DDP-wrapped or plain modules); with `num_tokens`
+    (--calculate-per-token-loss) then divide the grads by the global batch's tokens (`scale_by_num_tokens`)."""
     for chunk in model_chunks:
         reduce = getattr(chunk, "finish_grad_sync", None) or getattr(chunk, "allreduce_gradients", None)
         if reduce is not None:
@@ -128,5 +151,7 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], parallel_state
         allreduce_sequence_parallel_grads(model_chunks, parallel_state.tp_group, sequence_parallel)
     allreduce_embedding_grads(model_chunks, parallel_state)
     allreduce_position_embedding_grads(model_chunks, parallel_state)
+    if num_tokens is not None:
+        scale_by_num_tokens(model_chunks, parallel_state, num_tokens)
     groups = () if parallel_state is None else (parallel_state.tp_group, parallel_state.dp_cp_group)
     apply_step_updates(model_chunks, groups)

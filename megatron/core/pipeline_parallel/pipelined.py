@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron.core import aux_losses
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, TorchDistributedDataParallel
+from megatron.core.pipeline_parallel.losses import aux_loss_divisor, micro_batch_loss
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import flatten_dense_tensors, unflatten_dense_tensors
 from megatron.core.utils import unwrap_model as _unwrap
@@ -94,13 +95,16 @@ class _Stepper:
     """Forward and backward of one micro-batch on one model chunk, shared by both schedules."""
 
     def __init__(self, forward_step_func: Callable, num_microbatches: int, forward_only: bool,
-                 collect_non_loss_data: bool, grad_scale_func: Optional[Callable], chunks: list) -> None:
+                 collect_non_loss_data: bool, grad_scale_func: Optional[Callable], chunks: list,
+                 per_token: Optional[dict] = None) -> None:
         self.forward_step_func = forward_step_func
         self.num_microbatches = num_microbatches
         self.forward_only = forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.grad_scale_func = grad_scale_func
-        aux_losses.set_scale_for_schedule(num_microbatches, grad_scale_func)
+        self.per_token = per_token or {}  # --calculate-per-token-loss: {calculate_per_token_loss, num_tokens}
+        aux_losses.set_scale_for_schedule(
+            aux_loss_divisor(num_microbatches, self.per_token.get("calculate_per_token_loss", False)), grad_scale_func)
         self.store: list = []
         self.chunks = chunks
         # torch DDP decides at forward time whether the backward all-reduces; under 1F1B the forwards of later
@@ -124,9 +128,11 @@ class _Stepper:
         if self.collect_non_loss_data:
             self.store.append(loss_func(output_tensor, non_loss_data=True))
             return output_tensor
-        loss, loss_reduced = loss_func(output_tensor)
+        loss, loss_reduced = micro_batch_loss(loss_func(output_tensor), self.num_microbatches,
+                                              self.per_token.get("calculate_per_token_loss", False),
+                                              self.per_token.get("num_tokens"))
         self.store.append(loss_reduced)
-        return loss / self.num_microbatches
+        return loss
 
     def backward_many(self, chunk_id: int, input_tensors: Optional[list], output_tensors: Any,
                       output_grads: Optional[list]) -> Optional[list]:
@@ -218,6 +224,8 @@ def forward_backward_pipelining_without_interleaving(
     parallel_state: Any = None,
     p2p: Any = None,
     decoder_seq_length: Optional[int] = None,
+    calculate_per_token_loss: bool = False,
+    num_tokens: Optional[torch.Tensor] = None,
     **unused: Any,
 ) -> list:
     """1F1B over the pipeline stages (one model chunk per rank).
@@ -234,7 +242,8 @@ def forward_backward_pipelining_without_interleaving(
     state = _state_or_global(parallel_state)
     p2p = p2p or _default_p2p(chunks[0], state, seq_length, micro_batch_size)
     first, last = state.is_pipeline_first_stage(), state.is_pipeline_last_stage()
-    step = _Stepper(forward_step_func, num_microbatches, forward_only, collect_non_loss_data, grad_scale_func, chunks)
+    step = _Stepper(forward_step_func, num_microbatches, forward_only, collect_non_loss_data, grad_scale_func, chunks,
+                    dict(calculate_per_token_loss=calculate_per_token_loss, num_tokens=num_tokens))
     many = getattr(state, "pipeline_split_rank", None) is not None
     if many:
         p2p = _ListMessages(p2p, get_tensor_shapes(state.pp_rank - 1, state, chunks[0], seq_length,
@@ -306,6 +315,8 @@ def forward_backward_pipelining_with_interleaving(
     micro_batch_size: Optional[int] = None,
     parallel_state: Any = None,
     p2p: Any = None,
+    calculate_per_token_loss: bool = False,
+    num_tokens: Optional[torch.Tensor] = None,
     **unused: Any,
 ) -> list:
     """Interleaved 1F1B: ``model`` holds this rank's virtual-stage chunks (chunk c = virtual stage c)."""
@@ -327,7 +338,8 @@ def forward_backward_pipelining_with_interleaving(
     else:  # every chunk reads the same micro-batches in the same order
         iterators = list(itertools.tee(data_iterator, num_chunks))
     p2p = p2p or _default_p2p(chunks[0], state, seq_length, micro_batch_size)
-    step = _Stepper(forward_step_func, num_microbatches, forward_only, collect_non_loss_data, grad_scale_func, chunks)
+    step = _Stepper(forward_step_func, num_microbatches, forward_only, collect_non_loss_data, grad_scale_func, chunks,
+                    dict(calculate_per_token_loss=calculate_per_token_loss, num_tokens=num_tokens))
     first_rank, last_rank = state.is_pipeline_first_stage(True), state.is_pipeline_last_stage(True)
     is_first_chunk = [first_rank and c == 0 for c in range(num_chunks)]
     is_last_chunk = [last_rank and c == num_chunks - 1 for c in range(num_chunks)]

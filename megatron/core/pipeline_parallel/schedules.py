@@ -17,6 +17,7 @@ import torch
 
 from megatron.core import aux_losses
 from megatron.core.pipeline_parallel import pipelined
+from megatron.core.pipeline_parallel.losses import aux_loss_divisor, micro_batch_loss
 
 ForwardStepFunc = Callable[[Optional[Iterator], torch.nn.Module], tuple[torch.Tensor, Callable]]
 
@@ -37,14 +38,17 @@ def _forward_step(
     num_microbatches: int,
     forward_data_store: list,
     collect_non_loss_data: bool,
+    calculate_per_token_loss: bool = False,
+    num_tokens: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     if collect_non_loss_data:
         forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
         return None
-    loss, loss_reduced = loss_func(output_tensor)
+    loss, loss_reduced = micro_batch_loss(loss_func(output_tensor), num_microbatches, calculate_per_token_loss,
+                                          num_tokens)
     forward_data_store.append(loss_reduced)
-    return loss / num_microbatches
+    return loss
 
 
 def _backward_step(output_tensor: torch.Tensor, grad_scale_func: Optional[Callable]) -> None:
@@ -61,29 +65,34 @@ def forward_backward_no_pipelining(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     grad_scale_func: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    calculate_per_token_loss: bool = False,
+    num_tokens: Optional[torch.Tensor] = None,
     **unused: Any,
 ) -> list:
     """Forward (+ backward unless ``forward_only``) over the micro-batches; returns the per-micro-batch loss dicts.
 
     ``grad_scale_func`` (the optimizer's ``scale_loss``) multiplies the loss by the fp16 loss scale before backward.
-    Gradients of all but the last micro-batch are accumulated under the model's ``no_sync()`` when it has one
+    With ``calculate_per_token_loss`` the micro-batch losses are sums, not divided (losses.py), and their token
+    counts are added into ``num_tokens``. Gradients of all but the last micro-batch are accumulated under the model's ``no_sync()`` when it has one
     (torch DDP; the local DDP, whose --overlap-grad-reduce starts the bucket reductions during the last
     micro-batch's backward), so gradients are reduced once per global batch.
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     model = _single(model)
-    aux_losses.set_scale_for_schedule(num_microbatches, grad_scale_func)
+    aux_losses.set_scale_for_schedule(aux_loss_divisor(num_microbatches, calculate_per_token_loss), grad_scale_func)
+    per_token = dict(calculate_per_token_loss=calculate_per_token_loss, num_tokens=num_tokens)
     no_sync = getattr(model, "no_sync", None)
     no_sync_ctx = no_sync if (callable(no_sync) and not forward_only) else contextlib.nullcontext
     store: list = []
     with no_sync_ctx():
         for _ in range(num_microbatches - 1):
             out = _forward_step(forward_step_func, data_iterator, model, num_microbatches, store,
-                                collect_non_loss_data)
+                                collect_non_loss_data, **per_token)
             if not forward_only and out is not None:
                 _backward_step(out, grad_scale_func)
-    out = _forward_step(forward_step_func, data_iterator, model, num_microbatches, store, collect_non_loss_data)
+    out = _forward_step(forward_step_func, data_iterator, model, num_microbatches, store, collect_non_loss_data,
+                        **per_token)
     if not forward_only and out is not None:
         _backward_step(out, grad_scale_func)
     return store

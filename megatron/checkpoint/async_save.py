@@ -1,0 +1,144 @@
+"""--async-save (Megatron-LM's flag): a checkpoint's files are written in the background while training continues, and
+the checkpoint is published (manifest.json, then latest_checkpointed_iteration.txt) only once every rank's files are
+complete.
+
+The save itself (megatron/checkpoint/saving.py) builds each rank's state as a synchronous save does, then `snapshot`
+copies it (every tensor storage cloned once, views kept as views, so ``torch.save`` writes the same bytes) and
+`schedule` hands the copy to a background writer: training may change the parameters and the optimizer state at once.
+`maybe_finalize` (Megatron's ``maybe_finalize_async_save``) is collective: the training loop calls it after every
+iteration (non-blocking: one small all-reduce while a save is in flight), the next save and the end of training call
+it blocking. Once every rank's files are on disk, rank 0 publishes in the background: the ``torch_dist`` rewrite,
+the manifest, the tracker, --keep-last-n-checkpoints. A process killed before that leaves the tracker on the previous
+checkpoint, which is then the one loaded (the unfinished iteration's temporary files are removed by the next save).
+
+Why threads and not a process (Megatron forks one, or keeps a persistent one, because its state must leave the GPU
+and its writers hold the GIL): here the state is already in host memory, ``torch.save``'s file writer and ``fsync``
+release the GIL, and a thread reads the snapshot where it lies, while a process would need the state copied into
+shared memory or pickled through a pipe, which costs what the write costs. With --use-persistent-ckpt-worker one
+long-lived writer thread serves every save (Megatron's persistent worker); without it each save starts its own.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import dataclasses
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron.checkpoint.paths import CheckpointError, print0
+
+
+class AsyncSaveError(CheckpointError):
+    """An asynchronous checkpoint write failed on some rank; the previous checkpoint stays the latest."""
+
+
+@dataclasses.dataclass
+class _Save:
+    """A save in flight on this rank: its iteration, this rank's writes, rank 0's publication (None elsewhere), the
+    kind of writer (--use-persistent-ckpt-worker)."""
+
+    iteration: int
+    write: concurrent.futures.Future
+    publish: Optional[Callable[[], None]]
+    persistent: bool
+
+
+class _Writers:
+    """The background writer(s): one persistent thread, or one thread per job."""
+
+    def __init__(self) -> None:
+        self.persistent: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+    def submit(self, job: Callable[[], None], persistent: bool) -> concurrent.futures.Future:
+        if persistent:
+            if self.persistent is None:
+                self.persistent = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatron-ckpt-worker")
+            return self.persistent.submit(job)
+        executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatron-ckpt-writer")
+        future = executor.submit(job)
+        executor.shutdown(wait=False)  # the thread ends with its job
+        return future
+
+
+_WRITERS = _Writers()
+_WRITING: list[_Save] = []  # the same saves on every rank (each async save schedules one everywhere)
+_PUBLISHING: list[tuple[int, concurrent.futures.Future]] = []  # rank 0's publications in flight
+
+
+def snapshot(obj: Any) -> Any:
+    """A copy of `obj` whose tensors own cloned storages (each storage once; views keep their offsets), so training
+    can change the originals while the copy is written, and ``torch.save`` writes the copy's bytes exactly as it
+    would write the originals'."""
+    return copy.deepcopy(obj)
+
+
+def _write_all(writes: list[tuple[Any, str]], save: Callable[[Any, str], None]) -> None:
+    for obj, path in writes:
+        save(obj, path)
+
+
+def schedule(iteration: int, writes: list[tuple[Any, str]], save: Callable[[Any, str], None],
+             publish: Optional[Callable[[], None]], persistent: bool) -> None:
+    """Write each (state, path) of `writes` with `save` in the background (the states already snapshots); `publish`
+    (rank 0: what makes the checkpoint the latest) runs once every rank's writes are complete (`maybe_finalize`).
+    Every rank calls this for every asynchronous save, with or without files to write."""
+    future = _WRITERS.submit(lambda: _write_all(writes, save), persistent)
+    _WRITING.append(_Save(iteration, future, publish, persistent))
+
+
+def in_flight() -> bool:
+    """Whether a save of this process is not yet published (rank 0) or not yet confirmed on every rank."""
+    return bool(_WRITING or _PUBLISHING)
+
+
+def _all_ranks(done: bool, failed: bool) -> tuple[bool, bool]:
+    """(every rank done, some rank failed): one all-reduce over the world."""
+    flags = torch.tensor([int(not done), int(failed)], dtype=torch.int32)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    return not bool(flags[0].item()), bool(flags[1].item())
+
+
+def _finish_writing(blocking: bool) -> None:
+    """Collective: confirm the oldest save's writes on every rank; once confirmed, rank 0 publishes it."""
+    while _WRITING:
+        save = _WRITING[0]
+        if blocking:
+            concurrent.futures.wait([save.write])
+        done = save.write.done()
+        error = save.write.exception() if done else None
+        all_done, failed = _all_ranks(done, error is not None)
+        if failed:
+            _WRITING.clear()
+            if error is not None:
+                raise error
+            raise AsyncSaveError(f"the asynchronous checkpoint save of iteration {save.iteration} failed on another "
+                                 "rank (its own error names the file); the previous checkpoint stays the latest")
+        if not all_done:
+            return
+        _WRITING.pop(0)
+        if save.publish is not None:
+            _PUBLISHING.append((save.iteration, _WRITERS.submit(save.publish, save.persistent)))
+
+
+def _finish_publishing(blocking: bool) -> None:
+    """Rank 0, no collective: drop finished publications (raising a failed one's error); `blocking`: wait first."""
+    while _PUBLISHING:
+        _, future = _PUBLISHING[0]
+        if blocking:
+            concurrent.futures.wait([future])
+        if not future.done():
+            return
+        _PUBLISHING.pop(0)
+        future.result()
+
+
+def maybe_finalize(blocking: bool = False) -> None:
+    """Megatron's ``maybe_finalize_async_save``: publish the saves whose files every rank has written. Collective
+    while a save is in flight (every rank must call it at the same points); a no-op otherwise. `blocking`: wait
+    until every save is written and published (before the next save, at the end of training, before an exit)."""
+    if blocking and in_flight():
+        print0("finalizing the asynchronous checkpoint save(s) in flight (--async-save) ...")
+    _finish_writing(blocking)
+    _finish_publishing(blocking)
