@@ -15,6 +15,8 @@
 # trained on the corpus, --split-sentences preprocessing, a tiny BERT whose lm loss goes down);
 # `bash examples/quickstart.sh llama` the Llama leg (examples/quickstart_llama.sh: a SentencePiece tokenizer.model
 # trained on the corpus, a tiny Llama trained, resumed, sampled, evaluated, converted to Hugging Face and back).
+# `bash examples/quickstart.sh chat` the chat leg (examples/quickstart_chat.sh: a tiny Hugging Face chat model converted,
+# finetuned with --sft on examples/data/chat_sample.jsonl, served, and asked through the openai client).
 # Shorter or longer runs: TRAIN_ITERS (100; it stops and resumes at half), LOG_INTERVAL (10), EVAL_INTERVAL (50),
 # WIKI_LINES (100), LAMBADA_LINES (100). SKIP_INSTALL=1 skips the install check.
 set -euo pipefail
@@ -41,6 +43,9 @@ if [ "${1:-}" = bert ]; then  # the BERT leg instead: WordPiece vocabulary, sent
 fi
 if [ "${1:-}" = llama ]; then  # the Llama leg instead: SentencePiece model, tiny Llama, HF round trip
   OUT=$OUT PYTHON=$PY exec bash examples/quickstart_llama.sh
+fi
+if [ "${1:-}" = chat ]; then  # the chat leg instead: tiny HF model -> convert -> SFT -> serve -> openai client
+  OUT=$OUT PYTHON=$PY exec bash examples/quickstart_chat.sh
 fi
 
 echo "== 1/6 training a BPE tokenizer on examples/data/python_docs.jsonl"

@@ -584,6 +584,10 @@ def _validate_recompute(args: argparse.Namespace) -> None:
 
 
 def _validate_misc(args: argparse.Namespace) -> None:
+    family = getattr(args, "model_family", "gpt")
+    _require(not (getattr(args, "calculate_per_token_loss", False) and family in ("bert", "t5")),
+             f"--calculate-per-token-loss is implemented for pretrain_gpt.py (its loss function returns Megatron's "
+             f"sum and token count), not {family.upper()}: drop it")
     if args.data_path:
         _validate_weighted_paths("--data-path", args.data_path)
     for flag in ("train_data_path", "valid_data_path", "test_data_path"):

@@ -170,6 +170,23 @@ def _close_connections() -> None:
     thread.join(5.0)
 
 
+def store_answers(store: Any, key: str, wait_s: float = 5.0) -> bool:
+    """Whether the store answers (has `key`) within `wait_s`. Asked in a thread: towards a host that is unreachable
+    (its link down) a store read can block in recv() past the store's own time-out."""
+    answer: list[bool] = []
+
+    def ask() -> None:
+        try:
+            answer.append(bool(store.check([key])))
+        except Exception:  # noqa: BLE001 - no answer
+            pass
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    return bool(answer and answer[0])
+
+
 def describe(exc: BaseException) -> str:
     """Mark this rank failed, close its connections, find the lost rank; return the one line (see the module doc)."""
     dist = optional.torch_distributed()
@@ -182,6 +199,8 @@ def describe(exc: BaseException) -> str:
     except Exception:  # noqa: BLE001 - the store's host is gone
         store = None
     _close_connections()
+    if store is not None and not store_answers(store, f"{_FAILED}{rank}"):
+        store = None  # (a set is one-way: it "succeeds" towards a host this node can no longer reach)
     if store is not None:
         lost, store_ok = find_lost_ranks(store, rank, world)
         if store_ok:
@@ -193,7 +212,10 @@ def describe(exc: BaseException) -> str:
     if lost:
         who = "; ".join(lost)
     elif not store_ok:
-        who = "the rendezvous store does not answer either (rank 0 or the launcher that hosts it is gone)"
+        addr = os.environ.get("MASTER_ADDR")
+        where = f" at {addr}:{os.environ.get('MASTER_PORT', '?')}" if addr else ""
+        who = (f"the rendezvous store{where} does not answer either (rank 0 or the launcher that hosts it is gone, "
+               "or this node lost its network)")
     else:
         who = "every other rank reports the same failure (a network problem?)"
     cause = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", " ".join(str(exc).split()))  # gloo's source path

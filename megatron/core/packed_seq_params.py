@@ -7,9 +7,10 @@ after the last boundary (end padding) form one more document of their own, which
 The model takes one `PackedSeqParams` per micro-batch (``GPTModel(..., packed_seq_params=p)``) and hands it
 explicitly down to every attention layer:
 
-* attention stays inside a document: on CPU (and wherever flash-attn is absent) through the block-diagonal causal
-  mask built here once per micro-batch (`attention_mask`, cached on the object, vectorised: no loop over tokens);
-  on CUDA with flash-attn through ``flash_attn_varlen_func`` over ``cu_seqlens`` (megatron/layers/attention.py);
+* attention stays inside a document (megatron/layers/attention.py): on CUDA with flash-attn through
+  ``flash_attn_varlen_func`` over ``cu_seqlens``; otherwise one causal SDPA call per document (`flat_cu_seqlens`;
+  the faster CPU path, measured); where that cannot run (window, ALiBi, dropout, MLA, CP) through the
+  block-diagonal causal mask built here once per micro-batch (`attention_mask`, cached, vectorised);
 * positions restart at 0 in every document (`position_ids`): the learned position embedding and RoPE both use them;
 * a sliding window (--window-size) is ORed onto the document mask, so it stays inside a document too;
 * under context parallelism the row is split as every other sequence (chunks r and 2N-1-r of 2N) and each rank

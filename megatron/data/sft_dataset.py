@@ -244,20 +244,13 @@ class SFTBuilder:
         return tuple(datasets)
 
 
-def packed_causal_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
-    """Attention mask [b, 1, s, s] (True = masked out) of packed rows: causal within each [cu[i], cu[i+1]) span,
-    nothing across spans (cu_seqlens [b, n], as the data loader stacks the samples')."""
-    cu = cu_seqlens.reshape(cu_seqlens.shape[0] if cu_seqlens.dim() > 1 else 1, -1).long()
-    positions = torch.arange(seq_length, device=cu.device)
-    doc = torch.searchsorted(cu[:, 1:].contiguous(), positions.expand(cu.shape[0], -1).contiguous(), right=True)
-    same = doc[:, :, None] == doc[:, None, :]
-    causal = torch.ones(seq_length, seq_length, dtype=torch.bool, device=cu.device).tril_()
-    return ~(same & causal)[:, None]
-
-
 def check_sft_flags(micro_batch_size: int, reset_position_ids: bool, reset_attention_mask: bool,
-                    eod_mask_loss: bool = False) -> None:
+                    eod_mask_loss: bool = False, deepspeed_pipeline: bool = False) -> None:
     """The flags --sft cannot take (Megatron-LM's SFT path asserts the same or ignores them), one line each."""
+    if deepspeed_pipeline:
+        raise ArgumentError("--sft under DeepSpeed's pipeline engine: its pipe model (GPTModelPipe) does not read "
+                            "packed rows (conversations would attend across boundaries); use "
+                            "--no-pipeline-parallel or Megatron's pipeline (without --deepspeed)")
     if micro_batch_size != 1:
         raise ArgumentError(f"--sft packs conversations into rows with their own cu_seqlens: --micro-batch-size "
                             f"must be 1 (got {micro_batch_size}), as in Megatron-LM; raise --global-batch-size")

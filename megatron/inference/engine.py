@@ -61,9 +61,6 @@ class _Request:
     registered: int = 0  # full prompt blocks registered in the prefix cache
     reserved: int = 0  # blocks this request holds (shared ones included)
 
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of KV cache one token takes on this rank: every attention layer's K and V (this rank's query groups),
@@ -197,7 +194,8 @@ class InferenceEngine:
     # ---- one step -------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Admit, run one forward over every running request's next tokens, sample; the outputs of this step (new
-        tokens, finished and cancelled requests). On TP ranks other than 0: run rank 0's next forward, return []."""
+        tokens, finished and cancelled requests). On the other model-parallel ranks: run rank 0's next forward, return
+        []."""
         if not self.leader:
             self.follow_one()
             return []
@@ -220,6 +218,7 @@ class InferenceEngine:
             running = [r for r in self.running if r.request_id == rid]
             for req in queued:
                 self.queue.remove(req)
+                self.ids.discard(rid)
             for req in running:
                 self._release(req)
             if queued or running:
@@ -304,7 +303,8 @@ class InferenceEngine:
                     rows=torch.tensor(rows, dtype=torch.long, device=dev), row_spec=row_spec)
 
     def _broadcast_plan(self, batch: Optional[dict]) -> Optional[dict]:
-        """Send (rank 0) or receive (other TP ranks) the step's tensors; None = shut down. Collective over TP."""
+        """Send (rank 0) or receive (the other model-parallel ranks) the step's tensors; None = shut down. Collective
+        over the plan group (TP, or TP x PP)."""
         if self.plan_group is None:
             return batch
         src = dist.get_global_rank(self.plan_group, 0)
@@ -327,7 +327,7 @@ class InferenceEngine:
         return torch.empty(shape, dtype=torch.long, device=self.device)
 
     def follow_one(self) -> bool:
-        """(TP ranks other than 0) Run rank 0's next step; False when rank 0 has shut the engine down."""
+        """(Model-parallel ranks other than 0) Run rank 0's next step; False when rank 0 has shut the engine down."""
         batch = self._broadcast_plan(None)
         if batch is None:
             self.finished_signal = True
@@ -336,12 +336,12 @@ class InferenceEngine:
         return True
 
     def follow(self) -> None:
-        """(TP ranks other than 0) Run rank 0's steps until it calls `shutdown()`."""
+        """(Model-parallel ranks other than 0) Run rank 0's steps until it calls `shutdown()`."""
         while self.follow_one():
             pass
 
     def shutdown(self) -> None:
-        """(rank 0) Tell the other TP ranks to leave `follow()`; collective over TP."""
+        """(rank 0) Tell the other model-parallel ranks to leave `follow()` (or end one `step()`); collective."""
         if self.plan_group is not None and self.leader:
             self._broadcast_plan(None)
 

@@ -55,7 +55,6 @@ class EngineConfig:
     chunked_prefill: bool = False
     prefix_caching: bool = True
     num_blocks: Optional[int] = None
-    max_queued: Optional[int] = None
 
 
 @dataclass

@@ -333,6 +333,29 @@ class CoreAttention(MegatronModule):
                                         softmax_scale=1.0 / math.sqrt(hn), causal=True, window_size=window)
         return ctx.view(b, sq, np_ * hn).transpose(0, 1).contiguous()
 
+    def runs_per_document(self, recompute: bool) -> bool:
+        """Whether packed rows run as one causal SDPA call per document (measured faster on CPU than the row's
+        block-diagonal mask: tools/benchmarks/bench_packing.py --attention): the vanilla causal softmax without
+        ALiBi, sliding window, active attention dropout or selective recomputation; else the document mask."""
+        return (self.allow_sdpa and self.softmax_type == "vanilla" and self.alibi is None and self.window is None
+                and self.attn_mask_type == AttnMaskType.causal and not self._dropout_active() and not recompute)
+
+    def per_document(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedSeqParams) -> torch.Tensor:
+        """Causal attention inside each packed document, one SDPA call per document (the end padding too):
+        q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np * hn]."""
+        sq, b, np_, hn = q.shape
+        cu = packed.flat_cu_seqlens(b, sq, q.device)[0].tolist()
+        q, k, v = (t.transpose(0, 1).reshape(b * sq, t.size(2), hn).transpose(0, 1) for t in (q, k, v))  # [h, t, d]
+        gqa = {"enable_gqa": True} if k.size(0) != np_ and _SDPA_HAS_GQA else {}
+        if k.size(0) != np_ and not gqa:
+            k, v = (t.repeat_interleave(np_ // t.size(0), dim=0) for t in (k, v))
+        deterministic = self.deterministic_mode and q.is_cuda  # as _sdpa: the fused CUDA backwards are not
+        with sdpa_kernel(SDPBackend.MATH) if deterministic else contextlib.nullcontext():
+            parts = [F.scaled_dot_product_attention(q[:, a:e], k[:, a:e], v[:, a:e], is_causal=True,
+                                                    scale=1.0 / math.sqrt(hn), **gqa) for a, e in zip(cu[:-1], cu[1:])]
+        ctx = torch.cat(parts, dim=1)  # [np, b * s, hn]
+        return ctx.transpose(0, 1).reshape(b, sq, np_ * hn).transpose(0, 1).contiguous()
+
     def _flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         sq, b, np_, hn = q.shape
         q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))  # [b, s, np, hn], flash-attn's layout
@@ -641,6 +664,8 @@ class ParallelAttention(MegatronModule):
             context = self._context_parallel_forward(query, key, value, attention_mask)
         elif packed_seq_params is not None and self.core_attention.can_use_flash_varlen(query):
             context = self.core_attention.flash_varlen(query, key, value, packed_seq_params)
+        elif packed_seq_params is not None and self.core_attention.runs_per_document(self.checkpoint_core_attention):
+            context = self.core_attention.per_document(query, key, value, packed_seq_params)
         elif self.checkpoint_core_attention and self.training and torch.is_grad_enabled():
             context = self._checkpointed_attention_forward(query, key, value, attention_mask)
         else:

@@ -46,7 +46,7 @@ def _assert_same(ours: dict, theirs: dict) -> None:
 
 
 CASES = {  # name: (prompt format, seq_length, sizes, cp, --data-path / per-split paths, --split)
-    "split": ("nemotron-h-aligned", 320, [230, 17, 3], 1, "one", "90,8,2"),  # 230 > lines: the order wraps
+    "split": ("nemotron-h-aligned", 320, [190, 17, 3], 1, "one", "90,8,2"),  # 190 > 180 lines: the order wraps
     "cp2": ("nemotron-nano-v2", 320, [30, 4, 2], 2, "one", "90,8,2"),
     "blend": ("nemotron-h-aligned", 320, [40, 6, 0], 1, "blend", "80,20,0"),
     "per_split": ("nemotron-h-aligned", 320, [12, 5, 0], 1, "per_split", None),

@@ -169,7 +169,8 @@ def test_cancel_frees_blocks_of_running_and_queued_requests():
     assert sorted((o.request_id, o.finish_reason) for o in outs) == [("run", "cancelled"), ("wait", "cancelled")]
     assert not engine.has_work() and engine.stats.free_blocks == engine.stats.total_blocks
     engine.pool.check()
-    engine.add_request("run", [1, 2, 3], GREEDY)  # the id is free again
+    engine.add_request("run", [1, 2, 3], GREEDY)  # the ids are free again
+    engine.add_request("wait", [1, 2, 3], GREEDY)
 
 
 @pytest.mark.parametrize("config,prompt,params,message", [
@@ -222,3 +223,27 @@ def test_identical_prompts_share_their_full_blocks_and_answer_alike():
     assert engine.stats.prefix_hit_blocks == 2  # both later requests took block 0 from the cache
     assert again[0][0] == again[1][0] == first[0][0] == static_greedy(model, prompt, NEW)[0]
     torch.testing.assert_close(torch.tensor(again[1][1]), torch.tensor(first[0][1]), rtol=0, atol=1e-5)
+
+
+def test_chunked_prefill_keeps_running_requests_decoding():
+    model = build_gpt(tiny_config(**LLAMA)).eval()
+    config = EngineConfig(num_blocks=48, block_size=4, max_tokens=6, chunked_prefill=True)
+    engine = InferenceEngine(model, config, eod=EOD)
+    params = SamplingParams(max_new_tokens=12, greedy=True, stop_on_eod=False)
+    engine.add_request("a", [1, 2, 3], params)
+    engine.add_request("b", [4, 5], params)
+    engine.step()  # both prompts in one step
+    long_prompt = list(range(1, 21))
+    engine.add_request("long", long_prompt, params)
+    steps_to_first_token = 0
+    while True:
+        outs = {o.request_id: o for o in engine.step()}
+        steps_to_first_token += 1
+        assert {"a", "b"} <= set(outs)  # the running requests got a token in every step of the long prefill
+        if "long" in outs:
+            break
+    assert steps_to_first_token == 5  # 20 prompt tokens at 6 - 2 decodes = 4 per step
+    tokens = outs["long"].new_tokens
+    while engine.has_work():
+        tokens += [t for o in engine.step() if o.request_id == "long" for t in o.new_tokens]
+    assert tokens == static_greedy(model, long_prompt, 12)[0]

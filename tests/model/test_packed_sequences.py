@@ -146,7 +146,7 @@ def _fake_varlen(calls: list):
     return flash_attn_varlen_func
 
 
-def test_flash_varlen_wiring_equals_the_document_mask_path(monkeypatch):
+def test_flash_varlen_and_per_document_paths_equal_the_document_mask_path(monkeypatch):
     model = _model("llama").eval()
     core = model.language_model.encoder.layers[0].self_attention.core_attention
     calls: list = []
@@ -158,5 +158,7 @@ def test_flash_varlen_wiring_equals_the_document_mask_path(monkeypatch):
     via_flash = core.flash_varlen(q, k, v, packed)
     via_mask = core(q, k, v, packed.attention_mask(2, SEQ))
     torch.testing.assert_close(via_flash, via_mask, rtol=1e-5, atol=1e-6)
+    assert core.runs_per_document(recompute=False) and not core.runs_per_document(recompute=True)
+    torch.testing.assert_close(core.per_document(q, k, v, packed), via_mask, rtol=1e-5, atol=1e-6)  # the CPU path
     assert calls == [dict(cu=[0, 5, 22, 64, 104, 124, 128], max=42, causal=True, window=(-1, -1),
                           dtype=torch.int32)]

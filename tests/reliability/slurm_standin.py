@@ -9,13 +9,16 @@ SLURMD_NODENAME, SLURM_TASKS_PER_NODE (``2(x2)``). The nodes are given by MH_CLU
 the test sets for the batch script. Like srun it forwards SIGTERM/SIGINT/SIGUSR1/SIGUSR2 to every task; with
 ``--kill-on-bad-exit=1`` a task that exits non-zero gets the others SIGKILLed. A task killed by a signal from
 outside (its node lost) is reported as a node failure, as slurmctld would, and the others are left to finish (they
-see the loss themselves); srun then exits non-zero.
+see the loss themselves); srun then exits non-zero. Tasks on a node whose cluster interface is down cannot be
+reached: srun says so and leaves them to end on their own, and their exits are not seen (nor acted on) while other
+tasks run, as a real srun cannot reach that node's slurmd.
 
 ``scontrol show hostnames LIST`` prints the job's hosts one a line (LIST must be the job's node list);
 ``scontrol requeue JOBID`` appends its arguments to $MH_SCONTROL_LOG.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -72,6 +75,12 @@ def task_env(node: int, local: int, name: str, opts: dict) -> dict:
     return env
 
 
+def reachable(netns: str) -> bool:
+    """Whether the node's cluster interface is up (srun reaches its tasks over the network)."""
+    out = subprocess.run(["ip", "-n", netns, "-j", "link", "show", "hostnet0"], capture_output=True, text=True).stdout
+    return bool(out) and json.loads(out)[0].get("operstate") == "UP"
+
+
 def srun(argv: list[str]) -> int:
     """Start the step's tasks on the job's nodes; return srun's exit code."""
     opts, command = parse_srun(argv)
@@ -81,23 +90,26 @@ def srun(argv: list[str]) -> int:
         for local in range(opts["ntasks_per_node"]):
             launch = ["ip", "netns", "exec", netns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
                       name, *command]
-            tasks.append((name, subprocess.Popen(launch, env=task_env(node, local, name, opts))))
+            tasks.append((name, netns, subprocess.Popen(launch, env=task_env(node, local, name, opts))))
 
     def forward(signum: int, _frame: object) -> None:
-        for _, proc in tasks:
+        for _, _, proc in tasks:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
-    code, pending = 0, list(tasks)
+    code, pending, here, killed = 0, list(tasks), os.environ.get("SLURMD_NODENAME"), set()
     while pending:
-        for name, proc in list(pending):
+        up = {netns: name == here or reachable(netns) for name, netns, _ in pending}
+        # An unreachable node's task exits are not known here until nothing else runs (slurmctld's verdict).
+        for task in [t for t in pending if up[t[1]]] or list(pending):
+            name, _, proc = task
             rc = proc.poll()
             if rc is None:
                 continue
-            pending.remove((name, proc))
-            if rc < 0:
+            pending.remove(task)
+            if rc < 0 and proc.pid not in killed:
                 print(f"srun: error: Node failure on {name} (task killed by signal {-rc})", file=sys.stderr,
                       flush=True)
                 code = code or 1
@@ -105,9 +117,14 @@ def srun(argv: list[str]) -> int:
                 print(f"srun: error: {name}: task exited with exit code {rc}", file=sys.stderr, flush=True)
                 code = code or rc
                 if opts["kill_on_bad_exit"]:
-                    for _, other in pending:
-                        other.kill()
-        time.sleep(0.05)  # polling the tasks' exits (srun's wait loop)
+                    for other_name, other_netns, other in pending:
+                        if up[other_netns]:
+                            other.kill()
+                            killed.add(other.pid)
+                        else:
+                            print(f"srun: error: {other_name} is unreachable: its tasks are not killed",
+                                  file=sys.stderr, flush=True)
+        time.sleep(0.2)  # polling the tasks' exits (srun's wait loop)
     return code
 
 

@@ -3,15 +3,15 @@
 A chat dataset's conversations have a long-tailed length distribution (log-normal, median ~`--median` tokens,
 clipped to the sequence length). Padded: every conversation in a row of its own, padded to --seq-length (what
 training without packing does). Packed: conversations placed greedily (first fit, longest first) into rows of
---seq-length, each row a `PackedSeqParams` (per-document causal attention and positions; on CPU the block-diagonal
-mask through SDPA). Both train the same Llama-style model (RMSNorm, SwiGLU, RoPE, GQA), fp32, forward + backward +
+--seq-length, each row a `PackedSeqParams` (per-document causal attention and positions; on CPU one causal SDPA
+call per document). Both train the same Llama-style model (RMSNorm, SwiGLU, RoPE, GQA), fp32, forward + backward +
 SGD step per micro-batch of `--micro-batch-size` rows, with the per-token loss (sum over the real tokens / their
 count, so the two see the same loss). Reported per layout: rows, share of padding, wall time of one epoch over the
 conversations and real tokens per second; then the speed-up.
 
 `--attention`: the choice of the CPU path. Attention alone (forward + backward, 8 heads of 16) over the packed rows:
-the documents' block-diagonal mask through one SDPA call per row (what the model runs) against a loop of causal
-SDPA calls, one per document.
+the documents' block-diagonal mask through one SDPA call per row against a loop of causal SDPA calls, one per
+document (what the model runs on CPU).
 
     python tools/benchmarks/bench_packing.py [--docs 96] [--seq-length 512] [--median 80] [--micro-batch-size 4]
                                               [--epochs 2] [--threads N] [--attention] [--json out.json]
