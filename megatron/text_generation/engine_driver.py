@@ -247,9 +247,10 @@ def run_to_completion(engine: Any, prompts: list[list[int]], params: Any) -> lis
     """Submit every prompt to `engine` at once (`params`: one SamplingParams for all, or a list, one per prompt)
     and step it until all have finished (one thread, no driver): the
     batch tools' way to use the engine (tools/generate_samples_gpt.py, the lm-eval adapter). Every rank calls it:
-    under tensor parallelism TP rank 0 runs the requests while the others follow its steps, and the completions are
-    broadcast so that every rank returns them. An engine refusal is raised before any step runs."""
-    tp_group = getattr(engine, "tp_group", None)
+    under model parallelism the engine's leader runs the requests while the others follow its steps, and the
+    completions are broadcast over the engine's plan group so that every rank returns them. An engine refusal is
+    raised before any step runs."""
+    tp_group = getattr(engine, "plan_group", getattr(engine, "tp_group", None))
     if not getattr(engine, "leader", True):
         engine.follow()  # until TP rank 0's shutdown()
         return _share_result(None, None, tp_group)
