@@ -18,7 +18,7 @@ from megatron.errors import MegatronUserError
 from megatron.inference import EngineConfig, InferenceEngine, SamplingParams
 from megatron.text_generation import generate
 from megatron.text_generation.engine_driver import EngineDriver, run_to_completion
-from megatron.text_generation.server import build_server
+from megatron.text_generation.server import MegatronServer, build_server
 from tests.text_generation.test_server_http import call, put, tiny_gpt, tiny_tokenizer
 from tools.benchmarks.bench_serving import load_test, summarize
 
@@ -326,3 +326,30 @@ def test_run_to_completion_submits_everything_at_once():
     assert engine.most_running == 3 and not engine.has_work()
     with pytest.raises(MegatronUserError, match="never fit"):
         run_to_completion(FakeEngine(), [[1] * 60], Params(max_new_tokens=4))
+
+
+def test_full_queue_429_on_the_static_path_too():
+    """--max-queued-requests bounds today's one-at-a-time server as well: a request past it gets 429 + Retry-After."""
+    release, entered = threading.Event(), threading.Event()
+
+    def held_generate(prompts, tokens_to_generate, **options):
+        entered.set()
+        release.wait(60)
+        return {"text": list(prompts), "segments": [[p] for p in prompts]}
+
+    server = MegatronServer(held_generate, len, max_sequence_length=CONTEXT, max_queued_requests=1,
+                            log=lambda msg: None)
+    address = server.start("127.0.0.1", 0)
+    try:
+        first = []
+        thread = threading.Thread(target=lambda: first.append(put(address, {"prompts": ["a"], "tokens_to_generate": 1})))
+        thread.start()
+        assert entered.wait(30)
+        status, body = put(address, {"prompts": ["b"], "tokens_to_generate": 1})
+        assert status == 429 and "--max-queued-requests" in body["message"]
+        release.set()
+        thread.join(30)
+        assert first[0] == (200, {"text": ["a"], "segments": [["a"]], "logprobs": None})
+    finally:
+        release.set()
+        server.shutdown()
