@@ -11,7 +11,7 @@ from megatron.inference.types import EngineConfig
 
 def engine_config_from_args(args: argparse.Namespace) -> Optional[EngineConfig]:
     """The EngineConfig of --inference-dynamic-batching (None without it); a bad value raises ArgumentError."""
-    if not getattr(args, "inference_dynamic_batching", False):
+    if not args.inference_dynamic_batching:
         return None
     buffer_gb = float(args.inference_dynamic_batching_buffer_size_gb)
     block_size = int(args.inference_dynamic_batching_block_size)
