@@ -168,7 +168,9 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: list[int]) ->
 def sft_datasets_provider(train_val_test_num_samples: list[int]) -> tuple[Any, Any, Any]:
     """--sft: Megatron-LM's SFTDataset over the JSONL files of --data-path (or --train/valid/test-data-path)."""
     args = global_vars.get_args()
-    check_sft_flags(args.micro_batch_size, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss)
+    ds_pipe = bool(args.deepspeed) and args.pipeline_model_parallel_size > 1 and not args.no_pipeline_parallel
+    check_sft_flags(args.micro_batch_size, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss,
+                    deepspeed_pipeline=ds_pipe)
     if not (args.data_path or args.train_data_path):
         raise ValueError("pretrain_gpt.py --sft needs --data-path FILE.jsonl (one {\"messages\": [...]} per line) or "
                          "--train-data-path/--valid-data-path/--test-data-path")

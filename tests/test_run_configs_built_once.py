@@ -1,4 +1,4 @@
-"""The run's typed records are built once, in pretrain(), and passed down (issue #23, "Settings and state").
+"""The run's typed records are built once, in pretrain() (its body `_pretrain_attempt`), and passed down (issue #23, "Settings and state").
 
 An AST scan of the training loop, the backends, the model set-up and the checkpoint code: no library function there
 builds a record from the flags (``X.from_args(args)``) except Megatron's public wrappers that take no records
@@ -29,7 +29,7 @@ WRAPPERS = {("megatron/compat.py", "save_checkpoint"),
 # _initialize_model_parallel); --use-checkpoint-args writes the checkpoint's architecture
 # onto them before validation; the LR schedule's builder turns --train-samples into --train-iters on them (as
 # Megatron's does; also used by megatron/ds/engine.py); args_to_save copies them for a checkpoint.
-FLAG_SIDE = {("megatron/training.py", "pretrain"),
+FLAG_SIDE = {("megatron/training.py", "_pretrain_attempt"),  # pretrain()'s body (in-process restarts rerun it)
              ("megatron/initialize.py", "initialize_megatron"),  # its args: Megatron's argv list
              ("megatron/initialize.py", "finish_mpu_init"),
              ("megatron/compat.py", "load_args_from_checkpoint"),
@@ -72,12 +72,12 @@ def test_library_functions_take_records_not_args() -> None:
 
 
 def test_pretrain_builds_the_records_once() -> None:
-    (pretrain,) = [fn for fn in _functions("megatron/training.py") if fn.name == "pretrain"]
+    (pretrain,) = [fn for fn in _functions("megatron/training.py") if fn.name == "_pretrain_attempt"]
     builds = [n for n in ast.walk(pretrain) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
               and n.func.attr == "from_args"]
     assert [(b.func.value.id, b.args[0].id) for b in builds] == [("RunConfigs", "args")]
     for fn in _functions("megatron/training.py"):
-        if fn.name != "pretrain":
+        if fn.name != "_pretrain_attempt":
             assert not [n for n in ast.walk(fn) if isinstance(n, ast.Attribute) and n.attr == "from_args"], fn.name
 
 

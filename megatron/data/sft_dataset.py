@@ -245,8 +245,12 @@ class SFTBuilder:
 
 
 def check_sft_flags(micro_batch_size: int, reset_position_ids: bool, reset_attention_mask: bool,
-                    eod_mask_loss: bool = False) -> None:
+                    eod_mask_loss: bool = False, deepspeed_pipeline: bool = False) -> None:
     """The flags --sft cannot take (Megatron-LM's SFT path asserts the same or ignores them), one line each."""
+    if deepspeed_pipeline:
+        raise ArgumentError("--sft under DeepSpeed's pipeline engine: its pipe model (GPTModelPipe) does not read "
+                            "packed rows (conversations would attend across boundaries); use "
+                            "--no-pipeline-parallel or Megatron's pipeline (without --deepspeed)")
     if micro_batch_size != 1:
         raise ArgumentError(f"--sft packs conversations into rows with their own cu_seqlens: --micro-batch-size "
                             f"must be 1 (got {micro_batch_size}), as in Megatron-LM; raise --global-batch-size")

@@ -7,16 +7,18 @@ from typing import Optional
 
 from megatron.errors import ArgumentError
 from megatron.inference.types import EngineConfig
+from megatron.settings.values import Settings
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Optional[EngineConfig]:
     """The EngineConfig of --inference-dynamic-batching (None without it); a bad value raises ArgumentError."""
-    if not args.inference_dynamic_batching:
+    settings = Settings.from_args(args)  # a namespace without these flags reads their declared defaults
+    if not settings.value("inference_dynamic_batching"):
         return None
-    buffer_gb = float(args.inference_dynamic_batching_buffer_size_gb)
-    block_size = int(args.inference_dynamic_batching_block_size)
-    max_requests = args.inference_dynamic_batching_max_requests
-    max_tokens = args.inference_dynamic_batching_max_tokens
+    buffer_gb = float(settings.value("inference_dynamic_batching_buffer_size_gb"))
+    block_size = int(settings.value("inference_dynamic_batching_block_size"))
+    max_requests = settings.value("inference_dynamic_batching_max_requests")
+    max_tokens = settings.value("inference_dynamic_batching_max_tokens")
     if buffer_gb <= 0:
         raise ArgumentError(f"--inference-dynamic-batching-buffer-size-gb must be > 0, got {buffer_gb}")
     if block_size < 1:
@@ -27,4 +29,4 @@ def engine_config_from_args(args: argparse.Namespace) -> Optional[EngineConfig]:
         raise ArgumentError(f"--inference-dynamic-batching-max-tokens must be >= 1, got {max_tokens}")
     return EngineConfig(buffer_size_gb=buffer_gb, block_size=block_size, max_requests=max_requests,
                         max_tokens=max_tokens if max_tokens is not None else EngineConfig.max_tokens,
-                        chunked_prefill=not args.disable_chunked_prefill)
+                        chunked_prefill=not settings.value("disable_chunked_prefill"))

@@ -93,3 +93,14 @@ def test_deepspeed_is_refused_in_one_line(monkeypatch):
     with pytest.raises(ArgumentError, match="^--calculate-per-token-loss is not implemented with --deepspeed") as info:
         validate_args(args)
     assert "\n" not in str(info.value)
+
+
+def test_bert_and_t5_are_refused_in_one_line(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 64 "
+            "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --calculate-per-token-loss").split()
+    args = parse_args(args=argv)
+    args.world_size = 1
+    with pytest.raises(ArgumentError, match="^--calculate-per-token-loss is implemented for pretrain_gpt.py"):
+        validate_args(args, defaults={"model_family": "bert"})

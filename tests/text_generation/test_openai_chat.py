@@ -212,15 +212,16 @@ def test_lm_eval_local_chat_completions(served, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from lm_eval.models.openai_completions import LocalChatCompletion
+    from lm_eval.tasks import TaskManager
 
-    from tasks.eval_harness.evaluate import task_manager
     from tests.tasks.test_eval_harness import LOCAL_TASKS
 
     address, model, tokenizer, _ = served
     remote = LocalChatCompletion(base_url=f"http://{address[0]}:{address[1]}/v1/chat/completions", model="m",
                                  max_gen_toks=8, max_retries=1)
     results = lm_eval.simple_evaluate(model=remote, tasks=["qa_gen_local"], limit=3, bootstrap_iters=0,
-                                      apply_chat_template=True, task_manager=task_manager(LOCAL_TASKS),
+                                      apply_chat_template=True,
+                                      task_manager=TaskManager(include_path=LOCAL_TASKS, include_defaults=False),
                                       log_samples=True)
     samples = results["samples"]["qa_gen_local"]
     assert len(samples) == 3 and any(sample["resps"][0][0] for sample in samples)

@@ -92,4 +92,6 @@ def test_sft_refuses_flags_megatron_refuses() -> None:
         check_sft_flags(1, True, False)
     with pytest.raises(ArgumentError, match="drop --eod-mask-loss"):
         check_sft_flags(1, False, False, True)
+    with pytest.raises(ArgumentError, match="GPTModelPipe"):
+        check_sft_flags(1, False, False, False, deepspeed_pipeline=True)
     assert check_sft_flags(1, False, False, False) is None
