@@ -319,15 +319,12 @@ def _validate_deepspeed(args: argparse.Namespace, deepspeed_step: Optional[DeepS
 
 
 def _validate_muon(args: argparse.Namespace) -> None:
-    """--optimizer muon's combinations Megatron-LM core 0.16.1 refuses (and dist_muon, not built here)."""
+    """--optimizer muon's (and dist_muon's) combinations Megatron-LM core 0.16.1 refuses."""
     if getattr(args, "optimizer", "adam") not in ("muon", "dist_muon"):
         return
-    _require(args.optimizer == "muon", "--optimizer dist_muon (Megatron-LM's layer-wise distributed Muon) is not "
-             "implemented here; use --optimizer muon without --use-distributed-optimizer")
-    _require(not args.use_distributed_optimizer, "--optimizer muon does not work with --use-distributed-optimizer "
-             "(as in Megatron-LM core 0.16.1: Muon orthogonalises whole matrices); drop --use-distributed-optimizer")
-    _require(getattr(args, "ckpt_format", "torch") == "torch", "--optimizer muon saves its state in the legacy "
-             "format only for now (torch_dist writes Adam's model-space state); use --ckpt-format torch")
+    _require(not args.use_distributed_optimizer, f"--optimizer {args.optimizer} does not work with "
+             "--use-distributed-optimizer (as in Megatron-LM core 0.16.1: Muon orthogonalises whole matrices); drop "
+             "--use-distributed-optimizer and use --optimizer dist_muon (layer-wise distributed over data parallel)")
     _require(args.muon_fp32_matmul_prec != "low", "--muon-fp32-matmul-prec low: torch has no such float32 matmul "
              "precision; use medium (bf16 Newton-Schulz, the default) or high (fp32)")
     _require(args.muon_num_ns_steps >= 5 and args.muon_num_ns_steps % 5 == 0, f"--muon-num-ns-steps "

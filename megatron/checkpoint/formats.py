@@ -41,7 +41,12 @@ from megatron.checkpoint.conversion.torch_dist import (
     read_iteration_state,
     write_torch_dist,
 )
-from megatron.checkpoint.conversion.torch_dist_optim import optimizer_common, optimizer_sd, param_state
+from megatron.checkpoint.conversion.torch_dist_optim import (
+    incomplete_names,
+    optimizer_common,
+    optimizer_sd,
+    param_state,
+)
 from megatron.checkpoint.conversion.vocab import repad_rows
 from megatron.checkpoint.safe_load import safe_torch_load
 from megatron.errors import MegatronUserError
@@ -322,10 +327,11 @@ def _load_optimizer_state(optimizer: Any, models: List[Any], opt_full: Dict[str,
         entries = {}
         for name, _ in model.named_parameters():
             missing = [key for key, piece in pieces.items() if name not in piece]
-            if missing:
+            if missing and incomplete_names({key: {name: None} if name in piece else {}
+                                             for key, piece in pieces.items()}):  # (Muon's state: momentum or moments)
                 raise CheckpointFormatError(f"the checkpoint has no optimizer {missing[0]} for {name}; pass "
                                             "--no-load-optim")
-            entries[name] = {key: piece[name].float() for key, piece in pieces.items()}
+            entries[name] = {key: piece[name].float() for key, piece in pieces.items() if name in piece}
         chunks.append(entries)
     inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside ours
     try:

@@ -151,6 +151,8 @@ def write_checkpoint(
             param_state = expert_shards.param_state(param_state, whole, models)
         elif optimizer is not None and not cfg.no_save_optim:
             optim_sd = expert_shards.regular_optimizer_state(optimizer.state_dict(), models, whole)
+    elif optimizer is not None and getattr(optimizer, "state_dict_is_collective", False) and not cfg.no_save_optim:
+        optim_sd = optimizer.state_dict()  # --optimizer dist_muon: the owners' state gathered on every rank
     writer = state.writes_checkpoint
     if writer is None:  # a state built by hand: Megatron-LM's rule
         writer = (state.edp_rank if state.ep_size > 1 else state.dp_rank) == 0

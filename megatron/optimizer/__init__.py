@@ -69,7 +69,8 @@ def _can_use_fused_adam(param_groups: list[dict], config: OptimizerConfig) -> Op
 
 
 def _muon(model_chunks, param_groups: list[dict], config: OptimizerConfig, parallel_state) -> MuonWithAdamW:
-    """Muon for the 2-D weights, AdamW for the rest (megatron/optimizer/muon.py), over this run's TP groups."""
+    """Muon for the 2-D weights, AdamW for the rest (megatron/optimizer/muon.py), over this run's TP groups;
+    `--optimizer dist_muon`: distributed layer-wise over the data-parallel ranks (megatron/optimizer/layer_wise.py)."""
     chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     groups = muon_param_groups(chunks, param_groups, config.muon_split_qkv)
     state = parallel_state if parallel_state is not None else (
@@ -78,13 +79,17 @@ def _muon(model_chunks, param_groups: list[dict], config: OptimizerConfig, paral
     etp_size = getattr(state, "etp_size", None) or getattr(state, "tp_size", 1)
     etp_group = (getattr(state, "etp_group", None) or getattr(state, "tp_group", None)) if etp_size > 1 else None
     adam = [g for g in groups if not g["muon"]]
+    layer_wise = config.optimizer == "dist_muon" and state is not None  # Megatron-LM's layer-wise distribution
+    dp_group = state.dp_cp_group if layer_wise else None
+    edp_group = state.edp_group if layer_wise and getattr(state, "ep_size", 1) > 1 else None
     return MuonWithAdamW(
         groups, lr=config.lr, weight_decay=config.weight_decay, momentum=config.muon_momentum,
         nesterov=config.muon_use_nesterov, scale_mode=config.muon_scale_mode,
         extra_scale_factor=config.muon_extra_scale_factor, num_ns_steps=config.muon_num_ns_steps,
         fp32_matmul_prec=config.muon_fp32_matmul_prec, tp_mode=config.muon_tp_mode,
         betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, tp_group=tp_group,
-        expert_tp_group=etp_group, adam_fused=_can_use_fused_adam(adam, config) if adam else None)
+        expert_tp_group=etp_group, adam_fused=_can_use_fused_adam(adam, config) if adam else None,
+        dp_group=dp_group, expert_dp_group=edp_group)
 
 
 def get_megatron_optimizer(
@@ -120,13 +125,13 @@ def get_megatron_optimizer(
             eps=config.adam_eps,
             fused=_can_use_fused_adam(param_groups, config),
         )
-    elif config.optimizer == "muon":
+    elif config.optimizer in ("muon", "dist_muon"):
         inner = _muon(model_chunks, param_groups, config, parallel_state)
     elif config.optimizer == "sgd":
         inner = torch.optim.SGD(param_groups, lr=config.lr, weight_decay=config.weight_decay,
                                 momentum=config.sgd_momentum)
     else:
-        raise ValueError(f"--optimizer {config.optimizer!r} is not supported; use 'adam', 'sgd' or 'muon'")
+        raise ValueError(f"--optimizer {config.optimizer!r} is not supported; use 'adam', 'sgd', 'muon' or 'dist_muon'")
 
     mp_group, tp_rank = _resolve_parallel_state(parallel_state)
     grad_scaler: Optional[MegatronGradScaler] = None

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron.core.utils import unwrap_model as _unwrap
 from megatron.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32
 from megatron.optimizer.grad_scaler import MegatronGradScaler
+from megatron.optimizer.muon import muon_param_groups
 from megatron.optimizer.optimizer import PARALLEL_ATTRS, MixedPrecisionOptimizer, StepResult, optimizer_timer
 from megatron.optimizer.param_groups import get_param_groups
 
@@ -294,6 +295,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if saved is None or saved["param"].numel() != entry.model_param.numel():
                 raise ValueError(f"distrib_optim.pt has no state of the right size for {entry.name}; it is from a "
                                  "different model or tensor/pipeline layout")
+            if any(k not in saved for k in keys):
+                raise ValueError(f"distrib_optim.pt holds --optimizer muon state ({entry.name} has no "
+                                 f"{'/'.join(k for k in keys if k not in saved)}), which the distributed optimizer "
+                                 "does not take; resume with --optimizer muon or dist_muon, or pass --no-load-optim")
             with torch.no_grad():
                 entry.main_param.copy_(saved["param"].view(-1)[entry.lo:entry.hi])
                 if entry.model_param.dtype != torch.float32:
@@ -360,10 +365,9 @@ def param_state_to_regular_state(param_state: dict, common: dict, model_chunks: 
     regular optimizer `optimizer` (FP32Optimizer / Float16OptimizerWithFloat16Params) loads."""
     if param_state.get("format") != PARAM_STATE_FORMAT:
         raise ValueError("distrib_optim.pt is not in megatron-lite's per-parameter format; pass --no-load-optim")
-    current = optimizer.optimizer.state_dict()["param_groups"]
+    current = torch.optim.Optimizer.state_dict(optimizer.optimizer)["param_groups"]  # (dist_muon's own: collective)
     if any(g.get("muon") for g in current):
-        raise ValueError("the checkpoint holds the distributed optimizer's Adam state, which --optimizer muon does not "
-                         "take; resume with its optimizer flags, or pass --no-load-optim")
+        return _muon_regular_state(param_state, common, model_chunks, optimizer, current)
     order = model_param_order(model_chunks)
     saved_groups = common.get("optimizer", {}).get("param_groups", [])
     groups = []
@@ -388,6 +392,45 @@ def param_state_to_regular_state(param_state: dict, common: dict, model_chunks: 
             if param.dtype != torch.float32:
                 fp32_from_fp16[g].append(saved["param"].view(param.shape).clone())
     inner = {"state": state, "param_groups": groups}
+    if not hasattr(optimizer, "fp32_from_float16_groups"):
+        return inner
+    out = {"optimizer": inner, "fp32_from_fp16_params": fp32_from_fp16}
+    if "grad_scaler" in common:
+        out["grad_scaler"] = common["grad_scaler"]
+    return out
+
+
+def _muon_regular_state(param_state: dict, common: dict, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
+                        current: List[dict]) -> dict:
+    """`param_state_to_regular_state` for --optimizer muon / dist_muon: the per-parameter state (``momentum_buffer``
+    of the Muon matrices, Adam's moments of the rest, as convert.py writes a Muon run's state) in the optimizer's
+    own group order; this run's groups are kept (their hyperparameters are the scheduler's)."""
+    chunks = [_unwrap(chunk) for chunk in model_chunks]
+    split = any(g.get("qkv_split") for g in current)
+    order = [p for group in muon_param_groups(chunks, get_param_groups(chunks), split) for p in group["params"]]
+    names = {p: (c, n) for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+    state: Dict[int, dict] = {}
+    fp32_from_fp16: List[List[torch.Tensor]] = [[] for _ in current]
+    position = 0
+    for g, group in enumerate(current):
+        for index in group["params"]:
+            param = order[position]
+            position += 1
+            c, name = names[param]
+            saved = param_state["chunks"][c].get(name)
+            if saved is None or saved["param"].numel() != param.numel():
+                raise ValueError(f"distrib_optim.pt has no state of the right size for {name}")
+            if "momentum_buffer" in saved and not group.get("muon") or "exp_avg" in saved and group.get("muon"):
+                raise ValueError(f"distrib_optim.pt holds another optimizer's state for {name} (Muon's for an Adam "
+                                 "parameter or the reverse); resume with its optimizer flags, or pass --no-load-optim")
+            entry = {k: v.view(param.shape).clone() for k, v in saved.items() if k != "param"}
+            if entry and not group.get("muon"):
+                entry["step"] = torch.tensor(float(param_state["step"]), dtype=torch.float32)
+            if entry:
+                state[index] = entry
+            if param.dtype != torch.float32:
+                fp32_from_fp16[g].append(saved["param"].view(param.shape).clone())
+    inner = {"state": state, "param_groups": current}
     if not hasattr(optimizer, "fp32_from_float16_groups"):
         return inner
     out = {"optimizer": inner, "fp32_from_fp16_params": fp32_from_fp16}

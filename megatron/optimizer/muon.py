@@ -25,6 +25,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.optimizer.layer_wise import LayerWiseShards
+
 NS_COEFFICIENTS: Dict[str, List[Tuple[float, float, float]]] = {
     "simple": [(3.4445, -4.7750, 2.0315)],  # torch.optim.Muon's (constant) coefficients
     "quintic": [  # Megatron-LM core's (emerging-optimizers' default) 5-step schedule
@@ -120,13 +122,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
     """Muon for the param groups marked ``muon=True``, AdamW (torch's, sharing this optimizer's state) for the
     others. A Muon group may carry ``qkv_split`` (Q, K, V rows per query group), ``expert`` (stacked [E, in, out]
     weights, orthogonalised per expert over `expert_tp_group`); each parameter's ``partition_dim`` attribute says how
-    tensor parallelism splits it. State: ``momentum_buffer`` (Muon), ``exp_avg``/``exp_avg_sq``/``step`` (Adam)."""
+    tensor parallelism splits it. State: ``momentum_buffer`` (Muon), ``exp_avg``/``exp_avg_sq``/``step`` (Adam).
+    With `dp_group` (`--optimizer dist_muon`) the parameters are distributed layer-wise over the data-parallel ranks
+    (megatron/optimizer/layer_wise.py): each rank steps its own, then all are all-gathered; `state_dict` is then a
+    collective that returns every parameter's state."""
 
     def __init__(self, param_groups: List[dict], *, lr: float, weight_decay: float, momentum: float = 0.9,
                  nesterov: bool = False, scale_mode: str = "spectral", extra_scale_factor: float = 1.0,
                  num_ns_steps: int = 5, fp32_matmul_prec: str = "medium", tp_mode: str = "blockwise",
                  coefficient_type: str = "quintic", betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 tp_group: Any = None, expert_tp_group: Any = None, adam_fused: Optional[bool] = None) -> None:
+                 tp_group: Any = None, expert_tp_group: Any = None, adam_fused: Optional[bool] = None,
+                 dp_group: Any = None, expert_dp_group: Any = None) -> None:
         muon_scale_factor(1, 1, scale_mode)  # validates the mode
         if tp_mode not in MUON_TP_MODES:
             raise ValueError(f"--muon-tp-mode {tp_mode!r} is not one of {', '.join(MUON_TP_MODES)}")
@@ -145,6 +151,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._adam = torch.optim.AdamW(adam_groups or [{"params": []}], lr=lr, weight_decay=weight_decay,
                                        betas=betas, eps=eps, fused=adam_fused if adam_groups else None)
         self._link_adam()
+        self.layer_wise = LayerWiseShards(self.param_groups, dp_group, expert_dp_group) if dp_group is not None \
+            else None
 
     def _link_adam(self) -> None:
         """The AdamW instance steps this optimizer's own non-Muon group dicts and state (also after a load)."""
@@ -156,10 +164,28 @@ class MuonWithAdamW(torch.optim.Optimizer):
             self._adam.param_groups = adam_groups
         self._adam.state = self.state
 
+    @property
+    def state_dict_is_collective(self) -> bool:
+        """True when `state_dict` gathers the layer-wise distributed state (every data-parallel rank must call it)."""
+        return self.layer_wise is not None and bool(self.layer_wise.domains)
+
+    def state_dict(self) -> dict:
+        """torch's state dict; layer-wise distributed: with every rank's state (collective)."""
+        state_dict = super().state_dict()
+        if self.state_dict_is_collective:
+            state_dict["state"] = self.layer_wise.gather_state(state_dict["state"], self.param_groups)
+        return state_dict
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's load, then the AdamW part pointed at the loaded groups and state again."""
+        """torch's load, then the AdamW part pointed at the loaded groups and state again (and, layer-wise
+        distributed, the state of the parameters other ranks own dropped)."""
         super().load_state_dict(state_dict)
         self._link_adam()
+        if self.layer_wise is not None:
+            self.layer_wise.prune_state(self)
+
+    def _owns(self, group_index: int, param_index: int) -> bool:
+        return self.layer_wise is None or (group_index, param_index) in self.layer_wise.owned
 
     def _orthogonalize(self, param: torch.Tensor, update: torch.Tensor, group: dict) -> torch.Tensor:
         """The scaled orthogonalised update of one [out, in] matrix (its Q/K/V parts separately when split)."""
@@ -191,12 +217,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         """One Muon step of the Muon groups, one AdamW step of the others."""
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
+        for g, group in enumerate(self.param_groups):
             if not group["muon"]:
                 continue
             lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
+            for i, p in enumerate(group["params"]):
+                if p.grad is None or not self._owns(g, i):
                     continue
                 state = self.state[p]
                 if "momentum_buffer" not in state:
@@ -209,9 +235,27 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 with fp32_matmul_precision(self.fp32_matmul_prec):
                     update = self._orthogonalize(p, update, group)
                 p.add_(update, alpha=-lr)
-        if any(not g["muon"] for g in self.param_groups):
-            self._adam.step()
+        self._adam_step()
+        if self.layer_wise is not None:
+            self.layer_wise.all_gather_params(self.param_groups)
         return loss
+
+    def _adam_step(self) -> None:
+        """AdamW over the non-Muon groups (layer-wise distributed: over this rank's parameters of them)."""
+        groups = [(g, group) for g, group in enumerate(self.param_groups) if not group["muon"]]
+        if self.layer_wise is None:
+            if groups:
+                self._adam.step()
+            return
+        linked = self._adam.param_groups
+        mine = [{**group, "params": [p for i, p in enumerate(group["params"]) if self._owns(g, i)]}
+                for g, group in groups]
+        self._adam.param_groups = [group for group in mine if group["params"]]
+        try:
+            if self._adam.param_groups:
+                self._adam.step()
+        finally:
+            self._adam.param_groups = linked
 
 
 def is_muon_param(name: str, param: torch.Tensor) -> bool:
@@ -242,7 +286,14 @@ def muon_param_groups(model_chunks: Sequence[torch.nn.Module], groups: List[dict
     """Megatron's groups split into Muon groups (first; QKV weights and expert weights in their own) and Adam groups,
     each keeping its wd_mult / lr_mult."""
     names = {id(p): n for chunk in model_chunks for n, p in chunk.named_parameters()}
-    shapes = qkv_split_shapes(model_chunks) if split_qkv else None
+    return split_muon_groups(groups, names, qkv_split_shapes(model_chunks) if split_qkv else None)
+
+
+def split_muon_groups(groups: List[dict], names: Dict[int, str], qkv_shapes: Optional[Tuple[int, int, int]]
+                      ) -> List[dict]:
+    """`muon_param_groups` on groups of any tensors (`names`: their names by id; `qkv_shapes`: the QKV split or None),
+    so checkpoint conversion orders a saved Muon state's parameters as the optimizer did."""
+    shapes = qkv_shapes
     muon: Dict[Tuple, dict] = {}
     adam: List[dict] = []
     for group in groups:

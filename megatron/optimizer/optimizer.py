@@ -164,6 +164,11 @@ class MegatronOptimizer:
     def state_dict(self) -> dict:
         raise NotImplementedError
 
+    @property
+    def state_dict_is_collective(self) -> bool:
+        """True when `state_dict` is a collective every data-parallel rank must call (`--optimizer dist_muon`)."""
+        return bool(getattr(self.optimizer, "state_dict_is_collective", False))
+
     def load_state_dict(self, state_dict: dict) -> None:
         raise NotImplementedError
 

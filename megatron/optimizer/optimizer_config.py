@@ -13,7 +13,7 @@ from megatron.settings import optimizer_fields
 class OptimizerConfig:
     """What `get_megatron_optimizer` needs; field names follow Megatron's flags (defaults are Megatron's)."""
 
-    optimizer: str = "adam"  # "adam" (decoupled weight decay, i.e. AdamW) | "sgd" | "muon" (Muon + AdamW)
+    optimizer: str = "adam"  # "adam" (decoupled weight decay, i.e. AdamW) | "sgd" | "muon" (Muon + AdamW) | "dist_muon" (the same, layer-wise distributed over DP)
     lr: float = 1e-4
     min_lr: float = 0.0
     weight_decay: float = 0.01
@@ -42,14 +42,13 @@ class OptimizerConfig:
     params_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        if self.optimizer == "dist_muon":
-            raise ValueError("--optimizer dist_muon (Megatron-LM's layer-wise distributed Muon) is not implemented "
-                             "here; use --optimizer muon without --use-distributed-optimizer")
-        if self.optimizer not in ("adam", "sgd", "muon"):
-            raise ValueError(f"--optimizer {self.optimizer!r} is not supported; use 'adam', 'sgd' or 'muon'")
-        if self.optimizer == "muon" and self.use_distributed_optimizer:
-            raise ValueError("--optimizer muon does not work with --use-distributed-optimizer (as in Megatron-LM "
-                             "core 0.16.1): Muon orthogonalises whole matrices; drop --use-distributed-optimizer")
+        if self.optimizer not in ("adam", "sgd", "muon", "dist_muon"):
+            raise ValueError(f"--optimizer {self.optimizer!r} is not supported; use 'adam', 'sgd', 'muon' or "
+                             "'dist_muon'")
+        if self.optimizer in ("muon", "dist_muon") and self.use_distributed_optimizer:
+            raise ValueError(f"--optimizer {self.optimizer} does not work with --use-distributed-optimizer (as in "
+                             "Megatron-LM core 0.16.1: Muon orthogonalises whole matrices); drop "
+                             "--use-distributed-optimizer and use --optimizer dist_muon (layer-wise distributed)")
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are mutually exclusive; pass only one")
         if self.loss_scale is not None and self.loss_scale <= 0:

@@ -90,7 +90,8 @@ class TrainingSettings:
         help="Do not fuse bias add, dropout and residual add.", config=True)
     use_flash_attn: bool = setting("--use-flash-attn", default=False, help="FlashAttention (CUDA only).", config=True)
     optimizer: str = setting("--optimizer", optimizer_config=True, default="adam", choices=["adam", "sgd", "muon", "dist_muon"],
-        help="Optimizer (muon: Muon for 2-D weights, Adam for the rest).",
+        help="Optimizer (muon: Muon for 2-D weights, Adam for the rest; dist_muon: the same, layer-wise distributed "
+             "over data parallel).",
         read_by="megatron/optimizer/__init__.py")
     dataloader_type: Optional[str] = setting("--dataloader-type", choices=["single", "cyclic"],
         help="Data sampler ('single' by default).", read_by="megatron/training.py")

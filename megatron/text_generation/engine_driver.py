@@ -43,12 +43,15 @@ class Ticket:
     updates: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)  # prompt tokens 1.. (when asked for)
     finish_reason: Optional[str] = None
     error: Optional[Exception] = None
     done: threading.Event = field(default_factory=threading.Event)
 
     def _deliver(self, new_tokens: list[int], new_logprobs: Optional[list[float]], finished: bool,
-                 finish_reason: Optional[str]) -> None:
+                 finish_reason: Optional[str], prompt_logprobs: Optional[list[float]] = None) -> None:
+        if prompt_logprobs:
+            self.prompt_logprobs.extend(float(x) for x in prompt_logprobs)
         self.tokens.extend(int(t) for t in new_tokens)
         if new_logprobs:
             self.logprobs.extend(float(x) for x in new_logprobs)
@@ -218,7 +221,8 @@ class EngineDriver:
                     self._live.pop(out.request_id, None)
                 if out.finish_reason == CANCELLED:
                     self.cancelled_requests += 1
-            ticket._deliver(list(out.new_tokens), out.new_logprobs, out.finished, out.finish_reason)
+            ticket._deliver(list(out.new_tokens), out.new_logprobs, out.finished, out.finish_reason,
+                            getattr(out, "prompt_logprobs", None))
 
     def _fail_all(self, exc: Exception) -> None:
         """Fail (and cancel in the engine) every request the engine holds; submissions not yet applied stay."""
@@ -247,9 +251,10 @@ def run_to_completion(engine: Any, prompts: list[list[int]], params: Any) -> lis
     """Submit every prompt to `engine` at once (`params`: one SamplingParams for all, or a list, one per prompt)
     and step it until all have finished (one thread, no driver): the
     batch tools' way to use the engine (tools/generate_samples_gpt.py, the lm-eval adapter). Every rank calls it:
-    under tensor parallelism TP rank 0 runs the requests while the others follow its steps, and the completions are
-    broadcast so that every rank returns them. An engine refusal is raised before any step runs."""
-    tp_group = getattr(engine, "tp_group", None)
+    under model parallelism the engine's leader runs the requests while the others follow its steps, and the
+    completions are broadcast over the engine's plan group so that every rank returns them. An engine refusal is
+    raised before any step runs."""
+    tp_group = getattr(engine, "plan_group", getattr(engine, "tp_group", None))
     if not getattr(engine, "leader", True):
         engine.follow()  # until TP rank 0's shutdown()
         return _share_result(None, None, tp_group)
@@ -274,7 +279,8 @@ def _complete(engine: Any, prompts: list[list[int]], params: Any) -> list[Comple
         for out in engine.step():
             ticket = by_id.get(out.request_id)
             if ticket is not None:
-                ticket._deliver(list(out.new_tokens), out.new_logprobs, out.finished, out.finish_reason)
+                ticket._deliver(list(out.new_tokens), out.new_logprobs, out.finished, out.finish_reason,
+                            getattr(out, "prompt_logprobs", None))
     unfinished = [t.request_id for t in tickets if not t.done.is_set()]
     if unfinished:
         raise RuntimeError(f"the engine stopped with request(s) {unfinished[:3]} unfinished")

@@ -15,8 +15,9 @@ at the same step; a request whose client left while it waited for its turn is dr
 With an inference engine (`engine=`, the server's --inference-dynamic-batching), requests do not take turns: an
 EngineDriver thread (megatron/text_generation/engine_driver.py) runs the engine's steps and the HTTP handler threads
 submit each prompt as one engine request and wait for it (streaming as the tokens come); before each step rank 0
-broadcasts ("engine_step", None) and the other ranks step too. What the engine does not do (prompt log-probs: `PUT
-/api` with "logprobs", OpenAI requests with "logprobs" or max_tokens 0) takes the one-at-a-time path above.
+broadcasts ("engine_step", None) and the other ranks step too (`PUT /api` with "logprobs" included: the engine
+returns the prompt's log-probs too). What the engine does not do (`tokens_to_generate: 0`; OpenAI requests with
+"logprobs", which need the top alternatives, or max_tokens 0) takes the one-at-a-time path above.
 `max_queued_requests` bounds the prompts the server holds (waiting or generating, both paths): past it the answer
 is HTTP 429 with a `Retry-After` header; a client that disconnects cancels its engine requests (blocks freed).
 
@@ -360,8 +361,9 @@ class MegatronServer:
         params = self.sampling_params(
             max_new_tokens=request["tokens_to_generate"], temperature=options["temperature"],
             top_k=options["top_k"], top_p=options["top_p"], seed=options["random_seed"],
-            stop_token_ids=tuple(eol_token_ids(tok)) if options.get("stop_on_eol") else (), return_logprobs=False,
-            vocab_size=int(tok.vocab_size))
+            stop_token_ids=tuple(eol_token_ids(tok)) if options.get("stop_on_eol") else (),
+            return_logprobs=bool(options.get("return_output_log_probs")),
+            return_prompt_logprobs=bool(options.get("return_output_log_probs")), vocab_size=int(tok.vocab_size))
         if not request["no_log"]:
             self.log(f"request (engine): {len(prompts)} prompt(s), tokens_to_generate={request['tokens_to_generate']}, "
                      f"options={options}")
@@ -379,8 +381,10 @@ class MegatronServer:
             self.log("request (engine) cancelled: the client closed the connection")
             return CLIENT_CLOSED, {"message": "client closed the connection"}
         rows = [t.prompt_tokens + t.tokens for t in tickets]
+        logprobs = ([t.prompt_logprobs + t.logprobs for t in tickets] if options.get("return_output_log_probs")
+                    else None)  # generate()'s: log p(token j+1 | ..j) over prompt and generation
         return int(HTTPStatus.OK), {"text": [tok.detokenize(r) for r in rows],
-                                    "segments": [[tok.detokenize([t]) for t in r] for r in rows], "logprobs": None}
+                                    "segments": [[tok.detokenize([t]) for t in r] for r in rows], "logprobs": logprobs}
 
     # -- collectives -------------------------------------------------------------------------------------------
     def _distributed(self) -> bool:
@@ -451,8 +455,7 @@ class MegatronServer:
         if not self.reserve(n_prompts):
             return int(HTTPStatus.TOO_MANY_REQUESTS), {"message": self.busy_message()}
         try:
-            if self.driver is not None and request["tokens_to_generate"] > 0 and \
-                    not options.get("return_output_log_probs"):
+            if self.driver is not None and request["tokens_to_generate"] > 0:
                 return self._engine_payload(request, gone)
             return self._static_payload(request, gone)
         finally:

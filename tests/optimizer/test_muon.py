@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron.arguments import parse_args, validate_args
-from megatron.checkpoint.conversion.interchange import ConversionError
 from megatron.checkpoint.conversion.optimizer_state import regular_entries
+from megatron.checkpoint.conversion.torch_dist_optim import incomplete_names
 from megatron.errors import MegatronUserError
 from megatron.layers.mcore_names import core_to_ours, ours_to_core
 from megatron.learning_rates import OptimizerParamScheduler
@@ -143,7 +143,7 @@ def test_newton_schulz_orthogonalises() -> None:
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(optimizer="muon", use_distributed_optimizer=True), "does not work with --use-distributed-optimizer"),
-    (dict(optimizer="dist_muon"), "dist_muon"),
+    (dict(optimizer="dist_muon", use_distributed_optimizer=True), "use --optimizer dist_muon"),
 ])
 def test_refusals(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
@@ -189,7 +189,6 @@ def test_state_dict_round_trip_continues_exactly() -> None:
 
 @pytest.mark.parametrize("extra, match", [
     (("--use-distributed-optimizer",), "does not work with --use-distributed-optimizer"),
-    (("--ckpt-format", "torch_dist"), "use --ckpt-format torch"),
     (("--muon-fp32-matmul-prec", "low"), "no such float32 matmul precision"),
     (("--muon-num-ns-steps", "4"), "must be a multiple of 5"),
 ])
@@ -201,17 +200,47 @@ def test_flags_refused_at_start_up(extra, match) -> None:
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--optimizer", "muon", *extra]), {})
 
 
-def test_muon_state_is_not_silently_reshaped() -> None:
-    """convert.py and the regular <-> distributed optimizer conversions refuse Muon state in one line (they map
-    Adam's model-space state in get_param_groups' order)."""
+def test_convert_reads_muon_state_by_name_and_the_regular_optimizer_loads_it_back() -> None:
+    """convert.py's reading (regular_entries) names a Muon state's entries in Muon's group order (momentum for the
+    matrices, Adam's moments for the rest); the per-parameter state it writes loads into --optimizer muon
+    (param_state_to_regular_state) and continues exactly. The distributed optimizer refuses Muon state in one line."""
     model, shapes = _llama()
-    opt = get_megatron_optimizer(model, OptimizerConfig(optimizer="muon", lr=LR))
+    twin = copy.deepcopy(model)
+    config = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=WD)
+    opt = get_megatron_optimizer(model, config)
     _run(model, shapes, opt)
     sd = opt.state_dict()
     flat = {n: p.detach() for n, p in model.named_parameters()}
-    with pytest.raises(ConversionError, match="not reshaped by convert.py"):
-        regular_entries(sd, [flat], list(flat), "rank file")
+    (entries,), step, keys = regular_entries(copy.deepcopy(sd), [flat], list(flat), "rank file")
+    assert step == STEPS and keys == ["exp_avg", "exp_avg_sq", "momentum_buffer"]
+    by_param = {p: opt.state[p] for p in model.parameters()}
+    for name, p in model.named_parameters():
+        want = by_param[p]
+        assert set(entries[name]) == {"param"} | {k for k in want if k != "step"}, name
+        for k in entries[name]:
+            assert torch.equal(entries[name][k], p.detach() if k == "param" else want[k]), (name, k)
+    twin.load_state_dict(model.state_dict())
+    opt2 = get_megatron_optimizer(twin, config)
+    body = {"format": PARAM_STATE_FORMAT, "step": step, "state_keys": keys, "chunks": [entries]}
+    opt2.load_state_dict(param_state_to_regular_state(body, {}, [twin], opt2))
+    for m, o in ((model, opt), (twin, opt2)):
+        params = dict(m.named_parameters())
+        for n, g in core_to_ours(seeded_tensors(shapes, 7, 0.1)).items():
+            params[n].grad = g.clone()
+        o.step()
+    for (n, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(a, b), n
     with pytest.raises(ValueError, match="distributed optimizer does not take"):
         regular_state_to_param_state(sd, [model])
-    with pytest.raises(ValueError, match="--optimizer muon does not take"):
-        param_state_to_regular_state({"format": PARAM_STATE_FORMAT}, {}, [model], opt)
+
+
+def test_torch_dist_state_completeness_takes_muons_momentum_or_adams_moments() -> None:
+    """A torch_dist folder's optimizer state is complete per tensor: Adam's (as before) has the fp32 param of every
+    tensor with state; with Muon's momentum_buffer, the momentum (Muon's matrices) or all the moments (the rest),
+    never a mix or a part."""
+    t = torch.zeros(1)
+    adam = {"param": {"a": t}, "exp_avg": {"a": t, "b": t}, "exp_avg_sq": {"a": t}}
+    assert incomplete_names(adam) == ["b"]
+    muon = {"param": {"w": t, "n": t, "x": t, "y": t}, "momentum_buffer": {"w": t, "x": t},
+            "exp_avg": {"n": t, "x": t, "y": t}, "exp_avg_sq": {"n": t, "x": t}}
+    assert incomplete_names(muon) == ["x", "y"]

@@ -1,9 +1,10 @@
 """The server on an inference engine (megatron/text_generation/engine_driver.py). With megatron/inference's engine on
 a tiny GPT: a load test of 64 requests from 16 concurrent clients (PUT /api and /v1/completions, streamed or not)
 answers every one exactly as the static generator does for it alone (greedy), several requests sharing engine steps,
-and a client that disconnects has its request cancelled and its KV blocks freed. With a stand-in engine of the same
-interface (tokens a fixed function of each request, steps held by a gate): a full queue answers 429 with Retry-After
-on both routes; an engine refusal is a 400; what the engine does not do (log-probs) keeps today's path."""
+`PUT /api` with log-probs gives generate()'s (prompt included), and a client that disconnects has its request
+cancelled and its KV blocks freed. With a stand-in engine of the same interface (tokens a fixed function of each
+request, steps held by a gate): a full queue answers 429 with Retry-After on both routes; an engine refusal is a
+400."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ from megatron.errors import MegatronUserError
 from megatron.inference import EngineConfig, InferenceEngine, SamplingParams
 from megatron.text_generation import generate
 from megatron.text_generation.engine_driver import EngineDriver, run_to_completion
-from megatron.text_generation.server import build_server
+from megatron.text_generation.server import MegatronServer, build_server
 from tests.text_generation.test_server_http import call, put, tiny_gpt, tiny_tokenizer
 from tools.benchmarks.bench_serving import load_test, summarize
 
@@ -35,6 +36,7 @@ class Params:
     seed: int = 0
     stop_token_ids: tuple = ()
     return_logprobs: bool = False
+    return_prompt_logprobs: bool = False
     vocab_size: int | None = None
 
 
@@ -221,13 +223,19 @@ def test_real_engine_disconnect_frees_blocks(engine_served):
     assert engine.stats.free_blocks == engine.stats.total_blocks and engine.stats.running == 0
 
 
-def test_logprobs_take_the_static_path_and_refusals_are_400(served):
-    _, address, _, model, tokenizer = served
-    status, body = put(address, {"prompts": ["Hello there"], "tokens_to_generate": 3, "temperature": 0,
-                                 "logprobs": True})
-    ref = generate(model, tokenizer, ["Hello there"], 3, greedy=True, return_output_log_probs=True)
-    assert status == 200 and body["text"] == ref["text"]
-    assert body["logprobs"][0] == pytest.approx(ref["logprobs"][0])
+def test_api_logprobs_on_the_engine_equal_generate(engine_served):
+    _, address, _, model, tokenizer = engine_served
+    prompts = ["Hello there", "The quick brown fox jumps"]
+    status, body = put(address, {"prompts": prompts, "tokens_to_generate": 3, "temperature": 0, "logprobs": True})
+    assert status == 200
+    for i, p in enumerate(prompts):
+        ref = generate(model, tokenizer, [p], 3, greedy=True, return_output_log_probs=True)
+        assert body["text"][i] == ref["text"][0] and body["segments"][i] == ref["segments"][0]
+        assert body["logprobs"][i] == pytest.approx(ref["logprobs"][0], abs=1e-5)
+
+
+def test_engine_refusal_is_a_400(served):
+    _, address, _, _, _ = served
     status, body = call(address, "POST", "/v1/completions",
                         json.dumps({"prompt": [5] * 40, "max_tokens": 20}).encode(),
                         {"Content-Type": "application/json"})
@@ -318,3 +326,30 @@ def test_run_to_completion_submits_everything_at_once():
     assert engine.most_running == 3 and not engine.has_work()
     with pytest.raises(MegatronUserError, match="never fit"):
         run_to_completion(FakeEngine(), [[1] * 60], Params(max_new_tokens=4))
+
+
+def test_full_queue_429_on_the_static_path_too():
+    """--max-queued-requests bounds today's one-at-a-time server as well: a request past it gets 429 + Retry-After."""
+    release, entered = threading.Event(), threading.Event()
+
+    def held_generate(prompts, tokens_to_generate, **options):
+        entered.set()
+        release.wait(60)
+        return {"text": list(prompts), "segments": [[p] for p in prompts]}
+
+    server = MegatronServer(held_generate, len, max_sequence_length=CONTEXT, max_queued_requests=1,
+                            log=lambda msg: None)
+    address = server.start("127.0.0.1", 0)
+    try:
+        first = []
+        thread = threading.Thread(target=lambda: first.append(put(address, {"prompts": ["a"], "tokens_to_generate": 1})))
+        thread.start()
+        assert entered.wait(30)
+        status, body = put(address, {"prompts": ["b"], "tokens_to_generate": 1})
+        assert status == 429 and "--max-queued-requests" in body["message"]
+        release.set()
+        thread.join(30)
+        assert first[0] == (200, {"text": ["a"], "segments": [["a"]], "logprobs": None})
+    finally:
+        release.set()
+        server.shutdown()

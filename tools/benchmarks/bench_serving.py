@@ -5,8 +5,9 @@ and threads, bounded in request count and time).
 usage, or `PUT /api`) and records per request: HTTP status, latency, time to the first streamed event (TTFT), output
 tokens and the answer; `summarize` gives output tokens/s, p50/p99 latency and TTFT. The benchmark (`main`) serves a
 random-weight GPT with the tiny GPT-2 tokenizer in this process, today's one-at-a-time server and, with
-`--engine`, the same server on the inference engine, at 1, 4 and 16 clients, and times Hugging Face `generate` on
-static batches of the same requests:
+`--engine`, the same server on the inference engine (both started side by side and measured in turn at each point,
+wall and process CPU time), at 1, 4 and 16 clients, and times Hugging Face `generate` on static batches of the same
+requests:
 
     python tools/benchmarks/bench_serving.py [--clients 1 4 16 --requests 32 --max-tokens 32 --layers 4
         --hidden 256 --engine --json out.json]
@@ -170,26 +171,45 @@ def _prompts(args: argparse.Namespace, n: int) -> list[list[int]]:
     return torch.randint(0, 4990, (n, args.prompt), generator=g).tolist()
 
 
+def _measure(servers: dict[str, Any], args: argparse.Namespace) -> dict[str, dict]:
+    """Each client count against every server in turn (alternating which goes first, so that both see the same
+    machine load): the summary plus the process CPU seconds (server and clients share this process)."""
+    out: dict[str, dict] = {name: {} for name in servers}
+    names = list(servers)
+    for k, clients in enumerate(args.clients):
+        n = max(args.requests, clients)
+        for name in (names if k % 2 == 0 else list(reversed(names))):
+            cpu = time.process_time()
+            results, wall = load_test(servers[name], completion_bodies(_prompts(args, n), args.max_tokens), clients,
+                                      deadline_s=args.deadline)
+            point = summarize(results, wall)
+            point["cpu_s"] = time.process_time() - cpu
+            point["output_tokens_per_cpu_s"] = point["output_tokens"] / max(point["cpu_s"], 1e-9)
+            point["texts"] = [r["answer"].get("texts") if r else None for r in results]
+            out[name][str(clients)] = point
+            print(f"  ({name}, {clients} clients: {point['output_tokens_per_s']:.1f} tok/s, "
+                  f"{point['output_tokens_per_cpu_s']:.1f} tok/CPU-s)", file=sys.stderr, flush=True)
+    return out
+
+
 def _serve_and_measure(model: Any, tokenizer: Any, args: argparse.Namespace, engine: Any, params: Any) -> dict:
+    """Today's server and (with `engine`) the server on the engine, started side by side and measured in turn."""
     from megatron.text_generation.server import build_server
 
-    server = build_server(model, tokenizer, max_sequence_length=args.context, log=lambda msg: None,
-                          max_prompts=256, **({"engine": engine, "sampling_params": params} if engine else {}))
-    address = server.start("127.0.0.1", 0)
-    out: dict[str, Any] = {}
+    servers = {"static_server": build_server(model, tokenizer, max_sequence_length=args.context,
+                                             log=lambda msg: None, max_prompts=256)}
+    if engine is not None:
+        servers["engine_server"] = build_server(model, tokenizer, max_sequence_length=args.context,
+                                                log=lambda msg: None, max_prompts=256, engine=engine,
+                                                sampling_params=params)
+    addresses = {name: server.start("127.0.0.1", 0) for name, server in servers.items()}
     try:
-        one_request(address, completion_bodies(_prompts(args, 1), 4)[0])  # warm-up
-        for clients in args.clients:
-            n = max(args.requests, clients)
-            results, wall = load_test(address, completion_bodies(_prompts(args, n), args.max_tokens), clients,
-                                      deadline_s=args.deadline)
-            out[str(clients)] = summarize(results, wall)
-            print(f"  ({'engine' if engine else 'static'} server, {clients} clients: "
-                  f"{out[str(clients)]['output_tokens_per_s']:.1f} tok/s)", file=sys.stderr, flush=True)
-            out[str(clients)]["texts"] = [r["answer"].get("texts") if r else None for r in results]
+        for address in addresses.values():
+            one_request(address, completion_bodies(_prompts(args, 1), 4)[0])  # warm-up
+        return _measure(addresses, args)
     finally:
-        server.shutdown()
-    return out
+        for server in servers.values():
+            server.shutdown()
 
 
 def _hf_static(hf: Any, args: argparse.Namespace) -> dict:
@@ -245,10 +265,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         torch.set_num_threads(args.threads)
     model, tokenizer, hf = _build(args)
     result: dict[str, Any] = {"config": vars(args), "threads": torch.get_num_threads()}
-    result["static_server"] = _serve_and_measure(model, tokenizer, args, None, None)
-    if args.engine:
-        engine, params = engine_for(model, tokenizer, args)
-        result["engine_server"] = _serve_and_measure(model, tokenizer, args, engine, params)
+    engine, params = engine_for(model, tokenizer, args) if args.engine else (None, None)
+    result.update(_serve_and_measure(model, tokenizer, args, engine, params))
     if not args.no_hf:
         result["hf_static_batches"] = _hf_static(hf, args)
     _report(result, args)
@@ -263,7 +281,8 @@ def _report(result: dict, args: argparse.Namespace) -> None:
           f"{args.requests} requests per point, {result['threads']} threads")
     for name in ("static_server", "engine_server"):
         for clients, s in result.get(name, {}).items():
-            print(f"  {name:14s} {clients:>3s} clients: {s['output_tokens_per_s']:8.1f} tok/s, latency p50 "
+            print(f"  {name:14s} {clients:>3s} clients: {s['output_tokens_per_s']:8.1f} tok/s "
+                  f"({s['output_tokens_per_cpu_s']:.1f} per CPU-s), latency p50 "
                   f"{s['latency_p50_s']:.2f} s p99 {s['latency_p99_s']:.2f} s, TTFT p50 {s['ttft_p50_s']:.2f} s "
                   f"p99 {s['ttft_p99_s']:.2f} s ({s['ok']}/{s['requests']} ok)")
     if "engine_server" in result:
@@ -271,7 +290,10 @@ def _report(result: dict, args: argparse.Namespace) -> None:
             ratio = (result["engine_server"][clients]["output_tokens_per_s"]
                      / result["static_server"][clients]["output_tokens_per_s"])
             same = result["engine_server"][clients]["texts"] == result["static_server"][clients]["texts"]
-            print(f"  engine / static at {clients} clients: {ratio:.2f}x, identical greedy texts: {same}")
+            cpu_ratio = (result["engine_server"][clients]["output_tokens_per_cpu_s"]
+                         / result["static_server"][clients]["output_tokens_per_cpu_s"])
+            print(f"  engine / static at {clients} clients: {ratio:.2f}x wall, {cpu_ratio:.2f}x CPU time, "
+                  f"identical greedy texts: {same}")
     for clients, s in result.get("hf_static_batches", {}).items():
         print(f"  HF generate, static batches of {clients:>3s}: {s['output_tokens_per_s']:8.1f} tok/s")
 

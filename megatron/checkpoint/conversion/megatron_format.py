@@ -826,8 +826,9 @@ class MegatronWriter:
         if missing:
             raise ConversionError(f"the loader sent no optimizer state for {missing[0]}; pass --no-save-optim to "
                                   "convert the weights only")
-        for key in sorted({k for e in opt.values() for k in e}):  # "param", "exp_avg", "exp_avg_sq"
-            for t, shard in enumerate(self._split({name: e[key] for name, e in opt.items()})):
+        for key in sorted({k for e in opt.values() for k in e}):  # "param", "exp_avg", "exp_avg_sq" (Muon:
+            # "momentum_buffer" of its matrices, the moments of the rest)
+            for t, shard in enumerate(self._split({name: e[key] for name, e in opt.items() if key in e})):
                 for name, x in self._spill(f"{tag}_{key}_{t}", shard).items():
                     self.opt_parts[(t, p, v)].setdefault(name, {})[key] = x
 

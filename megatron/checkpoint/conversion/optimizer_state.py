@@ -35,6 +35,7 @@ import torch
 from megatron.checkpoint.conversion.interchange import ConversionError
 from megatron.checkpoint.conversion.vocab import repad_rows
 from megatron.optimizer.distrib_optimizer import PARAM_STATE_FORMAT
+from megatron.optimizer.muon import split_muon_groups
 
 PARAM = "param"
 _LAYER_RE = re.compile(r"^language_model\.(encoder|decoder)\.layers\.(\d+)\.(.+)$")
@@ -99,6 +100,23 @@ def regular_param_order(chunks: Sequence[Dict[str, Any]], full_order: Sequence[s
     return [b for b in (buckets[True], buckets[False]) if b]
 
 
+def muon_param_order(groups: List[List[Tuple[int, str]]], chunks: Sequence[Dict[str, Any]],
+                     saved: List[Dict[str, Any]]) -> List[List[Tuple[int, str]]]:
+    """The regular order `groups` split as --optimizer muon splits its groups (megatron/optimizer/muon.py: Muon
+    groups first, by weight decay, QKV split and expert; then the Adam ones), given the saved groups' QKV split."""
+    qkv = next((tuple(g["qkv_split"]) for g in saved if g.get("qkv_split")), None)
+    names: Dict[int, Tuple[int, str]] = {}
+    plain = []
+    for g, group in enumerate(groups):
+        tensors = []
+        for c, name in group:
+            tensors.append(chunks[c][name])
+            names[id(tensors[-1])] = (c, name)
+        plain.append({"params": tensors, "wd_mult": float(g), "lr_mult": 1.0})  # distinct per regular group
+    split = split_muon_groups(plain, {i: name for i, (_, name) in names.items()}, qkv)
+    return [[names[id(t)] for t in group["params"]] for group in split]
+
+
 def _inner(optim_sd: Dict[str, Any]) -> Dict[str, Any]:
     """torch's optimizer state dict inside a regular optimizer entry (FP32Optimizer: itself; fp16/bf16: 'optimizer')."""
     if "param_groups" in optim_sd:
@@ -128,11 +146,10 @@ def regular_entries(optim_sd: Dict[str, Any], chunks: Sequence[Dict[str, Any]], 
     """Per-chunk entries of a regular optimizer's state (see the module docstring); (entries, step, state keys).
     `ours`: the file was written by this framework (else a group layout it does not know is ForeignOptimizerState)."""
     inner = _inner(optim_sd)
-    if any(g.get("muon") for g in inner["param_groups"]):
-        raise ConversionError(f"{where}: --optimizer muon state is not reshaped by convert.py yet; convert the "
-                              "weights only (--no-save-optim) and resume with --no-load-optim, or keep the layout")
     groups = regular_param_order(chunks, full_order)
     saved = inner["param_groups"]
+    if any(g.get("muon") for g in saved):
+        groups = muon_param_order(groups, chunks, saved)
     if [len(g["params"]) for g in saved] != [len(g) for g in groups]:
         error = ConversionError if ours else ForeignOptimizerState
         raise error(f"{where}: the optimizer has param groups of {[len(g['params']) for g in saved]} parameters but "

@@ -539,8 +539,8 @@ def _with_optimizer(messages: Iterator[Message], per_key: Dict[str, Iterator[Mes
     """The model messages with their training state (`Message.optimizer`) from one message stream per state key."""
     for msg in messages:
         parts = {k: next(stream) for k, stream in per_key.items()}
-        msg.optimizer = {name: {k: part.tensors[name] for k, part in parts.items()} for name in msg.tensors
-                         if all(name in part.tensors for part in parts.values())}
+        msg.optimizer = {name: {k: part.tensors[name] for k, part in parts.items() if name in part.tensors}
+                         for name in msg.tensors if PARAM in parts and name in parts[PARAM].tensors}
         yield msg
 
 
@@ -598,7 +598,8 @@ def write_torch_dist(meta: ModelMeta, messages: Iterator[Message], iter_dir: str
     opt_common = meta.extra.get("optimizer")
     if opt_common and any(m.optimizer for m in msgs):
         for key in [PARAM, *opt_common.get("state_keys", [])]:
-            per_key = from_messages(Message(m.name, {n: e[key] for n, e in m.optimizer.items()}) for m in msgs)
+            per_key = from_messages(Message(m.name, {n: e[key] for n, e in m.optimizer.items() if key in e})
+                                    for m in msgs)  # (Muon: momentum_buffer for its matrices, moments for the rest)
             state.update(state_tensors({key: ours_to_core_stacked(per_key, num_layers)}))
     experts = int(meta.architecture.get("num_moe_experts") or 0)
     mixed = any(k.startswith("decoder.layers.") and k.split(".")[2].isdigit() for k in tensors)

@@ -31,6 +31,7 @@ PREFIX = "optimizer.state."
 SHARDING_TYPE = "fully_reshardable"
 MODEL_SPACE = ("fully_reshardable", "fully_sharded_model_space")
 PARAM = "param"
+MOMENTUM = "momentum_buffer"  # Muon's state (megatron-core's TensorParallelMuon)
 _ALIASES = {"fp32_param": PARAM}  # fully_sharded_model_space's name of the fp32 main param
 # torch's implementation switches in a param group: the loading run keeps its own (Megatron Core's are for its GPUs)
 _IMPLEMENTATION = ("params", "step", "foreach", "fused", "capturable", "differentiable")
@@ -57,6 +58,18 @@ def sharding_type(common: Dict[str, Any]) -> Optional[str]:
     return opt.get("param_state_sharding_type") if isinstance(opt, dict) else None
 
 
+def incomplete_names(state: Dict[str, Dict[str, torch.Tensor]]) -> List[str]:
+    """The tensors whose state is incomplete: without every key; with ``momentum_buffer`` (--optimizer muon, Megatron
+    Core's name for Muon's state), without the fp32 param or without either the momentum or all the other keys."""
+    names = set().union(*[set(v) for v in state.values()])
+    if MOMENTUM not in state:
+        return sorted(names ^ set(state[PARAM]))
+    adam = [k for k in state if k not in (PARAM, MOMENTUM)]
+    return sorted(n for n in names if n not in state[PARAM] or not (
+        n in state[MOMENTUM] and not any(n in state[k] for k in adam)
+        or n not in state[MOMENTUM] and all(n in state[k] for k in adam)))
+
+
 def optimizer_common(common: Dict[str, Any], state: Dict[str, Dict[str, torch.Tensor]], where: str
                      ) -> Dict[str, Any]:
     """The layout-independent part of a torch_dist folder's optimizer state, as the checkpoint converters carry it
@@ -74,7 +87,7 @@ def optimizer_common(common: Dict[str, Any], state: Dict[str, Dict[str, torch.Te
     if PARAM not in state:
         raise ConversionError(f"{where}: the optimizer state has {sorted(state)} but no fp32 main params "
                               f"({PREFIX}param.*): an incomplete checkpoint; pass --no-load-optim")
-    missing = sorted(set(state[PARAM]) ^ set().union(*[set(v) for v in state.values()]))
+    missing = incomplete_names(state)
     if missing:
         raise ConversionError(f"{where}: the optimizer state of {missing[0]} is incomplete; restore the checkpoint "
                               "or pass --no-load-optim")
