@@ -21,10 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 SHORT = ("python tools/preprocess_data.py", "DATA_PATH=quickstart_out/data/python_docs_text_document", "MODEL=")
 LONG = ("bash examples/quickstart.sh bert", "python tools/checkpoint/convert.py --model-type GPT --saver hf")
 QUICKSTART = {"TRAIN_ITERS": "4", "LOG_INTERVAL": "2", "EVAL_INTERVAL": "4", "WIKI_LINES": "10", "LAMBADA_LINES": "10"}
-# what the quick-start (and the BERT leg) leave in quickstart_out/, and what the README's own blocks write there
+# what the quick-start (and the BERT and chat legs) leave in quickstart_out/, and what the README's own blocks write there
 PRODUCED = re.compile(r"^quickstart_out/(tokenizer|data|checkpoints|prompts\.txt|bert_tokenizer|bert_data|"
                       r"bert_checkpoints|hf|gpt_example|t5_example|more_samples|copy|owt|all|my-|ckpt_|mnli_pred|out|llama_|"
-                      r"results|gpt_345m|bloom_|mixtral_example|cp_example)|^runs/ds_single_node/")
+                      r"results|gpt_345m|bloom_|mixtral_example|cp_example|chat_)|^runs/ds_single_node/")
 
 
 OUTPUTS = (r"(--save|--save-dir|--output-prefix|--output-folder|--sample-output-file|--tensorboard-dir|--results_path"

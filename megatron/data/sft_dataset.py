@@ -203,7 +203,7 @@ class SFTBuilder:
         n = len(low)
         out: list[Optional[SFTDataset]] = []
         for bounds, size in zip(matrix, sizes):
-            if bounds is None:
+            if bounds is None or size == 0:  # a split asked for 0 samples (e.g. --eval-iters 0): none, as the blend
                 out.append(None)
                 continue
             beg, end = int(round(bounds[0] * n)), int(round(bounds[1] * n))

@@ -55,9 +55,16 @@ def check_eval_args(args: argparse.Namespace) -> list[str]:
     return tasks
 
 
-def task_manager(include_path: Optional[str]) -> Any:
+def task_manager(include_path: Optional[str], tasks: Optional[list[str]] = None) -> Any:
+    """lm-eval's TaskManager. When every task in `tasks` is in --include_path, only that folder is indexed (lm-eval's
+    own index of ~14,700 task files takes ~14 s per process on a 2-core machine; a task of that folder takes
+    precedence over a stock one of the same name either way); otherwise lm-eval's tasks and the folder's."""
     from lm_eval.tasks import TaskManager
 
+    if include_path is not None and tasks:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if set(tasks) <= set(local.all_tasks):
+            return local
     return TaskManager(include_path=include_path)
 
 
@@ -123,7 +130,7 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     refuse_random_weights(args.load, args.allow_random_weights, "evaluation")
     tasks = check_eval_args(args)
-    manager = task_manager(args.include_path)
+    manager = task_manager(args.include_path, tasks)
     check_tasks(tasks, manager)
     if args.eval_fp32 and (args.fp16 or args.bf16):  # a copy: the args start-up assembled stay as they are
         args = argparse.Namespace(**{**vars(args), "fp16": False, "bf16": False, "params_dtype": torch.float32})

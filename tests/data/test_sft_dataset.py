@@ -141,3 +141,9 @@ def test_bad_lines_name_file_and_line(tmp_path, line, words):
 def test_split_matrix_is_megatron_core():
     assert split_matrix("969, 30, 1") == [(0.0, 0.969), (0.969, 0.999), (0.999, 1.0)]
     assert split_matrix("1,0,0") == [(0.0, 1.0), None, None]
+
+
+def test_a_split_asked_for_no_samples_is_none(tok):
+    """--eval-iters 0 asks the validation split for 0 samples: no dataset (an empty one made the loader fail)."""
+    train, valid, test = SFTBuilder(ChatFormat(tok, "hf"), 48).build([4, 0, 0], [str(SAMPLE)], "90,10,0")
+    assert len(train) == 4 and valid is None and test is None

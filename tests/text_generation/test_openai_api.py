@@ -257,8 +257,8 @@ def test_lm_eval_local_completions_equals_in_process_adapter(served, shared_data
                                             merges=str(owt / "gpt2-tiny-merges.txt"), eos_token="<|endoftext|>",
                                             bos_token="<|endoftext|>", unk_token="<|endoftext|>")
     hf_tok.save_pretrained(tmp_path / "tok")
-    kw = dict(tasks=["lambada_local", "mc_local", "qa_gen_local"], limit=4, bootstrap_iters=0,
-              task_manager=task_manager(LOCAL_TASKS), log_samples=False)
+    names = ["lambada_local", "mc_local", "qa_gen_local"]
+    kw = dict(tasks=names, limit=4, bootstrap_iters=0, task_manager=task_manager(LOCAL_TASKS, names), log_samples=False)
     remote = LocalCompletionsAPI(base_url=f"http://{address[0]}:{address[1]}/v1/completions", model="megatron-gpt",
                                  tokenizer_backend="huggingface", tokenizer=str(tmp_path / "tok"), max_length=64,
                                  max_gen_toks=8, batch_size=1, max_retries=1)
@@ -380,6 +380,6 @@ def test_lm_eval_client_with_the_readmes_model_args(served, shared_data, tmp_pat
     remote = LocalCompletionsAPI.create_from_arg_string(model_args, {"batch_size": 1, "max_retries": 1})
     assert remote.model is None  # what the README's command sends: "model": null
     results = lm_eval.simple_evaluate(model=remote, tasks=["lambada_local"], limit=2, bootstrap_iters=0,
-                                      task_manager=task_manager(LOCAL_TASKS), log_samples=False)
+                                      task_manager=task_manager(LOCAL_TASKS, ["lambada_local"]), log_samples=False)
     metrics = _metrics(results)
     assert any(key[1].startswith("acc") for key in metrics) and all(v == v for v in metrics.values()), metrics
