@@ -191,7 +191,9 @@ def test_dataloader_workers_leave_sigterm_and_sigint_to_the_trainer() -> None:
     dataset = [{"text": torch.tensor([i])} for i in range(64)]
     loader = build_pretraining_data_loader(dataset, 0, 2, 0, 1, num_workers=2)
     it = iter(loader)
-    first = next(it)["text"].flatten().tolist()
+    # two batches: one from each worker, so both have run their worker_init_fn (a signal that arrives between a
+    # worker's start and its init still stops it: docs/reliability.md)
+    first = next(it)["text"].flatten().tolist() + next(it)["text"].flatten().tolist()
     workers = [w.pid for w in it._workers]
     for sig in ("TERM", "INT"):  # from another process, as a scheduler or a terminal sends them
         subprocess.run(["kill", f"-{sig}", *map(str, workers)], check=True)
