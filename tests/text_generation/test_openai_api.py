@@ -14,7 +14,7 @@ from megatron.layers.tp_shards import split_tensor_parallel_state_dict
 from megatron.text_generation import generate
 from megatron.text_generation.server import build_server
 from tests.dist_utils import run_distributed
-from tests.text_generation.test_server_http import CONTEXT, call, tiny_gpt, tiny_tokenizer
+from tests.text_generation.test_server_http import CONTEXT, call, openai_served, post, tiny_gpt, tiny_tokenizer
 
 openai = pytest.importorskip("openai")
 REAL_VOCAB = 5000
@@ -23,19 +23,7 @@ PROMPTS = ["The meaning of life is", "Hello there, my friend"]
 
 @pytest.fixture(scope="module")
 def served(shared_data):
-    model, tokenizer = tiny_gpt(), tiny_tokenizer(shared_data)
-    server = build_server(model, tokenizer, max_sequence_length=CONTEXT, max_tokens_to_generate=32, max_prompts=4,
-                          max_request_bytes=4096, log=lambda msg: None)
-    address = server.start("127.0.0.1", 0)
-    client = openai.OpenAI(base_url=f"http://{address[0]}:{address[1]}/v1", api_key="unused", max_retries=0,
-                           timeout=120)
-    yield address, model, tokenizer, client
-    server.shutdown()
-
-
-def post(address, payload, path: str = "/v1/completions"):
-    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode("utf-8")
-    return call(address, "POST", path, body, {"Content-Type": "application/json"})
+    yield from openai_served(tiny_gpt(), tiny_tokenizer(shared_data))
 
 
 def greedy_reference(model, tokenizer, prompt: str, n: int) -> str:

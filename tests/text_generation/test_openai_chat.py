@@ -5,8 +5,6 @@ equal a direct forward, `n` choices, and OpenAI-shaped 4xx errors (no template, 
 server keeps answering."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -16,7 +14,8 @@ from megatron.text_generation.openai_api import OpenAICompletions, OpenAIError
 from megatron.text_generation.openai_chat import OpenAIChat
 from megatron.text_generation.server import build_server
 from megatron.tokenizer.hf_tokenizer import PretrainedFromHFTokenizer
-from tests.text_generation.test_server_http import CONTEXT, call, tiny_gpt, tiny_tokenizer
+from tests.text_generation.test_server_http import CONTEXT, call, openai_served, tiny_gpt, tiny_tokenizer
+from tests.text_generation.test_server_http import post as post_json
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
@@ -63,18 +62,11 @@ def served(shared_data, tmp_path_factory):
     with torch.no_grad():  # tied embeddings: end's logit becomes swap's (and neither is an input before the step)
         table = model.language_model.embedding.word_embeddings.weight
         table[[swap, end]] = table[[end, swap]].clone()
-    server = build_server(model, tokenizer, max_sequence_length=CONTEXT, max_tokens_to_generate=32, max_prompts=4,
-                          max_request_bytes=4096, log=lambda msg: None)
-    address = server.start("127.0.0.1", 0)
-    client = openai.OpenAI(base_url=f"http://{address[0]}:{address[1]}/v1", api_key="unused", max_retries=0,
-                           timeout=120)
-    yield address, model, tokenizer, client
-    server.shutdown()
+    yield from openai_served(model, tokenizer)
 
 
 def post(address, payload, path: str = "/v1/chat/completions"):
-    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode("utf-8")
-    return call(address, "POST", path, body, {"Content-Type": "application/json"})
+    return post_json(address, payload, path)
 
 
 def test_plain_and_streaming_equal_greedy_on_the_template(served):

@@ -53,6 +53,26 @@ def call(address, method: str, path: str, body: bytes | None = None, headers: di
         conn.close()
 
 
+def post(address, payload, path: str = "/v1/completions") -> tuple[int, object]:
+    """POST a JSON payload (or raw bytes) to `path`; returns (status, decoded JSON or text)."""
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode("utf-8")
+    return call(address, "POST", path, body, {"Content-Type": "application/json"})
+
+
+def openai_served(model, tokenizer):
+    """Generator for a module fixture: the server on `model` started on a free port, yielding (address, model,
+    tokenizer, openai client); shut down afterwards."""
+    import openai
+
+    server = build_server(model, tokenizer, max_sequence_length=CONTEXT, max_tokens_to_generate=32, max_prompts=4,
+                          max_request_bytes=4096, log=lambda msg: None)
+    address = server.start("127.0.0.1", 0)
+    client = openai.OpenAI(base_url=f"http://{address[0]}:{address[1]}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    yield address, model, tokenizer, client
+    server.shutdown()
+
+
 def put(address, payload) -> tuple[int, object]:
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode("utf-8")
     return call(address, "PUT", "/api", body, {"Content-Type": "application/json"})
