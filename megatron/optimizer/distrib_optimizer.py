@@ -391,6 +391,13 @@ def param_state_to_regular_state(param_state: dict, common: dict, model_chunks: 
                 state[index] = entry
             if param.dtype != torch.float32:
                 fp32_from_fp16[g].append(saved["param"].view(param.shape).clone())
+    return _regular_state_dict(optimizer, common, state, groups, fp32_from_fp16)
+
+
+def _regular_state_dict(optimizer: Any, common: dict, state: Dict[int, dict], groups: List[dict],
+                        fp32_from_fp16: List[List[torch.Tensor]]) -> dict:
+    """The regular optimizer's state dict from its per-parameter state (wrapped with the fp32 copies and the grad
+    scaler when the optimizer keeps fp32 main params)."""
     inner = {"state": state, "param_groups": groups}
     if not hasattr(optimizer, "fp32_from_float16_groups"):
         return inner
@@ -430,10 +437,4 @@ def _muon_regular_state(param_state: dict, common: dict, model_chunks: Sequence[
                 state[index] = entry
             if param.dtype != torch.float32:
                 fp32_from_fp16[g].append(saved["param"].view(param.shape).clone())
-    inner = {"state": state, "param_groups": current}
-    if not hasattr(optimizer, "fp32_from_float16_groups"):
-        return inner
-    out = {"optimizer": inner, "fp32_from_fp16_params": fp32_from_fp16}
-    if "grad_scaler" in common:
-        out["grad_scaler"] = common["grad_scaler"]
-    return out
+    return _regular_state_dict(optimizer, common, state, current, fp32_from_fp16)
