@@ -59,6 +59,10 @@ class InProcessRestart:
         self.settings = settings
         if not settings.value("inprocess_restart"):
             return
+        if settings.value("deepspeed"):
+            raise InProcessRestartError("--inprocess-restart with --deepspeed: DeepSpeed keeps its own communication "
+                                        "state, which a restart inside the process does not rebuild; drop one of "
+                                        "them (torchrun --max-restarts restarts a DeepSpeed job from its checkpoint)")
         active = settings.value("inprocess_active_world_size")
         env = detect_launcher_env(os.environ)
         if active is not None and active != env.world_size:

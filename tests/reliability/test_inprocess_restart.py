@@ -83,3 +83,14 @@ def test_monitor_flags_and_rank_granularity_are_refused() -> None:
     for extra in (["--inprocess-soft-timeout", "30"], ["--inprocess-granularity", "rank"]):
         with pytest.raises(ArgumentError, match="nvidia-resiliency-ext"):
             validate_args(parse_args(args=[*base, *extra]))
+
+
+def test_deepspeed_and_warm_reserve_are_refused_in_one_line() -> None:
+    from megatron.inprocess_restart import InProcessRestart, InProcessRestartError
+    from megatron.settings.values import Settings
+
+    base = Settings.from_args(None).with_values(inprocess_restart=True)
+    with pytest.raises(InProcessRestartError, match="--inprocess-restart with --deepspeed"):
+        InProcessRestart().arm(base.with_values(deepspeed=True))
+    with pytest.raises(InProcessRestartError, match="--inprocess-active-world-size 7: warm reserve"):
+        InProcessRestart().arm(base.with_values(inprocess_active_world_size=7))
