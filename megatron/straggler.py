@@ -34,6 +34,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.errors import ArgumentError
+
 AMP = 3.0  # Megatron's factor: the timed forward is about a third of an iteration's FLOPs
 
 
@@ -154,6 +156,9 @@ class StragglerDetector:
         """The detector --log-straggler asks for (`log`: the run's LogSettings), None without it."""
         if not log.log_straggler:
             return None
+        if not log.straggler_threshold > 0 or log.straggler_minmax_count < 1:
+            raise ArgumentError(f"--straggler-threshold must be > 0 (got {log.straggler_threshold}) and "
+                                f"--straggler-minmax-count >= 1 (got {log.straggler_minmax_count})")
         return cls(enabled=not log.disable_straggler_on_startup, port=log.straggler_ctrlr_port,
                    minmax_count=log.straggler_minmax_count, threshold=log.straggler_threshold, group=group)
 

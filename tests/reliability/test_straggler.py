@@ -68,3 +68,16 @@ def test_slowed_rank_is_named_and_a_clean_run_names_none(tiny_data: dict, tmp_pa
     assert "straggler: rank(s) 1 (" in log
     # the numbers are the run's own: the slowed run's losses equal the clean run's
     assert slowed[0]["train_losses"] == clean[0]["train_losses"]
+
+
+def test_bad_threshold_or_count_is_one_line() -> None:
+    from types import SimpleNamespace
+
+    from megatron.errors import ArgumentError
+
+    log = dict(log_straggler=True, disable_straggler_on_startup=False, straggler_ctrlr_port=None)
+    with pytest.raises(ArgumentError, match="--straggler-threshold must be > 0"):
+        StragglerDetector.for_run(SimpleNamespace(**log, straggler_minmax_count=1, straggler_threshold=0.0))
+    with pytest.raises(ArgumentError, match="--straggler-minmax-count >= 1"):
+        StragglerDetector.for_run(SimpleNamespace(**log, straggler_minmax_count=0, straggler_threshold=2.0))
+    assert StragglerDetector.for_run(SimpleNamespace(**log, straggler_minmax_count=1, straggler_threshold=2.0))
