@@ -1,4 +1,5 @@
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -28,3 +29,13 @@ def test_workers_see_the_parent_environment_and_working_directory_of_the_launch(
     monkeypatch.setenv("DIST_UTILS_PROBE", "second")
     monkeypatch.chdir(tmp_path)
     assert run_distributed(_environment_and_cwd, 2, threads=2) == [("second", str(tmp_path), 2)] * 2
+
+
+def _already_imported(rank, world_size):
+    return [name in sys.modules for name in ("torch._dynamo", "megatron.training")]
+
+
+def test_workers_start_with_torch_dynamo_and_megatron_training_imported():
+    """The fork server imported them once (tests/forkserver_preload.py): this module imports neither, and a rank that
+    builds an optimizer or trains does not pay for them again."""
+    assert run_distributed(_already_imported, 2) == [[True, True]] * 2
