@@ -1,7 +1,7 @@
 """Crash-test driver: ``python -m tests.reliability._chaos_driver plan.json result.json``.
 
-Imports pretrain_gpt once (no torch compute in this process, one OpenMP thread, so forking is safe) and then, for each
-run of the plan in order, forks a child that runs its pretrain() (tests/harness.py) with ``MEGATRON_FAULT_INJECT`` set to the
+Imports pretrain_gpt and torch._dynamo once (no torch compute in this process, one OpenMP thread, so forking is safe)
+and then, for each run of the plan in order, forks a child that runs its pretrain() (tests/harness.py) with ``MEGATRON_FAULT_INJECT`` set to the
 run's fault spec (the child SIGKILLs itself there; ``forward-step`` points fire at every forward step). Before each run
 it records which iteration a correct loader must resume from (the newest iteration at or below the tracker whose
 files match their manifest); after it, the run's exit status, stdout and the temp files left in the save folder.
@@ -54,6 +54,8 @@ def _child(argv: list[str], fault: str | None, out_path: str) -> None:
 
 def main() -> None:
     plan = json.load(open(sys.argv[1]))
+    import torch._dynamo  # noqa: F401  (a torch optimizer imports it at its first parameter group: ~1.7 CPU s, once)
+
     import tests.harness  # noqa: F401  (imported once, before forking)
     tests.harness.entry_providers("pretrain_gpt")
     from megatron.checkpoint.atomic_io import is_temp_file
