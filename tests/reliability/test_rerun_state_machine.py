@@ -137,6 +137,7 @@ def test_disabled_runs_once_and_refusals_are_one_line(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------- through pretrain()
 V = ("--rerun-mode", "validate_results")
+TORCH_DIST = ("--ckpt-format", "torch_dist")
 
 
 def _nan_once(at: int, on_rank: int = 0):
@@ -181,7 +182,9 @@ def _serial_job(rank: int, world: int, data: dict, tmp: str) -> list:
     return [_pretrain(base), _pretrain([*base, *V], _nan_once(5)),  # iteration 3's first micro-batch
             _pretrain([*base, *V, *inject, "transient_error"]),  # every iteration from the 2nd fails once
             _pretrain([*persistent, "--save", f"{tmp}/ckpt", "--save-interval", "100"]),
-            _pretrain([*persistent, "--load", f"{tmp}/ckpt"])]
+            _pretrain([*persistent, "--load", f"{tmp}/ckpt"]),
+            _pretrain([*persistent, *TORCH_DIST, "--save", f"{tmp}/dist", "--save-interval", "100"]),
+            _pretrain([*persistent, *TORCH_DIST, "--load", f"{tmp}/dist"])]
 
 
 def _two_rank_job(rank: int, world: int, data: dict) -> list:
@@ -198,7 +201,8 @@ def _two_rank_job(rank: int, world: int, data: dict) -> list:
 def test_pretrain_reruns_transient_errors_exactly_and_stops_persistent_ones(tiny_data: dict, tmp_path: Path) -> None:
     from tests.dist_utils import run_distributed
 
-    (clean, nan_hook, injected, first, resumed), = run_distributed(_serial_job, 1, args=(tiny_data, str(tmp_path)))
+    (clean, nan_hook, injected, first, resumed, dist_first, dist_resumed), = run_distributed(
+        _serial_job, 1, args=(tiny_data, str(tmp_path)))
     assert clean["code"] == nan_hook["code"] == injected["code"] == 0 and len(clean["losses"]) == 4
     assert nan_hook["losses"] == clean["losses"]  # exactly: the re-run's results are the clean ones
     assert nan_hook["diagnostics"] == [(2, "initial_run"), (2, "first_rerun_not_reproducible")]
@@ -211,7 +215,10 @@ def test_pretrain_reruns_transient_errors_exactly_and_stops_persistent_ones(tiny
     assert (saved["rerun_state_machine"]["state"], saved["rerun_state_machine"]["current_iteration"]) == (3, 1)
     assert (resumed["code"], resumed["losses"]) == (EXIT_CODE_FAILED_ON_RESULT_VALIDATION, {})
     statuses = [TRACKER_LINE.search(line).group(4) for line in (tmp_path / "rejected.txt").read_text().splitlines()]
-    assert statuses == ["initial_run", "first_rerun_reproducible", "second_rerun_not_reproducible"]
+    assert statuses == ["initial_run", "first_rerun_reproducible", "second_rerun_not_reproducible"] * 2
+    # the same through a torch_dist checkpoint (its common.pt carries the machine's state)
+    assert (dist_first["code"], dist_resumed["code"]) == (16, 17) and dist_first["losses"] == first["losses"]
+    assert dist_resumed["diagnostics"] == resumed["diagnostics"] == [(1, "second_rerun_not_reproducible")]
 
     rank0, rank1 = run_distributed(_two_rank_job, 2, args=(tiny_data,))
     dp_clean, dp_nan, dp_stats = rank0[:3]
