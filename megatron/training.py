@@ -440,7 +440,7 @@ def rerun_exit(machine: RerunStateMachine, iteration: int, run: TrainingState, l
         where = "; no checkpoint was saved (no --save)"
     what = ("the rejected result was reproduced by re-running it: resume the job (on another node/GPU) to re-run "
             "it from the checkpoint" if code == 16 else
-            "result validation failed (--result-rejected-tracker-filename has the diagnostics)")
+            "result validation failed (the lines above name the check and the diagnostic)")
     print_rank_0(f"rerun state machine: exiting with code {code} at iteration {iteration + 1}: {what}{where}")
     _flush_writer()
     raise SystemExit(code)
