@@ -193,7 +193,8 @@ def _two_rank_job(rank: int, world: int, data: dict) -> list:
     base = train_argv(data, "--global-batch-size", "4", iters=4)
     pp2 = [*base, "--pipeline-model-parallel-size", "2"]
     return [_pretrain(base), _pretrain([*base, *V], _nan_once(3)),  # DP2: rank 0's loss of iteration 3
-            _pretrain([*base, "--rerun-mode", "report_determinism_stats"]),
+            _pretrain([*base, "--rerun-mode", "report_determinism_stats", "--check-for-spiky-loss",
+                       "--check-for-large-grads"]),
             _pretrain(pp2), _pretrain([*pp2, *V], _nan_once(5))]  # PP2: stage 1's output of iteration 3
 
 
@@ -228,7 +229,8 @@ def test_pretrain_reruns_transient_errors_exactly_and_stops_persistent_ones(tiny
     assert dp_stats["losses"] == dp_clean["losses"] and set(dp_stats["report"]) == {
         "found NaN in local forward loss calculation", "found Inf in local forward loss calculation",
         "found NaN in local grad norm in backward pass before data-parallel communication collective",
-        "found Inf in local grad norm in backward pass before data-parallel communication collective"}
+        "found Inf in local grad norm in backward pass before data-parallel communication collective",
+        "Spiky loss", "found unexpected large grads in backward pass before data-parallel communication collective"}
     pp_clean, pp_nan = rank1[3:]  # the last stage's losses; stage 1 made them NaN through its output
     assert pp_nan["losses"] == pp_clean["losses"] and len(pp_clean["losses"]) == 4
     assert pp_nan["diagnostics"] == [(2, "initial_run"), (2, "first_rerun_not_reproducible")]
