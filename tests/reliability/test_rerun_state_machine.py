@@ -195,7 +195,8 @@ def _two_rank_job(rank: int, world: int, data: dict) -> list:
     return [_pretrain(base), _pretrain([*base, *V], _nan_once(3)),  # DP2: rank 0's loss of iteration 3
             _pretrain([*base, "--rerun-mode", "report_determinism_stats", "--check-for-spiky-loss",
                        "--check-for-large-grads"]),
-            _pretrain(pp2), _pretrain([*pp2, *V], _nan_once(5))]  # PP2: stage 1's output of iteration 3
+            _pretrain(pp2), _pretrain([*pp2, *V], _nan_once(5)),  # PP2: stage 1's output of iteration 3
+            _pretrain([*base, *V, "--overlap-grad-reduce"], _nan_once(3))]  # grads checked after the reduction
 
 
 @pytest.mark.slow
@@ -231,6 +232,7 @@ def test_pretrain_reruns_transient_errors_exactly_and_stops_persistent_ones(tiny
         "found NaN in local grad norm in backward pass before data-parallel communication collective",
         "found Inf in local grad norm in backward pass before data-parallel communication collective",
         "Spiky loss", "found unexpected large grads in backward pass before data-parallel communication collective"}
-    pp_clean, pp_nan = rank1[3:]  # the last stage's losses; stage 1 made them NaN through its output
+    assert rank0[5]["losses"] == dp_clean["losses"] and rank0[5]["diagnostics"] == dp_nan["diagnostics"]
+    pp_clean, pp_nan = rank1[3:5]  # the last stage's losses; stage 1 made them NaN through its output
     assert pp_nan["losses"] == pp_clean["losses"] and len(pp_clean["losses"]) == 4
     assert pp_nan["diagnostics"] == [(2, "initial_run"), (2, "first_rerun_not_reproducible")]
