@@ -187,16 +187,19 @@ def _serial_job(rank: int, world: int, data: dict, tmp: str) -> list:
             _pretrain([*persistent, *TORCH_DIST, "--load", f"{tmp}/dist"])]
 
 
-def _two_rank_job(rank: int, world: int, data: dict) -> list:
+def _two_rank_job(rank: int, world: int, data: dict, tmp: str) -> list:
     from tests.reliability.helpers import train_argv
 
     base = train_argv(data, "--global-batch-size", "4", iters=4)
     pp2 = [*base, "--pipeline-model-parallel-size", "2"]
+    persistent = [*pp2, *V, "--error-injection-rate", "1", "--error-injection-type", "persistent_error"]
     return [_pretrain(base), _pretrain([*base, *V], _nan_once(3)),  # DP2: rank 0's loss of iteration 3
             _pretrain([*base, "--rerun-mode", "report_determinism_stats", "--check-for-spiky-loss",
                        "--check-for-large-grads"]),
             _pretrain(pp2), _pretrain([*pp2, *V], _nan_once(5)),  # PP2: stage 1's output of iteration 3
-            _pretrain([*base, *V, "--overlap-grad-reduce"], _nan_once(3))]  # grads checked after the reduction
+            _pretrain([*base, *V, "--overlap-grad-reduce"], _nan_once(3)),  # grads checked after the reduction
+            _pretrain([*persistent, "--save", f"{tmp}/pp2", "--save-interval", "100"]),  # every rank's state saved
+            _pretrain([*persistent, "--load", f"{tmp}/pp2"])]
 
 
 @pytest.mark.slow
@@ -222,7 +225,7 @@ def test_pretrain_reruns_transient_errors_exactly_and_stops_persistent_ones(tiny
     assert (dist_first["code"], dist_resumed["code"]) == (16, 17) and dist_first["losses"] == first["losses"]
     assert dist_resumed["diagnostics"] == resumed["diagnostics"] == [(1, "second_rerun_not_reproducible")]
 
-    rank0, rank1 = run_distributed(_two_rank_job, 2, args=(tiny_data,))
+    rank0, rank1 = run_distributed(_two_rank_job, 2, args=(tiny_data, str(tmp_path)))
     dp_clean, dp_nan, dp_stats = rank0[:3]
     assert dp_nan["losses"] == dp_clean["losses"] and len(dp_clean["losses"]) == 4
     assert dp_nan["diagnostics"] == [(2, "initial_run"), (2, "first_rerun_not_reproducible")]  # rank 0's NaN
@@ -236,3 +239,10 @@ def test_pretrain_reruns_transient_errors_exactly_and_stops_persistent_ones(tiny
     pp_clean, pp_nan = rank1[3:5]  # the last stage's losses; stage 1 made them NaN through its output
     assert pp_nan["losses"] == pp_clean["losses"] and len(pp_clean["losses"]) == 4
     assert pp_nan["diagnostics"] == [(2, "initial_run"), (2, "first_rerun_not_reproducible")]
+    # PP2, persistent: both stages' states in the checkpoint; each resumed stage re-runs from its own one
+    assert [(r[6]["code"], r[7]["code"]) for r in (rank0, rank1)] == [(16, 17)] * 2
+    assert [r[7]["diagnostics"] for r in (rank0, rank1)] == [[(1, "second_rerun_not_reproducible")]] * 2
+    saved = torch.load(tmp_path / "pp2" / "iter_0000001" / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=False)
+    calls = [shard["failed_validation_call"] for shard in saved["rerun_state_machine"]["sharded"]]
+    assert [(message[:28], rank) for message, rank, _ in calls] == [
+        ("found NaN in local grad norm", 0), ("found NaN in local forward l", 1)]  # stage 1 has no loss
