@@ -28,6 +28,7 @@ from megatron.rerun_state_machine import (
     RerunState,
     RerunStateMachine,
     RerunTrackerError,
+    iterations_to_skip_from_tracker,
     machine_for_run,
 )
 from megatron.settings.values import Settings
@@ -90,6 +91,22 @@ def test_persistent_error_saves_exits_16_and_the_resumed_job_exits_17(tmp_path: 
         ("1", "initial_run"), ("1", "first_rerun_reproducible"), ("1", "second_rerun_reproducible")]
     assert all(line.endswith("message='loss check'") and "rank=0 " in line for line in lines)
     assert RerunStateMachine(VALIDATE).load_checkpoint_state(None) is False  # a checkpoint without the key
+
+
+def test_tracker_file_iterations_megatron_would_skip(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    def line(job: str, rank: int, iteration: int, status: str) -> str:
+        return (f"ts=2026-01-01 00:00:00 node=n device=0 jobID={job} rank={rank} iteration={iteration} "
+                f"status={status} result=tensor(nan) message='m'\n")
+    tracker = tmp_path / "rejected.txt"
+    tracker.write_text(line("1", 0, 5, "initial_run") + line("1", 0, 5, "first_rerun_reproducible")
+                       + line("2", 0, 5, "RerunValidationStatus.SECOND_RERUN_REPRODUCIBLE")  # twice on rank 0: skip
+                       + line("1", 1, 7, "first_rerun_reproducible") + line("2", 1, 7, "first_rerun_not_reproducible")
+                       + line("3", 0, 9, "first_rerun_reproducible") + line("3", 1, 9, "first_rerun_reproducible")
+                       + line("4", 0, 9, "first_rerun_reproducible"))  # two ranks of job 3: not skipped
+    assert iterations_to_skip_from_tracker(str(tracker)) == [5]
+    machine_for_run(Settings.from_args(None).with_values(rerun_mode="validate_results",
+                                                         result_rejected_tracker_filename=str(tracker)))
+    assert "names iterations [5] (0-based) that Megatron-LM would skip" in capsys.readouterr().out
 
 
 def test_injected_errors_and_a_reproduced_non_fatal_spike() -> None:
