@@ -734,6 +734,12 @@ def machine_for_run(settings: Any, state_save_func: Optional[Callable[[], Any]] 
     elif settings.value("deepspeed"):
         raise RerunSettingsError(f"--rerun-mode {mode.value} with --deepspeed: DeepSpeed's engine runs the "
                                  "forward-backward itself and cannot re-run a step; use --rerun-mode disabled")
+    if mode == RerunMode.VALIDATE_RESULTS:
+        nan = ("the NaN/Inf loss and grad checks (--check-for-nan-in-loss-and-grad) go through it; its skip of a "
+               "non-finite step stays for what they let through (a job's first step is not validated)"
+               if settings.value("check_for_nan_in_loss_and_grad") else "no NaN/Inf check "
+               "(--no-check-for-nan-in-loss-and-grad)")
+        _say(f"--rerun-mode validate_results: a step whose result a check rejects is re-run to attribute it; {nan}")
     tracker = settings.value("result_rejected_tracker_filename")
     skipped = iterations_to_skip_from_tracker(tracker) if tracker else []
     if skipped:
@@ -742,3 +748,13 @@ def machine_for_run(settings: Any, state_save_func: Optional[Callable[[], Any]] 
     injector = RerunErrorInjector(settings.value("error_injection_rate"),
                                   RerunDiagnostic(settings.value("error_injection_type")))
     return RerunStateMachine(mode, injector, tracker, state_save_func, state_restore_func)
+
+
+def refuse_outside_pretrain(settings: Any, loop: str) -> None:
+    """A training loop other than pretrain()'s (`loop` names it) does not drive the machine: the rerun flags are
+    refused there in one line (those that need a mode are refused as `machine_for_run` refuses them)."""
+    machine_for_run(settings)
+    mode = settings.value("rerun_mode")
+    if mode != RerunMode.DISABLED.value:
+        raise RerunSettingsError(f"--rerun-mode {mode}: {loop} does not re-run steps (pretrain_gpt.py, "
+                                 "pretrain_bert.py and pretrain_t5.py do); use --rerun-mode disabled")

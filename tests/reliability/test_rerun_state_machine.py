@@ -30,6 +30,7 @@ from megatron.rerun_state_machine import (
     RerunTrackerError,
     iterations_to_skip_from_tracker,
     machine_for_run,
+    refuse_outside_pretrain,
 )
 from megatron.settings.values import Settings
 
@@ -106,7 +107,9 @@ def test_tracker_file_iterations_megatron_would_skip(tmp_path: Path, capsys: pyt
     assert iterations_to_skip_from_tracker(str(tracker)) == [5]
     machine_for_run(Settings.from_args(None).with_values(rerun_mode="validate_results",
                                                          result_rejected_tracker_filename=str(tracker)))
-    assert "names iterations [5] (0-based) that Megatron-LM would skip" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "names iterations [5] (0-based) that Megatron-LM would skip" in out
+    assert "(--check-for-nan-in-loss-and-grad) go through it; its skip of a non-finite step stays" in out
 
 
 def test_injected_errors_and_a_reproduced_non_fatal_spike() -> None:
@@ -148,6 +151,9 @@ def test_disabled_runs_once_and_refusals_are_one_line(tmp_path: Path) -> None:
         machine_for_run(base.with_values(rerun_mode="validate_results", deepspeed=True))
     with pytest.raises(RerunSettingsError, match="--check-for-spiky-loss acts through the rerun state machine"):
         machine_for_run(base.with_values(check_for_spiky_loss=True))
+    with pytest.raises(RerunSettingsError, match="--rerun-mode validate_results: tasks/ finetuning does not"):
+        refuse_outside_pretrain(base.with_values(rerun_mode="validate_results"), "tasks/ finetuning")
+    refuse_outside_pretrain(base, "tasks/ finetuning")  # the defaults pass
     with pytest.raises(RerunTrackerError, match="--result-rejected-tracker-filename"):
         RerunStateMachine(VALIDATE, result_rejected_tracker_filename=str(tmp_path / "missing" / "x.txt"))
 
