@@ -269,3 +269,26 @@ def test_pretrain_reruns_transient_errors_exactly_and_stops_persistent_ones(tiny
     calls = [shard["failed_validation_call"] for shard in saved["rerun_state_machine"]["sharded"]]
     assert [(message[:28], rank) for message, rank, _ in calls] == [
         ("found NaN in local grad norm", 0), ("found NaN in local forward l", 1)]  # stage 1 has no loss
+
+
+def test_the_loop_saves_the_machine_state_then_exits_with_its_code(capsys: pytest.CaptureFixture) -> None:
+    import types
+
+    from megatron.nan_guard import SkipCounter
+    from megatron.training import rerun_exit
+    from megatron.training_state import TrainingState
+
+    machine = RerunStateMachine(VALIDATE)
+    data = RerunDataIterator(iter(range(100)))
+    _step(machine, data, corrupt=[])
+    _step(machine, data, corrupt=[(0, 0), (1, 0)])
+    run, loop, held = TrainingState(iteration=1), types.SimpleNamespace(save="CKPT"), []
+    guard = SkipCounter(10)
+    with pytest.raises(SystemExit) as exited:
+        rerun_exit(machine, 1, run, loop, lambda: held.append(run.rerun_state), guard)
+    assert exited.value.code == 16 and held[0]["state"] == 3 and run.rerun_state is None
+    assert "exiting with code 16 at iteration 2" in capsys.readouterr().out
+    guard.update(1, skipped=True, nonfinite=True, loss_scale=None, min_loss_scale=None)  # a non-finite streak
+    with pytest.raises(SystemExit):
+        rerun_exit(machine, 1, run, loop, lambda: held.append(run.rerun_state), guard)
+    assert held[1] is None and "no checkpoint was saved (a non-finite streak)" in capsys.readouterr().out
