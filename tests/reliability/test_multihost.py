@@ -216,7 +216,8 @@ def test_node02_never_arrives_survivors_exit_at_the_rendezvous_timeout(cluster: 
                                                                          tmp_path: Path) -> None:
     """node02's tasks hang before they start (MH_STALLED_NODES): under torchrun (its c10d rendezvous) and under srun
     alone (the ranks' own wait before the process group), node01 exits 1 at RDZV_TIMEOUT with one line naming what is
-    missing and the address it waited at; srun then kills node02's tasks and nothing is left on either node."""
+    missing and the address it waited at; srun then kills node02's tasks and nothing is left on either node; the
+    requeued job (node02 back) runs normally."""
     rdzv_s = 5  # counted from node01's own arrival: node02 never comes, so short is not flaky
     torchrun = _job(cluster, tiny_data, tmp_path, "pretrain_gpt_srun_torchrun.slurm", 2, 1, "a", job_id=51,
                     GPUS_PER_NODE="1", USE_DEEPSPEED="0", RDZV_TIMEOUT=str(rdzv_s), MH_STALLED_NODES="node02")
@@ -239,7 +240,12 @@ def test_node02_never_arrives_survivors_exit_at_the_rendezvous_timeout(cluster: 
     assert "Traceback" not in err_a + err_b and "multinode: MASTER_ADDR=node01 (10.77.0.1)" in err_b
     assert not cluster.pids(cluster.hosts[0]) and not cluster.pids(cluster.hosts[1])  # the requeue starts clean
     assert took < rdzv_s + 60, took
-    print(f"node02 never arrived: both jobs exited {took:.1f} s after submission (RDZV_TIMEOUT {rdzv_s} s)")
+    # Requeued with node02 back: the same nodes, port and checkpoint folder; it runs normally (2 iterations here).
+    requeued = _job(cluster, tiny_data, tmp_path, "pretrain_gpt.slurm", 2, 1, "b", job_id=52, MASTER_PORT="6001",
+                    RDZV_TIMEOUT=str(rdzv_s), TRAIN_ITERS="2", LR_DECAY_ITERS="2")
+    assert sorted(iteration_values(_finish(requeued)[0])) == [1, 2]
+    print(f"node02 never arrived: both jobs exited {took:.1f} s after submission (RDZV_TIMEOUT {rdzv_s} s); "
+          "the requeued job ran")
 
 
 def _multinode_env(cluster: Cluster, tmp_path: Path, host: int = 0, **extra: str) -> subprocess.CompletedProcess:
