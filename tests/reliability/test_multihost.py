@@ -13,6 +13,9 @@ scripts' own address and rank logic, torchrun's rendezvous across hosts and gloo
   given one node with two tasks, resumes from it and reproduces the uninterrupted run exactly until a USR1 makes it
   save and requeue itself. (PP2 equal to serial needs the serial run's initial weights: tests/pipeline shows it on
   one host.)
+- node02 never arrives (its tasks hang before they start): under torchrun and under srun alone node01 exits at
+  RDZV_TIMEOUT with one line naming node02 / rank 1 and the address; the requeued job runs normally.
+- What the scripts export for gloo/NCCL across nodes (examples/slurm/slurm_common.sh), without training.
 The losses are the log lines' (the scripts start pretrain_gpt.py themselves)."""
 from __future__ import annotations
 
