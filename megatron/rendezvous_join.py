@@ -137,6 +137,14 @@ def store_unreachable(rank: int, world_size: int, where: str, timeout: timedelta
         f"{TIMEOUT_ENV} (RDZV_TIMEOUT in examples/slurm) sets this wait")
 
 
+def arrival_key(rank: int, env: Mapping[str, str]) -> str:
+    """The key of `rank`'s arrival: per SLURM job step where SLURM says, so that ranks that reach another job's store
+    (two jobs on one node with the same MASTER_PORT) wait for their own job's ranks and name them, not start on it."""
+    job = env.get("SLURM_JOB_ID", "")
+    step = env.get("SLURM_STEP_ID", "")
+    return f"{KEY}job{job}.{step}/{rank}" if job else f"{KEY}{rank}"
+
+
 def _arrived(store: Any, keys: List[str], where: str) -> bool:
     try:
         return bool(store.check(keys))
@@ -153,8 +161,8 @@ def wait_for_ranks(store: Any, rank: int, world_size: int, timeout: timedelta, w
     """Write this rank's arrival in `store` and wait until all `world_size` ranks have, at most `timeout`; else raise
     RendezvousIncompleteError naming the missing ranks and their node (`where`: the store's address)."""
     env = os.environ if env is None else env
-    store.set(f"{KEY}{rank}", f"{host} {os.getpid()}")
-    keys = [f"{KEY}{r}" for r in range(world_size)]
+    keys = [arrival_key(r, env) for r in range(world_size)]
+    store.set(keys[rank], f"{host} {os.getpid()}")
     end = clock() + timeout.total_seconds()
     while not _arrived(store, keys, where):
         if clock() >= end:

@@ -82,6 +82,19 @@ def test_every_rank_arrived_returns_and_a_vanished_store_is_one_line() -> None:
         rendezvous_join.wait_for_ranks(Gone(), 1, 2, timedelta(seconds=1), "n1:6000", "n2", env={}, clock=Clock())
 
 
+def test_another_jobs_store_on_the_same_port_is_not_joined() -> None:
+    """Job 8's rank 1 reached job 7's store (both jobs on one node with MASTER_PORT 6000; job 8's rank 0 failed to
+    listen): job 7's arrivals do not count, rank 0 of job 8 is named."""
+    store = dist.HashStore()
+    for rank in (0, 1):
+        store.set(rendezvous_join.arrival_key(rank, {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}), "gpu-a001 1")
+    env = {**SLURM_4, "SLURM_PROCID": "1", "SLURM_JOB_ID": "8", "SLURM_STEP_ID": "0", "SLURM_TASKS_PER_NODE": "1(x2)"}
+    with pytest.raises(RendezvousIncompleteError, match=r"^rank 1 of 2: .*: rank 0 \(on gpu-a001\) never arrived "
+                       r"\(1 of 2 ranks did, from gpu-a002\)"):
+        rendezvous_join.wait_for_ranks(store, 1, 2, timedelta(seconds=5), "gpu-a001:6000", "gpu-a002", env=env,
+                                       clock=Clock(), poll_s=0)
+
+
 def test_slurm_rank_hosts_reads_the_compressed_forms() -> None:
     env = {"SLURM_JOB_NODELIST": "gpu-a[001-003,007],gpu-b12", "SLURM_TASKS_PER_NODE": "2(x3),1,3"}
     hosts = rendezvous_join.slurm_rank_hosts(env, 10)
