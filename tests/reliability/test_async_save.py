@@ -3,8 +3,10 @@
 In-process: the same state saved synchronously and asynchronously gives the same files bit for bit (legacy `torch`
 and `torch_dist`), although training changes the parameters while the background write runs; nothing is published
 (no tracker, no manifest) before `maybe_finalize`; a failed background write is raised by the finalize and leaves
-the previous checkpoint the latest; the flag's start-up rules (DeepSpeed refused in one line; torch_dist without
---use-persistent-ckpt-worker turned off with Megatron-LM's warning).
+the previous checkpoint the latest; with the background copy held back until the optimizer step asks for it, the
+step (and the expert-bias update) waits and the files still equal the synchronous save's; the flag's start-up
+rules (DeepSpeed refused in one line; torch_dist without --use-persistent-ckpt-worker turned off with Megatron-LM's
+warning).
 Two subprocess runs: TP2 x DP2 / PP2 x DP2 on 4 gloo processes (folders equal the synchronous run's, exit publishes,
 resume exact) and a SIGKILL in the middle of the background write (the previous checkpoint is the one loaded).
 Megatron Core's resume from our asynchronous torch_dist save is in tests/tools/test_checkpoint_mcore.py.
