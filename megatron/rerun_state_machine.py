@@ -31,6 +31,7 @@ import datetime
 import math
 import os
 import random
+import re
 from collections import defaultdict
 from enum import Enum
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
@@ -676,6 +677,40 @@ def _shown(result: Any) -> str:
     return f"{float(result):.6g}" if isinstance(result, torch.Tensor) and result.numel() == 1 else str(result)
 
 
+_TRACKER_LINE = re.compile(r"ts=.+ node=.+ device=.+ jobID=(.+) rank=(.+) iteration=(.+) status=(.+) result=.+ "
+                           r"message=.+")
+_COUNTED = ("RERUN_DISABLED", "FIRST_RERUN_REPRODUCIBLE", "SECOND_RERUN_REPRODUCIBLE")
+
+
+def iterations_to_skip_from_tracker(path: str) -> list[int]:
+    """Megatron's reading of a tracker file (RerunStateMachine.get_skipped_iterations_from_tracker_file): the
+    iterations whose result was rejected and reproduced (or rejected with re-runs disabled) twice on the same rank,
+    except those rejected on more than one rank of one job. Megatron skips them at start-up; this build does not
+    (`machine_for_run` says so in one line)."""
+    potential: set[int] = set()
+    ignored: set[int] = set()
+    seen: set[tuple[int, int]] = set()
+    by_job: dict[str, dict[int, set[int]]] = {}
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    for line in lines:
+        match = _TRACKER_LINE.search(line)
+        if not match or str(match[4]).split(".")[-1].upper() not in _COUNTED:
+            continue
+        job, rank, iteration = str(match[1]), int(match[2]), int(match[3])
+        if (rank, iteration) in seen:
+            potential.add(iteration)
+        seen.add((rank, iteration))
+        ranks = by_job.setdefault(job, {}).setdefault(iteration, set())
+        ranks.add(rank)
+        if len(ranks) > 1:
+            ignored.add(iteration)
+    return sorted(potential - ignored)
+
+
 class RerunSettingsError(MegatronUserError, ValueError):
     """A rerun flag that this run cannot honour (one line: the flags and the fix)."""
 
@@ -699,7 +734,27 @@ def machine_for_run(settings: Any, state_save_func: Optional[Callable[[], Any]] 
     elif settings.value("deepspeed"):
         raise RerunSettingsError(f"--rerun-mode {mode.value} with --deepspeed: DeepSpeed's engine runs the "
                                  "forward-backward itself and cannot re-run a step; use --rerun-mode disabled")
+    if mode == RerunMode.VALIDATE_RESULTS:
+        nan = ("the NaN/Inf loss and grad checks (--check-for-nan-in-loss-and-grad) go through it; its skip of a "
+               "non-finite step stays for what they let through (a job's first step is not validated)"
+               if settings.value("check_for_nan_in_loss_and_grad") else "no NaN/Inf check "
+               "(--no-check-for-nan-in-loss-and-grad)")
+        _say(f"--rerun-mode validate_results: a step whose result a check rejects is re-run to attribute it; {nan}")
+    tracker = settings.value("result_rejected_tracker_filename")
+    skipped = iterations_to_skip_from_tracker(tracker) if tracker else []
+    if skipped:
+        _say(f"note: --result-rejected-tracker-filename {tracker} names iterations {skipped} (0-based) that "
+             "Megatron-LM would skip at start-up (--iterations-to-skip); they are not skipped here")
     injector = RerunErrorInjector(settings.value("error_injection_rate"),
                                   RerunDiagnostic(settings.value("error_injection_type")))
-    return RerunStateMachine(mode, injector, settings.value("result_rejected_tracker_filename"),
-                             state_save_func, state_restore_func)
+    return RerunStateMachine(mode, injector, tracker, state_save_func, state_restore_func)
+
+
+def refuse_outside_pretrain(settings: Any, loop: str) -> None:
+    """A training loop other than pretrain()'s (`loop` names it) does not drive the machine: the rerun flags are
+    refused there in one line (those that need a mode are refused as `machine_for_run` refuses them)."""
+    machine_for_run(settings)
+    mode = settings.value("rerun_mode")
+    if mode != RerunMode.DISABLED.value:
+        raise RerunSettingsError(f"--rerun-mode {mode}: {loop} does not re-run steps (pretrain_gpt.py, "
+                                 "pretrain_bert.py and pretrain_t5.py do); use --rerun-mode disabled")

@@ -380,7 +380,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         peer_failure.note_phase(f"training iteration {iteration + 1}")  # named if a peer is lost (one line)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
             step_func, train_data_iterator, model, optimizer, opt_param_scheduler, configs, state, iteration)
-        rerun_exit(global_vars.get_rerun_state_machine(), iteration, run, loop, save)
+        rerun_exit(global_vars.get_rerun_state_machine(), iteration, run, loop, save, skip_counter)
         if loop.empty_unused_memory_level >= 1 and torch.cuda.is_available():
             torch.cuda.empty_cache()  # Megatron's --empty-unused-memory-level (memory only; same numbers)
         iteration += 1
@@ -422,15 +422,18 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
 
 
 def rerun_exit(machine: RerunStateMachine, iteration: int, run: TrainingState, loop: Any,
-               save: Callable[[], None]) -> None:
+               save: Callable[[], None], guard: SkipCounter) -> None:
     """--rerun-mode validate_results: when the machine asks, save the checkpoint of `iteration` (the steps done; it
     carries the machine's state) and exit with the machine's code (16: resume from it to re-run iteration
-    `iteration` + 1; 17: result validation failed)."""
+    `iteration` + 1; 17: result validation failed). No save during a non-finite streak (`guard`), as at any save."""
     should_checkpoint, should_exit, code = machine.exit_request
     if not should_exit:
         return
     where = ""
-    if should_checkpoint and loop.save:
+    if should_checkpoint and loop.save and guard.in_streak:
+        save()  # (prints why it saves nothing)
+        where = "; no checkpoint was saved (a non-finite streak): resume from the latest one"
+    elif should_checkpoint and loop.save:
         run.rerun_state = machine.checkpoint_state()  # collective
         save()
         run.rerun_state = None

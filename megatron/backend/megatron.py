@@ -100,6 +100,15 @@ def _add_eval_losses(total: dict, loss_dicts: list, state: ps.ParallelState) -> 
             total[key] = total.get(key, 0.0) + float(value)
 
 
+def _finalize(model: list, state: ps.ParallelState, step: StepSettings, num_tokens: Optional[torch.Tensor]) -> None:
+    """The gradients' data-parallel (and pipeline-embedding, sequence-parallel) reductions, timed."""
+    timers = global_vars.get_timers()
+    timers("grads-all-reduce", log_level=1).start(barrier=step.barrier_with_L1_time)
+    finalize_model_grads(model, state, sequence_parallel=step.sequence_parallel,
+                         num_tokens=None if num_tokens is None else num_tokens.to(_device()))
+    timers("grads-all-reduce").stop()
+
+
 SPIKY_LOSS_FACTOR = 10  # Megatron's: a loss 10x the largest seen is spiky (and grads likewise)
 
 
@@ -211,15 +220,18 @@ class MegatronBackend(TrainingBackend):
                 num_tokens=num_tokens,
             )
             timers("forward-backward").stop()
-            if checked:
-                validate_local_grads(machine, model, configs)
+            if checked:  # each run's grads are checked, then reduced (with --overlap-grad-reduce the buckets were
+                # reduced during the backward: checked after the reduction)
+                overlapped = any(getattr(chunk, "overlap_grad_reduce", False) for chunk in model)
+                if not overlapped:
+                    validate_local_grads(machine, model, configs)
+                _finalize(model, state, step, num_tokens)
+                if overlapped:
+                    validate_local_grads(machine, model, configs)
         if machine.should_checkpoint_and_exit()[1]:  # the loop saves (if asked) and exits with the machine's code
             return {}, 0, None, None
-
-        timers("grads-all-reduce", log_level=1).start(barrier=step.barrier_with_L1_time)
-        finalize_model_grads(model, state, sequence_parallel=step.sequence_parallel,
-                             num_tokens=None if num_tokens is None else num_tokens.to(_device()))
-        timers("grads-all-reduce").stop()
+        if not checked:
+            _finalize(model, state, step, num_tokens)
 
         # --check-for-nan-in-loss-and-grad: a non-finite loss or grad norm skips the step on every rank (nan_guard).
         finite = True

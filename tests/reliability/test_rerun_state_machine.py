@@ -28,7 +28,9 @@ from megatron.rerun_state_machine import (
     RerunState,
     RerunStateMachine,
     RerunTrackerError,
+    iterations_to_skip_from_tracker,
     machine_for_run,
+    refuse_outside_pretrain,
 )
 from megatron.settings.values import Settings
 
@@ -92,6 +94,24 @@ def test_persistent_error_saves_exits_16_and_the_resumed_job_exits_17(tmp_path: 
     assert RerunStateMachine(VALIDATE).load_checkpoint_state(None) is False  # a checkpoint without the key
 
 
+def test_tracker_file_iterations_megatron_would_skip(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    def line(job: str, rank: int, iteration: int, status: str) -> str:
+        return (f"ts=2026-01-01 00:00:00 node=n device=0 jobID={job} rank={rank} iteration={iteration} "
+                f"status={status} result=tensor(nan) message='m'\n")
+    tracker = tmp_path / "rejected.txt"
+    tracker.write_text(line("1", 0, 5, "initial_run") + line("1", 0, 5, "first_rerun_reproducible")
+                       + line("2", 0, 5, "RerunValidationStatus.SECOND_RERUN_REPRODUCIBLE")  # twice on rank 0: skip
+                       + line("1", 1, 7, "first_rerun_reproducible") + line("2", 1, 7, "first_rerun_not_reproducible")
+                       + line("3", 0, 9, "first_rerun_reproducible") + line("3", 1, 9, "first_rerun_reproducible")
+                       + line("4", 0, 9, "first_rerun_reproducible"))  # two ranks of job 3: not skipped
+    assert iterations_to_skip_from_tracker(str(tracker)) == [5]
+    machine_for_run(Settings.from_args(None).with_values(rerun_mode="validate_results",
+                                                         result_rejected_tracker_filename=str(tracker)))
+    out = capsys.readouterr().out
+    assert "names iterations [5] (0-based) that Megatron-LM would skip" in out
+    assert "(--check-for-nan-in-loss-and-grad) go through it; its skip of a non-finite step stays" in out
+
+
 def test_injected_errors_and_a_reproduced_non_fatal_spike() -> None:
     machine = RerunStateMachine(VALIDATE, RerunErrorInjector(1, RerunDiagnostic.PERSISTENT_ERROR))
     data = RerunDataIterator(iter(range(100)))
@@ -131,6 +151,9 @@ def test_disabled_runs_once_and_refusals_are_one_line(tmp_path: Path) -> None:
         machine_for_run(base.with_values(rerun_mode="validate_results", deepspeed=True))
     with pytest.raises(RerunSettingsError, match="--check-for-spiky-loss acts through the rerun state machine"):
         machine_for_run(base.with_values(check_for_spiky_loss=True))
+    with pytest.raises(RerunSettingsError, match="--rerun-mode validate_results: tasks/ finetuning does not"):
+        refuse_outside_pretrain(base.with_values(rerun_mode="validate_results"), "tasks/ finetuning")
+    refuse_outside_pretrain(base, "tasks/ finetuning")  # the defaults pass
     with pytest.raises(RerunTrackerError, match="--result-rejected-tracker-filename"):
         RerunStateMachine(VALIDATE, result_rejected_tracker_filename=str(tmp_path / "missing" / "x.txt"))
 
@@ -187,15 +210,19 @@ def _serial_job(rank: int, world: int, data: dict, tmp: str) -> list:
             _pretrain([*persistent, *TORCH_DIST, "--load", f"{tmp}/dist"])]
 
 
-def _two_rank_job(rank: int, world: int, data: dict) -> list:
+def _two_rank_job(rank: int, world: int, data: dict, tmp: str) -> list:
     from tests.reliability.helpers import train_argv
 
     base = train_argv(data, "--global-batch-size", "4", iters=4)
     pp2 = [*base, "--pipeline-model-parallel-size", "2"]
+    persistent = [*pp2, *V, "--error-injection-rate", "1", "--error-injection-type", "persistent_error"]
     return [_pretrain(base), _pretrain([*base, *V], _nan_once(3)),  # DP2: rank 0's loss of iteration 3
             _pretrain([*base, "--rerun-mode", "report_determinism_stats", "--check-for-spiky-loss",
                        "--check-for-large-grads"]),
-            _pretrain(pp2), _pretrain([*pp2, *V], _nan_once(5))]  # PP2: stage 1's output of iteration 3
+            _pretrain(pp2), _pretrain([*pp2, *V], _nan_once(5)),  # PP2: stage 1's output of iteration 3
+            _pretrain([*base, *V, "--overlap-grad-reduce"], _nan_once(3)),  # grads checked after the reduction
+            _pretrain([*persistent, "--save", f"{tmp}/pp2", "--save-interval", "100"]),  # every rank's state saved
+            _pretrain([*persistent, "--load", f"{tmp}/pp2"])]
 
 
 @pytest.mark.slow
@@ -221,7 +248,7 @@ def test_pretrain_reruns_transient_errors_exactly_and_stops_persistent_ones(tiny
     assert (dist_first["code"], dist_resumed["code"]) == (16, 17) and dist_first["losses"] == first["losses"]
     assert dist_resumed["diagnostics"] == resumed["diagnostics"] == [(1, "second_rerun_not_reproducible")]
 
-    rank0, rank1 = run_distributed(_two_rank_job, 2, args=(tiny_data,))
+    rank0, rank1 = run_distributed(_two_rank_job, 2, args=(tiny_data, str(tmp_path)))
     dp_clean, dp_nan, dp_stats = rank0[:3]
     assert dp_nan["losses"] == dp_clean["losses"] and len(dp_clean["losses"]) == 4
     assert dp_nan["diagnostics"] == [(2, "initial_run"), (2, "first_rerun_not_reproducible")]  # rank 0's NaN
@@ -231,6 +258,37 @@ def test_pretrain_reruns_transient_errors_exactly_and_stops_persistent_ones(tiny
         "found NaN in local grad norm in backward pass before data-parallel communication collective",
         "found Inf in local grad norm in backward pass before data-parallel communication collective",
         "Spiky loss", "found unexpected large grads in backward pass before data-parallel communication collective"}
-    pp_clean, pp_nan = rank1[3:]  # the last stage's losses; stage 1 made them NaN through its output
+    assert rank0[5]["losses"] == dp_clean["losses"] and rank0[5]["diagnostics"] == dp_nan["diagnostics"]
+    pp_clean, pp_nan = rank1[3:5]  # the last stage's losses; stage 1 made them NaN through its output
     assert pp_nan["losses"] == pp_clean["losses"] and len(pp_clean["losses"]) == 4
     assert pp_nan["diagnostics"] == [(2, "initial_run"), (2, "first_rerun_not_reproducible")]
+    # PP2, persistent: both stages' states in the checkpoint; each resumed stage re-runs from its own one
+    assert [(r[6]["code"], r[7]["code"]) for r in (rank0, rank1)] == [(16, 17)] * 2
+    assert [r[7]["diagnostics"] for r in (rank0, rank1)] == [[(1, "second_rerun_not_reproducible")]] * 2
+    saved = torch.load(tmp_path / "pp2" / "iter_0000001" / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=False)
+    calls = [shard["failed_validation_call"] for shard in saved["rerun_state_machine"]["sharded"]]
+    assert [(message[:28], rank) for message, rank, _ in calls] == [
+        ("found NaN in local grad norm", 0), ("found NaN in local forward l", 1)]  # stage 1 has no loss
+
+
+def test_the_loop_saves_the_machine_state_then_exits_with_its_code(capsys: pytest.CaptureFixture) -> None:
+    import types
+
+    from megatron.nan_guard import SkipCounter
+    from megatron.training import rerun_exit
+    from megatron.training_state import TrainingState
+
+    machine = RerunStateMachine(VALIDATE)
+    data = RerunDataIterator(iter(range(100)))
+    _step(machine, data, corrupt=[])
+    _step(machine, data, corrupt=[(0, 0), (1, 0)])
+    run, loop, held = TrainingState(iteration=1), types.SimpleNamespace(save="CKPT"), []
+    guard = SkipCounter(10)
+    with pytest.raises(SystemExit) as exited:
+        rerun_exit(machine, 1, run, loop, lambda: held.append(run.rerun_state), guard)
+    assert exited.value.code == 16 and held[0]["state"] == 3 and run.rerun_state is None
+    assert "exiting with code 16 at iteration 2" in capsys.readouterr().out
+    guard.update(1, skipped=True, nonfinite=True, loss_scale=None, min_loss_scale=None)  # a non-finite streak
+    with pytest.raises(SystemExit):
+        rerun_exit(machine, 1, run, loop, lambda: held.append(run.rerun_state), guard)
+    assert held[1] is None and "no checkpoint was saved (a non-finite streak)" in capsys.readouterr().out
