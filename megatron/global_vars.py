@@ -1,4 +1,5 @@
-"""Process-wide singletons for entry scripts: args, tokenizer, timers, tensorboard writer, micro-batch calculator.
+"""Process-wide singletons for entry scripts: args, tokenizer, timers, tensorboard writer, micro-batch calculator,
+the rerun state machine.
 
 Only entry scripts, megatron/training.py-level code and this module read them; library layers get explicit
 arguments instead. `unset_global_variables()` resets everything (tests).
@@ -13,6 +14,7 @@ import torch
 
 from megatron import optional
 from megatron.microbatches import build_num_microbatches_calculator
+from megatron.rerun_state_machine import RerunStateMachine
 from megatron.timers import Timers
 from megatron.tokenizer.tokenizer import build_tokenizer
 from megatron.tokenizer.tokenizer import vocab_size_with_padding as _pad_vocab
@@ -23,6 +25,7 @@ _GLOBAL_TOKENIZER: Any = None
 _GLOBAL_TENSORBOARD_WRITER: Any = None
 _GLOBAL_TIMERS: Optional[Timers] = None
 _GLOBAL_SIGNAL_HANDLER: Any = None
+_GLOBAL_RERUN_STATE_MACHINE: Optional[RerunStateMachine] = None
 
 
 def _ensure_initialized(var: Any, name: str) -> None:
@@ -83,6 +86,21 @@ def get_signal_handler() -> Any:
     return _GLOBAL_SIGNAL_HANDLER
 
 
+def get_rerun_state_machine() -> RerunStateMachine:
+    """The run's rerun state machine (pretrain() installs it; a disabled one until then, as Megatron's implicit
+    initialisation)."""
+    global _GLOBAL_RERUN_STATE_MACHINE
+    if _GLOBAL_RERUN_STATE_MACHINE is None:
+        _GLOBAL_RERUN_STATE_MACHINE = RerunStateMachine()
+    return _GLOBAL_RERUN_STATE_MACHINE
+
+
+def set_rerun_state_machine(machine: Optional[RerunStateMachine]) -> None:
+    """Install the run's rerun state machine (None: forget it)."""
+    global _GLOBAL_RERUN_STATE_MACHINE
+    _GLOBAL_RERUN_STATE_MACHINE = machine
+
+
 def set_args(args: argparse.Namespace) -> None:
     global _GLOBAL_ARGS
     _GLOBAL_ARGS = args
@@ -119,7 +137,7 @@ def install_global_variables(args: argparse.Namespace, tokenizer: Any, calculato
 def unset_global_variables() -> None:
     """Forget every global (closing the tensorboard writer); for tests and re-initialisation."""
     global _GLOBAL_ARGS, _GLOBAL_NUM_MICROBATCHES_CALCULATOR, _GLOBAL_TOKENIZER
-    global _GLOBAL_TENSORBOARD_WRITER, _GLOBAL_TIMERS, _GLOBAL_SIGNAL_HANDLER
+    global _GLOBAL_TENSORBOARD_WRITER, _GLOBAL_TIMERS, _GLOBAL_SIGNAL_HANDLER, _GLOBAL_RERUN_STATE_MACHINE
     if _GLOBAL_TENSORBOARD_WRITER is not None:
         try:
             _GLOBAL_TENSORBOARD_WRITER.close()
@@ -133,6 +151,7 @@ def unset_global_variables() -> None:
     _GLOBAL_TENSORBOARD_WRITER = None
     _GLOBAL_TIMERS = None
     _GLOBAL_SIGNAL_HANDLER = None
+    _GLOBAL_RERUN_STATE_MACHINE = None
 
 
 def build_num_microbatches_calculator_from(args: argparse.Namespace) -> Any:

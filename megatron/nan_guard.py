@@ -76,6 +76,11 @@ def loss_and_grads_finite(losses_reduced: Optional[list], model: Iterable[torch.
     return not _any_rank(bad > 0), math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("nan")
 
 
+def local_grad_norm(model: Iterable[torch.nn.Module]) -> torch.Tensor:
+    """This rank's L2 norm of its gradients (main_grad where the DDP buffers hold them), fp32; not collective."""
+    return _norm_sq(_grads(model)).sqrt()
+
+
 def params_finite(model: Iterable[torch.nn.Module]) -> bool:
     """Every parameter of every chunk finite on every rank (collective)."""
     params = [p.detach() for chunk in model for p in chunk.parameters() if p.numel() > 0]

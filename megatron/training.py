@@ -63,6 +63,7 @@ from megatron.nan_guard import (
     params_finite,
 )
 from megatron.progress import Heartbeat, ProgressNotes
+from megatron.rerun_state_machine import RerunDataIterator, RerunMode, RerunStateMachine, machine_for_run
 from megatron.run_configs.bundle import RunConfigs
 from megatron.run_configs.run_settings import LoopSettings
 from megatron.settings.required_flags import TRAINING_RUN
@@ -379,6 +380,7 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         peer_failure.note_phase(f"training iteration {iteration + 1}")  # named if a peer is lost (one line)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
             step_func, train_data_iterator, model, optimizer, opt_param_scheduler, configs, state, iteration)
+        rerun_exit(global_vars.get_rerun_state_machine(), iteration, run, loop, save, skip_counter)
         if loop.empty_unused_memory_level >= 1 and torch.cuda.is_available():
             torch.cuda.empty_cache()  # Megatron's --empty-unused-memory-level (memory only; same numbers)
         iteration += 1
@@ -417,6 +419,34 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         if _save_or_exit(iteration, loop, sigterm, save):
             return iteration, True
     return iteration, False
+
+
+def rerun_exit(machine: RerunStateMachine, iteration: int, run: TrainingState, loop: Any,
+               save: Callable[[], None], guard: SkipCounter) -> None:
+    """--rerun-mode validate_results: when the machine asks, save the checkpoint of `iteration` (the steps done; it
+    carries the machine's state) and exit with the machine's code (16: resume from it to re-run iteration
+    `iteration` + 1; 17: result validation failed). No save during a non-finite streak (`guard`), as at any save."""
+    should_checkpoint, should_exit, code = machine.exit_request
+    if not should_exit:
+        return
+    where = ""
+    if should_checkpoint and loop.save and guard.in_streak:
+        save()  # (prints why it saves nothing)
+        where = "; no checkpoint was saved (a non-finite streak): resume from the latest one"
+    elif should_checkpoint and loop.save:
+        run.rerun_state = machine.checkpoint_state()  # collective
+        save()
+        run.rerun_state = None
+        async_save.maybe_finalize(blocking=True)
+        where = f"; the checkpoint of iteration {iteration} in {loop.save} holds the state to resume from"
+    elif should_checkpoint:
+        where = "; no checkpoint was saved (no --save)"
+    what = ("the rejected result was reproduced by re-running it: resume the job (on another node/GPU) to re-run "
+            "it from the checkpoint" if code == 16 else
+            "result validation failed (the lines above name the check and the diagnostic)")
+    print_rank_0(f"rerun state machine: exiting with code {code} at iteration {iteration + 1}: {what}{where}")
+    _flush_writer()
+    raise SystemExit(code)
 
 
 def _save_or_exit(iteration: int, loop: Any, sigterm: Any, save: Callable[[], None]) -> bool:
@@ -495,6 +525,8 @@ def _pretrain_attempt(train_valid_test_dataset_provider: Callable, model_provide
         run = TrainingState(padded_vocab_size=getattr(args, "padded_vocab_size", None))
         configs = RunConfigs.from_args(args)  # the run's typed records, built once and passed down
         restart.arm(configs.settings)  # --inprocess-restart: its store (outliving the process groups) on attempt 0
+        rerun = machine_for_run(configs.settings, local_rng_state, restore_local_rng_state)  # --rerun-mode
+        global_vars.set_rerun_state_machine(rerun)
         check_pipeline_schedule(configs.step, global_vars.get_num_microbatches())
         timers = global_vars.get_timers()
         check_data_prefixes(configs.data_files)  # a mistyped --data-path: one line before the model is built
@@ -503,12 +535,17 @@ def _pretrain_attempt(train_valid_test_dataset_provider: Callable, model_provide
         model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, configs, state,
                                                                           run)
         configs = configs.with_run_length()  # the LR schedule's set-up turned --train-samples into --train-iters
+        rerun.load_checkpoint_state(run.rerun_state)  # a step to re-run from the checkpoint, if it holds one
+        run.rerun_state = None
+        rerun.start_at(run.iteration)
         timers("model-and-optimizer-setup").stop()
         print_datetime("after model, optimizer, and learning rate scheduler are built")
         if args.rank == 0 and getattr(model_type, "name", "") == "encoder_or_decoder":  # GPT-shaped models
             memory_report(configs.memory, configs.transformer, num_microbatches=global_vars.get_num_microbatches())
 
         train_it, valid_it, test_it = _data_iterators(train_valid_test_dataset_provider, configs, state, run, timers)
+        if rerun.mode != RerunMode.DISABLED and train_it is not None:
+            train_it = RerunDataIterator(train_it)  # a re-run of a step replays its micro-batches
         print_datetime("after dataloaders are built")
         print_rank_0("done with setup ...")
         timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)

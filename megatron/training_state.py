@@ -26,6 +26,7 @@ import torch
 # Megatron's names, in the order its loop adds them to ``args`` after model set-up (see `megatron_args`).
 COUNTERS = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens")
 TOTALS = ("skipped_iterations", "nan_iterations")  # our top-level checkpoint keys (written when non-zero)
+RERUN_KEY = "rerun_state_machine"  # Megatron's key, written only by the save that asks for a step to be re-run
 _ADDED_AFTER_MODEL = ("consumed_valid_tokens", "iteration", "do_train", "do_valid", "do_test", "curr_iteration")
 
 
@@ -45,6 +46,9 @@ class TrainingState:
     do_test: Optional[bool] = None
     skipped_iterations: int = 0  # run totals (the log line prints per-interval counts)
     nan_iterations: int = 0
+    # the rerun state machine's checkpoint entry (Megatron's key ``rerun_state_machine``): set for the save that asks
+    # for a step to be re-run from the checkpoint, and filled by loading one that holds it (megatron/training.py)
+    rerun_state: Optional[dict] = None
 
     # ------------------------------------------------------------------------------------------- adapters
     @classmethod
@@ -70,6 +74,7 @@ class TrainingState:
             setattr(self, name, int(src.get(name, 0)))
         for name in TOTALS:
             setattr(self, name, int(saved.get(name, 0)))
+        self.rerun_state = saved.get(RERUN_KEY)
 
     def checkpoint_counters(self) -> dict[str, int]:
         """Megatron's top-level checkpoint keys for the consumed samples and tokens."""
@@ -78,9 +83,13 @@ class TrainingState:
                 "consumed_train_tokens": int(self.consumed_train_tokens),
                 "consumed_valid_tokens": int(self.consumed_valid_tokens or 0)}
 
-    def checkpoint_totals(self) -> dict[str, int]:
-        """The run's skipped/non-finite totals as top-level checkpoint keys: only the non-zero ones (see above)."""
-        return {name: int(getattr(self, name)) for name in TOTALS if getattr(self, name)}
+    def checkpoint_totals(self) -> dict[str, Any]:
+        """The run's skipped/non-finite totals as top-level checkpoint keys: only the non-zero ones (see above); and
+        the rerun state machine's entry when a step is to be re-run from this checkpoint."""
+        out: dict[str, Any] = {name: int(getattr(self, name)) for name in TOTALS if getattr(self, name)}
+        if self.rerun_state is not None:
+            out[RERUN_KEY] = self.rerun_state
+        return out
 
     def megatron_args(self, args: argparse.Namespace) -> argparse.Namespace:
         """The ``args`` a checkpoint stores: the flags (without callables) with this state under Megatron's names,

@@ -30,6 +30,7 @@ from megatron.compat import load_checkpoint
 from megatron.core import parallel_state as ps
 from megatron.errors import ArgumentError
 from megatron.layers import ModelType
+from megatron.rerun_state_machine import refuse_outside_pretrain
 from megatron.run_configs.bundle import RunConfigs
 from megatron.training import (
     evaluate_and_print_results,
@@ -178,6 +179,7 @@ def finetune(task: FinetuneTask, args: argparse.Namespace) -> dict:
         args.no_load_optim, args.no_load_rng = True, True
     run = FinetuneState(padded_vocab_size=getattr(args, "padded_vocab_size", None))
     configs = RunConfigs.from_args(args)  # the run's records, after the batch sizes above became sequences
+    refuse_outside_pretrain(configs.settings, "tasks/ finetuning")  # --rerun-mode and its flags (one line)
     model, optimizer, scheduler = setup_model_and_optimizer(partial(task.model_provider, configs.transformer),
                                                             ModelType.encoder_or_decoder,
                                                             configs, state, run)

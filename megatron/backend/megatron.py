@@ -7,6 +7,7 @@ calc_params_l2_norm.
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
@@ -21,8 +22,14 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.errors import MegatronUserError
 from megatron.logging_utils import print_rank_0
 from megatron.model_setup import build_model, build_param_scheduler, record_run_length
-from megatron.nan_guard import NonFiniteTrainingError, loaded_state_problem, loss_and_grads_finite
+from megatron.nan_guard import (
+    NonFiniteTrainingError,
+    loaded_state_problem,
+    local_grad_norm,
+    loss_and_grads_finite,
+)
 from megatron.optimizer import get_megatron_optimizer
+from megatron.rerun_state_machine import RerunMode, RerunStateMachine
 from megatron.run_configs.step import StepSettings
 from megatron.training_state import TrainingState
 from megatron.utils import calc_params_l2_norm
@@ -93,6 +100,69 @@ def _add_eval_losses(total: dict, loss_dicts: list, state: ps.ParallelState) -> 
             total[key] = total.get(key, 0.0) + float(value)
 
 
+def _finalize(model: list, state: ps.ParallelState, step: StepSettings, num_tokens: Optional[torch.Tensor]) -> None:
+    """The gradients' data-parallel (and pipeline-embedding, sequence-parallel) reductions, timed."""
+    timers = global_vars.get_timers()
+    timers("grads-all-reduce", log_level=1).start(barrier=step.barrier_with_L1_time)
+    finalize_model_grads(model, state, sequence_parallel=step.sequence_parallel,
+                         num_tokens=None if num_tokens is None else num_tokens.to(_device()))
+    timers("grads-all-reduce").stop()
+
+
+SPIKY_LOSS_FACTOR = 10  # Megatron's: a loss 10x the largest seen is spiky (and grads likewise)
+
+
+def validate_loss(machine: RerunStateMachine, loss: torch.Tensor, configs: RunConfigs) -> None:
+    """Megatron's loss checks of one micro-batch's local loss (pretrain_gpt.py loss_func): NaN and Inf (fatal, with
+    --check-for-nan-in-loss-and-grad), spiky (not fatal, --check-for-spiky-loss)."""
+    if configs.step.check_for_nan_in_loss_and_grad:
+        machine.validate_result(loss, torch.isnan, "found NaN in local forward loss calculation", tolerance=0.0,
+                                fatal=True)
+        machine.validate_result(loss, torch.isinf, "found Inf in local forward loss calculation", tolerance=0.0,
+                                fatal=True)
+    if configs.settings.value("check_for_spiky_loss"):
+        machine.validate_result(
+            loss, functools.partial(machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss"),
+            "Spiky loss", tolerance=0.0, fatal=False)
+
+
+def validate_local_grads(machine: RerunStateMachine, model: list, configs: RunConfigs) -> None:
+    """Megatron's checks of this rank's grad norm before the data-parallel reduction: NaN and Inf (fatal, with
+    --check-for-nan-in-loss-and-grad; not with --fp16, whose loss scaler handles overflows), unexpectedly large (not
+    fatal, --check-for-large-grads); 0.1% tolerance between runs, as Megatron."""
+    nan_check = configs.step.check_for_nan_in_loss_and_grad and not configs.model_wrap.fp16
+    large_check = configs.settings.value("check_for_large_grads")
+    if not (nan_check or large_check):
+        return
+    norm = local_grad_norm(model)
+    where = "in backward pass before data-parallel communication collective"
+    if nan_check:
+        machine.validate_result(norm, torch.isnan, f"found NaN in local grad norm {where}", tolerance=0.001,
+                                fatal=True)
+        machine.validate_result(norm, torch.isinf, f"found Inf in local grad norm {where}", tolerance=0.001,
+                                fatal=True)
+    if large_check:
+        machine.validate_result(
+            norm, functools.partial(machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="grads"),
+            f"found unexpected large grads {where}", tolerance=0.001, fatal=False)
+
+
+def validated_forward_step(forward_step_func: Callable, machine: RerunStateMachine, configs: RunConfigs) -> Callable:
+    """`forward_step_func` whose loss function's loss (each micro-batch's, before any reduction) goes through
+    `validate_loss`."""
+    @functools.wraps(forward_step_func)
+    def forward_step(*args: Any, **kwargs: Any) -> Any:
+        output_tensor, loss_func = forward_step_func(*args, **kwargs)
+
+        def checked_loss_func(*largs: Any, **lkwargs: Any) -> Any:
+            out = loss_func(*largs, **lkwargs)
+            if not lkwargs.get("non_loss_data") and isinstance(out, tuple) and isinstance(out[0], torch.Tensor):
+                validate_loss(machine, out[0].detach(), configs)
+            return out
+        return output_tensor, checked_loss_func
+    return forward_step
+
+
 class MegatronBackend(TrainingBackend):
     """Megatron's own path (see the module docstring)."""
 
@@ -126,28 +196,42 @@ class MegatronBackend(TrainingBackend):
                    optimizer: Any, opt_param_scheduler: Any, configs: RunConfigs,
                    state: ps.ParallelState) -> StepResult:
         timers = global_vars.get_timers()
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-
         step, batch = configs.step, configs.batch
         forward_backward_func = _schedule(step)
-        # --calculate-per-token-loss: the schedule sums the micro-batches' token counts here (Megatron's rule)
-        num_tokens = torch.zeros((), dtype=torch.long) if step.calculate_per_token_loss else None
-        timers("forward-backward", log_level=1).start(barrier=step.barrier_with_L1_time)
-        losses_reduced = forward_backward_func(
-            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-            num_microbatches=global_vars.get_num_microbatches(), forward_only=False,
-            grad_scale_func=optimizer.scale_loss, seq_length=batch.seq_length, micro_batch_size=batch.micro_batch_size,
-            decoder_seq_length=step.decoder_seq_length, parallel_state=state,
-            calculate_per_token_loss=bool(step.calculate_per_token_loss), num_tokens=num_tokens,
-        )
-        timers("forward-backward").stop()
-
-        timers("grads-all-reduce", log_level=1).start(barrier=step.barrier_with_L1_time)
-        finalize_model_grads(model, state, sequence_parallel=step.sequence_parallel,
-                             num_tokens=None if num_tokens is None else num_tokens.to(_device()))
-        timers("grads-all-reduce").stop()
+        # --rerun-mode: the forward-backward runs again while the rerun state machine asks (megatron/
+        # rerun_state_machine.py); disabled, it runs once and no check goes through the machine
+        machine = global_vars.get_rerun_state_machine()
+        checked = machine.mode != RerunMode.DISABLED
+        if checked:
+            forward_step_func = validated_forward_step(forward_step_func, machine, configs)
+        while machine.should_run_forward_backward(data_iterator):
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            # --calculate-per-token-loss: the schedule sums the micro-batches' token counts here (Megatron's rule)
+            num_tokens = torch.zeros((), dtype=torch.long) if step.calculate_per_token_loss else None
+            timers("forward-backward", log_level=1).start(barrier=step.barrier_with_L1_time)
+            losses_reduced = forward_backward_func(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                num_microbatches=global_vars.get_num_microbatches(), forward_only=False,
+                grad_scale_func=optimizer.scale_loss, seq_length=batch.seq_length,
+                micro_batch_size=batch.micro_batch_size, decoder_seq_length=step.decoder_seq_length,
+                parallel_state=state, calculate_per_token_loss=bool(step.calculate_per_token_loss),
+                num_tokens=num_tokens,
+            )
+            timers("forward-backward").stop()
+            if checked:  # each run's grads are checked, then reduced (with --overlap-grad-reduce the buckets were
+                # reduced during the backward: checked after the reduction)
+                overlapped = any(getattr(chunk, "overlap_grad_reduce", False) for chunk in model)
+                if not overlapped:
+                    validate_local_grads(machine, model, configs)
+                _finalize(model, state, step, num_tokens)
+                if overlapped:
+                    validate_local_grads(machine, model, configs)
+        if machine.should_checkpoint_and_exit()[1]:  # the loop saves (if asked) and exits with the machine's code
+            return {}, 0, None, None
+        if not checked:
+            _finalize(model, state, step, num_tokens)
 
         # --check-for-nan-in-loss-and-grad: a non-finite loss or grad norm skips the step on every rank (nan_guard).
         finite = True

@@ -60,7 +60,7 @@ from megatron.layers.tp_shards import (
 from megatron.models import registry
 from megatron.optimizer.distrib_optimizer import param_state_to_regular_state
 from megatron.run_configs.checkpoint import CheckpointSettings
-from megatron.training_state import TOTALS, TrainingState
+from megatron.training_state import RERUN_KEY, TOTALS, TrainingState
 
 TORCH, CORE_TORCH, TORCH_DIST = "torch", "torch (Megatron Core names)", "torch_dist"
 _LAYERS = "language_model.encoder.layers."
@@ -185,7 +185,7 @@ def rewrite_as_torch_dist(save_dir: str, iteration: int, iter_dir: str, optimize
             meta, messages = read_megatron(save_dir, iteration=iteration, optimizer=optimizer,
                                            model_type="BERT" if bert else "GPT", verify=False)
         keep = ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens", "consumed_valid_tokens",
-                "opt_param_scheduler", "true_vocab_size", "padded_vocab_size", "train_loss", *TOTALS)
+                "opt_param_scheduler", "true_vocab_size", "padded_vocab_size", "train_loss", *TOTALS, RERUN_KEY)
         extra = {k: first[k] for k in keep if k in first}
         rng = None
         if "rng_state" in first:  # Megatron-LM's rng_state ShardedObjects (older saves: RNG_KEY in common.pt)
@@ -446,6 +446,7 @@ def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mappi
         setattr(run, key, int(common.get(key, getattr(ckpt_args, key, 0)) or 0))
     for key in TOTALS:  # the run's skipped/non-finite totals (ours; absent: 0)
         setattr(run, key, int(common.get(key, 0)))
+    run.rerun_state = common.get(RERUN_KEY)  # a step to re-run from this checkpoint (--rerun-mode)
     if on_restored is not None:
         on_restored(run, names)
     return int(common.get("iteration", getattr(ckpt_args, "iteration", 0)) or 0), common, rng

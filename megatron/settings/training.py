@@ -147,6 +147,29 @@ class TrainingSettings:
         help="nvidia-resiliency-ext's monitor setting (not used here).", refused=_NO_MONITOR)
     inprocess_termination_grace_time: float = setting("--inprocess-termination-grace-time", default=1.0,
         help="nvidia-resiliency-ext's monitor setting (not used here).", refused=_NO_MONITOR)
+    # Megatron-LM's rerun state machine (megatron/rerun_state_machine.py); off by default here (0.16.1:
+    # validate_results), so that existing runs do not change
+    rerun_mode: str = setting("--rerun-mode", default="disabled",
+        choices=["disabled", "validate_results", "report_determinism_stats"],
+        help="Re-run a step whose result a check rejects to tell a transient error from a persistent one "
+             "(validate_results), or re-run every step to report its non-determinism (report_determinism_stats).",
+        read_by="megatron/rerun_state_machine.py")
+    check_for_spiky_loss: bool = setting("--check-for-spiky-loss", default=False, action="store_true",
+        help="With --rerun-mode validate_results: a loss over 10x the largest of the first 100 losses is re-run "
+             "(not fatal).", read_by="megatron/backend/megatron.py")
+    check_for_large_grads: bool = setting("--check-for-large-grads", default=False, action="store_true",
+        help="With --rerun-mode validate_results: a local grad norm over 10x the largest of the first 100 is "
+             "re-run (not fatal).", read_by="megatron/backend/megatron.py")
+    error_injection_rate: int = setting("--error-injection-rate", default=0,
+        help="Make about one result validation in N fail (0: never), to test the rerun state machine.",
+        read_by="megatron/rerun_state_machine.py")
+    error_injection_type: str = setting("--error-injection-type", default="transient_error",
+        choices=["correct_result", "transient_error", "persistent_error"],
+        help="What an injected failure looks like when its step is re-run.",
+        read_by="megatron/rerun_state_machine.py")
+    result_rejected_tracker_filename: Optional[str] = setting("--result-rejected-tracker-filename",
+        help="Append every rejected result and its re-runs' diagnostics to this file (Megatron's line format).",
+        read_by="megatron/rerun_state_machine.py")
 
 
 @dataclasses.dataclass
