@@ -1,7 +1,7 @@
 """The README's two commands on a fresh machine (issues 19, 29): clone the repository into an empty temporary folder
 (no `../shared` beside it, no MEGATRON_SHARED_DATA), create the virtualenv as the README says (`python -m venv .venv`
 in the clone, then `. .venv/bin/activate` before each command), and run the two commands read from the README's first
-code block, in short form: the quick-start with TRAIN_ITERS=20 (and short evaluation slices), then the test command on
+code block, in short form: the quick-start with TRAIN_ITERS=4 (and short evaluation slices), then the test command on
 a subset of the suite chosen for what differs in a virtualenv: the tests that start shell scripts calling `python`
 (the SLURM preemption test, `tests/test_interpreter.py`: `python` on a script's PATH is the venv, same sys.prefix)
 plus fast fixture and tokenizer tests.
@@ -26,8 +26,8 @@ import pytest
 from tests.interpreter import path_with_this_python
 
 REPO = Path(__file__).resolve().parents[1]
-SHORT_QUICKSTART = {"TRAIN_ITERS": "20", "LOG_INTERVAL": "5", "EVAL_INTERVAL": "10", "WIKI_LINES": "30",
-                    "LAMBADA_LINES": "20"}
+SHORT_QUICKSTART = {"TRAIN_ITERS": "4", "LOG_INTERVAL": "2", "EVAL_INTERVAL": "4", "WIKI_LINES": "10",
+                    "LAMBADA_LINES": "10"}  # tests/test_readme_commands.py's short run: the loss still goes down
 FAST_SUBSET = ["tests/test_interpreter.py", "tests/reliability/test_preemption.py", "tests/test_fixtures.py",
                "tests/tokenizer/test_tokenizers.py", "-x", "-p", "no:cacheprovider"]
 ACTIVATE = ". .venv/bin/activate && "  # the README: python -m venv .venv && . .venv/bin/activate
