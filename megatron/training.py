@@ -63,7 +63,13 @@ from megatron.nan_guard import (
     params_finite,
 )
 from megatron.progress import Heartbeat, ProgressNotes
-from megatron.rerun_state_machine import RerunDataIterator, RerunMode, RerunStateMachine, machine_for_run
+from megatron.rerun_state_machine import (
+    RerunDataIterator,
+    RerunMode,
+    RerunStateMachine,
+    iterations_to_skip_from_tracker,
+    machine_for_run,
+)
 from megatron.run_configs.bundle import RunConfigs
 from megatron.run_configs.run_settings import LoopSettings
 from megatron.settings.required_flags import TRAINING_RUN
@@ -229,6 +235,8 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
     if writer is not None and iteration % batch.tensorboard_log_interval == 0:
         write_train_scalars(writer, configs.log, iteration, loss_dict, learning_rate, batch_size, loss_scale, grad_norm,
                             num_zeros_in_grad, params_norm, consumed_samples=run.consumed_train_samples)
+        if run.skipped_train_samples > 0:  # --iterations-to-skip (Megatron's scalar)
+            writer.add_scalar("skipped-train-samples", run.skipped_train_samples, iteration)
 
     if iteration % batch.log_interval == 0:
         elapsed = timers("interval-time").elapsed(barrier=True)
@@ -249,6 +257,7 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
             skipped=total_loss_dict[SKIPPED], nans=total_loss_dict[NAN],
             samples_per_sec=batch_size / per_iter if per_iter > 0 else 0.0,
             tflops=flops / (per_iter * batch.world_size * 1e12) if per_iter > 0 else 0.0,
+            skipped_samples=int(run.skipped_train_samples),
         )
         print_rank_last(line)
         for key in list(total_loss_dict):
@@ -374,8 +383,13 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         save_unless_diverging(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter,
                               skip_counter.last_loss)
 
+    to_skip = iterations_to_skip(configs)
     while iteration < loop.train_iters:
         global_vars.update_num_microbatches(run.consumed_train_samples)
+        if iteration in to_skip:
+            skip_iteration(train_data_iterator, run, batch)
+            iteration = run.iteration
+            continue
         run.curr_iteration = iteration
         peer_failure.note_phase(f"training iteration {iteration + 1}")  # named if a peer is lost (one line)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
@@ -419,6 +433,28 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         if _save_or_exit(iteration, loop, sigterm, save):
             return iteration, True
     return iteration, False
+
+
+def iterations_to_skip(configs: RunConfigs) -> set[int]:
+    """--iterations-to-skip and the iterations --result-rejected-tracker-filename names (Megatron's rule)."""
+    settings = configs.settings
+    tracker = settings.value("result_rejected_tracker_filename")
+    return set(settings.value("iterations_to_skip") or []) | set(
+        iterations_to_skip_from_tracker(tracker) if tracker else [])
+
+
+def skip_iteration(data_iterator: Optional[Iterator], run: TrainingState, batch: Any) -> None:
+    """An iteration of --iterations-to-skip (Megatron's dummy_train_step): its micro-batches are read and dropped
+    (every rank reads one per micro-batch, as its forward steps do), its samples counted as consumed and skipped;
+    no log line, evaluation or save at it (as Megatron)."""
+    num_microbatches = global_vars.get_num_microbatches()
+    if data_iterator is not None:
+        for _ in range(num_microbatches):
+            next(data_iterator)
+    samples = batch.data_parallel_size * batch.micro_batch_size * num_microbatches
+    run.consumed_train_samples += samples
+    run.skipped_train_samples += samples
+    run.iteration += 1
 
 
 def rerun_exit(machine: RerunStateMachine, iteration: int, run: TrainingState, loop: Any,
