@@ -357,7 +357,6 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
           skip_counter: Optional[SkipCounter] = None) -> tuple[int, bool]:
     """The training loop over `train_state` (the run state) with the run's records `configs`. Returns (last
     iteration, exited_early) — early exits have already saved.
-
     `history` (pretrain's result) receives ``train_losses[iteration]`` (this rank's reduced losses: the last
     pipeline stage's ranks hold them) and ``valid_losses[iteration]`` of the evaluations during training.
     """
@@ -375,7 +374,6 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     if skip_counter is None:
         skip_counter = new_skip_counter(loop, iteration, run.padded_vocab_size)
     notes = ProgressNotes(iteration, loop.train_iters, batch.log_interval, print_rank_last, heartbeat=HEARTBEAT)
-    watch = skip_counter.watch
     straggler = StragglerDetector.for_run(configs.log)  # --log-straggler (None without it)
     step_func = straggler.timed(forward_step_func) if straggler is not None else forward_step_func
 
@@ -386,9 +384,8 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     to_skip = iterations_to_skip(configs)
     while iteration < loop.train_iters:
         global_vars.update_num_microbatches(run.consumed_train_samples)
-        if iteration in to_skip:
-            skip_iteration(train_data_iterator, run, batch)
-            iteration = run.iteration
+        if iteration in to_skip:  # --iterations-to-skip
+            iteration = skip_iteration(train_data_iterator, run, batch)
             continue
         run.curr_iteration = iteration
         peer_failure.note_phase(f"training iteration {iteration + 1}")  # named if a peer is lost (one line)
@@ -415,8 +412,8 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
             any(not math.isfinite(float(v)) for v in loss_dict.values())
         run.skipped_iterations += int(bool(skipped_iter))
         run.nan_iterations += int(nonfinite)
-        if watch is not None:
-            watch.check(iteration, loss_dict)
+        if skip_counter.watch is not None:
+            skip_counter.watch.check(iteration, loss_dict)
         skip_counter.update(iteration, bool(skipped_iter), nonfinite, loss_scale, loop.loss_scale_floor)
         notes.after_iteration(iteration)
         if loss_dict and not nonfinite:
@@ -443,10 +440,10 @@ def iterations_to_skip(configs: RunConfigs) -> set[int]:
         iterations_to_skip_from_tracker(tracker) if tracker else [])
 
 
-def skip_iteration(data_iterator: Optional[Iterator], run: TrainingState, batch: Any) -> None:
+def skip_iteration(data_iterator: Optional[Iterator], run: TrainingState, batch: Any) -> int:
     """An iteration of --iterations-to-skip (Megatron's dummy_train_step): its micro-batches are read and dropped
     (every rank reads one per micro-batch, as its forward steps do), its samples counted as consumed and skipped;
-    no log line, evaluation or save at it (as Megatron)."""
+    no log line, evaluation or save at it (as Megatron). Returns the iteration count after it."""
     num_microbatches = global_vars.get_num_microbatches()
     if data_iterator is not None:
         for _ in range(num_microbatches):
@@ -455,6 +452,7 @@ def skip_iteration(data_iterator: Optional[Iterator], run: TrainingState, batch:
     run.consumed_train_samples += samples
     run.skipped_train_samples += samples
     run.iteration += 1
+    return run.iteration
 
 
 def rerun_exit(machine: RerunStateMachine, iteration: int, run: TrainingState, loop: Any,
