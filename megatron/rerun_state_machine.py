@@ -749,9 +749,12 @@ def machine_for_run(settings: Any, state_save_func: Optional[Callable[[], Any]] 
 
 
 def refuse_outside_pretrain(settings: Any, loop: str) -> None:
-    """A training loop other than pretrain()'s (`loop` names it) does not drive the machine: the rerun flags are
-    refused there in one line (those that need a mode are refused as `machine_for_run` refuses them)."""
+    """A training loop other than pretrain()'s (`loop` names it) does not drive the machine: the rerun flags and
+    --iterations-to-skip are refused there in one line (those that need a mode as `machine_for_run` refuses them)."""
     machine_for_run(settings)
+    if settings.value("iterations_to_skip"):
+        raise RerunSettingsError(f"--iterations-to-skip: {loop} does not skip iterations (pretrain_gpt.py, "
+                                 "pretrain_bert.py and pretrain_t5.py do); drop it")
     mode = settings.value("rerun_mode")
     if mode != RerunMode.DISABLED.value:
         raise RerunSettingsError(f"--rerun-mode {mode}: {loop} does not re-run steps (pretrain_gpt.py, "

@@ -153,6 +153,8 @@ def test_disabled_runs_once_and_refusals_are_one_line(tmp_path: Path) -> None:
         machine_for_run(base.with_values(check_for_spiky_loss=True))
     with pytest.raises(RerunSettingsError, match="--rerun-mode validate_results: tasks/ finetuning does not"):
         refuse_outside_pretrain(base.with_values(rerun_mode="validate_results"), "tasks/ finetuning")
+    with pytest.raises(RerunSettingsError, match="--iterations-to-skip: tasks/ finetuning does not skip"):
+        refuse_outside_pretrain(base.with_values(iterations_to_skip=[3]), "tasks/ finetuning")
     refuse_outside_pretrain(base, "tasks/ finetuning")  # the defaults pass
     with pytest.raises(RerunTrackerError, match="--result-rejected-tracker-filename"):
         RerunStateMachine(VALIDATE, result_rejected_tracker_filename=str(tmp_path / "missing" / "x.txt"))
