@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron import peer_failure, process_guard, startup
+from megatron import peer_failure, process_guard, rendezvous_join, startup
 from megatron.core import parallel_state
 from megatron.core.context_parallel import describe_cp_layout
 from megatron.core.expert_parallel import describe_ep_layout
@@ -140,7 +140,9 @@ def _start_process_group(start: StartupSettings) -> Dict[str, Any]:
         timeout = peer_failure.distributed_timeout(start.distributed_timeout_minutes)
         try:
             dist.init_process_group(backend=backend, world_size=env.world_size, rank=env.rank, timeout=timeout,
-                                    **_rendezvous(init_method, env.master_addr, port, env.world_size, timeout))
+                                    **rendezvous_kwargs(init_method, env, port, timeout))
+        except rendezvous_join.RendezvousIncompleteError:
+            raise
         except (RuntimeError, ValueError, OSError) as exc:
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RuntimeError(
@@ -190,8 +192,10 @@ def use_rendezvous_store(store: Optional[Any]) -> None:
     _RENDEZVOUS_STORE = store
 
 
-def _rendezvous(init_method: str, addr: str, port: int, world_size: int, timeout: Any) -> Dict[str, Any]:
-    """init_process_group's rendezvous: the tcp:// address, or under torchrun's agent store a per-restart prefix.
+def rendezvous_kwargs(init_method: str, env: LauncherEnv, port: int, timeout: Any) -> Dict[str, Any]:
+    """init_process_group's rendezvous: a store on the master's address (rank 0 hosts it, as torch's tcp:// does, under
+    the same "default_pg" prefix), or under torchrun's agent store a per-restart prefix; in both, every rank waits
+    there for the others at most the rendezvous time-out and names the missing ones (megatron/rendezvous_join.py).
 
     torchrun (`--max-restarts N`) keeps one store for all restarts; torch's own tcp:// and env:// rendezvous reuse
     the same keys in it, so a restarted rank can read the address a dead rank of the previous attempt published and
@@ -199,11 +203,23 @@ def _rendezvous(init_method: str, addr: str, port: int, world_size: int, timeout
     """
     if _RENDEZVOUS_STORE is not None:
         return {"store": _RENDEZVOUS_STORE}
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt is None:
+    if env.world_size == 1:
         return {"init_method": init_method}
-    store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
-    return {"store": dist.PrefixStore(f"megatron/attempt_{attempt}", store)}
+    join, where = rendezvous_join.join_timeout(timeout), f"{_format_host(env.master_addr)}:{port}"
+    rendezvous_join.check_resolves(env.master_addr, port, env.launcher)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and attempt is not None
+    try:
+        server = dist.TCPStore(env.master_addr, port, env.world_size, is_master=env.rank == 0 and not agent,
+                               timeout=join, wait_for_workers=False, multi_tenant=not agent)
+    except dist.DistNetworkError as exc:
+        if "timed out" not in str(exc):
+            raise
+        raise rendezvous_join.store_unreachable(env.rank, env.world_size, where, join) from exc
+    store = dist.PrefixStore(f"megatron/attempt_{attempt}" if agent else "default_pg", server)
+    rendezvous_join.wait_for_ranks(store, env.rank, env.world_size, join, where, socket.gethostname())
+    server.set_timeout(timeout)
+    return {"store": store}
 
 
 def _format_host(host: str) -> str:

@@ -15,6 +15,10 @@ differences that matter to a user (everything else is torchrun's, flags included
   naming the exit codes (and no restart under --max-restarts). A second signal (SIGINT, SIGKILL) still ends it.
 - A `--master-port` already in use on this machine is one line naming it and the fix instead of torch's EADDRINUSE
   traceback. (Without --master-port on one node torchrun itself picks a free port.)
+- A rendezvous that does not complete within `--rdzv-conf join_timeout` (torch's default 600 s; the example SLURM
+  scripts pass RDZV_TIMEOUT) is one line naming the endpoint and the nodes that may be missing instead of torch's
+  bare RendezvousTimeoutError traceback (torch does not say which nodes arrived: the line names this node and, under
+  SLURM, the job's other nodes).
 """
 from __future__ import annotations
 
@@ -30,7 +34,10 @@ from typing import Any, Optional
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.run import parse_args, run
+
+from megatron.launcher import parse_slurm_nodelist
 
 ERROR_DIR_ENV = "MEGATRON_USER_ERROR_DIR"
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
@@ -154,6 +161,23 @@ def port_clash_line(port: int) -> str:
             "probably by another run: pick another port, or leave it unset on one node for a free one")
 
 
+def rendezvous_timeout_line(args: Any, env: Optional[dict] = None) -> str:
+    """The one line for torchrun's rendezvous timing out: endpoint, wait, node count, this node and the candidates."""
+    env = dict(os.environ) if env is None else env
+    conf = dict(item.split("=", 1) for item in (args.rdzv_conf or "").split(",") if "=" in item)
+    wait = conf.get("join_timeout", "600")
+    here = socket.gethostname()
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    others = [h for h in parse_slurm_nodelist(nodelist) if h.split(".")[0] != here.split(".")[0]] if nodelist else []
+    candidates = (f"; the job's other node{'s' if len(others) > 1 else ''} (SLURM_JOB_NODELIST): {', '.join(others)}"
+                  if others else "")
+    return (f"error: torchrun's rendezvous at {args.rdzv_endpoint or 'localhost'} (id {args.rdzv_id}) did not "
+            f"complete in {wait} s: --nnodes {args.nnodes} and not every node arrived (this node: {here}"
+            f"{candidates}); a missing node is lost, its torchrun did not start, or it cannot reach "
+            f"{args.rdzv_endpoint or 'localhost'}. Requeue or resubmit the job (it resumes from --load); "
+            "RDZV_TIMEOUT in examples/slurm (torchrun --rdzv-conf join_timeout=S) sets this wait")
+
+
 _QUIET = _DropUserErrorExits()
 
 
@@ -186,6 +210,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(errors[min(errors)], file=sys.stderr, flush=True)
             return 1
         raise
+    except RendezvousTimeoutError:
+        print(rendezvous_timeout_line(args), file=sys.stderr, flush=True)
+        return 1
     except SignalException:
         if forwarder is None or forwarder.codes is None:
             raise

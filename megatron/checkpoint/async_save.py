@@ -2,31 +2,39 @@
 the checkpoint is published (manifest.json, then latest_checkpointed_iteration.txt) only once every rank's files are
 complete.
 
-The save itself (megatron/checkpoint/saving.py) builds each rank's state as a synchronous save does, then `snapshot`
-copies it (every tensor storage cloned once, views kept as views, so ``torch.save`` writes the same bytes) and
-`schedule` hands the copy to a background writer: training may change the parameters and the optimizer state at once.
-`maybe_finalize` (Megatron's ``maybe_finalize_async_save``) is collective: the training loop calls it after every
-iteration (non-blocking: one small all-reduce while a save is in flight), the next save and the end of training call
-it blocking. Once every rank's files are on disk, rank 0 publishes in the background: the ``torch_dist`` rewrite,
-the manifest, the tracker, --keep-last-n-checkpoints. A process killed before that leaves the tracker on the previous
-checkpoint, which is then the one loaded (the unfinished iteration's temporary files are removed by the next save).
+The save itself (megatron/checkpoint/saving.py) builds each rank's state as a synchronous save does; `schedule` copies
+its containers at once (the tensors stay the live ones: a pickle round trip, cheap) and hands them to a background
+job, which first copies the tensors (every storage cloned once, views kept as views, so ``torch.save`` writes the
+same bytes) and then writes the copy. The loop is not blocked by the copy: it runs during the next forward and
+backward passes, and what changes saved state (the expert-bias update, the optimizer step) first waits for what is
+left of it (megatron/core/saved_state.py). `maybe_finalize` (Megatron's ``maybe_finalize_async_save``) is
+collective: the training loop calls it after every iteration (non-blocking: one small all-reduce while a save is in
+flight), the next save and the end of training call it blocking. Once every rank's files are on disk, rank 0
+publishes in the background: the ``torch_dist`` rewrite, the manifest, the tracker, --keep-last-n-checkpoints. A
+process killed before that leaves the tracker on the previous checkpoint, which is then the one loaded (the
+unfinished iteration's temporary files are removed by the next save).
 
 Why threads and not a process (Megatron forks one, or keeps a persistent one, because its state must leave the GPU
-and its writers hold the GIL): here the state is already in host memory, ``torch.save``'s file writer and ``fsync``
-release the GIL, and a thread reads the snapshot where it lies, while a process would need the state copied into
-shared memory or pickled through a pipe, which costs what the write costs. With --use-persistent-ckpt-worker one
-long-lived writer thread serves every save (Megatron's persistent worker); without it each save starts its own.
+and its writers hold the GIL): here the state is already in host memory, the tensor copies, ``torch.save``'s file
+writer and ``fsync`` release the GIL, and a thread reads the state where it lies, while a process would need the
+state copied into shared memory or pickled through a pipe, which costs what the write costs. With
+--use-persistent-ckpt-worker one long-lived writer thread serves every save (Megatron's persistent worker); without
+it each save starts its own.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import copy
 import dataclasses
+import io
+import pickle
+import threading
 from typing import Any, Callable, Optional
 
 import torch
 
 from megatron.checkpoint.paths import CheckpointError, print0
+from megatron.core import saved_state
 
 
 class AsyncSaveError(CheckpointError):
@@ -66,11 +74,58 @@ _WRITING: list[_Save] = []  # the same saves on every rank (each async save sche
 _PUBLISHING: list[tuple[int, concurrent.futures.Future]] = []  # rank 0's publications in flight
 
 
+class _TensorFinder(pickle.Pickler):
+    """Walks an object as ``torch.save`` does, listing its tensors (written nowhere)."""
+
+    def __init__(self, file: io.BytesIO, tensors: list) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+
+    def persistent_id(self, obj: Any) -> Optional[int]:
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            return len(self.tensors) - 1
+        return None
+
+
+def containers(obj: Any) -> Any:
+    """A copy of `obj`'s containers and values holding the same (live) tensors: what training may change in place
+    outside the saved tensors (a dict, a namespace) no longer reaches the save. (``copy.deepcopy`` with every tensor
+    mapped to itself: it keeps the identity of strings, which ``torch.save``'s pickle memo records.)"""
+    return copy.deepcopy(obj, {id(tensor): tensor for tensor in _tensors(obj, [])})
+
+
+def _tensors(obj: Any, found: list) -> list:
+    """Every tensor in `obj` as ``torch.save`` would reach it (through dicts, lists, tuples, objects' state)."""
+    _TensorFinder(io.BytesIO(), found).dump(obj)
+    return found
+
+
 def snapshot(obj: Any) -> Any:
     """A copy of `obj` whose tensors own cloned storages (each storage once; views keep their offsets), so training
     can change the originals while the copy is written, and ``torch.save`` writes the copy's bytes exactly as it
-    would write the originals'."""
-    return copy.deepcopy(obj)
+    would write the originals'. The storages are cloned by tensor copies, which release the GIL (a storage's own
+    clone holds it), and handed to ``copy.deepcopy`` through its storage memo."""
+    storages: dict = {}
+    for tensor in _tensors(obj, []):
+        if tensor.layout != torch.strided or tensor.is_meta:
+            continue  # copy.deepcopy copies it as it would have
+        storage = tensor.untyped_storage()
+        if storage._cdata not in storages:
+            as_bytes = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+            storages[storage._cdata] = as_bytes.clone().untyped_storage()
+    return copy.deepcopy(obj, {"torch": storages})
+
+
+def _copy_and_write(writes: list[tuple[Any, str]], save: Callable[[Any, str], None],
+                    copied: threading.Event) -> None:
+    """The background job: copy the live tensors (then training may change them), write the copies."""
+    try:
+        copies = [(snapshot(obj), path) for obj, path in writes]
+    finally:
+        copied.set()
+    writes.clear()
+    _write_all(copies, save)
 
 
 def _write_all(writes: list[tuple[Any, str]], save: Callable[[Any, str], None]) -> None:
@@ -80,10 +135,14 @@ def _write_all(writes: list[tuple[Any, str]], save: Callable[[Any, str], None]) 
 
 def schedule(iteration: int, writes: list[tuple[Any, str]], save: Callable[[Any, str], None],
              publish: Optional[Callable[[], None]], persistent: bool) -> None:
-    """Write each (state, path) of `writes` with `save` in the background (the states already snapshots); `publish`
-    (rank 0: what makes the checkpoint the latest) runs once every rank's writes are complete (`maybe_finalize`).
-    Every rank calls this for every asynchronous save, with or without files to write."""
-    future = _WRITERS.submit(lambda: _write_all(writes, save), persistent)
+    """Copy and write each (state, path) of `writes` with `save` in the background (the states live: their
+    containers are copied here, their tensors in the background before anything may change them,
+    megatron/core/saved_state.py); `publish` (rank 0: what makes the checkpoint the latest) runs once every rank's
+    writes are complete (`maybe_finalize`). Every rank calls this for every asynchronous save, with or without
+    files to write."""
+    writes = [(containers(obj), path) for obj, path in writes]
+    copied = saved_state.begin_copy()
+    future = _WRITERS.submit(lambda: _copy_and_write(writes, save, copied), persistent)
     _WRITING.append(_Save(iteration, future, publish, persistent))
 
 

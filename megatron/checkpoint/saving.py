@@ -14,8 +14,9 @@ With ``--use-distributed-optimizer`` the sharded optimizer state goes to ``distr
 grad scaler). The data-parallel shards are gathered to data-parallel rank 0 of each model-parallel rank, which writes
 the full fp32 params and optimizer state per parameter (megatron/checkpoint/loading.py converts it on load).
 
-With ``--async-save`` each rank's state is copied and written in the background, and rank 0 publishes the checkpoint
-(torch_dist rewrite, manifest, tracker) once every rank's files are complete (megatron/checkpoint/async_save.py).
+With ``--async-save`` each rank's state is copied and written in the background (the copy during the next forward and
+backward passes; the optimizer step waits for it), and rank 0 publishes the checkpoint (torch_dist rewrite, manifest,
+tracker) once every rank's files are complete (megatron/checkpoint/async_save.py).
 """
 from __future__ import annotations
 
@@ -165,9 +166,10 @@ def write_checkpoint(
             writes.append((param_state, get_distributed_optimizer_checkpoint_name(checkpoint_name)))
     publish = functools.partial(_publish, save_dir, iteration, iter_dir, cfg,
                                 optimizer is not None and not cfg.no_save_optim, sign)
-    if cfg.async_save:  # copied now, written in the background; published once every rank's files are complete
-        async_save.schedule(iteration, [(async_save.snapshot(obj), path) for obj, path in writes], atomic_torch_save,
-                            publish if is_rank0() else None, cfg.use_persistent_ckpt_worker)
+    if cfg.async_save:  # copied and written in the background (what changes the state first waits for the copy);
+        # published once every rank's files are complete
+        async_save.schedule(iteration, writes, atomic_torch_save, publish if is_rank0() else None,
+                            cfg.use_persistent_ckpt_worker)
         print0(f"  writing the checkpoint of iteration {iteration:7d} in the background (--async-save)")
         return checkpoint_name
     for obj, path in writes:

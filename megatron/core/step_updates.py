@@ -15,6 +15,8 @@ from typing import Any, Iterable, List, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core import saved_state
+
 
 def declaring_modules(model_chunks: Iterable[torch.nn.Module]) -> List[torch.nn.Module]:
     """The modules of `model_chunks` (wrappers walked through) with counts to reduce this iteration, in order."""
@@ -33,6 +35,7 @@ def apply_step_updates(model_chunks: Iterable[torch.nn.Module], groups: Sequence
     modules = declaring_modules(model_chunks)
     if not modules:
         return
+    saved_state.wait_for_copies()  # --async-save: the checkpoint's copy of the expert bias must be complete
     counts = torch.stack([m.step_counts().float() for m in modules])
     if dist.is_available() and dist.is_initialized():
         for group in groups:

@@ -16,6 +16,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core import saved_state
 from megatron.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32, grads_for_norm
 from megatron.optimizer.grad_scaler import MegatronGradScaler
 
@@ -209,6 +210,7 @@ class FP32Optimizer(MegatronOptimizer):
     @torch.no_grad()
     def step(self, timers: Optional[Callable] = None) -> StepResult:
         """Clip and step; `timers` (a megatron Timers) records Megatron's optimizer-* phases."""
+        saved_state.wait_for_copies()  # --async-save: the checkpoint's copy of the params must be complete
         for param in self.get_parameters():
             main_grad = getattr(param, "main_grad", None)
             if main_grad is not None:
@@ -277,6 +279,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def step(self, timers: Optional[Callable] = None) -> StepResult:
         """Copy grads, unscale + inf check (skip on overflow), clip, step, copy params back."""
+        saved_state.wait_for_copies()  # --async-save: the checkpoint's copy of the params must be complete
         optimizer_timer(timers, "optimizer-copy-to-main-grad").start()
         self._copy_model_grads_to_main_grads()
         optimizer_timer(timers, "optimizer-copy-to-main-grad").stop()

@@ -166,12 +166,15 @@ def slurm_bin(directory: Path) -> Path:
 
 def batch_env(cluster: Cluster, bin_dir: Path, job_id: int, nodes: int, tasks_per_node: int, **extra: str) -> dict:
     """The environment sbatch gives a batch script of `nodes` nodes x `tasks_per_node` tasks (plus `extra`), with the
-    stand-ins first on PATH. Launcher variables of this process (RANK, MASTER_ADDR, ...) are not passed on."""
+    stand-ins first on PATH. Launcher variables of this process (RANK, MASTER_ADDR, ...) and the socket interfaces
+    (GLOO_SOCKET_IFNAME: the scripts pick it) are not passed on."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM", "TORCHELASTIC", "MEGATRON_FAULT", "REL_FAULT"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     nodelist = f"node[01-{nodes:02d}]" if nodes > 1 else "node01"
-    env.update({"PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", "GLOO_SOCKET_IFNAME": IFNAME,
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MEGATRON_RENDEZVOUS_TIMEOUT_SECONDS"):
+        env.pop(name, None)  # the scripts choose the interface themselves (examples/slurm/slurm_common.sh)
+    env.update({"PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
                 "MH_CLUSTER": ",".join(f"{h.name}={h.netns}" for h in cluster.hosts[:nodes]),
                 "SLURM_JOB_ID": str(job_id), "SLURM_JOB_NODELIST": nodelist, "SLURM_NODELIST": nodelist,
                 "SLURM_NNODES": str(nodes), "SLURM_JOB_NUM_NODES": str(nodes),

@@ -11,7 +11,9 @@ the test sets for the batch script. Like srun it forwards SIGTERM/SIGINT/SIGUSR1
 outside (its node lost) is reported as a node failure, as slurmctld would, and the others are left to finish (they
 see the loss themselves); srun then exits non-zero. Tasks on a node whose cluster interface is down cannot be
 reached: srun says so and leaves them to end on their own, and their exits are not seen (nor acted on) while other
-tasks run, as a real srun cannot reach that node's slurmd.
+tasks run, as a real srun cannot reach that node's slurmd. The tasks of the nodes named in MH_STALLED_NODES
+(``node02``) hang before the command starts (a node that never arrives at the rendezvous: a stuck file system, a
+slow boot); srun kills them like any other task.
 
 ``scontrol show hostnames LIST`` prints the job's hosts one a line (LIST must be the job's node list);
 ``scontrol requeue JOBID`` appends its arguments to $MH_SCONTROL_LOG.
@@ -85,11 +87,13 @@ def srun(argv: list[str]) -> int:
     """Start the step's tasks on the job's nodes; return srun's exit code."""
     opts, command = parse_srun(argv)
     cluster = _cluster()[: opts["nodes"]]
+    stalled = set(filter(None, os.environ.get("MH_STALLED_NODES", "").split(",")))
     tasks = []
     for node, (name, netns) in enumerate(cluster):
         for local in range(opts["ntasks_per_node"]):
+            run = ["sleep", "3600"] if name in stalled else command  # the node never arrives at the rendezvous
             launch = ["ip", "netns", "exec", netns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
-                      name, *command]
+                      name, *run]
             tasks.append((name, netns, subprocess.Popen(launch, env=task_env(node, local, name, opts))))
 
     def forward(signum: int, _frame: object) -> None:

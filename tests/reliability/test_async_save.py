@@ -3,8 +3,10 @@
 In-process: the same state saved synchronously and asynchronously gives the same files bit for bit (legacy `torch`
 and `torch_dist`), although training changes the parameters while the background write runs; nothing is published
 (no tracker, no manifest) before `maybe_finalize`; a failed background write is raised by the finalize and leaves
-the previous checkpoint the latest; the flag's start-up rules (DeepSpeed refused in one line; torch_dist without
---use-persistent-ckpt-worker turned off with Megatron-LM's warning).
+the previous checkpoint the latest; with the background copy held back until the optimizer step asks for it, the
+step (and the expert-bias update) waits and the files still equal the synchronous save's; the flag's start-up
+rules (DeepSpeed refused in one line; torch_dist without --use-persistent-ckpt-worker turned off with Megatron-LM's
+warning).
 Two subprocess runs: TP2 x DP2 / PP2 x DP2 on 4 gloo processes (folders equal the synchronous run's, exit publishes,
 resume exact) and a SIGKILL in the middle of the background write (the previous checkpoint is the one loaded).
 Megatron Core's resume from our asynchronous torch_dist save is in tests/tools/test_checkpoint_mcore.py.
@@ -18,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +32,8 @@ from megatron.checkpoint import async_save
 from megatron.checkpoint.paths import TRACKER_FILENAME
 from megatron.checkpoint.saving import write_checkpoint
 from megatron.compat import args_to_save
+from megatron.core import saved_state
+from megatron.core.step_updates import apply_step_updates
 from megatron.errors import MegatronUserError
 from megatron.models.gpt.model import GPTModel
 from megatron.optimizer import get_megatron_optimizer
@@ -71,7 +76,8 @@ def _files(root: Path) -> dict[str, bytes]:
 def _model_and_optimizer(args: argparse.Namespace):
     torch.manual_seed(3)
     model = GPTModel(core_transformer_config_from_args(args), parallel_output=False)
-    optimizer = get_megatron_optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0))
+    optimizer = get_megatron_optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0,
+                                                              fp16=args.fp16, params_dtype=args.params_dtype))
     _step(model, optimizer, 0)
     return model, optimizer
 
@@ -109,6 +115,59 @@ def test_async_save_writes_the_synchronous_bytes_while_training_goes_on(tmp_path
             files.pop(str(Path(meta[0]).parent / "manifest.json"))
     different = [k for k in sync_files if sync_files[k] != async_files[k]]
     assert not different, different
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_the_step_waits_for_the_background_copy_and_the_files_equal_the_synchronous_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, precision: str) -> None:
+    """The worst timing: the background copy of the live state starts only when the step asks to change it. The
+    optimizer step (fp32, and fp16's main params and grad scaler) waits for it; the parameters are then changed in
+    place at once, and the files still equal the synchronous save's bit for bit."""
+    args = _args("--save", str(tmp_path), "--async-save", *(["--fp16"] if precision == "fp16" else []))
+    model, optimizer = _model_and_optimizer(args)
+    saved_args, arch, run = args_to_save(args), architecture_from_args(args), TrainingState.from_args(args)
+    sync_args = copy.copy(args)
+    sync_args.async_save = False
+    write_checkpoint(5, [model], optimizer, None, CheckpointSettings.from_args(sync_args), arch, saved_args, run,
+                     save_dir=str(tmp_path / "sync"))
+    gate, real_snapshot, real_wait = threading.Event(), async_save.snapshot, saved_state.wait_for_copies
+    monkeypatch.setattr(async_save, "snapshot", lambda obj: (gate.wait(), real_snapshot(obj))[1])
+    monkeypatch.setattr(saved_state, "wait_for_copies", lambda: (gate.set(), real_wait())[1])
+    write_checkpoint(5, [model], optimizer, None, CheckpointSettings.from_args(args), arch, saved_args, run,
+                     save_dir=str(tmp_path / "async"))
+    try:
+        assert saved_state.copies_pending() and not gate.is_set()  # the save returned before any tensor was copied
+        _step(model, optimizer, 1)  # forward and backward run alongside the copy; the optimizer step waits for it
+        copied_before_the_step = gate.is_set() and not saved_state.copies_pending()
+        with torch.no_grad():  # as soon as allowed: every parameter and optimizer state tensor changed in place
+            for tensor in [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"]),
+                           *(v for s in optimizer.state.values() for v in s.values())]:
+                tensor.add_(1.0)
+            optimizer.get_loss_scale().add_(1.0)  # fp32: a constant 1; fp16: the grad scaler's scale
+    finally:
+        gate.set()  # (a step that did not wait has changed the state before the copy began)
+        async_save.maybe_finalize(blocking=True)
+    sync_files, async_files = _files(tmp_path / "sync"), _files(tmp_path / "async")
+    assert sorted(async_files) == sorted(sync_files) and len(sync_files) == 3  # the file, manifest, tracker
+    assert [k for k in sync_files if sync_files[k] != async_files[k]] == []
+    assert copied_before_the_step
+
+
+def test_the_expert_bias_update_waits_for_the_background_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MoE expert-bias update (finalize_model_grads, before the optimizer step) changes saved state: it waits for
+    the background copy first."""
+    order: list[str] = []
+
+    class Router(torch.nn.Module):
+        def step_counts(self) -> torch.Tensor:
+            return torch.ones(2)
+
+        def apply_step_update(self, global_counts: torch.Tensor) -> None:
+            order.append("update")
+
+    monkeypatch.setattr(saved_state, "wait_for_copies", lambda: order.append("wait"))
+    apply_step_updates([Router()], ())
+    assert order == ["wait", "update"]
 
 
 def test_a_failed_background_write_is_raised_and_publishes_nothing(tmp_path: Path) -> None:

@@ -13,6 +13,9 @@ scripts' own address and rank logic, torchrun's rendezvous across hosts and gloo
   given one node with two tasks, resumes from it and reproduces the uninterrupted run exactly until a USR1 makes it
   save and requeue itself. (PP2 equal to serial needs the serial run's initial weights: tests/pipeline shows it on
   one host.)
+- node02 never arrives (its tasks hang before they start): under torchrun and under srun alone node01 exits at
+  RDZV_TIMEOUT with one line naming node02 / rank 1 and the address; the requeued job runs normally.
+- What the scripts export for gloo/NCCL across nodes (examples/slurm/slurm_common.sh), without training.
 The losses are the log lines' (the scripts start pretrain_gpt.py themselves)."""
 from __future__ import annotations
 
@@ -210,3 +213,79 @@ def test_a_store_that_does_not_answer_is_unreachable() -> None:
     assert time.monotonic() - start < 2
     assert peer_failure.store_answers(Answers(), "megatron/failed/1", wait_s=0.2)
     never.set()
+
+
+def test_node02_never_arrives_survivors_exit_at_the_rendezvous_timeout(cluster: Cluster, tiny_data: dict,
+                                                                         tmp_path: Path) -> None:
+    """node02's tasks hang before they start (MH_STALLED_NODES): under torchrun (its c10d rendezvous) and under srun
+    alone (the ranks' own wait before the process group), node01 exits 1 at RDZV_TIMEOUT with one line naming what is
+    missing and the address it waited at; srun then kills node02's tasks and nothing is left on either node; the
+    requeued job (node02 back) runs normally."""
+    rdzv_s = 5  # counted from node01's own arrival: node02 never comes, so short is not flaky
+    torchrun = _job(cluster, tiny_data, tmp_path, "pretrain_gpt_srun_torchrun.slurm", 2, 1, "a", job_id=51,
+                    GPUS_PER_NODE="1", USE_DEEPSPEED="0", RDZV_TIMEOUT=str(rdzv_s), MH_STALLED_NODES="node02")
+    direct = _job(cluster, tiny_data, tmp_path, "pretrain_gpt.slurm", 2, 1, "b", job_id=52, MASTER_PORT="6001",
+                  RDZV_TIMEOUT=str(rdzv_s), MH_STALLED_NODES="node02")
+    start = time.time()
+    (_, err_a), (_, err_b) = _finish(torchrun, code=1), _finish(direct, code=1)
+    took = time.time() - start
+    line_a = [line for line in err_a.splitlines() if line.startswith("error: ")]
+    assert line_a == [f"error: torchrun's rendezvous at node01:6000 (id 51) did not complete in {rdzv_s} s: --nnodes 2 "
+                      "and not every node arrived (this node: node01; the job's other node (SLURM_JOB_NODELIST): "
+                      "node02); a missing node is lost, its torchrun did not start, or it cannot reach node01:6000. "
+                      "Requeue or resubmit the job (it resumes from --load); RDZV_TIMEOUT in examples/slurm (torchrun "
+                      "--rdzv-conf join_timeout=S) sets this wait"], err_a[-3000:]
+    line_b = [line for line in err_b.splitlines() if line.startswith("error: ")]
+    assert line_b == [f"error: rank 0 of 2: the rendezvous at node01:6001 did not complete in {rdzv_s} s: rank 1 (on "
+                      "node02) never arrived (1 of 2 ranks did, from node01): their node is lost or its tasks did not "
+                      "start. Requeue or resubmit the job (it resumes from --load); MEGATRON_RENDEZVOUS_TIMEOUT_SECONDS "
+                      "(RDZV_TIMEOUT in examples/slurm) sets this wait"], err_b[-3000:]
+    assert "Traceback" not in err_a + err_b and "multinode: MASTER_ADDR=node01 (10.77.0.1)" in err_b
+    assert not cluster.pids(cluster.hosts[0]) and not cluster.pids(cluster.hosts[1])  # the requeue starts clean
+    assert took < rdzv_s + 60, took
+    # Requeued with node02 back: the same nodes, port and checkpoint folder; it runs normally (2 iterations here).
+    requeued = _job(cluster, tiny_data, tmp_path, "pretrain_gpt.slurm", 2, 1, "b", job_id=52, MASTER_PORT="6001",
+                    RDZV_TIMEOUT=str(rdzv_s), TRAIN_ITERS="2", LR_DECAY_ITERS="2")
+    assert sorted(iteration_values(_finish(requeued)[0])) == [1, 2]
+    print(f"node02 never arrived: both jobs exited {took:.1f} s after submission (RDZV_TIMEOUT {rdzv_s} s); "
+          "the requeued job ran")
+
+
+def _multinode_env(cluster: Cluster, tmp_path: Path, host: int = 0, **extra: str) -> subprocess.CompletedProcess:
+    """examples/slurm/slurm_common.sh's `multinode_env` as the batch script runs it on node0`host`+1; prints env."""
+    env = batch_env(cluster, slurm_bin(tmp_path / "bin"), 61, 2, 1, PYTHONPATH=str(REPO), **extra)
+    script = "source examples/slurm/slurm_common.sh && multinode_env && env"
+    return subprocess.run(cluster.argv(cluster.hosts[host], ["bash", "-c", script]), env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _chosen(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr
+    names = ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MEGATRON_RENDEZVOUS_TIMEOUT_SECONDS")
+    return {k: v for k, v in (line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line) if k in names}
+
+
+def test_slurm_scripts_choose_master_and_socket_interface(cluster: Cluster, tmp_path: Path) -> None:
+    """What the SLURM scripts export for gloo and NCCL across nodes (no training): the master is the job's first node,
+    the interface the one holding its address (hostnet0, not the loopback), a setting of the user's wins, a master
+    whose name maps to the loopback gets the default route's interface, and a master that does not resolve is one
+    line. (NCCL itself cannot run here: no GPU; the variables are the ones NCCL reads.)"""
+    assert _chosen(_multinode_env(cluster, tmp_path)) == {
+        "MASTER_ADDR": "node01", "MASTER_PORT": "6000", "GLOO_SOCKET_IFNAME": "hostnet0",
+        "NCCL_SOCKET_IFNAME": "hostnet0"}
+    assert _chosen(_multinode_env(cluster, tmp_path, NCCL_SOCKET_IFNAME="ib0", RDZV_TIMEOUT="30",
+                                  MASTER_PORT="6100")) == {
+        "MASTER_ADDR": "node01", "MASTER_PORT": "6100", "GLOO_SOCKET_IFNAME": "hostnet0", "NCCL_SOCKET_IFNAME": "ib0",
+        "MEGATRON_RENDEZVOUS_TIMEOUT_SECONDS": "30"}
+    assert _chosen(_multinode_env(cluster, tmp_path, SOCKET_IFNAME="eth7"))["NCCL_SOCKET_IFNAME"] == "eth7"
+    node01 = cluster.hosts[0].netns
+    subprocess.run(["ip", "-n", node01, "route", "add", "default", "via", cluster.hosts[1].addr], check=True)
+    try:  # the hostname resolves to the loopback (Debian's 127.0.1.1 line): the default route's interface instead
+        chosen = _chosen(_multinode_env(cluster, tmp_path, MASTER_ADDR="127.0.0.1"))
+    finally:
+        subprocess.run(["ip", "-n", node01, "route", "del", "default"], check=True)
+    assert (chosen["GLOO_SOCKET_IFNAME"], chosen["NCCL_SOCKET_IFNAME"]) == ("hostnet0", "hostnet0")
+    bad = _multinode_env(cluster, tmp_path, SLURM_JOB_NODELIST="ghost[1-2]")
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1] == (
+        "error: the master node ghost1 (first host of SLURM_JOB_NODELIST=ghost[1-2]) does not resolve on node01: fix "
+        "the cluster's DNS or /etc/hosts, or export MASTER_ADDR=<its IP address>")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from megatron.checkpoint import integrity
 from megatron.presets import get_preset
+from tests.dist_utils import free_port
 from tests.interpreter import path_with_this_python
 from tests.log_lines import iteration_values
 from tests.reliability.helpers import REPO
@@ -34,7 +35,8 @@ def _env(tiny_data: dict, tmp_path: Path, ckpt: str) -> dict:
             "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(REPO), "PRESET": "345m",
             "DATA_PATH": tiny_data["prefix"], "VOCAB_FILE": tiny_data["vocab"], "MERGE_FILE": tiny_data["merges"],
             "CHECKPOINT_PATH": str(tmp_path / ckpt), "TRAIN_ITERS": str(ITERS), "LR_DECAY_ITERS": str(ITERS),
-            "SAVE_INTERVAL": "1000", "EVAL_INTERVAL": "1000"}
+            "SAVE_INTERVAL": "1000", "EVAL_INTERVAL": "1000",
+            "MASTER_PORT": str(free_port())}  # the script's default 6000 may be another run's on this machine
 
 
 def _losses(text: str) -> dict[int, str]:

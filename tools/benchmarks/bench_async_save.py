@@ -3,7 +3,8 @@
 A ~110M-parameter GPT (12 layers, hidden 768, 12 heads, vocab 32000; fp32, Megatron's Adam optimizer, so each save
 writes the weights and two moments: ~1.3 GB) trains in one process and saves (megatron.compat.save_checkpoint, the
 training loop's save, into ``--save-dir`` on disk). Blocked time of a save = the wall time the loop spends in the save
-call plus, with --async-save, in the per-iteration ``maybe_finalize_async_save`` calls while the write is in flight.
+call plus, with --async-save, in the per-iteration ``maybe_finalize_async_save`` calls while the write is in flight and
+in the optimizer steps' waits for the background copy of the state (megatron/core/saved_state.py).
 After a synchronous save the loop trains ``--steps-between`` steps; after an asynchronous one it trains until the
 checkpoint is published (as with a save interval longer than the write), and the steps taken meanwhile are timed:
 they share the machine with the writer, so the report gives the mean step time of both modes next to the blocked
@@ -79,11 +80,13 @@ def _published(save_dir: str, iteration: int) -> bool:
 def _train_until(step: Any, args: argparse.Namespace, iteration: int, steps: int, until_published: bool,
                  step_s: list[float]) -> tuple[float, float]:
     """Train `steps` steps, or (`until_published`) until the save of `iteration` is published, calling the
-    non-blocking finalize after each step as the training loop does; returns (seconds spent in the finalize calls,
-    seconds from the start until published)."""
+    non-blocking finalize after each step as the training loop does; returns (seconds spent in the finalize calls
+    and in the steps' waits for the background copy, seconds from the start until published)."""
     from megatron.compat import maybe_finalize_async_save
+    from megatron.core import saved_state
 
     start, spent, done = time.perf_counter(), 0.0, 0
+    waited = saved_state.waited_seconds()
     while (not _published(args.save, iteration)) if until_published else done < steps:
         t1 = time.perf_counter()
         step()
@@ -92,7 +95,7 @@ def _train_until(step: Any, args: argparse.Namespace, iteration: int, steps: int
         maybe_finalize_async_save(blocking=False)
         spent += time.perf_counter() - t1
         done += 1
-    return spent, time.perf_counter() - start
+    return spent + saved_state.waited_seconds() - waited, time.perf_counter() - start
 
 
 def run(saves: int, steps_between: int, fmt: str, root: str) -> dict:
