@@ -24,7 +24,7 @@ from megatron.core.context_parallel import describe_cp_layout
 from megatron.core.expert_parallel import describe_ep_layout
 from megatron.core.tensor_parallel import model_parallel_manual_seed
 from megatron.data import helpers
-from megatron.errors import ArgumentError
+from megatron.errors import ArgumentError, MegatronUserError
 from megatron.global_vars import get_args, unset_global_variables
 
 # Launcher detection lives in megatron/launcher.py (a leaf: megatron.arguments reads it while parsing); re-exported.
@@ -98,6 +98,11 @@ def finish_mpu_init(args: Optional[argparse.Namespace] = None) -> None:
     _compile_dependencies()
 
 
+class ProcessGroupStartError(MegatronUserError, RuntimeError):
+    """torch.distributed could not start (a port in use, an address not reachable): one line naming the address,
+    the rank and the launcher, not a traceback."""
+
+
 def _check_placement(recorded: Dict[str, Any], placed: Dict[str, Any]) -> None:
     """The process group that runs is the one start-up recorded on ``args`` (nothing is written onto it here)."""
     for key, value in placed.items():
@@ -145,7 +150,7 @@ def _start_process_group(start: StartupSettings) -> Dict[str, Any]:
             raise
         except (RuntimeError, ValueError, OSError) as exc:
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RuntimeError(
+            raise ProcessGroupStartError(
                 f"torch.distributed ({backend}) could not start at {init_method} as rank {env.rank} of "
                 f"{env.world_size} ({env.launcher} launcher): {first_line}. Check MASTER_ADDR/MASTER_PORT "
                 "(is the port free and the same on every rank?)"

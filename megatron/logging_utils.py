@@ -72,10 +72,13 @@ def format_training_log_line(
     nans: int,
     samples_per_sec: float,
     tflops: float,
+    skipped_samples: int = 0,
 ) -> str:
-    """The BigScience Megatron-DeepSpeed training log line."""
+    """The BigScience Megatron-DeepSpeed training log line (with Megatron-LM's skipped samples when there are)."""
     s = f" iteration {iteration:8d}/{train_iters:8d} |"
     s += f" consumed samples: {consumed_samples:12d} |"
+    if skipped_samples > 0:
+        s += f" skipped samples: {skipped_samples:12d} |"
     s += f" consumed tokens: {consumed_tokens:12d} |"
     s += f" elapsed time per iteration (s): {elapsed_per_iter:.2f} |"
     s += f" learning rate: {learning_rate:.3E} |"

@@ -685,8 +685,7 @@ _COUNTED = ("RERUN_DISABLED", "FIRST_RERUN_REPRODUCIBLE", "SECOND_RERUN_REPRODUC
 def iterations_to_skip_from_tracker(path: str) -> list[int]:
     """Megatron's reading of a tracker file (RerunStateMachine.get_skipped_iterations_from_tracker_file): the
     iterations whose result was rejected and reproduced (or rejected with re-runs disabled) twice on the same rank,
-    except those rejected on more than one rank of one job. Megatron skips them at start-up; this build does not
-    (`machine_for_run` says so in one line)."""
+    except those rejected on more than one rank of one job: the training loop skips them (--iterations-to-skip)."""
     potential: set[int] = set()
     ignored: set[int] = set()
     seen: set[tuple[int, int]] = set()
@@ -743,17 +742,19 @@ def machine_for_run(settings: Any, state_save_func: Optional[Callable[[], Any]] 
     tracker = settings.value("result_rejected_tracker_filename")
     skipped = iterations_to_skip_from_tracker(tracker) if tracker else []
     if skipped:
-        _say(f"note: --result-rejected-tracker-filename {tracker} names iterations {skipped} (0-based) that "
-             "Megatron-LM would skip at start-up (--iterations-to-skip); they are not skipped here")
+        _say(f"Will skip these iterations from tracker file: {skipped}")
     injector = RerunErrorInjector(settings.value("error_injection_rate"),
                                   RerunDiagnostic(settings.value("error_injection_type")))
     return RerunStateMachine(mode, injector, tracker, state_save_func, state_restore_func)
 
 
 def refuse_outside_pretrain(settings: Any, loop: str) -> None:
-    """A training loop other than pretrain()'s (`loop` names it) does not drive the machine: the rerun flags are
-    refused there in one line (those that need a mode are refused as `machine_for_run` refuses them)."""
+    """A training loop other than pretrain()'s (`loop` names it) does not drive the machine: the rerun flags and
+    --iterations-to-skip are refused there in one line (those that need a mode as `machine_for_run` refuses them)."""
     machine_for_run(settings)
+    if settings.value("iterations_to_skip"):
+        raise RerunSettingsError(f"--iterations-to-skip: {loop} does not skip iterations (pretrain_gpt.py, "
+                                 "pretrain_bert.py and pretrain_t5.py do); drop it")
     mode = settings.value("rerun_mode")
     if mode != RerunMode.DISABLED.value:
         raise RerunSettingsError(f"--rerun-mode {mode}: {loop} does not re-run steps (pretrain_gpt.py, "

@@ -63,7 +63,13 @@ from megatron.nan_guard import (
     params_finite,
 )
 from megatron.progress import Heartbeat, ProgressNotes
-from megatron.rerun_state_machine import RerunDataIterator, RerunMode, RerunStateMachine, machine_for_run
+from megatron.rerun_state_machine import (
+    RerunDataIterator,
+    RerunMode,
+    RerunStateMachine,
+    iterations_to_skip_from_tracker,
+    machine_for_run,
+)
 from megatron.run_configs.bundle import RunConfigs
 from megatron.run_configs.run_settings import LoopSettings
 from megatron.settings.required_flags import TRAINING_RUN
@@ -229,6 +235,8 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
     if writer is not None and iteration % batch.tensorboard_log_interval == 0:
         write_train_scalars(writer, configs.log, iteration, loss_dict, learning_rate, batch_size, loss_scale, grad_norm,
                             num_zeros_in_grad, params_norm, consumed_samples=run.consumed_train_samples)
+        if run.skipped_train_samples > 0:  # --iterations-to-skip (Megatron's scalar)
+            writer.add_scalar("skipped-train-samples", run.skipped_train_samples, iteration)
 
     if iteration % batch.log_interval == 0:
         elapsed = timers("interval-time").elapsed(barrier=True)
@@ -249,6 +257,7 @@ def training_log(loss_dict: dict, total_loss_dict: dict, learning_rate: float, i
             skipped=total_loss_dict[SKIPPED], nans=total_loss_dict[NAN],
             samples_per_sec=batch_size / per_iter if per_iter > 0 else 0.0,
             tflops=flops / (per_iter * batch.world_size * 1e12) if per_iter > 0 else 0.0,
+            skipped_samples=int(run.skipped_train_samples),
         )
         print_rank_last(line)
         for key in list(total_loss_dict):
@@ -348,7 +357,6 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
           skip_counter: Optional[SkipCounter] = None) -> tuple[int, bool]:
     """The training loop over `train_state` (the run state) with the run's records `configs`. Returns (last
     iteration, exited_early) — early exits have already saved.
-
     `history` (pretrain's result) receives ``train_losses[iteration]`` (this rank's reduced losses: the last
     pipeline stage's ranks hold them) and ``valid_losses[iteration]`` of the evaluations during training.
     """
@@ -366,7 +374,6 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
     if skip_counter is None:
         skip_counter = new_skip_counter(loop, iteration, run.padded_vocab_size)
     notes = ProgressNotes(iteration, loop.train_iters, batch.log_interval, print_rank_last, heartbeat=HEARTBEAT)
-    watch = skip_counter.watch
     straggler = StragglerDetector.for_run(configs.log)  # --log-straggler (None without it)
     step_func = straggler.timed(forward_step_func) if straggler is not None else forward_step_func
 
@@ -374,8 +381,12 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         save_unless_diverging(iteration, model, optimizer, opt_param_scheduler, configs, run, skip_counter,
                               skip_counter.last_loss)
 
+    to_skip = iterations_to_skip(configs)
     while iteration < loop.train_iters:
         global_vars.update_num_microbatches(run.consumed_train_samples)
+        if iteration in to_skip:  # --iterations-to-skip
+            iteration = skip_iteration(train_data_iterator, run, batch)
+            continue
         run.curr_iteration = iteration
         peer_failure.note_phase(f"training iteration {iteration + 1}")  # named if a peer is lost (one line)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
@@ -401,8 +412,8 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
             any(not math.isfinite(float(v)) for v in loss_dict.values())
         run.skipped_iterations += int(bool(skipped_iter))
         run.nan_iterations += int(nonfinite)
-        if watch is not None:
-            watch.check(iteration, loss_dict)
+        if skip_counter.watch is not None:
+            skip_counter.watch.check(iteration, loss_dict)
         skip_counter.update(iteration, bool(skipped_iter), nonfinite, loss_scale, loop.loss_scale_floor)
         notes.after_iteration(iteration)
         if loss_dict and not nonfinite:
@@ -419,6 +430,29 @@ def train(forward_step_func: Callable, model: list, optimizer: Any, opt_param_sc
         if _save_or_exit(iteration, loop, sigterm, save):
             return iteration, True
     return iteration, False
+
+
+def iterations_to_skip(configs: RunConfigs) -> set[int]:
+    """--iterations-to-skip and the iterations --result-rejected-tracker-filename names (Megatron's rule)."""
+    settings = configs.settings
+    tracker = settings.value("result_rejected_tracker_filename")
+    return set(settings.value("iterations_to_skip") or []) | set(
+        iterations_to_skip_from_tracker(tracker) if tracker else [])
+
+
+def skip_iteration(data_iterator: Optional[Iterator], run: TrainingState, batch: Any) -> int:
+    """An iteration of --iterations-to-skip (Megatron's dummy_train_step): its micro-batches are read and dropped
+    (every rank reads one per micro-batch, as its forward steps do), its samples counted as consumed and skipped;
+    no log line, evaluation or save at it (as Megatron). Returns the iteration count after it."""
+    num_microbatches = global_vars.get_num_microbatches()
+    if data_iterator is not None:
+        for _ in range(num_microbatches):
+            next(data_iterator)
+    samples = batch.data_parallel_size * batch.micro_batch_size * num_microbatches
+    run.consumed_train_samples += samples
+    run.skipped_train_samples += samples
+    run.iteration += 1
+    return run.iteration
 
 
 def rerun_exit(machine: RerunStateMachine, iteration: int, run: TrainingState, loop: Any,

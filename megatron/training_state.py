@@ -49,6 +49,7 @@ class TrainingState:
     # the rerun state machine's checkpoint entry (Megatron's key ``rerun_state_machine``): set for the save that asks
     # for a step to be re-run from the checkpoint, and filled by loading one that holds it (megatron/training.py)
     rerun_state: Optional[dict] = None
+    skipped_train_samples: int = 0  # samples of --iterations-to-skip (Megatron's ``args.skipped_train_samples``)
 
     # ------------------------------------------------------------------------------------------- adapters
     @classmethod
@@ -75,6 +76,7 @@ class TrainingState:
         for name in TOTALS:
             setattr(self, name, int(saved.get(name, 0)))
         self.rerun_state = saved.get(RERUN_KEY)
+        self.skipped_train_samples = int(getattr(ckpt_args, "skipped_train_samples", 0) or 0)
 
     def checkpoint_counters(self) -> dict[str, int]:
         """Megatron's top-level checkpoint keys for the consumed samples and tokens."""
@@ -110,6 +112,8 @@ class TrainingState:
         out.setdefault("consumed_train_tokens", self.consumed_train_tokens)
         if self.consumed_valid_tokens is not None:
             out["consumed_valid_tokens"] = self.consumed_valid_tokens
+        if self.skipped_train_samples:  # (Megatron always has it; written when non-zero: other bytes stay)
+            out["skipped_train_samples"] = self.skipped_train_samples
         out["iteration"] = self.iteration
         for key in ("do_train", "do_valid", "do_test", "curr_iteration"):
             if getattr(self, key) is not None:

@@ -227,3 +227,35 @@ def test_initialize_inside_existing_process_group():
     flags = FLAGS + " --tensor-model-parallel-size 2"
     results = run_distributed(_already_initialized_body, world_size=2, args=(flags,))
     assert results == [(0, 2, 0, 1, 4), (1, 2, 1, 1, 4)]
+
+
+def test_a_port_in_use_is_one_line_naming_the_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of 2 whose MASTER_PORT is taken: a ProcessGroupStartError (a MegatronUserError: the entry scripts print
+    it as one line) naming the address and the fix, raised at once."""
+    import socket
+
+    from megatron.errors import MegatronUserError
+    from megatron.global_vars import unset_global_variables
+    from megatron.initialize import ProcessGroupStartError, initialize_megatron
+
+    for key in LAUNCH_VARS:
+        monkeypatch.delenv(key, raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        monkeypatch.setenv("MEGATRON_RENDEZVOUS_TIMEOUT_SECONDS", "5")
+        try:
+            with pytest.raises(ProcessGroupStartError) as err:
+                initialize_megatron(args=FLAGS.split())
+        finally:
+            unset_global_variables()
+    assert isinstance(err.value, MegatronUserError)
+    line = str(err.value)
+    assert "\n" not in line and f"tcp://127.0.0.1:{port} as rank 0 of 2" in line
+    assert "MASTER_ADDR/MASTER_PORT" in line

@@ -447,6 +447,7 @@ def load_foreign(models: List[Any], cfg: CheckpointSettings, architecture: Mappi
     for key in TOTALS:  # the run's skipped/non-finite totals (ours; absent: 0)
         setattr(run, key, int(common.get(key, 0)))
     run.rerun_state = common.get(RERUN_KEY)  # a step to re-run from this checkpoint (--rerun-mode)
+    run.skipped_train_samples = int(getattr(ckpt_args, "skipped_train_samples", 0) or 0)  # --iterations-to-skip
     if on_restored is not None:
         on_restored(run, names)
     return int(common.get("iteration", getattr(ckpt_args, "iteration", 0)) or 0), common, rng

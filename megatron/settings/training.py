@@ -167,6 +167,10 @@ class TrainingSettings:
         choices=["correct_result", "transient_error", "persistent_error"],
         help="What an injected failure looks like when its step is re-run.",
         read_by="megatron/rerun_state_machine.py")
+    iterations_to_skip: Optional[List[int]] = setting("--iterations-to-skip", nargs="+", type=int,
+        help="Skip these iterations (counted from 0): their micro-batches are read and dropped, the model is not "
+             "stepped (Megatron-LM's; --result-rejected-tracker-filename adds the iterations it names twice).",
+        read_by="megatron/training.py")
     result_rejected_tracker_filename: Optional[str] = setting("--result-rejected-tracker-filename",
         help="Append every rejected result and its re-runs' diagnostics to this file (Megatron's line format).",
         read_by="megatron/rerun_state_machine.py")

@@ -108,7 +108,7 @@ def test_tracker_file_iterations_megatron_would_skip(tmp_path: Path, capsys: pyt
     machine_for_run(Settings.from_args(None).with_values(rerun_mode="validate_results",
                                                          result_rejected_tracker_filename=str(tracker)))
     out = capsys.readouterr().out
-    assert "names iterations [5] (0-based) that Megatron-LM would skip" in out
+    assert "Will skip these iterations from tracker file: [5]" in out
     assert "(--check-for-nan-in-loss-and-grad) go through it; its skip of a non-finite step stays" in out
 
 
@@ -153,6 +153,8 @@ def test_disabled_runs_once_and_refusals_are_one_line(tmp_path: Path) -> None:
         machine_for_run(base.with_values(check_for_spiky_loss=True))
     with pytest.raises(RerunSettingsError, match="--rerun-mode validate_results: tasks/ finetuning does not"):
         refuse_outside_pretrain(base.with_values(rerun_mode="validate_results"), "tasks/ finetuning")
+    with pytest.raises(RerunSettingsError, match="--iterations-to-skip: tasks/ finetuning does not skip"):
+        refuse_outside_pretrain(base.with_values(iterations_to_skip=[3]), "tasks/ finetuning")
     refuse_outside_pretrain(base, "tasks/ finetuning")  # the defaults pass
     with pytest.raises(RerunTrackerError, match="--result-rejected-tracker-filename"):
         RerunStateMachine(VALIDATE, result_rejected_tracker_filename=str(tmp_path / "missing" / "x.txt"))
@@ -207,7 +209,10 @@ def _serial_job(rank: int, world: int, data: dict, tmp: str) -> list:
             _pretrain([*persistent, "--save", f"{tmp}/ckpt", "--save-interval", "100"]),
             _pretrain([*persistent, "--load", f"{tmp}/ckpt"]),
             _pretrain([*persistent, *TORCH_DIST, "--save", f"{tmp}/dist", "--save-interval", "100"]),
-            _pretrain([*persistent, *TORCH_DIST, "--load", f"{tmp}/dist"])]
+            _pretrain([*persistent, *TORCH_DIST, "--load", f"{tmp}/dist"]),
+            # iteration 1 reproduced twice on rank 0 in the tracker (Megatron's rule: skipped), and the flag's 2
+            _pretrain([*base, *V, "--result-rejected-tracker-filename", f"{tmp}/rejected.txt", "--iterations-to-skip",
+                       "2", "--save", f"{tmp}/skip", "--save-interval", "100"])]
 
 
 def _two_rank_job(rank: int, world: int, data: dict, tmp: str) -> list:
@@ -229,7 +234,7 @@ def _two_rank_job(rank: int, world: int, data: dict, tmp: str) -> list:
 def test_pretrain_reruns_transient_errors_exactly_and_stops_persistent_ones(tiny_data: dict, tmp_path: Path) -> None:
     from tests.dist_utils import run_distributed
 
-    (clean, nan_hook, injected, first, resumed, dist_first, dist_resumed), = run_distributed(
+    (clean, nan_hook, injected, first, resumed, dist_first, dist_resumed, skipping), = run_distributed(
         _serial_job, 1, args=(tiny_data, str(tmp_path)))
     assert clean["code"] == nan_hook["code"] == injected["code"] == 0 and len(clean["losses"]) == 4
     assert nan_hook["losses"] == clean["losses"]  # exactly: the re-run's results are the clean ones
@@ -247,6 +252,10 @@ def test_pretrain_reruns_transient_errors_exactly_and_stops_persistent_ones(tiny
     # the same through a torch_dist checkpoint (its common.pt carries the machine's state)
     assert (dist_first["code"], dist_resumed["code"]) == (16, 17) and dist_first["losses"] == first["losses"]
     assert dist_resumed["diagnostics"] == resumed["diagnostics"] == [(1, "second_rerun_not_reproducible")]
+    # --iterations-to-skip: iterations 2 and 3 (1 and 2 counted from 0) read and dropped, not trained
+    assert sorted(skipping["losses"]) == [1, 4] and skipping["losses"][1] == clean["losses"][1]
+    saved = torch.load(tmp_path / "skip" / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert (saved["args"].skipped_train_samples, saved["consumed_train_samples"]) == (8, 16)
 
     rank0, rank1 = run_distributed(_two_rank_job, 2, args=(tiny_data, str(tmp_path)))
     dp_clean, dp_nan, dp_stats = rank0[:3]
