@@ -52,16 +52,17 @@ def test_usr1_saves_requeues_and_resumes_exactly(tiny_data: dict, tmp_path: Path
     assert not (tmp_path / "scontrol.log").exists()  # a finished run is not requeued
 
     env = _env(tiny_data, tmp_path, "ckpt")
-    proc = subprocess.Popen(["bash", str(SCRIPT), *TINY], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if re.match(r" iteration +3/", line):
-            proc.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@90` delivers to the batch script
-            break
-    out, err = proc.communicate(timeout=300)
-    out = "".join(lines) + out
+    # Every stdout line is read through one file object: communicate() after a `break` reads the pipe directly and
+    # would lose the lines this object had already buffered (iteration 4 when it arrived with 3). stderr goes to a file.
+    with open(tmp_path / "stderr.log", "w") as stderr:
+        proc = subprocess.Popen(["bash", str(SCRIPT), *TINY], env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if re.match(r" iteration +3/", line):
+                proc.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@90` delivers to the batch script
+        proc.wait(timeout=300)
+    out, err = "".join(lines), (tmp_path / "stderr.log").read_text()
     assert proc.returncode == 0, err[-3000:]
     assert "requeueing job 4242" in out and (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
     saved = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
