@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import initialize, peer_failure
+from megatron.checkpoint import async_save
 from megatron.errors import MegatronUserError
 from megatron.launcher import detect_launcher_env
 
@@ -118,6 +119,10 @@ class InProcessRestart:
         self.attempt += 1
         print(f"in-process restart {self.attempt}: {line}; restarting every rank from the latest checkpoint",
               flush=True)
+        abandoned = async_save.abandon()  # saves no collective can confirm now: never published
+        if abandoned:
+            print(f"in-process restart {self.attempt}: the asynchronous checkpoint save(s) of iteration(s) "
+                  f"{', '.join(map(str, abandoned))} in flight are abandoned (not published)", flush=True)
         closed = self._close_peer_connections()
         initialize.destroy_megatron(unset_globals=True)
         gc.collect()

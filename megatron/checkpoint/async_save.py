@@ -201,3 +201,20 @@ def maybe_finalize(blocking: bool = False) -> None:
         print0("finalizing the asynchronous checkpoint save(s) in flight (--async-save) ...")
     _finish_writing(blocking)
     _finish_publishing(blocking)
+
+
+def abandon() -> list[int]:
+    """After a failure that restarts the run inside its processes (--inprocess-restart): no collective can confirm
+    the saves still being written, so they are never published (the latest checkpoint stays the last one every rank
+    confirmed, which the restarted run loads). Their background jobs are waited for, so that no thread still writes
+    when the run starts again; rank 0's publications of confirmed saves complete (a failed one is one line, not an
+    error: the restart goes on from the previous checkpoint). Returns the abandoned saves' iterations."""
+    abandoned = [save.iteration for save in _WRITING]
+    concurrent.futures.wait([save.write for save in _WRITING])
+    _WRITING.clear()
+    for iteration, future in _PUBLISHING:
+        error = future.exception()
+        if error is not None:
+            print(f"the asynchronous checkpoint of iteration {iteration} was not published: {error}", flush=True)
+    _PUBLISHING.clear()
+    return abandoned

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -291,3 +292,21 @@ def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint(tiny_
             assert loss == reference[it], (it, loss, reference[it])
     assert sorted(iteration_values(resumed["stdout"])) == [3, 4]
     assert (tmp_path / "kill" / TRACKER_FILENAME).read_text() == "4" and resumed["temps"] == []
+
+
+def test_abandon_waits_for_the_writes_and_publishes_nothing() -> None:
+    """--inprocess-restart's call: the saves in flight are written to the end (no thread writes into the restarted
+    run) and never published; nothing is left in flight."""
+    gate, written, published = threading.Event(), [], []
+
+    def slow_save(obj: Any, path: str) -> None:
+        gate.wait(10)
+        written.append((path, obj["w"].clone()))
+
+    state = {"w": torch.ones(3)}
+    async_save.schedule(5, [(state, "a.pt")], slow_save, lambda: published.append(5), persistent=False)
+    threading.Timer(0.05, gate.set).start()  # the write ends only after abandon() has started waiting
+    assert async_save.abandon() == [5]
+    assert [p for p, _ in written] == ["a.pt"] and torch.equal(written[0][1], torch.ones(3))
+    assert published == [] and not async_save.in_flight()
+    assert async_save.abandon() == []
