@@ -77,6 +77,26 @@ class RerunState(Enum):
     RERUNNING_AGAIN_FROM_CHECKPOINT = 5
 
 
+# After a step's (re-)runs in validate_results mode, the states that end the job: (save a checkpoint first, the exit
+# code, Megatron's message).
+_EXIT_REQUESTS = {
+    RerunState.RERUNNING_IN_PLACE: (
+        True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+        "Exiting now. A checkpoint at the last iteration is being saved if further examination is needed"),
+    RerunState.WILL_RERUN_FROM_CHECKPOINT: (
+        True, EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+        "Saving a checkpoint and exiting now. Please resume the job from the checkpoint to rerun the last iteration "
+        "and establish a diagnostic"),
+    RerunState.RERUNNING_FROM_CHECKPOINT: (
+        False, EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+        "Exiting now. A checkpoint at the last iteration already exists if further examination is needed"),
+    RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT: (
+        False, EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+        "Exiting now. Please resume the job from the same checkpoint to rerun the last iteration and establish a "
+        "diagnostic"),
+}
+
+
 class RerunValidationStatus(str, Enum):
     """The status of a line of the tracker file."""
 
@@ -402,21 +422,12 @@ class RerunStateMachine:
         return self.exit_request
 
     def _exit_request(self) -> tuple[bool, bool, int]:
-        if self.state == RerunState.RERUNNING_IN_PLACE:
-            _say("Exiting now. A checkpoint at the last iteration is being saved if further examination is needed")
-            return True, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION
-        if self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT:
-            _say("Saving a checkpoint and exiting now. Please resume the job from the checkpoint to rerun the last "
-                 "iteration and establish a diagnostic")
-            return True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE
-        if self.state == RerunState.RERUNNING_FROM_CHECKPOINT:
-            _say("Exiting now. A checkpoint at the last iteration already exists if further examination is needed")
-            return False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION
-        if self.state == RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT:
-            _say("Exiting now. Please resume the job from the same checkpoint to rerun the last iteration and "
-                 "establish a diagnostic")
-            return False, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE
-        return False, False, 0
+        request = _EXIT_REQUESTS.get(self.state)
+        if request is None:
+            return False, False, 0
+        checkpoint, code, message = request
+        _say(message)
+        return checkpoint, True, code
 
     # ------------------------------------------------------------------------------------------- validation
     def validate_result(self, result: Any, rejection_func: Callable[[Any], Any], message: str,
