@@ -47,7 +47,7 @@ COMPILED = ("megatron", "tasks", "tools", "tests")  # the packages the suite's p
 
 def compile_repository(root: Path = REPO_ROOT) -> None:
     """Write the `__pycache__` bytecode of the repository's packages (only what is missing or stale; in-process).
-    Where PYTHONDONTWRITEBYTECODE is set (as on the CI machine), Python never writes it, so each of the suite's
+    Where PYTHONDONTWRITEBYTECODE is set (as in this machine's shells), Python never writes it, so each of the suite's
     hundreds of processes would compile every module it imports from source (~0.3-0.5 CPU s for megatron.training);
     Python still reads bytecode that exists, and a changed source makes its bytecode stale (compiled afresh)."""
     for name in COMPILED:
