@@ -363,7 +363,7 @@ class RerunStateMachine:
         self.exit_request: tuple[bool, bool, int] = (False, False, 0)  # the last should_checkpoint_and_exit()
         self.last_report: dict[str, tuple[int, int]] = {}  # report_determinism_stats: (identical, differing) counts
         if self.mode != RerunMode.DISABLED:
-            _say(f"RerunStateMachine initialized in mode {self.mode.value}")
+            _say(f"RerunStateMachine initialized in mode {self.mode}")  # as Megatron's f-string shows the enum
 
     # ------------------------------------------------------------------------------------------- collectives
     def _reduce_any(self, *flags: bool) -> tuple[bool, ...]:

@@ -125,6 +125,7 @@ def run_job(api: Any, spec: dict, machine: Any, first: int, attempts: dict) -> d
         step = run_step(machine, spec, data, iteration, attempts)
         if spec.get("mode") == "report_determinism_stats":
             step["stats"] = _stats(api, machine)
+        step["log"] = api.take_log()  # the machine's log lines since the previous step (its creation, loading, step)
         steps.append(step)
         if step["error"] or step["exit"][1]:
             if step["exit"] and step["exit"][0]:
@@ -150,6 +151,7 @@ def run_scenario(api: Any, name: str, tracker: str, load_from: Optional[str] = N
     np.random.seed(1234)
     rate, kind = spec.get("injection", (0, "transient_error"))
     devices, attempts, jobs, first, state = list(spec.get("devices", (0, 1))), {}, [], 0, None
+    api.take_log()  # what came before (a previous scenario's reading of its tracker)
     for device in devices:
         api.set_device(device)
         machine = api.make(spec["mode"], tracker, rate, kind)

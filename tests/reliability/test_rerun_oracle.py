@@ -5,18 +5,23 @@ after resume, also resumed on the same device first; spiky loss transient and pe
 injected by --error-injection-rate/-type; the disabled mode; report_determinism_stats over deterministic and
 non-deterministic results) drive ours in-process and Megatron's in one oracle subprocess, and each step's answers
 (should_run_forward_backward, should_checkpoint_and_exit), the results of each run, the spiky/large-grads bookkeeping,
-the tracker file's lines, the iterations Megatron's reader of that file would skip, the checkpoint entry saved under
-``rerun_state_machine`` and the determinism stats are compared. Each machine's saved entry is then loaded by the
+the machine's log lines, the tracker file's lines, the iterations Megatron's reader of that file would skip, the
+checkpoint entry saved under ``rerun_state_machine`` and the determinism stats are compared. Each machine's saved entry is then loaded by the
 other's resumed job, which must finish as the original did. The deliberate differences are asserted as such (see
 docs/reliability.md).
 """
 from __future__ import annotations
 
 import copy
+import io
 import json
 import pickle
+import random
+import re
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,7 +57,7 @@ CRAFTED = "".join(
 # Its CUDA calls get stand-ins: the current device is the scenario's (so that its same-node/GPU rule can be driven),
 # the CUDA RNG state is empty, and its all-reduce of flags runs on the CPU (gloo, one rank).
 ORACLE_SCRIPT = r'''
-import json, os, pickle, sys, types
+import json, logging, os, pickle, sys, types
 import torch
 ORACLE = {oracle!r}
 for name, sub in (("megatron", ""), ("megatron.core", "/core"), ("megatron.core.dist_checkpointing",
@@ -96,8 +101,27 @@ def plain(x):
     return x
 
 
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.extend(record.getMessage().splitlines())
+
+
+LOG = _Lines()
+rsm.logger.addHandler(LOG)
+rsm.logger.setLevel(logging.INFO)
+rsm.logger.propagate = False
+
+
 class Api:
     mod = rsm
+
+    def take_log(self):
+        lines, LOG.lines = LOG.lines, []
+        return lines
 
     def make(self, mode, tracker, rate, kind):
         rsm.destroy_rerun_state_machine()
@@ -158,9 +182,15 @@ class OursApi:
     mod = ours
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.monkeypatch = monkeypatch
+        self.monkeypatch, self.out = monkeypatch, io.StringIO()
         monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a, **k: torch.zeros(1, dtype=torch.uint8))
         monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *a, **k: None)
+
+    def take_log(self) -> list[str]:
+        lines = self.out.getvalue().splitlines()
+        self.out.seek(0)
+        self.out.truncate()
+        return lines
 
     def make(self, mode: str, tracker: str, rate: int, kind: str) -> RerunStateMachine:
         return RerunStateMachine(RerunMode(mode), RerunErrorInjector(rate, RerunDiagnostic(kind)), tracker)
@@ -186,8 +216,10 @@ def both(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     """(ours, Megatron's) records of every scenario, plus the cross-loaded resumes under "cross"."""
     work = tmp_path_factory.mktemp("rerun_oracle")
     mine, saved = {}, {}
-    with pytest.MonkeyPatch.context() as monkeypatch:
+    python_rng, numpy_rng = random.getstate(), np.random.get_state()  # the scenarios seed the global generators
+    with pytest.MonkeyPatch.context() as monkeypatch, torch.random.fork_rng(devices=[]):
         api = OursApi(monkeypatch)
+        monkeypatch.setattr(sys, "stdout", api.out)  # the machine's lines (it prints them)
         for name in SCENARIOS:
             record = run_scenario(api, name, str(work / f"o_{name}.txt"))
             saved[name] = record.pop("raw_saved")
@@ -195,18 +227,15 @@ def both(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
         (work / "ours_saved.pkl").write_bytes(pickle.dumps(saved[CROSS][0]))
         (work / "ours_tracker.txt").write_text((work / f"o_{SKIPPED}.txt").read_text())
         (work / "crafted.txt").write_text(CRAFTED)
-        run_oracle(ORACLE_SCRIPT.format(oracle=str(_oracle_dir()), scenarios=str(HERE), cross=CROSS), work)
+        run_oracle(ORACLE_SCRIPT.format(oracle=str(require_oracle()), scenarios=str(HERE), cross=CROSS), work)
         mine["cross"] = run_scenario(api, CROSS, str(work / "o_cross.txt"), load_from=str(work / "megatron_saved.pkl"))
         mine["cross"].pop("raw_saved")
         mine["skip_megatron_tracker"] = iterations_to_skip_from_tracker(str(work / f"t_{SKIPPED}.txt"))
         mine["skip_crafted"] = iterations_to_skip_from_tracker(str(work / "crafted.txt"))
+    random.setstate(python_rng)
+    np.random.set_state(numpy_rng)
     theirs = json.loads((work / "out.json").read_text())
     return json.loads(json.dumps(mine)), theirs
-
-
-def _oracle_dir() -> Path:
-    return require_oracle()
-
 
 
 def _comparable(record: dict, mine: bool) -> dict:
@@ -215,6 +244,8 @@ def _comparable(record: dict, mine: bool) -> dict:
     step's, to replay; ours: None, the resumed loader reads the step's samples again) are checked and dropped."""
     record = copy.deepcopy(record)
     for job in record["jobs"]:
+        for step in job["steps"]:
+            step["log"] = _log_lines(step["log"], mine)
         saved = job["saved"]
         if saved is None:
             continue
@@ -227,6 +258,21 @@ def _comparable(record: dict, mine: bool) -> dict:
             assert saved["sharded"].pop("data_iterator_checkpoints") == [
                 {"saved_microbatches": list(range(first, first + MICRO_BATCHES)), "replaying": True, "replay_pos": 0}]
     return record
+
+
+def _log_lines(lines: list[str], mine: bool) -> list[str]:
+    """The machine's log lines but: the level ours prints first on its failure lines (Megatron's logger adds its
+    own), the caller of each determinism stats line (0.16.1 names fields its Caller lacks: the oracle patches in a
+    placeholder) and its "initialized" line in the disabled mode (ours says nothing then: the default run's log
+    stays as it was); the stats lines sorted (Megatron goes through a set of callers, ours through sorted
+    messages)."""
+    lines = [re.sub(r"^(ERROR|WARNING): ", "", line) if mine else line for line in lines]
+    lines = [line for line in lines if not line.startswith("  From ")
+             and line != "RerunStateMachine initialized in mode RerunMode.DISABLED"]
+    stats = [i for i, line in enumerate(lines) if line.startswith("    ")]
+    for i, line in zip(stats, sorted(lines[i] for i in stats)):
+        lines[i] = line
+    return lines
 
 
 @pytest.mark.parametrize("name", sorted(set(SCENARIOS) - {"transient_nan"}))
