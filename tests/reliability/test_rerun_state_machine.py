@@ -12,11 +12,13 @@ report_determinism_stats re-runs every step, reports and keeps the clean curve.
 from __future__ import annotations
 
 import re
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatron import global_vars, training, training_state
 from megatron.rerun_state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
@@ -205,16 +207,19 @@ def _serial_job(rank: int, world: int, data: dict, tmp: str) -> list:
 
     base = train_argv(data, "--global-batch-size", "4", iters=4)  # 2 micro-batches per iteration
     inject = ("--error-injection-rate", "1", "--error-injection-type")
-    persistent = [*base, *V, *inject, "persistent_error", "--result-rejected-tracker-filename", f"{tmp}/rejected.txt"]
-    return [_pretrain(base), _pretrain([*base, *V], _nan_once(5)),  # iteration 3's first micro-batch
+    persistent = [*base, *V, *inject, "persistent_error", "--result-rejected-tracker-filename"]
+    jobs = [_pretrain(base), _pretrain([*base, *V], _nan_once(5)),  # iteration 3's first micro-batch
             _pretrain([*base, *V, *inject, "transient_error"]),  # every iteration from the 2nd fails once
-            _pretrain([*persistent, "--save", f"{tmp}/ckpt", "--save-interval", "100"]),
-            _pretrain([*persistent, "--load", f"{tmp}/ckpt"]),
-            _pretrain([*persistent, *TORCH_DIST, "--save", f"{tmp}/dist", "--save-interval", "100"]),
-            _pretrain([*persistent, *TORCH_DIST, "--load", f"{tmp}/dist"]),
-            # iteration 1 reproduced twice on rank 0 in the tracker (Megatron's rule: skipped), and the flag's 2
-            _pretrain([*base, *V, "--result-rejected-tracker-filename", f"{tmp}/rejected.txt", "--iterations-to-skip",
-                       "2", "--save", f"{tmp}/skip", "--save-interval", "100"])]
+            _pretrain([*persistent, f"{tmp}/rejected.txt", "--save", f"{tmp}/ckpt", "--save-interval", "100"]),
+            _pretrain([*persistent, f"{tmp}/rejected.txt", "--load", f"{tmp}/ckpt"]),
+            # (a tracker of its own: with the first one, iteration 1 would be skipped at the resume, as in Megatron)
+            _pretrain([*persistent, f"{tmp}/dist.txt", *TORCH_DIST, "--save", f"{tmp}/dist", "--save-interval",
+                       "100"]),
+            _pretrain([*persistent, f"{tmp}/dist.txt", *TORCH_DIST, "--load", f"{tmp}/dist"])]
+    # iteration 1 reproduced twice on rank 0 in the two trackers (Megatron's rule: skipped), and the flag's 2
+    Path(f"{tmp}/both.txt").write_text(Path(f"{tmp}/rejected.txt").read_text() + Path(f"{tmp}/dist.txt").read_text())
+    return [*jobs, _pretrain([*base, *V, "--result-rejected-tracker-filename", f"{tmp}/both.txt",
+                              "--iterations-to-skip", "2", "--save", f"{tmp}/skip", "--save-interval", "100"])]
 
 
 def _two_rank_job(rank: int, world: int, data: dict, tmp: str) -> list:
@@ -250,7 +255,7 @@ def test_pretrain_reruns_transient_errors_exactly_and_stops_persistent_ones(tiny
     assert (saved["rerun_state_machine"]["state"], saved["rerun_state_machine"]["current_iteration"]) == (3, 1)
     assert (resumed["code"], resumed["losses"]) == (EXIT_CODE_FAILED_ON_RESULT_VALIDATION, {})
     statuses = [TRACKER_LINE.search(line).group(4).split(".")[-1].lower()
-                for line in (tmp_path / "rejected.txt").read_text().splitlines()]
+                for line in (tmp_path / "both.txt").read_text().splitlines()]
     assert statuses == ["initial_run", "first_rerun_reproducible", "second_rerun_not_reproducible"] * 2
     # the same through a torch_dist checkpoint (its common.pt carries the machine's state)
     assert (dist_first["code"], dist_resumed["code"]) == (16, 17) and dist_first["losses"] == first["losses"]
@@ -304,3 +309,19 @@ def test_the_loop_saves_the_machine_state_then_exits_with_its_code(capsys: pytes
     with pytest.raises(SystemExit):
         rerun_exit(machine, 1, run, loop, lambda: held.append(run.rerun_state), guard)
     assert held[1] is None and "no checkpoint was saved (a non-finite streak)" in capsys.readouterr().out
+
+
+def test_a_skipped_iteration_is_counted_by_the_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--iterations-to-skip drives the machine as Megatron-LM's dummy_train_step does: a result rejected after a
+    skipped iteration is named by its own iteration (before: one less per skipped iteration)."""
+    tracker = tmp_path / "rejected.txt"
+    machine = RerunStateMachine(VALIDATE, result_rejected_tracker_filename=str(tracker))
+    monkeypatch.setattr(global_vars, "get_num_microbatches", lambda: 2)
+    monkeypatch.setattr(global_vars, "get_rerun_state_machine", lambda: machine)
+    data, run = RerunDataIterator(iter(range(100))), training_state.TrainingState()
+    _step(machine, data, corrupt=[])  # iteration 0
+    assert training.skip_iteration(data, run, types.SimpleNamespace(data_parallel_size=1, micro_batch_size=1)) == 1
+    assert machine.current_iteration == 1 and run.skipped_train_samples == 2
+    _step(machine, data, corrupt=[(0, 0)])  # iteration 2 reads samples 4 and 5
+    assert machine.diagnostics == [(2, "initial_run"), (2, "first_rerun_not_reproducible")]
+    assert [TRACKER_LINE.search(line).group(3) for line in tracker.read_text().splitlines()] == ["2", "2"]
