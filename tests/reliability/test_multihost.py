@@ -88,13 +88,17 @@ def _finish(proc: subprocess.Popen, code: Optional[int] = 0) -> tuple[str, str]:
 
 
 def _until(proc: subprocess.Popen, iteration: int) -> str:
-    """The job's output up to the log line of `iteration` (the rest stays in the pipe)."""
+    """The job's output up to the log line of `iteration` (the rest stays in the pipe). The line is searched for
+    anywhere, as tests/log_lines.py reads it: a job's tasks share one stdout pipe, so another task's unfinished
+    line can precede it (CI once missed ` iteration 4/` that way when it was matched at a line start)."""
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if re.match(rf" iteration +{iteration}/", line):
+        if re.search(rf" iteration +{iteration}/ *\d+ \|", line):
             return "".join(lines)
-    raise AssertionError("".join(lines)[-2000:] + proc.stderr.read()[-3000:])
+    seen = [line[:60] for line in lines if "iteration" in line]
+    raise AssertionError(f"no iteration {iteration} line; lines naming an iteration: {seen}\n"
+                         + "".join(lines)[-2000:] + proc.stderr.read()[-3000:])
 
 
 def test_tp2_within_host_dp2_across_hosts_equals_serial_until_node02_is_lost(cluster: Cluster, tiny_data: dict,
