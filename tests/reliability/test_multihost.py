@@ -34,7 +34,7 @@ from megatron import peer_failure
 from megatron.checkpoint import integrity
 from megatron.launcher import detect_launcher_env
 from megatron.presets import get_preset
-from tests.log_lines import iteration_values
+from tests.log_lines import iteration_lines, iteration_values
 from tests.reliability import slurm_standin
 from tests.reliability.helpers import REPO
 from tests.reliability.hosts import (
@@ -88,13 +88,16 @@ def _finish(proc: subprocess.Popen, code: Optional[int] = 0) -> tuple[str, str]:
 
 
 def _until(proc: subprocess.Popen, iteration: int) -> str:
-    """The job's output up to the log line of `iteration` (the rest stays in the pipe)."""
+    """The job's output up to the log line of `iteration` (the rest stays in the pipe). The line is looked for
+    anywhere in a line, as tests/log_lines.py reads it: tasks sharing one stdout may still glue a line of another
+    process's (a C++ library's, or a Python print under PYTHONUNBUFFERED=1 before megatron/core/rank_print.py wrote a
+    line in one call) before it. On failure the whole output, to see where the job started."""
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if re.match(rf" iteration +{iteration}/", line):
+        if iteration in dict(iteration_lines(line)):
             return "".join(lines)
-    raise AssertionError("".join(lines)[-2000:] + proc.stderr.read()[-3000:])
+    raise AssertionError(f"no iteration {iteration} in the job's output:\n" + "".join(lines) + proc.stderr.read())
 
 
 def test_tp2_within_host_dp2_across_hosts_equals_serial_until_node02_is_lost(cluster: Cluster, tiny_data: dict,
