@@ -15,7 +15,8 @@ scripts' own address and rank logic, torchrun's rendezvous across hosts and gloo
   one host.)
 - node02 never arrives (its tasks hang before they start): under torchrun and under srun alone node01 exits at
   RDZV_TIMEOUT with one line naming node02 / rank 1 and the address; the requeued job runs normally.
-- What the scripts export for gloo/NCCL across nodes (examples/slurm/slurm_common.sh), without training.
+- What the scripts export for gloo/NCCL across nodes (examples/slurm/slurm_common.sh), without training; for the
+  DeepSpeed script also the hostfile, the launcher's line and the environment file pdsh gives the other nodes.
 The losses are the log lines' (the scripts start pretrain_gpt.py themselves)."""
 from __future__ import annotations
 
@@ -292,3 +293,40 @@ def test_slurm_scripts_choose_master_and_socket_interface(cluster: Cluster, tmp_
     assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1] == (
         "error: the master node ghost1 (first host of SLURM_JOB_NODELIST=ghost[1-2]) does not resolve on node01: fix "
         "the cluster's DNS or /etc/hosts, or export MASTER_ADDR=<its IP address>")
+
+
+def test_deepspeed_script_exports_for_every_node_and_builds_the_launcher_line(cluster: Cluster, tiny_data: dict,
+                                                                               tmp_path: Path) -> None:
+    """pretrain_gpt_deepspeed.slurm on node01 with a `deepspeed` that records what it was given (no training): the
+    master, port and interfaces of slurm_common.sh; the hostfile; and, since pdsh gives the other nodes' ranks only
+    DeepSpeed's environment file, a file (DS_ENV_FILE) holding the user's ~/.deepspeed_env first, then the interfaces
+    and the rendezvous wait the user's file does not set."""
+    bin_dir = slurm_bin(tmp_path / "bin")
+    (bin_dir / "deepspeed").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$MH_DS_ARGV"\nenv > "$MH_DS_ENV"\n')
+    (bin_dir / "deepspeed").chmod(0o755)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".deepspeed_env").write_text("NCCL_IB_HCA=mlx5_0\nNCCL_SOCKET_IFNAME=ib0\n")
+    settings = {"PYTHONPATH": str(REPO), "SLURM_SUBMIT_DIR": str(REPO), "HOME": str(home), "PRESET": "345m",
+                "DATA_PATH": tiny_data["prefix"], "VOCAB_FILE": tiny_data["vocab"], "MERGE_FILE": tiny_data["merges"],
+                "CHECKPOINT_PATH": str(tmp_path / "ckpt"), "GPUS_PER_NODE": "1", "RDZV_TIMEOUT": "30",
+                "DS_CONFIG": str(REPO / "examples" / "ds_config_gpt.json"),
+                "MH_DS_ARGV": str(tmp_path / "argv"), "MH_DS_ENV": str(tmp_path / "env")}
+    env = batch_env(cluster, bin_dir, 71, 2, 1, **settings)
+    proc = subprocess.run(cluster.argv(cluster.hosts[0], ["bash", str(SLURM / "pretrain_gpt_deepspeed.slurm"),
+                                                          "--seed", "7"]),
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    argv = (tmp_path / "argv").read_text().splitlines()
+    hostfile = str(tmp_path / "ckpt" / "hostfile.71")
+    assert argv[:11] == ["--hostfile", hostfile, "--launcher", "pdsh", "--num_nodes", "2", "--master_addr", "node01",
+                         "--num_gpus", "1", "--master_port"] and argv[11:13] == ["6000", "pretrain_gpt.py"]
+    assert argv[-2:] == ["--seed", "7"]
+    assert Path(hostfile).read_text() == "node01 slots=1\nnode02 slots=1\n"
+    launched = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
+    assert (launched["MASTER_ADDR"], launched["GLOO_SOCKET_IFNAME"], launched["NCCL_SOCKET_IFNAME"]) == (
+        "node01", "hostnet0", "hostnet0")
+    ds_env = tmp_path / "ckpt" / "deepspeed_env.71"
+    assert launched["DS_ENV_FILE"] == str(ds_env)
+    assert ds_env.read_text().splitlines() == ["NCCL_IB_HCA=mlx5_0", "NCCL_SOCKET_IFNAME=ib0",
+                                               "GLOO_SOCKET_IFNAME=hostnet0", "MEGATRON_RENDEZVOUS_TIMEOUT_SECONDS=30"]
