@@ -268,7 +268,7 @@ def rendezvous_timeout_line(args: Any, env: Optional[dict] = None, arrived: Opti
     env = dict(os.environ) if env is None else env
     conf = dict(item.split("=", 1) for item in (args.rdzv_conf or "").split(",") if "=" in item)
     wait = conf.get("join_timeout", "600")
-    here = getattr(args, "local_addr", None) or socket.gethostname()
+    here = args.local_addr or socket.gethostname()
     endpoint = args.rdzv_endpoint or "localhost"
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if arrived and any(_short(a) == _short(here) for a in arrived):

@@ -155,7 +155,7 @@ def test_real_store_rank0_alone_then_rank1_without_rank0(monkeypatch: pytest.Mon
 
 def test_torchrun_rendezvous_timeout_line() -> None:
     args = argparse.Namespace(rdzv_conf="join_timeout=15,read_timeout=60", rdzv_endpoint="gpu-a001:6000",
-                              rdzv_id="99", nnodes="3")
+                              rdzv_id="99", nnodes="3", local_addr=None)
     env = {"SLURM_JOB_NODELIST": "gpu-a[001-002],gpu-b12"}
     line = rendezvous_timeout_line(args, env)
     assert line.startswith("error: torchrun's rendezvous at gpu-a001:6000 (id 99) did not complete in 15 s: "
