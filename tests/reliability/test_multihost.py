@@ -88,17 +88,18 @@ def _finish(proc: subprocess.Popen, code: Optional[int] = 0) -> tuple[str, str]:
     return out, err
 
 
-def _until(proc: subprocess.Popen, iteration: int) -> str:
-    """The job's output up to the log line of `iteration` (the rest stays in the pipe). The line is looked for
-    anywhere in a line, as tests/log_lines.py reads it: tasks sharing one stdout may still glue a line of another
-    process's (a C++ library's, or a Python print under PYTHONUNBUFFERED=1 before megatron/core/rank_print.py wrote a
-    line in one call) before it. On failure the whole output, to see where the job started."""
+def _until(proc: subprocess.Popen, iteration: Optional[int] = None, text: Optional[str] = None) -> str:
+    """The job's output up to the log line of `iteration` (or the first line holding `text`; the rest stays in the
+    pipe). The iteration line is looked for anywhere in a line, as tests/log_lines.py reads it: tasks sharing one
+    stdout may still glue a line of another process's (a C++ library's, or a Python print under PYTHONUNBUFFERED=1
+    before megatron/core/rank_print.py wrote a line in one call) before it. On failure the whole output."""
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if iteration in dict(iteration_lines(line)):
+        if (text is not None and text in line) or (iteration is not None and iteration in dict(iteration_lines(line))):
             return "".join(lines)
-    raise AssertionError(f"no iteration {iteration} in the job's output:\n" + "".join(lines) + proc.stderr.read())
+    raise AssertionError(f"no {text or f'iteration {iteration}'} in the job's output:\n" + "".join(lines)
+                         + proc.stderr.read())
 
 
 def test_tp2_within_host_dp2_across_hosts_equals_serial_until_node02_is_lost(cluster: Cluster, tiny_data: dict,
@@ -165,8 +166,10 @@ def test_pp2_link_lost_then_requeued_on_one_host_resumes_exactly(cluster: Cluste
     assert integrity.verify(str(integrity.iteration_dir(str(ckpt), last))) is None
     # Requeued (SLURM requeues a job with --requeue whose node failed) onto one node, two tasks: resumes from `last`.
     job = _job(cluster, tiny_data, tmp_path, "pretrain_gpt_requeue.slurm", 1, 2, "ckpt", PP="2")
-    resumed = _until(job, last + 1)
-    job.send_signal(signal.SIGUSR1)  # the time limit nears: save, exit, requeue
+    # The time limit nears as the loop starts (every rank's handler is in place by then): save after the next
+    # iteration, exit, requeue. (Sent after an iteration's line instead, it could arrive once the 6 left had run.)
+    resumed = _until(job, text="[before the start of training step]")
+    job.send_signal(signal.SIGUSR1)
     out, _ = _finish(job)
     resumed = iteration_values(resumed + out, as_text=True)
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
