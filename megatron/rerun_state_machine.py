@@ -21,6 +21,11 @@ the two runs' results (Megatron's stats line). Every event of a validation is ap
 iteration=... status=... result=... message='...'``). `RerunErrorInjector` (--error-injection-rate/-type) makes
 results look rejected and their re-runs match or mismatch as the chosen diagnostic would.
 
+With --rerun-mode disabled the loop does not call the machine (--check-for-nan-in-loss-and-grad skips a non-finite
+step); called anyway, `validate_result` does what Megatron's does then (a tracker line; a fatal rejection raises).
+tests/reliability/test_rerun_oracle.py runs megatron-core 0.16.1's machine beside this one; docs/reliability.md names
+the deliberate differences.
+
 The loop owns one machine (megatron/global_vars.py holds it); the step receives it explicitly. Iterations are counted
 from 0 (the iteration being trained, as Megatron's tracker lines count them).
 """
@@ -108,12 +113,30 @@ class RerunValidationStatus(str, Enum):
     SECOND_RERUN_REPRODUCIBLE = "second_rerun_reproducible"
 
 
-class Call(NamedTuple):
-    """One validate_result call of a step: its message, the rank and its sequence number among that message's."""
+class Caller(NamedTuple):
+    """Where validate_result calls come from: their message and the rank (Megatron's key of a step's calls)."""
 
     message: str
     rank: int
+
+
+class Call(NamedTuple):
+    """One validate_result call of a step: its caller and its sequence number among that caller's (Megatron's
+    layout: a checkpoint holds it as ``((message, rank), sequence)``)."""
+
+    caller: Caller
     sequence: int
+
+    @classmethod
+    def from_saved(cls, saved: Optional[Any]) -> Optional[Call]:
+        """A checkpoint's value (Megatron's nested layout, or the flat ``(message, rank, sequence)`` that this
+        module wrote before) as a Call."""
+        if saved is None:
+            return None
+        if len(saved) == 3:
+            return cls(Caller(str(saved[0]), int(saved[1])), int(saved[2]))
+        caller, sequence = saved
+        return cls(Caller(str(caller[0]), int(caller[1])), int(sequence))
 
 
 def _rank() -> int:
@@ -317,7 +340,7 @@ class RerunStateMachine:
         self.requests = _Requests()
         self.logged_enabled = False
         self.error_injector = error_injector or RerunErrorInjector()
-        self.validation_counts: dict[str, int] = defaultdict(int)
+        self.validation_counts: dict[Caller, int] = defaultdict(int)
         self.failed_validation_call: Optional[Call] = None
         self.initial_result: Any = None
         self.suspicious_node: Optional[str] = None
@@ -340,7 +363,7 @@ class RerunStateMachine:
         self.exit_request: tuple[bool, bool, int] = (False, False, 0)  # the last should_checkpoint_and_exit()
         self.last_report: dict[str, tuple[int, int]] = {}  # report_determinism_stats: (identical, differing) counts
         if self.mode != RerunMode.DISABLED:
-            _say(f"RerunStateMachine initialized in mode {self.mode.value}")
+            _say(f"RerunStateMachine initialized in mode {self.mode}")  # as Megatron's f-string shows the enum
 
     # ------------------------------------------------------------------------------------------- collectives
     def _reduce_any(self, *flags: bool) -> tuple[bool, ...]:
@@ -437,8 +460,9 @@ class RerunStateMachine:
         it); `comparison_func` (default `compare_floats`) and `tolerance` decide whether a re-run reproduced it;
         `fatal`: whether a reproduced rejection stops the job (else training continues). Calls must come in the same
         order in every run of a step."""
-        if self.mode == RerunMode.DISABLED:
-            return  # the step's own checks apply (--check-for-nan-in-loss-and-grad skips the step)
+        if self.mode == RerunMode.DISABLED:  # the loop does not call it then (--check-for-nan-in-loss-and-grad
+            self._validate_disabled(result, rejection_func, message, fatal)  # skips a step): Megatron's rule
+            return
         comparison_func = comparison_func or compare_floats
         if self.state == RerunState.NOT_RUNNING_YET:
             raise RuntimeError("validate_result called outside of the forward-backward of a step")
@@ -463,6 +487,20 @@ class RerunStateMachine:
                 self._first_rerun(result, message, comparison > tolerance, fatal)
             else:
                 self._second_rerun(result, message, comparison > tolerance, fatal)
+
+    def _validate_disabled(self, result: Any, rejection_func: Callable[[Any], Any], message: str,
+                           fatal: bool) -> None:
+        """Megatron's validation without re-runs: a rejected result is logged to the tracker (rerun_disabled) and
+        raises RuntimeError when `fatal` (else a warning line)."""
+        if not bool(rejection_func(result)):
+            return
+        self._record(RerunValidationStatus.RERUN_DISABLED, result, message)
+        device = _device()
+        full = (f"Rank {_rank()}, node {os.uname()[1]}, device {'cpu' if device is None else device}, "
+                f"iteration {self.current_iteration}: Unexpected result {_shown(result)} (message='{message}')")
+        if fatal:
+            raise RuntimeError(full)
+        _say(full, every_rank=True)
 
     def _check_initial(self, call: Call, result: Any, rejection_func: Callable[[Any], Any], message: str) -> None:
         if not (self.error_injector.maybe_inject() or bool(rejection_func(result))):
@@ -538,8 +576,9 @@ class RerunStateMachine:
         return value >= self.max_values[context] * threshold
 
     def _call(self, message: str) -> Call:
-        self.validation_counts[message] += 1
-        return Call(message, _rank(), self.validation_counts[message])
+        caller = Caller(message, _rank())
+        self.validation_counts[caller] += 1
+        return Call(caller, self.validation_counts[caller])
 
     # ------------------------------------------------------------------------------------------- re-run state
     def _iterators(self, data_iterator: DataIterators) -> list[RerunDataIterator]:
@@ -590,7 +629,7 @@ class RerunStateMachine:
             "rerun_requested": self.requests.rerun, "checkpoint_requested": self.requests.checkpoint,
             "restart_again_requested": self.requests.restart_again, "continue_requested": self.requests.proceed,
             "error_injector_checkpoint": self.error_injector.state_dict(),
-            "failed_validation_call": None if call is None else tuple(call),
+            "failed_validation_call": None if call is None else (tuple(call.caller), call.sequence),
             "initial_result": self.initial_result, "suspicious_node": self.suspicious_node,
             "suspicious_device": self.suspicious_device,
             "data_iterator_checkpoints": None,  # the loader resumes at the step's first sample: it replays them
@@ -605,7 +644,8 @@ class RerunStateMachine:
 
     def load_checkpoint_state(self, sd: Optional[dict]) -> bool:
         """Restore `checkpoint_state`'s entry (None, or a checkpoint of another world size: ignored, with a line);
-        True when a step is now to be re-run from the checkpoint."""
+        True when a step is now to be re-run from the checkpoint. `sd["sharded"]` may also be this rank's own entry
+        (a dict: what Megatron's sharded object loads as), with Megatron's enums or their values."""
         if not sd or RerunState(int(_value(sd.get("state", 0)))) == RerunState.NOT_RUNNING_YET:
             return False
         if self.mode == RerunMode.DISABLED:
@@ -613,7 +653,9 @@ class RerunStateMachine:
             return False
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         sharded = sd["sharded"]
-        if not isinstance(sharded, list) or len(sharded) != world:
+        if isinstance(sharded, dict):
+            sharded = [None] * _rank() + [sharded]
+        elif not isinstance(sharded, list) or len(sharded) != world:
             _say("Job sharding has changed: Rerun state will be ignored")
             return False
         _say("Getting RerunStateMachine state from checkpoint. Will rerun step.")
@@ -624,8 +666,7 @@ class RerunStateMachine:
         self.requests = _Requests(bool(own["rerun_requested"]), bool(own["checkpoint_requested"]),
                                   bool(own["restart_again_requested"]), bool(own["continue_requested"]))
         self.error_injector.load_state_dict(own["error_injector_checkpoint"])
-        call = own["failed_validation_call"]
-        self.failed_validation_call = None if call is None else Call(*call)
+        self.failed_validation_call = Call.from_saved(own["failed_validation_call"])
         self.initial_result = own["initial_result"]
         self.suspicious_node, self.suspicious_device = own["suspicious_node"], own["suspicious_device"]
         self.large_value_counts = dict(own["large_value_counts"])
@@ -656,14 +697,16 @@ class RerunStateMachine:
             print(f"    {mine.print_stats()}", flush=True)
 
     def _record(self, status: RerunValidationStatus, result: Any, message: str) -> None:
-        """One line in --result-rejected-tracker-filename (Megatron's format) and in `diagnostics`."""
+        """One line in --result-rejected-tracker-filename (Megatron's format: the status as its f-string shows the
+        enum, ``RerunValidationStatus.INITIAL_RUN`` on Python 3.11+, which its reader of the file takes) and in
+        `diagnostics`."""
         self.diagnostics.append((self.current_iteration, status.value))
         if self.tracker is None:
             return
         device = _device()
         line = (f"ts={datetime.datetime.now()} node={os.uname()[1]} device={'cpu' if device is None else device} "
                 f"jobID={os.getenv('SLURM_JOBID', 'N/A')} rank={_rank()} iteration={self.current_iteration} "
-                f"status={status.value} result={result} message='{message}'\n")
+                f"status={status} result={result} message='{message}'\n")
         try:
             with open(self.tracker, "a") as f:
                 f.write(line)
@@ -685,7 +728,8 @@ def _detached(result: Any) -> Any:
 
 
 def _shown(result: Any) -> str:
-    return f"{float(result):.6g}" if isinstance(result, torch.Tensor) and result.numel() == 1 else str(result)
+    """A result in a message, as Megatron's f-strings show it (a 0-dim tensor as its float)."""
+    return f"{result}"
 
 
 _TRACKER_LINE = re.compile(r"ts=.+ node=.+ device=.+ jobID=(.+) rank=(.+) iteration=(.+) status=(.+) result=.+ "

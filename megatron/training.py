@@ -442,12 +442,16 @@ def iterations_to_skip(configs: RunConfigs) -> set[int]:
 
 def skip_iteration(data_iterator: Optional[Iterator], run: TrainingState, batch: Any) -> int:
     """An iteration of --iterations-to-skip (Megatron's dummy_train_step): its micro-batches are read and dropped
-    (every rank reads one per micro-batch, as its forward steps do), its samples counted as consumed and skipped;
-    no log line, evaluation or save at it (as Megatron). Returns the iteration count after it."""
+    (every rank reads one per micro-batch, as its forward steps do) inside the rerun state machine's loop, so that
+    the machine counts the iteration too (its tracker lines and checkpoint entry name the iterations as the loop
+    does), its samples counted as consumed and skipped; no log line, evaluation or save at it (as Megatron). Returns
+    the iteration count after it."""
     num_microbatches = global_vars.get_num_microbatches()
-    if data_iterator is not None:
-        for _ in range(num_microbatches):
-            next(data_iterator)
+    machine = global_vars.get_rerun_state_machine()
+    while machine.should_run_forward_backward(data_iterator):
+        if data_iterator is not None:
+            for _ in range(num_microbatches):
+                next(data_iterator)
     samples = batch.data_parallel_size * batch.micro_batch_size * num_microbatches
     run.consumed_train_samples += samples
     run.skipped_train_samples += samples

@@ -12,11 +12,13 @@ report_determinism_stats re-runs every step, reports and keeps the clean curve.
 from __future__ import annotations
 
 import re
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatron import global_vars, training, training_state
 from megatron.rerun_state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
@@ -88,7 +90,7 @@ def test_persistent_error_saves_exits_16_and_the_resumed_job_exits_17(tmp_path: 
     assert resumed.exit_request == (False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
     lines = tracker.read_text().splitlines()
     parsed = [TRACKER_LINE.search(line).groups() for line in lines]
-    assert [(it, status) for _, _, it, status in parsed] == [
+    assert [(it, status.split(".")[-1].lower()) for _, _, it, status in parsed] == [  # Megatron's reading
         ("1", "initial_run"), ("1", "first_rerun_reproducible"), ("1", "second_rerun_reproducible")]
     assert all(line.endswith("message='loss check'") and "rank=0 " in line for line in lines)
     assert RerunStateMachine(VALIDATE).load_checkpoint_state(None) is False  # a checkpoint without the key
@@ -145,7 +147,9 @@ def test_report_determinism_stats_reruns_every_step() -> None:
 
 def test_disabled_runs_once_and_refusals_are_one_line(tmp_path: Path) -> None:
     machine = RerunStateMachine()
-    assert len(_step(machine, iter(range(10)), corrupt=[(0, 0)])) == 1 and machine.diagnostics == []
+    assert len(_step(machine, iter(range(10)), corrupt=[])) == 1 and machine.diagnostics == []
+    with pytest.raises(RuntimeError, match=r"iteration 1: Unexpected result nan \(message='loss check'\)"):
+        _step(machine, iter(range(10)), corrupt=[(0, 0)])  # Megatron's rule (the loop does not validate then)
     base = Settings.from_args(None)
     with pytest.raises(RerunSettingsError, match="--rerun-mode validate_results with --deepspeed"):
         machine_for_run(base.with_values(rerun_mode="validate_results", deepspeed=True))
@@ -203,16 +207,19 @@ def _serial_job(rank: int, world: int, data: dict, tmp: str) -> list:
 
     base = train_argv(data, "--global-batch-size", "4", iters=4)  # 2 micro-batches per iteration
     inject = ("--error-injection-rate", "1", "--error-injection-type")
-    persistent = [*base, *V, *inject, "persistent_error", "--result-rejected-tracker-filename", f"{tmp}/rejected.txt"]
-    return [_pretrain(base), _pretrain([*base, *V], _nan_once(5)),  # iteration 3's first micro-batch
+    persistent = [*base, *V, *inject, "persistent_error", "--result-rejected-tracker-filename"]
+    jobs = [_pretrain(base), _pretrain([*base, *V], _nan_once(5)),  # iteration 3's first micro-batch
             _pretrain([*base, *V, *inject, "transient_error"]),  # every iteration from the 2nd fails once
-            _pretrain([*persistent, "--save", f"{tmp}/ckpt", "--save-interval", "100"]),
-            _pretrain([*persistent, "--load", f"{tmp}/ckpt"]),
-            _pretrain([*persistent, *TORCH_DIST, "--save", f"{tmp}/dist", "--save-interval", "100"]),
-            _pretrain([*persistent, *TORCH_DIST, "--load", f"{tmp}/dist"]),
-            # iteration 1 reproduced twice on rank 0 in the tracker (Megatron's rule: skipped), and the flag's 2
-            _pretrain([*base, *V, "--result-rejected-tracker-filename", f"{tmp}/rejected.txt", "--iterations-to-skip",
-                       "2", "--save", f"{tmp}/skip", "--save-interval", "100"])]
+            _pretrain([*persistent, f"{tmp}/rejected.txt", "--save", f"{tmp}/ckpt", "--save-interval", "100"]),
+            _pretrain([*persistent, f"{tmp}/rejected.txt", "--load", f"{tmp}/ckpt"]),
+            # (a tracker of its own: with the first one, iteration 1 would be skipped at the resume, as in Megatron)
+            _pretrain([*persistent, f"{tmp}/dist.txt", *TORCH_DIST, "--save", f"{tmp}/dist", "--save-interval",
+                       "100"]),
+            _pretrain([*persistent, f"{tmp}/dist.txt", *TORCH_DIST, "--load", f"{tmp}/dist"])]
+    # iteration 1 reproduced twice on rank 0 in the two trackers (Megatron's rule: skipped), and the flag's 2
+    Path(f"{tmp}/both.txt").write_text(Path(f"{tmp}/rejected.txt").read_text() + Path(f"{tmp}/dist.txt").read_text())
+    return [*jobs, _pretrain([*base, *V, "--result-rejected-tracker-filename", f"{tmp}/both.txt",
+                              "--iterations-to-skip", "2", "--save", f"{tmp}/skip", "--save-interval", "100"])]
 
 
 def _two_rank_job(rank: int, world: int, data: dict, tmp: str) -> list:
@@ -247,7 +254,8 @@ def test_pretrain_reruns_transient_errors_exactly_and_stops_persistent_ones(tiny
     saved = torch.load(tmp_path / "ckpt" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
     assert (saved["rerun_state_machine"]["state"], saved["rerun_state_machine"]["current_iteration"]) == (3, 1)
     assert (resumed["code"], resumed["losses"]) == (EXIT_CODE_FAILED_ON_RESULT_VALIDATION, {})
-    statuses = [TRACKER_LINE.search(line).group(4) for line in (tmp_path / "rejected.txt").read_text().splitlines()]
+    statuses = [TRACKER_LINE.search(line).group(4).split(".")[-1].lower()
+                for line in (tmp_path / "both.txt").read_text().splitlines()]
     assert statuses == ["initial_run", "first_rerun_reproducible", "second_rerun_not_reproducible"] * 2
     # the same through a torch_dist checkpoint (its common.pt carries the machine's state)
     assert (dist_first["code"], dist_resumed["code"]) == (16, 17) and dist_first["losses"] == first["losses"]
@@ -276,7 +284,7 @@ def test_pretrain_reruns_transient_errors_exactly_and_stops_persistent_ones(tiny
     assert [r[7]["diagnostics"] for r in (rank0, rank1)] == [[(1, "second_rerun_not_reproducible")]] * 2
     saved = torch.load(tmp_path / "pp2" / "iter_0000001" / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=False)
     calls = [shard["failed_validation_call"] for shard in saved["rerun_state_machine"]["sharded"]]
-    assert [(message[:28], rank) for message, rank, _ in calls] == [
+    assert [(message[:28], rank) for (message, rank), _ in calls] == [  # Megatron's ((message, rank), sequence)
         ("found NaN in local grad norm", 0), ("found NaN in local forward l", 1)]  # stage 1 has no loss
 
 
@@ -301,3 +309,19 @@ def test_the_loop_saves_the_machine_state_then_exits_with_its_code(capsys: pytes
     with pytest.raises(SystemExit):
         rerun_exit(machine, 1, run, loop, lambda: held.append(run.rerun_state), guard)
     assert held[1] is None and "no checkpoint was saved (a non-finite streak)" in capsys.readouterr().out
+
+
+def test_a_skipped_iteration_is_counted_by_the_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--iterations-to-skip drives the machine as Megatron-LM's dummy_train_step does: a result rejected after a
+    skipped iteration is named by its own iteration (before: one less per skipped iteration)."""
+    tracker = tmp_path / "rejected.txt"
+    machine = RerunStateMachine(VALIDATE, result_rejected_tracker_filename=str(tracker))
+    monkeypatch.setattr(global_vars, "get_num_microbatches", lambda: 2)
+    monkeypatch.setattr(global_vars, "get_rerun_state_machine", lambda: machine)
+    data, run = RerunDataIterator(iter(range(100))), training_state.TrainingState()
+    _step(machine, data, corrupt=[])  # iteration 0
+    assert training.skip_iteration(data, run, types.SimpleNamespace(data_parallel_size=1, micro_batch_size=1)) == 1
+    assert machine.current_iteration == 1 and run.skipped_train_samples == 2
+    _step(machine, data, corrupt=[(0, 0)])  # iteration 2 reads samples 4 and 5
+    assert machine.diagnostics == [(2, "initial_run"), (2, "first_rerun_not_reproducible")]
+    assert [TRACKER_LINE.search(line).group(3) for line in tracker.read_text().splitlines()] == ["2", "2"]
