@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.rank_print import is_last_rank, print_rank_0, print_rank_last  # noqa: F401  (re-exported)
+from megatron.core.rank_print import is_last_rank, print_line, print_rank_0, print_rank_last  # noqa: F401  (re-exported)
 from megatron.run_configs.log_settings import LogSettings
 
 ADVANCED = "advanced iterations"
@@ -230,5 +230,5 @@ def report_memory(name: str, data_parallel_rank: Optional[int] = None) -> Option
     s = f"[Rank {rank}] {name} memory (MB)"
     for key, value in memory_stats_mb().items():
         s += f" | {key}: {value}"
-    print(s, flush=True)
+    print_line(s)
     return s

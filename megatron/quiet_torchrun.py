@@ -16,26 +16,37 @@ differences that matter to a user (everything else is torchrun's, flags included
 - A `--master-port` already in use on this machine is one line naming it and the fix instead of torch's EADDRINUSE
   traceback. (Without --master-port on one node torchrun itself picks a free port.)
 - A rendezvous that does not complete within `--rdzv-conf join_timeout` (torch's default 600 s; the example SLURM
-  scripts pass RDZV_TIMEOUT) is one line naming the endpoint and the nodes that may be missing instead of torch's
-  bare RendezvousTimeoutError traceback (torch does not say which nodes arrived: the line names this node and, under
-  SLURM, the job's other nodes).
+  scripts pass RDZV_TIMEOUT) is one line naming the endpoint, the nodes that arrived and, under SLURM, exactly the
+  job's nodes that did not, instead of torch's bare RendezvousTimeoutError traceback. torch does not say who arrived:
+  its c10d rendezvous keeps the participants in its store (key ``torch.rendezvous.<id>``), but a node removes itself
+  from them when its own wait ends, so `RendezvousWatch` reads that state every half second while the rendezvous
+  waits (a client of the same store, stopped once the rendezvous completes). If it saw nothing (it could not reach
+  the store) the line names this node and the job's other nodes as candidates, as before.
 """
 from __future__ import annotations
 
+import datetime as datetime_module
 import errno
+import io
 import logging
 import os
+import pickle
 import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
+from base64 import b64decode
+from datetime import timedelta
 from typing import Any, Optional
 
+from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
-from torch.distributed.run import parse_args, run
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.run import parse_args, parse_min_max_nnodes, run
 
 from megatron.launcher import parse_slurm_nodelist
 
@@ -161,21 +172,127 @@ def port_clash_line(port: int) -> str:
             "probably by another run: pick another port, or leave it unset on one node for a free one")
 
 
-def rendezvous_timeout_line(args: Any, env: Optional[dict] = None) -> str:
-    """The one line for torchrun's rendezvous timing out: endpoint, wait, node count, this node and the candidates."""
+class _Record:
+    """What torch's rendezvous state and node descriptions unpickle to here: their fields, nothing callable."""
+
+
+class _StateUnpickler(pickle.Unpickler):
+    """Unpickles torch's c10d rendezvous state (its dataclasses as `_Record`s, its datetimes) and nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.distributed.elastic.rendezvous.dynamic_rendezvous":
+            return _Record
+        if module == "datetime" and name in ("datetime", "timezone", "timedelta"):
+            return getattr(datetime_module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a rendezvous state")
+
+
+def rendezvous_nodes(value: bytes) -> Optional[tuple[int, bool, list[str]]]:
+    """(round, complete, the participants' addresses) from the value torch's c10d rendezvous backend keeps under
+    ``torch.rendezvous.<id>`` (base64 of a pickled state); None for the empty sentinel or anything unreadable."""
+    try:
+        state = _StateUnpickler(io.BytesIO(b64decode(value, validate=True))).load()
+        return int(state.round), bool(state.complete), sorted(node.addr for node in state.participants)
+    except Exception:  # noqa: BLE001 - torch's private format may change: then the watch has seen nothing
+        return None
+
+
+class RendezvousWatch:
+    """The nodes that joined the current round of torchrun's c10d rendezvous at `endpoint`, as read from its store
+    every `interval_s` by a daemon thread until the round completes or `stop()` (torch removes a node that gave up
+    waiting from the state, so a read after the time-out would miss it)."""
+
+    def __init__(self, endpoint: str, run_id: str, wait_s: float, interval_s: float = 0.5) -> None:
+        self.host, self.port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+        self.key, self.wait_s, self.interval_s = f"torch.rendezvous.{run_id}", wait_s, interval_s
+        self.round, self.seen = -1, set()  # the newest round read and every participant seen in it
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rendezvous-watch", daemon=True)
+
+    def start(self) -> RendezvousWatch:
+        """Start reading in the background; returns self."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[str]:
+        """Stop reading; the addresses of the nodes seen in the newest round (empty if none was read)."""
+        self._stop.set()
+        with self._lock:
+            return sorted(self.seen)
+
+    def _watch(self) -> None:
+        try:  # the agent on the endpoint's node opens the store: wait for it as the agents do
+            store = TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=self.wait_s),
+                             wait_for_workers=False)
+        except Exception:  # noqa: BLE001 - unreachable store: the time-out line then names candidates
+            return
+        while not self._stop.is_set():
+            try:
+                read = rendezvous_nodes(store.get(self.key)) if store.check([self.key]) else None
+            except Exception:  # noqa: BLE001 - the store went away (its node gave up or is lost)
+                return
+            if read is not None:
+                number, complete, nodes = read
+                with self._lock:
+                    if number > self.round:
+                        self.round, self.seen = number, set()
+                    if number == self.round:
+                        self.seen.update(nodes)
+                if complete:
+                    return
+            self._stop.wait(self.interval_s)
+
+
+def _short(host: str) -> str:
+    return host.split(".")[0]
+
+
+def _arrival_text(arrived: list[str], here: str, nodelist: Optional[str], nnodes: str) -> str:
+    """'2 of 3 nodes arrived (node01 (this node), node02); node03 never did (...)' from the watch's addresses."""
+    minimum = parse_min_max_nnodes(nnodes)[0]
+    shown = [f"{a} (this node)" if _short(a) == _short(here) else a for a in arrived]
+    text = f"{len(arrived)} of {minimum} node{'s' if minimum > 1 else ''} arrived ({', '.join(shown)})"
+    hosts = parse_slurm_nodelist(nodelist) if nodelist else []
+    came = {_short(a) for a in arrived}
+    missing = [h for h in hosts if _short(h) not in came]
+    if not missing or not came <= {_short(h) for h in hosts}:  # not SLURM, or torch's addresses are not its names
+        return text + "; the missing ones are"
+    return (f"{text}; {', '.join(missing)} (SLURM_JOB_NODELIST) never did: "
+            f"{'they are' if len(missing) > 1 else 'it is'}")
+
+
+def rendezvous_timeout_line(args: Any, env: Optional[dict] = None, arrived: Optional[list[str]] = None) -> str:
+    """The one line for torchrun's rendezvous timing out: endpoint, wait, node count and, from the addresses a
+    RendezvousWatch saw (`arrived`), the nodes that came and the job's nodes that did not; without them (or when
+    they do not include this node, so the watch missed the round) this node and the job's other nodes."""
     env = dict(os.environ) if env is None else env
     conf = dict(item.split("=", 1) for item in (args.rdzv_conf or "").split(",") if "=" in item)
     wait = conf.get("join_timeout", "600")
-    here = socket.gethostname()
+    here = args.local_addr or socket.gethostname()
+    endpoint = args.rdzv_endpoint or "localhost"
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    others = [h for h in parse_slurm_nodelist(nodelist) if h.split(".")[0] != here.split(".")[0]] if nodelist else []
-    candidates = (f"; the job's other node{'s' if len(others) > 1 else ''} (SLURM_JOB_NODELIST): {', '.join(others)}"
-                  if others else "")
-    return (f"error: torchrun's rendezvous at {args.rdzv_endpoint or 'localhost'} (id {args.rdzv_id}) did not "
-            f"complete in {wait} s: --nnodes {args.nnodes} and not every node arrived (this node: {here}"
-            f"{candidates}); a missing node is lost, its torchrun did not start, or it cannot reach "
-            f"{args.rdzv_endpoint or 'localhost'}. Requeue or resubmit the job (it resumes from --load); "
-            "RDZV_TIMEOUT in examples/slurm (torchrun --rdzv-conf join_timeout=S) sets this wait")
+    if arrived and any(_short(a) == _short(here) for a in arrived):
+        who = (f"{_arrival_text(arrived, here, nodelist, args.nnodes)} lost, did not start torchrun, or cannot "
+               f"reach {endpoint}")
+    else:
+        others = [h for h in parse_slurm_nodelist(nodelist) if _short(h) != _short(here)] if nodelist else []
+        candidates = (f"; the job's other node{'s' if len(others) > 1 else ''} (SLURM_JOB_NODELIST): "
+                      f"{', '.join(others)}" if others else "")
+        who = (f"not every node arrived (this node: {here}{candidates}); a missing node is lost, its torchrun did "
+               f"not start, or it cannot reach {endpoint}")
+    return (f"error: torchrun's rendezvous at {endpoint} (id {args.rdzv_id}) did not complete in {wait} s: "
+            f"--nnodes {args.nnodes} and {who}. Requeue or resubmit the job (it resumes from --load); RDZV_TIMEOUT "
+            "in examples/slurm (torchrun --rdzv-conf join_timeout=S) sets this wait")
+
+
+def watch_rendezvous(args: Any) -> Optional[RendezvousWatch]:
+    """A started RendezvousWatch for a c10d rendezvous of more than one node at an explicit endpoint, else None."""
+    if args.rdzv_backend != "c10d" or args.standalone or not args.rdzv_endpoint:
+        return None
+    if parse_min_max_nnodes(args.nnodes)[1] < 2:
+        return None
+    conf = dict(item.split("=", 1) for item in (args.rdzv_conf or "").split(",") if "=" in item)
+    return RendezvousWatch(args.rdzv_endpoint, args.rdzv_id, float(conf.get("join_timeout", "600"))).start()
 
 
 _QUIET = _DropUserErrorExits()
@@ -200,6 +317,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.environ[ERROR_DIR_ENV] = folder  # inherited by the workers
     _quiet_elastic_logs()
     forwarder = take_over_sigterm(args)
+    watch = watch_rendezvous(args)
     try:
         run(args)
         return 0
@@ -211,7 +329,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 1
         raise
     except RendezvousTimeoutError:
-        print(rendezvous_timeout_line(args), file=sys.stderr, flush=True)
+        print(rendezvous_timeout_line(args, arrived=watch.stop() if watch else None), file=sys.stderr, flush=True)
         return 1
     except SignalException:
         if forwarder is None or forwarder.codes is None:
@@ -224,6 +342,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 1
         raise
     finally:
+        if watch is not None:
+            watch.stop()
         if forwarder is not None:
             signal.signal(signal.SIGTERM, forwarder.previous)
         os.environ.pop(ERROR_DIR_ENV, None)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 import pytest
 import torch
@@ -172,3 +173,24 @@ def test_printing_and_memory(capsys):
     assert is_last_rank()
     assert "hello zero" in out and "hello last" in out
     assert "after step memory (MB)" in text and "[Rank 0]" in out
+
+
+def test_a_printed_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under PYTHONUNBUFFERED=1 `print` writes the text and the newline in two calls; ranks sharing one stdout (srun's
+    tasks on a node, torchrun's workers) then glued one rank's memory line before another's iteration line (the
+    multi-host test's flake). Each line now reaches the stream in one write."""
+    writes = []
+
+    class Unbuffered:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Unbuffered())
+    print_rank_0("zero")
+    print_rank_last(" iteration        4/      10 |")
+    line = report_memory("(after 4 iterations)")
+    assert writes == ["zero\n", " iteration        4/      10 |\n", line + "\n"]

@@ -15,7 +15,8 @@ scripts' own address and rank logic, torchrun's rendezvous across hosts and gloo
   one host.)
 - node02 never arrives (its tasks hang before they start): under torchrun and under srun alone node01 exits at
   RDZV_TIMEOUT with one line naming node02 / rank 1 and the address; the requeued job runs normally.
-- What the scripts export for gloo/NCCL across nodes (examples/slurm/slurm_common.sh), without training.
+- What the scripts export for gloo/NCCL across nodes (examples/slurm/slurm_common.sh), without training; for the
+  DeepSpeed script also the hostfile, the launcher's line and the environment file pdsh gives the other nodes.
 The losses are the log lines' (the scripts start pretrain_gpt.py themselves)."""
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from megatron import peer_failure
 from megatron.checkpoint import integrity
 from megatron.launcher import detect_launcher_env
 from megatron.presets import get_preset
-from tests.log_lines import iteration_values
+from tests.log_lines import iteration_lines, iteration_values
 from tests.reliability import slurm_standin
 from tests.reliability.helpers import REPO
 from tests.reliability.hosts import (
@@ -87,18 +88,18 @@ def _finish(proc: subprocess.Popen, code: Optional[int] = 0) -> tuple[str, str]:
     return out, err
 
 
-def _until(proc: subprocess.Popen, iteration: int) -> str:
-    """The job's output up to the log line of `iteration` (the rest stays in the pipe). The line is searched for
-    anywhere, as tests/log_lines.py reads it: a job's tasks share one stdout pipe, so another task's unfinished
-    line can precede it (CI once missed ` iteration 4/` that way when it was matched at a line start)."""
+def _until(proc: subprocess.Popen, iteration: Optional[int] = None, text: Optional[str] = None) -> str:
+    """The job's output up to the log line of `iteration` (or the first line holding `text`; the rest stays in the
+    pipe). The iteration line is looked for anywhere in a line, as tests/log_lines.py reads it: tasks sharing one
+    stdout may still glue a line of another process's (a C++ library's, or a Python print under PYTHONUNBUFFERED=1
+    before megatron/core/rank_print.py wrote a line in one call) before it. On failure the whole output."""
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if re.search(rf" iteration +{iteration}/ *\d+ \|", line):
+        if (text is not None and text in line) or (iteration is not None and iteration in dict(iteration_lines(line))):
             return "".join(lines)
-    seen = [line[:60] for line in lines if "iteration" in line]
-    raise AssertionError(f"no iteration {iteration} line; lines naming an iteration: {seen}\n"
-                         + "".join(lines)[-2000:] + proc.stderr.read()[-3000:])
+    raise AssertionError(f"no {text or f'iteration {iteration}'} in the job's output:\n" + "".join(lines)
+                         + proc.stderr.read())
 
 
 def test_tp2_within_host_dp2_across_hosts_equals_serial_until_node02_is_lost(cluster: Cluster, tiny_data: dict,
@@ -165,8 +166,10 @@ def test_pp2_link_lost_then_requeued_on_one_host_resumes_exactly(cluster: Cluste
     assert integrity.verify(str(integrity.iteration_dir(str(ckpt), last))) is None
     # Requeued (SLURM requeues a job with --requeue whose node failed) onto one node, two tasks: resumes from `last`.
     job = _job(cluster, tiny_data, tmp_path, "pretrain_gpt_requeue.slurm", 1, 2, "ckpt", PP="2")
-    resumed = _until(job, last + 1)
-    job.send_signal(signal.SIGUSR1)  # the time limit nears: save, exit, requeue
+    # The time limit nears as the loop starts (every rank's handler is in place by then): save after the next
+    # iteration, exit, requeue. (Sent after an iteration's line instead, it could arrive once the 6 left had run.)
+    resumed = _until(job, text="[before the start of training step]")
+    job.send_signal(signal.SIGUSR1)
     out, _ = _finish(job)
     resumed = iteration_values(resumed + out, as_text=True)
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
@@ -235,10 +238,10 @@ def test_node02_never_arrives_survivors_exit_at_the_rendezvous_timeout(cluster: 
     took = time.time() - start
     line_a = [line for line in err_a.splitlines() if line.startswith("error: ")]
     assert line_a == [f"error: torchrun's rendezvous at node01:6000 (id 51) did not complete in {rdzv_s} s: --nnodes 2 "
-                      "and not every node arrived (this node: node01; the job's other node (SLURM_JOB_NODELIST): "
-                      "node02); a missing node is lost, its torchrun did not start, or it cannot reach node01:6000. "
-                      "Requeue or resubmit the job (it resumes from --load); RDZV_TIMEOUT in examples/slurm (torchrun "
-                      "--rdzv-conf join_timeout=S) sets this wait"], err_a[-3000:]
+                      "and 1 of 2 nodes arrived (node01 (this node)); node02 (SLURM_JOB_NODELIST) never did: it is "
+                      "lost, did not start torchrun, or cannot reach node01:6000. Requeue or resubmit the job (it "
+                      "resumes from --load); RDZV_TIMEOUT in examples/slurm (torchrun --rdzv-conf join_timeout=S) "
+                      "sets this wait"], err_a[-3000:]
     line_b = [line for line in err_b.splitlines() if line.startswith("error: ")]
     assert line_b == [f"error: rank 0 of 2: the rendezvous at node01:6001 did not complete in {rdzv_s} s: rank 1 (on "
                       "node02) never arrived (1 of 2 ranks did, from node01): their node is lost or its tasks did not "
@@ -293,3 +296,40 @@ def test_slurm_scripts_choose_master_and_socket_interface(cluster: Cluster, tmp_
     assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1] == (
         "error: the master node ghost1 (first host of SLURM_JOB_NODELIST=ghost[1-2]) does not resolve on node01: fix "
         "the cluster's DNS or /etc/hosts, or export MASTER_ADDR=<its IP address>")
+
+
+def test_deepspeed_script_exports_for_every_node_and_builds_the_launcher_line(cluster: Cluster, tiny_data: dict,
+                                                                               tmp_path: Path) -> None:
+    """pretrain_gpt_deepspeed.slurm on node01 with a `deepspeed` that records what it was given (no training): the
+    master, port and interfaces of slurm_common.sh; the hostfile; and, since pdsh gives the other nodes' ranks only
+    DeepSpeed's environment file, a file (DS_ENV_FILE) holding the user's ~/.deepspeed_env first, then the interfaces
+    and the rendezvous wait the user's file does not set."""
+    bin_dir = slurm_bin(tmp_path / "bin")
+    (bin_dir / "deepspeed").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$MH_DS_ARGV"\nenv > "$MH_DS_ENV"\n')
+    (bin_dir / "deepspeed").chmod(0o755)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".deepspeed_env").write_text("NCCL_IB_HCA=mlx5_0\nNCCL_SOCKET_IFNAME=ib0\n")
+    settings = {"PYTHONPATH": str(REPO), "SLURM_SUBMIT_DIR": str(REPO), "HOME": str(home), "PRESET": "345m",
+                "DATA_PATH": tiny_data["prefix"], "VOCAB_FILE": tiny_data["vocab"], "MERGE_FILE": tiny_data["merges"],
+                "CHECKPOINT_PATH": str(tmp_path / "ckpt"), "GPUS_PER_NODE": "1", "RDZV_TIMEOUT": "30",
+                "DS_CONFIG": str(REPO / "examples" / "ds_config_gpt.json"),
+                "MH_DS_ARGV": str(tmp_path / "argv"), "MH_DS_ENV": str(tmp_path / "env")}
+    env = batch_env(cluster, bin_dir, 71, 2, 1, **settings)
+    proc = subprocess.run(cluster.argv(cluster.hosts[0], ["bash", str(SLURM / "pretrain_gpt_deepspeed.slurm"),
+                                                          "--seed", "7"]),
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    argv = (tmp_path / "argv").read_text().splitlines()
+    hostfile = str(tmp_path / "ckpt" / "hostfile.71")
+    assert argv[:11] == ["--hostfile", hostfile, "--launcher", "pdsh", "--num_nodes", "2", "--master_addr", "node01",
+                         "--num_gpus", "1", "--master_port"] and argv[11:13] == ["6000", "pretrain_gpt.py"]
+    assert argv[-2:] == ["--seed", "7"]
+    assert Path(hostfile).read_text() == "node01 slots=1\nnode02 slots=1\n"
+    launched = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
+    assert (launched["MASTER_ADDR"], launched["GLOO_SOCKET_IFNAME"], launched["NCCL_SOCKET_IFNAME"]) == (
+        "node01", "hostnet0", "hostnet0")
+    ds_env = tmp_path / "ckpt" / "deepspeed_env.71"
+    assert launched["DS_ENV_FILE"] == str(ds_env)
+    assert ds_env.read_text().splitlines() == ["NCCL_IB_HCA=mlx5_0", "NCCL_SOCKET_IFNAME=ib0",
+                                               "GLOO_SOCKET_IFNAME=hostnet0", "MEGATRON_RENDEZVOUS_TIMEOUT_SECONDS=30"]

@@ -4,6 +4,9 @@ torch's in-memory store and a fake clock (the two-host runs are in test_multihos
 from __future__ import annotations
 
 import argparse
+import base64
+import os
+import pickle
 import socket
 import threading
 from datetime import timedelta
@@ -11,10 +14,13 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from megatron import initialize, rendezvous_join
 from megatron.launcher import LauncherEnv, parse_slurm_nodelist
-from megatron.quiet_torchrun import rendezvous_timeout_line
+from megatron.quiet_torchrun import RendezvousWatch, rendezvous_nodes, rendezvous_timeout_line
 from megatron.rendezvous_join import RendezvousIncompleteError
 
 SLURM_4 = {"SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "gpu-a[001-002]", "SLURM_TASKS_PER_NODE": "2(x2)"}
@@ -149,7 +155,7 @@ def test_real_store_rank0_alone_then_rank1_without_rank0(monkeypatch: pytest.Mon
 
 def test_torchrun_rendezvous_timeout_line() -> None:
     args = argparse.Namespace(rdzv_conf="join_timeout=15,read_timeout=60", rdzv_endpoint="gpu-a001:6000",
-                              rdzv_id="99", nnodes="3")
+                              rdzv_id="99", nnodes="3", local_addr=None)
     env = {"SLURM_JOB_NODELIST": "gpu-a[001-002],gpu-b12"}
     line = rendezvous_timeout_line(args, env)
     assert line.startswith("error: torchrun's rendezvous at gpu-a001:6000 (id 99) did not complete in 15 s: "
@@ -169,3 +175,49 @@ def test_a_master_name_that_does_not_resolve_is_one_line(monkeypatch: pytest.Mon
                        r"/etc/hosts, or export MASTER_ADDR=<the master's IP address>$"):
         initialize.rendezvous_kwargs("unused", LauncherEnv("slurm", 1, 2, 0, "gpu-a001", 6000), 6000,
                                      timedelta(seconds=30))
+
+
+def test_torchrun_rendezvous_of_three_nodes_names_the_one_that_never_came() -> None:
+    """torch's own c10d rendezvous handler, two of three "nodes" (two handlers with the addresses node01 and node02,
+    as torchrun's --local-addr gives them) on loopback, node03 absent: both time out; the state in the store then
+    names nobody (each node removed itself), but the watch, reading it while they waited, names exactly node03."""
+    port = initialize.find_free_port()
+    endpoint, wait_s = f"127.0.0.1:{port}", 2
+    watch = RendezvousWatch(endpoint, "t41", wait_s=10, interval_s=0.1).start()
+    failures = {}
+
+    def node(name: str) -> None:
+        params = RendezvousParameters("c10d", endpoint, "t41", 3, 3, local_addr=name, join_timeout=str(wait_s))
+        try:
+            get_rendezvous_handler(params).next_rendezvous()
+        except RendezvousTimeoutError as exc:
+            failures[name] = exc
+
+    threads = [threading.Thread(target=node, args=(name,)) for name in ("node01", "node02")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(failures) == ["node01", "node02"]
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+    assert rendezvous_nodes(store.get("torch.rendezvous.t41"))[2] == []  # what torch leaves after the time-out
+    arrived = watch.stop()
+    assert arrived == ["node01", "node02"]
+    args = argparse.Namespace(rdzv_conf=f"join_timeout={wait_s}", rdzv_endpoint=endpoint, rdzv_id="t41", nnodes="3",
+                              local_addr="node02")
+    assert rendezvous_timeout_line(args, {"SLURM_JOB_NODELIST": "node[01-03]"}, arrived) == (
+        f"error: torchrun's rendezvous at {endpoint} (id t41) did not complete in 2 s: --nnodes 3 and 2 of 3 nodes "
+        f"arrived (node01, node02 (this node)); node03 (SLURM_JOB_NODELIST) never did: it is lost, did not start "
+        f"torchrun, or cannot reach {endpoint}. Requeue or resubmit the job (it resumes from --load); RDZV_TIMEOUT "
+        "in examples/slurm (torchrun --rdzv-conf join_timeout=S) sets this wait")
+    # Without SLURM the line names who came; a watch that missed this node's round falls back to the candidates.
+    assert "2 of 3 nodes arrived (node01, node02 (this node)); the missing ones are lost" in rendezvous_timeout_line(
+        args, {}, arrived)
+    assert "not every node arrived (this node: node02; the job's other nodes (SLURM_JOB_NODELIST): node01, node03)" in (
+        rendezvous_timeout_line(args, {"SLURM_JOB_NODELIST": "node[01-03]"}, ["node01"]))
+
+
+def test_rendezvous_state_is_read_without_running_what_the_store_holds() -> None:
+    """The watch unpickles only torch's rendezvous records and datetimes: anything else in the key reads as nothing."""
+    assert rendezvous_nodes(base64.b64encode(pickle.dumps(os.system))) is None
+    assert rendezvous_nodes(b"Y2FuaW1hZGFt") is None  # torch's empty-state sentinel
