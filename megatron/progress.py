@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 
-from megatron.core.rank_print import rank_and_world
+from megatron.core.rank_print import print_line, rank_and_world
 
 QUIET_LIMIT_S = 30.0
 
@@ -47,7 +47,7 @@ def print_on_first_rank(line: str) -> None:
     if world == 1 and os.environ.get("RANK", "0") not in ("", "0"):
         return
     if rank == 0:
-        print(line, flush=True)
+        print_line(line)
 
 
 class Heartbeat:

@@ -11,6 +11,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron.core.rank_print import print_line
+
 _SEP = "\n    "
 
 
@@ -211,7 +213,7 @@ class Timers:
         if rank is None:
             rank = world_size - 1
         if rank == my_rank and text is not None:
-            print(text, flush=True)
+            print_line(text)
 
     def write(self, names: List[str], writer, iteration: int, normalizer: float = 1.0, reset: bool = False,
               barrier: bool = False) -> None:

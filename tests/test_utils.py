@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+from megatron.progress import print_on_first_rank
+from megatron.timers import Timers
 from megatron.utils import (
     average_losses_across_data_parallel_group,
     calc_params_l2_norm,
@@ -194,3 +196,12 @@ def test_a_printed_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
     print_rank_last(" iteration        4/      10 |")
     line = report_memory("(after 4 iterations)")
     assert writes == ["zero\n", " iteration        4/      10 |\n", line + "\n"]
+    # The timers' block (several lines) and the heartbeat's line (printed from its own thread) likewise.
+    writes.clear()
+    timers = Timers(log_level=2)
+    timers("forward-compute", log_level=0).start()
+    timers("forward-compute").stop()
+    timers.log(["forward-compute"])
+    print_on_first_rank(" > working: x")
+    assert len(writes) == 2 and writes[0].startswith("(min, max) time across ranks") and writes[0].endswith("\n")
+    assert writes[1] == " > working: x\n"
